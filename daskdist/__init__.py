@@ -1,0 +1,74 @@
+"""daskdist: TensorFlow's ``tf.distribute`` strategies, served by a Dask cluster."""
+
+from __future__ import annotations
+
+from daskdist import config as _config  # noqa: F401  (registers daskdist.* defaults in dask.config)
+from daskdist.context import get_replica_context, get_strategy, has_strategy, in_cross_replica_context
+from daskdist.cross_device_ops import (
+    AllReduceCrossDeviceOps,
+    CrossDeviceOps,
+    HierarchicalCopyAllReduce,
+    NcclAllReduce,
+    ReductionToOneDevice,
+)
+from daskdist.exceptions import (
+    CollectiveAbortedError,
+    CollectiveError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    DaskdistError,
+    RendezvousError,
+    ReplicaLostError,
+    StrategyClosedError,
+)
+from daskdist.ops import CommunicationImplementation, CommunicationOptions, ReduceOp
+from daskdist.replica.context import ReplicaContext
+from daskdist.strategy.base import Strategy, ValueContext
+from daskdist.strategy.mirrored import MirroredStrategy
+from daskdist.strategy.one_device import OneDeviceStrategy
+from daskdist.values import DistributedValues, Mirrored, PerReplica
+from daskdist.variables import (
+    MirroredVariable,
+    SyncOnReadVariable,
+    Variable,
+    VariableAggregation,
+    VariableSynchronization,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AllReduceCrossDeviceOps",
+    "CollectiveAbortedError",
+    "CollectiveError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "CommunicationImplementation",
+    "CommunicationOptions",
+    "CrossDeviceOps",
+    "DaskdistError",
+    "DistributedValues",
+    "HierarchicalCopyAllReduce",
+    "Mirrored",
+    "MirroredStrategy",
+    "MirroredVariable",
+    "NcclAllReduce",
+    "OneDeviceStrategy",
+    "PerReplica",
+    "ReduceOp",
+    "ReductionToOneDevice",
+    "RendezvousError",
+    "ReplicaContext",
+    "ReplicaLostError",
+    "Strategy",
+    "StrategyClosedError",
+    "SyncOnReadVariable",
+    "ValueContext",
+    "Variable",
+    "VariableAggregation",
+    "VariableSynchronization",
+    "get_replica_context",
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+]

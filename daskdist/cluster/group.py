@@ -1,0 +1,230 @@
+"""The client's handle on a replica group: launch, send commands, gather answers, close.
+
+Launching submits one long-lived task per chosen worker (pinned, all at
+once) and waits at the scheduler plugin until every replica has met. After
+that, every command goes straight from the client to the replicas' workers
+through the client's connection pool; the scheduler is not involved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+import uuid
+from typing import Any, Callable, Sequence
+
+from distributed import Client, Future
+from distributed.comm.core import CommClosedError
+
+from daskdist import config, serialization
+from daskdist.cluster.placement import Placement
+from daskdist.cluster.scheduler_plugin import DaskdistSchedulerPlugin
+from daskdist.exceptions import RendezvousError, ReplicaLostError, StrategyClosedError
+from daskdist.replica.runtime import GroupSpec, replica_main
+
+__all__ = ["ReplicaGroup"]
+
+logger = logging.getLogger(__name__)
+
+#: When several replicas fail, the error the client raises is the first kind in this order.
+_ERROR_PRIORITY = ("lost", "user", "mismatch", "timeout", "aborted")
+
+
+class ReplicaGroup:
+    """Replicas of one strategy on a Dask cluster.
+
+    Parameters
+    ----------
+    client
+        A synchronous ``distributed.Client`` connected to the cluster.
+    placements
+        Rank -> worker, from ``place_replicas``.
+    spec_options
+        Extra ``GroupSpec`` fields (algorithm, options, transport).
+    """
+
+    def __init__(self, client: Client, placements: list[Placement], **spec_options: Any):
+        if getattr(client, "asynchronous", False):
+            raise TypeError("daskdist strategies need a synchronous Client (asynchronous=False)")
+        self.client = client
+        self.placements = placements
+        self.group_id = f"daskdist-{uuid.uuid4().hex[:12]}"
+        self.spec = GroupSpec(
+            group_id=self.group_id,
+            addresses=[p.address for p in placements],
+            devices=[p.device.to_string() for p in placements],
+            **spec_options,
+        )
+        self.futures: list[Future] = []
+        self.failure: BaseException | None = None
+        self.closed = False
+        self._run_ids = itertools.count(1)
+        self._lock = threading.Lock()
+
+    @property
+    def size(self) -> int:
+        return len(self.placements)
+
+    @property
+    def addresses(self) -> list[str]:
+        return self.spec.addresses
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def launch(self) -> None:
+        """Install the plugins, start one replica task per worker, and wait for the rendezvous."""
+        self.client.register_plugin(DaskdistSchedulerPlugin(), name="daskdist")
+        response = self.client.sync(
+            self.client.scheduler.daskdist_register_group,
+            group_id=self.group_id,
+            workers=self.addresses,
+            client=self.client.id,
+        )
+        if response.get("status") != "OK":
+            raise ValueError(response.get("message"))
+        for rank, address in enumerate(self.addresses):
+            self.futures.append(
+                self.client.submit(
+                    replica_main,
+                    self.spec,
+                    rank,
+                    key=f"{self.group_id}-replica-{rank}",
+                    workers=[address],
+                    allow_other_workers=False,
+                    pure=False,
+                )
+            )
+        timeout = config.get_seconds("rendezvous.timeout")
+        response = self.client.sync(self.client.scheduler.daskdist_wait_group, group_id=self.group_id, timeout=timeout)
+        if response.get("status") != "OK":
+            message = response.get("message", "rendezvous failed")
+            errors = [f"replica {i}: {f.exception()!r}" for i, f in enumerate(self.futures) if f.status == "error"]
+            if errors:
+                message += "; " + "; ".join(errors)
+            self._release()
+            raise RendezvousError(message)
+        logger.debug("Replica group %s is up on %s", self.group_id, self.addresses)
+
+    def close(self, timeout: float = 30) -> None:
+        """Stop every replica, wait for their tasks to end, and forget the group everywhere."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.client.sync(self._stop_all)
+            deadline = time.monotonic() + timeout
+            for future in self.futures:
+                future.result(timeout=max(0.1, deadline - time.monotonic()))
+        except Exception as e:  # the cluster may already be gone, or a replica is stuck in user code
+            logger.warning("Replicas of %s did not all stop cleanly: %r", self.group_id, e)
+        self._release()
+
+    def _release(self) -> None:
+        try:
+            self.client.sync(self.client.scheduler.daskdist_close_group, group_id=self.group_id)
+        except Exception as e:
+            logger.debug("Closing group %s at the scheduler: %s", self.group_id, e)
+        for future in self.futures:
+            future.release()
+        self.futures = []
+
+    async def _stop_all(self) -> None:
+        async def stop(rank: int, address: str) -> None:
+            try:
+                await self.client.rpc(address).daskdist_stop(group_id=self.group_id, rank=rank)
+            except (OSError, CommClosedError):
+                pass
+
+        await asyncio.gather(*(stop(r, a) for r, a in enumerate(self.addresses)))
+
+    # -- commands ----------------------------------------------------------------
+
+    def call(self, command: Callable[..., Any], args_per_replica: Sequence[tuple] | tuple = (),
+             ranks: Sequence[int] | None = None) -> list[Any]:
+        """Run ``command(runtime, *args)`` on replicas; return their results in rank order.
+
+        Parameters
+        ----------
+        args_per_replica
+            One argument tuple for all replicas, or a list with one tuple per replica.
+        ranks
+            Only these replicas (default: all). Commands that use collectives
+            must go to all.
+
+        Raises
+        ------
+        StrategyClosedError
+            The group was closed or has failed.
+        Exception
+            The root cause when replicas fail: a lost replica first, then the
+            user's own exception, then mismatches, timeouts, aborts.
+        """
+        if self.closed:
+            raise StrategyClosedError("This strategy is closed; create a new one")
+        if self.failure is not None:
+            raise StrategyClosedError(
+                f"This strategy's replica group failed and cannot run more work ({self.failure}); "
+                "create a new strategy"
+            ) from self.failure
+        ranks = list(range(self.size)) if ranks is None else list(ranks)
+        if isinstance(args_per_replica, tuple):
+            shared = serialization.dumps((command, args_per_replica))
+            payloads = {r: shared for r in ranks}
+        else:
+            payloads = {r: serialization.dumps((command, tuple(args_per_replica[r]))) for r in ranks}
+        with self._lock:
+            run_id = next(self._run_ids)
+            responses = self.client.sync(self._call_all, run_id, payloads)
+        return self._results(responses, ranks)
+
+    async def _call_all(self, run_id: int, payloads: dict[int, bytes]) -> dict[int, dict | None]:
+        tasks = {asyncio.ensure_future(self._call_one(rank, run_id, payload)): rank for rank, payload in payloads.items()}
+        responses: dict[int, dict | None] = {rank: None for rank in payloads}
+        pending = set(tasks)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            failed = False
+            for task in done:
+                responses[tasks[task]] = task.result()
+                failed |= responses[tasks[task]].get("status") != "OK"
+            if failed:
+                break
+        if pending:  # a replica failed: give the others a bounded time to report their abort
+            done, pending = await asyncio.wait(pending, timeout=config.get_seconds("client.abort-grace"))
+            for task in done:
+                responses[tasks[task]] = task.result()
+            for task in pending:
+                task.cancel()
+        return responses
+
+    async def _call_one(self, rank: int, run_id: int, payload: bytes) -> dict:
+        address = self.addresses[rank]
+        try:
+            return await self.client.rpc(address).daskdist_call(
+                group_id=self.group_id, rank=rank, run_id=run_id, payload=payload
+            )
+        except (OSError, CommClosedError) as e:
+            error = ReplicaLostError(
+                f"replica {rank} was lost: the connection to its worker {address} failed ({e})", worker=address
+            )
+            return serialization.error_message(error, rank, address)
+
+    def _results(self, responses: dict[int, dict | None], ranks: list[int]) -> list[Any]:
+        errors = [r for r in responses.values() if r is not None and r.get("status") != "OK"]
+        if not errors:
+            return [serialization.loads(responses[r]["result"]) for r in ranks]
+        errors.sort(key=lambda m: _ERROR_PRIORITY.index(m["kind"]) if m["kind"] in _ERROR_PRIORITY else 99)
+        root = errors[0]
+        error = serialization.exception_from_message(root)
+        silent = [r for r, m in responses.items() if m is None]
+        if silent:
+            error.add_note(
+                f"replicas {silent} did not answer within daskdist.client.abort-grace after the failure "
+                "(still busy in user code?)"
+            )
+        if root["kind"] == "lost":
+            self.failure = error
+        raise error

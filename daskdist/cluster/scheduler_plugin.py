@@ -1,0 +1,176 @@
+"""The scheduler side: group membership, rendezvous, failure broadcast.
+
+The scheduler never carries tensors. It knows which workers host the
+replicas of each group, lets replicas meet at start-up, and when a worker
+hosting a replica leaves the cluster it tells every other replica of that
+group (through the workers' stream) so their collectives fail at once with
+``ReplicaLostError``. Groups whose client disconnects are closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from distributed.diagnostics.plugin import SchedulerPlugin
+from distributed.protocol.pickle import dumps
+
+from daskdist.cluster.worker_plugin import DaskdistWorkerPlugin
+
+if TYPE_CHECKING:
+    from distributed import Scheduler
+
+__all__ = ["DaskdistSchedulerPlugin", "GroupState"]
+
+logger = logging.getLogger(__name__)
+
+EVENT_TOPIC = "daskdist"
+
+
+@dataclass
+class GroupState:
+    """What the scheduler knows of one replica group."""
+
+    group_id: str
+    workers: list[str]
+    client: str | None
+    status: str = "starting"  # starting -> running -> failed | closed
+    reason: str = ""
+    arrived: dict[int, str] = field(default_factory=dict)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class DaskdistSchedulerPlugin(SchedulerPlugin):
+    """Owns the state of every replica group on this scheduler."""
+
+    name = "daskdist"
+    idempotent = True
+
+    def __init__(self) -> None:
+        self.groups: dict[str, GroupState] = {}
+        self.scheduler: Scheduler | None = None
+
+    async def start(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        scheduler.handlers.update(
+            {
+                "daskdist_register_group": self.register_group,
+                "daskdist_rendezvous": self.rendezvous,
+                "daskdist_wait_group": self.wait_group,
+                "daskdist_close_group": self.close_group,
+                "daskdist_group_status": self.group_status,
+            }
+        )
+        scheduler.extensions["daskdist"] = self
+        await scheduler.register_worker_plugin(None, dumps(DaskdistWorkerPlugin()), name="daskdist", idempotent=True)
+
+    # -- handlers ----------------------------------------------------------------
+
+    def register_group(self, group_id: str, workers: list[str], client: str | None = None) -> dict:
+        """Announce a group about to launch one replica on each of ``workers`` (rank order)."""
+        missing = [w for w in workers if w not in self.scheduler.workers]
+        if missing:
+            return {"status": "error", "message": f"workers {missing} are not part of the cluster"}
+        self.groups[group_id] = GroupState(group_id, list(workers), client)
+        self.scheduler.log_event(EVENT_TOPIC, {"action": "register", "group": group_id, "workers": workers})
+        return {"status": "OK"}
+
+    async def rendezvous(self, group_id: str, rank: int, address: str) -> dict:
+        """Called by each replica when it starts; returns once all have arrived."""
+        group = self.groups.get(group_id)
+        if group is None:
+            return {"status": "error", "message": f"unknown replica group {group_id}"}
+        if group.status in ("failed", "closed"):
+            return {"status": "error", "message": group.reason}
+        if group.workers[rank] != address:
+            return {"status": "error", "message": f"replica {rank} started on {address}, expected {group.workers[rank]}"}
+        group.arrived[rank] = address
+        if len(group.arrived) == len(group.workers):
+            group.status = "running"
+            group.ready.set()
+        await group.ready.wait()
+        if group.status != "running":
+            return {"status": "error", "message": group.reason}
+        return {"status": "OK"}
+
+    async def wait_group(self, group_id: str, timeout: float) -> dict:
+        """Called by the client after launching: OK once every replica has met, else why not."""
+        group = self.groups.get(group_id)
+        if group is None:
+            return {"status": "error", "message": f"unknown replica group {group_id}"}
+        try:
+            await asyncio.wait_for(group.ready.wait(), timeout)
+        except asyncio.TimeoutError:
+            absent = [r for r in range(len(group.workers)) if r not in group.arrived]
+            where = ", ".join(f"replica {r} on {group.workers[r]}" for r in absent)
+            group.reason = (
+                f"replicas did not all start within {timeout:g}s: {where} never arrived "
+                "(is the worker busy with other tasks, or out of threads?)"
+            )
+            self._fail(group)
+            return {"status": "error", "message": group.reason}
+        if group.status != "running":
+            return {"status": "error", "message": group.reason}
+        return {"status": "OK"}
+
+    def close_group(self, group_id: str) -> dict:
+        """Forget a group (the strategy closed it)."""
+        group = self.groups.pop(group_id, None)
+        if group is not None:
+            group.status = "closed"
+            group.reason = group.reason or f"group {group_id} was closed"
+            group.ready.set()
+            self.scheduler.log_event(EVENT_TOPIC, {"action": "close", "group": group_id})
+        return {"status": "OK"}
+
+    def group_status(self, group_id: str) -> dict:
+        group = self.groups.get(group_id)
+        if group is None:
+            return {"status": "unknown", "reason": ""}
+        return {"status": group.status, "reason": group.reason}
+
+    # -- scheduler hooks -----------------------------------------------------------
+
+    def remove_worker(self, scheduler: Scheduler, worker: str, *, stimulus_id: str, **kwargs: Any) -> None:
+        for group in list(self.groups.values()):
+            if worker not in group.workers or group.status in ("failed", "closed"):
+                continue
+            rank = group.workers.index(worker)
+            group.reason = (
+                f"replica {rank} of {group.group_id} was lost: its worker {worker} left the cluster "
+                "(crashed, was killed, or was retired)"
+            )
+            logger.warning("%s", group.reason)
+            self._fail(group, lost_worker=worker)
+
+    def remove_client(self, scheduler: Scheduler, client: str) -> None:
+        for group in list(self.groups.values()):
+            if group.client == client:
+                for address in group.workers:
+                    self._send(address, {"op": "daskdist_close_group", "group_id": group.group_id,
+                                         "message": f"the client {client} of {group.group_id} disconnected"})
+                self.groups.pop(group.group_id, None)
+
+    # -- helpers -----------------------------------------------------------------
+
+    def _fail(self, group: GroupState, lost_worker: str | None = None) -> None:
+        group.status = "failed"
+        group.ready.set()
+        self.scheduler.log_event(
+            EVENT_TOPIC, {"action": "failed", "group": group.group_id, "reason": group.reason, "worker": lost_worker}
+        )
+        for address in group.workers:
+            if address != lost_worker:
+                self._send(address, {"op": "daskdist_abort_group", "group_id": group.group_id,
+                                     "message": group.reason, "worker": lost_worker})
+
+    def _send(self, address: str, msg: dict) -> None:
+        stream = self.scheduler.stream_comms.get(address)
+        if stream is not None:
+            try:
+                stream.send(msg)
+            except Exception as e:  # the worker may be closing too
+                logger.debug("Could not send %s to %s: %s", msg["op"], address, e)

@@ -1,0 +1,135 @@
+"""Collective algorithms over a ``CollectiveCall`` (tagged send/recv among the ranks).
+
+Each function works on one flat 1-D buffer (a pack) or a list of arrays and
+is deterministic: every replica ends with bit-identical results, because each
+element is reduced in one fixed order (rank order, or once on its owner in
+the ring) and then copied.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from daskdist.arrays import namespace
+from daskdist.collective.reduction import combine_into, finalize
+from daskdist.ops import ReduceOp
+
+if TYPE_CHECKING:
+    from daskdist.collective.communicator import CollectiveCall
+
+__all__ = [
+    "allgather_direct",
+    "allreduce_direct",
+    "allreduce_reduce_to_one",
+    "allreduce_ring",
+    "broadcast_direct",
+]
+
+
+def _peers(call: CollectiveCall) -> list[int]:
+    """Other ranks, starting with the right neighbour (sends) — receives walk them in reverse."""
+    return [(call.rank + k) % call.size for k in range(1, call.size)]
+
+
+def allreduce_direct(call: CollectiveCall, buf: Any, op: ReduceOp) -> Any:
+    """One hop: every rank sends its buffer to every other and reduces all of them in rank order.
+
+    Latency-optimal for small messages (one message delay), ``size - 1`` times
+    the bandwidth of the ring, so AUTO uses it only below
+    ``daskdist.collective.small-message-bytes``.
+    """
+    handles = [call.send(peer, "d", buf) for peer in _peers(call)]
+    parts: dict[int, Any] = {call.rank: buf}
+    for peer in reversed(_peers(call)):
+        parts[peer] = call.recv(peer, "d", expect=buf.size)
+    xp = namespace(buf)
+    result = xp.empty_like(buf)
+    xp.copyto(result, parts[0])
+    for r in range(1, call.size):
+        combine_into(op, result, parts[r])
+    finalize(op, result, call.size)
+    for h in handles:
+        call.wait(h)
+    return result
+
+
+def allreduce_ring(call: CollectiveCall, buf: Any, op: ReduceOp) -> Any:
+    """Ring reduce-scatter then ring all-gather, in place in ``buf``.
+
+    Each rank sends ``2 (size - 1) / size`` of the buffer: bandwidth-optimal for
+    large messages. Chunk ``(rank + 1) % size`` is finished on ``rank``, then
+    circulated, so all ranks hold identical bits.
+    """
+    size, rank = call.size, call.rank
+    xp = namespace(buf)
+    chunks = xp.array_split(buf, size)
+    right, left = (rank + 1) % size, (rank - 1) % size
+    for step in range(size - 1):
+        send_index, recv_index = (rank - step) % size, (rank - step - 1) % size
+        handle = call.send(right, f"rs{step}", chunks[send_index])
+        incoming = call.recv(left, f"rs{step}", expect=chunks[recv_index].size)
+        combine_into(op, chunks[recv_index], incoming)
+        call.wait(handle)
+    finalize(op, chunks[(rank + 1) % size], size)
+    for step in range(size - 1):
+        send_index, recv_index = (rank + 1 - step) % size, (rank - step) % size
+        handle = call.send(right, f"ag{step}", chunks[send_index])
+        incoming = call.recv(left, f"ag{step}", expect=chunks[recv_index].size)
+        xp.copyto(chunks[recv_index], incoming)
+        call.wait(handle)
+    return buf
+
+
+def allreduce_reduce_to_one(
+    call: CollectiveCall,
+    buf: Any,
+    op: ReduceOp,
+    root: int = 0,
+    accumulation_fn: Callable[[Sequence[Any]], Any] | None = None,
+) -> Any:
+    """Gather every buffer on ``root``, reduce there, send the result back (``ReductionToOneDevice``).
+
+    ``accumulation_fn`` (TF's argument) receives the list of buffers in rank
+    order and returns their sum; the default adds them in rank order.
+    """
+    xp = namespace(buf)
+    if call.rank != root:
+        call.wait(call.send(root, "up", buf))
+        xp.copyto(buf, call.recv(root, "down", expect=buf.size))
+        return buf
+    parts = [buf if r == root else call.recv(r, "up", expect=buf.size) for r in range(call.size)]
+    if accumulation_fn is not None and op in (ReduceOp.SUM, ReduceOp.MEAN):
+        result = xp.asarray(accumulation_fn(parts)).astype(buf.dtype, copy=True).reshape(buf.shape)
+    else:
+        result = xp.array(parts[0], copy=True)
+        for part in parts[1:]:
+            combine_into(op, result, part)
+    finalize(op, result, call.size)
+    handles = [call.send(r, "down", result) for r in range(call.size) if r != root]
+    for h in handles:
+        call.wait(h)
+    return result
+
+
+def allgather_direct(call: CollectiveCall, leaves: list[Any]) -> list[list[Any]]:
+    """Every rank sends its list of arrays to every other; returns the lists in rank order."""
+    handles = [call.send(peer, "g", leaves) for peer in _peers(call)]
+    gathered: dict[int, list[Any]] = {call.rank: leaves}
+    for peer in reversed(_peers(call)):
+        received = call.recv(peer, "g")
+        if not isinstance(received, list) or len(received) != len(leaves):
+            call.mismatch(f"replica {peer} sent {type(received).__name__} with a different number of leaves")
+        gathered[peer] = received
+    for h in handles:
+        call.wait(h)
+    return [gathered[r] for r in range(call.size)]
+
+
+def broadcast_direct(call: CollectiveCall, payload: Any, root: int) -> Any:
+    """``root`` sends ``payload`` to every other rank; every rank returns it."""
+    if call.rank == root:
+        handles = [call.send(peer, "b", payload) for peer in _peers(call)]
+        for h in handles:
+            call.wait(h)
+        return payload
+    return call.recv(root, "b")

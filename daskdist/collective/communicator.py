@@ -1,0 +1,381 @@
+"""A replica's collectives: validation, signatures, deadlines, aborts, algorithm choice.
+
+``Communicator`` is what ``ReplicaContext.all_reduce`` and friends call. Each
+collective gets a number within the current run; its messages are tagged
+``(run_id, number, src, name)``. Every collective starts by sending a short
+signature (kind, op, structure, shapes, dtypes) to the right neighbour and
+checks the left neighbour's before using any data, so replicas that disagree
+all raise ``CollectiveMismatchError`` instead of exchanging garbage or
+waiting forever. Any failure inside a collective aborts the run on every
+replica.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import time
+from typing import Any, Callable, Protocol, Sequence
+
+import cloudpickle
+import optree
+
+from daskdist import config
+from daskdist.arrays import describe, namespace
+from daskdist.collective import algorithms
+from daskdist.collective.mailbox import Abort, MailboxTimeout
+from daskdist.collective.packing import flatten, pack, signature
+from daskdist.collective.reduction import check_dtype
+from daskdist.collective.transport.base import SendHandle, Transport
+from daskdist.exceptions import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    DaskdistError,
+    kind_of,
+)
+from daskdist.ops import CommunicationImplementation, CommunicationOptions, ReduceOp
+
+__all__ = ["Algorithm", "CollectiveCall", "Communicator", "ControlPlane"]
+
+logger = logging.getLogger(__name__)
+
+
+class ControlPlane(Protocol):
+    """What the communicator needs from the replica runtime besides moving data."""
+
+    def abort_peers(self, run_id: int, abort: Abort) -> None:
+        """Tell every other replica that ``run_id`` was aborted."""
+
+    def probe(self, rank: int, timeout: float) -> dict | None:
+        """Ask ``rank`` where it is (run, collective number, state); ``None`` if it does not answer."""
+
+
+class Algorithm:
+    """How all-reduce is done for a group (set from ``cross_device_ops``).
+
+    Parameters
+    ----------
+    name
+        ``"auto"``, ``"ring"``, ``"direct"`` or ``"reduce_to_one"``.
+    num_packs
+        Packs per dtype (``NcclAllReduce`` / ``HierarchicalCopyAllReduce``).
+    root
+        Rank that reduces for ``"reduce_to_one"``.
+    accumulation_fn
+        Optional sum of a list of arrays for ``"reduce_to_one"``.
+    """
+
+    def __init__(self, name: str = "auto", num_packs: int = 1, root: int = 0,
+                 accumulation_fn: Callable[[Sequence[Any]], Any] | None = None):
+        if name not in ("auto", "ring", "direct", "reduce_to_one"):
+            raise ValueError(f"Unknown all-reduce algorithm {name!r}")
+        self.name = name
+        self.num_packs = num_packs
+        self.root = root
+        self.accumulation_fn = accumulation_fn
+
+    def __repr__(self) -> str:
+        return f"Algorithm({self.name!r}, num_packs={self.num_packs}, root={self.root})"
+
+
+class CollectiveCall:
+    """One collective in progress: tagged send/recv, signature check, deadline.
+
+    Algorithms only see ``rank``, ``size``, ``send``, ``recv``, ``wait`` and
+    ``mismatch``.
+    """
+
+    def __init__(self, comm: Communicator, kind: str, sig: str, deadline: float, timeout: float):
+        self.comm = comm
+        self.kind = kind
+        self.sig = sig
+        self.deadline = deadline
+        self.timeout = timeout
+        self.rank = comm.rank
+        self.size = comm.size
+        self.seq = comm.seq
+        self.run_id = comm.run_id
+        self.nbytes = 0
+        self._sig_checked = False
+        self._sig_handle = comm.transport.send(self._right, self._tag(self.rank, "sig"), sig)
+
+    @property
+    def _right(self) -> int:
+        return (self.rank + 1) % self.size
+
+    @property
+    def _left(self) -> int:
+        return (self.rank - 1) % self.size
+
+    def _tag(self, src: int, name: str) -> tuple:
+        return (self.run_id, self.seq, src, name)
+
+    def send(self, dst: int, name: str, payload: Any) -> SendHandle:
+        self.nbytes += getattr(payload, "nbytes", 0)
+        return self.comm.transport.send(dst, self._tag(self.rank, name), payload)
+
+    def recv(self, src: int, name: str, expect: int | None = None) -> Any:
+        self.check_signature()
+        payload = self._take(src, name)
+        if expect is not None and getattr(payload, "size", None) != expect:
+            self.mismatch(
+                f"replica {src} sent {getattr(payload, 'size', type(payload).__name__)} elements "
+                f"where replica {self.rank} expected {expect}"
+            )
+        return payload
+
+    def wait(self, handle: SendHandle) -> None:
+        handle.wait(self.deadline)
+
+    def check_signature(self) -> None:
+        if self._sig_checked:
+            return
+        left_sig = self._take(self._left, "sig")
+        self._sig_checked = True
+        if left_sig != self.sig:
+            self.mismatch(
+                f"replica {self._left} passed {left_sig!r} but replica {self.rank} passed {self.sig!r}"
+            )
+
+    def mismatch(self, detail: str) -> None:
+        raise CollectiveMismatchError(
+            f"{self.kind} #{self.seq} of run {self.run_id}: the replicas passed different values; {detail}"
+        )
+
+    def _take(self, src: int, name: str) -> Any:
+        try:
+            return self.comm.transport.recv(src, self._tag(src, name), self.deadline)
+        except MailboxTimeout:
+            raise CollectiveTimeoutError(self.comm.describe_timeout(self, src)) from None
+
+    def finish(self) -> None:
+        self.check_signature()
+        self._sig_handle.wait(self.deadline)
+
+
+class Communicator:
+    """The collectives of one replica in one group.
+
+    Parameters
+    ----------
+    rank, size
+        This replica's rank and the group size.
+    transport
+        Moves payloads to peers (see ``daskdist.collective.transport``).
+    control
+        Aborts peers and probes their state (the replica runtime).
+    algorithm
+        All-reduce algorithm chosen by the strategy's ``cross_device_ops``.
+    options
+        Group-wide default ``CommunicationOptions``.
+    on_collective
+        Called with ``(kind, seconds, nbytes)`` after each collective (step timing).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        transport: Transport,
+        control: ControlPlane,
+        algorithm: Algorithm | None = None,
+        options: CommunicationOptions | None = None,
+        on_collective: Callable[[str, float, int], None] | None = None,
+    ):
+        self.rank = rank
+        self.size = size
+        self.transport = transport
+        self.control = control
+        self.algorithm = algorithm or Algorithm()
+        self.options = options or CommunicationOptions()
+        self.on_collective = on_collective
+        self.run_id = 0
+        self.seq = 0
+        self.current_kind: str | None = None
+        self.small_message_bytes = int(config.get("collective.small-message-bytes"))
+
+    # -- runs -----------------------------------------------------------------
+
+    def begin_run(self, run_id: int) -> None:
+        """Start numbering collectives for ``run_id`` and drop stale messages."""
+        self.run_id = run_id
+        self.seq = 0
+        self.transport.mailbox.begin_run(run_id)
+
+    def abort_run(self, error: BaseException) -> None:
+        """Abort the current run on every replica because of ``error`` raised here."""
+        if isinstance(error, DaskdistError) and self.transport.mailbox.run_abort(self.run_id) is not None:
+            return  # we are only echoing an abort that reached us
+        if self.transport.mailbox.group_abort is not None:
+            return
+        kind = kind_of(error)
+        message = str(error) if kind != "aborted" else (
+            f"replica {self.rank} raised {type(error).__name__}: {error}"
+        )
+        abort = Abort(kind, message, self.rank)
+        self.transport.mailbox.abort_run(self.run_id, abort)
+        self.control.abort_peers(self.run_id, abort)
+
+    # -- collectives ------------------------------------------------------------
+
+    def all_reduce(self, op: ReduceOp | str, value: Any, options: CommunicationOptions | None = None) -> Any:
+        """Reduce ``value`` (a nested structure of arrays) across replicas; same structure back."""
+        op = ReduceOp.from_any(op)
+        options = self.options.merge(options)
+        leaves, treedef, restore = flatten(value)
+        for leaf in leaves:
+            check_dtype(op, leaf.dtype)
+        if self.size == 1:
+            return optree.tree_unflatten(treedef, [back(xp_copy(leaf)) for leaf, back in zip(leaves, restore)])
+        num_packs = self.algorithm.num_packs
+        detail = f"{op.name} packs={options.bytes_per_pack}/{num_packs} {options.implementation.name}"
+        sig = signature("all_reduce", detail, leaves, treedef)
+        packed = pack(leaves, treedef, restore, options.bytes_per_pack, num_packs)
+
+        def run(call: CollectiveCall) -> Any:
+            for p in packed.packs:
+                p.buffer = self._allreduce_buffer(call, p.buffer, op, options)
+            return packed.unpack()
+
+        return self._collective("all_reduce", sig, options, run)
+
+    def all_gather(self, value: Any, axis: int, options: CommunicationOptions | None = None) -> Any:
+        """Concatenate each leaf of ``value`` from all replicas along ``axis`` (rank order)."""
+        options = self.options.merge(options)
+        leaves, treedef, restore = flatten(value)
+        axes = []
+        for leaf in leaves:
+            if leaf.ndim == 0:
+                raise ValueError("all_gather needs arrays with at least one dimension; got a 0-d array")
+            if not -leaf.ndim <= axis < leaf.ndim:
+                raise ValueError(f"all_gather axis {axis} is out of range for {describe(leaf)}")
+            axes.append(axis % leaf.ndim)
+        if self.size == 1:
+            return optree.tree_unflatten(treedef, [back(leaf) for leaf, back in zip(leaves, restore)])
+        shapes = ", ".join(
+            f"{leaf.dtype}[{','.join('*' if i == a else str(d) for i, d in enumerate(leaf.shape))}]"
+            for leaf, a in zip(leaves, axes)
+        )
+        sig = f"all_gather axis={axis} | structure {treedef} | leaves [{shapes}]"
+
+        def run(call: CollectiveCall) -> Any:
+            gathered = algorithms.allgather_direct(call, leaves)
+            out = []
+            for i, (leaf, a, back) in enumerate(zip(leaves, axes, restore)):
+                xp = namespace(leaf)
+                out.append(back(xp.concatenate([part[i] for part in gathered], axis=a)))
+            return optree.tree_unflatten(treedef, out)
+
+        return self._collective("all_gather", sig, options, run)
+
+    def broadcast(self, value: Any, root: int = 0, options: CommunicationOptions | None = None) -> Any:
+        """Return ``root``'s ``value`` on every replica (structures must match)."""
+        options = self.options.merge(options)
+        leaves, treedef, restore = flatten(value)
+        if self.size == 1:
+            return value
+        sig = signature("broadcast", f"root={root}", leaves, treedef)
+
+        def run(call: CollectiveCall) -> Any:
+            received = algorithms.broadcast_direct(call, leaves, root)
+            return optree.tree_unflatten(treedef, [back(x) for x, back in zip(received, restore)])
+
+        return self._collective("broadcast", sig, options, run)
+
+    def all_gather_objects(self, obj: Any, options: CommunicationOptions | None = None) -> list[Any]:
+        """Gather any picklable object from every replica, in rank order."""
+        options = self.options.merge(options)
+        if self.size == 1:
+            return [obj]
+        data = cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+        def run(call: CollectiveCall) -> list[Any]:
+            gathered = algorithms.allgather_direct(call, [data])
+            return [obj if r == self.rank else pickle.loads(part[0]) for r, part in enumerate(gathered)]
+
+        return self._collective("all_gather_objects", "all_gather_objects", options, run)
+
+    def barrier(self, options: CommunicationOptions | None = None) -> None:
+        """Return once every replica has reached this barrier."""
+        options = self.options.merge(options)
+        if self.size == 1:
+            return
+
+        def run(call: CollectiveCall) -> None:
+            algorithms.allgather_direct(call, [])
+
+        self._collective("barrier", "barrier", options, run)
+
+    # -- machinery -------------------------------------------------------------
+
+    def _allreduce_buffer(self, call: CollectiveCall, buf: Any, op: ReduceOp, options: CommunicationOptions) -> Any:
+        algorithm = self.algorithm
+        if algorithm.name == "reduce_to_one":
+            return algorithms.allreduce_reduce_to_one(call, buf, op, algorithm.root, algorithm.accumulation_fn)
+        if buf.size == 0:
+            return buf
+        if algorithm.name == "direct":
+            return algorithms.allreduce_direct(call, buf, op)
+        forced_ring = algorithm.name == "ring" or options.implementation is not CommunicationImplementation.AUTO
+        if not forced_ring and buf.nbytes <= self.small_message_bytes:
+            return algorithms.allreduce_direct(call, buf, op)
+        return algorithms.allreduce_ring(call, buf, op)
+
+    def _collective(self, kind: str, sig: str, options: CommunicationOptions, body: Callable[[CollectiveCall], Any]) -> Any:
+        self.transport.mailbox.check(self.run_id)
+        timeout = options.timeout_seconds or config.get_seconds("collective.timeout")
+        self.seq += 1
+        self.current_kind = kind
+        start = time.perf_counter()
+        call = CollectiveCall(self, kind, sig, time.monotonic() + timeout, timeout)
+        try:
+            result = body(call)
+            call.finish()
+        except Exception as e:  # mismatch, timeout, lost peer, or bad data: abort everywhere
+            self.abort_run(e)
+            raise
+        finally:
+            self.current_kind = None
+        if self.on_collective is not None:
+            self.on_collective(kind, time.perf_counter() - start, call.nbytes)
+        return result
+
+    def describe_timeout(self, call: CollectiveCall, waiting_for: int) -> str:
+        """Explain a timeout: which replicas never joined this collective, and where they are."""
+        probe_timeout = config.get_seconds("collective.status-probe-timeout")
+        missing = []
+        for rank in range(self.size):
+            if rank == self.rank:
+                continue
+            status = self.control.probe(rank, probe_timeout)
+            where = _where(status, call)
+            if where is not None:
+                missing.append(f"replica {rank} {where}")
+        head = (
+            f"{call.kind} #{call.seq} of run {call.run_id} timed out after {call.timeout:g}s "
+            f"on replica {self.rank}"
+        )
+        if missing:
+            return f"{head}: " + "; ".join(missing)
+        return f"{head}: every replica joined, but data from replica {waiting_for} did not arrive in time"
+
+
+def xp_copy(leaf: Any) -> Any:
+    return namespace(leaf).array(leaf, copy=True)
+
+
+def _where(status: dict | None, call: CollectiveCall) -> str | None:
+    """Describe a peer that has not joined ``call``, or ``None`` if it has."""
+    if status is None:
+        return "did not answer a status request (its worker may be busy or gone)"
+    run, seq = status.get("run_id", -1), status.get("collective", 0)
+    state = status.get("state")
+    if run < call.run_id:
+        return f"never started run {call.run_id} (it is {state}, last run {run})"
+    if run > call.run_id:
+        return None
+    if seq >= call.seq:
+        return None
+    if state == "idle":
+        return f"finished run {call.run_id} after joining {seq} collective(s), without joining this one"
+    return f"has not joined it (it is at collective #{seq} of run {run}, or in user code)"

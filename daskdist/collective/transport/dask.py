@@ -1,0 +1,83 @@
+"""The always-available transport: Dask's own comms between workers.
+
+Payloads travel as ``to_serialize`` frames over the worker's connection pool,
+so it works wherever the cluster works (``tcp://``, ``tls://`` with the
+cluster's ``Security``, ``ucx://``), with no extra ports or setup. Sends are
+fire-and-forget messages (``reply=False``) delivered by the peer worker's
+``daskdist_message`` handler straight into the peer replica's mailbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from typing import TYPE_CHECKING, Any
+
+from distributed.comm.core import CommClosedError
+from distributed.protocol import to_serialize
+
+from daskdist.collective.mailbox import Mailbox, Tag
+from daskdist.collective.transport.base import SendHandle, Transport, remaining
+from daskdist.exceptions import CollectiveTimeoutError, ReplicaLostError
+
+if TYPE_CHECKING:
+    from distributed import Worker
+
+__all__ = ["DaskTransport"]
+
+logger = logging.getLogger(__name__)
+
+
+class _FutureSend(SendHandle):
+    def __init__(self, future: concurrent.futures.Future, dst: int, address: str):
+        self._future = future
+        self._dst = dst
+        self._address = address
+
+    def wait(self, deadline: float) -> None:
+        try:
+            self._future.result(timeout=remaining(deadline))
+        except concurrent.futures.TimeoutError:
+            raise CollectiveTimeoutError(
+                f"sending to replica {self._dst} on {self._address} did not complete before the deadline"
+            ) from None
+        except (CommClosedError, OSError) as e:
+            raise ReplicaLostError(
+                f"lost the connection to replica {self._dst} on worker {self._address}: {e}",
+                worker=self._address,
+            ) from e
+
+
+class DaskTransport(Transport):
+    """Sends through the worker's Dask connection pool.
+
+    Parameters
+    ----------
+    worker
+        The worker this replica runs on (its ``rpc`` pool and event loop are used).
+    group_id
+        The replica group, so peers deliver to the right mailbox.
+    """
+
+    name = "dask"
+
+    def __init__(self, rank: int, addresses: list[str], mailbox: Mailbox, worker: Worker, group_id: str):
+        super().__init__(rank, addresses, mailbox)
+        self._worker = worker
+        self._group_id = group_id
+        self._loop = worker.loop.asyncio_loop
+
+    def send(self, dst: int, tag: Tag, payload: Any) -> SendHandle:
+        address = self.addresses[dst]
+        coro = self._send(address, dst, tag, payload)
+        return _FutureSend(asyncio.run_coroutine_threadsafe(coro, self._loop), dst, address)
+
+    async def _send(self, address: str, dst: int, tag: Tag, payload: Any) -> None:
+        await self._worker.rpc(address).daskdist_message(
+            group_id=self._group_id,
+            rank=dst,
+            tag=list(tag),
+            payload=to_serialize(payload),
+            reply=False,
+        )

@@ -1,0 +1,117 @@
+"""Which strategy and which replica the current thread is in (TF's cross-replica / replica contexts).
+
+The state is a per-thread stack of frames, as in TensorFlow: ``strategy.scope()``
+pushes a cross-replica frame on the client; the replica runtime pushes a
+replica frame around each function it runs in a replica thread. Threads are
+the unit because several replicas can share one process (threaded workers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+if TYPE_CHECKING:
+    from daskdist.replica.context import ReplicaContext
+
+__all__ = [
+    "get_replica_context",
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+]
+
+
+@dataclass
+class Frame:
+    """One entry of the context stack.
+
+    Attributes
+    ----------
+    strategy
+        The strategy in effect (client strategy, or the replica's view of it).
+    replica_context
+        The ``ReplicaContext`` when in replica context, ``None`` in cross-replica context.
+    variable_creator
+        What ``dd.Variable(...)`` calls to build a distributed variable, or ``None``.
+    owner
+        The replica runtime when the frame was pushed inside a replica thread.
+    """
+
+    strategy: Any
+    replica_context: ReplicaContext | None
+    variable_creator: Callable[..., Any] | None
+    owner: Any = None
+
+
+_local = threading.local()
+
+
+def _stack() -> list[Frame]:
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    return stack
+
+
+def current_frame() -> Frame | None:
+    """The innermost frame of this thread, or ``None`` outside any strategy."""
+    stack = _stack()
+    return stack[-1] if stack else None
+
+
+@contextlib.contextmanager
+def enter(frame: Frame) -> Iterator[Frame]:
+    """Push ``frame`` for the duration of the ``with`` block."""
+    stack = _stack()
+    stack.append(frame)
+    try:
+        yield frame
+    finally:
+        stack.pop()
+
+
+def current_runtime() -> Any:
+    """The replica runtime whose function this thread is running, or ``None``."""
+    for frame in reversed(_stack()):
+        if frame.owner is not None:
+            return frame.owner
+    return None
+
+
+def get_replica_context() -> ReplicaContext | None:
+    """The current ``ReplicaContext``.
+
+    Inside a function run by ``strategy.run`` this is the replica's context;
+    inside ``strategy.scope()`` on the client (cross-replica context) it is
+    ``None``; outside any strategy it is a default context with one replica.
+    """
+    frame = current_frame()
+    if frame is None:
+        from daskdist.strategy.default import default_replica_context
+
+        return default_replica_context()
+    return frame.replica_context
+
+
+def in_cross_replica_context() -> bool:
+    """True inside ``strategy.scope()`` (or a ``merge_call``) but not in a replica function."""
+    frame = current_frame()
+    return frame is not None and frame.replica_context is None
+
+
+def get_strategy() -> Any:
+    """The strategy in effect: the scope's, the replica's, or the default one-replica strategy."""
+    frame = current_frame()
+    if frame is None:
+        from daskdist.strategy.default import default_strategy
+
+        return default_strategy()
+    return frame.strategy
+
+
+def has_strategy() -> bool:
+    """True when a non-default strategy is in effect in this thread."""
+    return current_frame() is not None

@@ -1,0 +1,94 @@
+"""Errors raised by daskdist.
+
+::
+
+    DaskdistError
+    ├── StrategyClosedError          the strategy was closed or its group failed
+    ├── RendezvousError              replicas did not all start in time
+    ├── ReplicaLostError             a replica's worker died (recoverable by restarting)
+    └── CollectiveError              a collective could not complete
+        ├── CollectiveMismatchError  replicas passed different shapes, dtypes or structures
+        ├── CollectiveTimeoutError   a replica did not join within the deadline
+        └── CollectiveAbortedError   another replica failed during the same run
+
+``ReplicaLostError`` is the documented recoverable error: a training loop that
+wants to survive a lost worker catches exactly that, builds a new strategy on
+the remaining workers and restores from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CollectiveAbortedError",
+    "CollectiveError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "DaskdistError",
+    "RendezvousError",
+    "ReplicaLostError",
+    "StrategyClosedError",
+]
+
+
+class DaskdistError(Exception):
+    """Base class of every error daskdist raises itself."""
+
+
+class StrategyClosedError(DaskdistError, RuntimeError):
+    """The strategy was closed, or its replica group failed and cannot run more work."""
+
+
+class RendezvousError(DaskdistError, TimeoutError):
+    """The replicas of a group did not all start and meet within the rendezvous timeout."""
+
+
+class ReplicaLostError(DaskdistError):
+    """A replica's worker left the cluster (crashed, was killed or was retired).
+
+    Parameters
+    ----------
+    message
+        What happened, naming the worker.
+    worker
+        The address of the lost worker, when known.
+    """
+
+    def __init__(self, message: str, worker: str | None = None):
+        super().__init__(message)
+        self.worker = worker
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.worker))
+
+
+class CollectiveError(DaskdistError):
+    """A collective operation could not complete on this replica."""
+
+
+class CollectiveMismatchError(CollectiveError, ValueError):
+    """Replicas passed values of different structure, shape or dtype to one collective."""
+
+
+class CollectiveTimeoutError(CollectiveError, TimeoutError):
+    """A collective did not complete before its deadline; names the replicas that never joined."""
+
+
+class CollectiveAbortedError(CollectiveError):
+    """The collective was aborted because another replica of the same run failed."""
+
+
+#: Error kinds carried in abort messages, mapped to the class each replica raises.
+ERROR_KINDS: dict[str, type[DaskdistError]] = {
+    "lost": ReplicaLostError,
+    "mismatch": CollectiveMismatchError,
+    "timeout": CollectiveTimeoutError,
+    "aborted": CollectiveAbortedError,
+}
+
+
+def kind_of(error: BaseException) -> str:
+    """Return the abort-message kind for ``error`` (``"aborted"`` for user errors)."""
+    for kind, cls in ERROR_KINDS.items():
+        if isinstance(error, cls):
+            return kind
+    return "aborted"

@@ -1,0 +1,109 @@
+"""``ReplicaContext``: what a function running on a replica sees (TF's ``tf.distribute.ReplicaContext``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import optree
+
+from daskdist import context
+from daskdist.ops import CommunicationOptions, ReduceOp
+from daskdist.values import PerReplica
+
+if TYPE_CHECKING:
+    from daskdist.replica.runtime import ReplicaRuntime
+
+__all__ = ["ReplicaContext"]
+
+
+class ReplicaContext:
+    """The context of one replica while it runs a function from ``strategy.run``.
+
+    Every collective (``all_reduce``, ``all_gather``, ``merge_call``) must be
+    called by all replicas, in the same order, with matching structures,
+    shapes and dtypes; a replica that disagrees makes all of them raise
+    ``CollectiveMismatchError``, and one that never joins makes them raise
+    ``CollectiveTimeoutError`` naming it.
+    """
+
+    def __init__(self, runtime: ReplicaRuntime):
+        self._runtime = runtime
+
+    @property
+    def strategy(self) -> Any:
+        """The strategy, as seen from inside this replica."""
+        return self._runtime.strategy_view
+
+    @property
+    def replica_id_in_sync_group(self) -> int:
+        """This replica's index, ``0 .. num_replicas_in_sync - 1``."""
+        return self._runtime.rank
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """How many replicas take part in each collective."""
+        return self._runtime.size
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """The device this replica runs on (a 1-tuple of a TF device string)."""
+        return (self._runtime.devices[self._runtime.rank],)
+
+    def all_reduce(self, reduce_op: ReduceOp | str, value: Any, options: CommunicationOptions | None = None) -> Any:
+        """Reduce ``value`` across all replicas; returns the same structure on every replica.
+
+        Parameters
+        ----------
+        reduce_op
+            ``ReduceOp.SUM`` / ``MEAN`` (or ``MAX``, ``MIN``, ``PRODUCT``), or the name.
+        value
+            An array, a number, or a nested structure (dict, list, tuple,
+            namedtuple) of them. A list of arrays is reduced as one batch: the
+            arrays are packed into a few buffers.
+        options
+            ``CommunicationOptions`` for this call (pack size, timeout, implementation).
+        """
+        return self._runtime.communicator.all_reduce(reduce_op, value, options)
+
+    def all_gather(self, value: Any, axis: int, options: CommunicationOptions | None = None) -> Any:
+        """Concatenate ``value`` from all replicas along ``axis``, in replica order."""
+        return self._runtime.communicator.all_gather(value, axis, options)
+
+    def _broadcast(self, value: Any, root: int = 0, options: CommunicationOptions | None = None) -> Any:
+        return self._runtime.communicator.broadcast(value, root, options)
+
+    def merge_call(self, merge_fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
+        """Call ``merge_fn(strategy, *args, **kwargs)`` once with every replica's arguments.
+
+        The arguments of all replicas are gathered, so in ``merge_fn`` each
+        argument is a ``PerReplica`` (one component per replica) and
+        ``strategy.reduce`` / ``strategy.extended.reduce_to`` / ``update`` work
+        on them. ``merge_fn`` runs in cross-replica context on every replica
+        with the same inputs, so it must be deterministic; its result is
+        returned on every replica.
+        """
+        kwargs = kwargs or {}
+        gathered = self._runtime.communicator.all_gather_objects((args, kwargs))
+        merged_args, merged_kwargs = _transpose(gathered)
+        frame = context.Frame(
+            strategy=self.strategy, replica_context=None, variable_creator=None, owner=self._runtime
+        )
+        with context.enter(frame):
+            return merge_fn(self.strategy, *merged_args, **merged_kwargs)
+
+    def __repr__(self) -> str:
+        return f"ReplicaContext(replica_id_in_sync_group={self.replica_id_in_sync_group}, num_replicas_in_sync={self.num_replicas_in_sync})"
+
+
+def _transpose(per_replica: list[Any]) -> Any:
+    """A list (one per replica) of equal structures -> one structure of ``PerReplica`` leaves."""
+    flat = [optree.tree_flatten(item, none_is_leaf=True) for item in per_replica]
+    treedef = flat[0][1]
+    for i, (_, t) in enumerate(flat):
+        if t != treedef:
+            raise ValueError(f"merge_call arguments differ in structure between replica 0 and replica {i}")
+    leaves = []
+    for components in zip(*(leaves for leaves, _ in flat)):
+        same = all(c is components[0] for c in components) and hasattr(components[0], "_var_id")
+        leaves.append(components[0] if same else PerReplica(components))
+    return optree.tree_unflatten(treedef, leaves)

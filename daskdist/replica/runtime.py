@@ -1,0 +1,277 @@
+"""The replica runtime: one long-lived thread per replica that runs what the client sends.
+
+``replica_main`` is the body of the replica task the strategy pins to each
+chosen worker. It secedes from the worker's thread pool (so the worker can
+still compute data tasks), registers with the worker's daskdist extension,
+meets its peers at the scheduler's rendezvous, then serves commands until the
+strategy closes it. Commands arrive from the client through the worker's
+``daskdist_call`` handler, never as Dask tasks, so a step costs a message,
+not a scheduler round trip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from distributed import get_worker, secede
+from distributed.utils import sync
+
+from daskdist import config, context, serialization
+from daskdist.arrays import namespace
+from daskdist.collective.communicator import Algorithm, Communicator
+from daskdist.collective.mailbox import Abort, Mailbox
+from daskdist.collective.transport.dask import DaskTransport
+from daskdist.exceptions import RendezvousError, ReplicaLostError
+from daskdist.ops import CommunicationOptions
+from daskdist.replica.context import ReplicaContext
+from daskdist.replica.strategy_view import ReplicaStrategyView
+from daskdist.replica.timing import StepTimer
+from daskdist.variables import VariableSpec, distributed_variable_class
+
+if TYPE_CHECKING:
+    from distributed import Worker
+
+__all__ = ["GroupSpec", "ReplicaRuntime", "replica_main"]
+
+logger = logging.getLogger(__name__)
+
+STEP_EVENT_TOPIC = "daskdist-steps"
+
+
+@dataclass
+class GroupSpec:
+    """Everything a replica needs to know about its group (sent with the replica task)."""
+
+    group_id: str
+    addresses: list[str]
+    devices: list[str]
+    algorithm: Algorithm = field(default_factory=Algorithm)
+    options: CommunicationOptions = field(default_factory=CommunicationOptions)
+    transport: str = "dask"
+
+    @property
+    def size(self) -> int:
+        return len(self.addresses)
+
+
+def _make_transport(name: str, rank: int, spec: GroupSpec, mailbox: Mailbox, worker: Worker) -> DaskTransport:
+    if name == "dask":
+        return DaskTransport(rank, spec.addresses, mailbox, worker, spec.group_id)
+    raise ValueError(f"Unknown transport {name!r} (daskdist.collective.transport); available: dask")
+
+
+class ReplicaRuntime:
+    """State and command loop of one replica.
+
+    Event-loop side: ``submit``, ``stop``, ``status`` (called by the worker
+    plugin's handlers). Replica-thread side: ``serve`` and everything it calls.
+    """
+
+    def __init__(self, worker: Worker, spec: GroupSpec, rank: int):
+        self.worker = worker
+        self.spec = spec
+        self.rank = rank
+        self.size = spec.size
+        self.token = spec.group_id
+        self.devices = spec.devices
+        self.loop = worker.loop.asyncio_loop
+        self.mailbox = Mailbox()
+        self.transport = _make_transport(spec.transport, rank, spec, self.mailbox, worker)
+        self.timer = StepTimer(rank, int(config.get("metrics.history")))
+        self.communicator = Communicator(
+            rank, self.size, self.transport, control=self, algorithm=spec.algorithm,
+            options=spec.options, on_collective=self.timer.add_collective,
+        )
+        self.context = ReplicaContext(self)
+        self.strategy_view = ReplicaStrategyView(self)
+        self.state = "starting"
+        self.run_id = -1
+        self._commands: queue.Queue[tuple[int, bytes, asyncio.Future] | None] = queue.Queue()
+        self._resident: dict[str, Any] = {}
+        self._created_in_replica = 0
+        self._log_events = bool(config.get("metrics.log-events"))
+
+    def __repr__(self) -> str:
+        return f"<ReplicaRuntime {self.token} rank={self.rank}/{self.size} state={self.state}>"
+
+    # -- event-loop side ---------------------------------------------------------
+
+    def submit(self, run_id: int, payload: bytes) -> asyncio.Future:
+        """Queue a command; the future resolves with the response message."""
+        future = self.loop.create_future()
+        if self.state == "closed":
+            future.set_result(self._closed_response())
+        else:
+            self._commands.put((run_id, payload, future))
+        return future
+
+    def stop(self) -> None:
+        """Ask the replica thread to finish after the commands already queued."""
+        self._commands.put(None)
+
+    def status(self) -> dict:
+        return {
+            "run_id": self.run_id,
+            "collective": self.communicator.seq,
+            "kind": self.communicator.current_kind,
+            "state": self.state,
+        }
+
+    def abort_group(self, abort: Abort) -> None:
+        """The group is lost for good (from the scheduler): wake and fail every wait."""
+        self.mailbox.abort_group(abort)
+
+    # -- control plane used by the communicator (replica thread) ---------------
+
+    def abort_peers(self, run_id: int, abort: Abort) -> None:
+        for rank, address in enumerate(self.spec.addresses):
+            if rank != self.rank:
+                asyncio.run_coroutine_threadsafe(self._send_abort(address, rank, run_id, abort), self.loop)
+
+    async def _send_abort(self, address: str, rank: int, run_id: int, abort: Abort) -> None:
+        try:
+            await self.worker.rpc(address).daskdist_abort(
+                group_id=self.token, rank=rank, run_id=run_id, abort=abort.to_msg(), reply=False
+            )
+        except Exception as e:  # the peer may be gone; the scheduler tells the others
+            logger.debug("Could not send abort to replica %d on %s: %s", rank, address, e)
+
+    def probe(self, rank: int, timeout: float) -> dict | None:
+        address = self.spec.addresses[rank]
+        coro = self.worker.rpc(address).daskdist_status(group_id=self.token, rank=rank)
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout)
+        except Exception:
+            future.cancel()
+            return None
+
+    # -- replica thread -----------------------------------------------------------
+
+    def rendezvous(self, timeout: float) -> None:
+        """Wait at the scheduler until every replica of the group has started."""
+        response = sync(
+            self.worker.loop,
+            self.worker.scheduler.daskdist_rendezvous,
+            group_id=self.token,
+            rank=self.rank,
+            address=self.worker.address,
+            callback_timeout=timeout + 5,
+        )
+        if response.get("status") != "OK":
+            raise RendezvousError(response.get("message", "rendezvous failed"))
+
+    def serve(self) -> None:
+        """Run commands until ``stop``; answer what is left with a 'closed' error."""
+        self.state = "idle"
+        while True:
+            item = self._commands.get()
+            if item is None:
+                break
+            run_id, payload, future = item
+            response = self._execute(run_id, payload)
+            self.loop.call_soon_threadsafe(_resolve, future, response)
+        self.state = "closed"
+        while True:
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                self.loop.call_soon_threadsafe(_resolve, item[2], self._closed_response())
+
+    def close(self) -> None:
+        self.transport.close()
+        self._resident.clear()
+        self.timer.history.clear()
+
+    def _closed_response(self) -> dict:
+        error = ReplicaLostError(f"replica {self.rank} of {self.token} is closed", worker=self.worker.address)
+        return serialization.error_message(error, self.rank, self.worker.address)
+
+    def _execute(self, run_id: int, payload: bytes) -> dict:
+        if self.mailbox.group_abort is not None:
+            return serialization.error_message(self.mailbox.group_abort.error(), self.rank, self.worker.address)
+        self.run_id = run_id
+        self.communicator.begin_run(run_id)
+        self.state = "running"
+        frame = context.Frame(
+            strategy=self.strategy_view,
+            replica_context=self.context,
+            variable_creator=self._create_variable,
+            owner=self,
+        )
+        try:
+            with context.enter(frame):
+                command, args = serialization.loads(payload)
+                result = command(self, *args)
+                return {"status": "OK", "result": serialization.dumps(result)}
+        except Exception as e:
+            self.communicator.abort_run(e)
+            return serialization.error_message(e, self.rank, self.worker.address)
+        finally:
+            self.state = "idle"
+
+    def run_step(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """Call ``fn`` as one timed step."""
+        self.timer.begin(self.run_id)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            timing = self.timer.end()
+            if self._log_events:
+                self.worker.log_event(STEP_EVENT_TOPIC, {"group": self.token, **timing.to_dict()})
+
+    # -- objects that live on the replica -----------------------------------------
+
+    def add_resident(self, object_id: str, obj: Any) -> None:
+        self._resident[object_id] = obj
+
+    def resident_object(self, object_id: str) -> Any:
+        try:
+            return self._resident[object_id]
+        except KeyError:
+            raise KeyError(f"replica {self.rank} of {self.token} holds no object {object_id!r}") from None
+
+    def _create_variable(self, *args: Any, **kwargs: Any) -> Any:
+        """``dd.Variable(...)`` inside a replica function: replica 0's initial value, on every replica."""
+        value, spec = VariableSpec.build(*args, **kwargs)
+        value = self.context._broadcast(value, root=0)
+        self._created_in_replica += 1
+        var_id = f"r{self._created_in_replica}"
+        local = namespace(value).array(value, copy=True)
+        variable = distributed_variable_class(spec)(spec, self.token, var_id, local_value=local, runtime=self)
+        self._resident[var_id] = variable
+        return variable
+
+
+def _resolve(future: asyncio.Future, response: dict) -> None:
+    if not future.done():
+        future.set_result(response)
+
+
+def replica_main(spec: GroupSpec, rank: int) -> str:
+    """Body of the long-lived replica task pinned to one worker."""
+    worker = get_worker()
+    extension = worker.extensions.get("daskdist")
+    if extension is None:
+        raise RuntimeError(f"the daskdist worker plugin is not installed on worker {worker.address}")
+    secede()
+    runtime = ReplicaRuntime(worker, spec, rank)
+    extension.add_replica(runtime)
+    thread = threading.current_thread()
+    previous_name, thread.name = thread.name, f"daskdist-replica-{rank}-{spec.group_id}"
+    try:
+        runtime.rendezvous(config.get_seconds("rendezvous.timeout"))
+        logger.debug("Replica %d of %s serving on %s", rank, spec.group_id, worker.address)
+        runtime.serve()
+    finally:
+        extension.remove_replica(runtime)
+        runtime.close()
+        thread.name = previous_name
+    return f"replica {rank} of {spec.group_id} closed"

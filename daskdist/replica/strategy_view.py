@@ -1,0 +1,96 @@
+"""The strategy as a function running on a replica sees it (``ctx.strategy``, a captured strategy)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+from daskdist import context
+from daskdist.ops import CommunicationOptions, ReduceOp
+from daskdist.values import gather_values, local_results, reduce_values
+
+if TYPE_CHECKING:
+    from daskdist.replica.runtime import ReplicaRuntime
+
+__all__ = ["ReplicaExtendedView", "ReplicaStrategyView"]
+
+
+def _require_cross_replica(api: str) -> None:
+    frame = context.current_frame()
+    if frame is not None and frame.replica_context is not None:
+        raise RuntimeError(
+            f"strategy.{api} is for cross-replica context (the client, or inside merge_call); "
+            "inside a replica function use dd.get_replica_context().all_reduce / all_gather"
+        )
+
+
+class ReplicaExtendedView:
+    """``strategy.extended`` inside a replica: reductions and updates for ``merge_call``."""
+
+    def __init__(self, runtime: ReplicaRuntime):
+        self._runtime = runtime
+
+    @property
+    def worker_devices(self) -> tuple[str, ...]:
+        return tuple(self._runtime.devices)
+
+    @property
+    def parameter_devices(self) -> tuple[str, ...]:
+        return tuple(self._runtime.devices)
+
+    def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any = None,
+                  options: CommunicationOptions | None = None) -> Any:
+        """Reduce a ``PerReplica`` value from ``merge_call`` (the values are already on every replica)."""
+        _require_cross_replica("extended.reduce_to")
+        return reduce_values(reduce_op, value, None, self._runtime.size)
+
+    def batch_reduce_to(self, reduce_op: ReduceOp | str, value_destination_pairs: Any,
+                        options: CommunicationOptions | None = None) -> list[Any]:
+        return [self.reduce_to(reduce_op, v, d, options) for v, d in value_destination_pairs]
+
+    def update(self, var: Any, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
+               group: bool = True) -> Any:
+        """Run ``fn(var, *args, **kwargs)`` in cross-replica context: updates apply to this copy as given."""
+        frame = context.Frame(strategy=self._runtime.strategy_view, replica_context=None,
+                              variable_creator=None, owner=self._runtime)
+        with context.enter(frame):
+            return fn(var, *args, **(kwargs or {}))
+
+
+class ReplicaStrategyView:
+    """The strategy inside a replica: its size, reductions for ``merge_call``, a no-op ``scope``."""
+
+    def __init__(self, runtime: ReplicaRuntime):
+        self._runtime = runtime
+        self.extended = ReplicaExtendedView(runtime)
+
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        from daskdist.strategy.base import _resolve_strategy
+
+        return (_resolve_strategy, (self._runtime.token,))
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self._runtime.size
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[Any]:
+        yield self
+
+    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, options: Any = None) -> Any:
+        """Inside a replica, ``run`` just calls ``fn`` on this replica."""
+        return fn(*args, **(kwargs or {}))
+
+    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
+        _require_cross_replica("reduce")
+        return reduce_values(reduce_op, value, axis, self._runtime.size)
+
+    def gather(self, value: Any, axis: int) -> Any:
+        _require_cross_replica("gather")
+        return gather_values(value, axis)
+
+    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
+        return local_results(value)
+
+    def __repr__(self) -> str:
+        return f"<replica {self._runtime.rank} of {self._runtime.size} in {self._runtime.token}>"

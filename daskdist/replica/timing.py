@@ -1,0 +1,88 @@
+"""Per-step phase timings of one replica: input wait, compute, all-reduce, apply.
+
+The runtime opens a step around each function it runs; collectives, input
+iterators and variable updates add their time to the open step. Compute is
+what remains. The last ``daskdist.metrics.history`` steps are kept.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import asdict, dataclass
+
+__all__ = ["StepTimer", "StepTiming"]
+
+
+@dataclass
+class StepTiming:
+    """Where one replica's time went during one step (seconds)."""
+
+    run_id: int
+    replica: int
+    start: float
+    total: float
+    input_wait: float
+    compute: float
+    allreduce: float
+    apply: float
+    collectives: int
+    nbytes: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class StepTimer:
+    """Accumulates the phases of the current step and keeps a bounded history."""
+
+    def __init__(self, replica: int, history: int):
+        self.replica = replica
+        self.history: collections.deque[StepTiming] = collections.deque(maxlen=history)
+        self._open = False
+        self._reset(0)
+
+    def _reset(self, run_id: int) -> None:
+        self._run_id = run_id
+        self._wall_start = time.time()
+        self._start = time.perf_counter()
+        self._input = self._allreduce = self._apply = 0.0
+        self._collectives = 0
+        self._nbytes = 0
+
+    def begin(self, run_id: int) -> None:
+        self._reset(run_id)
+        self._open = True
+
+    def add_collective(self, kind: str, seconds: float, nbytes: int) -> None:
+        if self._open:
+            self._allreduce += seconds
+            self._collectives += 1
+            self._nbytes += nbytes
+
+    def add_input_wait(self, seconds: float) -> None:
+        if self._open:
+            self._input += seconds
+
+    def add_apply(self, seconds: float) -> None:
+        if self._open:
+            self._apply += seconds
+
+    def end(self) -> StepTiming:
+        total = time.perf_counter() - self._start
+        self._open = False
+        compute = max(0.0, total - self._input - self._allreduce - self._apply)
+        timing = StepTiming(
+            run_id=self._run_id,
+            replica=self.replica,
+            start=self._wall_start,
+            total=total,
+            input_wait=self._input,
+            compute=compute,
+            allreduce=self._allreduce,
+            apply=self._apply,
+            collectives=self._collectives,
+            nbytes=self._nbytes,
+        )
+        self.history.append(timing)
+        return timing

@@ -1,0 +1,157 @@
+"""The public ``Strategy`` API (TF's ``tf.distribute.Strategy``), a thin class over an ``Extended``."""
+
+from __future__ import annotations
+
+import contextlib
+import html
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+from daskdist import context, registry
+from daskdist.exceptions import StrategyClosedError
+from daskdist.ops import ReduceOp
+from daskdist.values import PerReplica, gather_values, local_results, reduce_values
+
+if TYPE_CHECKING:
+    from daskdist.strategy.extended import DaskExtended
+
+__all__ = ["Strategy", "ValueContext"]
+
+
+@dataclass(frozen=True)
+class ValueContext:
+    """Passed to ``experimental_distribute_values_from_function``'s function (TF's ``ValueContext``)."""
+
+    replica_id_in_sync_group: int = 0
+    num_replicas_in_sync: int = 1
+
+
+class Strategy:
+    """A way to run a computation on several replicas (TF's ``tf.distribute.Strategy``).
+
+    Use it as a context manager (``with dd.MirroredStrategy() as strategy:``)
+    or call ``close()`` when done: it stops the replicas, and the embedded
+    cluster if the strategy started one.
+    """
+
+    def __init__(self, extended: DaskExtended):
+        self._extended = extended
+
+    # -- properties ----------------------------------------------------------------
+
+    @property
+    def extended(self) -> DaskExtended:
+        """The implementation object (TF's ``strategy.extended``)."""
+        return self._extended
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """How many replicas run each step in lockstep."""
+        return self._extended.num_replicas
+
+    @property
+    def cluster_resolver(self) -> Any:
+        """``None`` for single-job strategies, as in TensorFlow."""
+        return None
+
+    @property
+    def client(self) -> Any:
+        """The ``distributed.Client`` the strategy uses."""
+        return self._extended.client
+
+    @property
+    def dashboard_link(self) -> str | None:
+        """The Dask dashboard of the cluster the replicas run on."""
+        return getattr(self._extended.client, "dashboard_link", None)
+
+    # -- contexts ----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[Strategy]:
+        """Cross-replica context: variables created inside are distributed over the replicas."""
+        self._extended.check_open()
+        frame = context.Frame(strategy=self, replica_context=None, variable_creator=self._extended.create_variable)
+        with context.enter(frame):
+            yield self
+
+    def __enter__(self) -> Strategy:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the replicas and free everything they hold on the workers (idempotent)."""
+        self._extended.close()
+
+    # -- running -----------------------------------------------------------------
+
+    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, options: Any = None) -> Any:
+        """Run ``fn(*args, **kwargs)`` on every replica; return a ``PerReplica`` structure of results.
+
+        ``PerReplica`` arguments give each replica its own component; other
+        arguments go to every replica. Distributed variables captured by ``fn``
+        are not shipped: each replica uses its own copy. With one replica the
+        result is returned as is.
+        """
+        if not callable(fn):
+            raise TypeError(f"strategy.run needs a callable, got {type(fn).__name__}")
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(f"args must be a tuple, got {type(args).__name__}")
+        return self._extended.call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
+
+    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
+        """Reduce ``value`` (results of ``run``) across replicas, and along ``axis`` if given."""
+        return reduce_values(reduce_op, value, axis, self.num_replicas_in_sync)
+
+    def gather(self, value: Any, axis: int) -> Any:
+        """Concatenate the replicas' components of ``value`` along ``axis``."""
+        return gather_values(value, axis)
+
+    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
+        """The components of ``value`` as a tuple, one per replica."""
+        return local_results(value)
+
+    def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
+        """``PerReplica`` of ``value_fn(ValueContext(i, n))`` for each replica ``i``."""
+        n = self.num_replicas_in_sync
+        values = [value_fn(ValueContext(i, n)) for i in range(n)]
+        return values[0] if n == 1 else PerReplica(values)
+
+    def step_timings(self, last: int | None = None) -> list[list[dict]]:
+        """Per replica, the phase timings of the most recent steps (see ``StepTiming``)."""
+        return self._extended.step_timings(last)
+
+    # -- pickling and display ----------------------------------------------------------
+
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        return (_resolve_strategy, (self._extended.token,))
+
+    def __repr__(self) -> str:
+        return (
+            f"<{type(self).__name__} replicas={self.num_replicas_in_sync} "
+            f"devices={list(self._extended.worker_devices)}>"
+        )
+
+    def _repr_html_(self) -> str:
+        rows = "".join(
+            f"<tr><td>{r}</td><td>{html.escape(d)}</td><td>{html.escape(a)}</td></tr>"
+            for r, (d, a) in enumerate(zip(self._extended.worker_devices, self._extended.worker_addresses))
+        )
+        link = self.dashboard_link
+        dash = f'<p>Dashboard: <a href="{html.escape(link)}" target="_blank">{html.escape(link)}</a></p>' if link else ""
+        return (
+            f"<div><b>{type(self).__name__}</b> with {self.num_replicas_in_sync} replicas{dash}"
+            f"<table><tr><th>replica</th><th>device</th><th>worker</th></tr>{rows}</table></div>"
+        )
+
+
+def _resolve_strategy(token: str) -> Any:
+    """Unpickle a strategy reference: the replica's view inside a replica, else the live strategy."""
+    runtime = context.current_runtime()
+    if runtime is not None and runtime.token == token:
+        return runtime.strategy_view
+    owner = registry.lookup(token)
+    if owner is None or owner.strategy is None:
+        raise StrategyClosedError(f"strategy {token} is closed or lives in another process")
+    return owner.strategy

@@ -1,0 +1,84 @@
+"""The default strategy and replica context in effect outside any strategy (one replica, local)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Callable, Iterator
+
+from daskdist.ops import CommunicationOptions, ReduceOp
+from daskdist.values import gather_values, local_results, reduce_values
+
+__all__ = ["default_replica_context", "default_strategy"]
+
+
+class _DefaultStrategy:
+    """Runs functions directly in this thread, as one replica (TF's default strategy)."""
+
+    num_replicas_in_sync = 1
+    cluster_resolver = None
+
+    @property
+    def extended(self) -> _DefaultStrategy:
+        return self
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[_DefaultStrategy]:
+        yield self
+
+    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, options: Any = None) -> Any:
+        return fn(*args, **(kwargs or {}))
+
+    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
+        if axis is None:
+            ReduceOp.from_any(reduce_op)
+            return value
+        return reduce_values(reduce_op, value, axis, 1)
+
+    def gather(self, value: Any, axis: int) -> Any:
+        return gather_values(value, axis)
+
+    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
+        return local_results(value)
+
+    def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any = None, options: Any = None) -> Any:
+        return value
+
+    def update(self, var: Any, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
+               group: bool = True) -> Any:
+        return fn(var, *args, **(kwargs or {}))
+
+    def __repr__(self) -> str:
+        return "<default strategy (one local replica)>"
+
+
+class _DefaultReplicaContext:
+    """One replica: collectives return their input."""
+
+    replica_id_in_sync_group = 0
+    num_replicas_in_sync = 1
+    devices = ("/job:localhost/replica:0/task:0/device:CPU:0",)
+
+    @property
+    def strategy(self) -> _DefaultStrategy:
+        return default_strategy()
+
+    def all_reduce(self, reduce_op: ReduceOp | str, value: Any, options: CommunicationOptions | None = None) -> Any:
+        ReduceOp.from_any(reduce_op)
+        return value
+
+    def all_gather(self, value: Any, axis: int, options: CommunicationOptions | None = None) -> Any:
+        return value
+
+    def merge_call(self, merge_fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
+        return merge_fn(default_strategy(), *args, **(kwargs or {}))
+
+
+@functools.cache
+def default_strategy() -> _DefaultStrategy:
+    return _DefaultStrategy()
+
+
+@functools.cache
+def default_replica_context() -> _DefaultReplicaContext:
+    return _DefaultReplicaContext()

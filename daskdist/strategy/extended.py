@@ -1,0 +1,242 @@
+"""``DaskExtended``: the implementation behind ``MirroredStrategy`` and ``OneDeviceStrategy``.
+
+It finds or starts the cluster, places one replica per device-worker,
+launches the replica group, and turns the public API into commands for the
+replicas. Client-side state is only handles (variables, the group); values
+live on the replicas.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from typing import Any, Callable
+
+from distributed import Client, default_client
+
+from daskdist import config, registry
+from daskdist.arrays import as_array
+from daskdist.cluster.devices import DeviceSpec, parse_devices
+from daskdist.cluster.embedded import describe_worker, start_embedded_cluster
+from daskdist.cluster.group import ReplicaGroup
+from daskdist.cluster.placement import Placement, WorkerInfo, place_replicas
+from daskdist.cross_device_ops import CrossDeviceOps
+from daskdist.exceptions import StrategyClosedError
+from daskdist.replica import commands
+from daskdist.values import check_num_components, regroup, select_replica
+from daskdist.variables import (
+    DistributedVariable,
+    VariableAggregation,
+    VariableSpec,
+    VariableSynchronization,
+    distributed_variable_class,
+)
+
+__all__ = ["DaskExtended"]
+
+logger = logging.getLogger(__name__)
+
+
+class DaskExtended:
+    """Replicas of one strategy on a Dask cluster.
+
+    Parameters
+    ----------
+    strategy
+        The public strategy object this implements.
+    devices
+        TF device strings, or ``None`` for every device-worker.
+    cross_device_ops
+        A ``CrossDeviceOps`` choosing the all-reduce algorithm, or ``None``.
+    client
+        A ``distributed.Client``; ``None`` uses the default client if there is
+        one, else starts an embedded local cluster.
+    """
+
+    def __init__(self, strategy: Any, devices: list[str] | None, cross_device_ops: CrossDeviceOps | None,
+                 client: Client | None):
+        specs = parse_devices(devices) if devices is not None else None
+        if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
+            raise TypeError(
+                "cross_device_ops must be a dd.CrossDeviceOps such as dd.NcclAllReduce(), "
+                f"dd.HierarchicalCopyAllReduce() or dd.ReductionToOneDevice(); got {type(cross_device_ops).__name__}"
+            )
+        if client is not None and not isinstance(client, Client):
+            raise TypeError(f"client must be a distributed.Client, got {type(client).__name__}")
+        self.strategy = strategy
+        self._cross_device_ops = cross_device_ops
+        self._cluster: Any = None
+        self._owns_client = False
+        self._closed = False
+        self._variables: dict[str, DistributedVariable] = {}
+        self._variable_ids = itertools.count(1)
+        self._lock = threading.Lock()
+
+        if client is None:
+            try:
+                client = default_client()
+            except ValueError:
+                client = None
+        if client is None:
+            self._cluster, specs = start_embedded_cluster(specs)
+            client = Client(self._cluster, set_as_default=False)
+            self._owns_client = True
+        self.client = client
+        try:
+            placements = self._place(specs, embedded=self._owns_client)
+            algorithm = (cross_device_ops or CrossDeviceOps()).algorithm([p.device for p in placements])
+            self._group = ReplicaGroup(
+                client, placements, algorithm=algorithm, transport=config.get("collective.transport")
+            )
+            self._group.launch()
+        except BaseException:
+            self._shutdown_cluster()
+            raise
+        registry.register(self._group.group_id, self)
+        logger.info("%s: %d replicas on %s", type(strategy).__name__, len(placements), self._group.addresses)
+
+    # -- placement -----------------------------------------------------------------
+
+    def _place(self, specs: list[DeviceSpec] | None, embedded: bool) -> list[Placement]:
+        info = self.client.scheduler_info(n_workers=-1)["workers"]
+        described = self.client.run(describe_worker)
+        workers = [
+            WorkerInfo(address=a, name=str(info[a].get("name", a)), host=d["host"], gpus=d["gpus"])
+            for a, d in described.items()
+            if a in info
+        ]
+        if embedded:  # the embedded cluster has exactly one worker per requested device, in order
+            placed = place_replicas(workers, None)
+            if specs is not None:
+                placed = [Placement(p.rank, p.address, p.host, s) for p, s in zip(placed, specs)]
+            return placed
+        return place_replicas(workers, specs)
+
+    # -- properties ----------------------------------------------------------------
+
+    @property
+    def token(self) -> str:
+        return self._group.group_id
+
+    @property
+    def num_replicas(self) -> int:
+        return self._group.size
+
+    @property
+    def worker_devices(self) -> tuple[str, ...]:
+        """The device string of each replica, in replica order."""
+        return tuple(self._group.spec.devices)
+
+    @property
+    def parameter_devices(self) -> tuple[str, ...]:
+        """Where variables live: a copy on every replica's device."""
+        return self.worker_devices
+
+    @property
+    def worker_addresses(self) -> tuple[str, ...]:
+        """The Dask worker hosting each replica."""
+        return tuple(self._group.addresses)
+
+    @property
+    def cross_device_ops(self) -> CrossDeviceOps | None:
+        return self._cross_device_ops
+
+    @property
+    def group(self) -> ReplicaGroup:
+        return self._group
+
+    def check_open(self) -> None:
+        if self._closed:
+            raise StrategyClosedError("This strategy is closed; create a new one")
+
+    # -- running -------------------------------------------------------------------
+
+    def call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """Run ``fn`` on every replica with its component of any distributed arguments."""
+        self.check_open()
+        check_num_components((args, kwargs), self.num_replicas)
+        if _has_distributed((args, kwargs)):
+            per_replica = [(fn, *select_replica(r, (args, kwargs))) for r in range(self.num_replicas)]
+            results = self._group.call(commands.run_function, per_replica)
+        else:
+            results = self._group.call(commands.run_function, (fn, args, kwargs))
+        return regroup(results)
+
+    def step_timings(self, last: int | None = None) -> list[list[dict]]:
+        self.check_open()
+        return self._group.call(commands.step_timings, (last,))
+
+    # -- variables -------------------------------------------------------------------
+
+    def create_variable(self, *args: Any, **kwargs: Any) -> DistributedVariable:
+        """``dd.Variable(...)`` inside ``scope()``: one copy per replica, initialised from the client."""
+        self.check_open()
+        value, spec = VariableSpec.build(*args, **kwargs)
+        var_id = f"c{next(self._variable_ids)}"
+        self._group.call(commands.create_variable, (var_id, value, spec))
+        handle = distributed_variable_class(spec)(spec, self.token, var_id, owner=self)
+        self._variables[var_id] = handle
+        return handle
+
+    def variable_handle(self, var_id: str, spec: VariableSpec) -> DistributedVariable:
+        """The client's handle for a variable (also for ones created inside replica functions)."""
+        with self._lock:
+            handle = self._variables.get(var_id)
+            if handle is None:
+                handle = distributed_variable_class(spec)(spec, self.token, var_id, owner=self)
+                self._variables[var_id] = handle
+            return handle
+
+    def read_variable(self, var_id: str, all_replicas: bool = False) -> Any:
+        """One replica's copy (replica 0), or every replica's copy as a list."""
+        self.check_open()
+        if all_replicas:
+            return self._group.call(commands.read_variable, (var_id,))
+        return self._group.call(commands.read_variable, (var_id,), ranks=[0])[0]
+
+    def update_variable(self, var_id: str, method: str, value: Any) -> None:
+        """A cross-replica update from the client, applied to every copy.
+
+        For a ``SyncOnReadVariable`` with SUM aggregation each copy gets
+        ``value / num_replicas``, so that the aggregated read gives ``value``
+        (TensorFlow's rule).
+        """
+        self.check_open()
+        spec = self._variables[var_id]._spec
+        if (
+            spec.synchronization is VariableSynchronization.ON_READ
+            and spec.aggregation is VariableAggregation.SUM
+            and self.num_replicas > 1
+        ):
+            value = as_array(value)[0] / self.num_replicas
+        self._group.call(commands.update_variable, (var_id, method, value))
+
+    # -- closing -------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        registry.unregister(self._group.group_id)
+        try:
+            self._group.close()
+        finally:
+            self._variables.clear()
+            self._shutdown_cluster()
+
+    def _shutdown_cluster(self) -> None:
+        if self._owns_client:
+            self.client.close()
+            if self._cluster is not None:
+                self._cluster.close()
+            self._owns_client = False
+
+
+def _has_distributed(structure: Any) -> bool:
+    import optree
+
+    from daskdist.values import DistributedValues
+
+    leaves = optree.tree_leaves(structure, is_leaf=lambda x: isinstance(x, DistributedValues), none_is_leaf=True)
+    return any(isinstance(leaf, DistributedValues) for leaf in leaves)

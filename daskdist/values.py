@@ -1,0 +1,187 @@
+"""Distributed values: one component per replica (TF's ``PerReplica`` and ``Mirrored``)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+import optree
+
+from daskdist.arrays import as_array, namespace
+from daskdist.collective.reduction import check_dtype, finalize
+from daskdist.ops import ReduceOp
+
+__all__ = [
+    "DistributedValues",
+    "Mirrored",
+    "PerReplica",
+    "check_num_components",
+    "gather_values",
+    "local_results",
+    "reduce_values",
+    "regroup",
+    "select_replica",
+]
+
+
+class DistributedValues:
+    """A value with one component per replica, in replica order."""
+
+    __slots__ = ("_values",)
+
+    def __init__(self, values: Sequence[Any]):
+        self._values = tuple(values)
+        if not self._values:
+            raise ValueError(f"{type(self).__name__} needs at least one component")
+
+    @property
+    def values(self) -> tuple[Any, ...]:
+        """The components, one per replica."""
+        return self._values
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        inner = ",\n".join(f"  {i}: {v!r}" for i, v in enumerate(self._values))
+        return f"{type(self).__name__}:{{\n{inner}\n}}"
+
+    def _repr_html_(self) -> str:
+        rows = "".join(f"<tr><td>{i}</td><td><pre>{v!r}</pre></td></tr>" for i, v in enumerate(self._values))
+        return f"<b>{type(self).__name__}</b><table><tr><th>replica</th><th>value</th></tr>{rows}</table>"
+
+
+class PerReplica(DistributedValues):
+    """Values that differ between replicas, such as the result of ``strategy.run``."""
+
+    __slots__ = ()
+
+
+class Mirrored(DistributedValues):
+    """Values that are identical on every replica."""
+
+    __slots__ = ()
+
+
+def _is_distributed(x: Any) -> bool:
+    return isinstance(x, DistributedValues)
+
+
+def select_replica(rank: int, structure: Any) -> Any:
+    """Replace every ``DistributedValues`` in ``structure`` with its component for ``rank``."""
+    return optree.tree_map(
+        lambda x: x.values[rank] if isinstance(x, DistributedValues) else x,
+        structure,
+        is_leaf=_is_distributed,
+        none_is_leaf=True,
+    )
+
+
+def check_num_components(structure: Any, num_replicas: int) -> None:
+    """Raise ``ValueError`` if a ``DistributedValues`` in ``structure`` has the wrong length."""
+    leaves = optree.tree_leaves(structure, is_leaf=_is_distributed, none_is_leaf=True)
+    for leaf in leaves:
+        if isinstance(leaf, DistributedValues) and len(leaf) != num_replicas:
+            raise ValueError(
+                f"{type(leaf).__name__} has {len(leaf)} components but the strategy has "
+                f"{num_replicas} replicas"
+            )
+
+
+def regroup(results: Sequence[Any]) -> Any:
+    """Turn per-replica results into one structure whose leaves are ``PerReplica`` (TF's regroup).
+
+    With one replica the result is returned as is. Leaves that are the same
+    object on every replica (a mirrored variable handle) stay that object.
+    """
+    if len(results) == 1:
+        return results[0]
+    try:
+        flat = [optree.tree_flatten(r, none_is_leaf=True) for r in results]
+    except Exception:
+        return PerReplica(results)
+    treedef = flat[0][1]
+    if any(t != treedef for _, t in flat):
+        return PerReplica(results)
+    leaves = []
+    for components in zip(*(leaves_ for leaves_, _ in flat)):
+        first = components[0]
+        if all(c is first for c in components) and not isinstance(first, (np.ndarray, int, float)):
+            leaves.append(first)
+        else:
+            leaves.append(PerReplica(components))
+    return optree.tree_unflatten(treedef, leaves)
+
+
+def local_results(value: Any) -> tuple[Any, ...]:
+    """The components of ``value`` (a 1-tuple for a non-distributed value)."""
+    if isinstance(value, DistributedValues):
+        return value.values
+    read = getattr(value, "_local_results", None)
+    if read is not None:
+        return read()
+    return (value,)
+
+
+def reduce_values(op: ReduceOp | str, value: Any, axis: int | None, num_replicas: int) -> Any:
+    """Reduce across replicas (and along ``axis`` within each), as ``Strategy.reduce`` does.
+
+    Parameters
+    ----------
+    value
+        ``PerReplica``/``Mirrored``, a structure of them, or a plain value
+        (treated as the same value on every replica).
+    axis
+        ``None``: reduce across replicas only. An int: also reduce along that
+        axis of each component; ``MEAN`` is then the mean over all elements of
+        all replicas (TF's semantics for uneven per-replica batches).
+    """
+    op = ReduceOp.from_any(op)
+
+    def reduce_leaf(leaf: Any) -> Any:
+        if isinstance(leaf, DistributedValues):
+            parts = [as_array(v)[0] for v in leaf.values]
+        else:
+            parts = [as_array(leaf)[0]] * num_replicas
+            if op is ReduceOp.SUM and num_replicas > 1:
+                raise ValueError(
+                    "A non-distributed value cannot be SUM-reduced across replicas "
+                    "(it would be counted once per replica); pass a PerReplica value or use MEAN"
+                )
+        xp = namespace(parts[0])
+        if axis is None:
+            stacked = xp.stack(parts)
+            return _reduce_stack(xp, op, stacked, 0, count=len(parts))
+        concatenated = xp.concatenate([xp.atleast_1d(p) for p in parts], axis=axis)
+        return _reduce_stack(xp, op, concatenated, axis, count=concatenated.shape[axis])
+
+    return optree.tree_map(reduce_leaf, value, is_leaf=_is_distributed)
+
+
+def _reduce_stack(xp: Any, op: ReduceOp, stacked: Any, axis: int, count: int) -> Any:
+    if op is ReduceOp.SUM:
+        return stacked.sum(axis=axis, dtype=stacked.dtype)
+    if op is ReduceOp.MEAN:
+        check_dtype(op, stacked.dtype)
+        total = xp.asarray(stacked.sum(axis=axis, dtype=stacked.dtype))
+        finalize(op, total, count)
+        return total
+    if op is ReduceOp.MAX:
+        return stacked.max(axis=axis)
+    if op is ReduceOp.MIN:
+        return stacked.min(axis=axis)
+    return stacked.prod(axis=axis, dtype=stacked.dtype)
+
+
+def gather_values(value: Any, axis: int) -> Any:
+    """Concatenate the components of ``value`` along ``axis`` (``Strategy.gather``)."""
+
+    def gather_leaf(leaf: Any) -> Any:
+        parts = [as_array(v)[0] for v in local_results(leaf)]
+        if any(p.ndim == 0 for p in parts):
+            raise ValueError("gather needs arrays with at least one dimension; got a 0-d component")
+        return namespace(parts[0]).concatenate(parts, axis=axis)
+
+    return optree.tree_map(gather_leaf, value, is_leaf=_is_distributed)
+
+

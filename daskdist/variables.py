@@ -1,0 +1,418 @@
+"""Variables: ordinary, mirrored (one synchronized copy per replica) and sync-on-read.
+
+``dd.Variable(...)`` builds what the context asks for, as ``tf.Variable`` does:
+outside any strategy an ordinary ``Variable``; inside ``strategy.scope()`` on
+the client a ``MirroredVariable`` (or ``SyncOnReadVariable`` for
+``synchronization=ON_READ``) whose copies live on the replicas; inside a
+replica function a variable created collectively, replica 0's initial value
+broadcast to all.
+
+A distributed variable pickles as a reference (group token + id), so a
+function that captures it ships a few bytes, and on each replica the
+reference resolves to that replica's own copy.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from daskdist import context, registry
+from daskdist.arrays import as_array, namespace, to_numpy
+from daskdist.exceptions import StrategyClosedError
+from daskdist.ops import ReduceOp
+
+if TYPE_CHECKING:
+    pass
+
+__all__ = [
+    "MirroredVariable",
+    "SyncOnReadVariable",
+    "Variable",
+    "VariableAggregation",
+    "VariableSpec",
+    "VariableSynchronization",
+]
+
+
+class VariableAggregation(enum.Enum):
+    """How replica updates to a distributed variable are combined (TF's ``VariableAggregation``)."""
+
+    NONE = "NONE"
+    SUM = "SUM"
+    MEAN = "MEAN"
+    ONLY_FIRST_REPLICA = "ONLY_FIRST_REPLICA"
+
+
+class VariableSynchronization(enum.Enum):
+    """When a distributed variable is synchronized (TF's ``VariableSynchronization``)."""
+
+    AUTO = "AUTO"
+    NONE = "NONE"
+    ON_WRITE = "ON_WRITE"
+    ON_READ = "ON_READ"
+
+
+_AGGREGATION_OPS = {VariableAggregation.SUM: ReduceOp.SUM, VariableAggregation.MEAN: ReduceOp.MEAN}
+
+
+@dataclass(frozen=True)
+class VariableSpec:
+    """What a variable is, without its value."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    trainable: bool
+    aggregation: VariableAggregation
+    synchronization: VariableSynchronization
+
+    @classmethod
+    def build(
+        cls,
+        initial_value: Any,
+        trainable: bool | None = None,
+        name: str | None = None,
+        dtype: Any = None,
+        aggregation: VariableAggregation | str = VariableAggregation.NONE,
+        synchronization: VariableSynchronization | str = VariableSynchronization.AUTO,
+        shape: Any = None,
+    ) -> tuple[Any, VariableSpec]:
+        """Validate ``tf.Variable``'s arguments; return the initial array and the spec."""
+        if initial_value is None:
+            raise ValueError("initial_value must be given")
+        if callable(initial_value):
+            initial_value = initial_value()
+        value, _ = as_array(initial_value)
+        xp = namespace(value)
+        if dtype is not None:
+            value = value.astype(np.dtype(dtype), copy=False)
+        value = xp.array(value, copy=True)
+        aggregation = _enum(VariableAggregation, aggregation, "aggregation")
+        synchronization = _enum(VariableSynchronization, synchronization, "synchronization")
+        if synchronization is VariableSynchronization.ON_READ:
+            if trainable:
+                raise ValueError(
+                    "Synchronization value can be set to VariableSynchronization.ON_READ only for "
+                    "non-trainable variables. You have specified trainable=True and "
+                    "synchronization=VariableSynchronization.ON_READ."
+                )
+            trainable = False
+        elif trainable is None:
+            trainable = True
+        if shape is not None and tuple(shape) != tuple(value.shape):
+            raise ValueError(f"shape {tuple(shape)} does not match the initial value's shape {tuple(value.shape)}")
+        spec = cls(
+            name=name or "Variable",
+            dtype=value.dtype.str,
+            shape=tuple(int(d) for d in value.shape),
+            trainable=bool(trainable),
+            aggregation=aggregation,
+            synchronization=synchronization,
+        )
+        return value, spec
+
+
+def _enum(enum_cls: type[enum.Enum], value: Any, what: str) -> Any:
+    if isinstance(value, enum_cls):
+        return value
+    try:
+        return enum_cls[str(value).upper()]
+    except KeyError:
+        names = ", ".join(m.name for m in enum_cls)
+        raise ValueError(f"Unknown {what} {value!r}; expected one of {names}") from None
+
+
+class _ArrayOps:
+    """Arithmetic on a variable reads its value, like a tensor."""
+
+    def value(self) -> Any:
+        raise NotImplementedError
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        array = to_numpy(self.value())
+        return array.astype(dtype) if dtype is not None else np.array(array, copy=True)
+
+    def __add__(self, o): return self.value() + _v(o)
+    def __radd__(self, o): return _v(o) + self.value()
+    def __sub__(self, o): return self.value() - _v(o)
+    def __rsub__(self, o): return _v(o) - self.value()
+    def __mul__(self, o): return self.value() * _v(o)
+    def __rmul__(self, o): return _v(o) * self.value()
+    def __truediv__(self, o): return self.value() / _v(o)
+    def __rtruediv__(self, o): return _v(o) / self.value()
+    def __matmul__(self, o): return self.value() @ _v(o)
+    def __rmatmul__(self, o): return _v(o) @ self.value()
+    def __pow__(self, o): return self.value() ** _v(o)
+    def __neg__(self): return -self.value()
+    def __getitem__(self, index): return self.value()[index]
+    def __len__(self): return len(self.value())
+
+
+def _v(x: Any) -> Any:
+    return x.value() if isinstance(x, _ArrayOps) else x
+
+
+class _VariableMeta(type):
+    """``Variable(...)`` asks the current context's variable creator first (TF's metaclass trick)."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if cls is Variable:
+            frame = context.current_frame()
+            if frame is not None and frame.variable_creator is not None:
+                return frame.variable_creator(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
+
+
+class Variable(_ArrayOps, metaclass=_VariableMeta):
+    """A variable (TF's ``tf.Variable`` arguments).
+
+    Created outside any strategy this is an ordinary variable holding one
+    array. A function passed to ``strategy.run`` that captures it receives a
+    copy on each replica; create it inside ``strategy.scope()`` to get a
+    ``MirroredVariable`` that replicas update together.
+    """
+
+    def __init__(
+        self,
+        initial_value: Any = None,
+        trainable: bool | None = None,
+        name: str | None = None,
+        dtype: Any = None,
+        aggregation: VariableAggregation | str = VariableAggregation.NONE,
+        synchronization: VariableSynchronization | str = VariableSynchronization.AUTO,
+        shape: Any = None,
+    ):
+        self._value, self._spec = VariableSpec.build(
+            initial_value, trainable, name, dtype, aggregation, synchronization, shape
+        )
+
+    # -- description ------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._spec.name
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self._spec.dtype)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._spec.shape
+
+    @property
+    def trainable(self) -> bool:
+        return self._spec.trainable
+
+    @property
+    def aggregation(self) -> VariableAggregation:
+        return self._spec.aggregation
+
+    @property
+    def synchronization(self) -> VariableSynchronization:
+        return self._spec.synchronization
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} '{self.name}' shape={self.shape} dtype={self.dtype.name}, numpy={self.numpy()!r}>"
+
+    # -- reading and writing -------------------------------------------------------
+
+    def value(self) -> Any:
+        """The current value (not a copy; do not modify it in place)."""
+        return self._value
+
+    def read_value(self) -> Any:
+        """A copy of the current value."""
+        return namespace(self._value).array(self._value, copy=True)
+
+    def numpy(self) -> np.ndarray:
+        """The current value as a numpy array on the host."""
+        return np.array(to_numpy(self.value()), copy=True)
+
+    def assign(self, value: Any, read_value: bool = True) -> Any:
+        """Set the value; returns the variable (or ``None`` with ``read_value=False``)."""
+        self._write(self._convert(value))
+        return self if read_value else None
+
+    def assign_add(self, delta: Any, read_value: bool = True) -> Any:
+        """Add ``delta`` to the value."""
+        self._write(self.value() + self._convert(delta))
+        return self if read_value else None
+
+    def assign_sub(self, delta: Any, read_value: bool = True) -> Any:
+        """Subtract ``delta`` from the value."""
+        self._write(self.value() - self._convert(delta))
+        return self if read_value else None
+
+    def _convert(self, value: Any) -> Any:
+        array, _ = as_array(value)
+        if tuple(array.shape) != self.shape and array.ndim != 0:
+            raise ValueError(
+                f"Cannot assign a value of shape {tuple(array.shape)} to variable '{self.name}' of shape {self.shape}"
+            )
+        return array.astype(self.dtype, copy=False)
+
+    def _write(self, new_value: Any) -> None:
+        xp = namespace(self._value)
+        xp.copyto(self._value, new_value, casting="unsafe")
+
+
+class DistributedVariable(Variable):
+    """A variable with one copy per replica of a strategy (base of Mirrored / SyncOnRead).
+
+    On the client it is a handle: reads and writes are commands to the
+    replicas. Inside a replica it is that replica's copy.
+    """
+
+    def __init__(self, spec: VariableSpec, token: str, var_id: int, owner: Any = None, local_value: Any = None,
+                 runtime: Any = None):
+        self._spec = spec
+        self._token = token
+        self._var_id = var_id
+        self._owner = owner  # client: the strategy's extended object
+        self._runtime = runtime  # replica: the replica runtime
+        self._value = local_value
+
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        return (_resolve_variable, (self._token, self._var_id, self._spec))
+
+    # -- where are we? -------------------------------------------------------------
+
+    def _on_replica(self) -> bool:
+        return self._runtime is not None
+
+    def _client_owner(self) -> Any:
+        owner = self._owner or registry.lookup(self._token)
+        if owner is None:
+            raise StrategyClosedError(
+                f"Variable '{self.name}' belongs to a strategy that is closed or lives in another process"
+            )
+        return owner
+
+    def _local_results(self) -> tuple[Any, ...]:
+        return tuple(self._client_owner().read_variable(self._var_id, all_replicas=True))
+
+    # -- reading ----------------------------------------------------------------
+
+    def value(self) -> Any:
+        if self._on_replica():
+            return self._value
+        return self._client_owner().read_variable(self._var_id)
+
+    def read_value(self) -> Any:
+        value = self.value()
+        return namespace(value).array(value, copy=True) if self._on_replica() else value
+
+    # -- writing ----------------------------------------------------------------
+
+    def _update(self, method: str, value: Any) -> None:
+        if not self._on_replica():
+            self._client_owner().update_variable(self._var_id, method, value)
+            return
+        array = self._convert(value)
+        if self._needs_aggregation():
+            array = self._aggregate(array)
+        start = time.perf_counter()
+        if method == "assign":
+            new_value = array
+        elif method == "assign_add":
+            new_value = self._value + array
+        else:
+            new_value = self._value - array
+        Variable._write(self, new_value)
+        self._runtime.timer.add_apply(time.perf_counter() - start)
+
+    def assign(self, value: Any, read_value: bool = True) -> Any:
+        self._update("assign", value)
+        return self if read_value else None
+
+    def assign_add(self, delta: Any, read_value: bool = True) -> Any:
+        self._update("assign_add", delta)
+        return self if read_value else None
+
+    def assign_sub(self, delta: Any, read_value: bool = True) -> Any:
+        self._update("assign_sub", delta)
+        return self if read_value else None
+
+    def _needs_aggregation(self) -> bool:
+        return False
+
+    def _aggregate(self, array: Any) -> Any:
+        return array
+
+
+class MirroredVariable(DistributedVariable):
+    """Copies kept identical on every replica (``synchronization`` ON_WRITE or AUTO).
+
+    An update in replica context is first aggregated across replicas per
+    ``aggregation`` (SUM, MEAN, ONLY_FIRST_REPLICA) and then applied to every
+    copy, so all replicas must make it together; with ``aggregation=NONE`` it is
+    an error, as in TensorFlow. An update from the client (or inside
+    ``merge_call`` / ``extended.update``) applies the same value to every copy.
+    """
+
+    def _needs_aggregation(self) -> bool:
+        frame = context.current_frame()
+        return frame is not None and frame.replica_context is not None
+
+    def _aggregate(self, array: Any) -> Any:
+        ctx = context.current_frame().replica_context
+        aggregation = self.aggregation
+        if ctx.num_replicas_in_sync == 1:
+            return array
+        if aggregation is VariableAggregation.NONE:
+            raise ValueError(
+                f"You must specify an aggregation method to update MirroredVariable '{self.name}' in replica "
+                "context: create it with aggregation=SUM, MEAN or ONLY_FIRST_REPLICA, or update it inside "
+                "merge_call / strategy.extended.update"
+            )
+        if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
+            return ctx._broadcast(array, root=0)
+        return ctx.all_reduce(_AGGREGATION_OPS[aggregation], array)
+
+
+class SyncOnReadVariable(DistributedVariable):
+    """Each replica updates its own copy; reading from the client aggregates them (``ON_READ``).
+
+    Used for metrics and batch-norm statistics: replicas update locally with no
+    communication; the client sees the SUM, MEAN or first replica's value.
+    """
+
+    def value(self) -> Any:
+        if self._on_replica():
+            return self._value
+        values = self._local_results()
+        aggregation = self.aggregation
+        if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
+            return values[0]
+        if aggregation is VariableAggregation.NONE:
+            raise ValueError(
+                f"Cannot read SyncOnReadVariable '{self.name}' in cross-replica context with aggregation NONE"
+            )
+        from daskdist.values import PerReplica, reduce_values
+
+        return reduce_values(_AGGREGATION_OPS[aggregation], PerReplica(values), None, len(values))
+
+
+def _resolve_variable(token: str, var_id: int, spec: VariableSpec) -> DistributedVariable:
+    """Unpickle a variable reference: the replica's own copy, or the client's handle."""
+    runtime = context.current_runtime()
+    if runtime is not None and runtime.token == token:
+        return runtime.resident_object(var_id)
+    owner = registry.lookup(token)
+    if owner is not None:
+        return owner.variable_handle(var_id, spec)
+    cls = SyncOnReadVariable if spec.synchronization is VariableSynchronization.ON_READ else MirroredVariable
+    return cls(spec, token, var_id)
+
+
+def distributed_variable_class(spec: VariableSpec) -> type[DistributedVariable]:
+    """``SyncOnReadVariable`` for ON_READ, ``MirroredVariable`` otherwise."""
+    if spec.synchronization is VariableSynchronization.ON_READ:
+        return SyncOnReadVariable
+    return MirroredVariable
