@@ -1,0 +1,32 @@
+# Two commands do all set-up on a fresh machine:
+#   make run    installs into .venv and runs the main example on an embedded local cluster
+#   make test   installs into .venv (with test extras) and runs the test suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test bench install clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/python examples/quickstart.py
+
+test: $(STAMP)
+	$(BIN)/python -m pytest tests -q
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/run_overhead.py
+	$(BIN)/python benchmarks/allreduce.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
