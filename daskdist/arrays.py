@@ -40,7 +40,7 @@ def as_array(x: Any) -> tuple[Any, Callable[[Any], Any]]:
     """
     if isinstance(x, np.ndarray) or _is_cupy(x):
         return x, _identity
-    if isinstance(x, (np.generic, bool, int, float, complex)):
+    if isinstance(x, (np.generic, bool, int, float, complex, list, tuple)):
         return np.asarray(x), _identity
     if hasattr(x, "__dlpack__"):
         device = getattr(x, "__dlpack_device__", lambda: (1, 0))()

@@ -96,6 +96,7 @@ class CollectiveCall:
         self.seq = comm.seq
         self.run_id = comm.run_id
         self.nbytes = 0
+        self.part = ""  # distinguishes the messages of successive packs within one collective
         self._sig_checked = False
         self._sig_handle = comm.transport.send(self._right, self._tag(self.rank, "sig"), sig)
 
@@ -112,11 +113,11 @@ class CollectiveCall:
 
     def send(self, dst: int, name: str, payload: Any) -> SendHandle:
         self.nbytes += getattr(payload, "nbytes", 0)
-        return self.comm.transport.send(dst, self._tag(self.rank, name), payload)
+        return self.comm.transport.send(dst, self._tag(self.rank, self.part + name), payload)
 
     def recv(self, src: int, name: str, expect: int | None = None) -> Any:
         self.check_signature()
-        payload = self._take(src, name)
+        payload = self._take(src, self.part + name)
         if expect is not None and getattr(payload, "size", None) != expect:
             self.mismatch(
                 f"replica {src} sent {getattr(payload, 'size', type(payload).__name__)} elements "
@@ -233,7 +234,8 @@ class Communicator:
         packed = pack(leaves, treedef, restore, options.bytes_per_pack, num_packs)
 
         def run(call: CollectiveCall) -> Any:
-            for p in packed.packs:
+            for index, p in enumerate(packed.packs):
+                call.part = f"p{index}/"
                 p.buffer = self._allreduce_buffer(call, p.buffer, op, options)
             return packed.unpack()
 

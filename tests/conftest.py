@@ -1,0 +1,54 @@
+"""Shared real clusters for the tests.
+
+``threaded_client``: a LocalCluster whose 3 workers are threads of this
+process (fast; real Dask workers, comms and scheduler). ``process_client``: 2
+workers in their own processes, as users run them. Crash tests build their
+own clusters.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from distributed import Client, LocalCluster
+
+
+def _cluster(n_workers: int, processes: bool, **kwargs) -> LocalCluster:
+    return LocalCluster(
+        n_workers=n_workers,
+        threads_per_worker=1,
+        processes=processes,
+        dashboard_address=":0",
+        silence_logs=logging.ERROR,
+        **kwargs,
+    )
+
+
+@pytest.fixture(scope="module")
+def threaded_client():
+    with _cluster(3, processes=False) as cluster, Client(cluster, set_as_default=False) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def process_client():
+    with _cluster(2, processes=True) as cluster, Client(cluster, set_as_default=False) as client:
+        yield client
+
+
+@pytest.fixture
+def make_cluster():
+    """Build a fresh cluster (and client) that the test may break; closed afterwards."""
+    made = []
+
+    def make(n_workers: int = 2, processes: bool = True, **kwargs) -> Client:
+        cluster = _cluster(n_workers, processes, **kwargs)
+        client = Client(cluster, set_as_default=False)
+        made.append((cluster, client))
+        return client
+
+    yield make
+    for cluster, client in made:
+        client.close()
+        cluster.close()

@@ -1,0 +1,211 @@
+"""Collective algorithms against numpy, over in-memory transports (no cluster needed)."""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import numpy as np
+import pytest
+
+from daskdist.collective.communicator import Algorithm
+from daskdist.exceptions import CollectiveAbortedError, CollectiveMismatchError, CollectiveTimeoutError
+from daskdist.ops import CommunicationImplementation, CommunicationOptions, ReduceOp
+
+from .fakes import InMemoryGroup
+
+RING = CommunicationOptions(implementation=CommunicationImplementation.RING)
+
+NUMPY_OPS = {
+    ReduceOp.SUM: lambda xs: np.sum(xs, axis=0, dtype=xs[0].dtype),
+    ReduceOp.MAX: lambda xs: np.max(xs, axis=0),
+    ReduceOp.MIN: lambda xs: np.min(xs, axis=0),
+    ReduceOp.PRODUCT: lambda xs: np.prod(xs, axis=0, dtype=xs[0].dtype),
+}
+
+
+def _inputs(size: int, shape: tuple, dtype: str, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    if np.dtype(dtype).kind == "b":
+        return [rng.random(shape) > 0.5 for _ in range(size)]
+    if np.dtype(dtype).kind in "iu":
+        return [rng.integers(0, 5, shape).astype(dtype) for _ in range(size)]
+    return [rng.standard_normal(shape).astype(dtype) for _ in range(size)]
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("algorithm", ["auto", "ring", "direct", "reduce_to_one"])
+@pytest.mark.parametrize("shape", [(), (0,), (1,), (7,), (1001,), (3, 5)])
+def test_all_reduce_sum_matches_numpy(size, algorithm, shape):
+    group = InMemoryGroup(size, Algorithm(algorithm))
+    xs = _inputs(size, shape, "float64")
+    results = group.run_ranks(lambda c: c.all_reduce(ReduceOp.SUM, xs[c.rank]))
+    expected = np.sum(xs, axis=0)
+    for r in results:
+        assert not isinstance(r, Exception), r
+        np.testing.assert_allclose(r, expected, rtol=1e-12)
+        assert r.shape == expected.shape
+    # every replica holds the very same bits
+    for r in results[1:]:
+        assert np.array_equal(r, results[0])
+
+
+@pytest.mark.parametrize("op", list(NUMPY_OPS))
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8"])
+def test_every_op_and_dtype(op, dtype):
+    size = 3
+    group = InMemoryGroup(size)
+    xs = _inputs(size, (13,), dtype, seed=1)
+    for options in (None, RING):
+        results = group.run_ranks(lambda c: c.all_reduce(op, xs[c.rank], options))
+        expected = NUMPY_OPS[op](np.stack(xs))
+        for r in results:
+            assert r.dtype == np.dtype(dtype)
+            np.testing.assert_allclose(r.astype("float64"), expected.astype("float64"), rtol=2e-3)
+
+
+def test_bool_sum_is_logical_or_and_mean_is_rejected():
+    group = InMemoryGroup(2)
+    xs = [np.array([True, False, False]), np.array([False, False, True])]
+    results = group.run_ranks(lambda c: c.all_reduce("SUM", xs[c.rank]))
+    assert results[0].tolist() == [True, False, True]
+    results = group.run_ranks(lambda c: c.all_reduce("MEAN", xs[c.rank]))
+    assert all(isinstance(r, TypeError) for r in results)
+
+
+@pytest.mark.parametrize("options", [None, RING])
+def test_mean_of_floats_and_ints(options):
+    group = InMemoryGroup(4)
+    floats = [np.full(5, r, np.float32) for r in range(4)]
+    results = group.run_ranks(lambda c: c.all_reduce(ReduceOp.MEAN, floats[c.rank], options))
+    np.testing.assert_allclose(results[0], np.full(5, 1.5))
+    ints = [np.full(5, r, np.int32) for r in range(4)]
+    results = group.run_ranks(lambda c: c.all_reduce(ReduceOp.MEAN, ints[c.rank], options))
+    assert results[0].dtype == np.int32 and results[0].tolist() == [1] * 5  # truncating, as TF's Div
+
+
+def test_nested_structures_and_packs():
+    Point = collections.namedtuple("Point", "x y")
+    group = InMemoryGroup(3, Algorithm("ring", num_packs=2))
+
+    def value(rank):
+        return {
+            "a": np.full((2, 2), rank, np.float32),
+            "b": [np.arange(3, dtype=np.int64) * rank, Point(np.float64(rank), np.ones(4, np.float32))],
+            "c": None,
+        }
+
+    for bytes_per_pack in (0, 8, 1 << 20):
+        options = CommunicationOptions(bytes_per_pack=bytes_per_pack)
+        results = group.run_ranks(lambda c: c.all_reduce("SUM", value(c.rank), options))
+        for r in results:
+            assert set(r) == {"a", "b", "c"} and r["c"] is None
+            np.testing.assert_array_equal(r["a"], np.full((2, 2), 3, np.float32))
+            np.testing.assert_array_equal(r["b"][0], np.arange(3) * 3)
+            assert isinstance(r["b"][1], Point)
+            assert r["b"][1].x == 3.0
+            np.testing.assert_array_equal(r["b"][1].y, np.full(4, 3, np.float32))
+
+
+def test_inputs_are_not_modified():
+    group = InMemoryGroup(2, Algorithm("ring"))
+    xs = [np.ones(10), np.ones(10)]
+    group.run_ranks(lambda c: c.all_reduce("SUM", xs[c.rank]))
+    assert xs[0].tolist() == [1.0] * 10
+
+
+def test_all_gather_uneven_and_nested():
+    group = InMemoryGroup(3)
+    results = group.run_ranks(
+        lambda c: c.all_gather({"x": np.full((c.rank + 1, 2), c.rank)}, axis=0)
+    )
+    for r in results:
+        assert r["x"].shape == (6, 2)
+        assert r["x"][:, 0].tolist() == [0, 1, 1, 2, 2, 2]
+    results = group.run_ranks(lambda c: c.all_gather(np.full((2, 1), c.rank), axis=1))
+    assert results[0].tolist() == [[0, 1, 2], [0, 1, 2]]
+
+
+def test_broadcast_objects_and_barrier():
+    group = InMemoryGroup(3)
+    results = group.run_ranks(lambda c: c.broadcast(np.full(3, c.rank + 10), root=1))
+    assert all(r.tolist() == [11, 11, 11] for r in results)
+    results = group.run_ranks(lambda c: c.all_gather_objects({"rank": c.rank}))
+    assert results[2] == [{"rank": 0}, {"rank": 1}, {"rank": 2}]
+    assert group.run_ranks(lambda c: c.barrier()) == [None, None, None]
+
+
+def test_reduce_to_one_with_accumulation_fn():
+    calls = []
+
+    def add_n(values):
+        calls.append(len(values))
+        return np.sum(values, axis=0)
+
+    group = InMemoryGroup(3, Algorithm("reduce_to_one", root=2, accumulation_fn=add_n))
+    results = group.run_ranks(lambda c: c.all_reduce("SUM", np.full(4, c.rank, np.float32)))
+    assert all(r.tolist() == [3.0] * 4 for r in results)
+    assert calls == [3]  # only the root accumulates
+
+
+@pytest.mark.parametrize(
+    "make, what",
+    [
+        (lambda r: np.ones(3 + r, np.float32), "float32["),
+        (lambda r: np.ones(3, np.float32 if r == 0 else np.float64), "float64[3]"),
+        (lambda r: {"a": np.ones(3)} if r == 0 else {"b": np.ones(3)}, "structure"),
+        (lambda r: np.ones(100_000 if r == 1 else 3, np.float32), "100000"),
+    ],
+)
+@pytest.mark.parametrize("size", [2, 4])
+def test_mismatch_raises_on_every_replica(make, what, size):
+    group = InMemoryGroup(size)
+    start = time.monotonic()
+    results = group.run_ranks(lambda c: c.all_reduce("SUM", make(c.rank), CommunicationOptions(timeout_seconds=20)))
+    assert time.monotonic() - start < 10
+    for r in results:
+        assert isinstance(r, CollectiveMismatchError), r
+        assert what in str(r)
+
+
+def test_timeout_names_the_replica_that_never_joined():
+    group = InMemoryGroup(3)
+    options = CommunicationOptions(timeout_seconds=0.5)
+
+    def fn(c):
+        if c.rank == 2:
+            return "skipped"
+        return c.all_reduce("SUM", np.ones(3), options)
+
+    results = group.run_ranks(fn)
+    assert results[2] == "skipped"
+    errors = [r for r in results[:2]]
+    assert all(isinstance(e, (CollectiveTimeoutError, CollectiveAbortedError)) for e in errors)
+    assert any(isinstance(e, CollectiveTimeoutError) for e in errors)
+    message = str(next(e for e in errors if isinstance(e, CollectiveTimeoutError)))
+    assert "replica 2" in message and "all_reduce #1" in message
+
+
+def test_a_failed_run_does_not_poison_the_next():
+    group = InMemoryGroup(2)
+
+    def fails(c):
+        if c.rank == 0:
+            raise ZeroDivisionError("boom")
+        return c.all_reduce("SUM", np.ones(2))
+
+    results = group.run_ranks(fails, run_id=1)
+    assert isinstance(results[0], ZeroDivisionError)
+    assert isinstance(results[1], CollectiveAbortedError) and "ZeroDivisionError: boom" in str(results[1])
+    results = group.run_ranks(lambda c: c.all_reduce("SUM", np.ones(2)), run_id=2)
+    assert results[0].tolist() == [2.0, 2.0]
+
+
+@pytest.mark.parametrize("algorithm", ["auto", "ring", "direct", "reduce_to_one"])
+def test_several_packs_in_one_collective_do_not_mix(algorithm):
+    group = InMemoryGroup(3, Algorithm(algorithm))
+    results = group.run_ranks(
+        lambda c: c.all_reduce("SUM", [np.full(2, c.rank, np.float32), np.full(3, c.rank, np.int64), c.rank])
+    )
+    for r in results:
+        assert r[0].tolist() == [3.0, 3.0] and r[1].tolist() == [3, 3, 3] and int(r[2]) == 3
