@@ -61,11 +61,10 @@ def time_calls(call: Callable[[], object], n: int) -> list[float]:
     return times
 
 
-def measure(n_workers: int, calls: int, warmup: int, block: int, step_events: bool) -> dict:
+def measure(n_workers: int, calls: int, warmup: int, block: int, step_events: bool) -> dict[str, list[float]]:
     """Time ``strategy.run`` and ``client.submit`` round trips on one fresh cluster.
 
-    Returns a dict with the lists of times (seconds) under ``"run"`` and
-    ``"submit"``, and the number of replicas.
+    Returns the lists of times (seconds) under ``"run"`` and ``"submit"``.
     """
     import dask.config
 
@@ -77,7 +76,8 @@ def measure(n_workers: int, calls: int, warmup: int, block: int, step_events: bo
             raise RuntimeError(f"workers see daskdist.metrics.log-events={seen}, expected {step_events}")
         strategy = dd.MirroredStrategy(client=client)
         try:
-            replicas = strategy.num_replicas_in_sync
+            if strategy.num_replicas_in_sync != n_workers:
+                raise RuntimeError(f"expected {n_workers} replicas, got {strategy.num_replicas_in_sync}")
             result = strategy.experimental_local_results(strategy.run(trivial))
             if any(r is not None for r in result):
                 raise RuntimeError(f"strategy.run(trivial) returned {result!r}")
@@ -101,10 +101,10 @@ def measure(n_workers: int, calls: int, warmup: int, block: int, step_events: bo
                 done += n
         finally:
             strategy.close()
-    return {"replicas": replicas, **timings}
+    return timings
 
 
-def summarize(n_workers: int, result: dict) -> list[str]:
+def summarize(n_workers: int, result: dict[str, list[float]]) -> list[str]:
     """One table row: medians, p90s and the run/submit ratio of medians."""
     run, submit = result["run"], result["submit"]
     run_med, submit_med = percentile_ms(run, 50), percentile_ms(submit, 50)

@@ -209,3 +209,19 @@ def test_several_packs_in_one_collective_do_not_mix(algorithm):
     )
     for r in results:
         assert r[0].tolist() == [3.0, 3.0] and r[1].tolist() == [3, 3, 3] and int(r[2]) == 3
+
+
+@pytest.mark.parametrize("algorithm", ["auto", "ring", "reduce_to_one"])
+def test_same_sizes_but_different_structure_fail_everywhere(algorithm):
+    """Replica 0 differs only in structure: replicas that agree with their left neighbour must still raise."""
+    group = InMemoryGroup(3, Algorithm(algorithm))
+    results = group.run_ranks(
+        lambda c: c.all_reduce("SUM", [np.ones(3)] if c.rank == 0 else {"w": np.ones(3)},
+                               CommunicationOptions(timeout_seconds=20))
+    )
+    assert all(isinstance(r, (CollectiveMismatchError,)) for r in results), results
+    results = group.run_ranks(
+        lambda c: c.broadcast([np.ones(3)] if c.rank == 2 else {"w": np.ones(3)}, root=0,
+                              options=CommunicationOptions(timeout_seconds=20)), run_id=2
+    )
+    assert all(isinstance(r, CollectiveMismatchError) for r in results), results

@@ -109,15 +109,21 @@ class ReplicaGroup:
         logger.debug("Replica group %s is up on %s", self.group_id, self.addresses)
 
     def close(self, timeout: float = 30) -> None:
-        """Stop every replica, wait for their tasks to end, and forget the group everywhere."""
+        """Stop every replica, wait for their tasks to end, and forget the group everywhere.
+
+        Replicas whose worker has left the cluster are skipped: their task
+        can never finish, and the scheduler forgets it when released.
+        """
         if self.closed:
             return
         self.closed = True
         try:
-            self.client.sync(self._stop_all)
+            alive = set(self.client.scheduler_info(n_workers=-1)["workers"])
+            ranks = [r for r, a in enumerate(self.addresses) if a in alive]
+            self.client.sync(self._stop, ranks)
             deadline = time.monotonic() + timeout
-            for future in self.futures:
-                future.result(timeout=max(0.1, deadline - time.monotonic()))
+            for rank in ranks:
+                self.futures[rank].result(timeout=max(0.1, deadline - time.monotonic()))
         except Exception as e:  # the cluster may already be gone, or a replica is stuck in user code
             logger.warning("Replicas of %s did not all stop cleanly: %r", self.group_id, e)
         self._release()
@@ -131,14 +137,16 @@ class ReplicaGroup:
             future.release()
         self.futures = []
 
-    async def _stop_all(self) -> None:
-        async def stop(rank: int, address: str) -> None:
+    async def _stop(self, ranks: list[int]) -> None:
+        async def stop(rank: int) -> None:
             try:
-                await self.client.rpc(address).daskdist_stop(group_id=self.group_id, rank=rank)
-            except (OSError, CommClosedError):
-                pass
+                await asyncio.wait_for(
+                    self.client.rpc(self.addresses[rank]).daskdist_stop(group_id=self.group_id, rank=rank), 10
+                )
+            except (OSError, CommClosedError, asyncio.TimeoutError) as e:
+                logger.debug("Could not stop replica %d of %s: %r", rank, self.group_id, e)
 
-        await asyncio.gather(*(stop(r, a) for r, a in enumerate(self.addresses)))
+        await asyncio.gather(*(stop(r) for r in ranks))
 
     # -- commands ----------------------------------------------------------------
 
@@ -184,20 +192,19 @@ class ReplicaGroup:
         tasks = {asyncio.ensure_future(self._call_one(rank, run_id, payload)): rank for rank, payload in payloads.items()}
         responses: dict[int, dict | None] = {rank: None for rank in payloads}
         pending = set(tasks)
-        while pending:
+        failed = lost = False
+        while pending and not failed:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            failed = False
             for task in done:
-                responses[tasks[task]] = task.result()
-                failed |= responses[tasks[task]].get("status") != "OK"
-            if failed:
-                break
-        if pending:  # a replica failed: give the others a bounded time to report their abort
+                response = responses[tasks[task]] = task.result()
+                failed |= response.get("status") != "OK"
+                lost |= response.get("kind") == "lost"
+        if pending and not lost:  # a replica failed: give the others a bounded time to report why
             done, pending = await asyncio.wait(pending, timeout=config.get_seconds("client.abort-grace"))
             for task in done:
                 responses[tasks[task]] = task.result()
-            for task in pending:
-                task.cancel()
+        for task in pending:  # a lost group is dead: nothing the others say changes the outcome
+            task.cancel()
         return responses
 
     async def _call_one(self, rank: int, run_id: int, payload: bytes) -> dict:

@@ -126,10 +126,19 @@ def allgather_direct(call: CollectiveCall, leaves: list[Any]) -> list[list[Any]]
 
 
 def broadcast_direct(call: CollectiveCall, payload: Any, root: int) -> Any:
-    """``root`` sends ``payload`` to every other rank; every rank returns it."""
+    """``root`` sends ``payload`` to every other rank; every rank returns it.
+
+    The others first tell the root they are ready (under the signature's
+    tag), and the root sends only once all are: so a replica that passed
+    something else blocks everyone until the mismatch aborts the run, and no
+    replica finishes a broadcast that another one failed.
+    """
     if call.rank == root:
+        for peer in _peers(call):
+            call.recv(peer, "ready")
         handles = [call.send(peer, "b", payload) for peer in _peers(call)]
         for h in handles:
             call.wait(h)
         return payload
+    call.wait(call.send(root, "ready", b""))
     return call.recv(root, "b")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import pickle
 import time
+import zlib
 from typing import Any, Callable, Protocol, Sequence
 
 import cloudpickle
@@ -97,8 +98,11 @@ class CollectiveCall:
         self.run_id = comm.run_id
         self.nbytes = 0
         self.part = ""  # distinguishes the messages of successive packs within one collective
+        # Data tags carry a hash of the signature: a replica can never consume data from a peer
+        # that passed something else; it waits until the replica that saw the mismatch aborts the run.
+        self._data_suffix = f"#{zlib.crc32(sig.encode()):08x}"
         self._sig_checked = False
-        self._sig_handle = comm.transport.send(self._right, self._tag(self.rank, "sig"), sig)
+        self._sig_handle = comm.transport.send(self._right, self._sig_tag(self.rank), sig)
 
     @property
     def _right(self) -> int:
@@ -109,7 +113,10 @@ class CollectiveCall:
         return (self.rank - 1) % self.size
 
     def _tag(self, src: int, name: str) -> tuple:
-        return (self.run_id, self.seq, src, name)
+        return (self.run_id, self.seq, src, name + self._data_suffix)
+
+    def _sig_tag(self, src: int) -> tuple:
+        return (self.run_id, self.seq, src, "sig")
 
     def send(self, dst: int, name: str, payload: Any) -> SendHandle:
         self.nbytes += getattr(payload, "nbytes", 0)
@@ -131,7 +138,7 @@ class CollectiveCall:
     def check_signature(self) -> None:
         if self._sig_checked:
             return
-        left_sig = self._take(self._left, "sig")
+        left_sig = self._take_tag(self._left, self._sig_tag(self._left))
         self._sig_checked = True
         if left_sig != self.sig:
             self.mismatch(
@@ -144,8 +151,11 @@ class CollectiveCall:
         )
 
     def _take(self, src: int, name: str) -> Any:
+        return self._take_tag(src, self._tag(src, name))
+
+    def _take_tag(self, src: int, tag: tuple) -> Any:
         try:
-            return self.comm.transport.recv(src, self._tag(src, name), self.deadline)
+            return self.comm.transport.recv(src, tag, self.deadline)
         except MailboxTimeout:
             raise CollectiveTimeoutError(self.comm.describe_timeout(self, src)) from None
 
