@@ -1,0 +1,66 @@
+"""The embedded default cluster, the default client, and clusters on TLS comms."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+from distributed import Client, LocalCluster
+
+import daskdist as dd
+
+
+def _sum_of_ranks(strategy):
+    out = strategy.run(
+        lambda: dd.get_replica_context().all_reduce("SUM", np.array([dd.get_replica_context().replica_id_in_sync_group]))
+    )
+    return strategy.experimental_local_results(out)[0].tolist()
+
+
+def test_embedded_default_starts_and_closes_a_local_cluster():
+    with dd.MirroredStrategy() as strategy:
+        n = strategy.num_replicas_in_sync
+        assert n >= 2  # one replica per core, at least 2
+        assert _sum_of_ranks(strategy) == [n * (n - 1) // 2]
+        client = strategy.client
+        cluster = strategy.extended._cluster
+        assert len(cluster.workers) == n
+    assert client.status == "closed"
+    assert cluster.status.name == "closed"
+
+
+def test_embedded_with_explicit_cpu_devices():
+    strategy = dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1", "/cpu:2"])
+    try:
+        assert strategy.num_replicas_in_sync == 3
+        assert strategy.extended.worker_devices[2] == "/job:localhost/replica:0/task:0/device:CPU:2"
+        assert _sum_of_ranks(strategy) == [3]
+        assert "MirroredStrategy" in strategy._repr_html_() and strategy.dashboard_link
+    finally:
+        strategy.close()
+
+
+def test_a_default_client_is_used_instead_of_starting_a_cluster():
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0",
+                      silence_logs=logging.ERROR) as cluster, Client(cluster) as client:
+        with dd.MirroredStrategy() as strategy:
+            assert strategy.client is client
+            assert strategy.extended._cluster is None
+            assert _sum_of_ranks(strategy) == [1]
+        assert client.status == "running"  # the strategy does not close what it did not start
+
+
+def test_tls_cluster():
+    pytest.importorskip("cryptography")
+    from distributed.security import Security
+
+    security = Security.temporary()
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0",
+                      protocol="tls://", security=security, silence_logs=logging.ERROR) as cluster, \
+            Client(cluster, security=security, set_as_default=False) as client:
+        assert client.scheduler.address.startswith("tls://")
+        with dd.MirroredStrategy(client=client) as strategy:
+            assert all(a.startswith("tls://") for a in strategy.extended.worker_addresses)
+            out = strategy.run(lambda: dd.get_replica_context().all_reduce("SUM", np.ones(100_000)))
+            assert strategy.experimental_local_results(out)[1][0] == 2.0
