@@ -228,3 +228,22 @@ def test_a_worker_killed_between_steps(make_cluster):
         assert time.monotonic() - start < 10
         with pytest.raises(dd.StrategyClosedError):
             strategy.run(lambda: 1)
+
+
+def test_replicas_stop_when_their_client_disconnects(threaded_client):
+    from distributed import Client
+
+    other = Client(threaded_client.scheduler.address, set_as_default=False)
+    strategy = dd.MirroredStrategy(client=other)
+    group_id = strategy.extended.token
+    strategy.run(lambda: 1)
+
+    def replicas_of_group(dask_worker):
+        return [key for key in dask_worker.extensions["daskdist"].replicas if key[0] == group_id]
+
+    assert any(threaded_client.run(replicas_of_group).values())
+    other.close()  # the client goes away without closing the strategy
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(threaded_client.run(replicas_of_group).values()):
+        time.sleep(0.1)
+    assert not any(threaded_client.run(replicas_of_group).values())
