@@ -8,19 +8,28 @@ import logging
 import os
 import platform
 import shlex
+import subprocess
 import sys
 from typing import Iterator, Sequence
 
 import numpy as np
 
 __all__ = [
+    "add_transport_option",
+    "check_worker_settings",
     "command_line",
+    "config_overrides",
     "environment_lines",
     "format_table",
     "local_cluster",
     "percentile_ms",
     "print_header",
+    "settings",
+    "settings_line",
 ]
+
+#: The daskdist settings that change what the benchmarks measure; printed, and checked on the workers.
+SETTINGS = ("collective.transport", "metrics.log-events")
 
 
 def command_line() -> str:
@@ -30,6 +39,24 @@ def command_line() -> str:
     if not rel.startswith(".."):
         exe = rel
     return shlex.join([exe, *sys.argv])
+
+
+def library_revision() -> str:
+    """The git commit of the daskdist source in use, with ``+dirty`` if ``daskdist/`` has local changes."""
+    import daskdist
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(daskdist.__file__)))
+    try:
+        commit = subprocess.run(
+            ["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True, timeout=10
+        ).stdout.strip()
+        status = subprocess.run(
+            ["git", "-C", root, "status", "--porcelain", "--", "daskdist"],
+            capture_output=True, text=True, check=True, timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (not a git checkout)"
+    return commit + ("+dirty" if status else "")
 
 
 def environment_lines() -> list[str]:
@@ -43,7 +70,7 @@ def environment_lines() -> list[str]:
         f"date: {datetime.datetime.now().isoformat(timespec='seconds')}",
         f"host: {platform.node()}  cpus: {os.cpu_count()}  python: {platform.python_version()}",
         f"daskdist {daskdist.__version__}  dask {dask.__version__}  distributed {distributed.__version__}  "
-        f"numpy {np.__version__}",
+        f"numpy {np.__version__}  daskdist source: {library_revision()}",
     ]
 
 
@@ -54,6 +81,52 @@ def print_header(title: str) -> None:
     for line in environment_lines():
         print(line)
     print(flush=True)
+
+
+def add_transport_option(parser: object) -> None:
+    """``--transport NAME``: set ``daskdist.collective.transport`` for the whole run."""
+    parser.add_argument(
+        "--transport",
+        default=None,
+        help="daskdist.collective.transport for this run (e.g. dask); default: the configured value",
+    )
+
+
+def config_overrides(transport: str | None, extra: dict[str, object] | None = None) -> dict[str, object]:
+    """A ``dask.config.set`` mapping: ``extra`` (keys relative to ``daskdist.``) and the transport if given."""
+    overrides = {f"daskdist.{key}": value for key, value in (extra or {}).items()}
+    if transport is not None:
+        overrides["daskdist.collective.transport"] = transport
+    return overrides
+
+
+def settings_line() -> str:
+    """The ``SETTINGS`` as one printable line."""
+    return "  ".join(f"daskdist.{key}: {value}" for key, value in settings().items())
+
+
+def settings() -> dict[str, object]:
+    """The current values of ``SETTINGS`` (``daskdist.`` keys) in this process."""
+    import daskdist  # noqa: F401  (registers the daskdist defaults)
+    from daskdist import config
+
+    return {key: config.get(key) for key in SETTINGS}
+
+
+def check_worker_settings(client: object) -> None:
+    """Raise if a worker sees other daskdist ``SETTINGS`` than this process (they must inherit them).
+
+    Call it once a strategy exists on the cluster, so that the workers have
+    imported daskdist (and registered its defaults).
+    """
+    import dask.config
+
+    mine = settings()
+    for key in SETTINGS:
+        seen = client.run(dask.config.get, f"daskdist.{key}", None)
+        for address, value in seen.items():
+            if value != mine[key]:
+                raise RuntimeError(f"worker {address} sees daskdist.{key}={value!r}, the client {mine[key]!r}")
 
 
 def percentile_ms(values: Sequence[float], q: float) -> float:

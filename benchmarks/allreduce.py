@@ -21,17 +21,27 @@ Bus bandwidth follows the NCCL convention: ``2 (n - 1) / n * bytes / time``.
 Usage::
 
     .venv/bin/python benchmarks/allreduce.py [--sizes 4KiB 256KiB 4MiB 64MiB] [--replicas 2 4] [--quick]
+        [--transport dask]
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import time
 
 import numpy as np
-from _common import format_table, local_cluster, print_header
+from _common import (
+    add_transport_option,
+    check_worker_settings,
+    config_overrides,
+    format_table,
+    local_cluster,
+    print_header,
+    settings_line,
+)
 
 DEFAULT_SIZES = ["4KiB", "256KiB", "4MiB", "64MiB"]
 DEFAULT_REPLICAS = [2, 4]
@@ -220,6 +230,7 @@ def measure_replicas(n_replicas: int, sizes: list[int], blocks: int, implementat
     with local_cluster(n_replicas) as client:
         strategy = dd.MirroredStrategy(client=client)
         try:
+            check_worker_settings(client)
             if strategy.num_replicas_in_sync != n_replicas:
                 raise RuntimeError(f"expected {n_replicas} replicas, got {strategy.num_replicas_in_sync}")
             for nbytes in sizes:
@@ -247,9 +258,9 @@ def table(results: list[dict]) -> str:
             r["algorithm"],
             str(r["iterations"]),
             f"{r['daskdist'] * 1e3:.3f}",
-            f"{bus_bandwidth(nbytes, n, r['daskdist']):.3f}",
+            f"{bus_bandwidth(nbytes, n, r['daskdist']):.3g}",
             f"{r['naive'] * 1e3:.3f}",
-            f"{bus_bandwidth(nbytes, n, r['naive']):.3f}",
+            f"{bus_bandwidth(nbytes, n, r['naive']):.3g}",
             f"{r['naive'] / r['daskdist']:.2f}",
         ])
     return format_table(
@@ -273,6 +284,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="alternating blocks the iterations of each size are split into (default 5)")
     parser.add_argument("--implementation", choices=["auto", "ring"], default="auto",
                         help="daskdist CommunicationImplementation: auto (direct <= 64 KiB, else ring) or ring")
+    add_transport_option(parser)
     args = parser.parse_args(argv)
     if args.sizes is None:
         args.sizes = [parse_size(s) for s in (QUICK_SIZES if args.quick else DEFAULT_SIZES)]
@@ -285,17 +297,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     """Run every (replicas, size) configuration and print one table per replica count."""
+    import dask.config
+
     args = parse_args(argv)
     print_header("float32 SUM all-reduce: daskdist (timed in the replicas) vs naive Dask tasks (timed on the client)")
-    print(f"sizes: {', '.join(format_size(s) for s in args.sizes)}  replicas: {args.replicas}  "
-          f"implementation: {args.implementation}  blocks: {args.blocks}  "
-          f"iterations: {', '.join(f'{format_size(s)}={default_iterations(s)}' for s in args.sizes)}\n", flush=True)
     tables = []
-    for n in args.replicas:
-        results = measure_replicas(n, args.sizes, args.blocks, args.implementation)
-        tables.append((n, table(results)))
+    # Set before any cluster starts: the worker processes inherit the client's dask config.
+    with dask.config.set(config_overrides(args.transport)):
+        print(settings_line())
+        print(f"sizes: {', '.join(format_size(s) for s in args.sizes)}  replicas: {args.replicas}  "
+              f"implementation: {args.implementation}  blocks: {args.blocks}  "
+              f"iterations: {', '.join(f'{format_size(s)}={default_iterations(s)}' for s in args.sizes)}\n",
+              flush=True)
+        for n in args.replicas:
+            results = measure_replicas(n, args.sizes, args.blocks, args.implementation)
+            tables.append((n, table(results)))
     for n, text in tables:
-        print(f"\n{n} replicas (one worker process each, 1 thread; {n} processes on this machine's CPUs)\n")
+        print(f"\n{n} replicas: {n} worker processes (1 thread each) on {os.cpu_count()} CPUs\n")
         print(text)
     print("\nlatency: median; busbw = 2(n-1)/n * bytes / latency (GB/s = 1e9 B/s); "
           "speedup > 1 means daskdist is faster")

@@ -39,14 +39,16 @@ def allreduce_direct(call: CollectiveCall, buf: Any, op: ReduceOp) -> Any:
     ``daskdist.collective.small-message-bytes``.
     """
     handles = [call.send(peer, "d", buf) for peer in _peers(call)]
-    parts: dict[int, Any] = {call.rank: buf}
-    for peer in reversed(_peers(call)):
-        parts[peer] = call.recv(peer, "d", expect=buf.size)
     xp = namespace(buf)
     result = xp.empty_like(buf)
-    xp.copyto(result, parts[0])
-    for r in range(1, call.size):
-        combine_into(op, result, parts[r])
+    for r in range(call.size):
+        if r == call.rank:
+            if r == 0:
+                xp.copyto(result, buf)
+            else:
+                combine_into(op, result, buf)
+        else:
+            call.recv_into(r, "d", result, None if r == 0 else op)
     finalize(op, result, call.size)
     for h in handles:
         call.wait(h)
@@ -58,7 +60,8 @@ def allreduce_ring(call: CollectiveCall, buf: Any, op: ReduceOp) -> Any:
 
     Each rank sends ``2 (size - 1) / size`` of the buffer: bandwidth-optimal for
     large messages. Chunk ``(rank + 1) % size`` is finished on ``rank``, then
-    circulated, so all ranks hold identical bits.
+    circulated, so all ranks hold identical bits. Incoming chunks are reduced
+    piece by piece as the transport delivers them.
     """
     size, rank = call.size, call.rank
     xp = namespace(buf)
@@ -67,15 +70,13 @@ def allreduce_ring(call: CollectiveCall, buf: Any, op: ReduceOp) -> Any:
     for step in range(size - 1):
         send_index, recv_index = (rank - step) % size, (rank - step - 1) % size
         handle = call.send(right, f"rs{step}", chunks[send_index])
-        incoming = call.recv(left, f"rs{step}", expect=chunks[recv_index].size)
-        combine_into(op, chunks[recv_index], incoming)
+        call.recv_into(left, f"rs{step}", chunks[recv_index], op)
         call.wait(handle)
     finalize(op, chunks[(rank + 1) % size], size)
     for step in range(size - 1):
         send_index, recv_index = (rank + 1 - step) % size, (rank - step) % size
         handle = call.send(right, f"ag{step}", chunks[send_index])
-        incoming = call.recv(left, f"ag{step}", expect=chunks[recv_index].size)
-        xp.copyto(chunks[recv_index], incoming)
+        call.recv_into(left, f"ag{step}", chunks[recv_index], None)
         call.wait(handle)
     return buf
 
@@ -95,15 +96,23 @@ def allreduce_reduce_to_one(
     xp = namespace(buf)
     if call.rank != root:
         call.wait(call.send(root, "up", buf))
-        xp.copyto(buf, call.recv(root, "down", expect=buf.size))
+        call.recv_into(root, "down", buf, None)
         return buf
-    parts = [buf if r == root else call.recv(r, "up", expect=buf.size) for r in range(call.size)]
     if accumulation_fn is not None and op in (ReduceOp.SUM, ReduceOp.MEAN):
+        parts = []
+        for r in range(call.size):
+            part = buf if r == root else xp.empty_like(buf)
+            if r != root:
+                call.recv_into(r, "up", part, None)
+            parts.append(part)
         result = xp.asarray(accumulation_fn(parts)).astype(buf.dtype, copy=True).reshape(buf.shape)
     else:
-        result = xp.array(parts[0], copy=True)
-        for part in parts[1:]:
-            combine_into(op, result, part)
+        result = xp.empty_like(buf)
+        for r in range(call.size):
+            if r == root:
+                xp.copyto(result, buf) if r == 0 else combine_into(op, result, buf)
+            else:
+                call.recv_into(r, "up", result, None if r == 0 else op)
     finalize(op, result, call.size)
     handles = [call.send(r, "down", result) for r in range(call.size) if r != root]
     for h in handles:

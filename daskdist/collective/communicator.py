@@ -26,8 +26,8 @@ from daskdist.arrays import describe, namespace
 from daskdist.collective import algorithms
 from daskdist.collective.mailbox import Abort, MailboxTimeout
 from daskdist.collective.packing import flatten, pack, signature
-from daskdist.collective.reduction import check_dtype
-from daskdist.collective.transport.base import SendHandle, Transport
+from daskdist.collective.reduction import check_dtype, combine_into
+from daskdist.collective.transport.base import PayloadMismatch, SendHandle, Transport
 from daskdist.exceptions import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -131,6 +131,17 @@ class CollectiveCall:
                 f"where replica {self.rank} expected {expect}"
             )
         return payload
+
+    def recv_into(self, src: int, name: str, out: Any, op: ReduceOp | None) -> None:
+        """Receive ``src``'s array and combine it into ``out`` with ``op`` (``None``: copy)."""
+        self.check_signature()
+        combine = None if op is None else (lambda acc, part: combine_into(op, acc, part))
+        try:
+            self.comm.transport.recv_into(src, self._tag(src, self.part + name), self.deadline, out, combine)
+        except PayloadMismatch as e:
+            self.mismatch(f"replica {src} sent {e.got} elements where replica {self.rank} expected {e.expected}")
+        except MailboxTimeout:
+            raise CollectiveTimeoutError(self.comm.describe_timeout(self, src)) from None
 
     def wait(self, handle: SendHandle) -> None:
         handle.wait(self.deadline)

@@ -131,6 +131,10 @@ class Mailbox:
             self._cond.notify_all()
 
     @property
+    def current_run(self) -> int:
+        return self._current_run
+
+    @property
     def group_abort(self) -> Abort | None:
         return self._group_abort
 

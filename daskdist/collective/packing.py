@@ -37,10 +37,25 @@ def flatten(value: Any) -> tuple[list[Any], Any, list[Callable[[Any], Any]]]:
     return arrays, treedef, restore
 
 
+_SIGNATURES: dict[tuple, str] = {}
+_SIGNATURES_KEPT = 4096
+
+
 def signature(kind: str, detail: str, leaves: list[Any], treedef: Any) -> str:
-    """A string that must be identical on every replica joining the same collective."""
-    shapes = ", ".join(describe(leaf) for leaf in leaves)
-    return f"{kind} {detail} | structure {treedef} | leaves [{shapes}]"
+    """A string that must be identical on every replica joining the same collective.
+
+    Cached by structure, shapes and dtypes: a training step repeats the same
+    collectives, and formatting is the costly part.
+    """
+    key = (kind, detail, treedef, *((leaf.shape, leaf.dtype, type(leaf)) for leaf in leaves))
+    sig = _SIGNATURES.get(key)
+    if sig is None:
+        shapes = ", ".join(describe(leaf) for leaf in leaves)
+        sig = f"{kind} {detail} | structure {treedef} | leaves [{shapes}]"
+        if len(_SIGNATURES) >= _SIGNATURES_KEPT:
+            _SIGNATURES.clear()
+        _SIGNATURES[key] = sig
+    return sig
 
 
 @dataclass

@@ -25,7 +25,10 @@ from daskdist import config, context, serialization
 from daskdist.arrays import namespace
 from daskdist.collective.communicator import Algorithm, Communicator
 from daskdist.collective.mailbox import Abort, Mailbox
+from daskdist.collective.transport.base import Transport
 from daskdist.collective.transport.dask import DaskTransport
+from daskdist.collective.transport.routed import RoutedTransport
+from daskdist.collective.transport.shm import ShmTransport
 from daskdist.exceptions import RendezvousError, ReplicaLostError
 from daskdist.ops import CommunicationOptions
 from daskdist.replica.context import ReplicaContext
@@ -50,19 +53,38 @@ class GroupSpec:
     group_id: str
     addresses: list[str]
     devices: list[str]
+    hosts: list[str] = field(default_factory=list)
     algorithm: Algorithm = field(default_factory=Algorithm)
     options: CommunicationOptions = field(default_factory=CommunicationOptions)
-    transport: str = "dask"
+    transport: str = "auto"
+    shm_slot_bytes: int = 2 << 20
 
     @property
     def size(self) -> int:
         return len(self.addresses)
 
 
-def _make_transport(name: str, rank: int, spec: GroupSpec, mailbox: Mailbox, worker: Worker) -> DaskTransport:
-    if name == "dask":
-        return DaskTransport(rank, spec.addresses, mailbox, worker, spec.group_id)
-    raise ValueError(f"Unknown transport {name!r} (daskdist.collective.transport); available: dask")
+def _make_transport(rank: int, spec: GroupSpec, mailbox: Mailbox, worker: Worker) -> Transport:
+    """The transport of one replica: shared memory to same-host peers, Dask comms to the rest.
+
+    ``spec.transport`` is ``"auto"``, ``"shm"`` (every peer must share the
+    host) or ``"dask"``. GPU groups use Dask comms (their arrays are not in
+    host memory).
+    """
+    dask_transport = DaskTransport(rank, spec.addresses, mailbox, worker, spec.group_id)
+    if spec.transport not in ("auto", "shm", "dask"):
+        raise ValueError(f"Unknown transport {spec.transport!r} (daskdist.collective.transport): auto, shm or dask")
+    hosts = spec.hosts or list(spec.addresses)
+    peers = [r for r in range(spec.size) if r != rank]
+    same_host = [r for r in peers if hosts[r] == hosts[rank]]
+    on_gpu = any("GPU" in d for d in spec.devices)
+    if spec.transport == "shm" and (len(same_host) != len(peers) or on_gpu):
+        raise ValueError("the shm transport needs every replica on one host, with CPU devices")
+    if spec.transport == "dask" or on_gpu or not same_host:
+        return dask_transport
+    shm = ShmTransport(rank, spec.addresses, mailbox, same_host, spec.group_id, spec.shm_slot_bytes)
+    routes: dict[int, Transport] = {r: shm if r in same_host else dask_transport for r in peers}
+    return RoutedTransport(rank, spec.addresses, mailbox, routes)
 
 
 class ReplicaRuntime:
@@ -81,7 +103,7 @@ class ReplicaRuntime:
         self.devices = spec.devices
         self.loop = worker.loop.asyncio_loop
         self.mailbox = Mailbox()
-        self.transport = _make_transport(spec.transport, rank, spec, self.mailbox, worker)
+        self.transport = _make_transport(rank, spec, self.mailbox, worker)
         self.timer = StepTimer(rank, int(config.get("metrics.history")))
         self.communicator = Communicator(
             rank, self.size, self.transport, control=self, algorithm=spec.algorithm,
@@ -125,6 +147,7 @@ class ReplicaRuntime:
     def abort_group(self, abort: Abort) -> None:
         """The group is lost for good (from the scheduler): wake and fail every wait."""
         self.mailbox.abort_group(abort)
+        self.transport.group_aborted()
 
     # -- control plane used by the communicator (replica thread) ---------------
 

@@ -13,6 +13,7 @@ import logging
 import threading
 from typing import Any, Callable
 
+from dask.utils import parse_bytes
 from distributed import Client, default_client
 
 from daskdist import config, registry
@@ -87,7 +88,12 @@ class DaskExtended:
             placements = self._place(specs, embedded=self._owns_client)
             algorithm = (cross_device_ops or CrossDeviceOps()).algorithm([p.device for p in placements])
             self._group = ReplicaGroup(
-                client, placements, algorithm=algorithm, transport=config.get("collective.transport")
+                client,
+                placements,
+                hosts=_replica_hosts(placements),
+                algorithm=algorithm,
+                transport=config.get("collective.transport"),
+                shm_slot_bytes=parse_bytes(config.get("collective.shm.slot-bytes")),
             )
             self._group.launch()
         except BaseException:
@@ -231,6 +237,16 @@ class DaskExtended:
             if self._cluster is not None:
                 self._cluster.close()
             self._owns_client = False
+
+
+def _replica_hosts(placements: list[Placement]) -> list[str]:
+    """The host of each replica, or each worker as its own host with ``daskdist.collective.hosts: per-worker``."""
+    mode = config.get("collective.hosts")
+    if mode == "per-worker":
+        return [p.address for p in placements]
+    if mode != "auto":
+        raise ValueError(f"daskdist.collective.hosts must be 'auto' or 'per-worker', got {mode!r}")
+    return [p.host for p in placements]
 
 
 def _has_distributed(structure: Any) -> bool:

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
+from daskdist.arrays import namespace
 from daskdist.collective.mailbox import Mailbox, Tag
 
-__all__ = ["SendHandle", "Transport"]
+__all__ = ["CompletedSend", "PayloadMismatch", "SendHandle", "Transport", "remaining"]
 
 
 class SendHandle(ABC):
@@ -62,11 +63,46 @@ class Transport(ABC):
         """Start sending ``payload`` to rank ``dst`` under ``tag``; do not block on the peer."""
 
     def recv(self, src: int, tag: Tag, deadline: float) -> Any:
-        """Wait for the payload ``src`` sent under ``tag`` (``deadline``: ``time.monotonic()``)."""
+        """Wait for the payload ``src`` sent under ``tag`` (``deadline``: ``time.monotonic()``).
+
+        The payload may be a view into transport memory that stays valid only
+        until the next receive from ``src``; copy what must outlive that.
+        """
         return self.mailbox.take(tag, deadline)
+
+    def recv_into(self, src: int, tag: Tag, deadline: float, out: Any, combine: Callable[[Any, Any], None] | None) -> None:
+        """Receive an array from ``src`` straight into ``out``: ``combine(out_part, incoming_part)``, or a copy.
+
+        Transports that move large messages in pieces (shared memory) combine
+        each piece as it arrives, so nothing is copied twice.
+
+        Raises
+        ------
+        PayloadMismatch
+            The incoming array has a different number of bytes than ``out``.
+        """
+        payload = self.recv(src, tag, deadline)
+        if getattr(payload, "nbytes", None) != out.nbytes or getattr(payload, "dtype", None) != out.dtype:
+            raise PayloadMismatch(getattr(payload, "size", None), out.size)
+        if combine is None:
+            namespace(out).copyto(out, payload.reshape(out.shape))
+        else:
+            combine(out, payload.reshape(out.shape))
+
+    def group_aborted(self) -> None:
+        """The group is lost for good: release shared resources now (called from the event loop)."""
 
     def close(self) -> None:
         """Release what the transport holds (connections, segments)."""
+
+
+class PayloadMismatch(Exception):
+    """Internal: a received array does not have the size the receiver expected."""
+
+    def __init__(self, got: Any, expected: Any):
+        super().__init__(f"got {got} elements, expected {expected}")
+        self.got = got
+        self.expected = expected
 
 
 def remaining(deadline: float) -> float:

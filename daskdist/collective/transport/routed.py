@@ -1,0 +1,48 @@
+"""Per-pair transport choice: each peer is reached through the transport that suits the pair."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from daskdist.collective.mailbox import Mailbox, Tag
+from daskdist.collective.transport.base import SendHandle, Transport
+
+__all__ = ["RoutedTransport"]
+
+
+class RoutedTransport(Transport):
+    """Sends to and receives from each peer through ``routes[peer]``.
+
+    Parameters
+    ----------
+    routes
+        The transport for each other rank (shared-memory for same-host
+        peers, Dask comms for the others, ...).
+    """
+
+    name = "routed"
+
+    def __init__(self, rank: int, addresses: list[str], mailbox: Mailbox, routes: dict[int, Transport]):
+        super().__init__(rank, addresses, mailbox)
+        self.routes = routes
+
+    def send(self, dst: int, tag: Tag, payload: Any) -> SendHandle:
+        return self.routes[dst].send(dst, tag, payload)
+
+    def recv(self, src: int, tag: Tag, deadline: float) -> Any:
+        return self.routes[src].recv(src, tag, deadline)
+
+    def recv_into(self, src: int, tag: Tag, deadline: float, out: Any, combine: Callable[[Any, Any], None] | None) -> None:
+        return self.routes[src].recv_into(src, tag, deadline, out, combine)
+
+    def describe(self) -> dict[int, str]:
+        """The transport name used for each peer."""
+        return {peer: transport.name for peer, transport in self.routes.items()}
+
+    def group_aborted(self) -> None:
+        for transport in {id(t): t for t in self.routes.values()}.values():
+            transport.group_aborted()
+
+    def close(self) -> None:
+        for transport in {id(t): t for t in self.routes.values()}.values():
+            transport.close()

@@ -1,0 +1,394 @@
+"""Shared-memory transport for replicas on the same host (CPU arrays).
+
+Every ordered pair of replicas (src -> dst) on one host has a channel: a
+POSIX shared-memory segment created and owned by the receiver, holding four
+slots. The sender copies a message into a free slot (large messages go in
+pieces of ``daskdist.collective.shm.slot-bytes``, written by a sender thread
+so sending and receiving overlap); the receiver combines each piece straight
+from the slot into its result and frees the slot. Waiting spins briefly and
+then yields, checking the replica's mailbox for aborts, so a replica blocked
+here still raises at once when a peer is lost or the run is aborted.
+
+Segments are created without Python's resource tracker (which, shared by
+a cluster's spawned workers, would mix up owners). Every replica unlinks
+all the segments of its host's replicas in the group when it closes or when
+the group is aborted, so a crashed replica's segments are removed by its
+surviving neighbours; unlinking leaves existing mappings valid.
+"""
+
+from __future__ import annotations
+
+import _posixshmem
+import logging
+import pickle
+import queue
+import threading
+import time
+import mmap
+import os
+from typing import Any, Callable
+
+import numpy as np
+
+from daskdist.collective.mailbox import Mailbox, MailboxTimeout, Tag
+from daskdist.collective.transport.base import CompletedSend, PayloadMismatch, SendHandle, Transport, remaining
+from daskdist.exceptions import CollectiveTimeoutError, DaskdistError
+
+__all__ = ["ShmChannel", "ShmTransport", "segment_name", "unlink_segment"]
+
+logger = logging.getLogger(__name__)
+
+_SLOTS = 4
+_CONTROL_BYTES = 128  # write counter at 0, read counter at 64 (separate cache lines)
+_HEADER_BYTES = 1024
+_ARRAY, _OBJECT = 0, 1
+
+
+def segment_name(group_id: str, src: int, dst: int) -> str:
+    """Name of the channel segment ``src -> dst`` of a group (under ``/dev/shm``)."""
+    return f"daskdist-{group_id.rsplit('-', 1)[-1]}-{src}-{dst}"
+
+
+def unlink_segment(name: str) -> None:
+    """Remove a segment name from ``/dev/shm`` (mappings stay valid); no error if it is gone."""
+    try:
+        _posixshmem.shm_unlink("/" + name)
+    except FileNotFoundError:
+        pass
+
+
+class _Segment:
+    """A POSIX shared-memory segment mapped into this process (no resource tracker)."""
+
+    def __init__(self, name: str, size: int, create: bool):
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = _posixshmem.shm_open("/" + name, flags, mode=0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            else:
+                size = os.fstat(fd).st_size
+            self._mmap = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.buf = memoryview(self._mmap)
+
+    def close(self) -> None:
+        self.buf.release()
+        self._mmap.close()
+
+
+def _backoff_wait(ready: Callable[[], bool], deadline: float, check: Callable[[], None]) -> None:
+    """Wait until ``ready()``: spin, then yield the GIL, then sleep a little; ``check`` raises aborts."""
+    spins = 0
+    while not ready():
+        spins += 1
+        if spins & 31 == 0:
+            check()
+            if time.monotonic() > deadline:
+                raise MailboxTimeout()
+        if spins < 64:
+            continue
+        time.sleep(0 if spins < 4096 else 0.0002)
+
+
+class ShmChannel:
+    """One direction between two replicas: a segment with a control block and two slots."""
+
+    def __init__(self, name: str, slot_bytes: int, create: bool):
+        self.name = name
+        self.slot_bytes = slot_bytes
+        self.slot_stride = _HEADER_BYTES + slot_bytes
+        size = _CONTROL_BYTES + _SLOTS * self.slot_stride
+        self.owner = create
+        self.shm = _Segment(name, size, create)
+        buf = self.shm.buf
+        self._written = np.ndarray((1,), np.int64, buf, 0)
+        self._read = np.ndarray((1,), np.int64, buf, 64)
+        if create:
+            self._written[0] = 0
+            self._read[0] = 0
+        self._data = np.ndarray((_SLOTS * self.slot_stride,), np.uint8, buf, _CONTROL_BYTES)
+
+    # -- sender side ---------------------------------------------------------------
+
+    def can_write(self) -> bool:
+        return int(self._written[0]) - int(self._read[0]) < _SLOTS
+
+    def write(self, header: bytes, piece: Any) -> None:
+        """Write one piece into the next slot (the caller waited for ``can_write``)."""
+        slot = int(self._written[0]) % _SLOTS
+        base = slot * self.slot_stride
+        if len(header) + 4 > _HEADER_BYTES:
+            raise ValueError("message header too large for a shared-memory slot")
+        self._data[base : base + 4] = np.frombuffer(len(header).to_bytes(4, "little"), np.uint8)
+        self._data[base + 4 : base + 4 + len(header)] = np.frombuffer(header, np.uint8)
+        start = base + _HEADER_BYTES
+        flat = piece.reshape(-1).view(np.uint8) if isinstance(piece, np.ndarray) else np.frombuffer(piece, np.uint8)
+        self._data[start : start + flat.size] = flat
+        self._written[0] += 1  # x86-64 keeps stores in order: the data is visible before the count
+
+    # -- receiver side -------------------------------------------------------------
+
+    def can_read(self) -> bool:
+        return int(self._read[0]) < int(self._written[0])
+
+    def peek(self) -> tuple[tuple, np.ndarray]:
+        """The header and data bytes of the oldest unread piece (a view; valid until ``release``)."""
+        slot = int(self._read[0]) % _SLOTS
+        base = slot * self.slot_stride
+        length = int.from_bytes(self._data[base : base + 4].tobytes(), "little")
+        header = pickle.loads(self._data[base + 4 : base + 4 + length].tobytes())
+        nbytes = header[-1]
+        start = base + _HEADER_BYTES
+        return header, self._data[start : start + nbytes]
+
+    def release(self) -> None:
+        self._read[0] += 1
+
+    def close(self) -> None:
+        self._written = self._read = self._data = None  # views must go before the mapping closes
+        try:
+            self.shm.close()
+        except BufferError:  # pragma: no cover - a view escaped; the OS frees it at exit
+            logger.debug("Shared memory %s still has exported views", self.name)
+        if self.owner:
+            unlink_segment(self.name)
+
+
+class _ThreadedSend(SendHandle):
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def wait(self, deadline: float) -> None:
+        if not self.done.wait(remaining(deadline)):
+            raise CollectiveTimeoutError("a shared-memory send did not complete before the deadline")
+        if self.error is not None:
+            raise self.error
+
+
+class ShmTransport(Transport):
+    """Moves CPU arrays between replicas of one host through shared memory.
+
+    Parameters
+    ----------
+    peers
+        Ranks this transport talks to (the replicas on the same host).
+    group_id
+        Used to name the segments.
+    slot_bytes
+        Size of each of the four slots of a channel; larger messages go in pieces.
+    """
+
+    name = "shm"
+
+    def __init__(self, rank: int, addresses: list[str], mailbox: Mailbox, peers: list[int], group_id: str,
+                 slot_bytes: int):
+        super().__init__(rank, addresses, mailbox)
+        self.peers = peers
+        self.group_id = group_id
+        self.slot_bytes = slot_bytes
+        self._inbound = {src: ShmChannel(segment_name(group_id, src, rank), slot_bytes, create=True) for src in peers}
+        self._outbound: dict[int, ShmChannel] = {}
+        self._stash: dict[tuple[int, Tag], Any] = {}
+        self._sends: queue.Queue[tuple[int, Tag, Any, _ThreadedSend, float] | None] = queue.Queue()
+        self._sender: threading.Thread | None = None
+        self._queued: dict[int, int] = {}  # sends per destination still with the sender thread
+        self._queued_lock = threading.Lock()
+        self._closed = False
+
+    # -- sending -------------------------------------------------------------------
+
+    def _channel_to(self, dst: int) -> ShmChannel:
+        channel = self._outbound.get(dst)
+        if channel is None:
+            channel = self._outbound[dst] = ShmChannel(segment_name(self.group_id, self.rank, dst), self.slot_bytes,
+                                                       create=False)
+        return channel
+
+    def send(self, dst: int, tag: Tag, payload: Any) -> SendHandle:
+        channel = self._channel_to(dst)
+        kind, data = _encode(payload)
+        # Write inline only when nothing for ``dst`` is still queued: one writer per channel, in order.
+        if not self._queued.get(dst) and data.nbytes <= self.slot_bytes and channel.can_write():
+            channel.write(_header(tag, kind, payload, data.nbytes, 0, data.nbytes), data)
+            return CompletedSend()
+        handle = _ThreadedSend()
+        with self._queued_lock:
+            self._queued[dst] = self._queued.get(dst, 0) + 1
+        if self._sender is None:
+            self._sender = threading.Thread(target=self._send_loop, name=f"daskdist-shm-send-{self.rank}", daemon=True)
+            self._sender.start()
+        self._sends.put((dst, tag, payload, handle, tag[0]))
+        return handle
+
+    def _send_loop(self) -> None:
+        while True:
+            item = self._sends.get()
+            if item is None:
+                return
+            dst, tag, payload, handle, run_id = item
+            try:
+                self._write_pieces(self._outbound[dst], tag, payload, run_id)
+            except BaseException as e:
+                handle.error = e
+            finally:
+                with self._queued_lock:
+                    self._queued[dst] -= 1
+            handle.done.set()
+
+    def _write_pieces(self, channel: ShmChannel, tag: Tag, payload: Any, run_id: int) -> None:
+        kind, data = _encode(payload)
+        total = data.nbytes
+        flat = data.reshape(-1).view(np.uint8)
+        offset = 0
+        deadline = time.monotonic() + 24 * 3600  # the receiver's deadline governs; aborts end the wait
+
+        def check() -> None:
+            if self._closed:
+                raise DaskdistError("transport closed")
+            self.mailbox.check(run_id)
+
+        while True:
+            piece = flat[offset : offset + self.slot_bytes]
+            _backoff_wait(channel.can_write, deadline, check)
+            channel.write(_header(tag, kind, payload, total, offset, piece.nbytes), piece)
+            offset += piece.nbytes
+            if offset >= total:
+                return
+
+    # -- receiving -----------------------------------------------------------------
+
+    def _next_piece(self, src: int, deadline: float, run_id: int) -> tuple[tuple, np.ndarray]:
+        channel = self._inbound[src]
+        _backoff_wait(channel.can_read, deadline, lambda: self.mailbox.check(run_id))
+        return channel.peek()
+
+    def _find(self, src: int, tag: Tag, deadline: float) -> tuple[tuple, np.ndarray] | None:
+        """Advance channel ``src`` to the first piece of ``tag``, stashing or dropping others."""
+        channel = self._inbound[src]
+        while True:
+            header, data = self._next_piece(src, deadline, tag[0])
+            piece_tag = tuple(header[0])
+            if piece_tag == tag:
+                return header, data
+            if piece_tag[0] < self.mailbox.current_run:
+                channel.release()  # left over from an aborted run
+                continue
+            self._stash_message(src, header, data)
+
+    def _stash_message(self, src: int, header: tuple, data: np.ndarray) -> None:
+        """Keep an out-of-order message (rare: only after a mismatch) as an owned copy."""
+        channel = self._inbound[src]
+        tag, kind, dtype, shape, total, offset, _ = header
+        buffer = bytearray(total)
+        while True:
+            buffer[offset : offset + data.nbytes] = data.tobytes()
+            channel.release()
+            if offset + data.nbytes >= total:
+                break
+            header, data = self._next_piece(src, time.monotonic() + 60, tag[0])
+            offset = header[5]
+        self._stash[(src, tuple(tag))] = _decode(kind, dtype, shape, memoryview(buffer))
+
+    def recv(self, src: int, tag: Tag, deadline: float) -> Any:
+        stashed = self._stash.pop((src, tag), None)
+        if stashed is not None:
+            return stashed
+        header, data = self._find(src, tag, deadline)
+        _, kind, dtype, shape, total, offset, nbytes = header
+        channel = self._inbound[src]
+        if nbytes == total:
+            value = _decode(kind, dtype, shape, data)
+            value = value.copy() if isinstance(value, np.ndarray) else value
+            channel.release()
+            return value
+        buffer = bytearray(total)
+        while True:
+            buffer[offset : offset + nbytes] = data.tobytes()
+            channel.release()
+            if offset + nbytes >= total:
+                return _decode(kind, dtype, shape, memoryview(buffer))
+            header, data = self._next_piece(src, deadline, tag[0])
+            offset, nbytes = header[5], header[6]
+
+    def recv_into(self, src: int, tag: Tag, deadline: float, out: Any, combine: Callable[[Any, Any], None] | None) -> None:
+        stashed = self._stash.pop((src, tag), None)
+        if stashed is not None:
+            return _apply(stashed, out, combine)
+        header, data = self._find(src, tag, deadline)
+        channel = self._inbound[src]
+        _, kind, dtype, shape, total, offset, nbytes = header
+        if kind != _ARRAY or total != out.nbytes or np.dtype(dtype) != out.dtype:
+            self._stash_message(src, header, data)
+            got = self._stash.pop((src, tag))
+            raise PayloadMismatch(getattr(got, "size", None), out.size)
+        flat_out = out.reshape(-1)
+        itemsize = out.dtype.itemsize
+        while True:
+            part = flat_out[offset // itemsize : (offset + nbytes) // itemsize]
+            incoming = data.view(out.dtype)
+            if combine is None:
+                np.copyto(part, incoming)
+            else:
+                combine(part, incoming)
+            channel.release()
+            if offset + nbytes >= total:
+                return
+            header, data = self._next_piece(src, deadline, tag[0])
+            offset, nbytes = header[5], header[6]
+
+    # -- closing -------------------------------------------------------------------
+
+    def segment_names(self) -> list[str]:
+        """Every channel segment among this host's replicas of the group (ours and our peers')."""
+        ranks = sorted({self.rank, *self.peers})
+        return [segment_name(self.group_id, s, d) for s in ranks for d in ranks if s != d]
+
+    def group_aborted(self) -> None:
+        self.unlink_all()
+
+    def unlink_all(self) -> None:
+        """Remove the group's segments on this host: also those of a crashed neighbour."""
+        for name in self.segment_names():
+            unlink_segment(name)
+
+    def close(self) -> None:
+        self._closed = True
+        if self._sender is not None:
+            self._sends.put(None)
+            self._sender.join(5)
+        for channel in [*self._inbound.values(), *self._outbound.values()]:
+            channel.close()
+        self.unlink_all()
+        self._inbound.clear()
+        self._outbound.clear()
+        self._stash.clear()
+
+
+def _encode(payload: Any) -> tuple[int, np.ndarray]:
+    if isinstance(payload, np.ndarray) and payload.dtype.kind != "O":
+        return _ARRAY, np.ascontiguousarray(payload)
+    return _OBJECT, np.frombuffer(pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+
+
+def _header(tag: Tag, kind: int, payload: Any, total: int, offset: int, nbytes: int) -> bytes:
+    dtype = payload.dtype if kind == _ARRAY else None
+    shape = payload.shape if kind == _ARRAY else None
+    return pickle.dumps((tag, kind, dtype, shape, total, offset, nbytes), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _decode(kind: int, dtype: Any, shape: Any, data: Any) -> Any:
+    if kind == _ARRAY:
+        return np.frombuffer(data, dtype=dtype).reshape(shape)
+    return pickle.loads(data)
+
+
+def _apply(payload: Any, out: Any, combine: Callable[[Any, Any], None] | None) -> None:
+    if getattr(payload, "nbytes", None) != out.nbytes or getattr(payload, "dtype", None) != out.dtype:
+        raise PayloadMismatch(getattr(payload, "size", None), out.size)
+    if combine is None:
+        np.copyto(out, payload.reshape(out.shape))
+    else:
+        combine(out, payload.reshape(out.shape))
