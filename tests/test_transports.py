@@ -1,0 +1,246 @@
+"""Transports on real clusters: shared memory, Dask comms, and the per-pair routing between them."""
+
+from __future__ import annotations
+
+import glob
+import os
+import resource
+import signal
+import threading
+import time
+
+import dask
+import numpy as np
+import pytest
+
+import daskdist as dd
+from daskdist.collective.mailbox import Mailbox
+from daskdist.collective.transport.base import PayloadMismatch
+from daskdist.collective.transport.shm import ShmTransport
+
+TRANSPORTS = {
+    "shm": {"daskdist.collective.transport": "shm"},
+    "dask": {"daskdist.collective.transport": "dask"},
+    # every worker its own host: shared memory nowhere, the cross-host route everywhere
+    "cross-host": {"daskdist.collective.transport": "auto", "daskdist.collective.hosts": "per-worker"},
+}
+
+
+def _routes(client, strategy):
+    token = strategy.extended.token
+
+    def describe(dask_worker):
+        out = {}
+        for (group, rank), runtime in dask_worker.extensions["daskdist"].replicas.items():
+            if group == token:
+                transport = runtime.transport
+                out[rank] = transport.describe() if hasattr(transport, "describe") else transport.name
+        return out
+
+    merged = {}
+    for part in client.run(describe).values():
+        merged.update(part)
+    return merged
+
+
+def test_auto_uses_shared_memory_on_one_host_and_dask_across(threaded_client):
+    with dd.MirroredStrategy(client=threaded_client) as strategy:
+        routes = _routes(threaded_client, strategy)
+        assert routes == {0: {1: "shm", 2: "shm"}, 1: {0: "shm", 2: "shm"}, 2: {0: "shm", 1: "shm"}}
+    with dask.config.set(TRANSPORTS["cross-host"]):
+        with dd.MirroredStrategy(client=threaded_client) as strategy:
+            assert set(_routes(threaded_client, strategy).values()) == {"dask"}
+
+
+def _check_all_reduce(strategy, seed):
+    """Every op, several dtypes and odd sizes, against numpy (each replica can rebuild all inputs)."""
+
+    def fn():
+        ctx = dd.get_replica_context()
+        n, rank = ctx.num_replicas_in_sync, ctx.replica_id_in_sync_group
+        failures = []
+        cases = [
+            ("SUM", "float32", (1001,)), ("SUM", "float64", ()), ("SUM", "int32", (0,)),
+            ("MEAN", "float16", (7, 3)), ("MAX", "int8", (13,)), ("MIN", "uint8", (5,)),
+            ("PRODUCT", "int64", (3,)), ("SUM", "bool", (9,)), ("SUM", "float32", (700_001,)),
+            ("MEAN", "float64", (300_000,)),
+        ]
+        for op, dtype, shape in cases:
+            inputs = []
+            for r in range(n):
+                rng = np.random.default_rng([seed, r, len(shape)])
+                if dtype == "bool":
+                    inputs.append(rng.random(shape) > 0.5)
+                elif np.dtype(dtype).kind in "iu":
+                    inputs.append(rng.integers(0, 4, shape).astype(dtype))
+                else:
+                    inputs.append(rng.standard_normal(shape).astype(dtype))
+            got = ctx.all_reduce(op, inputs[rank])
+            stacked = np.stack(inputs)
+            if op in ("SUM", "MEAN"):
+                want = stacked.any(axis=0) if dtype == "bool" else stacked.sum(axis=0, dtype=dtype)
+                if op == "MEAN":
+                    want = (want / n).astype(dtype)
+            else:
+                want = {"MAX": np.max, "MIN": np.min, "PRODUCT": np.prod}[op](stacked, axis=0).astype(dtype)
+            if got.shape != want.shape or got.dtype != np.dtype(dtype) or not np.allclose(
+                got.astype("float64"), want.astype("float64"), rtol=5e-3, atol=5e-3
+            ):
+                failures.append((op, dtype, shape))
+        gathered = ctx.all_gather(np.full((rank + 1, 2), rank), axis=0)
+        if gathered[:, 0].tolist() != [r for r in range(n) for _ in range(r + 1)]:
+            failures.append("all_gather")
+        return failures
+
+    out = strategy.run(fn)
+    assert all(f == [] for f in strategy.experimental_local_results(out)), strategy.experimental_local_results(out)
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_results_equal_numpy_on_every_transport(threaded_client, transport, replicas):
+    with dask.config.set(TRANSPORTS[transport]):
+        devices = [f"/cpu:{i}" for i in range(replicas)]
+        for ops in (None, dd.ReductionToOneDevice()):
+            with dd.MirroredStrategy(devices=devices, client=threaded_client, cross_device_ops=ops) as strategy:
+                _check_all_reduce(strategy, seed=replicas)
+
+
+@pytest.mark.parametrize("transport", ["shm", "dask"])
+def test_four_replicas_in_processes(make_cluster, transport):
+    client = make_cluster(4, processes=True)
+    with dask.config.set(TRANSPORTS[transport]):
+        with dd.MirroredStrategy(client=client) as strategy:
+            assert strategy.num_replicas_in_sync == 4
+            _check_all_reduce(strategy, seed=4)
+
+
+def test_soak_random_sizes_and_dtypes(threaded_client):
+    """Thousands of all-reduces of random sizes and dtypes, checked against numpy, memory bounded."""
+
+    def soak(iterations):
+        ctx = dd.get_replica_context()
+        n, rank = ctx.num_replicas_in_sync, ctx.replica_id_in_sync_group
+        dtypes = ["float32", "float64", "int32", "int64", "float16", "uint8"]
+        rss_start = None
+        bad = 0
+        for i in range(iterations):
+            shared = np.random.default_rng(i)
+            dtype = dtypes[shared.integers(len(dtypes))]
+            size = int(shared.choice([0, 1, 3, 17, 1000, 4099, 70_001]))
+            inputs = [np.random.default_rng([i, r]).integers(0, 3, size).astype(dtype) for r in range(n)]
+            got = ctx.all_reduce("SUM", {"x": inputs[rank], "y": [inputs[rank][:1]]})
+            want = np.sum(inputs, axis=0, dtype=dtype)
+            bad += int(not np.array_equal(got["x"], want) or got["y"][0].tolist() != want[:1].tolist())
+            if i == iterations // 4:
+                rss_start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        growth_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_start
+        return bad, growth_kib
+
+    with dd.MirroredStrategy(client=threaded_client) as strategy:
+        bad, growth_kib = strategy.run(soak, args=(1500,))  # a tuple of PerReplica (TF's regroup)
+        assert strategy.experimental_local_results(bad) == (0, 0, 0)
+        assert max(strategy.experimental_local_results(growth_kib)) < 200 * 1024  # peak RSS after warm-up
+
+
+def _segments(token):
+    return glob.glob(f"/dev/shm/daskdist-{token.rsplit('-', 1)[-1]}-*")
+
+
+def test_no_segment_is_left_after_close(process_client):
+    strategy = dd.MirroredStrategy(client=process_client)
+    token = strategy.extended.token
+    assert len(_segments(token)) == 2  # one channel per direction
+    strategy.run(lambda: dd.get_replica_context().all_reduce("SUM", np.ones(10)))
+    strategy.close()
+    assert _segments(token) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["shm", "dask"])
+def test_a_killed_peer_wakes_replicas_blocked_in_the_transport(make_cluster, transport, tmp_path):
+    client = make_cluster(3, processes=True)
+    with dask.config.set(TRANSPORTS[transport]):
+        strategy = dd.MirroredStrategy(client=client)
+    token = strategy.extended.token
+    victim = strategy.extended.worker_addresses[2]
+    pid = client.run(os.getpid, workers=[victim])[victim]
+    log = tmp_path / "raised"
+
+    def fn():
+        ctx = dd.get_replica_context()
+        if ctx.replica_id_in_sync_group == 2:
+            time.sleep(60)
+        try:  # ranks 0 and 1 block inside the transport, waiting for rank 2's data
+            ctx.all_reduce("SUM", np.ones(3_000_000, np.float32), dd.CommunicationOptions(timeout_seconds=120))
+        except dd.ReplicaLostError as e:
+            with open(log, "a") as f:
+                f.write(f"{ctx.replica_id_in_sync_group} {type(e).__name__}\n")
+            raise
+
+    errors = []
+    thread = threading.Thread(target=lambda: _capture(errors, strategy.run, fn))
+    thread.start()
+    time.sleep(2)
+    killed = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    thread.join(20)
+    assert not thread.is_alive()
+    assert isinstance(errors[0], dd.ReplicaLostError)
+    deadline = killed + 10
+    while time.monotonic() < deadline and (not log.exists() or len(log.read_text().split("\n")) < 3):
+        time.sleep(0.1)
+    assert sorted(log.read_text().split()) == ["0", "1", "ReplicaLostError", "ReplicaLostError"]
+    strategy.close()
+    if transport == "shm":
+        assert _segments(token) == []  # the dead replica's segments were removed by its neighbours
+
+
+def _capture(errors, fn, *args):
+    try:
+        fn(*args)
+    except BaseException as e:
+        errors.append(e)
+
+
+class TestShmChannels:
+    """The shared-memory transport alone, two ranks in threads."""
+
+    def _pair(self, slot_bytes=1 << 12):
+        boxes = [Mailbox(), Mailbox()]
+        for box in boxes:
+            box.begin_run(1)
+        name = f"daskdist-t{os.getpid()}{int(time.monotonic() * 1e6) % 10**8}"
+        return [ShmTransport(r, ["a", "b"], boxes[r], [1 - r], name, slot_bytes) for r in range(2)]
+
+    def test_large_messages_go_in_pieces_and_arrive_whole(self):
+        t0, t1 = self._pair()
+        data = np.arange(100_000, dtype=np.float64)  # 800 kB through 4 KiB slots
+        result = {}
+
+        def receive():
+            out = np.ones_like(data)
+            t1.recv_into(0, (1, 1, 0, "x"), time.monotonic() + 20, out, lambda a, b: np.add(a, b, out=a))
+            result["sum"] = out
+            result["obj"] = t1.recv(0, (1, 1, 0, "o"), time.monotonic() + 20)
+
+        thread = threading.Thread(target=receive)
+        thread.start()
+        t0.send(1, (1, 1, 0, "x"), data).wait(time.monotonic() + 20)
+        t0.send(1, (1, 1, 0, "o"), ["objects", data[:10]]).wait(time.monotonic() + 20)
+        thread.join(20)
+        np.testing.assert_array_equal(result["sum"], data + 1)
+        assert result["obj"][0] == "objects" and result["obj"][1].tolist() == data[:10].tolist()
+        for t in (t0, t1):
+            t.close()
+
+    def test_out_of_order_and_wrong_size(self):
+        t0, t1 = self._pair()
+        t0.send(1, (1, 1, 0, "a"), np.ones(3)).wait(time.monotonic() + 5)
+        t0.send(1, (1, 1, 0, "b"), np.full(4, 2.0)).wait(time.monotonic() + 5)
+        assert t1.recv(0, (1, 1, 0, "b"), time.monotonic() + 5).tolist() == [2.0] * 4  # "a" is stashed
+        with pytest.raises(PayloadMismatch):
+            t1.recv_into(0, (1, 1, 0, "a"), time.monotonic() + 5, np.zeros(5), None)
+        for t in (t0, t1):
+            t.close()
+        assert not glob.glob(f"/dev/shm/{t0.group_id}*")
