@@ -6,7 +6,7 @@ built on it. Then, on the same cluster and in the same process, two things are
 timed on the client with ``time.perf_counter``:
 
 * ``strategy.run(trivial)``: send a function that returns ``None`` to every
-  replica and collect the ``PerReplica`` result;
+  replica and collect the results;
 * ``client.submit(noop, pure=False).result()``: one task through the
   scheduler to one worker and back.
 
@@ -29,7 +29,6 @@ import argparse
 import time
 from typing import Callable
 
-import numpy as np
 from _common import (
     add_transport_option,
     check_worker_settings,
@@ -154,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     print_header("strategy.run(trivial) vs client.submit(noop).result() round trip, client-side wall time")
     rows = []
     # Set before any cluster starts: the worker processes inherit the client's dask config.
-    with dask.config.set(config_overrides(args.transport, {"metrics.log-events": not args.no_step_events})):
+    with dask.config.set(config_overrides(args.transport, {"metrics.log-events": False} if args.no_step_events else None)):
         print(f"{settings_line()}\ncalls: {args.calls}  warm-up: {args.warmup}  block: {args.block}\n", flush=True)
         for n_workers in args.workers:
             start = time.perf_counter()
