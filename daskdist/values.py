@@ -91,8 +91,9 @@ def check_num_components(structure: Any, num_replicas: int) -> None:
 def regroup(results: Sequence[Any]) -> Any:
     """Turn per-replica results into one structure whose leaves are ``PerReplica`` (TF's regroup).
 
-    With one replica the result is returned as is. Leaves that are the same
-    object on every replica (a mirrored variable handle) stay that object.
+    With one replica the result is returned as is. A distributed variable
+    returned by every replica (the same handle) stays that variable; every
+    other leaf becomes a ``PerReplica``, ``None`` included.
     """
     if len(results) == 1:
         return results[0]
@@ -106,7 +107,7 @@ def regroup(results: Sequence[Any]) -> Any:
     leaves = []
     for components in zip(*(leaves_ for leaves_, _ in flat)):
         first = components[0]
-        if all(c is first for c in components) and not isinstance(first, (np.ndarray, int, float)):
+        if all(c is first for c in components) and hasattr(first, "_var_id"):
             leaves.append(first)
         else:
             leaves.append(PerReplica(components))

@@ -54,6 +54,8 @@ def test_values_reduce_and_regroup():
         reduce_values("SUM", np.ones(2), None, 2)
     grouped = regroup([{"a": 1, "b": (2, 3)}, {"a": 4, "b": (5, 6)}])
     assert grouped["a"].values == (1, 4) and grouped["b"][1].values == (3, 6)
+    assert regroup([None, None]).values == (None, None)  # TF: only distributed variables stay unwrapped
+    assert regroup(["same", "same"]).values == ("same", "same")
     assert "PerReplica" in repr(per) and "<table>" in per._repr_html_()
 
 

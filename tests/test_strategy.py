@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 
 import cloudpickle
 import numpy as np
@@ -354,5 +355,12 @@ def test_step_timings_are_recorded_and_sent_to_the_scheduler(threaded_client):
                 assert t["allreduce"] > 0 and t["collectives"] == 1 and t["nbytes"] > 0
                 assert t["total"] >= t["allreduce"] + t["compute"] - 1e-6
         token = strategy.extended.token
-    events = [e for _, e in threaded_client.get_events("daskdist-steps") if e.get("group") == token]
-    assert len(events) == 9
+    # timings travel in batches (daskdist.metrics.event-interval); closing sends the rest
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        events = [e for _, e in threaded_client.get_events("daskdist-steps") if e.get("group") == token]
+        steps = [(e["replica"], s["run_id"]) for e in events for s in e["steps"]]
+        if len(steps) >= 9:
+            break
+        time.sleep(0.1)
+    assert sorted(steps) == sorted({(t["replica"], t["run_id"]) for steps_ in timings for t in steps_})

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -117,6 +118,9 @@ class ReplicaRuntime:
         self._resident: dict[str, Any] = {}
         self._created_in_replica = 0
         self._log_events = bool(config.get("metrics.log-events"))
+        self._event_interval = config.get_seconds("metrics.event-interval")
+        self._unsent_steps: list[dict] = []
+        self._last_event = time.monotonic()
 
     def __repr__(self) -> str:
         return f"<ReplicaRuntime {self.token} rank={self.rank}/{self.size} state={self.state}>"
@@ -209,6 +213,8 @@ class ReplicaRuntime:
                 self.loop.call_soon_threadsafe(_resolve, item[2], self._closed_response())
 
     def close(self) -> None:
+        if self._log_events:
+            self.flush_step_events()
         self.transport.close()
         self._resident.clear()
         self.timer.history.clear()
@@ -248,7 +254,17 @@ class ReplicaRuntime:
         finally:
             timing = self.timer.end()
             if self._log_events:
-                self.worker.log_event(STEP_EVENT_TOPIC, {"group": self.token, **timing.to_dict()})
+                self._unsent_steps.append(timing.to_dict())
+                if time.monotonic() - self._last_event >= self._event_interval:
+                    self.flush_step_events()
+
+    def flush_step_events(self) -> None:
+        """Send the step timings gathered since the last flush as one Dask event."""
+        if self._unsent_steps:
+            self.worker.log_event(STEP_EVENT_TOPIC, {"group": self.token, "replica": self.rank,
+                                                     "steps": self._unsent_steps})
+            self._unsent_steps = []
+        self._last_event = time.monotonic()
 
     # -- objects that live on the replica -----------------------------------------
 
