@@ -213,6 +213,7 @@ class Communicator:
         self.on_collective = on_collective
         self.run_id = 0
         self.seq = 0
+        self.default_timeout = config.get_seconds("collective.timeout")
         self.current_kind: str | None = None
         self.small_message_bytes = int(config.get("collective.small-message-bytes"))
 
@@ -222,6 +223,7 @@ class Communicator:
         """Start numbering collectives for ``run_id`` and drop stale messages."""
         self.run_id = run_id
         self.seq = 0
+        self.default_timeout = config.get_seconds("collective.timeout")  # read once per run, not per collective
         self.transport.mailbox.begin_run(run_id)
 
     def abort_run(self, error: BaseException) -> None:
@@ -346,7 +348,7 @@ class Communicator:
 
     def _collective(self, kind: str, sig: str, options: CommunicationOptions, body: Callable[[CollectiveCall], Any]) -> Any:
         self.transport.mailbox.check(self.run_id)
-        timeout = options.timeout_seconds or config.get_seconds("collective.timeout")
+        timeout = options.timeout_seconds or self.default_timeout
         self.seq += 1
         self.current_kind = kind
         start = time.perf_counter()

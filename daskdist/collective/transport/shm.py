@@ -22,6 +22,7 @@ import _posixshmem
 import logging
 import pickle
 import queue
+import struct
 import threading
 import time
 import mmap
@@ -41,7 +42,7 @@ logger = logging.getLogger(__name__)
 _SLOTS = 4
 _CONTROL_BYTES = 128  # write counter at 0, read counter at 64 (separate cache lines)
 _HEADER_BYTES = 1024
-_ARRAY, _OBJECT = 0, 1
+_ARRAY, _OBJECT, _TEXT = 0, 1, 2
 
 
 def segment_name(group_id: str, src: int, dst: int) -> str:
@@ -92,8 +93,18 @@ def _backoff_wait(ready: Callable[[], bool], deadline: float, check: Callable[[]
         time.sleep(0 if spins < 4096 else 0.0002)
 
 
+# Piece header: run, seq, src, name, kind, total bytes, offset, piece bytes, ndim, shape[8], dtype.
+_HEADER = struct.Struct("<qqq40sbqqqb8q24s")
+_MAX_NDIM = 8
+
+
 class ShmChannel:
-    """One direction between two replicas: a segment with a control block and two slots."""
+    """One direction between two replicas: a segment with a control block and four slots.
+
+    Each slot holds one piece: a fixed binary header (``struct``) and up to
+    ``slot_bytes`` of data. Two counters (messages written, messages read)
+    on separate cache lines make it a single-producer single-consumer ring.
+    """
 
     def __init__(self, name: str, slot_bytes: int, create: bool):
         self.name = name
@@ -103,51 +114,62 @@ class ShmChannel:
         self.owner = create
         self.shm = _Segment(name, size, create)
         buf = self.shm.buf
-        self._written = np.ndarray((1,), np.int64, buf, 0)
-        self._read = np.ndarray((1,), np.int64, buf, 64)
+        self._counters = buf[:_CONTROL_BYTES].cast("q")  # [0]: written, [8]: read
         if create:
-            self._written[0] = 0
-            self._read[0] = 0
+            self._counters[0] = 0
+            self._counters[8] = 0
+        self._raw = buf[_CONTROL_BYTES:]
         self._data = np.ndarray((_SLOTS * self.slot_stride,), np.uint8, buf, _CONTROL_BYTES)
 
     # -- sender side ---------------------------------------------------------------
 
     def can_write(self) -> bool:
-        return int(self._written[0]) - int(self._read[0]) < _SLOTS
+        counters = self._counters
+        return counters[0] - counters[8] < _SLOTS
 
-    def write(self, header: bytes, piece: Any) -> None:
+    def write(self, tag: Tag, kind: int, dtype: str, shape: tuple, total: int, offset: int, piece: np.ndarray) -> None:
         """Write one piece into the next slot (the caller waited for ``can_write``)."""
-        slot = int(self._written[0]) % _SLOTS
-        base = slot * self.slot_stride
-        if len(header) + 4 > _HEADER_BYTES:
-            raise ValueError("message header too large for a shared-memory slot")
-        self._data[base : base + 4] = np.frombuffer(len(header).to_bytes(4, "little"), np.uint8)
-        self._data[base + 4 : base + 4 + len(header)] = np.frombuffer(header, np.uint8)
+        base = (self._counters[0] % _SLOTS) * self.slot_stride
+        dims = tuple(shape) + (0,) * (_MAX_NDIM - len(shape))
+        _HEADER.pack_into(
+            self._raw, base, tag[0], tag[1], tag[2], tag[3].encode(), kind, total, offset, piece.nbytes,
+            len(shape), *dims, dtype.encode(),
+        )
         start = base + _HEADER_BYTES
-        flat = piece.reshape(-1).view(np.uint8) if isinstance(piece, np.ndarray) else np.frombuffer(piece, np.uint8)
-        self._data[start : start + flat.size] = flat
-        self._written[0] += 1  # x86-64 keeps stores in order: the data is visible before the count
+        if piece.nbytes > 65536:
+            np.copyto(self._data[start : start + piece.nbytes], piece.reshape(-1).view(np.uint8))
+        elif piece.nbytes:
+            self._raw[start : start + piece.nbytes] = memoryview(piece).cast("B")
+        self._counters[0] += 1  # x86-64 keeps stores in order: the piece is visible before the count
 
     # -- receiver side -------------------------------------------------------------
 
     def can_read(self) -> bool:
-        return int(self._read[0]) < int(self._written[0])
+        counters = self._counters
+        return counters[8] < counters[0]
 
     def peek(self) -> tuple[tuple, np.ndarray]:
-        """The header and data bytes of the oldest unread piece (a view; valid until ``release``)."""
-        slot = int(self._read[0]) % _SLOTS
-        base = slot * self.slot_stride
-        length = int.from_bytes(self._data[base : base + 4].tobytes(), "little")
-        header = pickle.loads(self._data[base + 4 : base + 4 + length].tobytes())
-        nbytes = header[-1]
+        """The header and data bytes of the oldest unread piece (a view; valid until ``release``).
+
+        The header is ``(tag, kind, dtype, shape, total, offset, nbytes)``.
+        """
+        base = (self._counters[8] % _SLOTS) * self.slot_stride
+        fields = _HEADER.unpack_from(self._raw, base)
+        run, seq, src, name, kind, total, offset, nbytes, ndim = fields[:9]
+        shape = fields[9 : 9 + ndim]
+        dtype = fields[17].rstrip(b"\0").decode()
+        tag = (run, seq, src, name.rstrip(b"\0").decode())
         start = base + _HEADER_BYTES
-        return header, self._data[start : start + nbytes]
+        return (tag, kind, dtype, shape, total, offset, nbytes), self._data[start : start + nbytes]
 
     def release(self) -> None:
-        self._read[0] += 1
+        self._counters[8] += 1
 
     def close(self) -> None:
-        self._written = self._read = self._data = None  # views must go before the mapping closes
+        # every view must go before the mapping closes
+        self._counters.release()
+        self._raw.release()
+        self._data = None
         try:
             self.shm.close()
         except BufferError:  # pragma: no cover - a view escaped; the OS frees it at exit
@@ -212,7 +234,7 @@ class ShmTransport(Transport):
         kind, data = _encode(payload)
         # Write inline only when nothing for ``dst`` is still queued: one writer per channel, in order.
         if not self._queued.get(dst) and data.nbytes <= self.slot_bytes and channel.can_write():
-            channel.write(_header(tag, kind, payload, data.nbytes, 0, data.nbytes), data)
+            channel.write(tag, kind, *_describe(kind, payload), data.nbytes, 0, data)
             return CompletedSend()
         handle = _ThreadedSend()
         with self._queued_lock:
@@ -250,10 +272,11 @@ class ShmTransport(Transport):
                 raise DaskdistError("transport closed")
             self.mailbox.check(run_id)
 
+        dtype, shape = _describe(kind, payload)
         while True:
             piece = flat[offset : offset + self.slot_bytes]
             _backoff_wait(channel.can_write, deadline, check)
-            channel.write(_header(tag, kind, payload, total, offset, piece.nbytes), piece)
+            channel.write(tag, kind, dtype, shape, total, offset, piece)
             offset += piece.nbytes
             if offset >= total:
                 return
@@ -320,7 +343,7 @@ class ShmTransport(Transport):
         header, data = self._find(src, tag, deadline)
         channel = self._inbound[src]
         _, kind, dtype, shape, total, offset, nbytes = header
-        if kind != _ARRAY or total != out.nbytes or np.dtype(dtype) != out.dtype:
+        if kind != _ARRAY or total != out.nbytes or dtype not in (out.dtype.str, out.dtype.name):
             self._stash_message(src, header, data)
             got = self._stash.pop((src, tag))
             raise PayloadMismatch(getattr(got, "size", None), out.size)
@@ -368,20 +391,27 @@ class ShmTransport(Transport):
 
 
 def _encode(payload: Any) -> tuple[int, np.ndarray]:
-    if isinstance(payload, np.ndarray) and payload.dtype.kind != "O":
+    """The kind of ``payload`` and its bytes (arrays as they are, text as UTF-8, anything else pickled)."""
+    if isinstance(payload, np.ndarray) and payload.dtype.kind != "O" and payload.ndim <= _MAX_NDIM:
         return _ARRAY, np.ascontiguousarray(payload)
+    if isinstance(payload, str):
+        return _TEXT, np.frombuffer(payload.encode(), np.uint8)
     return _OBJECT, np.frombuffer(pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
 
 
-def _header(tag: Tag, kind: int, payload: Any, total: int, offset: int, nbytes: int) -> bytes:
-    dtype = payload.dtype if kind == _ARRAY else None
-    shape = payload.shape if kind == _ARRAY else None
-    return pickle.dumps((tag, kind, dtype, shape, total, offset, nbytes), protocol=pickle.HIGHEST_PROTOCOL)
+def _describe(kind: int, payload: Any) -> tuple[str, tuple]:
+    """dtype text and shape written in the header (a dtype name where ``str`` would be ambiguous)."""
+    if kind != _ARRAY:
+        return "", ()
+    dtype = payload.dtype
+    return (dtype.name if dtype.kind == "V" else dtype.str), payload.shape
 
 
-def _decode(kind: int, dtype: Any, shape: Any, data: Any) -> Any:
+def _decode(kind: int, dtype: str, shape: Any, data: Any) -> Any:
     if kind == _ARRAY:
-        return np.frombuffer(data, dtype=dtype).reshape(shape)
+        return np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)
+    if kind == _TEXT:
+        return bytes(data).decode()
     return pickle.loads(data)
 
 
