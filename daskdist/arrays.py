@@ -26,6 +26,8 @@ def is_array(x: Any) -> bool:
 
 def namespace(x: Any) -> ModuleType:
     """The array module (``numpy`` or ``cupy``) that operates on ``x``."""
+    if type(x) is np.ndarray:
+        return np
     if _is_cupy(x):
         return sys.modules["cupy"]
     return np

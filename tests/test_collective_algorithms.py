@@ -225,3 +225,26 @@ def test_same_sizes_but_different_structure_fail_everywhere(algorithm):
                               options=CommunicationOptions(timeout_seconds=20)), run_id=2
     )
     assert all(isinstance(r, CollectiveMismatchError) for r in results), results
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("shape, axis", [((10,), 0), ((7, 3), 0), ((2, 9), 1), ((2,), 0)])
+def test_reduce_scatter_matches_numpy(size, shape, axis):
+    group = InMemoryGroup(size)
+    xs = _inputs(size, shape, "float64", seed=3)
+    results = group.run_ranks(lambda c: c.reduce_scatter("SUM", {"x": xs[c.rank]}, axis=axis))
+    expected = np.array_split(np.sum(xs, axis=0), size, axis=axis)
+    for rank, r in enumerate(results):
+        assert not isinstance(r, Exception), r
+        np.testing.assert_allclose(r["x"], expected[rank])
+
+
+def test_bfloat16_all_reduce():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    group = InMemoryGroup(3)
+    xs = [np.full(5, r + 0.5, ml_dtypes.bfloat16) for r in range(3)]
+    for op, want in (("SUM", 4.5), ("MEAN", 1.5), ("MAX", 2.5)):
+        for options in (None, RING):
+            results = group.run_ranks(lambda c: c.all_reduce(op, xs[c.rank], options))
+            assert results[0].dtype == ml_dtypes.bfloat16
+            assert results[0].astype("float32").tolist() == [want] * 5

@@ -63,15 +63,19 @@ def _check_all_reduce(strategy, seed):
             ("SUM", "float32", (1001,)), ("SUM", "float64", ()), ("SUM", "int32", (0,)),
             ("MEAN", "float16", (7, 3)), ("MAX", "int8", (13,)), ("MIN", "uint8", (5,)),
             ("PRODUCT", "int64", (3,)), ("SUM", "bool", (9,)), ("SUM", "float32", (700_001,)),
-            ("MEAN", "float64", (300_000,)),
+            ("MEAN", "float64", (300_000,)), ("SUM", "bfloat16", (11,)),
         ]
         for op, dtype, shape in cases:
             inputs = []
+            if dtype == "bfloat16":
+                import ml_dtypes
+
+                dtype = ml_dtypes.bfloat16
             for r in range(n):
                 rng = np.random.default_rng([seed, r, len(shape)])
                 if dtype == "bool":
                     inputs.append(rng.random(shape) > 0.5)
-                elif np.dtype(dtype).kind in "iu":
+                elif np.dtype(dtype).kind in "iuV":
                     inputs.append(rng.integers(0, 4, shape).astype(dtype))
                 else:
                     inputs.append(rng.standard_normal(shape).astype(dtype))
@@ -87,6 +91,12 @@ def _check_all_reduce(strategy, seed):
                 got.astype("float64"), want.astype("float64"), rtol=5e-3, atol=5e-3
             ):
                 failures.append((op, dtype, shape))
+        scattered = ctx.reduce_scatter("SUM", np.arange(10.0) * (rank + 1), axis=0)
+        if scattered.tolist() != np.array_split(np.arange(10.0) * n * (n + 1) / 2, n)[rank].tolist():
+            failures.append("reduce_scatter")
+        if ctx.broadcast({"w": np.full(3, rank)}, root=n - 1)["w"].tolist() != [n - 1] * 3:
+            failures.append("broadcast")
+        ctx.barrier()
         gathered = ctx.all_gather(np.full((rank + 1, 2), rank), axis=0)
         if gathered[:, 0].tolist() != [r for r in range(n) for _ in range(r + 1)]:
             failures.append("all_gather")

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from daskdist.collective.communicator import CollectiveCall
 
 __all__ = [
+    "reducescatter_ring",
     "allgather_direct",
     "allreduce_direct",
     "allreduce_reduce_to_one",
@@ -79,6 +80,23 @@ def allreduce_ring(call: CollectiveCall, buf: Any, op: ReduceOp) -> Any:
         call.recv_into(left, f"ag{step}", chunks[recv_index], None)
         call.wait(handle)
     return buf
+
+
+def reducescatter_ring(call: CollectiveCall, buf: Any, op: ReduceOp, bounds: Sequence[int]) -> Any:
+    """Ring reduce-scatter: chunk ``r`` (``buf[bounds[r]:bounds[r + 1]]``) ends fully reduced on rank ``r``.
+
+    Returns that chunk (a view into ``buf``).
+    """
+    size, rank = call.size, call.rank
+    chunks = [buf[bounds[i] : bounds[i + 1]] for i in range(size)]
+    right, left = (rank + 1) % size, (rank - 1) % size
+    for step in range(size - 1):
+        send_index, recv_index = (rank - step - 1) % size, (rank - step - 2) % size
+        handle = call.send(right, f"rsc{step}", chunks[send_index])
+        call.recv_into(left, f"rsc{step}", chunks[recv_index], op)
+        call.wait(handle)
+    finalize(op, chunks[rank], size)
+    return chunks[rank]
 
 
 def allreduce_reduce_to_one(

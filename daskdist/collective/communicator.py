@@ -293,6 +293,43 @@ class Communicator:
 
         return self._collective("all_gather", sig, options, run)
 
+    def reduce_scatter(self, op: ReduceOp | str, value: Any, axis: int = 0,
+                       options: CommunicationOptions | None = None) -> Any:
+        """Reduce ``value`` across replicas and return this replica's part of it along ``axis``.
+
+        Each leaf is split along ``axis`` into ``num_replicas`` nearly equal
+        parts, as ``numpy.array_split`` does; replica ``r`` gets part ``r``.
+        """
+        op = ReduceOp.from_any(op)
+        options = self.options.merge(options)
+        leaves, treedef, restore = flatten(value)
+        for leaf in leaves:
+            check_dtype(op, leaf.dtype)
+            if leaf.ndim == 0 or not -leaf.ndim <= axis < leaf.ndim:
+                raise ValueError(f"reduce_scatter axis {axis} is out of range for {describe(leaf)}")
+        if self.size == 1:
+            return optree.tree_unflatten(treedef, [back(xp_copy(x)) for x, back in zip(leaves, restore)])
+        sig = signature("reduce_scatter", f"{op.name} axis={axis}", leaves, treedef)
+
+        def run(call: CollectiveCall) -> Any:
+            out = []
+            for index, (leaf, back) in enumerate(zip(leaves, restore)):
+                call.part = f"l{index}/"
+                xp = namespace(leaf)
+                moved = xp.moveaxis(leaf, axis, 0)
+                rows = moved.shape[0]
+                starts = [0]
+                for length in (len(part) for part in xp.array_split(xp.empty(rows), self.size)):
+                    starts.append(starts[-1] + length)
+                row_size = int(moved[0].size) if rows else 0
+                buf = xp.ascontiguousarray(moved).reshape(-1).copy()
+                mine = algorithms.reducescatter_ring(call, buf, op, [s * row_size for s in starts])
+                part = mine.reshape((starts[self.rank + 1] - starts[self.rank],) + moved.shape[1:])
+                out.append(back(xp.moveaxis(part, 0, axis)))
+            return optree.tree_unflatten(treedef, out)
+
+        return self._collective("reduce_scatter", sig, options, run)
+
     def broadcast(self, value: Any, root: int = 0, options: CommunicationOptions | None = None) -> Any:
         """Return ``root``'s ``value`` on every replica (structures must match)."""
         options = self.options.merge(options)

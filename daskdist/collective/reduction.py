@@ -9,6 +9,9 @@ from daskdist.ops import ReduceOp
 
 __all__ = ["check_dtype", "combine_into", "finalize"]
 
+#: Floating types numpy learns from ``ml_dtypes`` (they have kind "V" but reduce like floats).
+_EXTENDED_FLOATS = {"bfloat16", "float8_e4m3fn", "float8_e5m2"}
+
 _UFUNC = {
     ReduceOp.SUM: "add",
     ReduceOp.MEAN: "add",
@@ -22,7 +25,7 @@ def check_dtype(op: ReduceOp, dtype: Any) -> None:
     """Raise ``TypeError`` for combinations that have no meaning (MEAN of booleans)."""
     if dtype.kind == "b" and op is ReduceOp.MEAN:
         raise TypeError("ReduceOp.MEAN is not defined for bool arrays; use SUM (logical or) or MIN/MAX")
-    if dtype.kind in "OUSV":
+    if dtype.kind in "OUSM" or (dtype.kind == "V" and dtype.name not in _EXTENDED_FLOATS):
         raise TypeError(f"Cannot reduce arrays of dtype {dtype}; use numeric or bool arrays")
 
 
@@ -47,5 +50,7 @@ def finalize(op: ReduceOp, acc: Any, num_replicas: int) -> None:
     xp = namespace(acc)
     if acc.dtype.kind in "iu":
         xp.copyto(acc, xp.trunc(acc / num_replicas).astype(acc.dtype))
+    elif acc.dtype.kind == "V":  # bfloat16 and friends: divide in float32, round back
+        xp.copyto(acc, (acc.astype("float32") / num_replicas).astype(acc.dtype))
     else:
         xp.divide(acc, acc.dtype.type(num_replicas), out=acc)

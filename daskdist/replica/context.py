@@ -69,8 +69,20 @@ class ReplicaContext:
         """Concatenate ``value`` from all replicas along ``axis``, in replica order."""
         return self._runtime.communicator.all_gather(value, axis, options)
 
-    def _broadcast(self, value: Any, root: int = 0, options: CommunicationOptions | None = None) -> Any:
+    def broadcast(self, value: Any, root: int = 0, options: CommunicationOptions | None = None) -> Any:
+        """Return replica ``root``'s ``value`` on every replica (structures, shapes and dtypes must match)."""
         return self._runtime.communicator.broadcast(value, root, options)
+
+    _broadcast = broadcast
+
+    def reduce_scatter(self, reduce_op: ReduceOp | str, value: Any, axis: int = 0,
+                       options: CommunicationOptions | None = None) -> Any:
+        """Reduce ``value`` across replicas; each replica gets its part along ``axis`` (``array_split`` order)."""
+        return self._runtime.communicator.reduce_scatter(reduce_op, value, axis, options)
+
+    def barrier(self, options: CommunicationOptions | None = None) -> None:
+        """Return once every replica has reached this barrier."""
+        self._runtime.communicator.barrier(options)
 
     def merge_call(self, merge_fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
         """Call ``merge_fn(strategy, *args, **kwargs)`` once with every replica's arguments.

@@ -70,6 +70,17 @@ class _DefaultReplicaContext:
     def all_gather(self, value: Any, axis: int, options: CommunicationOptions | None = None) -> Any:
         return value
 
+    def broadcast(self, value: Any, root: int = 0, options: CommunicationOptions | None = None) -> Any:
+        return value
+
+    def reduce_scatter(self, reduce_op: ReduceOp | str, value: Any, axis: int = 0,
+                       options: CommunicationOptions | None = None) -> Any:
+        ReduceOp.from_any(reduce_op)
+        return value
+
+    def barrier(self, options: CommunicationOptions | None = None) -> None:
+        return None
+
     def merge_call(self, merge_fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
         return merge_fn(default_strategy(), *args, **(kwargs or {}))
 

@@ -139,7 +139,7 @@ class ShmChannel:
         if piece.nbytes > 65536:
             np.copyto(self._data[start : start + piece.nbytes], piece.reshape(-1).view(np.uint8))
         elif piece.nbytes:
-            self._raw[start : start + piece.nbytes] = memoryview(piece).cast("B")
+            self._raw[start : start + piece.nbytes] = memoryview(piece.reshape(-1).view(np.uint8))
         self._counters[0] += 1  # x86-64 keeps stores in order: the piece is visible before the count
 
     # -- receiver side -------------------------------------------------------------
@@ -343,7 +343,8 @@ class ShmTransport(Transport):
         header, data = self._find(src, tag, deadline)
         channel = self._inbound[src]
         _, kind, dtype, shape, total, offset, nbytes = header
-        if kind != _ARRAY or total != out.nbytes or dtype not in (out.dtype.str, out.dtype.name):
+        expected_dtype = out.dtype.name if out.dtype.kind == "V" else out.dtype.str
+        if kind != _ARRAY or total != out.nbytes or dtype != expected_dtype:
             self._stash_message(src, header, data)
             got = self._stash.pop((src, tag))
             raise PayloadMismatch(getattr(got, "size", None), out.size)
