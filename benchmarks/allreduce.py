@@ -1,90 +1,124 @@
-"""All-reduce latency and bus bandwidth: daskdist collectives vs a naive Dask-task all-reduce.
+"""All-reduce latency and bus bandwidth: daskdist's transports vs MPI, gloo, a naive Dask all-reduce and a memcpy bound.
 
-For each replica count a fresh ``LocalCluster`` of single-threaded worker
-processes is started, with one ``MirroredStrategy`` replica per worker. For
-each message size (float32, ``ReduceOp.SUM``) two things are measured on that
-same cluster, in alternating blocks (ABBA order) so that noise on a shared
-machine hits both alike:
+Everything is measured on this machine in one invocation, float32
+``ReduceOp.SUM`` all-reduce of an array of ones, for each rank count and
+message size. The systems (``--systems``, default all but ``shm``):
 
-* **daskdist**: ``ReplicaContext.all_reduce`` timed *inside* the replicas
-  with ``time.perf_counter``; each iteration's time is the maximum over the
-  replicas, the figure is the median over iterations. Each block starts with
-  one untimed all-reduce so that the replicas enter the timed loop together.
-* **naive Dask**: each worker holds its array as a pinned future; one round
-  is a task on worker 0 that sums the N arrays (Dask gathers them there),
-  then N tasks, one pinned to each worker, that take the sum (Dask copies it
-  to every worker); the client waits for all N. Time per round is measured
-  on the client; the figure is the median over rounds.
+* **daskdist** (``auto``, ``shm``, ``dask``: the value of
+  ``daskdist.collective.transport`` the strategy is created with): a fresh
+  ``LocalCluster`` of N single-threaded worker processes with one
+  ``MirroredStrategy`` per transport on it (one replica per worker).
+  ``ReplicaContext.all_reduce`` is timed *inside* the replicas with
+  ``time.perf_counter``. On one host ``auto`` routes every pair of replicas
+  through shared memory, the same as ``shm``: the script asks each replica for
+  its routes and labels the column ``auto (=shm)`` only when that is so.
+* **naive Dask** (``naive``): on the same cluster, each worker holds its
+  array as a pinned future; one round is a task on worker 0 that sums the N
+  arrays (Dask gathers them there), then N tasks, one pinned to each worker,
+  that take the sum (Dask copies it to every worker); the client waits for
+  all N. Timed on the client (it includes the scheduler round trips, which is
+  what an all-reduce built from tasks costs).
+* **MPI** (``mpi``, ``peers/mpi_allreduce.py``): ``mpirun -n N`` (Open MPI)
+  of mpi4py ranks running ``comm.Allreduce(sendbuf, recvbuf, op=MPI.SUM)`` on
+  numpy arrays, timed inside the ranks.
+* **gloo** (``gloo``, ``peers/gloo_allreduce.py``): N subprocesses running
+  ``torch.distributed.all_reduce`` with the gloo backend on a float32 CPU
+  tensor, timed inside the ranks.
+* **ideal** (``ideal``): a memcpy-bound ring. ``np.copyto`` of the message
+  size is timed in this process (median ``t_copy``; small sizes copy many
+  times per sample), giving the copy bandwidth ``B = bytes / t_copy``. A ring
+  all-reduce (reduce-scatter, then all-gather) moves ``2 (n - 1) / n * bytes``
+  into every rank, and over shared memory each of those bytes has to be
+  copied at least once; with every rank copying at ``B`` at the same time the
+  ideal time is ``2 (n - 1) / n * bytes / B = 2 (n - 1) / n * t_copy``, and
+  its bus bandwidth is ``B``. It ignores the additions, synchronisation and
+  cache effects, and assumes a core per rank: with 4 ranks on 2 cores it is
+  optimistic by up to 2x.
+
+Every timed-in-the-ranks system follows the same plan: per size, up to 3
+untimed warm-up all-reduces, then blocks of timed all-reduces, each block
+starting with one untimed all-reduce so that the ranks enter the timed loop
+together; an iteration's time is the maximum over the ranks, the figure is the
+median over iterations. Iterations per size: 50 up to 256 KiB, 20 up to 4 MiB,
+10 above (``--iterations`` overrides), the same for every system.
+
+The noise of a shared machine is spread over the systems in two ways. On the
+cluster, the daskdist transports and the naive approach run in alternating
+blocks (order reversed every block). And the whole measurement of a rank count
+is split into ``--rounds`` rounds (default 2), each with its share of the
+iterations, the phases (memcpy, cluster, MPI, gloo) in reversed order every
+other round (ABBA); the medians are over the iterations of all rounds.
 
 Bus bandwidth follows the NCCL convention: ``2 (n - 1) / n * bytes / time``.
+Ratios compare the best daskdist transport at each size (lowest median) with
+the others: ``x`` = their latency / daskdist's (> 1: daskdist is faster);
+"of ideal" = ideal time / daskdist's time.
+
+Peers that cannot run (not installed, failed to start) are reported as
+``unavailable (reason)``.
 
 Usage::
 
-    .venv/bin/python benchmarks/allreduce.py [--sizes 4KiB 256KiB 4MiB 64MiB] [--replicas 2 4] [--quick]
-        [--transport dask]
+    .venv/bin/python benchmarks/allreduce.py [--systems auto dask naive mpi gloo ideal] [--quick]
+        [--sizes 4KiB 256KiB 4MiB 64MiB] [--replicas 2 4] [--rounds 2] [--iterations N]
+        [--transport dask] [--mpirun-args "..."]
+
+``--transport NAME`` measures only that daskdist transport (as before the
+peers were added); ``--quick``: 4 KiB and 4 MiB, 2 ranks, 1 round.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
-import re
 import time
+from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 from _common import (
     add_transport_option,
     check_worker_settings,
-    config_overrides,
     format_table,
     local_cluster,
     print_header,
     settings_line,
 )
+from peers._base import (
+    PeerUnavailable,
+    SizePlan,
+    bus_bandwidth,
+    default_iterations,
+    format_size,
+    parse_size,
+    plan_round,
+)
+
+__all__ = ["bus_bandwidth", "default_iterations", "format_size", "main", "parse_size"]
 
 DEFAULT_SIZES = ["4KiB", "256KiB", "4MiB", "64MiB"]
 DEFAULT_REPLICAS = [2, 4]
 QUICK_SIZES = ["4KiB", "4MiB"]
 QUICK_REPLICAS = [2]
 
-_UNITS = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+DASKDIST_TRANSPORTS = ("auto", "shm", "dask")
+PEERS = ("mpi", "gloo")
+SYSTEMS = DASKDIST_TRANSPORTS + PEERS + ("naive", "ideal")
+DEFAULT_SYSTEMS = ("auto", "dask", "mpi", "gloo", "naive", "ideal")
+LABELS = {
+    "auto": "daskdist auto",
+    "shm": "daskdist shm",
+    "dask": "daskdist dask",
+    "naive": "naive Dask",
+    "mpi": "MPI",
+    "gloo": "gloo",
+    "ideal": "ideal (memcpy)",
+}
 
-
-# -- sizes and figures --------------------------------------------------------------
-
-
-def parse_size(text: str) -> int:
-    """``"4KiB"`` -> 4096. Binary (KiB, MiB, GiB) and decimal (KB, MB, GB) units, or plain bytes."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    if match is None or match.group(2).upper() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4096, 4KiB, 64MiB)")
-    nbytes = int(float(match.group(1)) * _UNITS[match.group(2).upper()])
-    if nbytes <= 0 or nbytes % 4:
-        raise argparse.ArgumentTypeError(f"{text!r}: the size must be a positive multiple of 4 bytes (float32)")
-    return nbytes
-
-
-def format_size(nbytes: int) -> str:
-    """4096 -> ``"4 KiB"`` (exact binary units where possible)."""
-    for unit, factor in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= factor and nbytes % factor == 0:
-            return f"{nbytes // factor} {unit}"
-    return f"{nbytes} B"
-
-
-def default_iterations(nbytes: int) -> int:
-    """Timed iterations per size: many for small messages, few for large ones."""
-    if nbytes <= 256 * 2**10:
-        return 50
-    if nbytes <= 4 * 2**20:
-        return 20
-    return 5
-
-
-def bus_bandwidth(nbytes: int, n: int, seconds: float) -> float:
-    """NCCL's bus bandwidth of an all-reduce, in GB/s (1e9 bytes per second)."""
-    return 2 * (n - 1) / n * nbytes / seconds / 1e9
+# The issue's goals ("Fast collectives"), checked at the end.
+GOAL_LARGE = 64 * 2**20  # busbw above the best of MPI and gloo; aims: 1.3x MPI, 60 % of the ideal
+GOAL_SMALL = 4 * 2**10  # latency within 3x of MPI and at least 10x better than gloo
+GOAL_NAIVE = 10.0  # every size at least 10x faster than the naive approach
 
 
 def algorithm_name(nbytes: int, implementation: str) -> str:
@@ -186,137 +220,429 @@ def check_naive(client: object, inputs: list, addresses: list[str]) -> None:
         raise AssertionError(f"naive all-reduce gave {checks}, expected {expected}")
 
 
-def measure_size(client: object, strategy: object, nbytes: int, iterations: int, blocks: int,
-                 implementation: str) -> dict:
-    """Both approaches at one size, alternating blocks; returns medians in seconds and iteration counts."""
-    nelems = nbytes // 4
-    addresses = list(strategy.extended.worker_addresses)
-    inputs = [client.submit(make_array, nelems, workers=[a], pure=False) for a in addresses]
-    client.gather([client.submit(first_last, x, workers=[a], pure=False) for x, a in zip(inputs, addresses)])
+def replica_routes() -> str:
+    """Replica function: the transports this replica reaches its peers through (daskdist internals; best effort)."""
     try:
-        check_naive(client, inputs, addresses)
-        warmup = max(1, min(3, iterations))
-        daskdist_block(strategy, nelems, warmup, implementation)
-        naive_block(client, inputs, addresses, warmup)
+        from daskdist.context import current_runtime
 
-        per_block = math.ceil(iterations / blocks)
-        dd_times: list[float] = []
-        naive_times: list[float] = []
-        first_daskdist = True
-        while len(dd_times) < iterations:
-            n = min(per_block, iterations - len(dd_times))
-            if first_daskdist:
-                dd_times.extend(daskdist_block(strategy, nelems, n, implementation))
-                naive_times.extend(naive_block(client, inputs, addresses, n))
-            else:
-                naive_times.extend(naive_block(client, inputs, addresses, n))
-                dd_times.extend(daskdist_block(strategy, nelems, n, implementation))
-            first_daskdist = not first_daskdist
-    finally:
-        client.cancel(inputs)
-        del inputs
-    return {
-        "iterations": len(dd_times),
-        "daskdist": float(np.median(dd_times)),
-        "naive": float(np.median(naive_times)),
+        transport = current_runtime().transport
+    except Exception as error:  # noqa: BLE001 - only a label depends on it
+        return f"unknown ({type(error).__name__})"
+    describe = getattr(transport, "describe", None)
+    if describe is not None:
+        return "+".join(sorted(set(describe().values())))
+    return str(getattr(transport, "name", type(transport).__name__))
+
+
+# -- measurement on the cluster ---------------------------------------------------------
+
+
+def daskdist_block(strategy: object, nelems: int, iterations: int, implementation: str) -> np.ndarray:
+    """One ``strategy.run`` of ``iterations`` all-reduces; per iteration, the slowest replica's time."""
+    per_replica = strategy.run(replica_allreduce, args=(nelems, iterations, implementation))
+    times = np.stack(strategy.experimental_local_results(per_replica))
+    return times.max(axis=0)
+
+
+def naive_block(client: object, inputs: list, addresses: list[str], rounds: int) -> list[float]:
+    """``rounds`` naive all-reduce rounds (sum task on worker 0, then one pinned copy task per worker)."""
+    from distributed import wait
+
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        total = client.submit(sum_arrays, *inputs, workers=[addresses[0]], pure=False)
+        outs = [client.submit(take, total, workers=[a], pure=False) for a in addresses]
+        wait(outs)
+        times.append(time.perf_counter() - start)
+        for f in outs:
+            if f.status != "finished":
+                raise RuntimeError(f"naive all-reduce task failed: {f.exception()!r}")
+        del total, outs
+    return times
+
+
+def check_naive(client: object, inputs: list, addresses: list[str]) -> None:
+    """Run one naive round and check the sum on every worker."""
+    total = client.submit(sum_arrays, *inputs, workers=[addresses[0]], pure=False)
+    outs = [client.submit(take, total, workers=[a], pure=False) for a in addresses]
+    checks = client.gather([client.submit(first_last, o, workers=[a], pure=False) for o, a in zip(outs, addresses)])
+    expected = float(len(addresses))
+    if any(c != (expected, expected) for c in checks):
+        raise AssertionError(f"naive all-reduce gave {checks}, expected {expected}")
+
+
+def measure_size(client: object, addresses: list[str], strategies: dict[str, object], with_naive: bool,
+                 size: SizePlan, implementation: str) -> dict[str, list[float]]:
+    """The daskdist transports and the naive approach at one size, in alternating blocks; times by system."""
+    nelems = size.nbytes // 4
+    inputs: list = []
+    if with_naive:
+        inputs = [client.submit(make_array, nelems, workers=[a], pure=False) for a in addresses]
+        client.gather([client.submit(first_last, x, workers=[a], pure=False) for x, a in zip(inputs, addresses)])
+    runners: dict[str, Callable[[int], list[float]]] = {
+        name: (lambda k, s=strategy: list(daskdist_block(s, nelems, k, implementation)))
+        for name, strategy in strategies.items()
     }
+    if with_naive:
+        runners["naive"] = lambda k: naive_block(client, inputs, addresses, k)
+    try:
+        if with_naive:
+            check_naive(client, inputs, addresses)
+        for run in runners.values():
+            run(size.warmup)
+        times: dict[str, list[float]] = {name: [] for name in runners}
+        order = list(runners)
+        for count in size.blocks:
+            for name in order:
+                times[name].extend(runners[name](count))
+            order.reverse()  # ABBA: no system always goes first
+    finally:
+        if inputs:
+            client.cancel(inputs)
+        del inputs
+    return times
 
 
-def measure_replicas(n_replicas: int, sizes: list[int], blocks: int, implementation: str) -> list[dict]:
-    """Every size on one fresh cluster of ``n_replicas`` workers; the cluster is closed before returning."""
+def cluster_phase(n: int, plan: list[SizePlan], transports: list[str], with_naive: bool,
+                  implementation: str) -> tuple[dict[str, dict[int, list[float]]], dict[str, str]]:
+    """One fresh cluster of ``n`` workers: a strategy per transport, every size.
+
+    Returns the times by system and size, and the routes each transport's replicas reported.
+    """
+    import dask.config
+
     import daskdist as dd
 
-    results = []
-    with local_cluster(n_replicas) as client:
-        strategy = dd.MirroredStrategy(client=client)
+    results: dict[str, dict[int, list[float]]] = {name: {} for name in [*transports, *(["naive"] if with_naive else [])]}
+    routes: dict[str, str] = {}
+    with local_cluster(n) as client:
+        strategies: dict[str, object] = {}
         try:
-            check_worker_settings(client)
-            if strategy.num_replicas_in_sync != n_replicas:
-                raise RuntimeError(f"expected {n_replicas} replicas, got {strategy.num_replicas_in_sync}")
-            for nbytes in sizes:
-                start = time.perf_counter()
-                r = measure_size(client, strategy, nbytes, default_iterations(nbytes), blocks, implementation)
-                r.update(replicas=n_replicas, nbytes=nbytes, algorithm=algorithm_name(nbytes, implementation))
-                results.append(r)
-                print(
-                    f"replicas={n_replicas} size={format_size(nbytes)}: daskdist {r['daskdist'] * 1e3:.3f} ms, "
-                    f"naive {r['naive'] * 1e3:.3f} ms ({time.perf_counter() - start:.1f} s)",
-                    flush=True,
-                )
+            for transport in transports:
+                # The transport is read on the client when the strategy is created.
+                with dask.config.set({"daskdist.collective.transport": transport}):
+                    strategies[transport] = dd.MirroredStrategy(client=client)
+                if strategies[transport].num_replicas_in_sync != n:
+                    raise RuntimeError(f"expected {n} replicas, got {strategies[transport].num_replicas_in_sync}")
+                seen = set(strategies[transport].experimental_local_results(strategies[transport].run(replica_routes)))
+                routes[transport] = ", ".join(sorted(seen))
+            if strategies:
+                check_worker_settings(client)
+            addresses = sorted(client.scheduler_info(n_workers=-1)["workers"])
+            if strategies:
+                addresses = list(next(iter(strategies.values())).extended.worker_addresses)
+            for size in plan:
+                for name, times in measure_size(client, addresses, strategies, with_naive, size,
+                                                implementation).items():
+                    results[name][size.nbytes] = times
         finally:
-            strategy.close()
+            for strategy in strategies.values():
+                strategy.close()
+    return results, routes
+
+
+# -- the memcpy bound ---------------------------------------------------------------------
+
+
+def memcpy_samples(nbytes: int, samples: int = 21, min_sample_bytes: int = 8 * 2**20) -> list[float]:
+    """Seconds per ``np.copyto`` of ``nbytes`` (float32), ``samples`` times; small sizes copy repeatedly per sample."""
+    src = np.ones(nbytes // 4, np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # touch the pages
+    repeat = max(1, min_sample_bytes // nbytes)
+    times = []
+    for _ in range(samples):
+        start = time.perf_counter()
+        for _ in range(repeat):
+            np.copyto(dst, src)
+        times.append((time.perf_counter() - start) / repeat)
+    return times
+
+
+# -- collecting -------------------------------------------------------------------------
+
+
+@dataclass
+class SystemResult:
+    """One system at one rank count: times by size (pooled over rounds), or why it is unavailable."""
+
+    times: dict[int, list[float]] = field(default_factory=dict)
+    unavailable: str | None = None
+    info: str = ""
+
+    def add(self, times: dict[int, list[float]]) -> None:
+        for nbytes, values in times.items():
+            self.times.setdefault(nbytes, []).extend(values)
+
+
+def latency(system: str, result: SystemResult, nbytes: int, n: int) -> float | None:
+    """Median seconds of ``system`` at ``nbytes`` (for ``ideal``: ``2 (n - 1) / n`` times the median copy)."""
+    values = result.times.get(nbytes)
+    if result.unavailable is not None or not values:
+        return None
+    median = float(np.median(values))
+    return 2 * (n - 1) / n * median if system == "ideal" else median
+
+
+_LOAD_READINGS: list[float] = []
+
+
+def load() -> str:
+    """The 1-minute load average, as text (and remembered for the summary)."""
+    try:
+        value = os.getloadavg()[0]
+    except OSError:
+        return "?"
+    _LOAD_READINGS.append(value)
+    return f"{value:.2f}"
+
+
+def median_ms(system: str, values: list[float], n: int) -> float:
+    """Median of ``values`` in ms (for ``ideal``, the copy times: ``2 (n - 1) / n`` times their median)."""
+    return latency(system, SystemResult(times={0: values}), 0, n) * 1e3
+
+
+def measure_replicas(n: int, args: argparse.Namespace) -> dict[str, SystemResult]:
+    """Every selected system at ``n`` ranks, in ``args.rounds`` rounds (phases reversed every other round)."""
+    from peers import gloo_allreduce, mpi_allreduce
+
+    transports = [s for s in args.systems if s in DASKDIST_TRANSPORTS]
+    with_naive = "naive" in args.systems
+    results = {s: SystemResult() for s in args.systems}
+    phases = (["memcpy"] if "ideal" in args.systems else []) + (["cluster"] if transports or with_naive else [])
+    phases += [p for p in PEERS if p in args.systems]
+    peer_runners = {
+        "mpi": lambda plan: mpi_allreduce.run(n, plan, extra_args=args.mpirun_args),
+        "gloo": lambda plan: gloo_allreduce.run(n, plan),
+    }
+    for round_index in range(args.rounds):
+        plan = plan_round(args.sizes, round_index, args.rounds, args.blocks, args.iterations)
+        prefix = f"[{n} ranks, round {round_index + 1}/{args.rounds}]"
+        for phase in phases if round_index % 2 == 0 else phases[::-1]:
+            start, load_before = time.perf_counter(), load()
+            this_round: dict[str, dict[int, list[float]]] = {}
+            if phase == "memcpy":
+                this_round["ideal"] = {size.nbytes: memcpy_samples(size.nbytes) for size in plan}
+            elif phase == "cluster":
+                this_round, routes = cluster_phase(n, plan, transports, with_naive, args.implementation)
+                for transport, seen in routes.items():
+                    results[transport].info = f"replica routes: {seen}"
+            elif results[phase].unavailable is None:
+                try:
+                    outcome = peer_runners[phase](plan)
+                except PeerUnavailable as error:
+                    results[phase].unavailable = str(error)
+                    print(f"{prefix} {LABELS[phase]}: unavailable ({error})", flush=True)
+                else:
+                    this_round[phase] = outcome["times"]
+                    results[phase].info = outcome["info"]
+            for name, by_size in this_round.items():
+                results[name].add(by_size)
+                medians = ", ".join(f"{format_size(nb)} {median_ms(name, v, n):.4g}" for nb, v in by_size.items())
+                print(f"{prefix} {LABELS[name]}: {medians} ms", flush=True)
+            print(f"{prefix} {phase} phase: {time.perf_counter() - start:.1f} s, load average {load_before} -> {load()}",
+                  flush=True)
     return results
 
 
-def table(results: list[dict]) -> str:
-    """The Markdown table of one replica count."""
-    rows = []
-    for r in results:
-        n, nbytes = r["replicas"], r["nbytes"]
-        rows.append([
-            format_size(nbytes),
-            r["algorithm"],
-            str(r["iterations"]),
-            f"{r['daskdist'] * 1e3:.3f}",
-            f"{bus_bandwidth(nbytes, n, r['daskdist']):.3g}",
-            f"{r['naive'] * 1e3:.3f}",
-            f"{bus_bandwidth(nbytes, n, r['naive']):.3g}",
-            f"{r['naive'] / r['daskdist']:.2f}",
-        ])
-    return format_table(
-        ["size", "algorithm", "iters", "daskdist ms", "daskdist busbw GB/s", "naive ms", "naive busbw GB/s",
-         "speedup naive/daskdist"],
-        rows,
-    )
+# -- reporting ------------------------------------------------------------------------------
+
+
+def label(system: str, results: dict[str, SystemResult]) -> str:
+    """Column label; ``auto`` becomes ``auto (=shm)`` when every replica reached its peers through shared memory."""
+    if system == "auto" and results["auto"].info == "replica routes: shm":
+        return "daskdist auto (=shm)"
+    return LABELS[system]
+
+
+def best_daskdist(results: dict[str, SystemResult], nbytes: int, n: int) -> tuple[str, float] | None:
+    """The daskdist transport with the lowest median latency at ``nbytes``, and that latency."""
+    measured = [(latency(t, results[t], nbytes, n), t) for t in DASKDIST_TRANSPORTS if t in results]
+    measured = [(seconds, t) for seconds, t in measured if seconds is not None]
+    if not measured:
+        return None
+    seconds, transport = min(measured)
+    return transport, seconds
+
+
+def tables(n: int, results: dict[str, SystemResult], sizes: list[int], args: argparse.Namespace) -> str:
+    """Latency, bus bandwidth and ratio tables of one rank count, with the systems' notes."""
+    systems = [s for s in SYSTEMS if s in results]
+    labels = [label(s, results) for s in systems]
+
+    def cell(system: str, nbytes: int, fmt: Callable[[float], str]) -> str:
+        seconds = latency(system, results[system], nbytes, n)
+        return "unavailable" if results[system].unavailable else ("-" if seconds is None else fmt(seconds))
+
+    lat_rows, bw_rows, ratio_rows = [], [], []
+    for nbytes in sizes:
+        iters = str(args.iterations or default_iterations(nbytes))
+        lat_rows.append([format_size(nbytes), algorithm_name(nbytes, args.implementation), iters]
+                        + [cell(s, nbytes, lambda t: f"{t * 1e3:.4g}") for s in systems])
+        bw_rows.append([format_size(nbytes)] + [cell(s, nbytes, lambda t: f"{bus_bandwidth(nbytes, n, t):.3g}")
+                                                for s in systems])
+        best = best_daskdist(results, nbytes, n)
+        if best is None:
+            continue
+        transport, mine = best
+        row = [format_size(nbytes), label(transport, results).removeprefix("daskdist "),
+               f"{bus_bandwidth(nbytes, n, mine):.3g}"]
+        for other in ("mpi", "gloo", "naive", "ideal"):
+            theirs = latency(other, results[other], nbytes, n) if other in results else None
+            if theirs is None:
+                row.append("unavailable" if other in results and results[other].unavailable else "-")
+            elif other == "ideal":
+                row.append(f"{theirs / mine:.1%}")
+            else:
+                row.append(f"{theirs / mine:.3g}")
+        ratio_rows.append(row)
+    parts = [
+        "latency, median ms:\n",
+        format_table(["size", "algorithm", "iters", *labels], lat_rows),
+        "\nbus bandwidth, GB/s:\n",
+        format_table(["size", *labels], bw_rows),
+    ]
+    if ratio_rows:
+        parts += [
+            "\nbest daskdist transport vs the others (speedup = their latency / daskdist's; > 1: daskdist faster):\n",
+            format_table(["size", "best daskdist", "busbw GB/s", "speedup vs MPI", "vs gloo", "vs naive",
+                          "fraction of ideal"], ratio_rows),
+        ]
+    notes = [f"* {label(s, results)}: unavailable ({results[s].unavailable})" if results[s].unavailable
+             else f"* {label(s, results)}: {results[s].info}" for s in systems if results[s].unavailable or results[s].info]
+    if notes:
+        parts += ["", *notes]
+    return "\n".join(parts)
+
+
+def goals(n: int, results: dict[str, SystemResult], sizes: list[int]) -> list[str]:
+    """The issue's goals at ``n`` ranks, one line each, with the figures behind them."""
+
+    def lat(system: str, nbytes: int) -> float | None:
+        return latency(system, results[system], nbytes, n) if system in results else None
+
+    def verdict(ok: bool, goal: bool = True) -> str:
+        return ("met" if ok else "NOT MET") if goal else ("reached" if ok else "not reached")
+
+    lines = []
+    if GOAL_LARGE in sizes and (best := best_daskdist(results, GOAL_LARGE, n)):
+        mine = best[1]
+        peers = {p: lat(p, GOAL_LARGE) for p in PEERS}
+        peers = {p: t for p, t in peers.items() if t is not None}
+        text = f"{n} ranks, 64 MiB, busbw {bus_bandwidth(GOAL_LARGE, n, mine):.3g} GB/s ({label(best[0], results)}): "
+        if peers:
+            top = min(peers, key=peers.get)
+            ratio = peers[top] / mine
+            text += f"{ratio:.2f}x the best of MPI/gloo ({LABELS[top]}) -> goal > 1x {verdict(ratio > 1)}"
+        else:
+            text += "MPI and gloo unavailable -> goal not checked"
+        if "mpi" in peers:
+            ratio = peers["mpi"] / mine
+            text += f"; {ratio:.2f}x MPI -> aim 1.3x {verdict(ratio >= 1.3, goal=False)}"
+        if (ideal := lat("ideal", GOAL_LARGE)) is not None:
+            text += f"; {ideal / mine:.0%} of the ideal -> aim 60% {verdict(ideal / mine >= 0.6, goal=False)}"
+        lines.append(text)
+    if GOAL_SMALL in sizes and (best := best_daskdist(results, GOAL_SMALL, n)):
+        mine = best[1]
+        text = f"{n} ranks, 4 KiB, latency {mine * 1e3:.4g} ms ({label(best[0], results)}): "
+        checks = []
+        if (mpi := lat("mpi", GOAL_SMALL)) is not None:
+            checks.append(f"{mine / mpi:.3g}x MPI's latency -> goal <= 3x {verdict(mine <= 3 * mpi)}")
+        else:
+            checks.append("MPI unavailable -> goal not checked")
+        if (gloo := lat("gloo", GOAL_SMALL)) is not None:
+            checks.append(f"{gloo / mine:.3g}x faster than gloo -> goal >= 10x {verdict(gloo >= 10 * mine)}")
+        else:
+            checks.append("gloo unavailable -> goal not checked")
+        lines.append(text + "; ".join(checks))
+    speedups = []
+    for nbytes in sizes:
+        best = best_daskdist(results, nbytes, n)
+        naive = lat("naive", nbytes)
+        if best is not None and naive is not None:
+            speedups.append((nbytes, naive / best[1]))
+    if speedups:
+        ok = all(s >= GOAL_NAIVE for _, s in speedups)
+        lines.append(f"{n} ranks, vs naive Dask: " + ", ".join(f"{format_size(nb)} {s:.3g}x" for nb, s in speedups)
+                     + f" -> goal >= 10x at every size {verdict(ok)}")
+    return lines
+
+
+# -- command line ---------------------------------------------------------------------------
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=None,
+                        help=f"what to measure (default: {' '.join(DEFAULT_SYSTEMS)}); auto, shm and dask are "
+                             "daskdist's transports (on one host auto routes through shm)")
     parser.add_argument("--sizes", nargs="+", type=parse_size, default=None,
                         help=f"message sizes (default {' '.join(DEFAULT_SIZES)})")
-    parser.add_argument("--replicas", nargs="+", type=int, default=None,
-                        help=f"replica counts, one fresh cluster each (default {' '.join(map(str, DEFAULT_REPLICAS))})")
+    parser.add_argument("--replicas", "--ranks", nargs="+", type=int, default=None,
+                        help=f"rank counts, fresh processes each (default {' '.join(map(str, DEFAULT_REPLICAS))})")
     parser.add_argument("--quick", action="store_true",
-                        help=f"sizes {' '.join(QUICK_SIZES)} and {QUICK_REPLICAS[0]} replicas "
-                             "(--sizes / --replicas still override)")
+                        help=f"sizes {' '.join(QUICK_SIZES)}, {QUICK_REPLICAS[0]} ranks and 1 round "
+                             "(--sizes / --replicas / --rounds still override)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="rounds the iterations are split into, phases reversed every other round (default 2)")
     parser.add_argument("--blocks", type=int, default=5,
-                        help="alternating blocks the iterations of each size are split into (default 5)")
+                        help="blocks per size and round, each after an untimed all-reduce (default 5)")
+    parser.add_argument("--iterations", type=int, default=None,
+                        help="timed iterations per size over all rounds (default: 50 up to 256 KiB, "
+                             "20 up to 4 MiB, 10 above)")
     parser.add_argument("--implementation", choices=["auto", "ring"], default="auto",
                         help="daskdist CommunicationImplementation: auto (direct <= 64 KiB, else ring) or ring")
+    parser.add_argument("--mpirun-args", default=None,
+                        help="extra mpirun flags, one string (default: $DASKDIST_BENCH_MPIRUN_ARGS or none)")
     add_transport_option(parser)
     args = parser.parse_args(argv)
+    systems = list(args.systems or DEFAULT_SYSTEMS)
+    if args.transport is not None:
+        if args.transport not in DASKDIST_TRANSPORTS:
+            parser.error(f"--transport must be one of {', '.join(DASKDIST_TRANSPORTS)}")
+        systems = [args.transport] + [s for s in systems if s not in DASKDIST_TRANSPORTS]
+    args.systems = [s for s in SYSTEMS if s in systems]
     if args.sizes is None:
         args.sizes = [parse_size(s) for s in (QUICK_SIZES if args.quick else DEFAULT_SIZES)]
     if args.replicas is None:
         args.replicas = list(QUICK_REPLICAS if args.quick else DEFAULT_REPLICAS)
-    if any(n < 2 for n in args.replicas) or args.blocks < 1:
-        parser.error("--replicas must be at least 2 and --blocks positive")
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 2
+    if any(n < 2 for n in args.replicas) or args.blocks < 1 or args.rounds < 1 or (args.iterations or 1) < 1:
+        parser.error("--replicas must be at least 2, --blocks, --rounds and --iterations positive")
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run every (replicas, size) configuration and print one table per replica count."""
-    import dask.config
-
+    """Measure every rank count and print its tables, the ratios and the issue's goals."""
     args = parse_args(argv)
-    print_header("float32 SUM all-reduce: daskdist (timed in the replicas) vs naive Dask tasks (timed on the client)")
-    tables = []
-    # Set before any cluster starts: the worker processes inherit the client's dask config.
-    with dask.config.set(config_overrides(args.transport)):
-        print(settings_line())
-        print(f"sizes: {', '.join(format_size(s) for s in args.sizes)}  replicas: {args.replicas}  "
-              f"implementation: {args.implementation}  blocks: {args.blocks}  "
-              f"iterations: {', '.join(f'{format_size(s)}={default_iterations(s)}' for s in args.sizes)}\n",
-              flush=True)
-        for n in args.replicas:
-            results = measure_replicas(n, args.sizes, args.blocks, args.implementation)
-            tables.append((n, table(results)))
-    for n, text in tables:
-        print(f"\n{n} replicas: {n} worker processes (1 thread each) on {os.cpu_count()} CPUs\n")
-        print(text)
-    print("\nlatency: median; busbw = 2(n-1)/n * bytes / latency (GB/s = 1e9 B/s); "
-          "speedup > 1 means daskdist is faster")
+    print_header("float32 SUM all-reduce: daskdist transports vs MPI, gloo, naive Dask tasks and a memcpy bound")
+    print(settings_line())
+    print(f"systems: {' '.join(args.systems)}  sizes: {', '.join(format_size(s) for s in args.sizes)}  "
+          f"ranks: {args.replicas}  rounds: {args.rounds}  blocks: {args.blocks}  "
+          f"implementation: {args.implementation}  iterations: "
+          f"{', '.join(f'{format_size(s)}={args.iterations or default_iterations(s)}' for s in args.sizes)}  "
+          f"load average: {load()}\n", flush=True)
+    start = time.perf_counter()
+    measured = []
+    for n in args.replicas:
+        measured.append((n, measure_replicas(n, args)))
+    for n, results in measured:
+        print(f"\n{n} ranks: {n} processes on {os.cpu_count()} CPUs (daskdist: {n} single-threaded workers)\n")
+        print(tables(n, results, args.sizes, args))
+    print("\nlatency: median over iterations of the slowest rank (naive: client-side time per round); "
+          "busbw = 2(n-1)/n * bytes / latency (GB/s = 1e9 B/s);\nideal = 2(n-1)/n * median np.copyto time "
+          "(21 samples per round, not the iteration count)")
+    lines = [line for n, results in measured for line in goals(n, results, args.sizes)]
+    if lines:
+        print("\nGoals (issue \"Fast collectives\", best daskdist transport per size):")
+        for line in lines:
+            print(f"  {line}")
+    readings = sorted(_LOAD_READINGS)
+    print(f"\ntotal {time.perf_counter() - start:.0f} s; 1-minute load average between phases: "
+          f"{readings[0]:.2f} to {readings[-1]:.2f} on {os.cpu_count()} CPUs" if readings else "")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import dask
 import numpy as np
 import pytest
 from distributed import Client, LocalCluster
@@ -51,7 +52,8 @@ def test_a_default_client_is_used_instead_of_starting_a_cluster():
         assert client.status == "running"  # the strategy does not close what it did not start
 
 
-def test_tls_cluster():
+@pytest.mark.parametrize("hosts", ["auto", "per-worker"])  # per-worker: replicas talk over direct TLS sockets
+def test_tls_cluster(hosts):
     pytest.importorskip("cryptography")
     from distributed.security import Security
 
@@ -60,7 +62,7 @@ def test_tls_cluster():
                       protocol="tls://", security=security, silence_logs=logging.ERROR) as cluster, \
             Client(cluster, security=security, set_as_default=False) as client:
         assert client.scheduler.address.startswith("tls://")
-        with dd.MirroredStrategy(client=client) as strategy:
+        with dask.config.set({"daskdist.collective.hosts": hosts}), dd.MirroredStrategy(client=client) as strategy:
             assert all(a.startswith("tls://") for a in strategy.extended.worker_addresses)
             out = strategy.run(lambda: dd.get_replica_context().all_reduce("SUM", np.ones(100_000)))
             assert strategy.experimental_local_results(out)[1][0] == 2.0

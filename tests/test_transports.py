@@ -21,6 +21,7 @@ from daskdist.collective.transport.shm import ShmTransport
 TRANSPORTS = {
     "shm": {"daskdist.collective.transport": "shm"},
     "dask": {"daskdist.collective.transport": "dask"},
+    "socket": {"daskdist.collective.transport": "socket"},
     # every worker its own host: shared memory nowhere, the cross-host route everywhere
     "cross-host": {"daskdist.collective.transport": "auto", "daskdist.collective.hosts": "per-worker"},
 }
@@ -49,7 +50,8 @@ def test_auto_uses_shared_memory_on_one_host_and_dask_across(threaded_client):
         assert routes == {0: {1: "shm", 2: "shm"}, 1: {0: "shm", 2: "shm"}, 2: {0: "shm", 1: "shm"}}
     with dask.config.set(TRANSPORTS["cross-host"]):
         with dd.MirroredStrategy(client=threaded_client) as strategy:
-            assert set(_routes(threaded_client, strategy).values()) == {"dask"}
+            routes = _routes(threaded_client, strategy)
+            assert routes == {0: {1: "socket", 2: "socket"}, 1: {0: "socket", 2: "socket"}, 2: {0: "socket", 1: "socket"}}
 
 
 def _check_all_reduce(strategy, seed):
@@ -116,7 +118,7 @@ def test_results_equal_numpy_on_every_transport(threaded_client, transport, repl
                 _check_all_reduce(strategy, seed=replicas)
 
 
-@pytest.mark.parametrize("transport", ["shm", "dask"])
+@pytest.mark.parametrize("transport", ["shm", "socket", "dask"])
 def test_four_replicas_in_processes(make_cluster, transport):
     client = make_cluster(4, processes=True)
     with dask.config.set(TRANSPORTS[transport]):
@@ -167,7 +169,7 @@ def test_no_segment_is_left_after_close(process_client):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("transport", ["shm", "dask"])
+@pytest.mark.parametrize("transport", ["shm", "socket", "dask"])
 def test_a_killed_peer_wakes_replicas_blocked_in_the_transport(make_cluster, transport, tmp_path):
     client = make_cluster(3, processes=True)
     with dask.config.set(TRANSPORTS[transport]):

@@ -39,6 +39,7 @@ class GroupState:
     status: str = "starting"  # starting -> running -> failed | closed
     reason: str = ""
     arrived: dict[int, str] = field(default_factory=dict)
+    info: dict[int, dict] = field(default_factory=dict)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -78,8 +79,12 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
         self.scheduler.log_event(EVENT_TOPIC, {"action": "register", "group": group_id, "workers": workers})
         return {"status": "OK"}
 
-    async def rendezvous(self, group_id: str, rank: int, address: str) -> dict:
-        """Called by each replica when it starts; returns once all have arrived."""
+    async def rendezvous(self, group_id: str, rank: int, address: str, info: dict | None = None) -> dict:
+        """Called by each replica when it starts; returns once all have arrived, with everyone's ``info``.
+
+        ``info`` carries what peers need to reach the replica directly (its
+        TCP listening address); the scheduler only passes it on.
+        """
         group = self.groups.get(group_id)
         if group is None:
             return {"status": "error", "message": f"unknown replica group {group_id}"}
@@ -88,13 +93,14 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
         if group.workers[rank] != address:
             return {"status": "error", "message": f"replica {rank} started on {address}, expected {group.workers[rank]}"}
         group.arrived[rank] = address
+        group.info[rank] = info or {}
         if len(group.arrived) == len(group.workers):
             group.status = "running"
             group.ready.set()
         await group.ready.wait()
         if group.status != "running":
             return {"status": "error", "message": group.reason}
-        return {"status": "OK"}
+        return {"status": "OK", "info": {str(r): i for r, i in group.info.items()}}
 
     async def wait_group(self, group_id: str, timeout: float) -> dict:
         """Called by the client after launching: OK once every replica has met, else why not."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from distributed import get_worker, secede
+from distributed.comm.addressing import get_address_host
 from distributed.utils import sync
 
 from daskdist import config, context, serialization
@@ -30,6 +31,7 @@ from daskdist.collective.transport.base import Transport
 from daskdist.collective.transport.dask import DaskTransport
 from daskdist.collective.transport.routed import RoutedTransport
 from daskdist.collective.transport.shm import ShmTransport
+from daskdist.collective.transport.socket import SocketTransport
 from daskdist.exceptions import RendezvousError, ReplicaLostError
 from daskdist.ops import CommunicationOptions
 from daskdist.replica.context import ReplicaContext
@@ -65,27 +67,46 @@ class GroupSpec:
         return len(self.addresses)
 
 
-def _make_transport(rank: int, spec: GroupSpec, mailbox: Mailbox, worker: Worker) -> Transport:
-    """The transport of one replica: shared memory to same-host peers, Dask comms to the rest.
+TRANSPORTS = ("auto", "shm", "socket", "dask")
 
-    ``spec.transport`` is ``"auto"``, ``"shm"`` (every peer must share the
-    host) or ``"dask"``. GPU groups use Dask comms (their arrays are not in
-    host memory).
+
+def _make_transport(rank: int, spec: GroupSpec, mailbox: Mailbox, worker: Worker) -> Transport:
+    """The transport of one replica, chosen per peer.
+
+    ``spec.transport``: ``"auto"`` (shared memory to same-host peers, direct
+    TCP to the others), ``"shm"`` (every peer must share the host),
+    ``"socket"`` (TCP to every peer) or ``"dask"`` (Dask comms). GPU groups
+    use Dask comms (their arrays are not in host memory).
     """
-    dask_transport = DaskTransport(rank, spec.addresses, mailbox, worker, spec.group_id)
-    if spec.transport not in ("auto", "shm", "dask"):
-        raise ValueError(f"Unknown transport {spec.transport!r} (daskdist.collective.transport): auto, shm or dask")
+    if spec.transport not in TRANSPORTS:
+        raise ValueError(f"Unknown transport {spec.transport!r} (daskdist.collective.transport): {', '.join(TRANSPORTS)}")
     hosts = spec.hosts or list(spec.addresses)
     peers = [r for r in range(spec.size) if r != rank]
-    same_host = [r for r in peers if hosts[r] == hosts[rank]]
+    same_host = [r for r in peers if hosts[r] == hosts[rank]] if spec.transport in ("auto", "shm") else []
     on_gpu = any("GPU" in d for d in spec.devices)
     if spec.transport == "shm" and (len(same_host) != len(peers) or on_gpu):
         raise ValueError("the shm transport needs every replica on one host, with CPU devices")
-    if spec.transport == "dask" or on_gpu or not same_host:
-        return dask_transport
-    shm = ShmTransport(rank, spec.addresses, mailbox, same_host, spec.group_id, spec.shm_slot_bytes)
-    routes: dict[int, Transport] = {r: shm if r in same_host else dask_transport for r in peers}
+    if spec.transport == "dask" or on_gpu or not peers:
+        return DaskTransport(rank, spec.addresses, mailbox, worker, spec.group_id)
+    routes: dict[int, Transport] = {}
+    if same_host:
+        shm = ShmTransport(rank, spec.addresses, mailbox, same_host, spec.group_id, spec.shm_slot_bytes)
+        routes.update({r: shm for r in same_host})
+    remote = [r for r in peers if r not in routes]
+    if remote:
+        tcp = SocketTransport(rank, spec.addresses, mailbox, spec.group_id, get_address_host(worker.address),
+                              *_tls_contexts(worker))
+        routes.update({r: tcp for r in remote})
     return RoutedTransport(rank, spec.addresses, mailbox, routes)
+
+
+def _tls_contexts(worker: Worker) -> tuple[Any, Any]:
+    """The cluster's TLS contexts for replica sockets, or ``(None, None)`` on plain TCP clusters."""
+    if not worker.address.startswith("tls://"):
+        return None, None
+    server = worker.security.get_listen_args("worker").get("ssl_context")
+    client = worker.security.get_connection_args("worker").get("ssl_context")
+    return server, client
 
 
 class ReplicaRuntime:
@@ -188,10 +209,20 @@ class ReplicaRuntime:
             group_id=self.token,
             rank=self.rank,
             address=self.worker.address,
+            info={"socket": list(self._sockets().listen_address) if self._sockets() else None},
             callback_timeout=timeout + 5,
         )
         if response.get("status") != "OK":
             raise RendezvousError(response.get("message", "rendezvous failed"))
+        sockets = self._sockets()
+        if sockets is not None:
+            infos = {int(rank): info for rank, info in response["info"].items()}
+            sockets.set_peer_addresses({r: tuple(i["socket"]) for r, i in infos.items() if i.get("socket")})
+
+    def _sockets(self) -> SocketTransport | None:
+        """This replica's TCP transport, if any peer is reached through one."""
+        routes = getattr(self.transport, "routes", {})
+        return next((t for t in routes.values() if isinstance(t, SocketTransport)), None)
 
     def serve(self) -> None:
         """Run commands until ``stop``; answer what is left with a 'closed' error."""

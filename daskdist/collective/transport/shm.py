@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import _posixshmem
 import logging
-import pickle
 import queue
-import struct
 import threading
 import time
 import mmap
@@ -32,6 +30,15 @@ from typing import Any, Callable
 import numpy as np
 
 from daskdist.collective.mailbox import Mailbox, MailboxTimeout, Tag
+from daskdist.collective.transport.framing import (
+    ARRAY,
+    decode,
+    describe_payload,
+    dtype_text,
+    encode,
+    pack_header,
+    unpack_header,
+)
 from daskdist.collective.transport.base import CompletedSend, PayloadMismatch, SendHandle, Transport, remaining
 from daskdist.exceptions import CollectiveTimeoutError, DaskdistError
 
@@ -42,7 +49,6 @@ logger = logging.getLogger(__name__)
 _SLOTS = 4
 _CONTROL_BYTES = 128  # write counter at 0, read counter at 64 (separate cache lines)
 _HEADER_BYTES = 1024
-_ARRAY, _OBJECT, _TEXT = 0, 1, 2
 
 
 def segment_name(group_id: str, src: int, dst: int) -> str:
@@ -93,11 +99,6 @@ def _backoff_wait(ready: Callable[[], bool], deadline: float, check: Callable[[]
         time.sleep(0 if spins < 4096 else 0.0002)
 
 
-# Piece header: run, seq, src, name, kind, total bytes, offset, piece bytes, ndim, shape[8], dtype.
-_HEADER = struct.Struct("<qqq40sbqqqb8q24s")
-_MAX_NDIM = 8
-
-
 class ShmChannel:
     """One direction between two replicas: a segment with a control block and four slots.
 
@@ -130,11 +131,7 @@ class ShmChannel:
     def write(self, tag: Tag, kind: int, dtype: str, shape: tuple, total: int, offset: int, piece: np.ndarray) -> None:
         """Write one piece into the next slot (the caller waited for ``can_write``)."""
         base = (self._counters[0] % _SLOTS) * self.slot_stride
-        dims = tuple(shape) + (0,) * (_MAX_NDIM - len(shape))
-        _HEADER.pack_into(
-            self._raw, base, tag[0], tag[1], tag[2], tag[3].encode(), kind, total, offset, piece.nbytes,
-            len(shape), *dims, dtype.encode(),
-        )
+        pack_header(self._raw, base, tag, kind, dtype, shape, total, offset, piece.nbytes)
         start = base + _HEADER_BYTES
         if piece.nbytes > 65536:
             np.copyto(self._data[start : start + piece.nbytes], piece.reshape(-1).view(np.uint8))
@@ -154,13 +151,9 @@ class ShmChannel:
         The header is ``(tag, kind, dtype, shape, total, offset, nbytes)``.
         """
         base = (self._counters[8] % _SLOTS) * self.slot_stride
-        fields = _HEADER.unpack_from(self._raw, base)
-        run, seq, src, name, kind, total, offset, nbytes, ndim = fields[:9]
-        shape = fields[9 : 9 + ndim]
-        dtype = fields[17].rstrip(b"\0").decode()
-        tag = (run, seq, src, name.rstrip(b"\0").decode())
+        header = unpack_header(self._raw, base)
         start = base + _HEADER_BYTES
-        return (tag, kind, dtype, shape, total, offset, nbytes), self._data[start : start + nbytes]
+        return header, self._data[start : start + header[6]]
 
     def release(self) -> None:
         self._counters[8] += 1
@@ -231,10 +224,10 @@ class ShmTransport(Transport):
 
     def send(self, dst: int, tag: Tag, payload: Any) -> SendHandle:
         channel = self._channel_to(dst)
-        kind, data = _encode(payload)
+        kind, data = encode(payload)
         # Write inline only when nothing for ``dst`` is still queued: one writer per channel, in order.
         if not self._queued.get(dst) and data.nbytes <= self.slot_bytes and channel.can_write():
-            channel.write(tag, kind, *_describe(kind, payload), data.nbytes, 0, data)
+            channel.write(tag, kind, *describe_payload(kind, payload), data.nbytes, 0, data)
             return CompletedSend()
         handle = _ThreadedSend()
         with self._queued_lock:
@@ -261,7 +254,7 @@ class ShmTransport(Transport):
             handle.done.set()
 
     def _write_pieces(self, channel: ShmChannel, tag: Tag, payload: Any, run_id: int) -> None:
-        kind, data = _encode(payload)
+        kind, data = encode(payload)
         total = data.nbytes
         flat = data.reshape(-1).view(np.uint8)
         offset = 0
@@ -272,7 +265,7 @@ class ShmTransport(Transport):
                 raise DaskdistError("transport closed")
             self.mailbox.check(run_id)
 
-        dtype, shape = _describe(kind, payload)
+        dtype, shape = describe_payload(kind, payload)
         while True:
             piece = flat[offset : offset + self.slot_bytes]
             _backoff_wait(channel.can_write, deadline, check)
@@ -313,7 +306,7 @@ class ShmTransport(Transport):
                 break
             header, data = self._next_piece(src, time.monotonic() + 60, tag[0])
             offset = header[5]
-        self._stash[(src, tuple(tag))] = _decode(kind, dtype, shape, memoryview(buffer))
+        self._stash[(src, tuple(tag))] = decode(kind, dtype, shape, memoryview(buffer))
 
     def recv(self, src: int, tag: Tag, deadline: float) -> Any:
         stashed = self._stash.pop((src, tag), None)
@@ -323,7 +316,7 @@ class ShmTransport(Transport):
         _, kind, dtype, shape, total, offset, nbytes = header
         channel = self._inbound[src]
         if nbytes == total:
-            value = _decode(kind, dtype, shape, data)
+            value = decode(kind, dtype, shape, data)
             value = value.copy() if isinstance(value, np.ndarray) else value
             channel.release()
             return value
@@ -332,7 +325,7 @@ class ShmTransport(Transport):
             buffer[offset : offset + nbytes] = data.tobytes()
             channel.release()
             if offset + nbytes >= total:
-                return _decode(kind, dtype, shape, memoryview(buffer))
+                return decode(kind, dtype, shape, memoryview(buffer))
             header, data = self._next_piece(src, deadline, tag[0])
             offset, nbytes = header[5], header[6]
 
@@ -343,8 +336,7 @@ class ShmTransport(Transport):
         header, data = self._find(src, tag, deadline)
         channel = self._inbound[src]
         _, kind, dtype, shape, total, offset, nbytes = header
-        expected_dtype = out.dtype.name if out.dtype.kind == "V" else out.dtype.str
-        if kind != _ARRAY or total != out.nbytes or dtype != expected_dtype:
+        if kind != ARRAY or total != out.nbytes or dtype != dtype_text(out.dtype):
             self._stash_message(src, header, data)
             got = self._stash.pop((src, tag))
             raise PayloadMismatch(getattr(got, "size", None), out.size)
@@ -389,31 +381,6 @@ class ShmTransport(Transport):
         self._inbound.clear()
         self._outbound.clear()
         self._stash.clear()
-
-
-def _encode(payload: Any) -> tuple[int, np.ndarray]:
-    """The kind of ``payload`` and its bytes (arrays as they are, text as UTF-8, anything else pickled)."""
-    if isinstance(payload, np.ndarray) and payload.dtype.kind != "O" and payload.ndim <= _MAX_NDIM:
-        return _ARRAY, np.ascontiguousarray(payload)
-    if isinstance(payload, str):
-        return _TEXT, np.frombuffer(payload.encode(), np.uint8)
-    return _OBJECT, np.frombuffer(pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
-
-
-def _describe(kind: int, payload: Any) -> tuple[str, tuple]:
-    """dtype text and shape written in the header (a dtype name where ``str`` would be ambiguous)."""
-    if kind != _ARRAY:
-        return "", ()
-    dtype = payload.dtype
-    return (dtype.name if dtype.kind == "V" else dtype.str), payload.shape
-
-
-def _decode(kind: int, dtype: str, shape: Any, data: Any) -> Any:
-    if kind == _ARRAY:
-        return np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)
-    if kind == _TEXT:
-        return bytes(data).decode()
-    return pickle.loads(data)
 
 
 def _apply(payload: Any, out: Any, combine: Callable[[Any, Any], None] | None) -> None:
