@@ -311,11 +311,20 @@ def test_two_strategies_on_one_cluster_do_not_interfere(threaded_client):
     assert results["b"] == [300.0 * (i + 1) for i in range(15)]
 
 
+_REPLICA_THREADS: list[threading.Thread] = []  # the threaded cluster runs in this process
+
+
+def _remember_thread():
+    _REPLICA_THREADS.append(threading.current_thread())
+
+
 def test_close_leaves_nothing_on_the_workers(threaded_client):
     strategy = dd.MirroredStrategy(client=threaded_client)
     with strategy.scope():
         dd.Variable(np.zeros(10))
-    idents = strategy.experimental_local_results(strategy.run(threading.get_ident))
+    _REPLICA_THREADS.clear()
+    strategy.run(_remember_thread)
+    assert len(_REPLICA_THREADS) == 3
     group_id = strategy.extended.token
     strategy.close()
     strategy.close()  # idempotent
@@ -331,15 +340,12 @@ def test_close_leaves_nothing_on_the_workers(threaded_client):
         lambda dask_scheduler: [k for k in dask_scheduler.tasks if str(k).startswith(group_id)]
     )
     assert tasks == []
-    import time
-
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        alive = {t.ident for t in threading.enumerate()} & set(idents)
-        if not alive:
-            break
+    while time.monotonic() < deadline and any(t.is_alive() for t in _REPLICA_THREADS):
         time.sleep(0.1)
-    assert not alive, "replica threads are still running after close()"
+    assert not any(t.is_alive() for t in _REPLICA_THREADS), "replica threads are still running after close()"
+    transport_threads = [t for t in threading.enumerate() if group_id in t.name or "daskdist-shm" in t.name]
+    assert not [t for t in transport_threads if t.is_alive()]
 
 
 def test_step_timings_are_recorded_and_sent_to_the_scheduler(threaded_client):
