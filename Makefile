@@ -25,6 +25,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest tests -q
 
 bench: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e ".[bench]"
 	$(BIN)/python benchmarks/run_overhead.py
 	$(BIN)/python benchmarks/allreduce.py
 

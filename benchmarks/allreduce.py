@@ -101,13 +101,14 @@ DEFAULT_REPLICAS = [2, 4]
 QUICK_SIZES = ["4KiB", "4MiB"]
 QUICK_REPLICAS = [2]
 
-DASKDIST_TRANSPORTS = ("auto", "shm", "dask")
+DASKDIST_TRANSPORTS = ("auto", "shm", "socket", "dask")
 PEERS = ("mpi", "gloo")
 SYSTEMS = DASKDIST_TRANSPORTS + PEERS + ("naive", "ideal")
-DEFAULT_SYSTEMS = ("auto", "dask", "mpi", "gloo", "naive", "ideal")
+DEFAULT_SYSTEMS = ("auto", "socket", "dask", "mpi", "gloo", "naive", "ideal")
 LABELS = {
     "auto": "daskdist auto",
     "shm": "daskdist shm",
+    "socket": "daskdist socket",
     "dask": "daskdist dask",
     "naive": "naive Dask",
     "mpi": "MPI",
@@ -304,34 +305,42 @@ def measure_size(client: object, addresses: list[str], strategies: dict[str, obj
     return times
 
 
-def cluster_phase(n: int, plan: list[SizePlan], transports: list[str], with_naive: bool,
-                  implementation: str) -> tuple[dict[str, dict[int, list[float]]], dict[str, str]]:
+def cluster_phase(n: int, plan: list[SizePlan], transports: list[str], with_naive: bool, implementation: str
+                  ) -> tuple[dict[str, dict[int, list[float]]], dict[str, str], dict[str, str]]:
     """One fresh cluster of ``n`` workers: a strategy per transport, every size.
 
-    Returns the times by system and size, and the routes each transport's replicas reported.
+    Returns the times by system and size, the routes each transport's replicas
+    reported, and why a transport could not be used (its strategy failed to start).
     """
     import dask.config
 
     import daskdist as dd
 
-    results: dict[str, dict[int, list[float]]] = {name: {} for name in [*transports, *(["naive"] if with_naive else [])]}
+    results: dict[str, dict[int, list[float]]] = {"naive": {}} if with_naive else {}
     routes: dict[str, str] = {}
+    unavailable: dict[str, str] = {}
     with local_cluster(n) as client:
         strategies: dict[str, object] = {}
         try:
             for transport in transports:
-                # The transport is read on the client when the strategy is created.
-                with dask.config.set({"daskdist.collective.transport": transport}):
-                    strategies[transport] = dd.MirroredStrategy(client=client)
-                if strategies[transport].num_replicas_in_sync != n:
-                    raise RuntimeError(f"expected {n} replicas, got {strategies[transport].num_replicas_in_sync}")
-                seen = set(strategies[transport].experimental_local_results(strategies[transport].run(replica_routes)))
-                routes[transport] = ", ".join(sorted(seen))
+                try:
+                    # The transport is read on the client when the strategy is created.
+                    with dask.config.set({"daskdist.collective.transport": transport}):
+                        strategy = dd.MirroredStrategy(client=client)
+                except Exception as error:  # noqa: BLE001 - reported in the tables
+                    unavailable[transport] = f"strategy failed: {type(error).__name__}: {str(error).splitlines()[0]}"
+                    continue
+                strategies[transport] = strategy
+                results[transport] = {}
+                if strategy.num_replicas_in_sync != n:
+                    raise RuntimeError(f"expected {n} replicas, got {strategy.num_replicas_in_sync}")
+                routes[transport] = ", ".join(sorted(set(strategy.experimental_local_results(
+                    strategy.run(replica_routes)))))
             if strategies:
                 check_worker_settings(client)
-            addresses = sorted(client.scheduler_info(n_workers=-1)["workers"])
-            if strategies:
                 addresses = list(next(iter(strategies.values())).extended.worker_addresses)
+            else:
+                addresses = sorted(client.scheduler_info(n_workers=-1)["workers"])
             for size in plan:
                 for name, times in measure_size(client, addresses, strategies, with_naive, size,
                                                 implementation).items():
@@ -339,7 +348,7 @@ def cluster_phase(n: int, plan: list[SizePlan], transports: list[str], with_naiv
         finally:
             for strategy in strategies.values():
                 strategy.close()
-    return results, routes
+    return results, routes, unavailable
 
 
 # -- the memcpy bound ---------------------------------------------------------------------
@@ -425,9 +434,13 @@ def measure_replicas(n: int, args: argparse.Namespace) -> dict[str, SystemResult
             if phase == "memcpy":
                 this_round["ideal"] = {size.nbytes: memcpy_samples(size.nbytes) for size in plan}
             elif phase == "cluster":
-                this_round, routes = cluster_phase(n, plan, transports, with_naive, args.implementation)
+                usable = [t for t in transports if results[t].unavailable is None]
+                this_round, routes, failed = cluster_phase(n, plan, usable, with_naive, args.implementation)
                 for transport, seen in routes.items():
                     results[transport].info = f"replica routes: {seen}"
+                for transport, reason in failed.items():
+                    results[transport].unavailable = reason
+                    print(f"{prefix} {LABELS[transport]}: unavailable ({reason})", flush=True)
             elif results[phase].unavailable is None:
                 try:
                     outcome = peer_runners[phase](plan)

@@ -10,7 +10,8 @@ TF class                   daskdist algorithm
 ========================== ===================================================
 ``NcclAllReduce``           ring all-reduce in ``num_packs`` packs (NCCL for GPU
                             arrays when that transport is available)
-``HierarchicalCopyAllReduce`` ring all-reduce in ``num_packs`` packs
+``HierarchicalCopyAllReduce`` hierarchical all-reduce (within each host, then
+                            across hosts) in ``num_packs`` packs; the ring on one host
 ``ReductionToOneDevice``    gather on one replica, reduce with
                             ``accumulation_fn``, send the result back
 ========================== ===================================================
@@ -108,7 +109,8 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
         self.num_packs = num_packs
 
     def algorithm(self, devices: Sequence[DeviceSpec]) -> Algorithm:
-        return Algorithm("ring", num_packs=self.num_packs)
+        name = "hierarchical" if self.all_reduce_alg == "hierarchical_copy" else "ring"
+        return Algorithm(name, num_packs=self.num_packs)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_packs={self.num_packs})"

@@ -46,12 +46,14 @@ class InMemoryControl:
 
 
 class InMemoryGroup:
-    def __init__(self, size: int, algorithm: Algorithm | None = None, options: CommunicationOptions | None = None):
+    def __init__(self, size: int, algorithm: Algorithm | None = None, options: CommunicationOptions | None = None,
+                 hosts: list[str] | None = None):
         self.size = size
         self.mailboxes = [Mailbox() for _ in range(size)]
         self.states = ["idle"] * size
         self.comms = [
-            Communicator(r, size, InMemoryTransport(r, self), InMemoryControl(r, self), algorithm, options)
+            Communicator(r, size, InMemoryTransport(r, self), InMemoryControl(r, self), algorithm, options,
+                         hosts=hosts)
             for r in range(size)
         ]
 

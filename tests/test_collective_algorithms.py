@@ -248,3 +248,19 @@ def test_bfloat16_all_reduce():
             results = group.run_ranks(lambda c: c.all_reduce(op, xs[c.rank], options))
             assert results[0].dtype == ml_dtypes.bfloat16
             assert results[0].astype("float32").tolist() == [want] * 5
+
+
+@pytest.mark.parametrize(
+    "hosts", [["a", "a", "b", "b"], ["a", "b", "a", "b"], ["a", "a", "a", "b"], ["x", "x", "x", "x"]]
+)
+@pytest.mark.parametrize("op", ["SUM", "MEAN", "MAX"])
+def test_hierarchical_all_reduce(hosts, op):
+    xs = _inputs(4, (100_003,), "float64", seed=5)
+    want = {"SUM": np.sum, "MEAN": np.mean, "MAX": np.max}[op](np.stack(xs), axis=0)
+    for algorithm in (Algorithm("auto"), Algorithm("hierarchical")):
+        group = InMemoryGroup(4, algorithm, hosts=hosts)
+        results = group.run_ranks(lambda c: c.all_reduce(op, xs[c.rank]))
+        for r in results:
+            assert not isinstance(r, Exception), r
+            np.testing.assert_allclose(r, want, rtol=1e-12, atol=1e-14)  # summation order differs from numpy's
+            assert np.array_equal(r, results[0])

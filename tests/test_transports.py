@@ -24,6 +24,8 @@ TRANSPORTS = {
     "socket": {"daskdist.collective.transport": "socket"},
     # every worker its own host: shared memory nowhere, the cross-host route everywhere
     "cross-host": {"daskdist.collective.transport": "auto", "daskdist.collective.hosts": "per-worker"},
+    # two replicas per "host": shared memory inside, TCP between, hierarchical all-reduce
+    "hierarchical": {"daskdist.collective.transport": "auto", "daskdist.collective.hosts": "blocks:2"},
 }
 
 
@@ -113,12 +115,12 @@ def _check_all_reduce(strategy, seed):
 def test_results_equal_numpy_on_every_transport(threaded_client, transport, replicas):
     with dask.config.set(TRANSPORTS[transport]):
         devices = [f"/cpu:{i}" for i in range(replicas)]
-        for ops in (None, dd.ReductionToOneDevice()):
+        for ops in (None, dd.ReductionToOneDevice(), dd.HierarchicalCopyAllReduce()):
             with dd.MirroredStrategy(devices=devices, client=threaded_client, cross_device_ops=ops) as strategy:
                 _check_all_reduce(strategy, seed=replicas)
 
 
-@pytest.mark.parametrize("transport", ["shm", "socket", "dask"])
+@pytest.mark.parametrize("transport", ["shm", "socket", "dask", "hierarchical"])
 def test_four_replicas_in_processes(make_cluster, transport):
     client = make_cluster(4, processes=True)
     with dask.config.set(TRANSPORTS[transport]):

@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     from daskdist.collective.communicator import CollectiveCall
 
 __all__ = [
+    "SubCall",
+    "allreduce_hierarchical",
+    "host_groups",
     "reducescatter_ring",
     "allgather_direct",
     "allreduce_direct",
@@ -97,6 +100,66 @@ def reducescatter_ring(call: CollectiveCall, buf: Any, op: ReduceOp, bounds: Seq
         call.wait(handle)
     finalize(op, chunks[rank], size)
     return chunks[rank]
+
+
+class SubCall:
+    """The ranks ``ranks`` of a collective, renumbered ``0 .. len(ranks) - 1``, with their own message names."""
+
+    def __init__(self, call: Any, ranks: Sequence[int], prefix: str):
+        self.call = call
+        self.ranks = list(ranks)
+        self.rank = self.ranks.index(call.rank)
+        self.size = len(self.ranks)
+        self.prefix = prefix
+
+    def send(self, dst: int, name: str, payload: Any) -> Any:
+        return self.call.send(self.ranks[dst], self.prefix + name, payload)
+
+    def recv(self, src: int, name: str, expect: int | None = None) -> Any:
+        return self.call.recv(self.ranks[src], self.prefix + name, expect)
+
+    def recv_into(self, src: int, name: str, out: Any, op: ReduceOp | None) -> None:
+        self.call.recv_into(self.ranks[src], self.prefix + name, out, op)
+
+    def wait(self, handle: Any) -> None:
+        self.call.wait(handle)
+
+    def mismatch(self, detail: str) -> None:
+        self.call.mismatch(detail)
+
+
+def host_groups(hosts: Sequence[str]) -> list[list[int]]:
+    """Ranks grouped by host, hosts in order of their first rank."""
+    groups: dict[str, list[int]] = {}
+    for rank, host in enumerate(hosts):
+        groups.setdefault(host, []).append(rank)
+    return list(groups.values())
+
+
+def allreduce_hierarchical(call: CollectiveCall, buf: Any, op: ReduceOp, hosts: Sequence[str]) -> Any:
+    """Reduce within each host onto its first replica, ring across hosts' first replicas, copy back.
+
+    Only one replica per host sends across the network, so inter-host traffic
+    is that of a ring over hosts, not over replicas; within a host the
+    transport is shared memory.
+    """
+    base_op = ReduceOp.SUM if op is ReduceOp.MEAN else op
+    groups = host_groups(hosts)
+    local = next(g for g in groups if call.rank in g)
+    leader, leaders = local[0], [g[0] for g in groups]
+    if call.rank != leader:
+        call.wait(call.send(leader, "h-up", buf))
+        call.recv_into(leader, "h-down", buf, None)
+        return buf
+    for r in local[1:]:
+        call.recv_into(r, "h-up", buf, base_op)
+    if len(leaders) > 1:
+        allreduce_ring(SubCall(call, leaders, "hx-"), buf, base_op)
+    finalize(op, buf, call.size)
+    handles = [call.send(r, "h-down", buf) for r in local[1:]]
+    for h in handles:
+        call.wait(h)
+    return buf
 
 
 def allreduce_reduce_to_one(

@@ -57,7 +57,7 @@ class Algorithm:
     Parameters
     ----------
     name
-        ``"auto"``, ``"ring"``, ``"direct"`` or ``"reduce_to_one"``.
+        ``"auto"``, ``"ring"``, ``"direct"``, ``"reduce_to_one"`` or ``"hierarchical"``.
     num_packs
         Packs per dtype (``NcclAllReduce`` / ``HierarchicalCopyAllReduce``).
     root
@@ -68,7 +68,7 @@ class Algorithm:
 
     def __init__(self, name: str = "auto", num_packs: int = 1, root: int = 0,
                  accumulation_fn: Callable[[Sequence[Any]], Any] | None = None):
-        if name not in ("auto", "ring", "direct", "reduce_to_one"):
+        if name not in ("auto", "ring", "direct", "reduce_to_one", "hierarchical"):
             raise ValueError(f"Unknown all-reduce algorithm {name!r}")
         self.name = name
         self.num_packs = num_packs
@@ -192,6 +192,9 @@ class Communicator:
         Group-wide default ``CommunicationOptions``.
     on_collective
         Called with ``(kind, seconds, nbytes)`` after each collective (step timing).
+    hosts
+        The host of each rank; when ranks span several hosts and some share
+        one, large all-reduces go hierarchically (within hosts, then across).
     """
 
     def __init__(
@@ -203,6 +206,7 @@ class Communicator:
         algorithm: Algorithm | None = None,
         options: CommunicationOptions | None = None,
         on_collective: Callable[[str, float, int], None] | None = None,
+        hosts: Sequence[str] | None = None,
     ):
         self.rank = rank
         self.size = size
@@ -211,6 +215,9 @@ class Communicator:
         self.algorithm = algorithm or Algorithm()
         self.options = options or CommunicationOptions()
         self.on_collective = on_collective
+        self.hosts = list(hosts) if hosts else [str(r) for r in range(size)]
+        groups = algorithms.host_groups(self.hosts)
+        self.multi_host = 1 < len(groups) < size  # several hosts, and some host holds several replicas
         self.run_id = 0
         self.seq = 0
         self.default_timeout = config.get_seconds("collective.timeout")
@@ -378,9 +385,13 @@ class Communicator:
             return buf
         if algorithm.name == "direct":
             return algorithms.allreduce_direct(call, buf, op)
+        if algorithm.name == "hierarchical":
+            return algorithms.allreduce_hierarchical(call, buf, op, self.hosts)
         forced_ring = algorithm.name == "ring" or options.implementation is not CommunicationImplementation.AUTO
         if not forced_ring and buf.nbytes <= self.small_message_bytes:
             return algorithms.allreduce_direct(call, buf, op)
+        if not forced_ring and self.multi_host:
+            return algorithms.allreduce_hierarchical(call, buf, op, self.hosts)
         return algorithms.allreduce_ring(call, buf, op)
 
     def _collective(self, kind: str, sig: str, options: CommunicationOptions, body: Callable[[CollectiveCall], Any]) -> Any:

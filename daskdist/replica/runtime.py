@@ -129,7 +129,7 @@ class ReplicaRuntime:
         self.timer = StepTimer(rank, int(config.get("metrics.history")))
         self.communicator = Communicator(
             rank, self.size, self.transport, control=self, algorithm=spec.algorithm,
-            options=spec.options, on_collective=self.timer.add_collective,
+            options=spec.options, on_collective=self.timer.add_collective, hosts=spec.hosts or None,
         )
         self.context = ReplicaContext(self)
         self.strategy_view = ReplicaStrategyView(self)

@@ -240,12 +240,20 @@ class DaskExtended:
 
 
 def _replica_hosts(placements: list[Placement]) -> list[str]:
-    """The host of each replica, or each worker as its own host with ``daskdist.collective.hosts: per-worker``."""
-    mode = config.get("collective.hosts")
+    """The host of each replica as transports and algorithms see it (``daskdist.collective.hosts``).
+
+    ``auto``: the real host names. ``per-worker``: every worker its own host.
+    ``blocks:N``: consecutive replicas in groups of N per host. The last two
+    run the cross-host and hierarchical paths on one machine.
+    """
+    mode = str(config.get("collective.hosts"))
     if mode == "per-worker":
         return [p.address for p in placements]
+    if mode.startswith("blocks:") and mode[7:].isdigit() and int(mode[7:]) > 0:
+        per_host = int(mode[7:])
+        return [f"host-{p.rank // per_host}" for p in placements]
     if mode != "auto":
-        raise ValueError(f"daskdist.collective.hosts must be 'auto' or 'per-worker', got {mode!r}")
+        raise ValueError(f"daskdist.collective.hosts must be 'auto', 'per-worker' or 'blocks:N', got {mode!r}")
     return [p.host for p in placements]
 
 
