@@ -33,12 +33,18 @@ SETTINGS = ("collective.transport", "metrics.log-events")
 
 
 def command_line() -> str:
-    """The command that started this process, with the interpreter path relative to the cwd when inside it."""
+    """The command that started this process, with the interpreter path relative to the cwd when inside it.
+
+    A ``PYTHONPATH`` (e.g. pointing at a clean checkout of daskdist) is shown in front.
+    """
     exe = sys.executable
     rel = os.path.relpath(exe)
     if not rel.startswith(".."):
         exe = rel
-    return shlex.join([exe, *sys.argv])
+    command = shlex.join([exe, *sys.argv])
+    if os.environ.get("PYTHONPATH"):
+        command = f"PYTHONPATH={shlex.quote(os.environ['PYTHONPATH'])} {command}"
+    return command
 
 
 def library_revision() -> str:

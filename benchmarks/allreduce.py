@@ -4,14 +4,16 @@ Everything is measured on this machine in one invocation, float32
 ``ReduceOp.SUM`` all-reduce of an array of ones, for each rank count and
 message size. The systems (``--systems``, default all but ``shm``):
 
-* **daskdist** (``auto``, ``shm``, ``dask``: the value of
+* **daskdist** (``auto``, ``shm``, ``socket``, ``dask``: the value of
   ``daskdist.collective.transport`` the strategy is created with): a fresh
   ``LocalCluster`` of N single-threaded worker processes with one
   ``MirroredStrategy`` per transport on it (one replica per worker).
   ``ReplicaContext.all_reduce`` is timed *inside* the replicas with
-  ``time.perf_counter``. On one host ``auto`` routes every pair of replicas
-  through shared memory, the same as ``shm``: the script asks each replica for
-  its routes and labels the column ``auto (=shm)`` only when that is so.
+  ``time.perf_counter`` (so the ``strategy.run`` dispatch, once per step, is
+  not included). On one host ``auto`` routes every pair of replicas through
+  shared memory, the same as ``shm``: the script asks each replica for its
+  routes and labels the column ``auto (=shm)`` only when that is so. A
+  transport whose strategy fails to start is reported as unavailable.
 * **naive Dask** (``naive``): on the same cluster, each worker holds its
   array as a pinned future; one round is a task on worker 0 that sums the N
   arrays (Dask gathers them there), then N tasks, one pinned to each worker,
@@ -59,7 +61,7 @@ Peers that cannot run (not installed, failed to start) are reported as
 
 Usage::
 
-    .venv/bin/python benchmarks/allreduce.py [--systems auto dask naive mpi gloo ideal] [--quick]
+    .venv/bin/python benchmarks/allreduce.py [--systems auto socket dask mpi gloo naive ideal] [--quick]
         [--sizes 4KiB 256KiB 4MiB 64MiB] [--replicas 2 4] [--rounds 2] [--iterations N]
         [--transport dask] [--mpirun-args "..."]
 
@@ -589,7 +591,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=None,
-                        help=f"what to measure (default: {' '.join(DEFAULT_SYSTEMS)}); auto, shm and dask are "
+                        help=f"what to measure (default: {' '.join(DEFAULT_SYSTEMS)}); auto, shm, socket and dask are "
                              "daskdist's transports (on one host auto routes through shm)")
     parser.add_argument("--sizes", nargs="+", type=parse_size, default=None,
                         help=f"message sizes (default {' '.join(DEFAULT_SIZES)})")

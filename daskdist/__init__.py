@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from daskdist import config as _config  # noqa: F401  (registers daskdist.* defaults in dask.config)
+from daskdist import data
 from daskdist.context import get_replica_context, get_strategy, has_strategy, in_cross_replica_context
 from daskdist.cross_device_ops import (
     AllReduceCrossDeviceOps,
@@ -11,6 +12,7 @@ from daskdist.cross_device_ops import (
     NcclAllReduce,
     ReductionToOneDevice,
 )
+from daskdist.data import InputContext, InputOptions, OutOfRangeError
 from daskdist.exceptions import (
     CollectiveAbortedError,
     CollectiveError,
@@ -49,11 +51,14 @@ __all__ = [
     "DaskdistError",
     "DistributedValues",
     "HierarchicalCopyAllReduce",
+    "InputContext",
+    "InputOptions",
     "Mirrored",
     "MirroredStrategy",
     "MirroredVariable",
     "NcclAllReduce",
     "OneDeviceStrategy",
+    "OutOfRangeError",
     "PerReplica",
     "ReduceOp",
     "ReductionToOneDevice",
@@ -67,6 +72,7 @@ __all__ = [
     "Variable",
     "VariableAggregation",
     "VariableSynchronization",
+    "data",
     "get_replica_context",
     "get_strategy",
     "has_strategy",

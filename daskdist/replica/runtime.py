@@ -302,6 +302,15 @@ class ReplicaRuntime:
     def add_resident(self, object_id: str, obj: Any) -> None:
         self._resident[object_id] = obj
 
+    def discard_resident(self, object_id: str) -> None:
+        self._resident.pop(object_id, None)
+
+    def pop_resident(self, object_id: str) -> Any:
+        return self._resident.pop(object_id, None)
+
+    def resident_keys(self, prefix: str = "") -> list[str]:
+        return [k for k in self._resident if k.startswith(prefix)]
+
     def resident_object(self, object_id: str) -> Any:
         try:
             return self._resident[object_id]

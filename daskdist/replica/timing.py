@@ -40,6 +40,7 @@ class StepTimer:
         self.replica = replica
         self.history: collections.deque[StepTiming] = collections.deque(maxlen=history)
         self._open = False
+        self._pending_input = 0.0  # input produced between steps (client-driven iterators), charged to the next
         self._reset(0)
 
     def _reset(self, run_id: int) -> None:
@@ -47,12 +48,19 @@ class StepTimer:
         self._wall_start = time.time()
         self._start = time.perf_counter()
         self._input = self._allreduce = self._apply = 0.0
+        self._charged_input = 0.0
         self._collectives = 0
         self._nbytes = 0
 
     def begin(self, run_id: int) -> None:
         self._reset(run_id)
+        self._input, self._pending_input = self._pending_input, 0.0
+        self._charged_input = self._input
         self._open = True
+
+    def add_pending_input(self, seconds: float) -> None:
+        """Input prepared outside a step (``next`` from the client); counted in the next step."""
+        self._pending_input += seconds
 
     def add_collective(self, kind: str, seconds: float, nbytes: int) -> None:
         if self._open:
@@ -69,7 +77,7 @@ class StepTimer:
             self._apply += seconds
 
     def end(self) -> StepTiming:
-        total = time.perf_counter() - self._start
+        total = time.perf_counter() - self._start + self._charged_input  # input made before the step counts too
         self._open = False
         compute = max(0.0, total - self._input - self._allreduce - self._apply)
         timing = StepTiming(

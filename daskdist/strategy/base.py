@@ -118,6 +118,27 @@ class Strategy:
         values = [value_fn(ValueContext(i, n)) for i in range(n)]
         return values[0] if n == 1 else PerReplica(values)
 
+    def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
+        """Distribute ``dataset`` (batched with the global batch size) over the replicas.
+
+        Each replica reads the partitions that live on its worker (balanced by
+        bytes; ``plan()`` shows the map and what must move), batches with its
+        share of the global batch, and prefetches. Iterate on the client for
+        ``PerReplica`` handles to pass to ``run``, or inside a replica function
+        to read the local shard directly.
+        """
+        from daskdist.data.distributed import DistributedDataset
+
+        self._extended.check_open()
+        return DistributedDataset.from_dataset(self._extended, dataset, options)
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable[[Any], Any], options: Any = None) -> Any:
+        """Each replica builds its own dataset with ``dataset_fn(InputContext)`` (batched per replica)."""
+        from daskdist.data.distributed import DistributedDataset
+
+        self._extended.check_open()
+        return DistributedDataset.from_function(self._extended, dataset_fn, options)
+
     def step_timings(self, last: int | None = None) -> list[list[dict]]:
         """Per replica, the phase timings of the most recent steps (see ``StepTiming``)."""
         return self._extended.step_timings(last)

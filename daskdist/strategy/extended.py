@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import weakref
 from typing import Any, Callable
 
 from dask.utils import parse_bytes
@@ -71,6 +72,7 @@ class DaskExtended:
         self._owns_client = False
         self._closed = False
         self._variables: dict[str, DistributedVariable] = {}
+        self._datasets: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
         self._variable_ids = itertools.count(1)
         self._lock = threading.Lock()
 
@@ -217,6 +219,14 @@ class DaskExtended:
         ):
             value = as_array(value)[0] / self.num_replicas
         self._group.call(commands.update_variable, (var_id, method, value))
+
+    # -- datasets --------------------------------------------------------------------
+
+    def register_distributed_dataset(self, dataset_id: str, dataset: Any) -> None:
+        self._datasets[dataset_id] = dataset
+
+    def distributed_dataset(self, dataset_id: str) -> Any:
+        return self._datasets.get(dataset_id)
 
     # -- closing -------------------------------------------------------------------
 

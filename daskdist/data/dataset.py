@@ -1,0 +1,199 @@
+"""``Dataset``: a ``tf.data``-style input pipeline over partitions of rows.
+
+A dataset is a recipe: a source (partitions of rows) and a list of
+element-level transformations. It runs where it is iterated: on the client
+for small data (``for element in dataset``), or on each replica over that
+replica's partitions when distributed by a strategy.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+import optree
+
+from daskdist.data import ops
+from daskdist.data.sources import DaskSource, LocalSource, Partition, RangeSource, Source, rows_of
+
+__all__ = ["Dataset", "TensorSpec"]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape (``None`` for unknown sizes) and dtype of one component of an element."""
+
+    shape: tuple
+    dtype: np.dtype
+
+    def __repr__(self) -> str:
+        return f"TensorSpec(shape={self.shape}, dtype={np.dtype(self.dtype).name})"
+
+
+class Dataset:
+    """An input pipeline (TF's ``tf.data.Dataset`` transformations, over Dask partitions).
+
+    Build one with ``Dataset.from_dask``, ``Dataset.from_tensor_slices`` or
+    ``Dataset.range`` and chain transformations; each returns a new dataset.
+    """
+
+    def __init__(self, source: Source, transformations: tuple[ops.Op, ...] = ()):
+        self._source = source
+        self._ops = tuple(transformations)
+
+    # -- sources -------------------------------------------------------------------
+
+    @staticmethod
+    def from_dask(collections: Any) -> Dataset:
+        """Rows of Dask collections: an array chunked along axis 0, a dataframe, or a tuple/dict of them.
+
+        The partitions stay on the workers that hold them; a strategy reads
+        each partition on the replica of that worker.
+        """
+        return Dataset(DaskSource(collections))
+
+    @staticmethod
+    def from_tensor_slices(tensors: Any, num_partitions: int | None = None) -> Dataset:
+        """Rows of in-memory arrays (a structure of arrays with equal first dimension)."""
+        return Dataset(LocalSource(tensors, num_partitions))
+
+    @staticmethod
+    def range(*args: int) -> Dataset:
+        """``range(stop)``, ``range(start, stop)`` or ``range(start, stop, step)`` as int64 rows."""
+        r = range(*args)
+        return Dataset(RangeSource(r.start, r.stop, r.step))
+
+    # -- transformations -------------------------------------------------------------
+
+    def _with(self, op: ops.Op) -> Dataset:
+        return Dataset(self._source, self._ops + (op,))
+
+    def map(self, map_func: Callable[..., Any], num_parallel_calls: int | None = None) -> Dataset:
+        """Apply ``map_func`` to each element (tuple elements are unpacked into arguments)."""
+        return self._with(ops.Map(map_func))
+
+    def filter(self, predicate: Callable[..., Any]) -> Dataset:
+        return self._with(ops.Filter(predicate))
+
+    def batch(self, batch_size: int, drop_remainder: bool = False) -> Dataset:
+        return self._with(ops.Batch(batch_size, drop_remainder))
+
+    def unbatch(self) -> Dataset:
+        return self._with(ops.Unbatch())
+
+    def shuffle(self, buffer_size: int, seed: int | None = None, reshuffle_each_iteration: bool = True) -> Dataset:
+        return self._with(ops.Shuffle(buffer_size, seed, reshuffle_each_iteration))
+
+    def cache(self, filename: str = "") -> Dataset:
+        """Keep elements in memory after the first complete pass (``filename`` is not supported)."""
+        if filename:
+            raise NotImplementedError("cache(filename) is not supported; cache() keeps elements in memory")
+        return self._with(ops.Cache())
+
+    def prefetch(self, buffer_size: int | None = None) -> Dataset:
+        return self._with(ops.Prefetch(buffer_size))
+
+    def repeat(self, count: int | None = None) -> Dataset:
+        return self._with(ops.Repeat(count))
+
+    def take(self, count: int) -> Dataset:
+        return self._with(ops.Take(count))
+
+    def skip(self, count: int) -> Dataset:
+        return self._with(ops.Skip(count))
+
+    def shard(self, num_shards: int, index: int) -> Dataset:
+        return self._with(ops.Shard(num_shards, index))
+
+    # -- inspection ------------------------------------------------------------------
+
+    @property
+    def source(self) -> Source:
+        return self._source
+
+    @property
+    def transformations(self) -> tuple[ops.Op, ...]:
+        return self._ops
+
+    @property
+    def element_spec(self) -> Any:
+        """Structure of ``TensorSpec`` of one element, found by running the pipeline on a few rows."""
+        sample = self._sample()
+        batched = any(isinstance(op, ops.Batch) for op in self._ops)
+
+        def spec(leaf: Any) -> TensorSpec:
+            array = np.asarray(leaf)
+            shape = tuple(array.shape)
+            if batched and shape:
+                shape = (None,) + shape[1:]
+            return TensorSpec(shape, array.dtype)
+
+        return optree.tree_map(spec, sample, none_is_leaf=False)
+
+    def _sample(self) -> Any:
+        """The first element, computed from the first non-empty partition's first rows."""
+        partitions = [p for p in self._source.partitions if p.rows != 0]
+        if not partitions:
+            raise ValueError("the dataset is empty")
+        for element in self._iterate(partitions[:1], ops.PipelineState(), load=self._load_locally):
+            return element
+        raise ValueError("the dataset produced no element from its first partition")
+
+    def __repr__(self) -> str:
+        steps = " -> ".join([self._source.describe(), *(op.describe() for op in self._ops)])
+        return f"<Dataset {steps}>"
+
+    # -- running ---------------------------------------------------------------------
+
+    def _load_locally(self, partition: Partition) -> Any:
+        if isinstance(self._source, DaskSource):
+            import dask
+
+            delayed = self._source.delayed_partitions()[partition.index]
+            return self._source.assemble(list(dask.compute(*delayed)))
+        return self._source.load(partition)
+
+    def _iterate(self, partitions: Iterable[Partition], state: ops.PipelineState,
+                 load: Callable[[Partition], Any], row_filter: Callable[[int], bool] | None = None) -> Iterator[Any]:
+        """Run the pipeline over ``partitions`` (loaded with ``load``), keeping rows where ``row_filter(i)``."""
+        partitions = list(partitions)
+
+        def source_rows(_: ops.PipelineState) -> Iterator[Any]:
+            counter = itertools.count()
+            for partition in partitions:
+                for row in rows_of(load(partition)):
+                    if row_filter is None or row_filter(next(counter)):
+                        yield row
+
+        upstream: Callable[[ops.PipelineState], Iterator[Any]] = source_rows
+        for op in self._ops:
+            upstream = _bind(op, upstream)
+        return upstream(state)
+
+    def __iter__(self) -> Iterator[Any]:
+        """Iterate on the client (for small data: Dask partitions are computed here)."""
+        return self._iterate(self._source.partitions, ops.PipelineState(), load=self._load_locally)
+
+    def with_batch_size(self, batch_size: int) -> Dataset:
+        """This dataset with its last ``batch`` set to ``batch_size`` (per-replica rebatching)."""
+        for i in range(len(self._ops) - 1, -1, -1):
+            op = self._ops[i]
+            if isinstance(op, ops.Batch):
+                new = ops.Batch(batch_size, op.drop_remainder)
+                return Dataset(self._source, self._ops[:i] + (new,) + self._ops[i + 1 :])
+        return self
+
+    @property
+    def global_batch_size(self) -> int | None:
+        for op in reversed(self._ops):
+            if isinstance(op, ops.Batch):
+                return op.batch_size
+            if isinstance(op, ops.Unbatch):
+                return None
+        return None
+
+
+def _bind(op: ops.Op, upstream: Callable[[ops.PipelineState], Iterator[Any]]) -> Callable[[ops.PipelineState], Iterator[Any]]:
+    return lambda state: op.apply(upstream, state)

@@ -1,0 +1,270 @@
+"""The replica side of distributed datasets: each replica's shard, its iterators, and their commands.
+
+A ``ReplicaShard`` is what one replica reads: its partitions (Dask keys
+held by its own worker, or in-memory rows), the pipeline with the
+per-replica batch size, and the sharding rule. Iterators run that pipeline
+locally; batches stay on the replica and are referred to from the client by
+``BatchRef`` handles, resolved inside ``strategy.run``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import numpy as np
+import optree
+
+from daskdist import context
+from daskdist.data import ops
+from daskdist.data.dataset import Dataset
+from daskdist.data.options import InputContext
+from daskdist.data.sources import DaskSource, Partition, Source
+
+if TYPE_CHECKING:
+    from daskdist.replica.runtime import ReplicaRuntime
+
+__all__ = ["BatchRef", "KeyedSource", "ReplicaShard"]
+
+_BATCHES_KEPT = 4
+
+
+class KeyedSource(Source):
+    """A Dask source as a replica sees it: partitions by key, read from the worker's own memory."""
+
+    def __init__(self, treedef: Any, partitions: list[Partition], assemble: Callable[[list[Any]], Any]):
+        self.treedef = treedef
+        self.partitions = partitions
+        self._assemble = assemble
+        self.worker: Any = None  # bound on the replica (loads run in prefetch threads, not worker threads)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "worker": None}
+
+    def load(self, partition: Partition) -> Any:
+        worker = self.worker
+        values = []
+        for key in partition.keys:
+            if key in worker.data:
+                values.append(worker.data[key])
+            else:  # not local (rare: the worker lost it); fetch through the cluster
+                from distributed import Future
+
+                client = worker._get_client()
+                values.append(client.gather(Future(key, client, inform=False)))
+        return self._assemble(values)
+
+
+@dataclass
+class ReplicaShard:
+    """One replica's share of a distributed dataset."""
+
+    dataset: Dataset
+    partitions: list[Partition]
+    row_filter: tuple[int, int] | None  # (every, index) for DATA sharding
+    empty_spec: Any  # structure of (shape, dtype) of an element, to build empty batches
+    prefetch: int = 2
+    to_device: bool = False
+    caches: dict = field(default_factory=dict)
+    epochs: int = 0
+
+    def pipeline(self, replica: int) -> Iterator[Any]:
+        state = ops.PipelineState(epoch=self.epochs, replica=replica, caches=self.caches)
+        self.epochs += 1
+        row_filter = None
+        if self.row_filter is not None:
+            every, index = self.row_filter
+            row_filter = lambda i: i % every == index  # noqa: E731
+        source = self.dataset.source
+        elements = self.dataset._iterate(self.partitions, state, load=source.load, row_filter=row_filter)
+        if self.prefetch:
+            elements = ops._PrefetchIterator(elements, self.prefetch)
+        return elements
+
+    def empty_batch(self) -> Any:
+        return optree.tree_map(
+            lambda spec: np.empty((0, *spec[0][1:]), dtype=spec[1]),
+            self.empty_spec,
+            is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], np.dtype),
+        )
+
+
+class ReplicaIterator:
+    """A pass over a replica's shard, one element per step."""
+
+    def __init__(self, shard: ReplicaShard, replica: int):
+        self.shard = shard
+        self._elements = shard.pipeline(replica)
+        self.exhausted = False
+
+    def next_element(self) -> Any | None:
+        if self.exhausted:
+            return None
+        try:
+            return next(self._elements)
+        except StopIteration:
+            self.exhausted = True
+            self.close()
+            return None
+
+    def close(self) -> None:
+        close = getattr(self._elements, "close", None)
+        if close is not None:
+            close()
+
+
+def _to_device(element: Any, shard: ReplicaShard, runtime: ReplicaRuntime) -> Any:
+    if not shard.to_device or not any("GPU" in d for d in runtime.devices):
+        return element
+    import cupy
+
+    return optree.tree_map(cupy.asarray, element)
+
+
+# -- commands (run on the replica thread) ------------------------------------------
+
+
+def register_shard(runtime: ReplicaRuntime, dataset_id: str, shard: ReplicaShard) -> None:
+    if isinstance(shard.dataset.source, KeyedSource):
+        shard.dataset.source.worker = runtime.worker
+    runtime.add_resident(f"dataset:{dataset_id}", shard)
+
+
+def register_from_function(runtime: ReplicaRuntime, dataset_id: str, dataset_fn: Callable[[InputContext], Any],
+                           prefetch: int) -> None:
+    """Build this replica's dataset with ``dataset_fn(InputContext)`` (``distribute_datasets_from_function``)."""
+    ctx = InputContext(num_input_pipelines=runtime.size, input_pipeline_id=runtime.rank, num_replicas_in_sync=runtime.size)
+    dataset = dataset_fn(ctx)
+    if not isinstance(dataset, Dataset):
+        raise TypeError(f"dataset_fn must return a daskdist.data.Dataset, got {type(dataset).__name__}")
+    source = dataset.source
+    partitions = list(source.partitions)
+    if isinstance(source, DaskSource):  # collections built inside dataset_fn: computed on this worker
+        dataset = Dataset(_ComputedDaskSource(source, runtime.worker), dataset.transformations)
+    spec = optree.tree_map(lambda s: (s.shape, np.dtype(s.dtype)), dataset.element_spec)
+    runtime.add_resident(f"dataset:{dataset_id}", ReplicaShard(dataset, partitions, None, spec, prefetch))
+
+
+class _ComputedDaskSource(Source):
+    def __init__(self, source: DaskSource, worker: Any):
+        self._source = source
+        self._worker = worker
+        self.partitions = source.partitions
+
+    def load(self, partition: Partition) -> Any:
+        delayed = self._source.delayed_partitions()[partition.index]
+        client = self._worker._get_client()
+        return self._source.assemble(client.compute(delayed, sync=True))
+
+
+def make_iterator(runtime: ReplicaRuntime, dataset_id: str, iterator_id: str) -> None:
+    shard = runtime.resident_object(f"dataset:{dataset_id}")
+    runtime.add_resident(f"iterator:{iterator_id}", ReplicaIterator(shard, runtime.rank))
+
+
+def next_batch(runtime: ReplicaRuntime, iterator_id: str, step: int) -> int:
+    """Produce this replica's element for ``step``; returns its rows (-1 once the shard is exhausted)."""
+    iterator: ReplicaIterator = runtime.resident_object(f"iterator:{iterator_id}")
+    start = time.perf_counter()
+    element = iterator.next_element()
+    runtime.timer.add_pending_input(time.perf_counter() - start)
+    key = f"batch:{iterator_id}:{step}"
+    if element is None:
+        runtime.add_resident(key, iterator.shard.empty_batch())
+        rows = -1
+    else:
+        element = _to_device(element, iterator.shard, runtime)
+        runtime.add_resident(key, element)
+        leaves = optree.tree_leaves(element)
+        rows = int(len(leaves[0])) if leaves and getattr(leaves[0], "ndim", 0) else 1
+    runtime.discard_resident(f"batch:{iterator_id}:{step - _BATCHES_KEPT}")
+    return rows
+
+
+def close_iterator(runtime: ReplicaRuntime, iterator_id: str) -> None:
+    iterator = runtime.pop_resident(f"iterator:{iterator_id}")
+    if iterator is not None:
+        iterator.close()
+    for key in runtime.resident_keys(prefix=f"batch:{iterator_id}:"):
+        runtime.discard_resident(key)
+
+
+def forget_dataset(runtime: ReplicaRuntime, dataset_id: str) -> None:
+    runtime.discard_resident(f"dataset:{dataset_id}")
+
+
+# -- references resolved inside replicas ---------------------------------------------
+
+
+class BatchRef:
+    """A handle to one replica's batch of one step; it resolves to the arrays inside ``strategy.run``."""
+
+    __slots__ = ("token", "iterator_id", "step", "rows")
+
+    def __init__(self, token: str, iterator_id: str, step: int, rows: int):
+        self.token = token
+        self.iterator_id = iterator_id
+        self.step = step
+        self.rows = rows
+
+    def __reduce__(self):
+        return (_resolve_batch, (self.token, self.iterator_id, self.step, self.rows))
+
+    def __repr__(self) -> str:
+        return f"<batch of step {self.step}: {max(self.rows, 0)} rows, on the replica>"
+
+
+def _resolve_batch(token: str, iterator_id: str, step: int, rows: int) -> Any:
+    runtime = context.current_runtime()
+    if runtime is not None and runtime.token == token:
+        try:
+            return runtime.resident_object(f"batch:{iterator_id}:{step}")
+        except KeyError:
+            raise RuntimeError(
+                f"the batch of step {step} is no longer held by replica {runtime.rank}: only the last "
+                f"{_BATCHES_KEPT} batches of an iterator are kept"
+            ) from None
+    return BatchRef(token, iterator_id, step, rows)
+
+
+def resolve_dataset(token: str, dataset_id: str) -> Any:
+    """Unpickle a distributed dataset: inside a replica, the view that iterates the local shard."""
+    runtime = context.current_runtime()
+    if runtime is not None and runtime.token == token:
+        return ReplicaDatasetView(runtime, runtime.resident_object(f"dataset:{dataset_id}"))
+    from daskdist import registry
+
+    owner = registry.lookup(token)
+    dataset = owner.distributed_dataset(dataset_id) if owner is not None else None
+    if dataset is None:
+        raise RuntimeError(f"distributed dataset {dataset_id} is not known in this process")
+    return dataset
+
+
+class ReplicaDatasetView:
+    """A distributed dataset iterated inside a replica (loops that run on the replicas, such as ``fit``).
+
+    Every replica yields the same number of steps: each step the replicas
+    agree (a one-number all-reduce) whether any still has data; those that
+    ran out yield empty batches until all have.
+    """
+
+    def __init__(self, runtime: ReplicaRuntime, shard: ReplicaShard):
+        self._runtime = runtime
+        self._shard = shard
+
+    def __iter__(self) -> Iterator[Any]:
+        iterator = ReplicaIterator(self._shard, self._runtime.rank)
+        comm = self._runtime.communicator
+        try:
+            while True:
+                start = time.perf_counter()
+                element = iterator.next_element()
+                self._runtime.timer.add_input_wait(time.perf_counter() - start)
+                have = comm.all_reduce("SUM", np.array([element is not None], np.int64))
+                if int(have[0]) == 0:
+                    return
+                yield element if element is not None else self._shard.empty_batch()
+        finally:
+            iterator.close()
