@@ -563,11 +563,11 @@ def goals(n: int, results: dict[str, SystemResult], sizes: list[int]) -> list[st
         text = f"{n} ranks, 4 KiB, latency {mine * 1e3:.4g} ms ({label(best[0], results)}): "
         checks = []
         if (mpi := lat("mpi", GOAL_SMALL)) is not None:
-            checks.append(f"{mine / mpi:.3g}x MPI's latency -> goal <= 3x {verdict(mine <= 3 * mpi)}")
+            checks.append(f"daskdist's latency / MPI's = {mine / mpi:.3g} -> goal <= 3 {verdict(mine <= 3 * mpi)}")
         else:
             checks.append("MPI unavailable -> goal not checked")
         if (gloo := lat("gloo", GOAL_SMALL)) is not None:
-            checks.append(f"{gloo / mine:.3g}x faster than gloo -> goal >= 10x {verdict(gloo >= 10 * mine)}")
+            checks.append(f"gloo's latency / daskdist's = {gloo / mine:.3g} -> goal >= 10 {verdict(gloo >= 10 * mine)}")
         else:
             checks.append("gloo unavailable -> goal not checked")
         lines.append(text + "; ".join(checks))

@@ -120,7 +120,11 @@ class Dataset:
     @property
     def element_spec(self) -> Any:
         """Structure of ``TensorSpec`` of one element, found by running the pipeline on a few rows."""
-        sample = self._sample()
+        return self.element_spec_with()
+
+    def element_spec_with(self, client: Any = None) -> Any:
+        """``element_spec``, computing any Dask sample with ``client`` (default: Dask's current scheduler)."""
+        sample = self._sample(client)
         batched = any(isinstance(op, ops.Batch) for op in self._ops)
 
         def spec(leaf: Any) -> TensorSpec:
@@ -132,11 +136,15 @@ class Dataset:
 
         return optree.tree_map(spec, sample, none_is_leaf=False)
 
-    def _sample(self) -> Any:
-        """The first element, computed from the first non-empty partition's first rows."""
+    def _sample(self, client: Any = None) -> Any:
+        """The first element the pipeline makes from the first row (or, with filters, the first partition)."""
         partitions = [p for p in self._source.partitions if p.rows != 0]
         if not partitions:
             raise ValueError("the dataset is empty")
+        if isinstance(self._source, DaskSource):
+            head = self._source.sample(client)
+            for element in self._iterate(partitions[:1], ops.PipelineState(), load=lambda _: head):
+                return element
         for element in self._iterate(partitions[:1], ops.PipelineState(), load=self._load_locally):
             return element
         raise ValueError("the dataset produced no element from its first partition")

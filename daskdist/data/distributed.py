@@ -97,7 +97,8 @@ class DistributedDataset:
         if total is not None and total < n:
             raise ValueError(f"the dataset has {total} elements, fewer than the {n} replicas")
         batches = _per_replica_batches(global_batch, n)
-        spec = optree.tree_map(lambda s: (s.shape, np.dtype(s.dtype)), dataset.element_spec)
+        element_spec = dataset.element_spec_with(extended.client)
+        spec = optree.tree_map(lambda s: (s.shape, np.dtype(s.dtype)), element_spec)
         partitions = source.partitions
         policy = options.auto_shard_policy
         notes = []
@@ -113,16 +114,19 @@ class DistributedDataset:
         workers = list(extended.worker_addresses)
         futures: list[Any] = []
         if policy is AutoShardPolicy.FILE:
-            sizes = [p.nbytes for p in partitions]
-            holders = _holders(extended, source) if isinstance(source, DaskSource) else [set() for _ in partitions]
-            replica_of, moved = assign_partitions(sizes, holders, workers)
+            if isinstance(source, DaskSource):
+                local, sizes = _local_bytes(extended, source)
+            else:
+                local, sizes = [{} for _ in partitions], [p.nbytes for p in partitions]
+            replica_of, moved = assign_partitions(sizes, local, workers)
             shares = [[p for p, r in zip(partitions, replica_of) if r == rank] for rank in range(n)]
         else:
             replica_of = [0] * len(partitions)
-            moved = [False] * len(partitions)
+            moved = [0] * len(partitions)
             shares = [list(partitions) for _ in range(n)]
+            sizes = [p.nbytes for p in partitions]
         planned = [
-            PlannedPartition(p.index, replica_of[i], workers[replica_of[i]], p.nbytes, p.rows, moved[i])
+            PlannedPartition(p.index, replica_of[i], workers[replica_of[i]], sizes[i], p.rows, moved[i])
             for i, p in enumerate(partitions)
         ]
         plan = Plan(planned, workers, batches, policy.name, notes)
@@ -141,7 +145,7 @@ class DistributedDataset:
                 options.experimental_fetch_to_device,
             )))
         extended.group.call(replica_side.register_shard, shards)
-        distributed = cls(extended, dataset_id, plan, dataset.element_spec, futures)
+        distributed = cls(extended, dataset_id, plan, element_spec, futures)
         extended.register_distributed_dataset(dataset_id, distributed)
         logger.debug("%r", plan)
         return distributed
@@ -208,7 +212,7 @@ class DistributedIterator:
         rows = self._extended.group.call(replica_side.next_batch, (self._iterator_id, step))
         if all(r < 0 for r in rows):
             self._done = True
-            self.close()
+            self._close(keep_batches=True)  # the last batches handed out stay usable
             raise OutOfRangeError("End of sequence")
         token = self._extended.token
         refs = [replica_side.BatchRef(token, self._iterator_id, step, r) for r in rows]
@@ -230,8 +234,12 @@ class DistributedIterator:
         return self
 
     def close(self) -> None:
+        """Stop the replicas' pipelines and drop the batches this iterator holds there."""
+        self._close(keep_batches=False)
+
+    def _close(self, keep_batches: bool) -> None:
         try:
-            self._extended.group.call(replica_side.close_iterator, (self._iterator_id,))
+            self._extended.group.call(replica_side.close_iterator, (self._iterator_id, keep_batches))
         except Exception as e:  # the strategy may be closed already
             logger.debug("Closing iterator %s: %s", self._iterator_id, e)
 
@@ -240,31 +248,53 @@ class DistributedIterator:
 
 
 def _leaf_futures(extended: DaskExtended, source: DaskSource) -> list[list[Any]] | None:
-    """Per partition, the futures of a persisted source's leaves; ``None`` when not persisted."""
+    """Per partition, the futures of a persisted source's leaves; ``None`` when not persisted.
+
+    A persisted collection's graph is one future per partition, keyed
+    ``(name, i, 0, ...)``; dataframes may expose other (aliased) keys, so the
+    futures are matched by partition index.
+    """
     from distributed import futures_of
 
     per_leaf = []
     for collection in source.collections:
-        futures = {f.key: f for f in futures_of(collection)}
-        keys = list(np.asarray(collection.__dask_keys__(), dtype=object).reshape(-1)) if hasattr(collection, "chunks") \
-            else list(collection.__dask_keys__())
-        if not futures or any(k not in futures for k in keys):
+        futures = futures_of(collection)
+        names = {f.key[0] for f in futures if isinstance(f.key, tuple)}
+        count = len(source.partitions)
+        if len(names) != 1 or len(futures) != count:
             return None
-        per_leaf.append([futures[k] for k in keys])
+        by_index = {f.key[1]: f for f in futures}
+        if set(by_index) != set(range(count)):
+            return None
+        per_leaf.append([by_index[i] for i in range(count)])
     return [list(parts) for parts in zip(*per_leaf)]
 
 
-def _holders(extended: DaskExtended, source: DaskSource) -> list[set[str]]:
-    """Workers holding every leaf of each partition (empty for partitions not computed)."""
+def _local_bytes(extended: DaskExtended, source: DaskSource) -> tuple[list[dict[str, int]], list[int]]:
+    """Per partition, the bytes each worker already holds (empty: not computed yet), and its size.
+
+    Sizes of persisted partitions come from the scheduler (exact, also for
+    dataframes); others are estimated from shapes and dtypes.
+    """
     futures = _leaf_futures(extended, source)
     if futures is None:
-        return [set() for _ in source.partitions]
-    who_has = extended.client.who_has([f for parts in futures for f in parts])
-    holders = []
+        return [{} for _ in source.partitions], [p.nbytes for p in source.partitions]
+    client = extended.client
+    every = [f for parts in futures for f in parts]
+    for future in every:  # persisted data may still be computing; wait without pulling it here
+        if future.exception() is not None:
+            raise future.exception()
+    who_has = client.who_has(every)  # takes futures
+    nbytes = client.nbytes([f.key for f in every], summary=False)  # takes keys
+    local, sizes = [], []
     for parts in futures:
-        sets = [set(who_has.get(f.key, ())) for f in parts]
-        holders.append(set.intersection(*sets) if sets else set())
-    return holders
+        held: dict[str, int] = {}
+        for f in parts:
+            for worker in who_has.get(f.key, ()):
+                held[worker] = held.get(worker, 0) + int(nbytes.get(f.key, 0))
+        local.append(held)
+        sizes.append(sum(int(nbytes.get(f.key, 0)) for f in parts))
+    return local, sizes
 
 
 def _place_dask_partitions(extended: DaskExtended, source: DaskSource, shares: list[list[Partition]],

@@ -21,8 +21,7 @@ class PlannedPartition:
     worker: str
     nbytes: int
     rows: int
-    moved: bool  # its bytes must travel to the replica's worker
-    holders: tuple[str, ...] = ()
+    moved: int  # bytes that must travel to the replica's worker
 
 
 @dataclass
@@ -37,7 +36,7 @@ class Plan:
 
     @property
     def bytes_to_move(self) -> int:
-        return sum(p.nbytes for p in self.partitions if p.moved)
+        return sum(p.moved for p in self.partitions)
 
     def rows_per_replica(self) -> list[int | None]:
         rows: list[int | None] = [0] * len(self.workers)
@@ -74,14 +73,14 @@ class Plan:
             )
         moved = [p for p in self.partitions if p.moved]
         for p in moved:
-            lines.append(f"  partition {p.index} moves {_fmt_bytes(p.nbytes)} to {p.worker}")
+            lines.append(f"  partition {p.index} moves {_fmt_bytes(p.moved)} to {p.worker}")
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
         rows = "".join(
             f"<tr><td>{p.index}</td><td>{p.replica}</td><td>{html.escape(p.worker)}</td><td>{p.rows}</td>"
-            f"<td>{_fmt_bytes(p.nbytes)}</td><td>{'moves' if p.moved else 'local'}</td></tr>"
+            f"<td>{_fmt_bytes(p.nbytes)}</td><td>{_fmt_bytes(p.moved) + ' moves' if p.moved else 'local'}</td></tr>"
             for p in self.partitions
         )
         return (
@@ -102,43 +101,53 @@ def _fmt_list(items: list[int]) -> str:
     return "[" + ", ".join(map(str, items[:12])) + (", ..." if len(items) > 12 else "") + "]"
 
 
-def assign_partitions(sizes: list[int], holders: list[set[str]], workers: list[str]) -> tuple[list[int], list[bool]]:
-    """Assign partitions to replicas: local first, balanced by bytes, moving as little as possible.
+def assign_partitions(sizes: list[int], local: list[dict[str, int]], workers: list[str]) -> tuple[list[int], list[int]]:
+    """Assign partitions to replicas: where their bytes already are, balanced by bytes, moving little.
 
     Parameters
     ----------
     sizes
         Bytes of each partition.
-    holders
-        Workers already holding each partition (empty: not computed yet; it
-        is then computed on the replica that reads it, moving nothing).
+    local
+        Per partition, the bytes of it each worker already holds (empty: not
+        computed yet; it is then computed on the replica that reads it, and
+        nothing moves).
     workers
         The worker of each replica.
 
     Returns
     -------
     replicas, moved
-        The replica of each partition, and whether its bytes must move.
+        The replica of each partition, and how many of its bytes must move there.
     """
     n = len(workers)
+    if sizes and not any(sizes):  # sizes unknown (dataframes): balance the number of partitions
+        sizes = [1] * len(sizes)
     load = [0] * n
     replica_of = [-1] * len(sizes)
     order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
-    # 1. partitions that live on replicas' workers go to the least-loaded such replica
+
+    def cost(i: int, r: int) -> int:
+        return sizes[i] - local[i].get(workers[r], 0) if local[i] else 0
+
+    # 1. each computed partition goes to the least-loaded replica among those holding most of it
     for i in order:
-        local = [r for r in range(n) if workers[r] in holders[i]]
-        if local:
-            r = min(local, key=lambda r: (load[r], r))
-            replica_of[i] = r
-            load[r] += sizes[i]
-    # 2. partitions not computed yet (or held elsewhere) go where the load is lowest
+        if not local[i]:
+            continue
+        best_local = max(local[i].get(w, 0) for w in workers)
+        if best_local == 0:
+            continue
+        candidates = [r for r in range(n) if local[i].get(workers[r], 0) == best_local]
+        r = min(candidates, key=lambda r: (load[r], r))
+        replica_of[i] = r
+        load[r] += sizes[i]
+    # 2. the rest (not computed, or held by other workers) go where the load is lowest
     for i in order:
         if replica_of[i] < 0:
             r = min(range(n), key=lambda r: (load[r], r))
             replica_of[i] = r
             load[r] += sizes[i]
     # 3. move partitions from the most to the least loaded replica while that narrows the gap
-    moved_flags = [bool(holders[i]) and workers[replica_of[i]] not in holders[i] for i in range(len(sizes))]
     for _ in range(len(sizes) * n):
         heavy = max(range(n), key=lambda r: (load[r], -r))
         light = min(range(n), key=lambda r: (load[r], r))
@@ -146,11 +155,8 @@ def assign_partitions(sizes: list[int], holders: list[set[str]], workers: list[s
         candidates = [i for i in range(len(sizes)) if replica_of[i] == heavy and 0 < sizes[i] < gap]
         if not candidates:
             break
-        best = max(candidates, key=lambda i: min(sizes[i], gap - sizes[i]))  # closest to half the gap
-        if min(sizes[best], gap - sizes[best]) <= 0:
-            break
+        best = max(candidates, key=lambda i: (min(sizes[i], gap - sizes[i]), -cost(i, light)))
         replica_of[best] = light
         load[heavy] -= sizes[best]
         load[light] += sizes[best]
-        moved_flags[best] = bool(holders[best]) and workers[light] not in holders[best]
-    return replica_of, moved_flags
+    return replica_of, [cost(i, replica_of[i]) for i in range(len(sizes))]

@@ -9,6 +9,7 @@ locally; batches stay on the replica and are referred to from the client by
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
 
 __all__ = ["BatchRef", "KeyedSource", "ReplicaShard"]
 
+logger = logging.getLogger(__name__)
+
 _BATCHES_KEPT = 4
 
 
@@ -44,16 +47,23 @@ class KeyedSource(Source):
 
     def load(self, partition: Partition) -> Any:
         worker = self.worker
-        values = []
-        for key in partition.keys:
-            if key in worker.data:
-                values.append(worker.data[key])
-            else:  # not local (rare: the worker lost it); fetch through the cluster
-                from distributed import Future
-
-                client = worker._get_client()
-                values.append(client.gather(Future(key, client, inform=False)))
+        values = [worker.data[key] if key in worker.data else _fetch(worker, key) for key in partition.keys]
         return self._assemble(values)
+
+
+def _fetch(worker: Any, key: Any) -> Any:
+    """Get a key this worker does not hold from a worker that does (rare: the data moved since placement)."""
+    from distributed.utils import sync
+    from distributed.worker import get_data_from_worker
+
+    holders = sync(worker.loop, worker.scheduler.who_has, keys=[key]).get(key) or []
+    if not holders:
+        raise KeyError(f"no worker holds partition data {key!r}; was the collection released?")
+    logger.warning("Partition data %s is not on %s; fetching it from %s", key, worker.address, holders[0])
+    response = sync(worker.loop, get_data_from_worker, worker.rpc, [key], holders[0], who=worker.address)
+    if response.get("status") != "OK":
+        raise RuntimeError(f"could not fetch {key!r} from {holders[0]}: {response.get('status')}")
+    return response["data"][key]
 
 
 @dataclass
@@ -182,12 +192,14 @@ def next_batch(runtime: ReplicaRuntime, iterator_id: str, step: int) -> int:
     return rows
 
 
-def close_iterator(runtime: ReplicaRuntime, iterator_id: str) -> None:
+def close_iterator(runtime: ReplicaRuntime, iterator_id: str, keep_batches: bool = False) -> None:
+    """Stop an iterator's pipeline; drop its batches too unless ``keep_batches`` (handles may still be used)."""
     iterator = runtime.pop_resident(f"iterator:{iterator_id}")
     if iterator is not None:
         iterator.close()
-    for key in runtime.resident_keys(prefix=f"batch:{iterator_id}:"):
-        runtime.discard_resident(key)
+    if not keep_batches:
+        for key in runtime.resident_keys(prefix=f"batch:{iterator_id}:"):
+            runtime.discard_resident(key)
 
 
 def forget_dataset(runtime: ReplicaRuntime, dataset_id: str) -> None:

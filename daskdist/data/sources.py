@@ -188,6 +188,17 @@ class DaskSource(Source):
                     for c in self.collections]
         return [list(parts) for parts in zip(*per_leaf)]
 
+    def sample(self, client: Any = None) -> Any:
+        """The first row of the first partition as a one-row structure (only that row is computed)."""
+        heads = [c[:1] if hasattr(c, "chunks") else c.head(1, npartitions=1, compute=False) for c in self.collections]
+        if client is not None:
+            values = client.compute(heads, sync=True)
+        else:
+            import dask
+
+            values = list(dask.compute(*heads))
+        return self.assemble(values)
+
     def assemble(self, leaf_values: list[Any]) -> Any:
         """Turn the loaded values of one partition's leaves into the structure of row arrays."""
         converted = []

@@ -1,0 +1,207 @@
+"""Distributed datasets on real clusters: locality, exactly-once, sharding policies, bad input."""
+
+from __future__ import annotations
+
+import time
+
+import dask.array as da
+import numpy as np
+import pytest
+
+import daskdist as dd
+
+Dataset = dd.data.Dataset
+
+
+def _ids_dataset(chunks, batch, *, client=None, persist=True):
+    n = sum(chunks)
+    x = da.from_array(np.random.default_rng(0).random((n, 4)).astype("float32"), chunks=(tuple(chunks), 4))
+    y = da.from_array(np.arange(n), chunks=(tuple(chunks),))
+    if persist:
+        x, y = client.persist([x, y])
+    return Dataset.from_dask((x, y)).map(lambda a, b: (a * 2, b)).batch(batch), n
+
+
+def _seen_ids(strategy, dist):
+    """Iterate from the client; return every replica's ids and the rows of each replica per step."""
+    ids, rows_per_step = [], []
+
+    def labels(batch):
+        return batch[1]
+
+    for batch in dist:
+        out = strategy.run(labels, args=(batch,))
+        parts = strategy.experimental_local_results(out)
+        rows_per_step.append([len(p) for p in parts])
+        for p in parts:
+            ids.extend(int(v) for v in p)
+    return ids, rows_per_step
+
+
+def _transferred_bytes(client):
+    return sum(client.run(lambda dask_worker: dask_worker.transfer_outgoing_bytes_total).values())
+
+
+def _block(i: int) -> np.ndarray:
+    return np.column_stack([np.arange(250.0) + 250 * i, np.random.default_rng(i).random((250, 3))])
+
+
+def test_an_epoch_moves_no_data_when_partitions_are_spread_evenly(process_client):
+    workers = sorted(process_client.scheduler_info()["workers"])
+    blocks = [process_client.submit(_block, i, workers=[workers[i % 2]], pure=False) for i in range(8)]
+    rows = da.concatenate([da.from_delayed(b, shape=(250, 4), dtype=float) for b in blocks])
+    rows = process_client.persist(rows)  # each partition is computed where its block is: 4 per worker
+    del blocks
+    with dd.MirroredStrategy(client=process_client) as strategy:
+        ds = Dataset.from_dask(rows).map(lambda row: (row[1:], row[0])).batch(64)
+        before = _transferred_bytes(process_client)
+        dist = strategy.experimental_distribute_dataset(ds)
+        plan = dist.plan()
+        assert "FILE" in repr(plan) and plan.bytes_to_move == 0, plan
+        ids, _ = _seen_ids(strategy, dist)
+        moved = _transferred_bytes(process_client) - before
+    assert sorted(ids) == list(range(2000))  # every element exactly once
+    assert moved < 200, f"{moved} bytes moved between workers"  # only the one-row element_spec sample
+
+
+def test_the_plan_says_what_must_move(process_client):
+    with dd.MirroredStrategy(client=process_client) as strategy:
+        ds, n = _ids_dataset([250] * 8, 64, client=process_client)  # x and y chunks land independently
+        before = _transferred_bytes(process_client)
+        dist = strategy.experimental_distribute_dataset(ds)
+        ids, _ = _seen_ids(strategy, dist)
+        moved = _transferred_bytes(process_client) - before
+    assert sorted(ids) == list(range(n))
+    assert abs(moved - dist.plan().bytes_to_move) < 200, (moved, dist.plan())
+
+
+def test_uneven_partitions_every_element_once_and_replicas_stop_together(threaded_client):
+    with dd.MirroredStrategy(client=threaded_client) as strategy:
+        ds, n = _ids_dataset([10, 37, 5, 100, 48, 3, 1], 12, client=threaded_client)
+        dist = strategy.experimental_distribute_dataset(ds)
+        ids, rows = _seen_ids(strategy, dist)
+        assert sorted(ids) == list(range(n))
+        assert all(len(r) == 3 for r in rows)
+        assert rows[-1] != [4, 4, 4] or sum(map(sum, rows)) == n  # the last step may be partial or empty
+        assert all(r <= 4 for step in rows for r in step)  # 12 global -> 4 per replica
+
+        # inside the replicas: every replica runs the same number of steps
+        def loop():
+            steps, seen = 0, []
+            for _, labels in dist:
+                steps += 1
+                seen.extend(int(v) for v in labels)
+            return steps, seen
+
+        results = strategy.experimental_local_results(strategy.run(loop))  # lists differ: one PerReplica
+        assert len({steps for steps, _ in results}) == 1
+        everything = [v for _, seen in results for v in seen]
+        assert sorted(everything) == list(range(n))
+
+
+def test_data_not_yet_computed_is_computed_where_it_is_read(process_client):
+    with dd.MirroredStrategy(client=process_client) as strategy:
+        ds, n = _ids_dataset([100] * 6, 50, persist=False)
+        before = _transferred_bytes(process_client)
+        dist = strategy.experimental_distribute_dataset(ds)
+        assert dist.plan().bytes_to_move == 0
+        ids, _ = _seen_ids(strategy, dist)
+        assert sorted(ids) == list(range(n))
+        assert _transferred_bytes(process_client) - before < 200  # only the one-row element_spec sample
+
+
+def test_sharding_policies(threaded_client):
+    with dd.MirroredStrategy(client=threaded_client) as strategy:
+        few, n = _ids_dataset([30, 30], 6, client=threaded_client)  # 2 partitions, 3 replicas
+        dist = strategy.experimental_distribute_dataset(few)
+        assert "DATA" in repr(dist.plan()) and "fell back" in repr(dist.plan())
+        ids, _ = _seen_ids(strategy, dist)
+        assert sorted(ids) == list(range(n))
+
+        off = strategy.experimental_distribute_dataset(few, dd.InputOptions(auto_shard_policy="OFF"))
+        ids, _ = _seen_ids(strategy, off)
+        assert sorted(ids) == sorted(list(range(n)) * 3)  # every replica reads everything
+
+        with pytest.raises(ValueError, match="FILE sharding needs"):
+            strategy.experimental_distribute_dataset(few, dd.InputOptions(auto_shard_policy="FILE"))
+
+        small = Dataset.from_tensor_slices(np.arange(40), num_partitions=4).batch(9)
+        ids = []
+        for batch in strategy.experimental_distribute_dataset(small):
+            parts = strategy.experimental_local_results(strategy.run(lambda b: b, args=(batch,)))
+            ids.extend(int(v) for p in parts for v in p)
+        assert sorted(ids) == list(range(40))
+
+
+def test_distribute_datasets_from_function(threaded_client):
+    with dd.MirroredStrategy(client=threaded_client) as strategy:
+
+        def dataset_fn(ctx: dd.InputContext):
+            batch = ctx.get_per_replica_batch_size(12)
+            return Dataset.range(100).shard(ctx.num_input_pipelines, ctx.input_pipeline_id).batch(batch)
+
+        dist = strategy.distribute_datasets_from_function(dataset_fn)
+        ids = []
+        for batch in dist:
+            parts = strategy.experimental_local_results(strategy.run(lambda b: b, args=(batch,)))
+            assert all(len(p) <= 4 for p in parts)
+            ids.extend(int(v) for p in parts for v in p)
+        assert sorted(ids) == list(range(100))
+
+        def bad_fn(ctx):
+            if ctx.input_pipeline_id == 1:
+                raise RuntimeError("no files for pipeline 1")
+            return Dataset.range(10).batch(2)
+
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="no files for pipeline 1"):
+            strategy.distribute_datasets_from_function(bad_fn)
+        with pytest.raises(TypeError, match="must return a daskdist.data.Dataset"):
+            strategy.distribute_datasets_from_function(lambda ctx: [1, 2, 3])
+        with pytest.raises(ValueError, match="not divisible"):
+            strategy.distribute_datasets_from_function(lambda ctx: Dataset.range(4).batch(ctx.get_per_replica_batch_size(10)))
+        assert time.monotonic() - start < 10
+
+
+def test_iterator_api(threaded_client):
+    with dd.MirroredStrategy(client=threaded_client) as strategy:
+        dist = strategy.experimental_distribute_dataset(Dataset.range(9).batch(9))
+        iterator = iter(dist)
+        first = iterator.get_next()
+        assert isinstance(first, dd.PerReplica) and "on the replica" in repr(first.values[0])
+        assert iterator.get_next_as_optional().has_value() is False
+        with pytest.raises(dd.OutOfRangeError):
+            iterator.get_next()
+        out = strategy.run(lambda b: b, args=(first,))
+        assert sorted(int(v) for part in strategy.experimental_local_results(out) for v in part) == list(range(9))
+        timings = strategy.step_timings(last=1)
+        assert all(steps[-1]["input_wait"] > 0 for steps in timings)
+
+
+@pytest.mark.parametrize(
+    "make, error, message",
+    [
+        (lambda: np.arange(10), TypeError, "takes a daskdist.data.Dataset"),
+        (lambda: Dataset.range(10), ValueError, "batch the dataset"),
+        (lambda: Dataset.range(10).batch(2), ValueError, "smaller than the number of replicas"),
+        (lambda: Dataset.range(2).batch(3), ValueError, "fewer than the 3 replicas"),
+    ],
+)
+def test_bad_input_is_refused_on_the_client(threaded_client, make, error, message):
+    with dd.MirroredStrategy(client=threaded_client) as strategy:
+        with pytest.raises(error, match=message):
+            strategy.experimental_distribute_dataset(make())
+
+
+def test_dataframe_partitions(threaded_client):
+    pd = pytest.importorskip("pandas")
+    ddf = pytest.importorskip("dask.dataframe")
+    frame = ddf.from_pandas(pd.DataFrame({"id": np.arange(60), "x": np.arange(60) * 0.5}), npartitions=6)
+    frame = threaded_client.persist(frame)
+    with dd.MirroredStrategy(client=threaded_client) as strategy:
+        dist = strategy.experimental_distribute_dataset(Dataset.from_dask(frame).batch(9))
+        ids = []
+        for batch in dist:
+            parts = strategy.experimental_local_results(strategy.run(lambda b: b["id"], args=(batch,)))
+            ids.extend(int(v) for p in parts for v in p)
+        assert sorted(ids) == list(range(60))
