@@ -1,0 +1,528 @@
+"""``Model`` and ``Sequential``: compile, fit, evaluate, predict, save, over replicas or locally.
+
+A model created inside ``strategy.scope()`` is *distributed*: on first use
+it is installed on every replica (one identical copy each, resident there),
+``fit`` sends one command per epoch and each replica runs the whole epoch
+over its own shard of the data, all-reducing gradients every step. The
+client keeps the architecture and the compile settings; weights are read
+from replica 0 when needed (``get_weights``, checkpoints, ``save``). A
+model created outside any scope trains in the client process.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import uuid
+from typing import TYPE_CHECKING, Any, Iterable
+
+import numpy as np
+
+from daskdist import context
+from daskdist.arrays import as_array, to_numpy
+from daskdist.keras import callbacks as callbacks_module
+from daskdist.keras import saving, training
+
+if TYPE_CHECKING:
+    from daskdist.strategy.base import Strategy
+
+__all__ = ["Model", "Sequential", "load_model"]
+
+logger = logging.getLogger(__name__)
+
+PROGRESS_TOPIC = "daskdist-progress"
+_PROGRESS_INTERVAL = 0.25
+
+
+def _current_strategy() -> Any:
+    frame = context.current_frame()
+    if frame is not None and frame.replica_context is None and hasattr(frame.strategy, "_extended"):
+        return frame.strategy
+    return None
+
+
+class Model:
+    """A stack of layers trained by backpropagation (Keras' ``Model`` API, ``Sequential`` topology)."""
+
+    def __init__(self, layers: Iterable[Any] | None = None, name: str | None = None):
+        self.layers: list[Any] = list(layers or [])
+        self.name = name or type(self).__name__.lower()
+        self.optimizer: Any = None
+        self.loss: Any = None
+        self.compiled_metrics: list[Any] = []
+        self._compile_config: dict | None = None
+        self.stop_training = False
+        self.history: callbacks_module.History | None = None
+        self.built = False
+        self._strategy: Strategy | None = _current_strategy()
+        self._model_id = uuid.uuid4().hex[:12]
+        self._installed = False
+
+    # -- building ------------------------------------------------------------------
+
+    def add(self, layer: Any) -> None:
+        self.layers.append(layer)
+        self.built = False
+
+    def build(self, input_shape: tuple) -> None:
+        """Build every layer for inputs of ``input_shape`` (without the batch dimension)."""
+        shape = tuple(input_shape)
+        for layer in self.layers:
+            if not layer.built:
+                layer.build(shape)
+            shape = tuple(layer.compute_output_shape(shape))
+        self.built = True
+
+    def _declared_input_shape(self) -> tuple | None:
+        shape = getattr(self.layers[0], "input_shape", None) if self.layers else None
+        return tuple(shape) if shape else None
+
+    def _ensure_built(self, x: Any) -> None:
+        if self.built:
+            return
+        self.build(tuple(x.shape[1:]))
+        ctx = context.get_replica_context()
+        if ctx is not None and ctx.num_replicas_in_sync > 1 and hasattr(ctx, "broadcast"):
+            names_arrays = self._weight_items()
+            synced = ctx.broadcast([a for _, a in names_arrays], root=0)  # replica 0's initial weights
+            self._assign_weights([np.array(a, copy=True) for a in synced])
+
+    # -- forward / backward ------------------------------------------------------------
+
+    def _forward(self, x: Any, training: bool) -> Any:
+        for layer in self.layers:
+            x = layer.forward(x, training=training)
+        return x
+
+    def _backward(self, grad: Any) -> None:
+        for layer in reversed(self.layers):
+            grad = layer.backward(grad)
+
+    def _trainable_arrays(self) -> tuple[list[Any], list[Any]]:
+        params, grads = [], []
+        for layer in self.layers:
+            for name in sorted(layer.params):
+                params.append(layer.params[name])
+                grads.append(layer.grads[name])
+        return params, grads
+
+    def __call__(self, x: Any, training: bool = False) -> Any:
+        x, _ = as_array(x)
+        self._ensure_built(x)
+        return self._forward(x, training=training)
+
+    # -- weights -------------------------------------------------------------------
+
+    def _weight_items(self) -> list[tuple[str, Any]]:
+        items = []
+        for index, layer in enumerate(self.layers):
+            for name, array in layer.weights_list():
+                items.append((f"{index}:{layer.name}/{name}", array))
+        return items
+
+    def _assign_weights(self, arrays: list[Any]) -> None:
+        items = self._weight_items()
+        if len(arrays) != len(items):
+            raise ValueError(f"the model has {len(items)} weight arrays, got {len(arrays)}")
+        per_layer: dict[int, dict[str, Any]] = {}
+        for (key, current), new in zip(items, arrays):
+            new = np.asarray(to_numpy(new))
+            if tuple(new.shape) != tuple(current.shape):
+                raise ValueError(f"weight {key}: shape {tuple(new.shape)} does not match {tuple(current.shape)}")
+            index = int(key.split(":", 1)[0])
+            per_layer.setdefault(index, {})[key.split("/", 1)[1]] = new.astype(current.dtype, copy=False)
+        for index, mapping in per_layer.items():
+            self.layers[index].set_weights_from(mapping)
+
+    def get_weights(self) -> list[np.ndarray]:
+        """The weights as numpy arrays (from replica 0 for a distributed model)."""
+        if self._installed:
+            return self._strategy.extended.group.call(_replica_get_weights, (self._model_id,), ranks=[0])[0]
+        return [np.array(to_numpy(a), copy=True) for _, a in self._weight_items()]
+
+    def set_weights(self, weights: list[Any]) -> None:
+        """Set every weight (on every replica for a distributed model)."""
+        self._require_built()
+        self._assign_weights(list(weights))
+        if self._installed:
+            self._strategy.extended.group.call(_replica_set_weights, (self._model_id, [to_numpy(w) for w in weights]))
+
+    def _require_built(self) -> None:
+        if not self.built:
+            shape = self._declared_input_shape()
+            if shape is None:
+                raise ValueError("the model is not built: call it on data, fit it, or give input_shape")
+            self.build(shape)
+
+    # -- compile -------------------------------------------------------------------
+
+    def compile(self, optimizer: Any = "rmsprop", loss: Any = None, metrics: list[Any] | None = None) -> None:
+        """Choose the optimizer, loss and metrics (objects or Keras names)."""
+        from daskdist.keras import losses, metrics as metrics_module, optimizers
+
+        if loss is None:
+            raise ValueError("compile needs a loss")
+        self.optimizer = optimizers.get(optimizer)
+        self.loss = losses.get(loss)
+        self.compiled_metrics = [metrics_module.get(m, loss=self.loss) for m in (metrics or [])]
+        self._compile_config = {
+            "optimizer": {"class_name": type(self.optimizer).__name__, "config": self.optimizer.get_config()},
+            "loss": {"class_name": type(self.loss).__name__, "config": self.loss.get_config()},
+            "metrics": [m if isinstance(m, str) else type(m).__name__ for m in (metrics or [])],
+        }
+        self._installed = False  # the replicas get the newly compiled model on next use
+
+    def reset_metrics(self) -> None:
+        for metric in self.compiled_metrics:
+            metric.reset_state()
+
+    @property
+    def metrics_names(self) -> list[str]:
+        return ["loss", *(m.name for m in self.compiled_metrics)]
+
+    def _require_compiled(self) -> None:
+        if self.optimizer is None or self.loss is None:
+            raise RuntimeError("compile the model before fit/evaluate: model.compile(optimizer=..., loss=...)")
+
+    # -- placement on replicas -------------------------------------------------------
+
+    def _ensure_installed(self) -> None:
+        if self._strategy is None or self._installed:
+            return
+        self._strategy.extended.check_open()
+        if not self.built and self._declared_input_shape() is not None:
+            self.build(self._declared_input_shape())
+        payload = copy.copy(self)
+        payload._strategy = None
+        payload._installed = False
+        payload.history = None
+        self._strategy.extended.group.call(_replica_install, (self._model_id, payload))
+        self._installed = True
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_strategy"] = None
+        state["history"] = None
+        return state
+
+    # -- fit / evaluate / predict --------------------------------------------------------
+
+    def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None, epochs: int = 1, verbose: int | str = "auto",
+            callbacks: list[Any] | None = None, validation_data: Any = None, shuffle: bool = True,
+            initial_epoch: int = 0, steps_per_epoch: int | None = None, validation_steps: int | None = None) -> Any:
+        """Train for ``epochs`` (Keras' ``fit``): ``x`` is a ``Dataset`` (batched) or arrays with ``y``."""
+        self._require_compiled()
+        train = self._as_dataset(x, y, batch_size, shuffle)
+        val = self._as_dataset(*validation_data, batch_size=batch_size, shuffle=False) if isinstance(
+            validation_data, tuple) else (self._as_dataset(validation_data, None, batch_size, False)
+                                          if validation_data is not None else None)
+        runner = _Runner(self, train, val)
+        history = callbacks_module.History()
+        cb = callbacks_module.CallbackList(
+            list(callbacks or []) + [history], model=self, verbose=1 if verbose == "auto" else int(verbose),
+            params={"epochs": epochs, "steps": steps_per_epoch or runner.steps()},
+        )
+        self.stop_training = False
+        self.history = history
+        cb.on_train_begin()
+        start_epoch = max(initial_epoch, cb.resume_epoch())
+        try:
+            for epoch in range(start_epoch, epochs):
+                cb.on_epoch_begin(epoch)
+                logs = runner.train_epoch(epoch, steps_per_epoch, cb)
+                if val is not None:
+                    val_logs = runner.evaluate(val, validation_steps)
+                    logs.update({f"val_{k}": v for k, v in val_logs.items()})
+                cb.on_epoch_end(epoch, logs)
+                if self.stop_training:
+                    break
+        finally:
+            runner.close()
+        cb.on_train_end()
+        return history
+
+    def evaluate(self, x: Any = None, y: Any = None, batch_size: int | None = None, verbose: int | str = "auto",
+                 steps: int | None = None, return_dict: bool = False) -> Any:
+        """Loss and metrics over the data (Keras' ``evaluate``)."""
+        self._require_compiled()
+        data = self._as_dataset(x, y, batch_size, False)
+        runner = _Runner(self, None, data)
+        try:
+            logs = runner.evaluate(data, steps)
+        finally:
+            runner.close()
+        if return_dict:
+            return logs
+        values = [logs[name] for name in self.metrics_names if name in logs]
+        return values[0] if len(values) == 1 else values
+
+    def predict(self, x: Any, batch_size: int | None = None, verbose: int | str = "auto") -> np.ndarray:
+        """Outputs for ``x`` (arrays or a ``Dataset``), computed in this process with the current weights."""
+        local = self._local_copy()
+        data = self._as_dataset(x, None, batch_size or 32, False)
+        return to_numpy(training.predict_batches(local, iter(data)))
+
+    def _local_copy(self) -> Model:
+        if not self._installed:
+            return self
+        clone = copy.copy(self)
+        clone.layers = copy.deepcopy(self.layers)
+        clone._strategy = None
+        clone._installed = False
+        clone._assign_weights(self.get_weights())
+        return clone
+
+    def _as_dataset(self, x: Any, y: Any = None, batch_size: int | None = None, shuffle: bool = False) -> Any:
+        from daskdist.data.dataset import Dataset
+
+        if x is None:
+            raise ValueError("no data given")
+        if isinstance(x, Dataset):
+            if y is not None:
+                raise ValueError("y must not be given when x is a Dataset (it yields (x, y) pairs)")
+            return x
+        x_array, _ = as_array(x)
+        structure = (x_array,) if y is None else (x_array, as_array(y)[0])
+        if y is not None and len(structure[1]) != len(x_array):
+            raise ValueError(f"x and y have different lengths ({len(x_array)} and {len(structure[1])})")
+        dataset = Dataset.from_tensor_slices(structure if y is not None else x_array)
+        if shuffle:
+            dataset = dataset.shuffle(len(x_array))
+        return dataset.batch(batch_size or 32)
+
+    # -- description and saving ----------------------------------------------------
+
+    def get_config(self) -> dict:
+        return {"name": self.name, "layers": [{"class_name": type(l).__name__, "config": l.get_config()}
+                                              for l in self.layers]}
+
+    @classmethod
+    def from_config(cls, config: dict) -> Model:
+        from daskdist.keras.layers import get_layer_class
+
+        layers = [get_layer_class(item["class_name"]).from_config(item["config"]) for item in config["layers"]]
+        return cls(layers, name=config.get("name"))
+
+    def summary(self) -> str:
+        """A table of the layers, their output shapes and parameter counts (returned, and logged)."""
+        self._require_built()
+        lines = [f'Model: "{self.name}"', f"{'Layer':<28}{'Output shape':<22}{'Params':>10}"]
+        shape = self._declared_input_shape() or ()
+        total = 0
+        for layer in self.layers:
+            shape = tuple(layer.compute_output_shape(shape)) if shape else ()
+            count = sum(int(np.prod(a.shape)) for a in layer.params.values())
+            total += count
+            lines.append(f"{layer.name + ' (' + type(layer).__name__ + ')':<28}{str((None, *shape)):<22}{count:>10}")
+        lines.append(f"Total params: {total}")
+        text = "\n".join(lines)
+        logger.info("%s", text)
+        return text
+
+    def save_weights(self, filepath: str) -> None:
+        """Write the weights (and optimizer state) as a safetensors checkpoint ``filepath``."""
+        self._require_built()
+        names = [name for name, _ in self._weight_items()]
+        tensors = dict(zip(names, self.get_weights()))
+        meta = {"model": self.get_config(), "weights": names}
+        if self.optimizer is not None:
+            state = self._optimizer_state()
+            tensors.update({f"optimizer/{k}": to_numpy(v) for k, v in state.items()})
+            meta["optimizer"] = sorted(state)
+        saving.write_checkpoint(filepath, tensors, meta)
+
+    def load_weights(self, filepath: str) -> None:
+        """Load a checkpoint written by ``save_weights`` (verified; never unpickled)."""
+        if filepath is None:
+            raise saving.CheckpointError("no checkpoint to load (latest_checkpoint found none)")
+        tensors, meta = saving.read_checkpoint(filepath)
+        self._require_built()
+        names = [name for name, _ in self._weight_items()]
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise saving.CheckpointError(f"checkpoint {filepath} lacks weights {missing[:3]}: a different model?")
+        self.set_weights([tensors[n] for n in names])
+        optimizer_state = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("optimizer/")}
+        if optimizer_state and self.optimizer is not None:
+            self._set_optimizer_state(optimizer_state)
+
+    def _optimizer_state(self) -> dict:
+        if self._installed:
+            return self._strategy.extended.group.call(_replica_optimizer_state, (self._model_id,), ranks=[0])[0]
+        return self.optimizer.get_state()
+
+    def _set_optimizer_state(self, state: dict) -> None:
+        self.optimizer.set_state(state)
+        if self._installed:
+            self._strategy.extended.group.call(_replica_set_optimizer_state, (self._model_id, state))
+
+    def save(self, filepath: str) -> None:
+        """Save architecture, compile settings, weights and optimizer state into directory ``filepath``."""
+        import os
+
+        os.makedirs(filepath, exist_ok=True)
+        self.save_weights(os.path.join(filepath, "weights"))
+        saving.write_json(os.path.join(filepath, "model.json"), {
+            "format": "daskdist-model-1",
+            "class_name": type(self).__name__,
+            "config": self.get_config(),
+            "input_shape": list(self._built_input_shape() or []),
+            "compile": self._compile_config,
+        })
+
+    def _built_input_shape(self) -> tuple | None:
+        return self._declared_input_shape() or getattr(self, "_input_shape", None)
+
+
+class Sequential(Model):
+    """A linear stack of layers (Keras' ``Sequential``)."""
+
+    def build(self, input_shape: tuple) -> None:
+        self._input_shape = tuple(input_shape)
+        super().build(input_shape)
+
+
+def load_model(filepath: str, compile: bool = True) -> Model:
+    """Load a model saved with ``model.save``; inside ``strategy.scope()`` it is distributed over the replicas."""
+    import os
+
+    from daskdist.keras import losses, optimizers
+
+    info = saving.read_json(os.path.join(filepath, "model.json"))
+    if info.get("format") != "daskdist-model-1":
+        raise saving.CheckpointError(f"{filepath} is not a daskdist saved model")
+    cls = Sequential if info.get("class_name") == "Sequential" else Model
+    model = cls.from_config(info["config"])
+    if info.get("input_shape"):
+        model.build(tuple(info["input_shape"]))
+    compile_config = info.get("compile")
+    if compile and compile_config:
+        optimizer = optimizers.get(compile_config["optimizer"]["class_name"].lower())
+        optimizer = type(optimizer).from_config(compile_config["optimizer"]["config"])
+        loss = losses.get(compile_config["loss"]["class_name"]).__class__.from_config(compile_config["loss"]["config"])
+        model.compile(optimizer=optimizer, loss=loss, metrics=compile_config.get("metrics") or None)
+    model.load_weights(os.path.join(filepath, "weights"))
+    return model
+
+
+# -- running epochs on the replicas or locally ------------------------------------------
+
+
+class _Runner:
+    """Runs epochs of a model: on the replicas (one command per epoch) or in this process."""
+
+    def __init__(self, model: Model, train: Any, val: Any):
+        self.model = model
+        self.distributed = model._strategy is not None
+        self._train = train
+        self._dist_train = self._dist_val = None
+        self._tag = uuid.uuid4().hex[:8]
+        self._subscribed = False
+        if self.distributed:
+            model._ensure_installed()
+            strategy = model._strategy
+            if train is not None:
+                self._dist_train = strategy.experimental_distribute_dataset(train)
+            if val is not None:
+                self._dist_val = val if val is train else strategy.experimental_distribute_dataset(val)
+
+    def steps(self) -> int | None:
+        if self._dist_train is not None:
+            steps = [s for s in self._dist_train.plan().steps_per_replica() if s is not None]
+            return max(steps) if steps else None
+        return None
+
+    def train_epoch(self, epoch: int, steps: int | None, cb: Any) -> dict:
+        model = self.model
+        lr = float(model.optimizer.learning_rate)
+        if not self.distributed:
+            return training.train_batches(model, iter(self._train), steps, cb.on_progress)
+        self._subscribe(cb)
+        group = model._strategy.extended.group
+        results = group.call(_replica_train_epoch, (model._model_id, self._dist_train, steps, lr, self._tag, epoch))
+        return dict(results[0])
+
+    def evaluate(self, data: Any, steps: int | None) -> dict:
+        model = self.model
+        if not self.distributed:
+            return training.evaluate_batches(model, iter(data), steps)
+        model._ensure_installed()
+        dist = self._dist_val if self._dist_val is not None else model._strategy.experimental_distribute_dataset(data)
+        self._dist_val = dist
+        results = model._strategy.extended.group.call(_replica_evaluate, (model._model_id, dist, steps))
+        return dict(results[0])
+
+    def _subscribe(self, cb: Any) -> None:
+        if self._subscribed or not cb.wants_progress():
+            return
+        client = self.model._strategy.client
+        tag = self._tag
+
+        def handler(event: tuple) -> None:
+            _, msg = event
+            if msg.get("tag") == tag:
+                cb.on_progress(msg["step"], msg.get("logs", {}))
+
+        client.subscribe_topic(PROGRESS_TOPIC, handler)
+        self._subscribed = True
+
+    def close(self) -> None:
+        if self._subscribed:
+            try:
+                self.model._strategy.client.unsubscribe_topic(PROGRESS_TOPIC)
+            except Exception:  # pragma: no cover - the client may be closing
+                pass
+
+
+# -- commands that run on the replicas ---------------------------------------------------
+
+
+def _replica_install(runtime: Any, model_id: str, model: Model) -> None:
+    runtime.add_resident(f"model:{model_id}", model)
+
+
+def _replica_model(runtime: Any, model_id: str) -> Model:
+    return runtime.resident_object(f"model:{model_id}")
+
+
+def _replica_train_epoch(runtime: Any, model_id: str, batches: Any, steps: int | None, lr: float, tag: str,
+                         epoch: int) -> dict:
+    model = _replica_model(runtime, model_id)
+    model.optimizer.learning_rate = lr
+    last = [0.0]
+    import time
+
+    def progress(step: int, logs: dict) -> None:
+        now = time.monotonic()
+        if runtime.rank == 0 and now - last[0] >= _PROGRESS_INTERVAL:
+            last[0] = now
+            runtime.worker.log_event(PROGRESS_TOPIC, {"tag": tag, "epoch": epoch, "step": step, "logs": logs})
+
+    logs = training.train_batches(model, batches, steps, progress)
+    if runtime.rank == 0:
+        runtime.worker.log_event(PROGRESS_TOPIC, {"tag": tag, "epoch": epoch, "step": -1, "logs": logs})
+    runtime.flush_step_events()
+    return logs
+
+
+def _replica_evaluate(runtime: Any, model_id: str, batches: Any, steps: int | None) -> dict:
+    return training.evaluate_batches(_replica_model(runtime, model_id), batches, steps)
+
+
+def _replica_get_weights(runtime: Any, model_id: str) -> list[np.ndarray]:
+    model = _replica_model(runtime, model_id)
+    return [np.array(to_numpy(a), copy=True) for _, a in model._weight_items()]
+
+
+def _replica_set_weights(runtime: Any, model_id: str, weights: list[np.ndarray]) -> None:
+    model = _replica_model(runtime, model_id)
+    model._require_built()
+    model._assign_weights(weights)
+
+
+def _replica_optimizer_state(runtime: Any, model_id: str) -> dict:
+    return {k: to_numpy(v) for k, v in _replica_model(runtime, model_id).optimizer.get_state().items()}
+
+
+def _replica_set_optimizer_state(runtime: Any, model_id: str, state: dict) -> None:
+    _replica_model(runtime, model_id).optimizer.set_state(state)

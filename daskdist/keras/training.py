@@ -1,0 +1,179 @@
+"""The training, evaluation and prediction loops, as they run inside each replica.
+
+They are written once: inside a replica, ``get_replica_context()`` is that
+replica's context and gradients are all-reduced; in the client process (a
+model used without a strategy) it is the one-replica default context.
+
+One step: forward, per-example loss, its gradient, backward (parameter
+gradients summed over the local examples), one all-reduce of a single pack
+holding every gradient plus the example count and the loss sum, division by
+the global count, optimizer update. The same update on every replica keeps
+the copies identical.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+import numpy as np
+
+from daskdist import context
+from daskdist.arrays import as_array, namespace
+from daskdist.ops import ReduceOp
+
+if TYPE_CHECKING:
+    from daskdist.keras.models import Model
+
+__all__ = ["evaluate_batches", "predict_batches", "split_batch", "train_batches"]
+
+ProgressFn = Callable[[int, dict], None]
+
+
+def split_batch(batch: Any) -> tuple[Any, Any, Any]:
+    """``(x, y)``, ``(x, y, sample_weight)``, a dict with ``"x"``/``"y"``, or ``x`` alone."""
+    if isinstance(batch, (tuple, list)):
+        if len(batch) == 2:
+            return batch[0], batch[1], None
+        if len(batch) == 3:
+            return batch[0], batch[1], batch[2]
+        raise ValueError(f"a batch must be (x, y) or (x, y, sample_weight), got {len(batch)} parts")
+    if isinstance(batch, dict) and "x" in batch:
+        return batch["x"], batch.get("y"), batch.get("sample_weight")
+    return batch, None, None
+
+
+def _rows(x: Any) -> int:
+    return int(x.shape[0]) if getattr(x, "ndim", 0) else 0
+
+
+def _timer() -> Any:
+    runtime = context.current_runtime()
+    return runtime.timer if runtime is not None else None
+
+
+def train_batches(model: Model, batches: Iterable[Any], steps: int | None, progress: ProgressFn | None) -> dict:
+    """One epoch of training over ``batches`` (at most ``steps``); returns the epoch's global logs."""
+    ctx = context.get_replica_context()
+    model.reset_metrics()
+    loss_sum = 0.0
+    count = 0.0
+    timer = _timer()
+    iterator = iter(batches)
+    step = 0
+    try:
+        while steps is None or step < steps:
+            if timer is not None:
+                timer.begin(step)
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                break
+            x, y, sample_weight = split_batch(batch)
+            step_loss, step_count = _train_step(model, ctx, x, y, sample_weight, timer)
+            if timer is not None:
+                timer.end()
+            loss_sum += step_loss
+            count += step_count
+            step += 1
+            if progress is not None:
+                progress(step, {"loss": loss_sum / max(count, 1.0)})
+    finally:
+        close = getattr(iterator, "close", None)
+        if close is not None:
+            close()
+    logs = {"loss": loss_sum / max(count, 1.0)}
+    logs.update(_global_metric_results(model, ctx))
+    return logs
+
+
+def _train_step(model: Model, ctx: Any, x: Any, y: Any, sample_weight: Any, timer: Any) -> tuple[float, float]:
+    x, _ = as_array(x)
+    y, _ = as_array(y)
+    model._ensure_built(x)
+    rows = _rows(x)
+    y_pred = model._forward(x, training=True)
+    per_example = model.loss.per_example(y, y_pred)
+    grad = model.loss.gradient(y, y_pred)
+    if sample_weight is not None:
+        weight, _ = as_array(sample_weight)
+        xp = namespace(grad)
+        per_example = per_example * weight
+        grad = grad * xp.reshape(weight, (-1,) + (1,) * (grad.ndim - 1))
+    model._backward(grad)
+    params, grads = model._trainable_arrays()
+    xp = namespace(per_example) if rows else np
+    local = {
+        "grads": grads,
+        "count": np.array([float(rows)], np.float64),
+        "loss": np.array([float(xp.sum(per_example)) if rows else 0.0], np.float64),
+    }
+    total = ctx.all_reduce(ReduceOp.SUM, local)
+    global_count = float(total["count"][0])
+    if global_count > 0:
+        start = time.perf_counter()
+        scale = 1.0 / global_count
+        model.optimizer.apply(params, [g * g.dtype.type(scale) for g in total["grads"]])
+        if timer is not None:
+            timer.add_apply(time.perf_counter() - start)
+    if rows:
+        for metric in model.compiled_metrics:
+            metric.update_state(y, y_pred, sample_weight)
+    return float(total["loss"][0]), global_count
+
+
+def _global_metric_results(model: Model, ctx: Any) -> dict:
+    metrics = model.compiled_metrics
+    if not metrics:
+        return {}
+    totals = ctx.all_reduce(ReduceOp.SUM, [np.asarray(m.totals(), np.float64) for m in metrics])
+    results = {}
+    for metric, total in zip(metrics, totals):
+        metric.set_totals(total)
+        results[metric.name] = float(metric.result())
+    return results
+
+
+def evaluate_batches(model: Model, batches: Iterable[Any], steps: int | None = None,
+                     progress: ProgressFn | None = None) -> dict:
+    """Loss and metrics over ``batches``, aggregated over all replicas."""
+    ctx = context.get_replica_context()
+    model.reset_metrics()
+    loss_sum = 0.0
+    count = 0.0
+    for step, batch in enumerate(batches):
+        if steps is not None and step >= steps:
+            break
+        x, y, sample_weight = split_batch(batch)
+        x, _ = as_array(x)
+        y, _ = as_array(y)
+        if _rows(x):
+            model._ensure_built(x)
+            y_pred = model._forward(x, training=False)
+            per_example = model.loss.per_example(y, y_pred)
+            if sample_weight is not None:
+                per_example = per_example * as_array(sample_weight)[0]
+            loss_sum += float(namespace(per_example).sum(per_example))
+            count += _rows(x)
+            for metric in model.compiled_metrics:
+                metric.update_state(y, y_pred, sample_weight)
+        if progress is not None:
+            progress(step + 1, {})
+    total = ctx.all_reduce(ReduceOp.SUM, np.array([loss_sum, count], np.float64))
+    logs = {"loss": float(total[0] / max(total[1], 1.0))}
+    logs.update(_global_metric_results(model, ctx))
+    return logs
+
+
+def predict_batches(model: Model, batches: Iterable[Any]) -> Any:
+    """Concatenated outputs for the inputs of ``batches``, in order."""
+    outputs = []
+    for batch in batches:
+        x, _, _ = split_batch(batch)
+        x, _ = as_array(x)
+        if _rows(x):
+            model._ensure_built(x)
+            outputs.append(model._forward(x, training=False))
+    if not outputs:
+        return np.empty((0,))
+    return namespace(outputs[0]).concatenate(outputs)
