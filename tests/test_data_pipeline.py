@@ -33,8 +33,11 @@ def test_shuffle_is_a_permutation_seeded_and_reshuffled():
     ds = Dataset.range(100).shuffle(10, seed=1)
     first = [int(v) for v in ds]
     assert sorted(first) == list(range(100)) and first != list(range(100))
-    assert [int(v) for v in ds] == first  # a new iterator of the same seeded dataset: same epoch 0 order
-    two_epochs = [int(v) for v in ds.repeat(2)]
+    second = [int(v) for v in ds]
+    assert sorted(second) == list(range(100)) and second != first  # each iteration reshuffles, as in tf.data
+    again = Dataset.range(100).shuffle(10, seed=1)
+    assert [int(v) for v in again] == first  # the seed makes the order reproducible
+    two_epochs = [int(v) for v in Dataset.range(100).shuffle(10, seed=1).repeat(2)]
     assert two_epochs[:100] == first and two_epochs[100:] != first  # reshuffled in epoch 1
     fixed = [int(v) for v in Dataset.range(100).shuffle(10, seed=1, reshuffle_each_iteration=False).repeat(2)]
     assert fixed[:100] == fixed[100:]

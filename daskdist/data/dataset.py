@@ -16,7 +16,7 @@ import numpy as np
 import optree
 
 from daskdist.data import ops
-from daskdist.data.sources import DaskSource, LocalSource, Partition, RangeSource, Source, rows_of
+from daskdist.data.sources import DaskSource, LocalSource, Partition, RangeSource, Source
 
 __all__ = ["Dataset", "TensorSpec"]
 
@@ -42,6 +42,8 @@ class Dataset:
     def __init__(self, source: Source, transformations: tuple[ops.Op, ...] = ()):
         self._source = source
         self._ops = tuple(transformations)
+        self._caches: dict[int, list] = {}  # cache() contents, kept across iterations as in tf.data
+        self._epochs = 0
 
     # -- sources -------------------------------------------------------------------
 
@@ -164,25 +166,48 @@ class Dataset:
         return self._source.load(partition)
 
     def _iterate(self, partitions: Iterable[Partition], state: ops.PipelineState,
-                 load: Callable[[Partition], Any], row_filter: Callable[[int], bool] | None = None) -> Iterator[Any]:
-        """Run the pipeline over ``partitions`` (loaded with ``load``), keeping rows where ``row_filter(i)``."""
+                 load: Callable[[Partition], Any], row_filter: Callable[[np.ndarray], np.ndarray] | None = None
+                 ) -> Iterator[Any]:
+        """Run the pipeline over ``partitions`` (loaded with ``load``), keeping rows where ``row_filter``.
+
+        ``row_filter`` gets the global positions of a block's rows and returns a
+        boolean mask (DATA sharding).
+        """
         partitions = list(partitions)
 
-        def source_rows(_: ops.PipelineState) -> Iterator[Any]:
-            counter = itertools.count()
+        def source_blocks(_: ops.PipelineState) -> Iterator[Any]:
+            position = 0
             for partition in partitions:
-                for row in rows_of(load(partition)):
-                    if row_filter is None or row_filter(next(counter)):
-                        yield row
+                block = load(partition)
+                n = ops.block_rows(block)
+                if row_filter is not None:
+                    mask = row_filter(np.arange(position, position + n))
+                    block = ops.slice_block(block, mask)
+                position += n
+                if ops.block_rows(block):
+                    yield block
 
-        upstream: Callable[[ops.PipelineState], Iterator[Any]] = source_rows
+        upstream: Callable[[ops.PipelineState], Iterator[Any]] = source_blocks
+        rows_mode = True
         for op in self._ops:
-            upstream = _bind(op, upstream)
+            upstream = _bind(op, upstream, rows_mode)
+            if isinstance(op, ops.Batch) and rows_mode:
+                rows_mode = False
+            elif isinstance(op, ops.Unbatch):
+                rows_mode = True
+        if rows_mode:  # an unbatched dataset yields rows
+            blocks = upstream
+            return (row for block in blocks(state) for row in ops.rows_of_block(block))
         return upstream(state)
 
     def __iter__(self) -> Iterator[Any]:
         """Iterate on the client (for small data: Dask partitions are computed here)."""
-        return self._iterate(self._source.partitions, ops.PipelineState(), load=self._load_locally)
+        state = ops.PipelineState(epoch=self._epochs, caches=self._caches)
+        self._epochs += 1
+        return self._iterate(self._source.partitions, state, load=self._load_locally)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_caches": {}, "_epochs": 0}  # caches stay where they were filled
 
     def with_batch_size(self, batch_size: int) -> Dataset:
         """This dataset with its last ``batch`` set to ``batch_size`` (per-replica rebatching)."""
@@ -203,5 +228,7 @@ class Dataset:
         return None
 
 
-def _bind(op: ops.Op, upstream: Callable[[ops.PipelineState], Iterator[Any]]) -> Callable[[ops.PipelineState], Iterator[Any]]:
-    return lambda state: op.apply(upstream, state)
+def _bind(op: ops.Op, upstream: Callable[[ops.PipelineState], Iterator[Any]], rows_mode: bool
+          ) -> Callable[[ops.PipelineState], Iterator[Any]]:
+    apply = op.apply_rows if rows_mode else op.apply_elements
+    return lambda state: apply(upstream, state)

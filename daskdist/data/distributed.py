@@ -133,6 +133,7 @@ class DistributedDataset:
         if isinstance(source, DaskSource):
             shares, futures = _place_dask_partitions(extended, source, shares, workers)
         dataset_id = uuid.uuid4().hex[:12]
+        steps = _known_steps(dataset, plan, policy)
         shards = []
         for rank in range(n):
             shard_source = source
@@ -142,7 +143,7 @@ class DistributedDataset:
             row_filter = (n, rank) if policy is AutoShardPolicy.DATA else None
             shards.append((dataset_id, replica_side.ReplicaShard(
                 shard_dataset, shares[rank], row_filter, spec, options.experimental_per_replica_buffer_size,
-                options.experimental_fetch_to_device,
+                options.experimental_fetch_to_device, steps,
             )))
         extended.group.call(replica_side.register_shard, shards)
         distributed = cls(extended, dataset_id, plan, element_spec, futures)
@@ -242,6 +243,27 @@ class DistributedIterator:
             self._extended.group.call(replica_side.close_iterator, (self._iterator_id, keep_batches))
         except Exception as e:  # the strategy may be closed already
             logger.debug("Closing iterator %s: %s", self._iterator_id, e)
+
+
+def _known_steps(dataset: Dataset, plan: Plan, policy: AutoShardPolicy) -> int | None:
+    """Batches per pass that every replica runs, if the pipeline keeps row counts (else ``None``)."""
+    from daskdist.data import ops
+
+    counting = (ops.Map, ops.Shuffle, ops.Cache, ops.Prefetch)
+    after_batch = False
+    for op in dataset.transformations:
+        if isinstance(op, ops.Batch):
+            if after_batch or op.drop_remainder:
+                return None
+            after_batch = True
+        elif not isinstance(op, counting):
+            return None
+    if policy is not AutoShardPolicy.FILE:
+        return None
+    per_replica = plan.steps_per_replica()
+    if any(s is None for s in per_replica):
+        return None
+    return max(per_replica)
 
 
 # -- Dask partitions -----------------------------------------------------------------

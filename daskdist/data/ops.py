@@ -1,8 +1,17 @@
-"""The element-level transformations of a ``Dataset``, each a step over a Python iterator.
+"""The transformations of a ``Dataset``, vectorised over blocks of rows.
 
-Every op turns an iterator of elements into another, given the ``PipelineState``
-of the iteration (epoch, replica, the cache store). Elements are nested
-structures (``optree``) of arrays or numbers.
+Until the first ``batch``, a pipeline carries *blocks*: structures of
+arrays whose leading axis holds many rows (a partition, or a slice of one).
+Each op works on whole blocks with numpy (or cupy): a shuffle draws rows
+from a buffer block, a batch slices rows out, a cache keeps blocks. Only
+``map`` and ``filter`` call the user's function once per row (TF's
+semantics), and their results are stacked back into blocks; put ``cache()``
+after them and later epochs never call them again. After ``batch`` the
+pipeline carries elements (the batches) and the ops work per element;
+``unbatch`` turns elements back into blocks.
+
+Every op has ``apply_rows`` (blocks in, blocks out) and ``apply_elements``
+(elements in, elements out); ``Batch`` and ``Unbatch`` switch between them.
 """
 
 from __future__ import annotations
@@ -31,8 +40,13 @@ __all__ = [
     "Skip",
     "Take",
     "Unbatch",
+    "block_rows",
+    "concat_blocks",
+    "slice_block",
     "stack_elements",
 ]
+
+Stream = Callable[["PipelineState"], Iterator[Any]]
 
 
 @dataclass
@@ -54,10 +68,55 @@ class PipelineState:
     caches: dict[int, list] = field(default_factory=dict)
 
 
-class Op:
-    """One transformation; ``apply`` wraps an upstream iterator factory."""
+# -- blocks ----------------------------------------------------------------------------
 
-    def apply(self, upstream: Callable[[PipelineState], Iterator[Any]], state: PipelineState) -> Iterator[Any]:
+
+def block_rows(block: Any) -> int:
+    leaves = optree.tree_leaves(block, none_is_leaf=False)
+    return int(leaves[0].shape[0]) if leaves else 0
+
+
+def slice_block(block: Any, index: Any) -> Any:
+    return optree.tree_map(lambda leaf: leaf[index], block)
+
+
+def concat_blocks(blocks: list[Any]) -> Any:
+    if len(blocks) == 1:
+        return blocks[0]
+    flat = [optree.tree_flatten(b) for b in blocks]
+    treedef = flat[0][1]
+    columns = zip(*(leaves for leaves, _ in flat))
+    return optree.tree_unflatten(treedef, [namespace(c[0]).concatenate(c) for c in columns])
+
+
+def rows_of_block(block: Any) -> Iterator[Any]:
+    leaves, treedef = optree.tree_flatten(block)
+    n = int(leaves[0].shape[0]) if leaves else 0
+    return (optree.tree_unflatten(treedef, [leaf[i] for leaf in leaves]) for i in range(n))
+
+
+def stack_elements(elements: list[Any]) -> Any:
+    """Stack elements along a new leading axis (a batch, or a block of rows)."""
+    leaves = [optree.tree_flatten(e, none_is_leaf=True) for e in elements]
+    treedef = leaves[0][1]
+    stacked = []
+    for column in zip(*(flat for flat, _ in leaves)):
+        first = column[0]
+        xp = namespace(first) if hasattr(first, "shape") else np
+        stacked.append(xp.stack([xp.asarray(c) for c in column]))
+    return optree.tree_unflatten(treedef, stacked)
+
+
+# -- ops -------------------------------------------------------------------------------
+
+
+class Op:
+    """One transformation."""
+
+    def apply_rows(self, upstream: Stream, state: PipelineState) -> Iterator[Any]:
+        raise NotImplementedError
+
+    def apply_elements(self, upstream: Stream, state: PipelineState) -> Iterator[Any]:
         raise NotImplementedError
 
     def describe(self) -> str:
@@ -77,7 +136,12 @@ class Map(Op):
             raise TypeError(f"map needs a callable, got {type(fn).__name__}")
         self.fn = fn
 
-    def apply(self, upstream, state):
+    def apply_rows(self, upstream, state):
+        for block in upstream(state):
+            if block_rows(block):
+                yield stack_elements([_call(self.fn, row) for row in rows_of_block(block)])
+
+    def apply_elements(self, upstream, state):
         return (_call(self.fn, element) for element in upstream(state))
 
     def describe(self) -> str:
@@ -90,21 +154,14 @@ class Filter(Op):
             raise TypeError(f"filter needs a callable, got {type(predicate).__name__}")
         self.predicate = predicate
 
-    def apply(self, upstream, state):
+    def apply_rows(self, upstream, state):
+        for block in upstream(state):
+            keep = np.fromiter((bool(_call(self.predicate, row)) for row in rows_of_block(block)), dtype=bool)
+            if keep.any():
+                yield slice_block(block, keep)
+
+    def apply_elements(self, upstream, state):
         return (element for element in upstream(state) if bool(_call(self.predicate, element)))
-
-
-def stack_elements(elements: list[Any]) -> Any:
-    """Stack elements along a new leading axis (a batch)."""
-    leaves = [optree.tree_flatten(e, none_is_leaf=True) for e in elements]
-    treedef = leaves[0][1]
-    columns = zip(*(flat for flat, _ in leaves))
-    stacked = []
-    for column in columns:
-        first = column[0]
-        xp = namespace(first) if hasattr(first, "shape") else np
-        stacked.append(xp.stack([xp.asarray(c) for c in column]))
-    return optree.tree_unflatten(treedef, stacked)
 
 
 class Batch(Op):
@@ -114,7 +171,25 @@ class Batch(Op):
         self.batch_size = int(batch_size)
         self.drop_remainder = drop_remainder
 
-    def apply(self, upstream, state):
+    def apply_rows(self, upstream, state):
+        """Blocks in, batches (elements) out: views into the blocks, copies only across block edges."""
+        pieces: list[Any] = []  # parts of the batch being assembled
+        have = 0
+        for block in upstream(state):
+            n = block_rows(block)
+            start = 0
+            while start < n:
+                take = min(self.batch_size - have, n - start)
+                pieces.append(slice_block(block, slice(start, start + take)))
+                have += take
+                start += take
+                if have == self.batch_size:
+                    yield concat_blocks(pieces)
+                    pieces, have = [], 0
+        if have and not self.drop_remainder:
+            yield concat_blocks(pieces)
+
+    def apply_elements(self, upstream, state):
         pending: list[Any] = []
         for element in upstream(state):
             pending.append(element)
@@ -129,16 +204,23 @@ class Batch(Op):
 
 
 class Unbatch(Op):
-    def apply(self, upstream, state):
+    def apply_elements(self, upstream, state):
+        """Elements (batches) in, blocks out."""
         for batch in upstream(state):
-            leaves, treedef = optree.tree_flatten(batch, none_is_leaf=True)
-            rows = len(leaves[0]) if leaves else 0
-            for i in range(rows):
-                yield optree.tree_unflatten(treedef, [leaf[i] for leaf in leaves])
+            if block_rows(batch):
+                yield batch
+
+    def apply_rows(self, upstream, state):
+        raise ValueError("unbatch() needs a batched dataset")
 
 
 class Shuffle(Op):
-    """TF's buffer shuffle: keep ``buffer_size`` elements, emit a random one, refill."""
+    """TF's buffer shuffle: keep ``buffer_size`` rows, emit random ones as new rows arrive.
+
+    On blocks: each arriving block is appended to the buffer and as many rows
+    as it brought are drawn at random from the buffer (each output row is
+    uniform over the current buffer, as in the row-by-row algorithm).
+    """
 
     def __init__(self, buffer_size: int, seed: int | None = None, reshuffle_each_iteration: bool = True):
         if not isinstance(buffer_size, (int, np.integer)) or buffer_size < 1:
@@ -147,9 +229,28 @@ class Shuffle(Op):
         self.seed = seed
         self.reshuffle_each_iteration = reshuffle_each_iteration
 
-    def apply(self, upstream, state):
+    def _rng(self, state: PipelineState) -> np.random.Generator:
         epoch = state.epoch if self.reshuffle_each_iteration else 0
-        rng = np.random.default_rng(None if self.seed is None else [self.seed, epoch, state.replica])
+        return np.random.default_rng(None if self.seed is None else [self.seed, epoch, state.replica])
+
+    def apply_rows(self, upstream, state):
+        rng = self._rng(state)
+        buffer = None
+        for block in upstream(state):
+            buffer = block if buffer is None else concat_blocks([buffer, block])
+            size = block_rows(buffer)
+            if size <= self.buffer_size:
+                continue
+            chosen = rng.choice(size, size - self.buffer_size, replace=False)
+            keep = np.ones(size, bool)
+            keep[chosen] = False
+            yield from _gather_in_chunks(buffer, chosen)
+            buffer = slice_block(buffer, keep)
+        if buffer is not None and block_rows(buffer):
+            yield from _gather_in_chunks(buffer, rng.permutation(block_rows(buffer)))
+
+    def apply_elements(self, upstream, state):
+        rng = self._rng(state)
         buffer: list[Any] = []
         for element in upstream(state):
             if len(buffer) < self.buffer_size:
@@ -165,20 +266,37 @@ class Shuffle(Op):
         return f"shuffle({self.buffer_size})"
 
 
-class Cache(Op):
-    """Keep the elements of the first complete pass in memory; later passes replay them."""
+_GATHER_ROWS = 2048
 
-    def apply(self, upstream, state):
+
+def _gather_in_chunks(block: Any, order: np.ndarray) -> Iterator[Any]:
+    """``block[order]`` as a sequence of smaller blocks (random gathers stay cache-sized)."""
+    for start in range(0, len(order), _GATHER_ROWS):
+        yield slice_block(block, order[start : start + _GATHER_ROWS])
+
+
+class Cache(Op):
+    """Keep what the first complete pass produced (blocks or elements); later passes replay it."""
+
+    def _apply(self, upstream, state, consolidate: bool):
         key = id(self)
         cached = state.caches.get(key)
         if cached is not None:
             yield from cached
             return
         filling: list[Any] = []
-        for element in upstream(state):
-            filling.append(element)
-            yield element
+        for item in upstream(state):
+            filling.append(item)
+            yield item
+        if consolidate and len(filling) > 1:  # one block per cache: later epochs slice it, no per-row work
+            filling = [concat_blocks(filling)]
         state.caches[key] = filling  # only a complete pass is kept
+
+    def apply_rows(self, upstream, state):
+        return self._apply(upstream, state, consolidate=True)
+
+    def apply_elements(self, upstream, state):
+        return self._apply(upstream, state, consolidate=False)
 
 
 class Repeat(Op):
@@ -187,45 +305,72 @@ class Repeat(Op):
             raise ValueError(f"repeat count must be None, -1 or >= 0, got {count}")
         self.count = None if count in (None, -1) else int(count)
 
-    def apply(self, upstream, state):
+    def _apply(self, upstream, state):
         done = 0
         while self.count is None or done < self.count:
             produced = False
-            for element in upstream(state):
+            for item in upstream(state):
                 produced = True
-                yield element
+                yield item
             done += 1
             state.epoch += 1
             if not produced:  # an empty dataset repeated forever is still empty
                 return
 
+    apply_rows = _apply
+    apply_elements = _apply
 
-class Take(Op):
-    def __init__(self, count: int):
-        self.count = int(count)
 
-    def apply(self, upstream, state):
-        if self.count < 0:
-            yield from upstream(state)
-            return
-        for i, element in enumerate(upstream(state)):
-            if i >= self.count:
+class _Counted(Op):
+    """Base of take/skip/shard: decide per row (in blocks) or per element by its position."""
+
+    def keep(self, index: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def done(self, position: int) -> bool:
+        return False
+
+    def apply_rows(self, upstream, state):
+        position = 0
+        for block in upstream(state):
+            n = block_rows(block)
+            mask = self.keep(np.arange(position, position + n))
+            position += n
+            if mask.all():
+                yield block
+            elif mask.any():
+                yield slice_block(block, mask)
+            if self.done(position):
                 return
-            yield element
+
+    def apply_elements(self, upstream, state):
+        for position, element in enumerate(upstream(state)):
+            if self.keep(np.array([position]))[0]:
+                yield element
+            if self.done(position + 1):
+                return
 
 
-class Skip(Op):
+class Take(_Counted):
     def __init__(self, count: int):
         self.count = int(count)
 
-    def apply(self, upstream, state):
-        for i, element in enumerate(upstream(state)):
-            if self.count < 0 or i >= self.count:
-                if self.count >= 0:
-                    yield element
+    def keep(self, index):
+        return index < self.count if self.count >= 0 else np.ones(len(index), bool)
+
+    def done(self, position):
+        return 0 <= self.count <= position
 
 
-class Shard(Op):
+class Skip(_Counted):
+    def __init__(self, count: int):
+        self.count = int(count)
+
+    def keep(self, index):
+        return index >= self.count if self.count >= 0 else np.zeros(len(index), bool)
+
+
+class Shard(_Counted):
     """Keep every ``num_shards``-th element starting at ``index`` (TF's ``shard``)."""
 
     def __init__(self, num_shards: int, index: int):
@@ -234,29 +379,32 @@ class Shard(Op):
         self.num_shards = int(num_shards)
         self.index = int(index)
 
-    def apply(self, upstream, state):
-        for i, element in enumerate(upstream(state)):
-            if i % self.num_shards == self.index:
-                yield element
+    def keep(self, index):
+        return index % self.num_shards == self.index
 
     def describe(self) -> str:
         return f"shard({self.num_shards}, {self.index})"
 
 
 class Prefetch(Op):
-    """Produce up to ``buffer_size`` elements ahead in a background thread."""
+    """Produce up to ``buffer_size`` items ahead in a background thread."""
 
     def __init__(self, buffer_size: int | None = None):
         self.buffer_size = max(1, int(buffer_size or 1))
 
-    def apply(self, upstream, state):
-        return _PrefetchIterator(upstream(state), self.buffer_size)
+    def _apply(self, upstream, state):
+        return PrefetchIterator(upstream(state), self.buffer_size)
+
+    apply_rows = _apply
+    apply_elements = _apply
 
 
 _DONE = object()
 
 
-class _PrefetchIterator:
+class PrefetchIterator:
+    """Runs ``source`` in a background thread, ``depth`` items ahead; ``close()`` stops it."""
+
     def __init__(self, source: Iterator[Any], depth: int):
         self._queue: queue.Queue = queue.Queue(depth)
         self._stop = threading.Event()
@@ -265,41 +413,33 @@ class _PrefetchIterator:
 
     def _fill(self, source: Iterator[Any]) -> None:
         try:
-            for element in source:
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put((element, None), timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if self._stop.is_set():
+            for item in source:
+                if not self._put((item, None)):
                     return
             self._put((_DONE, None))
         except BaseException as e:  # raised again in the consumer
             self._put((_DONE, e))
 
-    def _put(self, item: tuple) -> None:
+    def _put(self, item: tuple) -> bool:
         while not self._stop.is_set():
             try:
                 self._queue.put(item, timeout=0.1)
-                return
+                return True
             except queue.Full:
                 continue
+        return False
 
-    def __iter__(self) -> _PrefetchIterator:
+    def __iter__(self) -> PrefetchIterator:
         return self
 
     def __next__(self) -> Any:
-        element, error = self._queue.get()
-        if element is _DONE:
+        item, error = self._queue.get()
+        if item is _DONE:
             self._stop.set()
             if error is not None:
                 raise error
             raise StopIteration
-        return element
+        return item
 
     def close(self) -> None:
-        self._stop.set()
-
-    def __del__(self) -> None:
         self._stop.set()

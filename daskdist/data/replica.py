@@ -76,6 +76,7 @@ class ReplicaShard:
     empty_spec: Any  # structure of (shape, dtype) of an element, to build empty batches
     prefetch: int = 2
     to_device: bool = False
+    steps: int | None = None  # batches every replica yields per pass, when known in advance
     caches: dict = field(default_factory=dict)
     epochs: int = 0
 
@@ -85,11 +86,11 @@ class ReplicaShard:
         row_filter = None
         if self.row_filter is not None:
             every, index = self.row_filter
-            row_filter = lambda i: i % every == index  # noqa: E731
+            row_filter = lambda positions: positions % every == index  # noqa: E731
         source = self.dataset.source
         elements = self.dataset._iterate(self.partitions, state, load=source.load, row_filter=row_filter)
         if self.prefetch:
-            elements = ops._PrefetchIterator(elements, self.prefetch)
+            elements = ops.PrefetchIterator(elements, self.prefetch)
         return elements
 
     def empty_batch(self) -> Any:
@@ -257,9 +258,10 @@ def resolve_dataset(token: str, dataset_id: str) -> Any:
 class ReplicaDatasetView:
     """A distributed dataset iterated inside a replica (loops that run on the replicas, such as ``fit``).
 
-    Every replica yields the same number of steps: each step the replicas
-    agree (a one-number all-reduce) whether any still has data; those that
-    ran out yield empty batches until all have.
+    Every replica yields the same number of steps: the plan's step count when
+    it is known in advance (row counts known, no op that changes them), else
+    each step the replicas agree (a one-number all-reduce) whether any still
+    has data; those that ran out yield empty batches until all have.
     """
 
     def __init__(self, runtime: ReplicaRuntime, shard: ReplicaShard):
@@ -270,6 +272,13 @@ class ReplicaDatasetView:
         iterator = ReplicaIterator(self._shard, self._runtime.rank)
         comm = self._runtime.communicator
         try:
+            if self._shard.steps is not None:  # every replica knows how many steps: no agreement needed
+                for _ in range(self._shard.steps):
+                    start = time.perf_counter()
+                    element = iterator.next_element()
+                    self._runtime.timer.add_input_wait(time.perf_counter() - start)
+                    yield element if element is not None else self._shard.empty_batch()
+                return
             while True:
                 start = time.perf_counter()
                 element = iterator.next_element()

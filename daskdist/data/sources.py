@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import optree
 
-__all__ = ["DaskSource", "LocalSource", "Partition", "RangeSource", "Source", "rows_of"]
+__all__ = ["DaskSource", "LocalSource", "Partition", "RangeSource", "Source"]
 
 
 @dataclass
@@ -48,15 +48,6 @@ class Source:
 
     def describe(self) -> str:
         return f"{type(self).__name__}({len(self.partitions)} partitions)"
-
-
-def rows_of(structure: Any) -> Iterator[Any]:
-    """The rows of a structure of arrays (one element per index along axis 0)."""
-    leaves, treedef = optree.tree_flatten(structure, none_is_leaf=True)
-    if not leaves:
-        return iter(())
-    n = len(leaves[0])
-    return (optree.tree_unflatten(treedef, [leaf[i] for leaf in leaves]) for i in range(n))
 
 
 def _as_row_arrays(structure: Any) -> Any:
