@@ -27,7 +27,6 @@ __all__ = ["DaskdistWorkerPlugin"]
 logger = logging.getLogger(__name__)
 
 _HANDLERS = ("daskdist_call", "daskdist_message", "daskdist_abort", "daskdist_status", "daskdist_stop")
-_STREAM_HANDLERS = ("daskdist_abort_group", "daskdist_close_group")
 
 
 class DaskdistWorkerPlugin(WorkerPlugin):
@@ -60,10 +59,11 @@ class DaskdistWorkerPlugin(WorkerPlugin):
         for runtime in list(self.replicas.values()):
             runtime.abort_group(Abort("lost", f"worker {worker.address} is closing", None))
             runtime.stop()
+        self.replicas.clear()
         for name in _HANDLERS:
             worker.handlers.pop(name, None)
-        for name in _STREAM_HANDLERS:
-            worker.stream_handlers.pop(name, None)
+        # stream handlers stay: the scheduler may still send aborts while this worker closes, and an
+        # unknown op would break the worker's stream; with no replicas left they do nothing
         worker.extensions.pop("daskdist", None)
 
     # -- registry used by replica tasks ------------------------------------------

@@ -92,21 +92,25 @@ def _train_step(model: Model, ctx: Any, x: Any, y: Any, sample_weight: Any, time
     y, _ = as_array(y)
     model._ensure_built(x)
     rows = _rows(x)
-    y_pred = model._forward(x, training=True)
-    per_example = model.loss.per_example(y, y_pred)
-    grad = model.loss.gradient(y, y_pred)
-    if sample_weight is not None:
-        weight, _ = as_array(sample_weight)
-        xp = namespace(grad)
-        per_example = per_example * weight
-        grad = grad * xp.reshape(weight, (-1,) + (1,) * (grad.ndim - 1))
-    model._backward(grad)
-    params, grads = model._trainable_arrays()
-    xp = namespace(per_example) if rows else np
+    loss_sum = 0.0
+    if rows:
+        y_pred = model._forward(x, training=True)
+        per_example = model.loss.per_example(y, y_pred)
+        grad = model.loss.gradient(y, y_pred)
+        if sample_weight is not None:
+            weight, _ = as_array(sample_weight)
+            per_example = per_example * weight
+            grad = grad * namespace(grad).reshape(weight, (-1,) + (1,) * (grad.ndim - 1))
+        model._backward(grad)
+        loss_sum = float(namespace(per_example).sum(per_example))
+        params, grads = model._trainable_arrays()
+    else:  # this replica ran out of data this step: it still joins the all-reduce, with zeros
+        params, _ = model._trainable_arrays()
+        grads = [namespace(p).zeros_like(p) for p in params]
     local = {
         "grads": grads,
         "count": np.array([float(rows)], np.float64),
-        "loss": np.array([float(xp.sum(per_example)) if rows else 0.0], np.float64),
+        "loss": np.array([loss_sum], np.float64),
     }
     total = ctx.all_reduce(ReduceOp.SUM, local)
     global_count = float(total["count"][0])
