@@ -114,10 +114,12 @@ class Model:
     # -- weights -------------------------------------------------------------------
 
     def _weight_items(self) -> list[tuple[str, Any]]:
+        """``("<layer index>/<weight name>", array)`` for every weight: names that do not depend on
+        automatic layer names, so a checkpoint loads into any model of the same architecture."""
         items = []
         for index, layer in enumerate(self.layers):
             for name, array in layer.weights_list():
-                items.append((f"{index}:{layer.name}/{name}", array))
+                items.append((f"{index}/{name}", array))
         return items
 
     def _assign_weights(self, arrays: list[Any]) -> None:
@@ -129,8 +131,8 @@ class Model:
             new = np.asarray(to_numpy(new))
             if tuple(new.shape) != tuple(current.shape):
                 raise ValueError(f"weight {key}: shape {tuple(new.shape)} does not match {tuple(current.shape)}")
-            index = int(key.split(":", 1)[0])
-            per_layer.setdefault(index, {})[key.split("/", 1)[1]] = new.astype(current.dtype, copy=False)
+            index, name = key.split("/", 1)
+            per_layer.setdefault(int(index), {})[name] = new.astype(current.dtype, copy=False)
         for index, mapping in per_layer.items():
             self.layers[index].set_weights_from(mapping)
 
@@ -138,6 +140,7 @@ class Model:
         """The weights as numpy arrays (from replica 0 for a distributed model)."""
         if self._installed:
             return self._strategy.extended.group.call(_replica_get_weights, (self._model_id,), ranks=[0])[0]
+        self._require_built()
         return [np.array(to_numpy(a), copy=True) for _, a in self._weight_items()]
 
     def set_weights(self, weights: list[Any]) -> None:

@@ -1,0 +1,285 @@
+"""Losses with per-example values and their gradients, Keras names and semantics.
+
+A :class:`Loss` gives the loss of each example (``per_example``, shape
+``(batch,)``), the gradient of each example's loss with respect to its own
+prediction (``gradient``, the shape of ``y_pred``), and the batch mean
+(``__call__``). For data-parallel training, :func:`compute_average_loss`
+divides a replica's summed loss by the *global* batch size, as
+``tf.nn.compute_average_loss`` does, so the gradient to back-propagate on a
+replica is ``loss.gradient(y_true, y_pred) / global_batch_size``.
+
+Cross-entropies are numerically stable: from logits they use a
+log-softmax; from probabilities they renormalise and clip to
+``[eps, 1 - eps]`` like Keras (the gradient is zero where clipped).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from daskdist.keras.backend import epsilon, move_like, xp_of
+
+__all__ = [
+    "CategoricalCrossentropy",
+    "Loss",
+    "MeanSquaredError",
+    "SparseCategoricalCrossentropy",
+    "compute_average_loss",
+    "get",
+    "serialize",
+]
+
+Array = Any
+
+
+class Loss:
+    """Base class: ``per_example``, ``gradient``, ``__call__``, ``get_config``/``from_config``.
+
+    Predictions of shape ``(batch, ..., k)`` with extra middle dimensions
+    (e.g. per-pixel classes) are averaged over those dimensions per example.
+    """
+
+    default_name = "loss"
+
+    def __init__(self, name: str | None = None):
+        self.name = name or self.default_name
+
+    def per_example(self, y_true: Array, y_pred: Array) -> Array:
+        """The loss of each example, shape ``(batch,)``, dtype of ``y_pred``."""
+        raise NotImplementedError
+
+    def gradient(self, y_true: Array, y_pred: Array) -> Array:
+        """``d per_example(y_true, y_pred)[i] / d y_pred[i]`` for every example ``i``; shape of ``y_pred``."""
+        raise NotImplementedError
+
+    def __call__(self, y_true: Array, y_pred: Array, sample_weight: Array | None = None) -> float:
+        """Mean loss over the batch (``sum(w * loss) / batch`` with ``sample_weight``)."""
+        per = self.per_example(y_true, y_pred)
+        if sample_weight is not None:
+            per = per * move_like(sample_weight, per)
+        return float(per.sum()) / max(per.shape[0], 1)
+
+    def get_config(self) -> dict[str, Any]:
+        """Constructor keyword arguments (JSON-serialisable)."""
+        return {"name": self.name}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Loss:
+        return cls(**config)
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
+        return f"{type(self).__name__}({args})"
+
+
+def _per_example_mean(values: Array) -> Array:
+    """Average ``(batch, ...)`` over everything but the batch axis."""
+    if values.ndim == 1:
+        return values
+    return values.reshape(values.shape[0], -1).mean(axis=1)
+
+
+def _log_softmax(z: Array) -> Array:
+    xp = xp_of(z)
+    shifted = z - z.max(axis=-1, keepdims=True)
+    shifted -= xp.log(xp.exp(shifted).sum(axis=-1, keepdims=True))
+    return shifted
+
+
+def _one_hot(labels: Array, y_pred: Array) -> Array:
+    xp = xp_of(y_pred)
+    labels = move_like(labels, y_pred)
+    if labels.ndim == y_pred.ndim and labels.shape[-1] == 1:
+        labels = labels[..., 0]
+    if labels.shape != y_pred.shape[:-1]:
+        raise ValueError(
+            f"Sparse labels of shape {tuple(labels.shape)} do not match predictions of shape {tuple(y_pred.shape)}"
+        )
+    labels = labels.astype("int64", copy=False)
+    return (labels[..., None] == xp.arange(y_pred.shape[-1])).astype(y_pred.dtype)
+
+
+def _crossentropy(t: Array, y_pred: Array, from_logits: bool) -> Array:
+    xp = xp_of(y_pred)
+    if from_logits:
+        return -(t * _log_softmax(y_pred)).sum(axis=-1)
+    eps = epsilon()
+    q = y_pred / y_pred.sum(axis=-1, keepdims=True)
+    xp.clip(q, eps, 1.0 - eps, out=q)
+    xp.log(q, out=q)
+    return -(t * q).sum(axis=-1)
+
+
+def _crossentropy_gradient(t: Array, y_pred: Array, from_logits: bool) -> Array:
+    xp = xp_of(y_pred)
+    if from_logits:
+        grad = xp.exp(_log_softmax(y_pred))
+        grad *= t.sum(axis=-1, keepdims=True)
+        grad -= t
+    else:
+        # L = -sum t log clip(q), q = p / S:  dL/dp = (g - <g, q>) / S with g = dL/dq = -t / q where unclipped.
+        eps = epsilon()
+        s = y_pred.sum(axis=-1, keepdims=True)
+        q = y_pred / s
+        inside = (q > eps) & (q < 1.0 - eps)
+        g = -t / xp.clip(q, eps, 1.0 - eps)
+        g *= inside
+        grad = g - (g * q).sum(axis=-1, keepdims=True)
+        grad /= s
+    if y_pred.ndim > 2:
+        grad /= math.prod(y_pred.shape[1:-1])
+    return grad
+
+
+class SparseCategoricalCrossentropy(Loss):
+    """Cross-entropy with integer class labels ``(batch,)`` (or ``(batch, 1)``) against ``(batch, classes)``.
+
+    Parameters
+    ----------
+    from_logits
+        ``y_pred`` are unnormalised logits (recommended: stable and cheap)
+        rather than probabilities.
+    """
+
+    default_name = "sparse_categorical_crossentropy"
+
+    def __init__(self, from_logits: bool = False, name: str | None = None):
+        super().__init__(name)
+        self.from_logits = bool(from_logits)
+
+    def per_example(self, y_true: Array, y_pred: Array) -> Array:
+        return _per_example_mean(_crossentropy(_one_hot(y_true, y_pred), y_pred, self.from_logits))
+
+    def gradient(self, y_true: Array, y_pred: Array) -> Array:
+        return _crossentropy_gradient(_one_hot(y_true, y_pred), y_pred, self.from_logits)
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "from_logits": self.from_logits}
+
+
+class CategoricalCrossentropy(Loss):
+    """Cross-entropy with one-hot (or soft) targets ``(batch, classes)``.
+
+    Parameters
+    ----------
+    from_logits
+        ``y_pred`` are unnormalised logits rather than probabilities.
+    """
+
+    default_name = "categorical_crossentropy"
+
+    def __init__(self, from_logits: bool = False, name: str | None = None):
+        super().__init__(name)
+        self.from_logits = bool(from_logits)
+
+    def _targets(self, y_true: Array, y_pred: Array) -> Array:
+        t = move_like(y_true, y_pred).astype(y_pred.dtype, copy=False)
+        if t.shape != y_pred.shape:
+            raise ValueError(f"Targets of shape {tuple(t.shape)} do not match predictions {tuple(y_pred.shape)}")
+        return t
+
+    def per_example(self, y_true: Array, y_pred: Array) -> Array:
+        return _per_example_mean(_crossentropy(self._targets(y_true, y_pred), y_pred, self.from_logits))
+
+    def gradient(self, y_true: Array, y_pred: Array) -> Array:
+        return _crossentropy_gradient(self._targets(y_true, y_pred), y_pred, self.from_logits)
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "from_logits": self.from_logits}
+
+
+class MeanSquaredError(Loss):
+    """Mean over the non-batch axes of ``(y_pred - y_true) ** 2``.
+
+    ``y_true`` with the same number of elements as ``y_pred`` but another
+    shape (``(batch,)`` against ``(batch, 1)``) is reshaped to it.
+    """
+
+    default_name = "mean_squared_error"
+
+    def _diff(self, y_true: Array, y_pred: Array) -> Array:
+        t = move_like(y_true, y_pred)
+        if t.shape != y_pred.shape:
+            if t.size != y_pred.size:
+                raise ValueError(f"Targets of shape {tuple(t.shape)} do not match predictions {tuple(y_pred.shape)}")
+            t = t.reshape(y_pred.shape)
+        return y_pred - t.astype(y_pred.dtype, copy=False)
+
+    def per_example(self, y_true: Array, y_pred: Array) -> Array:
+        d = self._diff(y_true, y_pred)
+        d *= d
+        return _per_example_mean(d)
+
+    def gradient(self, y_true: Array, y_pred: Array) -> Array:
+        d = self._diff(y_true, y_pred)
+        d *= 2.0 / max(math.prod(y_pred.shape[1:]), 1)
+        return d
+
+
+def compute_average_loss(
+    per_example_loss: Array, global_batch_size: int | None = None, sample_weight: Array | None = None
+) -> Array:
+    """``sum(per_example_loss * sample_weight) / global_batch_size`` (``tf.nn.compute_average_loss``).
+
+    Parameters
+    ----------
+    per_example_loss
+        This replica's per-example losses, shape ``(local_batch,)``.
+    global_batch_size
+        The batch size over all replicas; by default ``local_batch *
+        num_replicas_in_sync`` of the current replica context.
+
+    Returns
+    -------
+    array
+        A 0-d array; summing it over replicas gives the global mean loss.
+    """
+    if sample_weight is not None:
+        per_example_loss = per_example_loss * move_like(sample_weight, per_example_loss)
+    if global_batch_size is None:
+        from daskdist.context import get_replica_context
+
+        ctx = get_replica_context()
+        replicas = ctx.num_replicas_in_sync if ctx is not None else 1
+        global_batch_size = per_example_loss.shape[0] * replicas
+    if global_batch_size <= 0:
+        raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
+    return per_example_loss.sum() / global_batch_size
+
+
+_ALIASES: dict[str, type[Loss]] = {
+    "sparse_categorical_crossentropy": SparseCategoricalCrossentropy,
+    "categorical_crossentropy": CategoricalCrossentropy,
+    "mean_squared_error": MeanSquaredError,
+    "mse": MeanSquaredError,
+}
+_BY_CLASS_NAME: dict[str, type[Loss]] = {
+    cls.__name__: cls for cls in (SparseCategoricalCrossentropy, CategoricalCrossentropy, MeanSquaredError)
+}
+
+
+def get(identifier: str | dict | Loss | type[Loss]) -> Loss:
+    """Resolve a loss: a Keras name (``"sparse_categorical_crossentropy"``, ``"mse"``, ...), a class name,
+    a ``{"class_name", "config"}`` dict, a :class:`Loss` subclass, or an instance (returned as is).
+    """
+    if isinstance(identifier, Loss):
+        return identifier
+    if isinstance(identifier, type) and issubclass(identifier, Loss):
+        return identifier()
+    if isinstance(identifier, dict):
+        cls = _BY_CLASS_NAME.get(identifier["class_name"])
+        if cls is None:
+            raise ValueError(f"Unknown loss class {identifier['class_name']!r}")
+        return cls.from_config(identifier.get("config", {}))
+    if isinstance(identifier, str):
+        cls = _ALIASES.get(identifier.lower()) or _BY_CLASS_NAME.get(identifier)
+        if cls is None:
+            raise ValueError(f"Unknown loss {identifier!r}; known: {sorted(_ALIASES)}")
+        return cls()
+    raise TypeError(f"Cannot interpret {identifier!r} as a loss")
+
+
+def serialize(loss: Loss) -> dict[str, Any]:
+    """``{"class_name": ..., "config": ...}`` for :func:`get`."""
+    return {"class_name": type(loss).__name__, "config": loss.get_config()}
