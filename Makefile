@@ -1,5 +1,6 @@
 # Two commands do all set-up on a fresh machine:
-#   make run    installs into .venv and runs the main example on an embedded local cluster
+#   make run    installs into .venv and runs the main job: the MirroredStrategy Keras tutorial
+#               (examples/mnist_mirrored.py) on an embedded local Dask cluster
 #   make test   installs into .venv (with test extras) and runs the test suite
 PYTHON ?= python3
 VENV ?= .venv
@@ -13,13 +14,13 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 $(STAMP): $(BIN)/python pyproject.toml
-	$(BIN)/python -m pip install --quiet -e ".[test]"
+	$(BIN)/python -m pip install --quiet -e ".[test,examples]"
 	touch $(STAMP)
 
 install: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/python examples/quickstart.py
+	$(BIN)/python examples/mnist_mirrored.py $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests -q

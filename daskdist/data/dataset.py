@@ -159,10 +159,7 @@ class Dataset:
 
     def _load_locally(self, partition: Partition) -> Any:
         if isinstance(self._source, DaskSource):
-            import dask
-
-            delayed = self._source.delayed_partitions()[partition.index]
-            return self._source.assemble(list(dask.compute(*delayed)))
+            return self._source.compute_partition(partition.index)
         return self._source.load(partition)
 
     def _iterate(self, partitions: Iterable[Partition], state: ops.PipelineState,

@@ -179,9 +179,30 @@ class DaskSource(Source):
                     for c in self.collections]
         return [list(parts) for parts in zip(*per_leaf)]
 
+    def owning_client(self) -> Any:
+        """The client whose futures back these collections (persisted data), or ``None``."""
+        from distributed import futures_of
+
+        for collection in self.collections:
+            futures = futures_of(collection)
+            if futures:
+                return futures[0].client
+        return None
+
+    def compute_partition(self, index: int) -> Any:
+        """One partition's rows, computed here (through the owning client for persisted data)."""
+        delayed = self.delayed_partitions()[index]
+        client = self.owning_client()
+        if client is not None:
+            return self.assemble(client.compute(delayed, sync=True))
+        import dask
+
+        return self.assemble(list(dask.compute(*delayed)))
+
     def sample(self, client: Any = None) -> Any:
         """The first row of the first partition as a one-row structure (only that row is computed)."""
         heads = [c[:1] if hasattr(c, "chunks") else c.head(1, npartitions=1, compute=False) for c in self.collections]
+        client = client or self.owning_client()
         if client is not None:
             values = client.compute(heads, sync=True)
         else:
