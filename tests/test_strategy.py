@@ -336,11 +336,15 @@ def test_close_leaves_nothing_on_the_workers(threaded_client):
     assert all(v == [] for v in threaded_client.run(replicas_left).values())
     groups = threaded_client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.extensions["daskdist"].groups))
     assert group_id not in groups
-    tasks = threaded_client.run_on_scheduler(
-        lambda dask_scheduler: [k for k in dask_scheduler.tasks if str(k).startswith(group_id)]
-    )
+    deadline = time.monotonic() + 10  # releasing futures reaches the scheduler asynchronously
+    while time.monotonic() < deadline:
+        tasks = threaded_client.run_on_scheduler(
+            lambda dask_scheduler: [k for k in dask_scheduler.tasks if str(k).startswith(group_id)]
+        )
+        if not tasks:
+            break
+        time.sleep(0.1)
     assert tasks == []
-    deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(t.is_alive() for t in _REPLICA_THREADS):
         time.sleep(0.1)
     assert not any(t.is_alive() for t in _REPLICA_THREADS), "replica threads are still running after close()"
