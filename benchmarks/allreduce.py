@@ -27,8 +27,9 @@ message size. The systems (``--systems``, default all but ``shm``):
   ``torch.distributed.all_reduce`` with the gloo backend on a float32 CPU
   tensor, timed inside the ranks.
 * **ideal** (``ideal``): a memcpy-bound ring. ``np.copyto`` of the message
-  size is timed in this process (median ``t_copy``; small sizes copy many
-  times per sample), giving the copy bandwidth ``B = bytes / t_copy``. A ring
+  size is timed in this process between page-aligned buffers (median
+  ``t_copy``; small sizes copy many times per sample, 21 samples per round),
+  giving the copy bandwidth ``B = bytes / t_copy``. A ring
   all-reduce (reduce-scatter, then all-gather) moves ``2 (n - 1) / n * bytes``
   into every rank, and over shared memory each of those bytes has to be
   copied at least once; with every rank copying at ``B`` at the same time the
@@ -47,14 +48,17 @@ median over iterations. Iterations per size: 50 up to 256 KiB, 20 up to 4 MiB,
 The noise of a shared machine is spread over the systems in two ways. On the
 cluster, the daskdist transports and the naive approach run in alternating
 blocks (order reversed every block). And the whole measurement of a rank count
-is split into ``--rounds`` rounds (default 2), each with its share of the
+is split into ``--rounds`` rounds (default 3), each with its share of the
 iterations, the phases (memcpy, cluster, MPI, gloo) in reversed order every
-other round (ABBA); the medians are over the iterations of all rounds.
+other round (ABA); the medians are over the iterations of all rounds, so a
+single round disturbed by another job holds only a third of the samples.
 
 Bus bandwidth follows the NCCL convention: ``2 (n - 1) / n * bytes / time``.
 Ratios compare the best daskdist transport at each size (lowest median) with
-the others: ``x`` = their latency / daskdist's (> 1: daskdist is faster);
-"of ideal" = ideal time / daskdist's time.
+the others: "speedup vs X" = X's latency / daskdist's (> 1: daskdist is
+faster; the same as the ratio of bus bandwidths); "fraction of ideal" = ideal
+time / daskdist's time. The run ends with the issue's goals, each marked met
+or not.
 
 Peers that cannot run (not installed, failed to start) are reported as
 ``unavailable (reason)``.
@@ -62,7 +66,7 @@ Peers that cannot run (not installed, failed to start) are reported as
 Usage::
 
     .venv/bin/python benchmarks/allreduce.py [--systems auto socket dask mpi gloo naive ideal] [--quick]
-        [--sizes 4KiB 256KiB 4MiB 64MiB] [--replicas 2 4] [--rounds 2] [--iterations N]
+        [--sizes 4KiB 256KiB 4MiB 64MiB] [--replicas 2 4] [--rounds 3] [--iterations N]
         [--transport dask] [--mpirun-args "..."]
 
 ``--transport NAME`` measures only that daskdist transport (as before the
@@ -356,10 +360,24 @@ def cluster_phase(n: int, plan: list[SizePlan], transports: list[str], with_naiv
 # -- the memcpy bound ---------------------------------------------------------------------
 
 
+def page_aligned(nbytes: int) -> np.ndarray:
+    """``nbytes`` of float32 starting on a 4 KiB boundary."""
+    raw = np.empty(nbytes + 4096, np.uint8)
+    start = -raw.ctypes.data % 4096
+    return raw[start:start + nbytes].view(np.float32)
+
+
 def memcpy_samples(nbytes: int, samples: int = 21, min_sample_bytes: int = 8 * 2**20) -> list[float]:
-    """Seconds per ``np.copyto`` of ``nbytes`` (float32), ``samples`` times; small sizes copy repeatedly per sample."""
-    src = np.ones(nbytes // 4, np.float32)
-    dst = np.empty_like(src)
+    """Seconds per ``np.copyto`` of ``nbytes`` (float32), ``samples`` times; small sizes copy repeatedly per sample.
+
+    Source and destination both start on a page boundary: on some x86 CPUs
+    (this AMD EPYC VM with glibc 2.36 among them) a ``rep movsb`` copy whose
+    destination lies a few bytes past the source modulo 4 KiB runs an order of
+    magnitude slower, and where two plain numpy arrays land is up to malloc.
+    """
+    src = page_aligned(nbytes)
+    src[:] = 1.0
+    dst = page_aligned(nbytes)
     np.copyto(dst, src)  # touch the pages
     repeat = max(1, min_sample_bytes // nbytes)
     times = []
@@ -601,7 +619,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"sizes {' '.join(QUICK_SIZES)}, {QUICK_REPLICAS[0]} ranks and 1 round "
                              "(--sizes / --replicas / --rounds still override)")
     parser.add_argument("--rounds", type=int, default=None,
-                        help="rounds the iterations are split into, phases reversed every other round (default 2)")
+                        help="rounds the iterations are split into, phases reversed every other round (default 3)")
     parser.add_argument("--blocks", type=int, default=5,
                         help="blocks per size and round, each after an untimed all-reduce (default 5)")
     parser.add_argument("--iterations", type=int, default=None,
@@ -624,7 +642,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.replicas is None:
         args.replicas = list(QUICK_REPLICAS if args.quick else DEFAULT_REPLICAS)
     if args.rounds is None:
-        args.rounds = 1 if args.quick else 2
+        args.rounds = 1 if args.quick else 3
     if any(n < 2 for n in args.replicas) or args.blocks < 1 or args.rounds < 1 or (args.iterations or 1) < 1:
         parser.error("--replicas must be at least 2, --blocks, --rounds and --iterations positive")
     return args

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from daskdist import config as _config  # noqa: F401  (registers daskdist.* defaults in dask.config)
-from daskdist import data, nn, train
+from daskdist import data, nn, plugins, train
 from daskdist.context import get_replica_context, get_strategy, has_strategy, in_cross_replica_context
 from daskdist.cross_device_ops import (
     AllReduceCrossDeviceOps,
@@ -78,5 +78,6 @@ __all__ = [
     "has_strategy",
     "in_cross_replica_context",
     "nn",
+    "plugins",
     "train",
 ]
