@@ -130,6 +130,24 @@ class TestImpossibleRequests:
         with pytest.raises((ValueError, TypeError), match=message):
             dd.MirroredStrategy(devices=devices)
 
+    def test_bad_configuration_fails_at_once(self, threaded_client):
+        start = time.monotonic()
+        with dask.config.set({"daskdist.collective.transport": "carrier-pigeon"}):
+            with pytest.raises(ValueError, match="carrier-pigeon"):
+                dd.MirroredStrategy(client=threaded_client)
+        with dask.config.set({"daskdist.collective.shm.slot-bytes": "1 parsec"}):
+            with pytest.raises(ValueError):
+                dd.MirroredStrategy(client=threaded_client)
+        assert time.monotonic() - start < 10
+
+    def test_a_replica_that_cannot_start_fails_the_strategy_at_once(self, threaded_client):
+        start = time.monotonic()
+        # forcing shm while every replica counts as its own host: each replica fails while starting
+        with dask.config.set({"daskdist.collective.hosts": "blocks:1", "daskdist.collective.transport": "shm"}):
+            with pytest.raises(dd.RendezvousError, match="failed to start"):
+                dd.MirroredStrategy(client=threaded_client)
+        assert time.monotonic() - start < 10
+
     def test_a_closed_strategy_refuses_work(self, threaded_client):
         strategy = dd.MirroredStrategy(client=threaded_client)
         with strategy.scope():

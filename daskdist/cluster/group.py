@@ -98,14 +98,28 @@ class ReplicaGroup:
                 )
             )
         timeout = config.get_seconds("rendezvous.timeout")
-        response = self.client.sync(self.client.scheduler.daskdist_wait_group, group_id=self.group_id, timeout=timeout)
-        if response.get("status") != "OK":
-            message = response.get("message", "rendezvous failed")
-            errors = [f"replica {i}: {f.exception()!r}" for i, f in enumerate(self.futures) if f.status == "error"]
-            if errors:
-                message += "; " + "; ".join(errors)
-            self._release()
-            raise RendezvousError(message)
+        deadline = time.monotonic() + timeout
+        while True:
+            # wait at the scheduler in short slices, so a replica task that fails at start-up is seen at once
+            slice_ = max(0.01, min(0.5, deadline - time.monotonic()))
+            response = self.client.sync(
+                self.client.scheduler.daskdist_wait_group, group_id=self.group_id, timeout=slice_, final=False
+            )
+            if response.get("status") == "OK":
+                break
+            failed = [(i, f) for i, f in enumerate(self.futures) if f.status == "error"]
+            if failed:
+                rank, future = failed[0]
+                self._release()
+                raise RendezvousError(
+                    f"replica {rank} failed to start on {self.addresses[rank]}: {future.exception()!r}"
+                ) from future.exception()
+            if response.get("status") == "failed" or time.monotonic() >= deadline:
+                final = self.client.sync(
+                    self.client.scheduler.daskdist_wait_group, group_id=self.group_id, timeout=0.01, final=True
+                )
+                self._release()
+                raise RendezvousError(final.get("message", "rendezvous failed"))
         logger.debug("Replica group %s is up on %s", self.group_id, self.addresses)
 
     def close(self, timeout: float = 30) -> None:

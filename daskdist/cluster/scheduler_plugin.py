@@ -102,24 +102,31 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
             return {"status": "error", "message": group.reason}
         return {"status": "OK", "info": {str(r): i for r, i in group.info.items()}}
 
-    async def wait_group(self, group_id: str, timeout: float) -> dict:
-        """Called by the client after launching: OK once every replica has met, else why not."""
+    async def wait_group(self, group_id: str, timeout: float, final: bool = True) -> dict:
+        """Called by the client after launching: OK once every replica has met.
+
+        With ``final=False`` a timeout only answers ``{"status": "waiting"}``
+        (the client polls, watching its replica tasks meanwhile); with
+        ``final=True`` it fails the group and says which replicas never came.
+        """
         group = self.groups.get(group_id)
         if group is None:
             return {"status": "error", "message": f"unknown replica group {group_id}"}
         try:
             await asyncio.wait_for(group.ready.wait(), timeout)
         except asyncio.TimeoutError:
+            if not final:
+                return {"status": "waiting"}
             absent = [r for r in range(len(group.workers)) if r not in group.arrived]
             where = ", ".join(f"replica {r} on {group.workers[r]}" for r in absent)
             group.reason = (
-                f"replicas did not all start within {timeout:g}s: {where} never arrived "
+                f"replicas did not all start within the rendezvous timeout: {where} never arrived "
                 "(is the worker busy with other tasks, or out of threads?)"
             )
             self._fail(group)
             return {"status": "error", "message": group.reason}
         if group.status != "running":
-            return {"status": "error", "message": group.reason}
+            return {"status": "failed", "message": group.reason}
         return {"status": "OK"}
 
     def close_group(self, group_id: str) -> dict:

@@ -26,6 +26,7 @@ from daskdist.cluster.placement import Placement, WorkerInfo, place_replicas
 from daskdist.cross_device_ops import CrossDeviceOps
 from daskdist.exceptions import StrategyClosedError
 from daskdist.replica import commands
+from daskdist.replica.runtime import TRANSPORTS
 from daskdist.values import check_num_components, regroup, select_replica
 from daskdist.variables import (
     DistributedVariable,
@@ -66,6 +67,11 @@ class DaskExtended:
             )
         if client is not None and not isinstance(client, Client):
             raise TypeError(f"client must be a distributed.Client, got {type(client).__name__}")
+        transport = config.get("collective.transport")
+        if transport not in TRANSPORTS:
+            raise ValueError(
+                f"daskdist.collective.transport is {transport!r}; expected one of {', '.join(TRANSPORTS)}"
+            )
         self.strategy = strategy
         self._cross_device_ops = cross_device_ops
         self._cluster: Any = None
