@@ -118,8 +118,8 @@ class CallbackList:
             if not isinstance(cb, Callback):
                 raise TypeError(f"callbacks must be dd.keras.callbacks.Callback instances, got {type(cb).__name__}")
         self.callbacks = list(callbacks)
-        if verbose:
-            self.callbacks.append(ProgbarLogger(verbose))
+        if verbose:  # first, as in Keras: the epoch's summary shows before other callbacks print
+            self.callbacks.insert(0, ProgbarLogger(verbose))
         for cb in self.callbacks:
             cb.set_model(model)
             cb.set_params(params)
