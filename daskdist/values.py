@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import numpy as np
 import optree
 
 from daskdist.arrays import as_array, namespace

@@ -8,7 +8,6 @@ replica's partitions when distributed by a strategy.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 

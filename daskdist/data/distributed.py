@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import uuid
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import optree

@@ -10,7 +10,7 @@ the first axis, dataframes), which stay on the workers that hold them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 import optree

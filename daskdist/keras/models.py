@@ -161,7 +161,8 @@ class Model:
 
     def compile(self, optimizer: Any = "rmsprop", loss: Any = None, metrics: list[Any] | None = None) -> None:
         """Choose the optimizer, loss and metrics (objects or Keras names)."""
-        from daskdist.keras import losses, metrics as metrics_module, optimizers
+        from daskdist.keras import losses, optimizers
+        from daskdist.keras import metrics as metrics_module
 
         if loss is None:
             raise ValueError("compile needs a loss")

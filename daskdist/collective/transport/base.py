@@ -16,7 +16,7 @@ from typing import Any, Callable, ClassVar
 from daskdist.arrays import namespace
 from daskdist.collective.mailbox import Mailbox, Tag
 
-__all__ = ["CompletedSend", "PayloadMismatch", "SendHandle", "Transport", "remaining"]
+__all__ = ["CompletedSend", "PayloadMismatch", "SendHandle", "Transport", "apply_payload", "remaining"]
 
 
 class SendHandle(ABC):
@@ -81,13 +81,7 @@ class Transport(ABC):
         PayloadMismatch
             The incoming array has a different number of bytes than ``out``.
         """
-        payload = self.recv(src, tag, deadline)
-        if getattr(payload, "nbytes", None) != out.nbytes or getattr(payload, "dtype", None) != out.dtype:
-            raise PayloadMismatch(getattr(payload, "size", None), out.size)
-        if combine is None:
-            namespace(out).copyto(out, payload.reshape(out.shape))
-        else:
-            combine(out, payload.reshape(out.shape))
+        apply_payload(self.recv(src, tag, deadline), out, combine)
 
     def group_aborted(self) -> None:
         """The group is lost for good: release shared resources now (called from the event loop)."""
@@ -103,6 +97,16 @@ class PayloadMismatch(Exception):
         super().__init__(f"got {got} elements, expected {expected}")
         self.got = got
         self.expected = expected
+
+
+def apply_payload(payload: Any, out: Any, combine: Callable[[Any, Any], None] | None) -> None:
+    """Copy (``combine=None``) or combine a received array into ``out``; ``PayloadMismatch`` if it does not fit."""
+    if getattr(payload, "nbytes", None) != out.nbytes or getattr(payload, "dtype", None) != out.dtype:
+        raise PayloadMismatch(getattr(payload, "size", None), out.size)
+    if combine is None:
+        namespace(out).copyto(out, payload.reshape(out.shape))
+    else:
+        combine(out, payload.reshape(out.shape))
 
 
 def remaining(deadline: float) -> float:

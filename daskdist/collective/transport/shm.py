@@ -20,16 +20,24 @@ from __future__ import annotations
 
 import _posixshmem
 import logging
+import mmap
+import os
 import queue
 import threading
 import time
-import mmap
-import os
 from typing import Any, Callable
 
 import numpy as np
 
 from daskdist.collective.mailbox import Mailbox, MailboxTimeout, Tag
+from daskdist.collective.transport.base import (
+    CompletedSend,
+    PayloadMismatch,
+    SendHandle,
+    Transport,
+    apply_payload,
+    remaining,
+)
 from daskdist.collective.transport.framing import (
     ARRAY,
     decode,
@@ -39,7 +47,6 @@ from daskdist.collective.transport.framing import (
     pack_header,
     unpack_header,
 )
-from daskdist.collective.transport.base import CompletedSend, PayloadMismatch, SendHandle, Transport, remaining
 from daskdist.exceptions import CollectiveTimeoutError, DaskdistError
 
 __all__ = ["ShmChannel", "ShmTransport", "segment_name", "unlink_segment"]
@@ -332,7 +339,7 @@ class ShmTransport(Transport):
     def recv_into(self, src: int, tag: Tag, deadline: float, out: Any, combine: Callable[[Any, Any], None] | None) -> None:
         stashed = self._stash.pop((src, tag), None)
         if stashed is not None:
-            return _apply(stashed, out, combine)
+            return apply_payload(stashed, out, combine)
         header, data = self._find(src, tag, deadline)
         channel = self._inbound[src]
         _, kind, dtype, shape, total, offset, nbytes = header
@@ -381,12 +388,3 @@ class ShmTransport(Transport):
         self._inbound.clear()
         self._outbound.clear()
         self._stash.clear()
-
-
-def _apply(payload: Any, out: Any, combine: Callable[[Any, Any], None] | None) -> None:
-    if getattr(payload, "nbytes", None) != out.nbytes or getattr(payload, "dtype", None) != out.dtype:
-        raise PayloadMismatch(getattr(payload, "size", None), out.size)
-    if combine is None:
-        np.copyto(out, payload.reshape(out.shape))
-    else:
-        combine(out, payload.reshape(out.shape))
