@@ -17,7 +17,10 @@ from typing import TYPE_CHECKING, Any
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 
+from daskdist import config
 from daskdist.cluster.worker_plugin import DaskdistWorkerPlugin
+from daskdist.dashboard import page, prometheus
+from daskdist.dashboard.store import MetricsStore
 
 if TYPE_CHECKING:
     from distributed import Scheduler
@@ -53,6 +56,7 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
     def __init__(self) -> None:
         self.groups: dict[str, GroupState] = {}
         self.scheduler: Scheduler | None = None
+        self.store = MetricsStore(int(config.get("metrics.history")))
 
     async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
@@ -67,6 +71,11 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
         )
         scheduler.extensions["daskdist"] = self
         await scheduler.register_worker_plugin(None, dumps(DaskdistWorkerPlugin()), name="daskdist", idempotent=True)
+        prometheus.register_store(self.store)
+        try:
+            page.install(scheduler)
+        except Exception as e:  # the dashboard is a convenience: never fail the plugin for it
+            logger.warning("Could not add the daskdist page to the dashboard: %s", e)
 
     # -- handlers ----------------------------------------------------------------
 
@@ -137,6 +146,7 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
             group.reason = group.reason or f"group {group_id} was closed"
             group.ready.set()
             self.scheduler.log_event(EVENT_TOPIC, {"action": "close", "group": group_id})
+        self.store.close_group(group_id)
         return {"status": "OK"}
 
     def group_status(self, group_id: str) -> dict:
@@ -146,6 +156,10 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
         return {"status": group.status, "reason": group.reason}
 
     # -- scheduler hooks -----------------------------------------------------------
+
+    def log_event(self, topic: str, msg: Any) -> None:
+        """Every event logged on the scheduler: step timings and fit progress go to the store."""
+        self.store.record(topic, msg)
 
     def remove_worker(self, scheduler: Scheduler, worker: str, *, stimulus_id: str, **kwargs: Any) -> None:
         for group in list(self.groups.values()):

@@ -7,13 +7,16 @@ signature (kind, op, structure, shapes, dtypes) to the right neighbour and
 checks the left neighbour's before using any data, so replicas that disagree
 all raise ``CollectiveMismatchError`` instead of exchanging garbage or
 waiting forever. Any failure inside a collective aborts the run on every
-replica.
+replica. A replica waiting in one collective longer than
+``daskdist.collective.stall-warning`` warns, naming the replicas that have not
+joined (``StallWatch``).
 """
 
 from __future__ import annotations
 
 import logging
 import pickle
+import threading
 import time
 import zlib
 from typing import Any, Callable, Protocol, Sequence
@@ -36,7 +39,7 @@ from daskdist.exceptions import (
 )
 from daskdist.ops import CommunicationImplementation, CommunicationOptions, ReduceOp
 
-__all__ = ["Algorithm", "CollectiveCall", "Communicator", "ControlPlane"]
+__all__ = ["Algorithm", "CollectiveCall", "Communicator", "ControlPlane", "StallWatch"]
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +198,10 @@ class Communicator:
     hosts
         The host of each rank; when ranks span several hosts and some share
         one, large all-reduces go hierarchically (within hosts, then across).
+    on_stall
+        Called with a description (``run_id``, ``collective``, ``kind``,
+        ``replica``, ``waited``, ``missing``, ``message``) when this replica has
+        waited in one collective longer than ``collective.stall-warning``.
     """
 
     def __init__(
@@ -207,6 +214,7 @@ class Communicator:
         options: CommunicationOptions | None = None,
         on_collective: Callable[[str, float, int], None] | None = None,
         hosts: Sequence[str] | None = None,
+        on_stall: Callable[[dict], None] | None = None,
     ):
         self.rank = rank
         self.size = size
@@ -223,6 +231,17 @@ class Communicator:
         self.default_timeout = config.get_seconds("collective.timeout")
         self.current_kind: str | None = None
         self.small_message_bytes = int(config.get("collective.small-message-bytes"))
+        self.on_stall = on_stall
+        self.stall_warning = config.get_seconds("collective.stall-warning") if config.get(
+            "collective.stall-warning") else 0.0
+        self.active: tuple[CollectiveCall, float] | None = None  # the collective in progress, since (monotonic)
+        self._stall_watch: StallWatch | None = None
+
+    def close(self) -> None:
+        """Stop the stall watch, if one runs."""
+        if self._stall_watch is not None:
+            self._stall_watch.stop()
+            self._stall_watch = None
 
     # -- runs -----------------------------------------------------------------
 
@@ -401,6 +420,9 @@ class Communicator:
         self.current_kind = kind
         start = time.perf_counter()
         call = CollectiveCall(self, kind, sig, time.monotonic() + timeout, timeout)
+        if self.stall_warning > 0 and self._stall_watch is None:
+            self._stall_watch = StallWatch(self, self.stall_warning)
+        self.active = (call, time.monotonic())
         try:
             result = body(call)
             call.finish()
@@ -408,6 +430,7 @@ class Communicator:
             self.abort_run(e)
             raise
         finally:
+            self.active = None
             self.current_kind = None
         if self.on_collective is not None:
             self.on_collective(kind, time.perf_counter() - start, call.nbytes)
@@ -415,15 +438,7 @@ class Communicator:
 
     def describe_timeout(self, call: CollectiveCall, waiting_for: int) -> str:
         """Explain a timeout: which replicas never joined this collective, and where they are."""
-        probe_timeout = config.get_seconds("collective.status-probe-timeout")
-        missing = []
-        for rank in range(self.size):
-            if rank == self.rank:
-                continue
-            status = self.control.probe(rank, probe_timeout)
-            where = _where(status, call)
-            if where is not None:
-                missing.append(f"replica {rank} {where}")
+        missing = [f"replica {rank} {where}" for rank, where in self.missing_peers(call)]
         head = (
             f"{call.kind} #{call.seq} of run {call.run_id} timed out after {call.timeout:g}s "
             f"on replica {self.rank}"
@@ -431,6 +446,69 @@ class Communicator:
         if missing:
             return f"{head}: " + "; ".join(missing)
         return f"{head}: every replica joined, but data from replica {waiting_for} did not arrive in time"
+
+    def missing_peers(self, call: CollectiveCall) -> list[tuple[int, str]]:
+        """Probe the peers: ``(rank, where it is)`` for each that has not joined ``call``."""
+        probe_timeout = config.get_seconds("collective.status-probe-timeout")
+        missing = []
+        for rank in range(self.size):
+            if rank != self.rank:
+                where = _where(self.control.probe(rank, probe_timeout), call)
+                if where is not None:
+                    missing.append((rank, where))
+        return missing
+
+    def report_stall(self, call: CollectiveCall, waited: float) -> None:
+        """Warn that this replica has waited ``waited`` seconds in ``call`` (and tell ``on_stall``)."""
+        missing = self.missing_peers(call)
+        active = self.active
+        if active is None or active[0] is not call:
+            return  # it completed while the peers were probed: not a stall
+        head = (f"{call.kind} #{call.seq} of run {call.run_id}: replica {self.rank} has waited "
+                f"{waited:.1f}s for its peers")
+        if missing:
+            message = f"{head}; not joined: " + "; ".join(f"replica {r} {where}" for r, where in missing)
+        else:
+            message = f"{head}; every replica joined, the data is slow to arrive"
+        logger.warning("%s", message)
+        if self.on_stall is not None:
+            self.on_stall({"run_id": call.run_id, "collective": call.seq, "kind": call.kind, "replica": self.rank,
+                           "waited": waited, "missing": [r for r, _ in missing], "message": message})
+
+
+class StallWatch:
+    """A daemon thread that reports a communicator's collective once it has run longer than ``threshold``.
+
+    The collective path only sets ``Communicator.active``; this thread polls it
+    (a few times per threshold, at most once a second) and reports each stalled
+    collective once.
+    """
+
+    def __init__(self, comm: Communicator, threshold: float):
+        self.comm = comm
+        self.threshold = threshold
+        self.interval = max(0.05, min(1.0, threshold / 4))
+        self._stop = threading.Event()
+        self._reported: tuple[int, int] | None = None
+        self._thread = threading.Thread(target=self._run, name=f"daskdist-stall-watch-{comm.rank}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            active = self.comm.active
+            if active is None:
+                continue
+            call, since = active
+            waited = time.monotonic() - since
+            if waited >= self.threshold and self._reported != (call.run_id, call.seq):
+                self._reported = (call.run_id, call.seq)
+                try:
+                    self.comm.report_stall(call, waited)
+                except Exception as e:  # a warning must never break the replica
+                    logger.debug("Stall report failed: %s", e)
 
 
 def xp_copy(leaf: Any) -> Any:

@@ -47,6 +47,7 @@ __all__ = ["GroupSpec", "ReplicaRuntime", "replica_main"]
 logger = logging.getLogger(__name__)
 
 STEP_EVENT_TOPIC = "daskdist-steps"
+STALL_EVENT_TOPIC = "daskdist-stall"
 
 
 @dataclass
@@ -130,6 +131,7 @@ class ReplicaRuntime:
         self.communicator = Communicator(
             rank, self.size, self.transport, control=self, algorithm=spec.algorithm,
             options=spec.options, on_collective=self.timer.add_collective, hosts=spec.hosts or None,
+            on_stall=self._report_stall,
         )
         self.context = ReplicaContext(self)
         self.strategy_view = ReplicaStrategyView(self)
@@ -246,6 +248,7 @@ class ReplicaRuntime:
     def close(self) -> None:
         if self._log_events:
             self.flush_step_events()
+        self.communicator.close()
         self.transport.close()
         self._resident.clear()
         self.timer.history.clear()
@@ -285,9 +288,13 @@ class ReplicaRuntime:
         finally:
             timing = self.timer.end()
             if self._log_events:
-                self._unsent_steps.append(timing.to_dict())
+                self._unsent_steps.append(timing.to_dict(spans=False))
                 if time.monotonic() - self._last_event >= self._event_interval:
                     self.flush_step_events()
+
+    def _report_stall(self, info: dict) -> None:
+        """A collective of this replica stalls (from the communicator's stall watch): tell the scheduler."""
+        self.worker.log_event(STALL_EVENT_TOPIC, {"group": self.token, **info})
 
     def flush_step_events(self) -> None:
         """Send the step timings gathered since the last flush as one Dask event."""

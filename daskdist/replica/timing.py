@@ -2,16 +2,19 @@
 
 The runtime opens a step around each function it runs; collectives, input
 iterators and variable updates add their time to the open step. Compute is
-what remains. The last ``daskdist.metrics.history`` steps are kept.
+what remains. The last ``daskdist.metrics.history`` steps are kept, each
+with its ``spans`` (input waits and collectives, for ``strategy.timeline``).
 """
 
 from __future__ import annotations
 
 import collections
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
-__all__ = ["StepTimer", "StepTiming"]
+__all__ = ["MAX_SPANS", "StepTimer", "StepTiming"]
+
+MAX_SPANS = 256  # spans kept per step; a step with more keeps its first ones (the totals stay exact)
 
 
 @dataclass
@@ -28,9 +31,14 @@ class StepTiming:
     apply: float
     collectives: int
     nbytes: int
+    # [name, offset from start (s), duration (s), nbytes]: "input", "apply" or a collective's kind
+    spans: list[list] = field(default_factory=list)
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+    def to_dict(self, spans: bool = True) -> dict:
+        out = asdict(self)
+        if not spans:
+            del out["spans"]
+        return out
 
 
 class StepTimer:
@@ -51,12 +59,20 @@ class StepTimer:
         self._charged_input = 0.0
         self._collectives = 0
         self._nbytes = 0
+        self._spans: list[list] = []
 
     def begin(self, run_id: int) -> None:
         self._reset(run_id)
         self._input, self._pending_input = self._pending_input, 0.0
         self._charged_input = self._input
+        if self._input:
+            self._spans.append(["input", -self._input, self._input, 0])
         self._open = True
+
+    def _span(self, name: str, seconds: float, nbytes: int = 0) -> None:
+        """Record a span that ends now."""
+        if len(self._spans) < MAX_SPANS:
+            self._spans.append([name, time.perf_counter() - self._start - seconds, seconds, nbytes])
 
     def add_pending_input(self, seconds: float) -> None:
         """Input prepared outside a step (``next`` from the client); counted in the next step."""
@@ -67,14 +83,17 @@ class StepTimer:
             self._allreduce += seconds
             self._collectives += 1
             self._nbytes += nbytes
+            self._span(kind, seconds, nbytes)
 
     def add_input_wait(self, seconds: float) -> None:
         if self._open:
             self._input += seconds
+            self._span("input", seconds)
 
     def add_apply(self, seconds: float) -> None:
         if self._open:
             self._apply += seconds
+            self._span("apply", seconds)
 
     def end(self) -> StepTiming:
         total = time.perf_counter() - self._start + self._charged_input  # input made before the step counts too
@@ -91,6 +110,7 @@ class StepTimer:
             apply=self._apply,
             collectives=self._collectives,
             nbytes=self._nbytes,
+            spans=self._spans,
         )
         self.history.append(timing)
         return timing

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import html
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -142,6 +143,17 @@ class Strategy:
     def step_timings(self, last: int | None = None) -> list[list[dict]]:
         """Per replica, the phase timings of the most recent steps (see ``StepTiming``)."""
         return self._extended.step_timings(last)
+
+    def timeline(self, path: str | os.PathLike, last: int | None = None) -> str:
+        """Write the replicas' recent steps as a Chrome trace (open in ``chrome://tracing`` or Perfetto).
+
+        Per replica a process; per step its input waits, compute, each
+        collective (with its bytes) and variable updates. ``last`` limits the
+        steps per replica. Returns ``path``.
+        """
+        from daskdist.dashboard.timeline import write_chrome_trace
+
+        return write_chrome_trace(path, self.step_timings(last), list(self._extended.worker_addresses))
 
     # -- pickling and display ----------------------------------------------------------
 

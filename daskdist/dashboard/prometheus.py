@@ -1,0 +1,70 @@
+"""Prometheus metrics of the replica groups, served on the scheduler's ``/metrics``.
+
+Distributed serves ``prometheus_client``'s global registry on the dashboard's
+``/metrics``; one ``DaskdistCollector`` registered there (once per process)
+reports every live ``MetricsStore`` (one per scheduler in this process).
+Without ``prometheus_client`` nothing is registered.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from typing import TYPE_CHECKING, Iterator
+
+if TYPE_CHECKING:
+    from daskdist.dashboard.store import MetricsStore
+
+__all__ = ["DaskdistCollector", "register_store"]
+
+logger = logging.getLogger(__name__)
+
+_stores: weakref.WeakSet[MetricsStore] = weakref.WeakSet()
+_lock = threading.Lock()
+_registered = False
+
+
+class DaskdistCollector:
+    """A ``prometheus_client`` collector over the live metrics stores."""
+
+    def collect(self) -> Iterator[object]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        steps = CounterMetricFamily("daskdist_steps", "Steps run, per replica", labels=["group", "replica"])
+        collectives = CounterMetricFamily("daskdist_collectives", "Collectives run inside steps, per replica",
+                                          labels=["group", "replica"])
+        nbytes = CounterMetricFamily("daskdist_collective_bytes", "Bytes sent by a replica's collectives in steps",
+                                     labels=["group", "replica"])
+        phases = HistogramMetricFamily("daskdist_step_phase_seconds",
+                                       "Time of each step phase (total, input_wait, compute, allreduce, apply)",
+                                       labels=["group", "replica", "phase"])
+        throughput = GaugeMetricFamily("daskdist_throughput_steps_per_second",
+                                       "Steps per second of a group over its recent steps", labels=["group"])
+        for store in list(_stores):
+            for group in list(store.groups.values()):
+                for rank, replica in sorted(group.replicas.items()):
+                    labels = [group.group, str(rank)]
+                    steps.add_metric(labels, replica.steps_total)
+                    collectives.add_metric(labels, replica.collectives_total)
+                    nbytes.add_metric(labels, replica.bytes_total)
+                    for phase, histogram in replica.phases.items():
+                        phases.add_metric([*labels, phase], histogram.cumulative(), histogram.total)
+                throughput.add_metric([group.group], group.throughput())
+        yield from (steps, collectives, nbytes, phases, throughput)
+
+
+def register_store(store: MetricsStore) -> bool:
+    """Report ``store`` on ``/metrics``; registers the collector on first use. False without prometheus_client."""
+    global _registered
+    try:
+        import prometheus_client
+    except ImportError:
+        logger.debug("prometheus_client is not installed: no daskdist metrics on /metrics")
+        return False
+    with _lock:
+        _stores.add(store)
+        if not _registered:
+            prometheus_client.REGISTRY.register(DaskdistCollector())
+            _registered = True
+    return True

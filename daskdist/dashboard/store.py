@@ -1,0 +1,166 @@
+"""The scheduler's store of step metrics, fed by the replicas' Dask events.
+
+Replicas ship their step timings as events on topic ``daskdist-steps``
+(``{"group", "replica", "steps": [StepTiming dicts]}``) and Keras ``fit``'s
+replica 0 ships progress on ``daskdist-progress`` (``{"tag", "epoch", "step",
+"logs"}``). The scheduler plugin passes every event to ``MetricsStore.record``.
+Per group and replica the store keeps the last ``daskdist.metrics.history``
+steps, running totals and histograms of the phase times (for Prometheus), and
+the latest progress of each ``fit``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["BUCKETS", "PHASES", "GroupMetrics", "Histogram", "MetricsStore", "ReplicaMetrics"]
+
+STEP_TOPIC = "daskdist-steps"
+PROGRESS_TOPIC = "daskdist-progress"
+
+PHASES = ("total", "input_wait", "compute", "allreduce", "apply")
+BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+MAX_GROUPS = 16  # groups kept (closed ones are dropped oldest first beyond this)
+
+
+@dataclass
+class Histogram:
+    """Cumulative-able bucket counts of observed values (Prometheus-style, upper bounds ``BUCKETS``)."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(BUCKETS) + 1))
+    total: float = 0.0
+    count: int = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(BUCKETS, value)] += 1
+        self.total += value
+        self.count += 1
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """``(upper bound, cumulative count)`` pairs, ending with ``+Inf``."""
+        out, running = [], 0
+        for bound, n in zip([*map(str, BUCKETS), "+Inf"], self.counts):
+            running += n
+            out.append((bound, running))
+        return out
+
+
+@dataclass
+class ReplicaMetrics:
+    """One replica's recent steps and running totals."""
+
+    history: collections.deque
+    steps_total: int = 0
+    collectives_total: int = 0
+    bytes_total: int = 0
+    phases: dict[str, Histogram] = field(default_factory=lambda: {p: Histogram() for p in PHASES})
+
+    def add(self, step: dict) -> None:
+        self.history.append(step)
+        self.steps_total += 1
+        self.collectives_total += int(step.get("collectives", 0))
+        self.bytes_total += int(step.get("nbytes", 0))
+        for phase, histogram in self.phases.items():
+            histogram.observe(float(step.get(phase, 0.0)))
+
+    def throughput(self) -> float:
+        """Steps per second over the steps in the history (0 with fewer than two)."""
+        if len(self.history) < 2:
+            return 0.0
+        first, last = self.history[0], self.history[-1]
+        span = last["start"] + last["total"] - first["start"]
+        return len(self.history) / span if span > 0 else 0.0
+
+
+@dataclass
+class GroupMetrics:
+    """What the store knows of one replica group."""
+
+    group: str
+    history: int
+    replicas: dict[int, ReplicaMetrics] = field(default_factory=dict)
+    closed: bool = False
+    updated: float = field(default_factory=time.time)
+
+    def replica(self, rank: int) -> ReplicaMetrics:
+        metrics = self.replicas.get(rank)
+        if metrics is None:
+            metrics = self.replicas[rank] = ReplicaMetrics(collections.deque(maxlen=self.history))
+        return metrics
+
+    def throughput(self) -> float:
+        """Steps per second of the group: the slowest replica's (replicas step in lockstep)."""
+        rates = [r.throughput() for r in self.replicas.values()]
+        return min(rates) if rates else 0.0
+
+    def steps(self, last: int | None = None) -> dict[int, list[dict]]:
+        """Per replica (rank order), its most recent ``last`` steps, oldest first."""
+        out = {}
+        for rank in sorted(self.replicas):
+            history = list(self.replicas[rank].history)
+            out[rank] = history[-last:] if last else history
+        return out
+
+
+class MetricsStore:
+    """Step metrics of every group on one scheduler.
+
+    Parameters
+    ----------
+    history
+        Steps kept per replica (``daskdist.metrics.history``).
+    """
+
+    def __init__(self, history: int = 1000):
+        self.history = int(history)
+        self.groups: dict[str, GroupMetrics] = {}
+        self.progress: dict[str, dict] = {}  # fit tag -> {"epoch", "step", "logs", "time"}
+
+    def record(self, topic: str, msg: Any) -> None:
+        """Take one event (the scheduler plugin's ``log_event`` hook); other topics are ignored."""
+        if topic == STEP_TOPIC and isinstance(msg, dict):
+            group = self.group(str(msg.get("group")))
+            replica = group.replica(int(msg.get("replica", 0)))
+            for step in msg.get("steps", ()):
+                replica.add(step)
+            group.updated = time.time()
+        elif topic == PROGRESS_TOPIC and isinstance(msg, dict):
+            self.progress[str(msg.get("tag"))] = {
+                "epoch": msg.get("epoch"), "step": msg.get("step"), "logs": dict(msg.get("logs") or {}),
+                "time": time.time(),
+            }
+            while len(self.progress) > MAX_GROUPS:
+                self.progress.pop(next(iter(self.progress)))
+
+    def group(self, group_id: str) -> GroupMetrics:
+        """The metrics of ``group_id``, created on first use."""
+        group = self.groups.get(group_id)
+        if group is None:
+            group = self.groups[group_id] = GroupMetrics(group_id, self.history)
+            self._evict()
+        return group
+
+    def close_group(self, group_id: str) -> None:
+        """Mark a group closed; its metrics stay until ``MAX_GROUPS`` newer groups push them out."""
+        if group_id in self.groups:
+            self.groups[group_id].closed = True
+
+    def latest_group(self) -> GroupMetrics | None:
+        """The group that reported most recently, if any."""
+        return max(self.groups.values(), key=lambda g: g.updated, default=None)
+
+    def latest_progress(self) -> dict | None:
+        """The most recent ``fit`` progress (with its ``tag``), if any."""
+        if not self.progress:
+            return None
+        tag, entry = max(self.progress.items(), key=lambda kv: kv[1]["time"])
+        return {"tag": tag, **entry}
+
+    def _evict(self) -> None:
+        while len(self.groups) > MAX_GROUPS:
+            victims = [g for g in self.groups.values() if g.closed] or list(self.groups.values())
+            del self.groups[min(victims, key=lambda g: g.updated).group]
