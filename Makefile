@@ -22,7 +22,10 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/python examples/mnist_mirrored.py $(ARGS)
 
+# scripts/ensure_chromium.sh installs Debian's chromium for the dashboard browser test when it is missing
+# (best effort, never fails; the test skips without it)
 test: $(STAMP)
+	-bash scripts/ensure_chromium.sh
 	$(BIN)/python -m pytest tests -q
 
 bench: $(STAMP)
