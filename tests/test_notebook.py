@@ -98,7 +98,7 @@ def test_tutorial_notebook_runs(tmp_path):
     for line in ("Eval accuracy:", "Reloaded without a scope:", "Reloaded in the scope (", "Final test accuracy:"):
         assert line in text
     accuracy = float(re.findall(r"Final test accuracy: ([0-9.]+)", text)[-1])
-    assert accuracy > 0.9, text
+    assert accuracy > 0.8, text  # 3 quick epochs (the main job trains 12 and reaches 98-99%)
     reloaded = [float(a) for a in re.findall(r"Reloaded .*? eval accuracy ([0-9.]+)", text)]
     assert len(reloaded) == 2 and all(abs(a - accuracy) < 1e-3 for a in reloaded)
     # what the tutorial writes, in tutorial_output/ of the kernel's working directory
