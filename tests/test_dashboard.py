@@ -244,3 +244,27 @@ def test_no_stall_warning_in_a_normal_run(threaded_client):
         _train_steps(strategy, 5)
         time.sleep(0.6)
     assert _stall_events(threaded_client, token) == []
+
+
+def test_fit_steps_reach_the_scheduler(threaded_client):
+    """Steps run by fit (inside the replicas, not through strategy.run) are shipped too."""
+    import daskdist as dd
+    from daskdist import keras
+
+    x = np.random.default_rng(0).random((128, 4)).astype(np.float32)
+    y = (x[:, 0] > 0.5).astype(np.int64)
+    with dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=threaded_client) as strategy:
+        with strategy.scope():
+            model = keras.Sequential([keras.layers.Dense(2, input_shape=(4,))])
+            model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), optimizer="sgd")
+        model.fit(dd.data.Dataset.from_tensor_slices((x, y)).batch(32), epochs=2, verbose=0)
+        token = strategy.extended.token
+    deadline = time.monotonic() + 10
+    steps = []
+    while time.monotonic() < deadline:
+        events = [e for _, e in threaded_client.get_events("daskdist-steps") if e.get("group") == token]
+        steps = [s for e in events for s in e["steps"]]
+        if len(steps) >= 2 * 2 * 2:  # 2 epochs x 2 steps x 2 replicas
+            break
+        time.sleep(0.1)
+    assert len(steps) >= 8

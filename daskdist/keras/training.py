@@ -47,9 +47,26 @@ def _rows(x: Any) -> int:
     return int(x.shape[0]) if getattr(x, "ndim", 0) else 0
 
 
+class _RuntimeTimer:
+    """A replica's step timer whose finished steps also go to the scheduler (dashboard, /metrics)."""
+
+    def __init__(self, runtime: Any):
+        self._runtime = runtime
+        self._timer = runtime.timer
+
+    def begin(self, step: int) -> None:
+        self._timer.begin(step)
+
+    def add_apply(self, seconds: float) -> None:
+        self._timer.add_apply(seconds)
+
+    def end(self) -> None:
+        self._runtime.record_step(self._timer.end())
+
+
 def _timer() -> Any:
     runtime = context.current_runtime()
-    return runtime.timer if runtime is not None else None
+    return _RuntimeTimer(runtime) if runtime is not None else None
 
 
 def train_batches(model: Model, batches: Iterable[Any], steps: int | None, progress: ProgressFn | None) -> dict:

@@ -286,11 +286,14 @@ class ReplicaRuntime:
         try:
             return fn(*args, **kwargs)
         finally:
-            timing = self.timer.end()
-            if self._log_events:
-                self._unsent_steps.append(timing.to_dict(spans=False))
-                if time.monotonic() - self._last_event >= self._event_interval:
-                    self.flush_step_events()
+            self.record_step(self.timer.end())
+
+    def record_step(self, timing: Any) -> None:
+        """Queue a finished step's timing for the scheduler (sent in batches; loops like ``fit`` call this)."""
+        if self._log_events:
+            self._unsent_steps.append(timing.to_dict(spans=False))
+            if time.monotonic() - self._last_event >= self._event_interval:
+                self.flush_step_events()
 
     def _report_stall(self, info: dict) -> None:
         """A collective of this replica stalls (from the communicator's stall watch): tell the scheduler."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import collections
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, fields, field
 
 __all__ = ["MAX_SPANS", "StepTimer", "StepTiming"]
 
@@ -35,9 +35,10 @@ class StepTiming:
     spans: list[list] = field(default_factory=list)
 
     def to_dict(self, spans: bool = True) -> dict:
-        out = asdict(self)
-        if not spans:
-            del out["spans"]
+        """The fields as a plain dict (``spans`` copied only when asked: the hot path ships without them)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "spans"}
+        if spans:
+            out["spans"] = [list(span) for span in self.spans]
         return out
 
 
