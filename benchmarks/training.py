@@ -123,6 +123,8 @@ def part1(args: argparse.Namespace) -> dict:
     fit_cpu: list[float] = []  # per measured epoch: worker-process CPU seconds per replica-step
     with dd.MirroredStrategy(devices=CPU) as strategy:
         check_worker_settings(strategy.client)
+        worker_environment = seen_by_workers(strategy.client)
+        log(f"  worker environment: {worker_environment}")
         x, y = kp.persist_on_cluster(strategy.client, images, labels)
         dataset = kp.tutorial_pipeline(x, y, batch * strategy.num_replicas_in_sync)
         with strategy.scope():
@@ -195,6 +197,7 @@ def part1(args: argparse.Namespace) -> dict:
         "cpu_overhead": {k: med(fit_cpu) - bare[k]["cpu"] for k in bare},
         "epoch_seconds": timer.seconds[args.warmup_epochs:],
         "load": load,
+        "worker_environment": worker_environment,
     }
 
 
@@ -204,7 +207,8 @@ def print_part1(r: dict) -> None:
           f"{r['samples']} samples ({r['steps']} steps/epoch), {r['epochs']} measured epochs "
           f"({2 * r['steps'] * r['epochs']} replica-steps of fit; {b['steps']} replica-steps of each plain loop in "
           f"{b['blocks']} blocks)")
-    print(f"gradient all-reduce per step: {f['collectives']} collective(s), {f['nbytes']} bytes")
+    print(f"gradient all-reduce per step: {f['collectives']} collective(s), {f['nbytes']} bytes; "
+          f"worker environment: {r['worker_environment']}")
     rows = [
         ["fit: step total", ms(f["total"]), f"p90 {ms(f['p90_total'])}"],
         ["fit: input_wait", ms(f["input_wait"]), ""],
@@ -254,6 +258,7 @@ def part2(args: argparse.Namespace) -> dict:
         one = dd.MirroredStrategy(devices=CPU[:1], client=two.client)
         try:
             check_worker_settings(two.client)
+            log(f"  worker environment: {seen_by_workers(two.client)}")
             x, y = kp.persist_on_cluster(two.client, images, labels)
             strategies = {"1": one, "2": two}
             models, datasets, timers = {}, {}, {}
@@ -344,6 +349,9 @@ def torch_daskdist(n: int, samples: int, batch: int, epochs: int) -> list[dict]:
 
     images, labels = tp.synthetic_nchw(samples)
     with dd.MirroredStrategy(devices=CPU[:n]) as strategy:
+        seen = seen_by_workers(strategy.client)
+        if seen != env_text(worker_env()):
+            raise RuntimeError(f"the workers' environment is {seen}, expected {env_text(worker_env())}")
         chunk = samples // kp.PARTITIONS
         x, y = strategy.client.persist([da.from_array(images, chunks=(chunk, *images.shape[1:])),
                                         da.from_array(labels, chunks=chunk)])
@@ -383,6 +391,16 @@ def worker_env() -> dict[str, str | None]:
 
     cfg = dask.config.get("distributed.nanny.pre-spawn-environ") or {}
     return {k: (None if cfg.get(k) is None else str(cfg[k])) for k in ENV_KEYS}
+
+
+def seen_by_workers(client: Any) -> str:
+    """The ``ENV_KEYS`` as the workers of ``client`` see them (checked to be the same on every worker)."""
+    from training_parts import keras_parts as kp
+
+    seen = list(client.run(kp.environment, ENV_KEYS).values())
+    if any(s != seen[0] for s in seen):
+        raise RuntimeError(f"workers differ in their environment: {seen}")
+    return env_text(seen[0])
 
 
 def env_text(env: dict[str, str | None]) -> str:

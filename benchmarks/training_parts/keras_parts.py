@@ -132,6 +132,13 @@ def bare_block(batch: int, steps: int, warmup: int, seed: int, allreduce: bool =
     return out
 
 
+def environment(keys: tuple[str, ...]) -> dict:
+    """``keys`` in this process's environment (``None``: unset); run on workers with ``client.run``."""
+    import os
+
+    return {k: os.environ.get(k) for k in keys}
+
+
 def process_cpu_seconds() -> float:
     """CPU time (user + system, all threads) this process has used so far: run on workers with ``client.run``."""
     import os
