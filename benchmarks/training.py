@@ -14,10 +14,13 @@ and closes it before the next):
    per-replica batch (forward through ``model.layers``,
    ``loss.per_example``/``loss.gradient``, backward, ``optimizer.apply``, metric
    update: the calls ``daskdist/keras/training.py`` makes, without the
-   framework). Epochs are short (16 steps by default, 30 of them) so that fit
-   epochs and bare blocks alternate every second or two on this noisy machine. Overhead = median
-   fit step total - median bare step - median allreduce - median input_wait.
-   Goal: under 1 ms.
+   framework), and a control block of the same loop plus ``fit``'s all-reduce
+   call, which synchronises the replicas every step as ``fit`` does. Epochs are
+   short (16 steps by default, 20 of them) so that fit epochs and plain blocks
+   alternate every second or two on this noisy machine.
+   Overhead = median fit step total - median bare step - median allreduce -
+   median input_wait (goal: under 1 ms); also reported: fit step - input_wait -
+   control step, and the CPU time of the worker processes per step.
 2. **Scaling of the built-in layers**: samples/s of ``fit`` (the same CNN and
    pipeline, same global data, per-replica batch 64) with 1 replica
    (``devices=["/cpu:0"]``) and 2 replicas, both strategies on one 2-worker
@@ -46,7 +49,7 @@ and closes it before the next):
 
 Usage::
 
-    .venv/bin/python benchmarks/training.py            # about 7-9 minutes on 2 busy cores
+    .venv/bin/python benchmarks/training.py            # 7 to 11 minutes on 2 busy cores
     .venv/bin/python benchmarks/training.py --quick    # about 2 minutes
     .venv/bin/python benchmarks/training.py --parts 1 2
 """
