@@ -22,6 +22,7 @@ import zlib
 from typing import Any, Callable, Protocol, Sequence
 
 import cloudpickle
+import numpy as np
 import optree
 
 from daskdist import config
@@ -30,6 +31,7 @@ from daskdist.collective import algorithms
 from daskdist.collective.mailbox import Abort, MailboxTimeout
 from daskdist.collective.packing import flatten, pack, signature
 from daskdist.collective.reduction import check_dtype, combine_into
+from daskdist.collective.small_allreduce import SmallAllReduce, shared_memory_route
 from daskdist.collective.transport.base import PayloadMismatch, SendHandle, Transport
 from daskdist.exceptions import (
     CollectiveMismatchError,
@@ -234,8 +236,15 @@ class Communicator:
         self.on_stall = on_stall
         self.stall_warning = config.get_seconds("collective.stall-warning") if config.get(
             "collective.stall-warning") else 0.0
-        self.active: tuple[CollectiveCall, float] | None = None  # the collective in progress, since (monotonic)
+        self.active: tuple[Any, float] | None = None  # the collective in progress, since (monotonic)
         self._stall_watch: StallWatch | None = None
+        shm = shared_memory_route(transport, size, rank) if size > 1 else None
+        self._small = SmallAllReduce(self, shm) if shm is not None else None
+
+    def start_stall_watch(self) -> None:
+        """Start the thread that warns about collectives waiting longer than ``collective.stall-warning``."""
+        if self._stall_watch is None:
+            self._stall_watch = StallWatch(self, self.stall_warning)
 
     def close(self) -> None:
         """Stop the stall watch, if one runs."""
@@ -270,6 +279,12 @@ class Communicator:
 
     def all_reduce(self, op: ReduceOp | str, value: Any, options: CommunicationOptions | None = None) -> Any:
         """Reduce ``value`` (a nested structure of arrays) across replicas; same structure back."""
+        small = self._small
+        if small is not None and type(value) is np.ndarray:
+            plan = small.plan(op, value, options)
+            if plan is not None:
+                return small.run(plan, value)
+        call_options = options
         op = ReduceOp.from_any(op)
         options = self.options.merge(options)
         leaves, treedef, restore = flatten(value)
@@ -277,6 +292,10 @@ class Communicator:
             check_dtype(op, leaf.dtype)
         if self.size == 1:
             return optree.tree_unflatten(treedef, [back(xp_copy(leaf)) for leaf, back in zip(leaves, restore)])
+        if small is not None and treedef.num_nodes == 1 and len(leaves) == 1 and isinstance(leaves[0], np.ndarray):
+            plan = small.plan(op, leaves[0], call_options)  # a number, a numpy scalar, a CPU DLPack tensor
+            if plan is not None:
+                return optree.tree_unflatten(treedef, [restore[0](small.run(plan, leaves[0]))])
         num_packs = self.algorithm.num_packs
         detail = f"{op.name} packs={options.bytes_per_pack}/{num_packs} {options.implementation.name}"
         sig = signature("all_reduce", detail, leaves, treedef)
@@ -421,7 +440,7 @@ class Communicator:
         start = time.perf_counter()
         call = CollectiveCall(self, kind, sig, time.monotonic() + timeout, timeout)
         if self.stall_warning > 0 and self._stall_watch is None:
-            self._stall_watch = StallWatch(self, self.stall_warning)
+            self.start_stall_watch()
         self.active = (call, time.monotonic())
         try:
             result = body(call)

@@ -40,6 +40,7 @@ from daskdist.collective.transport.base import (
 )
 from daskdist.collective.transport.framing import (
     ARRAY,
+    HEADER,
     decode,
     describe_payload,
     dtype_text,
@@ -56,6 +57,8 @@ logger = logging.getLogger(__name__)
 _SLOTS = 4
 _CONTROL_BYTES = 128  # write counter at 0, read counter at 64 (separate cache lines)
 _HEADER_BYTES = 1024
+_EXTRA_OFFSET = 256  # within a slot's header area: optional extra bytes (a signature), length-prefixed
+_EXTRA_MAX = _HEADER_BYTES - _EXTRA_OFFSET - 2
 
 
 def segment_name(group_id: str, src: int, dst: int) -> str:
@@ -135,10 +138,15 @@ class ShmChannel:
         counters = self._counters
         return counters[0] - counters[8] < _SLOTS
 
-    def write(self, tag: Tag, kind: int, dtype: str, shape: tuple, total: int, offset: int, piece: np.ndarray) -> None:
-        """Write one piece into the next slot (the caller waited for ``can_write``)."""
+    def write(self, tag: Tag, kind: int, dtype: str, shape: tuple, total: int, offset: int, piece: np.ndarray,
+              extra: bytes = b"") -> None:
+        """Write one piece into the next slot (the caller waited for ``can_write``).
+
+        ``extra``: up to ``_EXTRA_MAX`` bytes kept beside the header (``extra`` reads them back).
+        """
         base = (self._counters[0] % _SLOTS) * self.slot_stride
         pack_header(self._raw, base, tag, kind, dtype, shape, total, offset, piece.nbytes)
+        self._write_extra(base, extra)
         start = base + _HEADER_BYTES
         if piece.nbytes > 65536:
             np.copyto(self._data[start : start + piece.nbytes], piece.reshape(-1).view(np.uint8))
@@ -146,7 +154,37 @@ class ShmChannel:
             self._raw[start : start + piece.nbytes] = memoryview(piece.reshape(-1).view(np.uint8))
         self._counters[0] += 1  # x86-64 keeps stores in order: the piece is visible before the count
 
+    def write_packed(self, header: tuple, extra: bytes, data: memoryview) -> None:
+        """Write a one-piece message whose ``HEADER`` fields are ready (the small all-reduce lane).
+
+        The caller waited for ``can_write``; ``data`` is at most one slot.
+        """
+        base = (self._counters[0] % _SLOTS) * self.slot_stride
+        HEADER.pack_into(self._raw, base, *header)
+        self._write_extra(base, extra)
+        start = base + _HEADER_BYTES
+        self._raw[start : start + len(data)] = data
+        self._counters[0] += 1
+
+    def _write_extra(self, base: int, extra: bytes) -> None:
+        at = base + _EXTRA_OFFSET
+        length = min(len(extra), _EXTRA_MAX)
+        self._raw[at : at + 2] = length.to_bytes(2, "little")
+        if length:
+            self._raw[at + 2 : at + 2 + length] = extra[:length]
+
     # -- receiver side -------------------------------------------------------------
+
+    def peek_fields(self) -> tuple[tuple, int]:
+        """The raw ``HEADER`` fields of the oldest unread piece and where its data starts in ``raw``."""
+        base = (self._counters[8] % _SLOTS) * self.slot_stride
+        return HEADER.unpack_from(self._raw, base), base + _HEADER_BYTES
+
+    def extra(self) -> bytes:
+        """The extra bytes written with the oldest unread piece."""
+        at = (self._counters[8] % _SLOTS) * self.slot_stride + _EXTRA_OFFSET
+        length = int.from_bytes(self._raw[at : at + 2], "little")
+        return bytes(self._raw[at + 2 : at + 2 + length])
 
     def can_read(self) -> bool:
         counters = self._counters
@@ -229,12 +267,13 @@ class ShmTransport(Transport):
                                                        create=False)
         return channel
 
-    def send(self, dst: int, tag: Tag, payload: Any) -> SendHandle:
+    def send(self, dst: int, tag: Tag, payload: Any, extra: bytes = b"") -> SendHandle:
+        """Send ``payload`` to ``dst``; ``extra`` (a few hundred bytes) travels beside each piece's header."""
         channel = self._channel_to(dst)
         kind, data = encode(payload)
         # Write inline only when nothing for ``dst`` is still queued: one writer per channel, in order.
         if not self._queued.get(dst) and data.nbytes <= self.slot_bytes and channel.can_write():
-            channel.write(tag, kind, *describe_payload(kind, payload), data.nbytes, 0, data)
+            channel.write(tag, kind, *describe_payload(kind, payload), data.nbytes, 0, data, extra)
             return CompletedSend()
         handle = _ThreadedSend()
         with self._queued_lock:
@@ -242,17 +281,29 @@ class ShmTransport(Transport):
         if self._sender is None:
             self._sender = threading.Thread(target=self._send_loop, name=f"daskdist-shm-send-{self.rank}", daemon=True)
             self._sender.start()
-        self._sends.put((dst, tag, payload, handle, tag[0]))
+        self._sends.put((dst, tag, payload, handle, tag[0], extra))
         return handle
+
+    def try_send_inline(self, dst: int, header: tuple, extra: bytes, data: memoryview) -> bool:
+        """Write a one-piece message with ready ``HEADER`` fields now, if ``dst``'s channel has room.
+
+        Returns ``False`` (nothing written) when the channel is full or earlier
+        sends to ``dst`` are still queued; the caller then uses ``send``.
+        """
+        channel = self._channel_to(dst)
+        if self._queued.get(dst) or len(data) > self.slot_bytes or not channel.can_write():
+            return False
+        channel.write_packed(header, extra, data)
+        return True
 
     def _send_loop(self) -> None:
         while True:
             item = self._sends.get()
             if item is None:
                 return
-            dst, tag, payload, handle, run_id = item
+            dst, tag, payload, handle, run_id, extra = item
             try:
-                self._write_pieces(self._outbound[dst], tag, payload, run_id)
+                self._write_pieces(self._outbound[dst], tag, payload, run_id, extra)
             except BaseException as e:
                 handle.error = e
             finally:
@@ -260,7 +311,7 @@ class ShmTransport(Transport):
                     self._queued[dst] -= 1
             handle.done.set()
 
-    def _write_pieces(self, channel: ShmChannel, tag: Tag, payload: Any, run_id: int) -> None:
+    def _write_pieces(self, channel: ShmChannel, tag: Tag, payload: Any, run_id: int, extra: bytes = b"") -> None:
         kind, data = encode(payload)
         total = data.nbytes
         flat = data.reshape(-1).view(np.uint8)
@@ -276,7 +327,7 @@ class ShmTransport(Transport):
         while True:
             piece = flat[offset : offset + self.slot_bytes]
             _backoff_wait(channel.can_write, deadline, check)
-            channel.write(tag, kind, dtype, shape, total, offset, piece)
+            channel.write(tag, kind, dtype, shape, total, offset, piece, extra)
             offset += piece.nbytes
             if offset >= total:
                 return

@@ -1,0 +1,274 @@
+"""The latency path: all-reduce of one small array among replicas that share a host.
+
+A training step's small all-reduces (a loss, a metric, a batch-norm
+statistic) are dominated by per-call work, not by bytes. When every peer of
+a replica is reached through shared memory and the value is one contiguous
+array of at most ``daskdist.collective.small-message-bytes``, ``all_reduce``
+takes this lane instead of the general machinery (flatten, pack, a separate
+signature message, a ``CollectiveCall``):
+
+* a plan per (op, shape, dtype) is built once and holds the signature, the
+  ready header fields and the ufunc;
+* each replica writes its array once into each peer's channel, with its
+  signature beside the header (no separate signature message), and reduces
+  the peers' arrays straight from the channel slots in rank order, so every
+  replica gets bit-identical results, exactly as ``allreduce_direct``;
+* a peer that passed something else is detected from the first message of
+  the same collective (its signature, or the general path's signature
+  message), and every replica raises ``CollectiveMismatchError``; timeouts,
+  aborts and stall warnings behave as on the general path.
+
+Both lanes give the same results; replicas that disagree about the lane
+disagree about the signature, which is what the mismatch check catches.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from daskdist.collective.mailbox import MailboxTimeout
+from daskdist.collective.packing import signature
+from daskdist.collective.reduction import check_dtype, finalize
+from daskdist.collective.transport.framing import ARRAY, MAX_NDIM, TEXT, decode, dtype_text
+from daskdist.collective.transport.shm import ShmTransport, _backoff_wait
+from daskdist.exceptions import CollectiveMismatchError, CollectiveTimeoutError
+from daskdist.ops import CommunicationImplementation, CommunicationOptions, ReduceOp
+
+if TYPE_CHECKING:
+    from daskdist.collective.communicator import Communicator
+
+__all__ = ["SmallAllReduce", "shared_memory_route"]
+
+_UFUNC_NAMES = {ReduceOp.SUM: "add", ReduceOp.MEAN: "add", ReduceOp.MAX: "maximum", ReduceOp.MIN: "minimum",
+                ReduceOp.PRODUCT: "multiply"}
+_PLANS_KEPT = 1024
+
+
+def shared_memory_route(transport: Any, size: int, rank: int) -> ShmTransport | None:
+    """The shared-memory transport that reaches every peer, or ``None`` if some peer is reached otherwise."""
+    routes = getattr(transport, "routes", None)
+    if isinstance(transport, ShmTransport):
+        return transport
+    if not routes or len(routes) != size - 1:
+        return None
+    first = routes.get((rank + 1) % size)
+    if isinstance(first, ShmTransport) and all(t is first for t in routes.values()):
+        return first
+    return None
+
+
+class _Plan:
+    """Everything about one (op, shape, dtype) that does not change between calls."""
+
+    __slots__ = ("op", "sig", "sig_bytes", "name", "name_field", "header_tail", "ufunc", "nbytes", "sent_bytes",
+                 "dtype", "shape", "timeout")
+
+    def __init__(self, op: ReduceOp, sig: str, rank: int, value: np.ndarray, size: int, timeout: float | None):
+        self.op = op
+        self.timeout = timeout
+        self.sig = sig
+        self.sig_bytes = sig.encode()
+        self.name = f"small#{zlib.crc32(self.sig_bytes):08x}"
+        self.name_field = self.name.encode().ljust(40, b"\0")
+        dims = tuple(value.shape) + (0,) * (MAX_NDIM - value.ndim)
+        self.nbytes = value.nbytes
+        self.sent_bytes = value.nbytes * (size - 1)
+        self.header_tail = (rank, self.name_field, ARRAY, value.nbytes, 0, value.nbytes, value.ndim, *dims,
+                            dtype_text(value.dtype).encode())
+        if value.dtype.kind == "b" and op in (ReduceOp.SUM, ReduceOp.PRODUCT):
+            self.ufunc = np.logical_or if op is ReduceOp.SUM else np.logical_and
+        else:
+            self.ufunc = getattr(np, _UFUNC_NAMES[op])
+        self.dtype = value.dtype
+        self.shape = value.shape
+
+
+class _LaneCall:
+    """What timeouts, stall warnings and status probes need to know about a collective in progress."""
+
+    __slots__ = ("kind", "run_id", "seq", "timeout")
+
+    def __init__(self, run_id: int, seq: int, timeout: float):
+        self.kind = "all_reduce"
+        self.run_id = run_id
+        self.seq = seq
+        self.timeout = timeout
+
+
+class SmallAllReduce:
+    """The one-hop shared-memory all-reduce of one small array (see the module docstring).
+
+    Parameters
+    ----------
+    comm
+        The replica's communicator (rank, size, run and collective numbers, aborts).
+    shm
+        The shared-memory transport that reaches every peer.
+    """
+
+    def __init__(self, comm: Communicator, shm: ShmTransport):
+        self.comm = comm
+        self.shm = shm
+        self.limit = comm.small_message_bytes
+        self._plans: dict[tuple, _Plan | None] = {}
+
+    def plan(self, op: Any, value: np.ndarray, options: CommunicationOptions | None) -> _Plan | None:
+        """The plan for ``value``, or ``None`` when the general path must take it.
+
+        Whether this lane is taken depends only on what the signature says
+        (op, shape, dtype, options, the group's algorithm), so replicas that
+        agree on the signature agree on the lane.
+        """
+        key = (op, value.shape, value.dtype, options)
+        try:
+            return self._plans[key]
+        except KeyError:
+            pass
+        plan = self._make_plan(op, value, options)
+        if len(self._plans) >= _PLANS_KEPT:
+            self._plans.clear()
+        self._plans[key] = plan
+        return plan
+
+    def _make_plan(self, op: Any, value: np.ndarray, call_options: CommunicationOptions | None) -> _Plan | None:
+        comm = self.comm
+        if not (0 < value.nbytes <= self.limit) or value.ndim > MAX_NDIM or value.dtype.hasobject:
+            return None
+        try:
+            options = comm.options.merge(call_options)
+            reduce_op = ReduceOp.from_any(op)
+            check_dtype(reduce_op, value.dtype)
+        except (TypeError, ValueError, KeyError, AttributeError):
+            return None  # the general path raises the error
+        algorithm = comm.algorithm.name
+        if algorithm not in ("auto", "direct"):
+            return None
+        if options.implementation is not CommunicationImplementation.AUTO and algorithm != "direct":
+            return None
+        detail = f"{reduce_op.name} packs={options.bytes_per_pack}/{comm.algorithm.num_packs} {options.implementation.name}"
+        sig = signature("all_reduce", detail, [value], _SINGLE_LEAF)
+        return _Plan(reduce_op, sig, comm.rank, value, comm.size, options.timeout_seconds)
+
+    def run(self, plan: _Plan, value: np.ndarray) -> np.ndarray:
+        """All-reduce ``value`` with ``plan``; the result is a new array."""
+        comm = self.comm
+        mailbox = self.shm.mailbox
+        run_id = comm.run_id
+        mailbox.check(run_id)
+        if not value.flags.c_contiguous:
+            value = np.ascontiguousarray(value)
+        comm.seq += 1
+        seq = comm.seq
+        timeout = plan.timeout or comm.default_timeout
+        call = _LaneCall(run_id, seq, timeout)
+        comm.current_kind = "all_reduce"
+        start = time.perf_counter()
+        now = time.monotonic()
+        comm.active = (call, now)
+        if comm.stall_warning > 0 and comm._stall_watch is None:
+            comm.start_stall_watch()
+        try:
+            result = self._exchange(plan, value, run_id, seq, now + timeout, call)
+        except Exception as e:
+            comm.abort_run(e)
+            raise
+        finally:
+            comm.active = None
+            comm.current_kind = None
+        if comm.on_collective is not None:
+            comm.on_collective("all_reduce", time.perf_counter() - start, plan.sent_bytes)
+        return result
+
+    def _exchange(self, plan: _Plan, value: np.ndarray, run_id: int, seq: int, deadline: float,
+                  call: _LaneCall) -> np.ndarray:
+        comm, shm = self.comm, self.shm
+        rank, size = comm.rank, comm.size
+        header = (run_id, seq, *plan.header_tail)
+        raw = value.reshape(-1).view(np.uint8)
+        handles = []
+        for k in range(1, size):
+            dst = (rank + k) % size
+            if not shm.try_send_inline(dst, header, plan.sig_bytes, raw):
+                handles.append(shm.send(dst, (run_id, seq, rank, plan.name), value, plan.sig_bytes))
+        result = np.empty(plan.shape, plan.dtype)
+        ufunc = plan.ufunc
+        pending: np.ndarray | None = None  # rank 0's own array, not yet combined
+        for r in range(size):
+            if r == rank:
+                if r == 0:
+                    pending = value
+                else:
+                    ufunc(result, value, out=result)
+                continue
+            incoming, release = self._receive(plan, r, run_id, seq, deadline, call)
+            if r == 0:
+                np.copyto(result, incoming)
+            elif pending is not None:
+                ufunc(pending, incoming, out=result)
+                pending = None
+            else:
+                ufunc(result, incoming, out=result)
+            if release is not None:
+                release()
+        finalize(plan.op, result, size)
+        for handle in handles:
+            handle.wait(deadline)
+        return result
+
+    def _receive(self, plan: _Plan, src: int, run_id: int, seq: int, deadline: float,
+                 call: _LaneCall) -> tuple[np.ndarray, Any]:
+        """``src``'s array for collective ``seq`` (a view into its channel) and how to free the slot."""
+        shm = self.shm
+        if shm._stash:
+            stashed = shm._stash.pop((src, (run_id, seq, src, plan.name)), None)
+            if stashed is not None:
+                if getattr(stashed, "nbytes", None) != plan.nbytes:
+                    self._mismatch(call, src, plan, "a different payload")
+                return stashed.view(plan.dtype).reshape(plan.shape), None
+        channel = shm._inbound[src]
+        mailbox = shm.mailbox
+        while True:
+            if not channel.can_read():
+                try:
+                    _backoff_wait(channel.can_read, deadline, lambda: mailbox.check(run_id))
+                except MailboxTimeout:
+                    raise CollectiveTimeoutError(self.comm.describe_timeout(call, src)) from None
+            fields, start = channel.peek_fields()
+            if fields[0] == run_id and fields[1] == seq and fields[2] == src:
+                if fields[3] == plan.name_field:
+                    data = channel._data[start : start + plan.nbytes]
+                    return data.view(plan.dtype).reshape(plan.shape), channel.release
+                self._mismatch(call, src, plan, self._peer_signature(channel, fields, start))
+            if fields[0] < mailbox.current_run:
+                channel.release()  # left over from an aborted run
+                continue
+            header, data = channel.peek()
+            shm._stash_message(src, header, data)
+
+    @staticmethod
+    def _peer_signature(channel: Any, fields: tuple, start: int) -> str:
+        """What the peer passed, from its message of the same collective."""
+        name = fields[3].rstrip(b"\0").decode()
+        if name == "sig" and fields[4] == TEXT and fields[7] == fields[5]:
+            return decode(TEXT, "", (), channel._data[start : start + fields[7]])
+        text = channel.extra().decode(errors="replace")
+        return text or f"a different collective ({name})"
+
+    def _mismatch(self, call: _LaneCall, src: int, plan: _Plan, peer_sig: str) -> None:
+        raise CollectiveMismatchError(
+            f"all_reduce #{call.seq} of run {call.run_id}: the replicas passed different values; "
+            f"replica {src} passed {peer_sig!r} but replica {self.comm.rank} passed {plan.sig!r}"
+        )
+
+
+def _single_leaf_treedef() -> Any:
+    import optree
+
+    return optree.tree_flatten(np.zeros(0), none_is_leaf=False)[1]
+
+
+_SINGLE_LEAF = _single_leaf_treedef()

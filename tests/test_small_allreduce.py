@@ -1,0 +1,124 @@
+"""The shared-memory latency lane for small all-reduces, on real clusters.
+
+Results, bit-identity and every failure mode of the general path must hold on
+this lane too, including when replicas disagree about which lane to take.
+"""
+
+from __future__ import annotations
+
+import time
+
+import dask
+import numpy as np
+import pytest
+
+import daskdist as dd
+
+SHM = {"daskdist.collective.transport": "shm"}
+
+
+def _by_replica(strategy, out) -> list[tuple]:
+    """A ``strategy.run`` result that is a tuple of ``PerReplica`` values, as one tuple per replica."""
+    return list(zip(*(strategy.experimental_local_results(v) for v in out)))
+
+
+def _lane_plans(strategy, client) -> list[int]:
+    """How many lane plans each replica holds (0: the lane was never taken)."""
+    token = strategy.extended.token
+
+    def count(dask_worker):
+        return [len(runtime.communicator._small._plans) if runtime.communicator._small else -1
+                for (group, _), runtime in dask_worker.extensions["daskdist"].replicas.items() if group == token]
+
+    return [n for part in client.run(count).values() for n in part]
+
+
+def test_small_arrays_take_the_lane_and_match_numpy_bit_for_bit(threaded_client):
+    with dask.config.set(SHM), dd.MirroredStrategy(client=threaded_client) as strategy:
+
+        def fn():
+            ctx = dd.get_replica_context()
+            rank = ctx.replica_id_in_sync_group
+            rng = np.random.default_rng(rank)
+            x = rng.standard_normal(1000).astype(np.float32)
+            got = [ctx.all_reduce("SUM", x) for _ in range(3)]
+            mean = ctx.all_reduce(dd.ReduceOp.MEAN, np.float64(rank))
+            return got[0], got[2], mean
+
+        out = _by_replica(strategy, strategy.run(fn))
+        inputs = [np.random.default_rng(r).standard_normal(1000).astype(np.float32) for r in range(3)]
+        want = (inputs[0] + inputs[1]) + inputs[2]  # rank order, as every replica reduces
+        for first, third, mean in out:
+            assert first.tobytes() == want.tobytes() and third.tobytes() == want.tobytes()
+            assert float(mean) == 1.0
+        assert all(n >= 2 for n in _lane_plans(strategy, threaded_client))
+
+
+def test_replicas_that_agree_on_the_signature_agree_on_the_lane(threaded_client):
+    """Contiguous or not, a number or a 0-d array, options or none: same signature, same results."""
+    with dask.config.set(SHM), dd.MirroredStrategy(client=threaded_client) as strategy:
+
+        def fn():
+            ctx = dd.get_replica_context()
+            rank = ctx.replica_id_in_sync_group
+            base = np.arange(20.0).reshape(4, 5)
+            x = base.T.copy() if rank == 0 else np.ascontiguousarray(base.T).T.T  # same values
+            if rank == 1:
+                x = base.T  # a non-contiguous view
+            a = ctx.all_reduce("SUM", x, dd.CommunicationOptions() if rank == 2 else None)
+            b = ctx.all_reduce("SUM", 2.0 if rank == 0 else np.array(2.0))
+            return a, b
+
+        out = _by_replica(strategy, strategy.run(fn))
+        for a, b in out:
+            assert np.array_equal(a, 3 * np.arange(20.0).reshape(4, 5).T)
+            assert float(b) == 6.0
+
+
+@pytest.mark.parametrize(
+    "make, fragment",
+    [
+        (lambda r: np.ones(100_000 if r == 1 else 3, np.float32), "float32[100000]"),
+        (lambda r: np.ones(3, np.float32 if r != 2 else np.int32), "int32[3]"),
+        (lambda r: np.ones(3) if r != 0 else [np.ones(3)], "PyTreeSpec([*])"),
+    ],
+    ids=["lane-vs-ring", "dtype", "structure"],
+)
+def test_a_mismatch_across_lanes_raises_on_every_replica(threaded_client, make, fragment):
+    with dask.config.set(SHM), dd.MirroredStrategy(client=threaded_client) as strategy:
+
+        def fn():
+            ctx = dd.get_replica_context()
+            try:
+                ctx.all_reduce("SUM", make(ctx.replica_id_in_sync_group), dd.CommunicationOptions(timeout_seconds=60))
+            except dd.CollectiveError as e:
+                return f"{type(e).__name__}: {e}"
+            return "no error"
+
+        start = time.monotonic()
+        results = strategy.experimental_local_results(strategy.run(fn))
+        assert time.monotonic() - start < 10
+        assert all(r.startswith(("CollectiveMismatchError", "CollectiveAbortedError")) for r in results), results
+        assert any(r.startswith("CollectiveMismatchError") and fragment in r for r in results), results
+        # the group is still usable afterwards
+        ok = strategy.run(lambda: dd.get_replica_context().all_reduce("SUM", np.ones(2)))
+        assert all(v.tolist() == [3.0, 3.0] for v in strategy.experimental_local_results(ok))
+
+
+def test_a_replica_that_never_joins_times_out_naming_it(threaded_client):
+    with dask.config.set(SHM), dd.MirroredStrategy(client=threaded_client) as strategy:
+
+        def fn():
+            ctx = dd.get_replica_context()
+            if ctx.replica_id_in_sync_group == 1:
+                return "skipped"
+            try:
+                ctx.all_reduce("SUM", np.ones(4), dd.CommunicationOptions(timeout_seconds=1))
+            except dd.CollectiveError as e:
+                return f"{type(e).__name__}: {e}"
+            return "no error"
+
+        results = strategy.experimental_local_results(strategy.run(fn))
+        assert results[1] == "skipped"
+        timeouts = [r for r in results if r.startswith("CollectiveTimeoutError")]
+        assert timeouts and all("replica 1" in r for r in timeouts), results
