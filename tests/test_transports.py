@@ -234,7 +234,7 @@ class TestShmChannels:
 
         def receive():
             out = np.ones_like(data)
-            t1.recv_into(0, (1, 1, 0, "x"), time.monotonic() + 20, out, lambda a, b: np.add(a, b, out=a))
+            t1.recv_into(0, (1, 1, 0, "x"), time.monotonic() + 20, out, lambda a, b, base: np.add(a, b, out=a))
             result["sum"] = out
             result["obj"] = t1.recv(0, (1, 1, 0, "o"), time.monotonic() + 20)
 

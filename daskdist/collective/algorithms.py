@@ -59,30 +59,35 @@ def allreduce_direct(call: CollectiveCall, buf: Any, op: ReduceOp) -> Any:
     return result
 
 
-def allreduce_ring(call: CollectiveCall, buf: Any, op: ReduceOp) -> Any:
-    """Ring reduce-scatter then ring all-gather, in place in ``buf``.
+def allreduce_ring(call: CollectiveCall, buf: Any, op: ReduceOp, out: Any = None) -> Any:
+    """Ring reduce-scatter then ring all-gather, in place in ``buf`` or into ``out``.
 
     Each rank sends ``2 (size - 1) / size`` of the buffer: bandwidth-optimal for
     large messages. Chunk ``(rank + 1) % size`` is finished on ``rank``, then
     circulated, so all ranks hold identical bits. Incoming chunks are reduced
-    piece by piece as the transport delivers them.
+    piece by piece as the transport delivers them, each step sending and
+    receiving at once (``sendrecv``).
+
+    With ``out`` (same shape as ``buf``), ``buf`` is only read: the first step
+    sends from it and every chunk's first reduction writes ``buf op incoming``
+    into ``out``, so the caller's array needs no copy.
     """
     size, rank = call.size, call.rank
     xp = namespace(buf)
-    chunks = xp.array_split(buf, size)
+    target = buf if out is None else out
+    chunks = xp.array_split(target, size)
+    sources = chunks if out is None else xp.array_split(buf, size)
     right, left = (rank + 1) % size, (rank - 1) % size
     for step in range(size - 1):
         send_index, recv_index = (rank - step) % size, (rank - step - 1) % size
-        handle = call.send(right, f"rs{step}", chunks[send_index])
-        call.recv_into(left, f"rs{step}", chunks[recv_index], op)
-        call.wait(handle)
+        outgoing = sources[send_index] if step == 0 else chunks[send_index]
+        call.sendrecv(right, outgoing, left, f"rs{step}", chunks[recv_index], op,
+                      None if out is None else sources[recv_index])
     finalize(op, chunks[(rank + 1) % size], size)
     for step in range(size - 1):
         send_index, recv_index = (rank + 1 - step) % size, (rank - step) % size
-        handle = call.send(right, f"ag{step}", chunks[send_index])
-        call.recv_into(left, f"ag{step}", chunks[recv_index], None)
-        call.wait(handle)
-    return buf
+        call.sendrecv(right, chunks[send_index], left, f"ag{step}", chunks[recv_index], None)
+    return target
 
 
 def reducescatter_ring(call: CollectiveCall, buf: Any, op: ReduceOp, bounds: Sequence[int]) -> Any:
@@ -95,9 +100,7 @@ def reducescatter_ring(call: CollectiveCall, buf: Any, op: ReduceOp, bounds: Seq
     right, left = (rank + 1) % size, (rank - 1) % size
     for step in range(size - 1):
         send_index, recv_index = (rank - step - 1) % size, (rank - step - 2) % size
-        handle = call.send(right, f"rsc{step}", chunks[send_index])
-        call.recv_into(left, f"rsc{step}", chunks[recv_index], op)
-        call.wait(handle)
+        call.sendrecv(right, chunks[send_index], left, f"rsc{step}", chunks[recv_index], op)
     finalize(op, chunks[rank], size)
     return chunks[rank]
 
@@ -118,8 +121,12 @@ class SubCall:
     def recv(self, src: int, name: str, expect: int | None = None) -> Any:
         return self.call.recv(self.ranks[src], self.prefix + name, expect)
 
-    def recv_into(self, src: int, name: str, out: Any, op: ReduceOp | None) -> None:
-        self.call.recv_into(self.ranks[src], self.prefix + name, out, op)
+    def recv_into(self, src: int, name: str, out: Any, op: ReduceOp | None, base: Any = None) -> None:
+        self.call.recv_into(self.ranks[src], self.prefix + name, out, op, base)
+
+    def sendrecv(self, dst: int, payload: Any, src: int, name: str, out: Any, op: ReduceOp | None,
+                 base: Any = None) -> None:
+        self.call.sendrecv(self.ranks[dst], payload, self.ranks[src], self.prefix + name, out, op, base)
 
     def wait(self, handle: Any) -> None:
         self.call.wait(handle)

@@ -28,6 +28,7 @@ import optree
 from daskdist import config
 from daskdist.arrays import describe, namespace
 from daskdist.collective import algorithms
+from daskdist.collective.buffers import BufferPool
 from daskdist.collective.mailbox import Abort, MailboxTimeout
 from daskdist.collective.packing import flatten, pack, signature
 from daskdist.collective.reduction import check_dtype, combine_into
@@ -137,12 +138,29 @@ class CollectiveCall:
             )
         return payload
 
-    def recv_into(self, src: int, name: str, out: Any, op: ReduceOp | None) -> None:
-        """Receive ``src``'s array and combine it into ``out`` with ``op`` (``None``: copy)."""
+    def recv_into(self, src: int, name: str, out: Any, op: ReduceOp | None, base: Any = None) -> None:
+        """Receive ``src``'s array and combine it into ``out`` with ``op`` (``None``: copy).
+
+        ``base``: combine out of place, ``out = base op incoming``.
+        """
         self.check_signature()
-        combine = None if op is None else (lambda acc, part: combine_into(op, acc, part))
         try:
-            self.comm.transport.recv_into(src, self._tag(src, self.part + name), self.deadline, out, combine)
+            self.comm.transport.recv_into(src, self._tag(src, self.part + name), self.deadline, out,
+                                          _combiner(op), base)
+        except PayloadMismatch as e:
+            self.mismatch(f"replica {src} sent {e.got} elements where replica {self.rank} expected {e.expected}")
+        except MailboxTimeout:
+            raise CollectiveTimeoutError(self.comm.describe_timeout(self, src)) from None
+
+    def sendrecv(self, dst: int, payload: Any, src: int, name: str, out: Any, op: ReduceOp | None,
+                 base: Any = None) -> None:
+        """Send ``payload`` to ``dst`` and receive ``src``'s array into ``out`` (as ``recv_into``), both under ``name``."""
+        self.check_signature()
+        self.nbytes += getattr(payload, "nbytes", 0)
+        transport = self.comm.transport
+        try:
+            transport.sendrecv(dst, self._tag(self.rank, self.part + name), payload, src,
+                               self._tag(src, self.part + name), self.deadline, out, _combiner(op), base)
         except PayloadMismatch as e:
             self.mismatch(f"replica {src} sent {e.got} elements where replica {self.rank} expected {e.expected}")
         except MailboxTimeout:
@@ -238,6 +256,7 @@ class Communicator:
             "collective.stall-warning") else 0.0
         self.active: tuple[Any, float] | None = None  # the collective in progress, since (monotonic)
         self._stall_watch: StallWatch | None = None
+        self.buffers = BufferPool()  # result buffers of large all-reduces, reused once the caller drops them
         shm = shared_memory_route(transport, size, rank) if size > 1 else None
         self._small = SmallAllReduce(self, shm) if shm is not None else None
 
@@ -299,12 +318,13 @@ class Communicator:
         num_packs = self.algorithm.num_packs
         detail = f"{op.name} packs={options.bytes_per_pack}/{num_packs} {options.implementation.name}"
         sig = signature("all_reduce", detail, leaves, treedef)
-        packed = pack(leaves, treedef, restore, options.bytes_per_pack, num_packs)
+        packed = pack(leaves, treedef, restore, options.bytes_per_pack, num_packs, borrow=True,
+                      allocate=self.buffers.empty)
 
         def run(call: CollectiveCall) -> Any:
             for index, p in enumerate(packed.packs):
                 call.part = f"p{index}/"
-                p.buffer = self._allreduce_buffer(call, p.buffer, op, options)
+                p.buffer = self._allreduce_buffer(call, p.buffer, op, options, p.borrowed)
             return packed.unpack()
 
         return self._collective("all_reduce", sig, options, run)
@@ -415,8 +435,13 @@ class Communicator:
 
     # -- machinery -------------------------------------------------------------
 
-    def _allreduce_buffer(self, call: CollectiveCall, buf: Any, op: ReduceOp, options: CommunicationOptions) -> Any:
+    def _allreduce_buffer(self, call: CollectiveCall, buf: Any, op: ReduceOp, options: CommunicationOptions,
+                          borrowed: bool = False) -> Any:
+        """All-reduce one flat pack; ``borrowed``: ``buf`` is the caller's array, the result goes to a new one."""
         algorithm = self.algorithm
+        in_place = borrowed and algorithm.name in ("reduce_to_one", "hierarchical")
+        if in_place or (borrowed and buf.size == 0):
+            buf = xp_copy(buf)  # these algorithms work in place
         if algorithm.name == "reduce_to_one":
             return algorithms.allreduce_reduce_to_one(call, buf, op, algorithm.root, algorithm.accumulation_fn)
         if buf.size == 0:
@@ -429,8 +454,13 @@ class Communicator:
         if not forced_ring and buf.nbytes <= self.small_message_bytes:
             return algorithms.allreduce_direct(call, buf, op)
         if not forced_ring and self.multi_host:
+            if borrowed:
+                buf = xp_copy(buf)
             return algorithms.allreduce_hierarchical(call, buf, op, self.hosts)
-        return algorithms.allreduce_ring(call, buf, op)
+        out = None
+        if borrowed:
+            out = self.buffers.empty_like(buf) if isinstance(buf, np.ndarray) else namespace(buf).empty_like(buf)
+        return algorithms.allreduce_ring(call, buf, op, out)
 
     def _collective(self, kind: str, sig: str, options: CommunicationOptions, body: Callable[[CollectiveCall], Any]) -> Any:
         self.transport.mailbox.check(self.run_id)
@@ -528,6 +558,13 @@ class StallWatch:
                     self.comm.report_stall(call, waited)
                 except Exception as e:  # a warning must never break the replica
                     logger.debug("Stall report failed: %s", e)
+
+
+def _combiner(op: ReduceOp | None) -> Callable[[Any, Any, Any], None] | None:
+    """The transport's ``combine`` for ``op`` (``None``: copy)."""
+    if op is None:
+        return None
+    return lambda acc, part, base: combine_into(op, acc, part, base)
 
 
 def xp_copy(leaf: Any) -> Any:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
 import optree
 
 from daskdist.arrays import as_array, describe, namespace
@@ -64,6 +65,7 @@ class Pack:
 
     indices: list[int]
     buffer: Any
+    borrowed: bool = False  # ``buffer`` is the caller's own memory (one leaf, no copy): read it, never write it
 
 
 @dataclass
@@ -93,7 +95,8 @@ class PackedStructure:
         return optree.tree_unflatten(self.treedef, leaves)
 
 
-def pack(leaves: list[Any], treedef: Any, restore: list, bytes_per_pack: int = 0, num_packs: int = 1) -> PackedStructure:
+def pack(leaves: list[Any], treedef: Any, restore: list, bytes_per_pack: int = 0, num_packs: int = 1,
+         borrow: bool = False, allocate: Callable[[int, Any], Any] | None = None) -> PackedStructure:
     """Copy ``leaves`` into packs grouped by dtype and device.
 
     Parameters
@@ -104,6 +107,13 @@ def pack(leaves: list[Any], treedef: Any, restore: list, bytes_per_pack: int = 0
         Split each dtype group into this many packs of about equal size
         (``NcclAllReduce(num_packs=...)``); ``0`` puts every leaf in its own
         pack; ignored when ``bytes_per_pack`` is set.
+    borrow
+        A pack of one contiguous leaf is a flat view of the caller's array
+        (``Pack.borrowed``) instead of a copy; the collective must then write
+        its result elsewhere.
+    allocate
+        ``allocate(size, dtype)`` gives the flat numpy buffer of a pack of
+        several leaves (a ``BufferPool``); default: a new array.
     """
     groups: dict[tuple[str, str], list[int]] = {}
     for i, leaf in enumerate(leaves):
@@ -119,7 +129,11 @@ def pack(leaves: list[Any], treedef: Any, restore: list, bytes_per_pack: int = 0
         elif not limit and num_packs > 1:
             limit = max(1, -(-total // num_packs))
         for chunk in _split_by_bytes(indices, leaves, limit):
-            packs.append(Pack(chunk, _concatenate([leaves[i] for i in chunk])))
+            leaf = leaves[chunk[0]]
+            if borrow and len(chunk) == 1 and leaf.flags.c_contiguous:
+                packs.append(Pack(chunk, leaf.reshape(-1), borrowed=True))
+            else:
+                packs.append(Pack(chunk, _concatenate([leaves[i] for i in chunk], allocate)))
     return PackedStructure(treedef, [tuple(leaf.shape) for leaf in leaves], restore, packs)
 
 
@@ -137,8 +151,15 @@ def _split_by_bytes(indices: list[int], leaves: list[Any], limit: int) -> list[l
     return chunks
 
 
-def _concatenate(arrays: list[Any]) -> Any:
+def _concatenate(arrays: list[Any], allocate: Callable[[int, Any], Any] | None = None) -> Any:
     xp = namespace(arrays[0])
+    if allocate is not None and xp is np:
+        out = allocate(sum(a.size for a in arrays), arrays[0].dtype)
+        offset = 0
+        for a in arrays:
+            out[offset : offset + a.size] = a.reshape(-1)
+            offset += a.size
+        return out
     if len(arrays) == 1:
         return xp.array(arrays[0], copy=True).reshape(-1)
     return xp.concatenate([xp.reshape(a, (-1,)) for a in arrays])

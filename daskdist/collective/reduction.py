@@ -29,14 +29,14 @@ def check_dtype(op: ReduceOp, dtype: Any) -> None:
         raise TypeError(f"Cannot reduce arrays of dtype {dtype}; use numeric or bool arrays")
 
 
-def combine_into(op: ReduceOp, acc: Any, other: Any) -> None:
-    """``acc = acc <op> other`` element-wise, writing into ``acc``."""
+def combine_into(op: ReduceOp, acc: Any, other: Any, base: Any = None) -> None:
+    """``acc = acc <op> other`` element-wise, writing into ``acc`` (``acc = base <op> other`` when ``base`` is given)."""
     xp = namespace(acc)
     if acc.dtype.kind == "b" and op in (ReduceOp.SUM, ReduceOp.PRODUCT):
         ufunc = xp.logical_or if op is ReduceOp.SUM else xp.logical_and
     else:
         ufunc = getattr(xp, _UFUNC[op])
-    ufunc(acc, other, out=acc)
+    ufunc(acc if base is None else base, other, out=acc)
 
 
 def finalize(op: ReduceOp, acc: Any, num_replicas: int) -> None:

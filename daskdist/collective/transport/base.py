@@ -16,7 +16,10 @@ from typing import Any, Callable, ClassVar
 from daskdist.arrays import namespace
 from daskdist.collective.mailbox import Mailbox, Tag
 
-__all__ = ["CompletedSend", "PayloadMismatch", "SendHandle", "Transport", "apply_payload", "remaining"]
+#: ``combine(out_part, incoming_part, base_part)``: ``out_part = (base_part or out_part) op incoming_part``.
+Combine = Callable[[Any, Any, Any], None]
+
+__all__ = ["Combine", "CompletedSend", "PayloadMismatch", "SendHandle", "Transport", "apply_payload", "remaining"]
 
 
 class SendHandle(ABC):
@@ -70,18 +73,33 @@ class Transport(ABC):
         """
         return self.mailbox.take(tag, deadline)
 
-    def recv_into(self, src: int, tag: Tag, deadline: float, out: Any, combine: Callable[[Any, Any], None] | None) -> None:
-        """Receive an array from ``src`` straight into ``out``: ``combine(out_part, incoming_part)``, or a copy.
+    def recv_into(self, src: int, tag: Tag, deadline: float, out: Any, combine: Combine | None,
+                  base: Any = None) -> None:
+        """Receive an array from ``src`` straight into ``out``: ``combine(out_part, incoming_part, base_part)``, or a copy.
 
-        Transports that move large messages in pieces (shared memory) combine
-        each piece as it arrives, so nothing is copied twice.
+        ``base``: an array shaped like ``out`` whose parts ``combine`` reads
+        instead of ``out``'s (out-of-place reduction: ``out = base op
+        incoming``); ``None`` combines in place. Transports that move large
+        messages in pieces (shared memory) combine each piece as it arrives,
+        so nothing is copied twice.
 
         Raises
         ------
         PayloadMismatch
             The incoming array has a different number of bytes than ``out``.
         """
-        apply_payload(self.recv(src, tag, deadline), out, combine)
+        apply_payload(self.recv(src, tag, deadline), out, combine, base)
+
+    def sendrecv(self, dst: int, send_tag: Tag, payload: Any, src: int, recv_tag: Tag, deadline: float, out: Any,
+                 combine: Combine | None, base: Any = None) -> None:
+        """Send ``payload`` to ``dst`` while receiving ``src``'s array into ``out`` (as ``recv_into``).
+
+        Returns once both are done. The ring's step; transports that can
+        interleave the two in one thread (shared memory) override it.
+        """
+        handle = self.send(dst, send_tag, payload)
+        self.recv_into(src, recv_tag, deadline, out, combine, base)
+        handle.wait(deadline)
 
     def group_aborted(self) -> None:
         """The group is lost for good: release shared resources now (called from the event loop)."""
@@ -99,14 +117,14 @@ class PayloadMismatch(Exception):
         self.expected = expected
 
 
-def apply_payload(payload: Any, out: Any, combine: Callable[[Any, Any], None] | None) -> None:
+def apply_payload(payload: Any, out: Any, combine: Combine | None, base: Any = None) -> None:
     """Copy (``combine=None``) or combine a received array into ``out``; ``PayloadMismatch`` if it does not fit."""
     if getattr(payload, "nbytes", None) != out.nbytes or getattr(payload, "dtype", None) != out.dtype:
         raise PayloadMismatch(getattr(payload, "size", None), out.size)
     if combine is None:
         namespace(out).copyto(out, payload.reshape(out.shape))
     else:
-        combine(out, payload.reshape(out.shape))
+        combine(out, payload.reshape(out.shape), base)
 
 
 def remaining(deadline: float) -> float:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 from daskdist.collective.mailbox import Mailbox, Tag
-from daskdist.collective.transport.base import SendHandle, Transport
+from daskdist.collective.transport.base import Combine, SendHandle, Transport
 
 __all__ = ["RoutedTransport"]
 
@@ -32,8 +32,16 @@ class RoutedTransport(Transport):
     def recv(self, src: int, tag: Tag, deadline: float) -> Any:
         return self.routes[src].recv(src, tag, deadline)
 
-    def recv_into(self, src: int, tag: Tag, deadline: float, out: Any, combine: Callable[[Any, Any], None] | None) -> None:
-        return self.routes[src].recv_into(src, tag, deadline, out, combine)
+    def recv_into(self, src: int, tag: Tag, deadline: float, out: Any, combine: Combine | None,
+                  base: Any = None) -> None:
+        return self.routes[src].recv_into(src, tag, deadline, out, combine, base)
+
+    def sendrecv(self, dst: int, send_tag: Tag, payload: Any, src: int, recv_tag: Tag, deadline: float, out: Any,
+                 combine: Combine | None, base: Any = None) -> None:
+        route = self.routes[src]
+        if self.routes[dst] is route:
+            return route.sendrecv(dst, send_tag, payload, src, recv_tag, deadline, out, combine, base)
+        return super().sendrecv(dst, send_tag, payload, src, recv_tag, deadline, out, combine, base)
 
     def describe(self) -> dict[int, str]:
         """The transport name used for each peer."""

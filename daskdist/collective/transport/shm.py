@@ -31,6 +31,7 @@ import numpy as np
 
 from daskdist.collective.mailbox import Mailbox, MailboxTimeout, Tag
 from daskdist.collective.transport.base import (
+    Combine,
     CompletedSend,
     PayloadMismatch,
     SendHandle,
@@ -95,18 +96,36 @@ class _Segment:
         self._mmap.close()
 
 
-def _backoff_wait(ready: Callable[[], bool], deadline: float, check: Callable[[], None]) -> None:
-    """Wait until ``ready()``: spin, then yield the GIL, then sleep a little; ``check`` raises aborts."""
-    spins = 0
-    while not ready():
-        spins += 1
+class _Spinner:
+    """Waiting without a wake-up call: spin, then yield the GIL, then sleep a little; ``check`` raises aborts."""
+
+    __slots__ = ("check", "deadline", "spins")
+
+    def __init__(self, deadline: float, check: Callable[[], None]):
+        self.deadline = deadline
+        self.check = check
+        self.spins = 0
+
+    def idle(self) -> None:
+        """Called each time there was nothing to do."""
+        self.spins += 1
+        spins = self.spins
         if spins & 31 == 0:
-            check()
-            if time.monotonic() > deadline:
+            self.check()
+            if time.monotonic() > self.deadline:
                 raise MailboxTimeout()
         if spins < 64:
-            continue
+            return
         time.sleep(0 if spins < 4096 else 0.0002)
+
+
+def _backoff_wait(ready: Callable[[], bool], deadline: float, check: Callable[[], None]) -> None:
+    """Wait until ``ready()`` (see ``_Spinner``)."""
+    if ready():
+        return
+    spinner = _Spinner(deadline, check)
+    while not ready():
+        spinner.idle()
 
 
 class ShmChannel:
@@ -226,6 +245,43 @@ class _ThreadedSend(SendHandle):
             raise CollectiveTimeoutError("a shared-memory send did not complete before the deadline")
         if self.error is not None:
             raise self.error
+
+
+class _Incoming:
+    """One array message arriving piece by piece, copied or combined into ``out`` (``base``: out of place)."""
+
+    def __init__(self, transport: ShmTransport, src: int, tag: Tag, out: Any, combine: Combine | None, base: Any):
+        self.transport = transport
+        self.channel = transport._inbound[src]
+        self.src = src
+        self.tag = tag
+        self.out = out
+        self.flat_out = out.reshape(-1)
+        self.flat_base = None if base is None else base.reshape(-1)
+        self.combine = combine
+        self.itemsize = out.dtype.itemsize
+        self.done = False
+        self._checked = False
+
+    def take(self, header: tuple, data: np.ndarray) -> None:
+        """Use the piece ``(header, data)``, the channel's oldest, and free its slot."""
+        _, kind, dtype, _shape, total, offset, nbytes = header
+        out = self.out
+        if not self._checked:
+            if kind != ARRAY or total != out.nbytes or dtype != dtype_text(out.dtype):
+                self.transport._stash_message(self.src, header, data)
+                got = self.transport._stash.pop((self.src, self.tag), None)
+                raise PayloadMismatch(getattr(got, "size", None), out.size)
+            self._checked = True
+        lo, hi = offset // self.itemsize, (offset + nbytes) // self.itemsize
+        part = self.flat_out[lo:hi]
+        incoming = data.view(out.dtype)
+        if self.combine is None:
+            np.copyto(part, incoming)
+        else:
+            self.combine(part, incoming, None if self.flat_base is None else self.flat_base[lo:hi])
+        self.channel.release()
+        self.done = offset + nbytes >= total
 
 
 class ShmTransport(Transport):
@@ -387,31 +443,61 @@ class ShmTransport(Transport):
             header, data = self._next_piece(src, deadline, tag[0])
             offset, nbytes = header[5], header[6]
 
-    def recv_into(self, src: int, tag: Tag, deadline: float, out: Any, combine: Callable[[Any, Any], None] | None) -> None:
+    def recv_into(self, src: int, tag: Tag, deadline: float, out: Any, combine: Combine | None,
+                  base: Any = None) -> None:
         stashed = self._stash.pop((src, tag), None)
         if stashed is not None:
-            return apply_payload(stashed, out, combine)
+            return apply_payload(stashed, out, combine, base)
         header, data = self._find(src, tag, deadline)
-        channel = self._inbound[src]
-        _, kind, dtype, shape, total, offset, nbytes = header
-        if kind != ARRAY or total != out.nbytes or dtype != dtype_text(out.dtype):
-            self._stash_message(src, header, data)
-            got = self._stash.pop((src, tag))
-            raise PayloadMismatch(getattr(got, "size", None), out.size)
-        flat_out = out.reshape(-1)
-        itemsize = out.dtype.itemsize
+        incoming = _Incoming(self, src, tag, out, combine, base)
+        incoming.take(header, data)
+        while not incoming.done:
+            incoming.take(*self._next_piece(src, deadline, tag[0]))
+        return None
+
+    def sendrecv(self, dst: int, send_tag: Tag, payload: Any, src: int, recv_tag: Tag, deadline: float, out: Any,
+                 combine: Combine | None, base: Any = None) -> None:
+        """Send to ``dst`` and receive from ``src`` in this thread, a piece of either whenever its channel allows.
+
+        No sender thread: on a host with few cores, one thread per replica
+        moving memory beats two that compete for the same core.
+        """
+        if self._queued.get(dst) or (src, recv_tag) in self._stash or src not in self._inbound:
+            return super().sendrecv(dst, send_tag, payload, src, recv_tag, deadline, out, combine, base)
+        out_channel, in_channel = self._channel_to(dst), self._inbound[src]
+        kind, data = encode(payload)
+        dtype, shape = describe_payload(kind, payload)
+        flat, total = data.reshape(-1).view(np.uint8), data.nbytes
+        sent, send_done = 0, False
+        incoming: _Incoming | None = None
+        run_id = recv_tag[0]
+        spinner = _Spinner(deadline, lambda: self.mailbox.check(run_id))
         while True:
-            part = flat_out[offset // itemsize : (offset + nbytes) // itemsize]
-            incoming = data.view(out.dtype)
-            if combine is None:
-                np.copyto(part, incoming)
+            progressed = False
+            if not send_done and out_channel.can_write():
+                piece = flat[sent : sent + self.slot_bytes]
+                out_channel.write(send_tag, kind, dtype, shape, total, sent, piece)
+                sent += piece.nbytes
+                send_done = sent >= total
+                progressed = True
+            if (incoming is None or not incoming.done) and in_channel.can_read():
+                header, piece_data = in_channel.peek()
+                if incoming is not None:
+                    incoming.take(header, piece_data)
+                elif tuple(header[0]) == recv_tag:
+                    incoming = _Incoming(self, src, recv_tag, out, combine, base)
+                    incoming.take(header, piece_data)
+                elif header[0][0] < self.mailbox.current_run:
+                    in_channel.release()  # left over from an aborted run
+                else:
+                    self._stash_message(src, header, piece_data)
+                progressed = True
+            if send_done and incoming is not None and incoming.done:
+                return None
+            if progressed:
+                spinner.spins = 0
             else:
-                combine(part, incoming)
-            channel.release()
-            if offset + nbytes >= total:
-                return
-            header, data = self._next_piece(src, deadline, tag[0])
-            offset, nbytes = header[5], header[6]
+                spinner.idle()
 
     # -- closing -------------------------------------------------------------------
 
