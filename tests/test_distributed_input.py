@@ -205,3 +205,33 @@ def test_dataframe_partitions(threaded_client):
             parts = strategy.experimental_local_results(strategy.run(lambda b: b["id"], args=(batch,)))
             ids.extend(int(v) for p in parts for v in p)
         assert sorted(ids) == list(range(60))
+
+
+def test_distributing_the_same_data_twice_survives_the_memory_manager(make_cluster):
+    """The first distribution leaves extra copies of persisted partitions; the second must not rely on them."""
+    client = make_cluster(2, processes=True)
+    workers = sorted(client.scheduler_info()["workers"])
+    blocks = [client.submit(_block, i, workers=[workers[0]], pure=False) for i in range(8)]
+    rows = client.persist(da.concatenate([da.from_delayed(b, shape=(250, 4), dtype=float) for b in blocks]))
+    del blocks
+    with dd.MirroredStrategy(client=client) as strategy:
+        ds = Dataset.from_dask(rows).map(lambda row: (row[1:], row[0])).batch(50)
+        first = strategy.experimental_distribute_dataset(ds)
+        assert first.plan().bytes_to_move > 0  # half of the partitions had to go to the second worker
+        second = strategy.experimental_distribute_dataset(ds)
+        assert second.plan().bytes_to_move == 0  # the copies are there already
+        del first
+        client.amm.run_once()  # Dask's active memory manager drops the extra copies it finds
+        time.sleep(0.5)
+        # every partition the second distribution reads is still on its reader's worker
+        readers = {p.index: p.worker for p in second.plan().partitions}
+        futures = iter(second._futures)  # placed in plan order: replica by replica, partition by partition
+        holders = client.who_has(list(second._futures))
+        for planned in sorted(second.plan().partitions, key=lambda p: (p.replica, p.index)):
+            future = next(futures)
+            assert readers[planned.index] in holders[future.key], (planned, holders[future.key])
+        before = _transferred_bytes(client)
+        ids, _ = _seen_ids(strategy, second)
+        moved = _transferred_bytes(client) - before
+    assert sorted(ids) == list(range(2000))
+    assert moved < 200, f"{moved} bytes moved while reading the second distribution"

@@ -323,8 +323,10 @@ def _place_dask_partitions(extended: DaskExtended, source: DaskSource, shares: l
                            workers: list[str]) -> tuple[list[list[Partition]], list[Any]]:
     """Make every partition's data live on the worker of the replica that reads it.
 
-    Persisted partitions already there stay; the others are copied there
-    (a pinned identity task: Dask moves the bytes once). Partitions not yet
+    Persisted partitions already there (as their only copy) stay; the others
+    are copied there (a pinned identity task: Dask moves the bytes once, or
+    none when the worker holds one of several copies, which Dask's active
+    memory manager could otherwise drop). Partitions not yet
     computed are computed on that worker.
     """
     client = extended.client
@@ -340,9 +342,13 @@ def _place_dask_partitions(extended: DaskExtended, source: DaskSource, shares: l
             if persisted is not None:
                 leaf_futures = []
                 for future in persisted[partition.index]:
-                    if worker in who_has.get(future.key, ()):
+                    holders = who_has.get(future.key, ())
+                    if worker in holders and len(holders) == 1:
                         leaf_futures.append(future)
                     else:
+                        # Elsewhere, or one of several copies (e.g. left by an earlier distribution), which
+                        # Dask's memory manager may drop: a pinned identity task keeps it on this worker
+                        # (no transfer when the worker already holds it).
                         leaf_futures.append(client.submit(_identity, future, workers=[worker],
                                                           allow_other_workers=False, pure=False))
             else:
