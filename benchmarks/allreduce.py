@@ -128,13 +128,25 @@ GOAL_SMALL = 4 * 2**10  # latency within 3x of MPI and at least 10x better than 
 GOAL_NAIVE = 10.0  # every size at least 10x faster than the naive approach
 
 
-def algorithm_name(nbytes: int, implementation: str) -> str:
-    """Which algorithm daskdist uses for a message of ``nbytes`` (AUTO: direct at or below the threshold)."""
+def algorithm_name(nbytes: int, implementation: str, ranks: int) -> str:
+    """Which algorithm daskdist uses for a message of ``nbytes`` (AUTO: direct at or below the threshold).
+
+    On shared memory (``auto`` on one host) an all-reduce of one array that
+    fits the threshold, or with two ranks one channel slot, takes the latency
+    lane ("direct (lane)"); the other transports use the ring above the threshold.
+    """
+    from dask.utils import parse_bytes
+
     from daskdist import config
 
     if implementation == "ring":
         return "ring"
-    return "direct" if nbytes <= int(config.get("collective.small-message-bytes")) else "ring"
+    small = int(config.get("collective.small-message-bytes"))
+    if nbytes <= small:
+        return "direct"
+    if ranks == 2 and nbytes <= parse_bytes(config.get("collective.shm.slot-bytes")):
+        return "direct on shm, else ring"
+    return "ring"
 
 
 # -- functions that run on the workers ------------------------------------------------
@@ -511,7 +523,7 @@ def tables(n: int, results: dict[str, SystemResult], sizes: list[int], args: arg
     lat_rows, bw_rows, ratio_rows = [], [], []
     for nbytes in sizes:
         iters = str(args.iterations or default_iterations(nbytes))
-        lat_rows.append([format_size(nbytes), algorithm_name(nbytes, args.implementation), iters]
+        lat_rows.append([format_size(nbytes), algorithm_name(nbytes, args.implementation, n), iters]
                         + [cell(s, nbytes, lambda t: f"{t * 1e3:.4g}") for s in systems])
         bw_rows.append([format_size(nbytes)] + [cell(s, nbytes, lambda t: f"{bus_bandwidth(nbytes, n, t):.3g}")
                                                 for s in systems])

@@ -311,7 +311,8 @@ class Communicator:
             check_dtype(op, leaf.dtype)
         if self.size == 1:
             return optree.tree_unflatten(treedef, [back(xp_copy(leaf)) for leaf, back in zip(leaves, restore)])
-        if small is not None and treedef.num_nodes == 1 and len(leaves) == 1 and isinstance(leaves[0], np.ndarray):
+        if (small is not None and type(value) is not np.ndarray and treedef.num_nodes == 1 and len(leaves) == 1
+                and isinstance(leaves[0], np.ndarray)):
             plan = small.plan(op, leaves[0], call_options)  # a number, a numpy scalar, a CPU DLPack tensor
             if plan is not None:
                 return optree.tree_unflatten(treedef, [restore[0](small.run(plan, leaves[0]))])

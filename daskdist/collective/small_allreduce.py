@@ -2,9 +2,11 @@
 
 A training step's small all-reduces (a loss, a metric, a batch-norm
 statistic) are dominated by per-call work, not by bytes. When every peer of
-a replica is reached through shared memory and the value is one contiguous
-array of at most ``daskdist.collective.small-message-bytes``, ``all_reduce``
-takes this lane instead of the general machinery (flatten, pack, a separate
+a replica is reached through shared memory and the value is one array of at
+most ``daskdist.collective.small-message-bytes`` (with two replicas: at most
+one channel slot, ``collective.shm.slot-bytes``, since then the one-hop
+exchange moves as many bytes as the ring, in one step), ``all_reduce`` takes
+this lane instead of the general machinery (flatten, pack, a separate
 signature message, a ``CollectiveCall``):
 
 * a plan per (op, shape, dtype) is built once and holds the signature, the
@@ -113,7 +115,9 @@ class SmallAllReduce:
     def __init__(self, comm: Communicator, shm: ShmTransport):
         self.comm = comm
         self.shm = shm
-        self.limit = comm.small_message_bytes
+        # Between two replicas the one-hop exchange moves the same bytes as the ring, in one step
+        # instead of two: it takes everything that fits in one channel slot.
+        self.limit = comm.small_message_bytes if comm.size > 2 else max(comm.small_message_bytes, shm.slot_bytes)
         self._plans: dict[tuple, _Plan | None] = {}
 
     def plan(self, op: Any, value: np.ndarray, options: CommunicationOptions | None) -> _Plan | None:
