@@ -10,8 +10,9 @@ applications, so the latter is listed in ``individual-plots.json`` (the plots
 dask-labextension offers). ``dask_setup`` then installs daskdist's scheduler
 plugin, which collects the replicas' step metrics (also served on
 ``/metrics``), and lists the page in the dashboard's "More" menu. Without this
-preload a strategy installs all of it when it first attaches to the cluster,
-except the ``individual-plots.json`` entry.
+preload a strategy installs all of it when it first attaches to the cluster
+(``individual-plots.json`` entry included), so the preload only makes the page
+and metrics there before any strategy runs.
 """
 
 from __future__ import annotations

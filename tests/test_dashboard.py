@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import pathlib
+import re
 import time
 import urllib.request
 
@@ -268,3 +269,264 @@ def test_fit_steps_reach_the_scheduler(threaded_client):
             break
         time.sleep(0.1)
     assert len(steps) >= 8
+
+
+# -- samples/s ------------------------------------------------------------------------------
+
+
+def _metric_values(client, token: str) -> dict[str, float]:
+    """The daskdist lines of the scheduler's /metrics for group ``token``, by name and labels."""
+    _, text = _fetch(_base(client) + "/metrics")
+    lines = [line for line in text.splitlines() if line.startswith("daskdist_") and f'group="{token}"' in line]
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines}
+
+
+def _group_summary(dask_scheduler, group_id: str, last: int = 50) -> dict:
+    """What the store, the page's sources and the straggler tracker say of one group."""
+    group = dask_scheduler.extensions["daskdist"].store.groups.get(group_id)
+    if group is None:
+        return {}
+    return {
+        "steps": {rank: r.steps_total for rank, r in group.replicas.items()},
+        "samples": {rank: [s.get("samples") for s in r.history] for rank, r in group.replicas.items()},
+        "samples_total": {rank: r.samples_total for rank, r in group.replicas.items()},
+        "steps_per_second": group.throughput(),
+        "replica_steps_per_second": {rank: r.throughput() for rank, r in group.replicas.items()},
+        "samples_per_second": group.samples_per_second(),
+        "collectives": group.recent_collectives(last),
+        "stragglers": {rank: (t.count, t.mean_wait) for rank, t in group.straggler_summary(last).items()},
+        "size": group.size,
+    }
+
+
+def _page_models(dask_scheduler, names: tuple[str, ...]) -> dict | None:
+    """The data (or text) of the named models of the newest /daskdist session, as its browser gets them."""
+    from bokeh.server.tornado import BokehTornado
+
+    for app in dask_scheduler.http_application.applications:
+        if isinstance(app, BokehTornado) and "/daskdist" in app.app_paths:
+            sessions = app.get_sessions("/daskdist")
+            if sessions:
+                doc = sessions[-1].document
+                out = {}
+                for name in names:
+                    model = doc.get_model_by_name(name)
+                    out[name] = getattr(model, "text", None) or {k: list(v) for k, v in model.data.items()}
+                return out
+    return None
+
+
+def test_store_counts_samples_and_finds_the_straggler_of_each_collective():
+    store = MetricsStore(history=100, straggler_min_wait=0.001)
+
+    def step(rank: int, i: int, samples, waits: list[float]) -> dict:
+        return {"run_id": i, "replica": rank, "start": 100.0 + i, "total": 0.5, "input_wait": 0.0, "compute": 0.3,
+                "allreduce": sum(waits), "apply": 0.0, "collectives": len(waits), "nbytes": 8, "samples": samples,
+                "collective_times": [[i, k + 1, "all_reduce", w] for k, w in enumerate(waits)]}
+
+    # two collectives per step; replica 1 arrives last at the first (the others wait 40 ms for it),
+    # at the second everyone arrives within 0.1 ms (balanced: nobody charged)
+    durations = {0: [0.045, 0.002], 1: [0.005, 0.0021], 2: [0.030, 0.0022]}
+    for rank in (0, 2):
+        store.record("daskdist-steps", {"group": "g", "replica": rank, "size": 3,
+                                        "steps": [step(rank, i, 16, durations[rank]) for i in range(5)]})
+    assert store.groups["g"].recent_collectives() == []  # replica 1 has not reported yet: nothing attributed
+    store.record("daskdist-steps", {"group": "g", "replica": 1, "size": 3,
+                                    "steps": [step(1, i, 16, durations[1]) for i in range(5)]})
+    group = store.groups["g"]
+    collectives = group.recent_collectives()
+    assert len(collectives) == 10 and not group.stragglers.pending
+    first = [c for c in collectives if c["seq"] == 1]
+    assert all(c["replica"] == 1 and c["wait"] == pytest.approx(0.040) for c in first)
+    assert {rank: (t.count, round(t.mean_wait, 6)) for rank, t in group.straggler_summary().items()} == {1: (5, 0.04)}
+    assert len(group.recent_collectives(last=2)) == 4  # the collectives of the last two steps
+    assert group.stragglers.totals[1].count == 5 and group.stragglers.totals[1].wait == pytest.approx(0.2)
+    # samples: 16 per replica per step; each replica steps at 5 / 4.5 per second
+    assert group.replicas[0].samples_total == 80
+    assert group.samples_per_second() == pytest.approx(3 * 16 * 5 / 4.5)
+    # a group whose steps do not know their samples has no samples/s
+    store.record("daskdist-steps", {"group": "h", "replica": 0, "size": 1,
+                                    "steps": [step(0, i, None, []) for i in range(3)]})
+    assert store.groups["h"].samples_per_second() is None and store.groups["h"].throughput() > 0
+
+
+def test_fit_and_evaluate_steps_carry_their_batch_rows(threaded_client):
+    from daskdist import keras
+
+    x = np.random.default_rng(0).random((128, 4)).astype(np.float32)
+    y = (x[:, 0] > 0.5).astype(np.int64)
+    with (dask.config.set({"daskdist.metrics.event-interval": "0s"}),
+          dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=threaded_client) as strategy):
+        token = strategy.extended.token
+        with strategy.scope():
+            model = keras.Sequential([keras.layers.Dense(2, input_shape=(4,))])
+            model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), optimizer="sgd")
+        data = dd.data.Dataset.from_tensor_slices((x, y)).batch(32)
+        model.fit(data, epochs=2, verbose=0)
+        model.evaluate(data, verbose=0)
+        # 2 epochs of 4 steps + 4 evaluation steps, each with 16 rows per replica
+        summary = _wait(lambda: (s := threaded_client.run_on_scheduler(_group_summary, group_id=token))
+                        and all(n >= 12 for n in s["steps"].values()) and len(s["steps"]) == 2 and s)
+        values = _metric_values(threaded_client, token)
+        _fetch(_base(threaded_client) + "/daskdist")
+        page = threaded_client.run_on_scheduler(_page_models, names=("daskdist-summary", "daskdist-steps"))
+    for rank in (0, 1):
+        assert summary["samples"][rank] == [16] * 12
+        assert summary["samples_total"][rank] == 12 * 16
+        assert values[f'daskdist_samples_total{{group="{token}",replica="{rank}"}}'] == 12 * 16
+    # samples/s is the steps/s of each replica times its 16 rows, summed over the 2 replicas
+    rates = summary["replica_steps_per_second"]
+    assert summary["samples_per_second"] == pytest.approx(16 * (rates[0] + rates[1]))
+    assert summary["samples_per_second"] >= 2 * 16 * summary["steps_per_second"] > 0
+    assert values[f'daskdist_throughput_samples_per_second{{group="{token}"}}'] > 0
+    assert token in page["daskdist-summary"] and "samples/s</b>" in page["daskdist-summary"]
+    assert "samples/s unknown" not in page["daskdist-summary"]
+    assert set(page["daskdist-steps"]["samples"]) == {"16"}
+
+
+def test_custom_loop_samples_from_the_distributed_batch_or_unknown(threaded_client, trained):
+    # ``trained`` ran steps that take no batch: their samples stay unknown, and so does its samples/s
+    token = trained.extended.token
+    summary = threaded_client.run_on_scheduler(_group_summary, group_id=token)
+    assert all(s is None for rank in range(3) for s in summary["samples"][rank])
+    assert summary["samples_per_second"] is None
+    assert f'daskdist_throughput_samples_per_second{{group="{token}"}}' not in _metric_values(threaded_client, token)
+
+    x = np.arange(90 * 2, dtype=np.float32).reshape(90, 2)
+    with (dask.config.set({"daskdist.metrics.event-interval": "0s"}),
+          dd.MirroredStrategy(client=threaded_client) as strategy):
+        token = strategy.extended.token
+        dist = strategy.experimental_distribute_dataset(dd.data.Dataset.from_tensor_slices(x).batch(30))
+        for batch in dist:  # 3 global batches of 30: 10 rows per replica
+            strategy.run(lambda b: dd.get_replica_context().all_reduce("SUM", b.sum()), args=(batch,))
+        summary = _wait(lambda: (s := threaded_client.run_on_scheduler(_group_summary, group_id=token))
+                        and all(n >= 3 for n in s["steps"].values()) and len(s["steps"]) == 3 and s)
+        values = _metric_values(threaded_client, token)
+    assert all(summary["samples"][rank] == [10, 10, 10] for rank in range(3))
+    assert summary["samples_per_second"] > 0
+    assert values[f'daskdist_throughput_samples_per_second{{group="{token}"}}'] > 0
+    assert all(values[f'daskdist_samples_total{{group="{token}",replica="{rank}"}}'] == 30 for rank in range(3))
+
+    # every metric the Grafana dashboard queries is on /metrics for this group
+    exprs = [t["expr"] for panel in json.loads((ROOT / "dashboards/daskdist.json").read_text())["panels"]
+             for t in panel["targets"]]
+    queried = {name for expr in exprs for name in re.findall(r"daskdist_[a-z_]+", expr)}
+    exported = {key.split("{")[0] for key in values}
+    assert {"daskdist_samples_total", "daskdist_throughput_samples_per_second", "daskdist_straggler_total"} <= queried
+    assert queried <= exported, queried - exported
+
+
+# -- stragglers --------------------------------------------------------------------------------
+
+
+def test_stragglers_name_the_replica_that_sleeps_before_each_all_reduce(threaded_client):
+    late = 1
+
+    def step():
+        ctx = dd.get_replica_context()
+        if ctx.replica_id_in_sync_group == late:
+            time.sleep(0.03)
+        return ctx.all_reduce("SUM", np.ones(16))
+
+    with (dask.config.set({"daskdist.metrics.event-interval": "0s"}),
+          dd.MirroredStrategy(client=threaded_client) as strategy):
+        token = strategy.extended.token
+        for _ in range(10):
+            strategy.run(step)
+        summary = _wait(lambda: (s := threaded_client.run_on_scheduler(_group_summary, group_id=token))
+                        and len(s["collectives"]) >= 10 and s)
+        _fetch(_base(threaded_client) + "/daskdist")  # a page session, built from the store now
+        page = threaded_client.run_on_scheduler(
+            _page_models, names=("daskdist-stragglers", "daskdist-collectives", "daskdist-stragglers-title"))
+        values = _metric_values(threaded_client, token)
+
+    # the store: each step's all_reduce, attributed to the sleeping replica with a ~30 ms wait
+    collectives = summary["collectives"]
+    assert len(collectives) == 10 and all(c["kind"] == "all_reduce" for c in collectives)
+    blamed = [c for c in collectives if c["replica"] == late]
+    assert len(blamed) >= 8
+    assert all(0.015 < c["wait"] < 1.0 for c in blamed)
+    count, mean_wait = summary["stragglers"][late]
+    assert count >= 8 and 0.015 < mean_wait < 1.0
+    assert max(summary["stragglers"], key=lambda r: summary["stragglers"][r][0]) == late
+
+    # the page's Bokeh data: the summary table and the per-collective rows
+    table = page["daskdist-stragglers"]
+    row = table["replica"].index(late)
+    assert table["count"][row] >= 8 and table["count"][row] == max(table["count"])
+    assert 15 < table["mean_wait_ms"][row] < 1000
+    rows = page["daskdist-collectives"]
+    assert len(rows["replica"]) == 10 and rows["replica"].count(late) >= 8
+    title = page["daskdist-stragglers-title"]
+    assert "Stragglers (last 50 steps)" in title and f"10 collectives, {sum(table['count'])} in which" in title
+
+    # /metrics
+    assert values[f'daskdist_straggler_total{{group="{token}",replica="{late}"}}'] >= 8
+    assert values[f'daskdist_straggler_wait_seconds_total{{group="{token}",replica="{late}"}}'] > 8 * 0.015
+    assert all(values[f'daskdist_straggler_total{{group="{token}",replica="{r}"}}'] <= 2 for r in (0, 2))
+
+
+# -- the scheduler's copy of the step events ------------------------------------------------
+
+
+def _step_topic(dask_scheduler) -> tuple[int | None, int]:
+    from daskdist.dashboard.event_log import topic_events
+
+    events = topic_events(dask_scheduler, "daskdist-steps")
+    return events.maxlen, len(events)
+
+
+def test_scheduler_keeps_a_bounded_copy_of_the_step_events(threaded_client):
+    bound = dask.config.get("daskdist.metrics.scheduler-event-log")
+    with (dask.config.set({"daskdist.metrics.event-interval": "0s"}),
+          dd.MirroredStrategy(client=threaded_client) as strategy):
+        token = strategy.extended.token
+        _train_steps(strategy, 2 * bound)  # one event per step and replica: 3 x 2 x bound events
+        summary = _wait(lambda: (s := threaded_client.run_on_scheduler(_group_summary, group_id=token))
+                        and all(n >= 2 * bound for n in s["steps"].values()) and s)
+    maxlen, length = threaded_client.run_on_scheduler(_step_topic)
+    events = threaded_client.get_events("daskdist-steps")
+    assert maxlen == bound and length == len(events) == bound  # not distributed's 1000
+    assert all(e["group"] == token for _, e in events)  # the newest ones
+    assert all(n == 2 * bound for n in summary["steps"].values())  # while the store has every step
+
+
+def test_step_events_hold_at_most_event_max_steps(threaded_client):
+    with (dask.config.set({"daskdist.metrics.event-interval": "1h", "daskdist.metrics.event-max-steps": 4}),
+          dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=threaded_client) as strategy):
+        token = strategy.extended.token
+        _train_steps(strategy, 10)
+        sent = _wait(lambda: [e for _, e in threaded_client.get_events("daskdist-steps") if e["group"] == token])
+    events = _wait(lambda: len(steps := [e for _, e in threaded_client.get_events("daskdist-steps")
+                                         if e["group"] == token]) >= 6 and steps)
+    assert len(sent) >= 2  # batches of 4 went before the hour was up
+    assert sorted(len(e["steps"]) for e in events) == [2, 2, 4, 4, 4, 4]  # the rest at close
+
+
+# -- dask-labextension without a preload ------------------------------------------------------
+
+
+def test_runtime_install_lists_the_page_in_individual_plots_json(make_cluster):
+    client = make_cluster(2, processes=False)
+    base = _base(client)
+    before = json.loads(_fetch(base + "/individual-plots.json")[1])
+    assert "/individual-daskdist-steps" not in before.values()  # no preload ran
+    with (dask.config.set({"daskdist.metrics.event-interval": "0s"}),
+          dd.MirroredStrategy(client=client) as strategy):
+        _train_steps(strategy, 2)
+        token = strategy.extended.token
+        _wait(lambda: (s := client.run_on_scheduler(_group_summary, group_id=token))
+              and all(n >= 2 for n in s["steps"].values()) and len(s["steps"]) == 2)
+        plots = json.loads(_fetch(base + "/individual-plots.json")[1])
+        assert plots.get("Individual Daskdist Steps") == "/individual-daskdist-steps"
+        assert set(before.items()) < set(plots.items())  # distributed's own plots are still listed
+        status, body = _fetch(base + "/individual-daskdist-steps")
+        assert status == 200 and "Bokeh" in body
+        assert _fetch(base + "/daskdist")[0] == 200
+
+        # the browser's side: a Bokeh client session over the page's websocket gets the replicas' steps
+        from bokeh.client import pull_session
+
+        with pull_session(url=base + "/daskdist") as session:
+            steps = session.document.get_model_by_name("daskdist-steps").data
+            assert sorted(set(steps["replica"])) == [0, 1] and len(steps["replica"]) == 4

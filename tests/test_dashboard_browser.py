@@ -205,6 +205,29 @@ PAGE_STATE = """(() => {
 })()"""
 
 
+# the straggler table of collectives: its newest row in the model, and whether a drawn row shows it
+STRAGGLER_TABLE = """(() => {
+  for (const doc of (window.Bokeh && window.Bokeh.documents) || []) {
+    const source = doc.get_model_by_name("daskdist-collectives");
+    if (!source || !source.get_length()) continue;
+    const col = (k) => source.data.get ? source.data.get(k) : source.data[k];
+    const newest = `${col("run_id")[0]}|${col("seq")[0]}|${col("kind")[0]}|${col("replica")[0]}`;
+    const drawn = [];
+    const walk = (root) => {
+      for (const e of root.querySelectorAll("*")) {
+        if (e.classList && e.classList.contains("slick-row")) {
+          drawn.push(Array.from(e.querySelectorAll(".slick-cell")).slice(0, 4).map(c => c.textContent).join("|"));
+        }
+        if (e.shadowRoot) walk(e.shadowRoot);
+      }
+    };
+    walk(document);
+    return {newest: newest, shown: drawn.includes(newest)};
+  }
+  return null;
+})()"""
+
+
 # -- the training run -----------------------------------------------------------------------
 
 
@@ -325,6 +348,17 @@ def test_dashboard_page_renders_training_in_chromium(chromium, make_cluster, tmp
             return None
 
         state = _wait(rendered, 60, "the page to show the replicas' steps")
+
+        def straggler_row_drawn() -> str | None:
+            result = browser.send("Runtime.evaluate", {"expression": STRAGGLER_TABLE, "returnByValue": True},
+                                  session=session)
+            table = result.get("result", {}).get("value")
+            return table["newest"] if table and table["shown"] else None
+
+        # the stragglers table is drawn, and redrawn as new collectives arrive (same number of rows)
+        first = _wait(straggler_row_drawn, 30, "the stragglers table to show the newest collective")
+        _wait(lambda: (newest := straggler_row_drawn()) and newest != first, 30,
+              "the stragglers table to show a newer collective")
         time.sleep(1.0)  # a few more updates (every 500 ms) and paints
         assert strategy.extended.token in state["summary"] and "2 replicas" in state["summary"]
         assert state["title"] == "Dask: daskdist"

@@ -20,7 +20,8 @@ from distributed.protocol.pickle import dumps
 from daskdist import config
 from daskdist.cluster.worker_plugin import DaskdistWorkerPlugin
 from daskdist.dashboard import page, prometheus
-from daskdist.dashboard.store import MetricsStore
+from daskdist.dashboard.event_log import bound_topic
+from daskdist.dashboard.store import STEP_TOPIC, MetricsStore
 
 if TYPE_CHECKING:
     from distributed import Scheduler
@@ -56,7 +57,9 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
     def __init__(self) -> None:
         self.groups: dict[str, GroupState] = {}
         self.scheduler: Scheduler | None = None
-        self.store = MetricsStore(int(config.get("metrics.history")))
+        self.store = MetricsStore(int(config.get("metrics.history")),
+                                  straggler_min_wait=config.get_seconds("metrics.straggler-min-wait"))
+        self.step_event_log = int(config.get("metrics.scheduler-event-log"))
 
     async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
@@ -158,8 +161,14 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
     # -- scheduler hooks -----------------------------------------------------------
 
     def log_event(self, topic: str, msg: Any) -> None:
-        """Every event logged on the scheduler: step timings and fit progress go to the store."""
+        """Every event logged on the scheduler: step timings and fit progress go to the store.
+
+        The scheduler's own log of the step topic is cut to the last
+        ``daskdist.metrics.scheduler-event-log`` events: the store holds the steps.
+        """
         self.store.record(topic, msg)
+        if topic == STEP_TOPIC and self.scheduler is not None:
+            bound_topic(self.scheduler, topic, self.step_event_log)
 
     def remove_worker(self, scheduler: Scheduler, worker: str, *, stimulus_id: str, **kwargs: Any) -> None:
         for group in list(self.groups.values()):

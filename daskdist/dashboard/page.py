@@ -1,17 +1,26 @@
-"""The ``/daskdist`` page of the Dask dashboard: per-replica step phases and throughput.
+"""The ``/daskdist`` page of the Dask dashboard: step phases, throughput and stragglers.
 
 ``daskdist_doc`` is a Bokeh document function with distributed's signature
-``(scheduler, extra, doc)``. ``install(scheduler)`` adds the page to a running
-scheduler (the strategy's plugin calls it, so embedded clusters and clusters
-the strategy attaches to both get it); ``dashboards/daskdist_preload.py`` adds
-it before the dashboard starts instead, which also lists
-``individual-daskdist-steps`` in ``individual-plots.json`` (dask-labextension).
+``(scheduler, extra, doc)``. ``install(scheduler)`` adds the pages to a running
+scheduler's dashboard (the strategy's plugin calls it, so embedded clusters and
+clusters the strategy attaches to both get them; ``bokeh_apps.add_documents``
+puts them in the dashboard's own Bokeh server, so ``individual-daskdist-steps``
+is listed in ``individual-plots.json`` for dask-labextension too);
+``dashboards/daskdist_preload.py`` adds them before the dashboard starts instead.
+
+The page shows the group that reported most recently: per replica and step the
+stacked phases of the last ``daskdist.metrics.dashboard-steps`` steps;
+throughput in steps/s and samples/s (summed over the replicas; only for steps
+that know their batch size); the latest ``fit`` progress; and the stragglers of
+those steps' collectives (``stragglers.StragglerTracker``): per collective the
+replica the others waited for and how long, and per replica how often.
 """
 
 from __future__ import annotations
 
 import html
 import logging
+import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -20,9 +29,10 @@ from daskdist import config
 if TYPE_CHECKING:
     from distributed import Scheduler
 
-    from daskdist.dashboard.store import MetricsStore
+    from daskdist.dashboard.store import GroupMetrics, MetricsStore
 
-__all__ = ["DOCS", "PAGE", "StepPhases", "daskdist_doc", "individual_steps_doc", "install"]
+__all__ = ["DOCS", "PAGE", "DaskdistPage", "StepPhases", "Stragglers", "daskdist_doc", "individual_steps_doc",
+           "install"]
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +41,7 @@ INDIVIDUAL = "/individual-daskdist-steps"
 STACKED = ("input_wait", "compute", "allreduce", "apply")
 COLORS = ("#f28e2b", "#4e79a7", "#e15759", "#59a14f")
 UPDATE_MS = 500
+COLLECTIVE_ROWS = 200  # collectives listed at most (newest first)
 
 
 def _store(scheduler: Scheduler) -> MetricsStore | None:
@@ -38,22 +49,32 @@ def _store(scheduler: Scheduler) -> MetricsStore | None:
     return getattr(plugin, "store", None)
 
 
+def _latest_group(scheduler: Scheduler) -> GroupMetrics | None:
+    store = _store(scheduler)
+    return store.latest_group() if store is not None else None
+
+
+def _steps_shown() -> int:
+    return int(config.get("metrics.dashboard-steps", 50))
+
+
 class StepPhases:
-    """Stacked phase bars per replica per step, a throughput line and a summary of one group.
+    """Stacked phase bars per replica per step, a throughput plot and a summary of one group.
 
     Shows the group that reported most recently; ``update`` refreshes from the store.
     """
 
     def __init__(self, scheduler: Scheduler, sizing_mode: str = "stretch_width", **kwargs: Any):
         from bokeh.layouts import column
-        from bokeh.models import ColumnDataSource, Div, HoverTool
+        from bokeh.models import ColumnDataSource, DataRange1d, Div, HoverTool, LinearAxis
         from bokeh.plotting import figure
 
         self.scheduler = scheduler
-        self.steps = int(config.get("metrics.dashboard-steps", 50))
-        self.source = ColumnDataSource({k: [] for k in ("x", "replica", "run_id", "total", *STACKED)},
+        self.steps = _steps_shown()
+        self.source = ColumnDataSource({k: [] for k in ("x", "replica", "run_id", "total", "samples", *STACKED)},
                                        name="daskdist-steps")
-        self.rate = ColumnDataSource({"time": [], "steps_per_second": []}, name="daskdist-throughput")
+        self.rate = ColumnDataSource({"time": [], "steps_per_second": [], "samples_per_second": []},
+                                     name="daskdist-throughput")
         self.phases = figure(title="Step phases per replica (last steps)", height=320, sizing_mode=sizing_mode,
                              x_axis_label="step (bars: replicas in rank order)", y_axis_label="seconds",
                              tools="xpan,xwheel_zoom,reset", **kwargs)
@@ -62,24 +83,34 @@ class StepPhases:
         self.phases.legend.location = "top_left"
         self.phases.legend.orientation = "horizontal"
         self.phases.add_tools(HoverTool(renderers=renderers, tooltips=[
-            ("replica", "@replica"), ("run", "@run_id"), ("total", "@total{0.000 a}s"),
+            ("replica", "@replica"), ("run", "@run_id"), ("samples", "@samples"), ("total", "@total{0.000 a}s"),
             ("input wait", "@input_wait{0.000 a}s"), ("compute", "@compute{0.000 a}s"),
             ("all-reduce", "@allreduce{0.000 a}s"), ("apply", "@apply{0.000 a}s"),
         ]))
-        self.throughput = figure(title="Throughput (steps/s)", height=200, sizing_mode=sizing_mode,
-                                 x_axis_type="datetime", tools="", **kwargs)
-        self.throughput.line(x="time", y="steps_per_second", source=self.rate)
+        self.throughput = figure(title="Throughput: steps/s (left), samples/s (right)", height=200,
+                                 sizing_mode=sizing_mode, x_axis_type="datetime", tools="", y_axis_label="steps/s",
+                                 **kwargs)
+        steps_line = self.throughput.line(x="time", y="steps_per_second", source=self.rate, color=COLORS[1],
+                                          legend_label="steps/s")
+        self.throughput.extra_y_ranges = {"samples": DataRange1d()}
+        samples_line = self.throughput.line(x="time", y="samples_per_second", source=self.rate, color=COLORS[3],
+                                            y_range_name="samples", legend_label="samples/s", line_width=2,
+                                            line_dash="dashed")
+        self.throughput.y_range.renderers = [steps_line]
+        self.throughput.extra_y_ranges["samples"].renderers = [samples_line]
+        self.throughput.add_layout(LinearAxis(y_range_name="samples", axis_label="samples/s"), "right")
+        self.throughput.legend.location = "top_left"
         self.summary = Div(text="No daskdist steps reported yet.", name="daskdist-summary")
         self.root = column(self.summary, self.phases, self.throughput, sizing_mode=sizing_mode)
         self._group: str | None = None
 
-    def data(self) -> tuple[dict[str, list], str, float]:
-        """Bar data of the latest group, its summary (HTML) and its throughput."""
+    def data(self) -> tuple[dict[str, list], str, float, float | None]:
+        """Bar data of the latest group, its summary (HTML), its steps/s and samples/s (None: unknown)."""
         data: dict[str, list] = {k: [] for k in self.source.data}
         store = _store(self.scheduler)
         group = store.latest_group() if store is not None else None
         if group is None:
-            return data, "No daskdist steps reported yet.", 0.0
+            return data, "No daskdist steps reported yet.", 0.0, None
         per_replica = group.steps(self.steps)
         n = max(len(per_replica), 1)
         width = 1.0 / (n + 1)
@@ -89,34 +120,139 @@ class StepPhases:
                 data["replica"].append(rank)
                 data["run_id"].append(step.get("run_id", -1))
                 data["total"].append(step.get("total", 0.0))
+                samples = step.get("samples")
+                data["samples"].append("?" if samples is None else str(samples))
                 for phase in STACKED:
                     data[phase].append(step.get(phase, 0.0))
         rate = group.throughput()
+        samples_rate = group.samples_per_second()
         total_steps = sum(r.steps_total for r in group.replicas.values()) // n
+        samples_text = "samples/s unknown" if samples_rate is None else f"{samples_rate:,.0f} samples/s"
         text = (f"<b>Group</b> {html.escape(group.group)}{' (closed)' if group.closed else ''}: "
-                f"{len(per_replica)} replicas, {total_steps} steps, <b>{rate:.2f} steps/s</b>")
+                f"{len(per_replica)} replicas, {total_steps} steps, <b>{rate:.2f} steps/s</b>, "
+                f"<b>{samples_text}</b>")
         progress = store.latest_progress()
         if progress is not None:
             logs = ", ".join(f"{k}={v:.4g}" if isinstance(v, (int, float)) else f"{k}={v}"
                              for k, v in progress["logs"].items())
             step = "end" if progress["step"] == -1 else progress["step"]
             text += f"<br><b>fit</b> epoch {progress['epoch']}, step {step}: {html.escape(logs)}"
-        return data, text, rate
+        return data, text, rate, samples_rate
 
     def update(self) -> None:
-        data, text, rate = self.data()
+        data, text, rate, samples_rate = self.data()
         self.source.data = data
         self.summary.text = text
-        store = _store(self.scheduler)
-        group = store.latest_group() if store is not None else None
+        group = _latest_group(self.scheduler)
         if group is not None:
             if group.group != self._group:
                 self._group = group.group
-                self.rate.data = {"time": [], "steps_per_second": []}
-            self.rate.stream({"time": [time.time() * 1000], "steps_per_second": [rate]}, rollover=600)
+                self.rate.data = {"time": [], "steps_per_second": [], "samples_per_second": []}
+            self.rate.stream({"time": [time.time() * 1000], "steps_per_second": [rate],
+                              "samples_per_second": [math.nan if samples_rate is None else samples_rate]},
+                             rollover=600)
 
 
-def _periodic(doc: Any, component: StepPhases) -> None:
+def _set_table_data(source: Any, data: dict[str, list]) -> None:
+    """Replace the data of a ``DataTable``'s source so that the browser redraws the table.
+
+    BokehJS redraws a ``DataTable`` when its view's row indices change, which
+    new data with as many rows as the old does not do: the table would keep
+    showing the old rows. Emptying the source first makes the indices change.
+    """
+    if source.data == data:
+        return
+    old_rows = len(next(iter(source.data.values()), []))
+    if old_rows and old_rows == len(next(iter(data.values()), [])):
+        source.data = {k: [] for k in data}
+    source.data = data
+
+
+class Stragglers:
+    """Who the others waited for in the collectives of the last steps: per replica and per collective."""
+
+    def __init__(self, scheduler: Scheduler, sizing_mode: str = "stretch_width"):
+        from bokeh.layouts import column, row
+        from bokeh.models import ColumnDataSource, DataTable, Div, NumberFormatter, TableColumn
+
+        self.scheduler = scheduler
+        self.steps = _steps_shown()
+        self.min_wait = config.get_seconds("metrics.straggler-min-wait")
+        self.summary = ColumnDataSource({k: [] for k in ("replica", "count", "share", "mean_wait_ms", "wait_ms")},
+                                        name="daskdist-stragglers")
+        self.collectives = ColumnDataSource({k: [] for k in ("run_id", "seq", "kind", "replica", "wait_ms")},
+                                            name="daskdist-collectives")
+        ms = NumberFormatter(format="0.000")
+        self.title = Div(text=f"<b>Stragglers (last {self.steps} steps)</b>: no collectives yet.",
+                         name="daskdist-stragglers-title")
+        summary_table = DataTable(source=self.summary, height=160, index_position=None, sizing_mode=sizing_mode,
+                                  columns=[TableColumn(field="replica", title="replica waited for"),
+                                           TableColumn(field="count", title="collectives"),
+                                           TableColumn(field="share", title="share", formatter=NumberFormatter(
+                                               format="0.0%")),
+                                           TableColumn(field="mean_wait_ms", title="mean wait (ms)", formatter=ms),
+                                           TableColumn(field="wait_ms", title="total wait (ms)", formatter=ms)])
+        collective_table = DataTable(source=self.collectives, height=160, index_position=None,
+                                     sizing_mode=sizing_mode,
+                                     columns=[TableColumn(field="run_id", title="run"),
+                                              TableColumn(field="seq", title="collective #"),
+                                              TableColumn(field="kind", title="kind"),
+                                              TableColumn(field="replica", title="waited for"),
+                                              TableColumn(field="wait_ms", title="others waited (ms)",
+                                                          formatter=ms)])
+        self.root = column(self.title, row(summary_table, collective_table, sizing_mode=sizing_mode),
+                           sizing_mode=sizing_mode)
+
+    def data(self) -> tuple[dict[str, list], dict[str, list], str]:
+        """The per-replica summary, the per-collective rows (newest first) and the title (HTML)."""
+        summary: dict[str, list] = {k: [] for k in self.summary.data}
+        rows: dict[str, list] = {k: [] for k in self.collectives.data}
+        group = _latest_group(self.scheduler)
+        title = f"<b>Stragglers (last {self.steps} steps)</b>"
+        if group is None or group.size < 2:
+            return summary, rows, title + ": no collectives between replicas yet."
+        collectives = group.recent_collectives(self.steps)
+        totals = group.stragglers.summary(collectives)
+        charged = sum(t.count for t in totals.values())
+        for rank, t in totals.items():
+            summary["replica"].append(rank)
+            summary["count"].append(t.count)
+            summary["share"].append(t.count / len(collectives))
+            summary["mean_wait_ms"].append(t.mean_wait * 1e3)
+            summary["wait_ms"].append(t.wait * 1e3)
+        for c in reversed(collectives[-COLLECTIVE_ROWS:]):
+            rows["run_id"].append(c["run_id"])
+            rows["seq"].append(c["seq"])
+            rows["kind"].append(c["kind"])
+            rows["replica"].append(c["replica"])
+            rows["wait_ms"].append(c["wait"] * 1e3)
+        title += (f": {len(collectives)} collectives, {charged} in which the others waited at least "
+                  f"{self.min_wait * 1e3:g} ms for one replica")
+        return summary, rows, title
+
+    def update(self) -> None:
+        summary, rows, title = self.data()
+        _set_table_data(self.summary, summary)
+        _set_table_data(self.collectives, rows)
+        self.title.text = title
+
+
+class DaskdistPage:
+    """The whole page: ``StepPhases`` above ``Stragglers``."""
+
+    def __init__(self, scheduler: Scheduler):
+        from bokeh.layouts import column
+
+        self.phases = StepPhases(scheduler)
+        self.stragglers = Stragglers(scheduler)
+        self.root = column(self.phases.root, self.stragglers.root, sizing_mode="stretch_width")
+
+    def update(self) -> None:
+        self.phases.update()
+        self.stragglers.update()
+
+
+def _periodic(doc: Any, component: Any) -> None:
     from distributed.dashboard.components import add_periodic_callback
 
     component.update()
@@ -127,7 +263,7 @@ def daskdist_doc(scheduler: Scheduler, extra: dict, doc: Any) -> None:
     """The full ``/daskdist`` page, in the dashboard's template (menus included)."""
     from distributed.dashboard.components.scheduler import BOKEH_THEME, env
 
-    component = StepPhases(scheduler)
+    component = DaskdistPage(scheduler)
     _periodic(doc, component)
     doc.title = "Dask: daskdist"
     doc.add_root(component.root)
@@ -150,13 +286,6 @@ def individual_steps_doc(scheduler: Scheduler, extra: dict, doc: Any) -> None:
 DOCS = {PAGE: daskdist_doc, INDIVIDUAL: individual_steps_doc}
 
 
-def _bokeh_apps(scheduler: Scheduler) -> list[Any]:
-    from bokeh.server.tornado import BokehTornado
-
-    application = getattr(scheduler, "http_application", None)
-    return [a for a in getattr(application, "applications", []) if isinstance(a, BokehTornado)]
-
-
 def add_menu_entry(scheduler: Scheduler) -> None:
     """List the page in the dashboard's "More" menu (pages rendered from now on)."""
     from distributed.dashboard.scheduler import template_variables
@@ -173,21 +302,16 @@ def install(scheduler: Scheduler) -> bool:
     Returns False when the scheduler has no Bokeh dashboard. Must run on the
     scheduler's event loop.
     """
+    from daskdist.dashboard.bokeh_apps import add_documents, bokeh_apps
+
     try:
-        from distributed.dashboard.core import BokehApplication
-        from distributed.dashboard.scheduler import template_variables
-        from tornado.ioloop import IOLoop
+        apps = bokeh_apps(scheduler)
+        if not apps:
+            return False
+        if not any(PAGE in app.app_paths for app in apps):
+            add_documents(scheduler, DOCS)
     except ImportError:  # no bokeh, or a bokeh that distributed refuses
         return False
-    apps = _bokeh_apps(scheduler)
-    if not apps:
-        return False
-    if not any(PAGE in app.app_paths for app in apps):
-        app = BokehApplication(DOCS, scheduler, prefix=apps[0].prefix,
-                               template_variables=template_variables(scheduler))
-        scheduler.http_application.add_application(app)
-        app.initialize(IOLoop.current())
-        app.start()
-        logger.debug("daskdist dashboard installed at %s", PAGE)
+    logger.debug("daskdist dashboard served at %s", PAGE)
     add_menu_entry(scheduler)
     return True

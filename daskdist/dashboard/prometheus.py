@@ -11,7 +11,10 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from daskdist.dashboard.stragglers import StragglerTotals
 
 if TYPE_CHECKING:
     from daskdist.dashboard.store import MetricsStore
@@ -32,6 +35,8 @@ class DaskdistCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
         steps = CounterMetricFamily("daskdist_steps", "Steps run, per replica", labels=["group", "replica"])
+        samples = CounterMetricFamily("daskdist_samples", "Examples processed in steps that report them, per replica",
+                                      labels=["group", "replica"])
         collectives = CounterMetricFamily("daskdist_collectives", "Collectives run inside steps, per replica",
                                           labels=["group", "replica"])
         nbytes = CounterMetricFamily("daskdist_collective_bytes", "Bytes sent by a replica's collectives in steps",
@@ -41,17 +46,35 @@ class DaskdistCollector:
                                        labels=["group", "replica", "phase"])
         throughput = GaugeMetricFamily("daskdist_throughput_steps_per_second",
                                        "Steps per second of a group over its recent steps", labels=["group"])
+        sample_rate = GaugeMetricFamily("daskdist_throughput_samples_per_second",
+                                        "Samples per second of a group over its recent steps, summed over replicas "
+                                        "(absent while its steps do not report samples)", labels=["group"])
+        stragglers = CounterMetricFamily("daskdist_straggler",
+                                         "Collectives in which the other replicas waited for this one "
+                                         "(at least daskdist.metrics.straggler-min-wait)", labels=["group", "replica"])
+        waits = CounterMetricFamily("daskdist_straggler_wait_seconds",
+                                    "Seconds the other replicas waited for this one in those collectives",
+                                    labels=["group", "replica"])
         for store in list(_stores):
             for group in list(store.groups.values()):
                 for rank, replica in sorted(group.replicas.items()):
                     labels = [group.group, str(rank)]
                     steps.add_metric(labels, replica.steps_total)
+                    samples.add_metric(labels, replica.samples_total)
                     collectives.add_metric(labels, replica.collectives_total)
                     nbytes.add_metric(labels, replica.bytes_total)
                     for phase, histogram in replica.phases.items():
                         phases.add_metric([*labels, phase], histogram.cumulative(), histogram.total)
                 throughput.add_metric([group.group], group.throughput())
-        yield from (steps, collectives, nbytes, phases, throughput)
+                rate = group.samples_per_second()
+                if rate is not None:
+                    sample_rate.add_metric([group.group], rate)
+                if group.size >= 2:  # one replica never waits for another
+                    for rank in sorted(group.replicas):
+                        totals = group.stragglers.totals.get(rank, StragglerTotals())
+                        stragglers.add_metric([group.group, str(rank)], totals.count)
+                        waits.add_metric([group.group, str(rank)], totals.wait)
+        yield from (steps, samples, collectives, nbytes, phases, throughput, sample_rate, stragglers, waits)
 
 
 def register_store(store: MetricsStore) -> bool:

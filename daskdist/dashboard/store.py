@@ -1,12 +1,14 @@
 """The scheduler's store of step metrics, fed by the replicas' Dask events.
 
 Replicas ship their step timings as events on topic ``daskdist-steps``
-(``{"group", "replica", "steps": [StepTiming dicts]}``) and Keras ``fit``'s
-replica 0 ships progress on ``daskdist-progress`` (``{"tag", "epoch", "step",
-"logs"}``). The scheduler plugin passes every event to ``MetricsStore.record``.
-Per group and replica the store keeps the last ``daskdist.metrics.history``
-steps, running totals and histograms of the phase times (for Prometheus), and
-the latest progress of each ``fit``.
+(``{"group", "replica", "size", "steps": [StepTiming dicts]}``) and Keras
+``fit``'s replica 0 ships progress on ``daskdist-progress`` (``{"tag",
+"epoch", "step", "logs"}``). The scheduler plugin passes every event to
+``MetricsStore.record``. Per group and replica the store keeps the last
+``daskdist.metrics.history`` steps, running totals (steps, samples,
+collectives, bytes) and histograms of the phase times (for Prometheus); per
+group, the straggler of each collective (``stragglers.StragglerTracker``);
+and the latest progress of each ``fit``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import collections
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from daskdist.dashboard.stragglers import StragglerTotals, StragglerTracker, collective_ranges
 
 __all__ = ["BUCKETS", "PHASES", "GroupMetrics", "Histogram", "MetricsStore", "ReplicaMetrics"]
 
@@ -55,6 +59,7 @@ class ReplicaMetrics:
 
     history: collections.deque
     steps_total: int = 0
+    samples_total: int = 0
     collectives_total: int = 0
     bytes_total: int = 0
     phases: dict[str, Histogram] = field(default_factory=lambda: {p: Histogram() for p in PHASES})
@@ -62,6 +67,7 @@ class ReplicaMetrics:
     def add(self, step: dict) -> None:
         self.history.append(step)
         self.steps_total += 1
+        self.samples_total += int(step.get("samples") or 0)
         self.collectives_total += int(step.get("collectives", 0))
         self.bytes_total += int(step.get("nbytes", 0))
         for phase, histogram in self.phases.items():
@@ -75,6 +81,13 @@ class ReplicaMetrics:
         span = last["start"] + last["total"] - first["start"]
         return len(self.history) / span if span > 0 else 0.0
 
+    def samples_per_second(self) -> float | None:
+        """Steps per second times the mean samples of the steps in the history that know theirs (else None)."""
+        known = [s["samples"] for s in self.history if s.get("samples") is not None]
+        if not known:
+            return None
+        return self.throughput() * sum(known) / len(known)
+
 
 @dataclass
 class GroupMetrics:
@@ -85,6 +98,26 @@ class GroupMetrics:
     replicas: dict[int, ReplicaMetrics] = field(default_factory=dict)
     closed: bool = False
     updated: float = field(default_factory=time.time)
+    stragglers: StragglerTracker = field(default_factory=StragglerTracker)
+
+    @property
+    def size(self) -> int:
+        """Replicas in the group (as they report it; 0 before the first report)."""
+        return self.stragglers.size
+
+    def add_steps(self, rank: int, steps: list[dict], size: int | None = None) -> None:
+        """Take a batch of one replica's steps (``size``: the group's replicas, from the event)."""
+        if size:
+            self.stragglers.size = max(self.stragglers.size, int(size))
+        replica = self.replica(rank)
+        for step in steps:
+            times = step.get("collective_times") or ()
+            self.stragglers.add(rank, times)
+            # the history keeps, instead of every collective's time, the range of collectives the step ran
+            kept = {k: v for k, v in step.items() if k != "collective_times"}
+            kept["collective_ranges"] = collective_ranges(times)
+            replica.add(kept)
+        self.updated = time.time()
 
     def replica(self, rank: int) -> ReplicaMetrics:
         metrics = self.replicas.get(rank)
@@ -96,6 +129,26 @@ class GroupMetrics:
         """Steps per second of the group: the slowest replica's (replicas step in lockstep)."""
         rates = [r.throughput() for r in self.replicas.values()]
         return min(rates) if rates else 0.0
+
+    def samples_per_second(self) -> float | None:
+        """Samples per second of the group: summed over the replicas that know their samples (else None)."""
+        rates = [rate for r in self.replicas.values() if (rate := r.samples_per_second()) is not None]
+        return sum(rates) if rates else None
+
+    def recent_collectives(self, last: int | None = None) -> list[dict]:
+        """The attributed collectives of the replicas' most recent ``last`` steps, oldest first.
+
+        Each: ``{"run_id", "seq", "kind", "replica"`` (the one the others waited
+        for), ``"wait"`` (seconds the earliest replica waited)``}``.
+        """
+        if not last:
+            return self.stragglers.collectives()
+        ranges = [r for steps in self.steps(last).values() for step in steps for r in step["collective_ranges"]]
+        return self.stragglers.collectives(ranges)
+
+    def straggler_summary(self, last: int | None = None) -> dict[int, StragglerTotals]:
+        """Per replica, how often the collectives of the last ``last`` steps waited for it, and the wait."""
+        return self.stragglers.summary(self.recent_collectives(last))
 
     def steps(self, last: int | None = None) -> dict[int, list[dict]]:
         """Per replica (rank order), its most recent ``last`` steps, oldest first."""
@@ -112,11 +165,16 @@ class MetricsStore:
     Parameters
     ----------
     history
-        Steps kept per replica (``daskdist.metrics.history``).
+        Steps kept per replica (``daskdist.metrics.history``), and collectives
+        kept per group with their straggler.
+    straggler_min_wait
+        Seconds the others must wait for a replica in a collective to charge it as
+        the straggler (``daskdist.metrics.straggler-min-wait``).
     """
 
-    def __init__(self, history: int = 1000):
+    def __init__(self, history: int = 1000, straggler_min_wait: float = 0.001):
         self.history = int(history)
+        self.straggler_min_wait = float(straggler_min_wait)
         self.groups: dict[str, GroupMetrics] = {}
         self.progress: dict[str, dict] = {}  # fit tag -> {"epoch", "step", "logs", "time"}
 
@@ -124,10 +182,7 @@ class MetricsStore:
         """Take one event (the scheduler plugin's ``log_event`` hook); other topics are ignored."""
         if topic == STEP_TOPIC and isinstance(msg, dict):
             group = self.group(str(msg.get("group")))
-            replica = group.replica(int(msg.get("replica", 0)))
-            for step in msg.get("steps", ()):
-                replica.add(step)
-            group.updated = time.time()
+            group.add_steps(int(msg.get("replica", 0)), list(msg.get("steps", ())), msg.get("size"))
         elif topic == PROGRESS_TOPIC and isinstance(msg, dict):
             self.progress[str(msg.get("tag"))] = {
                 "epoch": msg.get("epoch"), "step": msg.get("step"), "logs": dict(msg.get("logs") or {}),
@@ -140,7 +195,8 @@ class MetricsStore:
         """The metrics of ``group_id``, created on first use."""
         group = self.groups.get(group_id)
         if group is None:
-            group = self.groups[group_id] = GroupMetrics(group_id, self.history)
+            group = self.groups[group_id] = GroupMetrics(
+                group_id, self.history, stragglers=StragglerTracker(self.history, self.straggler_min_wait))
             self._evict()
         return group
 

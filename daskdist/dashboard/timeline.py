@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["chrome_trace", "write_chrome_trace"]
 
@@ -26,7 +27,7 @@ def _step_events(rank: int, step: dict) -> list[dict]:
     events = [_event("step", "step", rank, start + first, total, {
         "run_id": step["run_id"], "collectives": step["collectives"], "nbytes": step["nbytes"],
         "input_wait": step["input_wait"], "compute": step["compute"], "allreduce": step["allreduce"],
-        "apply": step["apply"]})]
+        "apply": step["apply"], "samples": step.get("samples")})]
     cursor = first
     for name, offset, duration, nbytes in spans:
         if offset > cursor:

@@ -60,8 +60,15 @@ class _RuntimeTimer:
     def add_apply(self, seconds: float) -> None:
         self._timer.add_apply(seconds)
 
+    def add_samples(self, samples: int) -> None:
+        self._timer.add_samples(samples)
+
     def end(self) -> None:
         self._runtime.record_step(self._timer.end())
+
+    def flush(self) -> None:
+        """Send the steps recorded so far to the scheduler now."""
+        self._runtime.flush_step_events()
 
 
 def _timer() -> Any:
@@ -109,6 +116,8 @@ def _train_step(model: Model, ctx: Any, x: Any, y: Any, sample_weight: Any, time
     y, _ = as_array(y)
     model._ensure_built(x)
     rows = _rows(x)
+    if timer is not None:
+        timer.add_samples(rows)
     loss_sum = 0.0
     if rows:
         y_pred = model._forward(x, training=True)
@@ -162,24 +171,43 @@ def evaluate_batches(model: Model, batches: Iterable[Any], steps: int | None = N
     model.reset_metrics()
     loss_sum = 0.0
     count = 0.0
-    for step, batch in enumerate(batches):
-        if steps is not None and step >= steps:
-            break
-        x, y, sample_weight = split_batch(batch)
-        x, _ = as_array(x)
-        y, _ = as_array(y)
-        if _rows(x):
-            model._ensure_built(x)
-            y_pred = model._forward(x, training=False)
-            per_example = model.loss.per_example(y, y_pred)
-            if sample_weight is not None:
-                per_example = per_example * as_array(sample_weight)[0]
-            loss_sum += float(namespace(per_example).sum(per_example))
-            count += _rows(x)
-            for metric in model.compiled_metrics:
-                metric.update_state(y, y_pred, sample_weight)
-        if progress is not None:
-            progress(step + 1, {})
+    timer = _timer()
+    iterator = iter(batches)
+    step = 0
+    try:
+        while steps is None or step < steps:
+            if timer is not None:
+                timer.begin(step)
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                break
+            x, y, sample_weight = split_batch(batch)
+            x, _ = as_array(x)
+            y, _ = as_array(y)
+            rows = _rows(x)
+            if rows:
+                model._ensure_built(x)
+                y_pred = model._forward(x, training=False)
+                per_example = model.loss.per_example(y, y_pred)
+                if sample_weight is not None:
+                    per_example = per_example * as_array(sample_weight)[0]
+                loss_sum += float(namespace(per_example).sum(per_example))
+                count += rows
+                for metric in model.compiled_metrics:
+                    metric.update_state(y, y_pred, sample_weight)
+            if timer is not None:
+                timer.add_samples(rows)
+                timer.end()
+            step += 1
+            if progress is not None:
+                progress(step, {})
+    finally:
+        close = getattr(iterator, "close", None)
+        if close is not None:
+            close()
+    if timer is not None:
+        timer.flush()
     total = ctx.all_reduce(ReduceOp.SUM, np.array([loss_sum, count], np.float64))
     logs = {"loss": float(total[0] / max(total[1], 1.0))}
     logs.update(_global_metric_results(model, ctx))

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+import optree
 from distributed import get_worker, secede
 from distributed.comm.addressing import get_address_host
 from distributed.utils import sync
@@ -130,7 +131,7 @@ class ReplicaRuntime:
         self.timer = StepTimer(rank, int(config.get("metrics.history")))
         self.communicator = Communicator(
             rank, self.size, self.transport, control=self, algorithm=spec.algorithm,
-            options=spec.options, on_collective=self.timer.add_collective, hosts=spec.hosts or None,
+            options=spec.options, on_collective=self._collective_done, hosts=spec.hosts or None,
             on_stall=self._report_stall,
         )
         self.context = ReplicaContext(self)
@@ -142,6 +143,7 @@ class ReplicaRuntime:
         self._created_in_replica = 0
         self._log_events = bool(config.get("metrics.log-events"))
         self._event_interval = config.get_seconds("metrics.event-interval")
+        self._event_max_steps = max(1, int(config.get("metrics.event-max-steps", 256)))
         self._unsent_steps: list[dict] = []
         self._last_event = time.monotonic()
 
@@ -281,18 +283,35 @@ class ReplicaRuntime:
             self.state = "idle"
 
     def run_step(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        """Call ``fn`` as one timed step."""
+        """Call ``fn`` as one timed step (its samples: the rows of a distributed batch among its arguments)."""
         self.timer.begin(self.run_id)
         try:
             return fn(*args, **kwargs)
         finally:
-            self.record_step(self.timer.end())
+            self.record_step(self.timer.end(samples=self._batch_rows(args, kwargs)))
+
+    def _batch_rows(self, args: tuple, kwargs: dict) -> int | None:
+        """Rows of the first argument that is a batch of a distributed dataset held here, if any."""
+        batches = {id(self._resident[k]) for k in self.resident_keys(prefix="batch:")}
+        if not batches:
+            return None
+        for value in (*args, *kwargs.values()):
+            if id(value) in batches:
+                leaves = optree.tree_leaves(value)
+                first = leaves[0] if leaves else None
+                return int(first.shape[0]) if getattr(first, "ndim", 0) else 0
+        return None
+
+    def _collective_done(self, kind: str, seconds: float, nbytes: int) -> None:
+        """A collective finished (the communicator's callback): time it, with its identity in the group."""
+        self.timer.add_collective(kind, seconds, nbytes, (self.communicator.run_id, self.communicator.seq))
 
     def record_step(self, timing: Any) -> None:
         """Queue a finished step's timing for the scheduler (sent in batches; loops like ``fit`` call this)."""
         if self._log_events:
             self._unsent_steps.append(timing.to_dict(spans=False))
-            if time.monotonic() - self._last_event >= self._event_interval:
+            if (time.monotonic() - self._last_event >= self._event_interval
+                    or len(self._unsent_steps) >= self._event_max_steps):
                 self.flush_step_events()
 
     def _report_stall(self, info: dict) -> None:
@@ -302,7 +321,7 @@ class ReplicaRuntime:
     def flush_step_events(self) -> None:
         """Send the step timings gathered since the last flush as one Dask event."""
         if self._unsent_steps:
-            self.worker.log_event(STEP_EVENT_TOPIC, {"group": self.token, "replica": self.rank,
+            self.worker.log_event(STEP_EVENT_TOPIC, {"group": self.token, "replica": self.rank, "size": self.size,
                                                      "steps": self._unsent_steps})
             self._unsent_steps = []
         self._last_event = time.monotonic()
