@@ -42,8 +42,15 @@ Every timed-in-the-ranks system follows the same plan: per size, up to 3
 untimed warm-up all-reduces, then blocks of timed all-reduces, each block
 starting with one untimed all-reduce so that the ranks enter the timed loop
 together; an iteration's time is the maximum over the ranks, the figure is the
-median over iterations. Iterations per size: 50 up to 256 KiB, 20 up to 4 MiB,
-10 above (``--iterations`` overrides), the same for every system.
+median over iterations. Iterations per size: 1000 up to 256 KiB, 100 up to
+4 MiB, 10 above (``--iterations`` overrides), the same for every system timed
+in the ranks (short blocks would mostly measure the first all-reduces after a
+dispatch, while a training step runs many in a row); the naive approach, whose
+every round is several scheduler round trips, runs at most
+``NAIVE_PER_BLOCK`` rounds per block, followed by a pause of
+``NAIVE_SETTLE_SECONDS`` (the workers' event loops are still busy with the
+tasks' bookkeeping for a while, and would otherwise compete for the GIL with
+the next block's replicas).
 
 The noise of a shared machine is spread over the systems in two ways. On the
 cluster, the daskdist transports and the naive approach run in alternating
@@ -126,6 +133,8 @@ LABELS = {
 GOAL_LARGE = 64 * 2**20  # busbw above the best of MPI and gloo; aims: 1.3x MPI, 60 % of the ideal
 GOAL_SMALL = 4 * 2**10  # latency within 3x of MPI and at least 10x better than gloo
 GOAL_NAIVE = 10.0  # every size at least 10x faster than the naive approach
+NAIVE_PER_BLOCK = 4  # naive rounds per block (each is several scheduler round trips: tens of ms)
+NAIVE_SETTLE_SECONDS = 0.3  # after a naive block: its task bookkeeping would otherwise share the next block's GIL
 
 
 def algorithm_name(nbytes: int, implementation: str, ranks: int) -> str:
@@ -201,44 +210,6 @@ def first_last(x: np.ndarray) -> tuple[float, float]:
     return float(x[0]), float(x[-1])
 
 
-# -- measurement ------------------------------------------------------------------------
-
-
-def daskdist_block(strategy: object, nelems: int, iterations: int, implementation: str) -> np.ndarray:
-    """One ``strategy.run`` of ``iterations`` all-reduces; per iteration, the slowest replica's time."""
-    per_replica = strategy.run(replica_allreduce, args=(nelems, iterations, implementation))
-    times = np.stack(strategy.experimental_local_results(per_replica))
-    return times.max(axis=0)
-
-
-def naive_block(client: object, inputs: list, addresses: list[str], rounds: int) -> list[float]:
-    """``rounds`` naive all-reduce rounds (sum task on worker 0, then one pinned copy task per worker)."""
-    from distributed import wait
-
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        total = client.submit(sum_arrays, *inputs, workers=[addresses[0]], pure=False)
-        outs = [client.submit(take, total, workers=[a], pure=False) for a in addresses]
-        wait(outs)
-        times.append(time.perf_counter() - start)
-        for f in outs:
-            if f.status != "finished":
-                raise RuntimeError(f"naive all-reduce task failed: {f.exception()!r}")
-        del total, outs
-    return times
-
-
-def check_naive(client: object, inputs: list, addresses: list[str]) -> None:
-    """Run one naive round and check the sum on every worker."""
-    total = client.submit(sum_arrays, *inputs, workers=[addresses[0]], pure=False)
-    outs = [client.submit(take, total, workers=[a], pure=False) for a in addresses]
-    checks = client.gather([client.submit(first_last, o, workers=[a], pure=False) for o, a in zip(outs, addresses)])
-    expected = float(len(addresses))
-    if any(c != (expected, expected) for c in checks):
-        raise AssertionError(f"naive all-reduce gave {checks}, expected {expected}")
-
-
 def replica_routes() -> str:
     """Replica function: the transports this replica reaches its peers through (daskdist internals; best effort)."""
     try:
@@ -304,7 +275,12 @@ def measure_size(client: object, addresses: list[str], strategies: dict[str, obj
         for name, strategy in strategies.items()
     }
     if with_naive:
-        runners["naive"] = lambda k: naive_block(client, inputs, addresses, k)
+        def naive_then_settle(k: int) -> list[float]:
+            times = naive_block(client, inputs, addresses, min(k, NAIVE_PER_BLOCK))
+            time.sleep(NAIVE_SETTLE_SECONDS)  # the workers' event loops finish the tasks' bookkeeping
+            return times
+
+        runners["naive"] = naive_then_settle
     try:
         if with_naive:
             check_naive(client, inputs, addresses)
@@ -635,8 +611,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--blocks", type=int, default=5,
                         help="blocks per size and round, each after an untimed all-reduce (default 5)")
     parser.add_argument("--iterations", type=int, default=None,
-                        help="timed iterations per size over all rounds (default: 50 up to 256 KiB, "
-                             "20 up to 4 MiB, 10 above)")
+                        help="timed iterations per size over all rounds (default: 1000 up to 256 KiB, "
+                             "100 up to 4 MiB, 10 above; naive: at most 4 per block)")
     parser.add_argument("--implementation", choices=["auto", "ring"], default="auto",
                         help="daskdist CommunicationImplementation: auto (direct <= 64 KiB, else ring) or ring")
     parser.add_argument("--mpirun-args", default=None,

@@ -74,9 +74,9 @@ def format_size(nbytes: int) -> str:
 def default_iterations(nbytes: int) -> int:
     """Timed iterations per size (over all rounds): many for small messages, fewer for large ones."""
     if nbytes <= 256 * 2**10:
-        return 50
+        return 1000
     if nbytes <= 4 * 2**20:
-        return 20
+        return 100
     return 10
 
 
@@ -212,7 +212,7 @@ def standalone_main(
                         default=[parse_size(s) for s in ("4KiB", "256KiB", "4MiB", "64MiB")],
                         help="message sizes (default 4KiB 256KiB 4MiB 64MiB)")
     parser.add_argument("--iterations", type=int, default=None,
-                        help="timed iterations per size (default: 50 up to 256 KiB, 20 up to 4 MiB, else 10)")
+                        help="timed iterations per size (default: 1000 up to 256 KiB, 100 up to 4 MiB, else 10)")
     parser.add_argument("--blocks", type=int, default=5, help="blocks per size, each after an untimed all-reduce")
     if add_arguments is not None:
         add_arguments(parser)

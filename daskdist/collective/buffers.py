@@ -1,8 +1,10 @@
 """Reusable result buffers for large collectives.
 
-A fresh multi-megabyte numpy array costs a page fault (and the kernel's
-zeroing) for every page its first write touches: for a 64 MiB all-reduce that
-is a noticeable share of the whole collective. A training step all-reduces
+A fresh numpy array above glibc's mmap threshold (128 KiB; Dask's nanny sets
+``MALLOC_TRIM_THRESHOLD_``, which keeps that threshold from adapting) is a
+fresh mapping: a page fault and the kernel's zeroing for every page its first
+write touches, and an ``munmap`` with TLB shootdowns when it is freed. For a
+256 KiB all-reduce that was most of its time; for 64 MiB a noticeable share. A training step all-reduces
 same-sized gradient packs every step and drops the previous step's results,
 so ``BufferPool`` hands out arrays that nobody holds any more.
 
@@ -37,16 +39,19 @@ class BufferPool:
         How many buffers the pool keeps; the oldest idle one is dropped beyond that.
     """
 
-    def __init__(self, min_bytes: int = 1 << 20, max_buffers: int = 8):
+    def __init__(self, min_bytes: int = 1 << 17, max_buffers: int = 8):
         self.min_bytes = min_bytes
         self.max_buffers = max_buffers
         self._buffers: list[np.ndarray] = []
 
     def empty(self, shape: tuple[int, ...] | int, dtype: Any) -> np.ndarray:
         """An uninitialised 1-D or n-d array, reused from the pool when one of the right size is idle."""
+        if isinstance(shape, int):
+            shape = (shape,)
         dtype = np.dtype(dtype)
-        shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = dtype.itemsize
+        for d in shape:
+            nbytes *= d
         if nbytes < self.min_bytes:
             return np.empty(shape, dtype)
         for buffer in self._buffers:

@@ -198,7 +198,11 @@ class SmallAllReduce:
             dst = (rank + k) % size
             if not shm.try_send_inline(dst, header, plan.sig_bytes, raw):
                 handles.append(shm.send(dst, (run_id, seq, rank, plan.name), value, plan.sig_bytes))
-        result = np.empty(plan.shape, plan.dtype)
+        pool = comm.buffers
+        if plan.nbytes >= pool.min_bytes:
+            result = pool.empty(plan.shape, plan.dtype)
+        else:
+            result = np.empty(plan.shape, plan.dtype)
         ufunc = plan.ufunc
         pending: np.ndarray | None = None  # rank 0's own array, not yet combined
         for r in range(size):
@@ -238,7 +242,7 @@ class SmallAllReduce:
         while True:
             if not channel.can_read():
                 try:
-                    _backoff_wait(channel.can_read, deadline, lambda: mailbox.check(run_id))
+                    _backoff_wait(channel.can_read, deadline, lambda: mailbox.check(run_id), shm.spin_seconds)
                 except MailboxTimeout:
                     raise CollectiveTimeoutError(self.comm.describe_timeout(call, src)) from None
             fields, start = channel.peek_fields()

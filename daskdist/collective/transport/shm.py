@@ -97,33 +97,63 @@ class _Segment:
 
 
 class _Spinner:
-    """Waiting without a wake-up call: spin, then yield the GIL, then sleep a little; ``check`` raises aborts."""
+    """Waiting without a wake-up call: spin, then yield the CPU, then sleep a little; ``check`` raises aborts.
 
-    __slots__ = ("check", "deadline", "spins")
+    Spinning holds the GIL, so the worker's event-loop thread cannot take it
+    in the middle of a collective; once ``spin_seconds`` have passed (short
+    when the host has fewer cores than replicas: then the peer may need this
+    core), each idle round yields (``sleep(0)``), and after ``_YIELD_SECONDS``
+    it sleeps 0.2 ms per round.
+    """
 
-    def __init__(self, deadline: float, check: Callable[[], None]):
+    __slots__ = ("check", "deadline", "spin_seconds", "spin_until", "spins", "yield_until")
+
+    def __init__(self, deadline: float, check: Callable[[], None], spin_seconds: float = 50e-6):
         self.deadline = deadline
         self.check = check
+        self.spin_seconds = spin_seconds
         self.spins = 0
+        self.progressed()
 
     def idle(self) -> None:
         """Called each time there was nothing to do."""
         self.spins += 1
-        spins = self.spins
-        if spins & 31 == 0:
-            self.check()
-            if time.monotonic() > self.deadline:
-                raise MailboxTimeout()
-        if spins < 64:
+        if self.spins & 15:
             return
-        time.sleep(0 if spins < 4096 else 0.0002)
+        now = time.monotonic()
+        if now < self.spin_until and self.spins & 1023:
+            return
+        self.check()
+        if now > self.deadline:
+            raise MailboxTimeout()
+        if now >= self.spin_until:
+            time.sleep(0 if now < self.yield_until else 0.0002)
+
+    def progressed(self) -> None:
+        """Called after useful work: spin again before yielding."""
+        now = time.monotonic()
+        self.spin_until = now + self.spin_seconds
+        self.yield_until = now + _YIELD_SECONDS
 
 
-def _backoff_wait(ready: Callable[[], bool], deadline: float, check: Callable[[], None]) -> None:
+_YIELD_SECONDS = 0.005  # yield (sleep(0)) this long before sleeping 0.2 ms per round
+
+
+def spin_seconds_for(replicas_on_host: int) -> float:
+    """How long a waiting replica spins before yielding its core: 50 us, or 5 us when replicas outnumber cores."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    return 50e-6 if replicas_on_host <= cores else 5e-6
+
+
+def _backoff_wait(ready: Callable[[], bool], deadline: float, check: Callable[[], None],
+                  spin_seconds: float = 50e-6) -> None:
     """Wait until ``ready()`` (see ``_Spinner``)."""
     if ready():
         return
-    spinner = _Spinner(deadline, check)
+    spinner = _Spinner(deadline, check, spin_seconds)
     while not ready():
         spinner.idle()
 
@@ -305,6 +335,7 @@ class ShmTransport(Transport):
         self.peers = peers
         self.group_id = group_id
         self.slot_bytes = slot_bytes
+        self.spin_seconds = spin_seconds_for(len(peers) + 1)
         self._inbound = {src: ShmChannel(segment_name(group_id, src, rank), slot_bytes, create=True) for src in peers}
         self._outbound: dict[int, ShmChannel] = {}
         self._stash: dict[tuple[int, Tag], Any] = {}
@@ -382,7 +413,7 @@ class ShmTransport(Transport):
         dtype, shape = describe_payload(kind, payload)
         while True:
             piece = flat[offset : offset + self.slot_bytes]
-            _backoff_wait(channel.can_write, deadline, check)
+            _backoff_wait(channel.can_write, deadline, check, self.spin_seconds)
             channel.write(tag, kind, dtype, shape, total, offset, piece, extra)
             offset += piece.nbytes
             if offset >= total:
@@ -392,7 +423,7 @@ class ShmTransport(Transport):
 
     def _next_piece(self, src: int, deadline: float, run_id: int) -> tuple[tuple, np.ndarray]:
         channel = self._inbound[src]
-        _backoff_wait(channel.can_read, deadline, lambda: self.mailbox.check(run_id))
+        _backoff_wait(channel.can_read, deadline, lambda: self.mailbox.check(run_id), self.spin_seconds)
         return channel.peek()
 
     def _find(self, src: int, tag: Tag, deadline: float) -> tuple[tuple, np.ndarray] | None:
@@ -471,7 +502,7 @@ class ShmTransport(Transport):
         sent, send_done = 0, False
         incoming: _Incoming | None = None
         run_id = recv_tag[0]
-        spinner = _Spinner(deadline, lambda: self.mailbox.check(run_id))
+        spinner = _Spinner(deadline, lambda: self.mailbox.check(run_id), self.spin_seconds)
         while True:
             progressed = False
             if not send_done and out_channel.can_write():
@@ -495,7 +526,7 @@ class ShmTransport(Transport):
             if send_done and incoming is not None and incoming.done:
                 return None
             if progressed:
-                spinner.spins = 0
+                spinner.progressed()
             else:
                 spinner.idle()
 
