@@ -127,7 +127,10 @@ class _Spinner:
         if now > self.deadline:
             raise MailboxTimeout()
         if now >= self.spin_until:
-            time.sleep(0 if now < self.yield_until else 0.0002)
+            if now < self.yield_until:
+                os.sched_yield()  # let a peer that shares this core run (releases the GIL too)
+            else:
+                time.sleep(0.0002)
 
     def progressed(self) -> None:
         """Called after useful work: spin again before yielding."""
