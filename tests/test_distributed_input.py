@@ -207,31 +207,35 @@ def test_dataframe_partitions(threaded_client):
         assert sorted(ids) == list(range(60))
 
 
-def test_distributing_the_same_data_twice_survives_the_memory_manager(make_cluster):
-    """The first distribution leaves extra copies of persisted partitions; the second must not rely on them."""
+def _assert_on_readers(client, dist) -> None:
+    """Every partition ``dist`` reads is held by its reader's worker."""
+    futures = iter(dist._futures)  # placed replica by replica, in each replica's partition order
+    holders = client.who_has(list(dist._futures))
+    for planned in sorted(dist.plan().partitions, key=lambda p: (p.replica, p.index)):
+        future = next(futures)
+        assert planned.worker in holders[future.key], (planned, holders[future.key])
+
+
+def test_distributions_of_the_same_data_survive_the_memory_manager(make_cluster):
+    """Copies one distribution makes must not be what another relies on: Dask may drop extra copies."""
     client = make_cluster(2, processes=True)
     workers = sorted(client.scheduler_info()["workers"])
     blocks = [client.submit(_block, i, workers=[workers[0]], pure=False) for i in range(8)]
     rows = client.persist(da.concatenate([da.from_delayed(b, shape=(250, 4), dtype=float) for b in blocks]))
     del blocks
-    with dd.MirroredStrategy(client=client) as strategy:
-        ds = Dataset.from_dask(rows).map(lambda row: (row[1:], row[0])).batch(50)
-        first = strategy.experimental_distribute_dataset(ds)
+    ds = Dataset.from_dask(rows).map(lambda row: (row[1:], row[0])).batch(50)
+    with dd.MirroredStrategy(client=client) as both, dd.MirroredStrategy(devices=["/cpu:1"], client=client) as one:
+        first = both.experimental_distribute_dataset(ds)
         assert first.plan().bytes_to_move > 0  # half of the partitions had to go to the second worker
-        second = strategy.experimental_distribute_dataset(ds)
+        second = both.experimental_distribute_dataset(ds)
         assert second.plan().bytes_to_move == 0  # the copies are there already
-        del first
+        third = one.experimental_distribute_dataset(ds)  # everything on the second worker: more copies
         client.amm.run_once()  # Dask's active memory manager drops the extra copies it finds
         time.sleep(0.5)
-        # every partition the second distribution reads is still on its reader's worker
-        readers = {p.index: p.worker for p in second.plan().partitions}
-        futures = iter(second._futures)  # placed in plan order: replica by replica, partition by partition
-        holders = client.who_has(list(second._futures))
-        for planned in sorted(second.plan().partitions, key=lambda p: (p.replica, p.index)):
-            future = next(futures)
-            assert readers[planned.index] in holders[future.key], (planned, holders[future.key])
+        for dist in (first, second, third):
+            _assert_on_readers(client, dist)
         before = _transferred_bytes(client)
-        ids, _ = _seen_ids(strategy, second)
+        ids, _ = _seen_ids(both, first)
         moved = _transferred_bytes(client) - before
     assert sorted(ids) == list(range(2000))
-    assert moved < 200, f"{moved} bytes moved while reading the second distribution"
+    assert moved < 200, f"{moved} bytes moved while reading the first distribution"

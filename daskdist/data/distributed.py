@@ -323,16 +323,16 @@ def _place_dask_partitions(extended: DaskExtended, source: DaskSource, shares: l
                            workers: list[str]) -> tuple[list[list[Partition]], list[Any]]:
     """Make every partition's data live on the worker of the replica that reads it.
 
-    Persisted partitions already there (as their only copy) stay; the others
-    are copied there (a pinned identity task: Dask moves the bytes once, or
-    none when the worker holds one of several copies, which Dask's active
-    memory manager could otherwise drop). Partitions not yet
-    computed are computed on that worker.
+    Every persisted partition gets a pinned identity task on its reader's
+    worker: where the data already is, nothing moves and the task's result
+    holds it there for as long as the distributed dataset lives (Dask's active
+    memory manager may drop extra copies of the original key); elsewhere Dask
+    moves the bytes once. Partitions not yet computed are computed on that
+    worker.
     """
     client = extended.client
     persisted = _leaf_futures(extended, source)
     delayed = None if persisted is not None else source.delayed_partitions()
-    who_has = client.who_has([f for parts in persisted for f in parts]) if persisted is not None else {}
     kept: list[Any] = []
     new_shares: list[list[Partition]] = []
     for rank, share in enumerate(shares):
@@ -342,15 +342,12 @@ def _place_dask_partitions(extended: DaskExtended, source: DaskSource, shares: l
             if persisted is not None:
                 leaf_futures = []
                 for future in persisted[partition.index]:
-                    holders = who_has.get(future.key, ())
-                    if worker in holders and len(holders) == 1:
-                        leaf_futures.append(future)
-                    else:
-                        # Elsewhere, or one of several copies (e.g. left by an earlier distribution), which
-                        # Dask's memory manager may drop: a pinned identity task keeps it on this worker
-                        # (no transfer when the worker already holds it).
-                        leaf_futures.append(client.submit(_identity, future, workers=[worker],
-                                                          allow_other_workers=False, pure=False))
+                    # Always a pinned identity task on the reader's worker, even where the partition already
+                    # is (then nothing moves): a copy Dask made for another computation (another
+                    # distribution of the same data, say) could otherwise lead its memory manager to drop
+                    # the copy this replica reads.
+                    leaf_futures.append(client.submit(_identity, future, workers=[worker],
+                                                      allow_other_workers=False, pure=False))
             else:
                 leaf_futures = client.compute(delayed[partition.index], workers=[worker], allow_other_workers=False)
             kept.extend(leaf_futures)
