@@ -154,15 +154,19 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 @contextlib.contextmanager
 def local_cluster(n_workers: int) -> Iterator[object]:
     """A ``Client`` on a fresh ``LocalCluster`` of ``n_workers`` single-threaded processes; closed on exit."""
+    import dask
     from distributed import Client, LocalCluster
 
-    cluster = LocalCluster(
-        n_workers=n_workers,
-        threads_per_worker=1,
-        processes=True,
-        dashboard_address=":0",
-        silence_logs=logging.ERROR,
-    )
+    from daskdist.cluster.embedded import worker_environment_config
+
+    with dask.config.set(worker_environment_config()):  # the worker environment of daskdist's embedded cluster
+        cluster = LocalCluster(
+            n_workers=n_workers,
+            threads_per_worker=1,
+            processes=True,
+            dashboard_address=":0",
+            silence_logs=logging.ERROR,
+        )
     try:
         client = Client(cluster)
         try:

@@ -37,15 +37,14 @@ and closes it before the next):
    scaling efficiency (2-replica samples/s / (2 x 1-replica samples/s)).
 
    DDP runs with the environment this script started with (what a standalone
-   DDP job gets). Dask's nanny gives its workers ``MALLOC_TRIM_THRESHOLD_=65536``
-   (``distributed.nanny.pre-spawn-environ``), which makes glibc map and unmap
-   every large temporary array, and also writes it into this process's
-   ``os.environ``; so DDP is also run a second time with the workers'
-   variables ("DDP, worker env"), which separates that allocator setting from
-   the rest of the framework (``--no-ddp-worker-env`` skips it).
-   ``--worker-malloc-trim unset`` leaves the variable out of every cluster of
-   the run (a configuration change, for comparison; the default measures
-   daskdist as users get it).
+   DDP job gets). The clusters are started as daskdist's embedded cluster
+   starts its workers: without Dask's ``MALLOC_TRIM_THRESHOLD_=65536``
+   (``daskdist.embedded.malloc-trim-threshold``), which makes glibc map and
+   unmap every large temporary array. When the workers' variables differ from
+   DDP's (``--worker-malloc-trim dask`` gives them Dask's default), DDP is also
+   run a second time with the workers' variables ("DDP, worker env"), which
+   separates the allocator setting from the rest of the framework
+   (``--no-ddp-worker-env`` skips it).
 
 Usage::
 
@@ -392,7 +391,10 @@ def worker_env() -> dict[str, str | None]:
     import dask
     import distributed  # noqa: F401  (registers the nanny defaults)
 
-    cfg = dask.config.get("distributed.nanny.pre-spawn-environ") or {}
+    from daskdist.cluster.embedded import worker_environment_config
+
+    with dask.config.set(worker_environment_config()):  # what _common.local_cluster (and daskdist) start with
+        cfg = dict(dask.config.get("distributed.nanny.pre-spawn-environ") or {})
     return {k: (None if cfg.get(k) is None else str(cfg[k])) for k in ENV_KEYS}
 
 
@@ -573,9 +575,10 @@ def main() -> None:
                              "samples and 1 round")
     parser.add_argument("--no-ddp-worker-env", dest="ddp_worker_env", action="store_false",
                         help="part 3: skip the extra DDP run under the Dask workers' environment variables")
-    parser.add_argument("--worker-malloc-trim", choices=["dask", "unset"], default="dask",
-                        help="dask (default): workers get Dask's MALLOC_TRIM_THRESHOLD_ (distributed.nanny."
-                             "pre-spawn-environ); unset: leave it out, for every cluster of this run")
+    parser.add_argument("--worker-malloc-trim", choices=["daskdist", "dask"], default="daskdist",
+                        help="daskdist (default): workers get what daskdist's embedded cluster gives them "
+                             "(daskdist.embedded.malloc-trim-threshold, default: unset); dask: Dask's nanny "
+                             "default MALLOC_TRIM_THRESHOLD_=65536, for every cluster of this run")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
     if args.warmup_epochs < 1:
@@ -591,10 +594,10 @@ def main() -> None:
 
     print_header("Training benchmark: fit overhead per step, fit scaling 1 -> 2 replicas, PyTorch plug-in vs DDP")
     print(settings_line())
-    if args.worker_malloc_trim == "unset":
+    if args.worker_malloc_trim == "dask":
         import dask
 
-        dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None})
+        dask.config.set({"daskdist.embedded.malloc-trim-threshold": 65536})
     print(f"Dask worker environment (distributed.nanny.pre-spawn-environ): {env_text(worker_env())}; "
           f"this process at start: {env_text(ORIGINAL_ENV)}")
     print(f"load average at start: {' '.join(f'{v:.2f}' for v in os.getloadavg())}", flush=True)

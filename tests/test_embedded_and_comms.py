@@ -31,6 +31,21 @@ def test_embedded_default_starts_and_closes_a_local_cluster():
     assert cluster.status.name == "closed"
 
 
+def _trim_threshold() -> str | None:
+    import os
+
+    return os.environ.get("MALLOC_TRIM_THRESHOLD_")
+
+
+@pytest.mark.parametrize("setting, expected", [(None, None), (1 << 20, str(1 << 20))])
+def test_embedded_workers_do_not_get_dask_s_malloc_trim_threshold(monkeypatch, setting, expected):
+    """Dask's nanny would set 65536, which makes every large temporary of a training step a fresh mapping."""
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    with dask.config.set({"daskdist.embedded.malloc-trim-threshold": setting}), dd.MirroredStrategy() as strategy:
+        seen = set(strategy.client.run(_trim_threshold).values())
+    assert seen == {expected}
+
+
 def test_embedded_with_explicit_cpu_devices():
     strategy = dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1", "/cpu:2"])
     try:
