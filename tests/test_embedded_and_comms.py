@@ -81,3 +81,26 @@ def test_tls_cluster(hosts):
             assert all(a.startswith("tls://") for a in strategy.extended.worker_addresses)
             out = strategy.run(lambda: dd.get_replica_context().all_reduce("SUM", np.ones(100_000)))
             assert strategy.experimental_local_results(out)[1][0] == 2.0
+
+
+def _affinity() -> str:
+    import os
+
+    return ",".join(map(str, sorted(os.sched_getaffinity(0))))  # a string: strategy.run regroups lists
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_setaffinity"), reason="needs Linux CPU affinity")
+def test_replica_threads_are_bound_to_their_own_cores_and_released(process_client):
+    import os
+
+    cores = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    with dd.MirroredStrategy(client=process_client) as strategy:
+        pinned = strategy.experimental_local_results(strategy.run(_affinity))
+    if len(os.sched_getaffinity(0)) >= 2:  # one core each, all different
+        assert all("," not in p for p in pinned) and len(set(pinned)) == len(pinned), pinned
+    # the worker threads that served the replicas go back to the pool unbound
+    after = process_client.gather([process_client.submit(_affinity, pure=False, workers=[w])
+                                   for w in process_client.scheduler_info()["workers"] for _ in range(2)])
+    assert all(a == cores for a in after), after
+    with dask.config.set({"daskdist.replica.pin-cores": False}), dd.MirroredStrategy(client=process_client) as strategy:
+        assert all(p == cores for p in strategy.experimental_local_results(strategy.run(_affinity)))

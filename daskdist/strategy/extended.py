@@ -102,6 +102,7 @@ class DaskExtended:
                 algorithm=algorithm,
                 transport=config.get("collective.transport"),
                 shm_slot_bytes=parse_bytes(config.get("collective.shm.slot-bytes")),
+                pin_cores=config.get("replica.pin-cores"),
             )
             self._group.launch()
         except BaseException:
