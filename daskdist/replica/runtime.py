@@ -294,6 +294,8 @@ class ReplicaRuntime:
 
     def _batch_rows(self, args: tuple, kwargs: dict) -> int | None:
         """Rows of the first argument that is a batch of a distributed dataset held here, if any."""
+        if not args and not kwargs:
+            return None
         batches = {id(self._resident[k]) for k in self.resident_keys(prefix="batch:")}
         if not batches:
             return None

@@ -49,10 +49,13 @@ class StepTiming:
 
     def to_dict(self, spans: bool = True) -> dict:
         """The fields as a plain dict (``spans`` copied only when asked: the hot path ships without them)."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "spans"}
+        out = {name: getattr(self, name) for name in _SHIPPED_FIELDS}
         if spans:
             out["spans"] = [list(span) for span in self.spans]
         return out
+
+
+_SHIPPED_FIELDS = tuple(f.name for f in fields(StepTiming) if f.name != "spans")
 
 
 class StepTimer:
