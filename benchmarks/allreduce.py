@@ -141,8 +141,9 @@ def algorithm_name(nbytes: int, implementation: str, ranks: int) -> str:
     """Which algorithm daskdist uses for a message of ``nbytes`` (AUTO: direct at or below the threshold).
 
     On shared memory (``auto`` on one host) an all-reduce of one array that
-    fits the threshold, or with two ranks one channel slot, takes the latency
-    lane ("direct (lane)"); the other transports use the ring above the threshold.
+    fits the threshold (with two ranks: one channel slot; with more ranks than
+    cores: half a slot) takes the latency lane; the other transports use the
+    ring above the threshold.
     """
     from dask.utils import parse_bytes
 
@@ -153,8 +154,11 @@ def algorithm_name(nbytes: int, implementation: str, ranks: int) -> str:
     small = int(config.get("collective.small-message-bytes"))
     if nbytes <= small:
         return "direct"
-    if ranks == 2 and nbytes <= parse_bytes(config.get("collective.shm.slot-bytes")):
+    slot = parse_bytes(config.get("collective.shm.slot-bytes"))
+    if ranks == 2 and nbytes <= slot:
         return "direct on shm, else ring"
+    if ranks > len(os.sched_getaffinity(0)) and nbytes <= slot // 2:
+        return "direct on shm, else ring"  # more replicas than cores: the lane takes up to half a slot
     return "ring"
 
 

@@ -124,26 +124,39 @@ def test_a_replica_that_never_joins_times_out_naming_it(threaded_client):
         assert timeouts and all("replica 1" in r for r in timeouts), results
 
 
-@pytest.mark.parametrize("replicas, lane", [(2, True), (3, False)])
-def test_two_replicas_take_the_lane_up_to_one_slot(threaded_client, replicas, lane):
-    """With two replicas a one-slot message goes one hop (the ring would move the same bytes in two steps)."""
+def _lane_taken(strategy, client) -> list[bool]:
+    """Whether each replica holds a usable lane plan (``None`` plans mean the general path was taken)."""
+    token = strategy.extended.token
+
+    def taken(dask_worker):
+        return [any(p is not None for p in runtime.communicator._small._plans.values())
+                for (group, _), runtime in dask_worker.extensions["daskdist"].replicas.items() if group == token]
+
+    return [t for part in client.run(taken).values() for t in part]
+
+
+@pytest.mark.parametrize(
+    "replicas, elements, lane",
+    [
+        (2, 3 << 17, lambda cores: True),  # 1.5 MiB, two replicas: up to one 2 MiB slot
+        (3, 3 << 17, lambda cores: False),  # 1.5 MiB, three replicas: beyond half a slot, the ring
+        (3, 1 << 18, lambda cores: 3 > cores),  # 1 MiB, three replicas: one hop only when they outnumber cores
+    ],
+)
+def test_the_lane_takes_larger_arrays_where_one_hop_wins(threaded_client, replicas, elements, lane):
+    """Two replicas: one slot (the ring would move the same bytes in two steps); oversubscribed: half a slot."""
+    from daskdist.collective.transport.shm import usable_cores
+
     devices = [f"/cpu:{i}" for i in range(replicas)]
     with dask.config.set(SHM), dd.MirroredStrategy(devices=devices, client=threaded_client) as strategy:
 
         def fn():
             ctx = dd.get_replica_context()
-            x = np.full(1 << 18, ctx.replica_id_in_sync_group + 1.0, np.float32)  # 1 MiB
-            return ctx.all_reduce("SUM", x)
+            return ctx.all_reduce("SUM", np.full(elements, ctx.replica_id_in_sync_group + 1.0, np.float32))
 
         want = sum(range(1, replicas + 1))
         for result in strategy.experimental_local_results(strategy.run(fn)):
-            assert result.shape == (1 << 18,) and float(result.min()) == float(result.max()) == want
+            assert result.shape == (elements,) and float(result.min()) == float(result.max()) == want
         plans = _lane_plans(strategy, threaded_client)
         assert plans and all(n == 1 for n in plans)  # one entry cached either way ...
-        token = strategy.extended.token
-
-        def taken(dask_worker):  # ... but only a usable one (not None) when the lane is taken
-            return [any(p is not None for p in runtime.communicator._small._plans.values())
-                    for (group, _), runtime in dask_worker.extensions["daskdist"].replicas.items() if group == token]
-
-        assert all(t == lane for part in threaded_client.run(taken).values() for t in part)
+        assert all(t == lane(usable_cores()) for t in _lane_taken(strategy, threaded_client))  # ... usable or not

@@ -5,8 +5,9 @@ statistic) are dominated by per-call work, not by bytes. When every peer of
 a replica is reached through shared memory and the value is one array of at
 most ``daskdist.collective.small-message-bytes`` (with two replicas: at most
 one channel slot, ``collective.shm.slot-bytes``, since then the one-hop
-exchange moves as many bytes as the ring, in one step), ``all_reduce`` takes
-this lane instead of the general machinery (flatten, pack, a separate
+exchange moves as many bytes as the ring, in one step; with more replicas
+than cores: half a slot, since every ring step waits for descheduled peers),
+``all_reduce`` takes this lane instead of the general machinery (flatten, pack, a separate
 signature message, a ``CollectiveCall``):
 
 * a plan per (op, shape, dtype) is built once and holds the signature, the
@@ -116,8 +117,13 @@ class SmallAllReduce:
         self.comm = comm
         self.shm = shm
         # Between two replicas the one-hop exchange moves the same bytes as the ring, in one step
-        # instead of two: it takes everything that fits in one channel slot.
-        self.limit = comm.small_message_bytes if comm.size > 2 else max(comm.small_message_bytes, shm.slot_bytes)
+        # instead of two: it takes everything that fits in one channel slot. With more replicas than
+        # cores every ring step waits for descheduled peers, so one hop wins up to half a slot.
+        self.limit = comm.small_message_bytes
+        if comm.size == 2:
+            self.limit = max(self.limit, shm.slot_bytes)
+        elif getattr(shm, "oversubscribed", False):
+            self.limit = max(self.limit, shm.slot_bytes // 2)
         self._plans: dict[tuple, _Plan | None] = {}
 
     def plan(self, op: Any, value: np.ndarray, options: CommunicationOptions | None) -> _Plan | None:

@@ -142,13 +142,17 @@ class _Spinner:
 _YIELD_SECONDS = 0.005  # yield (sleep(0)) this long before sleeping 0.2 ms per round
 
 
+def usable_cores() -> int:
+    """How many cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
 def spin_seconds_for(replicas_on_host: int) -> float:
     """How long a waiting replica spins before yielding its core: 50 us, or 5 us when replicas outnumber cores."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        cores = os.cpu_count() or 1
-    return 50e-6 if replicas_on_host <= cores else 5e-6
+    return 50e-6 if replicas_on_host <= usable_cores() else 5e-6
 
 
 def _backoff_wait(ready: Callable[[], bool], deadline: float, check: Callable[[], None],
@@ -339,6 +343,7 @@ class ShmTransport(Transport):
         self.group_id = group_id
         self.slot_bytes = slot_bytes
         self.spin_seconds = spin_seconds_for(len(peers) + 1)
+        self.oversubscribed = len(peers) + 1 > usable_cores()  # more replicas here than cores
         self._inbound = {src: ShmChannel(segment_name(group_id, src, rank), slot_bytes, create=True) for src in peers}
         self._outbound: dict[int, ShmChannel] = {}
         self._stash: dict[tuple[int, Tag], Any] = {}
