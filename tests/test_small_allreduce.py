@@ -160,3 +160,35 @@ def test_the_lane_takes_larger_arrays_where_one_hop_wins(threaded_client, replic
         plans = _lane_plans(strategy, threaded_client)
         assert plans and all(n == 1 for n in plans)  # one entry cached either way ...
         assert all(t == lane(usable_cores()) for t in _lane_taken(strategy, threaded_client))  # ... usable or not
+
+
+def test_a_structure_fused_into_one_pack_takes_the_lane(threaded_client):
+    """A list of gradients of one dtype is one flat pack: it goes one hop, results and errors as usual."""
+    with dask.config.set(SHM), dd.MirroredStrategy(client=threaded_client) as strategy:
+
+        def fn():
+            ctx = dd.get_replica_context()
+            r = ctx.replica_id_in_sync_group
+            grads = {"w": np.full((8, 4), r + 1.0, np.float32), "b": [np.arange(3, dtype=np.float32) * r]}
+            out = ctx.all_reduce("MEAN", grads)
+            ok = (out["w"].shape == (8, 4) and float(out["w"].min()) == float(out["w"].max()) == 2.0
+                  and out["b"][0].tolist() == [0.0, 1.0, 2.0])
+            bad = [np.ones(3 + (r == 2), np.float32), np.ones(2, np.float32)]
+            try:
+                ctx.all_reduce("SUM", bad, dd.CommunicationOptions(timeout_seconds=30))
+                error = "no error"
+            except dd.CollectiveError as e:
+                error = f"{type(e).__name__}: {e}"
+            return ok, error
+
+        oks, errors = (strategy.experimental_local_results(v) for v in strategy.run(fn))
+        assert all(oks), oks
+        assert any(e.startswith("CollectiveMismatchError") and "float32[4]" in e for e in errors), errors
+        assert all(e.startswith(("CollectiveMismatchError", "CollectiveAbortedError")) for e in errors), errors
+        token = strategy.extended.token
+
+        def pack_plans(dask_worker):
+            return [sum(1 for k, p in runtime.communicator._small._plans.items() if k[0] == "pack" and p is not None)
+                    for (group, _), runtime in dask_worker.extensions["daskdist"].replicas.items() if group == token]
+
+        assert all(n >= 1 for part in threaded_client.run(pack_plans).values() for n in part)

@@ -68,11 +68,13 @@ class BufferPool:
         return self.empty(array.shape, array.dtype)
 
     def _drop_one_idle(self) -> None:
-        for buffer in self._buffers:
-            if sys.getrefcount(buffer) <= _IDLE_REFCOUNT:
-                self._buffers.remove(buffer)
+        buffers = self._buffers
+        for index in range(len(buffers)):
+            # references while idle: the list, and getrefcount's argument
+            if sys.getrefcount(buffers[index]) <= _IDLE_REFCOUNT - 1:
+                del buffers[index]  # by position: ``list.remove`` would compare arrays element-wise
                 return
-        self._buffers.pop(0)  # all in use: forget the oldest (its holders keep it alive)
+        buffers.pop(0)  # all in use: forget the oldest (its holders keep it alive)
 
     def clear(self) -> None:
         """Forget every buffer."""

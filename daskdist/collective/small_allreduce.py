@@ -21,6 +21,10 @@ signature message, a ``CollectiveCall``):
   message), and every replica raises ``CollectiveMismatchError``; timeouts,
   aborts and stall warnings behave as on the general path.
 
+A structure whose leaves fuse into a single pack (a list of gradients of one
+dtype) takes the lane too, with the pack as its array and the structure's
+signature.
+
 Both lanes give the same results; replicas that disagree about the lane
 disagree about the signature, which is what the mismatch check catches.
 """
@@ -144,7 +148,26 @@ class SmallAllReduce:
         self._plans[key] = plan
         return plan
 
-    def _make_plan(self, op: Any, value: np.ndarray, call_options: CommunicationOptions | None) -> _Plan | None:
+    def plan_for_pack(self, op: Any, buffer: np.ndarray, options: CommunicationOptions | None,
+                      sig: str) -> _Plan | None:
+        """The plan for a structure fused into the one flat ``buffer`` (a list of gradients), or ``None``.
+
+        ``sig`` is the structure's signature: replicas agree on it, hence on
+        the pack, hence on the lane.
+        """
+        key = ("pack", op, sig, options)
+        try:
+            return self._plans[key]
+        except KeyError:
+            pass
+        plan = self._make_plan(op, buffer, options, sig)
+        if len(self._plans) >= _PLANS_KEPT:
+            self._plans.clear()
+        self._plans[key] = plan
+        return plan
+
+    def _make_plan(self, op: Any, value: np.ndarray, call_options: CommunicationOptions | None,
+                   sig: str | None = None) -> _Plan | None:
         comm = self.comm
         if not (0 < value.nbytes <= self.limit) or value.ndim > MAX_NDIM or value.dtype.hasobject:
             return None
@@ -159,8 +182,10 @@ class SmallAllReduce:
             return None
         if options.implementation is not CommunicationImplementation.AUTO and algorithm != "direct":
             return None
-        detail = f"{reduce_op.name} packs={options.bytes_per_pack}/{comm.algorithm.num_packs} {options.implementation.name}"
-        sig = signature("all_reduce", detail, [value], _SINGLE_LEAF)
+        if sig is None:
+            detail = (f"{reduce_op.name} packs={options.bytes_per_pack}/{comm.algorithm.num_packs} "
+                      f"{options.implementation.name}")
+            sig = signature("all_reduce", detail, [value], _SINGLE_LEAF)
         return _Plan(reduce_op, sig, comm.rank, value, comm.size, options.timeout_seconds)
 
     def run(self, plan: _Plan, value: np.ndarray) -> np.ndarray:
