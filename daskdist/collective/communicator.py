@@ -473,16 +473,30 @@ class Communicator:
         self.transport.mailbox.check(self.run_id)
         timeout = options.timeout_seconds or self.default_timeout
         self.seq += 1
+        call = CollectiveCall(self, kind, sig, time.monotonic() + timeout, timeout)
+
+        def run() -> Any:
+            result = body(call)
+            call.finish()
+            return result
+
+        return self.run_tracked(kind, call, run)
+
+    def run_tracked(self, kind: str, call: Any, body: Callable[..., Any], *args: Any) -> Any:
+        """Run ``body(*args)`` as the collective ``call`` in progress (every lane goes through here).
+
+        Marks it for status probes and the stall watch, aborts the run on every
+        replica if it fails (mismatch, timeout, lost peer, bad data) and reports
+        its time and ``call.nbytes`` to ``on_collective`` when it succeeds.
+        """
         self.current_kind = kind
         start = time.perf_counter()
-        call = CollectiveCall(self, kind, sig, time.monotonic() + timeout, timeout)
         if self.stall_warning > 0 and self._stall_watch is None:
             self.start_stall_watch()
         self.active = (call, time.monotonic())
         try:
-            result = body(call)
-            call.finish()
-        except Exception as e:  # mismatch, timeout, lost peer, or bad data: abort everywhere
+            result = body(*args)
+        except Exception as e:
             self.abort_run(e)
             raise
         finally:

@@ -97,13 +97,14 @@ class _Plan:
 class _LaneCall:
     """What timeouts, stall warnings and status probes need to know about a collective in progress."""
 
-    __slots__ = ("kind", "run_id", "seq", "timeout")
+    __slots__ = ("kind", "nbytes", "run_id", "seq", "timeout")
 
-    def __init__(self, run_id: int, seq: int, timeout: float):
+    def __init__(self, run_id: int, seq: int, timeout: float, nbytes: int):
         self.kind = "all_reduce"
         self.run_id = run_id
         self.seq = seq
         self.timeout = timeout
+        self.nbytes = nbytes
 
 
 class SmallAllReduce:
@@ -199,28 +200,12 @@ class SmallAllReduce:
         comm.seq += 1
         seq = comm.seq
         timeout = plan.timeout or comm.default_timeout
-        call = _LaneCall(run_id, seq, timeout)
-        comm.current_kind = "all_reduce"
-        start = time.perf_counter()
-        now = time.monotonic()
-        comm.active = (call, now)
-        if comm.stall_warning > 0 and comm._stall_watch is None:
-            comm.start_stall_watch()
-        try:
-            result = self._exchange(plan, value, run_id, seq, now + timeout, call)
-        except Exception as e:
-            comm.abort_run(e)
-            raise
-        finally:
-            comm.active = None
-            comm.current_kind = None
-        if comm.on_collective is not None:
-            comm.on_collective("all_reduce", time.perf_counter() - start, plan.sent_bytes)
-        return result
+        call = _LaneCall(run_id, seq, timeout, plan.sent_bytes)
+        return comm.run_tracked("all_reduce", call, self._exchange, plan, value, time.monotonic() + timeout, call)
 
-    def _exchange(self, plan: _Plan, value: np.ndarray, run_id: int, seq: int, deadline: float,
-                  call: _LaneCall) -> np.ndarray:
+    def _exchange(self, plan: _Plan, value: np.ndarray, deadline: float, call: _LaneCall) -> np.ndarray:
         comm, shm = self.comm, self.shm
+        run_id, seq = call.run_id, call.seq
         rank, size = comm.rank, comm.size
         header = (run_id, seq, *plan.header_tail)
         raw = value.reshape(-1).view(np.uint8)
@@ -243,7 +228,7 @@ class SmallAllReduce:
                 else:
                     ufunc(result, value, out=result)
                 continue
-            incoming, release = self._receive(plan, r, run_id, seq, deadline, call)
+            incoming, release = self._receive(plan, r, deadline, call)
             if r == 0:
                 np.copyto(result, incoming)
             elif pending is not None:
@@ -258,10 +243,10 @@ class SmallAllReduce:
             handle.wait(deadline)
         return result
 
-    def _receive(self, plan: _Plan, src: int, run_id: int, seq: int, deadline: float,
-                 call: _LaneCall) -> tuple[np.ndarray, Any]:
-        """``src``'s array for collective ``seq`` (a view into its channel) and how to free the slot."""
+    def _receive(self, plan: _Plan, src: int, deadline: float, call: _LaneCall) -> tuple[np.ndarray, Any]:
+        """``src``'s array for collective ``call`` (a view into its channel) and how to free the slot."""
         shm = self.shm
+        run_id, seq = call.run_id, call.seq
         if shm._stash:
             stashed = shm._stash.pop((src, (run_id, seq, src, plan.name)), None)
             if stashed is not None:

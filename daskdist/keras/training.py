@@ -13,8 +13,9 @@ the copies identical.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -76,6 +77,30 @@ def _timer() -> Any:
     return _RuntimeTimer(runtime) if runtime is not None else None
 
 
+def _timed_batches(batches: Iterable[Any], steps: int | None, timer: Any) -> Iterator[Any]:
+    """The batches of one pass (at most ``steps``), each taken once its step's timer is open.
+
+    Taking the batch inside the step makes its input wait count; the caller
+    ends the step. Closing the generator closes the batch iterator.
+    """
+    iterator = iter(batches)
+    try:
+        step = 0
+        while steps is None or step < steps:
+            if timer is not None:
+                timer.begin(step)
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            yield batch
+            step += 1
+    finally:
+        close = getattr(iterator, "close", None)
+        if close is not None:
+            close()
+
+
 def train_batches(model: Model, batches: Iterable[Any], steps: int | None, progress: ProgressFn | None) -> dict:
     """One epoch of training over ``batches`` (at most ``steps``); returns the epoch's global logs."""
     ctx = context.get_replica_context()
@@ -83,16 +108,9 @@ def train_batches(model: Model, batches: Iterable[Any], steps: int | None, progr
     loss_sum = 0.0
     count = 0.0
     timer = _timer()
-    iterator = iter(batches)
     step = 0
-    try:
-        while steps is None or step < steps:
-            if timer is not None:
-                timer.begin(step)
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                break
+    with contextlib.closing(_timed_batches(batches, steps, timer)) as timed:
+        for batch in timed:
             x, y, sample_weight = split_batch(batch)
             step_loss, step_count = _train_step(model, ctx, x, y, sample_weight, timer)
             if timer is not None:
@@ -102,10 +120,6 @@ def train_batches(model: Model, batches: Iterable[Any], steps: int | None, progr
             step += 1
             if progress is not None:
                 progress(step, {"loss": loss_sum / max(count, 1.0)})
-    finally:
-        close = getattr(iterator, "close", None)
-        if close is not None:
-            close()
     logs = {"loss": loss_sum / max(count, 1.0)}
     logs.update(_global_metric_results(model, ctx))
     return logs
@@ -172,16 +186,9 @@ def evaluate_batches(model: Model, batches: Iterable[Any], steps: int | None = N
     loss_sum = 0.0
     count = 0.0
     timer = _timer()
-    iterator = iter(batches)
     step = 0
-    try:
-        while steps is None or step < steps:
-            if timer is not None:
-                timer.begin(step)
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                break
+    with contextlib.closing(_timed_batches(batches, steps, timer)) as timed:
+        for batch in timed:
             x, y, sample_weight = split_batch(batch)
             x, _ = as_array(x)
             y, _ = as_array(y)
@@ -202,10 +209,6 @@ def evaluate_batches(model: Model, batches: Iterable[Any], steps: int | None = N
             step += 1
             if progress is not None:
                 progress(step, {})
-    finally:
-        close = getattr(iterator, "close", None)
-        if close is not None:
-            close()
     if timer is not None:
         timer.flush()
     total = ctx.all_reduce(ReduceOp.SUM, np.array([loss_sum, count], np.float64))
