@@ -264,3 +264,19 @@ def test_hierarchical_all_reduce(hosts, op):
             assert not isinstance(r, Exception), r
             np.testing.assert_allclose(r, want, rtol=1e-12, atol=1e-14)  # summation order differs from numpy's
             assert np.array_equal(r, results[0])
+
+
+def test_the_stall_watch_ends_with_a_communicator_dropped_without_close():
+    """A replica that crashed never calls ``close``: its stall-watch thread must not outlive it."""
+    import gc
+
+    group = InMemoryGroup(2)
+    group.run_ranks(lambda c: c.all_reduce("SUM", np.ones(2)))
+    threads = [c._stall_watch._thread for c in group.comms]
+    assert all(t.is_alive() for t in threads)
+    del group
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(t.is_alive() for t in threads)

@@ -18,6 +18,7 @@ import logging
 import pickle
 import threading
 import time
+import weakref
 import zlib
 from typing import Any, Callable, Protocol, Sequence
 
@@ -555,7 +556,7 @@ class StallWatch:
     """
 
     def __init__(self, comm: Communicator, threshold: float):
-        self.comm = comm
+        self._comm = weakref.ref(comm)  # a communicator dropped without ``close`` still ends the thread
         self.threshold = threshold
         self.interval = max(0.05, min(1.0, threshold / 4))
         self._stop = threading.Event()
@@ -568,17 +569,22 @@ class StallWatch:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            active = self.comm.active
+            comm = self._comm()
+            if comm is None:
+                return
+            active = comm.active
             if active is None:
+                del comm
                 continue
             call, since = active
             waited = time.monotonic() - since
             if waited >= self.threshold and self._reported != (call.run_id, call.seq):
                 self._reported = (call.run_id, call.seq)
                 try:
-                    self.comm.report_stall(call, waited)
+                    comm.report_stall(call, waited)
                 except Exception as e:  # a warning must never break the replica
                     logger.debug("Stall report failed: %s", e)
+            del comm, call, active
 
 
 def _combiner(op: ReduceOp | None) -> Callable[[Any, Any, Any], None] | None:
