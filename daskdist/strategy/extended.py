@@ -114,12 +114,11 @@ class DaskExtended:
     # -- placement -----------------------------------------------------------------
 
     def _place(self, specs: list[DeviceSpec] | None, embedded: bool) -> list[Placement]:
-        info = self.client.scheduler_info(n_workers=-1)["workers"]
-        described = self.client.run(describe_worker)
+        described = self.client.run(describe_worker)  # the workers that answer are the ones to place on
+        info = self.client.scheduler_info(n_workers=-1)["workers"]  # for their names (the placement order)
         workers = [
-            WorkerInfo(address=a, name=str(info[a].get("name", a)), host=d["host"], gpus=d["gpus"])
+            WorkerInfo(address=a, name=str(info.get(a, {}).get("name", a)), host=d["host"], gpus=d["gpus"])
             for a, d in described.items()
-            if a in info
         ]
         if embedded:  # the embedded cluster has exactly one worker per requested device, in order
             placed = place_replicas(workers, None)
