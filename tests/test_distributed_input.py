@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import collections
 import time
 
 import dask.array as da
 import numpy as np
 import pytest
+from distributed import futures_of
 
 import daskdist as dd
 
@@ -48,10 +50,18 @@ def _block(i: int) -> np.ndarray:
 
 def test_an_epoch_moves_no_data_when_partitions_are_spread_evenly(process_client):
     workers = sorted(process_client.scheduler_info()["workers"])
-    blocks = [process_client.submit(_block, i, workers=[workers[i % 2]], pure=False) for i in range(8)]
-    rows = da.concatenate([da.from_delayed(b, shape=(250, 4), dtype=float) for b in blocks])
-    rows = process_client.persist(rows)  # each partition is computed where its block is: 4 per worker
-    del blocks
+    for _ in range(3):  # Dask usually computes each partition where its block is; retry the rare time it did not
+        blocks = [process_client.submit(_block, i, workers=[workers[i % 2]], pure=False) for i in range(8)]
+        rows = da.concatenate([da.from_delayed(b, shape=(250, 4), dtype=float) for b in blocks])
+        rows = process_client.persist(rows)
+        del blocks
+        for future in futures_of(rows):  # wait without pulling the data anywhere
+            future.exception()
+        holders = process_client.who_has(rows)
+        if sorted(collections.Counter(w for ws in holders.values() for w in ws).values()) == [4, 4]:
+            break  # 4 partitions on each worker: spread evenly
+    else:
+        pytest.fail(f"could not spread the partitions evenly: {holders}")
     with dd.MirroredStrategy(client=process_client) as strategy:
         ds = Dataset.from_dask(rows).map(lambda row: (row[1:], row[0])).batch(64)
         before = _transferred_bytes(process_client)
