@@ -5,7 +5,9 @@ Everything is measured on this machine in one invocation, float32
 message size. The systems (``--systems``, default all but ``shm``):
 
 * **daskdist** (``auto``, ``shm``, ``socket``, ``dask``: the value of
-  ``daskdist.collective.transport`` the strategy is created with): a fresh
+  ``daskdist.collective.transport`` the strategy is created with; ``shm-slots``:
+  ``shm`` with ``daskdist.collective.shm.single-copy-bytes: null``, so large
+  messages go through the channel slots, not the single-copy path): a fresh
   ``LocalCluster`` of N single-threaded worker processes with one
   ``MirroredStrategy`` per transport on it (one replica per worker).
   ``ReplicaContext.all_reduce`` is timed *inside* the replicas with
@@ -114,13 +116,23 @@ DEFAULT_REPLICAS = [2, 4]
 QUICK_SIZES = ["4KiB", "4MiB"]
 QUICK_REPLICAS = [2]
 
-DASKDIST_TRANSPORTS = ("auto", "shm", "socket", "dask")
+DASKDIST_TRANSPORTS = ("auto", "shm", "shm-slots", "socket", "dask")
+#: dask.config settings (read on the client when the strategy is made) of each daskdist system
+DASKDIST_SETTINGS = {
+    "auto": {"daskdist.collective.transport": "auto"},
+    "shm": {"daskdist.collective.transport": "shm"},
+    # shared memory through the channel slots only: no single-copy path (the shm transport before it existed)
+    "shm-slots": {"daskdist.collective.transport": "shm", "daskdist.collective.shm.single-copy-bytes": None},
+    "socket": {"daskdist.collective.transport": "socket"},
+    "dask": {"daskdist.collective.transport": "dask"},
+}
 PEERS = ("mpi", "gloo")
 SYSTEMS = DASKDIST_TRANSPORTS + PEERS + ("naive", "ideal")
-DEFAULT_SYSTEMS = ("auto", "socket", "dask", "mpi", "gloo", "naive", "ideal")
+DEFAULT_SYSTEMS = ("auto", "shm-slots", "socket", "dask", "mpi", "gloo", "naive", "ideal")
 LABELS = {
     "auto": "daskdist auto",
     "shm": "daskdist shm",
+    "shm-slots": "daskdist shm slots only",
     "socket": "daskdist socket",
     "dask": "daskdist dask",
     "naive": "naive Dask",
@@ -159,6 +171,9 @@ def algorithm_name(nbytes: int, implementation: str, ranks: int) -> str:
         return "direct on shm, else ring"
     if ranks > len(os.sched_getaffinity(0)) and nbytes <= slot // 2:
         return "direct on shm, else ring"  # more replicas than cores: the lane takes up to half a slot
+    single = config.get("collective.shm.single-copy-bytes")
+    if single is not None and nbytes >= parse_bytes(single):
+        return "single copy on shm, else ring"
     return "ring"
 
 
@@ -322,8 +337,8 @@ def cluster_phase(n: int, plan: list[SizePlan], transports: list[str], with_naiv
         try:
             for transport in transports:
                 try:
-                    # The transport is read on the client when the strategy is created.
-                    with dask.config.set({"daskdist.collective.transport": transport}):
+                    # These settings are read on the client when the strategy is created.
+                    with dask.config.set(DASKDIST_SETTINGS[transport]):
                         strategy = dd.MirroredStrategy(client=client)
                 except Exception as error:  # noqa: BLE001 - reported in the tables
                     unavailable[transport] = f"strategy failed: {type(error).__name__}: {str(error).splitlines()[0]}"

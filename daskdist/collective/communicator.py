@@ -20,7 +20,8 @@ import threading
 import time
 import weakref
 import zlib
-from typing import Any, Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import cloudpickle
 import numpy as np
@@ -33,6 +34,7 @@ from daskdist.collective.buffers import BufferPool
 from daskdist.collective.mailbox import Abort, MailboxTimeout
 from daskdist.collective.packing import flatten, pack, signature
 from daskdist.collective.reduction import check_dtype, combine_into
+from daskdist.collective.single_copy import SingleCopyAllReduce
 from daskdist.collective.small_allreduce import SmallAllReduce, shared_memory_route
 from daskdist.collective.transport.base import PayloadMismatch, SendHandle, Transport
 from daskdist.exceptions import (
@@ -223,6 +225,9 @@ class Communicator:
         Called with a description (``run_id``, ``collective``, ``kind``,
         ``replica``, ``waited``, ``missing``, ``message``) when this replica has
         waited in one collective longer than ``collective.stall-warning``.
+    single_copy_bytes
+        All-reduces from this size, among replicas that all share a host,
+        read the peers' arrays in place (``SingleCopyAllReduce``); ``None``: never.
     """
 
     def __init__(
@@ -236,6 +241,7 @@ class Communicator:
         on_collective: Callable[[str, float, int], None] | None = None,
         hosts: Sequence[str] | None = None,
         on_stall: Callable[[dict], None] | None = None,
+        single_copy_bytes: int | None = 1 << 20,
     ):
         self.rank = rank
         self.size = size
@@ -260,6 +266,7 @@ class Communicator:
         self.buffers = BufferPool()  # result buffers of large all-reduces, reused once the caller drops them
         shm = shared_memory_route(transport, size, rank) if size > 1 else None
         self._small = SmallAllReduce(self, shm) if shm is not None else None
+        self._single_copy = SingleCopyAllReduce(single_copy_bytes) if shm is not None else None
 
     def start_stall_watch(self) -> None:
         """Start the thread that warns about collectives waiting longer than ``collective.stall-warning``."""
@@ -468,6 +475,10 @@ class Communicator:
         out = None
         if borrowed:
             out = self.buffers.empty_like(buf) if isinstance(buf, np.ndarray) else namespace(buf).empty_like(buf)
+        single = self._single_copy
+        if (not forced_ring and single is not None and isinstance(buf, np.ndarray) and single.wants(buf.nbytes)
+                and single.probe(call) and buf.nbytes >= single.min_bytes):
+            return single.allreduce(call, buf, op, out)
         return algorithms.allreduce_ring(call, buf, op, out)
 
     def _collective(self, kind: str, sig: str, options: CommunicationOptions, body: Callable[[CollectiveCall], Any]) -> Any:

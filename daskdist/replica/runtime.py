@@ -64,6 +64,7 @@ class GroupSpec:
     options: CommunicationOptions = field(default_factory=CommunicationOptions)
     transport: str = "auto"
     shm_slot_bytes: int = 2 << 20
+    single_copy_bytes: int | None = 1 << 20  # ``collective.shm.single-copy-bytes`` as the client saw it
     pin_cores: Any = "auto"  # ``daskdist.replica.pin-cores`` as the client saw it
 
     @property
@@ -134,7 +135,7 @@ class ReplicaRuntime:
         self.communicator = Communicator(
             rank, self.size, self.transport, control=self, algorithm=spec.algorithm,
             options=spec.options, on_collective=self._collective_done, hosts=spec.hosts or None,
-            on_stall=self._report_stall,
+            on_stall=self._report_stall, single_copy_bytes=spec.single_copy_bytes,
         )
         self.context = ReplicaContext(self)
         self.strategy_view = ReplicaStrategyView(self)

@@ -12,7 +12,8 @@ import itertools
 import logging
 import threading
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from dask.utils import parse_bytes
 from distributed import Client, default_client
@@ -23,6 +24,7 @@ from daskdist.cluster.devices import DeviceSpec, parse_devices
 from daskdist.cluster.embedded import describe_worker, start_embedded_cluster
 from daskdist.cluster.group import ReplicaGroup
 from daskdist.cluster.placement import Placement, WorkerInfo, place_replicas
+from daskdist.collective.single_copy import single_copy_bytes
 from daskdist.cross_device_ops import CrossDeviceOps
 from daskdist.exceptions import StrategyClosedError
 from daskdist.replica import commands
@@ -103,6 +105,7 @@ class DaskExtended:
                 transport=config.get("collective.transport"),
                 shm_slot_bytes=parse_bytes(config.get("collective.shm.slot-bytes")),
                 pin_cores=config.get("replica.pin-cores"),
+                single_copy_bytes=single_copy_bytes(),
             )
             self._group.launch()
         except BaseException:
