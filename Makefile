@@ -7,7 +7,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench install clean
+.PHONY: run test test-ucx bench install clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,13 @@ run: $(STAMP)
 test: $(STAMP)
 	-bash scripts/ensure_chromium.sh
 	$(BIN)/python -m pytest tests -q
+
+# the ucx transport's tests, in a venv of their own with the ucx extra (ucxx and UCX wheels, about 350 MB);
+# `make test` skips them where ucxx is missing
+test-ucx:
+	test -x .venv-ucx/bin/python || $(PYTHON) -m venv .venv-ucx
+	.venv-ucx/bin/python -m pip install --quiet -e ".[test,ucx]"
+	.venv-ucx/bin/python -m pytest tests/test_transport_ucx.py -q
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e ".[bench]"

@@ -116,7 +116,7 @@ DEFAULT_REPLICAS = [2, 4]
 QUICK_SIZES = ["4KiB", "4MiB"]
 QUICK_REPLICAS = [2]
 
-DASKDIST_TRANSPORTS = ("auto", "shm", "shm-slots", "socket", "dask")
+DASKDIST_TRANSPORTS = ("auto", "shm", "shm-slots", "socket", "dask", "ucx")
 #: dask.config settings (read on the client when the strategy is made) of each daskdist system
 DASKDIST_SETTINGS = {
     "auto": {"daskdist.collective.transport": "auto"},
@@ -125,6 +125,7 @@ DASKDIST_SETTINGS = {
     "shm-slots": {"daskdist.collective.transport": "shm", "daskdist.collective.shm.single-copy-bytes": None},
     "socket": {"daskdist.collective.transport": "socket"},
     "dask": {"daskdist.collective.transport": "dask"},
+    "ucx": {"daskdist.collective.transport": "ucx"},  # needs ucxx (the ucx extra); else reported unavailable
 }
 PEERS = ("mpi", "gloo")
 SYSTEMS = DASKDIST_TRANSPORTS + PEERS + ("naive", "ideal")
@@ -135,6 +136,7 @@ LABELS = {
     "shm-slots": "daskdist shm slots only",
     "socket": "daskdist socket",
     "dask": "daskdist dask",
+    "ucx": "daskdist ucx",
     "naive": "naive Dask",
     "mpi": "MPI",
     "gloo": "gloo",
@@ -616,8 +618,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=None,
-                        help=f"what to measure (default: {' '.join(DEFAULT_SYSTEMS)}); auto, shm, socket and dask are "
-                             "daskdist's transports (on one host auto routes through shm)")
+                        help=f"what to measure (default: {' '.join(DEFAULT_SYSTEMS)}); auto, shm, socket, dask and ucx "
+                             "are daskdist's transports (on one host auto routes through shm; ucx needs ucxx)")
     parser.add_argument("--sizes", nargs="+", type=parse_size, default=None,
                         help=f"message sizes (default {' '.join(DEFAULT_SIZES)})")
     parser.add_argument("--replicas", "--ranks", nargs="+", type=int, default=None,

@@ -110,10 +110,9 @@ class ReplicaGroup:
             failed = [(i, f) for i, f in enumerate(self.futures) if f.status == "error"]
             if failed:
                 rank, future = failed[0]
+                error = future.exception()  # before the release, which forgets the future's error
                 self._release()
-                raise RendezvousError(
-                    f"replica {rank} failed to start on {self.addresses[rank]}: {future.exception()!r}"
-                ) from future.exception()
+                raise RendezvousError(f"replica {rank} failed to start on {self.addresses[rank]}: {error!r}") from error
             if response.get("status") == "failed" or time.monotonic() >= deadline:
                 final = self.client.sync(
                     self.client.scheduler.daskdist_wait_group, group_id=self.group_id, timeout=0.01, final=True

@@ -72,7 +72,7 @@ class GroupSpec:
         return len(self.addresses)
 
 
-TRANSPORTS = ("auto", "shm", "socket", "dask")
+TRANSPORTS = ("auto", "shm", "socket", "dask", "ucx")
 
 
 def _make_transport(rank: int, spec: GroupSpec, mailbox: Mailbox, worker: Worker) -> Transport:
@@ -80,7 +80,8 @@ def _make_transport(rank: int, spec: GroupSpec, mailbox: Mailbox, worker: Worker
 
     ``spec.transport``: ``"auto"`` (shared memory to same-host peers, direct
     TCP to the others), ``"shm"`` (every peer must share the host),
-    ``"socket"`` (TCP to every peer) or ``"dask"`` (Dask comms). GPU groups
+    ``"socket"`` (TCP to every peer), ``"dask"`` (Dask comms) or ``"ucx"``
+    (UCX to every peer; needs ucxx, never picked by ``"auto"``). GPU groups
     use Dask comms (their arrays are not in host memory).
     """
     if spec.transport not in TRANSPORTS:
@@ -94,6 +95,11 @@ def _make_transport(rank: int, spec: GroupSpec, mailbox: Mailbox, worker: Worker
     if spec.transport == "dask" or on_gpu or not peers:
         return DaskTransport(rank, spec.addresses, mailbox, worker, spec.group_id)
     routes: dict[int, Transport] = {}
+    if spec.transport == "ucx":
+        from daskdist.collective.transport.ucx import UcxTransport  # imports ucxx: only when asked for
+
+        ucx = UcxTransport(rank, spec.addresses, mailbox, spec.group_id, peers)
+        return RoutedTransport(rank, spec.addresses, mailbox, dict.fromkeys(peers, ucx))
     if same_host:
         shm = ShmTransport(rank, spec.addresses, mailbox, same_host, spec.group_id, spec.shm_slot_bytes)
         routes.update({r: shm for r in same_host})
@@ -216,7 +222,8 @@ class ReplicaRuntime:
             group_id=self.token,
             rank=self.rank,
             address=self.worker.address,
-            info={"socket": list(self._sockets().listen_address) if self._sockets() else None},
+            info={"socket": list(self._sockets().listen_address) if self._sockets() else None,
+                  "ucx": getattr(self._ucx(), "address", None)},
             callback_timeout=timeout + 5,
         )
         if response.get("status") != "OK":
@@ -225,11 +232,19 @@ class ReplicaRuntime:
         if sockets is not None:
             infos = {int(rank): info for rank, info in response["info"].items()}
             sockets.set_peer_addresses({r: tuple(i["socket"]) for r, i in infos.items() if i.get("socket")})
+        ucx = self._ucx()
+        if ucx is not None:
+            ucx.set_peer_addresses({int(r): i["ucx"] for r, i in response["info"].items() if i.get("ucx")})
 
     def _sockets(self) -> SocketTransport | None:
         """This replica's TCP transport, if any peer is reached through one."""
         routes = getattr(self.transport, "routes", {})
         return next((t for t in routes.values() if isinstance(t, SocketTransport)), None)
+
+    def _ucx(self) -> Any:
+        """This replica's UCX transport, if the group uses one."""
+        routes = getattr(self.transport, "routes", {})
+        return next((t for t in routes.values() if getattr(t, "name", None) == "ucx"), None)
 
     def serve(self) -> None:
         """Run commands until ``stop``; answer what is left with a 'closed' error."""
