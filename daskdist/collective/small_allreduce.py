@@ -41,7 +41,7 @@ from daskdist.collective.mailbox import MailboxTimeout
 from daskdist.collective.packing import signature
 from daskdist.collective.reduction import check_dtype, finalize
 from daskdist.collective.transport.framing import ARRAY, MAX_NDIM, TEXT, decode, dtype_text
-from daskdist.collective.transport.shm import ShmTransport, _backoff_wait
+from daskdist.collective.transport.shm import ShmTransport, backoff_wait
 from daskdist.exceptions import CollectiveMismatchError, CollectiveTimeoutError
 from daskdist.ops import CommunicationImplementation, CommunicationOptions, ReduceOp
 
@@ -247,38 +247,37 @@ class SmallAllReduce:
         """``src``'s array for collective ``call`` (a view into its channel) and how to free the slot."""
         shm = self.shm
         run_id, seq = call.run_id, call.seq
-        if shm._stash:
-            stashed = shm._stash.pop((src, (run_id, seq, src, plan.name)), None)
-            if stashed is not None:
-                if getattr(stashed, "nbytes", None) != plan.nbytes:
-                    self._mismatch(call, src, plan, "a different payload")
-                return stashed.view(plan.dtype).reshape(plan.shape), None
-        channel = shm._inbound[src]
+        stashed = shm.take_stashed(src, (run_id, seq, src, plan.name))
+        if stashed is not None:
+            if getattr(stashed, "nbytes", None) != plan.nbytes:
+                self._mismatch(call, src, plan, "a different payload")
+            return stashed.view(plan.dtype).reshape(plan.shape), None
+        channel = shm.inbound(src)
         mailbox = shm.mailbox
         while True:
             if not channel.can_read():
                 try:
-                    _backoff_wait(channel.can_read, deadline, lambda: mailbox.check(run_id), shm.spin_seconds)
+                    backoff_wait(channel.can_read, deadline, lambda: mailbox.check(run_id), shm.spin_seconds)
                 except MailboxTimeout:
                     raise CollectiveTimeoutError(self.comm.describe_timeout(call, src)) from None
             fields, start = channel.peek_fields()
             if fields[0] == run_id and fields[1] == seq and fields[2] == src:
                 if fields[3] == plan.name_field:
-                    data = channel._data[start : start + plan.nbytes]
+                    data = channel.data(start, plan.nbytes)
                     return data.view(plan.dtype).reshape(plan.shape), channel.release
                 self._mismatch(call, src, plan, self._peer_signature(channel, fields, start))
             if fields[0] < mailbox.current_run:
                 channel.release()  # left over from an aborted run
                 continue
             header, data = channel.peek()
-            shm._stash_message(src, header, data)
+            shm.stash_message(src, header, data)
 
     @staticmethod
     def _peer_signature(channel: Any, fields: tuple, start: int) -> str:
         """What the peer passed, from its message of the same collective."""
         name = fields[3].rstrip(b"\0").decode()
         if name == "sig" and fields[4] == TEXT and fields[7] == fields[5]:
-            return decode(TEXT, "", (), channel._data[start : start + fields[7]])
+            return decode(TEXT, "", (), channel.data(start, fields[7]))
         text = channel.extra().decode(errors="replace")
         return text or f"a different collective ({name})"
 

@@ -51,7 +51,7 @@ from daskdist.collective.transport.framing import (
 )
 from daskdist.exceptions import CollectiveTimeoutError, DaskdistError
 
-__all__ = ["ShmChannel", "ShmTransport", "segment_name", "unlink_segment"]
+__all__ = ["ShmChannel", "ShmTransport", "backoff_wait", "segment_name", "unlink_segment"]
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ def spin_seconds_for(replicas_on_host: int) -> float:
     return 50e-6 if replicas_on_host <= usable_cores() else 5e-6
 
 
-def _backoff_wait(ready: Callable[[], bool], deadline: float, check: Callable[[], None],
+def backoff_wait(ready: Callable[[], bool], deadline: float, check: Callable[[], None],
                   spin_seconds: float = 50e-6) -> None:
     """Wait until ``ready()`` (see ``_Spinner``)."""
     if ready():
@@ -236,6 +236,10 @@ class ShmChannel:
         base = (self._counters[8] % _SLOTS) * self.slot_stride
         return HEADER.unpack_from(self._raw, base), base + _HEADER_BYTES
 
+    def data(self, start: int, nbytes: int) -> np.ndarray:
+        """``nbytes`` of the segment from ``start`` (as ``peek_fields`` gives it): a view, valid until ``release``."""
+        return self._data[start : start + nbytes]
+
     def extra(self) -> bytes:
         """The extra bytes written with the oldest unread piece."""
         at = (self._counters[8] % _SLOTS) * self.slot_stride + _EXTRA_OFFSET
@@ -306,8 +310,8 @@ class _Incoming:
         out = self.out
         if not self._checked:
             if kind != ARRAY or total != out.nbytes or dtype != dtype_text(out.dtype):
-                self.transport._stash_message(self.src, header, data)
-                got = self.transport._stash.pop((self.src, self.tag), None)
+                self.transport.stash_message(self.src, header, data)
+                got = self.transport.take_stashed(self.src, self.tag)
                 raise PayloadMismatch(getattr(got, "size", None), out.size)
             self._checked = True
         lo, hi = offset // self.itemsize, (offset + nbytes) // self.itemsize
@@ -421,7 +425,7 @@ class ShmTransport(Transport):
         dtype, shape = describe_payload(kind, payload)
         while True:
             piece = flat[offset : offset + self.slot_bytes]
-            _backoff_wait(channel.can_write, deadline, check, self.spin_seconds)
+            backoff_wait(channel.can_write, deadline, check, self.spin_seconds)
             channel.write(tag, kind, dtype, shape, total, offset, piece, extra)
             offset += piece.nbytes
             if offset >= total:
@@ -431,7 +435,7 @@ class ShmTransport(Transport):
 
     def _next_piece(self, src: int, deadline: float, run_id: int) -> tuple[tuple, np.ndarray]:
         channel = self._inbound[src]
-        _backoff_wait(channel.can_read, deadline, lambda: self.mailbox.check(run_id), self.spin_seconds)
+        backoff_wait(channel.can_read, deadline, lambda: self.mailbox.check(run_id), self.spin_seconds)
         return channel.peek()
 
     def _find(self, src: int, tag: Tag, deadline: float) -> tuple[tuple, np.ndarray] | None:
@@ -445,9 +449,17 @@ class ShmTransport(Transport):
             if piece_tag[0] < self.mailbox.current_run:
                 channel.release()  # left over from an aborted run
                 continue
-            self._stash_message(src, header, data)
+            self.stash_message(src, header, data)
 
-    def _stash_message(self, src: int, header: tuple, data: np.ndarray) -> None:
+    def inbound(self, src: int) -> ShmChannel:
+        """The channel from ``src`` to this replica."""
+        return self._inbound[src]
+
+    def take_stashed(self, src: int, tag: Tag) -> Any:
+        """The out-of-order message kept from ``src`` under ``tag`` (removed), or ``None``."""
+        return self._stash.pop((src, tag), None) if self._stash else None
+
+    def stash_message(self, src: int, header: tuple, data: np.ndarray) -> None:
         """Keep an out-of-order message (rare: only after a mismatch) as an owned copy."""
         channel = self._inbound[src]
         tag, kind, dtype, shape, total, offset, _ = header
@@ -529,7 +541,7 @@ class ShmTransport(Transport):
                 elif header[0][0] < self.mailbox.current_run:
                     in_channel.release()  # left over from an aborted run
                 else:
-                    self._stash_message(src, header, piece_data)
+                    self.stash_message(src, header, piece_data)
                 progressed = True
             if send_done and incoming is not None and incoming.done:
                 return None
