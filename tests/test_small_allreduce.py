@@ -192,3 +192,17 @@ def test_a_structure_fused_into_one_pack_takes_the_lane(threaded_client):
                     for (group, _), runtime in dask_worker.extensions["daskdist"].replicas.items() if group == token]
 
         assert all(n >= 1 for part in threaded_client.run(pack_plans).values() for n in part)
+
+
+def test_the_lane_never_takes_more_than_a_slot(threaded_client):
+    """``small-message-bytes`` above the slot size: arrays larger than a slot go in pieces, not through the lane."""
+    settings = {**SHM, "daskdist.collective.small-message-bytes": 1 << 20, "daskdist.collective.shm.slot-bytes": "64KiB"}
+    with dask.config.set(settings), dd.MirroredStrategy(client=threaded_client) as strategy:
+
+        def fn():
+            ctx = dd.get_replica_context()
+            x = np.arange(50_000, dtype=np.float32) * (ctx.replica_id_in_sync_group + 1)  # 200 KB: 3+ slots
+            return ctx.all_reduce("SUM", x)
+
+        for got in strategy.experimental_local_results(strategy.run(fn)):
+            assert np.array_equal(got, np.arange(50_000, dtype=np.float32) * 6)

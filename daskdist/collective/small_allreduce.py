@@ -129,6 +129,7 @@ class SmallAllReduce:
             self.limit = max(self.limit, shm.slot_bytes)
         elif getattr(shm, "oversubscribed", False):
             self.limit = max(self.limit, shm.slot_bytes // 2)
+        self.limit = min(self.limit, shm.slot_bytes)  # the lane reads each array whole from one slot
         self._plans: dict[tuple, _Plan | None] = {}
 
     def plan(self, op: Any, value: np.ndarray, options: CommunicationOptions | None) -> _Plan | None:
