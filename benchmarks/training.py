@@ -34,7 +34,18 @@ and closes it before the next):
    data split, batch and steps, ``torch.set_num_threads(1)`` everywhere. The
    daskdist cluster is closed while DDP runs; rounds rotate the order.
    Reported: samples/s, daskdist/DDP at 2 replicas (goal >= 1.0), and each one's
-   scaling efficiency (2-replica samples/s / (2 x 1-replica samples/s)).
+   scaling efficiency (2-replica samples/s / (2 x 1-replica samples/s)); per step
+   also the training thread's user and system CPU time and minor page faults
+   (the slowest rank's, ``RUSAGE_THREAD``).
+
+   Allocator: replicas set glibc's ``malloc`` options when they start
+   (``daskdist.replica.malloc``, ``daskdist/replica/allocator.py``); the DDP ranks
+   set the same (``dd.plugins.torch.set_malloc_options``), so
+   that neither side depends on what its process happened to allocate first.
+   Without them (measured before daskdist set them) a replica faulted in
+   2,000-10,000 pages and spent 4-12 ms of system time per step; a DDP rank,
+   whose process makes its data and so had already pushed glibc's adaptive
+   thresholds up, about 100 pages and 2 ms (see the faults column).
 
    DDP runs with the environment this script started with (what a standalone
    DDP job gets). The clusters are started as daskdist's embedded cluster
@@ -375,7 +386,7 @@ def torch_ddp(n: int, samples: int, batch: int, epochs: int, env: dict[str, str 
         for rank in range(n):
             with open(os.path.join(out, f"rank-{rank}.json")) as f:
                 epochs_ = json.load(f)["epochs"]
-            ranks.append([[e["seconds"], e["steps"], e["input"], e["allreduce"]] for e in epochs_])
+            ranks.append([[e[f] for f in tp.FIELDS] for e in epochs_])
     return _slowest(np.array(ranks))
 
 
@@ -433,13 +444,19 @@ def environment(env: dict[str, str | None]) -> Iterator[None]:
 
 
 def _slowest(per_rank: np.ndarray) -> list[dict]:
-    """``(ranks, epochs, 4)`` -> per epoch: the slowest rank's seconds, steps, input and all-reduce time per step."""
+    """``(ranks, epochs, FIELDS)`` -> per epoch the slowest rank's figures.
+
+    Its seconds and steps, and per step: input and all-reduce ms, the training
+    thread's user and system CPU ms, and its minor page faults.
+    """
     out = []
     for e in range(per_rank.shape[1]):
         slowest = int(np.argmax(per_rank[:, e, 0]))
-        seconds, steps, wait, reduce = per_rank[slowest, e]
-        out.append({"seconds": float(seconds), "steps": int(steps), "input_ms": 1e3 * wait / max(steps, 1),
-                    "allreduce_ms": 1e3 * reduce / max(steps, 1)})
+        seconds, steps, wait, reduce, user, sys_, minflt = per_rank[slowest, e]
+        n = max(steps, 1)
+        out.append({"seconds": float(seconds), "steps": int(steps), "input_ms": 1e3 * wait / n,
+                    "allreduce_ms": 1e3 * reduce / n, "user_ms": 1e3 * user / n, "sys_ms": 1e3 * sys_ / n,
+                    "minflt": minflt / n})
     return out
 
 
@@ -484,6 +501,7 @@ def part3(args: argparse.Namespace) -> dict:
             "step_ms": 1e3 * med(seconds) / epochs_[0]["steps"],
             "input_ms": med([e["input_ms"] for e in epochs_]),
             "allreduce_ms": med([e["allreduce_ms"] for e in epochs_]),
+            **{k: med([e[k] for e in epochs_]) for k in ("user_ms", "sys_ms", "minflt")},
         }
     for system, by_n in out["systems"].items():
         by_n["efficiency"] = by_n[2]["samples_per_s"] / (2 * by_n[1]["samples_per_s"])
@@ -505,9 +523,11 @@ def print_part3(r: dict, part2_result: dict | None) -> None:
             d = r["systems"][system][n]
             rows.append([system, n, d["steps"], d["epochs"], f"{med(d['epoch_seconds']):.3f}",
                          f"{d['samples_per_s']:.1f}", f"{d['step_ms']:.3f}", f"{d['input_ms']:.3f}",
-                         f"{d['allreduce_ms']:.3f}" if system == "daskdist" else "(in backward)"])
+                         f"{d['allreduce_ms']:.3f}" if system == "daskdist" else "(in backward)",
+                         f"{d['user_ms']:.2f}", f"{d['sys_ms']:.2f}", f"{d['minflt']:.0f}"])
     print(format_table(["system", "replicas", "steps/replica/epoch", "epochs", "median epoch s", "samples/s",
-                        "ms/step", "input ms/step", "all-reduce ms/step"], rows))
+                        "ms/step", "input ms/step", "all-reduce ms/step", "user ms/step", "sys ms/step",
+                        "faults/step"], rows))
     for system in systems:
         for n in (1, 2):
             d = r["systems"][system][n]

@@ -9,15 +9,20 @@
   model, optimizer, batches and steps over the rank's contiguous block of the
   same synthetic data.
 
-Both set ``torch.set_num_threads(1)`` and time each epoch the same way: a
-barrier, then the epoch's steps; an epoch's time is the slowest rank's. The
-first epoch is a warm-up and is not reported.
+Both set ``torch.set_num_threads(1)`` and glibc's ``malloc`` options of
+``dd.plugins.torch.set_malloc_options`` (the replicas set them when they start,
+``daskdist.replica.malloc``), and time each epoch the same way: a barrier, then the epoch's
+steps; an epoch's time is the slowest rank's. The first epoch is a warm-up and
+is not reported. Each epoch also records the training thread's user and system
+CPU time and minor page faults, which show an allocator that hands memory back
+every step.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -48,12 +53,29 @@ def make_model() -> Any:
     )
 
 
+#: Per-epoch figures, in this order, in the arrays and JSON both systems return.
+FIELDS = ("seconds", "steps", "input", "allreduce", "user", "sys", "minflt")
+
+
+def thread_usage() -> tuple[float, float, int]:
+    """This thread's CPU seconds (user, system) and minor page faults so far (``RUSAGE_THREAD``, Linux)."""
+    r = resource.getrusage(getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF))
+    return r.ru_utime, r.ru_stime, r.ru_minflt
+
+
 def timed_epochs(epochs: int, batches: Callable[[], Iterable[Any]], step: Callable[[Any, Any], float],
                  barrier: Callable[[], None]) -> list[dict]:
-    """Run ``epochs`` passes; per pass: seconds, steps, seconds waiting for input, seconds in ``step``'s all-reduce."""
+    """Run ``epochs`` passes; per pass the ``FIELDS``.
+
+    seconds, steps, seconds waiting for input, seconds in ``step``'s
+    all-reduce, and the training thread's user and system CPU seconds and
+    minor page faults (system time and faults show an allocator that maps and
+    unmaps memory every step).
+    """
     out = []
     for _ in range(epochs):
         barrier()
+        usage = thread_usage()
         start = time.perf_counter()
         wait = reduce = 0.0
         n = 0
@@ -68,14 +90,17 @@ def timed_epochs(epochs: int, batches: Callable[[], Iterable[Any]], step: Callab
             wait += time.perf_counter() - t
             reduce += step(x, y)
             n += 1
-        out.append({"seconds": time.perf_counter() - start, "steps": n, "input": wait, "allreduce": reduce})
+        seconds = time.perf_counter() - start
+        user, sys_, minflt = (b - a for a, b in zip(usage, thread_usage()))
+        out.append({"seconds": seconds, "steps": n, "input": wait, "allreduce": reduce, "user": user, "sys": sys_,
+                    "minflt": minflt})
     return out
 
 
 def dd_train(dist: Any, epochs: int) -> np.ndarray:
     """On a replica: ``epochs`` passes of the plug-in loop over this replica's shard of ``dist``.
 
-    Returns ``(epochs, 4)``: seconds, steps, input wait, all-reduce seconds per pass.
+    Returns ``(epochs, len(FIELDS))``: the ``FIELDS`` of each pass.
     """
     import torch
 
@@ -103,7 +128,7 @@ def dd_train(dist: Any, epochs: int) -> np.ndarray:
 
     barrier = ctx.barrier if ctx.num_replicas_in_sync > 1 else (lambda: None)
     result = timed_epochs(epochs, lambda: dist, step, barrier)
-    return np.array([[r["seconds"], r["steps"], r["input"], r["allreduce"]] for r in result])
+    return np.array([[r[f] for f in FIELDS] for r in result])
 
 
 def ddp_rank(rank: int, world: int, port: int, samples: int, batch: int, epochs: int, out_dir: str) -> None:
@@ -112,7 +137,10 @@ def ddp_rank(rank: int, world: int, port: int, samples: int, batch: int, epochs:
     import torch.distributed as tdist
     from torch.nn.parallel import DistributedDataParallel
 
+    import daskdist as dd
+
     torch.set_num_threads(1)
+    dd.plugins.torch.set_malloc_options()  # what the replicas set when they start (module docstring)
     tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         images, labels = synthetic_nchw(samples)

@@ -7,6 +7,11 @@ starts from replica 0's weights, then after each ``loss.backward()`` call
 back as torch tensors (CPU tensors are viewed as numpy arrays through DLPack,
 without a copy). The optimizer then takes the same step on every replica.
 
+A step's tensors keep their memory from one step to the next: replicas set
+glibc's ``malloc`` options of their worker process when they start
+(``daskdist.replica.malloc``, see ``daskdist.replica.allocator``;
+``set_malloc_options`` is re-exported here for standalone processes).
+
 Example::
 
     def train(dist):
@@ -29,8 +34,9 @@ from typing import Any
 
 from daskdist import context
 from daskdist.ops import ReduceOp
+from daskdist.replica.allocator import set_malloc_options
 
-__all__ = ["allreduce_gradients", "broadcast_parameters"]
+__all__ = ["allreduce_gradients", "broadcast_parameters", "set_malloc_options"]
 
 
 def _parameters(module: Any) -> list[Any]:
@@ -41,15 +47,26 @@ def allreduce_gradients(module: Any, op: ReduceOp | str = ReduceOp.MEAN, options
     """Replace every parameter's ``.grad`` by its all-reduce over the replicas (MEAN by default).
 
     Parameters without a gradient (unused in this step) contribute zeros, so
-    every replica joins the same collective with the same structure.
+    every replica joins the same collective with the same structure. All
+    gradients go in one call of ``ReplicaContext.all_reduce`` (packed into a
+    few buffers). Outside a replica, or with one replica, nothing changes.
+
+    Parameters
+    ----------
+    module
+        A ``torch.nn.Module`` whose trainable parameters have this step's gradients.
+    op
+        ``ReduceOp.MEAN`` (default) or ``SUM`` (or another op, or its name).
+    options
+        ``CommunicationOptions`` for the all-reduce.
     """
     import torch
 
     ctx = context.get_replica_context()
-    params = _parameters(module)
-    grads = [p.grad.detach() if p.grad is not None else torch.zeros_like(p) for p in params]
     if ctx is None or ctx.num_replicas_in_sync == 1:
         return
+    params = _parameters(module)
+    grads = [p.grad.detach() if p.grad is not None else torch.zeros_like(p) for p in params]
     reduced = ctx.all_reduce(op, grads, options)
     with torch.no_grad():
         for p, g in zip(params, reduced):
@@ -60,7 +77,15 @@ def allreduce_gradients(module: Any, op: ReduceOp | str = ReduceOp.MEAN, options
 
 
 def broadcast_parameters(module: Any, root: int = 0) -> None:
-    """Copy replica ``root``'s parameters and buffers into every replica's module."""
+    """Copy replica ``root``'s parameters and buffers into every replica's module.
+
+    Parameters
+    ----------
+    module
+        A ``torch.nn.Module``, the same architecture on every replica.
+    root
+        The replica whose values every replica gets.
+    """
     import torch
 
     ctx = context.get_replica_context()

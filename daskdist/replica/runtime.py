@@ -17,8 +17,9 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import optree
 from distributed import get_worker, secede
@@ -36,6 +37,7 @@ from daskdist.collective.transport.shm import ShmTransport
 from daskdist.collective.transport.socket import SocketTransport
 from daskdist.exceptions import RendezvousError, ReplicaLostError
 from daskdist.ops import CommunicationOptions
+from daskdist.replica import allocator
 from daskdist.replica.context import ReplicaContext
 from daskdist.replica.strategy_view import ReplicaStrategyView
 from daskdist.replica.timing import StepTimer
@@ -66,6 +68,7 @@ class GroupSpec:
     shm_slot_bytes: int = 2 << 20
     single_copy_bytes: int | None = 1 << 20  # ``collective.shm.single-copy-bytes`` as the client saw it
     pin_cores: Any = "auto"  # ``daskdist.replica.pin-cores`` as the client saw it
+    malloc: Any = "auto"  # ``daskdist.replica.malloc`` as the client saw it
 
     @property
     def size(self) -> int:
@@ -395,6 +398,7 @@ def replica_main(spec: GroupSpec, rank: int) -> str:
     thread = threading.current_thread()
     previous_name, thread.name = thread.name, f"daskdist-replica-{rank}-{spec.group_id}"
     previous_cores = pin_replica_thread(spec, rank)
+    allocator.tune_for_replicas(spec.malloc)
     try:
         runtime.rendezvous(config.get_seconds("rendezvous.timeout"))
         logger.debug("Replica %d of %s serving on %s", rank, spec.group_id, worker.address)

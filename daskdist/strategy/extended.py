@@ -105,6 +105,7 @@ class DaskExtended:
                 transport=config.get("collective.transport"),
                 shm_slot_bytes=parse_bytes(config.get("collective.shm.slot-bytes")),
                 pin_cores=config.get("replica.pin-cores"),
+                malloc=config.get("replica.malloc"),
                 single_copy_bytes=single_copy_bytes(),
             )
             self._group.launch()
