@@ -116,9 +116,9 @@ def bare_block(batch: int, steps: int, warmup: int, seed: int, allreduce: bool =
         t1 = time.perf_counter()
         count = float(batch)
         if ctx is not None:
-            total = ctx.all_reduce(ReduceOp.SUM, {"grads": grads, "count": np.array([count], np.float64),
-                                                  "loss": np.array([loss_sum], np.float64)})
-            grads, count = total["grads"], float(total["count"][0])
+            stats = np.array([count, loss_sum], grads[0].dtype)  # as fit's step: one pack with the gradients
+            total = ctx.all_reduce(ReduceOp.SUM, {"grads": grads, "stats": stats})
+            grads, count = total["grads"], float(total["stats"][0])
         t2 = time.perf_counter()
         scale_ = 1.0 / count
         optimizer.apply(params, [g * g.dtype.type(scale_) for g in grads])

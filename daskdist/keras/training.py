@@ -147,13 +147,8 @@ def _train_step(model: Model, ctx: Any, x: Any, y: Any, sample_weight: Any, time
     else:  # this replica ran out of data this step: it still joins the all-reduce, with zeros
         params, _ = model._trainable_arrays()
         grads = [namespace(p).zeros_like(p) for p in params]
-    local = {
-        "grads": grads,
-        "count": np.array([float(rows)], np.float64),
-        "loss": np.array([loss_sum], np.float64),
-    }
-    total = ctx.all_reduce(ReduceOp.SUM, local)
-    global_count = float(total["count"][0])
+    total = ctx.all_reduce(ReduceOp.SUM, {"grads": grads, "stats": _step_stats(grads, rows, loss_sum)})
+    global_count = float(total["stats"][0])
     if global_count > 0:
         start = time.perf_counter()
         scale = 1.0 / global_count
@@ -163,7 +158,21 @@ def _train_step(model: Model, ctx: Any, x: Any, y: Any, sample_weight: Any, time
     if rows:
         for metric in model.compiled_metrics:
             metric.update_state(y, y_pred, sample_weight)
-    return float(total["loss"][0]), global_count
+    return float(total["stats"][1]), global_count
+
+
+def _step_stats(grads: list[Any], rows: int, loss_sum: float) -> Any:
+    """``[examples, loss sum]`` of this replica's step, to all-reduce with the gradients.
+
+    In the gradients' namespace and dtype when that is float32 or float64, so
+    that the step's all-reduce is one pack (one collective: on shared memory
+    the latency lane, 2-3x faster than a float32 and a float64 pack); float64
+    numpy otherwise (counts and sums would lose precision in 16-bit floats).
+    """
+    dtype = grads[0].dtype if grads else None
+    if dtype is not None and dtype.kind == "f" and dtype.itemsize >= 4:
+        return namespace(grads[0]).asarray([float(rows), loss_sum], dtype=dtype)
+    return np.array([float(rows), loss_sum], np.float64)
 
 
 def _global_metric_results(model: Model, ctx: Any) -> dict:
