@@ -33,7 +33,7 @@ test: $(STAMP)
 test-ucx:
 	test -x .venv-ucx/bin/python || $(PYTHON) -m venv .venv-ucx
 	.venv-ucx/bin/python -m pip install --quiet -e ".[test,ucx]"
-	.venv-ucx/bin/python -m pytest tests/test_transport_ucx.py -q
+	.venv-ucx/bin/python -m pytest tests/test_transport_ucx.py "tests/test_transports.py::test_a_killed_peer_wakes_replicas_blocked_in_the_transport[ucx]" -q
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e ".[bench]"

@@ -49,17 +49,6 @@ def test_gradients_are_summed_over_replicas_and_copies_stay_equal(threaded_clien
     np.testing.assert_allclose(g0[0], reference.weight.grad.numpy(), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
-def test_set_malloc_options_on_glibc():
-    from daskdist.plugins import torch as plugin
-
-    assert plugin.set_malloc_options() is True
-    with pytest.raises(ValueError, match="C ints"):
-        plugin.set_malloc_options(trim_threshold=1 << 40)
-    with pytest.raises(ValueError, match="C ints"):
-        plugin.set_malloc_options(top_pad=-1)
-
-
 def _one_replica_fails(fail_rank):
     ctx = dd.get_replica_context()
     model = torch.nn.Linear(4, 2)
