@@ -100,7 +100,7 @@ def test_results_equal_numpy_bit_for_bit(threaded_client, replicas):
 
 
 def test_replica_processes_read_each_other(process_client):
-    """Two worker processes: the kernel lets them read each other; 64 MiB-class sizes in many pieces."""
+    """Two worker processes: the kernel lets them read each other; 24 MB of float64, many pieces per chunk."""
     with dd.MirroredStrategy(client=process_client) as strategy:
 
         def fn():
