@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import time
 
+import dask
 import dask.array as da
 import numpy as np
 import pytest
@@ -228,7 +229,9 @@ def _assert_on_readers(client, dist) -> None:
 
 def test_distributions_of_the_same_data_survive_the_memory_manager(make_cluster):
     """Copies one distribution makes must not be what another relies on: Dask may drop extra copies."""
-    client = make_cluster(2, processes=True)
+    # the memory manager runs only where the test says, so the copies are there when the plans are made
+    with dask.config.set({"distributed.scheduler.active-memory-manager.start": False}):
+        client = make_cluster(2, processes=True)
     workers = sorted(client.scheduler_info()["workers"])
     blocks = [client.submit(_block, i, workers=[workers[0]], pure=False) for i in range(8)]
     rows = client.persist(da.concatenate([da.from_delayed(b, shape=(250, 4), dtype=float) for b in blocks]))

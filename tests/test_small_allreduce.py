@@ -206,3 +206,66 @@ def test_the_lane_never_takes_more_than_a_slot(threaded_client):
 
         for got in strategy.experimental_local_results(strategy.run(fn)):
             assert np.array_equal(got, np.arange(50_000, dtype=np.float32) * 6)
+
+
+def _interleaved_collectives():
+    """Replica function: lane all-reduces of several signatures, mixed with general-path collectives.
+
+    A channel slot keeps the lane header it last held and typed views of its
+    data; messages of other signatures and of the general path in between must
+    never leave a stale header, and results must never alias a slot.
+    """
+    ctx = dd.get_replica_context()
+    rank = ctx.replica_id_in_sync_group
+    results = []
+    for i in range(30):
+        kind = i % 5
+        if kind == 0:
+            results.append(ctx.all_reduce("SUM", np.full(7, rank + i, np.int32)))
+        elif kind == 1:
+            results.append(ctx.all_reduce("MAX", np.float64(rank * i)))
+        elif kind == 2:
+            results.append(ctx.all_gather(np.array([rank, i]), axis=0))
+        elif kind == 3:
+            results.append(ctx.all_reduce("MEAN", (np.arange(3001) % 7).astype(np.float16) + rank))
+        else:  # two dtypes: two packs, the general path
+            pair = ctx.all_reduce("SUM", [np.full(5, rank, np.int64), np.full(3, i, np.float32)])
+            results.extend(pair)
+    return results
+
+
+def _interleaved_expected(n: int) -> list[np.ndarray]:
+    expected = []
+    for i in range(30):
+        kind = i % 5
+        if kind == 0:
+            expected.append(sum(np.full(7, r + i, np.int32) for r in range(n)))
+        elif kind == 1:
+            expected.append(np.float64((n - 1) * i))
+        elif kind == 2:
+            expected.append(np.concatenate([np.array([r, i]) for r in range(n)]))
+        elif kind == 3:
+            parts = [(np.arange(3001) % 7).astype(np.float16) + r for r in range(n)]
+            total = parts[0]
+            for part in parts[1:]:
+                total = total + part
+            expected.append(total / np.float16(n))
+        else:
+            expected.extend([np.full(5, n * (n - 1) // 2, np.int64), np.full(3, n * i, np.float32)])
+    return expected
+
+
+@pytest.mark.parametrize("client_name", ["threaded_client", "process_client"])
+def test_lane_slots_stay_correct_among_other_collectives(request, client_name):
+    client = request.getfixturevalue(client_name)
+    with dask.config.set(SHM), dd.MirroredStrategy(client=client) as strategy:
+        n = strategy.num_replicas_in_sync
+        per_replica = _by_replica(strategy, strategy.run(_interleaved_collectives))
+        lane_plans = _lane_plans(strategy, client)
+    expected = _interleaved_expected(n)
+    for results in per_replica:
+        assert len(results) == len(expected)
+        for got, want in zip(results, expected, strict=True):
+            assert isinstance(got, np.ndarray) and got.dtype == want.dtype and got.shape == np.shape(want)
+            assert got.tobytes() == np.asarray(want).tobytes()
+    assert all(count >= 3 for count in lane_plans)  # three signatures took the lane

@@ -501,22 +501,30 @@ class Communicator:
         replica if it fails (mismatch, timeout, lost peer, bad data) and reports
         its time and ``call.nbytes`` to ``on_collective`` when it succeeds.
         """
-        self.current_kind = kind
-        start = time.perf_counter()
-        if self.stall_warning > 0 and self._stall_watch is None:
-            self.start_stall_watch()
-        self.active = (call, time.monotonic())
+        start = time.monotonic()
+        self.begin_tracking(kind, call, start)
         try:
             result = body(*args)
         except Exception as e:
             self.abort_run(e)
             raise
         finally:
-            self.active = None
-            self.current_kind = None
+            self.end_tracking()
         if self.on_collective is not None:
-            self.on_collective(kind, time.perf_counter() - start, call.nbytes)
+            self.on_collective(kind, time.monotonic() - start, call.nbytes)
         return result
+
+    def begin_tracking(self, kind: str, call: Any, since: float) -> None:
+        """Show ``call`` (in progress since ``since``, monotonic) to status probes and the stall watch."""
+        self.current_kind = kind
+        if self.stall_warning > 0 and self._stall_watch is None:
+            self.start_stall_watch()
+        self.active = (call, since)
+
+    def end_tracking(self) -> None:
+        """The tracked collective is over (``begin_tracking``)."""
+        self.active = None
+        self.current_kind = None
 
     def describe_timeout(self, call: CollectiveCall, waiting_for: int) -> str:
         """Explain a timeout: which replicas never joined this collective, and where they are."""

@@ -41,7 +41,7 @@ from daskdist.collective.mailbox import MailboxTimeout
 from daskdist.collective.packing import signature
 from daskdist.collective.reduction import check_dtype, finalize
 from daskdist.collective.transport.framing import ARRAY, MAX_NDIM, TEXT, decode, dtype_text
-from daskdist.collective.transport.shm import ShmTransport, backoff_wait
+from daskdist.collective.transport.shm import ShmTransport, backoff_wait, lane_header
 from daskdist.exceptions import CollectiveMismatchError, CollectiveTimeoutError
 from daskdist.ops import CommunicationImplementation, CommunicationOptions, ReduceOp
 
@@ -71,10 +71,11 @@ def shared_memory_route(transport: Any, size: int, rank: int) -> ShmTransport | 
 class _Plan:
     """Everything about one (op, shape, dtype) that does not change between calls."""
 
-    __slots__ = ("op", "sig", "sig_bytes", "name", "name_field", "header_tail", "ufunc", "nbytes", "sent_bytes",
-                 "dtype", "shape", "timeout")
+    __slots__ = ("op", "sig", "sig_bytes", "name", "name_field", "header", "key", "ufunc", "nbytes", "sent_bytes",
+                 "dtype", "shape", "timeout", "send_order", "new_out", "mean")
 
-    def __init__(self, op: ReduceOp, sig: str, rank: int, value: np.ndarray, size: int, timeout: float | None):
+    def __init__(self, op: ReduceOp, sig: str, rank: int, value: np.ndarray, size: int, timeout: float | None,
+                 pooled_bytes: int):
         self.op = op
         self.timeout = timeout
         self.sig = sig
@@ -84,14 +85,20 @@ class _Plan:
         dims = tuple(value.shape) + (0,) * (MAX_NDIM - value.ndim)
         self.nbytes = value.nbytes
         self.sent_bytes = value.nbytes * (size - 1)
-        self.header_tail = (rank, self.name_field, ARRAY, value.nbytes, 0, value.nbytes, value.ndim, *dims,
-                            dtype_text(value.dtype).encode())
+        self.header = lane_header((rank, self.name_field, ARRAY, value.nbytes, 0, value.nbytes, value.ndim, *dims,
+                                   dtype_text(value.dtype).encode()), self.sig_bytes)
         if value.dtype.kind == "b" and op in (ReduceOp.SUM, ReduceOp.PRODUCT):
             self.ufunc = np.logical_or if op is ReduceOp.SUM else np.logical_and
         else:
             self.ufunc = getattr(np, _UFUNC_NAMES[op])
         self.dtype = value.dtype
         self.shape = value.shape
+        self.key = (value.dtype, value.shape)
+        self.send_order = [(rank + k) % size for k in range(1, size)]
+        # the result goes into a fresh array the ufunc allocates, except for 0-d values (a ufunc
+        # would give a scalar) and large ones (reused buffers)
+        self.new_out = value.ndim == 0 or value.nbytes >= pooled_bytes
+        self.mean = op is ReduceOp.MEAN
 
 
 class _LaneCall:
@@ -131,6 +138,7 @@ class SmallAllReduce:
             self.limit = max(self.limit, shm.slot_bytes // 2)
         self.limit = min(self.limit, shm.slot_bytes)  # the lane reads each array whole from one slot
         self._plans: dict[tuple, _Plan | None] = {}
+        self._call: _LaneCall | None = None  # the collective in progress, once it had to wait
 
     def plan(self, op: Any, value: np.ndarray, options: CommunicationOptions | None) -> _Plan | None:
         """The plan for ``value``, or ``None`` when the general path must take it.
@@ -188,61 +196,99 @@ class SmallAllReduce:
             detail = (f"{reduce_op.name} packs={options.bytes_per_pack}/{comm.algorithm.num_packs} "
                       f"{options.implementation.name}")
             sig = signature("all_reduce", detail, [value], _SINGLE_LEAF)
-        return _Plan(reduce_op, sig, comm.rank, value, comm.size, options.timeout_seconds)
+        return _Plan(reduce_op, sig, comm.rank, value, comm.size, options.timeout_seconds, comm.buffers.min_bytes)
 
     def run(self, plan: _Plan, value: np.ndarray) -> np.ndarray:
-        """All-reduce ``value`` with ``plan``; the result is a new array."""
-        comm = self.comm
-        mailbox = self.shm.mailbox
-        run_id = comm.run_id
-        mailbox.check(run_id)
-        if not value.flags.c_contiguous:
-            value = np.ascontiguousarray(value)
-        comm.seq += 1
-        seq = comm.seq
-        timeout = plan.timeout or comm.default_timeout
-        call = _LaneCall(run_id, seq, timeout, plan.sent_bytes)
-        return comm.run_tracked("all_reduce", call, self._exchange, plan, value, time.monotonic() + timeout, call)
+        """All-reduce ``value`` with ``plan``; the result is a new array.
 
-    def _exchange(self, plan: _Plan, value: np.ndarray, deadline: float, call: _LaneCall) -> np.ndarray:
-        comm, shm = self.comm, self.shm
-        run_id, seq = call.run_id, call.seq
-        rank, size = comm.rank, comm.size
-        header = (run_id, seq, *plan.header_tail)
-        raw = value.reshape(-1).view(np.uint8)
+        The common case costs a handful of calls: the array is written into
+        each peer's channel (a slot whose header already names this
+        collective's signature only gets the new numbers), and the peers'
+        arrays are combined from typed views of the slots. The collective is
+        only registered for status probes and the stall watch once it has to
+        wait; any failure aborts the run on every replica, as on the general path.
+        """
+        comm = self.comm
+        run_id = comm.run_id
+        self.shm.mailbox.check(run_id)
+        comm.seq = seq = comm.seq + 1
+        start = time.monotonic()
+        self._call = None
+        try:
+            result = self._exchange(plan, value, run_id, seq, start)
+        except Exception as e:
+            comm.abort_run(e)
+            raise
+        finally:
+            if self._call is not None:
+                comm.end_tracking()
+                self._call = None
+        if comm.on_collective is not None:
+            comm.on_collective("all_reduce", time.monotonic() - start, plan.sent_bytes)
+        return result
+
+    def _slow(self, plan: _Plan, run_id: int, seq: int, start: float) -> tuple[_LaneCall, float]:
+        """The collective as timeouts and probes see it, registered with the communicator; and its deadline."""
+        if self._call is None:
+            timeout = plan.timeout or self.comm.default_timeout
+            self._call = _LaneCall(run_id, seq, timeout, plan.sent_bytes)
+            self.comm.begin_tracking("all_reduce", self._call, start)
+        return self._call, start + self._call.timeout
+
+    def _exchange(self, plan: _Plan, value: np.ndarray, run_id: int, seq: int, start: float) -> np.ndarray:
+        shm = self.shm
+        rank = self.comm.rank
         handles = []
-        for k in range(1, size):
-            dst = (rank + k) % size
-            if not shm.try_send_inline(dst, header, plan.sig_bytes, raw):
+        for dst in plan.send_order:
+            if not shm.try_send_lane(dst, plan.header, run_id, seq, value, plan.key):
                 handles.append(shm.send(dst, (run_id, seq, rank, plan.name), value, plan.sig_bytes))
-        pool = comm.buffers
-        if plan.nbytes >= pool.min_bytes:
-            result = pool.empty(plan.shape, plan.dtype)
-        else:
-            result = np.empty(plan.shape, plan.dtype)
         ufunc = plan.ufunc
-        pending: np.ndarray | None = None  # rank 0's own array, not yet combined
-        for r in range(size):
+        result: np.ndarray | None = None
+        first: np.ndarray | None = None  # rank 0's array, until rank 1's is combined with it
+        first_release = None
+        for r in range(self.comm.size):
             if r == rank:
-                if r == 0:
-                    pending = value
-                else:
-                    ufunc(result, value, out=result)
-                continue
-            incoming, release = self._receive(plan, r, deadline, call)
+                incoming, release = value, None
+            else:
+                incoming, release = self._take(plan, r, run_id, seq, start)
             if r == 0:
-                np.copyto(result, incoming)
-            elif pending is not None:
-                ufunc(pending, incoming, out=result)
-                pending = None
+                first, first_release = incoming, release
+                continue
+            if first is not None:
+                if plan.new_out:
+                    result = ufunc(first, incoming, out=self._new_out(plan))
+                else:
+                    result = ufunc(first, incoming)
+                if first_release is not None:
+                    first_release()
+                first = None
             else:
                 ufunc(result, incoming, out=result)
             if release is not None:
                 release()
-        finalize(plan.op, result, size)
-        for handle in handles:
-            handle.wait(deadline)
+        if plan.mean:
+            finalize(plan.op, result, self.comm.size)
+        if handles:
+            _call, deadline = self._slow(plan, run_id, seq, start)
+            for handle in handles:
+                handle.wait(deadline)
         return result
+
+    def _new_out(self, plan: _Plan) -> np.ndarray:
+        if plan.nbytes >= self.comm.buffers.min_bytes:
+            return self.comm.buffers.empty(plan.shape, plan.dtype)
+        return np.empty(plan.shape, plan.dtype)
+
+    def _take(self, plan: _Plan, src: int, run_id: int, seq: int, start: float) -> tuple[np.ndarray, Any]:
+        """``src``'s array (a view into its channel) and how to free the slot; waits as long as it must."""
+        shm = self.shm
+        channel = shm.inbound(src)
+        if not shm.has_stashed() and channel.can_read():
+            incoming = channel.peek_lane((run_id, seq, src, plan.name_field), plan.key)
+            if incoming is not None:
+                return incoming, channel.release
+        call, deadline = self._slow(plan, run_id, seq, start)
+        return self._receive(plan, src, deadline, call)
 
     def _receive(self, plan: _Plan, src: int, deadline: float, call: _LaneCall) -> tuple[np.ndarray, Any]:
         """``src``'s array for collective ``call`` (a view into its channel) and how to free the slot."""

@@ -22,7 +22,9 @@ import _posixshmem
 import logging
 import mmap
 import os
+import math
 import queue
+import struct
 import threading
 import time
 from typing import Any, Callable
@@ -51,7 +53,7 @@ from daskdist.collective.transport.framing import (
 )
 from daskdist.exceptions import CollectiveTimeoutError, DaskdistError
 
-__all__ = ["ShmChannel", "ShmTransport", "backoff_wait", "segment_name", "unlink_segment"]
+__all__ = ["ShmChannel", "ShmTransport", "backoff_wait", "lane_header", "segment_name", "unlink_segment"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +62,9 @@ _CONTROL_BYTES = 128  # write counter at 0, read counter at 64 (separate cache l
 _HEADER_BYTES = 1024
 _EXTRA_OFFSET = 256  # within a slot's header area: optional extra bytes (a signature), length-prefixed
 _EXTRA_MAX = _HEADER_BYTES - _EXTRA_OFFSET - 2
+_RUN_SEQ = struct.Struct("<qq")  # the first two HEADER fields
+_LANE_PREFIX = struct.Struct("<qqq40s")  # the first four HEADER fields: run, seq, src, name
+_VIEWS_KEPT = 64  # typed views kept per slot (lane messages of different dtypes and shapes)
 
 
 def segment_name(group_id: str, src: int, dst: int) -> str:
@@ -73,6 +78,17 @@ def unlink_segment(name: str) -> None:
         _posixshmem.shm_unlink("/" + name)
     except FileNotFoundError:
         pass
+
+
+def lane_header(fields: tuple, extra: bytes) -> bytes:
+    """The header area of a lane message, written once per slot (``ShmChannel.write_lane``).
+
+    ``fields`` are the ``HEADER`` fields after run and seq; ``extra`` is kept
+    beside them (``ShmChannel.extra``).
+    """
+    extra = extra[:_EXTRA_MAX]
+    head = HEADER.pack(0, 0, *fields)
+    return head.ljust(_EXTRA_OFFSET, b"\0") + len(extra).to_bytes(2, "little") + extra
 
 
 class _Segment:
@@ -187,6 +203,8 @@ class ShmChannel:
             self._counters[8] = 0
         self._raw = buf[_CONTROL_BYTES:]
         self._data = np.ndarray((_SLOTS * self.slot_stride,), np.uint8, buf, _CONTROL_BYTES)
+        self._lane_headers: list[bytes | None] = [None] * _SLOTS  # sender: lane header area last written per slot
+        self._views: list[dict[tuple, np.ndarray]] = [{} for _ in range(_SLOTS)]  # typed views of each slot's data
 
     # -- sender side ---------------------------------------------------------------
 
@@ -200,7 +218,9 @@ class ShmChannel:
 
         ``extra``: up to ``_EXTRA_MAX`` bytes kept beside the header (``extra`` reads them back).
         """
-        base = (self._counters[0] % _SLOTS) * self.slot_stride
+        index = self._counters[0] % _SLOTS
+        base = index * self.slot_stride
+        self._lane_headers[index] = None
         pack_header(self._raw, base, tag, kind, dtype, shape, total, offset, piece.nbytes)
         self._write_extra(base, extra)
         start = base + _HEADER_BYTES
@@ -210,17 +230,23 @@ class ShmChannel:
             self._raw[start : start + piece.nbytes] = memoryview(piece.reshape(-1).view(np.uint8))
         self._counters[0] += 1  # x86-64 keeps stores in order: the piece is visible before the count
 
-    def write_packed(self, header: tuple, extra: bytes, data: memoryview) -> None:
-        """Write a one-piece message whose ``HEADER`` fields are ready (the small all-reduce lane).
+    def write_lane(self, header: bytes, run_id: int, seq: int, value: np.ndarray, key: tuple) -> None:
+        """Write a one-piece lane message (the small all-reduce): ``header`` from ``lane_header``, then ``value``.
 
-        The caller waited for ``can_write``; ``data`` is at most one slot.
+        The caller waited for ``can_write``; ``value`` fits a slot and
+        ``key`` is its ``(dtype, shape)``. A slot whose header area already
+        holds ``header`` (the same collective signature as last time) only
+        gets the new run and sequence numbers.
         """
-        base = (self._counters[0] % _SLOTS) * self.slot_stride
-        HEADER.pack_into(self._raw, base, *header)
-        self._write_extra(base, extra)
-        start = base + _HEADER_BYTES
-        self._raw[start : start + len(data)] = data
-        self._counters[0] += 1
+        written = self._counters[0]
+        index = written % _SLOTS
+        base = index * self.slot_stride
+        if self._lane_headers[index] is not header:
+            self._raw[base : base + len(header)] = header
+            self._lane_headers[index] = header
+        _RUN_SEQ.pack_into(self._raw, base, run_id, seq)
+        self.slot_view(index, key)[...] = value
+        self._counters[0] = written + 1  # x86-64 keeps stores in order: the data is visible before the count
 
     def _write_extra(self, base: int, extra: bytes) -> None:
         at = base + _EXTRA_OFFSET
@@ -235,6 +261,33 @@ class ShmChannel:
         """The raw ``HEADER`` fields of the oldest unread piece and where its data starts in ``raw``."""
         base = (self._counters[8] % _SLOTS) * self.slot_stride
         return HEADER.unpack_from(self._raw, base), base + _HEADER_BYTES
+
+    def peek_lane(self, prefix: tuple, key: tuple) -> np.ndarray | None:
+        """The oldest unread piece as an array of ``key = (dtype, shape)`` if its header starts with ``prefix``.
+
+        ``prefix`` is ``(run, seq, src, name)`` with the name as the header's
+        40 bytes; the array is a view, valid until ``release``. ``None``
+        (nothing consumed) when the piece is something else.
+        """
+        index = self._counters[8] % _SLOTS
+        if _LANE_PREFIX.unpack_from(self._raw, index * self.slot_stride) != prefix:
+            return None
+        return self.slot_view(index, key)
+
+    def slot_view(self, index: int, key: tuple) -> np.ndarray:
+        """Slot ``index``'s data as an array of ``key = (dtype, shape)`` (kept for the next message like it)."""
+        views = self._views[index]
+        view = views.get(key)
+        if view is None:
+            dtype, shape = key
+            start = index * self.slot_stride + _HEADER_BYTES
+            nbytes = dtype.itemsize * math.prod(shape)
+            if nbytes > self.slot_bytes:
+                raise ValueError(f"{nbytes} bytes do not fit a {self.slot_bytes}-byte slot")
+            if len(views) >= _VIEWS_KEPT:
+                views.clear()
+            view = views[key] = self._data[start : start + nbytes].view(dtype).reshape(shape)
+        return view
 
     def data(self, start: int, nbytes: int) -> np.ndarray:
         """``nbytes`` of the segment from ``start`` (as ``peek_fields`` gives it): a view, valid until ``release``."""
@@ -265,6 +318,7 @@ class ShmChannel:
 
     def close(self) -> None:
         # every view must go before the mapping closes
+        self._views = [{} for _ in range(_SLOTS)]
         self._counters.release()
         self._raw.release()
         self._data = None
@@ -383,17 +437,21 @@ class ShmTransport(Transport):
         self._sends.put((dst, tag, payload, handle, tag[0], extra))
         return handle
 
-    def try_send_inline(self, dst: int, header: tuple, extra: bytes, data: memoryview) -> bool:
-        """Write a one-piece message with ready ``HEADER`` fields now, if ``dst``'s channel has room.
+    def try_send_lane(self, dst: int, header: bytes, run_id: int, seq: int, value: np.ndarray, key: tuple) -> bool:
+        """Write a one-piece lane message now (``ShmChannel.write_lane``), if ``dst``'s channel has room.
 
         Returns ``False`` (nothing written) when the channel is full or earlier
         sends to ``dst`` are still queued; the caller then uses ``send``.
         """
-        channel = self._channel_to(dst)
-        if self._queued.get(dst) or len(data) > self.slot_bytes or not channel.can_write():
+        channel = self._outbound.get(dst) or self._channel_to(dst)
+        if self._queued.get(dst) or not channel.can_write():
             return False
-        channel.write_packed(header, extra, data)
+        channel.write_lane(header, run_id, seq, value, key)
         return True
+
+    def has_stashed(self) -> bool:
+        """Whether out-of-order messages are kept (``take_stashed``)."""
+        return bool(self._stash)
 
     def _send_loop(self) -> None:
         while True:
