@@ -245,7 +245,7 @@ class ShmChannel:
             self._raw[base : base + len(header)] = header
             self._lane_headers[index] = header
         _RUN_SEQ.pack_into(self._raw, base, run_id, seq)
-        self.slot_view(index, key)[...] = value
+        np.copyto(self.slot_view(index, key), value)
         self._counters[0] = written + 1  # x86-64 keeps stores in order: the data is visible before the count
 
     def _write_extra(self, base: int, extra: bytes) -> None:
