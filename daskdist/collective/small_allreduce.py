@@ -139,6 +139,7 @@ class SmallAllReduce:
         self.limit = min(self.limit, shm.slot_bytes)  # the lane reads each array whole from one slot
         self._plans: dict[tuple, _Plan | None] = {}
         self._call: _LaneCall | None = None  # the collective in progress, once it had to wait
+        self._inbound = {src: shm.inbound(src) for src in range(comm.size) if src != comm.rank}
 
     def plan(self, op: Any, value: np.ndarray, options: CommunicationOptions | None) -> _Plan | None:
         """The plan for ``value``, or ``None`` when the general path must take it.
@@ -281,12 +282,10 @@ class SmallAllReduce:
 
     def _take(self, plan: _Plan, src: int, run_id: int, seq: int, start: float) -> tuple[np.ndarray, Any]:
         """``src``'s array (a view into its channel) and how to free the slot; waits as long as it must."""
-        shm = self.shm
-        channel = shm.inbound(src)
-        if not shm.has_stashed() and channel.can_read():
-            incoming = channel.peek_lane((run_id, seq, src, plan.name_field), plan.key)
-            if incoming is not None:
-                return incoming, channel.release
+        channel = self._inbound[src]
+        incoming = channel.peek_lane((run_id, seq, src, plan.name_field), plan.key)
+        if incoming is not None:  # the message itself: nothing of this tag can be stashed
+            return incoming, channel.release
         call, deadline = self._slow(plan, run_id, seq, start)
         return self._receive(plan, src, deadline, call)
 

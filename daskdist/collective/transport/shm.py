@@ -267,9 +267,13 @@ class ShmChannel:
 
         ``prefix`` is ``(run, seq, src, name)`` with the name as the header's
         40 bytes; the array is a view, valid until ``release``. ``None``
-        (nothing consumed) when the piece is something else.
+        (nothing consumed) when there is no piece yet or it is something else.
         """
-        index = self._counters[8] % _SLOTS
+        counters = self._counters
+        read = counters[8]
+        if read >= counters[0]:
+            return None
+        index = read % _SLOTS
         if _LANE_PREFIX.unpack_from(self._raw, index * self.slot_stride) != prefix:
             return None
         return self.slot_view(index, key)
@@ -448,10 +452,6 @@ class ShmTransport(Transport):
             return False
         channel.write_lane(header, run_id, seq, value, key)
         return True
-
-    def has_stashed(self) -> bool:
-        """Whether out-of-order messages are kept (``take_stashed``)."""
-        return bool(self._stash)
 
     def _send_loop(self) -> None:
         while True:
