@@ -13,24 +13,9 @@ from daskdist.exceptions import CollectiveAbortedError, CollectiveMismatchError,
 from daskdist.ops import CommunicationImplementation, CommunicationOptions, ReduceOp
 
 from .fakes import InMemoryGroup
+from .reference import NUMPY_OPS, random_inputs
 
 RING = CommunicationOptions(implementation=CommunicationImplementation.RING)
-
-NUMPY_OPS = {
-    ReduceOp.SUM: lambda xs: np.sum(xs, axis=0, dtype=xs[0].dtype),
-    ReduceOp.MAX: lambda xs: np.max(xs, axis=0),
-    ReduceOp.MIN: lambda xs: np.min(xs, axis=0),
-    ReduceOp.PRODUCT: lambda xs: np.prod(xs, axis=0, dtype=xs[0].dtype),
-}
-
-
-def _inputs(size: int, shape: tuple, dtype: str, seed: int = 0) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    if np.dtype(dtype).kind == "b":
-        return [rng.random(shape) > 0.5 for _ in range(size)]
-    if np.dtype(dtype).kind in "iu":
-        return [rng.integers(0, 5, shape).astype(dtype) for _ in range(size)]
-    return [rng.standard_normal(shape).astype(dtype) for _ in range(size)]
 
 
 @pytest.mark.parametrize("size", [2, 3, 4])
@@ -38,7 +23,7 @@ def _inputs(size: int, shape: tuple, dtype: str, seed: int = 0) -> list[np.ndarr
 @pytest.mark.parametrize("shape", [(), (0,), (1,), (7,), (1001,), (3, 5)])
 def test_all_reduce_sum_matches_numpy(size, algorithm, shape):
     group = InMemoryGroup(size, Algorithm(algorithm))
-    xs = _inputs(size, shape, "float64")
+    xs = random_inputs(size, shape, "float64")
     results = group.run_ranks(lambda c: c.all_reduce(ReduceOp.SUM, xs[c.rank]))
     expected = np.sum(xs, axis=0)
     for r in results:
@@ -55,7 +40,7 @@ def test_all_reduce_sum_matches_numpy(size, algorithm, shape):
 def test_every_op_and_dtype(op, dtype):
     size = 3
     group = InMemoryGroup(size)
-    xs = _inputs(size, (13,), dtype, seed=1)
+    xs = random_inputs(size, (13,), dtype, seed=1)
     for options in (None, RING):
         results = group.run_ranks(lambda c: c.all_reduce(op, xs[c.rank], options))
         expected = NUMPY_OPS[op](np.stack(xs))
@@ -231,7 +216,7 @@ def test_same_sizes_but_different_structure_fail_everywhere(algorithm):
 @pytest.mark.parametrize("shape, axis", [((10,), 0), ((7, 3), 0), ((2, 9), 1), ((2,), 0)])
 def test_reduce_scatter_matches_numpy(size, shape, axis):
     group = InMemoryGroup(size)
-    xs = _inputs(size, shape, "float64", seed=3)
+    xs = random_inputs(size, shape, "float64", seed=3)
     results = group.run_ranks(lambda c: c.reduce_scatter("SUM", {"x": xs[c.rank]}, axis=axis))
     expected = np.array_split(np.sum(xs, axis=0), size, axis=axis)
     for rank, r in enumerate(results):
@@ -255,7 +240,7 @@ def test_bfloat16_all_reduce():
 )
 @pytest.mark.parametrize("op", ["SUM", "MEAN", "MAX"])
 def test_hierarchical_all_reduce(hosts, op):
-    xs = _inputs(4, (100_003,), "float64", seed=5)
+    xs = random_inputs(4, (100_003,), "float64", seed=5)
     want = {"SUM": np.sum, "MEAN": np.mean, "MAX": np.max}[op](np.stack(xs), axis=0)
     for algorithm in (Algorithm("auto"), Algorithm("hierarchical")):
         group = InMemoryGroup(4, algorithm, hosts=hosts)

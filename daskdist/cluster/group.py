@@ -22,6 +22,7 @@ from distributed.comm.core import CommClosedError
 from daskdist import config, serialization
 from daskdist.cluster.placement import Placement
 from daskdist.cluster.scheduler_plugin import DaskdistSchedulerPlugin
+from daskdist.collective.nccl import parse_setting
 from daskdist.exceptions import RendezvousError, ReplicaLostError, StrategyClosedError
 from daskdist.replica.runtime import GroupSpec, replica_main
 
@@ -43,7 +44,8 @@ class ReplicaGroup:
     placements
         Rank -> worker, from ``place_replicas``.
     spec_options
-        Extra ``GroupSpec`` fields (algorithm, options, transport).
+        Extra ``GroupSpec`` fields (algorithm, options, transport); ``nccl``
+        defaults to ``daskdist.collective.nccl`` as read here.
     """
 
     def __init__(self, client: Client, placements: list[Placement], **spec_options: Any):
@@ -52,6 +54,8 @@ class ReplicaGroup:
         self.client = client
         self.placements = placements
         self.group_id = f"daskdist-{uuid.uuid4().hex[:12]}"
+        spec_options.setdefault("nccl", config.get("collective.nccl", "auto"))
+        parse_setting(spec_options["nccl"])  # a bad value fails here, not on the workers
         self.spec = GroupSpec(
             group_id=self.group_id,
             addresses=[p.address for p in placements],
@@ -63,6 +67,9 @@ class ReplicaGroup:
         self.closed = False
         self._run_ids = itertools.count(1)
         self._lock = threading.Lock()
+        #: Runs that failed so far; sent with every run so that all replicas re-make their NCCL
+        #: communicator together after a failure (``Communicator.set_generation``).
+        self.failed_runs = 0
 
     @property
     def size(self) -> int:
@@ -191,14 +198,21 @@ class ReplicaGroup:
                 "create a new strategy"
             ) from self.failure
         ranks = list(range(self.size)) if ranks is None else list(ranks)
-        if isinstance(args_per_replica, tuple):
-            shared = serialization.dumps((command, args_per_replica))
-            payloads = {r: shared for r in ranks}
-        else:
-            payloads = {r: serialization.dumps((command, tuple(args_per_replica[r]))) for r in ranks}
-        with self._lock:
+        with self._lock:  # the failure count in the payload must be the one this run starts with
+            generation = self.failed_runs
+            if isinstance(args_per_replica, tuple):
+                shared = serialization.dumps((command, args_per_replica, generation))
+                payloads = {r: shared for r in ranks}
+            else:
+                payloads = {r: serialization.dumps((command, tuple(args_per_replica[r]), generation)) for r in ranks}
             run_id = next(self._run_ids)
-            responses = self.client.sync(self._call_all, run_id, payloads)
+            try:
+                responses = self.client.sync(self._call_all, run_id, payloads)
+            except BaseException:
+                self.failed_runs += 1
+                raise
+            if any(r is None or r.get("status") != "OK" for r in responses.values()):
+                self.failed_runs += 1
         return self._results(responses, ranks)
 
     async def _call_all(self, run_id: int, payloads: dict[int, bytes]) -> dict[int, dict | None]:

@@ -1,10 +1,11 @@
 """The scheduler side: group membership, rendezvous, failure broadcast.
 
 The scheduler never carries tensors. It knows which workers host the
-replicas of each group, lets replicas meet at start-up, and when a worker
-hosting a replica leaves the cluster it tells every other replica of that
-group (through the workers' stream) so their collectives fail at once with
-``ReplicaLostError``. Groups whose client disconnects are closed.
+replicas of each group, lets replicas meet at start-up (and later under a
+key, ``exchange``: NCCL's unique id), and when a worker hosting a replica
+leaves the cluster it tells every other replica of that group (through the
+workers' stream) so their collectives fail at once with ``ReplicaLostError``.
+Groups whose client disconnects are closed.
 """
 
 from __future__ import annotations
@@ -26,11 +27,20 @@ from daskdist.dashboard.store import STEP_TOPIC, MetricsStore
 if TYPE_CHECKING:
     from distributed import Scheduler
 
-__all__ = ["DaskdistSchedulerPlugin", "GroupState"]
+__all__ = ["DaskdistSchedulerPlugin", "GroupState", "Meeting"]
 
 logger = logging.getLogger(__name__)
 
 EVENT_TOPIC = "daskdist"
+
+
+@dataclass
+class Meeting:
+    """A later meeting of a running group's replicas under one key (``exchange``)."""
+
+    values: dict[int, Any] = field(default_factory=dict)
+    fetched: set[int] = field(default_factory=set)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 @dataclass
@@ -46,6 +56,12 @@ class GroupState:
     info: dict[int, dict] = field(default_factory=dict)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    meetings: dict[str, Meeting] = field(default_factory=dict)
+
+    def wake_meetings(self) -> None:
+        """The group failed or closed: every replica waiting in ``exchange`` gets an answer now."""
+        for meeting in self.meetings.values():
+            meeting.ready.set()
 
 
 class DaskdistSchedulerPlugin(SchedulerPlugin):
@@ -67,6 +83,7 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
             {
                 "daskdist_register_group": self.register_group,
                 "daskdist_rendezvous": self.rendezvous,
+                "daskdist_exchange": self.exchange,
                 "daskdist_wait_group": self.wait_group,
                 "daskdist_close_group": self.close_group,
                 "daskdist_group_status": self.group_status,
@@ -114,6 +131,38 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
             return {"status": "error", "message": group.reason}
         return {"status": "OK", "info": {str(r): i for r, i in group.info.items()}}
 
+    async def exchange(self, group_id: str, key: str, rank: int, value: Any = None, timeout: float = 0.5) -> dict:
+        """A rendezvous under ``key`` after the group is running: each replica posts ``value``, all get all.
+
+        Used for what replicas must agree on later (NCCL's unique id, made by
+        rank 0 when the first GPU collective needs a communicator). Answers
+        ``{"status": "waiting"}`` after ``timeout`` seconds so the replica can
+        check its aborts and deadline between polls (its value stays posted),
+        ``{"status": "OK", "values": {rank: value}}`` once every replica has
+        posted, or an error once the group has failed or closed.
+        """
+        group = self.groups.get(group_id)
+        if group is None:
+            return {"status": "error", "message": f"unknown replica group {group_id}"}
+        if group.status != "running":
+            return {"status": "error", "message": group.reason or f"replica group {group_id} is {group.status}"}
+        meeting = group.meetings.get(key)
+        if meeting is None:
+            meeting = group.meetings[key] = Meeting()
+        meeting.values[rank] = value
+        if len(meeting.values) == len(group.workers):
+            meeting.ready.set()
+        try:
+            await asyncio.wait_for(meeting.ready.wait(), timeout)
+        except asyncio.TimeoutError:
+            return {"status": "waiting"}
+        if group.status != "running":
+            return {"status": "error", "message": group.reason or f"replica group {group_id} is {group.status}"}
+        meeting.fetched.add(rank)
+        if len(meeting.fetched) == len(group.workers):
+            group.meetings.pop(key, None)
+        return {"status": "OK", "values": {str(r): v for r, v in meeting.values.items()}}
+
     async def wait_group(self, group_id: str, timeout: float, final: bool = True) -> dict:
         """Called by the client after launching: OK once every replica has met.
 
@@ -148,6 +197,7 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
             group.status = "closed"
             group.reason = group.reason or f"group {group_id} was closed"
             group.ready.set()
+            group.wake_meetings()
             self.scheduler.log_event(EVENT_TOPIC, {"action": "close", "group": group_id})
         self.store.close_group(group_id)
         return {"status": "OK"}
@@ -195,6 +245,7 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
     def _fail(self, group: GroupState, lost_worker: str | None = None) -> None:
         group.status = "failed"
         group.ready.set()
+        group.wake_meetings()
         self.scheduler.log_event(
             EVENT_TOPIC, {"action": "failed", "group": group.group_id, "reason": group.reason, "worker": lost_worker}
         )

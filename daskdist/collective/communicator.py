@@ -21,7 +21,7 @@ import time
 import weakref
 import zlib
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import cloudpickle
 import numpy as np
@@ -45,6 +45,9 @@ from daskdist.exceptions import (
 )
 from daskdist.ops import CommunicationImplementation, CommunicationOptions, ReduceOp
 
+if TYPE_CHECKING:
+    from daskdist.collective.nccl import NcclEngine
+
 __all__ = ["Algorithm", "CollectiveCall", "Communicator", "ControlPlane", "StallWatch"]
 
 logger = logging.getLogger(__name__)
@@ -58,6 +61,9 @@ class ControlPlane(Protocol):
 
     def probe(self, rank: int, timeout: float) -> dict | None:
         """Ask ``rank`` where it is (run, collective number, state); ``None`` if it does not answer."""
+
+    def exchange(self, key: str, value: Any, deadline: float, run_id: int) -> dict[int, Any]:
+        """Meet every replica under ``key`` and return each one's ``value`` (NCCL's unique id)."""
 
 
 class Algorithm:
@@ -228,6 +234,13 @@ class Communicator:
     single_copy_bytes
         All-reduces from this size, among replicas that all share a host,
         read the peers' arrays in place (``SingleCopyAllReduce``); ``None``: never.
+
+    Attributes
+    ----------
+    nccl
+        The ``NcclEngine`` that runs collectives of GPU arrays, set after the
+        rendezvous when the whole group can use NCCL; ``None``: the generic
+        algorithms carry every collective.
     """
 
     def __init__(
@@ -267,6 +280,7 @@ class Communicator:
         shm = shared_memory_route(transport, size, rank) if size > 1 else None
         self._small = SmallAllReduce(self, shm) if shm is not None else None
         self._single_copy = SingleCopyAllReduce(single_copy_bytes) if shm is not None else None
+        self.nccl: NcclEngine | None = None
 
     def start_stall_watch(self) -> None:
         """Start the thread that warns about collectives waiting longer than ``collective.stall-warning``."""
@@ -274,10 +288,12 @@ class Communicator:
             self._stall_watch = StallWatch(self, self.stall_warning)
 
     def close(self) -> None:
-        """Stop the stall watch, if one runs."""
+        """Stop the stall watch, if one runs, and abort the NCCL communicator, if any."""
         if self._stall_watch is not None:
             self._stall_watch.stop()
             self._stall_watch = None
+        if self.nccl is not None:
+            self.nccl.close()
 
     # -- runs -----------------------------------------------------------------
 
@@ -287,6 +303,15 @@ class Communicator:
         self.seq = 0
         self.default_timeout = config.get_seconds("collective.timeout")  # read once per run, not per collective
         self.transport.mailbox.begin_run(run_id)
+
+    def set_generation(self, generation: int) -> None:
+        """How many of the group's runs had failed when the client sent this one (before its collectives).
+
+        The same on every replica in one run; the NCCL communicator is
+        aborted and re-made when it changes.
+        """
+        if self.nccl is not None:
+            self.nccl.set_generation(generation)
 
     def abort_run(self, error: BaseException) -> None:
         """Abort the current run on every replica because of ``error`` raised here."""
@@ -326,6 +351,9 @@ class Communicator:
                 return optree.tree_unflatten(treedef, [restore[0](small.run(plan, leaves[0]))])
         num_packs = self.algorithm.num_packs
         detail = f"{op.name} packs={options.bytes_per_pack}/{num_packs} {options.implementation.name}"
+        nccl = self._nccl_for(leaves, options, self.algorithm.name in ("auto", "ring"))
+        if nccl is not None:
+            detail += " nccl"  # replicas that would take different paths disagree before any data moves
         sig = signature("all_reduce", detail, leaves, treedef)
         packed = pack(leaves, treedef, restore, options.bytes_per_pack, num_packs, borrow=True,
                       allocate=self.buffers.empty)
@@ -337,9 +365,15 @@ class Communicator:
                 return packed.unpack()
 
         def run(call: CollectiveCall) -> Any:
+            on_nccl = []
             for index, p in enumerate(packed.packs):
+                if nccl is not None and nccl.reduces(p.buffer.dtype):
+                    on_nccl.append(p)
+                    continue
                 call.part = f"p{index}/"
                 p.buffer = self._allreduce_buffer(call, p.buffer, op, options, p.borrowed)
+            if on_nccl:
+                nccl.all_reduce(call, on_nccl, op)
             return packed.unpack()
 
         return self._collective("all_reduce", sig, options, run)
@@ -362,8 +396,14 @@ class Communicator:
             for leaf, a in zip(leaves, axes)
         )
         sig = f"all_gather axis={axis} | structure {treedef} | leaves [{shapes}]"
+        nccl = self._nccl_for(leaves, options)
+        if nccl is not None:
+            sig += " | nccl"
 
         def run(call: CollectiveCall) -> Any:
+            if nccl is not None:
+                gathered_leaves = nccl.all_gather(call, leaves, axes)
+                return optree.tree_unflatten(treedef, [back(x) for x, back in zip(gathered_leaves, restore)])
             gathered = algorithms.allgather_direct(call, leaves)
             out = []
             for i, (leaf, a, back) in enumerate(zip(leaves, axes, restore)):
@@ -390,8 +430,16 @@ class Communicator:
         if self.size == 1:
             return optree.tree_unflatten(treedef, [back(xp_copy(x)) for x, back in zip(leaves, restore)])
         sig = signature("reduce_scatter", f"{op.name} axis={axis}", leaves, treedef)
+        nccl = self._nccl_for(leaves, options)
+        if nccl is not None and not all(nccl.reduces(leaf.dtype) for leaf in leaves):
+            nccl = None
+        if nccl is not None:
+            sig += " | nccl"
 
         def run(call: CollectiveCall) -> Any:
+            if nccl is not None:
+                parts = nccl.reduce_scatter(call, leaves, op, axis)
+                return optree.tree_unflatten(treedef, [back(x) for x, back in zip(parts, restore)])
             out = []
             for index, (leaf, back) in enumerate(zip(leaves, restore)):
                 call.part = f"l{index}/"
@@ -417,8 +465,14 @@ class Communicator:
         if self.size == 1:
             return value
         sig = signature("broadcast", f"root={root}", leaves, treedef)
+        nccl = self._nccl_for(leaves, options)
+        if nccl is not None:
+            sig += " | nccl"
 
         def run(call: CollectiveCall) -> Any:
+            if nccl is not None:
+                received = nccl.broadcast(call, leaves, root)
+                return optree.tree_unflatten(treedef, [back(x) for x, back in zip(received, restore)])
             received = algorithms.broadcast_direct(call, leaves, root)
             return optree.tree_unflatten(treedef, [back(x) for x, back in zip(received, restore)])
 
@@ -449,6 +503,22 @@ class Communicator:
         self._collective("barrier", "barrier", options, run)
 
     # -- machinery -------------------------------------------------------------
+
+    def _nccl_for(self, leaves: list[Any], options: CommunicationOptions, algorithm_allows: bool = True
+                  ) -> NcclEngine | None:
+        """The NCCL engine when this collective takes it: every leaf a GPU array, implementation AUTO or NCCL.
+
+        ``RING`` forces the generic ring; so do the algorithms that are not
+        NCCL's (hierarchical, reduce-to-one, direct: ``algorithm_allows``).
+        The engine exists on every replica or on none; a collective that takes
+        it says so in its signature, so replicas that would take different
+        paths raise ``CollectiveMismatchError`` before any data moves.
+        """
+        nccl = self.nccl
+        if (nccl is None or not algorithm_allows or not leaves
+                or options.implementation is CommunicationImplementation.RING):
+            return None
+        return nccl if all(nccl.accepts(leaf) for leaf in leaves) else None
 
     def _allreduce_buffer(self, call: CollectiveCall, buf: Any, op: ReduceOp, options: CommunicationOptions,
                           borrowed: bool = False) -> Any:

@@ -28,8 +28,9 @@ from distributed.utils import sync
 
 from daskdist import config, context, serialization
 from daskdist.arrays import namespace
+from daskdist.collective import nccl
 from daskdist.collective.communicator import Algorithm, Communicator
-from daskdist.collective.mailbox import Abort, Mailbox
+from daskdist.collective.mailbox import Abort, Mailbox, MailboxTimeout
 from daskdist.collective.transport.base import Transport
 from daskdist.collective.transport.dask import DaskTransport
 from daskdist.collective.transport.routed import RoutedTransport
@@ -69,6 +70,7 @@ class GroupSpec:
     single_copy_bytes: int | None = 1 << 20  # ``collective.shm.single-copy-bytes`` as the client saw it
     pin_cores: Any = "auto"  # ``daskdist.replica.pin-cores`` as the client saw it
     malloc: Any = "auto"  # ``daskdist.replica.malloc`` as the client saw it
+    nccl: Any = "auto"  # ``daskdist.collective.nccl`` as the client saw it
 
     @property
     def size(self) -> int:
@@ -85,7 +87,8 @@ def _make_transport(rank: int, spec: GroupSpec, mailbox: Mailbox, worker: Worker
     TCP to the others), ``"shm"`` (every peer must share the host),
     ``"socket"`` (TCP to every peer), ``"dask"`` (Dask comms) or ``"ucx"``
     (UCX to every peer; needs ucxx, never picked by ``"auto"``). GPU groups
-    use Dask comms (their arrays are not in host memory).
+    use Dask comms (their arrays are not in host memory) for signatures and
+    for what NCCL does not carry (``daskdist.collective.nccl``).
     """
     if spec.transport not in TRANSPORTS:
         raise ValueError(f"Unknown transport {spec.transport!r} (daskdist.collective.transport): {', '.join(TRANSPORTS)}")
@@ -215,6 +218,34 @@ class ReplicaRuntime:
             future.cancel()
             return None
 
+    def exchange(self, key: str, value: Any, deadline: float, run_id: int) -> dict[int, Any]:
+        """Meet every replica at the scheduler under ``key`` (after the rendezvous); ``{rank: value}`` back.
+
+        Polls in slices of at most 0.5 s, checking this run's and the group's
+        aborts between them. Values travel as msgpack (tuples come back as lists).
+
+        Raises
+        ------
+        MailboxTimeout
+            ``deadline`` (monotonic) passed before every replica came.
+        ReplicaLostError
+            The scheduler has failed or closed the group.
+        """
+        while True:
+            self.mailbox.check(run_id)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise MailboxTimeout(key)
+            wait = min(0.5, remaining)
+            response = sync(self.worker.loop, self.worker.scheduler.daskdist_exchange, group_id=self.token, key=key,
+                            rank=self.rank, value=value, timeout=wait, callback_timeout=wait + 30)
+            status = response.get("status")
+            if status == "OK":
+                return {int(rank): v for rank, v in response["values"].items()}
+            if status != "waiting":
+                self.mailbox.check(run_id)  # the group's own abort names the cause best
+                raise ReplicaLostError(response.get("message", f"replica group {self.token} is gone"))
+
     # -- replica thread -----------------------------------------------------------
 
     def rendezvous(self, timeout: float) -> None:
@@ -226,7 +257,9 @@ class ReplicaRuntime:
             rank=self.rank,
             address=self.worker.address,
             info={"socket": list(self._sockets().listen_address) if self._sockets() else None,
-                  "ucx": getattr(self._ucx(), "address", None)},
+                  "ucx": getattr(self._ucx(), "address", None),
+                  "nccl": nccl.local_features(nccl.parse_setting(self.spec.nccl),
+                                              any("GPU" in d for d in self.spec.devices))},
             callback_timeout=timeout + 5,
         )
         if response.get("status") != "OK":
@@ -238,6 +271,9 @@ class ReplicaRuntime:
         ucx = self._ucx()
         if ucx is not None:
             ucx.set_peer_addresses({int(r): i["ucx"] for r, i in response["info"].items() if i.get("ucx")})
+        self.communicator.nccl = nccl.engine_for_group(
+            self.rank, self.size, {int(r): i.get("nccl") for r, i in response["info"].items()}, self.mailbox,
+            self.exchange)
 
     def _sockets(self) -> SocketTransport | None:
         """This replica's TCP transport, if any peer is reached through one."""
@@ -294,7 +330,8 @@ class ReplicaRuntime:
         )
         try:
             with context.enter(frame):
-                command, args = serialization.loads(payload)
+                command, args, generation = serialization.loads(payload)
+                self.communicator.set_generation(generation)
                 result = command(self, *args)
                 return {"status": "OK", "result": serialization.dumps(result)}
         except Exception as e:

@@ -1,0 +1,641 @@
+"""The NCCL engine: collectives of cupy arrays through ``cupy.cuda.nccl``, polled and abortable.
+
+One ``NcclCommunicator`` per replica group, made lazily, inside the replica
+(never on the worker's event loop), by the first collective whose leaves are
+all cupy arrays. Groups that never reduce GPU arrays never pay for NCCL's
+set-up (a bootstrap round and GPU buffers), and when it is made every rank
+is known to be inside the same collective (its signature already checked), on
+the GPU its arrays live on.
+
+How a communicator comes to be
+    At the rendezvous every replica reports what it has (``local_features``:
+    NCCL's version, whether cupy can name bfloat16, which GPU it sits on);
+    ``engine_for_group`` turns the reports into one decision the whole group
+    shares: an engine on every replica, or none anywhere (a replica without
+    NCCL, a version without ``ncclCommAbort``, two replicas on one GPU).
+    At the first collective of a *generation* (see below) rank 0 calls
+    ``get_unique_id()`` and every rank meets at the scheduler plugin's
+    keyed exchange (the rendezvous mechanism, under ``nccl/<generation>``);
+    then each rank calls ``NcclCommunicator(size, unique_id, rank)`` in a
+    helper thread (the call blocks until every rank has joined) while the
+    replica thread polls for it with the collective's deadline and aborts.
+
+Generations
+    The client counts the runs of the group that failed and sends the count
+    with every run (``Communicator.set_generation``). A communicator belongs to
+    the generation it was made in; a replica entering a later generation
+    aborts it and the next GPU collective makes a new one with a new unique
+    id. Every replica sees the same count in the same run, so they all
+    re-create together, including the ones whose own communicator looked
+    healthy when a peer aborted its own.
+
+Waiting
+    The engine never waits inside CUDA or NCCL. It waits on the host until the
+    caller's stream has produced the inputs (so nothing is queued behind
+    user kernels when an abort comes), enqueues the NCCL calls on a stream
+    of its own, records an event and polls it (``backoff_wait``, as the
+    shared-memory transport waits), checking the replica's mailbox (run and
+    group aborts), ``check_async_error()`` and the collective's deadline.
+    On a timeout, an abort or an NCCL error the communicator is aborted
+    (``abort()``) and dropped, and the same errors as on every other path
+    are raised: ``CollectiveTimeoutError``, ``ReplicaLostError``,
+    ``CollectiveMismatchError``, ``CollectiveAbortedError``.
+
+Ending
+    A communicator always ends with ``abort()``, also when the replica
+    closes: it only frees local resources and never waits for peers, which
+    may be gone, where ``destroy()`` may first flush work with them. It is
+    never left to cupy's finaliser, which would destroy it on whatever
+    thread collects it.
+
+Reductions use NCCL's ``SUM``/``PROD``/``MAX``/``MIN``; ``MEAN`` is ``SUM``
+then ``reduction.finalize`` (TF's integer truncation). Booleans reduce as
+``uint8`` (``SUM`` = or = ``MAX``, ``PRODUCT`` = and = ``MIN``). dtypes NCCL
+has no type for (int16, uint16, complex, bfloat16 without NCCL 2.10) go
+through the generic algorithms. All-gather and broadcast move bytes, so
+every dtype takes NCCL there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from daskdist.arrays import _is_cupy
+from daskdist.collective.mailbox import Mailbox, MailboxTimeout
+from daskdist.collective.reduction import finalize
+from daskdist.collective.transport.shm import backoff_wait
+from daskdist.exceptions import CollectiveAbortedError, CollectiveTimeoutError
+from daskdist.ops import ReduceOp
+
+__all__ = [
+    "CupyDevice",
+    "NcclEngine",
+    "engine_for_group",
+    "group_features",
+    "local_features",
+    "nccl_dtype_name",
+    "nccl_op_name",
+    "parse_setting",
+]
+
+logger = logging.getLogger(__name__)
+
+#: ``ncclCommAbort`` and ``ncclCommGetAsyncError`` exist from NCCL 2.4 (``get_version()`` codes: 2.4.x -> 24xx,
+#: from 2.9 on major * 10000 + minor * 100 + patch).
+MIN_VERSION = 2400
+#: ``ncclBfloat16`` exists from NCCL 2.10.
+BFLOAT16_VERSION = 21000
+
+#: numpy dtype name -> the ``cupy.cuda.nccl`` constant of NCCL's type (reductions).
+_DTYPES = {
+    "int8": "NCCL_INT8",
+    "uint8": "NCCL_UINT8",
+    "bool": "NCCL_UINT8",  # 0/1 bytes; the ops are remapped (_BOOL_OPS)
+    "int32": "NCCL_INT32",
+    "uint32": "NCCL_UINT32",
+    "int64": "NCCL_INT64",
+    "uint64": "NCCL_UINT64",
+    "float16": "NCCL_FLOAT16",
+    "float32": "NCCL_FLOAT32",
+    "float64": "NCCL_FLOAT64",
+}
+_OPS = {
+    ReduceOp.SUM: "NCCL_SUM",
+    ReduceOp.MEAN: "NCCL_SUM",  # then divided by the group size (reduction.finalize)
+    ReduceOp.PRODUCT: "NCCL_PROD",
+    ReduceOp.MAX: "NCCL_MAX",
+    ReduceOp.MIN: "NCCL_MIN",
+}
+_BOOL_OPS = {
+    ReduceOp.SUM: "NCCL_MAX",  # logical or
+    ReduceOp.PRODUCT: "NCCL_MIN",  # logical and
+    ReduceOp.MAX: "NCCL_MAX",
+    ReduceOp.MIN: "NCCL_MIN",
+}
+
+
+def parse_setting(value: Any) -> bool:
+    """``daskdist.collective.nccl`` as a bool: ``auto`` (use NCCL where it works) or ``false``.
+
+    Raises
+    ------
+    ValueError
+        Any other value.
+    """
+    if value in (False, None) or (isinstance(value, str) and value.lower() in ("false", "off", "no")):
+        return False
+    if value is True or (isinstance(value, str) and value.lower() in ("auto", "true", "on", "yes")):
+        return True
+    raise ValueError(f"daskdist.collective.nccl must be 'auto' or false, got {value!r}")
+
+
+def nccl_dtype_name(dtype: Any, bfloat16: bool = False) -> str | None:
+    """The ``cupy.cuda.nccl`` type constant that reduces ``dtype``, or ``None`` (generic algorithms).
+
+    ``bfloat16``: the whole group has ``NCCL_BFLOAT16`` (NCCL 2.10 and a cupy that names it).
+    """
+    name = getattr(dtype, "name", str(dtype))
+    if name == "bfloat16":
+        return "NCCL_BFLOAT16" if bfloat16 else None
+    return _DTYPES.get(name)
+
+
+def nccl_op_name(op: ReduceOp, dtype: Any) -> str:
+    """The ``cupy.cuda.nccl`` reduction constant for ``op`` on ``dtype`` (``MEAN``: the sum)."""
+    if getattr(dtype, "kind", "") == "b":
+        if op is ReduceOp.MEAN:
+            raise TypeError("ReduceOp.MEAN is not defined for bool arrays")
+        return _BOOL_OPS[op]
+    return _OPS[op]
+
+
+# -- what the group can use ---------------------------------------------------------
+
+
+def local_features(enabled: bool, on_gpu: bool) -> dict | None:
+    """What this replica offers NCCL, for the rendezvous; ``None``: nothing (CPU group, no cupy, no NCCL).
+
+    Runs in the replica thread. Imports cupy only for GPU groups with NCCL enabled.
+    """
+    if not (enabled and on_gpu):
+        return None
+    try:
+        import cupy
+        from cupy.cuda import nccl
+    except Exception as e:  # cupy absent or broken: the generic transports carry the group
+        logger.debug("NCCL is not usable here: %s", e)
+        return None
+    if not getattr(nccl, "available", False):
+        return None
+    try:
+        version = int(nccl.get_version())
+        device = cupy.cuda.runtime.getDevice()
+        gpu = f"{socket.gethostname()}/{cupy.cuda.runtime.deviceGetPCIBusId(device)}"
+    except Exception as e:
+        logger.debug("NCCL is not usable here: %s", e)
+        return None
+    return {"version": version, "bfloat16": hasattr(nccl, "NCCL_BFLOAT16"), "gpu": gpu}
+
+
+def group_features(features: dict[int, dict | None], size: int) -> tuple[bool, bool, str]:
+    """Decide from every replica's ``local_features`` whether the group uses NCCL.
+
+    Returns
+    -------
+    usable, bfloat16, reason
+        ``reason`` says why not, when not usable.
+    """
+    missing = [r for r in range(size) if not features.get(r)]
+    if missing:
+        return False, False, f"replicas {missing} have no usable NCCL (cupy with NCCL on a GPU group)"
+    old = [r for r in range(size) if int(features[r].get("version", 0)) < MIN_VERSION]
+    if old:
+        return False, False, f"replicas {old} have an NCCL older than 2.4 (no ncclCommAbort)"
+    gpus: dict[str, int] = {}
+    for r in range(size):
+        gpu = features[r].get("gpu")
+        if gpu in gpus:
+            return False, False, f"replicas {gpus[gpu]} and {r} share the GPU {gpu}; NCCL needs one GPU per rank"
+        gpus[gpu] = r
+    bfloat16 = all(features[r].get("bfloat16") and int(features[r]["version"]) >= BFLOAT16_VERSION
+                   for r in range(size))
+    return True, bfloat16, ""
+
+
+def engine_for_group(rank: int, size: int, features: dict[int, dict | None], mailbox: Mailbox,
+                     exchange: Callable[[str, Any, float, int], dict[int, Any]]) -> NcclEngine | None:
+    """The engine of replica ``rank``, or ``None`` when the group does not use NCCL (the same on every replica)."""
+    if size < 2 or not any(features.values()):
+        return None
+    usable, bfloat16, reason = group_features(features, size)
+    if not usable:
+        if rank == 0:
+            logger.warning("GPU collectives of this group use the generic transports: %s", reason)
+        return None
+    return NcclEngine(rank, size, mailbox, exchange, CupyDevice(), bfloat16=bfloat16)
+
+
+# -- cupy ------------------------------------------------------------------------------
+
+
+class CupyDevice:
+    """What the engine asks of cupy (streams, events, pointers); unit tests swap in a fake."""
+
+    def __init__(self) -> None:
+        import cupy
+        from cupy.cuda import nccl
+
+        self.xp = cupy
+        self.nccl = nccl
+
+    @staticmethod
+    def accepts(array: Any) -> bool:
+        """Whether ``array`` lives on a GPU (a cupy array)."""
+        return _is_cupy(array)
+
+    def device_of(self, array: Any) -> int:
+        return int(array.device.id)
+
+    @contextlib.contextmanager
+    def using(self, device: int) -> Iterator[None]:
+        with self.xp.cuda.Device(device):
+            yield
+
+    def new_stream(self) -> Any:
+        """A stream of the current device that does not wait for the legacy default stream."""
+        return self.xp.cuda.Stream(non_blocking=True)
+
+    def record(self, stream: Any = None) -> Any:
+        """An event recorded on ``stream`` (``None``: the caller's current stream)."""
+        event = self.xp.cuda.Event(block=False, disable_timing=True)
+        event.record(stream)  # None: cupy records on the current stream
+        return event
+
+    @staticmethod
+    def done(event: Any) -> bool:
+        return bool(event.done)
+
+    @staticmethod
+    def pointer(array: Any) -> int:
+        return int(array.data.ptr)
+
+    @staticmethod
+    def stream_pointer(stream: Any) -> int:
+        return int(stream.ptr)
+
+    @staticmethod
+    def to_host(array: Any) -> Any:
+        return array.get()
+
+
+# -- the engine --------------------------------------------------------------------------
+
+
+class _NcclFailure(Exception):
+    """Internal: ``check_async_error`` raised (the cause) while a collective was waited for."""
+
+
+class _PendingInit:
+    """The result of an ``NcclCommunicator`` being made in a helper thread, which the replica may give up on."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.comm: Any = None
+        self.error: BaseException | None = None
+        self._abandoned = False
+        self._lock = threading.Lock()
+
+    def finish(self, comm: Any = None, error: BaseException | None = None) -> bool:
+        """Store the outcome; ``False`` if the replica already gave up (the caller must abort ``comm``)."""
+        with self._lock:
+            if self._abandoned:
+                return False
+            self.comm, self.error = comm, error
+            self.done.set()
+            return True
+
+    def abandon(self) -> Any:
+        """Give up waiting; returns a communicator that was made meanwhile (to abort), else ``None``."""
+        with self._lock:
+            self._abandoned = True
+            comm, self.comm = self.comm, None
+            return comm
+
+
+class NcclEngine:
+    """The NCCL side of one replica's collectives (see the module docstring).
+
+    Parameters
+    ----------
+    rank, size
+        This replica and the group size.
+    mailbox
+        The replica's mailbox: its run and group aborts end every wait.
+    exchange
+        ``exchange(key, value, deadline, run_id)``: meet every replica at the
+        scheduler under ``key``, return ``{rank: value}`` (the runtime's
+        ``ReplicaRuntime.exchange``); raises ``MailboxTimeout`` at ``deadline``.
+    device
+        ``CupyDevice`` (a fake in unit tests).
+    bfloat16
+        The whole group can reduce bfloat16 with NCCL.
+    spin_seconds
+        How long a wait spins before yielding (``backoff_wait``).
+    """
+
+    def __init__(self, rank: int, size: int, mailbox: Mailbox,
+                 exchange: Callable[[str, Any, float, int], dict[int, Any]], device: Any,
+                 bfloat16: bool = False, spin_seconds: float = 50e-6):
+        self.rank = rank
+        self.size = size
+        self.mailbox = mailbox
+        self.exchange = exchange
+        self.device = device
+        self.nccl = device.nccl
+        self.bfloat16 = bfloat16
+        self.spin_seconds = spin_seconds
+        self.generation = 0
+        self.communicators_made = 0
+        self._comm: Any = None
+        self._comm_device: int | None = None
+        self._comm_generation = -1
+        self._streams: dict[int, Any] = {}
+        self._keys_used: set[str] = set()
+
+    def __repr__(self) -> str:
+        state = "none" if self._comm is None else f"generation {self._comm_generation} on GPU {self._comm_device}"
+        return f"<NcclEngine rank={self.rank}/{self.size} communicator: {state}>"
+
+    # -- what takes this path ------------------------------------------------------
+
+    def accepts(self, array: Any) -> bool:
+        """Whether ``array`` can go through NCCL (it is a GPU array)."""
+        return self.device.accepts(array)
+
+    def reduces(self, dtype: Any) -> bool:
+        """Whether NCCL can reduce ``dtype`` (else the generic algorithms do)."""
+        return nccl_dtype_name(dtype, self.bfloat16) is not None
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    def set_generation(self, generation: int) -> None:
+        """A run of the client's ``generation`` starts: a communicator of an earlier one is aborted."""
+        self.generation = generation
+        if self._comm is not None and self._comm_generation != generation:
+            logger.debug("Replica %d: a run failed since the NCCL communicator was made; it is re-made", self.rank)
+            self._drop()
+
+    def close(self) -> None:
+        """Abort the communicator, if any (local; never waits for peers, which may be gone)."""
+        self._drop()
+
+    def _drop(self) -> None:
+        comm, self._comm = self._comm, None
+        self._comm_device = None
+        if comm is not None:
+            try:
+                comm.abort()
+            except Exception as e:  # an already broken communicator
+                logger.debug("Aborting the NCCL communicator of replica %d: %s", self.rank, e)
+
+    # -- collectives -----------------------------------------------------------------
+
+    def all_reduce(self, call: Any, packs: Sequence[Any], op: ReduceOp) -> None:
+        """All-reduce each pack (``packing.Pack``) with NCCL; each pack's ``buffer`` becomes its result.
+
+        A pack that owns its buffer is reduced in place; a borrowed one (the
+        caller's array) into a new array.
+        """
+        call.check_signature()
+        device = self._device_of([p.buffer for p in packs])
+        nccl, dev = self.nccl, self.device
+        with dev.using(device):
+            plan = []
+            for p in packs:
+                buf = p.buffer
+                out = self.device.xp.empty_like(buf) if p.borrowed else buf
+                plan.append((buf, out, getattr(nccl, nccl_dtype_name(buf.dtype, self.bfloat16)),
+                             getattr(nccl, nccl_op_name(op, buf.dtype))))
+                call.nbytes += buf.nbytes
+
+            def launch(comm: Any, stream: int) -> None:
+                for buf, out, dtype, nccl_op in plan:
+                    if buf.size:
+                        comm.allReduce(dev.pointer(buf), dev.pointer(out), buf.size, dtype, nccl_op, stream)
+
+            self._run(call, device, launch)
+            for p, (_, out, _, _) in zip(packs, plan):
+                finalize(op, out, self.size)
+                p.buffer, p.borrowed = out, False
+
+    def reduce_scatter(self, call: Any, leaves: Sequence[Any], op: ReduceOp, axis: int) -> list[Any]:
+        """Reduce each leaf and return this rank's part along ``axis`` (``numpy.array_split``'s parts).
+
+        Parts of equal size take ``reduceScatter``; uneven ones an ``allReduce``
+        of the whole of which each rank keeps its part.
+        """
+        call.check_signature()
+        device = self._device_of(leaves)
+        nccl, dev, xp, size, rank = self.nccl, self.device, self.device.xp, self.size, self.rank
+        with dev.using(device):
+            plan = []
+            for leaf in leaves:
+                moved = xp.moveaxis(leaf, axis, 0)
+                rows, rest = moved.shape[0], moved.shape[1:]
+                row = math.prod(rest)
+                lengths = [rows // size + (1 if r < rows % size else 0) for r in range(size)]
+                start = sum(lengths[:rank])
+                send = xp.ascontiguousarray(moved).reshape(-1)
+                even = rows % size == 0
+                out = xp.empty(lengths[rank] * row if even else send.size, leaf.dtype)
+                plan.append((send, out, even, start, lengths[rank], rest, getattr(nccl, nccl_dtype_name(
+                    leaf.dtype, self.bfloat16)), getattr(nccl, nccl_op_name(op, leaf.dtype))))
+                call.nbytes += send.nbytes
+
+            def launch(comm: Any, stream: int) -> None:
+                for send, out, even, _, _, _, dtype, nccl_op in plan:
+                    if not out.size:
+                        continue
+                    if even:
+                        comm.reduceScatter(dev.pointer(send), dev.pointer(out), out.size, dtype, nccl_op, stream)
+                    else:
+                        comm.allReduce(dev.pointer(send), dev.pointer(out), send.size, dtype, nccl_op, stream)
+
+            self._run(call, device, launch)
+            results = []
+            for send, out, even, start, length, rest, _, _ in plan:
+                row = math.prod(rest)
+                mine = out if even else out[start * row:(start + length) * row].copy()
+                finalize(op, mine, size)
+                results.append(xp.moveaxis(mine.reshape((length,) + tuple(rest)), 0, axis))
+            return results
+
+    def all_gather(self, call: Any, leaves: Sequence[Any], axes: Sequence[int]) -> list[Any]:
+        """Concatenate each leaf from every rank along its axis, in rank order (lengths may differ).
+
+        First an ``allGather`` of every leaf's length along its axis, then one
+        ``allGather`` of bytes per leaf, each padded to the longest.
+        """
+        call.check_signature()
+        device = self._device_of(leaves)
+        nccl, dev, xp, size = self.nccl, self.device, self.device.xp, self.size
+        with dev.using(device):
+            moved = [xp.moveaxis(leaf, a, 0) for leaf, a in zip(leaves, axes)]
+            mine = xp.asarray([m.shape[0] for m in moved], dtype="int64")
+            everyone = xp.empty((size, len(leaves)), dtype="int64")
+
+            def launch_lengths(comm: Any, stream: int) -> None:
+                comm.allGather(dev.pointer(mine), dev.pointer(everyone), len(leaves), nccl.NCCL_INT64, stream)
+
+            self._run(call, device, launch_lengths)
+            lengths = [[int(n) for n in row] for row in dev.to_host(everyone)]
+            plan = []
+            for i, m in enumerate(moved):
+                longest = max(lengths[r][i] for r in range(size))
+                if m.shape[0] == longest:
+                    send = xp.ascontiguousarray(m)
+                else:
+                    send = xp.zeros((longest,) + m.shape[1:], m.dtype)
+                    send[: m.shape[0]] = m
+                recv = xp.empty((size, longest) + m.shape[1:], m.dtype)
+                plan.append((send, recv))
+                call.nbytes += send.nbytes
+
+            def launch(comm: Any, stream: int) -> None:
+                for send, recv in plan:
+                    if send.nbytes:
+                        comm.allGather(dev.pointer(send), dev.pointer(recv), send.nbytes, nccl.NCCL_UINT8, stream)
+
+            self._run(call, device, launch)
+            results = []
+            for i, ((send, recv), a) in enumerate(zip(plan, axes)):
+                counts = [lengths[r][i] for r in range(size)]
+                if all(n == send.shape[0] for n in counts):
+                    whole = recv.reshape((size * send.shape[0],) + send.shape[1:])
+                else:
+                    whole = xp.concatenate([recv[r, : counts[r]] for r in range(size)], axis=0)
+                results.append(xp.moveaxis(whole, 0, a))
+            return results
+
+    def broadcast(self, call: Any, leaves: Sequence[Any], root: int) -> list[Any]:
+        """Every rank gets ``root``'s leaves (the root keeps its own, as on the generic path)."""
+        call.check_signature()
+        device = self._device_of(leaves)
+        dev, xp = self.device, self.device.xp
+        with dev.using(device):
+            if self.rank == root:
+                buffers = [xp.ascontiguousarray(leaf) for leaf in leaves]
+            else:
+                buffers = [xp.empty(leaf.shape, leaf.dtype) for leaf in leaves]
+            call.nbytes += sum(b.nbytes for b in buffers) if self.rank == root else 0
+
+            def launch(comm: Any, stream: int) -> None:
+                for buf in buffers:  # in place: the root's buffer is read, the others' written
+                    if buf.nbytes:
+                        ptr = dev.pointer(buf)
+                        comm.broadcast(ptr, ptr, buf.nbytes, self.nccl.NCCL_UINT8, root, stream)
+
+            self._run(call, device, launch)
+        return list(leaves) if self.rank == root else buffers
+
+    # -- machinery -------------------------------------------------------------------
+
+    def _device_of(self, arrays: Sequence[Any]) -> int:
+        devices = {self.device.device_of(a) for a in arrays}
+        if len(devices) != 1:
+            raise ValueError(f"replica {self.rank}: one collective's GPU arrays are on several GPUs {sorted(devices)}")
+        device = devices.pop()
+        if self._comm is not None and device != self._comm_device:
+            raise ValueError(
+                f"replica {self.rank}: its NCCL communicator is on GPU {self._comm_device} but this collective's "
+                f"arrays are on GPU {device}; keep a replica's arrays on one GPU"
+            )
+        return device
+
+    def _run(self, call: Any, device: int, launch: Callable[[Any, int], None]) -> None:
+        """Make sure there is a communicator, wait for the inputs, enqueue ``launch`` and poll it to the end."""
+        ready = self.device.record(None)  # the caller's stream, once it has written the inputs
+        comm = self._communicator(call, device)
+        # nothing is queued behind the caller's kernels: an abort never leaves an NCCL kernel waiting to start
+        self._wait(call, lambda: self.device.done(ready), None)
+        stream = self._streams[device]
+        try:
+            launch(comm, self.device.stream_pointer(stream))
+            finished = self.device.record(stream)
+            self._wait(call, lambda: self.device.done(finished), comm)
+        except BaseException:
+            self._drop()  # peers may be inside the same NCCL call: abort it; the next generation re-makes it
+            raise
+
+    def _communicator(self, call: Any, device: int) -> Any:
+        """This generation's communicator, made now if need be (unique id through the scheduler)."""
+        if self._comm is not None:
+            return self._comm
+        key = f"nccl/{self.generation}"
+        if key in self._keys_used:  # every drop happens in a failing run, which starts a new generation
+            raise CollectiveAbortedError(
+                f"replica {self.rank}: the NCCL communicator of generation {self.generation} was already made "
+                "and dropped; the group must start a new run"
+            )
+        self._keys_used.add(key)
+        unique_id = list(self.nccl.get_unique_id()) if self.rank == 0 else None
+        try:
+            values = self.exchange(key, unique_id, call.deadline, call.run_id)
+        except MailboxTimeout:
+            raise CollectiveTimeoutError(call.comm.describe_timeout(call, 0)) from None
+        unique_id = values.get(0)
+        if not unique_id:
+            raise CollectiveAbortedError(f"replica {self.rank}: replica 0 sent no NCCL unique id under {key}")
+        unique_id = tuple(int(b) for b in unique_id)  # msgpack made it a list; cupy wants a tuple
+        comm = self._init(call, unique_id, device)
+        if device not in self._streams:
+            self._streams[device] = self.device.new_stream()
+        self._comm, self._comm_device, self._comm_generation = comm, device, self.generation
+        self.communicators_made += 1
+        logger.debug("Replica %d made its NCCL communicator (generation %d, GPU %d)", self.rank,
+                     self.generation, device)
+        return comm
+
+    def _init(self, call: Any, unique_id: tuple, device: int) -> Any:
+        """``NcclCommunicator(size, unique_id, rank)`` in a helper thread, waited for like a collective."""
+        pending = _PendingInit()
+
+        def body() -> None:
+            try:
+                with self.device.using(device):
+                    comm = self.nccl.NcclCommunicator(self.size, unique_id, self.rank)
+            except BaseException as e:
+                pending.finish(error=e)
+                return
+            if not pending.finish(comm=comm):  # the replica gave up meanwhile
+                comm.abort()
+
+        threading.Thread(target=body, name=f"daskdist-nccl-init-{self.rank}", daemon=True).start()
+        try:
+            self._wait(call, pending.done.is_set, None)
+        except BaseException:
+            late = pending.abandon()
+            if late is not None:
+                late.abort()
+            raise
+        if pending.error is not None:
+            raise pending.error
+        return pending.comm
+
+    def _wait(self, call: Any, ready: Callable[[], bool], comm: Any) -> None:
+        """Poll ``ready`` until true, raising on an abort, an NCCL error of ``comm`` or the deadline."""
+        mailbox, run_id = self.mailbox, call.run_id
+
+        def check() -> None:
+            mailbox.check(run_id)
+            if comm is not None:
+                try:
+                    comm.check_async_error()
+                except Exception as e:
+                    raise _NcclFailure() from e
+
+        try:
+            backoff_wait(ready, call.deadline, check, self.spin_seconds)
+        except MailboxTimeout:
+            raise CollectiveTimeoutError(call.comm.describe_timeout(call, (self.rank - 1) % self.size)) from None
+        except _NcclFailure as failure:
+            cause = failure.__cause__
+            self._await_abort(run_id, call.deadline)  # a lost peer: prefer the scheduler's ReplicaLostError
+            raise CollectiveAbortedError(
+                f"{call.kind} #{call.seq} of run {run_id}: NCCL reported an error on replica {self.rank}: "
+                f"{type(cause).__name__}: {cause}"
+            ) from cause
+
+    def _await_abort(self, run_id: int, deadline: float, grace: float = 2.0) -> None:
+        """After an NCCL error, give the group's own abort (which names the cause) a moment to arrive."""
+        until = min(deadline, time.monotonic() + grace)
+        while time.monotonic() < until:
+            self.mailbox.check(run_id)
+            time.sleep(0.01)
