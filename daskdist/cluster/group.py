@@ -132,21 +132,33 @@ class ReplicaGroup:
         """Stop every replica, wait for their tasks to end, and forget the group everywhere.
 
         Replicas whose worker has left the cluster are skipped: their task
-        can never finish, and the scheduler forgets it when released.
+        can never finish, and the scheduler forgets it when released. That
+        includes workers that die while the others stop (a close right after
+        a crash, before the scheduler has noticed it).
         """
         if self.closed:
             return
         self.closed = True
         try:
-            alive = set(self.client.scheduler_info(n_workers=-1)["workers"])
-            ranks = [r for r, a in enumerate(self.addresses) if a in alive]
+            ranks = self._ranks_alive(range(self.size))
             self.client.sync(self._stop, ranks)
             deadline = time.monotonic() + timeout
-            for rank in ranks:
-                self.futures[rank].result(timeout=max(0.1, deadline - time.monotonic()))
+            while ranks:
+                try:
+                    self.futures[ranks[0]].result(timeout=min(0.5, max(0.1, deadline - time.monotonic())))
+                    ranks.pop(0)
+                except TimeoutError:
+                    if time.monotonic() >= deadline:
+                        raise
+                    ranks = self._ranks_alive(ranks)
         except Exception as e:  # the cluster may already be gone, or a replica is stuck in user code
             logger.warning("Replicas of %s did not all stop cleanly: %r", self.group_id, e)
         self._release()
+
+    def _ranks_alive(self, ranks: Any) -> list[int]:
+        """Those of ``ranks`` whose worker is still in the cluster."""
+        alive = set(self.client.scheduler_info(n_workers=-1)["workers"])
+        return [r for r in ranks if self.addresses[r] in alive]
 
     def _release(self) -> None:
         try:

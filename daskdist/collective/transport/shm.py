@@ -13,16 +13,18 @@ Segments are created without Python's resource tracker (which, shared by
 a cluster's spawned workers, would mix up owners). Every replica unlinks
 all the segments of its host's replicas in the group when it closes or when
 the group is aborted, so a crashed replica's segments are removed by its
-surviving neighbours; unlinking leaves existing mappings valid.
+surviving neighbours; unlinking leaves existing mappings valid. Segments
+record their creator, so those of a host whose replicas all died at once
+are removed when replicas next start there (``shm_orphans``).
 """
 
 from __future__ import annotations
 
 import _posixshmem
 import logging
+import math
 import mmap
 import os
-import math
 import queue
 import struct
 import threading
@@ -51,6 +53,7 @@ from daskdist.collective.transport.framing import (
     pack_header,
     unpack_header,
 )
+from daskdist.collective.transport.shm_orphans import OWNER_OFFSET, owner_stamp, sweep_orphans
 from daskdist.exceptions import CollectiveTimeoutError, DaskdistError
 
 __all__ = ["ShmChannel", "ShmTransport", "backoff_wait", "lane_header", "segment_name", "unlink_segment"]
@@ -201,6 +204,8 @@ class ShmChannel:
         if create:
             self._counters[0] = 0
             self._counters[8] = 0
+            stamp = owner_stamp()  # who made it: removed by a later replica if every replica here died
+            buf[OWNER_OFFSET : OWNER_OFFSET + len(stamp)] = stamp
         self._raw = buf[_CONTROL_BYTES:]
         self._data = np.ndarray((_SLOTS * self.slot_stride,), np.uint8, buf, _CONTROL_BYTES)
         self._lane_headers: list[bytes | None] = [None] * _SLOTS  # sender: lane header area last written per slot
@@ -406,6 +411,7 @@ class ShmTransport(Transport):
         self.slot_bytes = slot_bytes
         self.spin_seconds = spin_seconds_for(len(peers) + 1)
         self.oversubscribed = len(peers) + 1 > usable_cores()  # more replicas here than cores
+        sweep_orphans()  # segments of earlier groups whose replicas here were all killed at once
         self._inbound = {src: ShmChannel(segment_name(group_id, src, rank), slot_bytes, create=True) for src in peers}
         self._outbound: dict[int, ShmChannel] = {}
         self._stash: dict[tuple[int, Tag], Any] = {}
