@@ -400,8 +400,12 @@ def test_group_features_decide_for_the_whole_group():
     assert not usable and "share the GPU" in reason
     usable, _, reason = group_features({0: {**ok, "gpu": "a/0"}, 1: {**ok, "version": 2308, "gpu": "b/0"}}, 2)
     assert not usable and "2.4" in reason
-    usable, bf16, _ = group_features({0: {**ok, "gpu": "a/0"}, 1: {**ok, "version": 2908, "gpu": "b/0"}}, 2)
+    old = {"version": 2908, "bfloat16": True}
+    usable, bf16, _ = group_features({0: {**old, "gpu": "a/0"}, 1: {**old, "gpu": "b/0"}}, 2)
     assert usable and not bf16  # NCCL 2.9 has no bfloat16
+    # NCCL refuses ranks of different versions (ncclInvalidUsage at init): never try
+    usable, _, reason = group_features({0: {**ok, "gpu": "a/0"}, 1: {**ok, "version": 21904, "gpu": "b/0"}}, 2)
+    assert not usable and "different NCCL versions" in reason
     # CPU groups (no replica reports NCCL) get no engine, without importing cupy
     assert engine_for_group(0, 2, {0: None, 1: None}, None, None) is None
     assert nccl_mod.local_features(enabled=True, on_gpu=False) is None
@@ -651,6 +655,49 @@ def test_a_communicator_that_never_forms_times_out_instead_of_hanging():
     while time.monotonic() < deadline and not (world.comms and all(c.aborted for c in world.comms)):
         time.sleep(0.01)
     assert world.comms and all(c.aborted for c in world.comms)
+
+
+def test_a_failed_init_raises_a_collective_error_naming_the_nccl_result():
+    group, world, _ = nccl_group(2)
+
+    def refuse(size, uid, rank):  # cupy's NcclError(6) itself fails: its table only names 0-5
+        raise KeyError(6)
+
+    world.module.NcclCommunicator = refuse
+    out = group.run_ranks(lambda c: c.all_reduce("SUM", gpu(np.ones(8, np.float32)),
+                                                 CommunicationOptions(timeout_seconds=10)))
+    assert all(isinstance(r, CollectiveAbortedError) for r in out), out
+    assert any("could not make its NCCL communicator" in str(r) and "ncclRemoteError" in str(r) for r in out)
+
+
+def test_describe_nccl_error():
+    class NcclError(Exception):
+        def __init__(self, status):
+            super().__init__(f"status {status}")
+            self.status = status
+
+    assert nccl_mod.describe_nccl_error(NcclError(5)).startswith("ncclInvalidUsage")
+    assert nccl_mod.describe_nccl_error(KeyError(6)).startswith("ncclRemoteError")
+    assert nccl_mod.describe_nccl_error(ValueError("x")) == "ValueError: x"
+
+
+def test_event_status_errors_raise_instead_of_waiting_for_the_deadline():
+    class CUDARuntimeError(RuntimeError):
+        pass
+
+    def check_status(status):
+        if status != 0:
+            raise CUDARuntimeError(f"cudaError {status}")
+
+    statuses = iter([600, 0, 700])  # not ready, done, an illegal address behind the event
+    runtime = types.SimpleNamespace(eventQuery=lambda ptr: next(statuses), check_status=check_status)
+    device = object.__new__(CupyDevice)
+    device.xp = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime))
+    event = types.SimpleNamespace(ptr=1)
+    assert device.done(event) is False
+    assert device.done(event) is True
+    with pytest.raises(CUDARuntimeError, match="700"):
+        device.done(event)
 
 
 def test_close_aborts_the_communicator():

@@ -77,6 +77,7 @@ from daskdist.ops import ReduceOp
 __all__ = [
     "CupyDevice",
     "NcclEngine",
+    "describe_nccl_error",
     "engine_for_group",
     "group_features",
     "local_features",
@@ -92,6 +93,15 @@ logger = logging.getLogger(__name__)
 MIN_VERSION = 2400
 #: ``ncclBfloat16`` exists from NCCL 2.10.
 BFLOAT16_VERSION = 21000
+
+#: ``cudaErrorNotReady``: what ``cudaEventQuery`` answers while the event is still ahead.
+_CUDA_NOT_READY = 600
+#: Bytes per ``broadcast`` call: older cupy declares its count a C ``int``.
+_BROADCAST_CHUNK = (1 << 31) - 1
+#: ``ncclResult_t`` codes; cupy's ``NcclError`` only names 0-5 and fails with ``KeyError`` on the others.
+_NCCL_RESULTS = {1: "ncclUnhandledCudaError", 2: "ncclSystemError", 3: "ncclInternalError",
+                 4: "ncclInvalidArgument", 5: "ncclInvalidUsage", 6: "ncclRemoteError (a peer failed)",
+                 7: "ncclInProgress"}
 
 #: numpy dtype name -> the ``cupy.cuda.nccl`` constant of NCCL's type (reductions).
 _DTYPES = {
@@ -119,6 +129,16 @@ _BOOL_OPS = {
     ReduceOp.MAX: "NCCL_MAX",
     ReduceOp.MIN: "NCCL_MIN",
 }
+
+
+def describe_nccl_error(error: BaseException) -> str:
+    """A readable NCCL failure: cupy's ``NcclError`` carries ``status``; codes it cannot name raise ``KeyError``."""
+    code = getattr(error, "status", None)
+    if code is None and isinstance(error, KeyError) and error.args and isinstance(error.args[0], int):
+        code = error.args[0]
+    if code in _NCCL_RESULTS:
+        return f"{_NCCL_RESULTS[code]} ({type(error).__name__}: {error})"
+    return f"{type(error).__name__}: {error}"
 
 
 def parse_setting(value: Any) -> bool:
@@ -198,6 +218,9 @@ def group_features(features: dict[int, dict | None], size: int) -> tuple[bool, b
     old = [r for r in range(size) if int(features[r].get("version", 0)) < MIN_VERSION]
     if old:
         return False, False, f"replicas {old} have an NCCL older than 2.4 (no ncclCommAbort)"
+    versions = sorted({int(features[r]["version"]) for r in range(size)})
+    if len(versions) > 1:
+        return False, False, f"replicas run different NCCL versions {versions}; NCCL needs the same on every rank"
     gpus: dict[str, int] = {}
     for r in range(size):
         gpu = features[r].get("gpu")
@@ -258,9 +281,16 @@ class CupyDevice:
         event.record(stream)  # None: cupy records on the current stream
         return event
 
-    @staticmethod
-    def done(event: Any) -> bool:
-        return bool(event.done)
+    def done(self, event: Any) -> bool:
+        """Whether ``event`` has happened; a CUDA error behind it raises (``Event.done`` would stay false)."""
+        runtime = self.xp.cuda.runtime
+        status = runtime.eventQuery(event.ptr)
+        if status == 0:  # cudaSuccess
+            return True
+        if status == _CUDA_NOT_READY:
+            return False
+        runtime.check_status(status)  # raises CUDARuntimeError naming the failure
+        return False
 
     @staticmethod
     def pointer(array: Any) -> int:
@@ -518,9 +548,10 @@ class NcclEngine:
 
             def launch(comm: Any, stream: int) -> None:
                 for buf in buffers:  # in place: the root's buffer is read, the others' written
-                    if buf.nbytes:
-                        ptr = dev.pointer(buf)
-                        comm.broadcast(ptr, ptr, buf.nbytes, self.nccl.NCCL_UINT8, root, stream)
+                    ptr = dev.pointer(buf) if buf.nbytes else 0
+                    for offset in range(0, buf.nbytes, _BROADCAST_CHUNK):
+                        count = min(_BROADCAST_CHUNK, buf.nbytes - offset)
+                        comm.broadcast(ptr + offset, ptr + offset, count, self.nccl.NCCL_UINT8, root, stream)
 
             self._run(call, device, launch)
         return list(leaves) if self.rank == root else buffers
@@ -606,7 +637,10 @@ class NcclEngine:
                 late.abort()
             raise
         if pending.error is not None:
-            raise pending.error
+            raise CollectiveAbortedError(
+                f"{call.kind} #{call.seq} of run {call.run_id}: replica {self.rank} could not make its NCCL "
+                f"communicator: {describe_nccl_error(pending.error)}"
+            ) from pending.error
         return pending.comm
 
     def _wait(self, call: Any, ready: Callable[[], bool], comm: Any) -> None:
@@ -630,7 +664,7 @@ class NcclEngine:
             self._await_abort(run_id, call.deadline)  # a lost peer: prefer the scheduler's ReplicaLostError
             raise CollectiveAbortedError(
                 f"{call.kind} #{call.seq} of run {run_id}: NCCL reported an error on replica {self.rank}: "
-                f"{type(cause).__name__}: {cause}"
+                f"{describe_nccl_error(cause)}"
             ) from cause
 
     def _await_abort(self, run_id: int, deadline: float, grace: float = 2.0) -> None:
