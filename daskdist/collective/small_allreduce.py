@@ -214,7 +214,6 @@ class SmallAllReduce:
         self.shm.mailbox.check(run_id)
         comm.seq = seq = comm.seq + 1
         start = time.monotonic()
-        self._call = None
         try:
             result = self._exchange(plan, value, run_id, seq, start)
         except Exception as e:
