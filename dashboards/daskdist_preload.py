@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from daskdist.cluster.scheduler_plugin import DaskdistSchedulerPlugin
+from daskdist.group.scheduler_plugin import DaskdistSchedulerPlugin
 from daskdist.dashboard import page
 
 if TYPE_CHECKING:

@@ -9,12 +9,22 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable
 
 from daskdist import context
+from daskdist.group.service import VARIABLE, ResidentStore
 from daskdist.variables import VariableSpec, distributed_variable_class
 
 if TYPE_CHECKING:
     from daskdist.replica.runtime import ReplicaRuntime
 
-__all__ = ["create_variable", "ping", "read_variable", "run_function", "step_timings", "update_variable"]
+__all__ = [
+    "create_variable",
+    "ping",
+    "read_variable",
+    "restore_residents",
+    "run_function",
+    "snapshot_residents",
+    "step_timings",
+    "update_variable",
+]
 
 
 def run_function(runtime: ReplicaRuntime, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -25,17 +35,17 @@ def run_function(runtime: ReplicaRuntime, fn: Callable[..., Any], args: tuple, k
 def create_variable(runtime: ReplicaRuntime, var_id: str, value: Any, spec: VariableSpec) -> None:
     """Store this replica's copy of a variable created on the client under ``strategy.scope()``."""
     cls = distributed_variable_class(spec)
-    runtime.add_resident(var_id, cls(spec, runtime.token, var_id, local_value=value, runtime=runtime))
+    runtime.objects.install(VARIABLE, var_id, cls(spec, runtime.token, var_id, local_value=value, runtime=runtime))
 
 
 def read_variable(runtime: ReplicaRuntime, var_id: str) -> Any:
     """This replica's value of a variable."""
-    return runtime.resident_object(var_id).value()
+    return runtime.objects.get(VARIABLE, var_id).value()
 
 
 def update_variable(runtime: ReplicaRuntime, var_id: str, method: str, value: Any) -> None:
     """Apply a client-side (cross-replica) ``assign`` / ``assign_add`` / ``assign_sub`` to this copy."""
-    variable = runtime.resident_object(var_id)
+    variable = runtime.objects.get(VARIABLE, var_id)
     frame = context.Frame(strategy=runtime.strategy_view, replica_context=None, variable_creator=None,
                           owner=runtime)
     with context.enter(frame):
@@ -53,3 +63,14 @@ def step_timings(runtime: ReplicaRuntime, last: int | None = None) -> list[dict]
 def ping(runtime: ReplicaRuntime) -> int:
     """Return the replica's rank (used to measure the command round trip)."""
     return runtime.rank
+
+
+def snapshot_residents(runtime: ReplicaRuntime, kinds: tuple[str, ...] | None = None) -> dict:
+    """The state of this replica's residents (``ResidentStore.snapshot``), arrays copied."""
+    store: ResidentStore = runtime.objects
+    return store.snapshot() if kinds is None else store.snapshot(kinds)
+
+
+def restore_residents(runtime: ReplicaRuntime, states: dict) -> None:
+    """Put back states from ``snapshot_residents`` (this replica's or another's) into this replica's residents."""
+    runtime.objects.restore(states)

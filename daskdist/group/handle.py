@@ -3,7 +3,14 @@
 Launching submits one long-lived task per chosen worker (pinned, all at
 once) and waits at the scheduler plugin until every replica has met. After
 that, every command goes straight from the client to the replicas' workers
-through the client's connection pool; the scheduler is not involved.
+through the client's connection pool; the scheduler is not involved. Every
+command carries the group's membership generation as the client knows it
+(``membership``); replicas of a newer generation reject it with
+``StaleGenerationError``. ``refresh_membership`` learns the scheduler's
+current generation and tells the ``on_membership`` callbacks.
+
+This is client code: it imports no worker-side module (the replica task is
+``daskdist.group.launch.run_replica``, which imports the runtime on the worker).
 """
 
 from __future__ import annotations
@@ -21,17 +28,19 @@ from distributed.comm.core import CommClosedError
 
 from daskdist import config, serialization
 from daskdist.cluster.placement import Placement
-from daskdist.cluster.scheduler_plugin import DaskdistSchedulerPlugin
 from daskdist.collective.nccl import parse_setting
 from daskdist.exceptions import RendezvousError, ReplicaLostError, StrategyClosedError
-from daskdist.replica.runtime import GroupSpec, replica_main
+from daskdist.group.launch import run_replica
+from daskdist.group.membership import GroupId, Member, Membership, MembershipPolicy
+from daskdist.group.scheduler_plugin import DaskdistSchedulerPlugin
+from daskdist.group.spec import GroupSpec
 
 __all__ = ["ReplicaGroup"]
 
 logger = logging.getLogger(__name__)
 
 #: When several replicas fail, the error the client raises is the first kind in this order.
-_ERROR_PRIORITY = ("lost", "user", "mismatch", "timeout", "aborted")
+_ERROR_PRIORITY = ("lost", "stale", "user", "mismatch", "timeout", "aborted")
 
 
 class ReplicaGroup:
@@ -43,25 +52,43 @@ class ReplicaGroup:
         A synchronous ``distributed.Client`` connected to the cluster.
     placements
         Rank -> worker, from ``place_replicas``.
+    strategy_token
+        The identity of the owning strategy (what its handles pickle); a new one if not given.
+    hosts
+        The host of each replica as transports see it (default: the placements' hosts).
+    policy
+        What a membership change does (``daskdist.group.membership-policy`` by default).
     spec_options
         Extra ``GroupSpec`` fields (algorithm, options, transport); ``nccl``
-        defaults to ``daskdist.collective.nccl`` as read here.
+        defaults to ``daskdist.collective.nccl`` as read here. The spec also
+        carries a snapshot of every ``daskdist.*`` key as read here: the only
+        settings the replicas use.
     """
 
-    def __init__(self, client: Client, placements: list[Placement], **spec_options: Any):
+    def __init__(self, client: Client, placements: list[Placement], strategy_token: str | None = None,
+                 hosts: list[str] | None = None, policy: MembershipPolicy | None = None, **spec_options: Any):
         if getattr(client, "asynchronous", False):
             raise TypeError("daskdist strategies need a synchronous Client (asynchronous=False)")
         self.client = client
         self.placements = placements
-        self.group_id = f"daskdist-{uuid.uuid4().hex[:12]}"
+        self.group_id = GroupId(f"daskdist-{uuid.uuid4().hex[:12]}")
+        self.strategy_token = strategy_token or f"strategy-{uuid.uuid4().hex[:12]}"
         spec_options.setdefault("nccl", config.get("collective.nccl", "auto"))
         parse_setting(spec_options["nccl"])  # a bad value fails here, not on the workers
+        policy = policy or config.get("group.membership-policy", "fixed")
+        if policy not in ("fixed", "elastic"):
+            raise ValueError(f"daskdist.group.membership-policy must be 'fixed' or 'elastic', got {policy!r}")
+        hosts = hosts or [p.host for p in placements]
+        members = tuple(Member(p.address, p.device.to_string(), h) for p, h in zip(placements, hosts))
+        self.membership = Membership(self.group_id, 0, members)  # type: ignore[arg-type]
         self.spec = GroupSpec(
-            group_id=self.group_id,
-            addresses=[p.address for p in placements],
-            devices=[p.device.to_string() for p in placements],
+            membership=self.membership,
+            strategy_token=self.strategy_token,
+            policy=policy,
+            config=config.snapshot(),
             **spec_options,
         )
+        self._membership_callbacks: list[Callable[[Membership], None]] = []
         self.futures: list[Future] = []
         self.failure: BaseException | None = None
         self.closed = False
@@ -73,11 +100,41 @@ class ReplicaGroup:
 
     @property
     def size(self) -> int:
-        return len(self.placements)
+        return self.membership.size
 
     @property
     def addresses(self) -> list[str]:
-        return self.spec.addresses
+        return self.membership.addresses
+
+    @property
+    def generation(self) -> int:
+        return self.membership.generation
+
+    # -- membership ----------------------------------------------------------------
+
+    def on_membership(self, callback: Callable[[Membership], None]) -> None:
+        """Call ``callback(membership)`` whenever ``refresh_membership`` finds a new generation."""
+        self._membership_callbacks.append(callback)
+
+    def refresh_membership(self) -> Membership:
+        """Learn the group's current membership from the scheduler plugin; later commands carry its generation.
+
+        Raises
+        ------
+        StrategyClosedError
+            The scheduler no longer knows the group (closed, or failed and forgotten).
+        """
+        response = self.client.sync(self.client.scheduler.daskdist_membership, group_id=self.group_id)
+        if response.get("status") != "OK":
+            raise StrategyClosedError(response.get("message", f"replica group {self.group_id} is gone"))
+        membership = Membership.from_msg(response["membership"])
+        if membership.generation > self.membership.generation:
+            logger.info("Replica group %s is now at generation %d on %s", self.group_id, membership.generation,
+                        membership.addresses)
+            self.membership = membership
+            for callback in list(self._membership_callbacks):
+                callback(membership)
+        return self.membership
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -89,13 +146,16 @@ class ReplicaGroup:
             group_id=self.group_id,
             workers=self.addresses,
             client=self.client.id,
+            membership=self.membership.to_msg(),
+            policy=self.spec.policy,
+            strategy_token=self.strategy_token,
         )
         if response.get("status") != "OK":
             raise ValueError(response.get("message"))
         for rank, address in enumerate(self.addresses):
             self.futures.append(
                 self.client.submit(
-                    replica_main,
+                    run_replica,
                     self.spec,
                     rank,
                     key=f"{self.group_id}-replica-{rank}",
@@ -219,7 +279,7 @@ class ReplicaGroup:
                 payloads = {r: serialization.dumps((command, tuple(args_per_replica[r]), generation)) for r in ranks}
             run_id = next(self._run_ids)
             try:
-                responses = self.client.sync(self._call_all, run_id, payloads)
+                responses = self.client.sync(self._call_all, run_id, payloads, self.membership.generation)
             except BaseException:
                 self.failed_runs += 1
                 raise
@@ -227,8 +287,9 @@ class ReplicaGroup:
                 self.failed_runs += 1
         return self._results(responses, ranks)
 
-    async def _call_all(self, run_id: int, payloads: dict[int, bytes]) -> dict[int, dict | None]:
-        tasks = {asyncio.ensure_future(self._call_one(rank, run_id, payload)): rank for rank, payload in payloads.items()}
+    async def _call_all(self, run_id: int, payloads: dict[int, bytes], generation: int) -> dict[int, dict | None]:
+        tasks = {asyncio.ensure_future(self._call_one(rank, run_id, payload, generation)): rank
+                 for rank, payload in payloads.items()}
         responses: dict[int, dict | None] = {rank: None for rank in payloads}
         pending = set(tasks)
         failed = lost = False
@@ -246,11 +307,11 @@ class ReplicaGroup:
             task.cancel()
         return responses
 
-    async def _call_one(self, rank: int, run_id: int, payload: bytes) -> dict:
+    async def _call_one(self, rank: int, run_id: int, payload: bytes, generation: int) -> dict:
         address = self.addresses[rank]
         try:
             return await self.client.rpc(address).daskdist_call(
-                group_id=self.group_id, rank=rank, run_id=run_id, payload=payload
+                group_id=self.group_id, generation=generation, rank=rank, run_id=run_id, payload=payload
             )
         except (OSError, CommClosedError) as e:
             error = ReplicaLostError(
@@ -271,6 +332,6 @@ class ReplicaGroup:
                 f"replicas {silent} did not answer within daskdist.client.abort-grace after the failure "
                 "(still busy in user code?)"
             )
-        if root["kind"] == "lost":
+        if root["kind"] == "lost" and self.spec.policy == "fixed":
             self.failure = error
         raise error
