@@ -3,11 +3,16 @@
 One policy decides where a key is read: **in the client process.** When a
 strategy starts its replica group, the client takes a snapshot of every
 ``daskdist.*`` key (``snapshot()``) and the group's spec carries it to the
-replicas; a replica thread (and every thread it starts) reads only that
-snapshot (``use_snapshot``), so ``get`` on a replica returns the client's
-value, and a key set only in a worker's environment or config files does not
-change the replicas. Code that is no replica (the client, the scheduler
-plugin's dashboard store) reads ``dask.config`` where it runs.
+replicas; a replica thread reads only that snapshot (``use_snapshot``), so
+``get`` on a replica returns the client's value, and a key set only in a
+worker's environment or config files does not change the replicas. When the
+client's ``daskdist.*`` settings differ from what the replicas hold (a
+``dask.config.set`` around ``strategy.run``), the next command carries a new
+snapshot (``install_snapshot`` on the replica thread): keys read per run
+(collective timeouts, ...) follow the client as it is when the command is
+sent; keys read when the group starts (transport, shm, hosts, pin-cores,
+malloc) apply to new strategies. Code that is no replica (the client, the
+scheduler plugin's dashboard store) reads ``dask.config`` where it runs.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Any
 import dask.config
 import yaml
 
-__all__ = ["current_snapshot", "get", "get_seconds", "snapshot", "use_snapshot"]
+__all__ = ["current_snapshot", "get", "get_seconds", "install_snapshot", "live_settings", "snapshot", "use_snapshot"]
 
 _DEFAULTS_FILE = os.path.join(os.path.dirname(__file__), "daskdist.yaml")
 
@@ -56,6 +61,16 @@ def get_seconds(key: str) -> float:
 def snapshot() -> dict[str, Any]:
     """Every ``daskdist.*`` key as this process sees it now, as ``{"daskdist": {...}}`` (a deep copy)."""
     return {"daskdist": copy.deepcopy(dask.config.get("daskdist"))}
+
+
+def live_settings() -> Any:
+    """This process's ``daskdist`` settings as they are now (not a copy: compare, never modify)."""
+    return dask.config.get("daskdist")
+
+
+def install_snapshot(settings: dict[str, Any]) -> None:
+    """Make ``get`` in this thread read ``settings`` from now on (a replica thread given a newer snapshot)."""
+    _local.snapshot = settings
 
 
 def current_snapshot() -> dict[str, Any] | None:

@@ -88,6 +88,7 @@ class ReplicaGroup:
             config=config.snapshot(),
             **spec_options,
         )
+        self._sent_settings = self.spec.config  # what the replicas read (a command carries a newer one)
         self._membership_callbacks: list[Callable[[Membership], None]] = []
         self.futures: list[Future] = []
         self.failure: BaseException | None = None
@@ -271,15 +272,16 @@ class ReplicaGroup:
             ) from self.failure
         ranks = list(range(self.size)) if ranks is None else list(ranks)
         with self._lock:  # the failure count in the payload must be the one this run starts with
-            generation = self.failed_runs
+            failures = self.failed_runs
+            settings = self._settings_to_send()
             if isinstance(args_per_replica, tuple):
-                shared = serialization.dumps((command, args_per_replica, generation))
+                shared = serialization.dumps((command, args_per_replica, failures))
                 payloads = {r: shared for r in ranks}
             else:
-                payloads = {r: serialization.dumps((command, tuple(args_per_replica[r]), generation)) for r in ranks}
+                payloads = {r: serialization.dumps((command, tuple(args_per_replica[r]), failures)) for r in ranks}
             run_id = next(self._run_ids)
             try:
-                responses = self.client.sync(self._call_all, run_id, payloads, self.membership.generation)
+                responses = self.client.sync(self._call_all, run_id, payloads, self.membership.generation, settings)
             except BaseException:
                 self.failed_runs += 1
                 raise
@@ -287,8 +289,16 @@ class ReplicaGroup:
                 self.failed_runs += 1
         return self._results(responses, ranks)
 
-    async def _call_all(self, run_id: int, payloads: dict[int, bytes], generation: int) -> dict[int, dict | None]:
-        tasks = {asyncio.ensure_future(self._call_one(rank, run_id, payload, generation)): rank
+    def _settings_to_send(self) -> dict | None:
+        """A new snapshot of the client's ``daskdist.*`` keys if they changed since the replicas got one, else ``None``."""
+        if config.live_settings() == self._sent_settings["daskdist"]:
+            return None
+        self._sent_settings = config.snapshot()
+        return self._sent_settings
+
+    async def _call_all(self, run_id: int, payloads: dict[int, bytes], generation: int,
+                        settings: dict | None) -> dict[int, dict | None]:
+        tasks = {asyncio.ensure_future(self._call_one(rank, run_id, payload, generation, settings)): rank
                  for rank, payload in payloads.items()}
         responses: dict[int, dict | None] = {rank: None for rank in payloads}
         pending = set(tasks)
@@ -307,11 +317,12 @@ class ReplicaGroup:
             task.cancel()
         return responses
 
-    async def _call_one(self, rank: int, run_id: int, payload: bytes, generation: int) -> dict:
+    async def _call_one(self, rank: int, run_id: int, payload: bytes, generation: int, settings: dict | None) -> dict:
         address = self.addresses[rank]
         try:
             return await self.client.rpc(address).daskdist_call(
-                group_id=self.group_id, generation=generation, rank=rank, run_id=run_id, payload=payload
+                group_id=self.group_id, generation=generation, rank=rank, run_id=run_id, payload=payload,
+                settings=settings,
             )
         except (OSError, CommClosedError) as e:
             error = ReplicaLostError(

@@ -40,7 +40,7 @@ class HostedReplica(Protocol):
     rank: int
     generation: int
 
-    def submit(self, run_id: int, payload: bytes, generation: int) -> asyncio.Future: ...
+    def submit(self, run_id: int, payload: bytes, generation: int, settings: dict | None) -> asyncio.Future: ...
 
     def deliver(self, generation: int, tag: tuple, payload: Any) -> None: ...
 
@@ -113,7 +113,8 @@ class DaskdistWorkerPlugin(WorkerPlugin):
 
     # -- handlers ----------------------------------------------------------------
 
-    async def call(self, group_id: str, rank: int, run_id: int, payload: bytes, generation: int = 0) -> dict:
+    async def call(self, group_id: str, rank: int, run_id: int, payload: bytes, generation: int = 0,
+                   settings: dict | None = None) -> dict:
         """Run a command on this worker's replica of ``group_id`` (from the client); answer OK or an error message."""
         runtime = self.replicas.get(group_id)
         if runtime is None:
@@ -127,7 +128,7 @@ class DaskdistWorkerPlugin(WorkerPlugin):
             check_generation(group_id, runtime.generation, generation, f"a command (run {run_id})")
         except StaleGenerationError as e:
             return serialization.error_message(e, rank, self._address)
-        return await runtime.submit(run_id, payload, generation)
+        return await runtime.submit(run_id, payload, generation, settings)
 
     def message(self, group_id: str, rank: int, tag: list, payload: Any, generation: int = 0) -> None:
         """Deliver a collective payload from a peer to the replica's mailbox of ``generation``."""

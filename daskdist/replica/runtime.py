@@ -84,7 +84,7 @@ class ReplicaRuntime:
         self.strategy_view = ReplicaStrategyView(self)
         self.state = "starting"
         self.run_id = -1
-        self._commands: queue.Queue[tuple[int, bytes, int, asyncio.Future] | None] = queue.Queue()
+        self._commands: queue.Queue[tuple[int, bytes, int, dict | None, asyncio.Future] | None] = queue.Queue()
         self._announced: Membership | None = None  # a newer generation the scheduler told us of
         self._early: dict[int, list[tuple[tuple, Any]]] = {}  # peers' messages of a generation not yet wired
         self._generation_lock = threading.Lock()
@@ -123,13 +123,14 @@ class ReplicaRuntime:
 
     # -- event-loop side ---------------------------------------------------------
 
-    def submit(self, run_id: int, payload: bytes, generation: int = 0) -> asyncio.Future:
-        """Queue a command of ``generation``; the future resolves with the response message."""
+    def submit(self, run_id: int, payload: bytes, generation: int = 0, settings: dict | None = None) -> asyncio.Future:
+        """Queue a command of ``generation`` (with the client's new settings, if they changed); the future
+        resolves with the response message."""
         future = self.loop.create_future()
         if self.state == "closed":
             future.set_result(self._closed_response())
         else:
-            self._commands.put((run_id, payload, generation, future))
+            self._commands.put((run_id, payload, generation, settings, future))
         return future
 
     def deliver(self, generation: int, tag: tuple, payload: Any) -> None:
@@ -316,8 +317,8 @@ class ReplicaRuntime:
             item = self._commands.get()
             if item is None:
                 break
-            run_id, payload, generation, future = item
-            response = self._execute(run_id, payload, generation)
+            run_id, payload, generation, settings, future = item
+            response = self._execute(run_id, payload, generation, settings)
             self.loop.call_soon_threadsafe(_resolve, future, response)
         self.state = "closed"
         while True:
@@ -326,7 +327,7 @@ class ReplicaRuntime:
             except queue.Empty:
                 break
             if item is not None:
-                self.loop.call_soon_threadsafe(_resolve, item[3], self._closed_response())
+                self.loop.call_soon_threadsafe(_resolve, item[-1], self._closed_response())
 
     def close(self) -> None:
         if self._log_events:
@@ -339,7 +340,10 @@ class ReplicaRuntime:
         error = ReplicaLostError(f"replica {self.rank} of {self.group_id} is closed", worker=self.worker.address)
         return serialization.error_message(error, self.rank, self.worker.address)
 
-    def _execute(self, run_id: int, payload: bytes, generation: int = 0) -> dict:
+    def _execute(self, run_id: int, payload: bytes, generation: int = 0, settings: dict | None = None) -> dict:
+        if settings is not None:  # the client's daskdist.* keys changed since its last command
+            self.spec.config = settings
+            config.install_snapshot(settings)
         try:
             check_generation(self.group_id, self.generation, generation, f"a command (run {run_id})")
             if generation > self.generation:
