@@ -33,6 +33,7 @@ from daskdist.exceptions import RendezvousError, ReplicaLostError, StrategyClose
 from daskdist.group.launch import run_replica
 from daskdist.group.membership import GroupId, Member, Membership, MembershipPolicy
 from daskdist.group.scheduler_plugin import DaskdistSchedulerPlugin
+from daskdist.group.service import restore_residents, snapshot_residents
 from daskdist.group.spec import GroupSpec
 
 __all__ = ["ReplicaGroup"]
@@ -240,6 +241,31 @@ class ReplicaGroup:
                 logger.debug("Could not stop replica %d of %s: %r", rank, self.group_id, e)
 
         await asyncio.gather(*(stop(r) for r in ranks))
+
+    # -- residents ---------------------------------------------------------------
+
+    def snapshot_residents(self, kinds: tuple[str, ...] | None = None) -> list[dict]:
+        """Every replica's resident state (variables, models with optimizer state, shards, iterators), by rank.
+
+        Each entry maps ``(kind, id)`` to that resident's ``snapshot()``; the
+        arrays are copies, so later steps do not change them.
+        """
+        return self.call(snapshot_residents, (kinds,))
+
+    def restore_residents(self, states: list[dict] | dict) -> None:
+        """Put back snapshots: one per replica (a list, by rank), or one for all (replica 0's, say).
+
+        Raises
+        ------
+        KeyError
+            A snapshot names a resident some replica does not hold; nothing is restored there.
+        """
+        if isinstance(states, dict):
+            self.call(restore_residents, (states,))
+        else:
+            if len(states) != self.size:
+                raise ValueError(f"restore_residents got {len(states)} snapshots for {self.size} replicas")
+            self.call(restore_residents, [(s,) for s in states])
 
     # -- commands ----------------------------------------------------------------
 

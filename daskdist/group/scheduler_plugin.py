@@ -316,9 +316,10 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
         group.meetings = {}
         group.ready, group.arrived, group.info = asyncio.Event(), {}, {}
         if group.policy == "fixed":
-            group.reason = reason or (f"the membership of {group_id} changed (generation {new.generation}) "
-                                      "and its policy is fixed")
-            self._fail(group, lost_worker=next((w for w in previous if w not in workers), None))
+            group.reason = (f"{reason or 'its membership changed'}: replica group {group_id} moved to generation "
+                            f"{new.generation} and its membership policy is fixed, so it fails")
+            gone = set(self.scheduler.workers)
+            self._fail(group, lost_worker=next((w for w in previous if w not in gone), None), addresses=previous)
             return new
         group.status = "starting"
         for address in sorted(set(previous) | set(workers)):
@@ -384,18 +385,18 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
 
     # -- helpers -----------------------------------------------------------------
 
-    def _fail(self, group: GroupState, lost_worker: str | None = None) -> None:
+    def _fail(self, group: GroupState, lost_worker: str | None = None, addresses: list[str] | None = None) -> None:
         group.status = "failed"
         group.ready.set()
         group.wake_meetings()
         self.scheduler.log_event(
             EVENT_TOPIC, {"action": "failed", "group": group.group_id, "reason": group.reason, "worker": lost_worker}
         )
-        for address in group.workers:
+        for address in group.workers if addresses is None else addresses:
             if address != lost_worker:
+                # no generation: a failed group is dead in every generation
                 self._send(address, {"op": "daskdist_abort_group", "group_id": group.group_id,
-                                     "message": group.reason, "worker": lost_worker,
-                                     "generation": group.generation})
+                                     "message": group.reason, "worker": lost_worker})
 
     def _send(self, address: str, msg: dict) -> None:
         stream = self.scheduler.stream_comms.get(address)

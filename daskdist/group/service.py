@@ -32,6 +32,8 @@ __all__ = [
     "ReplicaService",
     "Resident",
     "ResidentStore",
+    "restore_residents",
+    "snapshot_residents",
 ]
 
 VARIABLE = "variable"  #: a replica's copy of a distributed variable (optimizer slots included)
@@ -166,3 +168,16 @@ class ReplicaService(Protocol):
 
     def flush_step_events(self) -> None:
         """Send the queued step timings now."""
+
+
+# -- commands (``command(service, *args)``, sent by the group handle) ---------------------------
+
+
+def snapshot_residents(service: ReplicaService, kinds: tuple[str, ...] | None = None) -> dict:
+    """The state of the replica's residents of ``kinds`` (default ``SNAPSHOT_KINDS``), arrays copied."""
+    return service.objects.snapshot(SNAPSHOT_KINDS if kinds is None else kinds)
+
+
+def restore_residents(service: ReplicaService, states: dict) -> None:
+    """Put back ``snapshot_residents``'s states (this replica's or another's) into the replica's residents."""
+    service.objects.restore(states)

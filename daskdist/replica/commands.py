@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable
 
 from daskdist import context
-from daskdist.group.service import VARIABLE, ResidentStore
+from daskdist.group.service import VARIABLE
 from daskdist.variables import VariableSpec, distributed_variable_class
 
 if TYPE_CHECKING:
@@ -19,9 +19,7 @@ __all__ = [
     "create_variable",
     "ping",
     "read_variable",
-    "restore_residents",
     "run_function",
-    "snapshot_residents",
     "step_timings",
     "update_variable",
 ]
@@ -64,13 +62,3 @@ def ping(runtime: ReplicaRuntime) -> int:
     """Return the replica's rank (used to measure the command round trip)."""
     return runtime.rank
 
-
-def snapshot_residents(runtime: ReplicaRuntime, kinds: tuple[str, ...] | None = None) -> dict:
-    """The state of this replica's residents (``ResidentStore.snapshot``), arrays copied."""
-    store: ResidentStore = runtime.objects
-    return store.snapshot() if kinds is None else store.snapshot(kinds)
-
-
-def restore_residents(runtime: ReplicaRuntime, states: dict) -> None:
-    """Put back states from ``snapshot_residents`` (this replica's or another's) into this replica's residents."""
-    runtime.objects.restore(states)
