@@ -24,6 +24,7 @@ import numpy as np
 from daskdist import context, registry
 from daskdist.arrays import as_array, namespace, to_numpy
 from daskdist.exceptions import StrategyClosedError
+from daskdist.group.service import VARIABLE
 from daskdist.ops import ReduceOp
 
 if TYPE_CHECKING:
@@ -417,7 +418,7 @@ def _resolve_variable(token: str, var_id: int, spec: VariableSpec) -> Distribute
     """Unpickle a variable reference: the replica's own copy, or the client's handle."""
     runtime = context.current_runtime()
     if runtime is not None and runtime.token == token:
-        return runtime.objects.get("variable", var_id)
+        return runtime.objects.get(VARIABLE, var_id)
     owner = registry.lookup(token)
     if owner is not None:
         return owner.variable_handle(var_id, spec)

@@ -70,6 +70,7 @@ from typing import Any
 from daskdist.arrays import _is_cupy
 from daskdist.collective.mailbox import Mailbox, MailboxTimeout
 from daskdist.collective.reduction import finalize
+from daskdist.collective.settings import parse_nccl_setting as parse_setting
 from daskdist.collective.transport.shm import backoff_wait
 from daskdist.exceptions import CollectiveAbortedError, CollectiveTimeoutError
 from daskdist.ops import ReduceOp
@@ -139,21 +140,6 @@ def describe_nccl_error(error: BaseException) -> str:
     if code in _NCCL_RESULTS:
         return f"{_NCCL_RESULTS[code]} ({type(error).__name__}: {error})"
     return f"{type(error).__name__}: {error}"
-
-
-def parse_setting(value: Any) -> bool:
-    """``daskdist.collective.nccl`` as a bool: ``auto`` (use NCCL where it works) or ``false``.
-
-    Raises
-    ------
-    ValueError
-        Any other value.
-    """
-    if value in (False, None) or (isinstance(value, str) and value.lower() in ("false", "off", "no")):
-        return False
-    if value is True or (isinstance(value, str) and value.lower() in ("auto", "true", "on", "yes")):
-        return True
-    raise ValueError(f"daskdist.collective.nccl must be 'auto' or false, got {value!r}")
 
 
 def nccl_dtype_name(dtype: Any, bfloat16: bool = False) -> str | None:

@@ -28,7 +28,7 @@ from distributed.comm.core import CommClosedError
 
 from daskdist import config, serialization
 from daskdist.cluster.placement import Placement
-from daskdist.collective.nccl import parse_setting
+from daskdist.collective.settings import parse_nccl_setting, parse_single_copy_bytes
 from daskdist.exceptions import RendezvousError, ReplicaLostError, StrategyClosedError
 from daskdist.group.launch import run_replica
 from daskdist.group.membership import GroupId, Member, Membership, MembershipPolicy
@@ -75,7 +75,9 @@ class ReplicaGroup:
         self.group_id = GroupId(f"daskdist-{uuid.uuid4().hex[:12]}")
         self.strategy_token = strategy_token or f"strategy-{uuid.uuid4().hex[:12]}"
         spec_options.setdefault("nccl", config.get("collective.nccl", "auto"))
-        parse_setting(spec_options["nccl"])  # a bad value fails here, not on the workers
+        parse_nccl_setting(spec_options["nccl"])  # a bad value fails here, not on the workers
+        spec_options.setdefault("single_copy_bytes",
+                                parse_single_copy_bytes(config.get("collective.shm.single-copy-bytes")))
         policy = policy or config.get("group.membership-policy", "fixed")
         if policy not in ("fixed", "elastic"):
             raise ValueError(f"daskdist.group.membership-policy must be 'fixed' or 'elastic', got {policy!r}")

@@ -20,6 +20,7 @@ import numpy as np
 
 from daskdist import context
 from daskdist.arrays import as_array, to_numpy
+from daskdist.group.service import MODEL
 from daskdist.keras import callbacks as callbacks_module
 from daskdist.keras import saving, training
 
@@ -501,11 +502,11 @@ class _InstalledModel:
 
 
 def _replica_install(runtime: Any, model_id: str, model: Model) -> None:
-    runtime.objects.install("model", model_id, _InstalledModel(model))
+    runtime.objects.install(MODEL, model_id, _InstalledModel(model))
 
 
 def _replica_model(runtime: Any, model_id: str) -> Model:
-    return runtime.objects.get("model", model_id).model
+    return runtime.objects.get(MODEL, model_id).model
 
 
 def _replica_train_epoch(runtime: Any, model_id: str, batches: Any, steps: int | None, lr: float, tag: str,

@@ -23,7 +23,6 @@ from daskdist.arrays import as_array
 from daskdist.cluster.devices import DeviceSpec, parse_devices
 from daskdist.cluster.embedded import describe_worker, start_embedded_cluster
 from daskdist.cluster.placement import Placement, WorkerInfo, place_replicas
-from daskdist.collective.single_copy import single_copy_bytes
 from daskdist.cross_device_ops import CrossDeviceOps
 from daskdist.exceptions import StrategyClosedError
 from daskdist.group.handle import ReplicaGroup
@@ -106,7 +105,6 @@ class DaskExtended:
                 shm_slot_bytes=parse_bytes(config.get("collective.shm.slot-bytes")),
                 pin_cores=config.get("replica.pin-cores"),
                 malloc=config.get("replica.malloc"),
-                single_copy_bytes=single_copy_bytes(),
             )
             self._group.launch()
         except BaseException:
