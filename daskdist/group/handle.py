@@ -30,6 +30,7 @@ from daskdist import config, serialization
 from daskdist.cluster.placement import Placement
 from daskdist.collective.settings import parse_nccl_setting, parse_single_copy_bytes
 from daskdist.exceptions import RendezvousError, ReplicaLostError, StrategyClosedError
+from daskdist.group.channel import CommandChannels, client_ssl_context
 from daskdist.group.launch import run_replica
 from daskdist.group.membership import GroupId, Member, Membership, MembershipPolicy
 from daskdist.group.scheduler_plugin import DaskdistSchedulerPlugin
@@ -89,8 +90,10 @@ class ReplicaGroup:
             strategy_token=self.strategy_token,
             policy=policy,
             config=config.snapshot(),
+            secret=uuid.uuid4().hex,
             **spec_options,
         )
+        self._channels: CommandChannels | None = None
         self._sent_settings = self.spec.config  # what the replicas read (a command carries a newer one)
         self._membership_callbacks: list[Callable[[Membership], None]] = []
         self.futures: list[Future] = []
@@ -190,7 +193,29 @@ class ReplicaGroup:
                 )
                 self._release()
                 raise RendezvousError(final.get("message", "rendezvous failed"))
+        self._open_channels(response.get("info", {}))
         logger.debug("Replica group %s is up on %s", self.group_id, self.addresses)
+
+    def _open_channels(self, infos: dict) -> None:
+        """Connect the direct command channel to every replica (``daskdist.client.command-channel``).
+
+        Falls back to the workers' Dask RPC handler when the setting says
+        ``dask`` or a replica's port cannot be reached from here.
+        """
+        if config.get("client.command-channel", "direct") != "direct":
+            return
+        channels = CommandChannels(self.spec.secret, client_ssl_context(self.client))
+        try:
+            for rank, address in enumerate(self.addresses):
+                endpoint = (infos.get(str(rank)) or {}).get("command")
+                if endpoint is None:
+                    raise ConnectionError(f"replica {rank} offers no command channel")
+                channels.connect(address, tuple(endpoint))
+        except (OSError, ConnectionError) as e:
+            channels.close()
+            logger.info("Commands to %s go through Dask RPC: the direct channel is unavailable (%s)", self.group_id, e)
+            return
+        self._channels = channels
 
     def close(self, timeout: float = 30) -> None:
         """Stop every replica, wait for their tasks to end, and forget the group everywhere.
@@ -225,6 +250,9 @@ class ReplicaGroup:
         return [r for r in ranks if self.addresses[r] in alive]
 
     def _release(self) -> None:
+        if self._channels is not None:
+            self._channels.close()
+            self._channels = None
         try:
             self.client.sync(self.client.scheduler.daskdist_close_group, group_id=self.group_id)
         except Exception as e:
@@ -308,8 +336,15 @@ class ReplicaGroup:
             else:
                 payloads = {r: serialization.dumps((command, tuple(args_per_replica[r]), failures)) for r in ranks}
             run_id = next(self._run_ids)
+            channels = self._channels
+            targets = {r: self.addresses[r] for r in ranks}
             try:
-                responses = self.client.sync(self._call_all, run_id, payloads, self.membership.generation, settings)
+                if channels is not None and channels.has(list(targets.values())):
+                    responses = channels.call(targets, run_id, self.membership.generation, settings, payloads,
+                                              config.get_seconds("client.abort-grace"))
+                else:
+                    responses = self.client.sync(self._call_all, run_id, payloads, self.membership.generation,
+                                                 settings)
             except BaseException:
                 self.failed_runs += 1
                 raise

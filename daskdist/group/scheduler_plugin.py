@@ -243,7 +243,7 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
             return {"status": "error", "message": group.reason}
         if group.status != "running":
             return {"status": "failed", "message": group.reason}
-        return {"status": "OK"}
+        return {"status": "OK", "info": {str(r): i for r, i in group.info.items()}}
 
     def close_group(self, group_id: str) -> dict:
         """Forget a group (the strategy closed it)."""

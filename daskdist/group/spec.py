@@ -52,6 +52,7 @@ class GroupSpec:
     malloc: Any = "auto"  # ``daskdist.replica.malloc`` as the client saw it
     nccl: Any = "auto"  # ``daskdist.collective.nccl`` as the client saw it
     config: dict[str, Any] = field(default_factory=dict)
+    secret: str = ""  # what the client presents on the direct command channel (``daskdist.client.command-channel``)
 
     @property
     def group_id(self) -> GroupId:

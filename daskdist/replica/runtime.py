@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import optree
 from distributed import get_worker, secede
+from distributed.comm.addressing import get_address_host
 from distributed.utils import sync
 
 from daskdist import config, context, serialization
@@ -41,10 +42,11 @@ from daskdist.group.membership import Generation, Membership, Rank, check_genera
 from daskdist.group.service import BATCH, VARIABLE, ResidentStore
 from daskdist.group.spec import GroupSpec
 from daskdist.replica import allocator
+from daskdist.replica.command_server import CommandServer
 from daskdist.replica.context import ReplicaContext
 from daskdist.replica.strategy_view import ReplicaStrategyView
 from daskdist.replica.timing import StepTimer
-from daskdist.replica.wiring import Wiring, wire
+from daskdist.replica.wiring import Wiring, tls_contexts, wire
 from daskdist.variables import VariableSpec, distributed_variable_class
 
 if TYPE_CHECKING:
@@ -80,6 +82,9 @@ class ReplicaRuntime:
         self.objects = ResidentStore(f"replica {rank} of {spec.group_id}")
         self.timer = StepTimer(rank, int(config.get("metrics.history")))
         self._wiring: Wiring = self._wire(spec.membership, rank)
+        self._server: CommandServer | None = None
+        if config.get("client.command-channel", "direct") == "direct":
+            self._server = CommandServer(get_address_host(worker.address), spec.secret, tls_contexts(worker)[0])
         self.context = ReplicaContext(self)
         self.strategy_view = ReplicaStrategyView(self)
         self.state = "starting"
@@ -131,6 +136,8 @@ class ReplicaRuntime:
             future.set_result(self._closed_response())
         else:
             self._commands.put((run_id, payload, generation, settings, future))
+            if self._server is not None:
+                self._server.wake()
         return future
 
     def deliver(self, generation: int, tag: tuple, payload: Any) -> None:
@@ -167,6 +174,8 @@ class ReplicaRuntime:
     def stop(self) -> None:
         """Ask the replica thread to finish after the commands already queued."""
         self._commands.put(None)
+        if self._server is not None:
+            self._server.wake()
 
     def status(self) -> dict:
         return {
@@ -243,6 +252,7 @@ class ReplicaRuntime:
         wiring = self._wiring
         info = {
             **wiring.transport.local_info(),
+            **(self._server.local_info() if self._server is not None else {}),
             "nccl": nccl.local_features(nccl.parse_setting(self.spec.nccl), any("GPU" in d for d in self.devices)),
         }
         response = sync(
@@ -313,8 +323,20 @@ class ReplicaRuntime:
     def serve(self) -> None:
         """Run commands until ``stop``; answer what is left with a 'closed' error."""
         self.state = "idle"
+        server = self._server
         while True:
-            item = self._commands.get()
+            if server is None:
+                item = self._commands.get()
+            else:
+                try:
+                    item = self._commands.get_nowait()
+                except queue.Empty:
+                    # wait on the client's direct channel and on the queue's wake-up, in this thread
+                    for conn, (run_id, generation, settings, payload) in server.wait():
+                        response = self._execute(run_id, payload, generation, settings)
+                        response["run_id"] = run_id
+                        server.reply(conn, response)
+                    continue
             if item is None:
                 break
             run_id, payload, generation, settings, future = item
@@ -332,6 +354,8 @@ class ReplicaRuntime:
     def close(self) -> None:
         if self._log_events:
             self.flush_step_events()
+        if self._server is not None:
+            self._server.close()
         self._wiring.close()
         self.objects.clear()
         self.timer.history.clear()
