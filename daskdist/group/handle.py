@@ -16,6 +16,7 @@ This is client code: it imports no worker-side module (the replica task is
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import threading
@@ -300,42 +301,40 @@ class ReplicaGroup:
     # -- commands ----------------------------------------------------------------
 
     def call(self, command: Callable[..., Any], args_per_replica: Sequence[tuple] | tuple = (),
-             ranks: Sequence[int] | None = None) -> list[Any]:
+             ranks: Sequence[int] | None = None, *, role: str | None = None, member: int | None = None) -> list[Any]:
         """Run ``command(runtime, *args)`` on replicas; return their results in rank order.
+
+        Calls are ordered: one at a time per group (the commands of one call
+        reach every replica in the same order, which collectives need).
 
         Parameters
         ----------
         args_per_replica
-            One argument tuple for all replicas, or a list with one tuple per replica.
+            One argument tuple for all replicas, or a list with one tuple per replica (indexed by rank).
         ranks
             Only these replicas (default: all). Commands that use collectives
             must go to all.
+        role
+            Only the members with this role (``Member.role``).
+        member
+            Only this rank.
 
         Raises
         ------
         StrategyClosedError
             The group was closed or has failed.
+        StaleGenerationError
+            The replicas are at a newer membership generation than this handle
+            (``refresh_membership``).
         Exception
             The root cause when replicas fail: a lost replica first, then the
             user's own exception, then mismatches, timeouts, aborts.
         """
-        if self.closed:
-            raise StrategyClosedError("This strategy is closed; create a new one")
-        if self.failure is not None:
-            raise StrategyClosedError(
-                f"This strategy's replica group failed and cannot run more work ({self.failure}); "
-                "create a new strategy"
-            ) from self.failure
-        ranks = list(range(self.size)) if ranks is None else list(ranks)
-        with self._lock:  # the failure count in the payload must be the one this run starts with
-            failures = self.failed_runs
-            settings = self._settings_to_send()
-            if isinstance(args_per_replica, tuple):
-                shared = serialization.dumps((command, args_per_replica, failures))
-                payloads = {r: shared for r in ranks}
-            else:
-                payloads = {r: serialization.dumps((command, tuple(args_per_replica[r]), failures)) for r in ranks}
-            run_id = next(self._run_ids)
+        ranks = self._targets(ranks, role, member)
+        if not ranks:
+            return []
+        with self._lock:  # one call at a time: every replica sees the calls in one order
+            run_id, payloads, settings = self._prepare(command, args_per_replica, ranks)
             channels = self._channels
             targets = {r: self.addresses[r] for r in ranks}
             try:
@@ -351,6 +350,72 @@ class ReplicaGroup:
             if any(r is None or r.get("status") != "OK" for r in responses.values()):
                 self.failed_runs += 1
         return self._results(responses, ranks)
+
+    def submit(self, command: Callable[..., Any], args_per_replica: Sequence[tuple] | tuple = (),
+               ranks: Sequence[int] | None = None, *, role: str | None = None,
+               member: int | None = None) -> concurrent.futures.Future:
+        """Start ``command(runtime, *args)`` on replicas without waiting; the future gives ``call``'s result.
+
+        Several submitted commands (and a ``call``) may be in flight at once,
+        to different members or the same ones: a parameter-server coordinator
+        runs closures on many workers this way. They are not ordered against
+        each other, so a submitted command must not use collectives. Targets
+        as in ``call``.
+        """
+        ranks = self._targets(ranks, role, member)
+        result: concurrent.futures.Future = concurrent.futures.Future()
+        if not ranks:
+            result.set_result([])
+            return result
+        with self._lock:  # only to number the run and snapshot the settings
+            run_id, payloads, settings = self._prepare(command, args_per_replica, ranks)
+        generation = self.membership.generation
+        running = asyncio.run_coroutine_threadsafe(self._call_all(run_id, payloads, generation, settings),
+                                                   self.client.loop.asyncio_loop)
+
+        def done(finished: concurrent.futures.Future) -> None:
+            try:
+                responses = finished.result()
+                if any(r is None or r.get("status") != "OK" for r in responses.values()):
+                    with self._lock:
+                        self.failed_runs += 1
+                result.set_result(self._results(responses, ranks))
+            except BaseException as e:
+                result.set_exception(e)
+
+        running.add_done_callback(done)
+        return result
+
+    def _targets(self, ranks: Sequence[int] | None, role: str | None, member: int | None) -> list[int]:
+        """The ranks a command goes to; raises if the group cannot take commands."""
+        if self.closed:
+            raise StrategyClosedError("This strategy is closed; create a new one")
+        if self.failure is not None:
+            raise StrategyClosedError(
+                f"This strategy's replica group failed and cannot run more work ({self.failure}); "
+                "create a new strategy"
+            ) from self.failure
+        if sum(x is not None for x in (ranks, role, member)) > 1:
+            raise TypeError("give at most one of ranks, role and member")
+        if role is not None:
+            return list(self.membership.ranks(role))
+        if member is not None:
+            if not 0 <= member < self.size:
+                raise ValueError(f"member {member} is not a rank of this group (size {self.size})")
+            return [member]
+        return list(range(self.size)) if ranks is None else list(ranks)
+
+    def _prepare(self, command: Callable[..., Any], args_per_replica: Sequence[tuple] | tuple,
+                 ranks: list[int]) -> tuple[int, dict[int, bytes], dict | None]:
+        """Number a run and pickle its payloads (one shared payload when every replica gets the same arguments)."""
+        failures = self.failed_runs  # the failure count in the payload must be the one this run starts with
+        settings = self._settings_to_send()
+        if isinstance(args_per_replica, tuple):
+            shared = serialization.dumps((command, args_per_replica, failures))
+            payloads = {r: shared for r in ranks}
+        else:
+            payloads = {r: serialization.dumps((command, tuple(args_per_replica[r]), failures)) for r in ranks}
+        return next(self._run_ids), payloads, settings
 
     def _settings_to_send(self) -> dict | None:
         """A new snapshot of the client's ``daskdist.*`` keys if they changed since the replicas got one, else ``None``."""
