@@ -39,6 +39,7 @@ class HostedReplica(Protocol):
     group_id: str
     rank: int
     generation: int
+    known_generation: int
 
     def submit(self, run_id: int, payload: bytes, generation: int, settings: dict | None) -> asyncio.Future: ...
 
@@ -125,7 +126,7 @@ class DaskdistWorkerPlugin(WorkerPlugin):
             )
             return serialization.error_message(error, rank, self._address)
         try:
-            check_generation(group_id, runtime.generation, generation, f"a command (run {run_id})")
+            check_generation(group_id, runtime.known_generation, generation, f"a command (run {run_id})")
         except StaleGenerationError as e:
             return serialization.error_message(e, rank, self._address)
         return await runtime.submit(run_id, payload, generation, settings)

@@ -123,6 +123,12 @@ class ReplicaRuntime:
     def communicator(self) -> Any:
         return self._wiring.communicator
 
+    @property
+    def known_generation(self) -> int:
+        """The newest generation this replica knows of: its own, or one the scheduler announced."""
+        announced = self._announced
+        return max(self.generation, announced.generation if announced is not None else 0)
+
     def log_event(self, topic: str, msg: Any) -> None:
         self.worker.log_event(topic, msg)
 
@@ -369,7 +375,7 @@ class ReplicaRuntime:
             self.spec.config = settings
             config.install_snapshot(settings)
         try:
-            check_generation(self.group_id, self.generation, generation, f"a command (run {run_id})")
+            check_generation(self.group_id, self.known_generation, generation, f"a command (run {run_id})")
             if generation > self.generation:
                 self._switch_generation(generation)
         except Exception as e:
