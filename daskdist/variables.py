@@ -234,18 +234,25 @@ class Variable(_ArrayOps, metaclass=_VariableMeta):
         """The current value as a numpy array on the host."""
         return np.array(to_numpy(self.value()), copy=True)
 
-    def assign(self, value: Any, read_value: bool = True) -> Any:
-        """Set the value; returns the variable (or ``None`` with ``read_value=False``)."""
+    def assign(self, value: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True) -> Any:
+        """Set the value (TF's arguments).
+
+        ``use_locking`` and ``name`` are accepted for TensorFlow compatibility
+        (an update is always applied whole; there is no graph to name ops in).
+        Returns the variable, or ``None`` with ``read_value=False``.
+        """
         self._write(self._convert(value))
         return self if read_value else None
 
-    def assign_add(self, delta: Any, read_value: bool = True) -> Any:
-        """Add ``delta`` to the value."""
+    def assign_add(self, delta: Any, use_locking: bool = False, name: str | None = None,
+                   read_value: bool = True) -> Any:
+        """Add ``delta`` to the value (arguments as ``assign``)."""
         self._write(self.value() + self._convert(delta))
         return self if read_value else None
 
-    def assign_sub(self, delta: Any, read_value: bool = True) -> Any:
-        """Subtract ``delta`` from the value."""
+    def assign_sub(self, delta: Any, use_locking: bool = False, name: str | None = None,
+                   read_value: bool = True) -> Any:
+        """Subtract ``delta`` from the value (arguments as ``assign``)."""
         self._write(self.value() - self._convert(delta))
         return self if read_value else None
 
@@ -311,6 +318,7 @@ class DistributedVariable(Variable):
     # -- writing ----------------------------------------------------------------
 
     def _update(self, method: str, value: Any) -> None:
+        self._check_update(method)
         if not self._on_replica():
             self._client_owner().update_variable(self._var_id, method, value)
             return
@@ -327,17 +335,29 @@ class DistributedVariable(Variable):
         Variable._write(self, new_value)
         self._runtime.timer.add_apply(time.perf_counter() - start)
 
-    def assign(self, value: Any, read_value: bool = True) -> Any:
+    def assign(self, value: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True) -> Any:
         self._update("assign", value)
         return self if read_value else None
 
-    def assign_add(self, delta: Any, read_value: bool = True) -> Any:
+    def assign_add(self, delta: Any, use_locking: bool = False, name: str | None = None,
+                   read_value: bool = True) -> Any:
         self._update("assign_add", delta)
         return self if read_value else None
 
-    def assign_sub(self, delta: Any, read_value: bool = True) -> Any:
+    def assign_sub(self, delta: Any, use_locking: bool = False, name: str | None = None,
+                   read_value: bool = True) -> Any:
         self._update("assign_sub", delta)
         return self if read_value else None
+
+    def _in_cross_replica_context(self) -> bool:
+        """The client, or a cross-replica frame (``merge_call``, ``extended.update``) on a replica."""
+        if not self._on_replica():
+            return True
+        frame = context.current_frame()
+        return frame is not None and frame.replica_context is None
+
+    def _check_update(self, method: str) -> None:
+        """Raise where TensorFlow refuses an update (before anything is sent or changed)."""
 
     def _needs_aggregation(self) -> bool:
         return False
@@ -351,9 +371,13 @@ class MirroredVariable(DistributedVariable):
 
     An update in replica context is first aggregated across replicas per
     ``aggregation`` (SUM, MEAN, ONLY_FIRST_REPLICA) and then applied to every
-    copy, so all replicas must make it together; with ``aggregation=NONE`` it is
-    an error, as in TensorFlow. An update from the client (or inside
-    ``merge_call`` / ``extended.update``) applies the same value to every copy.
+    copy, so all replicas must make it together. With ``aggregation=NONE``
+    each replica updates its own copy, as TensorFlow 2 does (the copies stay
+    identical only if every replica applies the same value). MEAN of a
+    non-float variable is refused unless every replica passes the same value
+    (TensorFlow's rule: a mean of integers would lose precision). An update
+    from the client (or inside ``merge_call`` / ``extended.update``) applies
+    the same value to every copy.
     """
 
     def _needs_aggregation(self) -> bool:
@@ -366,13 +390,11 @@ class MirroredVariable(DistributedVariable):
         if ctx.num_replicas_in_sync == 1:
             return array
         if aggregation is VariableAggregation.NONE:
-            raise ValueError(
-                f"You must specify an aggregation method to update MirroredVariable '{self.name}' in replica "
-                "context: create it with aggregation=SUM, MEAN or ONLY_FIRST_REPLICA, or update it inside "
-                "merge_call / strategy.extended.update"
-            )
+            return array
         if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
             return ctx._broadcast(array, root=0)
+        if aggregation is VariableAggregation.MEAN and not _is_floating(self.dtype):
+            return _same_value_or_raise(ctx, array)
         return ctx.all_reduce(_AGGREGATION_OPS[aggregation], array)
 
 
@@ -381,7 +403,21 @@ class SyncOnReadVariable(DistributedVariable):
 
     Used for metrics and batch-norm statistics: replicas update locally with no
     communication; the client sees the SUM, MEAN or first replica's value.
+    In cross-replica context ``assign`` of a SUM variable gives each copy
+    ``value / num_replicas`` (so the read gives ``value``), and ``assign_add``
+    / ``assign_sub`` of a SUM variable raise ``ValueError``, as in TensorFlow.
     """
+
+    def _check_update(self, method: str) -> None:
+        if (
+            method != "assign"
+            and self.aggregation is VariableAggregation.SUM
+            and self._in_cross_replica_context()
+        ):
+            raise ValueError(
+                f"SyncOnReadVariable does not support `{method}` in cross-replica context when aggregation "
+                "is set to `tf.VariableAggregation.SUM`."
+            )
 
     def value(self) -> Any:
         if self._on_replica():
@@ -397,6 +433,26 @@ class SyncOnReadVariable(DistributedVariable):
         from daskdist.values import PerReplica, reduce_values
 
         return reduce_values(_AGGREGATION_OPS[aggregation], PerReplica(values), None, len(values))
+
+
+def _is_floating(dtype: np.dtype) -> bool:
+    """Float or complex, bfloat16 (``ml_dtypes``, numpy kind ``V``) included."""
+    return dtype.kind in "fc" or dtype.name == "bfloat16"
+
+
+def _same_value_or_raise(ctx: Any, array: Any) -> Any:
+    """MEAN of a non-float variable in replica context: allowed only when every replica passes one value.
+
+    Every replica sees every replica's value, so all of them raise, or none.
+    """
+    values = ctx._runtime.communicator.all_gather_objects(to_numpy(array))
+    first = values[0]
+    if all(v.shape == first.shape and np.array_equal(v, first) for v in values[1:]):
+        return array
+    raise ValueError(
+        "Cannot update non-float variables with tf.VariableAggregation.MEAN aggregation in replica context. "
+        "Either change the variable dtype to float or update it in cross-replica context."
+    )
 
 
 def _resolve_variable(token: str, var_id: int, spec: VariableSpec) -> DistributedVariable:
