@@ -29,6 +29,7 @@ from daskdist.strategy.base import Strategy, ValueContext
 from daskdist.strategy.mirrored import MirroredStrategy
 from daskdist.strategy.one_device import OneDeviceStrategy
 from daskdist.values import DistributedValues, Mirrored, PerReplica
+from daskdist import distribute  # noqa: E402  (tf.distribute's layout over the names above)
 from daskdist.variables import (
     MirroredVariable,
     SyncOnReadVariable,
@@ -73,6 +74,7 @@ __all__ = [
     "VariableAggregation",
     "VariableSynchronization",
     "data",
+    "distribute",
     "get_replica_context",
     "get_strategy",
     "has_strategy",

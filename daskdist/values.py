@@ -195,8 +195,8 @@ def reduce_values(op: ReduceOp | str, value: Any, axis: int | None, num_replicas
             parts = [as_array(leaf)[0]] * num_replicas
             if op is ReduceOp.SUM and num_replicas > 1:
                 raise ValueError(
-                    "A non-distributed value cannot be SUM-reduced across replicas "
-                    "(it would be counted once per replica); pass a PerReplica value or use MEAN"
+                    f"A non-DistributedValues value {leaf!r} cannot be reduced with the given reduce op "
+                    "ReduceOp.SUM. (It would be counted once per replica: pass a PerReplica value or use MEAN.)"
                 )
         xp = namespace(parts[0])
         if axis is None:

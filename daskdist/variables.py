@@ -94,16 +94,8 @@ class VariableSpec:
         value = xp.array(value, copy=True)
         aggregation = _enum(VariableAggregation, aggregation, "aggregation")
         synchronization = _enum(VariableSynchronization, synchronization, "synchronization")
-        if synchronization is VariableSynchronization.ON_READ:
-            if trainable:
-                raise ValueError(
-                    "Synchronization value can be set to VariableSynchronization.ON_READ only for "
-                    "non-trainable variables. You have specified trainable=True and "
-                    "synchronization=VariableSynchronization.ON_READ."
-                )
-            trainable = False
-        elif trainable is None:
-            trainable = True
+        if trainable is None:  # TF 2: ON_READ variables default to non-trainable; an explicit True is kept
+            trainable = synchronization is not VariableSynchronization.ON_READ
         if shape is not None and tuple(shape) != tuple(value.shape):
             raise ValueError(f"shape {tuple(shape)} does not match the initial value's shape {tuple(value.shape)}")
         spec = cls(
@@ -373,9 +365,8 @@ class MirroredVariable(DistributedVariable):
     ``aggregation`` (SUM, MEAN, ONLY_FIRST_REPLICA) and then applied to every
     copy, so all replicas must make it together. With ``aggregation=NONE``
     each replica updates its own copy, as TensorFlow 2 does (the copies stay
-    identical only if every replica applies the same value). MEAN of a
-    non-float variable is refused unless every replica passes the same value
-    (TensorFlow's rule: a mean of integers would lose precision). An update
+    identical only if every replica applies the same value). A MEAN
+    variable must have a float dtype (refused at creation, as in TensorFlow). An update
     from the client (or inside ``merge_call`` / ``extended.update``) applies
     the same value to every copy.
     """
@@ -393,8 +384,6 @@ class MirroredVariable(DistributedVariable):
             return array
         if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
             return ctx._broadcast(array, root=0)
-        if aggregation is VariableAggregation.MEAN and not _is_floating(self.dtype):
-            return _same_value_or_raise(ctx, array)
         return ctx.all_reduce(_AGGREGATION_OPS[aggregation], array)
 
 
@@ -436,23 +425,8 @@ class SyncOnReadVariable(DistributedVariable):
 
 
 def _is_floating(dtype: np.dtype) -> bool:
-    """Float or complex, bfloat16 (``ml_dtypes``, numpy kind ``V``) included."""
-    return dtype.kind in "fc" or dtype.name == "bfloat16"
-
-
-def _same_value_or_raise(ctx: Any, array: Any) -> Any:
-    """MEAN of a non-float variable in replica context: allowed only when every replica passes one value.
-
-    Every replica sees every replica's value, so all of them raise, or none.
-    """
-    values = ctx._runtime.communicator.all_gather_objects(to_numpy(array))
-    first = values[0]
-    if all(v.shape == first.shape and np.array_equal(v, first) for v in values[1:]):
-        return array
-    raise ValueError(
-        "Cannot update non-float variables with tf.VariableAggregation.MEAN aggregation in replica context. "
-        "Either change the variable dtype to float or update it in cross-replica context."
-    )
+    """Float or complex; ``ml_dtypes`` floats (bfloat16, float8) count, which a spec's ``dtype.str`` shows as kind ``V``."""
+    return dtype.kind in "fcV" or dtype.name == "bfloat16"
 
 
 def _resolve_variable(token: str, var_id: int, spec: VariableSpec) -> DistributedVariable:
@@ -468,7 +442,18 @@ def _resolve_variable(token: str, var_id: int, spec: VariableSpec) -> Distribute
 
 
 def distributed_variable_class(spec: VariableSpec) -> type[DistributedVariable]:
-    """``SyncOnReadVariable`` for ON_READ, ``MirroredVariable`` otherwise."""
+    """``SyncOnReadVariable`` for ON_READ, ``MirroredVariable`` otherwise.
+
+    Raises ``ValueError`` for MEAN aggregation of a non-float dtype, as
+    TensorFlow does when such a distributed variable is created (a mean of
+    integers would lose precision).
+    """
+    if spec.aggregation is VariableAggregation.MEAN and not _is_floating(np.dtype(spec.dtype)):
+        raise ValueError(
+            "creating distributed tf.Variable with aggregation=MEAN and a non-floating dtype is not "
+            f"supported, please use a different aggregation or dtype (variable '{spec.name}', dtype "
+            f"{np.dtype(spec.dtype).name})"
+        )
     if spec.synchronization is VariableSynchronization.ON_READ:
         return SyncOnReadVariable
     return MirroredVariable
