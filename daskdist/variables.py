@@ -92,8 +92,8 @@ class VariableSpec:
         if dtype is not None:
             value = value.astype(np.dtype(dtype), copy=False)
         value = xp.array(value, copy=True)
-        aggregation = _enum(VariableAggregation, aggregation, "aggregation")
-        synchronization = _enum(VariableSynchronization, synchronization, "synchronization")
+        aggregation = _enum(VariableAggregation, aggregation, "aggregation", name)
+        synchronization = _enum(VariableSynchronization, synchronization, "synchronization", name)
         if trainable is None:  # TF 2: ON_READ variables default to non-trainable; an explicit True is kept
             trainable = synchronization is not VariableSynchronization.ON_READ
         if shape is not None and tuple(shape) != tuple(value.shape):
@@ -109,14 +109,19 @@ class VariableSpec:
         return value, spec
 
 
-def _enum(enum_cls: type[enum.Enum], value: Any, what: str) -> Any:
+def _enum(enum_cls: type[enum.Enum], value: Any, what: str, variable_name: str | None) -> Any:
+    if value is None and enum_cls is VariableAggregation:
+        return VariableAggregation.NONE  # TF accepts aggregation=None
     if isinstance(value, enum_cls):
         return value
     try:
         return enum_cls[str(value).upper()]
     except KeyError:
         names = ", ".join(m.name for m in enum_cls)
-        raise ValueError(f"Unknown {what} {value!r}; expected one of {names}") from None
+        raise ValueError(
+            f"Invalid variable {what} mode: {value} for variable: {variable_name or 'Variable'} "
+            f"(expected one of {names})"
+        ) from None
 
 
 class _ArrayOps:
@@ -280,6 +285,13 @@ class DistributedVariable(Variable):
     def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         return (_resolve_variable, (self._token, self._var_id, self._spec))
 
+    @property
+    def distribute_strategy(self) -> Any:
+        """The strategy this variable belongs to (inside a replica, that replica's view of it)."""
+        if self._on_replica():
+            return self._runtime.strategy_view
+        return self._client_owner().strategy
+
     # -- where are we? -------------------------------------------------------------
 
     def _on_replica(self) -> bool:
@@ -429,6 +441,28 @@ def _is_floating(dtype: np.dtype) -> bool:
     return dtype.kind in "fcV" or dtype.name == "bfloat16"
 
 
+def check_same_spec_on_every_replica(specs: list[VariableSpec]) -> None:
+    """A variable created in a replica function must be the same variable on every replica.
+
+    ``specs`` holds every replica's spec in replica order (all replicas see
+    the same list, so all raise or none does). Raises ``RuntimeError`` as
+    TensorFlow does ("Tried to create variable ... with mismatching name on
+    device i"), naming the first field that differs.
+    """
+    first = specs[0]
+    for device, spec in enumerate(specs[1:], start=1):
+        if spec == first:
+            continue
+        if spec.name != first.name:
+            raise RuntimeError(f"Tried to create variable {spec.name} with mismatching name on device {device}")
+        field = next(f for f in ("dtype", "shape", "trainable", "aggregation", "synchronization")
+                     if getattr(spec, f) != getattr(first, f))
+        raise RuntimeError(
+            f"Tried to create variable {spec.name} with mismatching {field} on device {device}: "
+            f"{getattr(spec, field)} where replica 0 has {getattr(first, field)}"
+        )
+
+
 def _resolve_variable(token: str, var_id: int, spec: VariableSpec) -> DistributedVariable:
     """Unpickle a variable reference: the replica's own copy, or the client's handle."""
     runtime = context.current_runtime()
@@ -444,10 +478,15 @@ def _resolve_variable(token: str, var_id: int, spec: VariableSpec) -> Distribute
 def distributed_variable_class(spec: VariableSpec) -> type[DistributedVariable]:
     """``SyncOnReadVariable`` for ON_READ, ``MirroredVariable`` otherwise.
 
-    Raises ``ValueError`` for MEAN aggregation of a non-float dtype, as
-    TensorFlow does when such a distributed variable is created (a mean of
-    integers would lose precision).
+    Raises ``ValueError`` where TensorFlow refuses to create a distributed
+    variable: ``synchronization=NONE``, and MEAN aggregation of a non-float
+    dtype (a mean of integers would lose precision).
     """
+    if spec.synchronization is VariableSynchronization.NONE:
+        raise ValueError(
+            "`NONE` variable synchronization mode is not supported with tf.distribute strategy. Please change "
+            f"the `synchronization` for variable: {spec.name}"
+        )
     if spec.aggregation is VariableAggregation.MEAN and not _is_floating(np.dtype(spec.dtype)):
         raise ValueError(
             "creating distributed tf.Variable with aggregation=MEAN and a non-floating dtype is not "
