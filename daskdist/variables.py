@@ -376,8 +376,9 @@ class MirroredVariable(DistributedVariable):
     An update in replica context is first aggregated across replicas per
     ``aggregation`` (SUM, MEAN, ONLY_FIRST_REPLICA) and then applied to every
     copy, so all replicas must make it together. With ``aggregation=NONE``
-    each replica updates its own copy, as TensorFlow 2 does (the copies stay
-    identical only if every replica applies the same value). A MEAN
+    it raises ``ValueError``, the rule ``tf.VariableAggregation`` documents
+    (TensorFlow 2.21's code instead updates each replica's copy, which lets
+    the copies drift apart). A MEAN
     variable must have a float dtype (refused at creation, as in TensorFlow). An update
     from the client (or inside ``merge_call`` / ``extended.update``) applies
     the same value to every copy.
@@ -393,7 +394,12 @@ class MirroredVariable(DistributedVariable):
         if ctx.num_replicas_in_sync == 1:
             return array
         if aggregation is VariableAggregation.NONE:
-            return array
+            raise ValueError(
+                f"You must specify an aggregation method to update a MirroredVariable in Replica Context. You can "
+                f"do so by passing an explicit value for argument `aggregation` to tf.Variable(..) (variable "
+                f"'{self.name}': aggregation=SUM, MEAN or ONLY_FIRST_REPLICA), or update it in cross-replica "
+                "context: from the client, inside merge_call or strategy.extended.update"
+            )
         if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
             return ctx._broadcast(array, root=0)
         return ctx.all_reduce(_AGGREGATION_OPS[aggregation], array)

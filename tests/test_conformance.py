@@ -337,10 +337,33 @@ def _mirrored(strategy, value, aggregation=None):
 
 
 def test_assign_mirrored_var_replica_context_without_aggregation_type(strategy):
-    """mirrored_strategy_test.py, ``testAssignMirroredVarReplicaContextWithoutAggregationType``: 5.0."""
+    """mirrored_strategy_test.py, ``testAssignMirroredVarReplicaContextWithoutAggregationType``; ops/variables.py,
+    ``tf.VariableAggregation`` docstring: "NONE: ... giving an error if you use a variable-update operation with
+    multiple replicas".
+
+    TensorFlow's documented rule (and this test in TF 2.0-2.3) raises "You must
+    specify an aggregation method to update a MirroredVariable in Replica
+    Context"; TF 2.21's code updates each replica's copy instead. The stated
+    rule wins (README, "Deliberate differences"): the copies cannot drift apart.
+    """
     mirrored_var = _mirrored(strategy, 1.0)
-    strategy.run(lambda: mirrored_var.assign(5.0))
-    assert float(mirrored_var.numpy()) == 5.0
+    with pytest.raises(ValueError, match="You must specify an aggregation method to update a MirroredVariable in "
+                                         "Replica Context"):
+        strategy.run(lambda: mirrored_var.assign(5.0))
+    assert local(strategy, mirrored_var) == [1.0, 1.0]  # nothing changed on any replica
+
+
+def test_variable_aggregation_docstring(strategy):
+    """ops/variables.py, ``tf.VariableAggregation`` docstring: MEAN of 1.0 added on both replicas gives 6.0 on both."""
+    import daskdist as dd
+
+    with strategy.scope():
+        v = dd.Variable(5.0, aggregation=dd.VariableAggregation.MEAN)
+
+    def update_fn():
+        return v.assign_add(1.0)
+
+    assert local(strategy, strategy.run(update_fn)) == [6.0, 6.0]
 
 
 def test_assign_mirrored_var_replica_context_with_sum_is_a_documented_difference(strategy):

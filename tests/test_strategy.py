@@ -222,10 +222,9 @@ class TestVariables:
                 assert len(copies) == 1, name
             assert all(p.tolist() == [1.0, 1.0] for p in strategy.experimental_local_results(out))
 
-            # aggregation NONE in replica context: each replica updates its own copy (TensorFlow 2)
-            strategy.run(lambda: plain.assign_add(np.full(2, dd.get_replica_context().replica_id_in_sync_group)))
-            assert [c.tolist() for c in plain._local_results()] == [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]
-            # from the client (cross-replica context) an update applies to every copy
+            with pytest.raises(ValueError, match="You must specify an aggregation method"):
+                strategy.run(lambda: plain.assign_add(np.ones(2)))
+            # from the client (cross-replica context) an update needs no aggregation
             plain.assign(np.array([1.0, 2.0]))
             plain.assign_add(np.array([1.0, 1.0]))
             assert {tuple(c.tolist()) for c in plain._local_results()} == {(2.0, 3.0)}
