@@ -1069,3 +1069,22 @@ def test_regroup_same_id_is_a_documented_difference():
     assert select_replica(0, result) == ("a", foo) and select_replica(1, result)[1] is foo
     shared = regroup((("a", None, 7, True), ("b", None, 7, True)))
     assert shared[1] is None and shared[2] == 7 and shared[3] is True
+
+
+def test_default_strategy_outside_any_scope():
+    """distribute_lib.py, ``_DefaultDistributionStrategy`` (TF 2.21): one replica; values and datasets as they are."""
+    from daskdist.strategy.base import ValueContext
+
+    strategy = distribute.get_strategy()
+    assert strategy.num_replicas_in_sync == 1 and not distribute.has_strategy()
+    assert strategy.experimental_distribute_values_from_function(
+        lambda ctx: (ctx.replica_id_in_sync_group, ctx.num_replicas_in_sync)) == (0, 1)
+    assert ValueContext() == distribute.experimental.ValueContext(0, 1)
+    dataset = Dataset.range(4).batch(2)
+    assert strategy.experimental_distribute_dataset(dataset) is dataset
+    made = strategy.distribute_datasets_from_function(
+        lambda ctx: Dataset.range(ctx.num_input_pipelines * 3 + ctx.input_pipeline_id))
+    assert [int(x) for x in made] == [0, 1, 2]
+    assert distribute.get_replica_context().merge_call(lambda s, x: x + 1, args=(1,)) == 2
+    assert float(strategy.reduce("SUM", 3.0, axis=None)) == 3.0
+    assert strategy.run(lambda: None) is None
