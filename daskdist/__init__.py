@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from daskdist import config as _config  # noqa: F401  (registers daskdist.* defaults in dask.config)
-from daskdist import data, nn, plugins, train
+from daskdist import data, distribute, nn, plugins, train
 from daskdist.context import get_replica_context, get_strategy, has_strategy, in_cross_replica_context
 from daskdist.cross_device_ops import (
     AllReduceCrossDeviceOps,
@@ -29,7 +29,6 @@ from daskdist.strategy.base import Strategy, ValueContext
 from daskdist.strategy.mirrored import MirroredStrategy
 from daskdist.strategy.one_device import OneDeviceStrategy
 from daskdist.values import DistributedValues, Mirrored, PerReplica
-from daskdist import distribute  # noqa: E402  (tf.distribute's layout over the names above)
 from daskdist.variables import (
     MirroredVariable,
     SyncOnReadVariable,

@@ -20,8 +20,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from daskdist import distribute
-from daskdist import keras
+from daskdist import distribute, keras
 from daskdist.data import Dataset
 
 ReduceOp = distribute.ReduceOp
@@ -974,9 +973,8 @@ def test_experimental_set_strategy(strategy):
     distribute.experimental_set_strategy(strategy)
     try:
         assert distribute.get_strategy() is strategy and distribute.has_strategy()
-        with strategy.scope():
-            with pytest.raises(RuntimeError, match="Must not be called inside"):
-                distribute.experimental_set_strategy(None)
+        with strategy.scope(), pytest.raises(RuntimeError, match="Must not be called inside"):
+            distribute.experimental_set_strategy(None)
     finally:
         distribute.experimental_set_strategy(None)
     assert not distribute.has_strategy()
