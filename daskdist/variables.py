@@ -378,10 +378,10 @@ class MirroredVariable(DistributedVariable):
     copy, so all replicas must make it together. With ``aggregation=NONE``
     it raises ``ValueError``, the rule ``tf.VariableAggregation`` documents
     (TensorFlow 2.21's code instead updates each replica's copy, which lets
-    the copies drift apart). A MEAN
-    variable must have a float dtype (refused at creation, as in TensorFlow). An update
-    from the client (or inside ``merge_call`` / ``extended.update``) applies
-    the same value to every copy.
+    the copies drift apart). A MEAN variable must have a float dtype
+    (refused at creation, as in TensorFlow). An update from the client (or
+    inside ``merge_call`` / ``extended.update``) applies the same value to
+    every copy.
     """
 
     def _needs_aggregation(self) -> bool:
