@@ -170,3 +170,16 @@ def test_ctrl_c_while_waiting_for_a_run_aborts_it_on_the_replicas(threaded_clien
         assert time.monotonic() - interrupted < DEADLINE
         lines = _poll(lambda: log.exists() and len(log.read_text().splitlines()) == 3 and log.read_text(), DEADLINE)
         assert lines and all("stopped waiting" in line for line in lines.splitlines()), lines
+
+
+def test_a_client_closed_without_closing_its_strategy_leaves_no_segment(process_client):
+    from distributed import Client
+
+    other = Client(process_client.scheduler.address, set_as_default=False)
+    strategy = dd.MirroredStrategy(client=other)
+    token = strategy.extended.token
+    strategy.run(lambda: dd.get_replica_context().all_reduce("SUM", np.ones(10)))
+    assert len(_segments(token)) == 2
+    other.close()  # the strategy is never closed
+    assert _poll(lambda: not _segments(token), DEADLINE), _segments(token)
+    assert _poll(lambda: not _replicas_of(process_client, token), DEADLINE)
