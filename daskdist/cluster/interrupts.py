@@ -30,9 +30,7 @@ import os
 import signal
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any
-
-from distributed.utils import sync
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from daskdist.collective.mailbox import Abort
 
@@ -69,8 +67,8 @@ def abort_interrupted_run(client: Client, addresses: list[str], group_id: str, r
     logger.info("Aborting run %d on the replicas of %s: the client was interrupted (%s)", run_id, group_id,
                 type(reason).__name__)
     try:
-        sync(client.loop, _abort_all, client, addresses, group_id, ranks, run_id,
-             Abort("aborted", message, None).to_msg(), callback_timeout=ABORT_TIMEOUT + 1)
+        client.sync(_abort_all, client, addresses, group_id, ranks, run_id,
+                    Abort("aborted", message, None).to_msg(), callback_timeout=ABORT_TIMEOUT + 1)
     except Exception as e:  # the client's loop or the cluster may be closing
         logger.debug("Could not abort run %d of %s: %r", run_id, group_id, e)
 
@@ -83,11 +81,10 @@ class EmbeddedShutdown:
     while at least one is registered (main thread only) and restored after.
     """
 
-    _lock = threading.Lock()
-    _open: weakref.WeakSet = weakref.WeakSet()
-    _previous: Any = None
-    _installed = False
-    _atexit_registered = False
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+    _open: ClassVar[weakref.WeakSet] = weakref.WeakSet()
+    _installed: ClassVar[bool] = False
+    _atexit_registered: ClassVar[bool] = False
 
     @classmethod
     def register(cls, owner: Any) -> None:

@@ -55,7 +55,7 @@ class StepEventShipper:
         self.size = size
         self.interval = max(0.0, float(interval))
         self.max_steps = max(1, int(max_steps))
-        self.loop: asyncio.AbstractEventLoop = worker.loop.asyncio_loop
+        self.loop: asyncio.AbstractEventLoop = worker.loop.asyncio_loop  # type: ignore[attr-defined]
         self._steps: collections.deque[dict] = collections.deque()
         self._timer_armed = False  # a flush is scheduled on the event loop for the steps queued
         self._timer: asyncio.TimerHandle | None = None
@@ -90,7 +90,7 @@ class StepEventShipper:
         """Send every queued step now, in events of at most ``max_steps`` steps (any thread)."""
         with self._sending:
             while self._steps:
-                batch = []
+                batch: list[dict] = []
                 while self._steps and len(batch) < self.max_steps:
                     batch.append(self._steps.popleft())  # only this (locked) drain pops
                 try:

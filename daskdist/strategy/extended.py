@@ -22,8 +22,8 @@ from daskdist import config, registry
 from daskdist.arrays import as_array
 from daskdist.cluster.devices import DeviceSpec, parse_devices
 from daskdist.cluster.embedded import describe_worker, start_embedded_cluster
-from daskdist.cluster.interrupts import EmbeddedShutdown
 from daskdist.cluster.group import ReplicaGroup
+from daskdist.cluster.interrupts import EmbeddedShutdown
 from daskdist.cluster.placement import Placement, WorkerInfo, place_replicas
 from daskdist.collective.single_copy import single_copy_bytes
 from daskdist.cross_device_ops import CrossDeviceOps
