@@ -112,13 +112,15 @@ def _same_on_every_replica(components: Sequence[Any]) -> bool:
     return False
 
 
-def regroup(results: Sequence[Any]) -> Any:
+def regroup(results: Sequence[Any], always_wrap: bool = False) -> Any:
     """Turn per-replica results into one structure whose leaves are ``PerReplica`` (TF's regroup).
 
     With one replica the result is returned as is. A leaf that every replica
     returned as one object (a distributed variable, ``None``, a bool, a small
     int; see ``_same_on_every_replica``) is returned as itself, as TF's
-    regroup does; every other leaf becomes a ``PerReplica``.
+    regroup does; every other leaf becomes a ``PerReplica``. ``always_wrap``
+    makes every leaf a ``PerReplica`` (TF's argument of that name, used by
+    ``experimental_distribute_values_from_function``).
     """
     if len(results) == 1:
         return results[0]
@@ -131,7 +133,8 @@ def regroup(results: Sequence[Any]) -> Any:
         return PerReplica(results)
     leaves = []
     for components in zip(*(leaves_ for leaves_, _ in flat)):
-        leaves.append(components[0] if _same_on_every_replica(components) else PerReplica(components))
+        same = not always_wrap and _same_on_every_replica(components)
+        leaves.append(components[0] if same else PerReplica(components))
     return optree.tree_unflatten(treedef, leaves)
 
 

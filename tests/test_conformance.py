@@ -1086,3 +1086,60 @@ def test_default_strategy_outside_any_scope():
     assert distribute.get_replica_context().merge_call(lambda s, x: x + 1, args=(1,)) == 2
     assert float(strategy.reduce("SUM", 3.0, axis=None)) == 3.0
     assert strategy.run(lambda: None) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# values_test.py, DistributedValuesTest (``ds_test_util.gather`` stacks the replicas' components)
+# ---------------------------------------------------------------------------------------------
+
+
+def _stacked(strategy, value):
+    """``distribute/test_util.py``'s ``gather``: every leaf's components stacked along a new first axis."""
+    import optree
+
+    return optree.tree_map(lambda leaf: np.stack([np.asarray(p) for p in strategy.experimental_local_results(leaf)]),
+                           value, is_leaf=lambda x: isinstance(x, distribute.DistributedValues))
+
+
+def test_make_distributed_value_single_numpy_array_constant(strategy):
+    """values_test.py, ``testMakeDistributedValueSingleNumpyArrayConstant``: [[1, 2, 3]] * 2."""
+    array_value = np.array([1.0, 2.0, 3.0])
+    distributed_values = strategy.experimental_distribute_values_from_function(lambda ctx: array_value)
+    assert _stacked(strategy, distributed_values).tolist() == [[1.0, 2.0, 3.0]] * 2
+
+
+def test_make_distributed_value_tuple_constant(strategy):
+    """values_test.py, ``testMakeDistributedValueTupleConstant``: ([1, 1], [2, 2], [3, 3]), a tuple of PerReplica."""
+    tuple_value = (1.0, 2.0, 3.0)
+    distributed_values = strategy.experimental_distribute_values_from_function(lambda ctx: tuple_value)
+    assert isinstance(distributed_values, tuple)
+    assert all(isinstance(v, distribute.DistributedValues) for v in distributed_values)
+    assert tuple(v.tolist() for v in _stacked(strategy, distributed_values)) == ([1.0, 1.0], [2.0, 2.0], [3.0, 3.0])
+
+
+def test_make_distributed_value_nested_structure_per_replica(strategy):
+    """values_test.py, ``testMakeDistributedValueNestedStructurePerReplica``: ([0, 1], [0, 2], [0, 3])."""
+    tuple_value = (1.0, 2.0, 3.0)
+
+    def value_fn(ctx):
+        return tuple(val * ctx.replica_id_in_sync_group for val in tuple_value)
+
+    distributed_values = strategy.experimental_distribute_values_from_function(value_fn)
+    assert tuple(v.tolist() for v in _stacked(strategy, distributed_values)) == ([0.0, 1.0], [0.0, 2.0], [0.0, 3.0])
+
+
+def test_make_distributed_value_extract_from_array(strategy):
+    """values_test.py, ``testMakeDistributedValueExtractFromArray``: range(num_replicas)."""
+    multiple_values = range(strategy.num_replicas_in_sync)
+    distributed_values = strategy.experimental_distribute_values_from_function(
+        lambda ctx: multiple_values[ctx.replica_id_in_sync_group])
+    assert _stacked(strategy, distributed_values).tolist() == list(range(strategy.num_replicas_in_sync))
+
+
+def test_make_distributed_value_and_run(strategy):
+    """values_test.py, ``testMakeDistributedValueAndRun``: squares of the replica ids."""
+    multiple_values = range(strategy.num_replicas_in_sync)
+    distributed_values = strategy.experimental_distribute_values_from_function(
+        lambda ctx: multiple_values[ctx.replica_id_in_sync_group])
+    outputs = strategy.run(np.square, args=(distributed_values,))
+    assert _stacked(strategy, outputs).tolist() == [i**2 for i in range(strategy.num_replicas_in_sync)]

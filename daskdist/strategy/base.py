@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from daskdist import context, registry
 from daskdist.exceptions import StrategyClosedError
 from daskdist.ops import ReduceOp
-from daskdist.values import PerReplica, gather_values, local_results, reduce_values
+from daskdist.values import gather_values, local_results, reduce_values, regroup
 
 if TYPE_CHECKING:
     from daskdist.strategy.extended import DaskExtended
@@ -131,10 +131,14 @@ class Strategy:
         return local_results(value)
 
     def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
-        """``PerReplica`` of ``value_fn(ValueContext(i, n))`` for each replica ``i``."""
+        """``value_fn(ValueContext(i, n))`` for each replica ``i``, regrouped: a ``PerReplica`` at each leaf.
+
+        A tuple (or dict, list) returned by ``value_fn`` gives a tuple of
+        ``PerReplica``, as TensorFlow's ``regroup(..., always_wrap=True)``.
+        """
         n = self.num_replicas_in_sync
         values = [value_fn(ValueContext(i, n)) for i in range(n)]
-        return values[0] if n == 1 else PerReplica(values)
+        return values[0] if n == 1 else regroup(values, always_wrap=True)
 
     def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
         """Distribute ``dataset`` (batched with the global batch size) over the replicas.
