@@ -1143,3 +1143,24 @@ def test_make_distributed_value_and_run(strategy):
         lambda ctx: multiple_values[ctx.replica_id_in_sync_group])
     outputs = strategy.run(np.square, args=(distributed_values,))
     assert _stacked(strategy, outputs).tolist() == [i**2 for i in range(strategy.num_replicas_in_sync)]
+
+
+# ---------------------------------------------------------------------------------------------
+# cross_device_ops.py docstrings
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make_ops", [distribute.ReductionToOneDevice, distribute.NcclAllReduce,
+                                      distribute.HierarchicalCopyAllReduce],
+                         ids=["ReductionToOneDevice", "NcclAllReduce", "HierarchicalCopyAllReduce"])
+def test_cross_device_ops_docstrings(process_client, make_ops):
+    """cross_device_ops.py, ``ReductionToOneDevice`` / ``NcclAllReduce`` / ``HierarchicalCopyAllReduce`` docstrings.
+
+    ``tf.distribute.MirroredStrategy(cross_device_ops=...)``; the all-reduce
+    then gives every replica the sum, whichever algorithm runs it.
+    """
+    with distribute.MirroredStrategy(cross_device_ops=make_ops(), client=process_client) as strategy:
+        assert isinstance(strategy.extended.cross_device_ops, distribute.CrossDeviceOps)
+        out = strategy.run(lambda: distribute.get_replica_context().all_reduce(
+            "sum", np.full(4, replica_id() + 1.0, np.float32)))
+        assert local(strategy, out) == [[3.0] * 4] * 2
