@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import daskdist as dd
 from daskdist import distribute, keras
 from daskdist.data import Dataset
 
@@ -68,8 +69,6 @@ def test_value_context_docstring_distribute_values(strategy):
 
 def test_scope_docstring_variables_inside_and_outside(strategy):
     """distribute_lib.py, ``Strategy.scope`` docstring (also mirrored_strategy.py's class docstring)."""
-    import daskdist as dd
-
     with strategy.scope():
         mirrored_variable = dd.Variable(1.0)
     assert isinstance(mirrored_variable, dd.MirroredVariable)
@@ -81,8 +80,6 @@ def test_scope_docstring_variables_inside_and_outside(strategy):
 
 def test_mirrored_strategy_docstring_variable_made_by_a_function_in_scope(strategy):
     """mirrored_strategy.py, ``MirroredStrategy`` docstring: a variable a (tf.)function makes in scope is mirrored."""
-    import daskdist as dd
-
     x = []
 
     def create_variable():
@@ -163,6 +160,16 @@ def test_reduce_docstring(strategy):
     per_replica_result = strategy.run(step_fn)
     total = strategy.reduce("SUM", per_replica_result, axis=None)
     assert int(total) == 1
+
+
+def test_reduce_docstring_what_should_axis_be(strategy):
+    """distribute_lib.py, ``Strategy.reduce`` docstring, "What should axis be?": [4, 6, 8, 10], 28, and MEAN over 6."""
+    per_replica_result = strategy.experimental_distribute_values_from_function(
+        lambda ctx: np.arange(4.0) + 4 * ctx.replica_id_in_sync_group)  # examples [0..3] and [4..7]
+    assert strategy.reduce("sum", per_replica_result, axis=None).tolist() == [0 + 4, 1 + 5, 2 + 6, 3 + 7]
+    assert float(strategy.reduce("sum", per_replica_result, axis=0)) == sum(range(8))
+    partial = dd.PerReplica([np.array([0.0, 1.0, 2.0, 3.0]), np.array([4.0, 5.0])])  # a last batch of 6
+    assert float(strategy.reduce(distribute.ReduceOp.MEAN, partial, axis=0)) == sum(range(6)) / 6
 
 
 def test_distribute_values_from_function_docstring_constant(strategy):
@@ -291,15 +298,14 @@ def test_run_of_a_function_returning_none_is_none(strategy):
 
 def test_run_of_a_variable_returns_the_variable(strategy):
     """distribute_utils.py, ``regroup``: a distributed variable every replica returned is that variable."""
-    import daskdist as dd
-
     with strategy.scope():
         v = dd.Variable(3.0)
     assert strategy.run(lambda: v) is v
 
 
 def test_merge_call_hands_each_replica_its_component(strategy):
-    """mirrored_run.py, ``_call_for_each_replica``: ``merge_call``'s result goes through ``select_replica``."""
+    """distribute_lib.py, ``ReplicaContext.merge_call`` ("Returns: the return value of ``merge_fn``, except for
+    ``PerReplica`` values which are unpacked"); mirrored_run.py applies ``select_replica``."""
 
     def fn():
         ctx = distribute.get_replica_context()
@@ -327,8 +333,6 @@ def test_merge_call_result_that_is_not_distributed_reaches_every_replica(strateg
 
 
 def _mirrored(strategy, value, aggregation=None):
-    import daskdist as dd
-
     with strategy.scope():
         if aggregation is None:
             return dd.Variable(value, name="foo")
@@ -354,8 +358,6 @@ def test_assign_mirrored_var_replica_context_without_aggregation_type(strategy):
 
 def test_variable_aggregation_docstring(strategy):
     """ops/variables.py, ``tf.VariableAggregation`` docstring: MEAN of 1.0 added on both replicas gives 6.0 on both."""
-    import daskdist as dd
-
     with strategy.scope():
         v = dd.Variable(5.0, aggregation=dd.VariableAggregation.MEAN)
 
@@ -450,8 +452,6 @@ def test_assign_sub_mirrored_var_replica_context_with_single_value(strategy):
 
 def test_assign_replica_local_var_sum_aggregation(strategy):
     """mirrored_strategy_test.py, ``SyncOnReadVariableAssignTest.testAssignReplicaLocalVarSumAggregation``: 2.0, 6.0."""
-    import daskdist as dd
-
     def model_fn():
         return dd.Variable(1.0, synchronization=dd.VariableSynchronization.ON_READ,
                            aggregation=dd.VariableAggregation.SUM)
@@ -466,8 +466,6 @@ def test_assign_replica_local_var_sum_aggregation(strategy):
 
 def test_assign_replica_local_var_mean_aggregation(strategy):
     """mirrored_strategy_test.py, ``SyncOnReadVariableAssignTest.testAssignReplicaLocalVarMeanAggregation``."""
-    import daskdist as dd
-
     def model_fn():
         return dd.Variable(1.0, synchronization=dd.VariableSynchronization.ON_READ,
                            aggregation=dd.VariableAggregation.MEAN)
@@ -494,8 +492,6 @@ def test_single_variable_created_in_replicas_is_one_mirrored_variable(strategy):
     TensorFlow's names carry a graph output suffix (``foo:0``); daskdist has
     no graph and keeps the name given (README, "Deliberate differences").
     """
-    import daskdist as dd
-
     def model_fn():
         v = dd.Variable(1.0, name="foo")
         _merge_noop()
@@ -517,8 +513,6 @@ def test_single_variable_created_in_replicas_is_one_mirrored_variable(strategy):
 
 def test_multiple_variables(strategy):
     """mirrored_variable_test.py, ``testMultipleVariables``: five MirroredVariables foo0 .. foo4."""
-    import daskdist as dd
-
     def model_fn():
         vs = [dd.Variable(1.0, name="foo" + str(i)) for i in range(5)]
         _merge_noop()
@@ -532,8 +526,6 @@ def test_multiple_variables(strategy):
 
 def test_with_variable_kinds_and_aggregations(strategy):
     """mirrored_variable_test.py, ``testWithVariableAndVariableScope`` (without TF1's variable_scope)."""
-    import daskdist as dd
-
     def model_fn():
         v0 = dd.Variable(1.0, name="var0", aggregation=None)
         v1 = dd.Variable(1.0, name="var1")
@@ -556,8 +548,6 @@ def test_with_variable_kinds_and_aggregations(strategy):
 
 def test_only_first_replica_updates_variables(strategy):
     """mirrored_variable_test.py, ``testOnlyFirstReplicaUpdatesVariables``: on-read (7, 12) reads 7; on-write 10, 10."""
-    import daskdist as dd
-
     def create_fn():
         aggregation = dd.VariableAggregation.ONLY_FIRST_REPLICA
         v0 = dd.Variable(2.0, name="on_read", synchronization=dd.VariableSynchronization.ON_READ,
@@ -585,8 +575,6 @@ def test_only_first_replica_updates_variables(strategy):
 
 def test_sync_on_read_variable(strategy):
     """mirrored_variable_test.py, ``testSyncOnReadVariable``: components (3, 4) and (0, 6); reads SUM 7, MEAN 3."""
-    import daskdist as dd
-
     def model_fn():
         r = replica_id()
         v_sum = dd.Variable(1.0, synchronization=dd.VariableSynchronization.ON_READ,
@@ -608,17 +596,13 @@ def test_sync_on_read_variable(strategy):
 
 def test_none_synchronization_is_refused(strategy):
     """mirrored_variable_test.py, ``testNoneSynchronizationWithVariable`` (TF 2.21's message)."""
-    import daskdist as dd
-
-    with strategy.scope():
-        with pytest.raises(ValueError, match="`NONE` variable synchronization mode is not supported with tf.distribute"):
-            dd.Variable(1.0, name="v", synchronization=dd.VariableSynchronization.NONE)
+    message = "`NONE` variable synchronization mode is not supported with tf.distribute"
+    with strategy.scope(), pytest.raises(ValueError, match=message):
+        dd.Variable(1.0, name="v", synchronization=dd.VariableSynchronization.NONE)
 
 
 def test_invalid_synchronization_and_aggregation_are_refused(strategy):
     """mirrored_variable_test.py, ``testInvalidSynchronizationWithVariable`` / ``testInvalidAggregationWithVariable``."""
-    import daskdist as dd
-
     with strategy.scope():
         with pytest.raises(ValueError, match="Invalid variable synchronization mode: Invalid for variable: v"):
             dd.Variable(1.0, name="v", synchronization="Invalid")
@@ -628,8 +612,6 @@ def test_invalid_synchronization_and_aggregation_are_refused(strategy):
 
 def test_non_matching_variable_creation(strategy):
     """mirrored_variable_test.py, ``testNonMatchingVariableCreation``: RuntimeError (TF 2.21: "mismatching name on device 1")."""
-    import daskdist as dd
-
     def model_fn(name):
         v = dd.Variable(1.0, name=name)
         _merge_noop()
@@ -653,8 +635,6 @@ def test_mean_aggregation_of_a_non_float_distributed_variable_is_refused(strateg
     Current TensorFlow refuses the variable at creation; the older test refused
     the replica-context update. Either way no integer mean is ever computed.
     """
-    import daskdist as dd
-
     with strategy.scope():
         with pytest.raises(ValueError, match="aggregation=MEAN and a non-floating dtype is not supported"):
             dd.Variable(1, aggregation=dd.VariableAggregation.MEAN, dtype="int32")
@@ -666,8 +646,6 @@ def test_mean_aggregation_of_a_non_float_distributed_variable_is_refused(strateg
 @pytest.mark.parametrize("method", ["assign_add", "assign_sub"])
 def test_sync_on_read_sum_variable_refuses_assign_add_and_sub_in_cross_replica_context(strategy, method):
     """values_util.py, ``on_read_assign_add_cross_replica`` / ``on_read_assign_sub_cross_replica``."""
-    import daskdist as dd
-
     def model_fn():
         return dd.Variable(1.0, synchronization="ON_READ", aggregation="SUM")
 
@@ -690,8 +668,6 @@ def test_sync_on_read_sum_variable_refuses_assign_add_and_sub_in_cross_replica_c
 
 def test_assign_takes_tensorflows_argument_list(strategy):
     """resource_variable_ops.py, ``assign(value, use_locking=False, name=None, read_value=True)`` and friends."""
-    import daskdist as dd
-
     mirrored_var = _mirrored(strategy, 1.0)
     # TF's second positional argument is use_locking, not read_value: the variable comes back
     assert mirrored_var.assign(3.0, False) is mirrored_var
@@ -783,8 +759,6 @@ def test_call_and_merge_exceptions(strategy, fn):
 
 def test_global_step_update(strategy):
     """strategy_test_lib.py, ``_test_global_step_update``: ONLY_FIRST_REPLICA int64 step reads (1, 1)."""
-    import daskdist as dd
-
     with strategy.scope():
         global_step = dd.Variable(np.int64(0), name="global_step", trainable=False,
                                   aggregation=dd.VariableAggregation.ONLY_FIRST_REPLICA)
@@ -801,8 +775,6 @@ def test_global_step_update(strategy):
 
 def test_trainable_variable(strategy):
     """strategy_test_lib.py, ``_test_trainable_variable``: True, False, True, False."""
-    import daskdist as dd
-
     with strategy.scope():
         assert dd.Variable(1.0).trainable is True
         assert dd.Variable(1.0, synchronization=dd.VariableSynchronization.ON_READ).trainable is False
@@ -953,8 +925,6 @@ def test_seed_mirrored_strategy_custom_loop(strategy):
 
 def test_namespace_is_laid_out_like_tf_distribute():
     """tf.distribute's public names that daskdist implements are where TensorFlow has them."""
-    import daskdist as dd
-
     for name in ("MirroredStrategy", "OneDeviceStrategy", "ReduceOp", "InputOptions", "InputContext",
                  "ReplicaContext", "Strategy", "StrategyExtended", "CrossDeviceOps", "NcclAllReduce",
                  "HierarchicalCopyAllReduce", "ReductionToOneDevice", "DistributedDataset", "DistributedIterator",
