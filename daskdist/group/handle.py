@@ -28,6 +28,7 @@ from distributed import Client, Future
 from distributed.comm.core import CommClosedError
 
 from daskdist import config, serialization
+from daskdist.cluster.interrupts import abort_interrupted_run
 from daskdist.cluster.placement import Placement
 from daskdist.collective.settings import parse_nccl_setting, parse_single_copy_bytes
 from daskdist.exceptions import RendezvousError, ReplicaLostError, StrategyClosedError
@@ -344,8 +345,11 @@ class ReplicaGroup:
                 else:
                     responses = self.client.sync(self._call_all, run_id, payloads, self.membership.generation,
                                                  settings)
-            except BaseException:
+            except BaseException as e:
                 self.failed_runs += 1
+                if not isinstance(e, Exception):  # Ctrl-C, SystemExit: the replicas must not go on without us
+                    abort_interrupted_run(self.client, self.addresses, self.group_id, ranks, run_id, e,
+                                          self.membership.generation)
                 raise
             if any(r is None or r.get("status") != "OK" for r in responses.values()):
                 self.failed_runs += 1

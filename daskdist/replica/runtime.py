@@ -44,10 +44,11 @@ from daskdist.group.spec import GroupSpec
 from daskdist.replica import allocator
 from daskdist.replica.command_server import CommandServer
 from daskdist.replica.context import ReplicaContext
+from daskdist.replica.events import StepEventShipper
 from daskdist.replica.strategy_view import ReplicaStrategyView
 from daskdist.replica.timing import StepTimer
 from daskdist.replica.wiring import Wiring, tls_contexts, wire
-from daskdist.variables import VariableSpec, distributed_variable_class
+from daskdist.variables import VariableSpec, check_same_spec_on_every_replica, distributed_variable_class
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -56,7 +57,6 @@ __all__ = ["ReplicaRuntime", "pin_replica_thread", "replica_main"]
 
 logger = logging.getLogger(__name__)
 
-STEP_EVENT_TOPIC = "daskdist-steps"
 STALL_EVENT_TOPIC = "daskdist-stall"
 
 
@@ -94,11 +94,11 @@ class ReplicaRuntime:
         self._early: dict[int, list[tuple[tuple, Any]]] = {}  # peers' messages of a generation not yet wired
         self._generation_lock = threading.Lock()
         self._created_in_replica = 0
-        self._log_events = bool(config.get("metrics.log-events"))
-        self._event_interval = config.get_seconds("metrics.event-interval")
-        self._event_max_steps = max(1, int(config.get("metrics.event-max-steps", 256)))
-        self._unsent_steps: list[dict] = []
-        self._last_event = time.monotonic()
+        # the dashboard's unit is the strategy (its token), so a training run's figures outlive generations
+        self._step_events = (StepEventShipper(worker, self.strategy_token, rank, self.size,
+                                              config.get_seconds("metrics.event-interval"),
+                                              int(config.get("metrics.event-max-steps", 256)))
+                             if config.get("metrics.log-events") else None)
 
     def __repr__(self) -> str:
         return (f"<ReplicaRuntime {self.group_id} generation={self.generation} rank={self.rank}/{self.size} "
@@ -358,8 +358,8 @@ class ReplicaRuntime:
                 self.loop.call_soon_threadsafe(_resolve, item[-1], self._closed_response())
 
     def close(self) -> None:
-        if self._log_events:
-            self.flush_step_events()
+        if self._step_events is not None:
+            self._step_events.close()
         if self._server is not None:
             self._server.close()
         self._wiring.close()
@@ -430,29 +430,23 @@ class ReplicaRuntime:
         self.timer.add_collective(kind, seconds, nbytes, (self.communicator.run_id, self.communicator.seq))
 
     def record_step(self, timing: Any) -> None:
-        """Queue a finished step's timing for the scheduler (sent in batches; loops like ``fit`` call this)."""
-        if self._log_events:
-            self._unsent_steps.append(timing.to_dict(spans=False))
-            if (time.monotonic() - self._last_event >= self._event_interval
-                    or len(self._unsent_steps) >= self._event_max_steps):
-                self.flush_step_events()
+        """Queue a finished step's timing for the scheduler (sent within ``metrics.event-interval``, ``events``)."""
+        if self._step_events is not None:
+            self._step_events.add(timing.to_dict(spans=False))
 
     def _report_stall(self, info: dict) -> None:
         """A collective of this replica stalls (from the communicator's stall watch): tell the scheduler."""
         self.worker.log_event(STALL_EVENT_TOPIC, {"group": self.strategy_token, **info})
 
     def flush_step_events(self) -> None:
-        """Send the step timings gathered since the last flush as one Dask event."""
-        if self._unsent_steps:
-            # the dashboard's unit is the strategy (its token), so a training run's figures outlive generations
-            self.worker.log_event(STEP_EVENT_TOPIC, {"group": self.strategy_token, "replica": self.rank, "size": self.size,
-                                                     "steps": self._unsent_steps})
-            self._unsent_steps = []
-        self._last_event = time.monotonic()
+        """Send the step timings queued and not sent yet now (as events of ``metrics.event-max-steps``)."""
+        if self._step_events is not None:
+            self._step_events.flush()
 
     def _create_variable(self, *args: Any, **kwargs: Any) -> Any:
         """``dd.Variable(...)`` inside a replica function: replica 0's initial value, on every replica."""
         value, spec = VariableSpec.build(*args, **kwargs)
+        check_same_spec_on_every_replica(self.communicator.all_gather_objects(spec))
         value = self.context._broadcast(value, root=0)
         self._created_in_replica += 1
         var_id = f"r{self._created_in_replica}"
