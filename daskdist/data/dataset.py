@@ -19,6 +19,8 @@ from daskdist.data.sources import DaskSource, LocalSource, Partition, RangeSourc
 
 __all__ = ["Dataset", "TensorSpec"]
 
+_SAMPLE_BATCH = 2  # rows of the batches that element_spec builds from one sample row
+
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -120,35 +122,66 @@ class Dataset:
 
     @property
     def element_spec(self) -> Any:
-        """Structure of ``TensorSpec`` of one element, found by running the pipeline on a few rows."""
+        """Structure of ``TensorSpec`` of one element (TF's ``element_spec``).
+
+        Found from the pipeline's structure: one row the source really holds
+        (only that row is read) is passed through the transformations that
+        shape elements (``map``, ``batch``, ``unbatch``); those that only pick
+        or reorder rows (``filter``, ``shard``, ``take``, ``shuffle`` ...) do
+        not change the spec and are not run, so a pipeline whose first
+        partition yields nothing still has a spec. A batch dimension is
+        ``None``, or the batch size with ``drop_remainder=True`` (TF's rule).
+        """
         return self.element_spec_with()
 
     def element_spec_with(self, client: Any = None) -> Any:
         """``element_spec``, computing any Dask sample with ``client`` (default: Dask's current scheduler)."""
-        sample = self._sample(client)
-        batched = any(isinstance(op, ops.Batch) for op in self._ops)
+        sample, batch_dims = self._structure_sample(client)
 
         def spec(leaf: Any) -> TensorSpec:
             array = np.asarray(leaf)
-            shape = tuple(array.shape)
-            if batched and shape:
-                shape = (None,) + shape[1:]
-            return TensorSpec(shape, array.dtype)
+            shape = list(array.shape)
+            for axis, size in enumerate(batch_dims[: len(shape)]):
+                if shape[axis] == _SAMPLE_BATCH:
+                    shape[axis] = size
+            return TensorSpec(tuple(shape), array.dtype)
 
         return optree.tree_map(spec, sample, none_is_leaf=False)
 
-    def _sample(self, client: Any = None) -> Any:
-        """The first element the pipeline makes from the first row (or, with filters, the first partition)."""
+    def _structure_sample(self, client: Any = None) -> tuple[Any, list[int | None]]:
+        """An element built from one real row, and the size of each leading batch dimension it has.
+
+        Batches are built of ``_SAMPLE_BATCH`` copies of the sample, so their
+        batch dimensions can be told apart and reported as ``None`` (or the
+        fixed size with ``drop_remainder``).
+        """
+        element = self._source_row(client)
+        batch_dims: list[int | None] = []
+        for op in self._ops:
+            if isinstance(op, ops.Map):
+                element = ops._call(op.fn, element)
+            elif isinstance(op, ops.Batch):
+                element = ops.stack_elements([element] * _SAMPLE_BATCH)
+                batch_dims.insert(0, op.batch_size if op.drop_remainder else None)
+            elif isinstance(op, ops.Unbatch):
+                if not batch_dims:
+                    raise ValueError("unbatch() needs a batched dataset")
+                element = next(ops.rows_of_block(element))
+                batch_dims.pop(0)
+        return element, batch_dims
+
+    def _source_row(self, client: Any = None) -> Any:
+        """One row of the source: the first row of the first partition that has one."""
         partitions = [p for p in self._source.partitions if p.rows != 0]
         if not partitions:
-            raise ValueError("the dataset is empty")
+            raise ValueError("the dataset is empty: its source has no rows")
         if isinstance(self._source, DaskSource):
-            head = self._source.sample(client)
-            for element in self._iterate(partitions[:1], ops.PipelineState(), load=lambda _: head):
-                return element
-        for element in self._iterate(partitions[:1], ops.PipelineState(), load=self._load_locally):
-            return element
-        raise ValueError("the dataset produced no element from its first partition")
+            block = self._source.sample(client)
+        else:
+            block = self._source.load(partitions[0])
+        if ops.block_rows(block) == 0:  # a source whose sampled partition is empty: a zero row of its dtypes
+            return optree.tree_map(lambda leaf: np.zeros(leaf.shape[1:], leaf.dtype), block)
+        return next(ops.rows_of_block(block))
 
     def __repr__(self) -> str:
         steps = " -> ".join([self._source.describe(), *(op.describe() for op in self._ops)])

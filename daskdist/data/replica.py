@@ -211,34 +211,37 @@ def forget_dataset(runtime: ReplicaRuntime, dataset_id: str) -> None:
 
 
 class BatchRef:
-    """A handle to one replica's batch of one step; it resolves to the arrays inside ``strategy.run``."""
+    """A handle to one replica's batch of one step (or one leaf of it); it resolves to arrays inside ``strategy.run``."""
 
-    __slots__ = ("token", "iterator_id", "step", "rows")
+    __slots__ = ("token", "iterator_id", "step", "rows", "leaf")
 
-    def __init__(self, token: str, iterator_id: str, step: int, rows: int):
+    def __init__(self, token: str, iterator_id: str, step: int, rows: int, leaf: int | None = None):
         self.token = token
         self.iterator_id = iterator_id
         self.step = step
         self.rows = rows
+        self.leaf = leaf
 
     def __reduce__(self):
-        return (_resolve_batch, (self.token, self.iterator_id, self.step, self.rows))
+        return (_resolve_batch, (self.token, self.iterator_id, self.step, self.rows, self.leaf))
 
     def __repr__(self) -> str:
-        return f"<batch of step {self.step}: {max(self.rows, 0)} rows, on the replica>"
+        part = "batch" if self.leaf is None else f"component {self.leaf} of the batch"
+        return f"<{part} of step {self.step}: {max(self.rows, 0)} rows, on the replica>"
 
 
-def _resolve_batch(token: str, iterator_id: str, step: int, rows: int) -> Any:
+def _resolve_batch(token: str, iterator_id: str, step: int, rows: int, leaf: int | None = None) -> Any:
     runtime = context.current_runtime()
     if runtime is not None and runtime.token == token:
         try:
-            return runtime.resident_object(f"batch:{iterator_id}:{step}")
+            batch = runtime.resident_object(f"batch:{iterator_id}:{step}")
         except KeyError:
             raise RuntimeError(
                 f"the batch of step {step} is no longer held by replica {runtime.rank}: only the last "
                 f"{_BATCHES_KEPT} batches of an iterator are kept"
             ) from None
-    return BatchRef(token, iterator_id, step, rows)
+        return batch if leaf is None else optree.tree_leaves(batch)[leaf]
+    return BatchRef(token, iterator_id, step, rows, leaf)
 
 
 def resolve_dataset(token: str, dataset_id: str) -> Any:
