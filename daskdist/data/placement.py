@@ -64,9 +64,7 @@ class DaskRows:
         self.leaf_futures: list[list[Future]] = []  # per partition, one future per leaf
         per_leaf = []
         for collection in persisted:
-            futures = {f.key: f for f in futures_of(collection)}
-            keys = _partition_keys(collection)
-            per_leaf.append([futures[k] for k in keys])
+            per_leaf.append(_partition_futures(collection, futures_of(collection)))
         self.leaf_futures = [list(parts) for parts in zip(*per_leaf)]
         every = [f for parts in self.leaf_futures for f in parts]
         for future in every:  # wait without pulling data here
@@ -100,9 +98,14 @@ class DaskRows:
         return out
 
     def place(self, reads: list[Read], worker: str) -> tuple[list[Partition], list[Future], list[int]]:
-        """Put ``reads`` on ``worker``; returns the replica's partitions (by key), the futures, the bytes moved."""
+        """Put ``reads`` on ``worker``; returns the replica's partitions (by key), the futures, the bytes moved.
+
+        ``self.pinned`` collects ``(worker, future)`` of every task holding a replica's rows.
+        """
         client = self.client
         placed, kept, moved = [], [], []
+        if not hasattr(self, "pinned"):
+            self.pinned: list[tuple[str, Future]] = []
         for read in reads:
             full = read.start == 0 and read.stop == self.rows[read.partition] and read.rule is None
             keys, read_moved = [], 0
@@ -118,6 +121,7 @@ class DaskRows:
                 # moves): Dask's memory manager could otherwise drop the copy this replica reads.
                 pinned = client.submit(_identity, source, workers=[worker], allow_other_workers=False, pure=False)
                 kept.append(pinned)
+                self.pinned.append((worker, pinned))
                 keys.append(pinned.key)
                 if worker not in holders:
                     read_moved += int(self.nbytes.get(future.key, 0) * self._fraction(read))
@@ -137,6 +141,24 @@ class DaskRows:
     def _fraction(self, read: Read) -> float:
         rows = self.rows[read.partition]
         return self._taken(read) / rows if rows else 0.0
+
+
+def _partition_futures(collection: Any, futures: list[Future]) -> list[Future]:
+    """The futures of a persisted collection's partitions, in order.
+
+    Persisted dataframes may expose aliased output keys (dask-expr wraps the
+    futures in a new layer), so futures are matched by partition index when
+    the keys themselves do not match.
+    """
+    by_key = {f.key: f for f in futures}
+    keys = _partition_keys(collection)
+    if all(k in by_key for k in keys):
+        return [by_key[k] for k in keys]
+    names = {f.key[0] for f in futures if isinstance(f.key, tuple)}
+    by_index = {f.key[1]: f for f in futures if isinstance(f.key, tuple)}
+    if len(names) == 1 and set(by_index) == set(range(len(keys))):
+        return [by_index[i] for i in range(len(keys))]
+    raise RuntimeError(f"could not find the persisted partitions of {type(collection).__name__} {keys[:1]}...")
 
 
 def _partition_keys(collection: Any) -> list[Any]:

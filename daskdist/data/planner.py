@@ -101,6 +101,7 @@ class Planned:
     inputs: list[ReplicaInput]
     futures: list[Any] = field(default_factory=list)
     steps: int | None = None
+    pinned: list[tuple[str, Any]] = field(default_factory=list)  # (worker, future) holding each replica's rows
 
 
 def plan_dataset(client: Any, workers: list[str], dataset: Dataset, options: InputOptions) -> Planned:
@@ -159,7 +160,7 @@ def plan_dataset(client: Any, workers: list[str], dataset: Dataset, options: Inp
             planned.append(PlannedRead(read.partition, rank, workers[rank], read.start, read.stop, taken, nbytes, m))
     steps, replica_steps = _steps(parts, exact_sizes, used, batch_size, drop, planned, each, n)
     plan = Plan(planned, list(workers), each, policy.name, split, steps, replica_steps, notes)
-    return Planned(plan, inputs, futures, steps)
+    return Planned(plan, inputs, futures, steps, getattr(dask_rows, "pinned", []))
 
 
 def _reads(split: str, rows: list[int], firsts: list[int], home: list[int], lo: int, hi: int, batch_size: int,

@@ -35,6 +35,7 @@ __all__ = [
     "Piece",
     "balanced_pieces",
     "global_batch_sizes",
+    "homes",
     "local_pieces",
     "replica_split",
     "replica_step_sizes",
@@ -135,7 +136,7 @@ def balanced_pieces(rows: list[int], home: list[int], targets: list[int]) -> lis
             room[replica] -= keep
         if keep < count:
             surplus.append(Piece(index, keep, count))
-    # surplus rows go to the short replicas, neighbours first (replica order wraps around)
+    # surplus rows go to the short replicas, in replica order
     short = [r for r in range(n) if room[r] > 0]
     for piece in surplus:
         start = piece.start
