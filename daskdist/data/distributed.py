@@ -119,7 +119,10 @@ class DistributedDataset:
         return self._element_spec
 
     def __iter__(self) -> DistributedIterator:
-        return DistributedIterator(self._extended, self._id, f"{self._id}-{next(self._iterators)}", self._element_spec)
+        iterator = DistributedIterator(self._extended, self._id, f"{self._id}-{next(self._iterators)}",
+                                       self._element_spec)
+        iterator._dataset = self  # the placed rows live as long as an iterator over them
+        return iterator
 
     def __reduce__(self):
         return (replica_side.resolve_dataset, (self._extended.token, self._id))

@@ -60,7 +60,7 @@ class DaskRows:
 
         self.client = client
         self.source = source
-        persisted = client.persist(list(source.collections))
+        persisted = [client.persist(c) for c in source.collections]  # one by one: mixing expressions and graphs
         self.leaf_futures: list[list[Future]] = []  # per partition, one future per leaf
         per_leaf = []
         for collection in persisted:
