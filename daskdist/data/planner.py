@@ -39,7 +39,7 @@ from daskdist.data.split import (
     replica_step_sizes,
 )
 
-__all__ = ["PipelineParts", "ReplicaInput", "plan_dataset"]
+__all__ = ["PipelineParts", "Planned", "ReplicaInput", "cut_pipeline", "plan_dataset"]
 
 _POSITION_OPS = (ops.Map, ops.Cache, ops.Prefetch)
 _COUNT_OPS = _POSITION_OPS + (ops.Shuffle,)
