@@ -216,6 +216,12 @@ def test_distribute_datasets_from_function(threaded_client):
             return Dataset.range(100).shard(ctx.num_input_pipelines, ctx.input_pipeline_id).batch(batch)
 
         dist = strategy.distribute_datasets_from_function(dataset_fn)
+        assert dist.element_spec == dd.data.TensorSpec((None,), np.dtype("int64"))  # also where shard leaves 0 rows first
+        pairs = strategy.distribute_datasets_from_function(
+            lambda ctx: Dataset.range(12).shard(ctx.num_input_pipelines, ctx.input_pipeline_id).map(lambda v: (v, -v))
+            .batch(2))
+        x, y = next(iter(pairs))
+        assert isinstance(x, dd.PerReplica) and isinstance(y, dd.PerReplica)
         ids = []
         for batch in dist:
             parts = strategy.experimental_local_results(strategy.run(lambda b: b, args=(batch,)))
@@ -279,6 +285,37 @@ def test_dataframe_partitions(threaded_client):
             parts = strategy.experimental_local_results(strategy.run(lambda b: b["id"], args=(batch,)))
             ids.extend(int(v) for p in parts for v in p)
         assert sorted(ids) == list(range(60))
+
+
+def _pinned_blocks(client, layout):
+    """A persisted (rows, 2) array whose partition ``i`` has ``layout[i][0]`` rows on worker ``layout[i][1]``."""
+    workers = sorted(client.scheduler_info()["workers"])
+    starts = np.cumsum([0] + [rows for rows, _ in layout])
+    blocks = [client.submit(lambda a, b: np.column_stack([np.arange(a, b), np.zeros(b - a)]), int(starts[i]),
+                            int(starts[i + 1]), workers=[workers[w]], pure=False) for i, (_, w) in enumerate(layout)]
+    table = da.concatenate([da.from_delayed(b, shape=(rows, 2), dtype=float) for b, (rows, _) in zip(blocks, layout)])
+    return client.persist(table), int(starts[-1])
+
+
+def test_balanced_and_local_splits_of_uneven_partitions(threaded_client):
+    table, n = _pinned_blocks(threaded_client, [(25, 0), (30, 0), (40, 1), (60, 1), (45, 2), (50, 2)])
+    ds = Dataset.from_dask(table).map(lambda row: (row[1:], row[0])).batch(12)
+    with dd.MirroredStrategy(client=threaded_client) as strategy:
+        balanced = strategy.experimental_distribute_dataset(ds, dd.InputOptions(experimental_split="balanced"))
+        ids, rows = _seen_ids(strategy, balanced)
+        assert sorted(ids) == list(range(n))
+        assert rows == [[4, 4, 4]] * 20 + [[4, 4, 2]]  # 250 rows: TF's sizes, the undistributed number of steps
+        plan = balanced.plan()
+        # workers hold 55, 100 and 95 rows; the replicas need 84, 84 and 82: only the short one's rows move
+        short = plan.workers.index(sorted(threaded_client.scheduler_info()["workers"])[0])
+        moved_rows = sum(p.rows for p in plan.reads if p.moved)
+        assert moved_rows == [84, 84, 82][short] - 55
+        assert plan.bytes_to_move == moved_rows * 16  # slices of a neighbour's partitions, not whole partitions
+
+        local = strategy.experimental_distribute_dataset(ds, dd.InputOptions(experimental_split="local"))
+        ids, rows = _seen_ids(strategy, local)
+        assert local.plan().bytes_to_move == 0 and sorted(ids) == list(range(n))
+        assert len(rows) == 25 and rows[-1] in ([0, 4, 0], [4, 0, 0], [0, 0, 4])  # 100 rows at 4 a step; others ran out
 
 
 def _assert_on_readers(client, dist) -> None:

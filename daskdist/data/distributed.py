@@ -100,9 +100,11 @@ class DistributedDataset:
             raise TypeError(f"dataset_fn must be callable, got {type(dataset_fn).__name__}")
         options = options or InputOptions()
         dataset_id = uuid.uuid4().hex[:12]
-        extended.group.call(replica_side.register_from_function,
-                            (dataset_id, dataset_fn, options.experimental_per_replica_buffer_size))
-        distributed = cls(extended, dataset_id, None, None)
+        specs = extended.group.call(replica_side.register_from_function,
+                                    (dataset_id, dataset_fn, options.experimental_per_replica_buffer_size))
+        structures = {optree.tree_structure(s) for s in specs}
+        # each replica built its own dataset: elements are split by leaf when every replica's has the same structure
+        distributed = cls(extended, dataset_id, None, specs[0] if len(structures) == 1 else None)
         extended.register_distributed_dataset(dataset_id, distributed)
         return distributed
 

@@ -143,8 +143,8 @@ def register_shard(runtime: ReplicaRuntime, dataset_id: str, shard: ReplicaShard
 
 
 def register_from_function(runtime: ReplicaRuntime, dataset_id: str, dataset_fn: Callable[[InputContext], Any],
-                           prefetch: int) -> None:
-    """Build this replica's dataset with ``dataset_fn(InputContext)`` (``distribute_datasets_from_function``)."""
+                           prefetch: int) -> Any:
+    """Build this replica's dataset with ``dataset_fn(InputContext)``; returns its ``element_spec``."""
     ctx = InputContext(num_input_pipelines=runtime.size, input_pipeline_id=runtime.rank, num_replicas_in_sync=runtime.size)
     dataset = dataset_fn(ctx)
     if not isinstance(dataset, Dataset):
@@ -153,8 +153,10 @@ def register_from_function(runtime: ReplicaRuntime, dataset_id: str, dataset_fn:
     partitions = list(source.partitions)
     if isinstance(source, DaskSource):  # collections built inside dataset_fn: computed on this worker
         dataset = Dataset(_ComputedDaskSource(source, runtime.worker), dataset.transformations)
-    spec = optree.tree_map(lambda s: (s.shape, np.dtype(s.dtype)), dataset.element_spec)
+    element_spec = dataset.element_spec
+    spec = optree.tree_map(lambda s: (s.shape, np.dtype(s.dtype)), element_spec)
     runtime.add_resident(f"dataset:{dataset_id}", ReplicaShard(dataset, partitions, None, spec, prefetch))
+    return element_spec
 
 
 class _ComputedDaskSource(Source):
