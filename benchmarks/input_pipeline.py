@@ -118,7 +118,7 @@ def movement() -> None:
                 measured = _transferred(client) - before
                 plan = dist.plan()
                 print(f"{split:<10}{plan.bytes_to_move:>20,}{plan.bytes_to_move / total_bytes:>8.1%}{measured:>20,}"
-                      f"{plan.steps:>7}{str(plan.rows_per_replica()):>26}")
+                      f"{plan.steps:>7}{plan.rows_per_replica()!s:>26}")
                 del dist
 
 

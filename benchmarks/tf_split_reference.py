@@ -25,7 +25,7 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-import tensorflow as tf  # noqa: E402
+import tensorflow as tf
 
 CASES = {
     "range(8).batch(4)": lambda: tf.data.Dataset.range(8).batch(4),

@@ -307,7 +307,7 @@ def test_balanced_and_local_splits_of_uneven_partitions(threaded_client):
         assert rows == [[4, 4, 4]] * 20 + [[4, 4, 2]]  # 250 rows: TF's sizes, the undistributed number of steps
         plan = balanced.plan()
         # workers hold 55, 100 and 95 rows; the replicas need 84, 84 and 82: only the short one's rows move
-        short = plan.workers.index(sorted(threaded_client.scheduler_info()["workers"])[0])
+        short = plan.workers.index(min(threaded_client.scheduler_info()["workers"]))
         moved_rows = sum(p.rows for p in plan.reads if p.moved)
         assert moved_rows == [84, 84, 82][short] - 55
         assert plan.bytes_to_move == moved_rows * 16  # slices of a neighbour's partitions, not whole partitions

@@ -195,24 +195,13 @@ class Dataset:
         return self._source.load(partition)
 
     def _iterate(self, partitions: Iterable[Partition], state: ops.PipelineState,
-                 load: Callable[[Partition], Any], row_filter: Callable[[np.ndarray], np.ndarray] | None = None
-                 ) -> Iterator[Any]:
-        """Run the pipeline over ``partitions`` (loaded with ``load``), keeping rows where ``row_filter``.
-
-        ``row_filter`` gets the global positions of a block's rows and returns a
-        boolean mask (DATA sharding).
-        """
+                 load: Callable[[Partition], Any]) -> Iterator[Any]:
+        """Run the pipeline over ``partitions`` (loaded with ``load``)."""
         partitions = list(partitions)
 
         def source_blocks(_: ops.PipelineState) -> Iterator[Any]:
-            position = 0
             for partition in partitions:
                 block = load(partition)
-                n = ops.block_rows(block)
-                if row_filter is not None:
-                    mask = row_filter(np.arange(position, position + n))
-                    block = ops.slice_block(block, mask)
-                position += n
                 if ops.block_rows(block):
                     yield block
 
@@ -237,24 +226,6 @@ class Dataset:
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_caches": {}, "_epochs": 0}  # caches stay where they were filled
-
-    def with_batch_size(self, batch_size: int) -> Dataset:
-        """This dataset with its last ``batch`` set to ``batch_size`` (per-replica rebatching)."""
-        for i in range(len(self._ops) - 1, -1, -1):
-            op = self._ops[i]
-            if isinstance(op, ops.Batch):
-                new = ops.Batch(batch_size, op.drop_remainder)
-                return Dataset(self._source, self._ops[:i] + (new,) + self._ops[i + 1 :])
-        return self
-
-    @property
-    def global_batch_size(self) -> int | None:
-        for op in reversed(self._ops):
-            if isinstance(op, ops.Batch):
-                return op.batch_size
-            if isinstance(op, ops.Unbatch):
-                return None
-        return None
 
 
 def _bind(op: ops.Op, upstream: Callable[[ops.PipelineState], Iterator[Any]], rows_mode: bool

@@ -83,7 +83,7 @@ class DistributedDataset:
         shards = []
         for replica_input in planned.inputs:
             shards.append((dataset_id, replica_side.ReplicaShard(
-                replica_input.dataset, replica_input.partitions, None, spec,
+                replica_input.dataset, replica_input.partitions, spec,
                 options.experimental_per_replica_buffer_size, options.experimental_fetch_to_device, planned.steps,
             )))
         extended.group.call(replica_side.register_shard, shards)

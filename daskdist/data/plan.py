@@ -83,9 +83,10 @@ class Plan:
         return [self.steps] * len(self.workers)
 
     def __repr__(self) -> str:
-        lines = [f"Plan ({self.policy} sharding, {self.split} split, {len(self.reads)} reads -> "
-                 f"{len(self.workers)} replicas, {_fmt_bytes(self.bytes_to_move)} to move of "
-                 f"{_fmt_bytes(self.bytes_total)}, steps {self.steps if self.steps is not None else '?'})"]
+        steps = self.steps if self.steps is not None else "?"
+        lines = [(f"Plan ({self.policy} sharding, {self.split} split, {len(self.reads)} reads -> "
+                  f"{len(self.workers)} replicas, {_fmt_bytes(self.bytes_to_move)} to move of "
+                  f"{_fmt_bytes(self.bytes_total)}, steps {steps})")]
         for r, (worker, rows, nbytes, steps, batch) in enumerate(zip(
             self.workers, self.rows_per_replica(), self.bytes_per_replica(), self.steps_per_replica(), self.batch_sizes
         )):

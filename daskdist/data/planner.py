@@ -201,7 +201,7 @@ def _local_rows(source: Source, reads: list[Read]) -> LocalSource:
     for read in reads:
         block = source.load(source.partitions[read.partition])
         blocks.append(optree.tree_map(
-            lambda leaf: select_rows(leaf, read.start, read.stop, read.first_position, read.rule), block))
+            lambda leaf, r=read: select_rows(leaf, r.start, r.stop, r.first_position, r.rule), block))
     if not blocks:  # no rows for this replica: an empty block of the source's structure
         block = source.load(next(p for p in source.partitions))
         blocks.append(optree.tree_map(lambda leaf: leaf[:0], block))

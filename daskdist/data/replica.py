@@ -1,8 +1,8 @@
 """The replica side of distributed datasets: each replica's shard, its iterators, and their commands.
 
-A ``ReplicaShard`` is what one replica reads: its partitions (Dask keys
-held by its own worker, or in-memory rows), the pipeline with the
-per-replica batch size, and the sharding rule. Iterators run that pipeline
+A ``ReplicaShard`` is what one replica reads: its rows (Dask keys held by
+its own worker, or in-memory rows, planned by ``data/planner.py``) and the
+pipeline that splits each global batch. Iterators run that pipeline
 locally; batches stay on the replica and are referred to from the client by
 ``BatchRef`` handles, resolved inside ``strategy.run``.
 """
@@ -72,7 +72,6 @@ class ReplicaShard:
 
     dataset: Dataset
     partitions: list[Partition]
-    row_filter: tuple[int, int] | None  # (every, index) for DATA sharding
     empty_spec: Any  # structure of (shape, dtype) of an element, to build empty batches
     prefetch: int = 2
     to_device: bool = False
@@ -83,12 +82,8 @@ class ReplicaShard:
     def pipeline(self, replica: int) -> Iterator[Any]:
         state = ops.PipelineState(epoch=self.epochs, replica=replica, caches=self.caches)
         self.epochs += 1
-        row_filter = None
-        if self.row_filter is not None:
-            every, index = self.row_filter
-            row_filter = lambda positions: positions % every == index  # noqa: E731
         source = self.dataset.source
-        elements = self.dataset._iterate(self.partitions, state, load=source.load, row_filter=row_filter)
+        elements = self.dataset._iterate(self.partitions, state, load=source.load)
         if self.prefetch:
             elements = ops.PrefetchIterator(elements, self.prefetch)
         return elements
@@ -155,7 +150,7 @@ def register_from_function(runtime: ReplicaRuntime, dataset_id: str, dataset_fn:
         dataset = Dataset(_ComputedDaskSource(source, runtime.worker), dataset.transformations)
     element_spec = dataset.element_spec
     spec = optree.tree_map(lambda s: (s.shape, np.dtype(s.dtype)), element_spec)
-    runtime.add_resident(f"dataset:{dataset_id}", ReplicaShard(dataset, partitions, None, spec, prefetch))
+    runtime.add_resident(f"dataset:{dataset_id}", ReplicaShard(dataset, partitions, spec, prefetch))
     return element_spec
 
 
@@ -215,7 +210,7 @@ def forget_dataset(runtime: ReplicaRuntime, dataset_id: str) -> None:
 class BatchRef:
     """A handle to one replica's batch of one step (or one leaf of it); it resolves to arrays inside ``strategy.run``."""
 
-    __slots__ = ("token", "iterator_id", "step", "rows", "leaf")
+    __slots__ = ("iterator_id", "leaf", "rows", "step", "token")
 
     def __init__(self, token: str, iterator_id: str, step: int, rows: int, leaf: int | None = None):
         self.token = token
