@@ -47,7 +47,6 @@ from _common import (
     settings_line,
 )
 
-
 #: TensorFlow's in-process ``MirroredStrategy.run`` of the 4 KiB all-reduce step on the reference machine (issue 12).
 TF_IN_PROCESS_MS = 0.66
 
@@ -87,9 +86,9 @@ def measure(n_workers: int, calls: int, warmup: int, block: int) -> dict[str, li
 
     Returns the lists of times (seconds) under ``"run"`` and ``"submit"``.
     """
-    import daskdist as dd
-
     import dask.config
+
+    import daskdist as dd
 
     with local_cluster(n_workers) as client:
         strategy = dd.MirroredStrategy(client=client)

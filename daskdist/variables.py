@@ -274,7 +274,7 @@ class DistributedVariable(Variable):
     replicas. Inside a replica it is that replica's copy.
     """
 
-    def __init__(self, spec: VariableSpec, token: str, var_id: int, owner: Any = None, local_value: Any = None,
+    def __init__(self, spec: VariableSpec, token: str, var_id: str, owner: Any = None, local_value: Any = None,
                  runtime: Any = None):
         self._spec = spec
         self._token = token
@@ -484,7 +484,7 @@ def check_same_spec_on_every_replica(specs: list[VariableSpec]) -> None:
         )
 
 
-def _resolve_variable(token: str, var_id: int, spec: VariableSpec) -> DistributedVariable:
+def _resolve_variable(token: str, var_id: str, spec: VariableSpec) -> DistributedVariable:
     """Unpickle a variable reference: the replica's own copy, or the client's handle."""
     runtime = context.current_runtime()
     if runtime is not None and runtime.token == token:

@@ -25,7 +25,7 @@ from daskdist.data.sources import DaskSource, Partition, Source
 from daskdist.group.service import BATCH, DATASET, ITERATOR
 
 if TYPE_CHECKING:
-    from daskdist.replica.runtime import ReplicaRuntime
+    from daskdist.group.service import ReplicaService
 
 __all__ = ["BatchRef", "KeyedSource", "ReplicaShard"]
 
@@ -151,7 +151,7 @@ class ReplicaIterator:
             close()
 
 
-def _to_device(element: Any, shard: ReplicaShard, runtime: ReplicaRuntime) -> Any:
+def _to_device(element: Any, shard: ReplicaShard, runtime: ReplicaService) -> Any:
     if not shard.to_device or not any("GPU" in d for d in runtime.devices):
         return element
     import cupy
@@ -162,13 +162,13 @@ def _to_device(element: Any, shard: ReplicaShard, runtime: ReplicaRuntime) -> An
 # -- commands (run on the replica thread) ------------------------------------------
 
 
-def register_shard(runtime: ReplicaRuntime, dataset_id: str, shard: ReplicaShard) -> None:
+def register_shard(runtime: ReplicaService, dataset_id: str, shard: ReplicaShard) -> None:
     if isinstance(shard.dataset.source, KeyedSource):
         shard.dataset.source.worker = runtime.worker
     runtime.objects.install(DATASET, dataset_id, shard)
 
 
-def register_from_function(runtime: ReplicaRuntime, dataset_id: str, dataset_fn: Callable[[InputContext], Any],
+def register_from_function(runtime: ReplicaService, dataset_id: str, dataset_fn: Callable[[InputContext], Any],
                            prefetch: int) -> Any:
     """Build this replica's dataset with ``dataset_fn(InputContext)``; returns its ``element_spec``."""
     ctx = InputContext(num_input_pipelines=runtime.size, input_pipeline_id=runtime.rank, num_replicas_in_sync=runtime.size)
@@ -202,12 +202,12 @@ def _batch_id(iterator_id: str, step: int) -> str:
     return f"{iterator_id}:{step}"
 
 
-def make_iterator(runtime: ReplicaRuntime, dataset_id: str, iterator_id: str) -> None:
+def make_iterator(runtime: ReplicaService, dataset_id: str, iterator_id: str) -> None:
     shard = runtime.objects.get(DATASET, dataset_id)
     runtime.objects.install(ITERATOR, iterator_id, ReplicaIterator(shard, runtime.rank))
 
 
-def next_batch(runtime: ReplicaRuntime, iterator_id: str, step: int) -> int:
+def next_batch(runtime: ReplicaService, iterator_id: str, step: int) -> int:
     """Produce this replica's element for ``step``; returns its rows (-1 once the shard is exhausted)."""
     iterator: ReplicaIterator = runtime.objects.get(ITERATOR, iterator_id)
     start = time.perf_counter()
@@ -226,7 +226,7 @@ def next_batch(runtime: ReplicaRuntime, iterator_id: str, step: int) -> int:
     return rows
 
 
-def close_iterator(runtime: ReplicaRuntime, iterator_id: str, keep_batches: bool = False) -> None:
+def close_iterator(runtime: ReplicaService, iterator_id: str, keep_batches: bool = False) -> None:
     """Stop an iterator's pipeline; drop its batches too unless ``keep_batches`` (handles may still be used)."""
     iterator = runtime.objects.pop(ITERATOR, iterator_id)
     if iterator is not None:
@@ -237,7 +237,7 @@ def close_iterator(runtime: ReplicaRuntime, iterator_id: str, keep_batches: bool
                 runtime.objects.discard(BATCH, key)
 
 
-def forget_dataset(runtime: ReplicaRuntime, dataset_id: str) -> None:
+def forget_dataset(runtime: ReplicaService, dataset_id: str) -> None:
     runtime.objects.discard(DATASET, dataset_id)
 
 
@@ -301,7 +301,7 @@ class ReplicaDatasetView:
     has data; those that ran out yield empty batches until all have.
     """
 
-    def __init__(self, runtime: ReplicaRuntime, shard: ReplicaShard):
+    def __init__(self, runtime: ReplicaService, shard: ReplicaShard):
         self._runtime = runtime
         self._shard = shard
 

@@ -62,8 +62,8 @@ class CommandChannels:
         """Whether every one of ``addresses`` has an open channel."""
         return all(a in self._sockets for a in addresses)
 
-    def call(self, targets: dict[int, str], run_id: int, generation: int, settings: dict | None,
-             payloads: dict[int, bytes], abort_grace: float) -> dict[int, dict | None]:
+    def call(self, targets: dict[int, str], run_id: int, generation: int, settings: dict[str, Any] | None,
+             payloads: dict[int, bytes], abort_grace: float) -> dict[int, dict[str, Any] | None]:
         """Send ``payloads[rank]`` to each target and gather the answers, by rank.
 
         After the first failure the others get ``abort_grace`` seconds to
@@ -71,7 +71,7 @@ class CommandChannels:
         answered map to ``None``.
         """
         settings_bytes = pickle.dumps(settings, protocol=pickle.HIGHEST_PROTOCOL) if settings is not None else b""
-        responses: dict[int, dict | None] = dict.fromkeys(targets)
+        responses: dict[int, dict[str, Any] | None] = dict.fromkeys(targets)
         pending: dict[int, int] = {}  # fd -> rank
         failed = lost = False
         for rank, address in targets.items():
@@ -112,7 +112,7 @@ class CommandChannels:
                 deadline = time.monotonic() + abort_grace
         return responses
 
-    def _read(self, address: str, run_id: int) -> dict:
+    def _read(self, address: str, run_id: int) -> dict[str, Any]:
         """The answer to ``run_id`` on ``address``'s channel, skipping answers to earlier calls."""
         sock = self._sockets[address]
         while True:
@@ -120,7 +120,7 @@ class CommandChannels:
             if response.get("run_id", run_id) == run_id:
                 return response
 
-    def _lost(self, rank: int, address: str, error: BaseException) -> dict:
+    def _lost(self, rank: int, address: str, error: BaseException) -> dict[str, Any]:
         sock = self._sockets.pop(address, None)
         if sock is not None:
             sock.close()
@@ -143,4 +143,5 @@ def client_ssl_context(client: Any) -> ssl.SSLContext | None:
     address = getattr(getattr(client, "scheduler", None), "address", "") or ""
     if not str(address).startswith("tls://"):
         return None
-    return client.security.get_connection_args("client").get("ssl_context")
+    context: ssl.SSLContext | None = client.security.get_connection_args("client").get("ssl_context")
+    return context

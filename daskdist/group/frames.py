@@ -51,11 +51,11 @@ def send_request(sock: socket.socket, run_id: int, generation: int, settings: by
     _send_parts(sock, [REQUEST.pack(run_id, generation, len(settings), len(payload)), settings, payload])
 
 
-def read_request(sock: socket.socket) -> tuple[int, int, dict | None, bytes]:
+def read_request(sock: socket.socket) -> tuple[int, int, dict[str, Any] | None, bytes]:
     """Read one command: ``(run_id, generation, settings or None, payload)``."""
     run_id, generation, n_settings, n_payload = REQUEST.unpack(recv_exactly(sock, REQUEST.size))
     body = recv_exactly(sock, n_settings + n_payload)
-    settings = pickle.loads(body[:n_settings]) if n_settings else None
+    settings: dict[str, Any] | None = pickle.loads(body[:n_settings]) if n_settings else None
     return run_id, generation, settings, bytes(memoryview(body)[n_settings:])
 
 
@@ -66,4 +66,5 @@ def send_response(sock: socket.socket, response: dict[str, Any]) -> None:
 
 def read_response(sock: socket.socket) -> dict[str, Any]:
     (n,) = _LENGTH.unpack(recv_exactly(sock, _LENGTH.size))
-    return pickle.loads(recv_exactly(sock, n))
+    response: dict[str, Any] = pickle.loads(recv_exactly(sock, n))
+    return response

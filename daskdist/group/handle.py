@@ -22,7 +22,8 @@ import logging
 import threading
 import time
 import uuid
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from distributed import Client, Future
 from distributed.comm.core import CommClosedError
@@ -98,7 +99,7 @@ class ReplicaGroup:
         self._channels: CommandChannels | None = None
         self._sent_settings = self.spec.config  # what the replicas read (a command carries a newer one)
         self._membership_callbacks: list[Callable[[Membership], None]] = []
-        self.futures: list[Future] = []
+        self.futures: list[Future[Any]] = []
         self.failure: BaseException | None = None
         self.closed = False
         self._run_ids = itertools.count(1)
@@ -119,6 +120,21 @@ class ReplicaGroup:
     def generation(self) -> int:
         return self.membership.generation
 
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        """The client's event loop."""
+        loop: asyncio.AbstractEventLoop = self.client.loop.asyncio_loop  # type: ignore[union-attr]
+        return loop
+
+    def _sync(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``Client.sync`` (untyped in distributed): run a coroutine function on the client's loop, wait here."""
+        return self.client.sync(fn, *args, **kwargs)  # type: ignore[no-untyped-call]
+
+    def _ask_scheduler(self, handler: str, **kwargs: Any) -> dict[str, Any]:
+        """Call the scheduler plugin's ``handler`` and return its answer."""
+        scheduler: Any = self.client.scheduler
+        answer: dict[str, Any] = self._sync(getattr(scheduler, handler), **kwargs)
+        return answer
+
     # -- membership ----------------------------------------------------------------
 
     def on_membership(self, callback: Callable[[Membership], None]) -> None:
@@ -133,7 +149,7 @@ class ReplicaGroup:
         StrategyClosedError
             The scheduler no longer knows the group (closed, or failed and forgotten).
         """
-        response = self.client.sync(self.client.scheduler.daskdist_membership, group_id=self.group_id)
+        response = self._ask_scheduler("daskdist_membership", group_id=self.group_id)
         if response.get("status") != "OK":
             raise StrategyClosedError(response.get("message", f"replica group {self.group_id} is gone"))
         membership = Membership.from_msg(response["membership"])
@@ -150,9 +166,7 @@ class ReplicaGroup:
     def launch(self) -> None:
         """Install the plugins, start one replica task per worker, and wait for the rendezvous."""
         self.client.register_plugin(DaskdistSchedulerPlugin(), name="daskdist")
-        response = self.client.sync(
-            self.client.scheduler.daskdist_register_group,
-            group_id=self.group_id,
+        response = self._ask_scheduler("daskdist_register_group", group_id=self.group_id,
             workers=self.addresses,
             client=self.client.id,
             membership=self.membership.to_msg(),
@@ -178,27 +192,25 @@ class ReplicaGroup:
         while True:
             # wait at the scheduler in short slices, so a replica task that fails at start-up is seen at once
             slice_ = max(0.01, min(0.5, deadline - time.monotonic()))
-            response = self.client.sync(
-                self.client.scheduler.daskdist_wait_group, group_id=self.group_id, timeout=slice_, final=False
+            response = self._ask_scheduler("daskdist_wait_group", group_id=self.group_id, timeout=slice_, final=False
             )
             if response.get("status") == "OK":
                 break
             failed = [(i, f) for i, f in enumerate(self.futures) if f.status == "error"]
             if failed:
                 rank, future = failed[0]
-                error = future.exception()  # before the release, which forgets the future's error
+                error = future.exception()  # type: ignore[no-untyped-call]  # before the release forgets it
                 self._release()
                 raise RendezvousError(f"replica {rank} failed to start on {self.addresses[rank]}: {error!r}") from error
             if response.get("status") == "failed" or time.monotonic() >= deadline:
-                final = self.client.sync(
-                    self.client.scheduler.daskdist_wait_group, group_id=self.group_id, timeout=0.01, final=True
+                final = self._ask_scheduler("daskdist_wait_group", group_id=self.group_id, timeout=0.01, final=True
                 )
                 self._release()
                 raise RendezvousError(final.get("message", "rendezvous failed"))
         self._open_channels(response.get("info", {}))
         logger.debug("Replica group %s is up on %s", self.group_id, self.addresses)
 
-    def _open_channels(self, infos: dict) -> None:
+    def _open_channels(self, infos: dict[str, Any]) -> None:
         """Connect the direct command channel to every replica (``daskdist.client.command-channel``).
 
         Falls back to the workers' Dask RPC handler when the setting says
@@ -232,7 +244,7 @@ class ReplicaGroup:
         self.closed = True
         try:
             ranks = self._ranks_alive(range(self.size))
-            self.client.sync(self._stop, ranks)
+            self._sync(self._stop, ranks)
             deadline = time.monotonic() + timeout
             while ranks:
                 try:
@@ -256,11 +268,11 @@ class ReplicaGroup:
             self._channels.close()
             self._channels = None
         try:
-            self.client.sync(self.client.scheduler.daskdist_close_group, group_id=self.group_id)
+            self._ask_scheduler("daskdist_close_group", group_id=self.group_id)
         except Exception as e:
             logger.debug("Closing group %s at the scheduler: %s", self.group_id, e)
         for future in self.futures:
-            future.release()
+            future.release()  # type: ignore[no-untyped-call]
         self.futures = []
 
     async def _stop(self, ranks: list[int]) -> None:
@@ -276,7 +288,7 @@ class ReplicaGroup:
 
     # -- residents ---------------------------------------------------------------
 
-    def snapshot_residents(self, kinds: tuple[str, ...] | None = None) -> list[dict]:
+    def snapshot_residents(self, kinds: tuple[str, ...] | None = None) -> list[dict[tuple[str, str], Any]]:
         """Every replica's resident state (variables, models with optimizer state, shards, iterators), by rank.
 
         Each entry maps ``(kind, id)`` to that resident's ``snapshot()``; the
@@ -284,7 +296,7 @@ class ReplicaGroup:
         """
         return self.call(snapshot_residents, (kinds,))
 
-    def restore_residents(self, states: list[dict] | dict) -> None:
+    def restore_residents(self, states: list[dict[tuple[str, str], Any]] | dict[tuple[str, str], Any]) -> None:
         """Put back snapshots: one per replica (a list, by rank), or one for all (replica 0's, say).
 
         Raises
@@ -301,7 +313,7 @@ class ReplicaGroup:
 
     # -- commands ----------------------------------------------------------------
 
-    def call(self, command: Callable[..., Any], args_per_replica: Sequence[tuple] | tuple = (),
+    def call(self, command: Callable[..., Any], args_per_replica: Sequence[tuple[Any, ...]] | tuple[Any, ...] = (),
              ranks: Sequence[int] | None = None, *, role: str | None = None, member: int | None = None) -> list[Any]:
         """Run ``command(runtime, *args)`` on replicas; return their results in rank order.
 
@@ -343,7 +355,7 @@ class ReplicaGroup:
                     responses = channels.call(targets, run_id, self.membership.generation, settings, payloads,
                                               config.get_seconds("client.abort-grace"))
                 else:
-                    responses = self.client.sync(self._call_all, run_id, payloads, self.membership.generation,
+                    responses = self._sync(self._call_all, run_id, payloads, self.membership.generation,
                                                  settings)
             except BaseException as e:
                 self.failed_runs += 1
@@ -355,9 +367,9 @@ class ReplicaGroup:
                 self.failed_runs += 1
         return self._results(responses, ranks)
 
-    def submit(self, command: Callable[..., Any], args_per_replica: Sequence[tuple] | tuple = (),
+    def submit(self, command: Callable[..., Any], args_per_replica: Sequence[tuple[Any, ...]] | tuple[Any, ...] = (),
                ranks: Sequence[int] | None = None, *, role: str | None = None,
-               member: int | None = None) -> concurrent.futures.Future:
+               member: int | None = None) -> concurrent.futures.Future[list[Any]]:
         """Start ``command(runtime, *args)`` on replicas without waiting; the future gives ``call``'s result.
 
         Several submitted commands (and a ``call``) may be in flight at once,
@@ -367,7 +379,7 @@ class ReplicaGroup:
         as in ``call``.
         """
         ranks = self._targets(ranks, role, member)
-        result: concurrent.futures.Future = concurrent.futures.Future()
+        result: concurrent.futures.Future[list[Any]] = concurrent.futures.Future()
         if not ranks:
             result.set_result([])
             return result
@@ -375,9 +387,9 @@ class ReplicaGroup:
             run_id, payloads, settings = self._prepare(command, args_per_replica, ranks)
         generation = self.membership.generation
         running = asyncio.run_coroutine_threadsafe(self._call_all(run_id, payloads, generation, settings),
-                                                   self.client.loop.asyncio_loop)
+                                                   self._loop())
 
-        def done(finished: concurrent.futures.Future) -> None:
+        def done(finished: concurrent.futures.Future[dict[int, dict[str, Any] | None]]) -> None:
             try:
                 responses = finished.result()
                 if any(r is None or r.get("status") != "OK" for r in responses.values()):
@@ -409,8 +421,8 @@ class ReplicaGroup:
             return [member]
         return list(range(self.size)) if ranks is None else list(ranks)
 
-    def _prepare(self, command: Callable[..., Any], args_per_replica: Sequence[tuple] | tuple,
-                 ranks: list[int]) -> tuple[int, dict[int, bytes], dict | None]:
+    def _prepare(self, command: Callable[..., Any], args_per_replica: Sequence[tuple[Any, ...]] | tuple[Any, ...],
+                 ranks: list[int]) -> tuple[int, dict[int, bytes], dict[str, Any] | None]:
         """Number a run and pickle its payloads (one shared payload when every replica gets the same arguments)."""
         failures = self.failed_runs  # the failure count in the payload must be the one this run starts with
         settings = self._settings_to_send()
@@ -421,7 +433,7 @@ class ReplicaGroup:
             payloads = {r: serialization.dumps((command, tuple(args_per_replica[r]), failures)) for r in ranks}
         return next(self._run_ids), payloads, settings
 
-    def _settings_to_send(self) -> dict | None:
+    def _settings_to_send(self) -> dict[str, Any] | None:
         """A new snapshot of the client's ``daskdist.*`` keys if they changed since the replicas got one, else ``None``."""
         if config.live_settings() == self._sent_settings["daskdist"]:
             return None
@@ -429,10 +441,10 @@ class ReplicaGroup:
         return self._sent_settings
 
     async def _call_all(self, run_id: int, payloads: dict[int, bytes], generation: int,
-                        settings: dict | None) -> dict[int, dict | None]:
+                        settings: dict[str, Any] | None) -> dict[int, dict[str, Any] | None]:
         tasks = {asyncio.ensure_future(self._call_one(rank, run_id, payload, generation, settings)): rank
                  for rank, payload in payloads.items()}
-        responses: dict[int, dict | None] = {rank: None for rank in payloads}
+        responses: dict[int, dict[str, Any] | None] = {rank: None for rank in payloads}
         pending = set(tasks)
         failed = lost = False
         while pending and not failed:
@@ -449,32 +461,42 @@ class ReplicaGroup:
             task.cancel()
         return responses
 
-    async def _call_one(self, rank: int, run_id: int, payload: bytes, generation: int, settings: dict | None) -> dict:
+    async def _call_one(self, rank: int, run_id: int, payload: bytes, generation: int, settings: dict[str, Any] | None) -> dict[str, Any]:
         address = self.addresses[rank]
         try:
-            return await self.client.rpc(address).daskdist_call(
+            response: dict[str, Any] = await self.client.rpc(address).daskdist_call(
                 group_id=self.group_id, generation=generation, rank=rank, run_id=run_id, payload=payload,
                 settings=settings,
             )
+            return response
         except (OSError, CommClosedError) as e:
             error = ReplicaLostError(
                 f"replica {rank} was lost: the connection to its worker {address} failed ({e})", worker=address
             )
             return serialization.error_message(error, rank, address)
 
-    def _results(self, responses: dict[int, dict | None], ranks: list[int]) -> list[Any]:
+    def _results(self, responses: dict[int, dict[str, Any] | None], ranks: list[int]) -> list[Any]:
         errors = [r for r in responses.values() if r is not None and r.get("status") != "OK"]
         if not errors:
-            return [serialization.loads(responses[r]["result"]) for r in ranks]
+            return [serialization.loads(_answer(responses, r)["result"]) for r in ranks]
         errors.sort(key=lambda m: _ERROR_PRIORITY.index(m["kind"]) if m["kind"] in _ERROR_PRIORITY else 99)
         root = errors[0]
         error = serialization.exception_from_message(root)
         silent = [r for r, m in responses.items() if m is None]
         if silent:
-            error.add_note(
+            serialization.add_note(
+                error,
                 f"replicas {silent} did not answer within daskdist.client.abort-grace after the failure "
                 "(still busy in user code?)"
             )
         if root["kind"] == "lost" and self.spec.policy == "fixed":
             self.failure = error
         raise error
+
+
+def _answer(responses: dict[int, dict[str, Any] | None], rank: int) -> dict[str, Any]:
+    """Replica ``rank``'s answer, known to be there."""
+    response = responses[rank]
+    if response is None:
+        raise RuntimeError(f"replica {rank} gave no answer")  # not reached: only called when every replica answered
+    return response

@@ -17,7 +17,7 @@ import it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, NewType
+from typing import Any, Literal, NewType
 
 from daskdist.exceptions import StaleGenerationError
 
@@ -135,7 +135,7 @@ class Membership:
         """The membership of the next generation, with ``members``."""
         return Membership(self.group_id, Generation(self.generation + 1), tuple(members))
 
-    def to_msg(self) -> dict:
+    def to_msg(self) -> dict[str, Any]:
         """A msgpack-able form (for the scheduler's handlers)."""
         return {
             "group_id": self.group_id,
@@ -144,7 +144,7 @@ class Membership:
         }
 
     @classmethod
-    def from_msg(cls, msg: dict) -> Membership:
+    def from_msg(cls, msg: dict[str, Any]) -> Membership:
         members = tuple(Member(str(a), str(d), str(h), r) for a, d, h, r in msg["members"])
         return cls(GroupId(msg["group_id"]), Generation(int(msg["generation"])), members)
 

@@ -25,12 +25,12 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 
 from daskdist import config
-from daskdist.group.membership import Membership, MembershipPolicy, check_generation
-from daskdist.group.worker_plugin import DaskdistWorkerPlugin
-from daskdist.exceptions import StaleGenerationError
 from daskdist.dashboard import page, prometheus
 from daskdist.dashboard.event_log import bound_topic
 from daskdist.dashboard.store import STEP_TOPIC, MetricsStore
+from daskdist.exceptions import StaleGenerationError
+from daskdist.group.membership import Membership, MembershipPolicy, check_generation
+from daskdist.group.worker_plugin import DaskdistWorkerPlugin
 
 if TYPE_CHECKING:
     from distributed import Scheduler
@@ -70,7 +70,7 @@ class GroupState:
     generation: int = 0
     strategy_token: str | None = None  # the key of the group's metrics in the store (the dashboard's unit)
     arrived: dict[int, str] = field(default_factory=dict)
-    info: dict[int, dict] = field(default_factory=dict)
+    info: dict[int, dict[str, Any]] = field(default_factory=dict)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     meetings: dict[str, Meeting] = field(default_factory=dict)
@@ -80,7 +80,7 @@ class GroupState:
         for meeting in self.meetings.values():
             meeting.ready.set()
 
-    def stale(self, generation: int | None, what: str) -> dict | None:
+    def stale(self, generation: int | None, what: str) -> dict[str, Any] | None:
         """An error message if ``generation`` is older than the group's (``None``: a pre-generation caller)."""
         if generation is None:
             return None
@@ -104,6 +104,12 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
                                   straggler_min_wait=config.get_seconds("metrics.straggler-min-wait"))
         self.step_event_log = int(config.get("metrics.scheduler-event-log"))
 
+    @property
+    def _scheduler(self) -> Scheduler:
+        if self.scheduler is None:
+            raise RuntimeError("the daskdist scheduler plugin has not been started")
+        return self.scheduler
+
     async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         scheduler.handlers.update(
@@ -119,7 +125,8 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
             }
         )
         scheduler.extensions["daskdist"] = self
-        await scheduler.register_worker_plugin(None, dumps(DaskdistWorkerPlugin()), name="daskdist", idempotent=True)
+        plugin = dumps(DaskdistWorkerPlugin())  # type: ignore[no-untyped-call]
+        await scheduler.register_worker_plugin(None, plugin, name="daskdist", idempotent=True)
         prometheus.register_store(self.store)
         try:
             page.install(scheduler)
@@ -129,10 +136,10 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
     # -- handlers ----------------------------------------------------------------
 
     def register_group(self, group_id: str, workers: list[str], client: str | None = None,
-                       membership: dict | None = None, policy: MembershipPolicy = "fixed",
-                       strategy_token: str | None = None) -> dict:
+                       membership: dict[str, Any] | None = None, policy: MembershipPolicy = "fixed",
+                       strategy_token: str | None = None) -> dict[str, Any]:
         """Announce a group about to launch one replica on each of ``workers`` (rank order), generation 0."""
-        missing = [w for w in workers if w not in self.scheduler.workers]
+        missing = [w for w in workers if w not in self._scheduler.workers]
         if missing:
             return {"status": "error", "message": f"workers {missing} are not part of the cluster"}
         if policy not in ("fixed", "elastic"):
@@ -142,12 +149,12 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
             membership=Membership.from_msg(membership) if membership is not None else None, policy=policy,
             strategy_token=strategy_token,
         )
-        self.scheduler.log_event(EVENT_TOPIC, {"action": "register", "group": group_id, "workers": workers,
+        self._scheduler.log_event(EVENT_TOPIC, {"action": "register", "group": group_id, "workers": workers,
                                                "generation": 0})
         return {"status": "OK"}
 
-    async def rendezvous(self, group_id: str, rank: int, address: str, info: dict | None = None,
-                         generation: int | None = None) -> dict:
+    async def rendezvous(self, group_id: str, rank: int, address: str, info: dict[str, Any] | None = None,
+                         generation: int | None = None) -> dict[str, Any]:
         """Called by each replica at the start of a generation; returns once all have arrived, with everyone's ``info``.
 
         ``info`` carries what peers need to reach the replica directly
@@ -166,21 +173,22 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
         if generation is not None and generation > group.generation:
             return {"status": "error", "message": f"generation {generation} of {group_id} does not exist yet"}
         if rank >= len(group.workers) or group.workers[rank] != address:
-            return {"status": "error", "message": f"replica {rank} started on {address}, expected {group.workers[rank]}"}
+            expected = group.workers[rank] if rank < len(group.workers) else "no worker (no such rank)"
+            return {"status": "error", "message": f"replica {rank} started on {address}, expected {expected}"}
         group.arrived[rank] = address
         group.info[rank] = info or {}
         if len(group.arrived) == len(group.workers):
             group.status = "running"
             group.ready.set()
-        ready, info = group.ready, group.info  # this generation's: a change while waiting wakes it with an error
+        ready, infos = group.ready, group.info  # this generation's: a change while waiting wakes it with an error
         await ready.wait()
         if group.status != "running" or (generation is not None and generation != group.generation):
             return {"status": "error", "kind": "stale" if group.status == "starting" else "lost",
                     "message": group.reason or f"{group_id} moved to generation {group.generation}"}
-        return {"status": "OK", "info": {str(r): i for r, i in info.items()}}
+        return {"status": "OK", "info": {str(r): i for r, i in infos.items()}}
 
     async def exchange(self, group_id: str, key: str, rank: int, value: Any = None, timeout: float = 0.5,
-                       generation: int | None = None) -> dict:
+                       generation: int | None = None) -> dict[str, Any]:
         """A rendezvous under ``key`` after the group is running: each replica posts ``value``, all get all.
 
         Used for what replicas must agree on later (NCCL's unique id, made by
@@ -218,7 +226,7 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
             group.meetings.pop(key, None)
         return {"status": "OK", "values": {str(r): v for r, v in meeting.values.items()}}
 
-    async def wait_group(self, group_id: str, timeout: float, final: bool = True) -> dict:
+    async def wait_group(self, group_id: str, timeout: float, final: bool = True) -> dict[str, Any]:
         """Called by the client after launching: OK once every replica has met.
 
         With ``final=False`` a timeout only answers ``{"status": "waiting"}``
@@ -245,7 +253,7 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
             return {"status": "failed", "message": group.reason}
         return {"status": "OK", "info": {str(r): i for r, i in group.info.items()}}
 
-    def close_group(self, group_id: str) -> dict:
+    def close_group(self, group_id: str) -> dict[str, Any]:
         """Forget a group (the strategy closed it)."""
         group = self.groups.pop(group_id, None)
         if group is not None:
@@ -253,17 +261,17 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
             group.reason = group.reason or f"group {group_id} was closed"
             group.ready.set()
             group.wake_meetings()
-            self.scheduler.log_event(EVENT_TOPIC, {"action": "close", "group": group_id})
+            self._scheduler.log_event(EVENT_TOPIC, {"action": "close", "group": group_id})
         self.store.close_group(group.strategy_token or group_id if group is not None else group_id)
         return {"status": "OK"}
 
-    def group_status(self, group_id: str) -> dict:
+    def group_status(self, group_id: str) -> dict[str, Any]:
         group = self.groups.get(group_id)
         if group is None:
             return {"status": "unknown", "reason": ""}
         return {"status": group.status, "reason": group.reason, "generation": group.generation}
 
-    def membership(self, group_id: str, generation: int | None = None) -> dict:
+    def membership(self, group_id: str, generation: int | None = None) -> dict[str, Any]:
         """The group's current membership (``Membership.to_msg``), or a ``stale`` error if ``generation`` is older."""
         group = self.groups.get(group_id)
         if group is None or group.membership is None:
@@ -298,7 +306,7 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
             raise ValueError(f"unknown replica group {group_id}")
         if group.status in ("failed", "closed"):
             raise ValueError(f"replica group {group_id} is {group.status}: {group.reason}")
-        missing = [w for w in workers if w not in self.scheduler.workers]
+        missing = [w for w in workers if w not in self._scheduler.workers]
         if missing:
             raise ValueError(f"workers {missing} are not part of the cluster")
         from daskdist.group.membership import Member
@@ -308,7 +316,7 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
         new = group.membership.next(members)
         previous = list(group.workers)
         group.membership, group.generation, group.workers = new, int(new.generation), list(workers)
-        self.scheduler.log_event(EVENT_TOPIC, {"action": "generation", "group": group_id, "generation": new.generation,
+        self._scheduler.log_event(EVENT_TOPIC, {"action": "generation", "group": group_id, "generation": new.generation,
                                                "workers": list(workers), "reason": reason})
         # wake everyone waiting in the old generation's rendezvous or meetings: they are stale now
         group.ready.set()
@@ -318,7 +326,7 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
         if group.policy == "fixed":
             group.reason = (f"{reason or 'its membership changed'}: replica group {group_id} moved to generation "
                             f"{new.generation} and its membership policy is fixed, so it fails")
-            gone = set(self.scheduler.workers)
+            gone = set(self._scheduler.workers)
             self._fail(group, lost_worker=next((w for w in previous if w not in gone), None), addresses=previous)
             return new
         group.status = "starting"
@@ -327,7 +335,7 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
                                  "membership": new.to_msg(), "message": reason})
         return new
 
-    def change_membership_handler(self, group_id: str, workers: list[str], reason: str = "") -> dict:
+    def change_membership_handler(self, group_id: str, workers: list[str], reason: str = "") -> dict[str, Any]:
         """Handler form of ``change_membership``: ``{"status": "OK", "membership": ...}`` or an error message."""
         try:
             membership = self.change_membership(group_id, workers, reason)
@@ -389,7 +397,7 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
         group.status = "failed"
         group.ready.set()
         group.wake_meetings()
-        self.scheduler.log_event(
+        self._scheduler.log_event(
             EVENT_TOPIC, {"action": "failed", "group": group.group_id, "reason": group.reason, "worker": lost_worker}
         )
         for address in group.workers if addresses is None else addresses:
@@ -398,8 +406,8 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
                 self._send(address, {"op": "daskdist_abort_group", "group_id": group.group_id,
                                      "message": group.reason, "worker": lost_worker})
 
-    def _send(self, address: str, msg: dict) -> None:
-        stream = self.scheduler.stream_comms.get(address)
+    def _send(self, address: str, msg: dict[str, Any]) -> None:
+        stream = self._scheduler.stream_comms.get(address)
         if stream is not None:
             try:
                 stream.send(msg)

@@ -128,12 +128,12 @@ class ResidentStore:
         KeyError
             A state names a resident this store does not hold (nothing is restored then).
         """
-        missing = [key for key in states if tuple(key) not in self._objects]
+        missing = [key for key in states if key not in self._objects]
         if missing:
             raise KeyError(f"{self._owner} cannot restore {missing}: it holds no such residents")
         order = {kind: i for i, kind in enumerate(SNAPSHOT_KINDS)}
         for key in sorted(states, key=lambda k: order.get(k[0], len(order))):
-            self._objects[tuple(key)].restore(states[key])
+            self._objects[key].restore(states[key])
 
 
 class ReplicaService(Protocol):
@@ -147,6 +147,10 @@ class ReplicaService(Protocol):
     devices: list[str]
     objects: ResidentStore
     timer: StepTimer
+    #: The Dask worker hosting the replica (its data: a shard reads its partitions from it).
+    worker: Any
+    #: The ``tf.distribute.Strategy`` seen from inside the replica (``ReplicaStrategyView``).
+    strategy_view: Any
 
     @property
     def token(self) -> str:
@@ -163,6 +167,9 @@ class ReplicaService(Protocol):
     def log_event(self, topic: str, msg: Any) -> None:
         """Send a structured event to the scheduler (``Worker.log_event``)."""
 
+    def run_step(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Call ``fn`` as one timed step."""
+
     def record_step(self, timing: Any) -> None:
         """Queue a finished step's timing for the scheduler."""
 
@@ -173,11 +180,11 @@ class ReplicaService(Protocol):
 # -- commands (``command(service, *args)``, sent by the group handle) ---------------------------
 
 
-def snapshot_residents(service: ReplicaService, kinds: tuple[str, ...] | None = None) -> dict:
+def snapshot_residents(service: ReplicaService, kinds: tuple[str, ...] | None = None) -> dict[tuple[str, str], Any]:
     """The state of the replica's residents of ``kinds`` (default ``SNAPSHOT_KINDS``), arrays copied."""
     return service.objects.snapshot(SNAPSHOT_KINDS if kinds is None else kinds)
 
 
-def restore_residents(service: ReplicaService, states: dict) -> None:
+def restore_residents(service: ReplicaService, states: dict[tuple[str, str], Any]) -> None:
     """Put back ``snapshot_residents``'s states (this replica's or another's) into the replica's residents."""
     service.objects.restore(states)

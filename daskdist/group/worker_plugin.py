@@ -41,17 +41,17 @@ class HostedReplica(Protocol):
     generation: int
     known_generation: int
 
-    def submit(self, run_id: int, payload: bytes, generation: int, settings: dict | None) -> asyncio.Future: ...
+    def submit(self, run_id: int, payload: bytes, generation: int, settings: dict[str, Any] | None) -> asyncio.Future[dict[str, Any]]: ...
 
-    def deliver(self, generation: int, tag: tuple, payload: Any) -> None: ...
+    def deliver(self, generation: int, tag: tuple[Any, ...], payload: Any) -> None: ...
 
-    def abort_run(self, generation: int, run_id: int, abort: dict) -> None: ...
+    def abort_run(self, generation: int, run_id: int, abort: dict[str, Any]) -> None: ...
 
     def abort_group(self, message: str, generation: int | None = None) -> None: ...
 
     def new_generation(self, membership: Membership) -> None: ...
 
-    def status(self) -> dict: ...
+    def status(self) -> dict[str, Any]: ...
 
     def stop(self) -> None: ...
 
@@ -115,7 +115,7 @@ class DaskdistWorkerPlugin(WorkerPlugin):
     # -- handlers ----------------------------------------------------------------
 
     async def call(self, group_id: str, rank: int, run_id: int, payload: bytes, generation: int = 0,
-                   settings: dict | None = None) -> dict:
+                   settings: dict[str, Any] | None = None) -> dict[str, Any]:
         """Run a command on this worker's replica of ``group_id`` (from the client); answer OK or an error message."""
         runtime = self.replicas.get(group_id)
         if runtime is None:
@@ -129,9 +129,10 @@ class DaskdistWorkerPlugin(WorkerPlugin):
             check_generation(group_id, runtime.known_generation, generation, f"a command (run {run_id})")
         except StaleGenerationError as e:
             return serialization.error_message(e, rank, self._address)
-        return await runtime.submit(run_id, payload, generation, settings)
+        response: dict[str, Any] = await runtime.submit(run_id, payload, generation, settings)
+        return response
 
-    def message(self, group_id: str, rank: int, tag: list, payload: Any, generation: int = 0) -> None:
+    def message(self, group_id: str, rank: int, tag: list[Any], payload: Any, generation: int = 0) -> None:
         """Deliver a collective payload from a peer to the replica's mailbox of ``generation``."""
         runtime = self.replicas.get(group_id)
         if runtime is None:
@@ -139,18 +140,18 @@ class DaskdistWorkerPlugin(WorkerPlugin):
             return
         runtime.deliver(generation, tuple(tag), payload)
 
-    def abort_run(self, group_id: str, rank: int, run_id: int, abort: dict, generation: int = 0) -> None:
+    def abort_run(self, group_id: str, rank: int, run_id: int, abort: dict[str, Any], generation: int = 0) -> None:
         """A peer failed during ``run_id``: fail this replica's waits in that run (of that generation)."""
         runtime = self.replicas.get(group_id)
         if runtime is not None:
             runtime.abort_run(generation, run_id, abort)
 
-    def status(self, group_id: str, rank: int) -> dict | None:
+    def status(self, group_id: str, rank: int) -> dict[str, Any] | None:
         """Where the replica is (run, collective number, state, generation), for timeout diagnostics."""
         runtime = self.replicas.get(group_id)
         return runtime.status() if runtime is not None else None
 
-    def stop(self, group_id: str, rank: int) -> dict:
+    def stop(self, group_id: str, rank: int) -> dict[str, Any]:
         """Ask the replica to finish (the strategy is closing)."""
         runtime = self.replicas.get(group_id)
         if runtime is not None:
@@ -173,7 +174,7 @@ class DaskdistWorkerPlugin(WorkerPlugin):
             runtime.abort_group(message or f"group {group_id} was closed")
             runtime.stop()
 
-    def new_generation(self, group_id: str, membership: dict, message: str = "") -> None:
+    def new_generation(self, group_id: str, membership: dict[str, Any], message: str = "") -> None:
         """The scheduler moved the group to a new generation: the replica here re-forms at its next command."""
         runtime = self.replicas.get(group_id)
         if runtime is not None:

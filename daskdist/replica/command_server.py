@@ -55,6 +55,7 @@ class CommandServer:
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ, "accept")
         self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._connections: dict[int, socket.socket] = {}  # by file descriptor
         self._closed = False
 
     def local_info(self) -> dict[str, Any]:
@@ -67,7 +68,7 @@ class CommandServer:
         except (BlockingIOError, OSError):  # the pipe is full (already woken) or closed
             pass
 
-    def wait(self, timeout: float | None = None) -> list[tuple[socket.socket, tuple[int, int, dict | None, bytes]]]:
+    def wait(self, timeout: float | None = None) -> list[tuple[socket.socket, tuple[int, int, dict[str, Any] | None, bytes]]]:
         """Block until requests arrive or ``wake`` is called; return the requests read (maybe none)."""
         requests = []
         for key, _ in self._selector.select(timeout):
@@ -80,7 +81,7 @@ class CommandServer:
             elif key.data == "accept":
                 self._accept()
             else:
-                conn = key.fileobj
+                conn = self._connections[key.fd]
                 while True:
                     try:
                         requests.append((conn, read_request(conn)))
@@ -93,7 +94,7 @@ class CommandServer:
                         break
         return requests
 
-    def reply(self, conn: socket.socket, response: dict) -> None:
+    def reply(self, conn: socket.socket, response: dict[str, Any]) -> None:
         try:
             send_response(conn, response)
         except (OSError, ssl.SSLError) as e:  # the client went away; it sees the connection fail
@@ -121,9 +122,11 @@ class CommandServer:
             logger.debug("A command connection failed its greeting: %s", e)
             conn.close()
             return
+        self._connections[conn.fileno()] = conn
         self._selector.register(conn, selectors.EVENT_READ, "request")
 
     def _drop(self, conn: socket.socket) -> None:
+        self._connections.pop(conn.fileno(), None)
         try:
             self._selector.unregister(conn)
         except (KeyError, ValueError):
@@ -134,9 +137,9 @@ class CommandServer:
         if self._closed:
             return
         self._closed = True
-        for key in list(self._selector.get_map().values()):
-            if key.data == "request":
-                key.fileobj.close()
+        for conn in self._connections.values():
+            conn.close()
+        self._connections.clear()
         self._selector.close()
         self._listener.close()
         os.close(self._wake_r)

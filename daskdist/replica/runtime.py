@@ -78,7 +78,7 @@ class ReplicaRuntime:
         self.rank: Rank = Rank(rank)
         self.size = spec.membership.size
         self.devices = spec.membership.devices
-        self.loop = worker.loop.asyncio_loop
+        self.loop: asyncio.AbstractEventLoop = worker.loop.asyncio_loop  # type: ignore[attr-defined]
         self.objects = ResidentStore(f"replica {rank} of {spec.group_id}")
         self.timer = StepTimer(rank, int(config.get("metrics.history")))
         self._wiring: Wiring = self._wire(spec.membership, rank)

@@ -10,7 +10,7 @@ from daskdist.ops import CommunicationOptions, ReduceOp
 from daskdist.values import gather_values, local_results, reduce_values
 
 if TYPE_CHECKING:
-    from daskdist.replica.runtime import ReplicaRuntime
+    from daskdist.group.service import ReplicaService
 
 __all__ = ["ReplicaExtendedView", "ReplicaStrategyView"]
 
@@ -27,7 +27,7 @@ def _require_cross_replica(api: str) -> None:
 class ReplicaExtendedView:
     """``strategy.extended`` inside a replica: reductions and updates for ``merge_call``."""
 
-    def __init__(self, runtime: ReplicaRuntime):
+    def __init__(self, runtime: ReplicaService):
         self._runtime = runtime
 
     @property
@@ -60,7 +60,7 @@ class ReplicaExtendedView:
 class ReplicaStrategyView:
     """The strategy inside a replica: its size, reductions for ``merge_call``, a no-op ``scope``."""
 
-    def __init__(self, runtime: ReplicaRuntime):
+    def __init__(self, runtime: ReplicaService):
         self._runtime = runtime
         self.extended = ReplicaExtendedView(runtime)
 
