@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from daskdist import config as _config  # noqa: F401  (registers daskdist.* defaults in dask.config)
-from daskdist import data, distribute, nn, plugins, train
+from daskdist import data, distribute, elastic, nn, plugins, train
 from daskdist.context import get_replica_context, get_strategy, has_strategy, in_cross_replica_context
 from daskdist.cross_device_ops import (
     AllReduceCrossDeviceOps,
@@ -13,6 +13,7 @@ from daskdist.cross_device_ops import (
     ReductionToOneDevice,
 )
 from daskdist.data import InputContext, InputOptions, OutOfRangeError
+from daskdist.elastic import ElasticOptions
 from daskdist.exceptions import (
     CollectiveAbortedError,
     CollectiveError,
@@ -51,6 +52,7 @@ __all__ = [
     "CrossDeviceOps",
     "DaskdistError",
     "DistributedValues",
+    "ElasticOptions",
     "HierarchicalCopyAllReduce",
     "InputContext",
     "InputOptions",
@@ -76,6 +78,7 @@ __all__ = [
     "VariableSynchronization",
     "data",
     "distribute",
+    "elastic",
     "get_replica_context",
     "get_strategy",
     "has_strategy",

@@ -67,7 +67,7 @@ def cut_pipeline(dataset: Dataset) -> PipelineParts:
     leading = 0
     for op in transformations[:last]:
         if isinstance(op, ops.Skip):
-            skip += max(op.count, 0) if take is None else 0
+            skip += max(op.count, 0)  # after a take too: ``take(10).skip(3)`` is rows 3..9
             take = None if take is None else max(0, take - max(op.count, 0))
         elif isinstance(op, ops.Take):
             if op.count >= 0:

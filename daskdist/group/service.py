@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BATCH",
+    "COMMIT",
     "DATASET",
     "ITERATOR",
     "KINDS",
@@ -41,8 +42,9 @@ MODEL = "model"  #: an installed keras model with its optimizer
 DATASET = "dataset"  #: a replica's shard of a distributed dataset
 ITERATOR = "iterator"  #: a pass over a shard
 BATCH = "batch"  #: one step's element of an iterator (transient: never snapshotted)
+COMMIT = "commit"  #: elastic training's newest committed snapshots (never snapshotted themselves)
 
-KINDS = (VARIABLE, MODEL, DATASET, ITERATOR, BATCH)
+KINDS = (VARIABLE, MODEL, DATASET, ITERATOR, BATCH, COMMIT)
 #: What a snapshot covers by default, in restore order (a model's weights after the variables).
 SNAPSHOT_KINDS = (VARIABLE, MODEL, DATASET, ITERATOR)
 

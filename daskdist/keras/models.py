@@ -197,12 +197,16 @@ class Model:
         self._strategy.extended.check_open()
         if not self.built and self._declared_input_shape() is not None:
             self.build(self._declared_input_shape())
+        self._strategy.extended.group.call(_replica_install, (self._model_id, self._replica_payload()))
+        self._installed = True
+
+    def _replica_payload(self) -> Model:
+        """What is sent to install this model on a replica: a copy without the client's strategy and history."""
         payload = copy.copy(self)
         payload._strategy = None
         payload._installed = False
         payload.history = None
-        self._strategy.extended.group.call(_replica_install, (self._model_id, payload))
-        self._installed = True
+        return payload
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -232,6 +236,7 @@ class Model:
         cb.on_train_begin()
         start_epoch = max(initial_epoch, cb.resume_epoch())
         try:
+            runner.begin_elastic(start_epoch)
             for epoch in range(start_epoch, epochs):
                 cb.on_epoch_begin(epoch)
                 logs = runner.train_epoch(epoch, steps_per_epoch, cb)
@@ -426,6 +431,7 @@ class _Runner:
         self._dist_train = self._dist_val = None
         self._tag = uuid.uuid4().hex[:8]
         self._subscribed = False
+        self._elastic: Any = None  # ``daskdist.elastic.fit.ElasticFit`` during a fit on an elastic strategy
         if self.distributed:
             model._ensure_installed()
             strategy = model._strategy
@@ -440,17 +446,36 @@ class _Runner:
             return max(steps) if steps else None
         return None
 
+    def begin_elastic(self, epoch: int) -> None:
+        """On an elastic strategy (``ElasticOptions``), hand this fit's epochs to ``daskdist.elastic``."""
+        options = getattr(self.model._strategy.extended, "elastic", None) if self.distributed else None
+        if options is None or self._train is None:
+            return
+        from daskdist.elastic.fit import ElasticFit
+
+        self._elastic = ElasticFit(self, options)
+        if self.model.history is not None:
+            self.model.history.elastic = self._elastic
+        self._elastic.begin(epoch)
+
     def train_epoch(self, epoch: int, steps: int | None, cb: Any) -> dict:
         model = self.model
         lr = float(model.optimizer.learning_rate)
         if not self.distributed:
             return training.train_batches(model, iter(self._train), steps, cb.on_progress)
         self._subscribe(cb)
+        if self._elastic is not None:
+            return self._elastic.train_epoch(epoch, steps, cb)
         group = model._strategy.extended.group
         results = group.call(_replica_train_epoch, (model._model_id, self._dist_train, steps, lr, self._tag, epoch))
         return dict(results[0])
 
     def evaluate(self, data: Any, steps: int | None) -> dict:
+        if self._elastic is not None:
+            return self._elastic.evaluate(data, steps)
+        return self._evaluate_once(data, steps)
+
+    def _evaluate_once(self, data: Any, steps: int | None) -> dict:
         model = self.model
         if not self.distributed:
             return training.evaluate_batches(model, iter(data), steps)

@@ -102,12 +102,20 @@ def _timed_batches(batches: Iterable[Any], steps: int | None, timer: Any) -> Gen
             close()
 
 
-def train_batches(model: Model, batches: Iterable[Any], steps: int | None, progress: ProgressFn | None) -> dict:
-    """One epoch of training over ``batches`` (at most ``steps``); returns the epoch's global logs."""
+def train_batches(model: Model, batches: Iterable[Any], steps: int | None, progress: ProgressFn | None, *,
+                  start: tuple[float, float] | None = None,
+                  on_step: Callable[[int, float, float], None] | None = None) -> dict:
+    """One epoch of training over ``batches`` (at most ``steps``); returns the epoch's global logs.
+
+    ``start``: the epoch's global ``(loss sum, examples)`` so far, when the
+    epoch resumes part-way (elastic training; the metrics are then not
+    reset). ``on_step(step, loss_sum, count)`` is called on every replica
+    after each step (elastic commits).
+    """
     ctx = context.get_replica_context()
-    model.reset_metrics()
-    loss_sum = 0.0
-    count = 0.0
+    if start is None:
+        model.reset_metrics()
+    loss_sum, count = (0.0, 0.0) if start is None else (float(start[0]), float(start[1]))
     timer = _timer()
     step = 0
     with contextlib.closing(_timed_batches(batches, steps, timer)) as timed:
@@ -119,6 +127,8 @@ def train_batches(model: Model, batches: Iterable[Any], steps: int | None, progr
             loss_sum += step_loss
             count += step_count
             step += 1
+            if on_step is not None:
+                on_step(step, loss_sum, count)
             if progress is not None:
                 progress(step, {"loss": loss_sum / max(count, 1.0)})
     logs = {"loss": loss_sum / max(count, 1.0)}

@@ -25,6 +25,7 @@ from daskdist.cluster.embedded import describe_worker, start_embedded_cluster
 from daskdist.cluster.interrupts import EmbeddedShutdown
 from daskdist.cluster.placement import Placement, WorkerInfo, place_replicas
 from daskdist.cross_device_ops import CrossDeviceOps
+from daskdist.elastic.options import ElasticOptions
 from daskdist.exceptions import StrategyClosedError
 from daskdist.group.handle import ReplicaGroup
 from daskdist.group.spec import TRANSPORTS
@@ -60,7 +61,7 @@ class DaskExtended:
     """
 
     def __init__(self, strategy: Any, devices: list[str] | None, cross_device_ops: CrossDeviceOps | None,
-                 client: Client | None):
+                 client: Client | None, elastic: ElasticOptions | None = None):
         specs = parse_devices(devices) if devices is not None else None
         if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
             raise TypeError(
@@ -74,7 +75,11 @@ class DaskExtended:
             raise ValueError(
                 f"daskdist.collective.transport is {transport!r}; expected one of {', '.join(TRANSPORTS)}"
             )
+        if elastic is not None and not isinstance(elastic, ElasticOptions):
+            raise TypeError(f"elastic must be a dd.ElasticOptions or None, got {type(elastic).__name__}")
         self.strategy = strategy
+        #: ``ElasticOptions`` when the strategy is elastic (its group's membership policy is then ``elastic``).
+        self.elastic = elastic
         self._cross_device_ops = cross_device_ops
         self._cluster: Any = None
         self._owns_client = False
@@ -107,6 +112,7 @@ class DaskExtended:
                 shm_slot_bytes=parse_bytes(config.get("collective.shm.slot-bytes")),
                 pin_cores=config.get("replica.pin-cores"),
                 malloc=config.get("replica.malloc"),
+                **({"policy": "elastic"} if elastic is not None else {}),
             )
             self._group.launch()
         except BaseException:

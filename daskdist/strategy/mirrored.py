@@ -5,6 +5,7 @@ from __future__ import annotations
 from distributed import Client
 
 from daskdist.cross_device_ops import CrossDeviceOps
+from daskdist.elastic.options import ElasticOptions
 from daskdist.strategy.base import Strategy
 from daskdist.strategy.extended import DaskExtended
 
@@ -28,6 +29,11 @@ class MirroredStrategy(Strategy):
         The ``distributed.Client`` of an existing cluster. ``None``: the
         default client if there is one, else an embedded ``LocalCluster``
         (``LocalCUDACluster`` on GPUs) that ``close()`` shuts down.
+    elastic
+        ``dd.ElasticOptions(min_replicas, ...)``: a lost worker no longer ends
+        ``fit``; the survivors go back to the newest commit and go on
+        (``docs/elastic.md``). ``None`` (the default): a lost worker raises
+        ``ReplicaLostError`` everywhere.
 
     Examples
     --------
@@ -38,5 +44,5 @@ class MirroredStrategy(Strategy):
     """
 
     def __init__(self, devices: list[str] | None = None, cross_device_ops: CrossDeviceOps | None = None, *,
-                 client: Client | None = None):
-        super().__init__(DaskExtended(self, devices, cross_device_ops, client))
+                 client: Client | None = None, elastic: ElasticOptions | None = None):
+        super().__init__(DaskExtended(self, devices, cross_device_ops, client, elastic=elastic))

@@ -1,0 +1,175 @@
+"""``fit`` on an elastic strategy: epochs in committed steps, recovered from the newest commit after a loss.
+
+Client side (``keras.Model.fit`` hands its epochs here when the strategy has
+``ElasticOptions``). Each epoch is one command, as without elasticity; the
+replicas commit every ``commit_every`` steps (``elastic/replica.py``). When
+a member is lost the command fails; the group is recovered
+(``elastic/recovery.py``) at the newest commit all survivors hold, the rest
+of the epoch (the global batches after that commit) is planned again over the
+new members with the input planner (the global batch stays the same size,
+re-split over the replica count), and the epoch goes on from there. The
+ledger records the rows of every committed step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from daskdist.data import ops
+from daskdist.data.dataset import Dataset
+from daskdist.data.planner import cut_pipeline
+from daskdist.elastic.ledger import DataLedger, RowMap
+from daskdist.elastic.options import ElasticOptions
+from daskdist.elastic.recovery import RECOVERABLE, Recovery, recover
+from daskdist.elastic.replica import CommitKey, elastic_train_epoch, take_commit
+from daskdist.exceptions import ReplicaLostError
+
+if TYPE_CHECKING:
+    from daskdist.keras.models import Model
+
+__all__ = ["ElasticFit"]
+
+logger = logging.getLogger(__name__)
+
+_FITS = itertools.count(1)
+
+
+class ElasticFit:
+    """The client's side of one elastic ``fit``: its ledger, its recoveries, the plan of each epoch's rest.
+
+    Parameters
+    ----------
+    runner
+        The model's epoch runner (``keras.models._Runner``), whose distributed datasets are re-planned
+        after a membership change.
+    options
+        The strategy's ``ElasticOptions``.
+    """
+
+    def __init__(self, runner: Any, options: ElasticOptions):
+        self.runner = runner
+        self.model: Model = runner.model
+        self.options = options
+        self.strategy = self.model._strategy
+        self.group = self.strategy.extended.group
+        self.fit_id = next(_FITS)
+        self.ledger = DataLedger()
+        self.events: list[Recovery] = []
+        self.failures = 0
+        self.train: Dataset = runner._train
+        plan = runner._dist_train.plan()
+        if plan.split != "global" or plan.steps is None:
+            raise ValueError(
+                "elastic fit needs a dataset whose steps are the undistributed dataset's batches (the 'global' "
+                f"split, known step count); this one plans a {plan.split!r} split"
+                + (f" ({'; '.join(plan.notes)})" if plan.notes else "")
+                + ": shuffle, filter, repeat or unbatch before the batch are not supported yet"
+            )
+        self.rows = RowMap.from_plan(plan, cut_pipeline(self.train).batch.batch_size)
+        self._committed: CommitKey | None = None
+
+    # -- epochs ---------------------------------------------------------------------
+
+    def begin(self, epoch: int) -> None:
+        """The commit every replica can go back to before the first step (the model built everywhere)."""
+        while True:
+            try:
+                shape, dtype = _input_shape(self.runner._dist_train.element_spec)
+                key = (self.fit_id, epoch, 0)
+                self.group.call(take_commit, (self.model._model_id, key, shape, dtype))
+                self._committed = key
+                return
+            except RECOVERABLE as error:
+                self._recover(error)
+
+    def train_epoch(self, epoch: int, steps: int | None, cb: Any) -> dict:
+        """One epoch, resumed from the newest common commit after each loss; the epoch's logs."""
+        total = self.rows.steps if steps is None else min(int(steps), self.rows.steps)
+        first, start = 0, None
+        dist = self.runner._dist_train
+        while True:
+            lr = float(self.model.optimizer.learning_rate)
+            args = (self.model._model_id, dist, total - first, lr, self.runner._tag, (self.fit_id, epoch), first,
+                    self.options.commit_every, start)
+            try:
+                logs = self.group.call(elastic_train_epoch, args)[0]
+            except RECOVERABLE as error:
+                key, progress = self._recover(error)
+                if key[1] == epoch and key[2] > first:
+                    self.ledger.record(epoch, range(first, key[2]), self.rows)
+                elif key[1] < epoch or key[2] < first:
+                    self.ledger.rollback(epoch, key[2] if key[1] == epoch else 0)
+                first, start = (key[2], (progress["loss_sum"], progress["count"])) if key[1] == epoch else (0, None)
+                if first == 0:
+                    start = None
+                dist = self._distribute_from(first)
+                continue
+            self.ledger.record(epoch, range(first, total), self.rows)
+            self._committed = (self.fit_id, epoch, total)
+            return dict(logs)
+
+    def evaluate(self, data: Any, steps: int | None) -> dict:
+        """Validation, run again on the new members if one is lost meanwhile (it changes no state)."""
+        while True:
+            try:
+                return self.runner._evaluate_once(data, steps)
+            except RECOVERABLE as error:
+                self._recover(error)
+
+    # -- recovery -------------------------------------------------------------------
+
+    def _recover(self, error: BaseException) -> tuple[CommitKey, dict]:
+        self.failures += 1
+        if 0 <= self.options.max_failures < self.failures:
+            raise ReplicaLostError(
+                f"{error} (the strategy's elastic max_failures={self.options.max_failures} is exhausted)") from error
+        logger.warning("Elastic fit: %s; recovering", error)
+        outcome = recover(self.group, self.options, error, install_newcomer=self._install_newcomer)
+        self.events.append(outcome)
+        history = self.model.history
+        if history is not None:
+            history.elastic_events = [e.to_msg() for e in self.events]
+        # every later epoch (and validation) is planned over the new members
+        self.runner._dist_train = self.strategy.experimental_distribute_dataset(self.train)
+        if self.runner._dist_val is not None:
+            self.runner._dist_val = None
+        from daskdist.elastic.replica import commit_progress
+
+        progress = self.group.call(commit_progress, (outcome.commit,), member=0)[0]
+        return outcome.commit, progress
+
+    def _install_newcomer(self, rank: int) -> None:
+        from daskdist.keras.models import _replica_install
+
+        self.group.call(_replica_install, (self.model._model_id, self.model._replica_payload()), member=rank)
+
+    def _distribute_from(self, step: int) -> Any:
+        """The epoch's global batches from ``step`` on, planned over the current members."""
+        if step == 0:
+            return self.runner._dist_train
+        skip = step * self.rows.batch_size
+        transformations = list(self.train.transformations)
+        last = max(i for i, op in enumerate(transformations) if isinstance(op, ops.Batch))
+        transformations.insert(last, ops.Skip(skip))  # folded into the plan's row range (position ops only)
+        rest = Dataset(self.train.source, tuple(transformations))
+        return self.strategy.experimental_distribute_dataset(rest)
+
+
+def _input_shape(element_spec: Any) -> tuple[tuple[int, ...] | None, str | None]:
+    """The shape (without the batch) and dtype of the model input ``x`` of an element spec."""
+    import optree
+
+    x = element_spec
+    if isinstance(x, (tuple, list)):
+        x = x[0]
+    elif isinstance(x, dict) and "x" in x:
+        x = x["x"]
+    leaves = optree.tree_leaves(x, is_leaf=lambda s: hasattr(s, "shape") and hasattr(s, "dtype"))
+    if len(leaves) != 1:
+        return None, None
+    spec = leaves[0]
+    return tuple(int(d) for d in spec.shape[1:]), str(np.dtype(spec.dtype))

@@ -1,0 +1,87 @@
+"""``ElasticOptions``: how an elastic strategy survives losing workers (opt-in; issue 16)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+from dask.utils import parse_timedelta
+
+__all__ = ["ElasticOptions"]
+
+Duration = Union[str, float, int]
+
+
+@dataclass(frozen=True)
+class ElasticOptions:
+    """Opt a strategy into elastic training: a lost worker no longer ends ``fit``.
+
+    Pass it as ``dd.MirroredStrategy(..., elastic=dd.ElasticOptions(min_replicas=2))``.
+    Without it a lost worker raises ``ReplicaLostError`` everywhere, as before.
+
+    Parameters
+    ----------
+    min_replicas
+        The fewest replicas training may continue on. Below it the strategy
+        waits up to ``wait_timeout`` for the group to come back to this size
+        (new Dask workers are admitted at that point), then raises
+        ``ReplicaLostError`` naming the workers lost.
+    max_replicas
+        The most replicas the group may grow to (``None``: no bound).
+    commit_every
+        ``fit`` commits (keeps an in-memory copy of the model, the optimizer
+        slots, the step and epoch counters and the epoch's running loss and
+        metric totals on every replica) every this many steps, and at the end
+        of each epoch. After a loss the survivors go back to the newest
+        commit they all hold and replay the steps after it.
+    max_failures
+        How many losses one strategy survives; ``-1``: any number. The next
+        loss raises ``ReplicaLostError``.
+    wait_timeout
+        How long to wait for enough workers when fewer than ``min_replicas``
+        remain (a Dask duration: ``"10min"``, ``"30s"``, or seconds).
+    generation_timeout
+        How long the client waits for the scheduler to announce the group's
+        new membership after a loss (a Dask duration).
+    """
+
+    min_replicas: int = 1
+    max_replicas: int | None = None
+    commit_every: int = 1
+    max_failures: int = -1
+    wait_timeout: Duration = "10min"
+    generation_timeout: Duration = "30s"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.min_replicas, int) or self.min_replicas < 1:
+            raise ValueError(f"min_replicas must be a positive int, got {self.min_replicas!r}")
+        if self.max_replicas is not None and (not isinstance(self.max_replicas, int)
+                                              or self.max_replicas < self.min_replicas):
+            raise ValueError(f"max_replicas must be None or an int >= min_replicas ({self.min_replicas}), "
+                             f"got {self.max_replicas!r}")
+        if not isinstance(self.commit_every, int) or self.commit_every < 1:
+            raise ValueError(f"commit_every must be a positive int, got {self.commit_every!r}")
+        if not isinstance(self.max_failures, int) or self.max_failures < -1:
+            raise ValueError(f"max_failures must be -1 (no limit) or a count >= 0, got {self.max_failures!r}")
+        for name in ("wait_timeout", "generation_timeout"):
+            try:
+                seconds = _seconds(getattr(self, name))
+            except (ValueError, TypeError, KeyError) as e:
+                raise ValueError(f"{name} must be a duration such as '10min' or 30, got {getattr(self, name)!r}") from e
+            if seconds is None or seconds < 0:
+                raise ValueError(f"{name} must be a duration >= 0, got {getattr(self, name)!r}")
+
+    @property
+    def wait_seconds(self) -> float:
+        return _seconds(self.wait_timeout)
+
+    @property
+    def generation_seconds(self) -> float:
+        return _seconds(self.generation_timeout)
+
+
+def _seconds(value: Duration) -> float:
+    """A Dask duration in seconds; ``"10min"`` is read as ten minutes (Dask's own units have no ``min``)."""
+    if isinstance(value, str) and value.strip().endswith("min"):
+        value = value.strip()[:-3] + "minutes"
+    return float(parse_timedelta(value, default="seconds"))

@@ -1,0 +1,199 @@
+"""Recovering an elastic group after a loss: the new generation, enough members, the commit all hold.
+
+Client side. The scheduler plugin has already re-formed the group on the
+survivors (``remove_worker`` under the ``elastic`` policy: survivors abort
+their collectives, a new generation is announced, transports and
+communicators are rebuilt at the first command of that generation). Here the
+client learns the new membership, admits new workers when the group is below
+``min_replicas`` (waiting up to ``wait_timeout`` for them), makes every member
+go back to the newest commit all of them hold, and checks that every member
+then holds the same state (a hash of its bytes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+from distributed.comm.core import CommClosedError
+
+from daskdist.elastic.options import ElasticOptions
+from daskdist.elastic.replica import CommitKey, commit_keys, commit_state, install_commit, restore_commit
+from daskdist.exceptions import ReplicaLostError, StaleGenerationError
+from daskdist.group.handle import ReplicaGroup
+from daskdist.group.membership import Membership
+
+__all__ = ["ELASTIC_TOPIC", "RECOVERABLE", "Recovery", "recover"]
+
+logger = logging.getLogger(__name__)
+
+#: The Dask event topic of elastic transitions (``client.get_events("daskdist-elastic")``).
+ELASTIC_TOPIC = "daskdist-elastic"
+#: What a lost member makes a command raise under the elastic policy.
+RECOVERABLE = (ReplicaLostError, StaleGenerationError, CommClosedError, OSError)
+
+
+@dataclasses.dataclass
+class Recovery:
+    """What one recovery did (kept in ``History.elastic_events``)."""
+
+    generation: int
+    members: list[str]
+    lost: list[str]
+    admitted: list[str]
+    commit: CommitKey
+    seconds: float
+    healed: bool = False
+
+    def to_msg(self) -> dict:
+        return {"action": "restored", **dataclasses.asdict(self), "commit": list(self.commit)}
+
+
+def recover(group: ReplicaGroup, options: ElasticOptions, error: BaseException,
+            install_newcomer: Any = None) -> Recovery:
+    """Bring ``group`` back after ``error`` (a lost member): re-formed, big enough, at one commit.
+
+    Parameters
+    ----------
+    install_newcomer
+        ``install_newcomer(rank)``: puts what a new member needs before the
+        commit (a model) on rank ``rank``; ``None``: new workers are not admitted.
+
+    Raises
+    ------
+    ReplicaLostError
+        No new generation was announced within ``generation_timeout`` (the
+        error was not a loss), the group stayed below ``min_replicas`` for
+        ``wait_timeout``, or the survivors hold no common commit.
+    """
+    start = time.monotonic()
+    before = group.membership
+    membership = _next_generation(group, before, options.generation_seconds, error)
+    lost = [a for a in before.addresses if a not in membership.addresses]
+    admitted: list[str] = []
+    if membership.size < options.min_replicas:
+        admitted = _wait_for_members(group, options, lost, install_newcomer is not None)
+        membership = group.membership
+    commit, healed = _restore_common_commit(group, admitted, install_newcomer)
+    outcome = Recovery(int(membership.generation), list(membership.addresses), lost, admitted, commit,
+                       time.monotonic() - start, healed)
+    logger.warning("Elastic group %s recovered in %.1f s: generation %d on %d members (lost %s), back at commit %s",
+                   group.group_id, outcome.seconds, outcome.generation, membership.size, lost, commit)
+    try:
+        group.client.log_event(ELASTIC_TOPIC, {"group": group.group_id, **outcome.to_msg()})
+    except Exception as e:  # events are for watching; never fail a recovery for them
+        logger.debug("Could not log the recovery event: %s", e)
+    return outcome
+
+
+def _next_generation(group: ReplicaGroup, before: Membership, timeout: float, error: BaseException) -> Membership:
+    """Wait for the scheduler to announce a generation newer than ``before``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        membership = group.refresh_membership()
+        if membership.generation > before.generation:
+            return membership
+        if time.monotonic() >= deadline:
+            raise ReplicaLostError(
+                f"{type(error).__name__} ({error}) but the scheduler announced no new membership for "
+                f"{group.group_id} within {timeout:g} s, so it is not a loss the group can recover from"
+            ) from error
+        time.sleep(0.05)
+
+
+def _wait_for_members(group: ReplicaGroup, options: ElasticOptions, lost: list[str], can_admit: bool) -> list[str]:
+    """Below ``min_replicas``: admit free Dask workers as they come, for up to ``wait_timeout``."""
+    deadline = time.monotonic() + options.wait_seconds
+    admitted: list[str] = []
+    while group.size < options.min_replicas:
+        free = [] if not can_admit else _free_workers(group)
+        room = options.max_replicas - group.size if options.max_replicas is not None else len(free)
+        if free and room > 0:
+            admitted += admit(group, free[:room])
+            continue
+        if time.monotonic() >= deadline:
+            raise ReplicaLostError(
+                f"the elastic group {group.group_id} lost {', '.join(lost) or 'members'} and has "
+                f"{group.size} replicas, fewer than min_replicas={options.min_replicas}; no worker came within "
+                f"wait_timeout ({options.wait_seconds:g} s)", worker=lost[0] if lost else None)
+        time.sleep(0.2)
+    return admitted
+
+
+def _free_workers(group: ReplicaGroup) -> list[str]:
+    """Workers of the cluster that host no member of the group, oldest first."""
+    workers = group.client.scheduler_info(n_workers=-1)["workers"]
+    members = set(group.addresses)
+    return [a for a in workers if a not in members]
+
+
+def admit(group: ReplicaGroup, newcomers: list[str]) -> list[str]:
+    """Add ``newcomers`` to the group in a new generation and start a replica on each (at a commit boundary).
+
+    Their replicas meet the others at the first command of the new generation.
+    """
+    from daskdist.group.launch import run_replica
+
+    workers = list(group.addresses) + list(newcomers)
+    response = group.client.sync(group.client.scheduler.daskdist_change_membership, group_id=group.group_id,
+                                 workers=workers, reason=f"admitting {', '.join(newcomers)}")
+    if response.get("status") != "OK":
+        raise ReplicaLostError(f"could not admit {newcomers}: {response.get('message')}")
+    membership = group.refresh_membership()
+    spec = dataclasses.replace(group.spec, membership=membership)
+    for address in newcomers:
+        rank = membership.rank_of(address)
+        group.futures.append(group.client.submit(
+            run_replica, spec, rank, key=f"{group.group_id}-replica-g{membership.generation}-{rank}",
+            workers=[address], allow_other_workers=False, pure=False))
+    deadline = time.monotonic() + 60
+    while not all(_hosts_replica(group, a) for a in newcomers):
+        if time.monotonic() >= deadline:
+            raise ReplicaLostError(f"the replicas admitted on {newcomers} did not start within 60 s")
+        time.sleep(0.1)
+    logger.info("Admitted %s into %s (generation %d)", newcomers, group.group_id, membership.generation)
+    return list(newcomers)
+
+
+def _hosts_replica(group: ReplicaGroup, address: str) -> bool:
+    group_id = group.group_id
+
+    def check(dask_worker: Any) -> bool:
+        extension = dask_worker.extensions.get("daskdist")
+        return extension is not None and group_id in extension.replicas
+
+    try:
+        return bool(group.client.run(check, workers=[address]).get(address))
+    except Exception:
+        return False
+
+
+def _restore_common_commit(group: ReplicaGroup, admitted: list[str], install_newcomer: Any) -> tuple[CommitKey, bool]:
+    """Every member back at the newest commit all the old members hold; newcomers get it from a survivor."""
+    newcomers = [group.membership.rank_of(a) for a in admitted]
+    old = [r for r in range(group.size) if r not in newcomers]
+    held = group.call(commit_keys, ranks=old)
+    common = set.intersection(*(set(map(tuple, keys)) for keys in held)) if held else set()
+    if not common:
+        raise ReplicaLostError(f"the survivors of {group.group_id} hold no common commit (held: {held}); "
+                               "their state cannot be made consistent")
+    key: CommitKey = max(common)  # type: ignore[assignment]
+    digests = group.call(restore_commit, (key,), ranks=old)
+    healed = False
+    if len(set(digests)) > 1 or newcomers:
+        source = old[0]
+        commit = group.call(commit_state, (key,), member=source)[0]
+        for rank in newcomers:
+            install_newcomer(rank)
+        targets = [r for r, d in zip(old, digests) if d != digests[0]] + newcomers
+        healed = len(set(digests)) > 1
+        if healed:
+            logger.warning("Replicas %s of %s held a different state at commit %s: healed from replica %d",
+                           targets, group.group_id, key, source)
+        fixed = group.call(install_commit, (commit,), ranks=targets)
+        digests = [digests[0]] + list(fixed)
+    if len(set(digests)) != 1:
+        raise ReplicaLostError(f"the members of {group.group_id} hold different states after restoring {key}")
+    return key, healed

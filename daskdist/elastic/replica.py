@@ -1,0 +1,209 @@
+"""The replica side of elastic training: the commit ring and the commands the client sends.
+
+Every replica keeps its two newest commits (``CommitRing``, resident kind
+``commit``): a copy of its variables and models (weights, optimizer slots and
+step counter, through the resident store's ``snapshot``) and the epoch's
+progress at that step. Two, because a step's all-reduce can finish on some
+replicas before a failure is noticed: those commit a step the others never
+reach, and the survivors agree on the newest commit all of them hold.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import optree
+
+from daskdist.arrays import to_numpy
+from daskdist.group.service import COMMIT, MODEL, VARIABLE, ReplicaService
+from daskdist.keras import training
+from daskdist.ops import ReduceOp
+
+__all__ = [
+    "Commit",
+    "CommitKey",
+    "CommitRing",
+    "commit_keys",
+    "commit_progress",
+    "commit_state",
+    "elastic_train_epoch",
+    "install_commit",
+    "restore_commit",
+    "state_digest",
+    "take_commit",
+]
+
+logger = logging.getLogger(__name__)
+
+#: ``(fit, epoch, step)``: the ``fit`` call of the strategy, the epoch, the global batches of the epoch done.
+CommitKey = tuple[int, int, int]
+_RING_ID = "ring"
+_PROGRESS_INTERVAL = 0.25
+STATE_KINDS = (VARIABLE, MODEL)
+
+
+@dataclass
+class Commit:
+    """One committed state of one replica."""
+
+    key: CommitKey
+    state: dict  # ResidentStore.snapshot(STATE_KINDS)
+    progress: dict  # {"loss_sum", "count", "metrics": [global totals per metric]}
+
+
+class CommitRing:
+    """A replica's newest commits, oldest first (``keep`` of them)."""
+
+    def __init__(self, keep: int = 2):
+        self.keep = keep
+        self.commits: OrderedDict[CommitKey, Commit] = OrderedDict()
+
+    def add(self, commit: Commit) -> None:
+        self.commits[commit.key] = commit
+        while len(self.commits) > self.keep:
+            self.commits.popitem(last=False)
+
+    def get(self, key: CommitKey) -> Commit:
+        try:
+            return self.commits[tuple(key)]  # type: ignore[index]
+        except KeyError:
+            raise KeyError(f"no commit {tuple(key)} here (held: {list(self.commits)})") from None
+
+    def drop_after(self, key: CommitKey) -> None:
+        """Forget commits newer than ``key`` (their steps are replayed)."""
+        for newer in [k for k in self.commits if k > tuple(key)]:
+            del self.commits[newer]
+
+
+def _ring(service: ReplicaService) -> CommitRing:
+    ring = service.objects.find(COMMIT, _RING_ID)
+    if ring is None:
+        ring = CommitRing()
+        service.objects.install(COMMIT, _RING_ID, ring)
+    return ring
+
+
+def state_digest(state: dict) -> str:
+    """A hash of a snapshot's bytes (keys, dtypes, shapes and values), to check replicas hold the same state."""
+    digest = hashlib.sha256()
+    for key in sorted(state, key=repr):
+        digest.update(repr(key).encode())
+        for leaf in optree.tree_leaves(state[key], none_is_leaf=True):
+            array = np.ascontiguousarray(to_numpy(leaf)) if hasattr(leaf, "shape") else np.asarray(leaf)
+            digest.update(f"{array.dtype}{array.shape}".encode())
+            digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
+# -- commands (``command(service, *args)``) ------------------------------------------------
+
+
+def take_commit(service: ReplicaService, model_id: str, key: CommitKey, input_shape: tuple[int, ...] | None,
+                dtype: str | None) -> None:
+    """Commit the state as it is (before a ``fit``'s first step), building the model first if it is not.
+
+    A model is built at its first batch from replica 0's initial weights; a
+    commit of an unbuilt model could not be restored once it is built, so it
+    is built here, the same way (``input_shape`` of ``x``, without the batch).
+    """
+    model = service.objects.get(MODEL, model_id).model
+    if not model.built:
+        if input_shape is None:
+            model._require_built()  # raises with the reason when there is no declared input shape either
+        else:
+            model._ensure_built(np.empty((0, *input_shape), dtype=dtype or "float32"))
+    _ring(service).add(Commit(tuple(key), service.objects.snapshot(STATE_KINDS),  # type: ignore[arg-type]
+                              {"loss_sum": 0.0, "count": 0.0, "metrics": {}}))
+
+
+def commit_progress(service: ReplicaService, key: CommitKey) -> dict:
+    """The epoch's progress at commit ``key`` (global loss sum and examples, metric totals)."""
+    return _ring(service).get(key).progress
+
+
+def commit_keys(service: ReplicaService) -> list[CommitKey]:
+    """The commits this replica holds, oldest first."""
+    return list(_ring(service).commits)
+
+
+def restore_commit(service: ReplicaService, key: CommitKey, rank0_metrics: bool = True) -> str:
+    """Go back to commit ``key``: restore its state, forget newer commits; returns the state's digest."""
+    ring = _ring(service)
+    commit = ring.get(key)
+    service.objects.restore(commit.state)
+    ring.drop_after(key)
+    _restore_metrics(service, commit.progress)
+    return state_digest(commit.state)
+
+
+def commit_state(service: ReplicaService, key: CommitKey) -> Commit:
+    """This replica's commit ``key`` (to heal a replica whose copy differs, or a newcomer)."""
+    return _ring(service).get(key)
+
+
+def install_commit(service: ReplicaService, commit: Commit) -> str:
+    """Take ``commit`` from another replica: restore it and keep it as this replica's newest commit."""
+    service.objects.restore(commit.state)
+    ring = _ring(service)
+    ring.drop_after(commit.key)
+    ring.add(commit)
+    _restore_metrics(service, commit.progress)
+    return state_digest(commit.state)
+
+
+def _restore_metrics(service: ReplicaService, progress: dict) -> None:
+    """The epoch's metric totals at the commit: all of them on rank 0, zeros elsewhere (they are summed later)."""
+    for model_id in service.objects.ids(MODEL):
+        model = service.objects.get(MODEL, model_id).model
+        totals = progress.get("metrics", {}).get(model_id)
+        if totals is None:
+            continue
+        for metric, total in zip(model.compiled_metrics, totals):
+            total = np.asarray(total, np.float64)
+            metric.set_totals(total if service.rank == 0 else np.zeros_like(total))
+
+
+def elastic_train_epoch(service: ReplicaService, model_id: str, batches: Any, steps: int, lr: float, tag: str,
+                        key: tuple[int, int], first_step: int, commit_every: int,
+                        start: tuple[float, float] | None) -> dict:
+    """Train steps ``first_step`` ... of an epoch, committing every ``commit_every`` steps and at the end.
+
+    ``batches`` holds the epoch's global batches from ``first_step`` on (re-planned over this generation);
+    ``steps`` is their count. ``start``: the epoch's global loss sum and count at ``first_step``.
+    """
+    from daskdist.keras.models import PROGRESS_TOPIC
+
+    model = service.objects.get(MODEL, model_id).model
+    model.optimizer.learning_rate = lr
+    ring = _ring(service)
+    fit, epoch = key
+    last = first_step + steps
+    ctx = service.context
+
+    def on_step(done: int, loss_sum: float, count: float) -> None:
+        step = first_step + done
+        if step % commit_every and step != last:
+            return
+        totals = [np.asarray(m.totals(), np.float64) for m in model.compiled_metrics]
+        if totals:  # the epoch's metrics so far, summed over replicas: a lost replica's share is not lost
+            totals = [np.asarray(t, np.float64) for t in ctx.all_reduce(ReduceOp.SUM, totals)]
+        progress = {"loss_sum": loss_sum, "count": count, "metrics": {model_id: totals}}
+        ring.add(Commit((fit, epoch, step), service.objects.snapshot(STATE_KINDS), progress))
+
+    sent = [0.0]
+
+    def progress(done: int, logs: dict) -> None:
+        now = time.monotonic()
+        if service.rank == 0 and now - sent[0] >= _PROGRESS_INTERVAL:
+            sent[0] = now
+            service.log_event(PROGRESS_TOPIC, {"tag": tag, "epoch": epoch, "step": first_step + done, "logs": logs})
+
+    logs = training.train_batches(model, batches, steps, progress, start=start, on_step=on_step)
+    service.flush_step_events()
+    return logs

@@ -1,0 +1,250 @@
+"""Elastic training on real processes: a worker and its nanny killed mid-epoch, fit finishes exactly once.
+
+Workers here are ``dask worker`` processes (each with its own nanny process)
+started by the test, so that a kill -9 of both leaves nothing to replace the
+worker, as when a machine goes away.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+from distributed import Client, LocalCluster
+
+import daskdist as dd
+from daskdist import keras
+from daskdist.keras.models import PROGRESS_TOPIC
+
+Dataset = dd.data.Dataset
+
+pytestmark = pytest.mark.timeout(240)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class ProcessWorkers:
+    """A scheduler in this process and ``dask worker`` processes (nanny + worker) that tests may kill."""
+
+    def __init__(self, n: int):
+        self.cluster = LocalCluster(n_workers=0, processes=True, dashboard_address=":0", silence_logs=40)
+        self.client = Client(self.cluster, set_as_default=False)
+        env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        dask = os.path.join(os.path.dirname(sys.executable), "dask")
+        self.nannies = [
+            subprocess.Popen([dask, "worker", self.cluster.scheduler_address, "--nthreads", "1", "--no-dashboard",
+                              "--name", f"w{i}"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for i in range(n)
+        ]
+        self.client.wait_for_workers(n, timeout=120)
+
+    def kill(self, address: str) -> None:
+        """kill -9 the worker at ``address`` and its nanny: nothing restarts it."""
+        pids = self.client.run(lambda: (os.getpid(), os.getppid()), workers=[address])[address]
+        worker, nanny = pids
+        os.kill(nanny, signal.SIGKILL)
+        os.kill(worker, signal.SIGKILL)
+
+    def close(self) -> None:
+        self.client.close()
+        self.cluster.close()
+        for process in self.nannies:
+            if process.poll() is None:
+                process.kill()
+            process.wait(10)
+
+
+@pytest.fixture
+def process_workers():
+    made = []
+
+    def make(n: int) -> ProcessWorkers:
+        made.append(ProcessWorkers(n))
+        return made[-1]
+
+    yield make
+    for workers in made:
+        workers.close()
+
+
+def slow_batch(*batch):
+    """An after-batch map that makes each step take a while, so a kill lands mid-epoch."""
+    time.sleep(0.12)
+    return batch
+
+
+def _data(n=240, features=4, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.random((n, features)).astype(np.float32), rng.integers(0, 3, n).astype(np.int64)
+
+
+def _model(weights=None):
+    model = keras.Sequential([keras.layers.Dense(8, activation="relu", input_shape=(4,)), keras.layers.Dense(3)])
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.Adam(0.01), metrics=["accuracy"])
+    model.build((4,))
+    if weights is not None:
+        model.set_weights(weights)
+    return model
+
+
+def _kill_at_step(workers, victim, step, epoch=0):
+    """A thread that kills ``victim`` once replica 0 reported ``step`` of ``epoch``; returns (thread, record)."""
+    record = {}
+    since = time.time()
+
+    def watch():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            events = workers.client.get_events(PROGRESS_TOPIC)
+            if any(t > since and m.get("epoch") == epoch and m.get("step", -1) >= step for t, m in events):
+                workers.kill(victim)
+                record["killed"] = time.monotonic()
+                return
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread, record
+
+
+def test_elastic_options_are_checked_and_opt_in():
+    with pytest.raises(ValueError, match="min_replicas"):
+        dd.ElasticOptions(min_replicas=0)
+    with pytest.raises(ValueError, match="max_replicas"):
+        dd.ElasticOptions(min_replicas=3, max_replicas=2)
+    with pytest.raises(ValueError, match="commit_every"):
+        dd.ElasticOptions(commit_every=0)
+    with pytest.raises(ValueError, match="wait_timeout"):
+        dd.ElasticOptions(wait_timeout="soon")
+    assert dd.ElasticOptions(2, wait_timeout="10min").wait_seconds == 600
+    with pytest.raises(TypeError, match="ElasticOptions"):
+        dd.MirroredStrategy(devices=["/cpu:0"], elastic={"min_replicas": 1})
+
+
+def test_an_elastic_fit_without_failures_trains_as_a_plain_one(threaded_client):
+    x, y = _data(120)
+    train = Dataset.from_tensor_slices((x, y)).batch(24)
+    weights = _model().get_weights()
+    results = []
+    for elastic in (None, dd.ElasticOptions(min_replicas=2, commit_every=2)):
+        with dd.MirroredStrategy(client=threaded_client, elastic=elastic) as strategy:
+            assert strategy.extended.group.spec.policy == ("elastic" if elastic else "fixed")
+            with strategy.scope():
+                model = _model(weights)
+            history = model.fit(train, epochs=2, verbose=0)
+            results.append((model.get_weights(), history.history))
+            if elastic:
+                ledger = history.elastic.ledger
+                assert ledger.steps(0) == ledger.steps(1) == [0, 1, 2, 3, 4]
+                assert sorted(ledger.positions(1, history.elastic.rows).tolist()) == list(range(120))
+                assert history.elastic.events == []
+    for a, b in zip(results[0][0], results[1][0]):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    assert results[0][1].keys() == results[1][1].keys()
+    for key in results[0][1]:
+        assert results[0][1][key] == pytest.approx(results[1][1][key], rel=1e-6)
+
+
+def test_a_worker_and_its_nanny_killed_mid_epoch_fit_finishes_with_the_uninterrupted_weights(process_workers):
+    workers = process_workers(3)
+    x, y = _data(240)
+    train = Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)  # 10 steps per epoch
+    weights = _model().get_weights()
+
+    with dd.MirroredStrategy(client=workers.client) as strategy:  # the uninterrupted run, today's strategy
+        with strategy.scope():
+            model = _model(weights)
+        reference = model.fit(train, epochs=2, verbose=0)
+        expected = model.get_weights()
+
+    strategy = dd.MirroredStrategy(client=workers.client, elastic=dd.ElasticOptions(min_replicas=2))
+    with strategy:
+        assert strategy.num_replicas_in_sync == 3
+        with strategy.scope():
+            model = _model(weights)
+        victim = strategy.extended.worker_addresses[1]
+        thread, record = _kill_at_step(workers, victim, step=4)
+        start = time.monotonic()
+        history = model.fit(train, epochs=2, verbose=0)
+        thread.join(5)
+        assert "killed" in record, "the worker was never killed"
+        assert strategy.num_replicas_in_sync == 2 and victim not in strategy.extended.worker_addresses
+        (event,) = history.elastic.events
+        assert event.lost == [victim] and event.generation == 1 and len(event.members) == 2
+        fit_id, epoch, step = event.commit
+        assert epoch == 0 and 0 < step < 10  # restored mid-epoch, not at an epoch boundary
+        assert history.elastic_events[0]["lost"] == [victim]
+        # every row of each epoch committed exactly once
+        for e in (0, 1):
+            assert history.elastic.ledger.steps(e) == list(range(10))
+            positions = history.elastic.ledger.positions(e, history.elastic.rows)
+            assert sorted(positions.tolist()) == list(range(240))
+        for got, want in zip(model.get_weights(), expected):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        assert history.history["loss"] == pytest.approx(reference.history["loss"], rel=1e-5)
+        assert history.history["accuracy"] == pytest.approx(reference.history["accuracy"], rel=1e-5)
+        assert time.monotonic() - start < 120
+        # the scheduler logged the new generation as a Dask event
+        assert any(m.get("action") == "generation" for _, m in workers.client.get_events("daskdist"))
+        assert any(m.get("action") == "restored" for _, m in workers.client.get_events("daskdist-elastic"))
+
+
+def ids_as_one_hot(ids, target):
+    return np.eye(60, dtype=np.float32)[ids], target
+
+
+def test_the_ledger_holds_every_sample_once_per_epoch_across_a_loss_with_commit_every_3(process_workers):
+    """One-hot samples and a linear model: each weight moves only when its sample trains, so the weights show
+    how many times every sample contributed to a committed update."""
+    workers = process_workers(3)
+    ids = np.arange(60)
+    train = (Dataset.from_tensor_slices((ids, np.ones((60, 1), np.float32))).map(ids_as_one_hot)
+             .batch(6).map(slow_batch))  # 10 steps per epoch
+    lr = 0.3
+    with dd.MirroredStrategy(client=workers.client,
+                             elastic=dd.ElasticOptions(min_replicas=2, commit_every=3)) as strategy:
+        with strategy.scope():
+            model = keras.Sequential([keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros",
+                                                         input_shape=(60,))])
+            model.compile(loss=keras.losses.MeanSquaredError(), optimizer=keras.optimizers.SGD(lr))
+        victim = strategy.extended.worker_addresses[2]
+        thread, record = _kill_at_step(workers, victim, step=5)
+        history = model.fit(train, epochs=1, verbose=0)
+        thread.join(5)
+        assert "killed" in record
+        (event,) = history.elastic.events
+        assert event.commit[1:] in {(0, 3), (0, 6)}  # a commit boundary of commit_every=3
+        ledger = history.elastic.ledger
+        assert ledger.steps(0) == list(range(10))
+        committed = ids[ledger.positions(0, history.elastic.rows)]
+        assert sorted(committed.tolist()) == ids.tolist()  # no repeats, no gaps
+        # the training itself: one MSE step on sample i moves w_i from 0 to 2 * lr / 6; twice would move it more
+        w = model.get_weights()[0][:, 0]
+        np.testing.assert_allclose(w, np.full(60, 2 * lr / 6), rtol=1e-6)
+
+
+def test_below_min_replicas_the_strategy_waits_then_raises_naming_the_lost_worker(process_workers):
+    workers = process_workers(2)
+    x, y = _data(240)
+    train = Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)
+    with dd.MirroredStrategy(client=workers.client,
+                             elastic=dd.ElasticOptions(min_replicas=2, wait_timeout="2s")) as strategy:
+        with strategy.scope():
+            model = _model()
+        victim = strategy.extended.worker_addresses[1]
+        thread, record = _kill_at_step(workers, victim, step=2)
+        start = time.monotonic()
+        with pytest.raises(dd.ReplicaLostError, match="min_replicas=2") as info:
+            model.fit(train, epochs=1, verbose=0)
+        thread.join(5)
+        waited = time.monotonic() - record["killed"]
+        assert victim in str(info.value) and "wait_timeout" in str(info.value)
+        assert 2 <= waited < 30, waited
+        assert time.monotonic() - start < 60
