@@ -160,3 +160,12 @@ def test_element_spec_comes_from_the_pipeline_not_from_the_first_partition():
 def test_split_batch_gives_empty_batches_so_replicas_stay_in_step_across_repeat():
     ds = Dataset(Dataset.range(3).source, (ops.SplitBatch([2, 1, 0]), ops.Repeat(2)))
     assert [b.tolist() for b in ds] == [[0, 1], [2], [], [0, 1], [2], []]
+
+
+def test_a_skip_after_a_take_is_planned_as_the_rows_it_leaves():
+    from daskdist.data.planner import cut_pipeline
+
+    dataset = dd.data.Dataset.range(20).take(10).skip(3).batch(4)
+    parts = cut_pipeline(dataset)
+    assert (parts.skip, parts.take) == (3, 7)
+    assert [b.tolist() for b in dataset] == [[3, 4, 5, 6], [7, 8, 9]]

@@ -37,12 +37,18 @@ class ProcessWorkers:
         self.client = Client(self.cluster, set_as_default=False)
         env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
         dask = os.path.join(os.path.dirname(sys.executable), "dask")
-        self.nannies = [
-            subprocess.Popen([dask, "worker", self.cluster.scheduler_address, "--nthreads", "1", "--no-dashboard",
-                              "--name", f"w{i}"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            for i in range(n)
-        ]
+        self._command = [dask, "worker", self.cluster.scheduler_address, "--nthreads", "1", "--no-dashboard"]
+        self._env = env
+        self.nannies = [self._start(f"w{i}") for i in range(n)]
         self.client.wait_for_workers(n, timeout=120)
+
+    def _start(self, name: str) -> subprocess.Popen:
+        return subprocess.Popen(self._command + ["--name", name], env=self._env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+
+    def add(self) -> None:
+        """Start one more worker (with its nanny)."""
+        self.nannies.append(self._start(f"w{len(self.nannies)}"))
 
     def kill(self, address: str) -> None:
         """kill -9 the worker at ``address`` and its nanny: nothing restarts it."""
@@ -248,3 +254,42 @@ def test_below_min_replicas_the_strategy_waits_then_raises_naming_the_lost_worke
         assert victim in str(info.value) and "wait_timeout" in str(info.value)
         assert 2 <= waited < 30, waited
         assert time.monotonic() - start < 60
+
+
+def test_a_new_worker_is_admitted_when_the_group_is_below_min_replicas_and_gets_the_survivors_state(
+        process_workers):
+    workers = process_workers(3)
+    x, y = _data(240)
+    train = Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)
+    weights = _model().get_weights()
+    with dd.MirroredStrategy(client=workers.client) as strategy:
+        with strategy.scope():
+            model = _model(weights)
+        model.fit(train, epochs=1, verbose=0)
+        expected = model.get_weights()
+
+    with dd.MirroredStrategy(client=workers.client,
+                             elastic=dd.ElasticOptions(min_replicas=3, wait_timeout="90s")) as strategy:
+        with strategy.scope():
+            model = _model(weights)
+        before = set(strategy.extended.worker_addresses)
+        victim = strategy.extended.worker_addresses[0]  # rank 0 too: a new rank 0 is chosen
+        thread, record = _kill_at_step(workers, victim, step=3)
+        adder = threading.Thread(target=lambda: (thread.join(120), workers.add()), daemon=True)
+        adder.start()
+        history = model.fit(train, epochs=1, verbose=0)
+        adder.join(5)
+        (event,) = history.elastic.events
+        (newcomer,) = event.admitted
+        assert newcomer not in before and event.lost == [victim]
+        assert strategy.num_replicas_in_sync == 3 and newcomer in strategy.extended.worker_addresses
+        assert sorted(history.elastic.ledger.positions(0, history.elastic.rows).tolist()) == list(range(240))
+        # the newcomer trained with the others from the survivors' commit: every replica holds rank 0's weights
+        from daskdist.keras.models import _replica_get_weights
+
+        copies = strategy.extended.group.call(_replica_get_weights, (model._model_id,))
+        assert len(copies) == 3
+        for copy in copies[1:]:
+            assert all(np.array_equal(a, b) for a, b in zip(copy, copies[0]))
+        for got, want in zip(model.get_weights(), expected):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
