@@ -293,3 +293,44 @@ def test_a_new_worker_is_admitted_when_the_group_is_below_min_replicas_and_gets_
             assert all(np.array_equal(a, b) for a, b in zip(copy, copies[0]))
         for got, want in zip(model.get_weights(), expected):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_an_elastic_custom_loop_survives_a_loss_and_counts_every_row_once(process_workers):
+    workers = process_workers(3)
+    values = np.arange(1, 121, dtype=np.float64)
+    dataset = Dataset.from_tensor_slices(values).batch(12).map(slow_batch)  # 10 steps per epoch
+    with dd.MirroredStrategy(client=workers.client, elastic=dd.ElasticOptions(min_replicas=2)) as strategy:
+        with strategy.scope():
+            total = dd.Variable(np.zeros((), np.float64), aggregation=dd.VariableAggregation.ONLY_FIRST_REPLICA)
+        resets = []
+
+        def step(batch):
+            (rows,) = batch
+            summed = dd.get_replica_context().all_reduce("SUM", rows.sum())
+            total.assign_add(summed)
+
+        @dd.elastic.run
+        def train(state):
+            while state.epoch < 2:
+                for batch in state.batches(dataset):
+                    strategy.run(step, args=(batch,))
+                    state.steps += 1
+                    state.commit()
+                state.epoch += 1
+
+        state = dd.elastic.State(strategy, epoch=0, steps=0)
+        state.register_reset_callbacks([lambda: resets.append(strategy.num_replicas_in_sync)])
+        victim = strategy.extended.worker_addresses[1]
+        killer = threading.Thread(target=lambda: (time.sleep(2.5), workers.kill(victim)), daemon=True)
+        killer.start()
+        train(state)
+        killer.join(5)
+        (event,) = state.events
+        assert event.lost == [victim] and resets == [2]
+        assert state.steps == 20 and state.epoch == 2
+        # each row added exactly once per epoch, on every replica's copy: no replayed step, no skipped one
+        assert total.read_value() == 2 * values.sum()
+        assert [float(v) for v in strategy.extended.read_variable(total._var_id, all_replicas=True)] == \
+            [2 * values.sum()] * 2
+        for epoch in (0, 1):
+            assert sorted(state.ledger.positions(epoch, state._rows).tolist()) == list(range(120))

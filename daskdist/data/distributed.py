@@ -63,6 +63,7 @@ class DistributedDataset:
         self._element_spec = element_spec
         self._futures = futures or []  # keep the placed partitions alive on their workers
         self._pinned: list[tuple[str, Any]] = []  # (worker, future) of the tasks that hold each replica's rows
+        self.dataset: Dataset | None = None  # the undistributed dataset (``from_dataset``)
         self._iterators = itertools.count(1)
 
     # -- building -------------------------------------------------------------------
@@ -88,6 +89,7 @@ class DistributedDataset:
             )))
         extended.group.call(replica_side.register_shard, shards)
         distributed = cls(extended, dataset_id, planned.plan, element_spec, planned.futures)
+        distributed.dataset = dataset  # what it was made from: elastic training plans the rest of an epoch again
         distributed._pinned = planned.pinned
         extended.register_distributed_dataset(dataset_id, distributed)
         logger.debug("%r", planned.plan)

@@ -24,7 +24,7 @@ from daskdist.data.dataset import Dataset
 from daskdist.data.planner import cut_pipeline
 from daskdist.elastic.ledger import DataLedger, RowMap
 from daskdist.elastic.options import ElasticOptions
-from daskdist.elastic.recovery import RECOVERABLE, Recovery, recover
+from daskdist.elastic.recovery import RECOVERABLE, Recovery, is_final, recover
 from daskdist.elastic.replica import CommitKey, elastic_train_epoch, take_commit
 from daskdist.exceptions import ReplicaLostError
 
@@ -123,12 +123,20 @@ class ElasticFit:
     # -- recovery -------------------------------------------------------------------
 
     def _recover(self, error: BaseException) -> tuple[CommitKey, dict]:
-        self.failures += 1
-        if 0 <= self.options.max_failures < self.failures:
-            raise ReplicaLostError(
-                f"{error} (the strategy's elastic max_failures={self.options.max_failures} is exhausted)") from error
-        logger.warning("Elastic fit: %s; recovering", error)
-        outcome = recover(self.group, self.options, error, install_newcomer=self._install_newcomer)
+        while True:  # a second loss during a recovery starts it again, on the members left
+            self.failures += 1
+            if 0 <= self.options.max_failures < self.failures:
+                raise ReplicaLostError(
+                    f"{error} (the strategy's elastic max_failures={self.options.max_failures} is exhausted)",
+                    worker=getattr(error, "worker", None)) from error
+            logger.warning("Elastic fit: %s; recovering", error)
+            try:
+                outcome = recover(self.group, self.options, error, install_newcomer=self._install_newcomer)
+                break
+            except RECOVERABLE as again:
+                if is_final(again):
+                    raise
+                error = again
         self.events.append(outcome)
         history = self.model.history
         if history is not None:

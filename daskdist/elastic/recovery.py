@@ -17,22 +17,32 @@ import logging
 import time
 from typing import Any
 
-from distributed.comm.core import CommClosedError
-
 from daskdist.elastic.options import ElasticOptions
 from daskdist.elastic.replica import CommitKey, commit_keys, commit_state, install_commit, restore_commit
 from daskdist.exceptions import ReplicaLostError, StaleGenerationError
 from daskdist.group.handle import ReplicaGroup
 from daskdist.group.membership import Membership
 
-__all__ = ["ELASTIC_TOPIC", "RECOVERABLE", "Recovery", "recover"]
+__all__ = ["ELASTIC_TOPIC", "RECOVERABLE", "Recovery", "is_final", "recover"]
 
 logger = logging.getLogger(__name__)
 
 #: The Dask event topic of elastic transitions (``client.get_events("daskdist-elastic")``).
 ELASTIC_TOPIC = "daskdist-elastic"
-#: What a lost member makes a command raise under the elastic policy.
-RECOVERABLE = (ReplicaLostError, StaleGenerationError, CommClosedError, OSError)
+#: What a lost member makes a command raise under the elastic policy (the handle turns broken connections
+#: into ``ReplicaLostError``; a user's own exception is never taken for a loss).
+RECOVERABLE = (ReplicaLostError, StaleGenerationError)
+
+
+def _final(error: ReplicaLostError) -> ReplicaLostError:
+    """Mark an error that a new recovery cannot cure (too few workers, no common commit, not a loss)."""
+    error.elastic_final = True  # type: ignore[attr-defined]
+    return error
+
+
+def is_final(error: BaseException) -> bool:
+    """Whether a recovery's error ends the elastic run (``_final``), rather than being a second loss."""
+    return bool(getattr(error, "elastic_final", False))
 
 
 @dataclasses.dataclass
@@ -96,10 +106,10 @@ def _next_generation(group: ReplicaGroup, before: Membership, timeout: float, er
         if membership.generation > before.generation:
             return membership
         if time.monotonic() >= deadline:
-            raise ReplicaLostError(
+            raise _final(ReplicaLostError(
                 f"{type(error).__name__} ({error}) but the scheduler announced no new membership for "
                 f"{group.group_id} within {timeout:g} s, so it is not a loss the group can recover from"
-            ) from error
+            )) from error
         time.sleep(0.05)
 
 
@@ -114,10 +124,10 @@ def _wait_for_members(group: ReplicaGroup, options: ElasticOptions, lost: list[s
             admitted += admit(group, free[:room])
             continue
         if time.monotonic() >= deadline:
-            raise ReplicaLostError(
+            raise _final(ReplicaLostError(
                 f"the elastic group {group.group_id} lost {', '.join(lost) or 'members'} and has "
                 f"{group.size} replicas, fewer than min_replicas={options.min_replicas}; no worker came within "
-                f"wait_timeout ({options.wait_seconds:g} s)", worker=lost[0] if lost else None)
+                f"wait_timeout ({options.wait_seconds:g} s)", worker=lost[0] if lost else None))
         time.sleep(0.2)
     return admitted
 
@@ -177,8 +187,8 @@ def _restore_common_commit(group: ReplicaGroup, admitted: list[str], install_new
     held = group.call(commit_keys, ranks=old)
     common = set.intersection(*(set(map(tuple, keys)) for keys in held)) if held else set()
     if not common:
-        raise ReplicaLostError(f"the survivors of {group.group_id} hold no common commit (held: {held}); "
-                               "their state cannot be made consistent")
+        raise _final(ReplicaLostError(f"the survivors of {group.group_id} hold no common commit (held: {held}); "
+                                      "their state cannot be made consistent"))
     key: CommitKey = max(common)  # type: ignore[assignment]
     digests = group.call(restore_commit, (key,), ranks=old)
     healed = False
@@ -195,5 +205,5 @@ def _restore_common_commit(group: ReplicaGroup, admitted: list[str], install_new
         fixed = group.call(install_commit, (commit,), ranks=targets)
         digests = [digests[0]] + list(fixed)
     if len(set(digests)) != 1:
-        raise ReplicaLostError(f"the members of {group.group_id} hold different states after restoring {key}")
+        raise _final(ReplicaLostError(f"the members of {group.group_id} hold different states after restoring {key}"))
     return key, healed

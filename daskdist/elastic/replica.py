@@ -30,6 +30,7 @@ __all__ = [
     "CommitKey",
     "CommitRing",
     "commit_keys",
+    "commit_now",
     "commit_progress",
     "commit_state",
     "elastic_train_epoch",
@@ -118,6 +119,12 @@ def take_commit(service: ReplicaService, model_id: str, key: CommitKey, input_sh
             model._require_built()  # raises with the reason when there is no declared input shape either
         else:
             model._ensure_built(np.empty((0, *input_shape), dtype=dtype or "float32"))
+    _ring(service).add(Commit(tuple(key), service.objects.snapshot(STATE_KINDS),  # type: ignore[arg-type]
+                              {"loss_sum": 0.0, "count": 0.0, "metrics": {}}))
+
+
+def commit_now(service: ReplicaService, key: CommitKey) -> None:
+    """Commit the replica's variables and models as they are (``dd.elastic.State.commit``)."""
     _ring(service).add(Commit(tuple(key), service.objects.snapshot(STATE_KINDS),  # type: ignore[arg-type]
                               {"loss_sum": 0.0, "count": 0.0, "metrics": {}}))
 

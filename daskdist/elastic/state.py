@@ -1,0 +1,209 @@
+"""``dd.elastic.State`` and ``@dd.elastic.run``: elastic custom training loops (Horovod's shape).
+
+::
+
+    @dd.elastic.run
+    def train(state):
+        while state.epoch < 10:
+            for batch in state.batches(dataset):   # this epoch's global batches not yet committed
+                strategy.run(step, args=(batch,))
+                state.commit()
+            state.epoch += 1
+
+    train(dd.elastic.State(strategy, epoch=0))
+
+``commit()`` keeps, on every replica, a copy of its variables and models (the
+two newest), and on the client a copy of the state's plain attributes. When a
+member is lost the function's call raises; ``run`` recovers the group
+(``elastic/recovery.py``), puts back the newest commit all members hold (on
+the replicas and in the state's attributes), calls the reset callbacks, and
+calls the function again: ``state.epoch`` and ``state.batch`` say where it
+goes on, and ``state.batches`` yields only the batches after the commit,
+planned over the new members with the same global batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import itertools
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from daskdist.data import ops
+from daskdist.data.dataset import Dataset
+from daskdist.data.planner import cut_pipeline
+from daskdist.elastic.ledger import DataLedger, RowMap
+from daskdist.elastic.options import ElasticOptions
+from daskdist.elastic.recovery import RECOVERABLE, Recovery, is_final, recover
+from daskdist.elastic.replica import CommitKey, commit_now
+from daskdist.exceptions import ReplicaLostError
+
+__all__ = ["State", "run"]
+
+logger = logging.getLogger(__name__)
+
+_RUNS = itertools.count(1)
+_OWN = ("strategy", "epoch", "batch")
+
+
+class State:
+    """What an elastic custom loop goes back to after a loss (Horovod's ``hvd.elastic.State``).
+
+    Parameters
+    ----------
+    strategy
+        An elastic strategy (``elastic=dd.ElasticOptions(...)``).
+    epoch
+        The epoch to start at.
+    **attributes
+        Anything else the loop keeps (plain values are copied at each commit
+        and put back after a loss; models and distributed variables live on
+        the replicas, whose commits cover them).
+
+    Attributes
+    ----------
+    batch
+        Global batches of the current epoch taken so far (``batches`` starts after them).
+    ledger
+        ``DataLedger``: the rows of every committed batch, per epoch.
+    events
+        ``Recovery`` of every loss survived.
+    """
+
+    def __init__(self, strategy: Any, epoch: int = 0, **attributes: Any):
+        options = getattr(strategy.extended, "elastic", None)
+        if not isinstance(options, ElasticOptions):
+            raise ValueError("dd.elastic.State needs an elastic strategy: "
+                             "dd.MirroredStrategy(..., elastic=dd.ElasticOptions(min_replicas=...))")
+        self.strategy = strategy
+        self.options = options
+        self.epoch = int(epoch)
+        self.batch = 0
+        self.ledger = DataLedger()
+        self.events: list[Recovery] = []
+        self.failures = 0
+        self._run_id = next(_RUNS)
+        self._serial = itertools.count(1)
+        self._commits: OrderedDict[CommitKey, dict] = OrderedDict()
+        self._reset_callbacks: list[Callable[[], None]] = []
+        self._rows: RowMap | None = None
+        self._pending: list[tuple[int, int]] = []  # (epoch, batch) taken since the last commit
+        for name, value in attributes.items():
+            if name in _OWN or name.startswith("_"):
+                raise ValueError(f"{name!r} is not a free State attribute")
+            setattr(self, name, value)
+
+    # -- Horovod's verbs ---------------------------------------------------------------
+
+    def commit(self) -> None:
+        """Keep this point: the replicas' variables and models, and this state's attributes."""
+        key: CommitKey = (self._run_id, next(self._serial), 0)
+        self.strategy.extended.group.call(commit_now, (key,))
+        self._commits[key] = self._plain_attributes()
+        while len(self._commits) > 2:
+            self._commits.popitem(last=False)
+        if self._rows is not None:
+            for epoch, batch in self._pending:
+                self.ledger.record(epoch, range(batch, batch + 1), self._rows)
+        self._pending = []
+
+    def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
+        """Call each of ``callbacks`` after a recovery, before the loop goes on (to rescale a learning rate)."""
+        self._reset_callbacks.extend(callbacks)
+
+    def batches(self, dataset: Any) -> Iterator[Any]:
+        """This epoch's global batches after ``self.batch``, as ``PerReplica`` handles over the current members.
+
+        ``dataset`` is a ``dd.data.Dataset`` batched with the global batch, or
+        a distributed dataset made from one; its rows must keep their
+        positions before the batch (no shuffle or filter there yet).
+        """
+        dataset = getattr(dataset, "dataset", dataset)
+        if not isinstance(dataset, Dataset):
+            raise TypeError("state.batches takes a dd.data.Dataset (or a distributed dataset made from one)")
+        strategy = self.strategy
+        skip = self.batch * cut_pipeline(dataset).batch.batch_size
+        transformations = list(dataset.transformations)
+        last = max(i for i, op in enumerate(transformations) if isinstance(op, ops.Batch))
+        if skip:
+            transformations.insert(last, ops.Skip(skip))
+        distributed = strategy.experimental_distribute_dataset(Dataset(dataset.source, tuple(transformations)))
+        plan = distributed.plan()
+        if plan.split != "global" or plan.steps is None:
+            raise ValueError("elastic loops need a dataset whose steps are the undistributed dataset's batches "
+                             f"(the 'global' split); this one plans a {plan.split!r} split")
+        if self._rows is None or skip == 0:
+            full = distributed if skip == 0 else strategy.experimental_distribute_dataset(dataset)
+            self._rows = RowMap.from_plan(full.plan(), cut_pipeline(dataset).batch.batch_size)
+        for element in distributed:
+            self._pending.append((self.epoch, self.batch))
+            self.batch += 1
+            yield element
+        self.batch = 0
+
+    # -- recovery ---------------------------------------------------------------------
+
+    def _plain_attributes(self) -> dict:
+        out = {}
+        for name, value in vars(self).items():
+            if name.startswith("_") or name in ("strategy", "options", "ledger", "events", "failures"):
+                continue
+            out[name] = value if _lives_on_replicas(value) else copy.deepcopy(value)
+        return out
+
+    def _begin(self) -> None:
+        if not self._commits:
+            self.commit()
+
+    def _recover(self, error: BaseException) -> None:
+        group = self.strategy.extended.group
+        while True:
+            self.failures += 1
+            if 0 <= self.options.max_failures < self.failures:
+                raise ReplicaLostError(f"{error} (elastic max_failures={self.options.max_failures} is exhausted)",
+                                       worker=getattr(error, "worker", None)) from error
+            try:
+                outcome = recover(group, self.options, error)
+                break
+            except RECOVERABLE as again:
+                if is_final(again):
+                    raise
+                error = again
+        self.events.append(outcome)
+        restored = self._commits[outcome.commit]
+        for key in [k for k in self._commits if k > outcome.commit]:
+            del self._commits[key]
+        for name, value in restored.items():
+            setattr(self, name, value if _lives_on_replicas(value) else copy.deepcopy(value))
+        self._pending = []
+        self.ledger.rollback(self.epoch, self.batch)
+        for callback in self._reset_callbacks:
+            callback()
+
+
+def _lives_on_replicas(value: Any) -> bool:
+    from daskdist.keras.models import Model
+    from daskdist.variables import DistributedVariable
+
+    return isinstance(value, (Model, DistributedVariable)) or hasattr(value, "_extended")
+
+
+def run(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Make ``fn(state, ...)`` elastic: after a lost member it is called again from the newest commit."""
+
+    @functools.wraps(fn)
+    def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(state, State):
+            raise TypeError(f"an elastic.run function takes a dd.elastic.State first, got {type(state).__name__}")
+        while True:
+            try:
+                state._begin()
+                return fn(state, *args, **kwargs)
+            except RECOVERABLE as error:
+                logger.warning("Elastic loop %s: %s; recovering", getattr(fn, "__name__", "fn"), error)
+                state._recover(error)
+
+    return wrapper
