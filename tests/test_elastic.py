@@ -158,6 +158,7 @@ def test_an_elastic_fit_without_failures_trains_as_a_plain_one(threaded_client):
         assert results[0][1][key] == pytest.approx(results[1][1][key], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_a_worker_and_its_nanny_killed_mid_epoch_fit_finishes_with_the_uninterrupted_weights(process_workers):
     workers = process_workers(3)
     x, y = _data(240)
@@ -206,6 +207,7 @@ def ids_as_one_hot(ids, target):
     return np.eye(60, dtype=np.float32)[ids], target
 
 
+@pytest.mark.slow
 def test_the_ledger_holds_every_sample_once_per_epoch_across_a_loss_with_commit_every_3(process_workers):
     """One-hot samples and a linear model: each weight moves only when its sample trains, so the weights show
     how many times every sample contributed to a committed update."""
@@ -236,6 +238,7 @@ def test_the_ledger_holds_every_sample_once_per_epoch_across_a_loss_with_commit_
         np.testing.assert_allclose(w, np.full(60, 2 * lr / 6), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_below_min_replicas_the_strategy_waits_then_raises_naming_the_lost_worker(process_workers):
     workers = process_workers(2)
     x, y = _data(240)
@@ -256,11 +259,17 @@ def test_below_min_replicas_the_strategy_waits_then_raises_naming_the_lost_worke
         assert time.monotonic() - start < 60
 
 
+@pytest.mark.slow
 def test_a_new_worker_is_admitted_when_the_group_is_below_min_replicas_and_gets_the_survivors_state(
         process_workers):
+    """Rank 0 is lost with the Dask partitions it held: they are computed again from their graph."""
+    import dask.array as da
+
     workers = process_workers(3)
     x, y = _data(240)
-    train = Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)
+    x_d, y_d = da.from_array(x, chunks=(40, 4)), da.from_array(y, chunks=40)
+    x_d, y_d = workers.client.persist([x_d, y_d])  # six partitions spread over the three workers
+    train = Dataset.from_dask((x_d, y_d)).batch(24).map(slow_batch)
     weights = _model().get_weights()
     with dd.MirroredStrategy(client=workers.client) as strategy:
         with strategy.scope():
@@ -284,6 +293,7 @@ def test_a_new_worker_is_admitted_when_the_group_is_below_min_replicas_and_gets_
         assert newcomer not in before and event.lost == [victim]
         assert strategy.num_replicas_in_sync == 3 and newcomer in strategy.extended.worker_addresses
         assert sorted(history.elastic.ledger.positions(0, history.elastic.rows).tolist()) == list(range(240))
+        assert len(history.elastic.rows.ranges) == 6
         # the newcomer trained with the others from the survivors' commit: every replica holds rank 0's weights
         from daskdist.keras.models import _replica_get_weights
 
@@ -295,6 +305,7 @@ def test_a_new_worker_is_admitted_when_the_group_is_below_min_replicas_and_gets_
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_an_elastic_custom_loop_survives_a_loss_and_counts_every_row_once(process_workers):
     workers = process_workers(3)
     values = np.arange(1, 121, dtype=np.float64)
@@ -334,3 +345,20 @@ def test_an_elastic_custom_loop_survives_a_loss_and_counts_every_row_once(proces
             [2 * values.sum()] * 2
         for epoch in (0, 1):
             assert sorted(state.ledger.positions(epoch, state._rows).tolist()) == list(range(120))
+
+
+@pytest.mark.slow
+def test_a_loss_beyond_max_failures_raises_naming_the_worker(process_workers):
+    workers = process_workers(3)
+    x, y = _data(240)
+    train = Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)
+    with dd.MirroredStrategy(client=workers.client,
+                             elastic=dd.ElasticOptions(min_replicas=1, max_failures=0)) as strategy:
+        with strategy.scope():
+            model = _model()
+        victim = strategy.extended.worker_addresses[2]
+        thread, record = _kill_at_step(workers, victim, step=2)
+        with pytest.raises(dd.ReplicaLostError, match="max_failures=0 is exhausted") as info:
+            model.fit(train, epochs=1, verbose=0)
+        thread.join(5)
+        assert victim in str(info.value)
