@@ -362,3 +362,31 @@ def test_a_loss_beyond_max_failures_raises_naming_the_worker(process_workers):
             model.fit(train, epochs=1, verbose=0)
         thread.join(5)
         assert victim in str(info.value)
+
+
+@pytest.mark.slow
+def test_a_free_worker_is_admitted_at_the_next_epoch_and_trains_with_the_same_arithmetic(process_workers):
+    workers = process_workers(3)
+    x, y = _data(240)
+    train = Dataset.from_tensor_slices((x, y)).batch(24)
+    weights = _model().get_weights()
+    with dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=workers.client) as strategy:
+        with strategy.scope():
+            model = _model(weights)
+        reference = model.fit(train, epochs=2, verbose=0)
+        expected = model.get_weights()
+    with dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=workers.client,
+                             elastic=dd.ElasticOptions(min_replicas=2, max_replicas=3)) as strategy:
+        (free,) = set(workers.client.scheduler_info()["workers"]) - set(strategy.extended.worker_addresses)
+        with strategy.scope():
+            model = _model(weights)
+        history = model.fit(train, epochs=2, verbose=0)
+        (event,) = history.elastic.events
+        assert event.admitted == [free] and event.lost == [] and event.commit[1:] == (0, 10)
+        assert strategy.num_replicas_in_sync == 3
+        assert history.elastic_events[0]["action"] == "grew" and history.elastic_events[0]["admitted"] == [free]
+        assert sorted(history.elastic.ledger.positions(1, history.elastic.rows).tolist()) == list(range(240))
+        for got, want in zip(model.get_weights(), expected):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        assert history.history["loss"] == pytest.approx(reference.history["loss"], rel=1e-5)
+        assert any(m.get("action") == "grew" for _, m in workers.client.get_events("daskdist-elastic"))

@@ -24,7 +24,7 @@ from daskdist.data.dataset import Dataset
 from daskdist.data.planner import cut_pipeline
 from daskdist.elastic.ledger import DataLedger, RowMap
 from daskdist.elastic.options import ElasticOptions
-from daskdist.elastic.recovery import RECOVERABLE, Recovery, is_final, recover
+from daskdist.elastic.recovery import RECOVERABLE, Recovery, grow, is_final, recover
 from daskdist.elastic.replica import CommitKey, elastic_train_epoch, take_commit
 from daskdist.exceptions import ReplicaLostError
 
@@ -71,11 +71,13 @@ class ElasticFit:
             )
         self.rows = RowMap.from_plan(plan, cut_pipeline(self.train).batch.batch_size)
         self._committed: CommitKey | None = None
+        self._first_epoch = 0
 
     # -- epochs ---------------------------------------------------------------------
 
     def begin(self, epoch: int) -> None:
         """The commit every replica can go back to before the first step (the model built everywhere)."""
+        self._first_epoch = epoch
         while True:
             try:
                 shape, dtype = _input_shape(self.runner._dist_train.element_spec)
@@ -90,6 +92,8 @@ class ElasticFit:
         """One epoch, resumed from the newest common commit after each loss; the epoch's logs."""
         total = self.rows.steps if steps is None else min(int(steps), self.rows.steps)
         first, start = 0, None
+        if epoch > self._first_epoch:
+            self._grow()  # an epoch boundary is a commit boundary: free workers join here
         dist = self.runner._dist_train
         while True:
             lr = float(self.model.optimizer.learning_rate)
@@ -149,6 +153,21 @@ class ElasticFit:
 
         progress = self.group.call(commit_progress, (outcome.commit,), member=0)[0]
         return outcome.commit, progress
+
+    def _grow(self) -> None:
+        """Admit the cluster's free workers (up to ``max_replicas``) and plan the coming epochs over them."""
+        try:
+            outcome = grow(self.group, self.options, self._install_newcomer)
+        except RECOVERABLE as error:
+            self._recover(error)
+            return
+        if outcome is None:
+            return
+        self.events.append(outcome)
+        if self.model.history is not None:
+            self.model.history.elastic_events = [e.to_msg() for e in self.events]
+        self.runner._dist_train = self.strategy.experimental_distribute_dataset(self.train)
+        self.runner._dist_val = None
 
     def _install_newcomer(self, rank: int) -> None:
         from daskdist.keras.models import _replica_install

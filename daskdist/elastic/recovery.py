@@ -23,7 +23,7 @@ from daskdist.exceptions import ReplicaLostError, StaleGenerationError
 from daskdist.group.handle import ReplicaGroup
 from daskdist.group.membership import Membership
 
-__all__ = ["ELASTIC_TOPIC", "RECOVERABLE", "Recovery", "is_final", "recover"]
+__all__ = ["ELASTIC_TOPIC", "RECOVERABLE", "Recovery", "admit", "grow", "is_final", "recover"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +56,10 @@ class Recovery:
     commit: CommitKey
     seconds: float
     healed: bool = False
+    action: str = "restored"  # "restored" after a loss, "grew" when free workers joined
 
     def to_msg(self) -> dict:
-        return {"action": "restored", **dataclasses.asdict(self), "commit": list(self.commit)}
+        return {**dataclasses.asdict(self), "commit": list(self.commit)}
 
 
 def recover(group: ReplicaGroup, options: ElasticOptions, error: BaseException,
@@ -95,6 +96,30 @@ def recover(group: ReplicaGroup, options: ElasticOptions, error: BaseException,
         group.client.log_event(ELASTIC_TOPIC, {"group": group.group_id, **outcome.to_msg()})
     except Exception as e:  # events are for watching; never fail a recovery for them
         logger.debug("Could not log the recovery event: %s", e)
+    return outcome
+
+
+def grow(group: ReplicaGroup, options: ElasticOptions, install_newcomer: Any) -> Recovery | None:
+    """At a commit boundary: admit the cluster's free workers (up to ``max_replicas``); ``None`` if none.
+
+    Nothing is rolled back: every member already holds the newest commit,
+    which the newcomers receive from a survivor.
+    """
+    free = _free_workers(group)
+    room = options.max_replicas - group.size if options.max_replicas is not None else len(free)
+    if not free or room <= 0:
+        return None
+    start = time.monotonic()
+    admitted = admit(group, free[:room])
+    commit, healed = _restore_common_commit(group, admitted, install_newcomer)
+    outcome = Recovery(int(group.generation), list(group.addresses), [], admitted, commit,
+                       time.monotonic() - start, healed, action="grew")
+    logger.info("Elastic group %s grew to %d members (admitted %s) at commit %s", group.group_id, group.size,
+                admitted, commit)
+    try:
+        group.client.log_event(ELASTIC_TOPIC, {"group": group.group_id, **outcome.to_msg()})
+    except Exception as e:  # events are for watching; never fail a growth for them
+        logger.debug("Could not log the growth event: %s", e)
     return outcome
 
 
