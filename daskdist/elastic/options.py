@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
 
 from dask.utils import parse_timedelta
 
 __all__ = ["ElasticOptions"]
 
-Duration = Union[str, float, int]
+Duration = str | float | int
 
 
 @dataclass(frozen=True)

@@ -172,8 +172,8 @@ def admit(group: ReplicaGroup, newcomers: list[str]) -> list[str]:
     from daskdist.group.launch import run_replica
 
     workers = list(group.addresses) + list(newcomers)
-    response = group.client.sync(group.client.scheduler.daskdist_change_membership, group_id=group.group_id,
-                                 workers=workers, reason=f"admitting {', '.join(newcomers)}")
+    response = group._ask_scheduler("daskdist_change_membership", group_id=group.group_id, workers=workers,
+                                    reason=f"admitting {', '.join(newcomers)}")
     if response.get("status") != "OK":
         raise ReplicaLostError(f"could not admit {newcomers}: {response.get('message')}")
     membership = group.refresh_membership()

@@ -66,6 +66,10 @@ class History(Callback):
         super().__init__()
         self.history: dict[str, list] = {}
         self.epoch: list[int] = []
+        #: On an elastic strategy: the fit's ``daskdist.elastic.fit.ElasticFit`` (its ``ledger``, its ``events``).
+        self.elastic: Any = None
+        #: On an elastic strategy: every membership change the fit survived (lost, admitted, commit, seconds).
+        self.elastic_events: list[dict] = []
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         self.epoch.append(epoch)
