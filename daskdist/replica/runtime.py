@@ -320,6 +320,8 @@ class ReplicaRuntime:
             self._early = {g: m for g, m in self._early.items() if g > generation}
         for tag, payload in early:
             new.mailbox.put(tag, payload)
+        if self._step_events is not None:  # steps are reported under the new rank and size
+            self._step_events.rank, self._step_events.size = int(rank), membership.size
         self.rendezvous(config.get_seconds("rendezvous.timeout"))
         logger.info("Replica %d of %s re-formed in generation %d (%d members)", self.rank, self.group_id,
                     self.generation, self.size)
