@@ -31,7 +31,8 @@ from distributed.comm.core import CommClosedError
 from daskdist import config, serialization
 from daskdist.cluster.interrupts import abort_interrupted_run
 from daskdist.cluster.placement import Placement
-from daskdist.collective.settings import parse_nccl_setting, parse_single_copy_bytes
+from daskdist.collective.nccl_support import parse_setting as parse_nccl_setting
+from daskdist.collective.settings import parse_single_copy_bytes
 from daskdist.exceptions import RendezvousError, ReplicaLostError, StrategyClosedError
 from daskdist.group.channel import CommandChannels, client_ssl_context
 from daskdist.group.launch import run_replica
