@@ -174,7 +174,7 @@ def test_malformed_tf_config_names_the_variable_and_the_json_error(monkeypatch):
         TFConfigClusterResolver().cluster_spec()
     _tf_config(monkeypatch, '["a:1"]')
     with pytest.raises(ValueError, match="TF_CONFIG environment variable must hold a JSON object"):
-        TFConfigClusterResolver().task_type
+        _ = TFConfigClusterResolver().task_type
 
 
 # -- selecting Dask workers with a spec -------------------------------------------------------------------
@@ -221,7 +221,7 @@ def test_dask_cluster_resolver_reads_the_live_cluster_on_every_call():
         assert resolver.master("worker", 0) == f"inproc://{host}"
         assert resolver.num_accelerators() == {} and resolver.environment == ""
         assert [len(h.workers) for h in resolver.hosts()] == [2]
-        one = DaskClusterResolver(client, workers=[list(client.scheduler_info()["workers"])[0]])
+        one = DaskClusterResolver(client, workers=[next(iter(client.scheduler_info()["workers"]))])
         assert len(one.hosts()[0].workers) == 1
         cluster.scale(0)
         for _ in range(100):

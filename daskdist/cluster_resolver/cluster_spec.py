@@ -8,12 +8,12 @@ copy made from another ``ClusterSpec`` orders its jobs and tasks as TF's copy
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 __all__ = ["ClusterSpec"]
 
 #: What a job may be given as: a dense list of addresses, or a sparse ``{index: address}`` mapping.
-JobTasks = Union[list, tuple, dict]
+JobTasks = list | tuple | dict
 
 
 def _as_text(value: Any, what: str) -> str:

@@ -7,7 +7,8 @@ come or go show at once.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from daskdist.cluster_resolver.base import ClusterResolver, format_master_url
 from daskdist.cluster_resolver.cluster_spec import ClusterSpec

@@ -30,9 +30,10 @@ def load_tf_config() -> dict[str, Any]:
     except json.JSONDecodeError as e:
         raise ValueError(f"The {_TF_CONFIG_ENV} environment variable is not valid JSON: {e} "
                          f"({_TF_CONFIG_ENV}={text!r})") from e
-    if not isinstance(config, dict):
-        raise ValueError(f"The {_TF_CONFIG_ENV} environment variable must hold a JSON object, "
-                         f"got {type(config).__name__}: {text!r}")
+    if not isinstance(config, dict):  # TF fails later on it; a ValueError like the JSON error
+        raise ValueError(  # noqa: TRY004
+            f"The {_TF_CONFIG_ENV} environment variable must hold a JSON object, "
+            f"got {type(config).__name__}: {text!r}")
     return config
 
 
