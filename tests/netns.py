@@ -15,7 +15,7 @@ file under ``$TMPDIR/daskdist-netns/``. ``close()`` removes it all (the
 fixture calls it, also on failure and on SIGTERM); what a killed run left
 behind (its owner process is gone) is removed by ``remove_stale()``, which
 ``start_hosts`` calls first. Every child process also gets SIGKILL when the
-test process dies (``PR_SET_PDEATHSIG``).
+test process dies (``setpriv --pdeathsig``).
 
 Recipe: ``reference/strategies.md`` section 6.2.
 """
@@ -23,7 +23,6 @@ Recipe: ``reference/strategies.md`` section 6.2.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import secrets
@@ -41,7 +40,7 @@ __all__ = ["NetnsHost", "NetnsHosts", "remove_stale", "start_hosts", "unavailabl
 
 STATE_DIR = Path(tempfile.gettempdir()) / "daskdist-netns"
 PREFIX = "ddt"
-TOOLS = ("ip", "tc", "unshare", "nsenter")
+TOOLS = ("ip", "tc", "unshare", "nsenter", "setpriv")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -66,9 +65,9 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def _die_with_parent() -> None:
-    """``preexec_fn``: SIGKILL this child when the test process dies (Linux ``PR_SET_PDEATHSIG``)."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+#: Prefix of every child's command: SIGKILL it when the test process dies (Linux ``PR_SET_PDEATHSIG``,
+#: kept across the ``exec`` of ``ip netns exec``, ``unshare`` and ``nsenter``, which do not fork).
+DIE_WITH_PARENT = ["setpriv", "--pdeathsig", "KILL", "--"]
 
 
 def _alive(pid: int) -> bool:
@@ -257,15 +256,15 @@ def _start_processes(cluster: NetnsHosts, per_host: list[int], timeout: float) -
     cluster.scheduler_address = f"tcp://{cluster.bridge_address}:{port}"
     log = open(cluster.log_dir / "scheduler.log", "wb")  # noqa: SIM115  (closed with the process)
     cluster.scheduler = subprocess.Popen(
-        [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", cluster.bridge_address, "--port",
+        [*DIE_WITH_PARENT, sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", cluster.bridge_address, "--port",
          str(port), "--no-dashboard", "--no-show"],
-        env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent, cwd=REPO_ROOT)
+        env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
     for host, count in zip(cluster.hosts, per_host):
         # an anchor process holds the host's UTS and mount namespaces (host name, private /dev/shm)
         host.anchor = subprocess.Popen(
-            ["ip", "netns", "exec", host.namespace, "unshare", "--uts", "--mount", "--propagation", "private",
+            [*DIE_WITH_PARENT, "ip", "netns", "exec", host.namespace, "unshare", "--uts", "--mount", "--propagation", "private",
              "sh", "-c", f"hostname {host.hostname} && mount -t tmpfs tmpfs /dev/shm && exec sleep infinity"],
-            env=env, preexec_fn=_die_with_parent)
+            env=env)
     deadline = time.monotonic() + timeout
     for host in cluster.hosts:  # the anchor is ready once its UTS namespace has the host's name
         while _run("nsenter", f"--uts=/proc/{host.anchor.pid}/ns/uts", "hostname", check=False).stdout.strip() \
@@ -277,12 +276,12 @@ def _start_processes(cluster: NetnsHosts, per_host: list[int], timeout: float) -
         for k in range(count):
             log = open(cluster.log_dir / f"{host.hostname}-{k}.log", "wb")  # noqa: SIM115
             host.workers.append(subprocess.Popen(
-                ["nsenter", f"--net=/run/netns/{host.namespace}", f"--uts=/proc/{host.anchor.pid}/ns/uts",
+                [*DIE_WITH_PARENT, "nsenter", f"--net=/run/netns/{host.namespace}", f"--uts=/proc/{host.anchor.pid}/ns/uts",
                  f"--mount=/proc/{host.anchor.pid}/ns/mnt", f"--wd={REPO_ROOT}", "--",
                  sys.executable, "-m", "distributed.cli.dask_worker", cluster.scheduler_address,
                  "--host", host.address, "--name", f"{host.hostname}-{k}", "--nthreads", "1", "--no-nanny",
                  "--no-dashboard", "--death-timeout", "60"],
-                env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent))
+                env=env, stdout=log, stderr=subprocess.STDOUT))
     state = json.loads(cluster.state_file.read_text())
     state["pids"] = [p.pid for h in cluster.hosts for p in [h.anchor, *h.workers]] + [cluster.scheduler.pid]
     cluster.state_file.write_text(json.dumps(state))
