@@ -123,7 +123,11 @@ class NetnsHosts:
         _run("ip", "link", "set", self.hosts[index].veth, "down")
 
     def link_up(self, index: int) -> None:
+        """Reconnect host ``index``; neighbour entries that failed during the outage are forgotten."""
         _run("ip", "link", "set", self.hosts[index].veth, "up")
+        for host in self.hosts:
+            _run("ip", "-n", host.namespace, "neigh", "flush", "all", check=False)
+        _run("ip", "neigh", "flush", "dev", self.bridge, check=False)
 
     def shape(self, rate: str) -> None:
         """Limit every host's outgoing link to ``rate`` (``10gbit``, ``1gbit``) with a token bucket."""
