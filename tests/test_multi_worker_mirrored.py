@@ -22,9 +22,10 @@ import pytest
 
 import daskdist as dd
 from daskdist import context
-from daskdist.replica import commands
 from daskdist.cluster_resolver import ClusterSpec, SimpleClusterResolver, TFConfigClusterResolver
+from daskdist.replica import commands
 from daskdist.strategy.multi_worker_mirrored import MultiWorkerMirroredStrategyExperimental
+
 
 def _each_replica(strategy, fn, *args) -> list:
     """``fn(*args)`` on every replica, the results as a list in rank order (no regrouping of structures)."""
@@ -145,7 +146,7 @@ def _traffic(strategy) -> list[dict]:
 
 @netns
 def test_per_route_counters_show_shared_memory_inside_hosts_and_tcp_only_between_them(netns_hosts):
-    hosts, client = netns_hosts
+    _, client = netns_hosts
     mib = 1 << 20
     with dd.MultiWorkerMirroredStrategy(client=client) as strategy:
         traffic = _traffic(strategy)
@@ -199,10 +200,10 @@ def _train(strategy) -> list[float]:
     losses = []
     for s in range(STEPS):
         xs, ys = x[s * B:(s + 1) * B], y[s * B:(s + 1) * B]
-        part = B // n
         batch = strategy.experimental_distribute_values_from_function(
-            lambda ctx: (xs[ctx.replica_id_in_sync_group * part:(ctx.replica_id_in_sync_group + 1) * part],
-                         ys[ctx.replica_id_in_sync_group * part:(ctx.replica_id_in_sync_group + 1) * part]))
+            lambda ctx, xs=xs, ys=ys, part=B // n: (
+                xs[ctx.replica_id_in_sync_group * part:(ctx.replica_id_in_sync_group + 1) * part],
+                ys[ctx.replica_id_in_sync_group * part:(ctx.replica_id_in_sync_group + 1) * part]))
         losses.append(float(strategy.reduce("SUM", strategy.run(step, args=(batch,)), axis=None)))
     return losses
 
@@ -210,11 +211,11 @@ def _train(strategy) -> list[float]:
 @netns
 def test_training_under_mwms_gives_the_losses_of_mirrored_on_one_host(netns_hosts, caplog):
     hosts, client = netns_hosts
-    with caplog.at_level(logging.WARNING, logger="daskdist.strategy.extended"):
-        with dd.MirroredStrategy(client=client) as mirrored:  # TF's meaning: one machine
-            assert mirrored.num_replicas_in_sync == 2
-            assert {a.split("//")[1].split(":")[0] for a in mirrored.extended.worker_addresses} == {hosts.hosts[0].address}
-            one_host = _train(mirrored)
+    with caplog.at_level(logging.WARNING, logger="daskdist.strategy.extended"), \
+            dd.MirroredStrategy(client=client) as mirrored:  # TF's meaning: one machine
+        assert mirrored.num_replicas_in_sync == 2
+        assert {a.split("//")[1].split(":")[0] for a in mirrored.extended.worker_addresses} == {hosts.hosts[0].address}
+        one_host = _train(mirrored)
     assert "uses one machine, as in TensorFlow: the 2 worker(s) on host h1" in caplog.text
     with dd.MultiWorkerMirroredStrategy(client=client) as strategy:
         assert strategy.num_replicas_in_sync == 4
@@ -290,7 +291,7 @@ def _run_in_thread(strategy, record_dir):
     def target():
         try:
             outcome["result"] = strategy.run(_all_reduce_until_failure, args=(str(record_dir),))
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001  (the test inspects whatever the call raised)
             outcome["error"] = e
         outcome["at"] = time.time()
 
