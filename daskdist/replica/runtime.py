@@ -155,6 +155,7 @@ class ReplicaRuntime:
         self.state = "starting"
         self.run_id = -1
         self._commands: queue.Queue[tuple[int, bytes, asyncio.Future] | None] = queue.Queue()
+        self._stopping = False  # the strategy is closing: connections ending now are expected
         self._resident: dict[str, Any] = {}
         self._created_in_replica = 0
         self._log_events = bool(config.get("metrics.log-events"))
@@ -179,6 +180,7 @@ class ReplicaRuntime:
 
     def stop(self) -> None:
         """Ask the replica thread to finish after the commands already queued."""
+        self._stopping = True
         self._commands.put(None)
 
     def status(self) -> dict:
@@ -201,8 +203,9 @@ class ReplicaRuntime:
         ``ReplicaLostError`` at once; the other replicas get a group abort
         (those that cannot be reached learn it from their own heartbeats).
         """
-        if self.mailbox.group_abort is not None:
+        if self.mailbox.group_abort is not None or self._stopping:
             return
+        logger.warning("%s", message)
         abort = Abort("lost", message, self.rank)
         self.mailbox.abort_group(abort)
         self.loop.call_soon_threadsafe(self.transport.group_aborted)

@@ -243,10 +243,10 @@ class SocketTransport(Transport):
         message = (f"{who} is unreachable from replica {self.rank}: its TCP connection failed without being closed "
                    f"(no answer within daskdist.collective.socket.heartbeat-timeout = {self.heartbeat_timeout:g}s, "
                    f"or reset); {detail}")
-        logger.warning("%s", message)
         if self._on_peer_lost is not None:
             self._on_peer_lost(peer, message)
         else:
+            logger.warning("%s", message)
             self.mailbox.abort_group(Abort("lost", message, self.rank))
 
     def send(self, dst: int, tag: Tag, payload: Any) -> SendHandle:
