@@ -73,6 +73,11 @@ class DaskClusterResolver(ClusterResolver):
         #: address -> GPU count, set by the strategy that already knows (inside replicas there is no client)
         self._accelerators: dict[str, int] | None = None
 
+    @property
+    def selector(self) -> list[str] | ClusterSpec | ClusterResolver | None:
+        """The ``workers`` given: addresses, a spec or resolver selecting hosts, or ``None`` (every worker)."""
+        return self._workers
+
     # -- the live cluster --------------------------------------------------------------
 
     def _identity(self) -> dict[str, Any]:

@@ -162,7 +162,7 @@ class MultiWorkerMirroredExtended(DaskExtended):
         """The hosts to train on: chosen by the resolver's spec, or every host of the cluster."""
         resolver = self._resolver
         if isinstance(resolver, DaskClusterResolver):
-            selector = resolver._workers
+            selector = resolver.selector
             if selector is None:
                 return group_by_host(records)
             if isinstance(selector, list):
