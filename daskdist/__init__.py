@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from daskdist import cluster_resolver, data, nn, plugins, train
+from daskdist import cluster_resolver, data, distribute, nn, plugins, train
 from daskdist import config as _config  # noqa: F401  (registers daskdist.* defaults in dask.config)
 from daskdist.context import get_replica_context, get_strategy, has_strategy, in_cross_replica_context
 from daskdist.cross_device_ops import (
@@ -76,6 +76,7 @@ __all__ = [
     "VariableSynchronization",
     "cluster_resolver",
     "data",
+    "distribute",
     "get_replica_context",
     "get_strategy",
     "has_strategy",

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import daskdist as dd
-from daskdist import context
+from daskdist import context, distribute
 from daskdist.cluster_resolver import ClusterSpec, SimpleClusterResolver, TFConfigClusterResolver
 from daskdist.replica import commands
 from daskdist.strategy.multi_worker_mirrored import MultiWorkerMirroredStrategyExperimental
@@ -63,8 +63,10 @@ def test_tf_config_problems_raise_before_anything_starts(threaded_client, monkey
 
 
 def test_one_host_cluster_is_one_tf_worker_and_the_experimental_alias_passes_isinstance(threaded_client):
+    assert distribute.experimental.MultiWorkerMirroredStrategy is MultiWorkerMirroredStrategyExperimental
+    assert distribute.MultiWorkerMirroredStrategy is dd.MultiWorkerMirroredStrategy
     with pytest.warns(DeprecationWarning, match="use dd.MultiWorkerMirroredStrategy"):
-        old = MultiWorkerMirroredStrategyExperimental("RING", client=threaded_client)
+        old = distribute.experimental.MultiWorkerMirroredStrategy("RING", client=threaded_client)
     with old, dd.MultiWorkerMirroredStrategy(client=threaded_client) as strategy:
         assert isinstance(strategy, MultiWorkerMirroredStrategyExperimental) and isinstance(old, dd.Strategy)
         assert not isinstance(dd.MirroredStrategy.__new__(dd.MirroredStrategy), MultiWorkerMirroredStrategyExperimental)

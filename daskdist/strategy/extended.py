@@ -23,6 +23,7 @@ from daskdist.arrays import as_array
 from daskdist.cluster.devices import DeviceSpec, parse_devices
 from daskdist.cluster.embedded import describe_worker, start_embedded_cluster
 from daskdist.cluster.group import ReplicaGroup
+from daskdist.cluster.interrupts import EmbeddedShutdown
 from daskdist.cluster.placement import Placement, WorkerInfo, place_replicas
 from daskdist.collective.single_copy import single_copy_bytes
 from daskdist.cross_device_ops import CrossDeviceOps
@@ -95,6 +96,7 @@ class DaskExtended:
                 client = None
         if client is None:
             self._cluster, specs = start_embedded_cluster(specs)
+            EmbeddedShutdown.register(self)  # SIGTERM and exit close it: replicas stop, segments go
             client = Client(self._cluster, set_as_default=False)
             self._owns_client = True
         self.client = client
@@ -269,6 +271,7 @@ class DaskExtended:
             self._shutdown_cluster()
 
     def _shutdown_cluster(self) -> None:
+        EmbeddedShutdown.unregister(self)
         if self._owns_client:
             self.client.close()
             if self._cluster is not None:
