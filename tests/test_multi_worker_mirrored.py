@@ -227,6 +227,29 @@ def test_training_under_mwms_gives_the_losses_of_mirrored_on_one_host(netns_host
 
 
 @netns
+def test_keras_fit_with_distributed_input_runs_across_hosts(netns_hosts):
+    from daskdist import keras
+    from daskdist.keras.models import _replica_get_weights
+
+    _, client = netns_hosts
+    x, y = _regression_data()
+    labels = (y > np.median(y)).astype(np.int64)
+    with dd.MultiWorkerMirroredStrategy(client=client) as strategy:
+        with strategy.scope():
+            model = keras.Sequential([keras.layers.Dense(16, activation="relu", input_shape=(8,)),
+                                      keras.layers.Dense(2)])
+            model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          optimizer=keras.optimizers.SGD(0.2))
+        data = dd.data.Dataset.from_tensor_slices((x.astype(np.float32), labels), num_partitions=4).batch(16)
+        losses = model.fit(data, epochs=4, verbose=0).history["loss"]
+        weights = strategy.extended.group.call(_replica_get_weights, (model._model_id,))
+    assert losses[-1] < losses[0]
+    for replica in weights[1:]:  # the copies on both hosts stay identical
+        for a, b in zip(weights[0], replica):
+            np.testing.assert_array_equal(a, b)
+
+
+@netns
 def test_tf_config_selects_and_orders_hosts_and_names_what_it_cannot_match(netns_hosts, monkeypatch):
     hosts, client = netns_hosts
     h1, h2 = hosts.hosts
