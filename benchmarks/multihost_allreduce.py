@@ -44,8 +44,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 
-from _common import format_table, print_header
-from peers._base import format_size, parse_size
+from _common import format_table, print_header  # noqa: E402
+from peers._base import format_size, parse_size  # noqa: E402
 
 __all__ = ["main"]
 

@@ -267,7 +267,7 @@ def _start_processes(cluster: NetnsHosts, per_host: list[int], timeout: float) -
         [*DIE_WITH_PARENT, sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", cluster.bridge_address, "--port",
          str(port), "--no-dashboard", "--no-show"],
         env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
-    for host, count in zip(cluster.hosts, per_host):
+    for host in cluster.hosts:
         # an anchor process holds the host's UTS and mount namespaces (host name, private /dev/shm)
         host.anchor = subprocess.Popen(
             [*DIE_WITH_PARENT, "ip", "netns", "exec", host.namespace, "unshare", "--uts", "--mount", "--propagation", "private",

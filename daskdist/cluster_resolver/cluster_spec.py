@@ -96,9 +96,9 @@ class ClusterSpec:
         items = [f"{k!r}: {key_values[k]!r}" for k in sorted(key_values)]
         return "ClusterSpec({" + ", ".join(items) + "})"
 
-    def as_dict(self) -> dict[str, list[str] | dict[int, str]]:
+    def as_dict(self) -> dict[str, list[str | None] | dict[int, str]]:
         """Job name -> a list of addresses when its task indices are dense, else ``{index: address}``."""
-        result: dict[str, list[str] | dict[int, str]] = {}
+        result: dict[str, list[str | None] | dict[int, str]] = {}
         for job in self.jobs:
             indices = self.task_indices(job)
             if not indices:

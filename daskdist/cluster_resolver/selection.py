@@ -108,7 +108,8 @@ def select_hosts(spec: ClusterSpec, workers: Sequence[WorkerRecord]) -> list[Hos
     entries = [spec.task_address(job, i) for job in TRAINING_JOBS if job in spec.jobs for i in spec.task_indices(job)]
     if not entries:
         raise ValueError(f"The cluster spec {spec!r} has no 'chief' or 'worker' task to train on")
-    groups, owner = [], {}
+    groups: list[HostGroup] = []
+    owner: dict[str, str] = {}
     for entry in entries:
         matched = match_entry(entry, workers)
         if not matched:

@@ -129,4 +129,8 @@ class TFConfigClusterResolver(ClusterResolver):
         task_type = task_type if task_type is not None else self.task_type
         task_id = task_id if task_id is not None else self.task_id
         rpc_layer = rpc_layer if rpc_layer is not None else self.rpc_layer
+        if task_type is None:  # TF's ClusterSpec raises these for a missing task
+            raise ValueError(f"No such job in cluster: {task_type!r}")
+        if task_id is None:
+            raise ValueError(f"No task with index {task_id!r} in job {task_type!r}")
         return format_master_url(spec.task_address(task_type, task_id), rpc_layer)

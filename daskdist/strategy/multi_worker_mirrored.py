@@ -258,13 +258,14 @@ class MultiWorkerMirroredStrategy(Strategy):
             raise ValueError(  # noqa: TRY004
                 "cluster_resolver must be an instance of dd.cluster_resolver.ClusterResolver, got "
                 f"{type(resolver).__name__}")
-        super().__init__(MultiWorkerMirroredExtended(self, resolver, cluster_resolver is not None,
-                                                     communication_options, client))
+        self._multi_worker = MultiWorkerMirroredExtended(self, resolver, cluster_resolver is not None,
+                                                         communication_options, client)
+        super().__init__(self._multi_worker)
 
     @property
     def cluster_resolver(self) -> ClusterResolver:
         """The resolver given, else TF_CONFIG's when it named the hosts, else a live ``DaskClusterResolver``."""
-        return self._extended.cluster_resolver
+        return self._multi_worker.cluster_resolver
 
 
 class _ExperimentalMeta(type):
@@ -284,4 +285,10 @@ class MultiWorkerMirroredStrategyExperimental(MultiWorkerMirroredStrategy, metac
                  cluster_resolver: ClusterResolver | None = None, *, client: Client | None = None):
         warnings.warn("experimental.MultiWorkerMirroredStrategy is deprecated: use dd.MultiWorkerMirroredStrategy "
                       "instead", DeprecationWarning, stacklevel=2)
+        if isinstance(communication, str):
+            try:
+                communication = CommunicationImplementation[communication.upper()]
+            except KeyError:
+                raise ValueError(f"Unknown communication {communication!r}; expected one of "
+                                 f"{', '.join(c.name for c in CommunicationImplementation)}") from None
         super().__init__(cluster_resolver, CommunicationOptions(implementation=communication), client=client)
