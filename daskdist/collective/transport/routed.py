@@ -53,6 +53,9 @@ class RoutedTransport(Transport):
         handle.wait(deadline)
         return None
 
+    def routes_by_peer(self) -> dict[int, Transport]:
+        return dict(self.routes)
+
     def describe(self) -> dict[int, str]:
         """The transport name used for each peer."""
         return {peer: transport.name for peer, transport in self.routes.items()}
