@@ -46,7 +46,7 @@ def test_both_command_paths_run_steps_and_carry_errors(threaded_client, channel)
     with dask.config.set({"daskdist.client.command-channel": channel}), \
             dd.MirroredStrategy(client=threaded_client) as strategy:
         group = strategy.extended.group
-        assert (group._channels is not None) == (channel == "direct")
+        assert group.command_path == channel
         out = strategy.run(lambda: dd.get_replica_context().all_reduce("SUM", np.ones(1024, np.float32)))
         assert all(v.tolist() == [3.0] * 1024 for v in strategy.experimental_local_results(out))
 

@@ -122,6 +122,11 @@ class ReplicaGroup:
     def generation(self) -> int:
         return self.membership.generation
 
+    @property
+    def command_path(self) -> str:
+        """How ``call`` reaches the replicas: ``"direct"`` (the command channel) or ``"dask"`` (Dask RPC)."""
+        return "direct" if self._channels is not None and self._channels.has(self.addresses) else "dask"
+
     def _loop(self) -> asyncio.AbstractEventLoop:
         """The client's event loop."""
         loop: asyncio.AbstractEventLoop = self.client.loop.asyncio_loop  # type: ignore[union-attr]
