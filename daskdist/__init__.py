@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from daskdist import cluster_resolver, data, distribute, elastic, nn, plugins, train
 from daskdist import config as _config  # noqa: F401  (registers daskdist.* defaults in dask.config)
-from daskdist import data, distribute, elastic, nn, plugins, train
 from daskdist.context import get_replica_context, get_strategy, has_strategy, in_cross_replica_context
 from daskdist.cross_device_ops import (
     AllReduceCrossDeviceOps,
@@ -29,6 +29,7 @@ from daskdist.ops import CommunicationImplementation, CommunicationOptions, Redu
 from daskdist.replica.context import ReplicaContext
 from daskdist.strategy.base import Strategy, ValueContext
 from daskdist.strategy.mirrored import MirroredStrategy
+from daskdist.strategy.multi_worker_mirrored import MultiWorkerMirroredStrategy
 from daskdist.strategy.one_device import OneDeviceStrategy
 from daskdist.values import DistributedValues, Mirrored, PerReplica
 from daskdist.variables import (
@@ -59,6 +60,7 @@ __all__ = [
     "Mirrored",
     "MirroredStrategy",
     "MirroredVariable",
+    "MultiWorkerMirroredStrategy",
     "NcclAllReduce",
     "OneDeviceStrategy",
     "OutOfRangeError",
@@ -76,6 +78,7 @@ __all__ = [
     "Variable",
     "VariableAggregation",
     "VariableSynchronization",
+    "cluster_resolver",
     "data",
     "distribute",
     "elastic",

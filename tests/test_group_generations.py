@@ -23,6 +23,13 @@ ELASTIC = {"daskdist.group.membership-policy": "elastic"}
 #: Commands that ran in this process (the threaded cluster's workers are threads here).
 _RAN: list[int] = []
 
+def _everywhere(strategy, out):
+    """The one value every replica returned (``strategy.run`` gives it once when all are equal, as TF's regroup)."""
+    values = strategy.experimental_local_results(out)
+    assert all(repr(v) == repr(values[0]) for v in values), values
+    return values[0]
+
+
 
 def _record(runtime, value):
     _RAN.append(value)
@@ -63,7 +70,7 @@ def test_messages_of_a_stale_generation_are_rejected_never_consumed(threaded_cli
         answer = _change_membership(threaded_client, group.group_id, workers)
         assert answer["status"] == "OK" and answer["membership"]["generation"] == 1
         assert group.refresh_membership().generation == 1
-        assert strategy.run(lambda: dd.get_replica_context().all_reduce("SUM", np.ones(3))).values[0].tolist() == [3] * 3
+        assert _everywhere(strategy, strategy.run(lambda: dd.get_replica_context().all_reduce("SUM", np.ones(3)))).tolist() == [3] * 3
 
         # a command of generation 0 sent straight to a worker: rejected, and the command never runs
         _RAN.clear()
@@ -80,7 +87,7 @@ def test_messages_of_a_stale_generation_are_rejected_never_consumed(threaded_cli
             strategy.run(lambda: _RAN.append(1))
         assert _RAN == []
         group.refresh_membership()
-        assert strategy.run(lambda: 5).values == (5, 5, 5)
+        assert _everywhere(strategy, strategy.run(lambda: 5)) == 5
 
         # the scheduler's rendezvous and keyed exchange reject generation 0 too
         for handler, kwargs in [("daskdist_rendezvous", {"rank": 0, "address": workers[0], "info": {}}),
@@ -239,9 +246,9 @@ def test_replicas_read_the_clients_settings_not_the_workers(make_cluster):
     with dask.config.set({"daskdist.collective.small-message-bytes": 12345}), dd.MirroredStrategy(client=client) as strategy:
         assert client.run(lambda: dask.config.get("daskdist.collective.small-message-bytes")) == dict.fromkeys(
             strategy.extended.worker_addresses, 65536)
-        assert strategy.run(_replica_setting, args=("collective.small-message-bytes",)).values == (12345, 12345)
-        assert strategy.run(_replica_setting, args=("collective.transport",)).values == ("auto", "auto")
-        assert strategy.run(_replica_setting, args=("collective.stall-warning",)).values == ("10s", "10s")
+        assert _everywhere(strategy, strategy.run(_replica_setting, args=("collective.small-message-bytes",))) == 12345
+        assert _everywhere(strategy, strategy.run(_replica_setting, args=("collective.transport",))) == "auto"
+        assert _everywhere(strategy, strategy.run(_replica_setting, args=("collective.stall-warning",))) == "10s"
 
         def routes():
             return dd.get_replica_context()._runtime.transport.describe()
@@ -249,8 +256,8 @@ def test_replicas_read_the_clients_settings_not_the_workers(make_cluster):
         assert strategy.run(routes).values == ({1: "shm"}, {0: "shm"})  # the client's "auto", not the workers' socket
         # a later dask.config.set on the client reaches the replicas with the next command, and its end too
         with dask.config.set({"daskdist.collective.small-message-bytes": 777}):
-            assert strategy.run(_replica_setting, args=("collective.small-message-bytes",)).values == (777, 777)
-        assert strategy.run(_replica_setting, args=("collective.small-message-bytes",)).values == (12345, 12345)
+            assert _everywhere(strategy, strategy.run(_replica_setting, args=("collective.small-message-bytes",))) == 777
+        assert _everywhere(strategy, strategy.run(_replica_setting, args=("collective.small-message-bytes",))) == 12345
 
 
 def _downscaling_candidates(dask_scheduler):
@@ -269,7 +276,7 @@ def test_workers_of_a_group_are_protected_from_downscaling(make_cluster):
         # Dask's own downscaling (retire_workers with a count) takes the outsider only, though asked for two
         retired = client.retire_workers(n=2, close_workers=True)
         assert set(retired) == {outsider}
-        assert strategy.run(lambda: dd.get_replica_context().all_reduce("SUM", np.ones(2))).values[0].tolist() == [2, 2]
+        assert _everywhere(strategy, strategy.run(lambda: dd.get_replica_context().all_reduce("SUM", np.ones(2)))).tolist() == [2, 2]
     # once the group is closed its workers may go
     assert client.run_on_scheduler(_downscaling_candidates) == sorted(members)
 
@@ -281,7 +288,7 @@ def test_an_elastic_group_re_forms_on_the_survivors_of_a_killed_worker(make_clus
         strategy = dd.MirroredStrategy(client=client)
     with strategy:
         group = strategy.extended.group
-        assert strategy.run(lambda: dd.get_replica_context().all_reduce("SUM", np.ones(2))).values[0].tolist() == [3, 3]
+        assert _everywhere(strategy, strategy.run(lambda: dd.get_replica_context().all_reduce("SUM", np.ones(2)))).tolist() == [3, 3]
         victim = group.addresses[2]
         pid = client.run(os.getpid, workers=[victim])[victim]
         os.kill(pid, signal.SIGKILL)
@@ -299,5 +306,18 @@ def test_an_elastic_group_re_forms_on_the_survivors_of_a_killed_worker(make_clus
         out = strategy.run(lambda: [dd.get_replica_context().num_replicas_in_sync,
                                     dd.get_replica_context().all_reduce("SUM", np.ones(2)).tolist()])
         sizes, sums = out
-        assert strategy.experimental_local_results(sizes) == (2, 2)
-        assert [strategy.experimental_local_results(v) for v in sums] == [(2.0, 2.0), (2.0, 2.0)]
+        assert _everywhere(strategy, sizes) == 2
+        assert [_everywhere(strategy, v) for v in sums] == [2.0, 2.0]
+
+
+def test_a_new_generation_keeps_drops_or_reorders_members_but_cannot_admit_a_newcomer_yet(threaded_client):
+    with dask.config.set(ELASTIC), dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=threaded_client) as strategy:
+        group = strategy.extended.group
+        (outsider,) = set(threaded_client.scheduler_info()["workers"]) - set(group.addresses)
+        answer = _change_membership(threaded_client, group.group_id, [*group.addresses, outsider])
+        assert answer["status"] == "error" and "host no replica" in answer["message"]
+        answer = _change_membership(threaded_client, group.group_id, [])
+        assert answer["status"] == "error" and "at least one member" in answer["message"]
+        # nothing changed: the group is still at generation 0 and runs
+        assert group.refresh_membership().generation == 0
+        assert _everywhere(strategy, strategy.run(lambda: dd.get_replica_context().all_reduce("SUM", np.ones(2)))).tolist() == [2, 2]

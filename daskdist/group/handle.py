@@ -31,7 +31,8 @@ from distributed.comm.core import CommClosedError
 from daskdist import config, serialization
 from daskdist.cluster.interrupts import abort_interrupted_run
 from daskdist.cluster.placement import Placement
-from daskdist.collective.settings import parse_nccl_setting, parse_single_copy_bytes
+from daskdist.collective.nccl_support import parse_setting as parse_nccl_setting
+from daskdist.collective.settings import parse_single_copy_bytes
 from daskdist.exceptions import RendezvousError, ReplicaLostError, StrategyClosedError
 from daskdist.group.channel import CommandChannels, client_ssl_context
 from daskdist.group.launch import run_replica
@@ -97,6 +98,7 @@ class ReplicaGroup:
             **spec_options,
         )
         self._channels: CommandChannels | None = None
+        self._command_infos: dict[str, Any] | None = None  # where the replicas' command servers listen
         self._sent_settings = self.spec.config  # what the replicas read (a command carries a newer one)
         self._membership_callbacks: list[Callable[[Membership], None]] = []
         self.futures: list[Future[Any]] = []
@@ -119,6 +121,11 @@ class ReplicaGroup:
     @property
     def generation(self) -> int:
         return self.membership.generation
+
+    @property
+    def command_path(self) -> str:
+        """How ``call`` reaches the replicas: ``"direct"`` (the command channel) or ``"dask"`` (Dask RPC)."""
+        return "direct" if self._channels is not None and self._channels.has(self.addresses) else "dask"
 
     def _loop(self) -> asyncio.AbstractEventLoop:
         """The client's event loop."""
@@ -207,29 +214,35 @@ class ReplicaGroup:
                 )
                 self._release()
                 raise RendezvousError(final.get("message", "rendezvous failed"))
-        self._open_channels(response.get("info", {}))
+        infos = response.get("info", {})
+        self._open_channels({address: (infos.get(str(rank)) or {}).get("command")
+                             for rank, address in enumerate(self.addresses)})
         logger.debug("Replica group %s is up on %s", self.group_id, self.addresses)
 
-    def _open_channels(self, infos: dict[str, Any]) -> None:
+    def _open_channels(self, endpoints: dict[str, Any]) -> None:
         """Connect the direct command channel to every replica (``daskdist.client.command-channel``).
 
-        Falls back to the workers' Dask RPC handler when the setting says
-        ``dask`` or a replica's port cannot be reached from here.
+        ``endpoints``: worker address -> where its replica's command server
+        listens (from the rendezvous). Falls back to the workers' Dask RPC
+        handler when the setting says ``dask`` or a replica's port cannot be
+        reached from here.
         """
         if config.get("client.command-channel", "direct") != "direct":
             return
+        self._command_infos = None  # set again once every replica is reached
         channels = CommandChannels(self.spec.secret, client_ssl_context(self.client))
         try:
-            for rank, address in enumerate(self.addresses):
-                endpoint = (infos.get(str(rank)) or {}).get("command")
+            for address in self.addresses:
+                endpoint = endpoints.get(address)
                 if endpoint is None:
-                    raise ConnectionError(f"replica {rank} offers no command channel")
+                    raise ConnectionError(f"the replica on {address} offers no command channel")
                 channels.connect(address, tuple(endpoint))
         except (OSError, ConnectionError) as e:
             channels.close()
             logger.info("Commands to %s go through Dask RPC: the direct channel is unavailable (%s)", self.group_id, e)
             return
         self._channels = channels
+        self._command_infos = endpoints
 
     def close(self, timeout: float = 30) -> None:
         """Stop every replica, wait for their tasks to end, and forget the group everywhere.
@@ -348,6 +361,8 @@ class ReplicaGroup:
             return []
         with self._lock:  # one call at a time: every replica sees the calls in one order
             run_id, payloads, settings = self._prepare(command, args_per_replica, ranks)
+            if self._channels is None and self._command_infos is not None:
+                self._open_channels(self._command_infos)  # after an interrupt dropped them
             channels = self._channels
             targets = {r: self.addresses[r] for r in ranks}
             try:
@@ -355,11 +370,13 @@ class ReplicaGroup:
                     responses = channels.call(targets, run_id, self.membership.generation, settings, payloads,
                                               config.get_seconds("client.abort-grace"))
                 else:
-                    responses = self._sync(self._call_all, run_id, payloads, self.membership.generation,
-                                                 settings)
+                    responses = self._sync(self._call_all, run_id, payloads, self.membership.generation, settings)
             except BaseException as e:
                 self.failed_runs += 1
                 if not isinstance(e, Exception):  # Ctrl-C, SystemExit: the replicas must not go on without us
+                    if channels is not None:  # a frame may be cut in half: the next call reconnects
+                        channels.close()
+                        self._channels = None
                     abort_interrupted_run(self.client, self.addresses, self.group_id, ranks, run_id, e,
                                           self.membership.generation)
                 raise

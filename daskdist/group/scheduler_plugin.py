@@ -288,8 +288,7 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
         """Move a group to a new generation whose members are on ``workers`` (rank order).
 
         The scheduler-plugin API the elastic policy builds on. Members kept
-        keep their device, host and role; a new worker gets its own address
-        as host and the role ``replica``. Under the ``fixed`` policy a change
+        keep their device, host and role. Under the ``fixed`` policy a change
         fails the group (``ReplicaLostError`` everywhere), as a lost worker
         does; under ``elastic`` the group waits for the survivors to meet in
         the new generation (``rendezvous``), each told by a
@@ -299,7 +298,8 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
         Raises
         ------
         ValueError
-            Unknown group, a group that failed or closed, or a worker that is not in the cluster.
+            Unknown group, a group that failed or closed, a worker that is not in the cluster or hosts no
+            replica of the group (admitting newcomers is the elastic-training work), or no worker at all.
         """
         group = self.groups.get(group_id)
         if group is None or group.membership is None:
@@ -309,10 +309,14 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
         missing = [w for w in workers if w not in self._scheduler.workers]
         if missing:
             raise ValueError(f"workers {missing} are not part of the cluster")
-        from daskdist.group.membership import Member
-
         known = {m.address: m for m in group.membership.members}
-        members = tuple(known.get(w) or Member(w, "/job:localhost/replica:0/task:0/device:CPU:0", w) for w in workers)
+        newcomers = [w for w in workers if w not in known]
+        if newcomers:  # admitting members means launching replicas on them: the elastic-training work (issue 16)
+            raise ValueError(f"workers {newcomers} host no replica of {group_id}: a new generation can only keep, "
+                             "drop or reorder the current members")
+        if not workers:
+            raise ValueError(f"a generation of {group_id} needs at least one member")
+        members = tuple(known[w] for w in workers)
         new = group.membership.next(members)
         previous = list(group.workers)
         group.membership, group.generation, group.workers = new, int(new.generation), list(workers)

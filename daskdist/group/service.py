@@ -29,6 +29,7 @@ __all__ = [
     "KINDS",
     "MODEL",
     "SNAPSHOT_KINDS",
+    "STRATEGY",
     "VARIABLE",
     "ReplicaService",
     "Resident",
@@ -42,9 +43,10 @@ MODEL = "model"  #: an installed keras model with its optimizer
 DATASET = "dataset"  #: a replica's shard of a distributed dataset
 ITERATOR = "iterator"  #: a pass over a shard
 BATCH = "batch"  #: one step's element of an iterator (transient: never snapshotted)
+STRATEGY = "strategy"  #: what a strategy leaves on each replica (a multi-worker strategy's cluster resolver)
 COMMIT = "commit"  #: elastic training's newest committed snapshots (never snapshotted themselves)
 
-KINDS = (VARIABLE, MODEL, DATASET, ITERATOR, BATCH, COMMIT)
+KINDS = (VARIABLE, MODEL, DATASET, ITERATOR, BATCH, STRATEGY, COMMIT)
 #: What a snapshot covers by default, in restore order (a model's weights after the variables).
 SNAPSHOT_KINDS = (VARIABLE, MODEL, DATASET, ITERATOR)
 

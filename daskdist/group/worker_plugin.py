@@ -45,7 +45,7 @@ class HostedReplica(Protocol):
 
     def deliver(self, generation: int, tag: tuple[Any, ...], payload: Any) -> None: ...
 
-    def abort_run(self, generation: int, run_id: int, abort: dict[str, Any]) -> None: ...
+    def abort_run(self, generation: int, run_id: int | None, abort: dict[str, Any]) -> None: ...
 
     def abort_group(self, message: str, generation: int | None = None) -> None: ...
 
@@ -140,8 +140,12 @@ class DaskdistWorkerPlugin(WorkerPlugin):
             return
         runtime.deliver(generation, tuple(tag), payload)
 
-    def abort_run(self, group_id: str, rank: int, run_id: int, abort: dict[str, Any], generation: int = 0) -> None:
-        """A peer failed during ``run_id``: fail this replica's waits in that run (of that generation)."""
+    def abort_run(self, group_id: str, rank: int, run_id: int | None, abort: dict[str, Any],
+                  generation: int = 0) -> None:
+        """A peer failed during ``run_id``: fail this replica's waits in that run of that generation.
+
+        ``run_id=None``: a peer's transport lost another replica; the generation is lost here too.
+        """
         runtime = self.replicas.get(group_id)
         if runtime is not None:
             runtime.abort_run(generation, run_id, abort)

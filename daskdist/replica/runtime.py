@@ -93,6 +93,7 @@ class ReplicaRuntime:
         self._announced: Membership | None = None  # a newer generation the scheduler told us of
         self._early: dict[int, list[tuple[tuple, Any]]] = {}  # peers' messages of a generation not yet wired
         self._generation_lock = threading.Lock()
+        self._stopping = False  # the strategy is closing: connections ending now are expected
         self._created_in_replica = 0
         # the dashboard's unit is the strategy (its token), so a training run's figures outlive generations
         self._step_events = (StepEventShipper(worker, self.strategy_token, rank, self.size,
@@ -157,10 +158,35 @@ class ReplicaRuntime:
                 logger.debug("Replica %d of %s dropped a message %s of stale generation %d (now %d)",
                              self.rank, self.group_id, tag, generation, self.generation)
 
-    def abort_run(self, generation: int, run_id: int, abort: dict) -> None:
-        """A peer failed during ``run_id`` of ``generation``: fail this replica's waits in it (not if stale)."""
-        if generation == self.generation:
+    def abort_run(self, generation: int, run_id: int | None, abort: dict[str, Any]) -> None:
+        """A peer failed during ``run_id`` of ``generation``: fail this replica's waits in it (not if stale).
+
+        ``run_id=None``: a peer's transport lost another replica (``peer_lost``): the generation is lost.
+        """
+        if generation != self.generation:
+            return
+        if run_id is None:
+            self.abort_group(str(abort.get("message", "a peer was lost")), generation)
+        else:
             self.mailbox.abort_run(run_id, Abort.from_msg(abort))
+
+    def peer_lost(self, peer: int | None, message: str) -> None:
+        """A transport lost ``peer`` for good (no heartbeat, or reset): fail the generation here and on every peer.
+
+        Called from a transport thread. This replica's waits raise
+        ``ReplicaLostError`` at once; the other replicas get a group abort
+        (those that cannot be reached learn it from their own heartbeats).
+        """
+        wiring = self._wiring
+        if wiring.mailbox.group_abort is not None or self._stopping:
+            return
+        logger.warning("%s", message)
+        abort = Abort("lost", message, self.rank)
+        wiring.mailbox.abort_group(abort)
+        self.loop.call_soon_threadsafe(wiring.transport.group_aborted)
+        for rank, address in enumerate(wiring.membership.addresses):
+            if rank != self.rank and rank != peer:
+                asyncio.run_coroutine_threadsafe(self._send_abort(address, rank, None, abort), self.loop)
 
     def abort_group(self, message: str, generation: int | None = None) -> None:
         """The group is lost in ``generation`` (``None``: the current one): wake and fail every wait."""
@@ -179,6 +205,7 @@ class ReplicaRuntime:
 
     def stop(self) -> None:
         """Ask the replica thread to finish after the commands already queued."""
+        self._stopping = True
         self._commands.put(None)
         if self._server is not None:
             self._server.wake()
@@ -199,7 +226,8 @@ class ReplicaRuntime:
             if rank != self.rank:
                 asyncio.run_coroutine_threadsafe(self._send_abort(address, rank, run_id, abort), self.loop)
 
-    async def _send_abort(self, address: str, rank: int, run_id: int, abort: Abort) -> None:
+    async def _send_abort(self, address: str, rank: int, run_id: int | None, abort: Abort) -> None:
+        """Send ``abort`` for ``run_id`` to replica ``rank`` (``None``: for good, the whole generation)."""
         try:
             await self.worker.rpc(address).daskdist_abort(
                 group_id=self.group_id, generation=self.generation, rank=rank, run_id=run_id, abort=abort.to_msg(),
@@ -251,7 +279,7 @@ class ReplicaRuntime:
 
     def _wire(self, membership: Membership, rank: int) -> Wiring:
         return wire(rank, membership, self.spec, self.worker, control=self, on_collective=self._collective_done,
-                    on_stall=self._report_stall)
+                    on_stall=self._report_stall, on_peer_lost=self.peer_lost)
 
     def rendezvous(self, timeout: float) -> None:
         """Meet every member of this generation at the scheduler; connect the transports to their ``local_info``."""
@@ -320,6 +348,8 @@ class ReplicaRuntime:
             self._early = {g: m for g, m in self._early.items() if g > generation}
         for tag, payload in early:
             new.mailbox.put(tag, payload)
+        if self._step_events is not None:  # steps are reported under the new rank and size
+            self._step_events.rank, self._step_events.size = int(rank), membership.size
         self.rendezvous(config.get_seconds("rendezvous.timeout"))
         logger.info("Replica %d of %s re-formed in generation %d (%d members)", self.rank, self.group_id,
                     self.generation, self.size)

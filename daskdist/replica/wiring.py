@@ -9,6 +9,7 @@ greetings are named with ``Membership.wire_id`` (group and generation).
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -20,7 +21,7 @@ from daskdist.collective.mailbox import Mailbox
 from daskdist.collective.transport.base import Transport
 from daskdist.collective.transport.dask import DaskTransport
 from daskdist.collective.transport.routed import RoutedTransport
-from daskdist.collective.transport.shm import ShmTransport
+from daskdist.collective.transport.shm import ShmTransport, shm_supported
 from daskdist.collective.transport.socket import SocketTransport
 from daskdist.group.membership import Membership
 from daskdist.group.spec import TRANSPORTS, GroupSpec
@@ -46,7 +47,8 @@ class Wiring:
         self.transport.close()
 
 
-def make_transport(rank: int, membership: Membership, spec: GroupSpec, mailbox: Mailbox, worker: Worker) -> Transport:
+def make_transport(rank: int, membership: Membership, spec: GroupSpec, mailbox: Mailbox, worker: Worker,
+                   on_peer_lost: Callable[[int | None, str], None] | None = None) -> Transport:
     """The transport of one replica in one generation, chosen per peer.
 
     ``spec.transport``: ``"auto"`` (shared memory to same-host peers, direct
@@ -62,6 +64,10 @@ def make_transport(rank: int, membership: Membership, spec: GroupSpec, mailbox: 
     wire_id = membership.wire_id
     peers = [r for r in range(size) if r != rank]
     same_host = [r for r in peers if hosts[r] == hosts[rank]] if spec.transport in ("auto", "shm") else []
+    if same_host and not shm_supported():  # logged; off x86-64 the shm slots would need a fence
+        if spec.transport == "shm":
+            raise ValueError(f"the shm transport needs a 64-bit x86 machine; this one is {platform.machine()}")
+        same_host = []
     on_gpu = any("GPU" in d for d in membership.devices)
     if spec.transport == "shm" and (len(same_host) != len(peers) or on_gpu):
         raise ValueError("the shm transport needs every replica on one host, with CPU devices")
@@ -79,7 +85,7 @@ def make_transport(rank: int, membership: Membership, spec: GroupSpec, mailbox: 
     remote = [r for r in peers if r not in routes]
     if remote:
         tcp = SocketTransport(rank, addresses, mailbox, wire_id, get_address_host(worker.address),
-                              *tls_contexts(worker))
+                              *tls_contexts(worker), on_peer_lost=on_peer_lost)
         routes.update({r: tcp for r in remote})
     return RoutedTransport(rank, addresses, mailbox, routes)
 
@@ -94,10 +100,11 @@ def tls_contexts(worker: Worker) -> tuple[Any, Any]:
 
 
 def wire(rank: int, membership: Membership, spec: GroupSpec, worker: Worker, control: Any,
-         on_collective: Callable[[str, float, int], None], on_stall: Callable[[dict], None]) -> Wiring:
+         on_collective: Callable[[str, float, int], None], on_stall: Callable[[dict], None],
+         on_peer_lost: Callable[[int | None, str], None] | None = None) -> Wiring:
     """Build a generation's mailbox, transport and communicator (not yet connected: see ``Transport.connect``)."""
     mailbox = Mailbox()
-    transport = make_transport(rank, membership, spec, mailbox, worker)
+    transport = make_transport(rank, membership, spec, mailbox, worker, on_peer_lost)
     try:
         communicator = Communicator(
             rank, membership.size, transport, control=control, algorithm=spec.algorithm,

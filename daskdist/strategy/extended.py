@@ -29,6 +29,7 @@ from daskdist.elastic.options import ElasticOptions
 from daskdist.exceptions import StrategyClosedError
 from daskdist.group.handle import ReplicaGroup
 from daskdist.group.spec import TRANSPORTS
+from daskdist.ops import CommunicationOptions
 from daskdist.replica import commands
 from daskdist.values import check_num_components, regroup, select_replica
 from daskdist.variables import (
@@ -58,10 +59,17 @@ class DaskExtended:
     client
         A ``distributed.Client``; ``None`` uses the default client if there is
         one, else starts an embedded local cluster.
+    options
+        Group-wide ``CommunicationOptions`` (``implementation=RING`` forces the
+        flat ring); ``None``: the defaults.
+    elastic
+        ``ElasticOptions``: the group's membership policy is ``elastic`` and
+        ``fit`` survives lost workers (``daskdist.elastic``); ``None``: ``fixed``.
     """
 
     def __init__(self, strategy: Any, devices: list[str] | None, cross_device_ops: CrossDeviceOps | None,
-                 client: Client | None, elastic: ElasticOptions | None = None):
+                 client: Client | None, options: CommunicationOptions | None = None,
+                 elastic: ElasticOptions | None = None):
         specs = parse_devices(devices) if devices is not None else None
         if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
             raise TypeError(
@@ -108,6 +116,7 @@ class DaskExtended:
                 placements,
                 hosts=_replica_hosts(placements),
                 algorithm=algorithm,
+                options=options or CommunicationOptions(),
                 transport=config.get("collective.transport"),
                 shm_slot_bytes=parse_bytes(config.get("collective.shm.slot-bytes")),
                 pin_cores=config.get("replica.pin-cores"),
@@ -135,6 +144,8 @@ class DaskExtended:
             if specs is not None:
                 placed = [Placement(p.rank, p.address, p.host, s) for p, s in zip(placed, specs)]
             return placed
+        if specs is None:
+            return _one_host(place_replicas(workers, None), type(self.strategy).__name__)
         return place_replicas(workers, specs)
 
     # -- properties ----------------------------------------------------------------
@@ -170,6 +181,16 @@ class DaskExtended:
     @property
     def group(self) -> ReplicaGroup:
         return self._group
+
+    @property
+    def should_checkpoint(self) -> bool:
+        """Whether checkpointing is needed here: the client is the single writer, so ``True``."""
+        return True
+
+    @property
+    def should_save_summary(self) -> bool:
+        """Whether summaries (TensorBoard) are written here: the client is the single writer, so ``True``."""
+        return True
 
     def check_open(self) -> None:
         if self._closed:
@@ -265,6 +286,20 @@ class DaskExtended:
             if self._cluster is not None:
                 self._cluster.close()
             self._owns_client = False
+
+
+def _one_host(placed: list[Placement], strategy_name: str) -> list[Placement]:
+    """TF's MirroredStrategy is one machine: without ``devices``, keep the first host's workers (and say so)."""
+    hosts = list(dict.fromkeys(p.host for p in placed))
+    if len(hosts) <= 1:
+        return placed
+    kept = [p for p in placed if p.host == hosts[0]]
+    logger.warning(
+        "%s uses one machine, as in TensorFlow: the %d worker(s) on host %s (the cluster spans %d hosts: %s). "
+        "Use dd.MultiWorkerMirroredStrategy to train on every host, or pass devices=...",
+        strategy_name, len(kept), hosts[0], len(hosts), ", ".join(hosts),
+    )
+    return [Placement(i, p.address, p.host, DeviceSpec(p.device.device_type, i)) for i, p in enumerate(kept)]
 
 
 def _replica_hosts(placements: list[Placement]) -> list[str]:

@@ -113,6 +113,10 @@ class Transport(ABC):
     def connect(self, peer_infos: dict[int, dict[str, Any]], membership: Any) -> None:
         """Reach the peers of ``membership`` from their ``local_info()`` (rank -> info), once per generation."""
 
+    def routes_by_peer(self) -> dict[int, Transport]:
+        """The transport that carries each peer's messages (this one for every peer unless it routes)."""
+        return {peer: self for peer in range(self.size) if peer != self.rank}
+
     def group_aborted(self) -> None:
         """The group is lost for good: release shared resources now (called from the event loop)."""
 
