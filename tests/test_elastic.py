@@ -390,3 +390,45 @@ def test_a_free_worker_is_admitted_at_the_next_epoch_and_trains_with_the_same_ar
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
         assert history.history["loss"] == pytest.approx(reference.history["loss"], rel=1e-5)
         assert any(m.get("action") == "grew" for _, m in workers.client.get_events("daskdist-elastic"))
+
+
+@pytest.mark.slow
+def test_two_workers_killed_at_once_fit_finishes_on_the_other_two(process_workers):
+    workers = process_workers(4)
+    x, y = _data(240)
+    train = Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)
+    weights = _model().get_weights()
+    with dd.MirroredStrategy(client=workers.client, elastic=dd.ElasticOptions(min_replicas=2)) as strategy:
+        with strategy.scope():
+            model = _model(weights)
+        victims = list(strategy.extended.worker_addresses[1:3])
+        record = {}
+        since = time.time()
+
+        def watch():
+            while time.time() < since + 120:
+                events = workers.client.get_events(PROGRESS_TOPIC)
+                if any(t > since and m.get("step", -1) >= 4 for t, m in events):
+                    for victim in victims:
+                        workers.kill(victim)
+                    record["killed"] = True
+                    return
+                time.sleep(0.02)
+
+        thread = threading.Thread(target=watch, daemon=True)
+        thread.start()
+        history = model.fit(train, epochs=1, verbose=0)
+        thread.join(5)
+        assert record.get("killed")
+        lost = sorted(a for event in history.elastic.events for a in event.lost)
+        assert lost == sorted(victims)
+        assert strategy.num_replicas_in_sync == 2
+        assert sorted(history.elastic.ledger.positions(0, history.elastic.rows).tolist()) == list(range(240))
+        trained = model.get_weights()
+
+    with dd.MirroredStrategy(client=workers.client) as strategy:  # the uninterrupted run, on the two left
+        with strategy.scope():
+            reference = _model(weights)
+        reference.fit(train, epochs=1, verbose=0)
+        for got, want in zip(trained, reference.get_weights()):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

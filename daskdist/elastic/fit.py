@@ -127,6 +127,7 @@ class ElasticFit:
     # -- recovery -------------------------------------------------------------------
 
     def _recover(self, error: BaseException) -> tuple[CommitKey, dict]:
+        before = list(self.group.addresses)
         while True:  # a second loss during a recovery starts it again, on the members left
             self.failures += 1
             if 0 <= self.options.max_failures < self.failures:
@@ -141,6 +142,7 @@ class ElasticFit:
                 if is_final(again):
                     raise
                 error = again
+        outcome.lost = [a for a in before if a not in outcome.members]  # every loss, also those during recovery
         self.events.append(outcome)
         history = self.model.history
         if history is not None:

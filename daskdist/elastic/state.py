@@ -160,7 +160,8 @@ class State:
 
     def _recover(self, error: BaseException) -> None:
         group = self.strategy.extended.group
-        while True:
+        before = list(group.addresses)
+        while True:  # a second loss during a recovery starts it again, on the members left
             self.failures += 1
             if 0 <= self.options.max_failures < self.failures:
                 raise ReplicaLostError(f"{error} (elastic max_failures={self.options.max_failures} is exhausted)",
@@ -172,6 +173,7 @@ class State:
                 if is_final(again):
                     raise
                 error = again
+        outcome.lost = [a for a in before if a not in outcome.members]  # every loss, also those during recovery
         self.events.append(outcome)
         restored = self._commits[outcome.commit]
         for key in [k for k in self._commits if k > outcome.commit]:
