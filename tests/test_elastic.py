@@ -432,3 +432,40 @@ def test_two_workers_killed_at_once_fit_finishes_on_the_other_two(process_worker
         reference.fit(train, epochs=1, verbose=0)
         for got, want in zip(trained, reference.get_weights()):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_row_map_cuts_global_batches_across_partitions_and_the_ledger_rolls_back():
+    from daskdist.data.plan import Plan, PlannedRead
+    from daskdist.elastic.ledger import DataLedger, RowMap
+
+    # partitions of 5, 7 and 4 rows, the first two rows of partition 0 skipped: 14 rows, batches of 4
+    reads = [PlannedRead(0, r, "w", 2, 5, 1, 1, 0) for r in range(2)] + [
+        PlannedRead(1, 0, "w", 0, 7, 3, 1, 0), PlannedRead(2, 1, "w", 0, 4, 2, 1, 0)]
+    rows = RowMap.from_plan(Plan(reads, ["a", "b"], [2, 2], "AUTO", "global", steps=4), batch_size=4)
+    assert rows.ranges == ((0, 2, 5), (1, 0, 7), (2, 0, 4)) and rows.total_rows == 14
+    assert rows.rows_of_step(0) == [(0, 2, 5), (1, 0, 1)]
+    assert rows.rows_of_step(1) == [(1, 1, 5)]
+    assert rows.rows_of_step(3) == [(2, 2, 4)]  # the partial last batch
+    ledger = DataLedger()
+    ledger.record(0, range(0, 3), rows)
+    ledger.rollback(0, 2)  # step 2 was not committed everywhere: replayed
+    ledger.record(0, range(2, 4), rows)
+    assert sorted(ledger.positions(0, rows).tolist()) == list(range(14))
+    with pytest.raises(RuntimeError, match="committed twice"):
+        ledger.record(0, range(3, 4), rows)
+
+
+def test_the_commit_ring_keeps_the_two_newest_and_forgets_replayed_ones():
+    from daskdist.elastic.replica import Commit, CommitRing, state_digest
+
+    ring = CommitRing()
+    for step in (1, 2, 3):
+        ring.add(Commit((1, 0, step), {("variable", "c1"): np.full(3, step, np.float32)}, {}))
+    assert list(ring.commits) == [(1, 0, 2), (1, 0, 3)]
+    ring.drop_after((1, 0, 2))
+    assert list(ring.commits) == [(1, 0, 2)]
+    with pytest.raises(KeyError, match="no commit"):
+        ring.get((1, 0, 1))
+    same = {("variable", "c1"): np.full(3, 2, np.float32)}
+    assert state_digest(ring.get((1, 0, 2)).state) == state_digest(same)
+    assert state_digest(same) != state_digest({("variable", "c1"): np.full(3, 2, np.float64)})
