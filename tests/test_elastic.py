@@ -469,3 +469,34 @@ def test_the_commit_ring_keeps_the_two_newest_and_forgets_replayed_ones():
     same = {("variable", "c1"): np.full(3, 2, np.float32)}
     assert state_digest(ring.get((1, 0, 2)).state) == state_digest(same)
     assert state_digest(same) != state_digest({("variable", "c1"): np.full(3, 2, np.float64)})
+
+
+@pytest.mark.slow
+def test_a_retired_worker_is_a_loss_the_fit_survives_and_the_strategy_then_closes_cleanly(process_workers, caplog):
+    workers = process_workers(3)
+    x, y = _data(240)
+    train = Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)
+    strategy = dd.MirroredStrategy(client=workers.client, elastic=dd.ElasticOptions(min_replicas=2))
+    with strategy.scope():
+        model = _model()
+    victim = strategy.extended.worker_addresses[0]
+    since = time.time()
+
+    def retire():
+        while not any(t > since and m.get("step", -1) >= 3 for t, m in workers.client.get_events(PROGRESS_TOPIC)):
+            time.sleep(0.02)
+        workers.client.retire_workers(workers=[victim], close_workers=True)
+
+    thread = threading.Thread(target=retire, daemon=True)
+    thread.start()
+    history = model.fit(train, epochs=1, verbose=0)
+    thread.join(30)
+    (event,) = history.elastic.events
+    assert event.lost == [victim]
+    assert sorted(history.elastic.ledger.positions(0, history.elastic.rows).tolist()) == list(range(240))
+    assert int(model._optimizer_state()["iterations"]) == 10  # each step applied once in the state kept
+    start = time.monotonic()
+    with caplog.at_level("WARNING", logger="daskdist.group.handle"):
+        strategy.close()
+    assert time.monotonic() - start < 10
+    assert "did not all stop cleanly" not in caplog.text

@@ -180,6 +180,7 @@ def admit(group: ReplicaGroup, newcomers: list[str]) -> list[str]:
     spec = dataclasses.replace(group.spec, membership=membership)
     for address in newcomers:
         rank = membership.rank_of(address)
+        group.task_workers.append(address)
         group.futures.append(group.client.submit(
             run_replica, spec, rank, key=f"{group.group_id}-replica-g{membership.generation}-{rank}",
             workers=[address], allow_other_workers=False, pure=False))

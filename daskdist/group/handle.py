@@ -102,6 +102,8 @@ class ReplicaGroup:
         self._sent_settings = self.spec.config  # what the replicas read (a command carries a newer one)
         self._membership_callbacks: list[Callable[[Membership], None]] = []
         self.futures: list[Future[Any]] = []
+        #: The worker of each of ``futures`` (a member's rank changes with generations; its task does not).
+        self.task_workers: list[str] = []
         self.failure: BaseException | None = None
         self.closed = False
         self._run_ids = itertools.count(1)
@@ -183,6 +185,7 @@ class ReplicaGroup:
         if response.get("status") != "OK":
             raise ValueError(response.get("message"))
         for rank, address in enumerate(self.addresses):
+            self.task_workers.append(address)
             self.futures.append(
                 self.client.submit(
                     run_replica,
@@ -261,7 +264,7 @@ class ReplicaGroup:
             deadline = time.monotonic() + timeout
             while ranks:
                 try:
-                    self.futures[ranks[0]].result(timeout=min(0.5, max(0.1, deadline - time.monotonic())))
+                    self._task_of(ranks[0]).result(timeout=min(0.5, max(0.1, deadline - time.monotonic())))
                     ranks.pop(0)
                 except TimeoutError:
                     if time.monotonic() >= deadline:
@@ -270,6 +273,10 @@ class ReplicaGroup:
         except Exception as e:  # the cluster may already be gone, or a replica is stuck in user code
             logger.warning("Replicas of %s did not all stop cleanly: %r", self.group_id, e)
         self._release()
+
+    def _task_of(self, rank: int) -> Future[Any]:
+        """The replica task of the member at ``rank`` in the current generation."""
+        return self.futures[self.task_workers.index(self.addresses[rank])]
 
     def _ranks_alive(self, ranks: Any) -> list[int]:
         """Those of ``ranks`` whose worker is still in the cluster."""
@@ -287,6 +294,7 @@ class ReplicaGroup:
         for future in self.futures:
             future.release()  # type: ignore[no-untyped-call]
         self.futures = []
+        self.task_workers = []
 
     async def _stop(self, ranks: list[int]) -> None:
         async def stop(rank: int) -> None:
