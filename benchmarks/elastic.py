@@ -25,6 +25,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -92,6 +93,16 @@ def commit_cost(epochs: int, steps: int) -> None:
     print(format_table(["strategy", "ms per step (median)", "vs plain"], rows))
 
 
+def _kill_mid_epoch(client, step: int, pids: tuple[int, ...], killed: dict) -> None:
+    """SIGKILL ``pids`` once replica 0 reported ``step``; the kill's time goes in ``killed["at"]``."""
+    since = time.time()
+    while not any(t > since and m.get("step", -1) >= step for t, m in client.get_events(PROGRESS_TOPIC)):
+        time.sleep(0.01)
+    killed["at"] = time.time()
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+
+
 def recovery(trials: int, steps: int) -> None:
     from distributed import Client, LocalCluster
 
@@ -110,20 +121,9 @@ def recovery(trials: int, steps: int) -> None:
                     model = cnn()
                 victim = strategy.extended.worker_addresses[1]
                 worker, nanny = client.run(lambda: (os.getpid(), os.getppid()), workers=[victim])[victim]
-                import threading
-
-                killed = {}
-
-                def kill() -> None:
-                    since = time.time()
-                    while not any(t > since and m.get("step", -1) >= steps // 2
-                                  for t, m in client.get_events(PROGRESS_TOPIC)):
-                        time.sleep(0.01)
-                    killed["at"] = time.time()
-                    os.kill(nanny, signal.SIGKILL)
-                    os.kill(worker, signal.SIGKILL)
-
-                thread = threading.Thread(target=kill, daemon=True)
+                killed: dict[str, float] = {}
+                thread = threading.Thread(target=_kill_mid_epoch, args=(client, steps // 2, (nanny, worker), killed),
+                                          daemon=True)
                 thread.start()
                 model.fit(dataset(steps), epochs=2, verbose=0)
                 thread.join(10)
