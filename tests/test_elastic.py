@@ -380,7 +380,14 @@ def test_a_free_worker_is_admitted_at_the_next_epoch_and_trains_with_the_same_ar
         (free,) = set(workers.client.scheduler_info()["workers"]) - set(strategy.extended.worker_addresses)
         with strategy.scope():
             model = _model(weights)
-        history = model.fit(train, epochs=2, verbose=0)
+        changes = []
+
+        class Watch(keras.callbacks.Callback):
+            def on_membership_change(self, event):
+                changes.append((event["action"], len(event["members"]), strategy.num_replicas_in_sync))
+
+        history = model.fit(train, epochs=2, verbose=0, callbacks=[Watch()])
+        assert changes == [("grew", 3, 3)]  # told once the newcomer is in, before the epoch it trains in
         (event,) = history.elastic.events
         assert event.admitted == [free] and event.lost == [] and event.commit[1:] == (0, 10)
         assert strategy.num_replicas_in_sync == 3

@@ -72,6 +72,7 @@ class ElasticFit:
         self.rows = RowMap.from_plan(plan, cut_pipeline(self.train).batch.batch_size)
         self._committed: CommitKey | None = None
         self._first_epoch = 0
+        self._callbacks: Any = None  # the fit's CallbackList, told of membership changes
 
     # -- epochs ---------------------------------------------------------------------
 
@@ -90,6 +91,7 @@ class ElasticFit:
 
     def train_epoch(self, epoch: int, steps: int | None, cb: Any) -> dict:
         """One epoch, resumed from the newest common commit after each loss; the epoch's logs."""
+        self._callbacks = cb
         total = self.rows.steps if steps is None else min(int(steps), self.rows.steps)
         first, start = 0, None
         if epoch > self._first_epoch:
@@ -144,6 +146,7 @@ class ElasticFit:
                 error = again
         outcome.lost = [a for a in before if a not in outcome.members]  # every loss, also those during recovery
         self.events.append(outcome)
+        self._notify(outcome)
         history = self.model.history
         if history is not None:
             history.elastic_events = [e.to_msg() for e in self.events]
@@ -166,10 +169,18 @@ class ElasticFit:
         if outcome is None:
             return
         self.events.append(outcome)
+        self._notify(outcome)
         if self.model.history is not None:
             self.model.history.elastic_events = [e.to_msg() for e in self.events]
         self.runner._dist_train = self.strategy.experimental_distribute_dataset(self.train)
         self.runner._dist_val = None
+
+    def _notify(self, outcome: Recovery) -> None:
+        """Call ``on_membership_change(event)`` on the fit's callbacks that have it (to rescale a learning rate)."""
+        for callback in getattr(self._callbacks, "callbacks", []):
+            hook = getattr(callback, "on_membership_change", None)
+            if hook is not None:
+                hook(outcome.to_msg())
 
     def _install_newcomer(self, rank: int) -> None:
         from daskdist.keras.models import _replica_install

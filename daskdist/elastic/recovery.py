@@ -173,7 +173,7 @@ def admit(group: ReplicaGroup, newcomers: list[str]) -> list[str]:
 
     workers = list(group.addresses) + list(newcomers)
     response = group._ask_scheduler("daskdist_change_membership", group_id=group.group_id, workers=workers,
-                                    reason=f"admitting {', '.join(newcomers)}")
+                                    reason=f"admitting {', '.join(newcomers)}", admit=True)
     if response.get("status") != "OK":
         raise ReplicaLostError(f"could not admit {newcomers}: {response.get('message')}")
     membership = group.refresh_membership()

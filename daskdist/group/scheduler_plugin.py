@@ -29,7 +29,7 @@ from daskdist.dashboard import page, prometheus
 from daskdist.dashboard.event_log import bound_topic
 from daskdist.dashboard.store import STEP_TOPIC, MetricsStore
 from daskdist.exceptions import StaleGenerationError
-from daskdist.group.membership import Membership, MembershipPolicy, check_generation
+from daskdist.group.membership import Member, Membership, MembershipPolicy, check_generation
 from daskdist.group.worker_plugin import DaskdistWorkerPlugin
 
 if TYPE_CHECKING:
@@ -284,7 +284,8 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
 
     # -- membership changes ----------------------------------------------------------
 
-    def change_membership(self, group_id: str, workers: list[str], reason: str = "") -> Membership:
+    def change_membership(self, group_id: str, workers: list[str], reason: str = "", *,
+                          admit: bool = False) -> Membership:
         """Move a group to a new generation whose members are on ``workers`` (rank order).
 
         The scheduler-plugin API the elastic policy builds on. Members kept
@@ -299,7 +300,11 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
         ------
         ValueError
             Unknown group, a group that failed or closed, a worker that is not in the cluster or hosts no
-            replica of the group (admitting newcomers is the elastic-training work), or no worker at all.
+            replica of the group (unless ``admit``), or no worker at all.
+
+        With ``admit=True`` workers that host no replica yet become members
+        (``_newcomer``): the caller (elastic training, ``daskdist.elastic.recovery.admit``) starts their
+        replicas, which meet the others at the new generation's rendezvous.
         """
         group = self.groups.get(group_id)
         if group is None or group.membership is None:
@@ -311,12 +316,12 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
             raise ValueError(f"workers {missing} are not part of the cluster")
         known = {m.address: m for m in group.membership.members}
         newcomers = [w for w in workers if w not in known]
-        if newcomers:  # admitting members means launching replicas on them: the elastic-training work (issue 16)
+        if newcomers and not admit:  # admitting members means launching replicas on them (elastic.recovery.admit)
             raise ValueError(f"workers {newcomers} host no replica of {group_id}: a new generation can only keep, "
                              "drop or reorder the current members")
         if not workers:
             raise ValueError(f"a generation of {group_id} needs at least one member")
-        members = tuple(known[w] for w in workers)
+        members = tuple(known[w] if w in known else _newcomer(w) for w in workers)
         new = group.membership.next(members)
         previous = list(group.workers)
         group.membership, group.generation, group.workers = new, int(new.generation), list(workers)
@@ -339,10 +344,11 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
                                  "membership": new.to_msg(), "message": reason})
         return new
 
-    def change_membership_handler(self, group_id: str, workers: list[str], reason: str = "") -> dict[str, Any]:
+    def change_membership_handler(self, group_id: str, workers: list[str], reason: str = "",
+                                  admit: bool = False) -> dict[str, Any]:
         """Handler form of ``change_membership``: ``{"status": "OK", "membership": ...}`` or an error message."""
         try:
-            membership = self.change_membership(group_id, workers, reason)
+            membership = self.change_membership(group_id, workers, reason, admit=admit)
         except ValueError as e:
             return {"status": "error", "message": str(e)}
         return {"status": "OK", "membership": membership.to_msg()}
@@ -417,3 +423,8 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
                 stream.send(msg)
             except Exception as e:  # the worker may be closing too
                 logger.debug("Could not send %s to %s: %s", msg["op"], address, e)
+
+
+def _newcomer(address: str) -> Member:
+    """The member a newly admitted worker becomes: a CPU replica, its address as its host (peers reach it by TCP)."""
+    return Member(address, "/job:localhost/replica:0/task:0/device:CPU:0", address)
