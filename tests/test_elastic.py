@@ -507,3 +507,32 @@ def test_a_retired_worker_is_a_loss_the_fit_survives_and_the_strategy_then_close
         strategy.close()
     assert time.monotonic() - start < 10
     assert "did not all stop cleanly" not in caplog.text
+
+
+@pytest.mark.slow
+def test_a_free_worker_is_admitted_mid_epoch_at_a_commit_boundary(process_workers):
+    workers = process_workers(3)
+    x, y = _data(240)
+    train = Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)  # 10 steps of about 0.12 s
+    weights = _model().get_weights()
+    with dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=workers.client) as strategy:
+        with strategy.scope():
+            model = _model(weights)
+        reference = model.fit(train, epochs=1, verbose=0)
+        expected = model.get_weights()
+    options = dd.ElasticOptions(min_replicas=2, max_replicas=3, commit_every=2, admit_every="0.3s")
+    with dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=workers.client, elastic=options) as strategy:
+        (free,) = set(workers.client.scheduler_info()["workers"]) - set(strategy.extended.worker_addresses)
+        with strategy.scope():
+            model = _model(weights)
+        history = model.fit(train, epochs=1, verbose=0)
+        (event,) = history.elastic.events
+        assert event.action == "grew" and event.admitted == [free] and event.lost == []
+        assert event.commit[1] == 0 and 0 < event.commit[2] < 10 and event.commit[2] % 2 == 0  # a commit mid-epoch
+        assert strategy.num_replicas_in_sync == 3
+        assert history.elastic.ledger.steps(0) == list(range(10))
+        assert sorted(history.elastic.ledger.positions(0, history.elastic.rows).tolist()) == list(range(240))
+        for got, want in zip(model.get_weights(), expected):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        assert history.history["loss"] == pytest.approx(reference.history["loss"], rel=1e-5)
+        assert history.history["accuracy"] == pytest.approx(reference.history["accuracy"], rel=1e-5)

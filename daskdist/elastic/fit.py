@@ -25,7 +25,7 @@ from daskdist.data.planner import cut_pipeline
 from daskdist.elastic.ledger import DataLedger, RowMap
 from daskdist.elastic.options import ElasticOptions
 from daskdist.elastic.recovery import RECOVERABLE, Recovery, grow, is_final, recover
-from daskdist.elastic.replica import CommitKey, elastic_train_epoch, take_commit
+from daskdist.elastic.replica import CommitKey, commit_progress, elastic_train_epoch, take_commit
 from daskdist.exceptions import ReplicaLostError
 
 if TYPE_CHECKING:
@@ -95,28 +95,44 @@ class ElasticFit:
         total = self.rows.steps if steps is None else min(int(steps), self.rows.steps)
         first, start = 0, None
         if epoch > self._first_epoch:
-            self._grow()  # an epoch boundary is a commit boundary: free workers join here
-        dist = self.runner._dist_train
+            recovered = self._grow()  # an epoch boundary is a commit boundary: free workers join here
+            if recovered is not None:
+                first, start = self._resume(epoch, first, *recovered)
+        dist = self.runner._dist_train if first == 0 else self._distribute_from(first)
         while True:
             lr = float(self.model.optimizer.learning_rate)
+            room = self.options.max_replicas is None or self.group.size < self.options.max_replicas
             args = (self.model._model_id, dist, total - first, lr, self.runner._tag, (self.fit_id, epoch), first,
-                    self.options.commit_every, start)
+                    self.options.commit_every, start, self.options.admit_seconds, room)
             try:
                 logs = self.group.call(elastic_train_epoch, args)[0]
+                if "stopped_at" in logs:  # free workers wait: admit them at this commit, then go on over all
+                    stop = int(logs["stopped_at"])
+                    self.ledger.record(epoch, range(first, stop), self.rows)
+                    progress = self.group.call(commit_progress, ((self.fit_id, epoch, stop),), member=0)[0]
+                    first, start = stop, (progress["loss_sum"], progress["count"])
+                    recovered = self._grow()
+                    if recovered is not None:  # a loss while admitting: back to the commit all members hold
+                        first, start = self._resume(epoch, first, *recovered)
+                    dist = self._distribute_from(first)
+                    continue
             except RECOVERABLE as error:
-                key, progress = self._recover(error)
-                if key[1] == epoch and key[2] > first:
-                    self.ledger.record(epoch, range(first, key[2]), self.rows)
-                elif key[1] < epoch or key[2] < first:
-                    self.ledger.rollback(epoch, key[2] if key[1] == epoch else 0)
-                first, start = (key[2], (progress["loss_sum"], progress["count"])) if key[1] == epoch else (0, None)
-                if first == 0:
-                    start = None
+                first, start = self._resume(epoch, first, *self._recover(error))
                 dist = self._distribute_from(first)
                 continue
             self.ledger.record(epoch, range(first, total), self.rows)
             self._committed = (self.fit_id, epoch, total)
             return dict(logs)
+
+    def _resume(self, epoch: int, first: int, key: CommitKey, progress: dict) -> tuple[int, Any]:
+        """After going back to commit ``key``: the ledger up to it, and the step and progress to go on from."""
+        if key[1] == epoch and key[2] > first:
+            self.ledger.record(epoch, range(first, key[2]), self.rows)
+        elif key[1] < epoch or key[2] < first:
+            self.ledger.rollback(epoch, key[2] if key[1] == epoch else 0)
+        if key[1] != epoch or key[2] == 0:
+            return 0, None
+        return key[2], (progress["loss_sum"], progress["count"])
 
     def evaluate(self, data: Any, steps: int | None) -> dict:
         """Validation, run again on the new members if one is lost meanwhile (it changes no state)."""
@@ -154,26 +170,27 @@ class ElasticFit:
         self.runner._dist_train = self.strategy.experimental_distribute_dataset(self.train)
         if self.runner._dist_val is not None:
             self.runner._dist_val = None
-        from daskdist.elastic.replica import commit_progress
-
         progress = self.group.call(commit_progress, (outcome.commit,), member=0)[0]
         return outcome.commit, progress
 
-    def _grow(self) -> None:
-        """Admit the cluster's free workers (up to ``max_replicas``) and plan the coming epochs over them."""
+    def _grow(self) -> tuple[CommitKey, dict] | None:
+        """Admit the cluster's free workers (up to ``max_replicas``) and plan the coming epochs over them.
+
+        Returns the commit and progress a loss meanwhile sent the group back to, else ``None``.
+        """
         try:
             outcome = grow(self.group, self.options, self._install_newcomer)
         except RECOVERABLE as error:
-            self._recover(error)
-            return
+            return self._recover(error)
         if outcome is None:
-            return
+            return None
         self.events.append(outcome)
         self._notify(outcome)
         if self.model.history is not None:
             self.model.history.elastic_events = [e.to_msg() for e in self.events]
         self.runner._dist_train = self.strategy.experimental_distribute_dataset(self.train)
         self.runner._dist_val = None
+        return None
 
     def _notify(self, outcome: Recovery) -> None:
         """Call ``on_membership_change(event)`` on the fit's callbacks that have it (to rescale a learning rate)."""

@@ -42,6 +42,12 @@ class ElasticOptions:
     generation_timeout
         How long the client waits for the scheduler to announce the group's
         new membership after a loss (a Dask duration).
+    admit_every
+        During ``fit``, how often replica 0 looks for free Dask workers (a
+        Dask duration; ``None``: only at epoch boundaries). When it finds
+        some and the group is below ``max_replicas``, the epoch stops at the
+        next commit, the workers are admitted with that commit, and the epoch
+        goes on over all members.
     """
 
     min_replicas: int = 1
@@ -50,6 +56,7 @@ class ElasticOptions:
     max_failures: int = -1
     wait_timeout: Duration = "10min"
     generation_timeout: Duration = "30s"
+    admit_every: Duration | None = "30s"
 
     def __post_init__(self) -> None:
         if not isinstance(self.min_replicas, int) or self.min_replicas < 1:
@@ -62,7 +69,9 @@ class ElasticOptions:
             raise ValueError(f"commit_every must be a positive int, got {self.commit_every!r}")
         if not isinstance(self.max_failures, int) or self.max_failures < -1:
             raise ValueError(f"max_failures must be -1 (no limit) or a count >= 0, got {self.max_failures!r}")
-        for name in ("wait_timeout", "generation_timeout"):
+        for name in ("wait_timeout", "generation_timeout", "admit_every"):
+            if name == "admit_every" and self.admit_every is None:
+                continue
             try:
                 seconds = _seconds(getattr(self, name))
             except (ValueError, TypeError, KeyError) as e:
@@ -73,6 +82,10 @@ class ElasticOptions:
     @property
     def wait_seconds(self) -> float:
         return _seconds(self.wait_timeout)
+
+    @property
+    def admit_seconds(self) -> float | None:
+        return None if self.admit_every is None else _seconds(self.admit_every)
 
     @property
     def generation_seconds(self) -> float:

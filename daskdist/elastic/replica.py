@@ -176,13 +176,57 @@ def _restore_metrics(service: ReplicaService, progress: dict) -> None:
             metric.set_totals(total if service.rank == 0 else np.zeros_like(total))
 
 
+class _StopForNewcomers(Exception):
+    """Raised at a commit to end an epoch's command there: free workers are waiting to be admitted."""
+
+    def __init__(self, step: int):
+        super().__init__(step)
+        self.step = step
+
+
+class _FreeWorkerWatch:
+    """Replica 0's look at the cluster for workers outside the group, at most once per ``every`` seconds."""
+
+    def __init__(self, service: ReplicaService, every: float | None, room: bool):
+        self.service, self.every, self.room = service, every, room
+        self.last = time.monotonic()
+
+    @property
+    def active(self) -> bool:
+        """Whether this epoch looks for free workers at all (every replica knows the same)."""
+        return self.every is not None and self.room
+
+    def due(self) -> bool:
+        """Whether free workers wait (replica 0 only; the others answer False and learn it from the all-reduce)."""
+        if self.every is None or not self.room or self.service.rank != 0:
+            return False
+        now = time.monotonic()
+        if now - self.last < self.every:
+            return False
+        self.last = now
+        from distributed.utils import sync
+
+        worker = getattr(self.service, "worker", None)
+        if worker is None:
+            return False
+        try:
+            everyone = sync(worker.loop, worker.scheduler.ncores, callback_timeout=10)
+        except Exception as e:  # a slow scheduler must not fail the step: look again later
+            logger.debug("Could not ask the scheduler for its workers: %s", e)
+            return False
+        return bool(set(everyone) - set(self.service.membership.addresses))
+
+
 def elastic_train_epoch(service: ReplicaService, model_id: str, batches: Any, steps: int, lr: float, tag: str,
                         key: tuple[int, int], first_step: int, commit_every: int,
-                        start: tuple[float, float] | None) -> dict:
+                        start: tuple[float, float] | None, admit_every: float | None = None,
+                        room: bool = False) -> dict:
     """Train steps ``first_step`` ... of an epoch, committing every ``commit_every`` steps and at the end.
 
     ``batches`` holds the epoch's global batches from ``first_step`` on (re-planned over this generation);
-    ``steps`` is their count. ``start``: the epoch's global loss sum and count at ``first_step``.
+    ``steps`` is their count. ``start``: the epoch's global loss sum and count at ``first_step``. With
+    ``admit_every`` (seconds) and ``room`` (the group may grow), replica 0 looks for free workers; when
+    there are some, every replica stops at the next commit and answers ``{"stopped_at": step}``.
     """
     from daskdist.keras.models import PROGRESS_TOPIC
 
@@ -192,16 +236,25 @@ def elastic_train_epoch(service: ReplicaService, model_id: str, batches: Any, st
     fit, epoch = key
     last = first_step + steps
     ctx = service.context
+    watch = _FreeWorkerWatch(service, admit_every, room)
 
     def on_step(done: int, loss_sum: float, count: float) -> None:
         step = first_step + done
         if step % commit_every and step != last:
             return
         totals = [np.asarray(m.totals(), np.float64) for m in model.compiled_metrics]
-        if totals:  # the epoch's metrics so far, summed over replicas: a lost replica's share is not lost
-            totals = [np.asarray(t, np.float64) for t in ctx.all_reduce(ReduceOp.SUM, totals)]
+        stop = False
+        if totals or watch.active:
+            # one all-reduce: the epoch's metrics so far (so a lost replica's share is not lost) and, when the
+            # group may grow, replica 0's "free workers wait" flag (the same on every replica: all take part)
+            flag = [np.array([float(watch.due())])] if watch.active else []
+            reduced = ctx.all_reduce(ReduceOp.SUM, [*totals, *flag])
+            totals = [np.asarray(t, np.float64) for t in reduced[:len(totals)]]
+            stop = watch.active and float(reduced[-1][0]) > 0
         progress = {"loss_sum": loss_sum, "count": count, "metrics": {model_id: totals}}
         ring.add(Commit((fit, epoch, step), service.objects.snapshot(STATE_KINDS), progress))
+        if stop and step != last:
+            raise _StopForNewcomers(step)
 
     sent = [0.0]
 
@@ -211,6 +264,10 @@ def elastic_train_epoch(service: ReplicaService, model_id: str, batches: Any, st
             sent[0] = now
             service.log_event(PROGRESS_TOPIC, {"tag": tag, "epoch": epoch, "step": first_step + done, "logs": logs})
 
-    logs = training.train_batches(model, batches, steps, progress, start=start, on_step=on_step)
+    try:
+        logs = training.train_batches(model, batches, steps, progress, start=start, on_step=on_step)
+    except _StopForNewcomers as stop:
+        service.flush_step_events()
+        return {"stopped_at": stop.step}
     service.flush_step_events()
     return logs
