@@ -19,7 +19,7 @@ from daskdist.exceptions import DaskdistError
 from daskdist.values import PerReplica
 
 if TYPE_CHECKING:
-    from daskdist.strategy.extended import DaskExtended
+    from daskdist.strategy.extended import StrategyExtended
 
 __all__ = ["DistributedDataset", "DistributedIterator", "OutOfRangeError", "Optional"]
 
@@ -63,7 +63,7 @@ class DistributedDataset:
     replica's own shard.
     """
 
-    def __init__(self, extended: DaskExtended, dataset_id: str, plan: Plan | None, element_spec: Any,
+    def __init__(self, extended: StrategyExtended, dataset_id: str, plan: Plan | None, element_spec: Any,
                  futures: list[Any] | None = None):
         self._extended = extended
         self._id = dataset_id
@@ -75,7 +75,7 @@ class DistributedDataset:
     # -- building -------------------------------------------------------------------
 
     @classmethod
-    def from_dataset(cls, extended: DaskExtended, dataset: Any, options: InputOptions | None) -> DistributedDataset:
+    def from_dataset(cls, extended: StrategyExtended, dataset: Any, options: InputOptions | None) -> DistributedDataset:
         options = options or InputOptions()
         if not isinstance(dataset, Dataset):
             raise TypeError(
@@ -145,21 +145,21 @@ class DistributedDataset:
                 shard_dataset, shares[rank], row_filter, spec, options.experimental_per_replica_buffer_size,
                 options.experimental_fetch_to_device, steps,
             )))
-        extended.group.call(replica_side.register_shard, shards)
+        extended.run_on_replicas(replica_side.register_shard, args_per_replica=shards)
         distributed = cls(extended, dataset_id, plan, element_spec, futures)
         extended.register_distributed_dataset(dataset_id, distributed)
         logger.debug("%r", plan)
         return distributed
 
     @classmethod
-    def from_function(cls, extended: DaskExtended, dataset_fn: Callable[[InputContext], Any],
+    def from_function(cls, extended: StrategyExtended, dataset_fn: Callable[[InputContext], Any],
                       options: InputOptions | None) -> DistributedDataset:
         if not callable(dataset_fn):
             raise TypeError(f"dataset_fn must be callable, got {type(dataset_fn).__name__}")
         options = options or InputOptions()
         dataset_id = uuid.uuid4().hex[:12]
-        extended.group.call(replica_side.register_from_function,
-                            (dataset_id, dataset_fn, options.experimental_per_replica_buffer_size))
+        extended.run_on_replicas(replica_side.register_from_function,
+                                 (dataset_id, dataset_fn, options.experimental_per_replica_buffer_size))
         distributed = cls(extended, dataset_id, None, None)
         extended.register_distributed_dataset(dataset_id, distributed)
         return distributed
@@ -194,13 +194,13 @@ class DistributedIterator:
     empty batch (TF's partial-batch behaviour).
     """
 
-    def __init__(self, extended: DaskExtended, dataset_id: str, iterator_id: str, element_spec: Any):
+    def __init__(self, extended: StrategyExtended, dataset_id: str, iterator_id: str, element_spec: Any):
         self._extended = extended
         self._iterator_id = iterator_id
         self._element_spec = element_spec
         self._steps = itertools.count()
         self._done = False
-        extended.group.call(replica_side.make_iterator, (dataset_id, iterator_id))
+        extended.run_on_replicas(replica_side.make_iterator, (dataset_id, iterator_id))
 
     @property
     def element_spec(self) -> Any:
@@ -210,7 +210,7 @@ class DistributedIterator:
         if self._done:
             raise OutOfRangeError("End of sequence")
         step = next(self._steps)
-        rows = self._extended.group.call(replica_side.next_batch, (self._iterator_id, step))
+        rows = self._extended.run_on_replicas(replica_side.next_batch, (self._iterator_id, step))
         if all(r < 0 for r in rows):
             self._done = True
             self._close(keep_batches=True)  # the last batches handed out stay usable
@@ -240,7 +240,7 @@ class DistributedIterator:
 
     def _close(self, keep_batches: bool) -> None:
         try:
-            self._extended.group.call(replica_side.close_iterator, (self._iterator_id, keep_batches))
+            self._extended.run_on_replicas(replica_side.close_iterator, (self._iterator_id, keep_batches))
         except Exception as e:  # the strategy may be closed already
             logger.debug("Closing iterator %s: %s", self._iterator_id, e)
 
@@ -269,7 +269,7 @@ def _known_steps(dataset: Dataset, plan: Plan, policy: AutoShardPolicy) -> int |
 # -- Dask partitions -----------------------------------------------------------------
 
 
-def _leaf_futures(extended: DaskExtended, source: DaskSource) -> list[list[Any]] | None:
+def _leaf_futures(extended: StrategyExtended, source: DaskSource) -> list[list[Any]] | None:
     """Per partition, the futures of a persisted source's leaves; ``None`` when not persisted.
 
     A persisted collection's graph is one future per partition, keyed
@@ -292,7 +292,7 @@ def _leaf_futures(extended: DaskExtended, source: DaskSource) -> list[list[Any]]
     return [list(parts) for parts in zip(*per_leaf)]
 
 
-def _local_bytes(extended: DaskExtended, source: DaskSource) -> tuple[list[dict[str, int]], list[int]]:
+def _local_bytes(extended: StrategyExtended, source: DaskSource) -> tuple[list[dict[str, int]], list[int]]:
     """Per partition, the bytes each worker already holds (empty: not computed yet), and its size.
 
     Sizes of persisted partitions come from the scheduler (exact, also for
@@ -319,7 +319,7 @@ def _local_bytes(extended: DaskExtended, source: DaskSource) -> tuple[list[dict[
     return local, sizes
 
 
-def _place_dask_partitions(extended: DaskExtended, source: DaskSource, shares: list[list[Partition]],
+def _place_dask_partitions(extended: StrategyExtended, source: DaskSource, shares: list[list[Partition]],
                            workers: list[str]) -> tuple[list[list[Partition]], list[Any]]:
     """Make every partition's data live on the worker of the replica that reads it.
 

@@ -22,6 +22,7 @@ from daskdist import context
 from daskdist.arrays import as_array, to_numpy
 from daskdist.keras import callbacks as callbacks_module
 from daskdist.keras import saving, training
+from daskdist.strategy.replica_service import ReplicaService, resident
 
 if TYPE_CHECKING:
     from daskdist.strategy.base import Strategy
@@ -32,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 PROGRESS_TOPIC = "daskdist-progress"
 _PROGRESS_INTERVAL = 0.25
+_MODEL = "model"  # the kind of resident a distributed model is on its replicas
 
 
 def _current_strategy() -> Any:
@@ -139,7 +141,7 @@ class Model:
     def get_weights(self) -> list[np.ndarray]:
         """The weights as numpy arrays (from replica 0 for a distributed model)."""
         if self._installed:
-            return self._strategy.extended.group.call(_replica_get_weights, (self._model_id,), ranks=[0])[0]
+            return self._strategy.extended.run_on_replica(0, _replica_get_weights, (self._model_id,))
         self._require_built()
         return [np.array(to_numpy(a), copy=True) for _, a in self._weight_items()]
 
@@ -148,7 +150,8 @@ class Model:
         self._require_built()
         self._assign_weights(list(weights))
         if self._installed:
-            self._strategy.extended.group.call(_replica_set_weights, (self._model_id, [to_numpy(w) for w in weights]))
+            self._strategy.extended.run_on_replicas(_replica_set_weights,
+                                                    (self._model_id, [to_numpy(w) for w in weights]))
 
     def _require_built(self) -> None:
         if not self.built:
@@ -200,7 +203,7 @@ class Model:
         payload._strategy = None
         payload._installed = False
         payload.history = None
-        self._strategy.extended.group.call(_replica_install, (self._model_id, payload))
+        self._strategy.extended.install_resident(_MODEL, self._model_id, payload)
         self._installed = True
 
     def __getstate__(self) -> dict:
@@ -352,13 +355,13 @@ class Model:
 
     def _optimizer_state(self) -> dict:
         if self._installed:
-            return self._strategy.extended.group.call(_replica_optimizer_state, (self._model_id,), ranks=[0])[0]
+            return self._strategy.extended.run_on_replica(0, _replica_optimizer_state, (self._model_id,))
         return self.optimizer.get_state()
 
     def _set_optimizer_state(self, state: dict) -> None:
         self.optimizer.set_state(state)
         if self._installed:
-            self._strategy.extended.group.call(_replica_set_optimizer_state, (self._model_id, state))
+            self._strategy.extended.run_on_replicas(_replica_set_optimizer_state, (self._model_id, state))
 
     def save(self, filepath: str) -> None:
         """Save architecture, compile settings, weights and optimizer state into directory ``filepath``."""
@@ -442,8 +445,8 @@ class _Runner:
         if not self.distributed:
             return training.train_batches(model, iter(self._train), steps, cb.on_progress)
         self._subscribe(cb)
-        group = model._strategy.extended.group
-        results = group.call(_replica_train_epoch, (model._model_id, self._dist_train, steps, lr, self._tag, epoch))
+        results = model._strategy.extended.run_on_replicas(
+            _replica_train_epoch, (model._model_id, self._dist_train, steps, lr, self._tag, epoch))
         return dict(results[0])
 
     def evaluate(self, data: Any, steps: int | None) -> dict:
@@ -453,7 +456,7 @@ class _Runner:
         model._ensure_installed()
         dist = self._dist_val if self._dist_val is not None else model._strategy.experimental_distribute_dataset(data)
         self._dist_val = dist
-        results = model._strategy.extended.group.call(_replica_evaluate, (model._model_id, dist, steps))
+        results = model._strategy.extended.run_on_replicas(_replica_evaluate, (model._model_id, dist, steps))
         return dict(results[0])
 
     def _subscribe(self, cb: Any) -> None:
@@ -481,52 +484,48 @@ class _Runner:
 # -- commands that run on the replicas ---------------------------------------------------
 
 
-def _replica_install(runtime: Any, model_id: str, model: Model) -> None:
-    runtime.add_resident(f"model:{model_id}", model)
+def _replica_model(service: ReplicaService, model_id: str) -> Model:
+    return resident(service, _MODEL, model_id)
 
 
-def _replica_model(runtime: Any, model_id: str) -> Model:
-    return runtime.resident_object(f"model:{model_id}")
-
-
-def _replica_train_epoch(runtime: Any, model_id: str, batches: Any, steps: int | None, lr: float, tag: str,
+def _replica_train_epoch(service: ReplicaService, model_id: str, batches: Any, steps: int | None, lr: float, tag: str,
                          epoch: int) -> dict:
-    model = _replica_model(runtime, model_id)
+    model = _replica_model(service, model_id)
     model.optimizer.learning_rate = lr
     last = [0.0]
     import time
 
     def progress(step: int, logs: dict) -> None:
         now = time.monotonic()
-        if runtime.rank == 0 and now - last[0] >= _PROGRESS_INTERVAL:
+        if service.rank == 0 and now - last[0] >= _PROGRESS_INTERVAL:
             last[0] = now
-            runtime.worker.log_event(PROGRESS_TOPIC, {"tag": tag, "epoch": epoch, "step": step, "logs": logs})
+            service.worker.log_event(PROGRESS_TOPIC, {"tag": tag, "epoch": epoch, "step": step, "logs": logs})
 
     logs = training.train_batches(model, batches, steps, progress)
-    if runtime.rank == 0:
-        runtime.worker.log_event(PROGRESS_TOPIC, {"tag": tag, "epoch": epoch, "step": -1, "logs": logs})
-    runtime.flush_step_events()
+    if service.rank == 0:
+        service.worker.log_event(PROGRESS_TOPIC, {"tag": tag, "epoch": epoch, "step": -1, "logs": logs})
+    service.flush_step_events()
     return logs
 
 
-def _replica_evaluate(runtime: Any, model_id: str, batches: Any, steps: int | None) -> dict:
-    return training.evaluate_batches(_replica_model(runtime, model_id), batches, steps)
+def _replica_evaluate(service: ReplicaService, model_id: str, batches: Any, steps: int | None) -> dict:
+    return training.evaluate_batches(_replica_model(service, model_id), batches, steps)
 
 
-def _replica_get_weights(runtime: Any, model_id: str) -> list[np.ndarray]:
-    model = _replica_model(runtime, model_id)
+def _replica_get_weights(service: ReplicaService, model_id: str) -> list[np.ndarray]:
+    model = _replica_model(service, model_id)
     return [np.array(to_numpy(a), copy=True) for _, a in model._weight_items()]
 
 
-def _replica_set_weights(runtime: Any, model_id: str, weights: list[np.ndarray]) -> None:
-    model = _replica_model(runtime, model_id)
+def _replica_set_weights(service: ReplicaService, model_id: str, weights: list[np.ndarray]) -> None:
+    model = _replica_model(service, model_id)
     model._require_built()
     model._assign_weights(weights)
 
 
-def _replica_optimizer_state(runtime: Any, model_id: str) -> dict:
-    return {k: to_numpy(v) for k, v in _replica_model(runtime, model_id).optimizer.get_state().items()}
+def _replica_optimizer_state(service: ReplicaService, model_id: str) -> dict:
+    return {k: to_numpy(v) for k, v in _replica_model(service, model_id).optimizer.get_state().items()}
 
 
-def _replica_set_optimizer_state(runtime: Any, model_id: str, state: dict) -> None:
-    _replica_model(runtime, model_id).optimizer.set_state(state)
+def _replica_set_optimizer_state(service: ReplicaService, model_id: str, state: dict) -> None:
+    _replica_model(service, model_id).optimizer.set_state(state)

@@ -14,7 +14,7 @@ from daskdist.ops import ReduceOp
 from daskdist.values import PerReplica, gather_values, local_results, reduce_values
 
 if TYPE_CHECKING:
-    from daskdist.strategy.extended import DaskExtended
+    from daskdist.strategy.extended import StrategyExtended
 
 __all__ = ["Strategy", "ValueContext"]
 
@@ -35,13 +35,13 @@ class Strategy:
     cluster if the strategy started one.
     """
 
-    def __init__(self, extended: DaskExtended):
+    def __init__(self, extended: StrategyExtended):
         self._extended = extended
 
     # -- properties ----------------------------------------------------------------
 
     @property
-    def extended(self) -> DaskExtended:
+    def extended(self) -> StrategyExtended:
         """The implementation object (TF's ``strategy.extended``)."""
         return self._extended
 
@@ -128,17 +128,11 @@ class Strategy:
         ``PerReplica`` handles to pass to ``run``, or inside a replica function
         to read the local shard directly.
         """
-        from daskdist.data.distributed import DistributedDataset
-
-        self._extended.check_open()
-        return DistributedDataset.from_dataset(self._extended, dataset, options)
+        return self._extended.distribute_dataset(dataset, options)
 
     def distribute_datasets_from_function(self, dataset_fn: Callable[[Any], Any], options: Any = None) -> Any:
         """Each replica builds its own dataset with ``dataset_fn(InputContext)`` (batched per replica)."""
-        from daskdist.data.distributed import DistributedDataset
-
-        self._extended.check_open()
-        return DistributedDataset.from_function(self._extended, dataset_fn, options)
+        return self._extended.distribute_datasets_from_function(dataset_fn, options)
 
     def step_timings(self, last: int | None = None) -> list[list[dict]]:
         """Per replica, the phase timings of the most recent steps (see ``StepTiming``)."""

@@ -1,4 +1,8 @@
-"""``MirroredStrategy``: synchronous data parallelism, one replica per device-worker."""
+"""``MirroredStrategy``: synchronous data parallelism, one replica per device-worker.
+
+``MirroredExtended`` is the SPMD contract with TF's mirrored placement: a
+copy of every variable on every replica (the default ``_variable_placement``).
+"""
 
 from __future__ import annotations
 
@@ -6,9 +10,18 @@ from distributed import Client
 
 from daskdist.cross_device_ops import CrossDeviceOps
 from daskdist.strategy.base import Strategy
-from daskdist.strategy.extended import DaskExtended
+from daskdist.strategy.spmd import SpmdExtended
 
-__all__ = ["MirroredStrategy"]
+__all__ = ["MirroredExtended", "MirroredStrategy"]
+
+
+class MirroredExtended(SpmdExtended):
+    """``MirroredStrategy``'s implementation (TF's ``MirroredExtended``): variables mirrored on every replica.
+
+    ``MultiWorkerMirroredExtended`` subclasses it with another worker
+    selection (``_select_placements``), as TF's ``CollectiveAllReduceExtended``
+    subclasses ``MirroredExtended``.
+    """
 
 
 class MirroredStrategy(Strategy):
@@ -39,4 +52,4 @@ class MirroredStrategy(Strategy):
 
     def __init__(self, devices: list[str] | None = None, cross_device_ops: CrossDeviceOps | None = None, *,
                  client: Client | None = None):
-        super().__init__(DaskExtended(self, devices, cross_device_ops, client))
+        super().__init__(MirroredExtended(self, devices, cross_device_ops, client))
