@@ -269,7 +269,7 @@ class DistributedVariable(Variable):
     replicas. Inside a replica it is that replica's copy.
     """
 
-    def __init__(self, spec: VariableSpec, token: str, var_id: int, owner: Any = None, local_value: Any = None,
+    def __init__(self, spec: VariableSpec, token: str, var_id: str, owner: Any = None, local_value: Any = None,
                  runtime: Any = None):
         self._spec = spec
         self._token = token
@@ -399,7 +399,7 @@ class SyncOnReadVariable(DistributedVariable):
         return reduce_values(_AGGREGATION_OPS[aggregation], PerReplica(values), None, len(values))
 
 
-def _resolve_variable(token: str, var_id: int, spec: VariableSpec) -> DistributedVariable:
+def _resolve_variable(token: str, var_id: str, spec: VariableSpec) -> DistributedVariable:
     """Unpickle a variable reference: the replica's own copy, or the client's handle."""
     runtime = context.current_runtime()
     if runtime is not None and runtime.token == token:

@@ -49,7 +49,11 @@ if TYPE_CHECKING:
     from daskdist.data.distributed import DistributedDataset
     from daskdist.variables import VariableSpec
 
-__all__ = ["Command", "StrategyExtended"]
+__all__ = ["Args", "Command", "Kwargs", "StrategyExtended"]
+
+#: Positional and keyword arguments of a function or command.
+Args = tuple[Any, ...]
+Kwargs = dict[str, Any]
 
 #: A command sent to replicas: ``command(service, *args)`` where ``service`` is the replica's
 #: ``daskdist.strategy.replica_service.ReplicaService``.
@@ -114,7 +118,7 @@ class StrategyExtended(abc.ABC):
     # -- running ----------------------------------------------------------------------
 
     def call_for_each_replica(self, fn: Callable[..., Any], args: Sequence[Any] = (),
-                              kwargs: dict | None = None) -> Any:
+                              kwargs: Kwargs | None = None) -> Any:
         """Run ``fn(*args, **kwargs)`` once per replica; distributed arguments give each replica its component.
 
         Returns the results regrouped as TF does (``PerReplica`` leaves; the
@@ -126,17 +130,17 @@ class StrategyExtended(abc.ABC):
         return self._call_for_each_replica(fn, args, kwargs)
 
     @abc.abstractmethod
-    def _call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    def _call_for_each_replica(self, fn: Callable[..., Any], args: Args, kwargs: Kwargs) -> Any:
         ...
 
     @abc.abstractmethod
-    def step_timings(self, last: int | None = None) -> list[list[dict]]:
+    def step_timings(self, last: int | None = None) -> list[list[Kwargs]]:
         """Per replica, the phase timings of the most recent steps."""
 
     # -- commands (the verbs keras and data use) -------------------------------------------
 
-    def run_on_replicas(self, command: Command, args: tuple = (), *,
-                        args_per_replica: Sequence[tuple] | None = None) -> list[Any]:
+    def run_on_replicas(self, command: Command, args: Args = (), *,
+                        args_per_replica: Sequence[Args] | None = None) -> list[Any]:
         """Run ``command(service, *args)`` on every compute replica; their results in replica order.
 
         Parameters
@@ -156,7 +160,7 @@ class StrategyExtended(abc.ABC):
             return self._run_on(command, args_per_replica, None)
         return self._run_on(command, tuple(args), None)
 
-    def run_on_replica(self, replica: int, command: Command, args: tuple = ()) -> Any:
+    def run_on_replica(self, replica: int, command: Command, args: Args = ()) -> Any:
         """Run ``command(service, *args)`` on one compute replica (no collectives); its result."""
         self.check_open()
         if not 0 <= int(replica) < self.num_replicas:
@@ -175,7 +179,7 @@ class StrategyExtended(abc.ABC):
         self.run_on_replicas(replica_commands.install_resident, (kind, object_id, obj))
 
     @abc.abstractmethod
-    def _run_on(self, command: Command, args: tuple | list[tuple], ranks: list[int] | None) -> list[Any]:
+    def _run_on(self, command: Command, args: Args | list[Args], ranks: list[int] | None) -> list[Any]:
         """Send ``command`` to ``ranks`` (``None``: all); ``args`` shared or one tuple per replica."""
 
     # -- variables ------------------------------------------------------------------------
@@ -231,7 +235,7 @@ class StrategyExtended(abc.ABC):
     def _validate_colocate_with_variable(self, variable: Any) -> None:
         # TF: distribute_utils.validate_colocate_distributed_variable
         if not isinstance(variable, DistributedVariable):
-            raise ValueError(
+            raise ValueError(  # noqa: TRY004 - TF's error
                 "`colocate_vars_with` must only be passed a variable created in this "
                 f"tf.distribute.Strategy.scope(), not {variable!r}"
             )
@@ -259,7 +263,7 @@ class StrategyExtended(abc.ABC):
 
     def _check_own_variable(self, v: Any, api: str) -> None:
         if not isinstance(v, DistributedVariable):
-            raise ValueError(
+            raise ValueError(  # noqa: TRY004 - TF asserts; ValueError as for its other misuses
                 f"extended.{api} needs a variable created in this strategy's scope(), "
                 f"got {type(v).__name__} {getattr(v, 'name', '')!r}"
             )
@@ -296,8 +300,10 @@ class StrategyExtended(abc.ABC):
         self._require_cross_replica("extended.reduce_to")
         op = _check_reduce_op(reduce_op)
         if isinstance(destinations, (list, tuple)):
-            raise ValueError("destinations must be one distributed value, variable, device string or array, "
-                             f"not a {type(destinations).__name__}")
+            raise ValueError(  # noqa: TRY004 - TF asserts; ValueError as validate_destinations
+                "destinations must be one distributed value, variable, device string or array, "
+                f"not a {type(destinations).__name__}"
+            )
         self.check_open()
         return self._reduce_to(op, value, destinations, options or CommunicationOptions())
 
@@ -353,7 +359,7 @@ class StrategyExtended(abc.ABC):
         options = options or CommunicationOptions()
         return [self.reduce_to(op, value, destinations, options) for value, destinations in value_destination_pairs]
 
-    def update(self, var: Any, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict | None = None,
+    def update(self, var: Any, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Kwargs | None = None,
                group: bool = True) -> Any:
         """Run ``fn(copy, *args, **kwargs)`` on every copy of ``var`` (TF's ``extended.update``).
 
@@ -391,7 +397,7 @@ class StrategyExtended(abc.ABC):
         return optree.tree_map(local_results, regrouped, is_leaf=_is_value_leaf, none_is_leaf=True)
 
     @abc.abstractmethod
-    def _update(self, var: DistributedVariable, fn: Callable[..., Any], args: tuple, kwargs: dict,
+    def _update(self, var: DistributedVariable, fn: Callable[..., Any], args: Args, kwargs: Kwargs,
                 holders: list[int]) -> list[Any]:
         """Apply ``fn`` to each copy; the results in holder order."""
 

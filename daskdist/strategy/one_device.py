@@ -30,7 +30,9 @@ class OneDeviceExtended(SpmdExtended):
     def read_var(self, v: Any) -> Any:
         self._require_cross_replica("extended.read_var")
         if not isinstance(v, Variable):
-            raise ValueError(f"extended.read_var needs a variable, got {type(v).__name__}")
+            raise ValueError(  # noqa: TRY004 - as MirroredExtended.read_var
+                f"extended.read_var needs a variable, got {type(v).__name__}"
+            )
         return v.read_value()
 
 

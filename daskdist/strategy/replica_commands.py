@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from daskdist import context
+from daskdist.strategy.extended import Args, Kwargs
 from daskdist.strategy.replica_service import ReplicaService, resident_key
 
 if TYPE_CHECKING:
@@ -23,8 +24,8 @@ def install_resident(service: ReplicaService, kind: str, object_id: str, obj: An
     service.add_resident(resident_key(kind, object_id), obj)
 
 
-def update_copy(service: Any, variable: DistributedVariable, fn: Callable[..., Any], args: tuple,
-                kwargs: dict) -> Any:
+def update_copy(service: Any, variable: DistributedVariable, fn: Callable[..., Any], args: Args,
+                kwargs: Kwargs) -> Any:
     """``fn(copy, *args, **kwargs)`` on this replica's copy, in cross-replica context (TF's ``UpdateContext``).
 
     ``variable`` arrives as a reference and resolves to this replica's copy;

@@ -32,7 +32,7 @@ from daskdist.exceptions import StrategyClosedError
 from daskdist.replica import commands
 from daskdist.replica.runtime import TRANSPORTS
 from daskdist.strategy import replica_commands
-from daskdist.strategy.extended import Command, StrategyExtended
+from daskdist.strategy.extended import Args, Command, Kwargs, StrategyExtended
 from daskdist.values import DistributedValues, regroup, select_replica
 from daskdist.variables import (
     DistributedVariable,
@@ -199,7 +199,7 @@ class SpmdExtended(StrategyExtended):
 
     # -- running -------------------------------------------------------------------
 
-    def _call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    def _call_for_each_replica(self, fn: Callable[..., Any], args: Args, kwargs: Kwargs) -> Any:
         if _has_distributed((args, kwargs)):
             per_replica = [(fn, *select_replica(r, (args, kwargs))) for r in range(self.num_replicas)]
             results = self._group.call(commands.run_function, per_replica)
@@ -207,10 +207,10 @@ class SpmdExtended(StrategyExtended):
             results = self._group.call(commands.run_function, (fn, args, kwargs))
         return regroup(results)
 
-    def _run_on(self, command: Command, args: tuple | list[tuple], ranks: list[int] | None) -> list[Any]:
+    def _run_on(self, command: Command, args: Args | list[Args], ranks: list[int] | None) -> list[Any]:
         return self._group.call(command, args, ranks=ranks)
 
-    def step_timings(self, last: int | None = None) -> list[list[dict]]:
+    def step_timings(self, last: int | None = None) -> list[list[Kwargs]]:
         self.check_open()
         return self._group.call(commands.step_timings, (last,))
 
@@ -270,9 +270,9 @@ class SpmdExtended(StrategyExtended):
             value = as_array(value)[0] / len(holders)
         self._group.call(commands.update_variable, (var_id, method, value), ranks=self._ranks(holders))
 
-    def _update(self, var: DistributedVariable, fn: Callable[..., Any], args: tuple, kwargs: dict,
+    def _update(self, var: DistributedVariable, fn: Callable[..., Any], args: Args, kwargs: Kwargs,
                 holders: list[int]) -> list[Any]:
-        per_rank: list[tuple] = [()] * self.num_replicas
+        per_rank: list[Args] = [()] * self.num_replicas
         for index, rank in enumerate(holders):
             per_rank[rank] = (var, fn, *select_replica(index, (args, kwargs)))
         return self._group.call(replica_commands.update_copy, per_rank, ranks=self._ranks(holders))
