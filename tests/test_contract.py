@@ -96,8 +96,9 @@ def test_update_needs_a_variable_of_this_strategy(two):
 # -- reduce_to / batch_reduce_to ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("batched", [False, True])
-def test_reduce_to_example_gives_two_on_two_replicas_and_one_on_one_device(two, threaded_client, batched):
+@pytest.mark.parametrize("client_name, batched",
+                         [("threaded_client", False), ("threaded_client", True), ("process_client", False)])
+def test_reduce_to_example_gives_two_on_two_replicas_and_one_on_one_device(request, client_name, batched):
     # distribute_lib.py, StrategyExtendedV2.reduce_to and batch_reduce_to docstrings, driven from the
     # client: every replica's value is 1.0; reduced with SUM to the variable and assigned.
     # MirroredStrategy(["GPU:0", "GPU:1"]) -> 2.0 on both copies; OneDeviceStrategy -> 1.0
@@ -112,9 +113,10 @@ def test_reduce_to_example_gives_two_on_two_replicas_and_one_on_one_device(two, 
         strategy.extended.update(v, lambda var, value: var.assign(value), args=(reduced,))
         return v
 
-    v = run(two)
-    assert _floats(two, v) == [2.0, 2.0]
-    with dd.OneDeviceStrategy("/cpu:0", client=threaded_client) as one:
+    client = request.getfixturevalue(client_name)
+    with dd.MirroredStrategy(devices=TWO_DEVICES, client=client) as two:
+        assert _floats(two, run(two)) == [2.0, 2.0]
+    with dd.OneDeviceStrategy("/cpu:0", client=client) as one:
         assert _floats(one, run(one)) == [1.0]
 
 
