@@ -353,3 +353,15 @@ def test_keras_and_data_never_reach_past_the_contract():
                 ):
                     offenders.append(f"{path.name}:{node.lineno} imports {node.module}")
     assert offenders == []
+
+
+def test_the_client_initialises_checkpoints_and_writes_summaries(two):
+    # mirrored_strategy.py, MirroredExtended: experimental_between_graph False, experimental_should_init,
+    # should_checkpoint and should_save_summary True (one program drives every replica)
+    extended = two.extended
+    assert (extended.experimental_between_graph, extended.experimental_should_init) == (False, True)
+    assert (extended.should_checkpoint, extended.should_save_summary) == (True, True)
+    assert extended.worker_devices == extended.parameter_devices == (
+        "/job:localhost/replica:0/task:0/device:CPU:0",
+        "/job:localhost/replica:0/task:0/device:CPU:1",
+    )

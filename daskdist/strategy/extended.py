@@ -107,6 +107,29 @@ class StrategyExtended(abc.ABC):
     def cross_device_ops(self) -> CrossDeviceOps | None:
         return None
 
+    # One client drives every replica, so it is the single place that initialises, checkpoints and
+    # writes summaries (TF's between-graph strategies answer these per worker process).
+
+    @property
+    def experimental_between_graph(self) -> bool:
+        """Whether each worker runs its own copy of the program (never: one client drives all)."""
+        return False
+
+    @property
+    def experimental_should_init(self) -> bool:
+        """Whether this program initialises variables (always: it is the only program)."""
+        return True
+
+    @property
+    def should_checkpoint(self) -> bool:
+        """Whether checkpointing is needed here: the client is the single writer."""
+        return True
+
+    @property
+    def should_save_summary(self) -> bool:
+        """Whether summaries (TensorBoard) are written here: the client is the single writer."""
+        return True
+
     @abc.abstractmethod
     def check_open(self) -> None:
         """Raise ``StrategyClosedError`` once the strategy is closed."""

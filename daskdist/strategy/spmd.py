@@ -29,6 +29,7 @@ from daskdist.cluster.placement import Placement, WorkerInfo, place_replicas
 from daskdist.collective.single_copy import single_copy_bytes
 from daskdist.cross_device_ops import CrossDeviceOps
 from daskdist.exceptions import StrategyClosedError
+from daskdist.ops import CommunicationOptions
 from daskdist.replica import commands
 from daskdist.replica.runtime import TRANSPORTS
 from daskdist.strategy import replica_commands
@@ -61,6 +62,9 @@ class SpmdExtended(StrategyExtended):
     client
         A ``distributed.Client``; ``None`` uses the default client if there is
         one, else starts an embedded local cluster.
+    options
+        Group-wide ``CommunicationOptions`` (TF's ``communication_options`` of
+        the multi-worker strategy); ``None``: the defaults.
 
     Notes
     -----
@@ -71,11 +75,12 @@ class SpmdExtended(StrategyExtended):
     """
 
     def __init__(self, strategy: Any, devices: list[str] | None, cross_device_ops: CrossDeviceOps | None,
-                 client: Client | None):
+                 client: Client | None, options: CommunicationOptions | None = None):
         specs = parse_devices(devices) if devices is not None else None
         self._check_arguments(cross_device_ops, client)
         self.strategy = strategy
         self._cross_device_ops = cross_device_ops
+        self._options = options or CommunicationOptions()
         self._cluster: Any = None
         self._owns_client = False
         self._closed = False
@@ -151,6 +156,7 @@ class SpmdExtended(StrategyExtended):
             placements,
             hosts=_replica_hosts(placements),
             algorithm=algorithm,
+            options=self._options,
             transport=config.get("collective.transport"),
             shm_slot_bytes=parse_bytes(config.get("collective.shm.slot-bytes")),
             pin_cores=config.get("replica.pin-cores"),
