@@ -20,6 +20,7 @@ from distributed import Client, Future
 from distributed.comm.core import CommClosedError
 
 from daskdist import config, serialization
+from daskdist.cluster.interrupts import abort_interrupted_run
 from daskdist.cluster.placement import Placement
 from daskdist.cluster.scheduler_plugin import DaskdistSchedulerPlugin
 from daskdist.collective.nccl import parse_setting
@@ -220,8 +221,10 @@ class ReplicaGroup:
             run_id = next(self._run_ids)
             try:
                 responses = self.client.sync(self._call_all, run_id, payloads)
-            except BaseException:
+            except BaseException as e:
                 self.failed_runs += 1
+                if not isinstance(e, Exception):  # Ctrl-C, SystemExit: the replicas must not go on without us
+                    abort_interrupted_run(self.client, self.addresses, self.group_id, ranks, run_id, e)
                 raise
             if any(r is None or r.get("status") != "OK" for r in responses.values()):
                 self.failed_runs += 1

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from daskdist.dashboard.store import GroupMetrics, MetricsStore
 
 __all__ = ["DOCS", "PAGE", "DaskdistPage", "StepPhases", "Stragglers", "daskdist_doc", "individual_steps_doc",
-           "install"]
+           "install", "time_unit"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,34 @@ def _steps_shown() -> int:
     return int(config.get("metrics.dashboard-steps", 50))
 
 
+#: Units a time axis may read in: (name, factor from seconds, smallest value in seconds it is used for).
+TIME_UNITS = (("s", 1.0, 1.0), ("ms", 1e3, 1e-3), ("µs", 1e6, 0.0))
+
+# A hovered duration, in the unit that suits that value (3 decimals).
+_HOVER_DURATION = """
+const a = Math.abs(value);
+if (a >= 1) { return value.toFixed(3) + " s"; }
+if (a >= 1e-3) { return (value * 1e3).toFixed(3) + " ms"; }
+return (value * 1e6).toFixed(1) + " µs";
+"""
+# A tick of an axis whose data are seconds, shown in the axis's unit (``scale``) without exponent.
+_TICK_IN_UNIT = "return Number((tick * scale).toPrecision(4)).toString();"
+
+
+def time_unit(seconds: float) -> tuple[str, float]:
+    """The unit a person reads durations up to ``seconds`` in (s, ms or µs) and its factor from seconds."""
+    for name, factor, smallest in TIME_UNITS:
+        if abs(seconds) >= smallest:
+            return name, factor
+    return TIME_UNITS[-1][0], TIME_UNITS[-1][1]  # pragma: no cover - the last unit starts at 0
+
+
+def _time_formatter(factor: float) -> Any:
+    from bokeh.models import CustomJSTickFormatter
+
+    return CustomJSTickFormatter(args={"scale": factor}, code=_TICK_IN_UNIT)
+
+
 class StepPhases:
     """Stacked phase bars per replica per step, a throughput plot and a summary of one group.
 
@@ -66,7 +94,7 @@ class StepPhases:
 
     def __init__(self, scheduler: Scheduler, sizing_mode: str = "stretch_width", **kwargs: Any):
         from bokeh.layouts import column
-        from bokeh.models import ColumnDataSource, DataRange1d, Div, HoverTool, LinearAxis
+        from bokeh.models import ColumnDataSource, CustomJSHover, DataRange1d, Div, HoverTool, LinearAxis
         from bokeh.plotting import figure
 
         self.scheduler = scheduler
@@ -76,16 +104,20 @@ class StepPhases:
         self.rate = ColumnDataSource({"time": [], "steps_per_second": [], "samples_per_second": []},
                                      name="daskdist-throughput")
         self.phases = figure(title="Step phases per replica (last steps)", height=320, sizing_mode=sizing_mode,
-                             x_axis_label="step (bars: replicas in rank order)", y_axis_label="seconds",
+                             x_axis_label="step (bars: replicas in rank order)", y_axis_label="time per step (ms)",
                              tools="xpan,xwheel_zoom,reset", **kwargs)
+        self.unit = "ms"  # of the time axis; follows the longest step shown (``update``)
+        self.phases.yaxis[0].formatter = _time_formatter(1e3)
         renderers = self.phases.vbar_stack(list(STACKED), x="x", width=0.8, source=self.source, color=list(COLORS),
                                            legend_label=["input wait", "compute", "all-reduce", "apply"])
         self.phases.legend.location = "top_left"
         self.phases.legend.orientation = "horizontal"
-        self.phases.add_tools(HoverTool(renderers=renderers, tooltips=[
-            ("replica", "@replica"), ("run", "@run_id"), ("samples", "@samples"), ("total", "@total{0.000 a}s"),
-            ("input wait", "@input_wait{0.000 a}s"), ("compute", "@compute{0.000 a}s"),
-            ("all-reduce", "@allreduce{0.000 a}s"), ("apply", "@apply{0.000 a}s"),
+        duration = CustomJSHover(code=_HOVER_DURATION)
+        timed = ("total", *STACKED)
+        self.phases.add_tools(HoverTool(renderers=renderers, formatters={f"@{k}": duration for k in timed}, tooltips=[
+            ("replica", "@replica"), ("run", "@run_id"), ("samples", "@samples"), ("total", "@total{custom}"),
+            ("input wait", "@input_wait{custom}"), ("compute", "@compute{custom}"),
+            ("all-reduce", "@allreduce{custom}"), ("apply", "@apply{custom}"),
         ]))
         self.throughput = figure(title="Throughput: steps/s (left), samples/s (right)", height=200,
                                  sizing_mode=sizing_mode, x_axis_type="datetime", tools="", y_axis_label="steps/s",
@@ -139,8 +171,17 @@ class StepPhases:
             text += f"<br><b>fit</b> epoch {progress['epoch']}, step {step}: {html.escape(logs)}"
         return data, text, rate, samples_rate
 
+    def _follow_time_unit(self, totals: list[float]) -> None:
+        """Read the time axis in the unit of the longest step shown (1.5 ms, not 1.500e-3 s)."""
+        unit, factor = time_unit(max(totals, default=1e-3))
+        if unit != self.unit:
+            self.unit = unit
+            self.phases.yaxis[0].formatter = _time_formatter(factor)
+            self.phases.yaxis[0].axis_label = f"time per step ({unit})"
+
     def update(self) -> None:
         data, text, rate, samples_rate = self.data()
+        self._follow_time_unit(data["total"])
         self.source.data = data
         self.summary.text = text
         group = _latest_group(self.scheduler)

@@ -40,6 +40,7 @@ from daskdist.exceptions import RendezvousError, ReplicaLostError
 from daskdist.ops import CommunicationOptions
 from daskdist.replica import allocator
 from daskdist.replica.context import ReplicaContext
+from daskdist.replica.events import StepEventShipper
 from daskdist.replica.strategy_view import ReplicaStrategyView
 from daskdist.replica.timing import StepTimer
 from daskdist.variables import VariableSpec, distributed_variable_class
@@ -51,7 +52,6 @@ __all__ = ["GroupSpec", "ReplicaRuntime", "replica_main"]
 
 logger = logging.getLogger(__name__)
 
-STEP_EVENT_TOPIC = "daskdist-steps"
 STALL_EVENT_TOPIC = "daskdist-stall"
 
 
@@ -156,11 +156,10 @@ class ReplicaRuntime:
         self._commands: queue.Queue[tuple[int, bytes, asyncio.Future] | None] = queue.Queue()
         self._resident: dict[str, Any] = {}
         self._created_in_replica = 0
-        self._log_events = bool(config.get("metrics.log-events"))
-        self._event_interval = config.get_seconds("metrics.event-interval")
-        self._event_max_steps = max(1, int(config.get("metrics.event-max-steps", 256)))
-        self._unsent_steps: list[dict] = []
-        self._last_event = time.monotonic()
+        self._step_events = (StepEventShipper(worker, self.token, rank, self.size,
+                                              config.get_seconds("metrics.event-interval"),
+                                              int(config.get("metrics.event-max-steps", 256)))
+                             if config.get("metrics.log-events") else None)
 
     def __repr__(self) -> str:
         return f"<ReplicaRuntime {self.token} rank={self.rank}/{self.size} state={self.state}>"
@@ -305,8 +304,8 @@ class ReplicaRuntime:
                 self.loop.call_soon_threadsafe(_resolve, item[2], self._closed_response())
 
     def close(self) -> None:
-        if self._log_events:
-            self.flush_step_events()
+        if self._step_events is not None:
+            self._step_events.close()
         self.communicator.close()
         self.transport.close()
         self._resident.clear()
@@ -367,24 +366,18 @@ class ReplicaRuntime:
         self.timer.add_collective(kind, seconds, nbytes, (self.communicator.run_id, self.communicator.seq))
 
     def record_step(self, timing: Any) -> None:
-        """Queue a finished step's timing for the scheduler (sent in batches; loops like ``fit`` call this)."""
-        if self._log_events:
-            self._unsent_steps.append(timing.to_dict(spans=False))
-            if (time.monotonic() - self._last_event >= self._event_interval
-                    or len(self._unsent_steps) >= self._event_max_steps):
-                self.flush_step_events()
+        """Queue a finished step's timing for the scheduler (sent within ``metrics.event-interval``, ``events``)."""
+        if self._step_events is not None:
+            self._step_events.add(timing.to_dict(spans=False))
 
     def _report_stall(self, info: dict) -> None:
         """A collective of this replica stalls (from the communicator's stall watch): tell the scheduler."""
         self.worker.log_event(STALL_EVENT_TOPIC, {"group": self.token, **info})
 
     def flush_step_events(self) -> None:
-        """Send the step timings gathered since the last flush as one Dask event."""
-        if self._unsent_steps:
-            self.worker.log_event(STEP_EVENT_TOPIC, {"group": self.token, "replica": self.rank, "size": self.size,
-                                                     "steps": self._unsent_steps})
-            self._unsent_steps = []
-        self._last_event = time.monotonic()
+        """Send the step timings queued and not sent yet now (as events of ``metrics.event-max-steps``)."""
+        if self._step_events is not None:
+            self._step_events.flush()
 
     # -- objects that live on the replica -----------------------------------------
 

@@ -25,6 +25,7 @@ from daskdist.arrays import as_array
 from daskdist.cluster.devices import DeviceSpec, parse_devices
 from daskdist.cluster.embedded import describe_worker, start_embedded_cluster
 from daskdist.cluster.group import ReplicaGroup
+from daskdist.cluster.interrupts import EmbeddedShutdown
 from daskdist.cluster.placement import Placement, WorkerInfo, place_replicas
 from daskdist.collective.single_copy import single_copy_bytes
 from daskdist.cross_device_ops import CrossDeviceOps
@@ -125,6 +126,7 @@ class SpmdExtended(StrategyExtended):
                 client = None
         if client is None:
             self._cluster, specs = start_embedded_cluster(specs)
+            EmbeddedShutdown.register(self)  # SIGTERM and exit close it: replicas stop, segments go
             client = Client(self._cluster, set_as_default=False)
             self._owns_client = True
         return client, specs
@@ -305,6 +307,7 @@ class SpmdExtended(StrategyExtended):
             self._shutdown_cluster()
 
     def _shutdown_cluster(self) -> None:
+        EmbeddedShutdown.unregister(self)
         if self._owns_client:
             self._client.close()
             if self._cluster is not None:
