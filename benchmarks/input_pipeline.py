@@ -110,7 +110,8 @@ def main() -> None:
 
         start, seen = time.perf_counter(), 0
         for step_batch in dist:
-            out = strategy.run(lambda b: len(b[1]), args=(step_batch,))
+            # a numpy count stays per replica; equal small Python ints would come back once (TF's regroup)
+            out = strategy.run(lambda b: np.int64(len(b[1])), args=(step_batch,))
             seen += sum(strategy.experimental_local_results(out))
         client_rate = seen / (time.perf_counter() - start)
 

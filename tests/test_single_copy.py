@@ -113,8 +113,8 @@ def test_replica_processes_read_each_other(process_client):
                 np.array_equal(again, np.arange(3_000_001) * 1.5)), os.getpid()
 
         ok1, ok2, pids = strategy.run(fn)
-        assert strategy.experimental_local_results(ok1) == (True, True)
-        assert strategy.experimental_local_results(ok2) == (True, True)
+        # True on every replica: TF's regroup returns the shared True itself (False would be PerReplica)
+        assert ok1 is True and ok2 is True
         assert len(set(strategy.experimental_local_results(pids))) == 2
         assert _single_copy_state(process_client, strategy) == [True, True]
 

@@ -154,7 +154,7 @@ def test_soak_random_sizes_and_dtypes(threaded_client):
 
     with dd.MirroredStrategy(client=threaded_client) as strategy:
         bad, growth_kib = strategy.run(soak, args=(1500,))  # a tuple of PerReplica (TF's regroup)
-        assert strategy.experimental_local_results(bad) == (0, 0, 0)
+        assert bad == 0  # 0 on every replica: TF's regroup returns that 0 itself, else a PerReplica of counts
         assert max(strategy.experimental_local_results(growth_kib)) < 200 * 1024  # peak RSS after warm-up
 
 

@@ -43,7 +43,7 @@ from daskdist.replica.context import ReplicaContext
 from daskdist.replica.events import StepEventShipper
 from daskdist.replica.strategy_view import ReplicaStrategyView
 from daskdist.replica.timing import StepTimer
-from daskdist.variables import VariableSpec, distributed_variable_class
+from daskdist.variables import VariableSpec, check_same_spec_on_every_replica, distributed_variable_class
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -402,6 +402,7 @@ class ReplicaRuntime:
     def _create_variable(self, *args: Any, **kwargs: Any) -> Any:
         """``dd.Variable(...)`` inside a replica function: replica 0's initial value, on every replica."""
         value, spec = VariableSpec.build(*args, **kwargs)
+        check_same_spec_on_every_replica(self.communicator.all_gather_objects(spec))
         value = self.context._broadcast(value, root=0)
         self._created_in_replica += 1
         var_id = f"r{self._created_in_replica}"

@@ -41,6 +41,22 @@ class _DefaultStrategy:
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
         return local_results(value)
 
+    def experimental_distribute_values_from_function(self, value_fn: Callable[[Any], Any]) -> Any:
+        """``value_fn(ValueContext())``: one replica, so the value itself (as TensorFlow's default strategy)."""
+        from daskdist.strategy.base import ValueContext
+
+        return value_fn(ValueContext())
+
+    def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
+        """The dataset itself: one local replica reads all of it (as TensorFlow's default strategy)."""
+        return dataset
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable[[Any], Any], options: Any = None) -> Any:
+        """``dataset_fn(InputContext())``: one input pipeline, one replica."""
+        from daskdist.data.options import InputContext
+
+        return dataset_fn(InputContext())
+
     def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any = None, options: Any = None) -> Any:
         return value
 
