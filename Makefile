@@ -2,12 +2,13 @@
 #   make run    installs into .venv and runs the main job: the MirroredStrategy Keras tutorial
 #               (examples/mnist_mirrored.py) on an embedded local Dask cluster
 #   make test   installs into .venv (with test extras) and runs the test suite
+#   (make check runs ruff, mypy and the import-direction check; .ci/run runs both)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-ucx bench install clean
+.PHONY: run test check test-ucx bench install clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +28,13 @@ run: $(STAMP)
 test: $(STAMP)
 	-bash scripts/ensure_chromium.sh
 	$(BIN)/python -m pytest tests -q
+
+# static checks (configured in pyproject.toml): ruff's lint rules, mypy (strict for daskdist.collective,
+# daskdist.group and daskdist.strategy) and the import-direction contracts (lint-imports); .ci/run runs them
+check: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 # the ucx transport's tests, in a venv of their own with the ucx extra (ucxx and UCX wheels, about 350 MB);
 # `make test` skips them where ucxx is missing

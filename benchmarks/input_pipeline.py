@@ -65,7 +65,7 @@ def train_like(dist, kernel: np.ndarray, epochs: int) -> int:
     ctx = dd.get_replica_context()
     steps = 0
     for _ in range(epochs):
-        for images, labels in dist:
+        for images, _labels in dist:
             x = images.reshape(len(images), -1)
             h = x @ kernel
             grad = x.T @ h
