@@ -100,7 +100,7 @@ class Strategy:
 
     # -- running -----------------------------------------------------------------
 
-    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, options: Any = None) -> Any:
+    def run(self, fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None, options: Any = None) -> Any:
         """Run ``fn(*args, **kwargs)`` on every replica; return a ``PerReplica`` structure of results.
 
         ``PerReplica`` arguments give each replica its own component; other
@@ -155,11 +155,11 @@ class Strategy:
         """Each replica builds its own dataset with ``dataset_fn(InputContext)`` (batched per replica)."""
         return self._extended.distribute_datasets_from_function(dataset_fn, options)
 
-    def step_timings(self, last: int | None = None) -> list[list[dict]]:
+    def step_timings(self, last: int | None = None) -> list[list[dict[str, Any]]]:
         """Per replica, the phase timings of the most recent steps (see ``StepTiming``)."""
         return self._extended.step_timings(last)
 
-    def timeline(self, path: str | os.PathLike, last: int | None = None) -> str:
+    def timeline(self, path: str | os.PathLike[str], last: int | None = None) -> str:
         """Write the replicas' recent steps as a Chrome trace (open in ``chrome://tracing`` or Perfetto).
 
         Per replica a process; per step its input waits, compute, each
