@@ -351,14 +351,13 @@ class ReplicaRuntime:
         """Rows of the first argument that is a batch of a distributed dataset held here, if any."""
         if not args and not kwargs:
             return None
-        batches = {id(self._resident[k]) for k in self.resident_keys(prefix="batch:")}
-        if not batches:
+        held = {id(leaf) for k in self.resident_keys(prefix="batch:") for leaf in optree.tree_leaves(self._resident[k])}
+        if not held:
             return None
-        for value in (*args, *kwargs.values()):
-            if id(value) in batches:
-                leaves = optree.tree_leaves(value)
-                first = leaves[0] if leaves else None
-                return int(first.shape[0]) if getattr(first, "ndim", 0) else 0
+        for value in (*args, *kwargs.values()):  # a whole batch, or its components (``for x, y in dist``)
+            for leaf in optree.tree_leaves(value):
+                if id(leaf) in held:
+                    return int(leaf.shape[0]) if getattr(leaf, "ndim", 0) else 0
         return None
 
     def _collective_done(self, kind: str, seconds: float, nbytes: int) -> None:
