@@ -24,7 +24,7 @@ def _single_copy_state(client, strategy) -> list[bool | None]:
     token = strategy.extended.token
 
     def state(dask_worker):
-        return [runtime.communicator._single_copy.usable
+        return [runtime.communicator.single_copy.usable
                 for (group, _), runtime in dask_worker.extensions["daskdist"].replicas.items() if group == token]
 
     return [s for part in client.run(state).values() for s in part]

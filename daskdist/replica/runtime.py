@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import platform
 import queue
 import threading
 import time
@@ -34,7 +35,7 @@ from daskdist.collective.mailbox import Abort, Mailbox, MailboxTimeout
 from daskdist.collective.transport.base import Transport
 from daskdist.collective.transport.dask import DaskTransport
 from daskdist.collective.transport.routed import RoutedTransport
-from daskdist.collective.transport.shm import ShmTransport
+from daskdist.collective.transport.shm import ShmTransport, shm_supported
 from daskdist.collective.transport.socket import SocketTransport
 from daskdist.exceptions import RendezvousError, ReplicaLostError
 from daskdist.ops import CommunicationOptions
@@ -95,6 +96,10 @@ def _make_transport(rank: int, spec: GroupSpec, mailbox: Mailbox, worker: Worker
     hosts = spec.hosts or list(spec.addresses)
     peers = [r for r in range(spec.size) if r != rank]
     same_host = [r for r in peers if hosts[r] == hosts[rank]] if spec.transport in ("auto", "shm") else []
+    if same_host and not shm_supported():  # logged; off x86-64 the shm slots would need a fence
+        if spec.transport == "shm":
+            raise ValueError(f"the shm transport needs a 64-bit x86 machine; this one is {platform.machine()}")
+        same_host = []
     on_gpu = any("GPU" in d for d in spec.devices)
     if spec.transport == "shm" and (len(same_host) != len(peers) or on_gpu):
         raise ValueError("the shm transport needs every replica on one host, with CPU devices")

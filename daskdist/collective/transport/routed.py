@@ -43,6 +43,9 @@ class RoutedTransport(Transport):
             return route.sendrecv(dst, send_tag, payload, src, recv_tag, deadline, out, combine, base)
         return super().sendrecv(dst, send_tag, payload, src, recv_tag, deadline, out, combine, base)
 
+    def routes_by_peer(self) -> dict[int, Transport]:
+        return dict(self.routes)
+
     def describe(self) -> dict[int, str]:
         """The transport name used for each peer."""
         return {peer: transport.name for peer, transport in self.routes.items()}
