@@ -145,6 +145,7 @@ class DistributedIterator:
         self._extended = extended
         self._iterator_id = iterator_id
         self._element_spec = element_spec
+        self._dataset: DistributedDataset | None = None  # keeps the placed rows alive while iterating
         self._steps = itertools.count()
         self._done = False
         extended.run_on_replicas(replica_side.make_iterator, (dataset_id, iterator_id))

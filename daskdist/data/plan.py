@@ -87,13 +87,13 @@ class Plan:
         lines = [(f"Plan ({self.policy} sharding, {self.split} split, {len(self.reads)} reads -> "
                   f"{len(self.workers)} replicas, {_fmt_bytes(self.bytes_to_move)} to move of "
                   f"{_fmt_bytes(self.bytes_total)}, steps {steps})")]
-        for r, (worker, rows, nbytes, steps, batch) in enumerate(zip(
+        for r, (worker, rows, nbytes, replica_steps, batch) in enumerate(zip(
             self.workers, self.rows_per_replica(), self.bytes_per_replica(), self.steps_per_replica(), self.batch_sizes
         )):
             mine = sorted({p.partition for p in self.reads if p.replica == r})
             lines.append(
                 f"  replica {r} on {worker}: partitions {_fmt_list(mine)}, rows {rows if rows is not None else '?'}, "
-                f"{_fmt_bytes(nbytes)}, batch {batch}, steps {steps if steps is not None else '?'}"
+                f"{_fmt_bytes(nbytes)}, batch {batch}, steps {replica_steps if replica_steps is not None else '?'}"
             )
         for p in self.reads:
             if p.moved:

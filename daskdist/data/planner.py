@@ -83,7 +83,9 @@ def cut_pipeline(dataset: Dataset) -> PipelineParts:
         kind = "counts"
     else:
         kind = "unknown"
-    return PipelineParts(skip, take, row_ops, transformations[last], tuple(transformations[last + 1 :]), kind)
+    batch = transformations[last]
+    assert isinstance(batch, ops.Batch)
+    return PipelineParts(skip, take, row_ops, batch, tuple(transformations[last + 1 :]), kind)
 
 
 @dataclass
@@ -145,7 +147,9 @@ def plan_dataset(client: Any, workers: list[str], dataset: Dataset, options: Inp
             futures.extend(kept)
             from daskdist.data.replica import KeyedSource
 
-            shard_source: Source = KeyedSource(source.treedef, shard_partitions, source.assemble)
+            keyed: Any = source  # a Dask source: its rows are keyed partitions
+
+            shard_source: Source = KeyedSource(keyed.treedef, shard_partitions, keyed.assemble)
         else:
             shard_source = _local_rows(source, reads[rank])
             shard_partitions = list(shard_source.partitions)
@@ -222,4 +226,4 @@ def _steps(parts: PipelineParts, exact_sizes: bool, used: int, batch_size: int, 
     for read in planned:
         mine[read.replica] += read.rows
     per = [(m // max(e, 1) if drop else -(-m // max(e, 1))) for m, e in zip(mine, each)]
-    return max(per, default=0), per
+    return max(per, default=0), list[int | None](per)
