@@ -24,9 +24,11 @@ run: $(STAMP)
 	$(BIN)/python examples/mnist_mirrored.py $(ARGS)
 
 # scripts/ensure_chromium.sh installs Debian's chromium for the dashboard browser test when it is missing
-# (best effort, never fails; the test skips without it)
+# (best effort, never fails; the test skips without it); scripts/ensure_iproute2.sh does the same for `ip`/`tc`
+# (iproute2), which the network-namespace host tests need (they skip without it, or without root)
 test: $(STAMP)
 	-bash scripts/ensure_chromium.sh
+	-bash scripts/ensure_iproute2.sh
 	$(BIN)/python -m pytest tests -q
 
 # static checks (configured in pyproject.toml): ruff's lint rules, mypy (strict for daskdist.collective,

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from daskdist import cluster_resolver, data, distribute, nn, plugins, train
 from daskdist import config as _config  # noqa: F401  (registers daskdist.* defaults in dask.config)
-from daskdist import data, distribute, nn, plugins, train
 from daskdist.context import get_replica_context, get_strategy, has_strategy, in_cross_replica_context
 from daskdist.cross_device_ops import (
     AllReduceCrossDeviceOps,
@@ -27,6 +27,7 @@ from daskdist.ops import CommunicationImplementation, CommunicationOptions, Redu
 from daskdist.replica.context import ReplicaContext
 from daskdist.strategy.base import Strategy, ValueContext
 from daskdist.strategy.mirrored import MirroredStrategy
+from daskdist.strategy.multi_worker_mirrored import MultiWorkerMirroredStrategy
 from daskdist.strategy.one_device import OneDeviceStrategy
 from daskdist.values import DistributedValues, Mirrored, PerReplica
 from daskdist.variables import (
@@ -56,6 +57,7 @@ __all__ = [
     "Mirrored",
     "MirroredStrategy",
     "MirroredVariable",
+    "MultiWorkerMirroredStrategy",
     "NcclAllReduce",
     "OneDeviceStrategy",
     "OutOfRangeError",
@@ -72,6 +74,7 @@ __all__ = [
     "Variable",
     "VariableAggregation",
     "VariableSynchronization",
+    "cluster_resolver",
     "data",
     "distribute",
     "get_replica_context",

@@ -15,6 +15,7 @@ Examples
 
 from __future__ import annotations
 
+from daskdist import cluster_resolver
 from daskdist.context import (
     experimental_set_strategy,
     get_replica_context,
@@ -31,6 +32,7 @@ from daskdist.replica.context import ReplicaContext
 from daskdist.strategy.base import RunOptions, Strategy
 from daskdist.strategy.extended import StrategyExtended
 from daskdist.strategy.mirrored import MirroredStrategy
+from daskdist.strategy.multi_worker_mirrored import MultiWorkerMirroredStrategy
 from daskdist.strategy.one_device import OneDeviceStrategy
 from daskdist.values import DistributedValues
 
@@ -43,6 +45,7 @@ __all__ = [
     "InputContext",
     "InputOptions",
     "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
     "NcclAllReduce",
     "OneDeviceStrategy",
     "ReduceOp",
@@ -51,6 +54,7 @@ __all__ = [
     "RunOptions",
     "Strategy",
     "StrategyExtended",
+    "cluster_resolver",
     "experimental",
     "experimental_set_strategy",
     "get_replica_context",

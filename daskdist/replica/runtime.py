@@ -81,7 +81,8 @@ class GroupSpec:
 TRANSPORTS = ("auto", "shm", "socket", "dask", "ucx")
 
 
-def _make_transport(rank: int, spec: GroupSpec, mailbox: Mailbox, worker: Worker) -> Transport:
+def _make_transport(rank: int, spec: GroupSpec, mailbox: Mailbox, worker: Worker,
+                    on_peer_lost: Callable[[int | None, str], None] | None = None) -> Transport:
     """The transport of one replica, chosen per peer.
 
     ``spec.transport``: ``"auto"`` (shared memory to same-host peers, direct
@@ -117,7 +118,7 @@ def _make_transport(rank: int, spec: GroupSpec, mailbox: Mailbox, worker: Worker
     remote = [r for r in peers if r not in routes]
     if remote:
         tcp = SocketTransport(rank, spec.addresses, mailbox, spec.group_id, get_address_host(worker.address),
-                              *_tls_contexts(worker))
+                              *_tls_contexts(worker), on_peer_lost=on_peer_lost)
         routes.update({r: tcp for r in remote})
     return RoutedTransport(rank, spec.addresses, mailbox, routes)
 
@@ -147,7 +148,7 @@ class ReplicaRuntime:
         self.devices = spec.devices
         self.loop = worker.loop.asyncio_loop
         self.mailbox = Mailbox()
-        self.transport = _make_transport(rank, spec, self.mailbox, worker)
+        self.transport = _make_transport(rank, spec, self.mailbox, worker, on_peer_lost=self.peer_lost)
         self.timer = StepTimer(rank, int(config.get("metrics.history")))
         self.communicator = Communicator(
             rank, self.size, self.transport, control=self, algorithm=spec.algorithm,
@@ -159,6 +160,7 @@ class ReplicaRuntime:
         self.state = "starting"
         self.run_id = -1
         self._commands: queue.Queue[tuple[int, bytes, asyncio.Future] | None] = queue.Queue()
+        self._stopping = False  # the strategy is closing: connections ending now are expected
         self._resident: dict[str, Any] = {}
         self._created_in_replica = 0
         self._step_events = (StepEventShipper(worker, self.token, rank, self.size,
@@ -182,6 +184,7 @@ class ReplicaRuntime:
 
     def stop(self) -> None:
         """Ask the replica thread to finish after the commands already queued."""
+        self._stopping = True
         self._commands.put(None)
 
     def status(self) -> dict:
@@ -197,6 +200,23 @@ class ReplicaRuntime:
         self.mailbox.abort_group(abort)
         self.transport.group_aborted()
 
+    def peer_lost(self, peer: int | None, message: str) -> None:
+        """A transport lost ``peer`` for good (no heartbeat, or reset): fail the group here and on every peer.
+
+        Called from a transport thread. This replica's waits raise
+        ``ReplicaLostError`` at once; the other replicas get a group abort
+        (those that cannot be reached learn it from their own heartbeats).
+        """
+        if self.mailbox.group_abort is not None or self._stopping:
+            return
+        logger.warning("%s", message)
+        abort = Abort("lost", message, self.rank)
+        self.mailbox.abort_group(abort)
+        self.loop.call_soon_threadsafe(self.transport.group_aborted)
+        for rank, address in enumerate(self.spec.addresses):
+            if rank != self.rank and rank != peer:
+                asyncio.run_coroutine_threadsafe(self._send_abort(address, rank, None, abort), self.loop)
+
     # -- control plane used by the communicator (replica thread) ---------------
 
     def abort_peers(self, run_id: int, abort: Abort) -> None:
@@ -204,7 +224,8 @@ class ReplicaRuntime:
             if rank != self.rank:
                 asyncio.run_coroutine_threadsafe(self._send_abort(address, rank, run_id, abort), self.loop)
 
-    async def _send_abort(self, address: str, rank: int, run_id: int, abort: Abort) -> None:
+    async def _send_abort(self, address: str, rank: int, run_id: int | None, abort: Abort) -> None:
+        """Send ``abort`` for ``run_id`` to replica ``rank`` (``None``: for good, the whole group)."""
         try:
             await self.worker.rpc(address).daskdist_abort(
                 group_id=self.token, rank=rank, run_id=run_id, abort=abort.to_msg(), reply=False
