@@ -25,8 +25,8 @@ from daskdist.arrays import as_array, namespace
 from daskdist.ops import ReduceOp
 
 if TYPE_CHECKING:
+    from daskdist.group.service import ReplicaService
     from daskdist.keras.models import Model
-    from daskdist.strategy.replica_service import ReplicaService
 
 __all__ = ["evaluate_batches", "predict_batches", "split_batch", "train_batches"]
 
