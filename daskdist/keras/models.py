@@ -20,6 +20,7 @@ import numpy as np
 
 from daskdist import context
 from daskdist.arrays import as_array, to_numpy
+from daskdist.group.service import MODEL
 from daskdist.keras import callbacks as callbacks_module
 from daskdist.keras import saving, training
 
@@ -484,12 +485,31 @@ class _Runner:
 # -- commands that run on the replicas ---------------------------------------------------
 
 
+class _InstalledModel:
+    """A model resident on a replica (kind ``"model"``): its weights and optimizer state snapshot and restore."""
+
+    def __init__(self, model: Model):
+        self.model = model
+
+    def snapshot(self) -> dict:
+        weights = [np.array(to_numpy(a), copy=True) for _, a in self.model._weight_items()]
+        optimizer = self.model.optimizer
+        state = {} if optimizer is None else {k: np.array(to_numpy(v), copy=True)
+                                              for k, v in optimizer.get_state().items()}
+        return {"weights": weights, "optimizer": state}
+
+    def restore(self, state: dict) -> None:
+        self.model._assign_weights(state["weights"])
+        if self.model.optimizer is not None and state["optimizer"]:
+            self.model.optimizer.set_state(state["optimizer"])
+
+
 def _replica_install(runtime: Any, model_id: str, model: Model) -> None:
-    runtime.add_resident(f"model:{model_id}", model)
+    runtime.objects.install(MODEL, model_id, _InstalledModel(model))
 
 
 def _replica_model(runtime: Any, model_id: str) -> Model:
-    return runtime.resident_object(f"model:{model_id}")
+    return runtime.objects.get(MODEL, model_id).model
 
 
 def _replica_train_epoch(runtime: Any, model_id: str, batches: Any, steps: int | None, lr: float, tag: str,
@@ -503,11 +523,11 @@ def _replica_train_epoch(runtime: Any, model_id: str, batches: Any, steps: int |
         now = time.monotonic()
         if runtime.rank == 0 and now - last[0] >= _PROGRESS_INTERVAL:
             last[0] = now
-            runtime.worker.log_event(PROGRESS_TOPIC, {"tag": tag, "epoch": epoch, "step": step, "logs": logs})
+            runtime.log_event(PROGRESS_TOPIC, {"tag": tag, "epoch": epoch, "step": step, "logs": logs})
 
     logs = training.train_batches(model, batches, steps, progress)
     if runtime.rank == 0:
-        runtime.worker.log_event(PROGRESS_TOPIC, {"tag": tag, "epoch": epoch, "step": -1, "logs": logs})
+        runtime.log_event(PROGRESS_TOPIC, {"tag": tag, "epoch": epoch, "step": -1, "logs": logs})
     runtime.flush_step_events()
     return logs
 

@@ -6,22 +6,22 @@ import contextlib
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from daskdist import context
+from daskdist.group.service import STRATEGY
 from daskdist.ops import CommunicationOptions, ReduceOp
 from daskdist.values import gather_values, local_results, reduce_values
 
 if TYPE_CHECKING:
-    from daskdist.replica.runtime import ReplicaRuntime
+    from daskdist.group.service import ReplicaService
 
 __all__ = ["CLUSTER_RESOLVER_KEY", "ReplicaExtendedView", "ReplicaStrategyView"]
 
-#: The resident under which multi-worker strategies leave each replica its cluster resolver.
-CLUSTER_RESOLVER_KEY = "strategy:cluster-resolver"
+#: The id of the resident (kind ``STRATEGY``) under which multi-worker strategies leave each replica its
+#: cluster resolver.
+CLUSTER_RESOLVER_KEY = "cluster-resolver"
 
 
-def _cluster_resolver(runtime: ReplicaRuntime) -> Any:
-    if CLUSTER_RESOLVER_KEY in runtime.resident_keys(CLUSTER_RESOLVER_KEY):
-        return runtime.resident_object(CLUSTER_RESOLVER_KEY)
-    return None
+def _cluster_resolver(runtime: ReplicaService) -> Any:
+    return runtime.objects.find(STRATEGY, CLUSTER_RESOLVER_KEY)
 
 
 def _require_cross_replica(api: str) -> None:
@@ -36,7 +36,7 @@ def _require_cross_replica(api: str) -> None:
 class ReplicaExtendedView:
     """``strategy.extended`` inside a replica: reductions and updates for ``merge_call``."""
 
-    def __init__(self, runtime: ReplicaRuntime):
+    def __init__(self, runtime: ReplicaService):
         self._runtime = runtime
 
     @property
@@ -79,7 +79,7 @@ class ReplicaExtendedView:
 class ReplicaStrategyView:
     """The strategy inside a replica: its size, reductions for ``merge_call``, a no-op ``scope``."""
 
-    def __init__(self, runtime: ReplicaRuntime):
+    def __init__(self, runtime: ReplicaService):
         self._runtime = runtime
         self.extended = ReplicaExtendedView(runtime)
 

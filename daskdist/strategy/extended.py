@@ -22,15 +22,14 @@ from daskdist import config, registry
 from daskdist.arrays import as_array
 from daskdist.cluster.devices import DeviceSpec, parse_devices
 from daskdist.cluster.embedded import describe_worker, start_embedded_cluster
-from daskdist.cluster.group import ReplicaGroup
 from daskdist.cluster.interrupts import EmbeddedShutdown
 from daskdist.cluster.placement import Placement, WorkerInfo, place_replicas
-from daskdist.collective.single_copy import single_copy_bytes
 from daskdist.cross_device_ops import CrossDeviceOps
 from daskdist.exceptions import StrategyClosedError
+from daskdist.group.handle import ReplicaGroup
+from daskdist.group.spec import TRANSPORTS
 from daskdist.ops import CommunicationOptions
 from daskdist.replica import commands
-from daskdist.replica.runtime import TRANSPORTS
 from daskdist.values import check_num_components, regroup, select_replica
 from daskdist.variables import (
     DistributedVariable,
@@ -113,13 +112,12 @@ class DaskExtended:
                 shm_slot_bytes=parse_bytes(config.get("collective.shm.slot-bytes")),
                 pin_cores=config.get("replica.pin-cores"),
                 malloc=config.get("replica.malloc"),
-                single_copy_bytes=single_copy_bytes(),
             )
             self._group.launch()
         except BaseException:
             self._shutdown_cluster()
             raise
-        registry.register(self._group.group_id, self)
+        registry.register(self.token, self)
         logger.info("%s: %d replicas on %s", type(strategy).__name__, len(placements), self._group.addresses)
 
     # -- placement -----------------------------------------------------------------
@@ -144,7 +142,8 @@ class DaskExtended:
 
     @property
     def token(self) -> str:
-        return self._group.group_id
+        """The strategy's identity, what its handles pickle: not the group's id, so it outlives generations."""
+        return self._group.strategy_token
 
     @property
     def num_replicas(self) -> int:
@@ -153,7 +152,7 @@ class DaskExtended:
     @property
     def worker_devices(self) -> tuple[str, ...]:
         """The device string of each replica, in replica order."""
-        return tuple(self._group.spec.devices)
+        return tuple(self._group.membership.devices)
 
     @property
     def parameter_devices(self) -> tuple[str, ...]:
@@ -263,7 +262,7 @@ class DaskExtended:
         if self._closed:
             return
         self._closed = True
-        registry.unregister(self._group.group_id)
+        registry.unregister(self.token)
         try:
             self._group.close()
         finally:
