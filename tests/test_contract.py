@@ -215,6 +215,27 @@ def test_read_var_aggregates_a_sync_on_read_variable(two, aggregation, first, af
         assert float(two.extended.read_var(sync_on_read_var)) == after_assign
 
 
+def test_read_var_and_variable_created_in_scope_work_inside_merge_call(two):
+    # distribute_lib.py: merge_fn runs in cross-replica context, where strategy.extended's verbs apply
+    # (TF's ReplicaContext.merge_call docstring); read_var as MirroredExtended.read_var
+    with two.scope():
+        sync_on_read = two.run(lambda: dd.Variable(0.0, synchronization=dd.VariableSynchronization.ON_READ,
+                                                   aggregation="SUM"))
+        mirrored = dd.Variable(np.array([1.0, 2.0]))
+
+    def merge_fn(strategy, s, m):
+        return (float(strategy.extended.read_var(s)), strategy.extended.read_var(m).tolist(),
+                strategy.extended.variable_created_in_scope(s), strategy.extended.variable_created_in_scope(dd.Variable(0.0)))
+
+    def step():
+        ctx = dd.get_replica_context()
+        sync_on_read.assign(float(ctx.replica_id_in_sync_group + 1))  # each replica its own copy (ON_READ)
+        return ctx.merge_call(merge_fn, args=(sync_on_read, mirrored))
+
+    for result in two.experimental_local_results(two.run(step)):
+        assert result == (3.0, [1.0, 2.0], True, False)  # 1.0 + 2.0 across the two replicas
+
+
 def test_read_var_of_a_mirrored_variable_is_its_value_and_other_values_are_refused(two, threaded_client):
     # mirrored_strategy.py, MirroredExtended.read_var: identity(v._get()) for mirrored, else an assertion
     with two.scope():
