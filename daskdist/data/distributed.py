@@ -19,7 +19,7 @@ from daskdist.exceptions import DaskdistError
 from daskdist.values import PerReplica
 
 if TYPE_CHECKING:
-    from daskdist.strategy.extended import DaskExtended
+    from daskdist.strategy.extended import StrategyExtended
 
 __all__ = ["DistributedDataset", "DistributedIterator", "OutOfRangeError", "Optional"]
 
@@ -55,7 +55,7 @@ class DistributedDataset:
     replica's own shard.
     """
 
-    def __init__(self, extended: DaskExtended, dataset_id: str, plan: Plan | None, element_spec: Any,
+    def __init__(self, extended: StrategyExtended, dataset_id: str, plan: Plan | None, element_spec: Any,
                  futures: list[Any] | None = None):
         self._extended = extended
         self._id = dataset_id
@@ -69,7 +69,7 @@ class DistributedDataset:
     # -- building -------------------------------------------------------------------
 
     @classmethod
-    def from_dataset(cls, extended: DaskExtended, dataset: Any, options: InputOptions | None) -> DistributedDataset:
+    def from_dataset(cls, extended: StrategyExtended, dataset: Any, options: InputOptions | None) -> DistributedDataset:
         options = options or InputOptions()
         if not isinstance(dataset, Dataset):
             raise TypeError(
@@ -87,7 +87,7 @@ class DistributedDataset:
                 replica_input.dataset, replica_input.partitions, spec,
                 options.experimental_per_replica_buffer_size, options.experimental_fetch_to_device, planned.steps,
             )))
-        extended.group.call(replica_side.register_shard, shards)
+        extended.run_on_replicas(replica_side.register_shard, args_per_replica=shards)
         distributed = cls(extended, dataset_id, planned.plan, element_spec, planned.futures)
         distributed.dataset = dataset  # what it was made from: elastic training plans the rest of an epoch again
         distributed._pinned = planned.pinned
@@ -96,14 +96,14 @@ class DistributedDataset:
         return distributed
 
     @classmethod
-    def from_function(cls, extended: DaskExtended, dataset_fn: Callable[[InputContext], Any],
+    def from_function(cls, extended: StrategyExtended, dataset_fn: Callable[[InputContext], Any],
                       options: InputOptions | None) -> DistributedDataset:
         if not callable(dataset_fn):
             raise TypeError(f"dataset_fn must be callable, got {type(dataset_fn).__name__}")
         options = options or InputOptions()
         dataset_id = uuid.uuid4().hex[:12]
-        specs = extended.group.call(replica_side.register_from_function,
-                                    (dataset_id, dataset_fn, options.experimental_per_replica_buffer_size))
+        specs = extended.run_on_replicas(replica_side.register_from_function,
+                                         (dataset_id, dataset_fn, options.experimental_per_replica_buffer_size))
         structures = {optree.tree_structure(s) for s in specs}
         # each replica built its own dataset: elements are split by leaf when every replica's has the same structure
         distributed = cls(extended, dataset_id, None, specs[0] if len(structures) == 1 else None)
@@ -143,14 +143,14 @@ class DistributedIterator:
     empty batch (TF's partial-batch behaviour).
     """
 
-    def __init__(self, extended: DaskExtended, dataset_id: str, iterator_id: str, element_spec: Any):
+    def __init__(self, extended: StrategyExtended, dataset_id: str, iterator_id: str, element_spec: Any):
         self._extended = extended
         self._iterator_id = iterator_id
         self._element_spec = element_spec
         self._dataset: DistributedDataset | None = None  # keeps the placed rows alive while iterating
         self._steps = itertools.count()
         self._done = False
-        extended.group.call(replica_side.make_iterator, (dataset_id, iterator_id))
+        extended.run_on_replicas(replica_side.make_iterator, (dataset_id, iterator_id))
 
     @property
     def element_spec(self) -> Any:
@@ -160,7 +160,7 @@ class DistributedIterator:
         if self._done:
             raise OutOfRangeError("End of sequence")
         step = next(self._steps)
-        rows = self._extended.group.call(replica_side.next_batch, (self._iterator_id, step))
+        rows = self._extended.run_on_replicas(replica_side.next_batch, (self._iterator_id, step))
         if all(r < 0 for r in rows):
             self._done = True
             self._close(keep_batches=True)  # the last batches handed out stay usable
@@ -201,6 +201,6 @@ class DistributedIterator:
 
     def _close(self, keep_batches: bool) -> None:
         try:
-            self._extended.group.call(replica_side.close_iterator, (self._iterator_id, keep_batches))
+            self._extended.run_on_replicas(replica_side.close_iterator, (self._iterator_id, keep_batches))
         except Exception as e:  # the strategy may be closed already
             logger.debug("Closing iterator %s: %s", self._iterator_id, e)

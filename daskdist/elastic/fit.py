@@ -200,9 +200,11 @@ class ElasticFit:
                 hook(outcome.to_msg())
 
     def _install_newcomer(self, rank: int) -> None:
-        from daskdist.keras.models import _replica_install
+        from daskdist.group.service import MODEL
+        from daskdist.strategy.replica_commands import install_resident
 
-        self.group.call(_replica_install, (self.model._model_id, self.model._replica_payload()), member=rank)
+        self.strategy.extended.run_on_replica(rank, install_resident, (MODEL, self.model._model_id,
+                                                                       self.model._resident()))
 
     def _distribute_from(self, step: int) -> Any:
         """The epoch's global batches from ``step`` on, planned over the current members."""

@@ -20,7 +20,7 @@ import numpy as np
 
 from daskdist import context
 from daskdist.arrays import as_array, to_numpy
-from daskdist.group.service import MODEL
+from daskdist.group.service import MODEL, ReplicaService
 from daskdist.keras import callbacks as callbacks_module
 from daskdist.keras import saving, training
 
@@ -140,7 +140,7 @@ class Model:
     def get_weights(self) -> list[np.ndarray]:
         """The weights as numpy arrays (from replica 0 for a distributed model)."""
         if self._installed:
-            return self._strategy.extended.group.call(_replica_get_weights, (self._model_id,), ranks=[0])[0]
+            return self._strategy.extended.run_on_replica(0, _replica_get_weights, (self._model_id,))
         self._require_built()
         return [np.array(to_numpy(a), copy=True) for _, a in self._weight_items()]
 
@@ -149,7 +149,8 @@ class Model:
         self._require_built()
         self._assign_weights(list(weights))
         if self._installed:
-            self._strategy.extended.group.call(_replica_set_weights, (self._model_id, [to_numpy(w) for w in weights]))
+            self._strategy.extended.run_on_replicas(_replica_set_weights,
+                                                    (self._model_id, [to_numpy(w) for w in weights]))
 
     def _require_built(self) -> None:
         if not self.built:
@@ -197,16 +198,16 @@ class Model:
         self._strategy.extended.check_open()
         if not self.built and self._declared_input_shape() is not None:
             self.build(self._declared_input_shape())
-        self._strategy.extended.group.call(_replica_install, (self._model_id, self._replica_payload()))
+        self._strategy.extended.install_resident(MODEL, self._model_id, self._resident())
         self._installed = True
 
-    def _replica_payload(self) -> Model:
-        """What is sent to install this model on a replica: a copy without the client's strategy and history."""
+    def _resident(self) -> _InstalledModel:
+        """What is installed on a replica: a copy without the client's strategy and history."""
         payload = copy.copy(self)
         payload._strategy = None
         payload._installed = False
         payload.history = None
-        return payload
+        return _InstalledModel(payload)
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -361,13 +362,13 @@ class Model:
 
     def _optimizer_state(self) -> dict:
         if self._installed:
-            return self._strategy.extended.group.call(_replica_optimizer_state, (self._model_id,), ranks=[0])[0]
+            return self._strategy.extended.run_on_replica(0, _replica_optimizer_state, (self._model_id,))
         return self.optimizer.get_state()
 
     def _set_optimizer_state(self, state: dict) -> None:
         self.optimizer.set_state(state)
         if self._installed:
-            self._strategy.extended.group.call(_replica_set_optimizer_state, (self._model_id, state))
+            self._strategy.extended.run_on_replicas(_replica_set_optimizer_state, (self._model_id, state))
 
     def save(self, filepath: str) -> None:
         """Save architecture, compile settings, weights and optimizer state into directory ``filepath``."""
@@ -466,8 +467,8 @@ class _Runner:
         self._subscribe(cb)
         if self._elastic is not None:
             return self._elastic.train_epoch(epoch, steps, cb)
-        group = model._strategy.extended.group
-        results = group.call(_replica_train_epoch, (model._model_id, self._dist_train, steps, lr, self._tag, epoch))
+        results = model._strategy.extended.run_on_replicas(
+            _replica_train_epoch, (model._model_id, self._dist_train, steps, lr, self._tag, epoch))
         return dict(results[0])
 
     def evaluate(self, data: Any, steps: int | None) -> dict:
@@ -482,7 +483,7 @@ class _Runner:
         model._ensure_installed()
         dist = self._dist_val if self._dist_val is not None else model._strategy.experimental_distribute_dataset(data)
         self._dist_val = dist
-        results = model._strategy.extended.group.call(_replica_evaluate, (model._model_id, dist, steps))
+        results = model._strategy.extended.run_on_replicas(_replica_evaluate, (model._model_id, dist, steps))
         return dict(results[0])
 
     def _subscribe(self, cb: Any) -> None:
@@ -529,52 +530,49 @@ class _InstalledModel:
             self.model.optimizer.set_state(state["optimizer"])
 
 
-def _replica_install(runtime: Any, model_id: str, model: Model) -> None:
-    runtime.objects.install(MODEL, model_id, _InstalledModel(model))
+def _replica_model(service: ReplicaService, model_id: str) -> Model:
+    installed: _InstalledModel = service.objects.get(MODEL, model_id)
+    return installed.model
 
 
-def _replica_model(runtime: Any, model_id: str) -> Model:
-    return runtime.objects.get(MODEL, model_id).model
-
-
-def _replica_train_epoch(runtime: Any, model_id: str, batches: Any, steps: int | None, lr: float, tag: str,
+def _replica_train_epoch(service: ReplicaService, model_id: str, batches: Any, steps: int | None, lr: float, tag: str,
                          epoch: int) -> dict:
-    model = _replica_model(runtime, model_id)
+    model = _replica_model(service, model_id)
     model.optimizer.learning_rate = lr
     last = [0.0]
     import time
 
     def progress(step: int, logs: dict) -> None:
         now = time.monotonic()
-        if runtime.rank == 0 and now - last[0] >= _PROGRESS_INTERVAL:
+        if service.rank == 0 and now - last[0] >= _PROGRESS_INTERVAL:
             last[0] = now
-            runtime.log_event(PROGRESS_TOPIC, {"tag": tag, "epoch": epoch, "step": step, "logs": logs})
+            service.log_event(PROGRESS_TOPIC, {"tag": tag, "epoch": epoch, "step": step, "logs": logs})
 
     logs = training.train_batches(model, batches, steps, progress)
-    if runtime.rank == 0:
-        runtime.log_event(PROGRESS_TOPIC, {"tag": tag, "epoch": epoch, "step": -1, "logs": logs})
-    runtime.flush_step_events()
+    if service.rank == 0:
+        service.log_event(PROGRESS_TOPIC, {"tag": tag, "epoch": epoch, "step": -1, "logs": logs})
+    service.flush_step_events()
     return logs
 
 
-def _replica_evaluate(runtime: Any, model_id: str, batches: Any, steps: int | None) -> dict:
-    return training.evaluate_batches(_replica_model(runtime, model_id), batches, steps)
+def _replica_evaluate(service: ReplicaService, model_id: str, batches: Any, steps: int | None) -> dict:
+    return training.evaluate_batches(_replica_model(service, model_id), batches, steps)
 
 
-def _replica_get_weights(runtime: Any, model_id: str) -> list[np.ndarray]:
-    model = _replica_model(runtime, model_id)
+def _replica_get_weights(service: ReplicaService, model_id: str) -> list[np.ndarray]:
+    model = _replica_model(service, model_id)
     return [np.array(to_numpy(a), copy=True) for _, a in model._weight_items()]
 
 
-def _replica_set_weights(runtime: Any, model_id: str, weights: list[np.ndarray]) -> None:
-    model = _replica_model(runtime, model_id)
+def _replica_set_weights(service: ReplicaService, model_id: str, weights: list[np.ndarray]) -> None:
+    model = _replica_model(service, model_id)
     model._require_built()
     model._assign_weights(weights)
 
 
-def _replica_optimizer_state(runtime: Any, model_id: str) -> dict:
-    return {k: to_numpy(v) for k, v in _replica_model(runtime, model_id).optimizer.get_state().items()}
+def _replica_optimizer_state(service: ReplicaService, model_id: str) -> dict:
+    return {k: to_numpy(v) for k, v in _replica_model(service, model_id).optimizer.get_state().items()}
 
 
-def _replica_set_optimizer_state(runtime: Any, model_id: str, state: dict) -> None:
-    _replica_model(runtime, model_id).optimizer.set_state(state)
+def _replica_set_optimizer_state(service: ReplicaService, model_id: str, state: dict) -> None:
+    _replica_model(service, model_id).optimizer.set_state(state)

@@ -25,6 +25,7 @@ from daskdist.arrays import as_array, namespace
 from daskdist.ops import ReduceOp
 
 if TYPE_CHECKING:
+    from daskdist.group.service import ReplicaService
     from daskdist.keras.models import Model
 
 __all__ = ["evaluate_batches", "predict_batches", "split_batch", "train_batches"]
@@ -52,9 +53,9 @@ def _rows(x: Any) -> int:
 class _RuntimeTimer:
     """A replica's step timer whose finished steps also go to the scheduler (dashboard, /metrics)."""
 
-    def __init__(self, runtime: Any):
-        self._runtime = runtime
-        self._timer = runtime.timer
+    def __init__(self, service: ReplicaService):
+        self._service = service
+        self._timer = service.timer
 
     def begin(self, step: int) -> None:
         self._timer.begin(step)
@@ -66,16 +67,16 @@ class _RuntimeTimer:
         self._timer.add_samples(samples)
 
     def end(self) -> None:
-        self._runtime.record_step(self._timer.end())
+        self._service.record_step(self._timer.end())
 
     def flush(self) -> None:
         """Send the steps recorded so far to the scheduler now."""
-        self._runtime.flush_step_events()
+        self._service.flush_step_events()
 
 
-def _timer() -> Any:
-    runtime = context.current_runtime()
-    return _RuntimeTimer(runtime) if runtime is not None else None
+def _timer() -> _RuntimeTimer | None:
+    service = context.current_runtime()
+    return _RuntimeTimer(service) if service is not None else None
 
 
 def _timed_batches(batches: Iterable[Any], steps: int | None, timer: Any) -> Generator[Any, None, None]:

@@ -14,7 +14,7 @@ from daskdist.ops import ReduceOp
 from daskdist.values import gather_values, local_results, reduce_values, regroup
 
 if TYPE_CHECKING:
-    from daskdist.strategy.extended import DaskExtended
+    from daskdist.strategy.extended import StrategyExtended
 
 __all__ = ["RunOptions", "Strategy", "ValueContext"]
 
@@ -48,13 +48,13 @@ class Strategy:
     cluster if the strategy started one.
     """
 
-    def __init__(self, extended: DaskExtended):
+    def __init__(self, extended: StrategyExtended):
         self._extended = extended
 
     # -- properties ----------------------------------------------------------------
 
     @property
-    def extended(self) -> DaskExtended:
+    def extended(self) -> StrategyExtended:
         """The implementation object (TF's ``strategy.extended``)."""
         return self._extended
 
@@ -100,7 +100,7 @@ class Strategy:
 
     # -- running -----------------------------------------------------------------
 
-    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, options: Any = None) -> Any:
+    def run(self, fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None, options: Any = None) -> Any:
         """Run ``fn(*args, **kwargs)`` on every replica; return a ``PerReplica`` structure of results.
 
         ``PerReplica`` arguments give each replica its own component; other
@@ -149,23 +149,17 @@ class Strategy:
         ``PerReplica`` handles to pass to ``run``, or inside a replica function
         to read the local shard directly.
         """
-        from daskdist.data.distributed import DistributedDataset
-
-        self._extended.check_open()
-        return DistributedDataset.from_dataset(self._extended, dataset, options)
+        return self._extended.distribute_dataset(dataset, options)
 
     def distribute_datasets_from_function(self, dataset_fn: Callable[[Any], Any], options: Any = None) -> Any:
         """Each replica builds its own dataset with ``dataset_fn(InputContext)`` (batched per replica)."""
-        from daskdist.data.distributed import DistributedDataset
+        return self._extended.distribute_datasets_from_function(dataset_fn, options)
 
-        self._extended.check_open()
-        return DistributedDataset.from_function(self._extended, dataset_fn, options)
-
-    def step_timings(self, last: int | None = None) -> list[list[dict]]:
+    def step_timings(self, last: int | None = None) -> list[list[dict[str, Any]]]:
         """Per replica, the phase timings of the most recent steps (see ``StepTiming``)."""
         return self._extended.step_timings(last)
 
-    def timeline(self, path: str | os.PathLike, last: int | None = None) -> str:
+    def timeline(self, path: str | os.PathLike[str], last: int | None = None) -> str:
         """Write the replicas' recent steps as a Chrome trace (open in ``chrome://tracing`` or Perfetto).
 
         Per replica a process; per step its input waits, compute, each

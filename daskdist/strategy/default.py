@@ -26,7 +26,7 @@ class _DefaultStrategy:
     def scope(self) -> Iterator[_DefaultStrategy]:
         yield self
 
-    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, options: Any = None) -> Any:
+    def run(self, fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None, options: Any = None) -> Any:
         return fn(*args, **(kwargs or {}))
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
@@ -60,7 +60,7 @@ class _DefaultStrategy:
     def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any = None, options: Any = None) -> Any:
         return value
 
-    def update(self, var: Any, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
+    def update(self, var: Any, fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
                group: bool = True) -> Any:
         return fn(var, *args, **(kwargs or {}))
 
@@ -97,7 +97,7 @@ class _DefaultReplicaContext:
     def barrier(self, options: CommunicationOptions | None = None) -> None:
         return None
 
-    def merge_call(self, merge_fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
+    def merge_call(self, merge_fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         return merge_fn(default_strategy(), *args, **(kwargs or {}))
 
 

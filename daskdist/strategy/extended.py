@@ -1,329 +1,521 @@
-"""``DaskExtended``: the implementation behind ``MirroredStrategy`` and ``OneDeviceStrategy``.
+"""``StrategyExtended``: the contract every strategy implements (TF's ``tf.distribute.StrategyExtended``).
 
-It finds or starts the cluster, places one replica per device-worker,
-launches the replica group, and turns the public API into commands for the
-replicas. Client-side state is only handles (variables, the group); values
-live on the replicas.
+A strategy is a thin facade over an Extended. The Extended owns the verbs
+that decide *where* things run and live; ``keras/`` and ``data/`` speak only
+these verbs, so they never learn which strategy they run under:
+
+TensorFlow's verbs
+    ``call_for_each_replica``, ``create_variable`` (placement decided by the
+    subclass in ``_variable_placement``), ``reduce_to``, ``batch_reduce_to``,
+    ``update``, ``read_var``, ``variable_created_in_scope``,
+    ``colocate_vars_with``, ``distribute_dataset``,
+    ``distribute_datasets_from_function``.
+Verbs keras and data need beyond TensorFlow's
+    ``run_on_replicas`` (a command on every replica that computes),
+    ``run_on_replica`` (a command on one of them, e.g. to read weights),
+    ``install_resident`` (a model or other object kept on every replica).
+
+The public methods do TensorFlow's checks (cross-replica context, argument
+types) and then call an implementation hook, as TF's ``reduce_to`` calls
+``_reduce_to``. The semantics on the client follow TF's ``MirroredExtended``
+(``mirrored_strategy.py``); the SPMD implementation is in
+``daskdist.strategy.spmd``.
 """
 
 from __future__ import annotations
 
-import itertools
-import logging
-import threading
-import weakref
-from collections.abc import Callable
-from typing import Any
+import abc
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
-from dask.utils import parse_bytes
-from distributed import Client, default_client
+import optree
 
-from daskdist import config, registry
-from daskdist.arrays import as_array
-from daskdist.cluster.devices import DeviceSpec, parse_devices
-from daskdist.cluster.embedded import describe_worker, start_embedded_cluster
-from daskdist.cluster.interrupts import EmbeddedShutdown
-from daskdist.cluster.placement import Placement, WorkerInfo, place_replicas
-from daskdist.cross_device_ops import CrossDeviceOps
-from daskdist.elastic.options import ElasticOptions
-from daskdist.exceptions import StrategyClosedError
-from daskdist.group.handle import ReplicaGroup
-from daskdist.group.spec import TRANSPORTS
-from daskdist.ops import CommunicationOptions
-from daskdist.replica import commands
-from daskdist.values import check_num_components, regroup, select_replica
+from daskdist import context
+from daskdist.ops import CommunicationOptions, ReduceOp
+from daskdist.values import DistributedValues, Mirrored, PerReplica, check_num_components, local_results
 from daskdist.variables import (
     DistributedVariable,
+    MirroredVariable,
+    SyncOnReadVariable,
+    Variable,
     VariableAggregation,
-    VariableSpec,
-    VariableSynchronization,
-    distributed_variable_class,
 )
 
-__all__ = ["DaskExtended"]
+if TYPE_CHECKING:
+    from distributed import Client
 
-logger = logging.getLogger(__name__)
+    from daskdist.cross_device_ops import CrossDeviceOps
+    from daskdist.data.distributed import DistributedDataset
+    from daskdist.variables import VariableSpec
+
+__all__ = ["Args", "Command", "Kwargs", "StrategyExtended"]
+
+#: Positional and keyword arguments of a function or command.
+Args = tuple[Any, ...]
+Kwargs = dict[str, Any]
+
+#: A command sent to replicas: ``command(service, *args)`` where ``service`` is the replica's
+#: ``daskdist.group.service.ReplicaService``.
+Command = Callable[..., Any]
 
 
-class DaskExtended:
-    """Replicas of one strategy on a Dask cluster.
+class StrategyExtended(abc.ABC):
+    """What a strategy does, independently of how its replicas are reached (TF's ``StrategyExtended``).
 
-    Parameters
-    ----------
-    strategy
-        The public strategy object this implements.
-    devices
-        TF device strings, or ``None`` for every device-worker.
-    cross_device_ops
-        A ``CrossDeviceOps`` choosing the all-reduce algorithm, or ``None``.
-    client
-        A ``distributed.Client``; ``None`` uses the default client if there is
-        one, else starts an embedded local cluster.
-    options
-        Group-wide ``CommunicationOptions`` (``implementation=RING`` forces the
-        flat ring); ``None``: the defaults.
-    elastic
-        ``ElasticOptions``: the group's membership policy is ``elastic`` and
-        ``fit`` survives lost workers (``daskdist.elastic``); ``None``: ``fixed``.
+    Subclasses implement the hooks (``_call_for_each_replica``,
+    ``_variable_placement``, ``_run_on``, ...); the public verbs here carry
+    TensorFlow's argument checks and semantics.
     """
 
-    def __init__(self, strategy: Any, devices: list[str] | None, cross_device_ops: CrossDeviceOps | None,
-                 client: Client | None, options: CommunicationOptions | None = None,
-                 elastic: ElasticOptions | None = None):
-        specs = parse_devices(devices) if devices is not None else None
-        if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
-            raise TypeError(
-                "cross_device_ops must be a dd.CrossDeviceOps such as dd.NcclAllReduce(), "
-                f"dd.HierarchicalCopyAllReduce() or dd.ReductionToOneDevice(); got {type(cross_device_ops).__name__}"
-            )
-        if client is not None and not isinstance(client, Client):
-            raise TypeError(f"client must be a distributed.Client, got {type(client).__name__}")
-        transport = config.get("collective.transport")
-        if transport not in TRANSPORTS:
-            raise ValueError(
-                f"daskdist.collective.transport is {transport!r}; expected one of {', '.join(TRANSPORTS)}"
-            )
-        if elastic is not None and not isinstance(elastic, ElasticOptions):
-            raise TypeError(f"elastic must be a dd.ElasticOptions or None, got {type(elastic).__name__}")
-        self.strategy = strategy
-        #: ``ElasticOptions`` when the strategy is elastic (its group's membership policy is then ``elastic``).
-        self.elastic = elastic
-        self._cross_device_ops = cross_device_ops
-        self._cluster: Any = None
-        self._owns_client = False
-        self._closed = False
-        self._variables: dict[str, DistributedVariable] = {}
-        self._datasets: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
-        self._variable_ids = itertools.count(1)
-        self._lock = threading.Lock()
+    strategy: Any
+    """The public ``Strategy`` facade this implements (TF's ``_container_strategy()``)."""
 
-        if client is None:
-            try:
-                client = default_client()
-            except ValueError:
-                client = None
-        if client is None:
-            self._cluster, specs = start_embedded_cluster(specs)
-            EmbeddedShutdown.register(self)  # SIGTERM and exit close it: replicas stop, segments go
-            client = Client(self._cluster, set_as_default=False)
-            self._owns_client = True
-        self.client = client
-        try:
-            placements = self._place(specs, embedded=self._owns_client)
-            algorithm = (cross_device_ops or CrossDeviceOps()).algorithm([p.device for p in placements])
-            self._group = ReplicaGroup(
-                client,
-                placements,
-                hosts=_replica_hosts(placements),
-                algorithm=algorithm,
-                options=options or CommunicationOptions(),
-                transport=config.get("collective.transport"),
-                shm_slot_bytes=parse_bytes(config.get("collective.shm.slot-bytes")),
-                pin_cores=config.get("replica.pin-cores"),
-                malloc=config.get("replica.malloc"),
-                **({"policy": "elastic"} if elastic is not None else {}),
-            )
-            self._group.launch()
-        except BaseException:
-            self._shutdown_cluster()
-            raise
-        registry.register(self.token, self)
-        logger.info("%s: %d replicas on %s", type(strategy).__name__, len(placements), self._group.addresses)
-
-    # -- placement -----------------------------------------------------------------
-
-    def _place(self, specs: list[DeviceSpec] | None, embedded: bool) -> list[Placement]:
-        described = self.client.run(describe_worker)  # the workers that answer are the ones to place on
-        info = self.client.scheduler_info(n_workers=-1)["workers"]  # for their names (the placement order)
-        workers = [
-            WorkerInfo(address=a, name=str(info.get(a, {}).get("name", a)), host=d["host"], gpus=d["gpus"])
-            for a, d in described.items()
-        ]
-        if embedded:  # the embedded cluster has exactly one worker per requested device, in order
-            placed = place_replicas(workers, None)
-            if specs is not None:
-                placed = [Placement(p.rank, p.address, p.host, s) for p, s in zip(placed, specs)]
-            return placed
-        if specs is None:
-            return _one_host(place_replicas(workers, None), type(self.strategy).__name__)
-        return place_replicas(workers, specs)
-
-    # -- properties ----------------------------------------------------------------
+    # -- what subclasses describe ---------------------------------------------------
 
     @property
+    @abc.abstractmethod
     def token(self) -> str:
-        """The strategy's identity, what its handles pickle: not the group's id, so it outlives generations."""
-        return self._group.strategy_token
+        """The strategy's identity: what variable handles and distributed datasets pickle."""
 
     @property
+    @abc.abstractmethod
     def num_replicas(self) -> int:
-        return self._group.size
+        """Replicas that run each step in sync (TF's ``_num_replicas_in_sync``)."""
 
     @property
+    @abc.abstractmethod
     def worker_devices(self) -> tuple[str, ...]:
-        """The device string of each replica, in replica order."""
-        return tuple(self._group.membership.devices)
+        """The device of each compute replica, in replica order (TF's ``worker_devices``)."""
 
     @property
     def parameter_devices(self) -> tuple[str, ...]:
-        """Where variables live: a copy on every replica's device."""
-        return self.worker_devices
+        """The devices variables are placed on (TF's ``parameter_devices``)."""
+        return tuple(self.worker_devices[r] for r in self._variable_placement(None))
 
     @property
+    @abc.abstractmethod
     def worker_addresses(self) -> tuple[str, ...]:
-        """The Dask worker hosting each replica."""
-        return tuple(self._group.addresses)
+        """The Dask worker of each compute replica, in replica order."""
+
+    @property
+    @abc.abstractmethod
+    def client(self) -> Client:
+        """The ``distributed.Client`` the replicas are driven through."""
 
     @property
     def cross_device_ops(self) -> CrossDeviceOps | None:
-        return self._cross_device_ops
+        return None
+
+    # One client drives every replica, so it is the single place that initialises, checkpoints and
+    # writes summaries (TF's between-graph strategies answer these per worker process).
 
     @property
-    def group(self) -> ReplicaGroup:
-        return self._group
+    def experimental_between_graph(self) -> bool:
+        """Whether each worker runs its own copy of the program (never: one client drives all)."""
+        return False
+
+    @property
+    def experimental_should_init(self) -> bool:
+        """Whether this program initialises variables (always: it is the only program)."""
+        return True
 
     @property
     def should_checkpoint(self) -> bool:
-        """Whether checkpointing is needed here: the client is the single writer, so ``True``."""
+        """Whether checkpointing is needed here: the client is the single writer."""
         return True
 
     @property
     def should_save_summary(self) -> bool:
-        """Whether summaries (TensorBoard) are written here: the client is the single writer, so ``True``."""
+        """Whether summaries (TensorBoard) are written here: the client is the single writer."""
         return True
 
+    @abc.abstractmethod
     def check_open(self) -> None:
-        if self._closed:
-            raise StrategyClosedError("This strategy is closed; create a new one")
+        """Raise ``StrategyClosedError`` once the strategy is closed."""
 
-    # -- running -------------------------------------------------------------------
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop the replicas and free what they hold (idempotent)."""
 
-    def call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        """Run ``fn`` on every replica with its component of any distributed arguments."""
-        self.check_open()
-        check_num_components((args, kwargs), self.num_replicas)
-        if _has_distributed((args, kwargs)):
-            per_replica = [(fn, *select_replica(r, (args, kwargs))) for r in range(self.num_replicas)]
-            results = self._group.call(commands.run_function, per_replica)
-        else:
-            results = self._group.call(commands.run_function, (fn, args, kwargs))
-        return regroup(results)
+    # -- running ----------------------------------------------------------------------
 
-    def step_timings(self, last: int | None = None) -> list[list[dict]]:
-        self.check_open()
-        return self._group.call(commands.step_timings, (last,))
+    def call_for_each_replica(self, fn: Callable[..., Any], args: Sequence[Any] = (),
+                              kwargs: Kwargs | None = None) -> Any:
+        """Run ``fn(*args, **kwargs)`` once per replica; distributed arguments give each replica its component.
 
-    # -- variables -------------------------------------------------------------------
-
-    def create_variable(self, *args: Any, **kwargs: Any) -> DistributedVariable:
-        """``dd.Variable(...)`` inside ``scope()``: one copy per replica, initialised from the client."""
-        self.check_open()
-        value, spec = VariableSpec.build(*args, **kwargs)
-        var_id = f"c{next(self._variable_ids)}"
-        self._group.call(commands.create_variable, (var_id, value, spec))
-        handle = distributed_variable_class(spec)(spec, self.token, var_id, owner=self)
-        self._variables[var_id] = handle
-        return handle
-
-    def variable_handle(self, var_id: str, spec: VariableSpec) -> DistributedVariable:
-        """The client's handle for a variable (also for ones created inside replica functions)."""
-        with self._lock:
-            handle = self._variables.get(var_id)
-            if handle is None:
-                handle = distributed_variable_class(spec)(spec, self.token, var_id, owner=self)
-                self._variables[var_id] = handle
-            return handle
-
-    def read_variable(self, var_id: str, all_replicas: bool = False) -> Any:
-        """One replica's copy (replica 0), or every replica's copy as a list."""
-        self.check_open()
-        if all_replicas:
-            return self._group.call(commands.read_variable, (var_id,))
-        return self._group.call(commands.read_variable, (var_id,), ranks=[0])[0]
-
-    def update_variable(self, var_id: str, method: str, value: Any) -> None:
-        """A cross-replica update from the client, applied to every copy.
-
-        For a ``SyncOnReadVariable`` with SUM aggregation each copy gets
-        ``value / num_replicas``, so that the aggregated read gives ``value``
-        (TensorFlow's rule).
+        Returns the results regrouped as TF does (``PerReplica`` leaves; the
+        value itself with one replica).
         """
         self.check_open()
-        spec = self._variables[var_id]._spec
-        if (
-            spec.synchronization is VariableSynchronization.ON_READ
-            and spec.aggregation is VariableAggregation.SUM
-            and self.num_replicas > 1
-        ):
-            value = as_array(value)[0] / self.num_replicas
-        self._group.call(commands.update_variable, (var_id, method, value))
+        args, kwargs = tuple(args), dict(kwargs or {})
+        check_num_components((args, kwargs), self.num_replicas)
+        return self._call_for_each_replica(fn, args, kwargs)
 
-    # -- datasets --------------------------------------------------------------------
+    @abc.abstractmethod
+    def _call_for_each_replica(self, fn: Callable[..., Any], args: Args, kwargs: Kwargs) -> Any:
+        ...
 
-    def register_distributed_dataset(self, dataset_id: str, dataset: Any) -> None:
-        self._datasets[dataset_id] = dataset
+    @abc.abstractmethod
+    def step_timings(self, last: int | None = None) -> list[list[Kwargs]]:
+        """Per replica, the phase timings of the most recent steps."""
 
-    def distributed_dataset(self, dataset_id: str) -> Any:
-        return self._datasets.get(dataset_id)
+    # -- commands (the verbs keras and data use) -------------------------------------------
 
-    # -- closing -------------------------------------------------------------------
+    def run_on_replicas(self, command: Command, args: Args = (), *,
+                        args_per_replica: Sequence[Args] | None = None) -> list[Any]:
+        """Run ``command(service, *args)`` on every compute replica; their results in replica order.
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        registry.unregister(self.token)
+        Parameters
+        ----------
+        args
+            The arguments every replica gets.
+        args_per_replica
+            Instead of ``args``: one argument tuple per replica, in replica order.
+        """
+        self.check_open()
+        if args_per_replica is not None:
+            args_per_replica = [tuple(a) for a in args_per_replica]
+            if len(args_per_replica) != self.num_replicas:
+                raise ValueError(
+                    f"args_per_replica has {len(args_per_replica)} entries for {self.num_replicas} replicas"
+                )
+            return self._run_on(command, args_per_replica, None)
+        return self._run_on(command, tuple(args), None)
+
+    def run_on_replica(self, replica: int, command: Command, args: Args = ()) -> Any:
+        """Run ``command(service, *args)`` on one compute replica (no collectives); its result."""
+        self.check_open()
+        if not 0 <= int(replica) < self.num_replicas:
+            raise ValueError(f"replica {replica} is not one of the strategy's {self.num_replicas} replicas")
+        return self._run_on(command, tuple(args), [int(replica)])[0]
+
+    def install_resident(self, kind: str, object_id: str, obj: Any) -> None:
+        """Keep ``obj`` on every compute replica, found there by ``(kind, object_id)``.
+
+        ``kind`` is one of the resident kinds of ``daskdist.group.service``
+        (``MODEL``, ``DATASET``, ...). An object installed again under the same
+        key replaces the previous one. On the replica,
+        ``service.objects.get(kind, object_id)`` returns it; an object with
+        ``snapshot()``/``restore(state)`` takes part in resident snapshots.
+        """
+        from daskdist.strategy import replica_commands
+
+        self.run_on_replicas(replica_commands.install_resident, (kind, object_id, obj))
+
+    @abc.abstractmethod
+    def _run_on(self, command: Command, args: Args | list[Args], ranks: list[int] | None) -> list[Any]:
+        """Send ``command`` to ``ranks`` (``None``: all); ``args`` shared or one tuple per replica."""
+
+    # -- variables ------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def create_variable(self, *args: Any, **kwargs: Any) -> DistributedVariable:
+        """``dd.Variable(...)`` inside ``scope()``: a distributed variable placed by the strategy."""
+
+    def _variable_placement(self, spec: VariableSpec | None) -> list[int]:
+        """The replicas that hold a copy of a new variable (Mirrored: every replica).
+
+        The hook a strategy with another placement overrides (one parameter
+        holder for CentralStorage, ps members for ParameterServer).
+        """
+        return list(range(self.num_replicas))
+
+    @abc.abstractmethod
+    def variable_handle(self, var_id: str, spec: VariableSpec) -> DistributedVariable:
+        """The client's handle for a variable (also for one created inside a replica function)."""
+
+    @abc.abstractmethod
+    def read_variable(self, var_id: str, all_replicas: bool = False) -> Any:
+        """One holder's copy of a variable, or (``all_replicas``) every holder's copy as a list."""
+
+    @abc.abstractmethod
+    def update_variable(self, var_id: str, method: str, value: Any) -> None:
+        """A cross-replica ``assign``/``assign_add``/``assign_sub`` from the client, applied to every copy."""
+
+    def variable_created_in_scope(self, v: Any) -> bool:
+        """Whether ``v`` was created while this strategy's scope was active (TF's docstring example).
+
+        Variables created in ``scope()`` (or inside a replica function of this
+        strategy) are owned by it; ordinary variables and other strategies'
+        are not.
+        """
+        if not isinstance(v, Variable):
+            raise TypeError(f"variable_created_in_scope takes a variable, got {type(v).__name__}")
+        return isinstance(v, DistributedVariable) and v._token == self.token
+
+    @contextlib.contextmanager
+    def colocate_vars_with(self, colocate_with_variable: Any) -> Iterator[None]:
+        """Variables created inside the block are placed where ``colocate_with_variable`` is (TF's API)."""
+        self._validate_colocate_with_variable(colocate_with_variable)
+        previous = self._colocation
+        self._colocation = self._variable_holders(colocate_with_variable._var_id)
         try:
-            self._group.close()
+            yield
         finally:
-            self._variables.clear()
-            self._shutdown_cluster()
+            self._colocation = previous
 
-    def _shutdown_cluster(self) -> None:
-        EmbeddedShutdown.unregister(self)
-        if self._owns_client:
-            self.client.close()
-            if self._cluster is not None:
-                self._cluster.close()
-            self._owns_client = False
+    _colocation: list[int] | None = None
+
+    def _validate_colocate_with_variable(self, variable: Any) -> None:
+        # TF: distribute_utils.validate_colocate_distributed_variable
+        if not isinstance(variable, DistributedVariable):
+            raise ValueError(  # noqa: TRY004 - TF's error
+                "`colocate_vars_with` must only be passed a variable created in this "
+                f"tf.distribute.Strategy.scope(), not {variable!r}"
+            )
+        if variable._token != self.token:
+            raise ValueError(
+                "`colocate_vars_with` must only be passed a variable created in this "
+                f"tf.distribute.Strategy.scope(), not: {variable!r}"
+            )
+
+    def _variable_holders(self, var_id: str) -> list[int]:
+        """The replicas holding a copy of variable ``var_id``."""
+        return list(range(self.num_replicas))
+
+    def read_var(self, v: Any) -> Any:
+        """The aggregate value of a sync-on-read variable, or the value of a mirrored one (TF's ``read_var``).
+
+        ``MirroredExtended.read_var`` in TF: ``SyncOnReadVariable`` ->
+        ``_get_cross_replica()``; a mirrored variable -> a copy of its value.
+        """
+        self._require_cross_replica("extended.read_var")
+        self._check_own_variable(v, "read_var")
+        if isinstance(v, SyncOnReadVariable):
+            return v.value()  # aggregated across the replicas per its aggregation
+        return v.read_value()
+
+    def _check_own_variable(self, v: Any, api: str) -> None:
+        if not isinstance(v, DistributedVariable):
+            raise ValueError(  # noqa: TRY004 - TF asserts; ValueError as for its other misuses
+                f"extended.{api} needs a variable created in this strategy's scope(), "
+                f"got {type(v).__name__} {getattr(v, 'name', '')!r}"
+            )
+        if v._token != self.token:
+            raise ValueError(f"extended.{api}: variable {v.name!r} belongs to another strategy")
+
+    # -- reductions and updates in cross-replica context ------------------------------------
+
+    def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any,
+                  options: CommunicationOptions | None = None) -> Any:
+        """Combine ``value`` across replicas onto ``destinations`` (TF's ``reduce_to``).
+
+        Parameters
+        ----------
+        reduce_op
+            ``ReduceOp`` or its name (``"SUM"``, ``"MEAN"``, ...).
+        value
+            A ``PerReplica`` (results of ``run``), a distributed variable, a
+            plain value, or a structure of them.
+        destinations
+            Where the result goes: a distributed variable or value (every one
+            of its devices: the result is ``Mirrored``), a device string (one
+            device: the plain value), or an array (the client: the plain
+            value). The destination variable is not updated.
+
+        Returns
+        -------
+        The reduced value: ``Mirrored`` when ``destinations`` spans several
+        replicas, else the plain reduced value. As in TF, a ``Mirrored`` value
+        reduced with MEAN is returned as is, and a non-distributed value with
+        MEAN is that value; a non-distributed value cannot be SUM-reduced over
+        several replicas (``ValueError``), and 0 reduces to 0.
+        """
+        self._require_cross_replica("extended.reduce_to")
+        op = _check_reduce_op(reduce_op)
+        if isinstance(destinations, (list, tuple)):
+            raise ValueError(  # noqa: TRY004 - TF asserts; ValueError as validate_destinations
+                "destinations must be one distributed value, variable, device string or array, "
+                f"not a {type(destinations).__name__}"
+            )
+        self.check_open()
+        return self._reduce_to(op, value, destinations, options or CommunicationOptions())
+
+    def _reduce_to(self, op: ReduceOp, value: Any, destinations: Any, options: CommunicationOptions) -> Any:
+        """TF's ``MirroredExtended._reduce_to`` on values the client holds."""
+        if _is_mirrored(value) and op is ReduceOp.MEAN:
+            return value
+        if _is_mirrored(value):
+            raise ValueError(
+                f"a Mirrored value or mirrored variable cannot be reduced with {op.name}: its components are "
+                "the same value on every replica (only MEAN, which returns it as is)"
+            )
+        from daskdist.values import reduce_values
+
+        def reduce_leaf(leaf: Any) -> Any:
+            if isinstance(leaf, SyncOnReadVariable):
+                leaf = PerReplica(leaf._local_results())
+            if not isinstance(leaf, DistributedValues):
+                return self._reduce_non_distributed(op, leaf, destinations)
+            _validate_destinations(destinations)
+            check_num_components(leaf, self.num_replicas)
+            reduced = reduce_values(op, leaf, None, len(leaf))
+            return self._to_destinations(reduced, destinations)
+
+        return optree.tree_map(reduce_leaf, value, is_leaf=_is_value_leaf, none_is_leaf=True)
+
+    def _reduce_non_distributed(self, op: ReduceOp, value: Any, destinations: Any) -> Any:
+        # TF: cross_device_ops.reduce_non_distributed_value
+        if _is_zero(value):
+            return 0
+        if op is ReduceOp.MEAN:
+            return value
+        if self.num_replicas != 1:
+            raise ValueError(f"A non-DistributedValues value {value!r} cannot be reduced with the given "
+                             f"reduce op {op}.")
+        _validate_destinations(destinations)
+        return self._to_destinations(value, destinations)
+
+    def _to_destinations(self, value: Any, destinations: Any) -> Any:
+        """``value`` on every device of ``destinations``: ``Mirrored`` over several, the value on one."""
+        count = _destination_count(destinations, self)
+        return value if count == 1 else Mirrored([value] * count)
+
+    def batch_reduce_to(self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence[tuple[Any, Any]],
+                        options: CommunicationOptions | None = None) -> list[Any]:
+        """Several ``reduce_to`` in one call (TF's ``batch_reduce_to``); one result per pair."""
+        self._require_cross_replica("extended.batch_reduce_to")
+        op = _check_reduce_op(reduce_op)
+        if not isinstance(value_destination_pairs, (list, tuple)) or not all(
+            isinstance(pair, tuple) and len(pair) == 2 for pair in value_destination_pairs
+        ):
+            raise ValueError("value_destination_pairs must be a list or a tuple of (value, destinations) tuples")
+        options = options or CommunicationOptions()
+        return [self.reduce_to(op, value, destinations, options) for value, destinations in value_destination_pairs]
+
+    def update(self, var: Any, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Kwargs | None = None,
+               group: bool = True) -> Any:
+        """Run ``fn(copy, *args, **kwargs)`` on every copy of ``var`` (TF's ``extended.update``).
+
+        ``fn`` runs where each copy lives, in cross-replica context (its
+        ``assign`` calls apply to that copy as given, without aggregation).
+        Distributed values among ``args``/``kwargs`` are unwrapped to each
+        copy's component; distributed variables resolve to the local copy.
+
+        Returns
+        -------
+        ``group=True``: the results regrouped with ``Mirrored`` leaves (a
+        distributed variable returned by ``fn`` comes back as that variable;
+        with one copy the result itself). ``group=False``: a structure whose
+        leaves are tuples with one element per copy.
+        """
+        self._require_cross_replica("extended.update")
+        if not callable(fn):
+            raise TypeError(f"extended.update needs a callable fn, got {type(fn).__name__}")
+        self._check_own_variable(var, "update")
+        self.check_open()
+        args, kwargs = tuple(args), dict(kwargs or {})
+        holders = self._variable_holders(var._var_id)
+        check_num_components((args, kwargs), len(holders))
+        results = self._update(var, fn, args, kwargs, holders)
+        from daskdist.values import regroup
+
+        regrouped = regroup(results)
+        if len(results) > 1:
+            regrouped = optree.tree_map(
+                lambda x: Mirrored(x.values) if isinstance(x, PerReplica) else x, regrouped,
+                is_leaf=_is_value_leaf, none_is_leaf=True,
+            )
+        if group:
+            return regrouped
+        return optree.tree_map(local_results, regrouped, is_leaf=_is_value_leaf, none_is_leaf=True)
+
+    @abc.abstractmethod
+    def _update(self, var: DistributedVariable, fn: Callable[..., Any], args: Args, kwargs: Kwargs,
+                holders: list[int]) -> list[Any]:
+        """Apply ``fn`` to each copy; the results in holder order."""
+
+    # -- datasets ---------------------------------------------------------------------
+
+    def distribute_dataset(self, dataset: Any, options: Any = None) -> DistributedDataset:
+        """``experimental_distribute_dataset``: the replicas read ``dataset``'s partitions where they live."""
+        from daskdist.data.distributed import DistributedDataset
+
+        self.check_open()
+        return DistributedDataset.from_dataset(self, dataset, options)
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable[[Any], Any],
+                                          options: Any = None) -> DistributedDataset:
+        """Each replica builds its own dataset with ``dataset_fn(InputContext)``."""
+        from daskdist.data.distributed import DistributedDataset
+
+        self.check_open()
+        return DistributedDataset.from_function(self, dataset_fn, options)
+
+    @abc.abstractmethod
+    def register_distributed_dataset(self, dataset_id: str, dataset: Any) -> None:
+        """Make a distributed dataset findable by id (unpickled references on the client)."""
+
+    @abc.abstractmethod
+    def distributed_dataset(self, dataset_id: str) -> Any:
+        """The live distributed dataset ``dataset_id``, or ``None``."""
+
+    # -- context checks ----------------------------------------------------------------
+
+    def _require_cross_replica(self, api: str) -> None:
+        """TF's ``_require_cross_replica_or_default_context_extended``."""
+        frame = context.current_frame()
+        if frame is None:
+            return
+        if frame.replica_context is None and frame.strategy is self.strategy:
+            return
+        if frame.strategy is not self.strategy:
+            raise RuntimeError(
+                f"Mixing different tf.distribute.Strategy objects: {self.strategy!r} is not {frame.strategy!r}"
+            )
+        raise RuntimeError(
+            f"{api}: Method requires being in cross-replica context, use get_replica_context().merge_call()"
+        )
 
 
-def _one_host(placed: list[Placement], strategy_name: str) -> list[Placement]:
-    """TF's MirroredStrategy is one machine: without ``devices``, keep the first host's workers (and say so)."""
-    hosts = list(dict.fromkeys(p.host for p in placed))
-    if len(hosts) <= 1:
-        return placed
-    kept = [p for p in placed if p.host == hosts[0]]
-    logger.warning(
-        "%s uses one machine, as in TensorFlow: the %d worker(s) on host %s (the cluster spans %d hosts: %s). "
-        "Use dd.MultiWorkerMirroredStrategy to train on every host, or pass devices=...",
-        strategy_name, len(kept), hosts[0], len(hosts), ", ".join(hosts),
-    )
-    return [Placement(i, p.address, p.host, DeviceSpec(p.device.device_type, i)) for i, p in enumerate(kept)]
+# -- helpers ----------------------------------------------------------------------------
 
 
-def _replica_hosts(placements: list[Placement]) -> list[str]:
-    """The host of each replica as transports and algorithms see it (``daskdist.collective.hosts``).
-
-    ``auto``: the real host names. ``per-worker``: every worker its own host.
-    ``blocks:N``: consecutive replicas in groups of N per host. The last two
-    run the cross-host and hierarchical paths on one machine.
-    """
-    mode = str(config.get("collective.hosts"))
-    if mode == "per-worker":
-        return [p.address for p in placements]
-    if mode.startswith("blocks:") and mode[7:].isdigit() and int(mode[7:]) > 0:
-        per_host = int(mode[7:])
-        return [f"host-{p.rank // per_host}" for p in placements]
-    if mode != "auto":
-        raise ValueError(f"daskdist.collective.hosts must be 'auto', 'per-worker' or 'blocks:N', got {mode!r}")
-    return [p.host for p in placements]
+def _check_reduce_op(reduce_op: Any) -> ReduceOp:
+    if isinstance(reduce_op, VariableAggregation):
+        raise TypeError(f"reduce_op must be a dd.ReduceOp (or its name), not the VariableAggregation {reduce_op}")
+    return ReduceOp.from_any(reduce_op)
 
 
-def _has_distributed(structure: Any) -> bool:
-    import optree
+def _is_value_leaf(x: Any) -> bool:
+    return isinstance(x, (DistributedValues, DistributedVariable))
 
-    from daskdist.values import DistributedValues
 
-    leaves = optree.tree_leaves(structure, is_leaf=lambda x: isinstance(x, DistributedValues), none_is_leaf=True)
-    return any(isinstance(leaf, DistributedValues) for leaf in leaves)
+def _is_mirrored(value: Any) -> bool:
+    return isinstance(value, (Mirrored, MirroredVariable))
+
+
+def _is_zero(value: Any) -> bool:
+    """TF's ``not is_tf_type(value) and value == 0`` for Python and 0-d numbers."""
+    if isinstance(value, (bool, int, float)) or (getattr(value, "ndim", None) == 0 and hasattr(value, "dtype")):
+        try:
+            return bool(value == 0)
+        except (TypeError, ValueError):
+            return False
+    return False
+
+
+def _validate_destinations(destinations: Any) -> None:
+    # TF: cross_device_ops.validate_destinations
+    if isinstance(destinations, str):
+        if not destinations:
+            raise ValueError("destinations can not be empty")
+        return
+    if isinstance(destinations, (DistributedValues, Variable)) or hasattr(destinations, "__array__") or hasattr(
+        destinations, "__dlpack__"
+    ):
+        return
+    raise ValueError("destinations must be one of a `DistributedValues` object, a tf.Variable object, or a "
+                     f"device string (got {type(destinations).__name__})")
+
+
+def _destination_count(destinations: Any, extended: StrategyExtended) -> int:
+    """On how many devices ``destinations`` lives."""
+    if isinstance(destinations, DistributedValues):
+        return len(destinations)
+    if isinstance(destinations, DistributedVariable):
+        if destinations._token == extended.token:
+            return len(extended._variable_holders(destinations._var_id))
+        return extended.num_replicas
+    return 1

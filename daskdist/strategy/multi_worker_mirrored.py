@@ -23,8 +23,7 @@ from typing import Any
 from distributed import Client
 
 from daskdist.cluster.devices import DeviceSpec
-from daskdist.cluster.embedded import describe_worker
-from daskdist.cluster.placement import Placement
+from daskdist.cluster.placement import Placement, WorkerInfo
 from daskdist.cluster_resolver import (
     ClusterResolver,
     ClusterSpec,
@@ -42,7 +41,7 @@ from daskdist.group.service import STRATEGY
 from daskdist.ops import CommunicationImplementation, CommunicationOptions
 from daskdist.replica.strategy_view import CLUSTER_RESOLVER_KEY
 from daskdist.strategy.base import Strategy
-from daskdist.strategy.extended import DaskExtended
+from daskdist.strategy.mirrored import MirroredExtended
 
 __all__ = ["MultiWorkerMirroredExtended", "MultiWorkerMirroredStrategy", "MultiWorkerMirroredStrategyExperimental"]
 
@@ -84,7 +83,7 @@ def _install_resolver(runtime: Any, resolver: DaskClusterResolver) -> None:
     runtime.objects.install(STRATEGY, CLUSTER_RESOLVER_KEY, resolver)
 
 
-class MultiWorkerMirroredExtended(DaskExtended):
+class MultiWorkerMirroredExtended(MirroredExtended):
     """Replicas on the Dask workers of several hosts, ranked host by host.
 
     Parameters
@@ -124,14 +123,13 @@ class MultiWorkerMirroredExtended(DaskExtended):
 
     # -- placement -------------------------------------------------------------------
 
-    def _place(self, specs: list[DeviceSpec] | None, embedded: bool) -> list[Placement]:
-        described = self.client.run(describe_worker)
-        info = self.client.scheduler_info(n_workers=-1)["workers"]
-        records = sorted((WorkerRecord(a, str(info.get(a, {}).get("name", a)), d["host"]) for a, d in described.items()),
-                         key=placement_key)
+    def _select_placements(self, workers: list[WorkerInfo], specs: list[DeviceSpec] | None,
+                           embedded: bool) -> list[Placement]:
+        """Hosts as TF workers: the resolver's hosts (or every host), their device-workers ranked host by host."""
+        records = sorted((WorkerRecord(w.address, w.name, w.host) for w in workers), key=placement_key)
         if not records:
             raise ValueError("The Dask cluster has no workers; start some or pass a cluster with workers")
-        self._gpus = {a: int(d["gpus"]) for a, d in described.items()}
+        self._gpus = {w.address: int(w.gpus) for w in workers}
         groups = self._select(records)
         if any(self._gpus.get(a, 0) for g in groups for a in g.workers):  # GPU workers are the devices
             groups = [HostGroup(g.entry, tuple(a for a in g.workers if self._gpus.get(a, 0))) for g in groups]
@@ -189,7 +187,7 @@ class MultiWorkerMirroredExtended(DaskExtended):
             resolver = DaskClusterResolver(workers=addresses, task_type="worker", task_id=task_id)
             resolver._accelerators = {a: self._gpus.get(a, 0) for a in addresses}
             resolvers.append((resolver,))
-        self._group.call(_install_resolver, resolvers)
+        self.run_on_replicas(_install_resolver, args_per_replica=resolvers)
 
     # -- properties ----------------------------------------------------------------------
 

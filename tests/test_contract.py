@@ -1,0 +1,387 @@
+"""The strategy contract: ``strategy.extended``'s TF verbs from the client, and keras/data speaking only the contract.
+
+Cases marked with a TF source port TensorFlow's own examples and tests with
+TensorFlow's expected values (two replicas where TF's example has two
+devices). Sources are under ``tensorflow/python/distribute/``.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import numpy as np
+import pytest
+
+import daskdist as dd
+from daskdist.group.service import MODEL, VARIABLE
+from daskdist.strategy.base import Strategy
+from daskdist.strategy.extended import StrategyExtended
+from daskdist.strategy.mirrored import MirroredExtended
+
+TWO_DEVICES = ["/cpu:0", "/cpu:1"]
+
+
+@pytest.fixture
+def two(threaded_client):
+    """A MirroredStrategy over two replicas, as TF's two-device examples."""
+    with dd.MirroredStrategy(devices=TWO_DEVICES, client=threaded_client) as strategy:
+        yield strategy
+
+
+def _floats(strategy, value):
+    return [float(np.asarray(x)) for x in strategy.experimental_local_results(value)]
+
+
+# -- variable_created_in_scope -----------------------------------------------------------
+
+
+def test_variables_created_in_the_scope_are_owned_by_the_strategy_and_others_are_not(two, threaded_client):
+    # distribute_lib.py, StrategyExtendedV2.variable_created_in_scope docstring
+    with two.scope():
+        v = dd.Variable(1.0)
+    assert two.extended.variable_created_in_scope(v) is True
+    outside = dd.Variable(1.0)
+    assert two.extended.variable_created_in_scope(outside) is False
+    inside_run = two.run(lambda: dd.Variable(2.0))  # created collectively inside a replica function
+    assert two.extended.variable_created_in_scope(inside_run) is True
+    with dd.OneDeviceStrategy("/cpu:2", client=threaded_client) as other:
+        with other.scope():
+            foreign = dd.Variable(1.0)
+        assert two.extended.variable_created_in_scope(foreign) is False
+        assert other.extended.variable_created_in_scope(foreign) is True
+    with pytest.raises(TypeError, match="takes a variable"):
+        two.extended.variable_created_in_scope(np.ones(2))
+
+
+# -- update ------------------------------------------------------------------------------
+
+
+def test_update_from_the_client_runs_fn_on_every_copy(two):
+    # distribute_lib.py, StrategyExtendedV2.update docstring: v = Variable(5.0, aggregation=SUM),
+    # update(v, lambda v: v.assign(1.0)) -> Mirrored {0: 1.0, 1: 1.0}
+    with two.scope():
+        v = dd.Variable(5.0, aggregation=dd.VariableAggregation.SUM)
+    result = two.extended.update(v, lambda v: v.assign(1.0))
+    assert result is v  # fn returned each copy: regrouped into the variable, as TF's regroup does
+    assert _floats(two, result) == [1.0, 1.0]
+    values = two.extended.update(v, lambda v: v.assign(1.0).read_value())
+    assert isinstance(values, dd.Mirrored) and _floats(two, values) == [1.0, 1.0]
+
+
+def test_update_unwraps_distributed_arguments_per_copy_and_group_false_gives_one_element_per_copy(two):
+    # mirrored_strategy.py, MirroredExtended._update: fn(v_i, *select_replica(i, args));
+    # distribute_utils.update_regroup with group=False: a nest of per-replica tuples
+    with two.scope():
+        v = dd.Variable(np.zeros(2, np.float32))
+    per = dd.PerReplica([np.full(2, 1.0, np.float32), np.full(2, 2.0, np.float32)])
+    out = two.extended.update(v, lambda c, delta, scale=1.0: c.assign_add(delta * scale).read_value(),
+                              args=(per,), kwargs={"scale": 10.0}, group=False)
+    assert isinstance(out, tuple) and len(out) == 2
+    assert [x.tolist() for x in out] == [[10.0, 10.0], [20.0, 20.0]]
+    assert [x.tolist() for x in v._local_results()] == [[10.0, 10.0], [20.0, 20.0]]
+    with pytest.raises(ValueError, match="2 replicas"):
+        two.extended.update(v, lambda c, d: c.assign(d), args=(dd.PerReplica([1.0, 2.0, 3.0]),))
+
+
+def test_update_needs_a_variable_of_this_strategy(two):
+    # mirrored_strategy.py, MirroredExtended._update asserts a DistributedVariable
+    with pytest.raises(ValueError, match="created in this strategy's scope"):
+        two.extended.update(dd.Variable(1.0), lambda v: v.assign(2.0))
+    with two.scope():
+        v = dd.Variable(1.0)
+    with pytest.raises(TypeError, match="callable"):
+        two.extended.update(v, "assign")
+
+
+# -- reduce_to / batch_reduce_to ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("client_name, batched",
+                         [("threaded_client", False), ("threaded_client", True), ("process_client", False)])
+def test_reduce_to_example_gives_two_on_two_replicas_and_one_on_one_device(request, client_name, batched):
+    # distribute_lib.py, StrategyExtendedV2.reduce_to and batch_reduce_to docstrings, driven from the
+    # client: every replica's value is 1.0; reduced with SUM to the variable and assigned.
+    # MirroredStrategy(["GPU:0", "GPU:1"]) -> 2.0 on both copies; OneDeviceStrategy -> 1.0
+    def run(strategy):
+        with strategy.scope():
+            v = dd.Variable(0.0)
+        value = strategy.run(lambda: np.array(1.0, np.float32))
+        if batched:
+            reduced = strategy.extended.batch_reduce_to(dd.ReduceOp.SUM, [(value, v)])[0]
+        else:
+            reduced = strategy.extended.reduce_to(dd.ReduceOp.SUM, value, destinations=v)
+        strategy.extended.update(v, lambda var, value: var.assign(value), args=(reduced,))
+        return v
+
+    client = request.getfixturevalue(client_name)
+    with dd.MirroredStrategy(devices=TWO_DEVICES, client=client) as two:
+        assert _floats(two, run(two)) == [2.0, 2.0]
+    with dd.OneDeviceStrategy("/cpu:0", client=client) as one:
+        assert _floats(one, run(one)) == [1.0]
+
+
+def test_reduce_to_places_the_result_on_the_destinations(two):
+    # mirrored_strategy.py, MirroredExtended._reduce_to via CrossDeviceOps.reduce: the result lives on the
+    # destinations' devices (Mirrored over a variable's or a distributed value's devices, one value on one device)
+    with two.scope():
+        v = dd.Variable(np.zeros(3))
+    value = two.run(lambda: np.arange(3.0) * (dd.get_replica_context().replica_id_in_sync_group + 1))
+    to_variable = two.extended.reduce_to("SUM", value, v)
+    assert isinstance(to_variable, dd.Mirrored) and [x.tolist() for x in to_variable.values] == [[0, 3, 6]] * 2
+    assert v.numpy().tolist() == [0, 0, 0]  # "this method doesn't update the variable"
+    all_reduced = two.extended.reduce_to("MEAN", value, value)  # "to perform an all-reduce, pass the same"
+    assert isinstance(all_reduced, dd.Mirrored) and [x.tolist() for x in all_reduced.values] == [[0, 1.5, 3]] * 2
+    on_one_device = two.extended.reduce_to(dd.ReduceOp.SUM, value, "/cpu:0")
+    assert isinstance(on_one_device, np.ndarray) and on_one_device.tolist() == [0, 3, 6]
+    structured = two.extended.reduce_to("SUM", {"a": value, "b": [value]}, "/cpu:0")
+    assert structured["a"].tolist() == [0, 3, 6] and structured["b"][0].tolist() == [0, 3, 6]
+
+
+def test_reduce_to_of_non_distributed_and_mirrored_values_follows_tf(two, threaded_client):
+    # cross_device_ops.py, reduce_non_distributed_value; mirrored_strategy.py, MirroredExtended._reduce_to
+    with two.scope():
+        v = dd.Variable(np.ones(2))
+    assert two.extended.reduce_to("SUM", 0, v) == 0  # "a single value equal to 0"
+    plain = np.array([4.0, 5.0])
+    assert two.extended.reduce_to("MEAN", plain, v) is plain  # MEAN of one value on every replica: the value
+    with pytest.raises(ValueError, match="cannot be reduced with the given reduce op"):
+        two.extended.reduce_to("SUM", plain, v)
+    mirrored = dd.Mirrored([plain, plain])
+    assert two.extended.reduce_to(dd.ReduceOp.MEAN, mirrored, v) is mirrored
+    assert two.extended.reduce_to(dd.ReduceOp.MEAN, v, v) is v  # a mirrored variable is mirrored
+    with pytest.raises(ValueError, match="Mirrored"):
+        two.extended.reduce_to(dd.ReduceOp.SUM, mirrored, v)
+    with dd.OneDeviceStrategy("/cpu:0", client=threaded_client) as one:
+        # one_device_strategy.py, OneDeviceExtended._reduce_to: the value itself
+        assert one.extended.reduce_to("SUM", plain, "/cpu:0") is plain
+
+
+def test_reduce_to_reduces_the_copies_of_a_sync_on_read_variable(two):
+    # distribute_lib.py reduce_to: "aggregates DistributedValues and distributed variables"
+    with two.scope():
+        v = dd.Variable(0.0, synchronization="ON_READ", aggregation="SUM")
+    two.run(lambda: v.assign(dd.get_replica_context().replica_id_in_sync_group + 1.0))
+    assert float(two.extended.reduce_to("SUM", v, "/cpu:0")) == 3.0
+    assert float(two.extended.reduce_to("MEAN", v, "/cpu:0")) == 1.5
+
+
+def test_reduce_to_rejects_bad_arguments_with_tf_messages(two):
+    # distribute_lib.py reduce_to / batch_reduce_to; cross_device_ops.py validate_destinations
+    value = two.run(lambda: np.ones(2))
+    with pytest.raises(ValueError, match="destinations can not be empty"):
+        two.extended.reduce_to("SUM", value, "")
+    with pytest.raises(ValueError, match="destinations must be one of"):
+        two.extended.reduce_to("SUM", value, object())
+    with pytest.raises(ValueError, match="not a list"):
+        two.extended.reduce_to("SUM", value, ["/cpu:0", "/cpu:1"])
+    with pytest.raises(TypeError, match="VariableAggregation"):
+        two.extended.reduce_to(dd.VariableAggregation.SUM, value, "/cpu:0")
+    with pytest.raises(ValueError, match="Unknown|reduce"):
+        two.extended.reduce_to("PLUS", value, "/cpu:0")
+    with pytest.raises(ValueError, match="2 replicas"):
+        two.extended.reduce_to("SUM", dd.PerReplica([np.ones(2)] * 3), "/cpu:0")
+    with pytest.raises(ValueError, match="value_destination_pairs"):
+        two.extended.batch_reduce_to("SUM", [value])
+    assert two.extended.batch_reduce_to("SUM", []) == []
+
+
+def test_cross_replica_verbs_refuse_another_strategys_scope(two, threaded_client):
+    # distribute_lib.py, _require_cross_replica_or_default_context_extended -> _wrong_strategy_scope
+    with dd.OneDeviceStrategy("/cpu:2", client=threaded_client) as other:
+        value = two.run(lambda: np.ones(2))
+        with other.scope(), pytest.raises(RuntimeError, match="Mixing different tf.distribute.Strategy"):
+            two.extended.reduce_to("SUM", value, "/cpu:0")
+        with two.scope():
+            assert two.extended.reduce_to("SUM", value, "/cpu:0").tolist() == [2.0, 2.0]
+
+
+# -- read_var ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("aggregation, first, after_assign", [("SUM", 2.0, 6.0), ("MEAN", 1.0, 6.0)])
+def test_read_var_aggregates_a_sync_on_read_variable(two, aggregation, first, after_assign):
+    # mirrored_strategy_test.py, SyncOnReadVariableAssignTest.testAssignReplicaLocalVar{Sum,Mean}Aggregation:
+    # each replica holds 1.0 -> read_var gives 2.0 (SUM) / 1.0 (MEAN); assign(6.0) in cross-replica
+    # context -> read_var gives 6.0
+    def model_fn():
+        return dd.Variable(1.0, synchronization=dd.VariableSynchronization.ON_READ, aggregation=aggregation)
+
+    with two.scope():
+        sync_on_read_var = two.extended.call_for_each_replica(model_fn)
+        assert isinstance(sync_on_read_var, dd.SyncOnReadVariable)
+        assert float(two.extended.read_var(sync_on_read_var)) == first
+        sync_on_read_var.assign(6.0)
+        assert float(two.extended.read_var(sync_on_read_var)) == after_assign
+
+
+def test_read_var_and_variable_created_in_scope_work_inside_merge_call(two):
+    # distribute_lib.py: merge_fn runs in cross-replica context, where strategy.extended's verbs apply
+    # (TF's ReplicaContext.merge_call docstring); read_var as MirroredExtended.read_var
+    with two.scope():
+        sync_on_read = two.run(lambda: dd.Variable(0.0, synchronization=dd.VariableSynchronization.ON_READ,
+                                                   aggregation="SUM"))
+        mirrored = dd.Variable(np.array([1.0, 2.0]))
+
+    def merge_fn(strategy, s, m):
+        return (float(strategy.extended.read_var(s)), strategy.extended.read_var(m).tolist(),
+                strategy.extended.variable_created_in_scope(s), strategy.extended.variable_created_in_scope(dd.Variable(0.0)))
+
+    def step():
+        ctx = dd.get_replica_context()
+        sync_on_read.assign(float(ctx.replica_id_in_sync_group + 1))  # each replica its own copy (ON_READ)
+        return ctx.merge_call(merge_fn, args=(sync_on_read, mirrored))
+
+    for result in two.experimental_local_results(two.run(step)):
+        assert result == (3.0, [1.0, 2.0], True, False)  # 1.0 + 2.0 across the two replicas
+
+
+def test_read_var_of_a_mirrored_variable_is_its_value_and_other_values_are_refused(two, threaded_client):
+    # mirrored_strategy.py, MirroredExtended.read_var: identity(v._get()) for mirrored, else an assertion
+    with two.scope():
+        v = dd.Variable(np.array([1.0, 2.0]))
+    assert two.extended.read_var(v).tolist() == [1.0, 2.0]
+    with pytest.raises(ValueError, match="created in this strategy's scope"):
+        two.extended.read_var(dd.Variable(1.0))
+    with dd.OneDeviceStrategy("/cpu:0", client=threaded_client) as one:
+        # one_device_strategy.py, OneDeviceExtended.read_var: identity of any variable
+        assert float(one.extended.read_var(dd.Variable(3.0))) == 3.0
+
+
+def test_minimize_loss_with_read_var_reduce_to_and_update_lowers_the_error(two):
+    # strategy_test_lib.py, DistributionTestBase._test_minimize_loss_eager: per-replica gradients from
+    # call_for_each_replica, then for each (g, v): read_var, reduce_to(SUM, g, destinations=v),
+    # update(v, update, args=(g,), group=False), read_var; the error after is below the error before
+    with two.scope():
+        kernel = dd.Variable(np.array([[3.0]], np.float32), name="kernel")
+
+    def grad_fn(x):
+        y = (x @ kernel.value()).reshape(()) - 1.0
+        return [(2.0 * y * x.T, kernel)]  # d/dk (x k - 1)^2
+
+    def update(v, g):
+        return v.assign_sub(0.05 * g)
+
+    one = np.array([[1.0]], np.float32)
+    before = after = None
+    for i in range(10):
+        g_v = two.extended.call_for_each_replica(grad_fn, args=(one,))
+        for g, v in g_v:
+            assert v is kernel
+            fetched = two.extended.read_var(v)
+            g = two.extended.reduce_to(dd.ReduceOp.SUM, g, destinations=v)
+            two.extended.update(v, update, args=(g,), group=False)
+            if i == 0:
+                before = fetched
+            after = two.extended.read_var(v)
+    error_before = abs(float(before.reshape(())) - 1)
+    error_after = abs(float(after.reshape(())) - 1)
+    assert error_after < error_before
+    # with SUM over 2 replicas each step multiplies the error by 1 - 0.05 * 2 * 2 = 0.8
+    assert error_after == pytest.approx(2.0 * 0.8**10, rel=1e-5)
+    assert [x.tolist() for x in kernel._local_results()] == [after.tolist()] * 2
+
+
+# -- colocate_vars_with and placement ---------------------------------------------------
+
+
+def test_colocate_vars_with_places_new_variables_with_the_given_one(two):
+    # distribute_lib.py, StrategyExtendedV2.colocate_vars_with; distribute_utils.validate_colocate_distributed_variable
+    with two.scope():
+        v = dd.Variable(1.0)
+        with two.extended.colocate_vars_with(v):
+            w = dd.Variable(2.0)
+    assert _floats(two, w) == [2.0, 2.0]
+    with pytest.raises(ValueError, match="colocate_vars_with"), two.extended.colocate_vars_with(dd.Variable(1.0)):
+        pass
+
+
+class _OneHolderExtended(MirroredExtended):
+    """A strategy whose variables live on replica 0 only (the placement hook CentralStorage will use)."""
+
+    def _variable_placement(self, spec):
+        return [0]
+
+
+class _OneHolderStrategy(Strategy):
+    def __init__(self, client):
+        super().__init__(_OneHolderExtended(self, TWO_DEVICES, None, client))
+
+
+def test_create_variable_places_copies_where_the_strategy_says(threaded_client):
+    with _OneHolderStrategy(threaded_client) as strategy:
+        assert isinstance(strategy.extended, StrategyExtended)
+        assert strategy.extended.parameter_devices == (strategy.extended.worker_devices[0],)
+        with strategy.scope():
+            v = dd.Variable(np.ones(2))
+        assert len(v._local_results()) == 1
+        v.assign_add(np.ones(2))
+        assert v.numpy().tolist() == [2.0, 2.0]
+        out = strategy.extended.update(v, lambda c: c.assign(c.value() * 3).read_value())
+        assert out.tolist() == [6.0, 6.0]  # one copy: the result itself
+        value = strategy.run(lambda: np.ones(2))
+        assert strategy.extended.reduce_to("SUM", value, v).tolist() == [2.0, 2.0]  # one destination device
+        assert strategy.extended.run_on_replicas(_holds, (v._var_id,)) == [True, False]
+
+
+def _holds(service, var_id):
+    return service.objects.find(VARIABLE, var_id) is not None
+
+
+# -- the verbs keras and data use ---------------------------------------------------------
+
+
+def _rank_plus(service, offset):
+    return service.rank + offset
+
+
+def test_commands_run_on_every_replica_or_one(two):
+    assert two.extended.run_on_replicas(_rank_plus, (10,)) == [10, 11]
+    assert two.extended.run_on_replicas(_rank_plus, args_per_replica=[(1,), (2,)]) == [1, 3]
+    assert two.extended.run_on_replica(1, _rank_plus, (5,)) == 6
+    with pytest.raises(ValueError, match="2 replicas"):
+        two.extended.run_on_replicas(_rank_plus, args_per_replica=[(1,)])
+    with pytest.raises(ValueError, match="not one of"):
+        two.extended.run_on_replica(2, _rank_plus, (0,))
+
+
+def _installed(service, key):
+    return service.objects.get(MODEL, key)["rank"]
+
+
+def test_installed_residents_are_found_on_every_replica(two):
+    two.extended.install_resident(MODEL, "k1", {"rank": "installed"})
+    assert two.extended.run_on_replicas(_installed, ("k1",)) == ["installed", "installed"]
+    two.extended.install_resident(MODEL, "k1", {"rank": "replaced"})
+    assert two.extended.run_on_replica(0, _installed, ("k1",)) == "replaced"
+    with pytest.raises(ValueError, match="resident kind"):
+        two.extended.install_resident("thing", "k1", {})
+
+
+def test_keras_and_data_never_reach_past_the_contract():
+    package = pathlib.Path(dd.__file__).parent
+    offenders = []
+    for sub in ("keras", "data"):
+        for path in sorted((package / sub).glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Attribute) and node.attr in ("group", "_group"):
+                    offenders.append(f"{path.name}:{node.lineno}")
+                module = node.module or "" if isinstance(node, ast.ImportFrom) else ""
+                reaches_past = module.startswith(
+                    ("daskdist.cluster", "daskdist.group", "daskdist.strategy.spmd", "daskdist.strategy.mirrored")
+                )
+                if reaches_past and module != "daskdist.group.service":  # the replica service protocol is allowed
+                    offenders.append(f"{path.name}:{node.lineno} imports {module}")
+    assert offenders == []
+
+
+def test_the_client_initialises_checkpoints_and_writes_summaries(two):
+    # mirrored_strategy.py, MirroredExtended: experimental_between_graph False, experimental_should_init,
+    # should_checkpoint and should_save_summary True (one program drives every replica)
+    extended = two.extended
+    assert (extended.experimental_between_graph, extended.experimental_should_init) == (False, True)
+    assert (extended.should_checkpoint, extended.should_save_summary) == (True, True)
+    assert extended.worker_devices == extended.parameter_devices == (
+        "/job:localhost/replica:0/task:0/device:CPU:0",
+        "/job:localhost/replica:0/task:0/device:CPU:1",
+    )
