@@ -28,7 +28,7 @@ from daskdist.cluster.interrupts import EmbeddedShutdown
 from daskdist.cluster.placement import Placement, WorkerInfo, place_replicas
 from daskdist.cross_device_ops import CrossDeviceOps
 from daskdist.elastic.options import ElasticOptions
-from daskdist.exceptions import StrategyClosedError
+from daskdist.exceptions import ReplicaLostError, StrategyClosedError
 from daskdist.group.handle import ReplicaGroup
 from daskdist.group.spec import TRANSPORTS
 from daskdist.ops import CommunicationOptions
@@ -94,7 +94,9 @@ class SpmdExtended(StrategyExtended):
         self._owns_client = False
         self._closed = False
         self._variables: dict[str, DistributedVariable] = {}
-        self._holders: dict[str, list[int]] = {}
+        #: The workers holding each variable created in ``scope()`` (``None``: every replica); workers, not
+        #: ranks, because ranks change when the group moves to a new membership generation (elastic).
+        self._holders: dict[str, list[str] | None] = {}
         self._datasets: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
         self._variable_ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -242,13 +244,29 @@ class SpmdExtended(StrategyExtended):
         self._group.call(commands.create_variable, (var_id, value, spec), ranks=self._ranks(holders))
         handle = distributed_variable_class(spec)(spec, self.token, var_id, owner=self)
         with self._lock:
-            self._holders[var_id] = holders
+            everyone = holders == list(range(self.num_replicas))
+            self._holders[var_id] = None if everyone else [self._group.addresses[r] for r in holders]
             self._variables[var_id] = handle
         return handle
 
     def _variable_holders(self, var_id: str) -> list[int]:
-        """Replicas holding ``var_id``: as placed, or all (variables created inside replica functions)."""
-        return list(self._holders.get(var_id, range(self.num_replicas)))
+        """Replicas holding ``var_id`` (their current ranks): as placed, or all (variables made inside replica
+        functions, and those placed on every replica).
+
+        Raises
+        ------
+        ReplicaLostError
+            Every worker that held the variable has left the group.
+        """
+        workers = self._holders.get(var_id)
+        if workers is None:
+            return list(range(self.num_replicas))
+        members = self._group.addresses
+        ranks = [members.index(w) for w in workers if w in members]
+        if not ranks:
+            raise ReplicaLostError(f"variable {var_id} was held only by {workers}, which left the group",
+                                   worker=workers[0])
+        return ranks
 
     def _ranks(self, holders: list[int]) -> list[int] | None:
         return None if holders == list(range(self.num_replicas)) else holders
