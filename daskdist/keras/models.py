@@ -22,7 +22,7 @@ from daskdist import context
 from daskdist.arrays import as_array, to_numpy
 from daskdist.keras import callbacks as callbacks_module
 from daskdist.keras import saving, training
-from daskdist.strategy.replica_service import ReplicaService, resident
+from daskdist.strategy.replica_service import ReplicaService, gradient_applier, resident
 
 if TYPE_CHECKING:
     from daskdist.strategy.base import Strategy
@@ -521,11 +521,22 @@ def _replica_set_weights(service: ReplicaService, model_id: str, weights: list[n
     model = _replica_model(service, model_id)
     model._require_built()
     model._assign_weights(weights)
+    applier = gradient_applier(service)
+    if applier is not None and service.rank == 0:  # the parameters' one stored copy follows
+        params = [to_numpy(layer.params[name]) for layer in model.layers for name in sorted(layer.params)]
+        applier.set_model(service, model_id, params=params)  # in _trainable_arrays' order
 
 
 def _replica_optimizer_state(service: ReplicaService, model_id: str) -> dict:
+    applier = gradient_applier(service)
+    stored = applier.model_state(service, model_id) if applier is not None else None
+    if stored is not None:  # the optimizer runs where the parameters are held (CentralStorage)
+        return stored["optimizer_state"]
     return {k: to_numpy(v) for k, v in _replica_model(service, model_id).optimizer.get_state().items()}
 
 
 def _replica_set_optimizer_state(service: ReplicaService, model_id: str, state: dict) -> None:
     _replica_model(service, model_id).optimizer.set_state(state)
+    applier = gradient_applier(service)
+    if applier is not None and service.rank == 0:
+        applier.set_model(service, model_id, optimizer_state=state)

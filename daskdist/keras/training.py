@@ -22,6 +22,7 @@ import numpy as np
 from daskdist import context
 from daskdist.arrays import as_array, namespace
 from daskdist.ops import ReduceOp
+from daskdist.strategy.replica_service import gradient_applier
 
 if TYPE_CHECKING:
     from daskdist.keras.models import Model
@@ -148,9 +149,20 @@ def _train_step(model: Model, ctx: Any, x: Any, y: Any, sample_weight: Any, time
     else:  # this replica ran out of data this step: it still joins the all-reduce, with zeros
         params, _ = model._trainable_arrays()
         grads = [namespace(p).zeros_like(p) for p in params]
-    total = ctx.all_reduce(ReduceOp.SUM, {"grads": grads, "stats": _step_stats(grads, rows, loss_sum)})
-    global_count = float(total["stats"][0])
-    if global_count > 0:
+    stats = _step_stats(grads, rows, loss_sum)
+    service = context.current_runtime()
+    applier = gradient_applier(service) if service is not None else None
+    if applier is not None:  # parameters held elsewhere (CentralStorage): reduced there, optimizer run there once
+        start = time.perf_counter()
+        total_stats = applier.apply_gradients(service, model._model_id, model.optimizer, params, grads, stats)
+        global_count = float(total_stats[0])
+        if timer is not None:
+            timer.add_apply(time.perf_counter() - start)
+        total = {"stats": total_stats}
+    else:
+        total = ctx.all_reduce(ReduceOp.SUM, {"grads": grads, "stats": stats})
+        global_count = float(total["stats"][0])
+    if applier is None and global_count > 0:
         start = time.perf_counter()
         scale = 1.0 / global_count
         model.optimizer.apply(params, [g * g.dtype.type(scale) for g in total["grads"]])

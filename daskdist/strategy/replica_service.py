@@ -12,7 +12,15 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-__all__ = ["EventSink", "ReplicaService", "ReplicaStepTimer", "resident", "resident_key"]
+__all__ = [
+    "EventSink",
+    "GRADIENT_APPLIER",
+    "ReplicaService",
+    "ReplicaStepTimer",
+    "gradient_applier",
+    "resident",
+    "resident_key",
+]
 
 
 class ReplicaStepTimer(Protocol):
@@ -66,3 +74,18 @@ def resident_key(kind: str, object_id: str) -> str:
 def resident(service: ReplicaService, kind: str, object_id: str) -> Any:
     """The object installed on this replica with ``install_resident(kind, object_id, obj)``."""
     return service.resident_object(resident_key(kind, object_id))
+
+
+#: Where a strategy whose parameters are not updated on the replicas (CentralStorage) installs the object that
+#: replaces ``fit``'s all-reduce and local optimizer step: ``apply_gradients(service, model_key, optimizer,
+#: params, grads, stats) -> summed stats``, ``model_state(service, model_key)``, ``set_model(service, model_key,
+#: params=None, optimizer_state=None)``.
+GRADIENT_APPLIER = ("strategy", "gradient-applier")
+
+
+def gradient_applier(service: ReplicaService) -> Any:
+    """The strategy's gradient applier on this replica, or ``None`` (all-reduce and apply on every replica)."""
+    try:
+        return resident(service, *GRADIENT_APPLIER)
+    except KeyError:
+        return None

@@ -1,0 +1,102 @@
+"""``AggregatingVariable``: one copy of a variable, in a parameter store (TF's ``ps_values.AggregatingVariable``).
+
+On the client it is a handle whose reads and writes go to the store once.
+On each replica it is a view: reads use a compute copy pulled from the store
+(at most once per command, and only when the store's version is newer), and
+an ``assign``/``assign_add``/``assign_sub`` in replica context is TensorFlow's
+``merge_call`` -> ``apply_aggregation`` -> one update of the stored value:
+every replica contributes to a round at the store, which aggregates the
+contributions (SUM, MEAN or the first replica's) and applies the result once;
+all replicas get the new value back. With aggregation ``NONE`` that raises, as
+in TensorFlow. Inside ``merge_call`` (cross-replica context on the replicas)
+the update is applied once too: the replicas make it together.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from daskdist import context
+from daskdist.arrays import namespace
+from daskdist.variables import DistributedVariable, VariableAggregation, VariableSpec
+
+if TYPE_CHECKING:
+    from daskdist.strategy.parameter_client import StoreRef
+
+__all__ = ["AggregatingVariable", "aggregation_error_message"]
+
+
+def aggregation_error_message(variable_type: str) -> str:
+    """TensorFlow's ``values_util.aggregation_error_msg`` for ``variable_type``."""
+    return (
+        f"You must specify an aggregation method to update a {variable_type} in Replica Context. You can do so "
+        "by passing an explicit value for argument `aggregation` to tf.Variable(..).e.g. "
+        "`tf.Variable(..., aggregation=tf.VariableAggregation.SUM)``tf.VariableAggregation` lists the possible "
+        f"aggregation methods.This is required because {variable_type} should always be kept in sync. When "
+        "updating them or assigning to them in a replica context, we automatically try to aggregate the values "
+        "before updating the variable. For this aggregation, we need to know the aggregation method. Another "
+        f"alternative is to not try to update such {variable_type} in replica context, but in cross replica "
+        "context. You can enter cross replica context by calling "
+        "`tf.distribute.get_replica_context().merge_call(merge_fn, ..)`.Inside `merge_fn`, you can then update "
+        f"the {variable_type} using `tf.distribute.StrategyExtended.update()`."
+    )
+
+
+class AggregatingVariable(DistributedVariable):
+    """A variable with a single copy in a parameter store; replicas compute with pulled copies.
+
+    ``strategy.experimental_local_results(v)`` has one element, ``v.device``
+    is the parameter device.
+    """
+
+    def __init__(self, spec: VariableSpec, token: str, var_id: str, store: StoreRef, device: str,
+                 owner: Any = None, runtime: Any = None):
+        super().__init__(spec, token, var_id, owner=owner, runtime=runtime)
+        self._store = store
+        self._device = device
+        self._cached_version = -1
+        self._cached_run = None
+        self._rounds = 0
+
+    @property
+    def device(self) -> str:
+        """The parameter device the one copy lives on (TF's ``var.device``)."""
+        return self._device
+
+    # -- reading --------------------------------------------------------------------
+
+    def value(self) -> Any:
+        if not self._on_replica():
+            return self._client_owner().read_variable(self._var_id)
+        runtime = self._runtime
+        if self._value is None or self._cached_run != runtime.run_id:
+            version, value = self._store.call_from_replica(runtime, "read", var_id=self._var_id,
+                                                           newer_than=self._cached_version)
+            if value is not None:
+                self._value, self._cached_version = value, version
+            self._cached_run = runtime.run_id
+        return self._value
+
+    # -- writing -----------------------------------------------------------------------
+
+    def _update(self, method: str, value: Any) -> None:
+        if not self._on_replica():
+            self._client_owner().update_variable(self._var_id, method, value)
+            return
+        frame = context.current_frame()
+        ctx = frame.replica_context if frame is not None else None
+        runtime = self._runtime
+        array = self._convert(value)
+        if ctx is not None and runtime.size > 1 and self.aggregation is VariableAggregation.NONE:
+            raise ValueError(aggregation_error_message("AggregatingVariable"))
+        # replica context: aggregate as the variable says; merge_call (cross-replica on every replica): once
+        aggregation = self.aggregation.name if ctx is not None else "ONLY_FIRST_REPLICA"
+        if runtime.size == 1:
+            aggregation = "ONLY_FIRST_REPLICA"
+        self._rounds += 1
+        version, new_value = self._store.round_from_replica(
+            runtime, "variable", f"var:{self._var_id}", self._rounds,
+            {"method": method, "value": array, "aggregation": aggregation},
+        )
+        self._value = namespace(new_value).array(new_value, copy=True)
+        self._cached_version, self._cached_run = version, runtime.run_id
