@@ -14,7 +14,8 @@ from __future__ import annotations
 import copy
 import logging
 import uuid
-from typing import TYPE_CHECKING, Any, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -320,7 +321,7 @@ class Model:
             shape = tuple(layer.compute_output_shape(shape)) if shape else ()
             count = sum(int(np.prod(a.shape)) for a in layer.params.values())
             total += count
-            lines.append(f"{layer.name + ' (' + type(layer).__name__ + ')':<28}{str((None, *shape)):<22}{count:>10}")
+            lines.append(f"{layer.name + ' (' + type(layer).__name__ + ')':<28}{(None, *shape)!s:<22}{count:>10}")
         lines.append(f"Total params: {total}")
         text = "\n".join(lines)
         logger.info("%s", text)

@@ -146,7 +146,7 @@ class ParameterHolderExtended(SpmdExtended):
             for store in getattr(self, "_stores", []):
                 try:
                     store.call_from_client(self.client, "drop")
-                except Exception as e:  # the holder may be gone already
+                except Exception as e:  # noqa: BLE001 - the holder may be gone already
                     logger.debug("Could not drop the parameters held on %s: %s", store.address, e)
         super().close()
 
@@ -172,7 +172,7 @@ def select_single_value(structured: Any) -> Any:
                 "ParameterServerStrategy. You must specify a single value or a Mirrored with a single value."
             )
         if isinstance(x, PerReplica):
-            raise ValueError(
+            raise ValueError(  # noqa: TRY004 - TF's error
                 f"You cannot update variable with a PerReplica object {x!r} when using ParameterServerStrategy. "
                 "You must specify a single value or a Mirrored with a single value"
             )

@@ -102,7 +102,7 @@ class ParameterStore:
             op, kwargs = serialization.loads(payload)
             result = await self.run(op, kwargs)
             return {"status": "OK", "result": serialization.dumps(result)}
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - handlers answer with the error, never raise across the wire
             address = self.worker.address if self.worker is not None else ""
             return serialization.error_message(e, -1, address)
 
@@ -164,8 +164,8 @@ class ParameterStore:
             del self._entries[key]
         for key in [k for k in self._models if k[0] == store_id]:
             del self._models[key]
-        for key in [k for k in self._rounds if k[0] == store_id]:
-            round_ = self._rounds.pop(key)
+        for round_key in [k for k in self._rounds if k[0] == store_id]:
+            round_ = self._rounds.pop(round_key)
             round_.error = RuntimeError(f"the parameters of {store_id} were dropped (the strategy closed)")
             round_.done.set()
         return len(dropped)
@@ -197,7 +197,7 @@ class ParameterStore:
             if len(round_.contributions) == round_.size:
                 try:
                     round_.result = self._finish(store_id, key, kind, round_.contributions)
-                except Exception as e:
+                except Exception as e:  # noqa: BLE001 - every contributor gets the error
                     round_.error = e
                 round_.done.set()
         try:

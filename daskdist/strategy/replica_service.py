@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 __all__ = [
-    "EventSink",
     "GRADIENT_APPLIER",
+    "EventSink",
     "ReplicaService",
     "ReplicaStepTimer",
     "gradient_applier",
