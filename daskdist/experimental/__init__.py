@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from daskdist.experimental import partitioners
 from daskdist.strategy.central_storage import CentralStorageStrategy
+from daskdist.strategy.sharded_variable import ShardedVariable
 
-__all__ = ["CentralStorageStrategy"]
+__all__ = ["CentralStorageStrategy", "ShardedVariable", "partitioners"]

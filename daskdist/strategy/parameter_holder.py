@@ -13,11 +13,14 @@ store, the optimizer runs once there, and the replicas read the new values
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import optree
 
 from daskdist.strategy import replica_service
@@ -79,12 +82,57 @@ class ParameterHolderExtended(SpmdExtended):
 
     # -- variables ----------------------------------------------------------------------------
 
-    def create_variable(self, *args: Any, **kwargs: Any) -> DistributedVariable:
-        """``dd.Variable(...)`` in ``scope()``: one copy in a store, a view of it on every replica."""
+    _partitioner: Any = None
+
+    def create_variable(self, *args: Any, **kwargs: Any) -> Any:
+        """``dd.Variable(...)`` in ``scope()``: one copy in a store, a view of it on every replica.
+
+        With a ``variable_partitioner`` that splits the variable (TF's rules:
+        first axis only, never a scalar, never under ``colocate_vars_with``),
+        a ``ShardedVariable`` whose shards ``name/part_i`` (TF's "div" split)
+        are placed round-robin over the stores.
+        """
         self.check_open()
         _check_aggregation(args, kwargs)
         value, spec = VariableSpec.build(*args, **kwargs)
-        index = self._parameter_placement(spec)
+        if self._partitioner is not None and len(spec.shape) > 0 and self._colocation is None:
+            shards = self._partition(spec)
+            if shards > 1:
+                from daskdist.strategy.partitioners import shard_sizes
+                from daskdist.strategy.sharded_variable import ShardedVariable
+
+                variables, start = [], 0
+                for i, rows in enumerate(shard_sizes(spec.shape[0], shards)):
+                    part = dataclasses.replace(spec, name=f"{spec.name}/part_{i}", shape=(rows, *spec.shape[1:]))
+                    variables.append(self._create_stored(value[start:start + rows], part))
+                    start += rows
+                return ShardedVariable(variables, name=spec.name)
+        return self._create_stored(value, spec)
+
+    def _partition(self, spec: VariableSpec) -> int:
+        """How many shards the partitioner asks for (TF's check of its answer)."""
+        partitions = self._partitioner(spec.shape, np.dtype(spec.dtype))
+        if (not partitions or len(partitions) != len(spec.shape) or partitions[0] == 0
+                or any(p != 1 for p in partitions[1:])):
+            raise ValueError("variable_partitioner must return a list/tuple whose elements are 1 besides the first "
+                             f"element (non-zero), got: {partitions!r}")
+        return min(int(partitions[0]), spec.shape[0])
+
+    @contextlib.contextmanager
+    def colocate_vars_with(self, colocate_with_variable: Any) -> Iterator[None]:
+        """Variables created inside the block go to ``colocate_with_variable``'s store (and are never sharded)."""
+        with super().colocate_vars_with(colocate_with_variable):
+            previous = self._colocated_store
+            self._colocated_store = self._store_of.get(colocate_with_variable._var_id)
+            try:
+                yield
+            finally:
+                self._colocated_store = previous
+
+    _colocated_store: int | None = None
+
+    def _create_stored(self, value: Any, spec: VariableSpec) -> DistributedVariable:
+        index = self._colocated_store if self._colocated_store is not None else self._parameter_placement(spec)
         store, device = self._stores[index], self._store_devices[index]
         var_id = f"c{next(self._variable_ids)}"
         store.call_from_client(self.client, "create", var_id=var_id, value=value, spec=spec)
@@ -114,6 +162,12 @@ class ParameterHolderExtended(SpmdExtended):
             return super().read_variable(var_id, all_replicas)
         _, value = self._store_for(var_id).call_from_client(self.client, "read", var_id=var_id)
         return [value] if all_replicas else value
+
+    def gather_rows(self, var_id: str, rows: Any) -> Any:
+        """Rows ``rows`` of a stored variable (only those travel)."""
+        self.check_open()
+        _, found = self._store_for(var_id).call_from_client(self.client, "gather", var_id=var_id, indices=rows)
+        return found
 
     def update_variable(self, var_id: str, method: str, value: Any) -> None:
         """A cross-replica ``assign``/``assign_add``/``assign_sub``: applied once, to the stored value."""

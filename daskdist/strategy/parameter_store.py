@@ -90,6 +90,7 @@ class ParameterStore:
         self._entries: dict[tuple[str, str], _Entry] = {}
         self._models: dict[tuple[str, str], _ModelEntry] = {}
         self._rounds: dict[tuple[str, str, int], _Round] = {}
+        self._served: dict[str, int] = {}  # bytes of values sent out, per store id (reads and row gathers)
 
     def __repr__(self) -> str:
         return f"<ParameterStore variables={len(self._entries)} models={len(self._models)}>"
@@ -133,7 +134,26 @@ class ParameterStore:
         entry = self._entry(store_id, var_id)
         if entry.version <= newer_than:
             return entry.version, None
+        self._count(store_id, entry.value.nbytes)
         return entry.version, _copy(entry.value)
+
+    def _op_gather(self, store_id: str, var_id: str, indices: Any) -> tuple[int, Any]:
+        """``(version, copy of rows indices)``: what an embedding lookup needs, not the whole table."""
+        entry = self._entry(store_id, var_id)
+        rows = np.asarray(indices, dtype=np.int64)
+        if rows.size and (rows.min() < 0 or rows.max() >= entry.value.shape[0]):
+            raise IndexError(f"rows {rows.min()}..{rows.max()} of variable '{entry.spec.name}' with "
+                             f"{entry.value.shape[0]} rows")
+        found = entry.value[rows]
+        self._count(store_id, found.nbytes)
+        return entry.version, found
+
+    def _count(self, store_id: str, nbytes: int) -> None:
+        self._served[store_id] = self._served.get(store_id, 0) + int(nbytes)
+
+    def _op_bytes_served(self, store_id: str) -> int:
+        """Bytes of values sent for ``store_id`` (reads and row gathers; not round results)."""
+        return self._served.get(store_id, 0)
 
     def _op_update(self, store_id: str, var_id: str, method: str, value: Any) -> tuple[int, Any]:
         """``assign``/``assign_add``/``assign_sub`` applied once; ``(version, copy of the new value)``."""
@@ -164,6 +184,7 @@ class ParameterStore:
             del self._entries[key]
         for key in [k for k in self._models if k[0] == store_id]:
             del self._models[key]
+        self._served.pop(store_id, None)
         for round_key in [k for k in self._rounds if k[0] == store_id]:
             round_ = self._rounds.pop(round_key)
             round_.error = RuntimeError(f"the parameters of {store_id} were dropped (the strategy closed)")

@@ -77,6 +77,16 @@ class AggregatingVariable(DistributedVariable):
             self._cached_run = runtime.run_id
         return self._value
 
+    def _gather_rows(self, rows: Any) -> Any:
+        """Rows ``rows`` of the stored value: from the compute copy if it is fresh, else only those rows."""
+        if not self._on_replica():
+            return self._client_owner().gather_rows(self._var_id, rows)
+        runtime = self._runtime
+        if self._value is not None and self._cached_run == runtime.run_id:
+            return self._value[rows]
+        _, found = self._store.call_from_replica(runtime, "gather", var_id=self._var_id, indices=rows)
+        return found
+
     # -- writing -----------------------------------------------------------------------
 
     def _update(self, method: str, value: Any) -> None:
