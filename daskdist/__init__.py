@@ -28,6 +28,7 @@ from daskdist.replica.context import ReplicaContext
 from daskdist.strategy.base import Strategy, ValueContext
 from daskdist.strategy.mirrored import MirroredStrategy
 from daskdist.strategy.one_device import OneDeviceStrategy
+from daskdist.strategy.parameter_server import ParameterServerStrategy
 from daskdist.values import DistributedValues, Mirrored, PerReplica
 from daskdist.variables import (
     MirroredVariable,
@@ -59,6 +60,7 @@ __all__ = [
     "NcclAllReduce",
     "OneDeviceStrategy",
     "OutOfRangeError",
+    "ParameterServerStrategy",
     "PerReplica",
     "ReduceOp",
     "ReductionToOneDevice",

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from daskdist.experimental import partitioners
+from daskdist.experimental import coordinator, partitioners
 from daskdist.strategy.central_storage import CentralStorageStrategy
+from daskdist.strategy.parameter_server import ParameterServerStrategy
 from daskdist.strategy.sharded_variable import ShardedVariable
 
-__all__ = ["CentralStorageStrategy", "ShardedVariable", "partitioners"]
+__all__ = ["CentralStorageStrategy", "ParameterServerStrategy", "ShardedVariable", "coordinator", "partitioners"]

@@ -15,7 +15,8 @@ from distributed import Client
 
 from daskdist.cluster.devices import parse_device
 from daskdist.strategy.base import Strategy
-from daskdist.strategy.parameter_holder import ParameterHolderExtended
+from daskdist.strategy import replica_service
+from daskdist.strategy.parameter_holder import ParameterHolderExtended, StoreGradientApplier
 
 __all__ = ["CentralStorageExtended", "CentralStorageStrategy"]
 
@@ -49,6 +50,7 @@ class CentralStorageExtended(ParameterHolderExtended):
         try:
             address, name = self._parameter_holder(parameter_device, device_name)
             self._open_stores([address], [name])
+            self.install_resident(*replica_service.GRADIENT_APPLIER, StoreGradientApplier(self._stores[0]))
         except BaseException:
             self.close()
             raise

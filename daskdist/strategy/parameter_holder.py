@@ -23,7 +23,6 @@ from typing import Any
 import numpy as np
 import optree
 
-from daskdist.strategy import replica_service
 from daskdist.strategy.extended import Args, Kwargs
 from daskdist.strategy.parameter_client import StoreRef
 from daskdist.strategy.parameter_store import install_store
@@ -58,8 +57,6 @@ class ParameterHolderExtended(SpmdExtended):
         for address in addresses:
             self.client.run(install_store, workers=[address])
             self._stores.append(StoreRef(address, self.token))
-        if len(self._stores) == 1:
-            self.install_resident(*replica_service.GRADIENT_APPLIER, StoreGradientApplier(self._stores[0]))
         logger.info("%s: parameters on %s", type(self.strategy).__name__, addresses)
 
     # -- placement -------------------------------------------------------------------------
@@ -136,12 +133,16 @@ class ParameterHolderExtended(SpmdExtended):
         store, device = self._stores[index], self._store_devices[index]
         var_id = f"c{next(self._variable_ids)}"
         store.call_from_client(self.client, "create", var_id=var_id, value=value, spec=spec)
-        self._run_on(_install_view, (var_id, spec, store, device), None)
+        self._install_views(var_id, spec, store, device)
         handle = AggregatingVariable(spec, self.token, var_id, store, device, owner=self)
         with self._lock:
             self._store_of[var_id] = index
             self._variables[var_id] = handle
         return handle
+
+    def _install_views(self, var_id: str, spec: VariableSpec, store: StoreRef, device: str) -> None:
+        """Give every replica its view of a new stored variable."""
+        self._run_on(_install_view, (var_id, spec, store, device), None)
 
     def _store_for(self, var_id: str) -> StoreRef:
         try:

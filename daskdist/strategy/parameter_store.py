@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from collections import OrderedDict
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -44,6 +45,7 @@ __all__ = ["HANDLER", "STORE_EXTENSION", "ParameterStore", "install_store"]
 logger = logging.getLogger(__name__)
 
 STORE_EXTENSION = "daskdist-ps"
+_DEDUPE_WINDOW = 1 << 16  # update keys remembered per variable
 HANDLER = "daskdist_ps"
 
 
@@ -90,6 +92,8 @@ class ParameterStore:
         self._entries: dict[tuple[str, str], _Entry] = {}
         self._models: dict[tuple[str, str], _ModelEntry] = {}
         self._rounds: dict[tuple[str, str, int], _Round] = {}
+        self._applied: dict[tuple[str, str], OrderedDict[tuple, None]] = {}  # update keys applied, per variable
+        self._duplicates: dict[str, int] = {}
         self._served: dict[str, int] = {}  # bytes of values sent out, per store id (reads and row gathers)
 
     def __repr__(self) -> str:
@@ -155,11 +159,29 @@ class ParameterStore:
         """Bytes of values sent for ``store_id`` (reads and row gathers; not round results)."""
         return self._served.get(store_id, 0)
 
-    def _op_update(self, store_id: str, var_id: str, method: str, value: Any) -> tuple[int, Any]:
-        """``assign``/``assign_add``/``assign_sub`` applied once; ``(version, copy of the new value)``."""
+    def _op_update(self, store_id: str, var_id: str, method: str, value: Any,
+                   dedupe: tuple[str, int] | None = None) -> tuple[int, Any]:
+        """``assign``/``assign_add``/``assign_sub`` applied once; ``(version, copy of the new value)``.
+
+        ``dedupe``: the update's key (closure id, n); an update whose key was
+        already applied to this variable is not applied again.
+        """
         entry = self._entry(store_id, var_id)
+        if dedupe is not None:
+            applied = self._applied.setdefault((store_id, var_id), OrderedDict())
+            key = tuple(dedupe)
+            if key in applied:
+                self._duplicates[store_id] = self._duplicates.get(store_id, 0) + 1
+                return entry.version, _copy(entry.value)
+            applied[key] = None
+            if len(applied) > _DEDUPE_WINDOW:
+                applied.popitem(last=False)
         _apply_method(entry, method, value)
         return entry.version, _copy(entry.value)
+
+    def _op_duplicates(self, store_id: str) -> int:
+        """How many deduplicated updates were skipped (a closure run again after a failure)."""
+        return self._duplicates.get(store_id, 0)
 
     def _op_apply_fn(self, store_id: str, var_id: str, fn: Any, args: tuple, kwargs: dict) -> Any:
         """``fn(variable, *args, **kwargs)`` on the stored variable, once (TF's ``extended.update``)."""
@@ -185,6 +207,9 @@ class ParameterStore:
         for key in [k for k in self._models if k[0] == store_id]:
             del self._models[key]
         self._served.pop(store_id, None)
+        self._duplicates.pop(store_id, None)
+        for applied_key in [k for k in self._applied if k[0] == store_id]:
+            del self._applied[applied_key]
         for round_key in [k for k in self._rounds if k[0] == store_id]:
             round_ = self._rounds.pop(round_key)
             round_.error = RuntimeError(f"the parameters of {store_id} were dropped (the strategy closed)")

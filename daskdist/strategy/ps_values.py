@@ -58,6 +58,9 @@ class AggregatingVariable(DistributedVariable):
         self._cached_run = None
         self._rounds = 0
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (_resolve_stored_variable, (self._token, self._var_id, self._spec, self._store, self._device))
+
     @property
     def device(self) -> str:
         """The parameter device the one copy lives on (TF's ``var.device``)."""
@@ -99,10 +102,14 @@ class AggregatingVariable(DistributedVariable):
         array = self._convert(value)
         if ctx is not None and runtime.size > 1 and self.aggregation is VariableAggregation.NONE:
             raise ValueError(aggregation_error_message("AggregatingVariable"))
+        if runtime.size == 1:  # nothing to aggregate (a parameter-server worker): applied at once, deduplicated
+            version, new_value = self._store.call_from_replica(
+                runtime, "update", var_id=self._var_id, method=method, value=array, dedupe=_dedupe_key(runtime))
+            self._value = new_value
+            self._cached_version, self._cached_run = version, runtime.run_id
+            return
         # replica context: aggregate as the variable says; merge_call (cross-replica on every replica): once
         aggregation = self.aggregation.name if ctx is not None else "ONLY_FIRST_REPLICA"
-        if runtime.size == 1:
-            aggregation = "ONLY_FIRST_REPLICA"
         self._rounds += 1
         version, new_value = self._store.round_from_replica(
             runtime, "variable", f"var:{self._var_id}", self._rounds,
@@ -110,3 +117,42 @@ class AggregatingVariable(DistributedVariable):
         )
         self._value = namespace(new_value).array(new_value, copy=True)
         self._cached_version, self._cached_run = version, runtime.run_id
+
+
+#: The resident key under which a parameter-server worker records the closure it runs (id, updates so far).
+CLOSURE_KEY = "ps:closure"
+
+
+def _dedupe_key(runtime: Any) -> tuple[str, int] | None:
+    """``(closure id, n)`` for the n-th update of the closure this worker runs, or ``None`` outside closures.
+
+    A closure run again after a worker failure makes the same updates in the
+    same order, so the store applies each key once.
+    """
+    try:
+        closure = runtime.resident_object(CLOSURE_KEY)
+    except KeyError:
+        return None
+    if closure is None:
+        return None
+    closure[1] += 1
+    return (closure[0], closure[1])
+
+
+def _resolve_stored_variable(token: str, var_id: str, spec: VariableSpec, store: StoreRef,
+                             device: str) -> Any:
+    """Unpickle a stored variable: this replica's view (made on first use), else the client's handle."""
+    runtime = context.current_runtime()
+    if runtime is not None:
+        try:
+            return runtime.resident_object(var_id)
+        except KeyError:
+            view = AggregatingVariable(spec, token, var_id, store, device, runtime=runtime)
+            runtime.add_resident(var_id, view)
+            return view
+    from daskdist import registry
+
+    owner = registry.lookup(token)
+    if owner is not None:
+        return owner.variable_handle(var_id, spec)
+    return AggregatingVariable(spec, token, var_id, store, device)
