@@ -14,8 +14,8 @@ from typing import Any
 from distributed import Client
 
 from daskdist.cluster.devices import parse_device
-from daskdist.strategy.base import Strategy
 from daskdist.strategy import replica_service
+from daskdist.strategy.base import Strategy
 from daskdist.strategy.parameter_holder import ParameterHolderExtended, StoreGradientApplier
 
 __all__ = ["CentralStorageExtended", "CentralStorageStrategy"]

@@ -25,14 +25,15 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import CancelledError
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import optree
 
 from daskdist.exceptions import ReplicaLostError, StrategyClosedError
-from daskdist.strategy.parameter_server import ParameterServerStrategy
+from daskdist.strategy.parameter_server import ParameterServerExtended, ParameterServerStrategy
 from daskdist.strategy.ps_values import CLOSURE_KEY
 
 __all__ = [
@@ -163,7 +164,7 @@ class ClusterCoordinator:
         A ``dd.ParameterServerStrategy``.
     """
 
-    def __new__(cls, strategy: Any) -> ClusterCoordinator:
+    def __new__(cls, strategy: Any) -> ClusterCoordinator:  # noqa: PYI034 - one coordinator per strategy
         existing = getattr(strategy, "_coordinator", None)
         if existing is not None:
             return existing
@@ -173,13 +174,13 @@ class ClusterCoordinator:
         if getattr(self, "_strategy", None) is not None:
             return
         if not isinstance(strategy, ParameterServerStrategy):
-            raise ValueError(
+            raise ValueError(  # noqa: TRY004 - TF's error
                 "Only `tf.distribute.experimental.ParameterServerStrategy` is supported to work with "
                 "`tf.distribute.experimental.coordinator.ClusterCoordinator` currently."
             )
         strategy.extended.check_open()
         self._strategy = strategy
-        self._extended = strategy.extended
+        self._extended: ParameterServerExtended = strategy._ps_extended
         self._queue: collections.deque[_Closure] = collections.deque()
         self._cond = threading.Condition()
         self._inflight = 0
@@ -214,7 +215,8 @@ class ClusterCoordinator:
         if not callable(fn):
             raise TypeError(f"schedule needs a function, got {type(fn).__name__}")
         args, kwargs = tuple(args or ()), dict(kwargs or {})
-        leaves = optree.tree_leaves((args, kwargs), is_leaf=lambda x: isinstance(x, (RemoteValue, PerWorkerValues)),
+        structure: Any = (args, kwargs)
+        leaves: list[Any] = optree.tree_leaves(structure, is_leaf=lambda x: isinstance(x, (RemoteValue, PerWorkerValues)),
                                     none_is_leaf=True)
         if any(isinstance(leaf, RemoteValue) for leaf in leaves):
             raise ValueError("Remote values cannot be passed as arguments to scheduled functions; fetch them first")
@@ -325,7 +327,7 @@ class ClusterCoordinator:
                 self._fatal = ParameterServerLostError(f"a parameter server is lost: {error}",
                                                        worker=getattr(error, "worker", None))
                 self._fatal.__cause__ = error
-            closure.remote_value._set_error(self._fatal if ps_lost else error)
+            closure.remote_value._set_error(self._fatal if ps_lost and self._fatal is not None else error)
             if self._error is None and self._fatal is None:
                 self._error = error
             self._cancel_queued(CancelledError("cancelled: an earlier scheduled function failed"))
@@ -336,8 +338,13 @@ class ClusterCoordinator:
             self._queue.popleft().remote_value._set_error(error)
 
     def _watch_ps(self) -> None:
-        """Check every half second that every ps member is still a worker of the cluster; if not, fail fast."""
+        """Check every half second that every ps member is still a worker of the cluster; if not, fail fast.
+
+        A ps missing from two polls in a row is lost (TF's coordinator also
+        waits two polling rounds before it decides).
+        """
         client = self._extended.client
+        missing_before: set[str] = set()
         while not self._stopped:
             time.sleep(_PS_POLL_SECONDS)
             try:
@@ -345,7 +352,9 @@ class ClusterCoordinator:
             except Exception as e:  # noqa: BLE001 - the client is closing
                 logger.debug("Coordinator could not ask the scheduler for workers: %s", e)
                 continue
-            lost = [a for a in self._extended.ps_addresses if a not in workers]
+            missing = {a for a in self._extended.ps_addresses if a not in workers}
+            lost = sorted(missing & missing_before)  # missing twice in a row (about a second): lost
+            missing_before = missing
             if lost:
                 with self._cond:
                     if self._fatal is None:
@@ -366,16 +375,19 @@ class ClusterCoordinator:
             self._cond.notify_all()
 
 
-def _for_worker(args: tuple, kwargs: dict, index: int) -> tuple[tuple, dict]:
-    return optree.tree_map(lambda x: x.values[index] if isinstance(x, PerWorkerValues) else x, (args, kwargs),
+def _for_worker(args: tuple, kwargs: dict, index: int) -> Any:
+    structure: Any = (args, kwargs)
+    return optree.tree_map(lambda x: x.values[index] if isinstance(x, PerWorkerValues) else x, structure,
                            is_leaf=lambda x: isinstance(x, PerWorkerValues), none_is_leaf=True)
 
 
 def run_closure(service: Any, closure_id: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     """Worker command: run one closure, its updates keyed by ``closure_id`` (deduplicated at the stores)."""
-    args, kwargs = optree.tree_map(lambda x: service.resident_object(x.key) if isinstance(x, _WorkerResource) else x,
-                                   (args, kwargs), is_leaf=lambda x: isinstance(x, _WorkerResource),
-                                   none_is_leaf=True)
+    structure: Any = (args, kwargs)
+    resolved: Any = optree.tree_map(
+        lambda x: service.resident_object(x.key) if isinstance(x, _WorkerResource) else x,
+        structure, is_leaf=lambda x: isinstance(x, _WorkerResource), none_is_leaf=True)
+    args, kwargs = resolved
     service.add_resident(CLOSURE_KEY, [closure_id, 0])
     try:
         return service.run_step(fn, args, kwargs)

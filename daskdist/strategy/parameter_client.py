@@ -15,12 +15,12 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from distributed.core import CommClosedError
+from distributed.core import CommClosedError, send_recv
 from distributed.utils import sync
 
 from daskdist import config, serialization
 from daskdist.exceptions import ReplicaLostError
-from daskdist.strategy.parameter_store import STORE_EXTENSION
+from daskdist.strategy.parameter_store import HANDLER, STORE_EXTENSION
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -48,7 +48,7 @@ class StoreRef:
             return sync(worker.loop, store.run, op, kwargs)
         payload = serialization.dumps((op, kwargs))
         try:
-            response = sync(worker.loop, worker.rpc(self.address).daskdist_ps, payload=payload)
+            response = sync(worker.loop, _call, worker.rpc, self.address, payload)
         except (OSError, CommClosedError) as e:
             raise ReplicaLostError(f"the parameter store on {self.address} cannot be reached: {e}",
                                    worker=self.address) from e
@@ -93,11 +93,27 @@ class StoreRef:
         kwargs["store_id"] = self.store_id
         payload = serialization.dumps((op, kwargs))
         try:
-            response = client.sync(client.rpc(self.address).daskdist_ps, payload=payload)
+            response = client.sync(_call, client.rpc, self.address, payload)
         except (OSError, CommClosedError) as e:
             raise ReplicaLostError(f"the parameter store on {self.address} cannot be reached: {e}",
                                    worker=self.address) from e
         return _result(response)
+
+
+async def _call(pool: Any, address: str, payload: bytes) -> dict:
+    """One request to the store's handler; connecting gives up after ``daskdist.parameter-store.connect-timeout``.
+
+    Dask retries a refused connection until ``distributed.comm.timeouts.connect``
+    (30 s by default); a parameter store whose worker died must be reported sooner.
+    """
+    comm = await pool.connect(address, timeout=config.get_seconds("parameter-store.connect-timeout"))
+    try:
+        response = await send_recv(comm, op=HANDLER, payload=payload)
+    except BaseException:
+        comm.abort()
+        raise
+    pool.reuse(address, comm)
+    return response
 
 
 def _result(response: dict) -> Any:

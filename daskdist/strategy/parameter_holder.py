@@ -198,12 +198,24 @@ class ParameterHolderExtended(SpmdExtended):
 
     def close(self) -> None:
         if not self._closed:
-            for store in getattr(self, "_stores", []):
+            for store in _live_stores(self):
                 try:
                     store.call_from_client(self.client, "drop")
                 except Exception as e:  # noqa: BLE001 - the holder may be gone already
                     logger.debug("Could not drop the parameters held on %s: %s", store.address, e)
         super().close()
+
+
+def _live_stores(extended: Any) -> list[StoreRef]:
+    """The stores whose worker is still in the cluster (a lost one is not waited for)."""
+    stores = list(getattr(extended, "_stores", []))
+    if not stores:
+        return []
+    try:
+        workers = extended.client.scheduler_info(n_workers=-1)["workers"]
+    except Exception:  # noqa: BLE001 - the client is closing: try them all
+        return stores
+    return [s for s in stores if s.address in workers]
 
 
 def _check_aggregation(args: tuple, kwargs: dict) -> None:

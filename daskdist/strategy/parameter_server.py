@@ -45,7 +45,7 @@ from daskdist.exceptions import StrategyClosedError
 from daskdist.ops import CommunicationOptions
 from daskdist.strategy.base import Strategy
 from daskdist.strategy.extended import Args, Command, Kwargs
-from daskdist.strategy.parameter_holder import ParameterHolderExtended
+from daskdist.strategy.parameter_holder import ParameterHolderExtended, _live_stores
 
 __all__ = ["ParameterServerExtended", "ParameterServerStrategy", "cluster_members"]
 
@@ -235,7 +235,7 @@ class ParameterServerExtended(ParameterHolderExtended):
         coordinator = getattr(self.strategy, "_coordinator", None)
         if coordinator is not None:
             coordinator._shutdown()
-        for store in getattr(self, "_stores", []):
+        for store in _live_stores(self):
             try:
                 store.call_from_client(self.client, "drop")
             except Exception as e:  # noqa: BLE001 - a lost ps
@@ -279,7 +279,14 @@ class ParameterServerStrategy(Strategy):
 
     @property
     def cluster_resolver(self) -> Any:
-        return self._extended.cluster_resolver
+        """The resolver the strategy was made with (TF's ``cluster_resolver``)."""
+        return self._ps_extended.cluster_resolver
+
+    @property
+    def _ps_extended(self) -> ParameterServerExtended:
+        extended = self._extended
+        assert isinstance(extended, ParameterServerExtended)
+        return extended
 
     def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         return (_resolve_ps_strategy, (self._extended.token,))

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections import OrderedDict
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
