@@ -297,3 +297,28 @@ def test_a_lost_parameter_server_fails_the_coordinator_within_seconds(make_clust
         assert time.monotonic() - start < 10
         with pytest.raises(dd.experimental.coordinator.ParameterServerLostError):
             coordinator.schedule(closure)
+
+
+def test_a_dask_worker_that_joins_is_admitted_and_takes_closures(make_cluster):
+    client = make_cluster(2, processes=False)
+    with dd.ParameterServerStrategy(SpecResolver(_roles(client, 1)), client=client) as strategy:
+        coordinator = ClusterCoordinator(strategy)
+        iterator = iter(coordinator.create_per_worker_dataset(
+            lambda: dd.data.Dataset.from_tensor_slices(np.arange(4)).repeat()))
+
+        def where(it):
+            from distributed import get_worker
+
+            time.sleep(0.05)
+            return get_worker().address, int(next(it))
+
+        client.cluster.scale(3)
+        client.wait_for_workers(3)
+        newcomer = next(a for a in client.scheduler_info()["workers"] if a not in strategy.extended.ps_addresses
+                        and a not in strategy.extended.worker_addresses)
+        deadline = time.monotonic() + 30
+        while newcomer not in coordinator._live and time.monotonic() < deadline:
+            time.sleep(0.1)
+        results = coordinator.fetch([coordinator.schedule(where, args=(iterator,)) for _ in range(40)])
+        assert newcomer in {address for address, _ in results}  # it ran closures, with its own iterator
+        assert newcomer in strategy.extended.worker_addresses

@@ -191,9 +191,12 @@ class ClusterCoordinator:
         self._prefix = uuid.uuid4().hex[:8]
         self._workers = list(self._extended.worker_groups)
         self._live: set[str] = set(self._workers)
+        self._seen = set(self._extended.client.scheduler_info(n_workers=-1)["workers"])  # newcomers come later
+        self._resources: list[tuple[Callable[..., Any], Callable[[int], tuple]]] = []  # re-made on newcomers
         self._threads = [threading.Thread(target=self._drive, args=(address,), daemon=True,
                                           name=f"daskdist-coordinator-{i}") for i, address in enumerate(self._workers)]
-        self._threads.append(threading.Thread(target=self._watch_ps, daemon=True, name="daskdist-coordinator-ps"))
+        self._threads.append(threading.Thread(target=self._watch_cluster, daemon=True,
+                                              name="daskdist-coordinator-watch"))
         strategy._coordinator = self
         for thread in self._threads:
             thread.start()
@@ -267,6 +270,8 @@ class ClusterCoordinator:
         return PerWorkerDataset(self, dataset_fn)
 
     def _run_on_each_worker(self, command: Callable[..., Any], args_for: Callable[[int], tuple]) -> None:
+        """Make a per-worker resource on every live worker, and later on every newcomer."""
+        self._resources.append((command, args_for))
         for index, address in enumerate(self._workers):
             if address in self._live:
                 self._extended.worker_groups[address].call(command, args_for(index))
@@ -337,11 +342,14 @@ class ClusterCoordinator:
         while self._queue:
             self._queue.popleft().remote_value._set_error(error)
 
-    def _watch_ps(self) -> None:
-        """Check every half second that every ps member is still a worker of the cluster; if not, fail fast.
+    def _watch_cluster(self) -> None:
+        """Every half second: fail fast if a ps member left the cluster; admit Dask workers that joined.
 
         A ps missing from two polls in a row is lost (TF's coordinator also
-        waits two polling rounds before it decides).
+        waits two polling rounds before it decides). A Dask worker that joined
+        the cluster after the coordinator started becomes a worker: its
+        per-worker datasets and iterators are made on it (TF's resource
+        closures) and it takes closures from the queue.
         """
         client = self._extended.client
         missing_before: set[str] = set()
@@ -366,6 +374,27 @@ class ClusterCoordinator:
                 return
             with self._cond:
                 self._live &= set(workers)
+            for address in [a for a in workers if a not in self._seen]:
+                self._seen.add(address)
+                self._admit(address)
+
+    def _admit(self, address: str) -> None:
+        try:
+            self._extended._add_worker(address)
+            index = len(self._workers)
+            for command, args_for in self._resources:
+                self._extended.worker_groups[address].call(command, args_for(index))
+        except Exception as e:  # noqa: BLE001 - a newcomer that fails to start is left out, not fatal
+            logger.warning("Could not admit new worker %s: %s", address, e)
+            return
+        with self._cond:
+            self._workers.append(address)
+            self._live.add(address)
+        thread = threading.Thread(target=self._drive, args=(address,), daemon=True,
+                                  name=f"daskdist-coordinator-{index}")
+        self._threads.append(thread)
+        thread.start()
+        logger.info("Worker %s joined the ParameterServerStrategy", address)
 
     def _shutdown(self) -> None:
         """Stop the drivers (the strategy closes); queued closures are cancelled."""
@@ -377,8 +406,16 @@ class ClusterCoordinator:
 
 def _for_worker(args: tuple, kwargs: dict, index: int) -> Any:
     structure: Any = (args, kwargs)
-    return optree.tree_map(lambda x: x.values[index] if isinstance(x, PerWorkerValues) else x, structure,
+    return optree.tree_map(lambda x: _element(x, index) if isinstance(x, PerWorkerValues) else x, structure,
                            is_leaf=lambda x: isinstance(x, PerWorkerValues), none_is_leaf=True)
+
+
+def _element(values: PerWorkerValues, index: int) -> Any:
+    if isinstance(values, _PerWorkerIterator):  # the same resource key on every worker, newcomers included
+        return values.values[0]
+    if index >= len(values.values):
+        raise ValueError(f"these PerWorkerValues have {len(values.values)} elements; worker {index} joined later")
+    return values.values[index]
 
 
 def run_closure(service: Any, closure_id: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -401,8 +438,8 @@ class PerWorkerDataset:
     def __init__(self, coordinator: ClusterCoordinator, dataset_fn: Any):
         self._coordinator = coordinator
         self._key = f"ps-dataset:{uuid.uuid4().hex[:12]}"
-        workers = len(coordinator._workers)
-        coordinator._run_on_each_worker(_make_dataset, lambda i: (self._key, dataset_fn, i, workers))
+        workers = len(coordinator._workers)  # a newcomer reads input pipeline (its index mod this)
+        coordinator._run_on_each_worker(_make_dataset, lambda i: (self._key, dataset_fn, i % workers, workers))
 
     def __iter__(self) -> PerWorkerValues:
         key = f"ps-iterator:{uuid.uuid4().hex[:12]}"

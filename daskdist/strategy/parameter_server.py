@@ -143,6 +143,14 @@ class ParameterServerExtended(ParameterHolderExtended):
             raise
         logger.info("ParameterServerStrategy: ps %s, workers %s", ps, workers)
 
+    def _add_worker(self, address: str) -> None:
+        """Start a worker group on a Dask worker that joined the cluster (the coordinator admits it)."""
+        self.check_open()
+        host = self.client.run(describe_worker, workers=[address])[address]["host"]
+        group = self._launch_worker(address, host)
+        with self._lock:
+            self._worker_groups[address] = group
+
     def _launch_worker(self, address: str, host: str) -> ReplicaGroup:
         """A one-replica group on ``address``: the long-lived process that runs this worker's closures."""
         placement = Placement(0, address, host, DeviceSpec("CPU", 0))
