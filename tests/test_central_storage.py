@@ -246,3 +246,19 @@ def test_custom_loop_gives_mirrored_losses_step_by_step(threaded_client):
     assert c_losses[-1] < c_losses[0]
     np.testing.assert_allclose(c_losses, m_losses, rtol=1e-6)
     np.testing.assert_allclose(c_w, m_w, rtol=1e-6)
+
+
+def test_a_step_that_fails_on_one_replica_leaves_no_half_round_behind(central):
+    with central.scope():
+        v = dd.Variable(np.zeros(2), aggregation="MEAN")
+
+    def step(fail):
+        if fail and dd.get_replica_context().replica_id_in_sync_group == 1:
+            raise KeyError("replica 1 fails before it updates")
+        v.assign_add(np.ones(2))  # replica 0 has contributed and waits at the store
+
+    with pytest.raises(KeyError, match="replica 1 fails"):
+        central.run(step, args=(True,))
+    assert v.numpy().tolist() == [0.0, 0.0]  # the half round was never applied
+    central.run(step, args=(False,))  # the next command's rounds meet
+    assert v.numpy().tolist() == [1.0, 1.0]

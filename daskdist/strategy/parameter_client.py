@@ -25,7 +25,29 @@ from daskdist.strategy.parameter_store import HANDLER, STORE_EXTENSION
 if TYPE_CHECKING:
     from distributed import Client
 
-__all__ = ["StoreRef"]
+__all__ = ["RoundCounter", "StoreRef"]
+
+
+class RoundCounter:
+    """Round ids that every replica of one command computes alike: (the command's run id, n-th round in it).
+
+    Each command the client sends has one run id on every replica, so the
+    replicas agree on round ids even after an earlier command failed half way
+    (a counter kept across commands would drift apart and never meet again).
+    """
+
+    def __init__(self) -> None:
+        self._run: int | None = None
+        self._n = 0
+
+    def next(self, run_id: int) -> int:
+        if run_id != self._run:
+            self._run, self._n = run_id, 0
+        self._n += 1
+        return (int(run_id) << 32) | self._n
+
+    def __getstate__(self) -> dict:
+        return {"_run": None, "_n": 0}
 
 
 @dataclass(frozen=True)

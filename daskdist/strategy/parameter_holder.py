@@ -24,7 +24,7 @@ import numpy as np
 import optree
 
 from daskdist.strategy.extended import Args, Kwargs
-from daskdist.strategy.parameter_client import StoreRef
+from daskdist.strategy.parameter_client import RoundCounter, StoreRef
 from daskdist.strategy.parameter_store import install_store
 from daskdist.strategy.ps_values import AggregatingVariable
 from daskdist.strategy.spmd import SpmdExtended
@@ -267,7 +267,7 @@ class StoreGradientApplier:
 
     def __init__(self, store: StoreRef):
         self.store = store
-        self._rounds: dict[str, int] = {}
+        self._rounds: dict[str, RoundCounter] = {}
 
     def apply_gradients(self, service: Any, model_key: str, optimizer: Any, params: list[Any], grads: list[Any],
                         stats: Any) -> Any:
@@ -276,10 +276,9 @@ class StoreGradientApplier:
 
         from daskdist.arrays import namespace, to_numpy
 
-        round_id = self._rounds.get(model_key, 0) + 1
-        self._rounds[model_key] = round_id
+        round_id = self._rounds.setdefault(model_key, RoundCounter()).next(service.run_id)
         init = None
-        if service.rank == 0 and round_id == 1:
+        if service.rank == 0 and round_id & 0xFFFFFFFF == 1:  # the store keeps the first it gets
             init = ([np.array(to_numpy(p), copy=True) for p in params], _fresh_copy(optimizer))
         payload = {"grads": [to_numpy(g) for g in grads], "stats": to_numpy(stats),
                    "lr": float(optimizer.learning_rate), "init": init}

@@ -235,6 +235,7 @@ class ParameterStore:
         round_key = (store_id, key, int(round_id))
         round_ = self._rounds.get(round_key)
         if round_ is None:
+            self._drop_stale_rounds(store_id, key, int(round_id) >> 32)
             round_ = self._rounds[round_key] = _Round(size=int(size))
         if round_.size != size:
             raise ValueError(f"round {round_id} of {key!r}: {size} replicas contribute, the round expects {round_.size}")
@@ -256,6 +257,15 @@ class ParameterStore:
         if round_.error is not None:
             raise round_.error
         return {"status": "OK", "result": round_.result}
+
+    def _drop_stale_rounds(self, store_id: str, key: str, run: int) -> None:
+        """Forget rounds of ``key`` left by earlier commands (a replica failed before contributing)."""
+        for stale in [k for k in self._rounds if k[:2] == (store_id, key) and k[2] >> 32 < run]:
+            round_ = self._rounds.pop(stale)
+            if not round_.done.is_set():
+                round_.error = RuntimeError(f"round {stale[2] & 0xFFFFFFFF} of {key!r} was abandoned: a later "
+                                            "command started")
+                round_.done.set()
 
     def _finish(self, store_id: str, key: str, kind: str, contributions: dict[int, Any]) -> Any:
         ordered = [contributions[r] for r in sorted(contributions)]

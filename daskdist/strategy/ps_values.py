@@ -20,6 +20,8 @@ from daskdist import context
 from daskdist.arrays import namespace
 from daskdist.variables import DistributedVariable, VariableAggregation, VariableSpec
 
+from daskdist.strategy.parameter_client import RoundCounter
+
 if TYPE_CHECKING:
     from daskdist.strategy.parameter_client import StoreRef
 
@@ -56,7 +58,7 @@ class AggregatingVariable(DistributedVariable):
         self._device = device
         self._cached_version = -1
         self._cached_run = None
-        self._rounds = 0
+        self._rounds = RoundCounter()
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return (_resolve_stored_variable, (self._token, self._var_id, self._spec, self._store, self._device))
@@ -110,9 +112,8 @@ class AggregatingVariable(DistributedVariable):
             return
         # replica context: aggregate as the variable says; merge_call (cross-replica on every replica): once
         aggregation = self.aggregation.name if ctx is not None else "ONLY_FIRST_REPLICA"
-        self._rounds += 1
         version, new_value = self._store.round_from_replica(
-            runtime, "variable", f"var:{self._var_id}", self._rounds,
+            runtime, "variable", f"var:{self._var_id}", self._rounds.next(runtime.run_id),
             {"method": method, "value": array, "aggregation": aggregation},
         )
         self._value = namespace(new_value).array(new_value, copy=True)
