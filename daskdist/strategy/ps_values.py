@@ -18,9 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from daskdist import context
 from daskdist.arrays import namespace
-from daskdist.variables import DistributedVariable, VariableAggregation, VariableSpec
-
 from daskdist.strategy.parameter_client import RoundCounter
+from daskdist.variables import DistributedVariable, VariableAggregation, VariableSpec
 
 if TYPE_CHECKING:
     from daskdist.strategy.parameter_client import StoreRef
