@@ -233,6 +233,9 @@ def test_asynchronous_training_converges_on_digits(four_threads):
         losses = [coordinator.schedule(train_step, args=(iterator,)) for _ in range(600)]
         coordinator.join()
         assert int(steps.numpy()) == 600  # every closure's updates applied exactly once
+        staleness = strategy.extended._stores[0].call_from_client(four_threads, "staleness")
+        # store 0 holds kernel/part_0 and bias: two updates per closure, each counted against what it read
+        assert len(staleness) == 1200 and min(staleness) >= 0 and max(staleness) <= 2 * 600
         first, last = np.mean(coordinator.fetch(losses[:20])), np.mean(coordinator.fetch(losses[-20:]))
         assert last < first / 4
         predictions = (x_test @ kernel.numpy() + bias.numpy()).argmax(axis=1)

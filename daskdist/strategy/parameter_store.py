@@ -24,6 +24,7 @@ Keras parameters and optimizer a round of gradients updates.
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import logging
 from collections import OrderedDict
@@ -46,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 STORE_EXTENSION = "daskdist-ps"
 _DEDUPE_WINDOW = 1 << 16  # update keys remembered per variable
+_STALENESS_HISTORY = 1 << 16  # staleness samples kept per store id
 HANDLER = "daskdist_ps"
 
 
@@ -94,6 +96,7 @@ class ParameterStore:
         self._rounds: dict[tuple[str, str, int], _Round] = {}
         self._applied: dict[tuple[str, str], OrderedDict[tuple, None]] = {}  # update keys applied, per variable
         self._duplicates: dict[str, int] = {}
+        self._staleness: dict[str, collections.deque[int]] = {}
         self._served: dict[str, int] = {}  # bytes of values sent out, per store id (reads and row gathers)
 
     def __repr__(self) -> str:
@@ -160,13 +163,19 @@ class ParameterStore:
         return self._served.get(store_id, 0)
 
     def _op_update(self, store_id: str, var_id: str, method: str, value: Any,
-                   dedupe: tuple[str, int] | None = None) -> tuple[int, Any]:
+                   dedupe: tuple[str, int] | None = None, read_version: int | None = None) -> tuple[int, Any]:
         """``assign``/``assign_add``/``assign_sub`` applied once; ``(version, copy of the new value)``.
 
         ``dedupe``: the update's key (closure id, n); an update whose key was
         already applied to this variable is not applied again.
+        ``read_version``: the version the updater computed from; the
+        difference to the version it is applied to (its staleness) is
+        recorded (``staleness`` operation).
         """
         entry = self._entry(store_id, var_id)
+        if read_version is not None and read_version >= 0:
+            self._staleness.setdefault(store_id, collections.deque(maxlen=_STALENESS_HISTORY)).append(
+                entry.version - int(read_version))
         if dedupe is not None:
             applied = self._applied.setdefault((store_id, var_id), OrderedDict())
             key = tuple(dedupe)
@@ -178,6 +187,10 @@ class ParameterStore:
                 applied.popitem(last=False)
         _apply_method(entry, method, value)
         return entry.version, _copy(entry.value)
+
+    def _op_staleness(self, store_id: str) -> list[int]:
+        """The staleness of the recent asynchronous updates (versions applied in between), oldest first."""
+        return list(self._staleness.get(store_id, ()))
 
     def _op_duplicates(self, store_id: str) -> int:
         """How many deduplicated updates were skipped (a closure run again after a failure)."""
@@ -208,6 +221,7 @@ class ParameterStore:
             del self._models[key]
         self._served.pop(store_id, None)
         self._duplicates.pop(store_id, None)
+        self._staleness.pop(store_id, None)
         for applied_key in [k for k in self._applied if k[0] == store_id]:
             del self._applied[applied_key]
         for round_key in [k for k in self._rounds if k[0] == store_id]:

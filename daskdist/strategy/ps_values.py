@@ -105,7 +105,8 @@ class AggregatingVariable(DistributedVariable):
             raise ValueError(aggregation_error_message("AggregatingVariable"))
         if runtime.size == 1:  # nothing to aggregate (a parameter-server worker): applied at once, deduplicated
             version, new_value = self._store.call_from_replica(
-                runtime, "update", var_id=self._var_id, method=method, value=array, dedupe=_dedupe_key(runtime))
+                runtime, "update", var_id=self._var_id, method=method, value=array, dedupe=_dedupe_key(runtime),
+                read_version=self._cached_version if self._cached_run == runtime.run_id else None)
             self._value = new_value
             self._cached_version, self._cached_run = version, runtime.run_id
             return
