@@ -215,6 +215,16 @@ class ParameterServerExtended(ParameterHolderExtended):
             results.append(self._worker_groups[addresses[index]].call(command, tuple(worker_args))[0])
         return results
 
+    def install_resident(self, kind: str, object_id: str, obj: Any) -> None:
+        """Keras models are not trained under this strategy yet: say so instead of training worker copies."""
+        if kind == "model":
+            raise NotImplementedError(
+                "Keras fit/evaluate/predict under ParameterServerStrategy are not supported yet: the model's "
+                "weights would be trained on each worker's own copy, not on the ps. Write the step as a function "
+                "scheduled with ClusterCoordinator.schedule, with dd.Variable parameters created in scope()."
+            )
+        super().install_resident(kind, object_id, obj)
+
     def _install_views(self, var_id: str, spec: Any, store: Any, device: str) -> None:
         """Workers make their views of a variable when a closure first unpickles it."""
 
