@@ -111,11 +111,13 @@ def train_batches(model: Model, batches: Iterable[Any], steps: int | None, progr
     loss_sum = 0.0
     count = 0.0
     timer = _timer()
+    service = context.current_runtime()
+    applier = gradient_applier(service) if service is not None else None  # where the optimizer runs
     step = 0
     with contextlib.closing(_timed_batches(batches, steps, timer)) as timed:
         for batch in timed:
             x, y, sample_weight = split_batch(batch)
-            step_loss, step_count = _train_step(model, ctx, x, y, sample_weight, timer)
+            step_loss, step_count = _train_step(model, ctx, x, y, sample_weight, timer, applier)
             if timer is not None:
                 timer.end()
             loss_sum += step_loss
@@ -128,7 +130,8 @@ def train_batches(model: Model, batches: Iterable[Any], steps: int | None, progr
     return logs
 
 
-def _train_step(model: Model, ctx: Any, x: Any, y: Any, sample_weight: Any, timer: Any) -> tuple[float, float]:
+def _train_step(model: Model, ctx: Any, x: Any, y: Any, sample_weight: Any, timer: Any,
+                applier: Any = None) -> tuple[float, float]:
     x, _ = as_array(x)
     y, _ = as_array(y)
     model._ensure_built(x)
@@ -151,11 +154,10 @@ def _train_step(model: Model, ctx: Any, x: Any, y: Any, sample_weight: Any, time
         params, _ = model._trainable_arrays()
         grads = [namespace(p).zeros_like(p) for p in params]
     stats = _step_stats(grads, rows, loss_sum)
-    service = context.current_runtime()
-    applier = gradient_applier(service) if service is not None else None
     if applier is not None:  # parameters held elsewhere (CentralStorage): reduced there, optimizer run there once
         start = time.perf_counter()
-        total_stats = applier.apply_gradients(service, model._model_id, model.optimizer, params, grads, stats)
+        total_stats = applier.apply_gradients(context.current_runtime(), model._model_id, model.optimizer, params,
+                                              grads, stats)
         global_count = float(total_stats[0])
         if timer is not None:
             timer.add_apply(time.perf_counter() - start)
