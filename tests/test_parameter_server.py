@@ -58,6 +58,10 @@ def test_a_resolver_without_ps_or_worker_or_with_other_task_types_is_refused(thr
         dd.ParameterServerStrategy(SpecResolver({"ps": roles["ps"]}), client=threaded_client)
     with pytest.raises(ValueError, match="Disallowed task type found in cluster spec"):
         dd.ParameterServerStrategy(SpecResolver({**roles, "evaluator": roles["worker"][:1]}), client=threaded_client)
+    host_port = {job: [a.split("://")[1] for a in addresses] for job, addresses in roles.items()}  # TF_CONFIG's form
+    with dd.ParameterServerStrategy(SpecResolver(host_port), client=threaded_client) as strategy:
+        assert strategy.extended.ps_addresses == roles["ps"]
+        assert list(strategy.extended.worker_addresses) == roles["worker"]
     with pytest.raises(ValueError, match="not workers of this Dask cluster"):
         dd.ParameterServerStrategy(SpecResolver({"ps": ["tcp://10.255.255.1:1"], "worker": roles["worker"]}),
                                    client=threaded_client)

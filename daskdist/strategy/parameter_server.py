@@ -86,6 +86,28 @@ def cluster_members(cluster_resolver: Any) -> tuple[list[str], list[str]]:
     return ps, workers
 
 
+def _match_workers(entries: list[str], known: dict[str, Any]) -> list[str]:
+    """Dask worker addresses for spec entries: a full address, or ``host:port`` (TF_CONFIG's form).
+
+    Raises
+    ------
+    ValueError
+        An entry that names no worker of the cluster (never a hang).
+    """
+    by_host_port = {a.split("://", 1)[-1]: a for a in known}
+    matched, unknown = [], []
+    for entry in entries:
+        address = entry if entry in known else by_host_port.get(str(entry).split("://", 1)[-1])
+        if address is None:
+            unknown.append(entry)
+        else:
+            matched.append(address)
+    if unknown:
+        raise ValueError(f"the cluster spec names {unknown}, which are not workers of this Dask cluster "
+                         f"(workers: {sorted(known)})")
+    return matched
+
+
 def _addresses(job: Any) -> list[str]:
     if job is None:
         return []
@@ -111,10 +133,7 @@ class ParameterServerExtended(ParameterHolderExtended):
         if not isinstance(client, Client):
             raise TypeError(f"client must be a distributed.Client, got {type(client).__name__}")
         known = client.scheduler_info(n_workers=-1)["workers"]
-        unknown = [a for a in ps + workers if a not in known]
-        if unknown:
-            raise ValueError(f"the cluster spec names {unknown}, which are not workers of this Dask cluster "
-                             f"(workers: {sorted(known)})")
+        ps, workers = _match_workers(ps, known), _match_workers(workers, known)
         self.strategy = strategy
         self._client = client
         self._owns_client = False
