@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from daskdist import config as _config  # noqa: F401  (registers daskdist.* defaults in dask.config)
-from daskdist import data, experimental, nn, plugins, train
+from daskdist import compat, data, experimental, nn, plugins, train
 from daskdist.context import get_replica_context, get_strategy, has_strategy, in_cross_replica_context
 from daskdist.cross_device_ops import (
     AllReduceCrossDeviceOps,
@@ -74,6 +74,7 @@ __all__ = [
     "Variable",
     "VariableAggregation",
     "VariableSynchronization",
+    "compat",
     "data",
     "experimental",
     "get_replica_context",

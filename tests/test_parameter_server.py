@@ -340,3 +340,26 @@ def test_a_dask_worker_that_joins_is_admitted_and_takes_closures(make_cluster):
         results = coordinator.fetch([coordinator.schedule(where, args=(iterator,)) for _ in range(40)])
         assert newcomer in {address for address, _ in results}  # it ran closures, with its own iterator
         assert newcomer in strategy.extended.worker_addresses
+
+
+def test_the_v1_facade_runs_on_every_worker_with_its_own_input(threaded_client):
+    # tf.compat.v1.distribute.experimental.ParameterServerStrategy: between-graph workers, async between them
+    roles = _roles(threaded_client, 1)
+    strategy = dd.compat.v1.distribute.experimental.ParameterServerStrategy(SpecResolver(roles),
+                                                                            client=threaded_client)
+    with strategy:
+        assert strategy.num_replicas_in_sync == 1
+        with strategy.scope():
+            global_step = dd.Variable(np.zeros((), np.int64), name="global_step")
+        dataset = strategy.experimental_distribute_dataset(dd.data.Dataset.from_tensor_slices(np.arange(8)).batch(2))
+        iterator = iter(dataset)
+
+        def step(it):
+            global_step.assign_add(1)  # on the first replica of every worker: counts worker-steps
+            return next(it).tolist()
+
+        first = strategy.run(step, args=(iterator,))
+        second = strategy.extended.call_for_each_replica(step, args=(iterator,))
+        assert len(first.values) == len(roles["worker"]) == 2
+        assert first.values == ([0, 1], [2, 3]) and second.values == ([4, 5], [6, 7])  # batches sharded per worker
+        assert int(global_step.numpy()) == 4
