@@ -306,6 +306,7 @@ class ClusterCoordinator:
                     with self._cond:
                         self._inflight -= 1
                         self._live.discard(address)
+                        self._seen.discard(address)  # if it comes back at this address, it is admitted again
                         if self._fatal is None and self._error is None:
                             self._queue.appendleft(closure)  # at least once
                         else:
@@ -381,14 +382,15 @@ class ClusterCoordinator:
     def _admit(self, address: str) -> None:
         try:
             self._extended._add_worker(address)
-            index = len(self._workers)
+            index = self._workers.index(address) if address in self._workers else len(self._workers)
             for command, args_for in self._resources:
                 self._extended.worker_groups[address].call(command, args_for(index))
         except Exception as e:  # noqa: BLE001 - a newcomer that fails to start is left out, not fatal
             logger.warning("Could not admit new worker %s: %s", address, e)
             return
         with self._cond:
-            self._workers.append(address)
+            if address not in self._workers:
+                self._workers.append(address)
             self._live.add(address)
         thread = threading.Thread(target=self._drive, args=(address,), daemon=True,
                                   name=f"daskdist-coordinator-{index}")
