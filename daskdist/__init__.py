@@ -29,6 +29,7 @@ from daskdist.strategy.base import Strategy, ValueContext
 from daskdist.strategy.mirrored import MirroredStrategy
 from daskdist.strategy.one_device import OneDeviceStrategy
 from daskdist.strategy.parameter_server import ParameterServerStrategy
+from daskdist.strategy.sharded_variable import IndexedSlices
 from daskdist.values import DistributedValues, Mirrored, PerReplica
 from daskdist.variables import (
     MirroredVariable,
@@ -52,6 +53,7 @@ __all__ = [
     "DaskdistError",
     "DistributedValues",
     "HierarchicalCopyAllReduce",
+    "IndexedSlices",
     "InputContext",
     "InputOptions",
     "Mirrored",

@@ -1,12 +1,15 @@
 """Asynchronous parameter-server training on daskdist (TF's parameter-server training tutorial, in small).
 
 A local Dask cluster: the first ``--ps`` workers hold the parameters, the
-others train. The softmax classifier's kernel is split over the ps by a
-partitioner (a ``ShardedVariable``); each worker reads its own shard of the
-digits data through a per-worker dataset; ``coordinator.schedule`` queues one
-closure per step, and whichever worker is free runs it: it pulls the
-parameters, computes the gradient of its batch and pushes the update to the
-ps, where it is applied. Workers never wait for each other.
+others train. The data is a Dask DataFrame (the digits, 64 pixel columns and
+a label) persisted on the cluster; each worker reads its share through a
+per-worker dataset. The model is a softmax classifier over a large hashed
+embedding: every (position, pixel value) pair is a token,
+hashed into ``--rows`` rows (default 2**18, 10 floats each: 10 MB), split over
+the ps by ``MinSizePartitioner`` into a ``ShardedVariable``. A closure reads
+only the rows its batch touches (``dd.nn.embedding_lookup``) and pushes only
+their gradient (``scatter_sub`` of an ``IndexedSlices``), which the ps apply;
+workers never wait for each other.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ import logging
 import sys
 import time
 
+import dask.dataframe as ddf
 import numpy as np
+import pandas as pd
 from distributed import Client, LocalCluster
 
 import daskdist as dd
@@ -46,37 +51,53 @@ def load_digits() -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.n
     return (x[:split], y[:split]), (x[split:], y[split:])
 
 
+def tokens(pixels: np.ndarray, rows: int) -> np.ndarray:
+    """Hashed ids of (position, value) for each pixel of each image: shape (images, 64)."""
+    values = np.rint(pixels * 16).astype(np.int64)
+    raw = np.arange(values.shape[1]) * 17 + values
+    return (raw * 2654435761) % rows
+
+
 def main(args: argparse.Namespace) -> float:
     (x_train, y_train), (x_test, y_test) = load_digits()
     with LocalCluster(n_workers=args.ps + args.workers, threads_per_worker=1, processes=True,
                       dashboard_address=":0", silence_logs=logging.ERROR) as cluster, Client(cluster) as client:
+        frame = pd.DataFrame(x_train, columns=[f"p{i}" for i in range(64)]).assign(label=y_train)
+        train = client.persist(ddf.from_pandas(frame, npartitions=8))  # the data lives on the workers
+
         strategy = dd.ParameterServerStrategy(
             WorkerRoles(client, args.ps),
-            variable_partitioner=dd.experimental.partitioners.FixedShardsPartitioner(num_shards=args.ps),
+            variable_partitioner=dd.experimental.partitioners.MinSizePartitioner(
+                min_shard_bytes=256 << 10, max_shards=args.ps),
             client=client)
         coordinator = dd.experimental.coordinator.ClusterCoordinator(strategy)
         with strategy.scope():
-            kernel = dd.Variable(np.zeros((64, 10), np.float32), name="kernel")  # sharded over the ps
+            embedding = dd.Variable(np.zeros((args.rows, 10), np.float32), name="embedding")  # sharded
             bias = dd.Variable(np.zeros(10, np.float32), name="bias")
         print(f"ps: {strategy.extended.ps_addresses}\nworkers: {list(strategy.extended.worker_addresses)}")
-        print(f"kernel shards: {[v.shape for v in kernel.variables]} on {[v.device for v in kernel.variables]}")
+        print(f"embedding shards: {[v.shape for v in embedding.variables]} on "
+              f"{[v.device for v in embedding.variables]}")
 
         def dataset_fn(ctx):
-            return (dd.data.Dataset.from_tensor_slices((x_train, y_train))
-                    .shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+            return (dd.data.Dataset.from_dask(train).shard(ctx.num_input_pipelines, ctx.input_pipeline_id).cache()
                     .shuffle(2000, seed=ctx.input_pipeline_id).batch(args.batch).repeat())
 
         iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+        rows = args.rows
 
         def train_step(it):
-            x, y = next(it)
-            logits = x @ kernel.value() + bias.value()
+            batch = next(it)
+            x = np.stack([batch[f"p{i}"] for i in range(64)], axis=1).astype(np.float32)
+            y = np.asarray(batch["label"], np.int64)
+            ids = tokens(x, rows)                                           # (batch, 64)
+            logits = dd.nn.embedding_lookup(embedding, ids).sum(axis=1) + bias.value()   # pulls touched rows
             p = np.exp(logits - logits.max(axis=1, keepdims=True))
             p /= p.sum(axis=1, keepdims=True)
             loss = float(-np.log(p[np.arange(len(y)), y] + 1e-9).mean())
             p[np.arange(len(y)), y] -= 1.0
             p /= len(y)
-            kernel.assign_sub(args.lr * (x.T @ p))
+            grads = np.repeat(p[:, None, :], ids.shape[1], axis=1).reshape(-1, 10)  # d loss / d row, per token
+            embedding.scatter_sub(dd.IndexedSlices(values=args.lr * grads, indices=ids.reshape(-1)))
             bias.assign_sub(args.lr * p.sum(axis=0))
             return loss
 
@@ -87,8 +108,8 @@ def main(args: argparse.Namespace) -> float:
         fetched = coordinator.fetch(losses)
         for step in range(0, args.steps, max(1, args.steps // 8)):
             print(f"step {step:4d}: loss {np.mean(fetched[step:step + 20]):.4f}")
-        predictions = (x_test @ kernel.numpy() + bias.numpy()).argmax(axis=1)
-        accuracy = float((predictions == y_test).mean())
+        logits = dd.nn.embedding_lookup(embedding, tokens(x_test, rows)).sum(axis=1) + bias.numpy()
+        accuracy = float((logits.argmax(axis=1) == y_test).mean())
         print(f"{args.steps} closures in {seconds:.2f} s ({args.steps / seconds:.0f}/s); test accuracy {accuracy:.4f}")
         strategy.close()
     return accuracy
@@ -100,7 +121,8 @@ if __name__ == "__main__":
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=800)
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=0.5)
+    parser.add_argument("--lr", type=float, default=0.3)
+    parser.add_argument("--rows", type=int, default=1 << 18, help="rows of the hashed embedding")
     parser.add_argument("--target", type=float, default=0.95, help="fail (exit 1) below this test accuracy")
     arguments = parser.parse_args()
     result = main(arguments)

@@ -129,6 +129,14 @@ def test_min_size_partitioner_shards_a_large_embedding_over_the_ps(four_threads)
         served = [s.call_from_client(four_threads, "bytes_served") for s in strategy.extended._stores]
         assert served == [32, 32]  # one row from each shard, not 1.6 MB
 
+        def push(ids):  # a sparse gradient step: only the rows touched travel to the ps
+            embedding.scatter_sub(dd.IndexedSlices(values=np.ones((len(ids), 8), np.float32), indices=ids))
+
+        coordinator.schedule(push, args=(np.array([2, 50_001, 2]),))
+        coordinator.join()
+        rows = dd.nn.embedding_lookup(embedding, np.array([2, 50_001, 3]))
+        np.testing.assert_array_equal(rows, [[-2.0] * 8, [-1.0] * 8, [0.0] * 8])
+
 
 def test_keras_fit_is_refused_rather_than_training_worker_copies(threaded_client):
     from daskdist import keras

@@ -151,3 +151,16 @@ def test_sharded_variable_of_stored_shards_pulls_only_the_rows_touched(threaded_
         with pytest.raises(ValueError, match="Cannot assign a value of shape"):
             table.assign(np.zeros((999, 8), np.float32))
         np.testing.assert_array_equal(table.numpy(), full + 1)
+
+
+def test_scatter_updates_go_to_the_shards_holding_the_rows():
+    sharded, full = _sharded()
+    sharded.scatter_add(dd.IndexedSlices(values=np.ones((3, 2), np.float32), indices=np.array([0, 12, 0])))
+    expected = full.copy()
+    np.add.at(expected, [0, 12, 0], 1.0)  # repeated rows add up, as TF's scatter_add
+    np.testing.assert_array_equal(sharded.numpy(), expected)
+    sharded.scatter_update(dd.IndexedSlices(values=np.zeros((1, 2), np.float32), indices=np.array([5])))
+    expected[5] = 0
+    np.testing.assert_array_equal(sharded.numpy(), expected)
+    with pytest.raises(ValueError, match="values of shape"):
+        sharded.scatter_sub(dd.IndexedSlices(values=np.ones((2, 2), np.float32), indices=np.array([1])))

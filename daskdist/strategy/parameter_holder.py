@@ -170,6 +170,12 @@ class ParameterHolderExtended(SpmdExtended):
         _, found = self._store_for(var_id).call_from_client(self.client, "gather", var_id=var_id, indices=rows)
         return found
 
+    def scatter_variable(self, var_id: str, method: str, indices: Any, values: Any) -> None:
+        """A sparse update from the client (``scatter_add``/``scatter_sub``/``scatter_update``), applied once."""
+        self.check_open()
+        self._store_for(var_id).call_from_client(self.client, "scatter", var_id=var_id, method=method,
+                                                 indices=indices, values=values)
+
     def update_variable(self, var_id: str, method: str, value: Any) -> None:
         """A cross-replica ``assign``/``assign_add``/``assign_sub``: applied once, to the stored value."""
         self.check_open()

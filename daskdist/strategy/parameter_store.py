@@ -176,17 +176,54 @@ class ParameterStore:
         if read_version is not None and read_version >= 0:
             self._staleness.setdefault(store_id, collections.deque(maxlen=_STALENESS_HISTORY)).append(
                 entry.version - int(read_version))
-        if dedupe is not None:
-            applied = self._applied.setdefault((store_id, var_id), OrderedDict())
-            key = tuple(dedupe)
-            if key in applied:
-                self._duplicates[store_id] = self._duplicates.get(store_id, 0) + 1
-                return entry.version, _copy(entry.value)
-            applied[key] = None
-            if len(applied) > _DEDUPE_WINDOW:
-                applied.popitem(last=False)
+        if dedupe is not None and self._seen_before(store_id, var_id, dedupe):
+            return entry.version, _copy(entry.value)
         _apply_method(entry, method, value)
         return entry.version, _copy(entry.value)
+
+    def _op_scatter(self, store_id: str, var_id: str, method: str, indices: Any, values: Any,
+                    dedupe: tuple[str, int] | None = None, read_version: int | None = None) -> int:
+        """Rows ``indices`` updated with ``values`` (``add``, ``sub`` or ``update``), once; the new version.
+
+        Repeated indices add up (``add``/``sub``), as TF's ``scatter_add``.
+        ``dedupe`` and ``read_version`` as for ``update``.
+        """
+        entry = self._entry(store_id, var_id)
+        if dedupe is not None and self._seen_before(store_id, var_id, dedupe):
+            return entry.version
+        if read_version is not None and read_version >= 0:
+            self._staleness.setdefault(store_id, collections.deque(maxlen=_STALENESS_HISTORY)).append(
+                entry.version - int(read_version))
+        rows = np.asarray(indices, dtype=np.int64).reshape(-1)
+        delta = np.asarray(as_array(values)[0], dtype=entry.value.dtype)
+        if delta.shape != (len(rows), *entry.value.shape[1:]):
+            raise ValueError(f"scatter_{method} of variable '{entry.spec.name}': values of shape {delta.shape} "
+                             f"for {len(rows)} rows of shape {tuple(entry.value.shape[1:])}")
+        if rows.size and (rows.min() < 0 or rows.max() >= entry.value.shape[0]):
+            raise IndexError(f"scatter_{method}: rows {rows.min()}..{rows.max()} of variable "
+                             f"'{entry.spec.name}' with {entry.value.shape[0]} rows")
+        if method == "add":
+            np.add.at(entry.value, rows, delta)
+        elif method == "sub":
+            np.subtract.at(entry.value, rows, delta)
+        elif method == "update":
+            entry.value[rows] = delta
+        else:
+            raise ValueError(f"unknown scatter method {method!r}")
+        entry.version += 1
+        return entry.version
+
+    def _seen_before(self, store_id: str, var_id: str, dedupe: tuple[str, int]) -> bool:
+        """Whether the update keyed ``dedupe`` was applied to this variable already (then it is counted)."""
+        applied = self._applied.setdefault((store_id, var_id), OrderedDict())
+        key = tuple(dedupe)
+        if key in applied:
+            self._duplicates[store_id] = self._duplicates.get(store_id, 0) + 1
+            return True
+        applied[key] = None
+        if len(applied) > _DEDUPE_WINDOW:
+            applied.popitem(last=False)
+        return False
 
     def _op_staleness(self, store_id: str) -> list[int]:
         """The staleness of the recent asynchronous updates (versions applied in between), oldest first."""

@@ -91,6 +91,38 @@ class AggregatingVariable(DistributedVariable):
         _, found = self._store.call_from_replica(runtime, "gather", var_id=self._var_id, indices=rows)
         return found
 
+    # -- sparse updates (embeddings) -------------------------------------------------------
+
+    def scatter_add(self, sparse_delta: Any) -> AggregatingVariable:
+        """Add ``sparse_delta.values`` to rows ``sparse_delta.indices`` (only those rows travel)."""
+        return self._scatter("add", sparse_delta)
+
+    def scatter_sub(self, sparse_delta: Any) -> AggregatingVariable:
+        """Subtract ``sparse_delta.values`` from rows ``sparse_delta.indices``."""
+        return self._scatter("sub", sparse_delta)
+
+    def scatter_update(self, sparse_delta: Any) -> AggregatingVariable:
+        """Set rows ``sparse_delta.indices`` to ``sparse_delta.values``."""
+        return self._scatter("update", sparse_delta)
+
+    def _scatter(self, method: str, sparse_delta: Any) -> AggregatingVariable:
+        indices, values = sparse_delta.indices, sparse_delta.values
+        if not self._on_replica():
+            self._client_owner().scatter_variable(self._var_id, method, indices, values)
+            return self
+        runtime = self._runtime
+        frame = context.current_frame()
+        if frame is not None and frame.replica_context is not None and runtime.size > 1:
+            raise NotImplementedError(
+                f"scatter_{method} of variable '{self.name}' in replica context with {runtime.size} replicas in "
+                "sync: reduce the sparse update first (merge_call) or run it from a parameter-server worker"
+            )
+        read = self._cached_version if self._cached_run == runtime.run_id else None
+        self._store.call_from_replica(runtime, "scatter", var_id=self._var_id, method=method, indices=indices,
+                                      values=values, dedupe=_dedupe_key(runtime), read_version=read)
+        self._cached_run = None  # the compute copy is stale: the next read pulls
+        return self
+
     # -- writing -----------------------------------------------------------------------
 
     def _update(self, method: str, value: Any) -> None:

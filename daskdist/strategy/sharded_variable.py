@@ -12,6 +12,7 @@ array; slice assignment does not (as in TensorFlow).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -19,7 +20,16 @@ import numpy as np
 from daskdist.arrays import as_array, namespace, to_numpy
 from daskdist.variables import Variable
 
-__all__ = ["ShardedVariable", "embedding_lookup"]
+__all__ = ["IndexedSlices", "ShardedVariable", "embedding_lookup"]
+
+
+@dataclass(frozen=True)
+class IndexedSlices:
+    """Rows ``indices`` of a variable with their ``values`` (TF's ``tf.IndexedSlices``): a sparse update."""
+
+    values: Any
+    indices: Any
+    dense_shape: Any = None
 
 
 class ShardedVariable:
@@ -158,6 +168,33 @@ class ShardedVariable:
             variable.assign_sub(part)
         return self if read_value else None
 
+    def scatter_add(self, sparse_delta: IndexedSlices) -> ShardedVariable:
+        """Add ``sparse_delta.values`` to its rows, each shard getting only its own rows (TF's ``scatter_add``)."""
+        return self._scatter("add", sparse_delta)
+
+    def scatter_sub(self, sparse_delta: IndexedSlices) -> ShardedVariable:
+        """Subtract ``sparse_delta.values`` from its rows, shard by shard."""
+        return self._scatter("sub", sparse_delta)
+
+    def scatter_update(self, sparse_delta: IndexedSlices) -> ShardedVariable:
+        """Set its rows to ``sparse_delta.values``, shard by shard."""
+        return self._scatter("update", sparse_delta)
+
+    def _scatter(self, method: str, sparse_delta: IndexedSlices) -> ShardedVariable:
+        ids = np.asarray(to_numpy(as_array(sparse_delta.indices)[0])).astype(np.int64).reshape(-1)
+        values = np.asarray(to_numpy(as_array(sparse_delta.values)[0]))
+        if values.shape != (len(ids), *self._shape[1:]):
+            raise ValueError(f"scatter_{method}: values of shape {values.shape} for {len(ids)} rows of shape "
+                             f"{self._shape[1:]}")
+        if ids.size and (ids.min() < 0 or ids.max() >= self._shape[0]):
+            raise IndexError(f"scatter_{method}: rows must be in [0, {self._shape[0]}), got {ids.min()}..{ids.max()}")
+        shard_of = np.searchsorted(self._offsets, ids, side="right") - 1
+        for shard in np.unique(shard_of):
+            where = np.nonzero(shard_of == shard)[0]
+            part = IndexedSlices(values[where], ids[where] - self._offsets[shard])
+            _scatter(self._variables[shard], method, part)
+        return self
+
     def __setitem__(self, index: Any, value: Any) -> None:
         raise TypeError("ShardedVariable does not support slice assignment (as in TensorFlow); use assign")
 
@@ -173,6 +210,22 @@ class ShardedVariable:
     def __rmatmul__(self, o: Any) -> Any: return o @ self.value()
     def __neg__(self) -> Any: return -self.value()
     def __len__(self) -> int: return self._shape[0]
+
+
+def _scatter(variable: Any, method: str, part: IndexedSlices) -> None:
+    """A sparse update of one shard: a stored shard sends only the rows; another is read, changed, assigned."""
+    scatter = getattr(variable, f"scatter_{method}", None)
+    if scatter is not None:
+        scatter(part)
+        return
+    value = np.array(to_numpy(as_array(variable.value())[0]), copy=True)
+    if method == "add":
+        np.add.at(value, part.indices, part.values)
+    elif method == "sub":
+        np.subtract.at(value, part.indices, part.values)
+    else:
+        value[part.indices] = part.values
+    variable.assign(value)
 
 
 def _rows(variable: Any, local_ids: np.ndarray) -> Any:
