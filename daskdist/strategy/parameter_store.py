@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from daskdist import serialization
-from daskdist.arrays import as_array, namespace
+from daskdist.arrays import as_array, namespace, to_numpy
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -81,9 +81,9 @@ class _Round:
     fetched: set[int] = field(default_factory=set)
 
 
-def _copy(value: Any) -> Any:
-    array, _ = as_array(value)
-    return namespace(array).array(array, copy=True)
+def _copy(value: Any) -> np.ndarray:
+    """A host (numpy) copy: stores hold host memory, whatever device a replica computes on."""
+    return np.array(to_numpy(as_array(value)[0]), copy=True)
 
 
 class ParameterStore:
@@ -336,7 +336,7 @@ class ParameterStore:
         if aggregation == "ONLY_FIRST_REPLICA":
             value = first["value"]
         else:
-            value = functools.reduce(np.add, [as_array(c["value"])[0] for c in ordered])
+            value = functools.reduce(np.add, [np.asarray(to_numpy(as_array(c["value"])[0])) for c in ordered])
             if aggregation == "MEAN":
                 value = value / len(ordered)
         entry = self._entry(store_id, var_id)
@@ -391,7 +391,7 @@ class ParameterStore:
 
 
 def _apply_method(entry: _Entry, method: str, value: Any) -> None:
-    array, _ = as_array(value)
+    array = np.asarray(to_numpy(as_array(value)[0]))
     shape = tuple(entry.spec.shape)
     if array.ndim != 0 and tuple(array.shape) != shape:
         raise ValueError(f"Cannot assign a value of shape {tuple(array.shape)} to variable "

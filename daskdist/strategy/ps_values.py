@@ -77,7 +77,7 @@ class AggregatingVariable(DistributedVariable):
             version, value = self._store.call_from_replica(runtime, "read", var_id=self._var_id,
                                                            newer_than=self._cached_version)
             if value is not None:
-                self._value, self._cached_version = value, version
+                self._value, self._cached_version = _on_replica_device(value, runtime), version
             self._cached_run = runtime.run_id
         return self._value
 
@@ -89,7 +89,7 @@ class AggregatingVariable(DistributedVariable):
         if self._value is not None and self._cached_run == runtime.run_id:
             return self._value[rows]
         _, found = self._store.call_from_replica(runtime, "gather", var_id=self._var_id, indices=rows)
-        return found
+        return _on_replica_device(found, runtime)
 
     # -- sparse updates (embeddings) -------------------------------------------------------
 
@@ -139,7 +139,7 @@ class AggregatingVariable(DistributedVariable):
             version, new_value = self._store.call_from_replica(
                 runtime, "update", var_id=self._var_id, method=method, value=array, dedupe=_dedupe_key(runtime),
                 read_version=self._cached_version if self._cached_run == runtime.run_id else None)
-            self._value = new_value
+            self._value = _on_replica_device(new_value, runtime)
             self._cached_version, self._cached_run = version, runtime.run_id
             return
         # replica context: aggregate as the variable says; merge_call (cross-replica on every replica): once
@@ -148,8 +148,18 @@ class AggregatingVariable(DistributedVariable):
             runtime, "variable", f"var:{self._var_id}", self._rounds.next(runtime.run_id),
             {"method": method, "value": array, "aggregation": aggregation},
         )
-        self._value = namespace(new_value).array(new_value, copy=True)
+        self._value = _on_replica_device(namespace(new_value).array(new_value, copy=True), runtime)
         self._cached_version, self._cached_run = version, runtime.run_id
+
+
+def _on_replica_device(value: Any, runtime: Any) -> Any:
+    """A value from the store (host memory) on the replica's device: cupy for a GPU replica."""
+    devices = getattr(runtime, "devices", None)
+    if devices and "GPU" in str(devices[runtime.rank]):
+        import importlib
+
+        return importlib.import_module("cupy").asarray(value)  # a GPU replica has cupy
+    return value
 
 
 #: The resident key under which a parameter-server worker records the closure it runs (id, updates so far).
