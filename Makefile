@@ -2,12 +2,13 @@
 #   make run    installs into .venv and runs the main job: the MirroredStrategy Keras tutorial
 #               (examples/mnist_mirrored.py) on an embedded local Dask cluster
 #   make test   installs into .venv (with test extras) and runs the test suite
+#   (make check runs ruff, mypy and the import-direction check; .ci/run runs both)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-ucx bench install clean
+.PHONY: run test check test-ucx bench install clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,10 +24,19 @@ run: $(STAMP)
 	$(BIN)/python examples/mnist_mirrored.py $(ARGS)
 
 # scripts/ensure_chromium.sh installs Debian's chromium for the dashboard browser test when it is missing
-# (best effort, never fails; the test skips without it)
+# (best effort, never fails; the test skips without it); scripts/ensure_iproute2.sh does the same for `ip`/`tc`
+# (iproute2), which the network-namespace host tests need (they skip without it, or without root)
 test: $(STAMP)
 	-bash scripts/ensure_chromium.sh
+	-bash scripts/ensure_iproute2.sh
 	$(BIN)/python -m pytest tests -q
+
+# static checks (configured in pyproject.toml): ruff's lint rules, mypy (strict for daskdist.collective,
+# daskdist.group and daskdist.strategy) and the import-direction contracts (lint-imports); .ci/run runs them
+check: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 # the ucx transport's tests, in a venv of their own with the ucx extra (ucxx and UCX wheels, about 350 MB);
 # `make test` skips them where ucxx is missing

@@ -10,7 +10,7 @@ import platform
 import shlex
 import subprocess
 import sys
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 

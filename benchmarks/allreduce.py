@@ -87,8 +87,8 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 from _common import (
@@ -297,7 +297,7 @@ def measure_size(client: object, addresses: list[str], strategies: dict[str, obj
     }
     if with_naive:
         def naive_then_settle(k: int) -> list[float]:
-            times = naive_block(client, inputs, addresses, min(k, NAIVE_PER_BLOCK))
+            times = naive_block(client, inputs, addresses, min(k, NAIVE_PER_BLOCK))  # noqa: F821 (run before `del inputs`)
             time.sleep(NAIVE_SETTLE_SECONDS)  # the workers' event loops finish the tasks' bookkeeping
             return times
 
@@ -522,7 +522,7 @@ def tables(n: int, results: dict[str, SystemResult], sizes: list[int], args: arg
         iters = str(args.iterations or default_iterations(nbytes))
         lat_rows.append([format_size(nbytes), algorithm_name(nbytes, args.implementation, n), iters]
                         + [cell(s, nbytes, lambda t: f"{t * 1e3:.4g}") for s in systems])
-        bw_rows.append([format_size(nbytes)] + [cell(s, nbytes, lambda t: f"{bus_bandwidth(nbytes, n, t):.3g}")
+        bw_rows.append([format_size(nbytes)] + [cell(s, nbytes, lambda t: f"{bus_bandwidth(nbytes, n, t):.3g}")  # noqa: B023
                                                 for s in systems])
         best = best_daskdist(results, nbytes, n)
         if best is None:

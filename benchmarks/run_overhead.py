@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from _common import (
     add_transport_option,

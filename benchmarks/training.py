@@ -503,7 +503,7 @@ def part3(args: argparse.Namespace) -> dict:
             "allreduce_ms": med([e["allreduce_ms"] for e in epochs_]),
             **{k: med([e[k] for e in epochs_]) for k in ("user_ms", "sys_ms", "minflt")},
         }
-    for system, by_n in out["systems"].items():
+    for by_n in out["systems"].values():
         by_n["efficiency"] = by_n[2]["samples_per_s"] / (2 * by_n[1]["samples_per_s"])
     s = out["systems"]
     out["ratio"] = {other: {n: s["daskdist"][n]["samples_per_s"] / s[other][n]["samples_per_s"] for n in (1, 2)}

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from daskdist import cluster_resolver, compat, data, distribute, experimental, nn, plugins, train
 from daskdist import config as _config  # noqa: F401  (registers daskdist.* defaults in dask.config)
-from daskdist import compat, data, experimental, nn, plugins, train
 from daskdist.context import get_replica_context, get_strategy, has_strategy, in_cross_replica_context
 from daskdist.cross_device_ops import (
     AllReduceCrossDeviceOps,
@@ -27,6 +27,7 @@ from daskdist.ops import CommunicationImplementation, CommunicationOptions, Redu
 from daskdist.replica.context import ReplicaContext
 from daskdist.strategy.base import Strategy, ValueContext
 from daskdist.strategy.mirrored import MirroredStrategy
+from daskdist.strategy.multi_worker_mirrored import MultiWorkerMirroredStrategy
 from daskdist.strategy.one_device import OneDeviceStrategy
 from daskdist.strategy.parameter_server import ParameterServerStrategy
 from daskdist.strategy.sharded_variable import IndexedSlices
@@ -59,6 +60,7 @@ __all__ = [
     "Mirrored",
     "MirroredStrategy",
     "MirroredVariable",
+    "MultiWorkerMirroredStrategy",
     "NcclAllReduce",
     "OneDeviceStrategy",
     "OutOfRangeError",
@@ -76,8 +78,10 @@ __all__ = [
     "Variable",
     "VariableAggregation",
     "VariableSynchronization",
+    "cluster_resolver",
     "compat",
     "data",
+    "distribute",
     "experimental",
     "get_replica_context",
     "get_strategy",

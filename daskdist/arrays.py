@@ -7,8 +7,9 @@ array stays a cupy array, and a torch or jax tensor is viewed through DLPack.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 

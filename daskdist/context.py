@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from daskdist.replica.context import ReplicaContext
 
 __all__ = [
+    "experimental_set_strategy",
     "get_replica_context",
     "get_strategy",
     "has_strategy",
@@ -115,3 +116,22 @@ def get_strategy() -> Any:
 def has_strategy() -> bool:
     """True when a non-default strategy is in effect in this thread."""
     return current_frame() is not None
+
+
+def experimental_set_strategy(strategy: Any) -> None:
+    """Make ``strategy`` current in this thread without a ``with strategy.scope()`` block (TF's function).
+
+    ``experimental_set_strategy(None)`` leaves it again. As in TensorFlow it
+    raises ``RuntimeError`` inside a ``strategy.scope()`` (other than one it set).
+    """
+    entered = getattr(_local, "set_strategy_scope", None)
+    stack = _stack()
+    if len(stack) > (1 if entered is not None else 0):
+        raise RuntimeError("Must not be called inside a `tf.distribute.Strategy` scope.")
+    if entered is not None:
+        _local.set_strategy_scope = None
+        entered.__exit__(None, None, None)
+    if strategy is not None:
+        scope = strategy.scope()
+        scope.__enter__()
+        _local.set_strategy_scope = scope

@@ -17,7 +17,16 @@ import cloudpickle
 
 from daskdist.exceptions import DaskdistError, kind_of
 
-__all__ = ["dumps", "error_message", "exception_from_message", "loads"]
+__all__ = ["add_note", "dumps", "error_message", "exception_from_message", "loads"]
+
+
+def add_note(error: BaseException, note: str) -> None:
+    """``error.add_note(note)`` (PEP 678) on Python 3.11+; on 3.10, which lacks the method, the same
+    ``__notes__`` list is kept (3.10's traceback module does not print it)."""
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    else:
+        error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]
 
 
 def dumps(obj: Any) -> bytes:
@@ -37,8 +46,9 @@ def error_message(error: BaseException, rank: int, worker: str) -> dict:
     daskdist error kind (``lost``, ``mismatch``, ``timeout``, ``aborted``).
     """
     kind = kind_of(error) if isinstance(error, DaskdistError) else "user"
+    pickled: bytes | None
     try:
-        pickled: bytes | None = dumps(error)
+        pickled = dumps(error)
         pickle.loads(pickled)
     except Exception:
         pickled = None
@@ -66,7 +76,7 @@ def exception_from_message(msg: dict) -> BaseException:
         error = RuntimeError(f"{msg.get('type', 'Exception')}: {msg.get('message', '')}")
     where = f"replica {msg.get('rank')} on worker {msg.get('worker')}"
     if msg.get("traceback"):
-        error.add_note(f"Raised on {where}:\n{msg['traceback'].rstrip()}")
+        add_note(error, f"Raised on {where}:\n{msg['traceback'].rstrip()}")
     else:
-        error.add_note(f"Raised on {where}")
+        add_note(error, f"Raised on {where}")
     return error

@@ -87,12 +87,40 @@ def check_num_components(structure: Any, num_replicas: int) -> None:
             )
 
 
-def regroup(results: Sequence[Any]) -> Any:
+_SMALL_INTS = range(-5, 257)  # CPython keeps one object per int in this range
+
+
+def _same_on_every_replica(components: Sequence[Any]) -> bool:
+    """Whether ``components`` are what TF's regroup sees as one object returned by every replica.
+
+    TensorFlow's replicas are threads of one process, and regroup returns a
+    value unwrapped when every replica returned *the same object* (``v is
+    v0``). Here each replica is another process and results arrive pickled,
+    so identity is rebuilt for the objects CPython itself shares: the same
+    distributed variable handle, ``None``, ``True``/``False``, and equal ints
+    in CPython's small-int cache (-5 to 256), which TensorFlow's ``is`` check
+    also sees as one object. Floats, strings and arrays stay per replica,
+    as values each replica computes do in TensorFlow.
+    """
+    first = components[0]
+    if all(c is first for c in components):
+        return first is None or isinstance(first, bool) or hasattr(first, "_var_id") or (
+            type(first) is int and first in _SMALL_INTS
+        )
+    if type(first) is int and first in _SMALL_INTS:
+        return all(type(c) is int and c == first for c in components)
+    return False
+
+
+def regroup(results: Sequence[Any], always_wrap: bool = False) -> Any:
     """Turn per-replica results into one structure whose leaves are ``PerReplica`` (TF's regroup).
 
-    With one replica the result is returned as is. A distributed variable
-    returned by every replica (the same handle) stays that variable; every
-    other leaf becomes a ``PerReplica``, ``None`` included.
+    With one replica the result is returned as is. A leaf that every replica
+    returned as one object (a distributed variable, ``None``, a bool, a small
+    int; see ``_same_on_every_replica``) is returned as itself, as TF's
+    regroup does; every other leaf becomes a ``PerReplica``. ``always_wrap``
+    makes every leaf a ``PerReplica`` (TF's argument of that name, used by
+    ``experimental_distribute_values_from_function``).
     """
     if len(results) == 1:
         return results[0]
@@ -105,22 +133,47 @@ def regroup(results: Sequence[Any]) -> Any:
         return PerReplica(results)
     leaves = []
     for components in zip(*(leaves_ for leaves_, _ in flat)):
-        first = components[0]
-        if all(c is first for c in components) and hasattr(first, "_var_id"):
-            leaves.append(first)
-        else:
-            leaves.append(PerReplica(components))
+        same = not always_wrap and _same_on_every_replica(components)
+        leaves.append(components[0] if same else PerReplica(components))
     return optree.tree_unflatten(treedef, leaves)
 
 
 def local_results(value: Any) -> tuple[Any, ...]:
-    """The components of ``value`` (a 1-tuple for a non-distributed value)."""
+    """One entry per replica (TF's ``experimental_local_results``).
+
+    A ``PerReplica``/``Mirrored`` gives its components; a distributed variable
+    its copies; a nested structure containing any of them gives one structure
+    per replica, each holding that replica's components (so a list of
+    ``PerReplica`` becomes a tuple of lists). A value with nothing distributed
+    in it gives a 1-tuple.
+    """
     if isinstance(value, DistributedValues):
         return value.values
     read = getattr(value, "_local_results", None)
-    if read is not None:
+    if read is not None and not isinstance(value, type):
         return read()
-    return (value,)
+    leaves, treedef = optree.tree_flatten(value, is_leaf=_is_distributed, none_is_leaf=True)
+    per_leaf: list[tuple[Any, ...] | None] = []
+    num_replicas = None
+    for leaf in leaves:
+        components = None
+        if isinstance(leaf, DistributedValues):
+            components = leaf.values
+        elif getattr(leaf, "_local_results", None) is not None and not isinstance(leaf, type):
+            components = tuple(leaf._local_results())
+        if components is not None:
+            if num_replicas is not None and len(components) != num_replicas:
+                raise ValueError(
+                    f"The distributed values in this structure have {num_replicas} and {len(components)} components"
+                )
+            num_replicas = len(components)
+        per_leaf.append(components)
+    if num_replicas is None:
+        return (value,)
+    return tuple(
+        optree.tree_unflatten(treedef, [leaf if c is None else c[r] for leaf, c in zip(leaves, per_leaf)])
+        for r in range(num_replicas)
+    )
 
 
 def reduce_values(op: ReduceOp | str, value: Any, axis: int | None, num_replicas: int) -> Any:
@@ -145,8 +198,8 @@ def reduce_values(op: ReduceOp | str, value: Any, axis: int | None, num_replicas
             parts = [as_array(leaf)[0]] * num_replicas
             if op is ReduceOp.SUM and num_replicas > 1:
                 raise ValueError(
-                    "A non-distributed value cannot be SUM-reduced across replicas "
-                    "(it would be counted once per replica); pass a PerReplica value or use MEAN"
+                    f"A non-DistributedValues value {leaf!r} cannot be reduced with the given reduce op "
+                    "ReduceOp.SUM. (It would be counted once per replica: pass a PerReplica value or use MEAN.)"
                 )
         xp = namespace(parts[0])
         if axis is None:

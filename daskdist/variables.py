@@ -92,18 +92,10 @@ class VariableSpec:
         if dtype is not None:
             value = value.astype(np.dtype(dtype), copy=False)
         value = xp.array(value, copy=True)
-        aggregation = _enum(VariableAggregation, aggregation, "aggregation")
-        synchronization = _enum(VariableSynchronization, synchronization, "synchronization")
-        if synchronization is VariableSynchronization.ON_READ:
-            if trainable:
-                raise ValueError(
-                    "Synchronization value can be set to VariableSynchronization.ON_READ only for "
-                    "non-trainable variables. You have specified trainable=True and "
-                    "synchronization=VariableSynchronization.ON_READ."
-                )
-            trainable = False
-        elif trainable is None:
-            trainable = True
+        aggregation = _enum(VariableAggregation, aggregation, "aggregation", name)
+        synchronization = _enum(VariableSynchronization, synchronization, "synchronization", name)
+        if trainable is None:  # TF 2: ON_READ variables default to non-trainable; an explicit True is kept
+            trainable = synchronization is not VariableSynchronization.ON_READ
         if shape is not None and tuple(shape) != tuple(value.shape):
             raise ValueError(f"shape {tuple(shape)} does not match the initial value's shape {tuple(value.shape)}")
         spec = cls(
@@ -117,14 +109,19 @@ class VariableSpec:
         return value, spec
 
 
-def _enum(enum_cls: type[enum.Enum], value: Any, what: str) -> Any:
+def _enum(enum_cls: type[enum.Enum], value: Any, what: str, variable_name: str | None) -> Any:
+    if value is None and enum_cls is VariableAggregation:
+        return VariableAggregation.NONE  # TF accepts aggregation=None
     if isinstance(value, enum_cls):
         return value
     try:
         return enum_cls[str(value).upper()]
     except KeyError:
         names = ", ".join(m.name for m in enum_cls)
-        raise ValueError(f"Unknown {what} {value!r}; expected one of {names}") from None
+        raise ValueError(
+            f"Invalid variable {what} mode: {value} for variable: {variable_name or 'Variable'} "
+            f"(expected one of {names})"
+        ) from None
 
 
 class _ArrayOps:
@@ -234,18 +231,25 @@ class Variable(_ArrayOps, metaclass=_VariableMeta):
         """The current value as a numpy array on the host."""
         return np.array(to_numpy(self.value()), copy=True)
 
-    def assign(self, value: Any, read_value: bool = True) -> Any:
-        """Set the value; returns the variable (or ``None`` with ``read_value=False``)."""
+    def assign(self, value: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True) -> Any:
+        """Set the value (TF's arguments).
+
+        ``use_locking`` and ``name`` are accepted for TensorFlow compatibility
+        (an update is always applied whole; there is no graph to name ops in).
+        Returns the variable, or ``None`` with ``read_value=False``.
+        """
         self._write(self._convert(value))
         return self if read_value else None
 
-    def assign_add(self, delta: Any, read_value: bool = True) -> Any:
-        """Add ``delta`` to the value."""
+    def assign_add(self, delta: Any, use_locking: bool = False, name: str | None = None,
+                   read_value: bool = True) -> Any:
+        """Add ``delta`` to the value (arguments as ``assign``)."""
         self._write(self.value() + self._convert(delta))
         return self if read_value else None
 
-    def assign_sub(self, delta: Any, read_value: bool = True) -> Any:
-        """Subtract ``delta`` from the value."""
+    def assign_sub(self, delta: Any, use_locking: bool = False, name: str | None = None,
+                   read_value: bool = True) -> Any:
+        """Subtract ``delta`` from the value (arguments as ``assign``)."""
         self._write(self.value() - self._convert(delta))
         return self if read_value else None
 
@@ -281,6 +285,13 @@ class DistributedVariable(Variable):
     def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         return (_resolve_variable, (self._token, self._var_id, self._spec))
 
+    @property
+    def distribute_strategy(self) -> Any:
+        """The strategy this variable belongs to (inside a replica, that replica's view of it)."""
+        if self._on_replica():
+            return self._runtime.strategy_view
+        return self._client_owner().strategy
+
     # -- where are we? -------------------------------------------------------------
 
     def _on_replica(self) -> bool:
@@ -311,6 +322,7 @@ class DistributedVariable(Variable):
     # -- writing ----------------------------------------------------------------
 
     def _update(self, method: str, value: Any) -> None:
+        self._check_update(method)
         if not self._on_replica():
             self._client_owner().update_variable(self._var_id, method, value)
             return
@@ -327,17 +339,29 @@ class DistributedVariable(Variable):
         Variable._write(self, new_value)
         self._runtime.timer.add_apply(time.perf_counter() - start)
 
-    def assign(self, value: Any, read_value: bool = True) -> Any:
+    def assign(self, value: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True) -> Any:
         self._update("assign", value)
         return self if read_value else None
 
-    def assign_add(self, delta: Any, read_value: bool = True) -> Any:
+    def assign_add(self, delta: Any, use_locking: bool = False, name: str | None = None,
+                   read_value: bool = True) -> Any:
         self._update("assign_add", delta)
         return self if read_value else None
 
-    def assign_sub(self, delta: Any, read_value: bool = True) -> Any:
+    def assign_sub(self, delta: Any, use_locking: bool = False, name: str | None = None,
+                   read_value: bool = True) -> Any:
         self._update("assign_sub", delta)
         return self if read_value else None
+
+    def _in_cross_replica_context(self) -> bool:
+        """The client, or a cross-replica frame (``merge_call``, ``extended.update``) on a replica."""
+        if not self._on_replica():
+            return True
+        frame = context.current_frame()
+        return frame is not None and frame.replica_context is None
+
+    def _check_update(self, method: str) -> None:
+        """Raise where TensorFlow refuses an update (before anything is sent or changed)."""
 
     def _needs_aggregation(self) -> bool:
         return False
@@ -351,9 +375,13 @@ class MirroredVariable(DistributedVariable):
 
     An update in replica context is first aggregated across replicas per
     ``aggregation`` (SUM, MEAN, ONLY_FIRST_REPLICA) and then applied to every
-    copy, so all replicas must make it together; with ``aggregation=NONE`` it is
-    an error, as in TensorFlow. An update from the client (or inside
-    ``merge_call`` / ``extended.update``) applies the same value to every copy.
+    copy, so all replicas must make it together. With ``aggregation=NONE``
+    it raises ``ValueError``, the rule ``tf.VariableAggregation`` documents
+    (TensorFlow 2.21's code instead updates each replica's copy, which lets
+    the copies drift apart). A MEAN variable must have a float dtype
+    (refused at creation, as in TensorFlow). An update from the client (or
+    inside ``merge_call`` / ``extended.update``) applies the same value to
+    every copy.
     """
 
     def _needs_aggregation(self) -> bool:
@@ -367,9 +395,10 @@ class MirroredVariable(DistributedVariable):
             return array
         if aggregation is VariableAggregation.NONE:
             raise ValueError(
-                f"You must specify an aggregation method to update MirroredVariable '{self.name}' in replica "
-                "context: create it with aggregation=SUM, MEAN or ONLY_FIRST_REPLICA, or update it inside "
-                "merge_call / strategy.extended.update"
+                f"You must specify an aggregation method to update a MirroredVariable in Replica Context. You can "
+                f"do so by passing an explicit value for argument `aggregation` to tf.Variable(..) (variable "
+                f"'{self.name}': aggregation=SUM, MEAN or ONLY_FIRST_REPLICA), or update it in cross-replica "
+                "context: from the client, inside merge_call or strategy.extended.update"
             )
         if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
             return ctx._broadcast(array, root=0)
@@ -381,7 +410,21 @@ class SyncOnReadVariable(DistributedVariable):
 
     Used for metrics and batch-norm statistics: replicas update locally with no
     communication; the client sees the SUM, MEAN or first replica's value.
+    In cross-replica context ``assign`` of a SUM variable gives each copy
+    ``value / num_replicas`` (so the read gives ``value``), and ``assign_add``
+    / ``assign_sub`` of a SUM variable raise ``ValueError``, as in TensorFlow.
     """
+
+    def _check_update(self, method: str) -> None:
+        if (
+            method != "assign"
+            and self.aggregation is VariableAggregation.SUM
+            and self._in_cross_replica_context()
+        ):
+            raise ValueError(
+                f"SyncOnReadVariable does not support `{method}` in cross-replica context when aggregation "
+                "is set to `tf.VariableAggregation.SUM`."
+            )
 
     def value(self) -> Any:
         if self._on_replica():
@@ -399,6 +442,33 @@ class SyncOnReadVariable(DistributedVariable):
         return reduce_values(_AGGREGATION_OPS[aggregation], PerReplica(values), None, len(values))
 
 
+def _is_floating(dtype: np.dtype) -> bool:
+    """Float or complex; ``ml_dtypes`` floats (bfloat16, float8) count, which a spec's ``dtype.str`` shows as kind ``V``."""
+    return dtype.kind in "fcV" or dtype.name == "bfloat16"
+
+
+def check_same_spec_on_every_replica(specs: list[VariableSpec]) -> None:
+    """A variable created in a replica function must be the same variable on every replica.
+
+    ``specs`` holds every replica's spec in replica order (all replicas see
+    the same list, so all raise or none does). Raises ``RuntimeError`` as
+    TensorFlow does ("Tried to create variable ... with mismatching name on
+    device i"), naming the first field that differs.
+    """
+    first = specs[0]
+    for device, spec in enumerate(specs[1:], start=1):
+        if spec == first:
+            continue
+        if spec.name != first.name:
+            raise RuntimeError(f"Tried to create variable {spec.name} with mismatching name on device {device}")
+        field = next(f for f in ("dtype", "shape", "trainable", "aggregation", "synchronization")
+                     if getattr(spec, f) != getattr(first, f))
+        raise RuntimeError(
+            f"Tried to create variable {spec.name} with mismatching {field} on device {device}: "
+            f"{getattr(spec, field)} where replica 0 has {getattr(first, field)}"
+        )
+
+
 def _resolve_variable(token: str, var_id: str, spec: VariableSpec) -> DistributedVariable:
     """Unpickle a variable reference: the replica's own copy, or the client's handle."""
     runtime = context.current_runtime()
@@ -412,7 +482,23 @@ def _resolve_variable(token: str, var_id: str, spec: VariableSpec) -> Distribute
 
 
 def distributed_variable_class(spec: VariableSpec) -> type[DistributedVariable]:
-    """``SyncOnReadVariable`` for ON_READ, ``MirroredVariable`` otherwise."""
+    """``SyncOnReadVariable`` for ON_READ, ``MirroredVariable`` otherwise.
+
+    Raises ``ValueError`` where TensorFlow refuses to create a distributed
+    variable: ``synchronization=NONE``, and MEAN aggregation of a non-float
+    dtype (a mean of integers would lose precision).
+    """
+    if spec.synchronization is VariableSynchronization.NONE:
+        raise ValueError(
+            "`NONE` variable synchronization mode is not supported with tf.distribute strategy. Please change "
+            f"the `synchronization` for variable: {spec.name}"
+        )
+    if spec.aggregation is VariableAggregation.MEAN and not _is_floating(np.dtype(spec.dtype)):
+        raise ValueError(
+            "creating distributed tf.Variable with aggregation=MEAN and a non-floating dtype is not "
+            f"supported, please use a different aggregation or dtype (variable '{spec.name}', dtype "
+            f"{np.dtype(spec.dtype).name})"
+        )
     if spec.synchronization is VariableSynchronization.ON_READ:
         return SyncOnReadVariable
     return MirroredVariable

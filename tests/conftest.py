@@ -9,6 +9,7 @@ own clusters.
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 from distributed import Client, LocalCluster
@@ -52,3 +53,34 @@ def make_cluster():
     for cluster, client in made:
         client.close()
         cluster.close()
+
+
+@pytest.fixture(scope="module")
+def netns_hosts():
+    """Two namespace hosts (h1, h2) with 2 Dask workers each, a scheduler on the bridge, and a client.
+
+    Skips with the reason where namespaces cannot be made (not root, no iproute2).
+    Everything is removed afterwards, also when the test process gets SIGTERM.
+    """
+    import signal
+
+    from tests.netns import start_hosts, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    hosts = start_hosts(2, 2, rate="10gbit")
+
+    def on_sigterm(signum, frame):
+        hosts.close()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        with Client(hosts.scheduler_address, set_as_default=False) as client:
+            client.wait_for_workers(4, timeout=60)
+            yield hosts, client
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        hosts.close()

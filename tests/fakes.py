@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from daskdist.collective.communicator import Algorithm, Communicator
 from daskdist.collective.mailbox import Abort, Mailbox

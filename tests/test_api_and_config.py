@@ -50,12 +50,14 @@ def test_values_reduce_and_regroup():
     assert reduce_values("SUM", per, None, 2).tolist() == [4.0, 6.0]
     assert reduce_values("MEAN", per, 0, 2).tolist() == 2.5  # mean over every element
     assert gather_values(per, 0).tolist() == [1.0, 2.0, 3.0, 4.0]
-    with pytest.raises(ValueError, match="non-distributed"):
+    with pytest.raises(ValueError, match="non-DistributedValues value"):
         reduce_values("SUM", np.ones(2), None, 2)
     grouped = regroup([{"a": 1, "b": (2, 3)}, {"a": 4, "b": (5, 6)}])
     assert grouped["a"].values == (1, 4) and grouped["b"][1].values == (3, 6)
-    assert regroup([None, None]).values == (None, None)  # TF: only distributed variables stay unwrapped
-    assert regroup(["same", "same"]).values == ("same", "same")
+    assert regroup([None, None]) is None  # TF: an object every replica returned comes back unwrapped
+    assert regroup([[True, 7], [True, 7]]) == [True, 7]  # singletons and small ints: one object in CPython too
+    assert regroup(["same", "same"]).values == ("same", "same")  # strings, floats, arrays: per replica
+    assert regroup([1.5, 1.5]).values == (1.5, 1.5)
     assert "PerReplica" in repr(per) and "<table>" in per._repr_html_()
 
 

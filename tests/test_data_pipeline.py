@@ -7,7 +7,16 @@ import numpy as np
 import pytest
 
 import daskdist as dd
-from daskdist.data.plan import assign_partitions
+from daskdist.data import ops
+from daskdist.data.split import (
+    GlobalBatchRows,
+    Piece,
+    balanced_pieces,
+    homes,
+    local_pieces,
+    replica_split,
+    replica_step_sizes,
+)
 
 Dataset = dd.data.Dataset
 
@@ -89,28 +98,65 @@ def test_input_context_and_options():
     assert dd.InputOptions(auto_shard_policy="data").auto_shard_policy is dd.data.AutoShardPolicy.DATA
 
 
-class TestAssignPartitions:
-    def test_local_partitions_stay(self):
-        local = [{"a": 10}, {"b": 10}, {"a": 10}, {"b": 10}]
-        replicas, moved = assign_partitions([10, 10, 10, 10], local, ["a", "b"])
-        assert replicas == [0, 1, 0, 1] and not any(moved)
+class TestSplitOverReplicas:
+    """TF's split, as TF 2.21's MirroredStrategy on 3 CPU devices prints it (benchmarks/tf_split_reference.py)."""
 
-    def test_balancing_moves_only_what_it_must(self):
-        replicas, moved = assign_partitions([10, 10, 10, 10], [{"a": 10}] * 4, ["a", "b"])  # all on a
-        assert sorted(replicas) == [0, 0, 1, 1]
-        assert sum(moved) == 20
+    def test_each_global_batch_gives_ceil_to_the_first_replicas_and_the_rest_what_is_left(self):
+        assert replica_split(4, 3) == [2, 2, 0]  # range(8).batch(4): [[0, 1], [2, 3], []]
+        assert replica_split(7, 3) == [3, 3, 1]
+        assert replica_split(4, 3) == [2, 2, 0] and replica_split(1, 3) == [1, 0, 0]  # range(9).batch(4), last
+        assert replica_split(3, 3) == [1, 1, 1]  # range(10).batch(7), last batch: [[7], [8], [9]]
+        assert replica_split(2, 3) == [1, 1, 0] and replica_split(0, 3) == [0, 0, 0]
 
-    def test_partitions_split_across_workers_count_only_the_missing_bytes(self):
-        # x of partition 0 on a (6 bytes), its y on b (4 bytes)
-        replicas, moved = assign_partitions([10, 10], [{"a": 6, "b": 4}, {"b": 10}], ["a", "b"])
-        assert replicas == [0, 1] and moved == [4, 0]
+    def test_steps_and_sizes_are_those_of_the_undistributed_batches(self):
+        assert replica_step_sizes(11, 7, False, 3) == [[3, 2], [3, 2], [1, 0]]
+        assert replica_step_sizes(9, 4, True, 3) == [[2, 2], [2, 2], [0, 0]]
 
-    def test_uncomputed_partitions_go_where_load_is_lowest_and_move_nothing(self):
-        replicas, moved = assign_partitions([30, 10, 10, 10], [{}] * 4, ["a", "b"])
-        assert sorted(replicas) == [0, 0, 0, 1] or sorted(replicas) == [0, 1, 1, 1]
-        assert not any(moved)
+    def test_the_global_rule_picks_each_replicas_part_of_every_batch(self):
+        rows = np.arange(11)
+        parts = [rows[GlobalBatchRows(11, 7, False, 3, r).mask(rows)].tolist() for r in range(3)]
+        assert parts == [[0, 1, 2, 7, 8], [3, 4, 5, 9, 10], [6]]
+        dropped = [rows[GlobalBatchRows(11, 7, True, 3, r).mask(rows)].tolist() for r in range(3)]
+        assert dropped == [[0, 1, 2], [3, 4, 5], [6]]
 
-    def test_uneven_sizes_are_balanced_by_bytes(self):
-        replicas, _ = assign_partitions([50, 10, 10, 10, 10, 10], [{"a": 50}] + [{"b": 10}] * 5, ["a", "b"])
-        load = [sum(s for s, r in zip([50, 10, 10, 10, 10, 10], replicas) if r == k) for k in range(2)]
-        assert load == [50, 50]
+
+class TestRowRanges:
+    def test_local_partitions_stay_whole(self):
+        shares = local_pieces([10, 20, 30], [0, 1, 0], 2)
+        assert shares == [[Piece(0, 0, 10), Piece(2, 0, 30)], [Piece(1, 0, 20)]]
+
+    def test_a_short_replica_reads_only_the_rows_it_needs_from_a_neighbour(self):
+        # 6 partitions of 2,500-6,000 rows, two per worker: the benchmark's layout
+        rows = [2500, 3000, 6000, 4000, 4500, 5000]
+        home = [0, 0, 1, 1, 2, 2]
+        targets = [8334, 8333, 8333]
+        shares = balanced_pieces(rows, home, targets)
+        assert [sum(p.rows for p in share) for share in shares] == targets
+        moved = sum(p.rows for r, share in enumerate(shares) for p in share if home[p.partition] != r)
+        assert moved == 8334 - 5500  # only replica 0's shortfall moves, as slices
+        covered = sorted((p.partition, p.start, p.stop) for share in shares for p in share)
+        for index, count in enumerate(rows):  # every row exactly once
+            ranges = [(a, b) for i, a, b in covered if i == index]
+            assert ranges[0][0] == 0 and ranges[-1][1] == count
+            assert all(ranges[k][1] == ranges[k + 1][0] for k in range(len(ranges) - 1))
+
+    def test_homes_follow_the_bytes_then_the_load(self):
+        assert homes([{0: 10}, {1: 10}, {0: 6, 1: 4}, {}], [10, 10, 10, 10], 2) in ([0, 1, 0, 1], [0, 1, 0, 0])
+        assert homes([{}, {}, {}], [30, 10, 10], 2) == [0, 1, 1]
+
+
+def test_element_spec_comes_from_the_pipeline_not_from_the_first_partition():
+    assert Dataset.range(9).batch(4, drop_remainder=True).element_spec == dd.data.TensorSpec((4,), np.dtype("int64"))
+    assert Dataset.range(9).batch(4).element_spec == dd.data.TensorSpec((None,), np.dtype("int64"))
+    nothing_first = Dataset.range(100).shard(3, 2).filter(lambda v: v > 1000).batch(4)  # no partition yields one
+    assert nothing_first.element_spec == dd.data.TensorSpec((None,), np.dtype("int64"))
+    pairs = Dataset.from_tensor_slices((np.zeros((5, 3), "float32"), np.arange(5))).batch(2)
+    spec = pairs.map(lambda a, b: {"a": a, "total": a.sum()}).element_spec
+    assert spec == {"a": dd.data.TensorSpec((None, 3), np.dtype("float32")),
+                    "total": dd.data.TensorSpec((), np.dtype("float32"))}
+    assert Dataset.range(9).batch(3).unbatch().element_spec == dd.data.TensorSpec((), np.dtype("int64"))
+
+
+def test_split_batch_gives_empty_batches_so_replicas_stay_in_step_across_repeat():
+    ds = Dataset(Dataset.range(3).source, (ops.SplitBatch([2, 1, 0]), ops.Repeat(2)))
+    assert [b.tolist() for b in ds] == [[0, 1], [2], [], [0, 1], [2], []]

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from daskdist.keras import activations, backend, initializers, layers, losses, metrics, optimizers
+
 from .fakes import InMemoryGroup
 
 F64 = "float64"

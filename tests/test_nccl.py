@@ -744,7 +744,7 @@ def test_the_client_counts_failed_runs_and_cpu_groups_have_no_engine(threaded_cl
 
             return context.current_runtime().communicator.nccl
 
-        assert strategy.experimental_local_results(strategy.run(engine)) == (None,) * 3
+        assert strategy.run(engine) is None  # None on every replica; TF's regroup returns that None itself
         with pytest.raises(ZeroDivisionError):
             strategy.run(lambda: 1 / 0)
         assert group.failed_runs == 1

@@ -17,14 +17,9 @@ ClusterCoordinator = dd.experimental.coordinator.ClusterCoordinator
 partitioners = dd.experimental.partitioners
 
 
-class SpecResolver:
-    """The smallest cluster resolver: a fixed ``cluster_spec()`` of Dask worker addresses."""
-
-    def __init__(self, spec):
-        self.spec = spec
-
-    def cluster_spec(self):
-        return self.spec
+def SpecResolver(spec):  # noqa: N802 - reads as the resolver it builds
+    """TF's ``SimpleClusterResolver`` over a ``ClusterSpec`` of Dask worker addresses (or host:port)."""
+    return dd.cluster_resolver.SimpleClusterResolver(dd.cluster_resolver.ClusterSpec(spec))
 
 
 def _roles(client, num_ps):

@@ -27,7 +27,7 @@ def _lane_plans(strategy, client) -> list[int]:
     token = strategy.extended.token
 
     def count(dask_worker):
-        return [len(runtime.communicator._small._plans) if runtime.communicator._small else -1
+        return [len(runtime.communicator.lane._plans) if runtime.communicator.lane else -1
                 for (group, _), runtime in dask_worker.extensions["daskdist"].replicas.items() if group == token]
 
     return [n for part in client.run(count).values() for n in part]
@@ -129,7 +129,7 @@ def _lane_taken(strategy, client) -> list[bool]:
     token = strategy.extended.token
 
     def taken(dask_worker):
-        return [any(p is not None for p in runtime.communicator._small._plans.values())
+        return [any(p is not None for p in runtime.communicator.lane._plans.values())
                 for (group, _), runtime in dask_worker.extensions["daskdist"].replicas.items() if group == token]
 
     return [t for part in client.run(taken).values() for t in part]
@@ -188,7 +188,7 @@ def test_a_structure_fused_into_one_pack_takes_the_lane(threaded_client):
         token = strategy.extended.token
 
         def pack_plans(dask_worker):
-            return [sum(1 for k, p in runtime.communicator._small._plans.items() if k[0] == "pack" and p is not None)
+            return [sum(1 for k, p in runtime.communicator.lane._plans.items() if k[0] == "pack" and p is not None)
                     for (group, _), runtime in dask_worker.extensions["daskdist"].replicas.items() if group == token]
 
         assert all(n >= 1 for part in threaded_client.run(pack_plans).values() for n in part)

@@ -17,8 +17,9 @@ import argparse
 import json
 import re
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -152,10 +153,10 @@ def time_sizes(
     for size in plan:
         state = setup(size.nbytes)
 
-        def untimed() -> None:
+        def untimed() -> None:  # run only in this iteration, before `del state`
             if before is not None:
-                before(state)
-            allreduce(state)
+                before(state)  # noqa: B023, F821
+            allreduce(state)  # noqa: B023, F821
 
         for _ in range(size.warmup):
             untimed()

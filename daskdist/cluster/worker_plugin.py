@@ -100,10 +100,14 @@ class DaskdistWorkerPlugin(WorkerPlugin):
             return
         runtime.mailbox.put(tuple(tag), payload)
 
-    def abort_run(self, group_id: str, rank: int, run_id: int, abort: dict) -> None:
-        """A peer failed during ``run_id``: fail this replica's waits in that run."""
+    def abort_run(self, group_id: str, rank: int, run_id: int | None, abort: dict) -> None:
+        """A peer failed during ``run_id``: fail this replica's waits in that run (``None``: the group, for good)."""
         runtime = self.replicas.get((group_id, rank))
-        if runtime is not None:
+        if runtime is None:
+            return
+        if run_id is None:  # a peer's transport lost another replica (ReplicaRuntime.peer_lost)
+            runtime.abort_group(Abort.from_msg(abort))
+        else:
             runtime.mailbox.abort_run(run_id, Abort.from_msg(abort))
 
     def status(self, group_id: str, rank: int) -> dict | None:

@@ -1,4 +1,4 @@
-"""Collective algorithms over a ``CollectiveCall`` (tagged send/recv among the ranks).
+"""Collective algorithms over a ``Call`` (tagged send/recv among the ranks).
 
 Each function works on one flat 1-D buffer (a pack) or a list of arrays and
 is deterministic: every replica ends with bit-identical results, because each
@@ -8,14 +8,12 @@ the ring) and then copied.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from daskdist.arrays import namespace
+from daskdist.collective.call import Call
 from daskdist.collective.reduction import combine_into, finalize
 from daskdist.ops import ReduceOp
-
-if TYPE_CHECKING:
-    from daskdist.collective.communicator import CollectiveCall
 
 __all__ = [
     "SubCall",
@@ -30,12 +28,12 @@ __all__ = [
 ]
 
 
-def _peers(call: CollectiveCall) -> list[int]:
+def _peers(call: Call) -> list[int]:
     """Other ranks, starting with the right neighbour (sends) — receives walk them in reverse."""
     return [(call.rank + k) % call.size for k in range(1, call.size)]
 
 
-def allreduce_direct(call: CollectiveCall, buf: Any, op: ReduceOp) -> Any:
+def allreduce_direct(call: Call, buf: Any, op: ReduceOp) -> Any:
     """One hop: every rank sends its buffer to every other and reduces all of them in rank order.
 
     Latency-optimal for small messages (one message delay), ``size - 1`` times
@@ -59,7 +57,7 @@ def allreduce_direct(call: CollectiveCall, buf: Any, op: ReduceOp) -> Any:
     return result
 
 
-def allreduce_ring(call: CollectiveCall, buf: Any, op: ReduceOp, out: Any = None) -> Any:
+def allreduce_ring(call: Call, buf: Any, op: ReduceOp, out: Any = None) -> Any:
     """Ring reduce-scatter then ring all-gather, in place in ``buf`` or into ``out``.
 
     Each rank sends ``2 (size - 1) / size`` of the buffer: bandwidth-optimal for
@@ -90,7 +88,7 @@ def allreduce_ring(call: CollectiveCall, buf: Any, op: ReduceOp, out: Any = None
     return target
 
 
-def reducescatter_ring(call: CollectiveCall, buf: Any, op: ReduceOp, bounds: Sequence[int]) -> Any:
+def reducescatter_ring(call: Call, buf: Any, op: ReduceOp, bounds: Sequence[int]) -> Any:
     """Ring reduce-scatter: chunk ``r`` (``buf[bounds[r]:bounds[r + 1]]``) ends fully reduced on rank ``r``.
 
     Returns that chunk (a view into ``buf``).
@@ -143,7 +141,7 @@ def host_groups(hosts: Sequence[str]) -> list[list[int]]:
     return list(groups.values())
 
 
-def allreduce_hierarchical(call: CollectiveCall, buf: Any, op: ReduceOp, hosts: Sequence[str]) -> Any:
+def allreduce_hierarchical(call: Call, buf: Any, op: ReduceOp, hosts: Sequence[str]) -> Any:
     """Reduce within each host onto its first replica, ring across hosts' first replicas, copy back.
 
     Only one replica per host sends across the network, so inter-host traffic
@@ -170,7 +168,7 @@ def allreduce_hierarchical(call: CollectiveCall, buf: Any, op: ReduceOp, hosts: 
 
 
 def allreduce_reduce_to_one(
-    call: CollectiveCall,
+    call: Call,
     buf: Any,
     op: ReduceOp,
     root: int = 0,
@@ -208,7 +206,7 @@ def allreduce_reduce_to_one(
     return result
 
 
-def allgather_direct(call: CollectiveCall, leaves: list[Any]) -> list[list[Any]]:
+def allgather_direct(call: Call, leaves: list[Any]) -> list[list[Any]]:
     """Every rank sends its list of arrays to every other; returns the lists in rank order."""
     handles = [call.send(peer, "g", leaves) for peer in _peers(call)]
     gathered: dict[int, list[Any]] = {call.rank: leaves}
@@ -222,7 +220,7 @@ def allgather_direct(call: CollectiveCall, leaves: list[Any]) -> list[list[Any]]
     return [gathered[r] for r in range(call.size)]
 
 
-def broadcast_direct(call: CollectiveCall, payload: Any, root: int) -> Any:
+def broadcast_direct(call: Call, payload: Any, root: int) -> Any:
     """``root`` sends ``payload`` to every other rank; every rank returns it.
 
     The others first tell the root they are ready (under the signature's

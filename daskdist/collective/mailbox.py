@@ -15,7 +15,7 @@ from daskdist.exceptions import ERROR_KINDS, CollectiveAbortedError, DaskdistErr
 
 __all__ = ["Abort", "Mailbox", "MailboxTimeout"]
 
-Tag = tuple  # (run_id, collective_seq, src_rank, name)
+Tag = tuple[Any, ...]  # (run_id, collective_seq, src_rank, name)
 
 #: Aborted runs remembered, so an abort that arrives before the run starts still counts.
 _ABORTED_RUNS_KEPT = 64

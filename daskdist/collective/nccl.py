@@ -61,16 +61,24 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from daskdist.arrays import _is_cupy
+from daskdist.collective.call import CollectiveCall
 from daskdist.collective.mailbox import Mailbox, MailboxTimeout
+from daskdist.collective.nccl_support import (
+    describe_nccl_error,
+    group_features,
+    local_features,
+    nccl_dtype_name,
+    nccl_op_name,
+    parse_setting,
+)
 from daskdist.collective.reduction import finalize
-from daskdist.collective.transport.shm import backoff_wait
+from daskdist.collective.transport.shm_channel import backoff_wait
 from daskdist.exceptions import CollectiveAbortedError, CollectiveTimeoutError
 from daskdist.ops import ReduceOp
 
@@ -88,148 +96,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: ``ncclCommAbort`` and ``ncclCommGetAsyncError`` exist from NCCL 2.4 (``get_version()`` codes: 2.4.x -> 24xx,
-#: from 2.9 on major * 10000 + minor * 100 + patch).
-MIN_VERSION = 2400
-#: ``ncclBfloat16`` exists from NCCL 2.10.
-BFLOAT16_VERSION = 21000
-
 #: ``cudaErrorNotReady``: what ``cudaEventQuery`` answers while the event is still ahead.
 _CUDA_NOT_READY = 600
 #: Bytes per ``broadcast`` call: older cupy declares its count a C ``int``.
 _BROADCAST_CHUNK = (1 << 31) - 1
-#: ``ncclResult_t`` codes; cupy's ``NcclError`` only names 0-5 and fails with ``KeyError`` on the others.
-_NCCL_RESULTS = {1: "ncclUnhandledCudaError", 2: "ncclSystemError", 3: "ncclInternalError",
-                 4: "ncclInvalidArgument", 5: "ncclInvalidUsage", 6: "ncclRemoteError (a peer failed)",
-                 7: "ncclInProgress"}
-
-#: numpy dtype name -> the ``cupy.cuda.nccl`` constant of NCCL's type (reductions).
-_DTYPES = {
-    "int8": "NCCL_INT8",
-    "uint8": "NCCL_UINT8",
-    "bool": "NCCL_UINT8",  # 0/1 bytes; the ops are remapped (_BOOL_OPS)
-    "int32": "NCCL_INT32",
-    "uint32": "NCCL_UINT32",
-    "int64": "NCCL_INT64",
-    "uint64": "NCCL_UINT64",
-    "float16": "NCCL_FLOAT16",
-    "float32": "NCCL_FLOAT32",
-    "float64": "NCCL_FLOAT64",
-}
-_OPS = {
-    ReduceOp.SUM: "NCCL_SUM",
-    ReduceOp.MEAN: "NCCL_SUM",  # then divided by the group size (reduction.finalize)
-    ReduceOp.PRODUCT: "NCCL_PROD",
-    ReduceOp.MAX: "NCCL_MAX",
-    ReduceOp.MIN: "NCCL_MIN",
-}
-_BOOL_OPS = {
-    ReduceOp.SUM: "NCCL_MAX",  # logical or
-    ReduceOp.PRODUCT: "NCCL_MIN",  # logical and
-    ReduceOp.MAX: "NCCL_MAX",
-    ReduceOp.MIN: "NCCL_MIN",
-}
-
-
-def describe_nccl_error(error: BaseException) -> str:
-    """A readable NCCL failure: cupy's ``NcclError`` carries ``status``; codes it cannot name raise ``KeyError``."""
-    code = getattr(error, "status", None)
-    if code is None and isinstance(error, KeyError) and error.args and isinstance(error.args[0], int):
-        code = error.args[0]
-    if code in _NCCL_RESULTS:
-        return f"{_NCCL_RESULTS[code]} ({type(error).__name__}: {error})"
-    return f"{type(error).__name__}: {error}"
-
-
-def parse_setting(value: Any) -> bool:
-    """``daskdist.collective.nccl`` as a bool: ``auto`` (use NCCL where it works) or ``false``.
-
-    Raises
-    ------
-    ValueError
-        Any other value.
-    """
-    if value in (False, None) or (isinstance(value, str) and value.lower() in ("false", "off", "no")):
-        return False
-    if value is True or (isinstance(value, str) and value.lower() in ("auto", "true", "on", "yes")):
-        return True
-    raise ValueError(f"daskdist.collective.nccl must be 'auto' or false, got {value!r}")
-
-
-def nccl_dtype_name(dtype: Any, bfloat16: bool = False) -> str | None:
-    """The ``cupy.cuda.nccl`` type constant that reduces ``dtype``, or ``None`` (generic algorithms).
-
-    ``bfloat16``: the whole group has ``NCCL_BFLOAT16`` (NCCL 2.10 and a cupy that names it).
-    """
-    name = getattr(dtype, "name", str(dtype))
-    if name == "bfloat16":
-        return "NCCL_BFLOAT16" if bfloat16 else None
-    return _DTYPES.get(name)
-
-
-def nccl_op_name(op: ReduceOp, dtype: Any) -> str:
-    """The ``cupy.cuda.nccl`` reduction constant for ``op`` on ``dtype`` (``MEAN``: the sum)."""
-    if getattr(dtype, "kind", "") == "b":
-        if op is ReduceOp.MEAN:
-            raise TypeError("ReduceOp.MEAN is not defined for bool arrays")
-        return _BOOL_OPS[op]
-    return _OPS[op]
-
-
-# -- what the group can use ---------------------------------------------------------
-
-
-def local_features(enabled: bool, on_gpu: bool) -> dict | None:
-    """What this replica offers NCCL, for the rendezvous; ``None``: nothing (CPU group, no cupy, no NCCL).
-
-    Runs in the replica thread. Imports cupy only for GPU groups with NCCL enabled.
-    """
-    if not (enabled and on_gpu):
-        return None
-    try:
-        import cupy
-        from cupy.cuda import nccl
-    except Exception as e:  # cupy absent or broken: the generic transports carry the group
-        logger.debug("NCCL is not usable here: %s", e)
-        return None
-    if not getattr(nccl, "available", False):
-        return None
-    try:
-        version = int(nccl.get_version())
-        device = cupy.cuda.runtime.getDevice()
-        gpu = f"{socket.gethostname()}/{cupy.cuda.runtime.deviceGetPCIBusId(device)}"
-    except Exception as e:
-        logger.debug("NCCL is not usable here: %s", e)
-        return None
-    return {"version": version, "bfloat16": hasattr(nccl, "NCCL_BFLOAT16"), "gpu": gpu}
-
-
-def group_features(features: dict[int, dict | None], size: int) -> tuple[bool, bool, str]:
-    """Decide from every replica's ``local_features`` whether the group uses NCCL.
-
-    Returns
-    -------
-    usable, bfloat16, reason
-        ``reason`` says why not, when not usable.
-    """
-    missing = [r for r in range(size) if not features.get(r)]
-    if missing:
-        return False, False, f"replicas {missing} have no usable NCCL (cupy with NCCL on a GPU group)"
-    old = [r for r in range(size) if int(features[r].get("version", 0)) < MIN_VERSION]
-    if old:
-        return False, False, f"replicas {old} have an NCCL older than 2.4 (no ncclCommAbort)"
-    versions = sorted({int(features[r]["version"]) for r in range(size)})
-    if len(versions) > 1:
-        return False, False, f"replicas run different NCCL versions {versions}; NCCL needs the same on every rank"
-    gpus: dict[str, int] = {}
-    for r in range(size):
-        gpu = features[r].get("gpu")
-        if gpu in gpus:
-            return False, False, f"replicas {gpus[gpu]} and {r} share the GPU {gpu}; NCCL needs one GPU per rank"
-        gpus[gpu] = r
-    bfloat16 = all(features[r].get("bfloat16") and int(features[r]["version"]) >= BFLOAT16_VERSION
-                   for r in range(size))
-    return True, bfloat16, ""
 
 
 def engine_for_group(rank: int, size: int, features: dict[int, dict | None], mailbox: Mailbox,
@@ -417,7 +287,7 @@ class NcclEngine:
 
     # -- collectives -----------------------------------------------------------------
 
-    def all_reduce(self, call: Any, packs: Sequence[Any], op: ReduceOp) -> None:
+    def all_reduce(self, call: CollectiveCall, packs: Sequence[Any], op: ReduceOp) -> None:
         """All-reduce each pack (``packing.Pack``) with NCCL; each pack's ``buffer`` becomes its result.
 
         A pack that owns its buffer is reduced in place; a borrowed one (the
@@ -445,7 +315,7 @@ class NcclEngine:
                 finalize(op, out, self.size)
                 p.buffer, p.borrowed = out, False
 
-    def reduce_scatter(self, call: Any, leaves: Sequence[Any], op: ReduceOp, axis: int) -> list[Any]:
+    def reduce_scatter(self, call: CollectiveCall, leaves: Sequence[Any], op: ReduceOp, axis: int) -> list[Any]:
         """Reduce each leaf and return this rank's part along ``axis`` (``numpy.array_split``'s parts).
 
         Parts of equal size take ``reduceScatter``; uneven ones an ``allReduce``
@@ -487,7 +357,7 @@ class NcclEngine:
                 results.append(xp.moveaxis(mine.reshape((length,) + tuple(rest)), 0, axis))
             return results
 
-    def all_gather(self, call: Any, leaves: Sequence[Any], axes: Sequence[int]) -> list[Any]:
+    def all_gather(self, call: CollectiveCall, leaves: Sequence[Any], axes: Sequence[int]) -> list[Any]:
         """Concatenate each leaf from every rank along its axis, in rank order (lengths may differ).
 
         First an ``allGather`` of every leaf's length along its axis, then one
@@ -534,7 +404,7 @@ class NcclEngine:
                 results.append(xp.moveaxis(whole, 0, a))
             return results
 
-    def broadcast(self, call: Any, leaves: Sequence[Any], root: int) -> list[Any]:
+    def broadcast(self, call: CollectiveCall, leaves: Sequence[Any], root: int) -> list[Any]:
         """Every rank gets ``root``'s leaves (the root keeps its own, as on the generic path)."""
         call.check_signature()
         device = self._device_of(leaves)
@@ -570,7 +440,7 @@ class NcclEngine:
             )
         return device
 
-    def _run(self, call: Any, device: int, launch: Callable[[Any, int], None]) -> None:
+    def _run(self, call: CollectiveCall, device: int, launch: Callable[[Any, int], None]) -> None:
         """Make sure there is a communicator, wait for the inputs, enqueue ``launch`` and poll it to the end."""
         ready = self.device.record(None)  # the caller's stream, once it has written the inputs
         comm = self._communicator(call, device)
@@ -585,7 +455,7 @@ class NcclEngine:
             self._drop()  # peers may be inside the same NCCL call: abort it; the next generation re-makes it
             raise
 
-    def _communicator(self, call: Any, device: int) -> Any:
+    def _communicator(self, call: CollectiveCall, device: int) -> Any:
         """This generation's communicator, made now if need be (unique id through the scheduler)."""
         if self._comm is not None:
             return self._comm
@@ -614,7 +484,7 @@ class NcclEngine:
                      self.generation, device)
         return comm
 
-    def _init(self, call: Any, unique_id: tuple, device: int) -> Any:
+    def _init(self, call: CollectiveCall, unique_id: tuple, device: int) -> Any:
         """``NcclCommunicator(size, unique_id, rank)`` in a helper thread, waited for like a collective."""
         pending = _PendingInit()
 
@@ -643,7 +513,7 @@ class NcclEngine:
             ) from pending.error
         return pending.comm
 
-    def _wait(self, call: Any, ready: Callable[[], bool], comm: Any) -> None:
+    def _wait(self, call: CollectiveCall, ready: Callable[[], bool], comm: Any) -> None:
         """Poll ``ready`` until true, raising on an abort, an NCCL error of ``comm`` or the deadline."""
         mailbox, run_id = self.mailbox, call.run_id
 

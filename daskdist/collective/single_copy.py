@@ -33,18 +33,16 @@ import errno
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from dask.utils import parse_bytes
 
 from daskdist import config
+from daskdist.collective.call import Call
 from daskdist.collective.reduction import combine_into, finalize
 from daskdist.exceptions import DaskdistError, ReplicaLostError
 from daskdist.ops import ReduceOp
-
-if TYPE_CHECKING:
-    from daskdist.collective.communicator import CollectiveCall
 
 __all__ = ["CrossMemory", "SingleCopyAllReduce", "cross_memory", "single_copy_bytes"]
 
@@ -156,7 +154,7 @@ class SingleCopyAllReduce:
 
     # -- probing -------------------------------------------------------------------
 
-    def probe(self, call: CollectiveCall) -> bool:
+    def probe(self, call: Call) -> bool:
         """Find out, together with the peers, whether every replica can read every other; cached."""
         if self.usable is not None:
             return self.usable
@@ -197,7 +195,7 @@ class SingleCopyAllReduce:
 
     # -- the all-reduce ------------------------------------------------------------
 
-    def allreduce(self, call: CollectiveCall, buf: np.ndarray, op: ReduceOp, out: np.ndarray | None) -> np.ndarray:
+    def allreduce(self, call: Call, buf: np.ndarray, op: ReduceOp, out: np.ndarray | None) -> np.ndarray:
         """All-reduce the flat contiguous ``buf`` into ``out`` (``None``: in place); every replica calls this."""
         size, rank = call.size, call.rank
         target = buf if out is None else out
@@ -227,7 +225,7 @@ class SingleCopyAllReduce:
             call.wait(h)
         return target
 
-    def _reduce_chunk(self, call: CollectiveCall, flat_in: np.ndarray, flat_out: np.ndarray, lo: int, hi: int,
+    def _reduce_chunk(self, call: Call, flat_in: np.ndarray, flat_out: np.ndarray, lo: int, hi: int,
                       op: ReduceOp, where: dict[int, tuple[int, int, int]]) -> None:
         """``flat_out[lo:hi]`` = the reduction over the replicas (rank order) of their inputs' ``[lo:hi]``."""
         itemsize = flat_in.dtype.itemsize
@@ -263,7 +261,7 @@ class SingleCopyAllReduce:
             self._scratch[index] = np.empty(max(nbytes, PIECE_BYTES), np.uint8)
         return self._scratch[index][:nbytes].view(dtype)
 
-    def _read(self, call: CollectiveCall, peer: int, pid: int, address: int, out: np.ndarray) -> None:
+    def _read(self, call: Call, peer: int, pid: int, address: int, out: np.ndarray) -> None:
         try:
             self.reader.read(pid, address, out)
         except OSError as e:

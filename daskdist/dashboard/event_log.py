@@ -51,6 +51,6 @@ def bound_topic(scheduler: Scheduler, topic: str, maxlen: int) -> bool:
     if broker is not None:
         broker._topics[topic].events = shorter
     else:
-        scheduler.events[topic] = shorter
+        scheduler.events[topic] = shorter  # type: ignore[attr-defined]  # distributed before the event broker
     logger.debug("The scheduler keeps the last %d events of topic %s", maxlen, topic)
     return True

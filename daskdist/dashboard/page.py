@@ -141,7 +141,7 @@ class StepPhases:
         data: dict[str, list] = {k: [] for k in self.source.data}
         store = _store(self.scheduler)
         group = store.latest_group() if store is not None else None
-        if group is None:
+        if group is None or store is None:
             return data, "No daskdist steps reported yet.", 0.0, None
         per_replica = group.steps(self.steps)
         n = max(len(per_replica), 1)
@@ -167,8 +167,8 @@ class StepPhases:
         if progress is not None:
             logs = ", ".join(f"{k}={v:.4g}" if isinstance(v, (int, float)) else f"{k}={v}"
                              for k, v in progress["logs"].items())
-            step = "end" if progress["step"] == -1 else progress["step"]
-            text += f"<br><b>fit</b> epoch {progress['epoch']}, step {step}: {html.escape(logs)}"
+            fit_step = "end" if progress["step"] == -1 else progress["step"]
+            text += f"<br><b>fit</b> epoch {progress['epoch']}, step {fit_step}: {html.escape(logs)}"
         return data, text, rate, samples_rate
 
     def _follow_time_unit(self, totals: list[float]) -> None:

@@ -88,6 +88,7 @@ def register_store(store: MetricsStore) -> bool:
     with _lock:
         _stores.add(store)
         if not _registered:
-            prometheus_client.REGISTRY.register(DaskdistCollector())
+            # duck-typed (collect()), so prometheus_client is imported only where it is installed
+            prometheus_client.REGISTRY.register(DaskdistCollector())  # type: ignore[arg-type]
             _registered = True
     return True

@@ -19,6 +19,8 @@ from daskdist.data.sources import DaskSource, LocalSource, Partition, RangeSourc
 
 __all__ = ["Dataset", "TensorSpec"]
 
+_SAMPLE_BATCH = 2  # rows of the batches that element_spec builds from one sample row
+
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -120,35 +122,66 @@ class Dataset:
 
     @property
     def element_spec(self) -> Any:
-        """Structure of ``TensorSpec`` of one element, found by running the pipeline on a few rows."""
+        """Structure of ``TensorSpec`` of one element (TF's ``element_spec``).
+
+        Found from the pipeline's structure: one row the source really holds
+        (only that row is read) is passed through the transformations that
+        shape elements (``map``, ``batch``, ``unbatch``); those that only pick
+        or reorder rows (``filter``, ``shard``, ``take``, ``shuffle`` ...) do
+        not change the spec and are not run, so a pipeline whose first
+        partition yields nothing still has a spec. A batch dimension is
+        ``None``, or the batch size with ``drop_remainder=True`` (TF's rule).
+        """
         return self.element_spec_with()
 
     def element_spec_with(self, client: Any = None) -> Any:
         """``element_spec``, computing any Dask sample with ``client`` (default: Dask's current scheduler)."""
-        sample = self._sample(client)
-        batched = any(isinstance(op, ops.Batch) for op in self._ops)
+        sample, batch_dims = self._structure_sample(client)
 
         def spec(leaf: Any) -> TensorSpec:
             array = np.asarray(leaf)
-            shape = tuple(array.shape)
-            if batched and shape:
-                shape = (None,) + shape[1:]
-            return TensorSpec(shape, array.dtype)
+            shape = list(array.shape)
+            for axis, size in enumerate(batch_dims[: len(shape)]):
+                if shape[axis] == _SAMPLE_BATCH:
+                    shape[axis] = size
+            return TensorSpec(tuple(shape), array.dtype)
 
         return optree.tree_map(spec, sample, none_is_leaf=False)
 
-    def _sample(self, client: Any = None) -> Any:
-        """The first element the pipeline makes from the first row (or, with filters, the first partition)."""
+    def _structure_sample(self, client: Any = None) -> tuple[Any, list[int | None]]:
+        """An element built from one real row, and the size of each leading batch dimension it has.
+
+        Batches are built of ``_SAMPLE_BATCH`` copies of the sample, so their
+        batch dimensions can be told apart and reported as ``None`` (or the
+        fixed size with ``drop_remainder``).
+        """
+        element = self._source_row(client)
+        batch_dims: list[int | None] = []
+        for op in self._ops:
+            if isinstance(op, ops.Map):
+                element = ops._call(op.fn, element)
+            elif isinstance(op, ops.Batch):
+                element = ops.stack_elements([element] * _SAMPLE_BATCH)
+                batch_dims.insert(0, op.batch_size if op.drop_remainder else None)
+            elif isinstance(op, ops.Unbatch):
+                if not batch_dims:
+                    raise ValueError("unbatch() needs a batched dataset")
+                element = next(ops.rows_of_block(element))
+                batch_dims.pop(0)
+        return element, batch_dims
+
+    def _source_row(self, client: Any = None) -> Any:
+        """One row of the source: the first row of the first partition that has one."""
         partitions = [p for p in self._source.partitions if p.rows != 0]
         if not partitions:
-            raise ValueError("the dataset is empty")
+            raise ValueError("the dataset is empty: its source has no rows")
         if isinstance(self._source, DaskSource):
-            head = self._source.sample(client)
-            for element in self._iterate(partitions[:1], ops.PipelineState(), load=lambda _: head):
-                return element
-        for element in self._iterate(partitions[:1], ops.PipelineState(), load=self._load_locally):
-            return element
-        raise ValueError("the dataset produced no element from its first partition")
+            block = self._source.sample(client)
+        else:
+            block = self._source.load(partitions[0])
+        if ops.block_rows(block) == 0:  # a source whose sampled partition is empty: a zero row of its dtypes
+            return optree.tree_map(lambda leaf: np.zeros(leaf.shape[1:], leaf.dtype), block)
+        return next(ops.rows_of_block(block))
 
     def __repr__(self) -> str:
         steps = " -> ".join([self._source.describe(), *(op.describe() for op in self._ops)])
@@ -162,24 +195,13 @@ class Dataset:
         return self._source.load(partition)
 
     def _iterate(self, partitions: Iterable[Partition], state: ops.PipelineState,
-                 load: Callable[[Partition], Any], row_filter: Callable[[np.ndarray], np.ndarray] | None = None
-                 ) -> Iterator[Any]:
-        """Run the pipeline over ``partitions`` (loaded with ``load``), keeping rows where ``row_filter``.
-
-        ``row_filter`` gets the global positions of a block's rows and returns a
-        boolean mask (DATA sharding).
-        """
+                 load: Callable[[Partition], Any]) -> Iterator[Any]:
+        """Run the pipeline over ``partitions`` (loaded with ``load``)."""
         partitions = list(partitions)
 
         def source_blocks(_: ops.PipelineState) -> Iterator[Any]:
-            position = 0
             for partition in partitions:
                 block = load(partition)
-                n = ops.block_rows(block)
-                if row_filter is not None:
-                    mask = row_filter(np.arange(position, position + n))
-                    block = ops.slice_block(block, mask)
-                position += n
                 if ops.block_rows(block):
                     yield block
 
@@ -204,24 +226,6 @@ class Dataset:
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_caches": {}, "_epochs": 0}  # caches stay where they were filled
-
-    def with_batch_size(self, batch_size: int) -> Dataset:
-        """This dataset with its last ``batch`` set to ``batch_size`` (per-replica rebatching)."""
-        for i in range(len(self._ops) - 1, -1, -1):
-            op = self._ops[i]
-            if isinstance(op, ops.Batch):
-                new = ops.Batch(batch_size, op.drop_remainder)
-                return Dataset(self._source, self._ops[:i] + (new,) + self._ops[i + 1 :])
-        return self
-
-    @property
-    def global_batch_size(self) -> int | None:
-        for op in reversed(self._ops):
-            if isinstance(op, ops.Batch):
-                return op.batch_size
-            if isinstance(op, ops.Unbatch):
-                return None
-        return None
 
 
 def _bind(op: ops.Op, upstream: Callable[[ops.PipelineState], Iterator[Any]], rows_mode: bool

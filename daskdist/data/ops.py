@@ -38,6 +38,7 @@ __all__ = [
     "Shard",
     "Shuffle",
     "Skip",
+    "SplitBatch",
     "Take",
     "Unbatch",
     "block_rows",
@@ -201,6 +202,49 @@ class Batch(Op):
 
     def describe(self) -> str:
         return f"batch({self.batch_size}{', drop_remainder' if self.drop_remainder else ''})"
+
+
+class SplitBatch(Batch):
+    """One replica's part of each global batch: batches of the given sizes, in order, then nothing.
+
+    A distributed dataset replaces the global ``batch`` with this on each
+    replica; a size of 0 gives an empty batch (0 rows, same structure), so
+    every replica yields one element per global batch, also across ``repeat``.
+    """
+
+    def __init__(self, sizes: list[int], drop_remainder: bool = False):
+        super().__init__(max(max(sizes, default=1), 1), drop_remainder)
+        self.sizes = [int(s) for s in sizes]
+
+    def apply_rows(self, upstream, state):
+        blocks = iter(upstream(state))
+        block, start, seen = None, 0, None
+        for size in self.sizes:
+            pieces: list[Any] = []
+            have = 0
+            while have < size:
+                if block is None or start >= block_rows(block):
+                    block = next(blocks, None)
+                    start = 0
+                    if block is None:
+                        break
+                    seen = block
+                take = min(size - have, block_rows(block) - start)
+                pieces.append(slice_block(block, slice(start, start + take)))
+                have += take
+                start += take
+            if pieces:
+                yield concat_blocks(pieces)
+            elif seen is not None:  # this replica's part of the batch is empty
+                yield slice_block(seen, slice(0, 0))
+            else:
+                return  # no rows at all: the iterator hands out empty batches from the element spec
+
+    def apply_elements(self, upstream, state):
+        raise ValueError("a split batch needs rows, not batches")
+
+    def describe(self) -> str:
+        return f"split_batch({self.sizes[:4]}{'...' if len(self.sizes) > 4 else ''})"
 
 
 class Unbatch(Op):

@@ -11,10 +11,10 @@ __all__ = ["AutoShardPolicy", "InputContext", "InputOptions"]
 class AutoShardPolicy(enum.Enum):
     """How ``experimental_distribute_dataset`` splits the data between replicas (TF's enum).
 
-    ``FILE`` shards by partition (a Dask partition plays the role of a file),
-    ``DATA`` lets every replica read everything and keep every n-th element,
-    ``AUTO`` is FILE when there are at least as many partitions as replicas,
-    else DATA, and ``OFF`` gives every replica the whole dataset.
+    A Dask partition plays the role of a file. Rows of Dask partitions can be addressed, so ``AUTO``, ``FILE`` and
+    ``DATA`` all split rows as ``InputOptions.experimental_split`` says
+    (``FILE`` still refuses fewer partitions than replicas, as TF refuses
+    fewer files than workers); ``OFF`` gives every replica the whole dataset.
     """
 
     OFF = "OFF"
@@ -35,17 +35,39 @@ class InputOptions:
         Batches each replica prepares ahead of use (prefetch depth).
     auto_shard_policy
         An ``AutoShardPolicy`` (in TF it lives in ``tf.data.Options``).
+    experimental_split
+        Which rows each replica reads (not in TF, whose devices share one host's memory):
+
+        ``"global"`` (default, TF's semantics)
+            step ``k`` holds exactly the undistributed dataset's batch ``k``,
+            split over the replicas with TF's rule (the first replicas get
+            ``ceil(b / n)`` rows, the later ones what is left, possibly
+            none); the rows a replica needs move to its worker, only those.
+        ``"balanced"``
+            every replica reads one run of rows: its worker's partitions,
+            plus a slice of a neighbour's where it is short. Steps and
+            per-replica batch sizes are those of ``"global"``, a step's rows
+            are not; only what balancing needs moves.
+        ``"local"``
+            prefer locality over balance: every replica reads the partitions
+            its worker holds and nothing moves; replicas that run out first
+            get empty batches until all have (TF's partial-batch rule).
     """
 
     experimental_fetch_to_device: bool = True
     experimental_per_replica_buffer_size: int = 2
     auto_shard_policy: AutoShardPolicy = AutoShardPolicy.AUTO
+    experimental_split: str = "global"
 
     def __post_init__(self) -> None:
         if self.experimental_per_replica_buffer_size < 0:
             raise ValueError("experimental_per_replica_buffer_size must be >= 0")
         if isinstance(self.auto_shard_policy, str):
             object.__setattr__(self, "auto_shard_policy", AutoShardPolicy[self.auto_shard_policy.upper()])
+        if self.experimental_split not in ("global", "balanced", "local"):
+            raise ValueError(
+                f"experimental_split must be 'global', 'balanced' or 'local', got {self.experimental_split!r}"
+            )
 
 
 @dataclass(frozen=True)

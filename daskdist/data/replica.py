@@ -1,8 +1,8 @@
 """The replica side of distributed datasets: each replica's shard, its iterators, and their commands.
 
-A ``ReplicaShard`` is what one replica reads: its partitions (Dask keys
-held by its own worker, or in-memory rows), the pipeline with the
-per-replica batch size, and the sharding rule. Iterators run that pipeline
+A ``ReplicaShard`` is what one replica reads: its rows (Dask keys held by
+its own worker, or in-memory rows, planned by ``data/planner.py``) and the
+pipeline that splits each global batch. Iterators run that pipeline
 locally; batches stay on the replica and are referred to from the client by
 ``BatchRef`` handles, resolved inside ``strategy.run``.
 """
@@ -72,7 +72,6 @@ class ReplicaShard:
 
     dataset: Dataset
     partitions: list[Partition]
-    row_filter: tuple[int, int] | None  # (every, index) for DATA sharding
     empty_spec: Any  # structure of (shape, dtype) of an element, to build empty batches
     prefetch: int = 2
     to_device: bool = False
@@ -83,12 +82,8 @@ class ReplicaShard:
     def pipeline(self, replica: int) -> Iterator[Any]:
         state = ops.PipelineState(epoch=self.epochs, replica=replica, caches=self.caches)
         self.epochs += 1
-        row_filter = None
-        if self.row_filter is not None:
-            every, index = self.row_filter
-            row_filter = lambda positions: positions % every == index  # noqa: E731
         source = self.dataset.source
-        elements = self.dataset._iterate(self.partitions, state, load=source.load, row_filter=row_filter)
+        elements = self.dataset._iterate(self.partitions, state, load=source.load)
         if self.prefetch:
             elements = ops.PrefetchIterator(elements, self.prefetch)
         return elements
@@ -143,8 +138,8 @@ def register_shard(runtime: ReplicaRuntime, dataset_id: str, shard: ReplicaShard
 
 
 def register_from_function(runtime: ReplicaRuntime, dataset_id: str, dataset_fn: Callable[[InputContext], Any],
-                           prefetch: int) -> None:
-    """Build this replica's dataset with ``dataset_fn(InputContext)`` (``distribute_datasets_from_function``)."""
+                           prefetch: int) -> Any:
+    """Build this replica's dataset with ``dataset_fn(InputContext)``; returns its ``element_spec``."""
     ctx = InputContext(num_input_pipelines=runtime.size, input_pipeline_id=runtime.rank, num_replicas_in_sync=runtime.size)
     dataset = dataset_fn(ctx)
     if not isinstance(dataset, Dataset):
@@ -153,8 +148,10 @@ def register_from_function(runtime: ReplicaRuntime, dataset_id: str, dataset_fn:
     partitions = list(source.partitions)
     if isinstance(source, DaskSource):  # collections built inside dataset_fn: computed on this worker
         dataset = Dataset(_ComputedDaskSource(source, runtime.worker), dataset.transformations)
-    spec = optree.tree_map(lambda s: (s.shape, np.dtype(s.dtype)), dataset.element_spec)
-    runtime.add_resident(f"dataset:{dataset_id}", ReplicaShard(dataset, partitions, None, spec, prefetch))
+    element_spec = dataset.element_spec
+    spec = optree.tree_map(lambda s: (s.shape, np.dtype(s.dtype)), element_spec)
+    runtime.add_resident(f"dataset:{dataset_id}", ReplicaShard(dataset, partitions, spec, prefetch))
+    return element_spec
 
 
 class _ComputedDaskSource(Source):
@@ -211,34 +208,37 @@ def forget_dataset(runtime: ReplicaRuntime, dataset_id: str) -> None:
 
 
 class BatchRef:
-    """A handle to one replica's batch of one step; it resolves to the arrays inside ``strategy.run``."""
+    """A handle to one replica's batch of one step (or one leaf of it); it resolves to arrays inside ``strategy.run``."""
 
-    __slots__ = ("token", "iterator_id", "step", "rows")
+    __slots__ = ("iterator_id", "leaf", "rows", "step", "token")
 
-    def __init__(self, token: str, iterator_id: str, step: int, rows: int):
+    def __init__(self, token: str, iterator_id: str, step: int, rows: int, leaf: int | None = None):
         self.token = token
         self.iterator_id = iterator_id
         self.step = step
         self.rows = rows
+        self.leaf = leaf
 
     def __reduce__(self):
-        return (_resolve_batch, (self.token, self.iterator_id, self.step, self.rows))
+        return (_resolve_batch, (self.token, self.iterator_id, self.step, self.rows, self.leaf))
 
     def __repr__(self) -> str:
-        return f"<batch of step {self.step}: {max(self.rows, 0)} rows, on the replica>"
+        part = "batch" if self.leaf is None else f"component {self.leaf} of the batch"
+        return f"<{part} of step {self.step}: {max(self.rows, 0)} rows, on the replica>"
 
 
-def _resolve_batch(token: str, iterator_id: str, step: int, rows: int) -> Any:
+def _resolve_batch(token: str, iterator_id: str, step: int, rows: int, leaf: int | None = None) -> Any:
     runtime = context.current_runtime()
     if runtime is not None and runtime.token == token:
         try:
-            return runtime.resident_object(f"batch:{iterator_id}:{step}")
+            batch = runtime.resident_object(f"batch:{iterator_id}:{step}")
         except KeyError:
             raise RuntimeError(
                 f"the batch of step {step} is no longer held by replica {runtime.rank}: only the last "
                 f"{_BATCHES_KEPT} batches of an iterator are kept"
             ) from None
-    return BatchRef(token, iterator_id, step, rows)
+        return batch if leaf is None else optree.tree_leaves(batch)[leaf]
+    return BatchRef(token, iterator_id, step, rows, leaf)
 
 
 def resolve_dataset(token: str, dataset_id: str) -> Any:

@@ -203,12 +203,14 @@ class DaskSource(Source):
         """The first row of the first partition as a one-row structure (only that row is computed)."""
         heads = [c[:1] if hasattr(c, "chunks") else c.head(1, npartitions=1, compute=False) for c in self.collections]
         client = client or self.owning_client()
+        # one compute per head: computing dataframe expressions together with array graphs materialises the
+        # expressions and can lose a column projection (dask 2026.8)
         if client is not None:
-            values = client.compute(heads, sync=True)
+            values = [client.compute(head, sync=True) for head in heads]
         else:
             import dask
 
-            values = list(dask.compute(*heads))
+            values = [dask.compute(head)[0] for head in heads]
         return self.assemble(values)
 
     def assemble(self, leaf_values: list[Any]) -> Any:

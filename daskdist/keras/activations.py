@@ -15,7 +15,8 @@ Examples
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from daskdist.keras.backend import xp_of
 

@@ -14,7 +14,7 @@ import itertools
 import re
 import threading
 from types import ModuleType
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -143,6 +143,14 @@ def normalize_tuple(value: int | tuple[int, ...] | list[int], n: int, what: str)
     return result
 
 
+@overload
+def conv_output_length(size: int, kernel: int, stride: int, padding: str) -> int: ...
+
+
+@overload
+def conv_output_length(size: None, kernel: int, stride: int, padding: str) -> None: ...
+
+
 def conv_output_length(size: int | None, kernel: int, stride: int, padding: str) -> int | None:
     """Output length along one spatial axis, TensorFlow rules (``None`` stays ``None``)."""
     if size is None:
@@ -179,7 +187,7 @@ def pad_nhwc(x: Any, pads: tuple[int, int, int, int], value: float = 0.0) -> Any
     return out
 
 
-def windows(x: Any, kernel: tuple[int, int], strides: tuple[int, int], out_hw: tuple[int, int]) -> Any:
+def windows(x: Any, kernel: tuple[int, ...], strides: tuple[int, ...], out_hw: tuple[int, int]) -> Any:
     """A read-only strided view ``(N, OH, OW, KH, KW, C)`` of the windows of an (already padded) NHWC array.
 
     No data is copied; window ``(i, j)`` starts at pixel ``(i * SH, j * SW)``.
@@ -196,7 +204,7 @@ def windows(x: Any, kernel: tuple[int, int], strides: tuple[int, int], out_hw: t
 
 
 def im2col(
-    x: Any, kernel: tuple[int, int], strides: tuple[int, int], padding: str
+    x: Any, kernel: tuple[int, ...], strides: tuple[int, ...], padding: str
 ) -> tuple[Any, tuple[int, int], tuple[int, int, int, int]]:
     """Unfold an NHWC array into a patch matrix for convolution as one matmul.
 
@@ -237,8 +245,8 @@ def im2col(
 def col2im(
     dcols: Any,
     input_shape: tuple[int, int, int, int],
-    kernel: tuple[int, int],
-    strides: tuple[int, int],
+    kernel: tuple[int, ...],
+    strides: tuple[int, ...],
     out_hw: tuple[int, int],
     pads: tuple[int, int, int, int],
 ) -> Any:
@@ -272,7 +280,7 @@ def conv2d_input_gradient(
     grad_out: Any,
     kernel: Any,
     input_shape: tuple[int, int, int, int],
-    strides: tuple[int, int],
+    strides: tuple[int, ...],
     out_hw: tuple[int, int],
     pads: tuple[int, int, int, int],
 ) -> Any:

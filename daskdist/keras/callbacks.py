@@ -12,7 +12,8 @@ import logging
 import math
 import os
 import shutil
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 

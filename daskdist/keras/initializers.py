@@ -8,7 +8,8 @@ values. Weights are created on the host; the model moves them to a device.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 

@@ -282,12 +282,15 @@ class Model:
 
     def _as_dataset(self, x: Any, y: Any = None, batch_size: int | None = None, shuffle: bool = False) -> Any:
         from daskdist.data.dataset import Dataset
+        from daskdist.keras.input_check import check_model_input
 
         if x is None:
             raise ValueError("no data given")
         if isinstance(x, Dataset):
             if y is not None:
                 raise ValueError("y must not be given when x is a Dataset (it yields (x, y) pairs)")
+            client = self._strategy.client if self._strategy is not None else None
+            check_model_input(x.element_spec_with(client), self._built_input_shape())  # on the client, before training
             return x
         x_array, _ = as_array(x)
         structure = (x_array,) if y is None else (x_array, as_array(y)[0])

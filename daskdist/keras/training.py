@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -80,7 +80,7 @@ def _timer() -> _RuntimeTimer | None:
     return _RuntimeTimer(service) if service is not None else None
 
 
-def _timed_batches(batches: Iterable[Any], steps: int | None, timer: Any) -> Iterator[Any]:
+def _timed_batches(batches: Iterable[Any], steps: int | None, timer: Any) -> Generator[Any, None, None]:
     """The batches of one pass (at most ``steps``), each taken once its step's timer is open.
 
     Taking the batch inside the step makes its input wait count; the caller

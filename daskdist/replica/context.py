@@ -8,7 +8,7 @@ import optree
 
 from daskdist import context
 from daskdist.ops import CommunicationOptions, ReduceOp
-from daskdist.values import PerReplica
+from daskdist.values import regroup, select_replica
 
 if TYPE_CHECKING:
     from daskdist.replica.runtime import ReplicaRuntime
@@ -91,8 +91,9 @@ class ReplicaContext:
         argument is a ``PerReplica`` (one component per replica) and
         ``strategy.reduce`` / ``strategy.extended.reduce_to`` / ``update`` work
         on them. ``merge_fn`` runs in cross-replica context on every replica
-        with the same inputs, so it must be deterministic; its result is
-        returned on every replica.
+        with the same inputs, so it must be deterministic. Each replica gets
+        its own component of every ``PerReplica`` (or ``Mirrored``) in the
+        result, other values as they are (TF's ``select_replica``).
         """
         kwargs = kwargs or {}
         gathered = self._runtime.communicator.all_gather_objects((args, kwargs))
@@ -101,21 +102,18 @@ class ReplicaContext:
             strategy=self.strategy, replica_context=None, variable_creator=None, owner=self._runtime
         )
         with context.enter(frame):
-            return merge_fn(self.strategy, *merged_args, **merged_kwargs)
+            merged = merge_fn(self.strategy, *merged_args, **merged_kwargs)
+        return select_replica(self.replica_id_in_sync_group, merged)
 
     def __repr__(self) -> str:
         return f"ReplicaContext(replica_id_in_sync_group={self.replica_id_in_sync_group}, num_replicas_in_sync={self.num_replicas_in_sync})"
 
 
 def _transpose(per_replica: list[Any]) -> Any:
-    """A list (one per replica) of equal structures -> one structure of ``PerReplica`` leaves."""
+    """A list (one per replica) of equal structures -> one structure of ``PerReplica`` leaves (TF's regroup)."""
     flat = [optree.tree_flatten(item, none_is_leaf=True) for item in per_replica]
     treedef = flat[0][1]
     for i, (_, t) in enumerate(flat):
         if t != treedef:
             raise ValueError(f"merge_call arguments differ in structure between replica 0 and replica {i}")
-    leaves = []
-    for components in zip(*(leaves for leaves, _ in flat)):
-        same = all(c is components[0] for c in components) and hasattr(components[0], "_var_id")
-        leaves.append(components[0] if same else PerReplica(components))
-    return optree.tree_unflatten(treedef, leaves)
+    return regroup(per_replica)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import platform
 import queue
 import threading
 import time
@@ -34,7 +35,7 @@ from daskdist.collective.mailbox import Abort, Mailbox, MailboxTimeout
 from daskdist.collective.transport.base import Transport
 from daskdist.collective.transport.dask import DaskTransport
 from daskdist.collective.transport.routed import RoutedTransport
-from daskdist.collective.transport.shm import ShmTransport
+from daskdist.collective.transport.shm import ShmTransport, shm_supported
 from daskdist.collective.transport.socket import SocketTransport
 from daskdist.exceptions import RendezvousError, ReplicaLostError
 from daskdist.ops import CommunicationOptions
@@ -43,7 +44,7 @@ from daskdist.replica.context import ReplicaContext
 from daskdist.replica.events import StepEventShipper
 from daskdist.replica.strategy_view import ReplicaStrategyView
 from daskdist.replica.timing import StepTimer
-from daskdist.variables import VariableSpec, distributed_variable_class
+from daskdist.variables import VariableSpec, check_same_spec_on_every_replica, distributed_variable_class
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -80,7 +81,8 @@ class GroupSpec:
 TRANSPORTS = ("auto", "shm", "socket", "dask", "ucx")
 
 
-def _make_transport(rank: int, spec: GroupSpec, mailbox: Mailbox, worker: Worker) -> Transport:
+def _make_transport(rank: int, spec: GroupSpec, mailbox: Mailbox, worker: Worker,
+                    on_peer_lost: Callable[[int | None, str], None] | None = None) -> Transport:
     """The transport of one replica, chosen per peer.
 
     ``spec.transport``: ``"auto"`` (shared memory to same-host peers, direct
@@ -95,6 +97,10 @@ def _make_transport(rank: int, spec: GroupSpec, mailbox: Mailbox, worker: Worker
     hosts = spec.hosts or list(spec.addresses)
     peers = [r for r in range(spec.size) if r != rank]
     same_host = [r for r in peers if hosts[r] == hosts[rank]] if spec.transport in ("auto", "shm") else []
+    if same_host and not shm_supported():  # logged; off x86-64 the shm slots would need a fence
+        if spec.transport == "shm":
+            raise ValueError(f"the shm transport needs a 64-bit x86 machine; this one is {platform.machine()}")
+        same_host = []
     on_gpu = any("GPU" in d for d in spec.devices)
     if spec.transport == "shm" and (len(same_host) != len(peers) or on_gpu):
         raise ValueError("the shm transport needs every replica on one host, with CPU devices")
@@ -112,7 +118,7 @@ def _make_transport(rank: int, spec: GroupSpec, mailbox: Mailbox, worker: Worker
     remote = [r for r in peers if r not in routes]
     if remote:
         tcp = SocketTransport(rank, spec.addresses, mailbox, spec.group_id, get_address_host(worker.address),
-                              *_tls_contexts(worker))
+                              *_tls_contexts(worker), on_peer_lost=on_peer_lost)
         routes.update({r: tcp for r in remote})
     return RoutedTransport(rank, spec.addresses, mailbox, routes)
 
@@ -142,7 +148,7 @@ class ReplicaRuntime:
         self.devices = spec.devices
         self.loop = worker.loop.asyncio_loop
         self.mailbox = Mailbox()
-        self.transport = _make_transport(rank, spec, self.mailbox, worker)
+        self.transport = _make_transport(rank, spec, self.mailbox, worker, on_peer_lost=self.peer_lost)
         self.timer = StepTimer(rank, int(config.get("metrics.history")))
         self.communicator = Communicator(
             rank, self.size, self.transport, control=self, algorithm=spec.algorithm,
@@ -154,6 +160,7 @@ class ReplicaRuntime:
         self.state = "starting"
         self.run_id = -1
         self._commands: queue.Queue[tuple[int, bytes, asyncio.Future] | None] = queue.Queue()
+        self._stopping = False  # the strategy is closing: connections ending now are expected
         self._resident: dict[str, Any] = {}
         self._created_in_replica = 0
         self._step_events = (StepEventShipper(worker, self.token, rank, self.size,
@@ -177,6 +184,7 @@ class ReplicaRuntime:
 
     def stop(self) -> None:
         """Ask the replica thread to finish after the commands already queued."""
+        self._stopping = True
         self._commands.put(None)
 
     def status(self) -> dict:
@@ -192,6 +200,23 @@ class ReplicaRuntime:
         self.mailbox.abort_group(abort)
         self.transport.group_aborted()
 
+    def peer_lost(self, peer: int | None, message: str) -> None:
+        """A transport lost ``peer`` for good (no heartbeat, or reset): fail the group here and on every peer.
+
+        Called from a transport thread. This replica's waits raise
+        ``ReplicaLostError`` at once; the other replicas get a group abort
+        (those that cannot be reached learn it from their own heartbeats).
+        """
+        if self.mailbox.group_abort is not None or self._stopping:
+            return
+        logger.warning("%s", message)
+        abort = Abort("lost", message, self.rank)
+        self.mailbox.abort_group(abort)
+        self.loop.call_soon_threadsafe(self.transport.group_aborted)
+        for rank, address in enumerate(self.spec.addresses):
+            if rank != self.rank and rank != peer:
+                asyncio.run_coroutine_threadsafe(self._send_abort(address, rank, None, abort), self.loop)
+
     # -- control plane used by the communicator (replica thread) ---------------
 
     def abort_peers(self, run_id: int, abort: Abort) -> None:
@@ -199,7 +224,8 @@ class ReplicaRuntime:
             if rank != self.rank:
                 asyncio.run_coroutine_threadsafe(self._send_abort(address, rank, run_id, abort), self.loop)
 
-    async def _send_abort(self, address: str, rank: int, run_id: int, abort: Abort) -> None:
+    async def _send_abort(self, address: str, rank: int, run_id: int | None, abort: Abort) -> None:
+        """Send ``abort`` for ``run_id`` to replica ``rank`` (``None``: for good, the whole group)."""
         try:
             await self.worker.rpc(address).daskdist_abort(
                 group_id=self.token, rank=rank, run_id=run_id, abort=abort.to_msg(), reply=False
@@ -351,14 +377,13 @@ class ReplicaRuntime:
         """Rows of the first argument that is a batch of a distributed dataset held here, if any."""
         if not args and not kwargs:
             return None
-        batches = {id(self._resident[k]) for k in self.resident_keys(prefix="batch:")}
-        if not batches:
+        held = {id(leaf) for k in self.resident_keys(prefix="batch:") for leaf in optree.tree_leaves(self._resident[k])}
+        if not held:
             return None
-        for value in (*args, *kwargs.values()):
-            if id(value) in batches:
-                leaves = optree.tree_leaves(value)
-                first = leaves[0] if leaves else None
-                return int(first.shape[0]) if getattr(first, "ndim", 0) else 0
+        for value in (*args, *kwargs.values()):  # a whole batch, or its components (``for x, y in dist``)
+            for leaf in optree.tree_leaves(value):
+                if id(leaf) in held:
+                    return int(leaf.shape[0]) if getattr(leaf, "ndim", 0) else 0
         return None
 
     def _collective_done(self, kind: str, seconds: float, nbytes: int) -> None:
@@ -402,6 +427,7 @@ class ReplicaRuntime:
     def _create_variable(self, *args: Any, **kwargs: Any) -> Any:
         """``dd.Variable(...)`` inside a replica function: replica 0's initial value, on every replica."""
         value, spec = VariableSpec.build(*args, **kwargs)
+        check_same_spec_on_every_replica(self.communicator.all_gather_objects(spec))
         value = self.context._broadcast(value, root=0)
         self._created_in_replica += 1
         var_id = f"r{self._created_in_replica}"

@@ -12,7 +12,16 @@ from daskdist.values import gather_values, local_results, reduce_values
 if TYPE_CHECKING:
     from daskdist.replica.runtime import ReplicaRuntime
 
-__all__ = ["ReplicaExtendedView", "ReplicaStrategyView"]
+__all__ = ["CLUSTER_RESOLVER_KEY", "ReplicaExtendedView", "ReplicaStrategyView"]
+
+#: The resident under which multi-worker strategies leave each replica its cluster resolver.
+CLUSTER_RESOLVER_KEY = "strategy:cluster-resolver"
+
+
+def _cluster_resolver(runtime: ReplicaRuntime) -> Any:
+    if CLUSTER_RESOLVER_KEY in runtime.resident_keys(CLUSTER_RESOLVER_KEY):
+        return runtime.resident_object(CLUSTER_RESOLVER_KEY)
+    return None
 
 
 def _require_cross_replica(api: str) -> None:
@@ -37,6 +46,16 @@ class ReplicaExtendedView:
     @property
     def parameter_devices(self) -> tuple[str, ...]:
         return tuple(self._runtime.devices)
+
+    @property
+    def should_checkpoint(self) -> bool:
+        """Under a multi-worker strategy only on global replica 0 (the chief's first); else ``True`` (TF)."""
+        return _cluster_resolver(self._runtime) is None or self._runtime.rank == 0
+
+    @property
+    def should_save_summary(self) -> bool:
+        """As ``should_checkpoint``: one writer in the cluster."""
+        return self.should_checkpoint
 
     def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any = None,
                   options: CommunicationOptions | None = None) -> Any:
@@ -72,6 +91,11 @@ class ReplicaStrategyView:
     @property
     def num_replicas_in_sync(self) -> int:
         return self._runtime.size
+
+    @property
+    def cluster_resolver(self) -> Any:
+        """Under MultiWorkerMirroredStrategy, a resolver with task type ``"worker"`` and this host's index; else ``None``."""
+        return _cluster_resolver(self._runtime)
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[Any]:

@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from daskdist import context, registry
 from daskdist.exceptions import StrategyClosedError
 from daskdist.ops import ReduceOp
-from daskdist.values import PerReplica, gather_values, local_results, reduce_values
+from daskdist.values import gather_values, local_results, reduce_values, regroup
 
 if TYPE_CHECKING:
     from daskdist.strategy.extended import StrategyExtended
 
-__all__ = ["Strategy", "ValueContext"]
+__all__ = ["RunOptions", "Strategy", "ValueContext"]
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,19 @@ class ValueContext:
 
     replica_id_in_sync_group: int = 0
     num_replicas_in_sync: int = 1
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Options for ``strategy.run`` (TF's ``tf.distribute.RunOptions``).
+
+    TensorFlow's fields tune TPU compilation (dynamic batch sizes, XLA);
+    there is no compilation here, so they are accepted and have no effect.
+    """
+
+    experimental_enable_dynamic_batch_size: bool = True
+    experimental_bucketizing_dynamic_shape: bool = False
+    experimental_xla_options: Any = None
 
 
 class Strategy:
@@ -87,18 +100,22 @@ class Strategy:
 
     # -- running -----------------------------------------------------------------
 
-    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, options: Any = None) -> Any:
+    def run(self, fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None, options: Any = None) -> Any:
         """Run ``fn(*args, **kwargs)`` on every replica; return a ``PerReplica`` structure of results.
 
         ``PerReplica`` arguments give each replica its own component; other
         arguments go to every replica. Distributed variables captured by ``fn``
         are not shipped: each replica uses its own copy. With one replica the
-        result is returned as is.
+        result is returned as is. A leaf every replica returned as one object
+        (``None``, a bool, a small int, a distributed variable) comes back as
+        itself, as TF's regroup does, so ``run(lambda: None)`` is ``None``.
         """
         if not callable(fn):
             raise TypeError(f"strategy.run needs a callable, got {type(fn).__name__}")
         if not isinstance(args, (tuple, list)):
             raise TypeError(f"args must be a tuple, got {type(args).__name__}")
+        if options is not None and not isinstance(options, RunOptions):
+            raise TypeError(f"options must be a distribute.RunOptions, got {type(options).__name__}")
         return self._extended.call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
@@ -114,10 +131,14 @@ class Strategy:
         return local_results(value)
 
     def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
-        """``PerReplica`` of ``value_fn(ValueContext(i, n))`` for each replica ``i``."""
+        """``value_fn(ValueContext(i, n))`` for each replica ``i``, regrouped: a ``PerReplica`` at each leaf.
+
+        A tuple (or dict, list) returned by ``value_fn`` gives a tuple of
+        ``PerReplica``, as TensorFlow's ``regroup(..., always_wrap=True)``.
+        """
         n = self.num_replicas_in_sync
         values = [value_fn(ValueContext(i, n)) for i in range(n)]
-        return values[0] if n == 1 else PerReplica(values)
+        return values[0] if n == 1 else regroup(values, always_wrap=True)
 
     def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
         """Distribute ``dataset`` (batched with the global batch size) over the replicas.
@@ -134,11 +155,11 @@ class Strategy:
         """Each replica builds its own dataset with ``dataset_fn(InputContext)`` (batched per replica)."""
         return self._extended.distribute_datasets_from_function(dataset_fn, options)
 
-    def step_timings(self, last: int | None = None) -> list[list[dict]]:
+    def step_timings(self, last: int | None = None) -> list[list[dict[str, Any]]]:
         """Per replica, the phase timings of the most recent steps (see ``StepTiming``)."""
         return self._extended.step_timings(last)
 
-    def timeline(self, path: str | os.PathLike, last: int | None = None) -> str:
+    def timeline(self, path: str | os.PathLike[str], last: int | None = None) -> str:
         """Write the replicas' recent steps as a Chrome trace (open in ``chrome://tracing`` or Perfetto).
 
         Per replica a process; per step its input waits, compute, each

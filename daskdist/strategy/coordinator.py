@@ -146,7 +146,7 @@ class _WorkerResource:
 
 
 class _Closure:
-    def __init__(self, closure_id: str, fn: Callable[..., Any], args: tuple, kwargs: dict):
+    def __init__(self, closure_id: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]):
         self.closure_id = closure_id
         self.fn, self.args, self.kwargs = fn, args, kwargs
         self.remote_value = RemoteValue(closure_id)
@@ -165,7 +165,7 @@ class ClusterCoordinator:
     """
 
     def __new__(cls, strategy: Any) -> ClusterCoordinator:  # noqa: PYI034 - one coordinator per strategy
-        existing = getattr(strategy, "_coordinator", None)
+        existing: ClusterCoordinator | None = getattr(strategy, "_coordinator", None)
         if existing is not None:
             return existing
         return super().__new__(cls)
@@ -192,7 +192,7 @@ class ClusterCoordinator:
         self._workers = list(self._extended.worker_groups)
         self._live: set[str] = set(self._workers)
         self._seen = set(self._extended.client.scheduler_info(n_workers=-1)["workers"])  # newcomers come later
-        self._resources: list[tuple[Callable[..., Any], Callable[[int], tuple]]] = []  # re-made on newcomers
+        self._resources: list[tuple[Callable[..., Any], Callable[[int], tuple[Any, ...]]]] = []  # re-made on newcomers
         self._threads = [threading.Thread(target=self._drive, args=(address,), daemon=True,
                                           name=f"daskdist-coordinator-{i}") for i, address in enumerate(self._workers)]
         self._threads.append(threading.Thread(target=self._watch_cluster, daemon=True,
@@ -269,7 +269,7 @@ class ClusterCoordinator:
         """Build a dataset on every worker: ``dataset_fn(input_context)`` (or ``dataset_fn()``), or a dataset."""
         return PerWorkerDataset(self, dataset_fn)
 
-    def _run_on_each_worker(self, command: Callable[..., Any], args_for: Callable[[int], tuple]) -> None:
+    def _run_on_each_worker(self, command: Callable[..., Any], args_for: Callable[[int], tuple[Any, ...]]) -> None:
         """Make a per-worker resource on every live worker, and later on every newcomer."""
         self._resources.append((command, args_for))
         for index, address in enumerate(self._workers):
@@ -406,7 +406,7 @@ class ClusterCoordinator:
             self._cond.notify_all()
 
 
-def _for_worker(args: tuple, kwargs: dict, index: int) -> Any:
+def _for_worker(args: tuple[Any, ...], kwargs: dict[str, Any], index: int) -> Any:
     structure: Any = (args, kwargs)
     return optree.tree_map(lambda x: _element(x, index) if isinstance(x, PerWorkerValues) else x, structure,
                            is_leaf=lambda x: isinstance(x, PerWorkerValues), none_is_leaf=True)
@@ -420,7 +420,7 @@ def _element(values: PerWorkerValues, index: int) -> Any:
     return values.values[index]
 
 
-def run_closure(service: Any, closure_id: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+def run_closure(service: Any, closure_id: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Worker command: run one closure, its updates keyed by ``closure_id`` (deduplicated at the stores)."""
     structure: Any = (args, kwargs)
     resolved: Any = optree.tree_map(

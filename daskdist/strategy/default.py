@@ -26,7 +26,7 @@ class _DefaultStrategy:
     def scope(self) -> Iterator[_DefaultStrategy]:
         yield self
 
-    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, options: Any = None) -> Any:
+    def run(self, fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None, options: Any = None) -> Any:
         return fn(*args, **(kwargs or {}))
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
@@ -41,10 +41,26 @@ class _DefaultStrategy:
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
         return local_results(value)
 
+    def experimental_distribute_values_from_function(self, value_fn: Callable[[Any], Any]) -> Any:
+        """``value_fn(ValueContext())``: one replica, so the value itself (as TensorFlow's default strategy)."""
+        from daskdist.strategy.base import ValueContext
+
+        return value_fn(ValueContext())
+
+    def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
+        """The dataset itself: one local replica reads all of it (as TensorFlow's default strategy)."""
+        return dataset
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable[[Any], Any], options: Any = None) -> Any:
+        """``dataset_fn(InputContext())``: one input pipeline, one replica."""
+        from daskdist.data.options import InputContext
+
+        return dataset_fn(InputContext())
+
     def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any = None, options: Any = None) -> Any:
         return value
 
-    def update(self, var: Any, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
+    def update(self, var: Any, fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
                group: bool = True) -> Any:
         return fn(var, *args, **(kwargs or {}))
 
@@ -81,7 +97,7 @@ class _DefaultReplicaContext:
     def barrier(self, options: CommunicationOptions | None = None) -> None:
         return None
 
-    def merge_call(self, merge_fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
+    def merge_call(self, merge_fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         return merge_fn(default_strategy(), *args, **(kwargs or {}))
 
 

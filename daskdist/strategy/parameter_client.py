@@ -46,7 +46,7 @@ class RoundCounter:
         self._n += 1
         return (int(run_id) << 32) | self._n
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, Any]:
         return {"_run": None, "_n": 0}
 
 
@@ -115,14 +115,14 @@ class StoreRef:
         kwargs["store_id"] = self.store_id
         payload = serialization.dumps((op, kwargs))
         try:
-            response = client.sync(_call, client.rpc, self.address, payload)
+            response = client.sync(_call, client.rpc, self.address, payload)  # type: ignore[no-untyped-call]
         except (OSError, CommClosedError) as e:
             raise ReplicaLostError(f"the parameter store on {self.address} cannot be reached: {e}",
                                    worker=self.address) from e
         return _result(response)
 
 
-async def _call(pool: Any, address: str, payload: bytes) -> dict:
+async def _call(pool: Any, address: str, payload: bytes) -> dict[str, Any]:
     """One request to the store's handler; connecting gives up after ``daskdist.parameter-store.connect-timeout``.
 
     Dask retries a refused connection until ``distributed.comm.timeouts.connect``
@@ -135,10 +135,10 @@ async def _call(pool: Any, address: str, payload: bytes) -> dict:
         comm.abort()
         raise
     pool.reuse(address, comm)
-    return response
+    return dict(response)
 
 
-def _result(response: dict) -> Any:
+def _result(response: dict[str, Any]) -> Any:
     if response.get("status") != "OK":
         raise serialization.exception_from_message(response)
     return serialization.loads(response["result"])

@@ -224,7 +224,7 @@ def _live_stores(extended: Any) -> list[StoreRef]:
     return [s for s in stores if s.address in workers]
 
 
-def _check_aggregation(args: tuple, kwargs: dict) -> None:
+def _check_aggregation(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """TF's ``ParameterServerStrategyExtended._create_variable`` check, before anything is built."""
     aggregation = kwargs.get("aggregation", args[4] if len(args) > 4 else VariableAggregation.NONE)
     name = kwargs.get("name", args[2] if len(args) > 2 else None)
@@ -293,17 +293,18 @@ class StoreGradientApplier:
             namespace(param).copyto(param, _like(new, param))
         return _like(result["stats"], stats)
 
-    def model_state(self, service: Any, model_key: str) -> dict | None:
+    def model_state(self, service: Any, model_key: str) -> dict[str, Any] | None:
         """The stored parameters and optimizer state, or ``None`` before the first step."""
-        return self.store.call_from_replica(service, "model_state", model_key=model_key)
+        state: dict[str, Any] | None = self.store.call_from_replica(service, "model_state", model_key=model_key)
+        return state
 
     def set_model(self, service: Any, model_key: str, params: list[Any] | None = None,
-                  optimizer_state: dict | None = None) -> bool:
+                  optimizer_state: dict[str, Any] | None = None) -> bool:
         """Overwrite the stored copy (after ``set_weights``/``load_weights``); ``False`` if none yet."""
-        return self.store.call_from_replica(service, "set_model", model_key=model_key, params=params,
-                                            optimizer_state=optimizer_state)
+        return bool(self.store.call_from_replica(service, "set_model", model_key=model_key, params=params,
+                                            optimizer_state=optimizer_state))
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, Any]:
         return {"store": self.store, "_rounds": {}}
 
 

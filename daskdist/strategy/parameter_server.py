@@ -129,7 +129,7 @@ class ParameterServerExtended(ParameterHolderExtended):
         if variable_partitioner is not None and not callable(variable_partitioner):
             raise TypeError(f"variable_partitioner must be a partitioner, got {type(variable_partitioner).__name__}")
         if client is None:
-            client = getattr(cluster_resolver, "_client", None) or default_client()
+            client = getattr(cluster_resolver, "_client", None) or default_client()  # type: ignore[no-untyped-call]
         if not isinstance(client, Client):
             raise TypeError(f"client must be a distributed.Client, got {type(client).__name__}")
         known = client.scheduler_info(n_workers=-1)["workers"]

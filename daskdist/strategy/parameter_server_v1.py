@@ -109,7 +109,7 @@ class ParameterServerStrategyV1(ParameterServerStrategy):
 
     def __init__(self, cluster_resolver: Any = None, *, client: Client | None = None):
         if cluster_resolver is None:
-            from daskdist.cluster_resolver import TFConfigClusterResolver  # type: ignore[import-not-found]
+            from daskdist.cluster_resolver import TFConfigClusterResolver
 
             cluster_resolver = TFConfigClusterResolver()
         self._coordinator = None

@@ -94,7 +94,7 @@ class ParameterStore:
         self._entries: dict[tuple[str, str], _Entry] = {}
         self._models: dict[tuple[str, str], _ModelEntry] = {}
         self._rounds: dict[tuple[str, str, int], _Round] = {}
-        self._applied: dict[tuple[str, str], OrderedDict[tuple, None]] = {}  # update keys applied, per variable
+        self._applied: dict[tuple[str, str], OrderedDict[tuple[Any, ...], None]] = {}  # update keys applied, per variable
         self._duplicates: dict[str, int] = {}
         self._staleness: dict[str, collections.deque[int]] = {}
         self._served: dict[str, int] = {}  # bytes of values sent out, per store id (reads and row gathers)
@@ -104,7 +104,7 @@ class ParameterStore:
 
     # -- the handler -----------------------------------------------------------------
 
-    async def handle(self, payload: bytes) -> dict:
+    async def handle(self, payload: bytes) -> dict[str, Any]:
         """``daskdist_ps`` handler: ``payload`` is a pickled ``(op, kwargs)``; never raises across the wire."""
         try:
             op, kwargs = serialization.loads(payload)
@@ -114,7 +114,7 @@ class ParameterStore:
             address = self.worker.address if self.worker is not None else ""
             return serialization.error_message(e, -1, address)
 
-    async def run(self, op: str, kwargs: dict) -> Any:
+    async def run(self, op: str, kwargs: dict[str, Any]) -> Any:
         """Run one operation (on the worker's event loop)."""
         method = getattr(self, f"_op_{op}", None)
         if method is None:
@@ -233,7 +233,7 @@ class ParameterStore:
         """How many deduplicated updates were skipped (a closure run again after a failure)."""
         return self._duplicates.get(store_id, 0)
 
-    def _op_apply_fn(self, store_id: str, var_id: str, fn: Any, args: tuple, kwargs: dict) -> Any:
+    def _op_apply_fn(self, store_id: str, var_id: str, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``fn(variable, *args, **kwargs)`` on the stored variable, once (TF's ``extended.update``)."""
         from daskdist.variables import Variable
 
@@ -274,7 +274,7 @@ class ParameterStore:
     # -- synchronous rounds ---------------------------------------------------------------
 
     async def _op_contribute(self, store_id: str, key: str, round_id: int, rank: int, size: int, kind: str,
-                             has_payload: bool, payload: Any, wait: float) -> dict:
+                             has_payload: bool, payload: Any, wait: float) -> dict[str, Any]:
         """Add ``rank``'s contribution to round ``round_id`` of ``key``; wait up to ``wait`` s for the result.
 
         Returns ``{"status": "OK", "result": ...}`` once every one of ``size``
@@ -326,7 +326,7 @@ class ParameterStore:
             return self._finish_gradients(store_id, key.partition(":")[2], ordered)
         raise ValueError(f"unknown round kind {kind!r}")
 
-    def _finish_variable_update(self, store_id: str, var_id: str, ordered: list[dict]) -> tuple[int, Any]:
+    def _finish_variable_update(self, store_id: str, var_id: str, ordered: list[dict[str, Any]]) -> tuple[int, Any]:
         """An assign made in replica context by every replica, aggregated and applied once (TF's merge_call)."""
         first = ordered[0]
         method, aggregation = first["method"], first["aggregation"]
@@ -345,7 +345,7 @@ class ParameterStore:
 
     # -- Keras parameters with their optimizer ------------------------------------------------
 
-    def _finish_gradients(self, store_id: str, model_key: str, ordered: list[dict]) -> dict:
+    def _finish_gradients(self, store_id: str, model_key: str, ordered: list[dict[str, Any]]) -> dict[str, Any]:
         """Sum the replicas' gradients and step counts, apply the optimizer once, return the new parameters."""
         key = (store_id, model_key)
         entry = self._models.get(key)
@@ -365,7 +365,7 @@ class ParameterStore:
             entry.version += 1
         return {"params": [_copy(p) for p in entry.params], "stats": stats, "version": entry.version}
 
-    def _op_model_state(self, store_id: str, model_key: str) -> dict | None:
+    def _op_model_state(self, store_id: str, model_key: str) -> dict[str, Any] | None:
         """``{"params", "optimizer_state", "iterations"}`` of a model's stored copy, or ``None`` if it has none."""
         entry = self._models.get((store_id, model_key))
         if entry is None:
@@ -374,7 +374,7 @@ class ParameterStore:
         return {"params": [_copy(p) for p in entry.params], "optimizer_state": state}
 
     def _op_set_model(self, store_id: str, model_key: str, params: list[Any] | None = None,
-                      optimizer_state: dict | None = None) -> bool:
+                      optimizer_state: dict[str, Any] | None = None) -> bool:
         """Overwrite a stored model's parameters and/or optimizer state; ``False`` if none is stored yet."""
         entry = self._models.get((store_id, model_key))
         if entry is None:

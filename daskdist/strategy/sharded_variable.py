@@ -66,7 +66,7 @@ class ShardedVariable:
                              f"axis. Received shapes: {[tuple(v.shape) for v in variables]}")
         self._variables = list(variables)
         self._name = name
-        self._dtype = np.dtype(variables[0].dtype)
+        self._dtype: np.dtype[Any] = np.dtype(variables[0].dtype)
         rows = [int(v.shape[0]) for v in variables]
         self._shape = (sum(rows), *tuple(variables[0].shape[1:]))
         self._offsets = [int(x) for x in np.concatenate([[0], np.cumsum(rows)])]
@@ -84,7 +84,8 @@ class ShardedVariable:
 
     @property
     def dtype(self) -> np.dtype:
-        return self._dtype
+        dtype: np.dtype[Any] = self._dtype
+        return dtype
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -209,7 +210,7 @@ class ShardedVariable:
     def __matmul__(self, o: Any) -> Any: return self.value() @ o
     def __rmatmul__(self, o: Any) -> Any: return o @ self.value()
     def __neg__(self) -> Any: return -self.value()
-    def __len__(self) -> int: return self._shape[0]
+    def __len__(self) -> int: return int(self._shape[0])
 
 
 def _scatter(variable: Any, method: str, part: IndexedSlices) -> None:

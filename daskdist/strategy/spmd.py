@@ -121,13 +121,13 @@ class SpmdExtended(StrategyExtended):
         """The client to use: the given one, the default one, or one of a new embedded cluster."""
         if client is None:
             try:
-                client = default_client()
+                client = default_client()  # type: ignore[no-untyped-call]  # distributed is untyped
             except ValueError:
                 client = None
         if client is None:
             self._cluster, specs = start_embedded_cluster(specs)
             EmbeddedShutdown.register(self)  # SIGTERM and exit close it: replicas stop, segments go
-            client = Client(self._cluster, set_as_default=False)
+            client = Client(self._cluster, set_as_default=False)  # type: ignore[no-untyped-call]
             self._owns_client = True
         return client, specs
 
@@ -309,7 +309,7 @@ class SpmdExtended(StrategyExtended):
     def _shutdown_cluster(self) -> None:
         EmbeddedShutdown.unregister(self)
         if self._owns_client:
-            self._client.close()
+            self._client.close()  # type: ignore[no-untyped-call]
             if self._cluster is not None:
                 self._cluster.close()
             self._owns_client = False

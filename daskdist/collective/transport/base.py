@@ -101,6 +101,10 @@ class Transport(ABC):
         self.recv_into(src, recv_tag, deadline, out, combine, base)
         handle.wait(deadline)
 
+    def routes_by_peer(self) -> dict[int, Transport]:
+        """The transport that carries each peer's messages (this one for every peer unless it routes)."""
+        return {peer: self for peer in range(self.size) if peer != self.rank}
+
     def group_aborted(self) -> None:
         """The group is lost for good: release shared resources now (called from the event loop)."""
 

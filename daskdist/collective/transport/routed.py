@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from daskdist.collective.mailbox import Mailbox, Tag
@@ -25,9 +26,14 @@ class RoutedTransport(Transport):
     def __init__(self, rank: int, addresses: list[str], mailbox: Mailbox, routes: dict[int, Transport]):
         super().__init__(rank, addresses, mailbox)
         self.routes = routes
+        #: Bytes of arrays sent, by ``(route name, peer)``: which transport carried what (the latency lane
+        #: and single-copy reads, used only when every peer shares the host, are not counted).
+        self.sent_bytes: Counter[tuple[str, int]] = Counter()
 
     def send(self, dst: int, tag: Tag, payload: Any) -> SendHandle:
-        return self.routes[dst].send(dst, tag, payload)
+        route = self.routes[dst]
+        self.sent_bytes[route.name, dst] += getattr(payload, "nbytes", 0)
+        return route.send(dst, tag, payload)
 
     def recv(self, src: int, tag: Tag, deadline: float) -> Any:
         return self.routes[src].recv(src, tag, deadline)
@@ -39,9 +45,16 @@ class RoutedTransport(Transport):
     def sendrecv(self, dst: int, send_tag: Tag, payload: Any, src: int, recv_tag: Tag, deadline: float, out: Any,
                  combine: Combine | None, base: Any = None) -> None:
         route = self.routes[src]
+        self.sent_bytes[self.routes[dst].name, dst] += getattr(payload, "nbytes", 0)
         if self.routes[dst] is route:
             return route.sendrecv(dst, send_tag, payload, src, recv_tag, deadline, out, combine, base)
-        return super().sendrecv(dst, send_tag, payload, src, recv_tag, deadline, out, combine, base)
+        handle = self.routes[dst].send(dst, send_tag, payload)  # not self.send: counted once, above
+        self.recv_into(src, recv_tag, deadline, out, combine, base)
+        handle.wait(deadline)
+        return None
+
+    def routes_by_peer(self) -> dict[int, Transport]:
+        return dict(self.routes)
 
     def describe(self) -> dict[int, str]:
         """The transport name used for each peer."""

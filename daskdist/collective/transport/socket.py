@@ -10,6 +10,15 @@ copy) and delivers them to the replica's mailbox.
 
 When the cluster's ``Security`` requires encryption (``tls://`` comms), the
 listener and the connections use the cluster's TLS contexts.
+
+Heartbeats: every connection has TCP keepalive and ``TCP_USER_TIMEOUT`` set
+from ``daskdist.collective.socket.heartbeat-timeout``, so a peer that goes
+silent without closing (its host's link is down: no FIN, no RST) fails the
+connection within about that long, whether data is in flight or not. The
+transport then reports the peer lost (``on_peer_lost``), and every replica's
+waits raise ``ReplicaLostError`` instead of running to the collective's
+deadline. A peer that closes its connection (its process ended) is left to
+the scheduler, which sees its worker leave.
 """
 
 from __future__ import annotations
@@ -18,11 +27,14 @@ import logging
 import queue
 import socket
 import ssl
+import struct
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from daskdist import config
 from daskdist.collective.mailbox import Abort, Mailbox, Tag
 from daskdist.collective.transport.base import SendHandle, Transport, remaining
 from daskdist.collective.transport.framing import HEADER, decode, describe_payload, encode, pack_header, unpack_header
@@ -32,7 +44,12 @@ __all__ = ["SocketTransport"]
 
 logger = logging.getLogger(__name__)
 
-_HELLO = b"daskdist-socket-1"
+_HELLO = b"daskdist-socket-2"
+_RANK = struct.Struct("!i")  # the connecting replica's rank, after the hello and the group id
+
+
+class _PeerClosed(ConnectionError):
+    """The peer closed the connection (end of stream): its process ended or closed the transport."""
 
 
 class _Send(SendHandle):
@@ -55,7 +72,7 @@ def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
     while view.nbytes:
         n = sock.recv_into(view)
         if n == 0:
-            raise ConnectionError("connection closed by the peer")
+            raise _PeerClosed("connection closed by the peer")
         view = view[n:]
 
 
@@ -68,14 +85,28 @@ class SocketTransport(Transport):
         The interface to listen on (the worker's host).
     server_context, client_context
         TLS contexts (``None`` for plain TCP).
+    on_peer_lost
+        Called as ``on_peer_lost(rank, message)`` (``rank`` ``None`` when not
+        yet known) when a connection to a peer fails without being closed: the
+        heartbeat deadline passed, or the peer's host reset it. ``None``: abort
+        this replica's mailbox for good.
+
+    Attributes
+    ----------
+    sent_bytes
+        Bytes written to each peer's connection (frame headers included).
     """
 
     name = "socket"
 
     def __init__(self, rank: int, addresses: list[str], mailbox: Mailbox, group_id: str, host: str,
-                 server_context: ssl.SSLContext | None = None, client_context: ssl.SSLContext | None = None):
+                 server_context: ssl.SSLContext | None = None, client_context: ssl.SSLContext | None = None,
+                 on_peer_lost: Callable[[int | None, str], None] | None = None):
         super().__init__(rank, addresses, mailbox)
         self.group_id = group_id
+        self.heartbeat_timeout = config.get_seconds("collective.socket.heartbeat-timeout")
+        self.sent_bytes: dict[int, int] = {}
+        self._on_peer_lost = on_peer_lost
         self._server_context = server_context
         self._client_context = client_context
         self._listener = socket.create_server((host, 0))
@@ -108,16 +139,19 @@ class SocketTransport(Transport):
             thread.start()
 
     def _read_loop(self, conn: socket.socket) -> None:
+        peer: int | None = None
         try:
+            self._set_heartbeat(conn)
             if self._server_context is not None:
                 conn = self._server_context.wrap_socket(conn, server_side=True)
             with self._lock:
                 self._connections.append(conn)
-            hello = bytearray(len(_HELLO) + len(self.group_id.encode()))
+            hello = bytearray(len(_HELLO) + len(self.group_id.encode()) + _RANK.size)
             _recv_exactly(conn, memoryview(hello))
-            if bytes(hello) != _HELLO + self.group_id.encode():
+            if bytes(hello[:-_RANK.size]) != _HELLO + self.group_id.encode():
                 logger.warning("Rejected a TCP connection that is not from this replica group")
                 return
+            peer = _RANK.unpack(hello[-_RANK.size:])[0]
             header = bytearray(HEADER.size)
             while not self._closed:
                 _recv_exactly(conn, memoryview(header))
@@ -125,9 +159,12 @@ class SocketTransport(Transport):
                 data = np.empty(total, np.uint8)
                 _recv_exactly(conn, memoryview(data))
                 self.mailbox.put(tag, decode(kind, dtype, shape, data))
-        except (OSError, ConnectionError, ssl.SSLError) as e:
+        except _PeerClosed as e:
             if not self._closed:
                 logger.debug("TCP reader of replica %d stopped: %s", self.rank, e)
+        except (OSError, ssl.SSLError) as e:
+            if not self._closed:
+                self._peer_lost(peer, f"receiving from it failed: {e!r}")
         except Exception as e:  # a frame we cannot decode: fail the run loudly instead of waiting forever
             logger.exception("TCP reader of replica %d failed", self.rank)
             self.mailbox.abort_run(
@@ -152,11 +189,13 @@ class SocketTransport(Transport):
         address = self._peer_addresses.get(dst)
         if address is None:
             raise ConnectionError(f"no TCP address for replica {dst} (rendezvous did not provide one)")
-        sock = socket.create_connection(address)
+        sock = socket.create_connection(address, timeout=self.heartbeat_timeout or None)
+        sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._set_heartbeat(sock)
         if self._client_context is not None:
             sock = self._client_context.wrap_socket(sock, server_hostname=address[0])
-        sock.sendall(_HELLO + self.group_id.encode())
+        sock.sendall(_HELLO + self.group_id.encode() + _RANK.pack(self.rank))
         with self._lock:
             self._connections.append(sock)
         return sock
@@ -178,9 +217,37 @@ class SocketTransport(Transport):
                 sock.sendall(header)
                 if data.nbytes:
                     sock.sendall(memoryview(data.reshape(-1).view(np.uint8)))
+                self.sent_bytes[dst] = self.sent_bytes.get(dst, 0) + len(header) + data.nbytes
             except BaseException as e:
                 handle.error = e
+                if not self._closed and isinstance(e, (OSError, ssl.SSLError)) and not isinstance(e, _PeerClosed):
+                    self._peer_lost(dst, f"sending to it failed: {e!r}")
             handle.done.set()
+
+    # -- heartbeats ----------------------------------------------------------------
+
+    def _set_heartbeat(self, sock: socket.socket) -> None:
+        """Keepalive probes and a user timeout: a silent peer fails the connection within the heartbeat deadline."""
+        timeout = self.heartbeat_timeout
+        if not timeout or not hasattr(socket, "TCP_USER_TIMEOUT"):
+            return
+        interval = max(1, int(timeout / 3))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, interval)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(timeout * 1000))
+
+    def _peer_lost(self, peer: int | None, detail: str) -> None:
+        who = f"replica {peer} ({self.addresses[peer]})" if peer is not None else "a peer replica"
+        message = (f"{who} is unreachable from replica {self.rank}: its TCP connection failed without being closed "
+                   f"(no answer within daskdist.collective.socket.heartbeat-timeout = {self.heartbeat_timeout:g}s, "
+                   f"or reset); {detail}")
+        if self._on_peer_lost is not None:
+            self._on_peer_lost(peer, message)
+        else:
+            logger.warning("%s", message)
+            self.mailbox.abort_group(Abort("lost", message, self.rank))
 
     def send(self, dst: int, tag: Tag, payload: Any) -> SendHandle:
         handle = _Send(dst, str(self._peer_addresses.get(dst)))

@@ -1,4 +1,4 @@
-"""The latency path: all-reduce of one small array among replicas that share a host.
+"""The latency lane engine: all-reduce of one small array among replicas that share a host.
 
 A training step's small all-reduces (a loss, a metric, a batch-norm
 statistic) are dominated by per-call work, not by bytes. When every peer of
@@ -27,39 +27,47 @@ signature.
 
 Both lanes give the same results; replicas that disagree about the lane
 disagree about the signature, which is what the mismatch check catches.
+
+The lane reaches the transport only through ``ShmTransport.lane()``
+(``ShmLane``), and the communicator only through ``LaneHost``: it takes its
+collective number from ``next_collective`` and registers with
+``begin_tracking`` only once it has to wait.
 """
 
 from __future__ import annotations
 
 import time
 import zlib
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import numpy as np
+import optree
 
+from daskdist.collective.buffers import BufferPool
+from daskdist.collective.engines.base import AllReducePlan
 from daskdist.collective.mailbox import MailboxTimeout
 from daskdist.collective.packing import signature
 from daskdist.collective.reduction import check_dtype, finalize
-from daskdist.collective.transport.framing import ARRAY, MAX_NDIM, TEXT, decode, dtype_text
-from daskdist.collective.transport.shm import ShmTransport, backoff_wait, lane_header
+from daskdist.collective.transport.base import Transport
+from daskdist.collective.transport.framing import ARRAY, MAX_NDIM, dtype_text
+from daskdist.collective.transport.shm import ShmTransport, lane_header
+from daskdist.collective.transport.shm_lane import LaneMismatch, ShmLane
 from daskdist.exceptions import CollectiveMismatchError, CollectiveTimeoutError
 from daskdist.ops import CommunicationImplementation, CommunicationOptions, ReduceOp
 
-if TYPE_CHECKING:
-    from daskdist.collective.communicator import Communicator
-
-__all__ = ["SmallAllReduce", "shared_memory_route"]
+__all__ = ["LaneEngine", "LaneHost", "shared_memory_route"]
 
 _UFUNC_NAMES = {ReduceOp.SUM: "add", ReduceOp.MEAN: "add", ReduceOp.MAX: "maximum", ReduceOp.MIN: "minimum",
                 ReduceOp.PRODUCT: "multiply"}
 _PLANS_KEPT = 1024
 
 
-def shared_memory_route(transport: Any, size: int, rank: int) -> ShmTransport | None:
+def shared_memory_route(transport: Transport, size: int, rank: int) -> ShmTransport | None:
     """The shared-memory transport that reaches every peer, or ``None`` if some peer is reached otherwise."""
-    routes = getattr(transport, "routes", None)
     if isinstance(transport, ShmTransport):
         return transport
+    routes = transport.routes_by_peer()
     if not routes or len(routes) != size - 1:
         return None
     first = routes.get((rank + 1) % size)
@@ -68,15 +76,57 @@ def shared_memory_route(transport: Any, size: int, rank: int) -> ShmTransport | 
     return None
 
 
+class LaneHost(Protocol):
+    """What the lane needs of the communicator."""
+
+    rank: int
+    size: int
+    run_id: int
+    small_message_bytes: int
+    default_timeout: float
+    options: CommunicationOptions
+    algorithm: Any
+    buffers: BufferPool
+    on_collective: Callable[[str, float, int], None] | None
+
+    def next_collective(self) -> int: ...
+
+    def begin_tracking(self, kind: str, call: Any, since: float) -> None: ...
+
+    def end_tracking(self) -> None: ...
+
+    def abort_run(self, error: BaseException) -> None: ...
+
+    def describe_timeout(self, call: Any, waiting_for: int) -> str: ...
+
+
 class _Plan:
     """Everything about one (op, shape, dtype) that does not change between calls."""
 
-    __slots__ = ("op", "sig", "sig_bytes", "name", "name_field", "header", "key", "ufunc", "nbytes", "sent_bytes",
-                 "dtype", "shape", "timeout", "send_order", "new_out", "mean")
+    __slots__ = (
+        "dtype",
+        "for_pack",
+        "header",
+        "key",
+        "mean",
+        "name",
+        "name_field",
+        "nbytes",
+        "new_out",
+        "op",
+        "send_order",
+        "sent_bytes",
+        "shape",
+        "sig",
+        "sig_bytes",
+        "timeout",
+        "ufunc",
+    )
 
     def __init__(self, op: ReduceOp, sig: str, rank: int, value: np.ndarray, size: int, timeout: float | None,
-                 pooled_bytes: int):
+                 pooled_bytes: int, for_pack: bool = False):
         self.op = op
+        self.for_pack = for_pack  # a structure's single pack, not an array of its own
         self.timeout = timeout
         self.sig = sig
         self.sig_bytes = sig.encode()
@@ -114,39 +164,41 @@ class _LaneCall:
         self.nbytes = nbytes
 
 
-class SmallAllReduce:
+class LaneEngine:
     """The one-hop shared-memory all-reduce of one small array (see the module docstring).
 
     Parameters
     ----------
     comm
         The replica's communicator (rank, size, run and collective numbers, aborts).
-    shm
-        The shared-memory transport that reaches every peer.
+    lane
+        The shared-memory transport's lane (``ShmTransport.lane()``) that reaches every peer.
     """
 
-    def __init__(self, comm: Communicator, shm: ShmTransport):
+    def __init__(self, comm: LaneHost, lane: ShmLane):
         self.comm = comm
-        self.shm = shm
+        self.lane = lane
         # Between two replicas the one-hop exchange moves the same bytes as the ring, in one step
         # instead of two: it takes everything that fits in one channel slot. With more replicas than
         # cores every ring step waits for descheduled peers, so one hop wins up to half a slot.
         self.limit = comm.small_message_bytes
         if comm.size == 2:
-            self.limit = max(self.limit, shm.slot_bytes)
-        elif getattr(shm, "oversubscribed", False):
-            self.limit = max(self.limit, shm.slot_bytes // 2)
-        self.limit = min(self.limit, shm.slot_bytes)  # the lane reads each array whole from one slot
-        self._plans: dict[tuple, _Plan | None] = {}
+            self.limit = max(self.limit, lane.slot_bytes)
+        elif lane.oversubscribed:
+            self.limit = max(self.limit, lane.slot_bytes // 2)
+        self.limit = min(self.limit, lane.slot_bytes)  # the lane reads each array whole from one slot
+        self._plans: dict[tuple[Any, ...], _Plan | None] = {}
         self._call: _LaneCall | None = None  # the collective in progress, once it had to wait
-        self._inbound = {src: shm.inbound(src) for src in range(comm.size) if src != comm.rank}
+        self._peek = lane.peek
+        self._release = lane.release
 
     def plan(self, op: Any, value: np.ndarray, options: CommunicationOptions | None) -> _Plan | None:
-        """The plan for ``value``, or ``None`` when the general path must take it.
+        """The plan for ``value``, or ``None`` when another engine must take it.
 
         Whether this lane is taken depends only on what the signature says
         (op, shape, dtype, options, the group's algorithm), so replicas that
-        agree on the signature agree on the lane.
+        agree on the signature agree on the lane. Plans are cached: for a bare
+        numpy array, this lookup is all the communicator does before ``run``.
         """
         key = (op, value.shape, value.dtype, options)
         try:
@@ -159,9 +211,36 @@ class SmallAllReduce:
         self._plans[key] = plan
         return plan
 
-    def plan_for_pack(self, op: Any, buffer: np.ndarray, options: CommunicationOptions | None,
-                      sig: str) -> _Plan | None:
-        """The plan for a structure fused into the one flat ``buffer`` (a list of gradients), or ``None``.
+    def accepts(self, plan: AllReducePlan) -> _Plan | None:
+        """The lane's plan for a validated all-reduce that is not a bare numpy array, or ``None``.
+
+        One array (a number, a numpy scalar, a CPU DLPack tensor) is planned
+        as itself; any other structure that fuses into a single flat numpy
+        pack (a list of gradients of one dtype) is planned as that pack, under
+        the structure's signature.
+        """
+        if plan.bare_array:
+            return None  # ``plan`` already said no to the array itself; the packed path takes it
+        if plan.single_leaf() and isinstance(plan.leaves[0], np.ndarray):
+            lane_plan = self.plan(plan.op, plan.leaves[0], plan.call_options)
+            if lane_plan is not None:
+                return lane_plan
+        packs = plan.packed.packs
+        if len(packs) != 1 or not isinstance(packs[0].buffer, np.ndarray):
+            return None
+        return self._plan_for_pack(plan.op, packs[0].buffer, plan.call_options, plan.sig)
+
+    def run_plan(self, plan: AllReducePlan, lane_plan: _Plan) -> Any:
+        """All-reduce a validated ``plan`` that ``accepts`` gave ``lane_plan`` for; the caller's structure back."""
+        if not lane_plan.for_pack:
+            return optree.tree_unflatten(plan.treedef, [plan.restore[0](self.run(lane_plan, plan.leaves[0]))])
+        packed = plan.packed
+        packed.packs[0].buffer = self.run(lane_plan, packed.packs[0].buffer)
+        return packed.unpack()
+
+    def _plan_for_pack(self, op: ReduceOp, buffer: np.ndarray, options: CommunicationOptions | None,
+                       sig: str) -> _Plan | None:
+        """The plan for a structure fused into the one flat ``buffer``, or ``None``.
 
         ``sig`` is the structure's signature: replicas agree on it, hence on
         the pack, hence on the lane.
@@ -193,11 +272,13 @@ class SmallAllReduce:
             return None
         if options.implementation is not CommunicationImplementation.AUTO and algorithm != "direct":
             return None
+        for_pack = sig is not None
         if sig is None:
             detail = (f"{reduce_op.name} packs={options.bytes_per_pack}/{comm.algorithm.num_packs} "
                       f"{options.implementation.name}")
             sig = signature("all_reduce", detail, [value], _SINGLE_LEAF)
-        return _Plan(reduce_op, sig, comm.rank, value, comm.size, options.timeout_seconds, comm.buffers.min_bytes)
+        return _Plan(reduce_op, sig, comm.rank, value, comm.size, options.timeout_seconds, comm.buffers.min_bytes,
+                     for_pack)
 
     def run(self, plan: _Plan, value: np.ndarray) -> np.ndarray:
         """All-reduce ``value`` with ``plan``; the result is a new array.
@@ -211,8 +292,7 @@ class SmallAllReduce:
         """
         comm = self.comm
         run_id = comm.run_id
-        self.shm.mailbox.check(run_id)
-        comm.seq = seq = comm.seq + 1
+        seq = comm.next_collective()
         start = time.monotonic()
         try:
             result = self._exchange(plan, value, run_id, seq, start)
@@ -236,14 +316,15 @@ class SmallAllReduce:
         return self._call, start + self._call.timeout
 
     def _exchange(self, plan: _Plan, value: np.ndarray, run_id: int, seq: int, start: float) -> np.ndarray:
-        shm = self.shm
+        lane = self.lane
         rank = self.comm.rank
         handles = []
+        try_write = lane.try_write
         for dst in plan.send_order:
-            if not shm.try_send_lane(dst, plan.header, run_id, seq, value, plan.key):
-                handles.append(shm.send(dst, (run_id, seq, rank, plan.name), value, plan.sig_bytes))
+            if not try_write(dst, plan.header, run_id, seq, value, plan.key):
+                handles.append(lane.send_queued(dst, (run_id, seq, rank, plan.name), value, plan.sig_bytes))
         ufunc = plan.ufunc
-        result: np.ndarray | None = None
+        result: Any = None  # set when rank 1's array is combined with rank 0's
         first: np.ndarray | None = None  # rank 0's array, until rank 1's is combined with it
         first_release = None
         for r in range(self.comm.size):
@@ -272,7 +353,8 @@ class SmallAllReduce:
             _call, deadline = self._slow(plan, run_id, seq, start)
             for handle in handles:
                 handle.wait(deadline)
-        return result
+        reduced: np.ndarray = result
+        return reduced
 
     def _new_out(self, plan: _Plan) -> np.ndarray:
         if plan.nbytes >= self.comm.buffers.min_bytes:
@@ -281,62 +363,25 @@ class SmallAllReduce:
 
     def _take(self, plan: _Plan, src: int, run_id: int, seq: int, start: float) -> tuple[np.ndarray, Any]:
         """``src``'s array (a view into its channel) and how to free the slot; waits as long as it must."""
-        channel = self._inbound[src]
-        incoming = channel.peek_lane((run_id, seq, src, plan.name_field), plan.key)
+        incoming = self._peek[src]((run_id, seq, src, plan.name_field), plan.key)
         if incoming is not None:  # the message itself: nothing of this tag can be stashed
-            return incoming, channel.release
+            return incoming, self._release[src]
         call, deadline = self._slow(plan, run_id, seq, start)
-        return self._receive(plan, src, deadline, call)
-
-    def _receive(self, plan: _Plan, src: int, deadline: float, call: _LaneCall) -> tuple[np.ndarray, Any]:
-        """``src``'s array for collective ``call`` (a view into its channel) and how to free the slot."""
-        shm = self.shm
-        run_id, seq = call.run_id, call.seq
-        stashed = shm.take_stashed(src, (run_id, seq, src, plan.name))
-        if stashed is not None:
-            if getattr(stashed, "nbytes", None) != plan.nbytes:
-                self._mismatch(call, src, plan, "a different payload")
-            return stashed.view(plan.dtype).reshape(plan.shape), None
-        channel = shm.inbound(src)
-        mailbox = shm.mailbox
-        while True:
-            if not channel.can_read():
-                try:
-                    backoff_wait(channel.can_read, deadline, lambda: mailbox.check(run_id), shm.spin_seconds)
-                except MailboxTimeout:
-                    raise CollectiveTimeoutError(self.comm.describe_timeout(call, src)) from None
-            fields, start = channel.peek_fields()
-            if fields[0] == run_id and fields[1] == seq and fields[2] == src:
-                if fields[3] == plan.name_field:
-                    data = channel.data(start, plan.nbytes)
-                    return data.view(plan.dtype).reshape(plan.shape), channel.release
-                self._mismatch(call, src, plan, self._peer_signature(channel, fields, start))
-            if fields[0] < mailbox.current_run:
-                channel.release()  # left over from an aborted run
-                continue
-            header, data = channel.peek()
-            shm.stash_message(src, header, data)
-
-    @staticmethod
-    def _peer_signature(channel: Any, fields: tuple, start: int) -> str:
-        """What the peer passed, from its message of the same collective."""
-        name = fields[3].rstrip(b"\0").decode()
-        if name == "sig" and fields[4] == TEXT and fields[7] == fields[5]:
-            return decode(TEXT, "", (), channel.data(start, fields[7]))
-        text = channel.extra().decode(errors="replace")
-        return text or f"a different collective ({name})"
-
-    def _mismatch(self, call: _LaneCall, src: int, plan: _Plan, peer_sig: str) -> None:
-        raise CollectiveMismatchError(
-            f"all_reduce #{call.seq} of run {call.run_id}: the replicas passed different values; "
-            f"replica {src} passed {peer_sig!r} but replica {self.comm.rank} passed {plan.sig!r}"
-        )
+        try:
+            return self.lane.receive(src, run_id, seq, plan.name, plan.name_field, plan.nbytes, plan.dtype,
+                                     plan.shape, deadline)
+        except MailboxTimeout:
+            raise CollectiveTimeoutError(self.comm.describe_timeout(call, src)) from None
+        except LaneMismatch as e:
+            raise CollectiveMismatchError(
+                f"all_reduce #{call.seq} of run {call.run_id}: the replicas passed different values; "
+                f"replica {src} passed {e.peer_signature!r} but replica {self.comm.rank} passed {plan.sig!r}"
+            ) from None
 
 
 def _single_leaf_treedef() -> Any:
-    import optree
-
-    return optree.tree_flatten(np.zeros(0), none_is_leaf=False)[1]
+    leaf: Any = np.zeros(0)
+    return optree.tree_flatten(leaf, none_is_leaf=False)[1]
 
 
 _SINGLE_LEAF = _single_leaf_treedef()

@@ -1,0 +1,292 @@
+"""``MultiWorkerMirroredStrategy``: synchronous training on several hosts, driven by one client.
+
+A TensorFlow "worker" is a host; each Dask worker on it (one per GPU under
+dask-cuda) is a replica. Replicas are ranked host by host, so ``task_id`` (the
+host's index in placement order) and ``replica_id_in_sync_group`` follow TF's
+``task_id * replicas_per_host + local_id``; the chief is the host of rank 0.
+Collectives go through shared memory inside a host and one TCP ring between
+hosts (``daskdist.collective`` chooses the hierarchical all-reduce by itself
+when hosts hold several replicas); ``CommunicationOptions(implementation=RING)``
+forces one flat ring over every replica.
+
+Unlike TensorFlow, nobody runs the script on every host: one client places and
+drives every replica. A ``cluster_resolver`` (``TF_CONFIG`` by default, as in
+TF) only selects and orders the hosts.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+from distributed import Client
+
+from daskdist.cluster.devices import DeviceSpec
+from daskdist.cluster.placement import Placement, WorkerInfo
+from daskdist.cluster_resolver import (
+    ClusterResolver,
+    ClusterSpec,
+    DaskClusterResolver,
+    TFConfigClusterResolver,
+)
+from daskdist.cluster_resolver.selection import (
+    HostGroup,
+    WorkerRecord,
+    group_by_host,
+    placement_key,
+    select_hosts,
+)
+from daskdist.ops import CommunicationImplementation, CommunicationOptions
+from daskdist.replica.strategy_view import CLUSTER_RESOLVER_KEY
+from daskdist.strategy.base import Strategy
+from daskdist.strategy.mirrored import MirroredExtended
+
+__all__ = ["MultiWorkerMirroredExtended", "MultiWorkerMirroredStrategy", "MultiWorkerMirroredStrategyExperimental"]
+
+logger = logging.getLogger(__name__)
+
+#: The task types TF allows in a multi-worker cluster spec (``multi_worker_util._validate_cluster_spec``).
+_ALLOWED_TASK_TYPES = ("chief", "worker", "evaluator", "ps", None)
+
+
+def validate_cluster_spec(spec: ClusterSpec, task_type: str | None, task_id: int | None) -> None:
+    """TensorFlow's checks of a non-empty spec and this program's task, with TF's messages.
+
+    Raises
+    ------
+    ValueError
+        No ``task_type``/``task_id``, a job or task type TF does not know, more
+        than one chief or evaluator, or a ``task_id`` past the end of its job.
+    """
+    if task_type is None or task_id is None:
+        raise ValueError("When `cluster_spec` is given, you must also specify `task_type` and `task_id`.")
+    if any(job not in _ALLOWED_TASK_TYPES for job in spec.jobs):
+        raise ValueError(f"Disallowed task type found in cluster spec. Allowed types are {_ALLOWED_TASK_TYPES} "
+                         f"and the cluster spec is {spec}.")
+    if task_type not in _ALLOWED_TASK_TYPES:
+        raise ValueError(f"Unrecognized task_type: {task_type}, valid task types are: {_ALLOWED_TASK_TYPES}")
+    if task_type not in spec.jobs and task_type != "evaluator":
+        raise ValueError(f"`task_type` {task_type!r} not found in cluster_spec.")
+    as_dict = spec.as_dict()
+    if len(as_dict.get("chief", [])) > 1:
+        raise ValueError("There must be at most one 'chief' job.")
+    if len(as_dict.get("evaluator", [])) > 1:
+        raise ValueError("There must be at most one 'evaluator' job.")
+    if task_type in spec.jobs and task_id >= len(spec.job_tasks(task_type)):
+        raise ValueError(f"The `task_id` {task_id} exceeds the maximum id of {task_type}.")
+
+
+def _install_resolver(runtime: Any, resolver: DaskClusterResolver) -> None:
+    """Replica command: leave this replica its resolver (``ctx.strategy.cluster_resolver``)."""
+    runtime.add_resident(CLUSTER_RESOLVER_KEY, resolver)
+
+
+class MultiWorkerMirroredExtended(MirroredExtended):
+    """Replicas on the Dask workers of several hosts, ranked host by host.
+
+    Parameters
+    ----------
+    strategy
+        The public strategy.
+    cluster_resolver
+        Selects and orders the hosts; a ``DaskClusterResolver`` without a
+        selector, or an empty spec, means every worker of the cluster.
+    resolver_given
+        Whether the user passed ``cluster_resolver`` (else it is TF's default,
+        a ``TFConfigClusterResolver``).
+    options
+        Group-wide ``CommunicationOptions``.
+    client
+        The ``distributed.Client`` (``None``: the default client, else an
+        embedded local cluster, which is one host).
+    """
+
+    def __init__(self, strategy: Any, cluster_resolver: ClusterResolver, resolver_given: bool,
+                 options: CommunicationOptions, client: Client | None):
+        self._resolver = cluster_resolver
+        self._selection: ClusterSpec | None = None
+        self.task_ids: list[int] = []
+        self.host_groups: list[HostGroup] = []
+        self._gpus: dict[str, int] = {}
+        super().__init__(strategy, None, None, client, options=options)
+        try:
+            if resolver_given or self._selection is not None:
+                self.cluster_resolver: ClusterResolver = cluster_resolver
+            else:
+                self.cluster_resolver = DaskClusterResolver(self.client, workers=list(self.worker_addresses))
+            self._install_replica_resolvers()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- placement -------------------------------------------------------------------
+
+    def _select_placements(self, workers: list[WorkerInfo], specs: list[DeviceSpec] | None,
+                           embedded: bool) -> list[Placement]:
+        """Hosts as TF workers: the resolver's hosts (or every host), their device-workers ranked host by host."""
+        records = sorted((WorkerRecord(w.address, w.name, w.host) for w in workers), key=placement_key)
+        if not records:
+            raise ValueError("The Dask cluster has no workers; start some or pass a cluster with workers")
+        self._gpus = {w.address: int(w.gpus) for w in workers}
+        groups = self._select(records)
+        if any(self._gpus.get(a, 0) for g in groups for a in g.workers):  # GPU workers are the devices
+            groups = [HostGroup(g.entry, tuple(a for a in g.workers if self._gpus.get(a, 0))) for g in groups]
+            groups = [g for g in groups if g.workers]
+            kind = "GPU"
+        else:
+            kind = "CPU"
+        host_of = {r.address: r.host for r in records}
+        placements: list[Placement] = []
+        self.task_ids = []
+        for task_id, group in enumerate(groups):
+            for address in group.workers:
+                placements.append(Placement(len(placements), address, host_of[address], DeviceSpec(kind, len(placements))))
+                self.task_ids.append(task_id)
+        self.host_groups = groups
+        counts = [len(g.workers) for g in groups]
+        if len(set(counts)) > 1:
+            warnings.warn(
+                "MultiWorkerMirroredStrategy: the hosts hold different numbers of replicas "
+                f"({', '.join(f'{g.entry}: {len(g.workers)}' for g in groups)}); it works, but TensorFlow leaves "
+                "this undefined and the slowest host sets the pace",
+                UserWarning, stacklevel=5,
+            )
+        logger.info("MultiWorkerMirroredStrategy: %d hosts (%s), %d replicas", len(groups),
+                    ", ".join(f"{g.entry} x{len(g.workers)}" for g in groups), len(placements))
+        return placements
+
+    def _select(self, records: list[WorkerRecord]) -> list[HostGroup]:
+        """The hosts to train on: chosen by the resolver's spec, or every host of the cluster."""
+        resolver = self._resolver
+        if isinstance(resolver, DaskClusterResolver):
+            selector = resolver.selector
+            if selector is None:
+                return group_by_host(records)
+            if isinstance(selector, list):
+                by_address = {r.address: r for r in records}
+                missing = [a for a in selector if a not in by_address]
+                if missing:
+                    raise ValueError(f"DaskClusterResolver's workers {missing} are not in the cluster; the Dask "
+                                     f"workers are: {', '.join(by_address)}")
+                return group_by_host([by_address[a] for a in selector])
+            spec = selector.cluster_spec() if isinstance(selector, ClusterResolver) else selector
+            return select_hosts(spec, records)
+        spec = resolver.cluster_spec()
+        if not spec:  # TF's local mode; here: every host of the Dask cluster
+            return group_by_host(records)
+        validate_cluster_spec(spec, resolver.task_type, resolver.task_id)
+        self._selection = spec
+        return select_hosts(spec, records)
+
+    def _install_replica_resolvers(self) -> None:
+        addresses = list(self.worker_addresses)
+        resolvers = []
+        for task_id in self.task_ids:
+            resolver = DaskClusterResolver(workers=addresses, task_type="worker", task_id=task_id)
+            resolver._accelerators = {a: self._gpus.get(a, 0) for a in addresses}
+            resolvers.append((resolver,))
+        self.run_on_replicas(_install_resolver, args_per_replica=resolvers)
+
+    # -- properties ----------------------------------------------------------------------
+
+    @property
+    def num_hosts(self) -> int:
+        """How many TF workers (hosts) the replicas span."""
+        return len(self.host_groups)
+
+    @property
+    def experimental_between_graph(self) -> bool:
+        """``False``: one client builds every step (TF's MWMS is between-graph: every worker runs the script)."""
+        return False
+
+    @property
+    def experimental_should_init(self) -> bool:
+        """``True``: variables are initialised (from the client, broadcast to every replica)."""
+        return True
+
+
+class MultiWorkerMirroredStrategy(Strategy):
+    """Synchronous training on the device-workers of several hosts (TF's ``MultiWorkerMirroredStrategy``).
+
+    Parameters
+    ----------
+    cluster_resolver
+        A ``dd.cluster_resolver.ClusterResolver``. ``None``: a
+        ``TFConfigClusterResolver`` (TF's default); when ``TF_CONFIG`` has no
+        cluster, every host of the Dask cluster. A spec's ``chief`` and
+        ``worker`` entries (``host``, ``host:port`` or a Dask address) choose
+        and order the hosts: an entry names the Dask worker with that exact
+        address, else every worker on that host. A ``ps`` job is refused.
+    communication_options
+        ``dd.CommunicationOptions``: ``implementation=RING`` forces one flat ring
+        over every replica (default: shared memory inside each host and one
+        TCP ring between hosts); ``timeout_seconds`` is every collective's
+        deadline; ``bytes_per_pack`` packs small tensors.
+    client
+        The ``distributed.Client`` of the cluster (``None``: the default
+        client, else an embedded local cluster).
+
+    Raises
+    ------
+    ValueError
+        A ``cluster_resolver`` or ``communication_options`` of the wrong class,
+        a non-empty spec without a task type or id, a malformed ``TF_CONFIG``
+        (naming the variable), a ``ps`` job, or an entry that matches no Dask
+        worker (naming it and the workers that exist).
+
+    Examples
+    --------
+    >>> strategy = dd.MultiWorkerMirroredStrategy(client=client)   # doctest: +SKIP
+    >>> strategy.cluster_resolver.cluster_spec().as_dict()          # doctest: +SKIP
+    {'worker': ['10.0.0.5', '10.0.0.6']}
+    """
+
+    def __init__(self, cluster_resolver: ClusterResolver | None = None,
+                 communication_options: CommunicationOptions | None = None, *, client: Client | None = None):
+        if communication_options is None:
+            communication_options = CommunicationOptions()
+        if not isinstance(communication_options, CommunicationOptions):  # TF raises ValueError for both
+            raise ValueError(  # noqa: TRY004
+                "communication_options must be an instance of dd.CommunicationOptions "
+                "(TF's tf.distribute.experimental.CommunicationOptions), got "
+                f"{type(communication_options).__name__}")
+        resolver = cluster_resolver if cluster_resolver is not None else TFConfigClusterResolver()
+        if not isinstance(resolver, ClusterResolver):
+            raise ValueError(  # noqa: TRY004
+                "cluster_resolver must be an instance of dd.cluster_resolver.ClusterResolver, got "
+                f"{type(resolver).__name__}")
+        self._multi_worker = MultiWorkerMirroredExtended(self, resolver, cluster_resolver is not None,
+                                                         communication_options, client)
+        super().__init__(self._multi_worker)
+
+    @property
+    def cluster_resolver(self) -> ClusterResolver:
+        """The resolver given, else TF_CONFIG's when it named the hosts, else a live ``DaskClusterResolver``."""
+        return self._multi_worker.cluster_resolver
+
+
+class _ExperimentalMeta(type):
+    def __instancecheck__(cls, instance: Any) -> bool:
+        # as in TF, instances of the new class pass isinstance checks against the deprecated one
+        return isinstance(instance, MultiWorkerMirroredStrategy)
+
+
+class MultiWorkerMirroredStrategyExperimental(MultiWorkerMirroredStrategy, metaclass=_ExperimentalMeta):
+    """Deprecated: TF's ``tf.distribute.experimental.MultiWorkerMirroredStrategy(communication, cluster_resolver)``.
+
+    Use ``dd.MultiWorkerMirroredStrategy``; ``communication`` becomes
+    ``CommunicationOptions(implementation=communication)``.
+    """
+
+    def __init__(self, communication: CommunicationImplementation | str = CommunicationImplementation.AUTO,
+                 cluster_resolver: ClusterResolver | None = None, *, client: Client | None = None):
+        warnings.warn("experimental.MultiWorkerMirroredStrategy is deprecated: use dd.MultiWorkerMirroredStrategy "
+                      "instead", DeprecationWarning, stacklevel=2)
+        if isinstance(communication, str):
+            try:
+                communication = CommunicationImplementation[communication.upper()]
+            except KeyError:
+                raise ValueError(f"Unknown communication {communication!r}; expected one of "
+                                 f"{', '.join(c.name for c in CommunicationImplementation)}") from None
+        super().__init__(cluster_resolver, CommunicationOptions(implementation=communication), client=client)
