@@ -116,7 +116,7 @@ def _hold_batch(images: np.ndarray, labels: np.ndarray) -> None:
     """Keep this replica's training batch on the replica (as a cache()d pipeline would)."""
     from daskdist import context
 
-    context.current_runtime().add_resident("bench:batch", ((images / 16.0).astype(np.float32), labels))
+    context.current_runtime().objects.install("batch", "bench", ((images / 16.0).astype(np.float32), labels))
 
 
 def _train_step(model_id: str) -> float:
@@ -126,8 +126,8 @@ def _train_step(model_id: str) -> float:
     from daskdist.keras import training
 
     runtime = context.current_runtime()
-    model = runtime.resident_object(f"model:{model_id}")
-    x, y = runtime.resident_object("bench:batch")
+    model = runtime.objects.get("model", model_id).model
+    x, y = runtime.objects.get("batch", "bench")
     loss, _ = training._train_step(model, dd.get_replica_context(), x, y, None, runtime.timer)
     return loss
 
@@ -145,8 +145,8 @@ def _replica_loop(model_id: str, steps: int, ship: bool) -> np.ndarray:
     from daskdist.keras import training
 
     runtime = context.current_runtime()
-    model = runtime.resident_object(f"model:{model_id}")
-    x, y = runtime.resident_object("bench:batch")
+    model = runtime.objects.get("model", model_id).model
+    x, y = runtime.objects.get("batch", "bench")
     ctx = dd.get_replica_context()
     step_args = (model, ctx, x, y, None, runtime.timer)
     saved, runtime._log_events = runtime._log_events, ship

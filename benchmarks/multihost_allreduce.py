@@ -11,21 +11,40 @@ timed inside the replicas with ``time.perf_counter``; an iteration's time is
 the slowest replica's, the figure the median over iterations (each timed call
 preceded by an untimed one so the replicas enter it together).
 
-Peers, run on the same hosts and links where installed (else reported
-unavailable): TensorFlow's own MultiWorkerMirroredStrategy
-(``peers/tf_mwms_allreduce.py``, one process per host inside the host's
-namespaces, ``TF_CONFIG`` on the namespace addresses,
-``CommunicationOptions(implementation=RING)``; 2 hosts x 1 only), torch gloo
-and Open MPI (not wired here yet: reported unavailable).
+Peers, on the same hosts and links, in the same layouts (rank ``r`` of a
+layout with ``k`` ranks per host runs on host ``r // k``, every rank inside
+its host's network, UTS and mount namespaces, entered with ``nsenter`` as the
+Dask workers are), timed the same way inside their ranks; a peer that cannot
+run is reported unavailable with the reason:
+
+* TensorFlow's own MultiWorkerMirroredStrategy (``peers/tf_mwms_allreduce.py``):
+  one TF task per replica (2 x 2: two tasks per host on two ports),
+  ``TF_CONFIG`` on the namespace addresses,
+  ``CommunicationOptions(implementation=RING)``.
+* torch gloo (``peers/gloo_allreduce.py``): ``env://`` rendezvous with
+  ``MASTER_ADDR`` on host 0's namespace address, ``GLOO_SOCKET_IFNAME=eth0``
+  (TCP also between the two ranks of one host).
+* Open MPI (``peers/mpi_allreduce.py``): ``mpirun`` in the root namespace with
+  a hostfile naming the hosts' addresses (``slots`` = ranks per host), PRRTE's
+  ssh launcher pointed at a generated agent script (``--prtemca plm_ssh_agent``)
+  that starts the daemon inside the namespaces of the host it is given,
+  ``oob_tcp_if_include`` and ``btl_tcp_if_include`` the hosts' subnet,
+  ``--bind-to none`` (else both ranks of a host land on core 0), and
+  ``mpi_yield_when_idle 1`` when there are more ranks than cores (what Open MPI
+  sets itself when it sees that; each host's daemon sees only its own ranks).
+  Inside a host the ranks use Open MPI's ``sm`` BTL (the host's private
+  ``/dev/shm``).
 
 The link-rate bound is what the bytes a host must send cost on its link: a
 ring over 2 hosts sends ``bytes`` from each host (half in the reduce-scatter,
-half in the all-gather), so ``bytes * 8 / rate``.
+half in the all-gather), so ``bytes * 8 / rate``; the same with 2 replicas per
+host (a host still has to send its partial sums of half the vector and the
+finished other half).
 
 Usage (as root)::
 
     .venv/bin/python benchmarks/multihost_allreduce.py [--sizes 4KiB 256KiB 4MiB 64MiB] [--rates 10gbit 1gbit]
-        [--iterations 200 50 10 3] [--no-tf]
+        [--iterations 200 20 20 3] [--layouts 1 2] [--systems tf gloo mpi daskdist]
 """
 
 from __future__ import annotations
@@ -33,9 +52,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -45,11 +66,46 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 
 from _common import format_table, print_header  # noqa: E402
-from peers._base import format_size, parse_size  # noqa: E402
+from peers import gloo_allreduce, mpi_allreduce  # noqa: E402
+from peers._base import PeerUnavailable, SizePlan, format_size, parse_result, parse_size  # noqa: E402
 
 __all__ = ["main"]
 
-RESULT_MARKER = "@@allreduce-result "
+SYSTEMS = ("tf", "gloo", "mpi", "daskdist")
+COLUMNS = {"tf": "TF MWMS", "gloo": "gloo", "mpi": "Open MPI", "daskdist": "daskdist"}
+TF_PORT = 23456
+GLOO_PORT = 29500
+
+#: A system's result: median seconds by size, or why it is unavailable.
+Result = dict[int, float] | str
+
+
+def _log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')} load {os.getloadavg()[0]:.2f}] {message}", file=sys.stderr, flush=True)
+
+
+def _medians(times: dict[int, list[float]]) -> dict[int, float]:
+    return {n: statistics.median(values) for n, values in times.items()}
+
+
+def _slowest_per_iteration(per_rank: list[dict], sizes: list[int]) -> dict[int, list[float]]:
+    return {n: [max(r[n][i] for r in per_rank) for i in range(len(per_rank[0][n]))] for n in sizes}
+
+
+def _plan(sizes: list[int], iterations: list[int]) -> list[SizePlan]:
+    """The peers' plan for the loop the daskdist replicas run: 3 warm-ups, then each timed call after an untimed one."""
+    return [SizePlan(n, warmup=3, blocks=[1] * count) for n, count in zip(sizes, iterations)]
+
+
+def _enter(host) -> list[str]:
+    """Command prefix that runs a command inside ``host``'s namespaces (net, host name, ``/dev/shm``), as its workers."""
+    from tests.netns import DIE_WITH_PARENT
+
+    return [*DIE_WITH_PARENT, "nsenter", f"--net=/run/netns/{host.namespace}", f"--uts=/proc/{host.anchor.pid}/ns/uts",
+            f"--mount=/proc/{host.anchor.pid}/ns/mnt", f"--wd={REPO}", "--"]
+
+
+# -- daskdist -------------------------------------------------------------------------
 
 
 def _timed_all_reduces(sizes: list[int], iterations: list[int]) -> dict[int, list[float]]:
@@ -72,7 +128,7 @@ def _timed_all_reduces(sizes: list[int], iterations: list[int]) -> dict[int, lis
     return out
 
 
-def _daskdist(client, workers: list[str] | None, sizes, iterations) -> dict[int, float]:
+def _daskdist(client, workers: list[str] | None, sizes, iterations) -> Result:
     import daskdist as dd
     from daskdist.cluster_resolver import DaskClusterResolver
     from daskdist.replica import commands
@@ -80,43 +136,95 @@ def _daskdist(client, workers: list[str] | None, sizes, iterations) -> dict[int,
     resolver = DaskClusterResolver(client, workers=workers) if workers else None
     with dd.MultiWorkerMirroredStrategy(resolver, client=client) as strategy:
         per_rank = strategy.extended.group.call(commands.run_function, (_timed_all_reduces, (sizes, iterations), {}))
-    return {n: statistics.median(max(r[n][i] for r in per_rank) for i in range(len(per_rank[0][n]))) for n in sizes}
+    return _medians(_slowest_per_iteration(per_rank, sizes))
 
 
-def _tf_mwms(hosts, sizes, iterations, timeout: float = 300) -> dict[int, float] | str:
-    """TF MWMS on 2 hosts x 1 (one TF process per namespace host); its medians, or why it is unavailable."""
+# -- peers ------------------------------------------------------------------------------
+
+
+def _tf_mwms(hosts, per_host: int, sizes, iterations, timeout: float = 300) -> Result:
+    """TF MWMS with one TF task per replica (``per_host`` tasks on each namespace host); medians, or why not."""
     import importlib.util
 
     if importlib.util.find_spec("tensorflow") is None:
         return "unavailable (tensorflow not installed: pip install tensorflow-cpu)"
-    port = 23456
-    cluster = {"worker": [f"{h.address}:{port}" for h in hosts.hosts]}
+    tasks = [(host, TF_PORT + k) for host in hosts.hosts for k in range(per_host)]
+    cluster = {"worker": [f"{host.address}:{port}" for host, port in tasks]}
     procs = []
-    for index, host in enumerate(hosts.hosts):
+    for index, (host, _) in enumerate(tasks):
         env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}),
                    PYTHONPATH=str(REPO))
         procs.append(subprocess.Popen(
-            ["setpriv", "--pdeathsig", "KILL", "--", "nsenter", f"--net=/run/netns/{host.namespace}",
-             f"--uts=/proc/{host.anchor.pid}/ns/uts", f"--mount=/proc/{host.anchor.pid}/ns/mnt", f"--wd={REPO}",
-             "--", sys.executable, str(REPO / "benchmarks/peers/tf_mwms_allreduce.py"),
+            [*_enter(host), sys.executable, str(REPO / "benchmarks/peers/tf_mwms_allreduce.py"),
              "--sizes", *map(str, sizes), "--iterations", *map(str, iterations)],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     results = []
     try:
         for proc in procs:
             out, _ = proc.communicate(timeout=timeout)
-            line = next((ln for ln in out.splitlines() if ln.startswith(RESULT_MARKER)), None)
-            if line is None:
+            try:
+                times = parse_result(out)["times"]
+            except ValueError:
                 return "unavailable (failed: " + " | ".join(out.strip().splitlines()[-3:]) + ")"
-            results.append(json.loads(line[len(RESULT_MARKER):])["times"])
+            results.append({int(n): t for n, t in times.items()})
     except subprocess.TimeoutExpired:
         return f"unavailable (did not finish in {timeout:g}s)"
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
-    return {n: statistics.median(max(r[str(n)][i] for r in results) for i in range(len(results[0][str(n)])))
-            for n in sizes}
+                proc.wait()
+    return _medians(_slowest_per_iteration(results, sizes))
+
+
+def _gloo(hosts, per_host: int, plan: list[SizePlan], port: int, timeout: float = 600) -> tuple[Result, str]:
+    """torch gloo, rank ``r`` inside host ``r // per_host``'s namespaces, the store on host 0; (medians, info)."""
+    try:
+        result = gloo_allreduce.run(len(hosts.hosts) * per_host, plan, timeout,
+                                    rank_prefix=lambda rank: _enter(hosts.hosts[rank // per_host]),
+                                    master=(hosts.hosts[0].address, port), socket_ifname="eth0")
+    except PeerUnavailable as error:
+        return f"unavailable ({error})", ""
+    return _medians(result["times"]), result["info"]
+
+
+#: PRRTE's ssh launcher runs ``AGENT [options] HOST COMMAND``: this agent runs COMMAND (PRRTE's daemon) in HOST's
+#: namespaces instead of over ssh, and kills it if mpirun dies.
+MPI_AGENT = """#!/bin/sh
+while [ $# -gt 0 ]; do case "$1" in -*) shift;; *) break;; esac; done
+host=$1; shift
+case "$host" in
+{cases}
+  *) echo "mpi agent: no namespace host $host" >&2; exit 1;;
+esac
+exec setpriv --pdeathsig KILL -- nsenter --net=/run/netns/$ns --uts=/proc/$anchor/ns/uts --mount=/proc/$anchor/ns/mnt \\
+    --wd={wd} -- /bin/sh -c "$*"
+"""
+
+
+def _mpi(hosts, per_host: int, plan: list[SizePlan], timeout: float = 600) -> tuple[Result, str]:
+    """Open MPI, PRRTE's daemons started inside the hosts' namespaces by an ssh agent; (medians, info)."""
+    subnet = f"10.77.{hosts.subnet}.0/24"
+    with tempfile.TemporaryDirectory(prefix="mpi-netns-") as tmp:
+        agent, hostfile = Path(tmp, "nsenter-agent.sh"), Path(tmp, "hostfile")
+        cases = "\n".join(f"  {h.address}) ns={h.namespace}; anchor={h.anchor.pid} ;;" for h in hosts.hosts)
+        agent.write_text(MPI_AGENT.format(cases=cases, wd=shlex.quote(str(REPO))))
+        agent.chmod(0o755)
+        hostfile.write_text("".join(f"{h.address} slots={per_host}\n" for h in hosts.hosts))
+        extra = ["--hostfile", str(hostfile), "--prtemca", "plm_ssh_agent", str(agent),
+                 "--prtemca", "oob_tcp_if_include", subnet, "--mca", "btl_tcp_if_include", subnet, "--bind-to", "none"]
+        if len(hosts.hosts) * per_host > (os.cpu_count() or 1):
+            # the hosts share this machine's cores, which each host's daemon cannot see: tell the ranks what Open MPI
+            # sets by itself when it sees more ranks than cores (without it, 2 x 2 at 4 MiB took 0.5-1.5 s, not 61 ms)
+            extra += ["--mca", "mpi_yield_when_idle", "1"]
+        try:
+            result = mpi_allreduce.run(len(hosts.hosts) * per_host, plan, extra_args=shlex.join(extra), timeout=timeout)
+        except PeerUnavailable as error:
+            return f"unavailable ({error})", ""
+    return _medians(result["times"]), result["info"].replace(tmp, "$TMP")
+
+
+# -- the run ----------------------------------------------------------------------------
 
 
 def _rate_bits(rate: str) -> float:
@@ -127,16 +235,43 @@ def _rate_bits(rate: str) -> float:
     raise ValueError(f"rate {rate!r}: use e.g. 10gbit, 1gbit")
 
 
+def _blas() -> str:
+    try:
+        blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+        return f"{blas['name']} {blas['version']}"
+    except (KeyError, TypeError, ValueError):
+        return "unknown"
+
+
+def _cell(result: Result, n: int) -> str:
+    return f"{result[n] * 1e3:.3g}" if isinstance(result, dict) else "-"
+
+
+def _versus_best_peer(results: dict[str, Result], n: int) -> str:
+    """daskdist's time over the fastest peer's (below 1: daskdist is ahead)."""
+    ours = results.get("daskdist")
+    peers = [r[n] for s, r in results.items() if s != "daskdist" and isinstance(r, dict)]
+    if not isinstance(ours, dict) or not peers:
+        return "-"
+    return f"{ours[n] / min(peers):.2f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=parse_size, nargs="+", default=[4096, 256 << 10, 4 << 20, 64 << 20])
     parser.add_argument("--iterations", type=int, nargs="+", default=None,
-                        help="per size (default 200 up to 256 KiB, 20 up to 4 MiB, 3 above)")
+                        help="timed iterations per size (default 200 up to 256 KiB, 20 up to 4 MiB, 3 above)")
     parser.add_argument("--rates", nargs="+", default=["10gbit", "1gbit"])
-    parser.add_argument("--no-tf", action="store_true", help="skip TensorFlow's MWMS")
+    parser.add_argument("--layouts", type=int, nargs="+", default=[1, 2], choices=[1, 2],
+                        help="replicas (ranks) per host, on 2 hosts (default 1 2)")
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     args = parser.parse_args()
     iterations = args.iterations or [200 if n <= 256 << 10 else 20 if n <= 4 << 20 else 3 for n in args.sizes]
+    if len(iterations) != len(args.sizes):
+        parser.error("--iterations needs one count per size")
     print_header("All-reduce across namespace hosts: daskdist MultiWorkerMirroredStrategy, peers, link bound")
+    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}  numpy BLAS: {_blas()}  "
+          f"iterations: {dict(zip(map(format_size, args.sizes), iterations))}", flush=True)
 
     from distributed import Client
 
@@ -145,30 +280,58 @@ def main() -> None:
     reason = unavailable_reason()
     if reason is not None:
         sys.exit(f"cannot make namespace hosts here: {reason}")
-    hosts = start_hosts(2, 2)
+    plan = _plan(args.sizes, iterations)
+    gloo_port = GLOO_PORT
+    loads = []
+    hosts = start_hosts(2, max(args.layouts))
+    print(f"namespace hosts: {', '.join(f'{h.hostname} {h.address} ({h.namespace})' for h in hosts.hosts)}, "
+          f"bridge {hosts.bridge}", flush=True)
     try:
         with Client(hosts.scheduler_address, set_as_default=False) as client:
-            client.wait_for_workers(4, timeout=120)
+            client.wait_for_workers(2 * max(args.layouts), timeout=120)
             first_of_each = [next(a for a in client.scheduler_info()["workers"] if f"//{h.address}:" in a)
                              for h in hosts.hosts]
             for rate in args.rates:
                 hosts.shape(rate)
-                rows = []
-                one = _daskdist(client, first_of_each, args.sizes, iterations)
-                two = _daskdist(client, None, args.sizes, iterations)
-                tf = "skipped (--no-tf)" if args.no_tf else _tf_mwms(hosts, args.sizes, iterations)
-                for n in args.sizes:
-                    bound = n * 8 / _rate_bits(rate) * 1e3
-                    tf_cell = f"{tf[n] * 1e3:.3f}" if isinstance(tf, dict) else "-"
-                    rows.append([rate, format_size(n), f"{bound:.4g}", tf_cell, "-", "-",
-                                 f"{one[n] * 1e3:.3f}", f"{two[n] * 1e3:.3f}"])
-                print(f"link {rate} (median ms, slowest rank; TF MWMS: {tf if isinstance(tf, str) else 'RING, 2 x 1'};"
-                      " gloo, Open MPI: unavailable (not wired into this script yet))")
-                print(format_table(["link", "size", "bound", "TF MWMS 2x1", "gloo", "Open MPI",
-                                    "daskdist 2x1", "daskdist 2x2"], rows))
+                rows, notes = [], []
+                for per_host in args.layouts:
+                    layout = f"2x{per_host}"
+                    results: dict[str, Result] = {}
+                    for system in args.systems:
+                        loads.append(os.getloadavg()[0])
+                        start = time.monotonic()
+                        info = ""
+                        if system == "daskdist":
+                            results[system] = _daskdist(client, first_of_each if per_host == 1 else None,
+                                                        args.sizes, iterations)
+                        elif system == "tf":
+                            results[system] = _tf_mwms(hosts, per_host, args.sizes, iterations)
+                        elif system == "gloo":
+                            results[system], info = _gloo(hosts, per_host, plan, gloo_port)
+                            gloo_port += 1
+                        else:
+                            results[system], info = _mpi(hosts, per_host, plan)
+                        _log(f"{rate} {layout} {system}: {time.monotonic() - start:.0f} s")
+                        if isinstance(results[system], str):
+                            notes.append(f"{layout} {COLUMNS[system]}: {results[system]}")
+                        elif info and rate == args.rates[0]:
+                            notes.append(f"{layout} {COLUMNS[system]}: {info}")
+                    for n in args.sizes:
+                        bound = n * 8 / _rate_bits(rate) * 1e3
+                        rows.append([rate, layout, format_size(n), f"{bound:.3g}",
+                                     *[_cell(results.get(s, "not run"), n) for s in SYSTEMS],
+                                     _versus_best_peer(results, n)])
+                print(f"link {rate}, 2 hosts (median ms, slowest rank; last column: daskdist / fastest peer)")
+                for note in notes:
+                    print(f"  {note}")
+                print(format_table(["link", "hosts x replicas", "size", "bound",
+                                    *[COLUMNS[s] for s in SYSTEMS], "daskdist / best peer"], rows))
                 print(flush=True)
     finally:
         hosts.close()
+    loads.append(os.getloadavg()[0])
+    print(f"load average (1 min) before each system: min {min(loads):.2f}  median {statistics.median(loads):.2f}  "
+          f"max {max(loads):.2f}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,14 @@ timed on the client with ``time.perf_counter``:
 * ``strategy.run(trivial)``: send a function that returns ``None`` to every
   replica and collect the results;
 * ``client.submit(noop, pure=False).result()``: one task through the
-  scheduler to one worker and back.
+  scheduler to one worker and back;
+* ``strategy.run(allreduce_step)``: a step with one 4 KiB all-reduce (1024
+  float32 summed over the replicas), the issue's figure of the client's
+  command path (TensorFlow's in-process ``MirroredStrategy`` does the same
+  step in about 0.66 ms on the reference machine);
+* the same step through the Dask RPC command path (a second strategy on the
+  same workers made with ``daskdist.client.command-channel: dask``): the
+  path every command took before the direct channel, for comparison.
 
 The two are measured in alternating blocks (ABBA order) so that noise on a
 shared machine hits both alike. The figure of merit is the ratio of the
@@ -40,9 +47,22 @@ from _common import (
     settings_line,
 )
 
+#: TensorFlow's in-process ``MirroredStrategy.run`` of the 4 KiB all-reduce step on the reference machine (issue 12).
+TF_IN_PROCESS_MS = 0.66
+
 
 def trivial() -> None:
     """The replica function: does nothing."""
+    return None
+
+
+def allreduce_step() -> None:
+    """The replica function of a step: one 4 KiB all-reduce (1024 float32)."""
+    import numpy as np
+
+    import daskdist as dd
+
+    dd.get_replica_context().all_reduce(dd.ReduceOp.SUM, np.ones(1024, np.float32))
     return None
 
 
@@ -66,10 +86,14 @@ def measure(n_workers: int, calls: int, warmup: int, block: int) -> dict[str, li
 
     Returns the lists of times (seconds) under ``"run"`` and ``"submit"``.
     """
+    import dask.config
+
     import daskdist as dd
 
     with local_cluster(n_workers) as client:
         strategy = dd.MirroredStrategy(client=client)
+        with dask.config.set({"daskdist.client.command-channel": "dask"}):
+            rpc_strategy = dd.MirroredStrategy(client=client)
         try:
             check_worker_settings(client)
             if strategy.num_replicas_in_sync != n_workers:
@@ -84,10 +108,18 @@ def measure(n_workers: int, calls: int, warmup: int, block: int) -> dict[str, li
             def submit_once() -> None:
                 client.submit(noop, pure=False).result()
 
+            def step_once() -> None:
+                strategy.run(allreduce_step)
+
+            def rpc_step_once() -> None:
+                rpc_strategy.run(allreduce_step)
+
             time_calls(run_once, warmup)
             time_calls(submit_once, warmup)
-            timings: dict[str, list[float]] = {"run": [], "submit": []}
-            order = [("run", run_once), ("submit", submit_once)]
+            time_calls(step_once, warmup)
+            time_calls(rpc_step_once, warmup)
+            timings: dict[str, list[float]] = {"run": [], "submit": [], "step": [], "rpc_step": []}
+            order = [("run", run_once), ("submit", submit_once), ("step", step_once), ("rpc_step", rpc_step_once)]
             done = 0
             while done < calls:
                 n = min(block, calls - done)
@@ -97,12 +129,13 @@ def measure(n_workers: int, calls: int, warmup: int, block: int) -> dict[str, li
                 done += n
         finally:
             strategy.close()
+            rpc_strategy.close()
     return timings
 
 
 def summarize(n_workers: int, result: dict[str, list[float]]) -> list[str]:
-    """One table row: medians, p90s and the run/submit ratio of medians."""
-    run, submit = result["run"], result["submit"]
+    """One table row: medians, p90s, the run/submit ratio of medians and the 4 KiB all-reduce step."""
+    run, submit, step, rpc_step = result["run"], result["submit"], result["step"], result["rpc_step"]
     run_med, submit_med = percentile_ms(run, 50), percentile_ms(submit, 50)
     return [
         str(n_workers),
@@ -112,6 +145,9 @@ def summarize(n_workers: int, result: dict[str, list[float]]) -> list[str]:
         f"{submit_med:.3f}",
         f"{percentile_ms(submit, 90):.3f}",
         f"{run_med / submit_med:.3f}",
+        f"{percentile_ms(step, 50):.3f}",
+        f"{percentile_ms(step, 90):.3f}",
+        f"{percentile_ms(rpc_step, 50):.3f}",
     ]
 
 
@@ -164,13 +200,16 @@ def main(argv: list[str] | None = None) -> None:
     print(
         format_table(
             ["workers", "calls", "run median ms", "run p90 ms", "submit median ms", "submit p90 ms",
-             "ratio run/submit"],
+             "ratio run/submit", "4 KiB step median ms", "4 KiB step p90 ms", "4 KiB step via Dask RPC median ms"],
             rows,
         )
     )
     print()
     for row in rows:
-        print(f"workers={row[0]}: ratio of medians run/submit {row[-1]} -> {verdict(float(row[-1]))}")
+        print(f"workers={row[0]}: ratio of medians run/submit {row[6]} -> {verdict(float(row[6]))}")
+        print(f"workers={row[0]}: strategy.run of a step with one 4 KiB all-reduce: median {row[7]} ms "
+              f"(goal <= {TF_IN_PROCESS_MS} ms, TensorFlow's in-process MirroredStrategy on the reference machine); "
+              f"through Dask RPC: {row[9]} ms")
 
 
 if __name__ == "__main__":

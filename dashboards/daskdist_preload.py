@@ -20,8 +20,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from daskdist.cluster.scheduler_plugin import DaskdistSchedulerPlugin
 from daskdist.dashboard import page
+from daskdist.group.scheduler_plugin import DaskdistSchedulerPlugin
 
 if TYPE_CHECKING:
     from distributed import Scheduler

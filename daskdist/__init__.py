@@ -21,6 +21,7 @@ from daskdist.exceptions import (
     DaskdistError,
     RendezvousError,
     ReplicaLostError,
+    StaleGenerationError,
     StrategyClosedError,
 )
 from daskdist.ops import CommunicationImplementation, CommunicationOptions, ReduceOp
@@ -71,6 +72,7 @@ __all__ = [
     "RendezvousError",
     "ReplicaContext",
     "ReplicaLostError",
+    "StaleGenerationError",
     "Strategy",
     "StrategyClosedError",
     "SyncOnReadVariable",

@@ -22,8 +22,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from daskdist.cluster.devices import DeviceSpec, parse_device
-from daskdist.collective.communicator import Algorithm
-from daskdist.ops import CommunicationOptions, ReduceOp
+from daskdist.ops import Algorithm, CommunicationOptions, ReduceOp
 from daskdist.values import reduce_values
 
 __all__ = [

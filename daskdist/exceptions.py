@@ -6,6 +6,7 @@
     ├── StrategyClosedError          the strategy was closed or its group failed
     ├── RendezvousError              replicas did not all start in time
     ├── ReplicaLostError             a replica's worker died (recoverable by restarting)
+    ├── StaleGenerationError         a message of an older membership generation was rejected
     └── CollectiveError              a collective could not complete
         ├── CollectiveMismatchError  replicas passed different shapes, dtypes or structures
         ├── CollectiveTimeoutError   a replica did not join within the deadline
@@ -26,6 +27,7 @@ __all__ = [
     "DaskdistError",
     "RendezvousError",
     "ReplicaLostError",
+    "StaleGenerationError",
     "StrategyClosedError",
 ]
 
@@ -61,6 +63,28 @@ class ReplicaLostError(DaskdistError):
         return (type(self), (str(self), self.worker))
 
 
+class StaleGenerationError(DaskdistError):
+    """A message made for an earlier membership generation of a group was rejected (never consumed).
+
+    Parameters
+    ----------
+    message
+        What was rejected, with both generations.
+    group_id, received, current
+        The group, the generation the message carried, and the group's.
+    """
+
+    def __init__(self, message: str, group_id: str | None = None, received: int | None = None,
+                 current: int | None = None):
+        super().__init__(message)
+        self.group_id = group_id
+        self.received = received
+        self.current = current
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.group_id, self.received, self.current))
+
+
 class CollectiveError(DaskdistError):
     """A collective operation could not complete on this replica."""
 
@@ -80,6 +104,7 @@ class CollectiveAbortedError(CollectiveError):
 #: Error kinds carried in abort messages, mapped to the class each replica raises.
 ERROR_KINDS: dict[str, type[DaskdistError]] = {
     "lost": ReplicaLostError,
+    "stale": StaleGenerationError,
     "mismatch": CollectiveMismatchError,
     "timeout": CollectiveTimeoutError,
     "aborted": CollectiveAbortedError,

@@ -1,11 +1,18 @@
-"""Reduction operators and communication options (TensorFlow's names and semantics)."""
+"""Reduction operators, communication options (TensorFlow's names and semantics) and the all-reduce choice.
+
+``Algorithm`` is the value ``CrossDeviceOps`` turns into and the group spec
+carries to the replicas; it lives here, below both, so the client never
+imports the collective layer to name it.
+"""
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["CommunicationImplementation", "CommunicationOptions", "ReduceOp"]
+__all__ = ["Algorithm", "CommunicationImplementation", "CommunicationOptions", "ReduceOp"]
 
 
 class ReduceOp(enum.Enum):
@@ -96,3 +103,31 @@ class CommunicationOptions:
                 else self.implementation
             ),
         )
+
+
+class Algorithm:
+    """How all-reduce is done for a group (set from ``cross_device_ops``).
+
+    Parameters
+    ----------
+    name
+        ``"auto"``, ``"ring"``, ``"direct"``, ``"reduce_to_one"`` or ``"hierarchical"``.
+    num_packs
+        Packs per dtype (``NcclAllReduce`` / ``HierarchicalCopyAllReduce``).
+    root
+        Rank that reduces for ``"reduce_to_one"``.
+    accumulation_fn
+        Optional sum of a list of arrays for ``"reduce_to_one"``.
+    """
+
+    def __init__(self, name: str = "auto", num_packs: int = 1, root: int = 0,
+                 accumulation_fn: Callable[[Sequence[Any]], Any] | None = None):
+        if name not in ("auto", "ring", "direct", "reduce_to_one", "hierarchical"):
+            raise ValueError(f"Unknown all-reduce algorithm {name!r}")
+        self.name = name
+        self.num_packs = num_packs
+        self.root = root
+        self.accumulation_fn = accumulation_fn
+
+    def __repr__(self) -> str:
+        return f"Algorithm({self.name!r}, num_packs={self.num_packs}, root={self.root})"

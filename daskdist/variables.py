@@ -24,6 +24,7 @@ import numpy as np
 from daskdist import context, registry
 from daskdist.arrays import as_array, namespace, to_numpy
 from daskdist.exceptions import StrategyClosedError
+from daskdist.group.service import VARIABLE
 from daskdist.ops import ReduceOp
 
 if TYPE_CHECKING:
@@ -297,6 +298,20 @@ class DistributedVariable(Variable):
     def _on_replica(self) -> bool:
         return self._runtime is not None
 
+    # -- resident state (replica copies: ``daskdist.group.service.Resident``) ---------------
+
+    def snapshot(self) -> Any:
+        """A copy of this replica's value, for ``ResidentStore.snapshot``."""
+        if not self._on_replica():
+            raise RuntimeError(f"Variable '{self.name}': snapshot() is for a replica's copy, not the client's handle")
+        return namespace(self._value).array(self._value, copy=True)
+
+    def restore(self, state: Any) -> None:
+        """Write a value from ``snapshot`` into this replica's copy (in place, bit for bit)."""
+        if not self._on_replica():
+            raise RuntimeError(f"Variable '{self.name}': restore() is for a replica's copy, not the client's handle")
+        Variable._write(self, state)
+
     def _client_owner(self) -> Any:
         owner = self._owner or registry.lookup(self._token)
         if owner is None:
@@ -473,7 +488,7 @@ def _resolve_variable(token: str, var_id: str, spec: VariableSpec) -> Distribute
     """Unpickle a variable reference: the replica's own copy, or the client's handle."""
     runtime = context.current_runtime()
     if runtime is not None and runtime.token == token:
-        return runtime.resident_object(var_id)
+        return runtime.objects.get(VARIABLE, var_id)
     owner = registry.lookup(token)
     if owner is not None:
         return owner.variable_handle(var_id, spec)

@@ -27,9 +27,10 @@ def _store_versions(client, strategy):
 
 def _holds_copy(service, var_id):
     """Whether this replica holds a copy of its own (a mirrored variable) rather than a view of the store."""
+    from daskdist.group.service import VARIABLE
     from daskdist.strategy.ps_values import AggregatingVariable
 
-    return not isinstance(service.resident_object(var_id), AggregatingVariable)
+    return not isinstance(service.objects.get(VARIABLE, var_id), AggregatingVariable)
 
 
 # -- one copy, in the holder's store -----------------------------------------------------------

@@ -40,7 +40,7 @@ def main():
         from distributed import Client
         strategy = dd.MirroredStrategy(client=Client(sys.argv[1]))
     pids = strategy.extended.client.run(os.getpid)
-    print(strategy.extended.token, *pids.values(), flush=True)
+    print(strategy.extended.token, strategy.extended.group.group_id, *pids.values(), flush=True)
     x = np.random.default_rng(0).random((4096, 32)).astype(np.float32)
     y = (x[:, 0] > 0.5).astype(np.int64)
     with strategy.scope():
@@ -54,8 +54,9 @@ if __name__ == "__main__":
 """
 
 
-def _segments(token: str) -> list[str]:
-    return glob.glob(f"/dev/shm/daskdist-{token.rsplit('-', 1)[-1]}-*")
+def _segments(group_id: str) -> list[str]:
+    """The group's segments of every membership generation (``daskdist-<id>g<generation>-<src>-<dst>``)."""
+    return glob.glob(f"/dev/shm/daskdist-{group_id.rsplit('-', 1)[-1]}g*-*")
 
 
 def _poll(predicate, timeout: float):
@@ -77,22 +78,22 @@ def _alive(pid: int) -> bool:
 
 
 def _start_fit(tmp_path, where: str) -> tuple[subprocess.Popen, str, list[int]]:
-    """A script training until it is stopped; its group's token and its workers' pids once it fits."""
+    """A script training until it is stopped; its strategy token, group id and its workers' pids once it fits."""
     script = tmp_path / "fit.py"
     script.write_text(_FIT)
     process = subprocess.Popen([sys.executable, str(script), where], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     first = process.stdout.readline().split()
     assert first, process.communicate(timeout=30)[1][-3000:]
-    token, pids = first[0], [int(p) for p in first[1:]]
+    token, group_id, pids = first[0], first[1], [int(p) for p in first[2:]]
     assert process.stdout.readline().strip() == "fitting"
-    assert _poll(lambda: len(_segments(token)) == 2, 30), "the group's shared-memory channels never appeared"
-    return process, token, pids
+    assert _poll(lambda: len(_segments(group_id)) == 2, 30), "the group's shared-memory channels never appeared"
+    return process, (token, group_id), pids
 
 
 def _replicas_of(client, token: str) -> list:
     def replicas(dask_worker):
-        return [list(key) for key in dask_worker.extensions["daskdist"].replicas if key[0] == token]
+        return [key for key in dask_worker.extensions["daskdist"].replicas if key == token]
 
     return [r for rs in client.run(replicas).values() for r in rs]
 
@@ -101,16 +102,16 @@ def _replicas_of(client, token: str) -> list:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_a_client_killed_mid_fit_leaves_no_segment_and_the_workers_train_on(make_cluster, tmp_path, sig):
     client = make_cluster(2, processes=True)
-    process, token, _ = _start_fit(tmp_path, client.scheduler.address)
+    process, (token, group_id), _ = _start_fit(tmp_path, client.scheduler.address)
     try:
         # mid-fit: steps are being reported
         assert _poll(lambda: any(e.get("group") == token for _, e in client.get_events("daskdist-steps")), 30)
-        assert _replicas_of(client, token)
+        assert _replicas_of(client, group_id)
         process.send_signal(sig)
         process.wait(30)
         gone_at = time.monotonic()
-        assert _poll(lambda: not _segments(token), DEADLINE), _segments(token)
-        assert _poll(lambda: not _replicas_of(client, token), DEADLINE)
+        assert _poll(lambda: not _segments(group_id), DEADLINE), _segments(group_id)
+        assert _poll(lambda: not _replicas_of(client, group_id), DEADLINE)
         assert time.monotonic() - gone_at < DEADLINE
     finally:
         if process.poll() is None:
@@ -124,7 +125,7 @@ def test_a_client_killed_mid_fit_leaves_no_segment_and_the_workers_train_on(make
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
 def test_stopping_a_script_with_an_embedded_cluster_mid_fit_cleans_up(tmp_path, sig):
-    process, token, worker_pids = _start_fit(tmp_path, "embedded")
+    process, (_, group_id), worker_pids = _start_fit(tmp_path, "embedded")
     try:
         time.sleep(1.0)  # a few steps in
         process.send_signal(sig)
@@ -139,7 +140,7 @@ def test_stopping_a_script_with_an_embedded_cluster_mid_fit_cleans_up(tmp_path, 
     else:
         assert process.returncode == -signal.SIGINT, stderr[-3000:]  # Python's own exit for an uncaught Ctrl-C
         assert "KeyboardInterrupt" in stderr  # the user's interrupt is raised, not swallowed
-    assert _segments(token) == []  # removed before the script ended
+    assert _segments(group_id) == []  # removed before the script ended
     assert _poll(lambda: not any(_alive(p) for p in worker_pids), DEADLINE), "the embedded workers outlived it"
 
 
@@ -177,7 +178,7 @@ def test_a_client_closed_without_closing_its_strategy_leaves_no_segment(process_
 
     other = Client(process_client.scheduler.address, set_as_default=False)
     strategy = dd.MirroredStrategy(client=other)
-    token = strategy.extended.token
+    token = strategy.extended.group.group_id
     strategy.run(lambda: dd.get_replica_context().all_reduce("SUM", np.ones(10)))
     assert len(_segments(token)) == 2
     other.close()  # the strategy is never closed

@@ -79,6 +79,7 @@ def test_tls_cluster(hosts):
         assert client.scheduler.address.startswith("tls://")
         with dask.config.set({"daskdist.collective.hosts": hosts}), dd.MirroredStrategy(client=client) as strategy:
             assert all(a.startswith("tls://") for a in strategy.extended.worker_addresses)
+            assert strategy.extended.group.command_path == "direct"  # commands too go over TLS, on their channel
             out = strategy.run(lambda: dd.get_replica_context().all_reduce("SUM", np.ones(100_000)))
             assert strategy.experimental_local_results(out)[1][0] == 2.0
 

@@ -253,11 +253,11 @@ def test_replicas_stop_when_their_client_disconnects(threaded_client):
 
     other = Client(threaded_client.scheduler.address, set_as_default=False)
     strategy = dd.MirroredStrategy(client=other)
-    group_id = strategy.extended.token
+    group_id = strategy.extended.group.group_id
     strategy.run(lambda: 1)
 
     def replicas_of_group(dask_worker):
-        return [key for key in dask_worker.extensions["daskdist"].replicas if key[0] == group_id]
+        return [key for key in dask_worker.extensions["daskdist"].replicas if key == group_id]
 
     assert any(threaded_client.run(replicas_of_group).values())
     other.close()  # the client goes away without closing the strategy

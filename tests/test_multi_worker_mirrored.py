@@ -124,7 +124,7 @@ def test_replicas_see_their_host_as_the_tf_task_and_four_replicas_in_sync(netns_
 def _route_counters():
     runtime = context.current_runtime()
     routed = runtime.transport
-    sockets = runtime._sockets()
+    sockets = next((t for t in routed.routes_by_peer().values() if t.name == "socket"), None)
     return {"routes": routed.describe(),
             "sent": {f"{name}->{peer}": n for (name, peer), n in routed.sent_bytes.items()},
             "wire": dict(sockets.sent_bytes) if sockets is not None else {}}

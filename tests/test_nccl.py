@@ -36,7 +36,6 @@ import pytest
 
 import daskdist as dd
 from daskdist.cluster.embedded import local_gpu_count
-from daskdist.cluster.scheduler_plugin import DaskdistSchedulerPlugin, GroupState
 from daskdist.collective import nccl as nccl_mod
 from daskdist.collective.communicator import Algorithm
 from daskdist.collective.mailbox import Abort, MailboxTimeout
@@ -56,6 +55,7 @@ from daskdist.exceptions import (
     CollectiveTimeoutError,
     ReplicaLostError,
 )
+from daskdist.group.scheduler_plugin import DaskdistSchedulerPlugin, GroupState
 from daskdist.ops import CommunicationOptions, ReduceOp
 
 from .fakes import InMemoryGroup

@@ -59,12 +59,12 @@ def test_a_cluster_killed_at_once_leaves_nothing_behind_for_long(make_cluster):
     """Every replica of the host is killed together; the next strategy there removes their segments."""
     client = make_cluster(2, processes=True)
     with dd.MirroredStrategy(client=client) as strategy:
-        token = strategy.extended.token.rsplit("-", 1)[-1]
+        token = strategy.extended.group.group_id.rsplit("-", 1)[-1]
         strategy.run(lambda: dd.get_replica_context().all_reduce("SUM", np.ones(10)))
         pids = list(client.run(os.getpid).values())
         for pid in pids:
             os.kill(pid, signal.SIGKILL)  # no replica survives to unlink anything
-        left = glob.glob(f"/dev/shm/daskdist-{token}-*")
+        left = glob.glob(f"/dev/shm/daskdist-{token}g*-*")  # any generation
         assert len(left) == 2  # one channel per direction, owned by the dead replicas
         closing = time.monotonic()
     # closed before the scheduler may have noticed the crash: the dead replicas are not waited for
@@ -80,4 +80,4 @@ def test_a_cluster_killed_at_once_leaves_nothing_behind_for_long(make_cluster):
         time.sleep(0.3)
     with dd.MirroredStrategy(client=client) as strategy:
         assert strategy.run(lambda: 1) is not None
-        assert glob.glob(f"/dev/shm/daskdist-{token}-*") == []
+        assert glob.glob(f"/dev/shm/daskdist-{token}g*-*") == []

@@ -21,11 +21,11 @@ LOW = {"daskdist.collective.transport": "shm", "daskdist.collective.shm.single-c
 
 def _single_copy_state(client, strategy) -> list[bool | None]:
     """``usable`` of every replica's single-copy path (``None``: not probed yet)."""
-    token = strategy.extended.token
+    token = strategy.extended.group.group_id
 
     def state(dask_worker):
         return [runtime.communicator.single_copy.usable
-                for (group, _), runtime in dask_worker.extensions["daskdist"].replicas.items() if group == token]
+                for group, runtime in dask_worker.extensions["daskdist"].replicas.items() if group == token]
 
     return [s for part in client.run(state).values() for s in part]
 

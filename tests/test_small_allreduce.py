@@ -24,11 +24,11 @@ def _by_replica(strategy, out) -> list[tuple]:
 
 def _lane_plans(strategy, client) -> list[int]:
     """How many lane plans each replica holds (0: the lane was never taken)."""
-    token = strategy.extended.token
+    token = strategy.extended.group.group_id
 
     def count(dask_worker):
         return [len(runtime.communicator.lane._plans) if runtime.communicator.lane else -1
-                for (group, _), runtime in dask_worker.extensions["daskdist"].replicas.items() if group == token]
+                for group, runtime in dask_worker.extensions["daskdist"].replicas.items() if group == token]
 
     return [n for part in client.run(count).values() for n in part]
 
@@ -126,11 +126,11 @@ def test_a_replica_that_never_joins_times_out_naming_it(threaded_client):
 
 def _lane_taken(strategy, client) -> list[bool]:
     """Whether each replica holds a usable lane plan (``None`` plans mean the general path was taken)."""
-    token = strategy.extended.token
+    token = strategy.extended.group.group_id
 
     def taken(dask_worker):
         return [any(p is not None for p in runtime.communicator.lane._plans.values())
-                for (group, _), runtime in dask_worker.extensions["daskdist"].replicas.items() if group == token]
+                for group, runtime in dask_worker.extensions["daskdist"].replicas.items() if group == token]
 
     return [t for part in client.run(taken).values() for t in part]
 
@@ -185,11 +185,11 @@ def test_a_structure_fused_into_one_pack_takes_the_lane(threaded_client):
         assert all(oks), oks
         assert any(e.startswith("CollectiveMismatchError") and "float32[4]" in e for e in errors), errors
         assert all(e.startswith(("CollectiveMismatchError", "CollectiveAbortedError")) for e in errors), errors
-        token = strategy.extended.token
+        token = strategy.extended.group.group_id
 
         def pack_plans(dask_worker):
             return [sum(1 for k, p in runtime.communicator.lane._plans.items() if k[0] == "pack" and p is not None)
-                    for (group, _), runtime in dask_worker.extensions["daskdist"].replicas.items() if group == token]
+                    for group, runtime in dask_worker.extensions["daskdist"].replicas.items() if group == token]
 
         assert all(n >= 1 for part in threaded_client.run(pack_plans).values() for n in part)
 

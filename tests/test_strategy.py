@@ -328,13 +328,13 @@ def test_close_leaves_nothing_on_the_workers(threaded_client):
     _REPLICA_THREADS.clear()
     strategy.run(_remember_thread)
     assert len(_REPLICA_THREADS) == 3
-    group_id = strategy.extended.token
+    group_id = strategy.extended.group.group_id
     strategy.close()
     strategy.close()  # idempotent
 
     def replicas_left(dask_worker):
         ext = dask_worker.extensions["daskdist"]
-        return [key for key in ext.replicas if key[0] == group_id]
+        return [key for key in ext.replicas if key == group_id]
 
     assert all(v == [] for v in threaded_client.run(replicas_left).values())
     groups = threaded_client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.extensions["daskdist"].groups))

@@ -68,7 +68,7 @@ def test_a_replica_that_fails_before_the_allreduce_fails_the_run_without_a_hang(
         with pytest.raises(ValueError, match="backward failed on this replica"):
             strategy.run(_one_replica_fails, args=(1,))
         assert time.monotonic() - start < 20  # the waiting replica is aborted, not left to its 30 s deadline
-        assert list(strategy.experimental_local_results(strategy.run(_one_replica_fails, args=(-1,)))) == [0, 0]
+        assert strategy.run(_one_replica_fails, args=(-1,)) == 0  # the group still works (0 on both: TF's regroup)
 
 
 def _mismatched_models():

@@ -36,14 +36,14 @@ TRANSPORTS = {
 
 
 def _routes(client, strategy):
-    token = strategy.extended.token
+    token = strategy.extended.group.group_id
 
     def describe(dask_worker):
         out = {}
-        for (group, rank), runtime in dask_worker.extensions["daskdist"].replicas.items():
+        for group, runtime in dask_worker.extensions["daskdist"].replicas.items():
             if group == token:
                 transport = runtime.transport
-                out[rank] = transport.describe() if hasattr(transport, "describe") else transport.name
+                out[runtime.rank] = transport.describe() if hasattr(transport, "describe") else transport.name
         return out
 
     merged = {}
@@ -198,13 +198,14 @@ def test_soak_random_sizes_and_dtypes(threaded_client):
         assert max(strategy.experimental_local_results(growth_kib)) < 200 * 1024  # peak RSS after warm-up
 
 
-def _segments(token):
-    return glob.glob(f"/dev/shm/daskdist-{token.rsplit('-', 1)[-1]}-*")
+def _segments(group_id):
+    """The group's segments of every membership generation (named ``daskdist-<id>g<generation>-<src>-<dst>``)."""
+    return glob.glob(f"/dev/shm/daskdist-{group_id.rsplit('-', 1)[-1]}g*-*")
 
 
 def test_no_segment_is_left_after_close(process_client):
     strategy = dd.MirroredStrategy(client=process_client)
-    token = strategy.extended.token
+    token = strategy.extended.group.group_id
     assert len(_segments(token)) == 2  # one channel per direction
     strategy.run(lambda: dd.get_replica_context().all_reduce("SUM", np.ones(10)))
     strategy.close()
@@ -218,7 +219,7 @@ def test_a_killed_peer_wakes_replicas_blocked_in_the_transport(make_cluster, tra
     client = make_cluster(3, processes=True)
     with dask.config.set(TRANSPORTS.get(transport, {"daskdist.collective.transport": transport})):
         strategy = dd.MirroredStrategy(client=client)
-    token = strategy.extended.token
+    token = strategy.extended.group.group_id
     victim = strategy.extended.worker_addresses[2]
     pid = client.run(os.getpid, workers=[victim])[victim]
     log = tmp_path / "raised"

@@ -12,6 +12,11 @@ Each rank sets ``torch.set_num_threads(1)`` (like daskdist's single-threaded
 workers). Between processes on one host gloo talks TCP: the ranks use the
 loopback interface (``GLOO_SOCKET_IFNAME=lo`` unless already set).
 
+On separate hosts (``benchmarks/multihost_allreduce.py``): ``rank_prefix(rank)``
+is put in front of each rank's command (e.g. ``nsenter`` into the rank's host),
+the ranks meet through ``env://`` on ``master`` (``MASTER_ADDR``/``MASTER_PORT``,
+rank 0 serves the store) and talk over ``socket_ifname``.
+
 Run alone::
 
     .venv/bin/python benchmarks/peers/gloo_allreduce.py [--ranks 2 4] [--sizes 4KiB 64MiB]
@@ -27,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 if __name__ == "__main__" and not __package__:  # run as a script: make ``peers`` and ``_common`` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -47,8 +53,14 @@ from peers._base import (
 __all__ = ["run"]
 
 
-def run(n: int, plan: list[SizePlan], timeout: float = 900) -> dict:
+def run(n: int, plan: list[SizePlan], timeout: float = 900, *, rank_prefix: Callable[[int], list[str]] | None = None,
+        master: tuple[str, int] | None = None, socket_ifname: str | None = None) -> dict:
     """Time ``plan`` on ``n`` gloo ranks.
+
+    ``rank_prefix(rank)``, if given, is the command prefix that starts rank
+    ``rank`` (e.g. entering its host's namespaces); ``master`` (address, port)
+    makes the ranks meet through ``env://`` there instead of a ``file://``
+    rendezvous; ``socket_ifname`` sets ``GLOO_SOCKET_IFNAME``.
 
     Returns ``{"info": str, "times": {nbytes: [seconds per iteration, max over ranks]}}``.
 
@@ -60,16 +72,21 @@ def run(n: int, plan: list[SizePlan], timeout: float = 900) -> dict:
     if importlib.util.find_spec("torch") is None:
         raise PeerUnavailable("torch is not installed (pip install torch==2.13.0, the CPU build)")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    if "GLOO_SOCKET_IFNAME" not in env and os.path.exists("/sys/class/net/lo"):
+    if socket_ifname is not None:
+        env["GLOO_SOCKET_IFNAME"] = socket_ifname
+    elif "GLOO_SOCKET_IFNAME" not in env and os.path.exists("/sys/class/net/lo"):
         env["GLOO_SOCKET_IFNAME"] = "lo"
+    if master is not None:
+        env.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
     with tempfile.TemporaryDirectory(prefix="gloo-bench-") as tmp:
-        init_method = "file://" + os.path.join(tmp, "rendezvous")
+        init_method = "env://" if master is not None else "file://" + os.path.join(tmp, "rendezvous")
         plan_json = plan_to_json(plan)
         outputs = [(open(os.path.join(tmp, f"out-{r}"), "w+"), open(os.path.join(tmp, f"err-{r}"), "w+"))
                    for r in range(n)]
         procs = [
             subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__), "--worker", str(rank), str(n), init_method, plan_json],
+                [*(rank_prefix(rank) if rank_prefix else []), sys.executable, os.path.abspath(__file__), "--worker",
+                 str(rank), str(n), init_method, plan_json],
                 stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env, text=True,
             )
             for rank, (out, err) in enumerate(outputs)
@@ -98,7 +115,8 @@ def run(n: int, plan: list[SizePlan], timeout: float = 900) -> dict:
         raise PeerUnavailable(f"a gloo rank printed no result: {tail(texts[0][1])}") from None
     return {
         "info": f"torch {results[0]['torch']}, gloo over TCP ({env.get('GLOO_SOCKET_IFNAME', 'default interface')}), "
-                f"{n} subprocesses, torch.set_num_threads(1)",
+                f"{n} subprocesses, torch.set_num_threads(1)"
+                + (f", env:// rendezvous on {master[0]}:{master[1]}" if master is not None else ""),
         "times": per_iteration_max([r["times"] for r in results]),
     }
 

@@ -45,11 +45,11 @@ ABORT_TIMEOUT = 5.0  # seconds the client waits for the replicas to take an inte
 
 
 async def _abort_all(client: Client, addresses: list[str], group_id: str, ranks: list[int], run_id: int,
-                     abort: dict) -> None:
+                     abort: dict, generation: int) -> None:
     async def one(rank: int) -> None:
         try:
             await asyncio.wait_for(client.rpc(addresses[rank]).daskdist_abort(
-                group_id=group_id, rank=rank, run_id=run_id, abort=abort), ABORT_TIMEOUT)
+                group_id=group_id, rank=rank, run_id=run_id, abort=abort, generation=generation), ABORT_TIMEOUT)
         except Exception as e:  # the worker may be gone: nothing runs there any more
             logger.debug("Could not abort run %d on replica %d of %s: %r", run_id, rank, group_id, e)
 
@@ -57,7 +57,7 @@ async def _abort_all(client: Client, addresses: list[str], group_id: str, ranks:
 
 
 def abort_interrupted_run(client: Client, addresses: list[str], group_id: str, ranks: list[int], run_id: int,
-                          reason: BaseException) -> None:
+                          reason: BaseException, generation: int = 0) -> None:
     """Abort ``run_id`` on ``ranks`` because the client stopped waiting for it (``reason``); never raises.
 
     A second interruption while the aborts go out propagates (it is the user's).
@@ -68,7 +68,7 @@ def abort_interrupted_run(client: Client, addresses: list[str], group_id: str, r
                 type(reason).__name__)
     try:
         client.sync(_abort_all, client, addresses, group_id, ranks, run_id,
-                    Abort("aborted", message, None).to_msg(), callback_timeout=ABORT_TIMEOUT + 1)
+                    Abort("aborted", message, None).to_msg(), generation, callback_timeout=ABORT_TIMEOUT + 1)
     except Exception as e:  # the client's loop or the cluster may be closing
         logger.debug("Could not abort run %d of %s: %r", run_id, group_id, e)
 

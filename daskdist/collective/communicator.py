@@ -36,7 +36,7 @@ from daskdist.collective.nccl import NcclEngine
 from daskdist.collective.single_copy import SingleCopyAllReduce
 from daskdist.collective.transport.base import Transport
 from daskdist.exceptions import DaskdistError, kind_of
-from daskdist.ops import CommunicationOptions, ReduceOp
+from daskdist.ops import Algorithm, CommunicationOptions, ReduceOp
 
 __all__ = ["Algorithm", "Communicator", "ControlPlane"]
 
@@ -54,34 +54,6 @@ class ControlPlane(Protocol):
 
     def exchange(self, key: str, value: Any, deadline: float, run_id: int) -> dict[int, Any]:
         """Meet every replica under ``key`` and return each one's ``value`` (NCCL's unique id)."""
-
-
-class Algorithm:
-    """How all-reduce is done for a group (set from ``cross_device_ops``).
-
-    Parameters
-    ----------
-    name
-        ``"auto"``, ``"ring"``, ``"direct"``, ``"reduce_to_one"`` or ``"hierarchical"``.
-    num_packs
-        Packs per dtype (``NcclAllReduce`` / ``HierarchicalCopyAllReduce``).
-    root
-        Rank that reduces for ``"reduce_to_one"``.
-    accumulation_fn
-        Optional sum of a list of arrays for ``"reduce_to_one"``.
-    """
-
-    def __init__(self, name: str = "auto", num_packs: int = 1, root: int = 0,
-                 accumulation_fn: Callable[[Sequence[Any]], Any] | None = None):
-        if name not in ("auto", "ring", "direct", "reduce_to_one", "hierarchical"):
-            raise ValueError(f"Unknown all-reduce algorithm {name!r}")
-        self.name = name
-        self.num_packs = num_packs
-        self.root = root
-        self.accumulation_fn = accumulation_fn
-
-    def __repr__(self) -> str:
-        return f"Algorithm({self.name!r}, num_packs={self.num_packs}, root={self.root})"
 
 
 class Communicator:

@@ -36,11 +36,11 @@ import sys
 from typing import Any
 
 import numpy as np
-from dask.utils import parse_bytes
 
 from daskdist import config
 from daskdist.collective.call import Call
 from daskdist.collective.reduction import combine_into, finalize
+from daskdist.collective.settings import parse_single_copy_bytes
 from daskdist.exceptions import DaskdistError, ReplicaLostError
 from daskdist.ops import ReduceOp
 
@@ -111,10 +111,7 @@ def cross_memory() -> CrossMemory | None:
 
 def single_copy_bytes() -> int | None:
     """``daskdist.collective.shm.single-copy-bytes`` in bytes; ``None`` when switched off (null, 0 or false)."""
-    value = config.get("collective.shm.single-copy-bytes")
-    if value in (None, False, 0, "0", "off", "false"):
-        return None
-    return int(parse_bytes(value)) if isinstance(value, str) else int(value)
+    return parse_single_copy_bytes(config.get("collective.shm.single-copy-bytes"))
 
 
 def chunk_bounds(nbytes: int, itemsize: int, size: int) -> list[int]:

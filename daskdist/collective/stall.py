@@ -87,11 +87,16 @@ class StallWatch:
         self.interval = max(0.05, min(1.0, threshold / 4))
         self._stop = threading.Event()
         self._reported: tuple[int, int] | None = None
-        self._thread = threading.Thread(target=self._run, name=f"daskdist-stall-watch-{comm.rank}", daemon=True)
+        self._settings = config.current_snapshot()  # the replica's settings (the client's), read by this thread too
+        self._thread = threading.Thread(target=self._watch, name=f"daskdist-stall-watch-{comm.rank}", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
+
+    def _watch(self) -> None:
+        with config.use_snapshot(self._settings):
+            self._run()
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):

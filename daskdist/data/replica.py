@@ -22,9 +22,10 @@ from daskdist.data import ops
 from daskdist.data.dataset import Dataset
 from daskdist.data.options import InputContext
 from daskdist.data.sources import DaskSource, Partition, Source
+from daskdist.group.service import BATCH, DATASET, ITERATOR
 
 if TYPE_CHECKING:
-    from daskdist.replica.runtime import ReplicaRuntime
+    from daskdist.group.service import ReplicaService
 
 __all__ = ["BatchRef", "KeyedSource", "ReplicaShard"]
 
@@ -79,14 +80,25 @@ class ReplicaShard:
     caches: dict = field(default_factory=dict)
     epochs: int = 0
 
-    def pipeline(self, replica: int) -> Iterator[Any]:
-        state = ops.PipelineState(epoch=self.epochs, replica=replica, caches=self.caches)
-        self.epochs += 1
+    def pipeline(self, replica: int, epoch: int | None = None) -> Iterator[Any]:
+        """A pass over the shard: the next one, or pass ``epoch`` again (a restored iterator)."""
+        if epoch is None:
+            epoch = self.epochs
+            self.epochs += 1
+        state = ops.PipelineState(epoch=epoch, replica=replica, caches=self.caches)
         source = self.dataset.source
         elements = self.dataset._iterate(self.partitions, state, load=source.load)
         if self.prefetch:
             elements = ops.PrefetchIterator(elements, self.prefetch)
         return elements
+
+    def snapshot(self) -> dict:
+        """The shard's plan and how many passes it started (``Resident``)."""
+        return {"partitions": list(self.partitions), "epochs": self.epochs}
+
+    def restore(self, state: dict) -> None:
+        self.partitions = list(state["partitions"])
+        self.epochs = int(state["epochs"])
 
     def empty_batch(self) -> Any:
         return optree.tree_map(
@@ -101,18 +113,37 @@ class ReplicaIterator:
 
     def __init__(self, shard: ReplicaShard, replica: int):
         self.shard = shard
+        self.replica = replica
+        self.epoch = shard.epochs
         self._elements = shard.pipeline(replica)
         self.exhausted = False
+        self.position = 0  # elements taken so far in this pass
 
     def next_element(self) -> Any | None:
         if self.exhausted:
             return None
         try:
-            return next(self._elements)
+            element = next(self._elements)
         except StopIteration:
             self.exhausted = True
             self.close()
             return None
+        self.position += 1
+        return element
+
+    def snapshot(self) -> dict:
+        """Which pass and how far into it (``Resident``)."""
+        return {"epoch": self.epoch, "position": self.position, "exhausted": self.exhausted}
+
+    def restore(self, state: dict) -> None:
+        """Replay pass ``epoch`` of the shard up to ``position`` (the elements are made again, not stored)."""
+        self.close()
+        self.epoch, self.position, self.exhausted = int(state["epoch"]), 0, False
+        self._elements = self.shard.pipeline(self.replica, epoch=self.epoch)
+        for _ in range(int(state["position"])):
+            if self.next_element() is None:
+                break
+        self.exhausted = bool(state["exhausted"]) or self.exhausted
 
     def close(self) -> None:
         close = getattr(self._elements, "close", None)
@@ -120,7 +151,7 @@ class ReplicaIterator:
             close()
 
 
-def _to_device(element: Any, shard: ReplicaShard, runtime: ReplicaRuntime) -> Any:
+def _to_device(element: Any, shard: ReplicaShard, runtime: ReplicaService) -> Any:
     if not shard.to_device or not any("GPU" in d for d in runtime.devices):
         return element
     import cupy
@@ -131,13 +162,13 @@ def _to_device(element: Any, shard: ReplicaShard, runtime: ReplicaRuntime) -> An
 # -- commands (run on the replica thread) ------------------------------------------
 
 
-def register_shard(runtime: ReplicaRuntime, dataset_id: str, shard: ReplicaShard) -> None:
+def register_shard(runtime: ReplicaService, dataset_id: str, shard: ReplicaShard) -> None:
     if isinstance(shard.dataset.source, KeyedSource):
         shard.dataset.source.worker = runtime.worker
-    runtime.add_resident(f"dataset:{dataset_id}", shard)
+    runtime.objects.install(DATASET, dataset_id, shard)
 
 
-def register_from_function(runtime: ReplicaRuntime, dataset_id: str, dataset_fn: Callable[[InputContext], Any],
+def register_from_function(runtime: ReplicaService, dataset_id: str, dataset_fn: Callable[[InputContext], Any],
                            prefetch: int) -> Any:
     """Build this replica's dataset with ``dataset_fn(InputContext)``; returns its ``element_spec``."""
     ctx = InputContext(num_input_pipelines=runtime.size, input_pipeline_id=runtime.rank, num_replicas_in_sync=runtime.size)
@@ -150,7 +181,7 @@ def register_from_function(runtime: ReplicaRuntime, dataset_id: str, dataset_fn:
         dataset = Dataset(_ComputedDaskSource(source, runtime.worker), dataset.transformations)
     element_spec = dataset.element_spec
     spec = optree.tree_map(lambda s: (s.shape, np.dtype(s.dtype)), element_spec)
-    runtime.add_resident(f"dataset:{dataset_id}", ReplicaShard(dataset, partitions, spec, prefetch))
+    runtime.objects.install(DATASET, dataset_id, ReplicaShard(dataset, partitions, spec, prefetch))
     return element_spec
 
 
@@ -166,42 +197,48 @@ class _ComputedDaskSource(Source):
         return self._source.assemble(client.compute(delayed, sync=True))
 
 
-def make_iterator(runtime: ReplicaRuntime, dataset_id: str, iterator_id: str) -> None:
-    shard = runtime.resident_object(f"dataset:{dataset_id}")
-    runtime.add_resident(f"iterator:{iterator_id}", ReplicaIterator(shard, runtime.rank))
+def _batch_id(iterator_id: str, step: int) -> str:
+    """The resident id of an iterator's element for ``step`` (kind ``BATCH``)."""
+    return f"{iterator_id}:{step}"
 
 
-def next_batch(runtime: ReplicaRuntime, iterator_id: str, step: int) -> int:
+def make_iterator(runtime: ReplicaService, dataset_id: str, iterator_id: str) -> None:
+    shard = runtime.objects.get(DATASET, dataset_id)
+    runtime.objects.install(ITERATOR, iterator_id, ReplicaIterator(shard, runtime.rank))
+
+
+def next_batch(runtime: ReplicaService, iterator_id: str, step: int) -> int:
     """Produce this replica's element for ``step``; returns its rows (-1 once the shard is exhausted)."""
-    iterator: ReplicaIterator = runtime.resident_object(f"iterator:{iterator_id}")
+    iterator: ReplicaIterator = runtime.objects.get(ITERATOR, iterator_id)
     start = time.perf_counter()
     element = iterator.next_element()
     runtime.timer.add_pending_input(time.perf_counter() - start)
-    key = f"batch:{iterator_id}:{step}"
+    key = _batch_id(iterator_id, step)
     if element is None:
-        runtime.add_resident(key, iterator.shard.empty_batch())
+        runtime.objects.install(BATCH, key, iterator.shard.empty_batch())
         rows = -1
     else:
         element = _to_device(element, iterator.shard, runtime)
-        runtime.add_resident(key, element)
+        runtime.objects.install(BATCH, key, element)
         leaves = optree.tree_leaves(element)
         rows = int(len(leaves[0])) if leaves and getattr(leaves[0], "ndim", 0) else 1
-    runtime.discard_resident(f"batch:{iterator_id}:{step - _BATCHES_KEPT}")
+    runtime.objects.discard(BATCH, _batch_id(iterator_id, step - _BATCHES_KEPT))
     return rows
 
 
-def close_iterator(runtime: ReplicaRuntime, iterator_id: str, keep_batches: bool = False) -> None:
+def close_iterator(runtime: ReplicaService, iterator_id: str, keep_batches: bool = False) -> None:
     """Stop an iterator's pipeline; drop its batches too unless ``keep_batches`` (handles may still be used)."""
-    iterator = runtime.pop_resident(f"iterator:{iterator_id}")
+    iterator = runtime.objects.pop(ITERATOR, iterator_id)
     if iterator is not None:
         iterator.close()
     if not keep_batches:
-        for key in runtime.resident_keys(prefix=f"batch:{iterator_id}:"):
-            runtime.discard_resident(key)
+        for key in runtime.objects.ids(BATCH):
+            if key.startswith(f"{iterator_id}:"):
+                runtime.objects.discard(BATCH, key)
 
 
-def forget_dataset(runtime: ReplicaRuntime, dataset_id: str) -> None:
-    runtime.discard_resident(f"dataset:{dataset_id}")
+def forget_dataset(runtime: ReplicaService, dataset_id: str) -> None:
+    runtime.objects.discard(DATASET, dataset_id)
 
 
 # -- references resolved inside replicas ---------------------------------------------
@@ -231,7 +268,7 @@ def _resolve_batch(token: str, iterator_id: str, step: int, rows: int, leaf: int
     runtime = context.current_runtime()
     if runtime is not None and runtime.token == token:
         try:
-            batch = runtime.resident_object(f"batch:{iterator_id}:{step}")
+            batch = runtime.objects.get(BATCH, _batch_id(iterator_id, step))
         except KeyError:
             raise RuntimeError(
                 f"the batch of step {step} is no longer held by replica {runtime.rank}: only the last "
@@ -245,7 +282,7 @@ def resolve_dataset(token: str, dataset_id: str) -> Any:
     """Unpickle a distributed dataset: inside a replica, the view that iterates the local shard."""
     runtime = context.current_runtime()
     if runtime is not None and runtime.token == token:
-        return ReplicaDatasetView(runtime, runtime.resident_object(f"dataset:{dataset_id}"))
+        return ReplicaDatasetView(runtime, runtime.objects.get(DATASET, dataset_id))
     from daskdist import registry
 
     owner = registry.lookup(token)
@@ -264,7 +301,7 @@ class ReplicaDatasetView:
     has data; those that ran out yield empty batches until all have.
     """
 
-    def __init__(self, runtime: ReplicaRuntime, shard: ReplicaShard):
+    def __init__(self, runtime: ReplicaService, shard: ReplicaShard):
         self._runtime = runtime
         self._shard = shard
 

@@ -21,9 +21,10 @@ import numpy as np
 
 from daskdist import context
 from daskdist.arrays import as_array, to_numpy
+from daskdist.group.service import MODEL, ReplicaService
 from daskdist.keras import callbacks as callbacks_module
 from daskdist.keras import saving, training
-from daskdist.strategy.replica_service import ReplicaService, gradient_applier, resident
+from daskdist.strategy.gradient_applier import gradient_applier
 
 if TYPE_CHECKING:
     from daskdist.strategy.base import Strategy
@@ -34,7 +35,6 @@ logger = logging.getLogger(__name__)
 
 PROGRESS_TOPIC = "daskdist-progress"
 _PROGRESS_INTERVAL = 0.25
-_MODEL = "model"  # the kind of resident a distributed model is on its replicas
 
 
 def _current_strategy() -> Any:
@@ -204,7 +204,7 @@ class Model:
         payload._strategy = None
         payload._installed = False
         payload.history = None
-        self._strategy.extended.install_resident(_MODEL, self._model_id, payload)
+        self._strategy.extended.install_resident(MODEL, self._model_id, _InstalledModel(payload))
         self._installed = True
 
     def __getstate__(self) -> dict:
@@ -488,8 +488,28 @@ class _Runner:
 # -- commands that run on the replicas ---------------------------------------------------
 
 
+class _InstalledModel:
+    """A model resident on a replica (kind ``"model"``): its weights and optimizer state snapshot and restore."""
+
+    def __init__(self, model: Model):
+        self.model = model
+
+    def snapshot(self) -> dict:
+        weights = [np.array(to_numpy(a), copy=True) for _, a in self.model._weight_items()]
+        optimizer = self.model.optimizer
+        state = {} if optimizer is None else {k: np.array(to_numpy(v), copy=True)
+                                              for k, v in optimizer.get_state().items()}
+        return {"weights": weights, "optimizer": state}
+
+    def restore(self, state: dict) -> None:
+        self.model._assign_weights(state["weights"])
+        if self.model.optimizer is not None and state["optimizer"]:
+            self.model.optimizer.set_state(state["optimizer"])
+
+
 def _replica_model(service: ReplicaService, model_id: str) -> Model:
-    return resident(service, _MODEL, model_id)
+    installed: _InstalledModel = service.objects.get(MODEL, model_id)
+    return installed.model
 
 
 def _replica_train_epoch(service: ReplicaService, model_id: str, batches: Any, steps: int | None, lr: float, tag: str,
@@ -503,11 +523,11 @@ def _replica_train_epoch(service: ReplicaService, model_id: str, batches: Any, s
         now = time.monotonic()
         if service.rank == 0 and now - last[0] >= _PROGRESS_INTERVAL:
             last[0] = now
-            service.worker.log_event(PROGRESS_TOPIC, {"tag": tag, "epoch": epoch, "step": step, "logs": logs})
+            service.log_event(PROGRESS_TOPIC, {"tag": tag, "epoch": epoch, "step": step, "logs": logs})
 
     logs = training.train_batches(model, batches, steps, progress)
     if service.rank == 0:
-        service.worker.log_event(PROGRESS_TOPIC, {"tag": tag, "epoch": epoch, "step": -1, "logs": logs})
+        service.log_event(PROGRESS_TOPIC, {"tag": tag, "epoch": epoch, "step": -1, "logs": logs})
     service.flush_step_events()
     return logs
 

@@ -23,11 +23,11 @@ import numpy as np
 from daskdist import context
 from daskdist.arrays import as_array, namespace
 from daskdist.ops import ReduceOp
-from daskdist.strategy.replica_service import gradient_applier
+from daskdist.strategy.gradient_applier import gradient_applier
 
 if TYPE_CHECKING:
+    from daskdist.group.service import ReplicaService
     from daskdist.keras.models import Model
-    from daskdist.strategy.replica_service import ReplicaService
 
 __all__ = ["evaluate_batches", "predict_batches", "split_batch", "train_batches"]
 

@@ -9,40 +9,48 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable
 
 from daskdist import context
+from daskdist.group.service import VARIABLE
 from daskdist.variables import VariableSpec, distributed_variable_class
 
 if TYPE_CHECKING:
-    from daskdist.replica.runtime import ReplicaRuntime
+    from daskdist.group.service import ReplicaService
 
-__all__ = ["create_variable", "ping", "read_variable", "run_function", "step_timings", "update_variable"]
+__all__ = [
+    "create_variable",
+    "ping",
+    "read_variable",
+    "run_function",
+    "step_timings",
+    "update_variable",
+]
 
 
-def run_function(runtime: ReplicaRuntime, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+def run_function(runtime: ReplicaService, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     """Run a user function in replica context, timed as one step."""
     return runtime.run_step(fn, args, kwargs)
 
 
-def create_variable(runtime: ReplicaRuntime, var_id: str, value: Any, spec: VariableSpec) -> None:
+def create_variable(runtime: ReplicaService, var_id: str, value: Any, spec: VariableSpec) -> None:
     """Store this replica's copy of a variable created on the client under ``strategy.scope()``."""
     cls = distributed_variable_class(spec)
-    runtime.add_resident(var_id, cls(spec, runtime.token, var_id, local_value=value, runtime=runtime))
+    runtime.objects.install(VARIABLE, var_id, cls(spec, runtime.token, var_id, local_value=value, runtime=runtime))
 
 
-def read_variable(runtime: ReplicaRuntime, var_id: str) -> Any:
+def read_variable(runtime: ReplicaService, var_id: str) -> Any:
     """This replica's value of a variable."""
-    return runtime.resident_object(var_id).value()
+    return runtime.objects.get(VARIABLE, var_id).value()
 
 
-def update_variable(runtime: ReplicaRuntime, var_id: str, method: str, value: Any) -> None:
+def update_variable(runtime: ReplicaService, var_id: str, method: str, value: Any) -> None:
     """Apply a client-side (cross-replica) ``assign`` / ``assign_add`` / ``assign_sub`` to this copy."""
-    variable = runtime.resident_object(var_id)
+    variable = runtime.objects.get(VARIABLE, var_id)
     frame = context.Frame(strategy=runtime.strategy_view, replica_context=None, variable_creator=None,
                           owner=runtime)
     with context.enter(frame):
         getattr(variable, method)(value)
 
 
-def step_timings(runtime: ReplicaRuntime, last: int | None = None) -> list[dict]:
+def step_timings(runtime: ReplicaService, last: int | None = None) -> list[dict]:
     """The replica's most recent step timings, oldest first."""
     history = list(runtime.timer.history)
     if last is not None:
@@ -50,6 +58,7 @@ def step_timings(runtime: ReplicaRuntime, last: int | None = None) -> list[dict]
     return [t.to_dict() for t in history]
 
 
-def ping(runtime: ReplicaRuntime) -> int:
+def ping(runtime: ReplicaService) -> int:
     """Return the replica's rank (used to measure the command round trip)."""
     return runtime.rank
+

@@ -11,7 +11,7 @@ from daskdist.ops import CommunicationOptions, ReduceOp
 from daskdist.values import regroup, select_replica
 
 if TYPE_CHECKING:
-    from daskdist.replica.runtime import ReplicaRuntime
+    from daskdist.group.service import ReplicaService
 
 __all__ = ["ReplicaContext"]
 
@@ -26,7 +26,7 @@ class ReplicaContext:
     ``CollectiveTimeoutError`` naming it.
     """
 
-    def __init__(self, runtime: ReplicaRuntime):
+    def __init__(self, runtime: ReplicaService):
         self._runtime = runtime
 
     @property

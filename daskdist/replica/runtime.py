@@ -7,6 +7,14 @@ meets its peers at the scheduler's rendezvous, then serves commands until the
 strategy closes it. Commands arrive from the client through the worker's
 ``daskdist_call`` handler, never as Dask tasks, so a step costs a message,
 not a scheduler round trip.
+
+``ReplicaRuntime`` keeps the command loop and the control plane, and
+implements ``daskdist.group.service.ReplicaService`` for what commands use
+(rank, size, generation, context, timer, events, the resident store). What
+knows the peers is one generation's ``Wiring`` (``replica/wiring.py``),
+rebuilt when the group moves to a new generation; the residents stay. The
+replica thread reads settings only from the client's snapshot carried by the
+spec (``daskdist.config.use_snapshot``).
 """
 
 from __future__ import annotations
@@ -14,12 +22,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import platform
 import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import optree
@@ -30,162 +36,179 @@ from distributed.utils import sync
 from daskdist import config, context, serialization
 from daskdist.arrays import namespace
 from daskdist.collective import nccl
-from daskdist.collective.communicator import Algorithm, Communicator
 from daskdist.collective.mailbox import Abort, Mailbox, MailboxTimeout
-from daskdist.collective.transport.base import Transport
-from daskdist.collective.transport.dask import DaskTransport
-from daskdist.collective.transport.routed import RoutedTransport
-from daskdist.collective.transport.shm import ShmTransport, shm_supported
-from daskdist.collective.transport.socket import SocketTransport
-from daskdist.exceptions import RendezvousError, ReplicaLostError
-from daskdist.ops import CommunicationOptions
+from daskdist.exceptions import RendezvousError, ReplicaLostError, StaleGenerationError
+from daskdist.group.membership import Generation, Membership, Rank, check_generation
+from daskdist.group.service import BATCH, VARIABLE, ResidentStore
+from daskdist.group.spec import GroupSpec
 from daskdist.replica import allocator
+from daskdist.replica.command_server import CommandServer
 from daskdist.replica.context import ReplicaContext
 from daskdist.replica.events import StepEventShipper
 from daskdist.replica.strategy_view import ReplicaStrategyView
 from daskdist.replica.timing import StepTimer
+from daskdist.replica.wiring import Wiring, tls_contexts, wire
 from daskdist.variables import VariableSpec, check_same_spec_on_every_replica, distributed_variable_class
 
 if TYPE_CHECKING:
     from distributed import Worker
 
-__all__ = ["GroupSpec", "ReplicaRuntime", "replica_main"]
+__all__ = ["ReplicaRuntime", "pin_replica_thread", "replica_main"]
 
 logger = logging.getLogger(__name__)
 
 STALL_EVENT_TOPIC = "daskdist-stall"
 
 
-@dataclass
-class GroupSpec:
-    """Everything a replica needs to know about its group (sent with the replica task)."""
-
-    group_id: str
-    addresses: list[str]
-    devices: list[str]
-    hosts: list[str] = field(default_factory=list)
-    algorithm: Algorithm = field(default_factory=Algorithm)
-    options: CommunicationOptions = field(default_factory=CommunicationOptions)
-    transport: str = "auto"
-    shm_slot_bytes: int = 2 << 20
-    single_copy_bytes: int | None = 1 << 20  # ``collective.shm.single-copy-bytes`` as the client saw it
-    pin_cores: Any = "auto"  # ``daskdist.replica.pin-cores`` as the client saw it
-    malloc: Any = "auto"  # ``daskdist.replica.malloc`` as the client saw it
-    nccl: Any = "auto"  # ``daskdist.collective.nccl`` as the client saw it
-
-    @property
-    def size(self) -> int:
-        return len(self.addresses)
-
-
-TRANSPORTS = ("auto", "shm", "socket", "dask", "ucx")
-
-
-def _make_transport(rank: int, spec: GroupSpec, mailbox: Mailbox, worker: Worker,
-                    on_peer_lost: Callable[[int | None, str], None] | None = None) -> Transport:
-    """The transport of one replica, chosen per peer.
-
-    ``spec.transport``: ``"auto"`` (shared memory to same-host peers, direct
-    TCP to the others), ``"shm"`` (every peer must share the host),
-    ``"socket"`` (TCP to every peer), ``"dask"`` (Dask comms) or ``"ucx"``
-    (UCX to every peer; needs ucxx, never picked by ``"auto"``). GPU groups
-    use Dask comms (their arrays are not in host memory) for signatures and
-    for what NCCL does not carry (``daskdist.collective.nccl``).
-    """
-    if spec.transport not in TRANSPORTS:
-        raise ValueError(f"Unknown transport {spec.transport!r} (daskdist.collective.transport): {', '.join(TRANSPORTS)}")
-    hosts = spec.hosts or list(spec.addresses)
-    peers = [r for r in range(spec.size) if r != rank]
-    same_host = [r for r in peers if hosts[r] == hosts[rank]] if spec.transport in ("auto", "shm") else []
-    if same_host and not shm_supported():  # logged; off x86-64 the shm slots would need a fence
-        if spec.transport == "shm":
-            raise ValueError(f"the shm transport needs a 64-bit x86 machine; this one is {platform.machine()}")
-        same_host = []
-    on_gpu = any("GPU" in d for d in spec.devices)
-    if spec.transport == "shm" and (len(same_host) != len(peers) or on_gpu):
-        raise ValueError("the shm transport needs every replica on one host, with CPU devices")
-    if spec.transport == "dask" or on_gpu or not peers:
-        return DaskTransport(rank, spec.addresses, mailbox, worker, spec.group_id)
-    routes: dict[int, Transport] = {}
-    if spec.transport == "ucx":
-        from daskdist.collective.transport.ucx import UcxTransport  # imports ucxx: only when asked for
-
-        ucx = UcxTransport(rank, spec.addresses, mailbox, spec.group_id, peers)
-        return RoutedTransport(rank, spec.addresses, mailbox, dict.fromkeys(peers, ucx))
-    if same_host:
-        shm = ShmTransport(rank, spec.addresses, mailbox, same_host, spec.group_id, spec.shm_slot_bytes)
-        routes.update({r: shm for r in same_host})
-    remote = [r for r in peers if r not in routes]
-    if remote:
-        tcp = SocketTransport(rank, spec.addresses, mailbox, spec.group_id, get_address_host(worker.address),
-                              *_tls_contexts(worker), on_peer_lost=on_peer_lost)
-        routes.update({r: tcp for r in remote})
-    return RoutedTransport(rank, spec.addresses, mailbox, routes)
-
-
-def _tls_contexts(worker: Worker) -> tuple[Any, Any]:
-    """The cluster's TLS contexts for replica sockets, or ``(None, None)`` on plain TCP clusters."""
-    if not worker.address.startswith("tls://"):
-        return None, None
-    server = worker.security.get_listen_args("worker").get("ssl_context")
-    client = worker.security.get_connection_args("worker").get("ssl_context")
-    return server, client
-
-
 class ReplicaRuntime:
-    """State and command loop of one replica.
+    """Command loop and control plane of one replica; implements ``ReplicaService``.
 
-    Event-loop side: ``submit``, ``stop``, ``status`` (called by the worker
-    plugin's handlers). Replica-thread side: ``serve`` and everything it calls.
+    Event-loop side: ``submit``, ``deliver``, ``abort_run``, ``abort_group``,
+    ``new_generation``, ``stop``, ``status`` (called by the worker plugin's
+    handlers). Replica-thread side: ``serve`` and everything it calls.
     """
 
     def __init__(self, worker: Worker, spec: GroupSpec, rank: int):
         self.worker = worker
         self.spec = spec
-        self.rank = rank
-        self.size = spec.size
-        self.token = spec.group_id
-        self.devices = spec.devices
-        self.loop = worker.loop.asyncio_loop
-        self.mailbox = Mailbox()
-        self.transport = _make_transport(rank, spec, self.mailbox, worker, on_peer_lost=self.peer_lost)
+        self.group_id = spec.group_id
+        self.strategy_token = spec.strategy_token
+        self.membership: Membership = spec.membership
+        self.generation: Generation = spec.membership.generation
+        self.rank: Rank = Rank(rank)
+        self.size = spec.membership.size
+        self.devices = spec.membership.devices
+        self.loop: asyncio.AbstractEventLoop = worker.loop.asyncio_loop  # type: ignore[attr-defined]
+        self.objects = ResidentStore(f"replica {rank} of {spec.group_id}")
         self.timer = StepTimer(rank, int(config.get("metrics.history")))
-        self.communicator = Communicator(
-            rank, self.size, self.transport, control=self, algorithm=spec.algorithm,
-            options=spec.options, on_collective=self._collective_done, hosts=spec.hosts or None,
-            on_stall=self._report_stall, single_copy_bytes=spec.single_copy_bytes,
-        )
+        self._wiring: Wiring = self._wire(spec.membership, rank)
+        self._server: CommandServer | None = None
+        if config.get("client.command-channel", "direct") == "direct":
+            self._server = CommandServer(get_address_host(worker.address), spec.secret, tls_contexts(worker)[0])
         self.context = ReplicaContext(self)
         self.strategy_view = ReplicaStrategyView(self)
         self.state = "starting"
         self.run_id = -1
-        self._commands: queue.Queue[tuple[int, bytes, asyncio.Future] | None] = queue.Queue()
+        self._commands: queue.Queue[tuple[int, bytes, int, dict | None, asyncio.Future] | None] = queue.Queue()
+        self._announced: Membership | None = None  # a newer generation the scheduler told us of
+        self._early: dict[int, list[tuple[tuple, Any]]] = {}  # peers' messages of a generation not yet wired
+        self._generation_lock = threading.Lock()
         self._stopping = False  # the strategy is closing: connections ending now are expected
-        self._resident: dict[str, Any] = {}
         self._created_in_replica = 0
-        self._step_events = (StepEventShipper(worker, self.token, rank, self.size,
+        # the dashboard's unit is the strategy (its token), so a training run's figures outlive generations
+        self._step_events = (StepEventShipper(worker, self.strategy_token, rank, self.size,
                                               config.get_seconds("metrics.event-interval"),
                                               int(config.get("metrics.event-max-steps", 256)))
                              if config.get("metrics.log-events") else None)
 
     def __repr__(self) -> str:
-        return f"<ReplicaRuntime {self.token} rank={self.rank}/{self.size} state={self.state}>"
+        return (f"<ReplicaRuntime {self.group_id} generation={self.generation} rank={self.rank}/{self.size} "
+                f"state={self.state}>")
+
+    # -- the service protocol ---------------------------------------------------------
+
+    @property
+    def token(self) -> str:
+        """The strategy's identity: what pickled handles carry (not the group id, so it outlives generations)."""
+        return self.strategy_token
+
+    @property
+    def mailbox(self) -> Mailbox:
+        return self._wiring.mailbox
+
+    @property
+    def transport(self) -> Any:
+        return self._wiring.transport
+
+    @property
+    def communicator(self) -> Any:
+        return self._wiring.communicator
+
+    @property
+    def known_generation(self) -> int:
+        """The newest generation this replica knows of: its own, or one the scheduler announced."""
+        announced = self._announced
+        return max(self.generation, announced.generation if announced is not None else 0)
+
+    def log_event(self, topic: str, msg: Any) -> None:
+        self.worker.log_event(topic, msg)
 
     # -- event-loop side ---------------------------------------------------------
 
-    def submit(self, run_id: int, payload: bytes) -> asyncio.Future:
-        """Queue a command; the future resolves with the response message."""
+    def submit(self, run_id: int, payload: bytes, generation: int = 0, settings: dict | None = None) -> asyncio.Future:
+        """Queue a command of ``generation`` (with the client's new settings, if they changed); the future
+        resolves with the response message."""
         future = self.loop.create_future()
         if self.state == "closed":
             future.set_result(self._closed_response())
         else:
-            self._commands.put((run_id, payload, future))
+            self._commands.put((run_id, payload, generation, settings, future))
+            if self._server is not None:
+                self._server.wake()
         return future
+
+    def deliver(self, generation: int, tag: tuple, payload: Any) -> None:
+        """A peer's payload (Dask comms): into this generation's mailbox; kept for a newer one; dropped if stale."""
+        with self._generation_lock:
+            if generation == self.generation:
+                self._wiring.mailbox.put(tag, payload)
+            elif generation > self.generation:
+                self._early.setdefault(generation, []).append((tag, payload))
+            else:
+                logger.debug("Replica %d of %s dropped a message %s of stale generation %d (now %d)",
+                             self.rank, self.group_id, tag, generation, self.generation)
+
+    def abort_run(self, generation: int, run_id: int | None, abort: dict[str, Any]) -> None:
+        """A peer failed during ``run_id`` of ``generation``: fail this replica's waits in it (not if stale).
+
+        ``run_id=None``: a peer's transport lost another replica (``peer_lost``): the generation is lost.
+        """
+        if generation != self.generation:
+            return
+        if run_id is None:
+            self.abort_group(str(abort.get("message", "a peer was lost")), generation)
+        else:
+            self.mailbox.abort_run(run_id, Abort.from_msg(abort))
+
+    def peer_lost(self, peer: int | None, message: str) -> None:
+        """A transport lost ``peer`` for good (no heartbeat, or reset): fail the generation here and on every peer.
+
+        Called from a transport thread. This replica's waits raise
+        ``ReplicaLostError`` at once; the other replicas get a group abort
+        (those that cannot be reached learn it from their own heartbeats).
+        """
+        wiring = self._wiring
+        if wiring.mailbox.group_abort is not None or self._stopping:
+            return
+        logger.warning("%s", message)
+        abort = Abort("lost", message, self.rank)
+        wiring.mailbox.abort_group(abort)
+        self.loop.call_soon_threadsafe(wiring.transport.group_aborted)
+        for rank, address in enumerate(wiring.membership.addresses):
+            if rank != self.rank and rank != peer:
+                asyncio.run_coroutine_threadsafe(self._send_abort(address, rank, None, abort), self.loop)
+
+    def abort_group(self, message: str, generation: int | None = None) -> None:
+        """The group is lost in ``generation`` (``None``: the current one): wake and fail every wait."""
+        if generation is not None and generation != self.generation:
+            return
+        wiring = self._wiring
+        wiring.mailbox.abort_group(Abort("lost", message, None))
+        wiring.transport.group_aborted()
+
+    def new_generation(self, membership: Membership) -> None:
+        """The scheduler moved the group on: the current generation's waits fail; the next command re-forms."""
+        if membership.generation <= self.generation:
+            return
+        self._announced = membership
+        self.abort_group(f"{self.group_id} moved to generation {membership.generation}", self.generation)
 
     def stop(self) -> None:
         """Ask the replica thread to finish after the commands already queued."""
         self._stopping = True
         self._commands.put(None)
+        if self._server is not None:
+            self._server.wake()
 
     def status(self) -> dict:
         return {
@@ -193,49 +216,29 @@ class ReplicaRuntime:
             "collective": self.communicator.seq,
             "kind": self.communicator.current_kind,
             "state": self.state,
+            "generation": self.generation,
         }
-
-    def abort_group(self, abort: Abort) -> None:
-        """The group is lost for good (from the scheduler): wake and fail every wait."""
-        self.mailbox.abort_group(abort)
-        self.transport.group_aborted()
-
-    def peer_lost(self, peer: int | None, message: str) -> None:
-        """A transport lost ``peer`` for good (no heartbeat, or reset): fail the group here and on every peer.
-
-        Called from a transport thread. This replica's waits raise
-        ``ReplicaLostError`` at once; the other replicas get a group abort
-        (those that cannot be reached learn it from their own heartbeats).
-        """
-        if self.mailbox.group_abort is not None or self._stopping:
-            return
-        logger.warning("%s", message)
-        abort = Abort("lost", message, self.rank)
-        self.mailbox.abort_group(abort)
-        self.loop.call_soon_threadsafe(self.transport.group_aborted)
-        for rank, address in enumerate(self.spec.addresses):
-            if rank != self.rank and rank != peer:
-                asyncio.run_coroutine_threadsafe(self._send_abort(address, rank, None, abort), self.loop)
 
     # -- control plane used by the communicator (replica thread) ---------------
 
     def abort_peers(self, run_id: int, abort: Abort) -> None:
-        for rank, address in enumerate(self.spec.addresses):
+        for rank, address in enumerate(self.membership.addresses):
             if rank != self.rank:
                 asyncio.run_coroutine_threadsafe(self._send_abort(address, rank, run_id, abort), self.loop)
 
     async def _send_abort(self, address: str, rank: int, run_id: int | None, abort: Abort) -> None:
-        """Send ``abort`` for ``run_id`` to replica ``rank`` (``None``: for good, the whole group)."""
+        """Send ``abort`` for ``run_id`` to replica ``rank`` (``None``: for good, the whole generation)."""
         try:
             await self.worker.rpc(address).daskdist_abort(
-                group_id=self.token, rank=rank, run_id=run_id, abort=abort.to_msg(), reply=False
+                group_id=self.group_id, generation=self.generation, rank=rank, run_id=run_id, abort=abort.to_msg(),
+                reply=False,
             )
         except Exception as e:  # the peer may be gone; the scheduler tells the others
             logger.debug("Could not send abort to replica %d on %s: %s", rank, address, e)
 
     def probe(self, rank: int, timeout: float) -> dict | None:
-        address = self.spec.addresses[rank]
-        coro = self.worker.rpc(address).daskdist_status(group_id=self.token, rank=rank)
+        address = self.membership.addresses[rank]
+        coro = self.worker.rpc(address).daskdist_status(group_id=self.group_id, rank=rank)
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
             return future.result(timeout)
@@ -262,63 +265,118 @@ class ReplicaRuntime:
             if remaining <= 0:
                 raise MailboxTimeout(key)
             wait = min(0.5, remaining)
-            response = sync(self.worker.loop, self.worker.scheduler.daskdist_exchange, group_id=self.token, key=key,
-                            rank=self.rank, value=value, timeout=wait, callback_timeout=wait + 30)
+            response = sync(self.worker.loop, self.worker.scheduler.daskdist_exchange, group_id=self.group_id,
+                            key=key, rank=self.rank, value=value, timeout=wait, generation=self.generation,
+                            callback_timeout=wait + 30)
             status = response.get("status")
             if status == "OK":
                 return {int(rank): v for rank, v in response["values"].items()}
             if status != "waiting":
                 self.mailbox.check(run_id)  # the group's own abort names the cause best
-                raise ReplicaLostError(response.get("message", f"replica group {self.token} is gone"))
+                raise ReplicaLostError(response.get("message", f"replica group {self.group_id} is gone"))
 
-    # -- replica thread -----------------------------------------------------------
+    # -- generations (replica thread) ---------------------------------------------
+
+    def _wire(self, membership: Membership, rank: int) -> Wiring:
+        return wire(rank, membership, self.spec, self.worker, control=self, on_collective=self._collective_done,
+                    on_stall=self._report_stall, on_peer_lost=self.peer_lost)
 
     def rendezvous(self, timeout: float) -> None:
-        """Wait at the scheduler until every replica of the group has started."""
+        """Meet every member of this generation at the scheduler; connect the transports to their ``local_info``."""
+        wiring = self._wiring
+        info = {
+            **wiring.transport.local_info(),
+            **(self._server.local_info() if self._server is not None else {}),
+            "nccl": nccl.local_features(nccl.parse_setting(self.spec.nccl), any("GPU" in d for d in self.devices)),
+        }
         response = sync(
             self.worker.loop,
             self.worker.scheduler.daskdist_rendezvous,
-            group_id=self.token,
+            group_id=self.group_id,
             rank=self.rank,
             address=self.worker.address,
-            info={"socket": list(self._sockets().listen_address) if self._sockets() else None,
-                  "ucx": getattr(self._ucx(), "address", None),
-                  "nccl": nccl.local_features(nccl.parse_setting(self.spec.nccl),
-                                              any("GPU" in d for d in self.spec.devices))},
+            info=info,
+            generation=self.generation,
             callback_timeout=timeout + 5,
         )
         if response.get("status") != "OK":
+            if response.get("kind") == "stale":
+                raise StaleGenerationError(response.get("message", "stale generation"), self.group_id)
             raise RendezvousError(response.get("message", "rendezvous failed"))
-        sockets = self._sockets()
-        if sockets is not None:
-            infos = {int(rank): info for rank, info in response["info"].items()}
-            sockets.set_peer_addresses({r: tuple(i["socket"]) for r, i in infos.items() if i.get("socket")})
-        ucx = self._ucx()
-        if ucx is not None:
-            ucx.set_peer_addresses({int(r): i["ucx"] for r, i in response["info"].items() if i.get("ucx")})
-        self.communicator.nccl = nccl.engine_for_group(
-            self.rank, self.size, {int(r): i.get("nccl") for r, i in response["info"].items()}, self.mailbox,
-            self.exchange)
+        infos = {int(rank): i for rank, i in response["info"].items()}
+        wiring.transport.connect(infos, wiring.membership)
+        wiring.communicator.nccl = nccl.engine_for_group(
+            self.rank, self.size, {r: i.get("nccl") for r, i in infos.items()}, wiring.mailbox, self.exchange)
 
-    def _sockets(self) -> SocketTransport | None:
-        """This replica's TCP transport, if any peer is reached through one."""
-        routes = getattr(self.transport, "routes", {})
-        return next((t for t in routes.values() if isinstance(t, SocketTransport)), None)
+    def _membership_of(self, generation: int) -> Membership:
+        """The membership of ``generation``: as announced by the scheduler's stream, else asked for."""
+        announced = self._announced
+        if announced is not None and announced.generation == generation:
+            return announced
+        response = sync(self.worker.loop, self.worker.scheduler.daskdist_membership, group_id=self.group_id,
+                        generation=generation, callback_timeout=30)
+        if response.get("status") != "OK":
+            raise ReplicaLostError(response.get("message", f"replica group {self.group_id} is gone"))
+        membership = Membership.from_msg(response["membership"])
+        if membership.generation != generation:
+            check_generation(self.group_id, membership.generation, generation, "a command")
+            raise ReplicaLostError(f"{self.group_id} has no generation {generation} (it is at {membership.generation})")
+        return membership
 
-    def _ucx(self) -> Any:
-        """This replica's UCX transport, if the group uses one."""
-        routes = getattr(self.transport, "routes", {})
-        return next((t for t in routes.values() if getattr(t, "name", None) == "ucx"), None)
+    def _switch_generation(self, generation: int) -> None:
+        """Re-form in ``generation``: close this generation's wiring, build and connect the next one.
+
+        Residents (variables, models, shards) stay; a worker no longer in the
+        membership stops its replica.
+        """
+        membership = self._membership_of(generation)
+        try:
+            rank = membership.rank_of(self.worker.address)
+        except ValueError:
+            self.stop()
+            raise ReplicaLostError(
+                f"worker {self.worker.address} is not a member of {self.group_id} in generation {generation}",
+                worker=self.worker.address) from None
+        old = self._wiring
+        old.close()
+        new = self._wire(membership, rank)
+        with self._generation_lock:
+            self._wiring = new
+            self.membership, self.rank, self.size, self.devices = membership, Rank(rank), membership.size, membership.devices
+            self.generation = membership.generation
+            early = self._early.pop(int(generation), [])
+            self._early = {g: m for g, m in self._early.items() if g > generation}
+        for tag, payload in early:
+            new.mailbox.put(tag, payload)
+        if self._step_events is not None:  # steps are reported under the new rank and size
+            self._step_events.rank, self._step_events.size = int(rank), membership.size
+        self.rendezvous(config.get_seconds("rendezvous.timeout"))
+        logger.info("Replica %d of %s re-formed in generation %d (%d members)", self.rank, self.group_id,
+                    self.generation, self.size)
+
+    # -- replica thread -----------------------------------------------------------
 
     def serve(self) -> None:
         """Run commands until ``stop``; answer what is left with a 'closed' error."""
         self.state = "idle"
+        server = self._server
         while True:
-            item = self._commands.get()
+            if server is None:
+                item = self._commands.get()
+            else:
+                try:
+                    item = self._commands.get_nowait()
+                except queue.Empty:
+                    # wait on the client's direct channel and on the queue's wake-up, in this thread
+                    for conn, (run_id, generation, settings, payload) in server.wait():
+                        response = self._execute(run_id, payload, generation, settings)
+                        response["run_id"] = run_id
+                        server.reply(conn, response)
+                    continue
             if item is None:
                 break
-            run_id, payload, future = item
-            response = self._execute(run_id, payload)
+            run_id, payload, generation, settings, future = item
+            response = self._execute(run_id, payload, generation, settings)
             self.loop.call_soon_threadsafe(_resolve, future, response)
         self.state = "closed"
         while True:
@@ -327,21 +385,31 @@ class ReplicaRuntime:
             except queue.Empty:
                 break
             if item is not None:
-                self.loop.call_soon_threadsafe(_resolve, item[2], self._closed_response())
+                self.loop.call_soon_threadsafe(_resolve, item[-1], self._closed_response())
 
     def close(self) -> None:
         if self._step_events is not None:
             self._step_events.close()
-        self.communicator.close()
-        self.transport.close()
-        self._resident.clear()
+        if self._server is not None:
+            self._server.close()
+        self._wiring.close()
+        self.objects.clear()
         self.timer.history.clear()
 
     def _closed_response(self) -> dict:
-        error = ReplicaLostError(f"replica {self.rank} of {self.token} is closed", worker=self.worker.address)
+        error = ReplicaLostError(f"replica {self.rank} of {self.group_id} is closed", worker=self.worker.address)
         return serialization.error_message(error, self.rank, self.worker.address)
 
-    def _execute(self, run_id: int, payload: bytes) -> dict:
+    def _execute(self, run_id: int, payload: bytes, generation: int = 0, settings: dict | None = None) -> dict:
+        if settings is not None:  # the client's daskdist.* keys changed since its last command
+            self.spec.config = settings
+            config.install_snapshot(settings)
+        try:
+            check_generation(self.group_id, self.known_generation, generation, f"a command (run {run_id})")
+            if generation > self.generation:
+                self._switch_generation(generation)
+        except Exception as e:
+            return serialization.error_message(e, self.rank, self.worker.address)
         if self.mailbox.group_abort is not None:
             return serialization.error_message(self.mailbox.group_abort.error(), self.rank, self.worker.address)
         self.run_id = run_id
@@ -355,8 +423,8 @@ class ReplicaRuntime:
         )
         try:
             with context.enter(frame):
-                command, args, generation = serialization.loads(payload)
-                self.communicator.set_generation(generation)
+                command, args, failures = serialization.loads(payload)
+                self.communicator.set_generation(failures)
                 result = command(self, *args)
                 return {"status": "OK", "result": serialization.dumps(result)}
         except Exception as e:
@@ -377,7 +445,7 @@ class ReplicaRuntime:
         """Rows of the first argument that is a batch of a distributed dataset held here, if any."""
         if not args and not kwargs:
             return None
-        held = {id(leaf) for k in self.resident_keys(prefix="batch:") for leaf in optree.tree_leaves(self._resident[k])}
+        held = {id(leaf) for batch in self.objects.objects(BATCH) for leaf in optree.tree_leaves(batch)}
         if not held:
             return None
         for value in (*args, *kwargs.values()):  # a whole batch, or its components (``for x, y in dist``)
@@ -397,32 +465,12 @@ class ReplicaRuntime:
 
     def _report_stall(self, info: dict) -> None:
         """A collective of this replica stalls (from the communicator's stall watch): tell the scheduler."""
-        self.worker.log_event(STALL_EVENT_TOPIC, {"group": self.token, **info})
+        self.worker.log_event(STALL_EVENT_TOPIC, {"group": self.strategy_token, **info})
 
     def flush_step_events(self) -> None:
         """Send the step timings queued and not sent yet now (as events of ``metrics.event-max-steps``)."""
         if self._step_events is not None:
             self._step_events.flush()
-
-    # -- objects that live on the replica -----------------------------------------
-
-    def add_resident(self, object_id: str, obj: Any) -> None:
-        self._resident[object_id] = obj
-
-    def discard_resident(self, object_id: str) -> None:
-        self._resident.pop(object_id, None)
-
-    def pop_resident(self, object_id: str) -> Any:
-        return self._resident.pop(object_id, None)
-
-    def resident_keys(self, prefix: str = "") -> list[str]:
-        return [k for k in self._resident if k.startswith(prefix)]
-
-    def resident_object(self, object_id: str) -> Any:
-        try:
-            return self._resident[object_id]
-        except KeyError:
-            raise KeyError(f"replica {self.rank} of {self.token} holds no object {object_id!r}") from None
 
     def _create_variable(self, *args: Any, **kwargs: Any) -> Any:
         """``dd.Variable(...)`` inside a replica function: replica 0's initial value, on every replica."""
@@ -433,7 +481,7 @@ class ReplicaRuntime:
         var_id = f"r{self._created_in_replica}"
         local = namespace(value).array(value, copy=True)
         variable = distributed_variable_class(spec)(spec, self.token, var_id, local_value=local, runtime=self)
-        self._resident[var_id] = variable
+        self.objects.install(VARIABLE, var_id, variable)
         return variable
 
 
@@ -443,7 +491,12 @@ def _resolve(future: asyncio.Future, response: dict) -> None:
 
 
 def replica_main(spec: GroupSpec, rank: int) -> str:
-    """Body of the long-lived replica task pinned to one worker."""
+    """Body of the long-lived replica task pinned to one worker (reads only the client's settings)."""
+    with config.use_snapshot(spec.config or None):
+        return _replica_main(spec, rank)
+
+
+def _replica_main(spec: GroupSpec, rank: int) -> str:
     worker = get_worker()
     extension = worker.extensions.get("daskdist")
     if extension is None:

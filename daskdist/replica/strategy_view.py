@@ -6,22 +6,22 @@ import contextlib
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from daskdist import context
+from daskdist.group.service import STRATEGY
 from daskdist.ops import CommunicationOptions, ReduceOp
 from daskdist.values import gather_values, local_results, reduce_values
 
 if TYPE_CHECKING:
-    from daskdist.replica.runtime import ReplicaRuntime
+    from daskdist.group.service import ReplicaService
 
 __all__ = ["CLUSTER_RESOLVER_KEY", "ReplicaExtendedView", "ReplicaStrategyView"]
 
-#: The resident under which multi-worker strategies leave each replica its cluster resolver.
-CLUSTER_RESOLVER_KEY = "strategy:cluster-resolver"
+#: The id of the resident (kind ``STRATEGY``) under which multi-worker strategies leave each replica its
+#: cluster resolver.
+CLUSTER_RESOLVER_KEY = "cluster-resolver"
 
 
-def _cluster_resolver(runtime: ReplicaRuntime) -> Any:
-    if CLUSTER_RESOLVER_KEY in runtime.resident_keys(CLUSTER_RESOLVER_KEY):
-        return runtime.resident_object(CLUSTER_RESOLVER_KEY)
-    return None
+def _cluster_resolver(runtime: ReplicaService) -> Any:
+    return runtime.objects.find(STRATEGY, CLUSTER_RESOLVER_KEY)
 
 
 def _require_cross_replica(api: str) -> None:
@@ -36,7 +36,7 @@ def _require_cross_replica(api: str) -> None:
 class ReplicaExtendedView:
     """``strategy.extended`` inside a replica: reductions and updates for ``merge_call``."""
 
-    def __init__(self, runtime: ReplicaRuntime):
+    def __init__(self, runtime: ReplicaService):
         self._runtime = runtime
 
     @property
@@ -67,6 +67,34 @@ class ReplicaExtendedView:
                         options: CommunicationOptions | None = None) -> list[Any]:
         return [self.reduce_to(reduce_op, v, d, options) for v, d in value_destination_pairs]
 
+    def read_var(self, v: Any) -> Any:
+        """Inside ``merge_call``: a sync-on-read variable's aggregate, a mirrored variable's value (TF's ``read_var``).
+
+        ``merge_fn`` runs on every replica, so the aggregate is one collective
+        that every replica joins (``ONLY_FIRST_REPLICA``: replica 0's copy).
+        """
+        from daskdist.variables import _AGGREGATION_OPS, DistributedVariable, SyncOnReadVariable, VariableAggregation
+
+        _require_cross_replica("extended.read_var")
+        if not isinstance(v, DistributedVariable) or v._token != self._runtime.token:
+            raise ValueError(f"extended.read_var needs a variable of this strategy, got {type(v).__name__}")
+        if not isinstance(v, SyncOnReadVariable):
+            return v.read_value()
+        comm = self._runtime.communicator
+        if v.aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
+            return comm.broadcast(v._value, root=0)
+        if v.aggregation is VariableAggregation.NONE:
+            raise ValueError(f"Cannot read SyncOnReadVariable '{v.name}' in cross-replica context with aggregation NONE")
+        return comm.all_reduce(_AGGREGATION_OPS[v.aggregation], v._value)
+
+    def variable_created_in_scope(self, v: Any) -> bool:
+        """Whether ``v`` belongs to this strategy (created in its scope or by its replicas)."""
+        from daskdist.variables import DistributedVariable, Variable
+
+        if not isinstance(v, Variable):
+            raise TypeError(f"variable_created_in_scope takes a variable, got {type(v).__name__}")
+        return isinstance(v, DistributedVariable) and v._token == self._runtime.token
+
     def update(self, var: Any, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
                group: bool = True) -> Any:
         """Run ``fn(var, *args, **kwargs)`` in cross-replica context: updates apply to this copy as given."""
@@ -79,7 +107,7 @@ class ReplicaExtendedView:
 class ReplicaStrategyView:
     """The strategy inside a replica: its size, reductions for ``merge_call``, a no-op ``scope``."""
 
-    def __init__(self, runtime: ReplicaRuntime):
+    def __init__(self, runtime: ReplicaService):
         self._runtime = runtime
         self.extended = ReplicaExtendedView(runtime)
 

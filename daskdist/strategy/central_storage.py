@@ -14,8 +14,8 @@ from typing import Any
 from distributed import Client
 
 from daskdist.cluster.devices import parse_device
-from daskdist.strategy import replica_service
 from daskdist.strategy.base import Strategy
+from daskdist.strategy.gradient_applier import GRADIENT_APPLIER
 from daskdist.strategy.parameter_holder import ParameterHolderExtended, StoreGradientApplier
 
 __all__ = ["CentralStorageExtended", "CentralStorageStrategy"]
@@ -50,7 +50,7 @@ class CentralStorageExtended(ParameterHolderExtended):
         try:
             address, name = self._parameter_holder(parameter_device, device_name)
             self._open_stores([address], [name])
-            self.install_resident(*replica_service.GRADIENT_APPLIER, StoreGradientApplier(self._stores[0]))
+            self.install_resident(*GRADIENT_APPLIER, StoreGradientApplier(self._stores[0]))
         except BaseException:
             self.close()
             raise

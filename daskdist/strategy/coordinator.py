@@ -33,6 +33,7 @@ import numpy as np
 import optree
 
 from daskdist.exceptions import ReplicaLostError, StrategyClosedError
+from daskdist.group.service import DATASET, ITERATOR
 from daskdist.strategy.parameter_server import ParameterServerExtended, ParameterServerStrategy
 from daskdist.strategy.ps_values import CLOSURE_KEY
 
@@ -424,14 +425,14 @@ def run_closure(service: Any, closure_id: str, fn: Callable[..., Any], args: tup
     """Worker command: run one closure, its updates keyed by ``closure_id`` (deduplicated at the stores)."""
     structure: Any = (args, kwargs)
     resolved: Any = optree.tree_map(
-        lambda x: service.resident_object(x.key) if isinstance(x, _WorkerResource) else x,
+        lambda x: service.objects.get(ITERATOR, x.key) if isinstance(x, _WorkerResource) else x,
         structure, is_leaf=lambda x: isinstance(x, _WorkerResource), none_is_leaf=True)
     args, kwargs = resolved
-    service.add_resident(CLOSURE_KEY, [closure_id, 0])
+    service.objects.install(*CLOSURE_KEY, [closure_id, 0])
     try:
         return service.run_step(fn, args, kwargs)
     finally:
-        service.add_resident(CLOSURE_KEY, None)
+        service.objects.discard(*CLOSURE_KEY)
 
 
 class PerWorkerDataset:
@@ -466,8 +467,8 @@ def _make_dataset(service: Any, key: str, dataset_fn: Any, index: int, workers: 
         dataset = dataset_fn(ctx) if takes_context else dataset_fn()
     else:
         dataset = dataset_fn
-    service.add_resident(key, dataset)
+    service.objects.install(DATASET, key, dataset)
 
 
 def _make_iterator(service: Any, dataset_key: str, key: str) -> None:
-    service.add_resident(key, iter(service.resident_object(dataset_key)))
+    service.objects.install(ITERATOR, key, iter(service.objects.get(DATASET, dataset_key)))

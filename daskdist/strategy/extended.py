@@ -56,7 +56,7 @@ Args = tuple[Any, ...]
 Kwargs = dict[str, Any]
 
 #: A command sent to replicas: ``command(service, *args)`` where ``service`` is the replica's
-#: ``daskdist.strategy.replica_service.ReplicaService``.
+#: ``daskdist.group.service.ReplicaService``.
 Command = Callable[..., Any]
 
 
@@ -193,9 +193,11 @@ class StrategyExtended(abc.ABC):
     def install_resident(self, kind: str, object_id: str, obj: Any) -> None:
         """Keep ``obj`` on every compute replica, found there by ``(kind, object_id)``.
 
-        Replacing: an object installed again under the same key replaces the
-        previous one. On the replica, ``replica_service.resident(service, kind,
-        object_id)`` returns it.
+        ``kind`` is one of the resident kinds of ``daskdist.group.service``
+        (``MODEL``, ``DATASET``, ...). An object installed again under the same
+        key replaces the previous one. On the replica,
+        ``service.objects.get(kind, object_id)`` returns it; an object with
+        ``snapshot()``/``restore(state)`` takes part in resident snapshots.
         """
         from daskdist.strategy import replica_commands
 

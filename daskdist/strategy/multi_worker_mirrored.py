@@ -37,6 +37,7 @@ from daskdist.cluster_resolver.selection import (
     placement_key,
     select_hosts,
 )
+from daskdist.group.service import STRATEGY
 from daskdist.ops import CommunicationImplementation, CommunicationOptions
 from daskdist.replica.strategy_view import CLUSTER_RESOLVER_KEY
 from daskdist.strategy.base import Strategy
@@ -79,7 +80,7 @@ def validate_cluster_spec(spec: ClusterSpec, task_type: str | None, task_id: int
 
 def _install_resolver(runtime: Any, resolver: DaskClusterResolver) -> None:
     """Replica command: leave this replica its resolver (``ctx.strategy.cluster_resolver``)."""
-    runtime.add_resident(CLUSTER_RESOLVER_KEY, resolver)
+    runtime.objects.install(STRATEGY, CLUSTER_RESOLVER_KEY, resolver)
 
 
 class MultiWorkerMirroredExtended(MirroredExtended):

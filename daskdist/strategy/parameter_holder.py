@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import optree
 
+from daskdist.group.service import VARIABLE
 from daskdist.strategy.extended import Args, Kwargs
 from daskdist.strategy.parameter_client import RoundCounter, StoreRef
 from daskdist.strategy.parameter_store import install_store
@@ -257,7 +258,8 @@ def select_single_value(structured: Any) -> Any:
 
 def _install_view(service: Any, var_id: str, spec: VariableSpec, store: StoreRef, device: str) -> None:
     """Replica command: this replica's view of a stored variable, found by ``var_id``."""
-    service.add_resident(var_id, AggregatingVariable(spec, service.token, var_id, store, device, runtime=service))
+    service.objects.install(VARIABLE, var_id, AggregatingVariable(spec, service.token, var_id, store, device,
+                                                                  runtime=service))
 
 
 class StoreGradientApplier:

@@ -37,11 +37,11 @@ from distributed import Client, default_client
 from daskdist import config, context, registry
 from daskdist.cluster.devices import DeviceSpec
 from daskdist.cluster.embedded import describe_worker
-from daskdist.cluster.group import ReplicaGroup
 from daskdist.cluster.placement import Placement
-from daskdist.collective.single_copy import single_copy_bytes
 from daskdist.cross_device_ops import CrossDeviceOps
 from daskdist.exceptions import StrategyClosedError
+from daskdist.group.handle import ReplicaGroup
+from daskdist.group.service import STRATEGY
 from daskdist.ops import CommunicationOptions
 from daskdist.strategy.base import Strategy
 from daskdist.strategy.extended import Args, Command, Kwargs
@@ -52,6 +52,9 @@ __all__ = ["ParameterServerExtended", "ParameterServerStrategy", "cluster_member
 logger = logging.getLogger(__name__)
 
 _TASK_TYPES = ("chief", "ps", "worker")
+
+#: The resident a parameter-server worker keeps: the token of the strategy it works for.
+PS_STRATEGY_KEY = (STRATEGY, "parameter-server")
 
 
 def cluster_members(cluster_resolver: Any) -> tuple[list[str], list[str]]:
@@ -174,15 +177,16 @@ class ParameterServerExtended(ParameterHolderExtended):
         """A one-replica group on ``address``: the long-lived process that runs this worker's closures."""
         placement = Placement(0, address, host, DeviceSpec("CPU", 0))
         group = ReplicaGroup(
-            self.client, [placement], hosts=[host], algorithm=CrossDeviceOps().algorithm([placement.device]),
-            options=self._options, transport=config.get("collective.transport"),
+            self.client, [placement], strategy_token=self._token, hosts=[host],
+            algorithm=CrossDeviceOps().algorithm([placement.device]), options=self._options,
+            transport=config.get("collective.transport"),
             shm_slot_bytes=parse_bytes(config.get("collective.shm.slot-bytes")),
-            pin_cores=False, malloc=config.get("replica.malloc"), single_copy_bytes=single_copy_bytes(),
+            pin_cores=False, malloc=config.get("replica.malloc"),
         )
         group.launch()
         from daskdist.strategy import replica_commands
 
-        group.call(replica_commands.install_resident, ("ps", "strategy", self._token))
+        group.call(replica_commands.install_resident, (*PS_STRATEGY_KEY, self._token))
         return group
 
     # -- what the contract describes -----------------------------------------------------
@@ -334,9 +338,9 @@ def _resolve_ps_strategy(token: str) -> Any:
     runtime = context.current_runtime()
     if runtime is not None:
         try:
-            if runtime.resident_object("ps:strategy") == token:
+            if runtime.objects.find(*PS_STRATEGY_KEY) == token:
                 return runtime.strategy_view
-        except KeyError:
+        except AttributeError:
             pass
     owner = registry.lookup(token)
     if owner is None or owner.strategy is None:

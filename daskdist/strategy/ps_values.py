@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from daskdist import context
 from daskdist.arrays import namespace
+from daskdist.group.service import STRATEGY, VARIABLE
 from daskdist.strategy.parameter_client import RoundCounter
 from daskdist.variables import DistributedVariable, VariableAggregation, VariableSpec
 
@@ -162,8 +163,8 @@ def _on_replica_device(value: Any, runtime: Any) -> Any:
     return value
 
 
-#: The resident key under which a parameter-server worker records the closure it runs (id, updates so far).
-CLOSURE_KEY = "ps:closure"
+#: The resident under which a parameter-server worker records the closure it runs (id, updates so far).
+CLOSURE_KEY = (STRATEGY, "ps-closure")
 
 
 def _dedupe_key(runtime: Any) -> tuple[str, int] | None:
@@ -172,10 +173,7 @@ def _dedupe_key(runtime: Any) -> tuple[str, int] | None:
     A closure run again after a worker failure makes the same updates in the
     same order, so the store applies each key once.
     """
-    try:
-        closure = runtime.resident_object(CLOSURE_KEY)
-    except KeyError:
-        return None
+    closure = runtime.objects.find(*CLOSURE_KEY)
     if closure is None:
         return None
     closure[1] += 1
@@ -187,12 +185,11 @@ def _resolve_stored_variable(token: str, var_id: str, spec: VariableSpec, store:
     """Unpickle a stored variable: this replica's view (made on first use), else the client's handle."""
     runtime = context.current_runtime()
     if runtime is not None:
-        try:
-            return runtime.resident_object(var_id)
-        except KeyError:
+        view = runtime.objects.find(VARIABLE, var_id)
+        if view is None:
             view = AggregatingVariable(spec, token, var_id, store, device, runtime=runtime)
-            runtime.add_resident(var_id, view)
-            return view
+            runtime.objects.install(VARIABLE, var_id, view)
+        return view
     from daskdist import registry
 
     owner = registry.lookup(token)

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 from daskdist import context
 from daskdist.strategy.extended import Args, Kwargs
-from daskdist.strategy.replica_service import ReplicaService, resident_key
 
 if TYPE_CHECKING:
+    from daskdist.group.service import ReplicaService
     from daskdist.variables import DistributedVariable
 
 __all__ = ["install_resident", "update_copy"]
@@ -21,10 +21,10 @@ __all__ = ["install_resident", "update_copy"]
 
 def install_resident(service: ReplicaService, kind: str, object_id: str, obj: Any) -> None:
     """Keep ``obj`` on this replica under ``(kind, object_id)``, replacing an earlier one."""
-    service.add_resident(resident_key(kind, object_id), obj)
+    service.objects.install(kind, object_id, obj)
 
 
-def update_copy(service: Any, variable: DistributedVariable, fn: Callable[..., Any], args: Args,
+def update_copy(service: ReplicaService, variable: DistributedVariable, fn: Callable[..., Any], args: Args,
                 kwargs: Kwargs) -> Any:
     """``fn(copy, *args, **kwargs)`` on this replica's copy, in cross-replica context (TF's ``UpdateContext``).
 

@@ -24,15 +24,14 @@ from daskdist import config, registry
 from daskdist.arrays import as_array
 from daskdist.cluster.devices import DeviceSpec, parse_devices
 from daskdist.cluster.embedded import describe_worker, start_embedded_cluster
-from daskdist.cluster.group import ReplicaGroup
 from daskdist.cluster.interrupts import EmbeddedShutdown
 from daskdist.cluster.placement import Placement, WorkerInfo, place_replicas
-from daskdist.collective.single_copy import single_copy_bytes
 from daskdist.cross_device_ops import CrossDeviceOps
 from daskdist.exceptions import StrategyClosedError
+from daskdist.group.handle import ReplicaGroup
+from daskdist.group.spec import TRANSPORTS
 from daskdist.ops import CommunicationOptions
 from daskdist.replica import commands
-from daskdist.replica.runtime import TRANSPORTS
 from daskdist.strategy import replica_commands
 from daskdist.strategy.extended import Args, Command, Kwargs, StrategyExtended
 from daskdist.values import DistributedValues, regroup, select_replica
@@ -163,7 +162,6 @@ class SpmdExtended(StrategyExtended):
             shm_slot_bytes=parse_bytes(config.get("collective.shm.slot-bytes")),
             pin_cores=config.get("replica.pin-cores"),
             malloc=config.get("replica.malloc"),
-            single_copy_bytes=single_copy_bytes(),
         )
         group.launch()
         return group
@@ -172,7 +170,8 @@ class SpmdExtended(StrategyExtended):
 
     @property
     def token(self) -> str:
-        return self._group.group_id
+        """The strategy's identity, what its handles pickle: not the group's id, so it outlives generations."""
+        return self._group.strategy_token
 
     @property
     def num_replicas(self) -> int:
@@ -181,7 +180,7 @@ class SpmdExtended(StrategyExtended):
     @property
     def worker_devices(self) -> tuple[str, ...]:
         """The device string of each replica, in replica order."""
-        return tuple(self._group.spec.devices)
+        return tuple(self._group.membership.devices)
 
     @property
     def worker_addresses(self) -> tuple[str, ...]:

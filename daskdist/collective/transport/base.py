@@ -101,6 +101,18 @@ class Transport(ABC):
         self.recv_into(src, recv_tag, deadline, out, combine, base)
         handle.wait(deadline)
 
+    def local_info(self) -> dict[str, Any]:
+        """What a peer needs to reach this transport (a listening address), sent through the rendezvous.
+
+        msgpack-able; the default (nothing) suits transports that need no
+        wiring (shared memory names its segments from the group's wire id,
+        Dask comms use the worker addresses).
+        """
+        return {}
+
+    def connect(self, peer_infos: dict[int, dict[str, Any]], membership: Any) -> None:
+        """Reach the peers of ``membership`` from their ``local_info()`` (rank -> info), once per generation."""
+
     def routes_by_peer(self) -> dict[int, Transport]:
         """The transport that carries each peer's messages (this one for every peer unless it routes)."""
         return {peer: self for peer in range(self.size) if peer != self.rank}

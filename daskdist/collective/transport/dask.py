@@ -58,14 +58,18 @@ class DaskTransport(Transport):
         The worker this replica runs on (its ``rpc`` pool and event loop are used).
     group_id
         The replica group, so peers deliver to the right mailbox.
+    generation
+        The group's membership generation: a peer of another generation drops the message.
     """
 
     name = "dask"
 
-    def __init__(self, rank: int, addresses: list[str], mailbox: Mailbox, worker: Worker, group_id: str):
+    def __init__(self, rank: int, addresses: list[str], mailbox: Mailbox, worker: Worker, group_id: str,
+                 generation: int = 0):
         super().__init__(rank, addresses, mailbox)
         self._worker = worker
         self._group_id = group_id
+        self._generation = generation
         self._loop = worker.loop.asyncio_loop
 
     def send(self, dst: int, tag: Tag, payload: Any) -> SendHandle:
@@ -76,6 +80,7 @@ class DaskTransport(Transport):
     async def _send(self, address: str, dst: int, tag: Tag, payload: Any) -> None:
         await self._worker.rpc(address).daskdist_message(
             group_id=self._group_id,
+            generation=self._generation,
             rank=dst,
             tag=list(tag),
             payload=to_serialize(payload),

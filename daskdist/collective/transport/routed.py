@@ -60,6 +60,16 @@ class RoutedTransport(Transport):
         """The transport name used for each peer."""
         return {peer: transport.name for peer, transport in self.routes.items()}
 
+    def local_info(self) -> dict[str, Any]:
+        info: dict[str, Any] = {}
+        for transport in {id(t): t for t in self.routes.values()}.values():
+            info.update(transport.local_info())
+        return info
+
+    def connect(self, peer_infos: dict[int, dict[str, Any]], membership: Any) -> None:
+        for transport in {id(t): t for t in self.routes.values()}.values():
+            transport.connect(peer_infos, membership)
+
     def group_aborted(self) -> None:
         for transport in {id(t): t for t in self.routes.values()}.values():
             transport.group_aborted()

@@ -120,6 +120,12 @@ class SocketTransport(Transport):
         self._acceptor = threading.Thread(target=self._accept_loop, name=f"daskdist-tcp-accept-{rank}", daemon=True)
         self._acceptor.start()
 
+    def local_info(self) -> dict[str, Any]:
+        return {"socket": list(self.listen_address)}
+
+    def connect(self, peer_infos: dict[int, dict[str, Any]], membership: Any) -> None:
+        self.set_peer_addresses({r: tuple(i["socket"]) for r, i in peer_infos.items() if i.get("socket")})
+
     def set_peer_addresses(self, addresses: dict[int, tuple[str, int]]) -> None:
         """Where each peer listens (from the rendezvous)."""
         self._peer_addresses = {int(rank): (host, int(port)) for rank, (host, port) in addresses.items()}

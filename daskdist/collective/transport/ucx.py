@@ -232,6 +232,12 @@ class UcxTransport(Transport):
 
     # -- set-up -------------------------------------------------------------------
 
+    def local_info(self) -> dict[str, Any]:
+        return {"ucx": self.address}
+
+    def connect(self, peer_infos: dict[int, dict[str, Any]], membership: Any) -> None:
+        self.set_peer_addresses({r: i["ucx"] for r, i in peer_infos.items() if i.get("ucx")})
+
     def set_peer_addresses(self, addresses: dict[int, str]) -> None:
         """Open an endpoint to every peer (``addresses``: each peer's ``address``, from the rendezvous)."""
         ucx = self._ucx

@@ -1,0 +1,147 @@
+"""The client's end of the direct command channel: one blocking socket to each replica.
+
+``ReplicaGroup.call`` sends a command to every replica it targets and waits
+for their answers on these sockets from the calling thread, so a command
+costs one send and one receive per replica: no hop through the client's
+event loop, no Dask RPC and no hop through the worker's event loop (see
+``daskdist.replica.command_server``). Answers carry their run id: an answer
+left unread by an earlier call (a replica that was still busy when the call
+gave up on it) is skipped, never taken for a later one.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import select
+import socket
+import ssl
+import time
+from typing import Any
+
+from daskdist import serialization
+from daskdist.exceptions import ReplicaLostError
+from daskdist.group.frames import HELLO, read_response, send_request
+
+__all__ = ["CommandChannels", "client_ssl_context"]
+
+logger = logging.getLogger(__name__)
+
+
+class CommandChannels:
+    """Connections from the client to the replicas' command servers, keyed by worker address.
+
+    Parameters
+    ----------
+    secret
+        The group's secret (``GroupSpec.secret``), presented after connecting.
+    ssl_context
+        The client's TLS context on ``tls://`` clusters, else ``None``.
+    """
+
+    def __init__(self, secret: str, ssl_context: ssl.SSLContext | None = None):
+        self._hello = HELLO + secret.encode()
+        self._ssl_context = ssl_context
+        self._sockets: dict[str, socket.socket] = {}
+
+    def connect(self, address: str, endpoint: tuple[str, int], timeout: float = 10) -> None:
+        """Open the channel to the replica on worker ``address`` (listening at ``endpoint``)."""
+        sock = socket.create_connection((endpoint[0], int(endpoint[1])), timeout=timeout)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._ssl_context is not None:
+                sock = self._ssl_context.wrap_socket(sock, server_hostname=endpoint[0])
+            sock.sendall(self._hello)
+            sock.settimeout(None)
+        except BaseException:
+            sock.close()
+            raise
+        self._sockets[address] = sock
+
+    def has(self, addresses: list[str]) -> bool:
+        """Whether every one of ``addresses`` has an open channel."""
+        return all(a in self._sockets for a in addresses)
+
+    def call(self, targets: dict[int, str], run_id: int, generation: int, settings: dict[str, Any] | None,
+             payloads: dict[int, bytes], abort_grace: float) -> dict[int, dict[str, Any] | None]:
+        """Send ``payloads[rank]`` to each target and gather the answers, by rank.
+
+        After the first failure the others get ``abort_grace`` seconds to
+        report theirs; a lost replica ends the wait at once. Ranks that never
+        answered map to ``None``.
+        """
+        settings_bytes = pickle.dumps(settings, protocol=pickle.HIGHEST_PROTOCOL) if settings is not None else b""
+        responses: dict[int, dict[str, Any] | None] = dict.fromkeys(targets)
+        pending: dict[int, int] = {}  # fd -> rank
+        failed = lost = False
+        for rank, address in targets.items():
+            sock = self._sockets.get(address)
+            try:
+                if sock is None:
+                    raise ConnectionError("no command channel")
+                send_request(sock, run_id, generation, settings_bytes, payloads[rank])
+            except (OSError, ConnectionError, ssl.SSLError) as e:
+                responses[rank] = self._lost(rank, address, e)
+                failed = lost = True
+                continue
+            pending[sock.fileno()] = rank
+        poller = select.poll()
+        for fd in pending:
+            poller.register(fd, select.POLLIN)
+        deadline: float | None = None
+        while pending and not lost:
+            if deadline is None:
+                timeout = 500
+            else:
+                timeout = max(0, int((deadline - time.monotonic()) * 1000))
+                if timeout == 0:
+                    break
+            for fd, _ in poller.poll(timeout):
+                rank = pending.pop(fd)
+                poller.unregister(fd)
+                address = targets[rank]
+                try:
+                    response = self._read(address, run_id)
+                except (OSError, ConnectionError, ssl.SSLError, EOFError, pickle.UnpicklingError) as e:
+                    response = self._lost(rank, address, e)
+                responses[rank] = response
+                if response.get("status") != "OK":
+                    failed = True
+                    lost |= response.get("kind") == "lost"
+            if failed and deadline is None:
+                deadline = time.monotonic() + abort_grace
+        return responses
+
+    def _read(self, address: str, run_id: int) -> dict[str, Any]:
+        """The answer to ``run_id`` on ``address``'s channel, skipping answers to earlier calls."""
+        sock = self._sockets[address]
+        while True:
+            response = read_response(sock)
+            if response.get("run_id", run_id) == run_id:
+                return response
+
+    def _lost(self, rank: int, address: str, error: BaseException) -> dict[str, Any]:
+        sock = self._sockets.pop(address, None)
+        if sock is not None:
+            sock.close()
+        lost = ReplicaLostError(
+            f"replica {rank} was lost: the command channel to its worker {address} failed ({error!r})", worker=address
+        )
+        return serialization.error_message(lost, rank, address)
+
+    def close(self) -> None:
+        for sock in self._sockets.values():
+            try:
+                sock.close()
+            except OSError:
+                pass
+        self._sockets.clear()
+
+
+def client_ssl_context(client: Any) -> ssl.SSLContext | None:
+    """The client's TLS context for connecting to workers, or ``None`` on plain TCP clusters."""
+    address = getattr(getattr(client, "scheduler", None), "address", "") or ""
+    if not str(address).startswith("tls://"):
+        return None
+    context: ssl.SSLContext | None = client.security.get_connection_args("client").get("ssl_context")
+    return context

@@ -1,0 +1,185 @@
+"""The worker side: where replica runtimes live and how messages reach them.
+
+Installed on every current and future worker by the scheduler plugin. Holds
+the replicas running on this worker (``worker.extensions["daskdist"]``, one
+per group) and registers the handlers peers and the client use. Every
+message carries its group's generation: one of an older generation than the
+replica's is rejected (the client's commands get a ``StaleGenerationError``
+message back; peers' data and aborts are dropped), never consumed. Handlers
+never raise across the wire; unknown groups get an error message or are
+dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Protocol
+
+from distributed.diagnostics.plugin import WorkerPlugin
+
+from daskdist import serialization
+from daskdist.exceptions import ReplicaLostError, StaleGenerationError
+from daskdist.group.membership import Membership, check_generation
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from distributed import Worker
+
+__all__ = ["DaskdistWorkerPlugin", "HostedReplica"]
+
+logger = logging.getLogger(__name__)
+
+_HANDLERS = ("daskdist_call", "daskdist_message", "daskdist_abort", "daskdist_status", "daskdist_stop")
+
+
+class HostedReplica(Protocol):
+    """What the worker plugin needs of a replica it hosts (``ReplicaRuntime`` implements it)."""
+
+    group_id: str
+    rank: int
+    generation: int
+    known_generation: int
+
+    def submit(self, run_id: int, payload: bytes, generation: int, settings: dict[str, Any] | None) -> asyncio.Future[dict[str, Any]]: ...
+
+    def deliver(self, generation: int, tag: tuple[Any, ...], payload: Any) -> None: ...
+
+    def abort_run(self, generation: int, run_id: int | None, abort: dict[str, Any]) -> None: ...
+
+    def abort_group(self, message: str, generation: int | None = None) -> None: ...
+
+    def new_generation(self, membership: Membership) -> None: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+    def stop(self) -> None: ...
+
+
+class DaskdistWorkerPlugin(WorkerPlugin):
+    """Worker extension holding this worker's replicas, keyed by group id (one replica per group here)."""
+
+    name = "daskdist"
+    idempotent = True
+
+    def __init__(self) -> None:
+        self.replicas: dict[str, HostedReplica] = {}
+        self.worker: Worker | None = None
+
+    def setup(self, worker: Worker) -> None:
+        self.worker = worker
+        worker.handlers.update(
+            {
+                "daskdist_call": self.call,
+                "daskdist_message": self.message,
+                "daskdist_abort": self.abort_run,
+                "daskdist_status": self.status,
+                "daskdist_stop": self.stop,
+            }
+        )
+        worker.stream_handlers.update(
+            {
+                "daskdist_abort_group": self.abort_group,
+                "daskdist_close_group": self.close_group,
+                "daskdist_new_generation": self.new_generation,
+            }
+        )
+        worker.extensions["daskdist"] = self
+
+    def teardown(self, worker: Worker) -> None:
+        for runtime in list(self.replicas.values()):
+            runtime.abort_group(f"worker {worker.address} is closing")
+            runtime.stop()
+        self.replicas.clear()
+        for name in _HANDLERS:
+            worker.handlers.pop(name, None)
+        # stream handlers stay: the scheduler may still send aborts while this worker closes, and an
+        # unknown op would break the worker's stream; with no replicas left they do nothing
+        worker.extensions.pop("daskdist", None)
+
+    # -- registry used by replica tasks ------------------------------------------
+
+    def add_replica(self, runtime: HostedReplica) -> None:
+        if runtime.group_id in self.replicas:
+            raise RuntimeError(f"worker {self._address} already hosts a replica of {runtime.group_id}")
+        self.replicas[runtime.group_id] = runtime
+
+    def remove_replica(self, runtime: HostedReplica) -> None:
+        if self.replicas.get(runtime.group_id) is runtime:
+            del self.replicas[runtime.group_id]
+
+    @property
+    def _address(self) -> str:
+        return self.worker.address if self.worker else "?"
+
+    # -- handlers ----------------------------------------------------------------
+
+    async def call(self, group_id: str, rank: int, run_id: int, payload: bytes, generation: int = 0,
+                   settings: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Run a command on this worker's replica of ``group_id`` (from the client); answer OK or an error message."""
+        runtime = self.replicas.get(group_id)
+        if runtime is None:
+            error: Exception = ReplicaLostError(
+                f"replica {rank} of {group_id} is not running on worker {self._address} "
+                "(its worker restarted, or the strategy was closed)",
+                worker=self._address,
+            )
+            return serialization.error_message(error, rank, self._address)
+        try:
+            check_generation(group_id, runtime.known_generation, generation, f"a command (run {run_id})")
+        except StaleGenerationError as e:
+            return serialization.error_message(e, rank, self._address)
+        response: dict[str, Any] = await runtime.submit(run_id, payload, generation, settings)
+        return response
+
+    def message(self, group_id: str, rank: int, tag: list[Any], payload: Any, generation: int = 0) -> None:
+        """Deliver a collective payload from a peer to the replica's mailbox of ``generation``."""
+        runtime = self.replicas.get(group_id)
+        if runtime is None:
+            logger.debug("Dropping message %s for unknown replica %s/%d", tag, group_id, rank)
+            return
+        runtime.deliver(generation, tuple(tag), payload)
+
+    def abort_run(self, group_id: str, rank: int, run_id: int | None, abort: dict[str, Any],
+                  generation: int = 0) -> None:
+        """A peer failed during ``run_id``: fail this replica's waits in that run of that generation.
+
+        ``run_id=None``: a peer's transport lost another replica; the generation is lost here too.
+        """
+        runtime = self.replicas.get(group_id)
+        if runtime is not None:
+            runtime.abort_run(generation, run_id, abort)
+
+    def status(self, group_id: str, rank: int) -> dict[str, Any] | None:
+        """Where the replica is (run, collective number, state, generation), for timeout diagnostics."""
+        runtime = self.replicas.get(group_id)
+        return runtime.status() if runtime is not None else None
+
+    def stop(self, group_id: str, rank: int) -> dict[str, Any]:
+        """Ask the replica to finish (the strategy is closing)."""
+        runtime = self.replicas.get(group_id)
+        if runtime is not None:
+            runtime.stop()
+        return {"status": "OK"}
+
+    # -- stream handlers (from the scheduler plugin) -------------------------------
+
+    def abort_group(self, group_id: str, message: str, worker: str | None = None,
+                    generation: int | None = None) -> None:
+        """A member of the group was lost: the replica here raises ``ReplicaLostError`` in that generation."""
+        runtime = self.replicas.get(group_id)
+        if runtime is not None:
+            runtime.abort_group(message, generation)
+
+    def close_group(self, group_id: str, message: str = "") -> None:
+        """The group's client went away: abort and stop the replica here."""
+        runtime = self.replicas.get(group_id)
+        if runtime is not None:
+            runtime.abort_group(message or f"group {group_id} was closed")
+            runtime.stop()
+
+    def new_generation(self, group_id: str, membership: dict[str, Any], message: str = "") -> None:
+        """The scheduler moved the group to a new generation: the replica here re-forms at its next command."""
+        runtime = self.replicas.get(group_id)
+        if runtime is not None:
+            runtime.new_generation(Membership.from_msg(membership))

@@ -1,0 +1,117 @@
+"""One generation's wiring of a replica: mailbox, transports connected to the membership, communicator.
+
+Everything that knows the peers (transport connections, shared-memory
+segments, the latency lane's channels, the NCCL communicator) is built here
+for one membership generation and closed before the next is built, so nothing
+that caches peers outlives its generation. Shared-memory segments and TCP
+greetings are named with ``Membership.wire_id`` (group and generation).
+"""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from distributed.comm.addressing import get_address_host
+
+from daskdist.collective.communicator import Communicator
+from daskdist.collective.mailbox import Mailbox
+from daskdist.collective.transport.base import Transport
+from daskdist.collective.transport.dask import DaskTransport
+from daskdist.collective.transport.routed import RoutedTransport
+from daskdist.collective.transport.shm import ShmTransport, shm_supported
+from daskdist.collective.transport.socket import SocketTransport
+from daskdist.group.membership import Membership
+from daskdist.group.spec import TRANSPORTS, GroupSpec
+
+if TYPE_CHECKING:
+    from distributed import Worker
+
+__all__ = ["Wiring", "make_transport", "wire"]
+
+
+@dataclass
+class Wiring:
+    """What one replica built for one generation; ``close`` releases all of it."""
+
+    membership: Membership
+    rank: int
+    mailbox: Mailbox
+    transport: Transport
+    communicator: Communicator
+
+    def close(self) -> None:
+        self.communicator.close()
+        self.transport.close()
+
+
+def make_transport(rank: int, membership: Membership, spec: GroupSpec, mailbox: Mailbox, worker: Worker,
+                   on_peer_lost: Callable[[int | None, str], None] | None = None) -> Transport:
+    """The transport of one replica in one generation, chosen per peer.
+
+    ``spec.transport``: ``"auto"`` (shared memory to same-host peers, direct
+    TCP to the others), ``"shm"`` (every peer must share the host),
+    ``"socket"`` (TCP to every peer), ``"dask"`` (Dask comms) or ``"ucx"``
+    (UCX to every peer; needs ucxx, never picked by ``"auto"``). GPU groups
+    use Dask comms (their arrays are not in host memory) for signatures and
+    for what NCCL does not carry (``daskdist.collective.nccl``).
+    """
+    if spec.transport not in TRANSPORTS:
+        raise ValueError(f"Unknown transport {spec.transport!r} (daskdist.collective.transport): {', '.join(TRANSPORTS)}")
+    addresses, hosts, size = membership.addresses, membership.hosts, membership.size
+    wire_id = membership.wire_id
+    peers = [r for r in range(size) if r != rank]
+    same_host = [r for r in peers if hosts[r] == hosts[rank]] if spec.transport in ("auto", "shm") else []
+    if same_host and not shm_supported():  # logged; off x86-64 the shm slots would need a fence
+        if spec.transport == "shm":
+            raise ValueError(f"the shm transport needs a 64-bit x86 machine; this one is {platform.machine()}")
+        same_host = []
+    on_gpu = any("GPU" in d for d in membership.devices)
+    if spec.transport == "shm" and (len(same_host) != len(peers) or on_gpu):
+        raise ValueError("the shm transport needs every replica on one host, with CPU devices")
+    if spec.transport == "dask" or on_gpu or not peers:
+        return DaskTransport(rank, addresses, mailbox, worker, membership.group_id, int(membership.generation))
+    routes: dict[int, Transport] = {}
+    if spec.transport == "ucx":
+        from daskdist.collective.transport.ucx import UcxTransport  # imports ucxx: only when asked for
+
+        ucx = UcxTransport(rank, addresses, mailbox, wire_id, peers)
+        return RoutedTransport(rank, addresses, mailbox, dict.fromkeys(peers, ucx))
+    if same_host:
+        shm = ShmTransport(rank, addresses, mailbox, same_host, wire_id, spec.shm_slot_bytes)
+        routes.update({r: shm for r in same_host})
+    remote = [r for r in peers if r not in routes]
+    if remote:
+        tcp = SocketTransport(rank, addresses, mailbox, wire_id, get_address_host(worker.address),
+                              *tls_contexts(worker), on_peer_lost=on_peer_lost)
+        routes.update({r: tcp for r in remote})
+    return RoutedTransport(rank, addresses, mailbox, routes)
+
+
+def tls_contexts(worker: Worker) -> tuple[Any, Any]:
+    """The cluster's TLS contexts for replica sockets, or ``(None, None)`` on plain TCP clusters."""
+    if not worker.address.startswith("tls://"):
+        return None, None
+    server = worker.security.get_listen_args("worker").get("ssl_context")
+    client = worker.security.get_connection_args("worker").get("ssl_context")
+    return server, client
+
+
+def wire(rank: int, membership: Membership, spec: GroupSpec, worker: Worker, control: Any,
+         on_collective: Callable[[str, float, int], None], on_stall: Callable[[dict], None],
+         on_peer_lost: Callable[[int | None, str], None] | None = None) -> Wiring:
+    """Build a generation's mailbox, transport and communicator (not yet connected: see ``Transport.connect``)."""
+    mailbox = Mailbox()
+    transport = make_transport(rank, membership, spec, mailbox, worker, on_peer_lost)
+    try:
+        communicator = Communicator(
+            rank, membership.size, transport, control=control, algorithm=spec.algorithm,
+            options=spec.options, on_collective=on_collective, hosts=membership.hosts,
+            on_stall=on_stall, single_copy_bytes=spec.single_copy_bytes,
+        )
+    except BaseException:
+        transport.close()
+        raise
+    return Wiring(membership, rank, mailbox, transport, communicator)
