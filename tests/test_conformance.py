@@ -815,8 +815,6 @@ def test_communication_options_refuse_a_negative_pack_size():
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="issue 15, 'Input: splits that are not TensorFlow's' (data/, another change): "
-                   "each step must be the undistributed dataset's global batch split in order")
 def test_tutorial_get_next_as_optional_with_a_partial_last_batch(strategy):
     """Distributed-input tutorial, "get_next_as_optional": ``range(9).batch(4)`` gives ([0 1], [2 3]) ... ([8], [])."""
     global_batch_size = 4
@@ -857,8 +855,6 @@ def test_tutorial_experimental_distribute_dataset_loop(strategy):
     assert rows == [[8, 8]] * 6 + [[2, 2]]  # 100 = 6 * 16 + 4: the last global batch of 4 is split 2 / 2
 
 
-@pytest.mark.xfail(strict=True, reason="issue 15, 'Input: splits that are not TensorFlow's' (data/, another change): "
-                   "element_spec must not need an element from the first partition of every shard")
 def test_tutorial_distribute_datasets_from_function_and_iter_next(strategy):
     """Distributed-input tutorial, "distribute_datasets_from_function" and "Use iter to create an explicit iterator"."""
     global_batch_size = 16
@@ -958,8 +954,6 @@ def test_run_accepts_run_options(strategy):
         strategy.run(replica_id, options={"dynamic": True})
 
 
-@pytest.mark.xfail(strict=True, reason="issue 15, 'Input: splits that are not TensorFlow's' (data/, another change): "
-                   "each step must be the undistributed dataset's global batch split in order")
 def test_batch_splitting(strategy):
     """input_lib_test.py, ``testBatchSplitting`` (``split_batch_by=2``): ``range(100).batch(10)`` gives 5 + 5 in order."""
     dataset = Dataset.range(100).batch(10)
