@@ -15,7 +15,12 @@ timed on the client with ``time.perf_counter``:
   step in about 0.66 ms on the reference machine);
 * the same step through the Dask RPC command path (a second strategy on the
   same workers made with ``daskdist.client.command-channel: dask``): the
-  path every command took before the direct channel, for comparison.
+  path every command took before the direct channel, for comparison;
+* TensorFlow's own in-process ``MirroredStrategy.run`` of the same step with
+  as many logical CPU devices (``peers/tf_mirrored_run.py``, a subprocess run
+  before and after the cluster's blocks; eager, and inside a ``tf.function``
+  as TensorFlow's guides write steps), where ``tensorflow`` is installed
+  (the ``bench`` extra; ``--no-tf`` skips it).
 
 The two are measured in alternating blocks (ABBA order) so that noise on a
 shared machine hits both alike. The figure of merit is the ratio of the
@@ -33,8 +38,12 @@ step timings locally and do not send them to the scheduler as Dask events.
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from _common import (
     add_transport_option,
@@ -133,6 +142,19 @@ def measure(n_workers: int, calls: int, warmup: int, block: int) -> dict[str, li
     return timings
 
 
+def measure_tensorflow(replicas: int, calls: int, warmup: int) -> dict[str, list[float]] | None:
+    """TensorFlow's in-process ``MirroredStrategy.run`` of the step (``peers/tf_mirrored_run.py``); None without TF."""
+    script = Path(__file__).resolve().parent / "peers" / "tf_mirrored_run.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--calls", str(calls), "--warmup", str(warmup), "--replicas", str(replicas)],
+        capture_output=True, text=True, timeout=600,
+    )
+    if proc.returncode != 0:
+        print(f"TensorFlow peer unavailable: {proc.stderr.strip().splitlines()[-1:]}", flush=True)
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def summarize(n_workers: int, result: dict[str, list[float]]) -> list[str]:
     """One table row: medians, p90s, the run/submit ratio of medians and the 4 KiB all-reduce step."""
     run, submit, step, rpc_step = result["run"], result["submit"], result["step"], result["rpc_step"]
@@ -174,6 +196,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="set daskdist.metrics.log-events=false: replicas do not send step timings to the scheduler",
     )
+    parser.add_argument("--no-tf", dest="tf", action="store_false",
+                        help="skip TensorFlow's in-process MirroredStrategy (peers/tf_mirrored_run.py)")
     add_transport_option(parser)
     args = parser.parse_args(argv)
     if args.calls < 1 or args.block < 1 or args.warmup < 0 or any(w < 1 for w in args.workers):
@@ -188,13 +212,24 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     print_header("strategy.run(trivial) vs client.submit(noop).result() round trip, client-side wall time")
     rows = []
+    tf_rows = []
     # Set before any cluster starts: the worker processes inherit the client's dask config.
     with dask.config.set(config_overrides(args.transport, {"metrics.log-events": False} if args.no_step_events else None)):
         print(f"{settings_line()}\ncalls: {args.calls}  warm-up: {args.warmup}  block: {args.block}\n", flush=True)
         for n_workers in args.workers:
             start = time.perf_counter()
+            tf_runs = [measure_tensorflow(n_workers, args.calls // 2, args.warmup)] if args.tf else []
             result = measure(n_workers, args.calls, args.warmup, args.block)
+            if args.tf:
+                tf_runs.append(measure_tensorflow(n_workers, args.calls // 2, args.warmup))
             rows.append(summarize(n_workers, result))
+            if args.tf and all(tf_runs):
+                eager = [t for run in tf_runs for t in run["eager"]]
+                function = [t for run in tf_runs for t in run["function"]]
+                step_ms = percentile_ms(result["step"], 50)
+                tf_rows.append([str(n_workers), f"{step_ms:.3f}", f"{percentile_ms(function, 50):.3f}",
+                                f"{percentile_ms(eager, 50):.3f}",
+                                f"{step_ms / percentile_ms(function, 50):.2f}"])
             print(f"workers={n_workers}: done in {time.perf_counter() - start:.1f} s", flush=True)
     print()
     print(
@@ -204,6 +239,10 @@ def main(argv: list[str] | None = None) -> None:
             rows,
         )
     )
+    if tf_rows:
+        print()
+        print(format_table(["replicas", "daskdist step median ms", "TF tf.function median ms",
+                            "TF eager median ms", "daskdist / TF tf.function"], tf_rows))
     print()
     for row in rows:
         print(f"workers={row[0]}: ratio of medians run/submit {row[6]} -> {verdict(float(row[6]))}")
