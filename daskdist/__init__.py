@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from daskdist import cluster_resolver, data, distribute, elastic, nn, plugins, train
+from daskdist import cluster_resolver, compat, data, distribute, elastic, experimental, nn, plugins, train
 from daskdist import config as _config  # noqa: F401  (registers daskdist.* defaults in dask.config)
 from daskdist.context import get_replica_context, get_strategy, has_strategy, in_cross_replica_context
 from daskdist.cross_device_ops import (
@@ -31,6 +31,8 @@ from daskdist.strategy.base import Strategy, ValueContext
 from daskdist.strategy.mirrored import MirroredStrategy
 from daskdist.strategy.multi_worker_mirrored import MultiWorkerMirroredStrategy
 from daskdist.strategy.one_device import OneDeviceStrategy
+from daskdist.strategy.parameter_server import ParameterServerStrategy
+from daskdist.strategy.sharded_variable import IndexedSlices
 from daskdist.values import DistributedValues, Mirrored, PerReplica
 from daskdist.variables import (
     MirroredVariable,
@@ -55,6 +57,7 @@ __all__ = [
     "DistributedValues",
     "ElasticOptions",
     "HierarchicalCopyAllReduce",
+    "IndexedSlices",
     "InputContext",
     "InputOptions",
     "Mirrored",
@@ -64,6 +67,7 @@ __all__ = [
     "NcclAllReduce",
     "OneDeviceStrategy",
     "OutOfRangeError",
+    "ParameterServerStrategy",
     "PerReplica",
     "ReduceOp",
     "ReductionToOneDevice",
@@ -79,9 +83,11 @@ __all__ = [
     "VariableAggregation",
     "VariableSynchronization",
     "cluster_resolver",
+    "compat",
     "data",
     "distribute",
     "elastic",
+    "experimental",
     "get_replica_context",
     "get_strategy",
     "has_strategy",

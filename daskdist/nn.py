@@ -1,4 +1,4 @@
-"""Loss scaling for custom training loops (TF's ``tf.nn.compute_average_loss``)."""
+"""Loss scaling for custom training loops (TF's ``tf.nn.compute_average_loss``) and ``embedding_lookup``."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ from typing import Any
 
 from daskdist import context
 from daskdist.arrays import as_array, namespace
+from daskdist.strategy.sharded_variable import embedding_lookup
 
-__all__ = ["compute_average_loss"]
+__all__ = ["compute_average_loss", "embedding_lookup"]
 
 
 def compute_average_loss(per_example_loss: Any, sample_weight: Any = None, global_batch_size: int | None = None) -> Any:

@@ -8,6 +8,10 @@ TensorBoard, ModelCheckpoint, LearningRateScheduler and a PrintLR callback,
 restore of the latest checkpoint, evaluation, and saving/reloading the model
 with and without a scope.
 
+``--strategy central-storage`` runs the same tutorial under
+``dd.experimental.CentralStorageStrategy`` (variables stored once, the
+optimizer run once per step where they are held).
+
 Data: ``--data mnist.npz`` reads MNIST in Keras' format (x_train, y_train,
 x_test, y_test); by default the real handwritten digits that scikit-learn
 ships (8x8 images) are used, with the same model adapted to the input size.
@@ -50,7 +54,10 @@ def main(args: argparse.Namespace) -> float:
     (train_images, train_labels), (test_images, test_labels), pixel_max = load_data(args.data)
     devices = [f"/cpu:{i}" for i in range(args.replicas)] if args.replicas else None
 
-    strategy = dd.MirroredStrategy(devices=devices)
+    if args.strategy == "central-storage":  # variables stored once, in replica 0's worker memory
+        strategy = dd.experimental.CentralStorageStrategy(compute_devices=devices)
+    else:
+        strategy = dd.MirroredStrategy(devices=devices)
     print(f"Number of devices: {strategy.num_replicas_in_sync}")
     print(f"Dask dashboard: {strategy.dashboard_link}")
 
@@ -150,6 +157,8 @@ def main(args: argparse.Namespace) -> float:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", help="path to mnist.npz (Keras' format); default: scikit-learn's digits")
+    parser.add_argument("--strategy", choices=["mirrored", "central-storage"], default="mirrored",
+                        help="MirroredStrategy (the tutorial's) or experimental.CentralStorageStrategy")
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--replicas", type=int, default=None, help="CPU replicas (default: one per core, at least 2)")
     parser.add_argument("--batch-per-replica", type=int, default=None)

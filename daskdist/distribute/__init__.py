@@ -27,6 +27,7 @@ from daskdist.cross_device_ops import CrossDeviceOps, HierarchicalCopyAllReduce,
 from daskdist.data.distributed import DistributedDataset, DistributedIterator
 from daskdist.data.options import InputContext, InputOptions
 from daskdist.distribute import experimental
+from daskdist.experimental import coordinator
 from daskdist.ops import ReduceOp
 from daskdist.replica.context import ReplicaContext
 from daskdist.strategy.base import RunOptions, Strategy
@@ -34,6 +35,7 @@ from daskdist.strategy.extended import StrategyExtended
 from daskdist.strategy.mirrored import MirroredStrategy
 from daskdist.strategy.multi_worker_mirrored import MultiWorkerMirroredStrategy
 from daskdist.strategy.one_device import OneDeviceStrategy
+from daskdist.strategy.parameter_server import ParameterServerStrategy
 from daskdist.values import DistributedValues
 
 __all__ = [
@@ -48,6 +50,7 @@ __all__ = [
     "MultiWorkerMirroredStrategy",
     "NcclAllReduce",
     "OneDeviceStrategy",
+    "ParameterServerStrategy",
     "ReduceOp",
     "ReductionToOneDevice",
     "ReplicaContext",
@@ -55,6 +58,7 @@ __all__ = [
     "Strategy",
     "StrategyExtended",
     "cluster_resolver",
+    "coordinator",
     "experimental",
     "experimental_set_strategy",
     "get_replica_context",

@@ -10,18 +10,25 @@ add (``MultiWorkerMirroredStrategy``, ``CentralStorageStrategy``,
 
 from __future__ import annotations
 
+from daskdist.experimental import coordinator, partitioners
 from daskdist.ops import CommunicationImplementation, CommunicationOptions
 from daskdist.strategy.base import ValueContext
+from daskdist.strategy.central_storage import CentralStorageStrategy
 from daskdist.strategy.multi_worker_mirrored import (
     MultiWorkerMirroredStrategyExperimental as MultiWorkerMirroredStrategy,
 )
+from daskdist.strategy.parameter_server import ParameterServerStrategy
 
 CollectiveCommunication = CommunicationImplementation
 
 __all__ = [
+    "CentralStorageStrategy",
     "CollectiveCommunication",
     "CommunicationImplementation",
     "CommunicationOptions",
     "MultiWorkerMirroredStrategy",
+    "ParameterServerStrategy",
     "ValueContext",
+    "coordinator",
+    "partitioners",
 ]

@@ -14,7 +14,8 @@ from __future__ import annotations
 import copy
 import logging
 import uuid
-from typing import TYPE_CHECKING, Any, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -23,6 +24,7 @@ from daskdist.arrays import as_array, to_numpy
 from daskdist.group.service import MODEL, ReplicaService
 from daskdist.keras import callbacks as callbacks_module
 from daskdist.keras import saving, training
+from daskdist.strategy.gradient_applier import gradient_applier
 
 if TYPE_CHECKING:
     from daskdist.strategy.base import Strategy
@@ -327,7 +329,7 @@ class Model:
             shape = tuple(layer.compute_output_shape(shape)) if shape else ()
             count = sum(int(np.prod(a.shape)) for a in layer.params.values())
             total += count
-            lines.append(f"{layer.name + ' (' + type(layer).__name__ + ')':<28}{str((None, *shape)):<22}{count:>10}")
+            lines.append(f"{layer.name + ' (' + type(layer).__name__ + ')':<28}{(None, *shape)!s:<22}{count:>10}")
         lines.append(f"Total params: {total}")
         text = "\n".join(lines)
         logger.info("%s", text)
@@ -568,11 +570,22 @@ def _replica_set_weights(service: ReplicaService, model_id: str, weights: list[n
     model = _replica_model(service, model_id)
     model._require_built()
     model._assign_weights(weights)
+    applier = gradient_applier(service)
+    if applier is not None and service.rank == 0:  # the parameters' one stored copy follows
+        params = [to_numpy(layer.params[name]) for layer in model.layers for name in sorted(layer.params)]
+        applier.set_model(service, model_id, params=params)  # in _trainable_arrays' order
 
 
 def _replica_optimizer_state(service: ReplicaService, model_id: str) -> dict:
+    applier = gradient_applier(service)
+    stored = applier.model_state(service, model_id) if applier is not None else None
+    if stored is not None:  # the optimizer runs where the parameters are held (CentralStorage)
+        return stored["optimizer_state"]
     return {k: to_numpy(v) for k, v in _replica_model(service, model_id).optimizer.get_state().items()}
 
 
 def _replica_set_optimizer_state(service: ReplicaService, model_id: str, state: dict) -> None:
     _replica_model(service, model_id).optimizer.set_state(state)
+    applier = gradient_applier(service)
+    if applier is not None and service.rank == 0:
+        applier.set_model(service, model_id, optimizer_state=state)

@@ -23,6 +23,7 @@ import numpy as np
 from daskdist import context
 from daskdist.arrays import as_array, namespace
 from daskdist.ops import ReduceOp
+from daskdist.strategy.gradient_applier import gradient_applier
 
 if TYPE_CHECKING:
     from daskdist.group.service import ReplicaService
@@ -118,11 +119,13 @@ def train_batches(model: Model, batches: Iterable[Any], steps: int | None, progr
         model.reset_metrics()
     loss_sum, count = (0.0, 0.0) if start is None else (float(start[0]), float(start[1]))
     timer = _timer()
+    service = context.current_runtime()
+    applier = gradient_applier(service) if service is not None else None  # where the optimizer runs
     step = 0
     with contextlib.closing(_timed_batches(batches, steps, timer)) as timed:
         for batch in timed:
             x, y, sample_weight = split_batch(batch)
-            step_loss, step_count = _train_step(model, ctx, x, y, sample_weight, timer)
+            step_loss, step_count = _train_step(model, ctx, x, y, sample_weight, timer, applier)
             if timer is not None:
                 timer.end()
             loss_sum += step_loss
@@ -137,7 +140,8 @@ def train_batches(model: Model, batches: Iterable[Any], steps: int | None, progr
     return logs
 
 
-def _train_step(model: Model, ctx: Any, x: Any, y: Any, sample_weight: Any, timer: Any) -> tuple[float, float]:
+def _train_step(model: Model, ctx: Any, x: Any, y: Any, sample_weight: Any, timer: Any,
+                applier: Any = None) -> tuple[float, float]:
     x, _ = as_array(x)
     y, _ = as_array(y)
     model._ensure_built(x)
@@ -159,9 +163,19 @@ def _train_step(model: Model, ctx: Any, x: Any, y: Any, sample_weight: Any, time
     else:  # this replica ran out of data this step: it still joins the all-reduce, with zeros
         params, _ = model._trainable_arrays()
         grads = [namespace(p).zeros_like(p) for p in params]
-    total = ctx.all_reduce(ReduceOp.SUM, {"grads": grads, "stats": _step_stats(grads, rows, loss_sum)})
-    global_count = float(total["stats"][0])
-    if global_count > 0:
+    stats = _step_stats(grads, rows, loss_sum)
+    if applier is not None:  # parameters held elsewhere (CentralStorage): reduced there, optimizer run there once
+        start = time.perf_counter()
+        total_stats = applier.apply_gradients(context.current_runtime(), model._model_id, model.optimizer, params,
+                                              grads, stats)
+        global_count = float(total_stats[0])
+        if timer is not None:
+            timer.add_apply(time.perf_counter() - start)
+        total = {"stats": total_stats}
+    else:
+        total = ctx.all_reduce(ReduceOp.SUM, {"grads": grads, "stats": stats})
+        global_count = float(total["stats"][0])
+    if applier is None and global_count > 0:
         start = time.perf_counter()
         scale = 1.0 / global_count
         model.optimizer.apply(params, [g * g.dtype.type(scale) for g in total["grads"]])

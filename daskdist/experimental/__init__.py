@@ -1,0 +1,10 @@
+"""``dd.experimental``: TensorFlow's ``tf.distribute.experimental`` names."""
+
+from __future__ import annotations
+
+from daskdist.experimental import coordinator, partitioners
+from daskdist.strategy.central_storage import CentralStorageStrategy
+from daskdist.strategy.parameter_server import ParameterServerStrategy
+from daskdist.strategy.sharded_variable import ShardedVariable
+
+__all__ = ["CentralStorageStrategy", "ParameterServerStrategy", "ShardedVariable", "coordinator", "partitioners"]

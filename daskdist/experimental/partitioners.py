@@ -1,0 +1,7 @@
+"""``dd.experimental.partitioners``: TF's ``tf.distribute.experimental.partitioners``."""
+
+from __future__ import annotations
+
+from daskdist.strategy.partitioners import FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner, Partitioner
+
+__all__ = ["FixedShardsPartitioner", "MaxSizePartitioner", "MinSizePartitioner", "Partitioner"]

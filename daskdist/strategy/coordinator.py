@@ -1,0 +1,474 @@
+"""``ClusterCoordinator``: schedule functions on parameter-server workers (TF's ``tf.distribute.coordinator``).
+
+Closures queue on the client; one driver thread per worker takes the next
+closure whenever its worker is free (at most one in flight per worker) and
+sends it to the worker's one-replica group as a command, never as a Dask
+task. Delivery is at-least-once: a closure whose worker is lost goes back to
+the front of the queue for another worker. Its updates reach the stores keyed
+by (closure id, n), so a closure run again never applies an update twice.
+
+Errors follow TensorFlow (``cluster_coordinator.py``): a closure's own
+exception is raised by the next ``schedule``/``join``/``done`` (once, then
+cleared), after the in-flight closures finished; queued closures are
+cancelled (their ``fetch`` raises ``CancelledError``). A lost parameter
+server is fatal: every later call raises ``ParameterServerLostError`` within
+about a second, and nothing waits for it.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import inspect
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import CancelledError
+from typing import Any
+
+import numpy as np
+import optree
+
+from daskdist.exceptions import ReplicaLostError, StrategyClosedError
+from daskdist.group.service import DATASET, ITERATOR
+from daskdist.strategy.parameter_server import ParameterServerExtended, ParameterServerStrategy
+from daskdist.strategy.ps_values import CLOSURE_KEY
+
+__all__ = [
+    "ClusterCoordinator",
+    "ParameterServerLostError",
+    "PerWorkerValues",
+    "RemoteValue",
+    "RemoteValueStatus",
+]
+
+logger = logging.getLogger(__name__)
+
+_PS_POLL_SECONDS = 0.5
+
+
+class ParameterServerLostError(ReplicaLostError):
+    """A parameter server left the cluster: training cannot go on (TF's ``PSUnavailableError``; fatal)."""
+
+
+class RemoteValueStatus(enum.Enum):
+    """The state of a ``RemoteValue`` (TF's)."""
+
+    NOT_READY = "NOT_READY"
+    ABORTED = "ABORTED"
+    READY = "READY"
+
+
+class RemoteValue:
+    """The result of a scheduled function, available once it ran (TF's ``RemoteValue``)."""
+
+    def __init__(self, closure_id: str):
+        self._closure_id = closure_id
+        self._status = RemoteValueStatus.NOT_READY
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._ready = threading.Event()
+
+    def _set_value(self, value: Any) -> None:
+        self._value, self._status = value, RemoteValueStatus.READY
+        self._ready.set()
+
+    def _set_error(self, error: BaseException) -> None:
+        self._error, self._status = error, RemoteValueStatus.READY
+        self._ready.set()
+
+    def _set_aborted(self) -> None:
+        self._status = RemoteValueStatus.ABORTED
+
+    def _set_not_ready(self) -> None:
+        if not self._ready.is_set():
+            self._status = RemoteValueStatus.NOT_READY
+
+    def _wait(self) -> None:
+        while not self._ready.wait(0.1):
+            pass
+
+    def fetch(self) -> Any:
+        """Wait for the value and return it as numpy (a structure: each array as numpy).
+
+        Raises
+        ------
+        CancelledError
+            The closure was cancelled (another closure failed, or the
+            coordinator stopped) or aborted for good.
+        Exception
+            The closure's own error.
+        """
+        self._wait()
+        if self._error is not None:
+            raise self._error
+        return optree.tree_map(_to_numpy, self._value, none_is_leaf=True)
+
+    def get(self) -> Any:
+        """Wait for the value and return it as it came back (TF's ``get``)."""
+        self._wait()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def __repr__(self) -> str:
+        return f"<RemoteValue {self._closure_id} {self._status.name}>"
+
+
+def _to_numpy(x: Any) -> Any:
+    return np.asarray(x) if hasattr(x, "__array__") and not isinstance(x, np.ndarray) else x
+
+
+class PerWorkerValues:
+    """One value per worker (TF's ``PerWorkerValues``); a closure receives its own worker's element."""
+
+    def __init__(self, values: tuple[Any, ...]):
+        self._values = tuple(values)
+
+    @property
+    def values(self) -> tuple[Any, ...]:
+        return self._values
+
+    def __repr__(self) -> str:
+        return f"PerWorkerValues({list(self._values)!r})"
+
+
+class _WorkerResource:
+    """A reference to an object a worker holds (its dataset, its iterator), resolved on that worker."""
+
+    def __init__(self, key: str):
+        self.key = key
+
+    def __repr__(self) -> str:
+        return f"<worker resource {self.key}>"
+
+
+class _Closure:
+    def __init__(self, closure_id: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]):
+        self.closure_id = closure_id
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+        self.remote_value = RemoteValue(closure_id)
+        self.attempts = 0
+
+
+class ClusterCoordinator:
+    """Schedules functions on the workers of a ``ParameterServerStrategy`` (TF's ``ClusterCoordinator``).
+
+    One coordinator per strategy: constructing a second returns the first.
+
+    Parameters
+    ----------
+    strategy
+        A ``dd.ParameterServerStrategy``.
+    """
+
+    def __new__(cls, strategy: Any) -> ClusterCoordinator:  # noqa: PYI034 - one coordinator per strategy
+        existing: ClusterCoordinator | None = getattr(strategy, "_coordinator", None)
+        if existing is not None:
+            return existing
+        return super().__new__(cls)
+
+    def __init__(self, strategy: Any):
+        if getattr(self, "_strategy", None) is not None:
+            return
+        if not isinstance(strategy, ParameterServerStrategy):
+            raise ValueError(  # noqa: TRY004 - TF's error
+                "Only `tf.distribute.experimental.ParameterServerStrategy` is supported to work with "
+                "`tf.distribute.experimental.coordinator.ClusterCoordinator` currently."
+            )
+        strategy.extended.check_open()
+        self._strategy = strategy
+        self._extended: ParameterServerExtended = strategy._ps_extended
+        self._queue: collections.deque[_Closure] = collections.deque()
+        self._cond = threading.Condition()
+        self._inflight = 0
+        self._error: BaseException | None = None
+        self._fatal: BaseException | None = None
+        self._stopped = False
+        self._ids = itertools.count(1)
+        self._prefix = uuid.uuid4().hex[:8]
+        self._workers = list(self._extended.worker_groups)
+        self._live: set[str] = set(self._workers)
+        self._seen = set(self._extended.client.scheduler_info(n_workers=-1)["workers"])  # newcomers come later
+        self._resources: list[tuple[Callable[..., Any], Callable[[int], tuple[Any, ...]]]] = []  # re-made on newcomers
+        self._threads = [threading.Thread(target=self._drive, args=(address,), daemon=True,
+                                          name=f"daskdist-coordinator-{i}") for i, address in enumerate(self._workers)]
+        self._threads.append(threading.Thread(target=self._watch_cluster, daemon=True,
+                                              name="daskdist-coordinator-watch"))
+        strategy._coordinator = self
+        for thread in self._threads:
+            thread.start()
+
+    @property
+    def strategy(self) -> Any:
+        return self._strategy
+
+    # -- scheduling ------------------------------------------------------------------------
+
+    def schedule(self, fn: Callable[..., Any], args: Any = None, kwargs: Any = None) -> RemoteValue:
+        """Queue ``fn(*args, **kwargs)`` for whichever worker is free; returns its ``RemoteValue`` at once.
+
+        ``PerWorkerValues`` arguments are replaced by the element of the worker
+        that runs it; a ``RemoteValue`` argument raises ``ValueError``. Raises
+        the first error of an earlier closure (once), or the fatal error of a
+        lost parameter server.
+        """
+        if not callable(fn):
+            raise TypeError(f"schedule needs a function, got {type(fn).__name__}")
+        args, kwargs = tuple(args or ()), dict(kwargs or {})
+        structure: Any = (args, kwargs)
+        leaves: list[Any] = optree.tree_leaves(structure, is_leaf=lambda x: isinstance(x, (RemoteValue, PerWorkerValues)),
+                                    none_is_leaf=True)
+        if any(isinstance(leaf, RemoteValue) for leaf in leaves):
+            raise ValueError("Remote values cannot be passed as arguments to scheduled functions; fetch them first")
+        self._raise_if_failed()
+        closure = _Closure(f"{self._prefix}-{next(self._ids)}", fn, args, kwargs)
+        with self._cond:
+            self._queue.append(closure)
+            self._cond.notify_all()
+        return closure.remote_value
+
+    def join(self) -> None:
+        """Wait until every scheduled function finished; raise the first closure error (once), if any."""
+        with self._cond:
+            while (self._queue or self._inflight) and self._fatal is None and self._error is None:
+                if not self._live:
+                    self._fatal = ReplicaLostError("every worker of the ParameterServerStrategy is lost")
+                    self._cancel_queued(self._fatal)
+                    break
+                self._cond.wait(0.2)
+        self._raise_if_failed()
+
+    def done(self) -> bool:
+        """Whether every scheduled function finished (raises a pending closure error, as ``join``)."""
+        self._raise_if_failed()
+        with self._cond:
+            return not self._queue and not self._inflight
+
+    def fetch(self, val: Any) -> Any:
+        """``RemoteValue.fetch()`` on every ``RemoteValue`` in ``val``; other leaves as they are."""
+        return optree.tree_map(lambda x: x.fetch() if isinstance(x, RemoteValue) else x, val,
+                               is_leaf=lambda x: isinstance(x, RemoteValue), none_is_leaf=True)
+
+    def _raise_if_failed(self) -> None:
+        with self._cond:
+            if self._fatal is not None:
+                raise self._fatal
+            if self._error is None:
+                return
+            while self._inflight and self._fatal is None:  # nothing is still executing when it raises
+                self._cond.wait(0.2)
+            error, self._error = self._error, None
+        raise error
+
+    # -- per-worker input ------------------------------------------------------------------------
+
+    def create_per_worker_dataset(self, dataset_fn: Any) -> PerWorkerDataset:
+        """Build a dataset on every worker: ``dataset_fn(input_context)`` (or ``dataset_fn()``), or a dataset."""
+        return PerWorkerDataset(self, dataset_fn)
+
+    def _run_on_each_worker(self, command: Callable[..., Any], args_for: Callable[[int], tuple[Any, ...]]) -> None:
+        """Make a per-worker resource on every live worker, and later on every newcomer."""
+        self._resources.append((command, args_for))
+        for index, address in enumerate(self._workers):
+            if address in self._live:
+                self._extended.worker_groups[address].call(command, args_for(index))
+
+    # -- the drivers -------------------------------------------------------------------------------
+
+    def _take(self) -> _Closure | None:
+        with self._cond:
+            while not self._queue and not self._stopped:
+                self._cond.wait(0.5)
+            if self._stopped:
+                return None
+            self._inflight += 1
+            return self._queue.popleft()
+
+    def _drive(self, address: str) -> None:
+        group = self._extended.worker_groups[address]
+        while True:
+            closure = self._take()
+            if closure is None:
+                return
+            closure.attempts += 1
+            closure.remote_value._set_not_ready()
+            try:
+                args, kwargs = _for_worker(closure.args, closure.kwargs, self._workers.index(address))
+                result = group.call(run_closure, (closure.closure_id, closure.fn, args, kwargs))[0]
+            except BaseException as e:  # noqa: BLE001 - sorted below: lost worker, lost ps, the closure's own
+                if self._worker_lost(e, address):
+                    logger.warning("Worker %s was lost running closure %s; it goes to another worker: %s",
+                                   address, closure.closure_id, e)
+                    closure.remote_value._set_aborted()
+                    with self._cond:
+                        self._inflight -= 1
+                        self._live.discard(address)
+                        self._seen.discard(address)  # if it comes back at this address, it is admitted again
+                        if self._fatal is None and self._error is None:
+                            self._queue.appendleft(closure)  # at least once
+                        else:
+                            closure.remote_value._set_error(CancelledError(f"closure {closure.closure_id} cancelled"))
+                        self._cond.notify_all()
+                    return
+                self._closure_failed(closure, e)
+            else:
+                closure.remote_value._set_value(result)
+                with self._cond:
+                    self._inflight -= 1
+                    self._cond.notify_all()
+
+    def _worker_lost(self, error: BaseException, address: str) -> bool:
+        if isinstance(error, StrategyClosedError):
+            return not self._stopped
+        return isinstance(error, ReplicaLostError) and getattr(error, "worker", None) == address
+
+    def _closure_failed(self, closure: _Closure, error: BaseException) -> None:
+        ps_lost = isinstance(error, ReplicaLostError) and getattr(error, "worker", None) in self._extended.ps_addresses
+        with self._cond:
+            self._inflight -= 1
+            if ps_lost and self._fatal is None:
+                self._fatal = ParameterServerLostError(f"a parameter server is lost: {error}",
+                                                       worker=getattr(error, "worker", None))
+                self._fatal.__cause__ = error
+            closure.remote_value._set_error(self._fatal if ps_lost and self._fatal is not None else error)
+            if self._error is None and self._fatal is None:
+                self._error = error
+            self._cancel_queued(CancelledError("cancelled: an earlier scheduled function failed"))
+            self._cond.notify_all()
+
+    def _cancel_queued(self, error: BaseException) -> None:
+        while self._queue:
+            self._queue.popleft().remote_value._set_error(error)
+
+    def _watch_cluster(self) -> None:
+        """Every half second: fail fast if a ps member left the cluster; admit Dask workers that joined.
+
+        A ps missing from two polls in a row is lost (TF's coordinator also
+        waits two polling rounds before it decides). A Dask worker that joined
+        the cluster after the coordinator started becomes a worker: its
+        per-worker datasets and iterators are made on it (TF's resource
+        closures) and it takes closures from the queue.
+        """
+        client = self._extended.client
+        missing_before: set[str] = set()
+        while not self._stopped:
+            time.sleep(_PS_POLL_SECONDS)
+            try:
+                workers = client.scheduler_info(n_workers=-1)["workers"]
+            except Exception as e:  # noqa: BLE001 - the client is closing
+                logger.debug("Coordinator could not ask the scheduler for workers: %s", e)
+                continue
+            missing = {a for a in self._extended.ps_addresses if a not in workers}
+            lost = sorted(missing & missing_before)  # missing twice in a row (about a second): lost
+            missing_before = missing
+            if lost:
+                with self._cond:
+                    if self._fatal is None:
+                        self._fatal = ParameterServerLostError(
+                            f"parameter server {lost[0]} left the cluster; training cannot continue "
+                            "(restart from a checkpoint with a new strategy)", worker=lost[0])
+                    self._cancel_queued(CancelledError(f"cancelled: parameter server {lost[0]} is lost"))
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._live &= set(workers)
+            for address in [a for a in workers if a not in self._seen]:
+                self._seen.add(address)
+                self._admit(address)
+
+    def _admit(self, address: str) -> None:
+        try:
+            self._extended._add_worker(address)
+            index = self._workers.index(address) if address in self._workers else len(self._workers)
+            for command, args_for in self._resources:
+                self._extended.worker_groups[address].call(command, args_for(index))
+        except Exception as e:  # noqa: BLE001 - a newcomer that fails to start is left out, not fatal
+            logger.warning("Could not admit new worker %s: %s", address, e)
+            return
+        with self._cond:
+            if address not in self._workers:
+                self._workers.append(address)
+            self._live.add(address)
+        thread = threading.Thread(target=self._drive, args=(address,), daemon=True,
+                                  name=f"daskdist-coordinator-{index}")
+        self._threads.append(thread)
+        thread.start()
+        logger.info("Worker %s joined the ParameterServerStrategy", address)
+
+    def _shutdown(self) -> None:
+        """Stop the drivers (the strategy closes); queued closures are cancelled."""
+        with self._cond:
+            self._stopped = True
+            self._cancel_queued(CancelledError("cancelled: the strategy was closed"))
+            self._cond.notify_all()
+
+
+def _for_worker(args: tuple[Any, ...], kwargs: dict[str, Any], index: int) -> Any:
+    structure: Any = (args, kwargs)
+    return optree.tree_map(lambda x: _element(x, index) if isinstance(x, PerWorkerValues) else x, structure,
+                           is_leaf=lambda x: isinstance(x, PerWorkerValues), none_is_leaf=True)
+
+
+def _element(values: PerWorkerValues, index: int) -> Any:
+    if isinstance(values, _PerWorkerIterator):  # the same resource key on every worker, newcomers included
+        return values.values[0]
+    if index >= len(values.values):
+        raise ValueError(f"these PerWorkerValues have {len(values.values)} elements; worker {index} joined later")
+    return values.values[index]
+
+
+def run_closure(service: Any, closure_id: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Worker command: run one closure, its updates keyed by ``closure_id`` (deduplicated at the stores)."""
+    structure: Any = (args, kwargs)
+    resolved: Any = optree.tree_map(
+        lambda x: service.objects.get(ITERATOR, x.key) if isinstance(x, _WorkerResource) else x,
+        structure, is_leaf=lambda x: isinstance(x, _WorkerResource), none_is_leaf=True)
+    args, kwargs = resolved
+    service.objects.install(*CLOSURE_KEY, [closure_id, 0])
+    try:
+        return service.run_step(fn, args, kwargs)
+    finally:
+        service.objects.discard(*CLOSURE_KEY)
+
+
+class PerWorkerDataset:
+    """A dataset built on every worker (TF's ``PerWorkerDataset``); ``iter()`` gives per-worker iterators."""
+
+    def __init__(self, coordinator: ClusterCoordinator, dataset_fn: Any):
+        self._coordinator = coordinator
+        self._key = f"ps-dataset:{uuid.uuid4().hex[:12]}"
+        workers = len(coordinator._workers)  # a newcomer reads input pipeline (its index mod this)
+        coordinator._run_on_each_worker(_make_dataset, lambda i: (self._key, dataset_fn, i % workers, workers))
+
+    def __iter__(self) -> PerWorkerValues:
+        key = f"ps-iterator:{uuid.uuid4().hex[:12]}"
+        self._coordinator._run_on_each_worker(_make_iterator, lambda i: (self._key, key))
+        return _PerWorkerIterator(tuple(_WorkerResource(key) for _ in self._coordinator._workers))
+
+
+class _PerWorkerIterator(PerWorkerValues):
+    """Per-worker iterators: pass to ``schedule``; ``next()`` on it is not supported (as in TF)."""
+
+    def __next__(self) -> Any:
+        raise TypeError("next() is not supported on per-worker iterators: pass them to coordinator.schedule "
+                        "and call next() inside the scheduled function")
+
+
+def _make_dataset(service: Any, key: str, dataset_fn: Any, index: int, workers: int) -> None:
+    from daskdist.data import InputContext
+
+    if callable(dataset_fn) and not hasattr(dataset_fn, "__iter__"):
+        takes_context = len(inspect.signature(dataset_fn).parameters) >= 1
+        ctx = InputContext(num_input_pipelines=workers, input_pipeline_id=index, num_replicas_in_sync=1)
+        dataset = dataset_fn(ctx) if takes_context else dataset_fn()
+    else:
+        dataset = dataset_fn
+    service.objects.install(DATASET, key, dataset)
+
+
+def _make_iterator(service: Any, dataset_key: str, key: str) -> None:
+    service.objects.install(ITERATOR, key, iter(service.objects.get(DATASET, dataset_key)))

@@ -1,0 +1,144 @@
+"""Reaching a parameter store (``parameter_store``) from a replica thread or from the client.
+
+A ``StoreRef`` names one store (the worker that holds it and the strategy's
+store id) and pickles as those two strings. From a replica thread, a store in
+the same worker process is called directly on the worker's event loop (no
+serialization; the store copies what it hands out); any other store is called
+through the worker's Dask comms, worker to worker. From the client, through
+the client's connection pool. A store that cannot be reached raises
+``ReplicaLostError`` naming it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from distributed.core import CommClosedError, send_recv
+from distributed.utils import sync
+
+from daskdist import config, serialization
+from daskdist.exceptions import ReplicaLostError
+from daskdist.strategy.parameter_store import HANDLER, STORE_EXTENSION
+
+if TYPE_CHECKING:
+    from distributed import Client
+
+__all__ = ["RoundCounter", "StoreRef"]
+
+
+class RoundCounter:
+    """Round ids that every replica of one command computes alike: (the command's run id, n-th round in it).
+
+    Each command the client sends has one run id on every replica, so the
+    replicas agree on round ids even after an earlier command failed half way
+    (a counter kept across commands would drift apart and never meet again).
+    """
+
+    def __init__(self) -> None:
+        self._run: int | None = None
+        self._n = 0
+
+    def next(self, run_id: int) -> int:
+        if run_id != self._run:
+            self._run, self._n = run_id, 0
+        self._n += 1
+        return (int(run_id) << 32) | self._n
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_run": None, "_n": 0}
+
+
+@dataclass(frozen=True)
+class StoreRef:
+    """One parameter store: the Dask worker holding it and the id its strategy's variables are kept under."""
+
+    address: str
+    store_id: str
+
+    # -- from a replica thread ---------------------------------------------------------
+
+    def call_from_replica(self, runtime: Any, op: str, **kwargs: Any) -> Any:
+        """Run ``op`` on the store from a replica thread (``runtime``: the replica's runtime)."""
+        worker = runtime.worker
+        kwargs["store_id"] = self.store_id
+        if worker.address == self.address:
+            store = worker.extensions.get(STORE_EXTENSION)
+            if store is None:
+                raise ReplicaLostError(f"the parameter store on {self.address} is gone", worker=self.address)
+            return sync(worker.loop, store.run, op, kwargs)
+        payload = serialization.dumps((op, kwargs))
+        try:
+            response = sync(worker.loop, _call, worker.rpc, self.address, payload)
+        except (OSError, CommClosedError) as e:
+            raise ReplicaLostError(f"the parameter store on {self.address} cannot be reached: {e}",
+                                   worker=self.address) from e
+        return _result(response)
+
+    def round_from_replica(self, runtime: Any, kind: str, key: str, round_id: int, payload: Any) -> Any:
+        """Contribute ``payload`` to a synchronous round; the round's result once every replica has.
+
+        Waits in slices of at most 0.5 s, checking the run's and the group's
+        aborts between them (a lost replica fails the wait within seconds),
+        up to ``daskdist.collective.timeout``.
+
+        Raises
+        ------
+        CollectiveTimeoutError
+            The round did not complete within ``daskdist.collective.timeout``.
+        """
+        from daskdist.exceptions import CollectiveTimeoutError
+
+        deadline = time.monotonic() + config.get_seconds("collective.timeout")
+        has_payload = True
+        while True:
+            runtime.mailbox.check(runtime.run_id)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise CollectiveTimeoutError(
+                    f"round {round_id} of {key!r} at the parameter store on {self.address} did not complete "
+                    f"within daskdist.collective.timeout"
+                )
+            response = self.call_from_replica(
+                runtime, "contribute", key=key, round_id=round_id, rank=runtime.rank, size=runtime.size, kind=kind,
+                has_payload=has_payload, payload=payload if has_payload else None, wait=min(0.5, remaining),
+            )
+            has_payload = False
+            if response["status"] == "OK":
+                return response["result"]
+
+    # -- from the client ---------------------------------------------------------------------
+
+    def call_from_client(self, client: Client, op: str, **kwargs: Any) -> Any:
+        """Run ``op`` on the store from the client."""
+        kwargs["store_id"] = self.store_id
+        payload = serialization.dumps((op, kwargs))
+        try:
+            response = client.sync(_call, client.rpc, self.address, payload)  # type: ignore[no-untyped-call]
+        except (OSError, CommClosedError) as e:
+            raise ReplicaLostError(f"the parameter store on {self.address} cannot be reached: {e}",
+                                   worker=self.address) from e
+        return _result(response)
+
+
+async def _call(pool: Any, address: str, payload: bytes) -> dict[str, Any]:
+    """One request to the store's handler; connecting gives up after ``daskdist.parameter-store.connect-timeout``.
+
+    Dask retries a refused connection until ``distributed.comm.timeouts.connect``
+    (30 s by default); a parameter store whose worker died must be reported sooner.
+    """
+    comm = await pool.connect(address, timeout=config.get_seconds("parameter-store.connect-timeout"))
+    try:
+        response = await send_recv(comm, op=HANDLER, payload=payload)
+    except BaseException:
+        comm.abort()
+        raise
+    pool.reuse(address, comm)
+    return dict(response)
+
+
+def _result(response: dict[str, Any]) -> Any:
+    if response.get("status") != "OK":
+        raise serialization.exception_from_message(response)
+    return serialization.loads(response["result"])

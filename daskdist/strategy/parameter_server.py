@@ -1,0 +1,348 @@
+"""``ParameterServerStrategy``: variables on ps members, asynchronous workers driven by a ``ClusterCoordinator``.
+
+TensorFlow's ``tf.distribute.ParameterServerStrategy`` (``parameter_server_strategy_v2.py``) on Dask:
+
+* the client is TF's ``chief`` (the coordinator);
+* each ``ps`` member is a Dask worker holding a parameter store
+  (``parameter_store``); variables created in ``scope()`` go to the stores
+  round-robin, or are split by ``variable_partitioner`` into a
+  ``ShardedVariable`` whose shards go round-robin;
+* each ``worker`` member is a Dask worker running a one-replica group of its
+  own (``num_replicas_in_sync == 1``): a worker that dies takes only its own
+  closure with it. Workers read parameters from the stores and push their
+  updates to them directly (Dask comms, worker to worker, never through the
+  scheduler); the updates are applied on the ps, each closure's updates at
+  most once (keyed by closure id);
+* functions run on workers through ``ClusterCoordinator.schedule``.
+
+The cluster comes from a resolver whose ``cluster_spec()`` lists Dask worker
+addresses under ``ps`` and ``worker`` (and optionally one ``chief``, the
+client); any object with ``cluster_spec()`` returning a ``ClusterSpec`` or a
+dict works.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import uuid
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from dask.utils import parse_bytes
+from distributed import Client, default_client
+
+from daskdist import config, context, registry
+from daskdist.cluster.devices import DeviceSpec
+from daskdist.cluster.embedded import describe_worker
+from daskdist.cluster.placement import Placement
+from daskdist.cross_device_ops import CrossDeviceOps
+from daskdist.exceptions import StrategyClosedError
+from daskdist.group.handle import ReplicaGroup
+from daskdist.group.service import STRATEGY
+from daskdist.ops import CommunicationOptions
+from daskdist.strategy.base import Strategy
+from daskdist.strategy.extended import Args, Command, Kwargs
+from daskdist.strategy.parameter_holder import ParameterHolderExtended, _live_stores
+
+__all__ = ["ParameterServerExtended", "ParameterServerStrategy", "cluster_members"]
+
+logger = logging.getLogger(__name__)
+
+_TASK_TYPES = ("chief", "ps", "worker")
+
+#: The resident a parameter-server worker keeps: the token of the strategy it works for.
+PS_STRATEGY_KEY = (STRATEGY, "parameter-server")
+
+
+def cluster_members(cluster_resolver: Any) -> tuple[list[str], list[str]]:
+    """``(ps addresses, worker addresses)`` from a resolver, with TensorFlow's checks (PSV2 ``__init__``).
+
+    Raises
+    ------
+    ValueError
+        An empty spec, a task type other than chief/ps/worker, no ps or no
+        worker, or more than one chief.
+    """
+    if not hasattr(cluster_resolver, "cluster_spec"):
+        raise TypeError(f"cluster_resolver must be a ClusterResolver (with cluster_spec()), "
+                        f"got {type(cluster_resolver).__name__}")
+    spec = cluster_resolver.cluster_spec()
+    jobs = spec.as_dict() if hasattr(spec, "as_dict") else dict(spec or {})
+    if not jobs:
+        raise ValueError("Cluster spec must be non-empty in `tf.distribute.cluster_resolver.ClusterResolver`.")
+    for job in jobs:
+        if job not in _TASK_TYPES:
+            raise ValueError(f"Disallowed task type found in cluster spec. Allowed types are {list(_TASK_TYPES)} "
+                             f"and the cluster spec is {jobs}.")
+    ps, workers = _addresses(jobs.get("ps")), _addresses(jobs.get("worker"))
+    if not ps:
+        raise ValueError("There must be at least one ps.")
+    if not workers:
+        raise ValueError("There must be at least one worker.")
+    if len(_addresses(jobs.get("chief"))) > 1:
+        raise ValueError("There must be at most one chief.")
+    if set(ps) & set(workers):
+        raise ValueError(f"a Dask worker cannot be both a ps and a worker: {sorted(set(ps) & set(workers))}")
+    return ps, workers
+
+
+def _match_workers(entries: list[str], known: dict[str, Any]) -> list[str]:
+    """Dask worker addresses for spec entries: a full address, or ``host:port`` (TF_CONFIG's form).
+
+    Raises
+    ------
+    ValueError
+        An entry that names no worker of the cluster (never a hang).
+    """
+    by_host_port = {a.split("://", 1)[-1]: a for a in known}
+    matched, unknown = [], []
+    for entry in entries:
+        address = entry if entry in known else by_host_port.get(str(entry).split("://", 1)[-1])
+        if address is None:
+            unknown.append(entry)
+        else:
+            matched.append(address)
+    if unknown:
+        raise ValueError(f"the cluster spec names {unknown}, which are not workers of this Dask cluster "
+                         f"(workers: {sorted(known)})")
+    return matched
+
+
+def _addresses(job: Any) -> list[str]:
+    if job is None:
+        return []
+    if isinstance(job, dict):
+        return [job[k] for k in sorted(job)]
+    return list(job)
+
+
+class ParameterServerExtended(ParameterHolderExtended):
+    """Stores on the ps members, one single-replica group per worker (TF's ``ParameterServerStrategyV2Extended``).
+
+    It reuses the parameter-holder contract (variable creation, placement,
+    partitioning, reads and updates from the client) and replaces the SPMD
+    group by one group per worker.
+    """
+
+    def __init__(self, strategy: Any, cluster_resolver: Any, variable_partitioner: Any, client: Client | None):
+        ps, workers = cluster_members(cluster_resolver)
+        if variable_partitioner is not None and not callable(variable_partitioner):
+            raise TypeError(f"variable_partitioner must be a partitioner, got {type(variable_partitioner).__name__}")
+        if client is None:
+            client = getattr(cluster_resolver, "_client", None) or default_client()  # type: ignore[no-untyped-call]
+        if not isinstance(client, Client):
+            raise TypeError(f"client must be a distributed.Client, got {type(client).__name__}")
+        known = client.scheduler_info(n_workers=-1)["workers"]
+        ps, workers = _match_workers(ps, known), _match_workers(workers, known)
+        self.strategy = strategy
+        self._client = client
+        self._owns_client = False
+        self._cluster = None
+        self._closed = False
+        self._cross_device_ops = None
+        self._options = CommunicationOptions()
+        self._variables = {}
+        self._holders = {}
+        self._datasets = weakref.WeakValueDictionary()
+        self._variable_ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._token = f"daskdist-ps-{uuid.uuid4().hex[:12]}"
+        self._partitioner = variable_partitioner
+        self.cluster_resolver = cluster_resolver
+        self.ps_addresses = list(ps)
+        self._worker_groups: dict[str, ReplicaGroup] = {}
+        registry.register(self._token, self)
+        try:
+            self._open_stores(ps, [f"/job:ps/replica:0/task:{i}/device:CPU:0" for i in range(len(ps))])
+            hosts = client.run(describe_worker, workers=workers)
+            for address in workers:
+                self._worker_groups[address] = self._launch_worker(address, hosts[address]["host"])
+        except BaseException:
+            self.close()
+            raise
+        logger.info("ParameterServerStrategy: ps %s, workers %s", ps, workers)
+
+    def _add_worker(self, address: str) -> None:
+        """Start a worker group on a Dask worker that joined the cluster (the coordinator admits it)."""
+        self.check_open()
+        host = self.client.run(describe_worker, workers=[address])[address]["host"]
+        group = self._launch_worker(address, host)
+        with self._lock:
+            self._worker_groups[address] = group
+
+    def _launch_worker(self, address: str, host: str) -> ReplicaGroup:
+        """A one-replica group on ``address``: the long-lived process that runs this worker's closures."""
+        placement = Placement(0, address, host, DeviceSpec("CPU", 0))
+        group = ReplicaGroup(
+            self.client, [placement], strategy_token=self._token, hosts=[host],
+            algorithm=CrossDeviceOps().algorithm([placement.device]), options=self._options,
+            transport=config.get("collective.transport"),
+            shm_slot_bytes=parse_bytes(config.get("collective.shm.slot-bytes")),
+            pin_cores=False, malloc=config.get("replica.malloc"),
+        )
+        group.launch()
+        from daskdist.strategy import replica_commands
+
+        group.call(replica_commands.install_resident, (*PS_STRATEGY_KEY, self._token))
+        return group
+
+    # -- what the contract describes -----------------------------------------------------
+
+    @property
+    def token(self) -> str:
+        return self._token
+
+    @property
+    def num_replicas(self) -> int:
+        """Replicas in sync: one per worker (each worker's step is its own; workers are asynchronous)."""
+        return 1
+
+    @property
+    def worker_addresses(self) -> tuple[str, ...]:
+        return tuple(self._worker_groups)
+
+    @property
+    def worker_devices(self) -> tuple[str, ...]:
+        return tuple(f"/job:worker/replica:0/task:{i}/device:CPU:0" for i in range(len(self._worker_groups)))
+
+    @property
+    def worker_groups(self) -> dict[str, ReplicaGroup]:
+        """Worker address -> its one-replica group (the coordinator's transport to it)."""
+        return dict(self._worker_groups)
+
+    @property
+    def group(self) -> Any:
+        raise AttributeError("ParameterServerStrategy has one group per worker (worker_groups), not one group")
+
+    def check_open(self) -> None:
+        if self._closed:
+            raise StrategyClosedError("This strategy is closed; create a new one")
+
+    # -- running: closures go through the coordinator ----------------------------------------
+
+    def _call_for_each_replica(self, fn: Callable[..., Any], args: Args, kwargs: Kwargs) -> Any:
+        """On the client (TF's coordinator), ``run`` calls ``fn`` here; on workers it runs inside closures."""
+        frame = context.Frame(strategy=self.strategy, replica_context=None, variable_creator=None)
+        with context.enter(frame):
+            return fn(*args, **kwargs)
+
+    def _run_on(self, command: Command, args: Args | list[Args], ranks: list[int] | None) -> list[Any]:
+        addresses = list(self._worker_groups)
+        chosen = range(len(addresses)) if ranks is None else ranks
+        results = []
+        for index in chosen:
+            worker_args = args[index] if isinstance(args, list) else args
+            results.append(self._worker_groups[addresses[index]].call(command, tuple(worker_args))[0])
+        return results
+
+    def install_resident(self, kind: str, object_id: str, obj: Any) -> None:
+        """Keras models are not trained under this strategy yet: say so instead of training worker copies."""
+        if kind == "model":
+            raise NotImplementedError(
+                "Keras fit/evaluate/predict under ParameterServerStrategy are not supported yet: the model's "
+                "weights would be trained on each worker's own copy, not on the ps. Write the step as a function "
+                "scheduled with ClusterCoordinator.schedule, with dd.Variable parameters created in scope()."
+            )
+        super().install_resident(kind, object_id, obj)
+
+    def _install_views(self, var_id: str, spec: Any, store: Any, device: str) -> None:
+        """Workers make their views of a variable when a closure first unpickles it."""
+
+    def step_timings(self, last: int | None = None) -> list[list[Kwargs]]:
+        from daskdist.replica import commands
+
+        return [g.call(commands.step_timings, (last,))[0] for g in self._worker_groups.values()]
+
+    def distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
+        raise NotImplementedError(
+            "ParameterServerStrategy distributes input per worker: use "
+            "ClusterCoordinator.create_per_worker_dataset(dataset_fn)"
+        )
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable[[Any], Any], options: Any = None) -> Any:
+        raise NotImplementedError(
+            "ParameterServerStrategy distributes input per worker: use "
+            "ClusterCoordinator.create_per_worker_dataset(dataset_fn)"
+        )
+
+    # -- closing -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        coordinator = getattr(self.strategy, "_coordinator", None)
+        if coordinator is not None:
+            coordinator._shutdown()
+        for store in _live_stores(self):
+            try:
+                store.call_from_client(self.client, "drop")
+            except Exception as e:  # noqa: BLE001 - a lost ps
+                logger.debug("Could not drop the parameters held on %s: %s", store.address, e)
+        self._closed = True
+        registry.unregister(self._token)
+        for group in self._worker_groups.values():
+            try:
+                group.close()
+            except Exception as e:  # noqa: BLE001 - a lost worker
+                logger.debug("Closing worker group %s: %s", group.group_id, e)
+        self._variables.clear()
+
+
+class ParameterServerStrategy(Strategy):
+    """Asynchronous training with parameter servers (TF's ``tf.distribute.ParameterServerStrategy``).
+
+    Parameters
+    ----------
+    cluster_resolver
+        A resolver whose ``cluster_spec()`` lists Dask worker addresses under
+        ``"ps"`` and ``"worker"`` (at least one of each; task types chief, ps
+        and worker only).
+    variable_partitioner
+        ``None`` (each variable whole, stores round-robin) or a partitioner
+        from ``dd.experimental.partitioners``.
+    client
+        The ``distributed.Client``; ``None``: the resolver's, else the
+        default client.
+
+    Notes
+    -----
+    Use it with ``dd.experimental.coordinator.ClusterCoordinator(strategy)``:
+    ``schedule`` runs functions on whichever worker is free. Each worker has
+    one replica (``num_replicas_in_sync == 1``); workers are asynchronous.
+    """
+
+    def __init__(self, cluster_resolver: Any, variable_partitioner: Any = None, *, client: Client | None = None):
+        self._coordinator: Any = None
+        super().__init__(ParameterServerExtended(self, cluster_resolver, variable_partitioner, client))
+
+    @property
+    def cluster_resolver(self) -> Any:
+        """The resolver the strategy was made with (TF's ``cluster_resolver``)."""
+        return self._ps_extended.cluster_resolver
+
+    @property
+    def _ps_extended(self) -> ParameterServerExtended:
+        extended = self._extended
+        assert isinstance(extended, ParameterServerExtended)
+        return extended
+
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        return (_resolve_ps_strategy, (self._extended.token,))
+
+
+def _resolve_ps_strategy(token: str) -> Any:
+    """Unpickle the strategy: on a worker running a closure, that worker's view; on the client, the strategy."""
+    runtime = context.current_runtime()
+    if runtime is not None:
+        try:
+            if runtime.objects.find(*PS_STRATEGY_KEY) == token:
+                return runtime.strategy_view
+        except AttributeError:
+            pass
+    owner = registry.lookup(token)
+    if owner is None or owner.strategy is None:
+        raise StrategyClosedError(f"strategy {token} is closed or lives in another process")
+    return owner.strategy

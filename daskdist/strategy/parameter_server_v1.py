@@ -1,0 +1,118 @@
+"""TF1's ``tf.compat.v1.distribute.experimental.ParameterServerStrategy``, as a facade over the v2 machinery.
+
+In TensorFlow 1 every worker runs the same program on its own (between-graph
+replication): synchronous over its local devices, asynchronous between
+workers, variables and their updates on the ps. daskdist has one client, so
+the facade runs each call on every worker at once, each worker independently:
+
+* ``run(fn, args)`` / ``extended.call_for_each_replica(fn, args)``: ``fn`` on
+  every worker (concurrently; a worker does not wait for another), the
+  results as ``PerWorkerValues`` in worker order;
+* ``distribute_datasets_from_function(dataset_fn)``: ``dataset_fn(InputContext(
+  num_input_pipelines=workers, input_pipeline_id=worker index))`` on every
+  worker; ``experimental_distribute_dataset(dataset)``: each worker reads
+  ``dataset.shard(workers, index)``. Iterating gives per-worker iterators to
+  pass to ``run``, where ``next(it)`` reads that worker's input;
+* variables created in ``scope()`` live on the ps (round-robin), and
+  operations "that occur only on the first replica (such as incrementing the
+  global step) will occur on the first replica of every worker": a global step
+  counts worker-steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from distributed import Client
+
+from daskdist.strategy.coordinator import PerWorkerValues, _PerWorkerIterator, _WorkerResource, run_closure
+from daskdist.strategy.extended import Args, Kwargs
+from daskdist.strategy.parameter_server import ParameterServerExtended, ParameterServerStrategy
+
+__all__ = ["ParameterServerStrategyV1"]
+
+
+class ParameterServerV1Extended(ParameterServerExtended):
+    """``call_for_each_replica`` on every worker, each on its own (TF1's between-graph workers)."""
+
+    _call_ids = 0
+
+    def _call_for_each_replica(self, fn: Callable[..., Any], args: Args, kwargs: Kwargs) -> Any:
+        groups = list(self.worker_groups.values())
+        type(self)._call_ids += 1
+        call_id = f"v1-{self.token}-{type(self)._call_ids}"
+
+        def on_worker(index: int) -> Any:
+            worker_args = _select(args, index)
+            worker_kwargs = _select(kwargs, index)
+            return groups[index].call(run_closure, (f"{call_id}-{index}", fn, worker_args, worker_kwargs))[0]
+
+        with ThreadPoolExecutor(max_workers=len(groups)) as pool:
+            results = list(pool.map(on_worker, range(len(groups))))
+        return PerWorkerValues(tuple(results))
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable[[Any], Any], options: Any = None) -> Any:
+        return _PerWorkerInput(self, dataset_fn)
+
+    def distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
+        return _PerWorkerInput(self, lambda ctx: dataset.shard(ctx.num_input_pipelines, ctx.input_pipeline_id))
+
+
+def _select(structure: Any, index: int) -> Any:
+    import optree
+
+    return optree.tree_map(lambda x: x.values[0] if isinstance(x, _PerWorkerIterator)
+                           else (x.values[index] if isinstance(x, PerWorkerValues) else x),
+                           structure, is_leaf=lambda x: isinstance(x, PerWorkerValues), none_is_leaf=True)
+
+
+class _PerWorkerInput:
+    """A dataset built on every worker; ``iter()`` gives per-worker iterators for ``run``."""
+
+    def __init__(self, extended: ParameterServerV1Extended, dataset_fn: Callable[[Any], Any]):
+        import uuid
+
+        from daskdist.strategy.coordinator import _make_dataset
+
+        self._extended = extended
+        self._key = f"ps-dataset:{uuid.uuid4().hex[:12]}"
+        groups = list(extended.worker_groups.values())
+        for index, group in enumerate(groups):
+            group.call(_make_dataset, (self._key, dataset_fn, index, len(groups)))
+
+    def __iter__(self) -> PerWorkerValues:
+        import uuid
+
+        from daskdist.strategy.coordinator import _make_iterator
+
+        key = f"ps-iterator:{uuid.uuid4().hex[:12]}"
+        groups = list(self._extended.worker_groups.values())
+        for group in groups:
+            group.call(_make_iterator, (self._key, key))
+        return _PerWorkerIterator(tuple(_WorkerResource(key) for _ in groups))
+
+
+class ParameterServerStrategyV1(ParameterServerStrategy):
+    """TF1's parameter-server strategy (``tf.compat.v1.distribute.experimental.ParameterServerStrategy``).
+
+    Parameters
+    ----------
+    cluster_resolver
+        A resolver whose ``cluster_spec()`` has ``ps`` and ``worker`` jobs (Dask
+        worker addresses or ``host:port``). ``None``: ``TFConfigClusterResolver()``
+        (TF's default: the ``TF_CONFIG`` environment variable).
+    client
+        The ``distributed.Client``; ``None``: the default client.
+    """
+
+    def __init__(self, cluster_resolver: Any = None, *, client: Client | None = None):
+        if cluster_resolver is None:
+            from daskdist.cluster_resolver import TFConfigClusterResolver
+
+            cluster_resolver = TFConfigClusterResolver()
+        self._coordinator = None
+        from daskdist.strategy.base import Strategy
+
+        Strategy.__init__(self, ParameterServerV1Extended(self, cluster_resolver, None, client))

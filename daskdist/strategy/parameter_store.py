@@ -1,0 +1,431 @@
+"""The parameter store: variables held in one Dask worker's host memory, served to replicas and the client.
+
+A ``ParameterStore`` lives in ``worker.extensions["daskdist-ps"]`` of each
+worker that holds parameters (CentralStorage's parameter holder, later the
+ps members of ParameterServerStrategy). It is separate from any replica on
+that worker: a replica computing there keeps its own compute copy and reads
+the store like the others. Requests arrive through the worker handler
+``daskdist_ps`` (Dask comms, worker to worker or client to worker; never
+through the scheduler) or, from a replica of the same process, as direct
+calls on the worker's event loop (``parameter_client``).
+
+Every operation runs on the worker's event loop, one at a time, so an update
+is atomic and versions are totally ordered. Operations:
+
+``create``, ``read``, ``update``, ``apply_fn`` (TF's ``extended.update``: a
+function applied once to the stored variable), ``drop``;
+``contribute`` (synchronous rounds: each of ``size`` replicas contributes to
+round ``r`` of a key; once all have, the round is finished once, e.g. an
+aggregated assign or a gradient step with the optimizer, and every
+contributor gets the same result); ``model_state`` / ``set_model`` for the
+Keras parameters and optimizer a round of gradients updates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from daskdist import serialization
+from daskdist.arrays import as_array, namespace, to_numpy
+
+if TYPE_CHECKING:
+    from distributed import Worker
+
+    from daskdist.variables import VariableSpec
+
+__all__ = ["HANDLER", "STORE_EXTENSION", "ParameterStore", "install_store"]
+
+logger = logging.getLogger(__name__)
+
+STORE_EXTENSION = "daskdist-ps"
+_DEDUPE_WINDOW = 1 << 16  # update keys remembered per variable
+_STALENESS_HISTORY = 1 << 16  # staleness samples kept per store id
+HANDLER = "daskdist_ps"
+
+
+@dataclass
+class _Entry:
+    """One stored variable: its array, what it is, and how many times it changed."""
+
+    value: Any
+    spec: VariableSpec
+    version: int = 0
+
+
+@dataclass
+class _ModelEntry:
+    """The Keras parameters of one model (trainable arrays, in the model's order) and their optimizer."""
+
+    params: list[Any]
+    optimizer: Any
+    version: int = 0
+
+
+@dataclass
+class _Round:
+    """One synchronous round: contributions by rank until all ``size`` came, then one result for all."""
+
+    size: int
+    contributions: dict[int, Any] = field(default_factory=dict)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    result: Any = None
+    error: BaseException | None = None
+    fetched: set[int] = field(default_factory=set)
+
+
+def _copy(value: Any) -> np.ndarray:
+    """A host (numpy) copy: stores hold host memory, whatever device a replica computes on."""
+    return np.array(to_numpy(as_array(value)[0]), copy=True)
+
+
+class ParameterStore:
+    """The variables one worker holds for the strategies that placed them here (keyed by store id)."""
+
+    def __init__(self, worker: Worker | None = None):
+        self.worker = worker
+        self._entries: dict[tuple[str, str], _Entry] = {}
+        self._models: dict[tuple[str, str], _ModelEntry] = {}
+        self._rounds: dict[tuple[str, str, int], _Round] = {}
+        self._applied: dict[tuple[str, str], OrderedDict[tuple[Any, ...], None]] = {}  # update keys applied, per variable
+        self._duplicates: dict[str, int] = {}
+        self._staleness: dict[str, collections.deque[int]] = {}
+        self._served: dict[str, int] = {}  # bytes of values sent out, per store id (reads and row gathers)
+
+    def __repr__(self) -> str:
+        return f"<ParameterStore variables={len(self._entries)} models={len(self._models)}>"
+
+    # -- the handler -----------------------------------------------------------------
+
+    async def handle(self, payload: bytes) -> dict[str, Any]:
+        """``daskdist_ps`` handler: ``payload`` is a pickled ``(op, kwargs)``; never raises across the wire."""
+        try:
+            op, kwargs = serialization.loads(payload)
+            result = await self.run(op, kwargs)
+            return {"status": "OK", "result": serialization.dumps(result)}
+        except Exception as e:  # noqa: BLE001 - handlers answer with the error, never raise across the wire
+            address = self.worker.address if self.worker is not None else ""
+            return serialization.error_message(e, -1, address)
+
+    async def run(self, op: str, kwargs: dict[str, Any]) -> Any:
+        """Run one operation (on the worker's event loop)."""
+        method = getattr(self, f"_op_{op}", None)
+        if method is None:
+            raise ValueError(f"unknown parameter store operation {op!r}")
+        result = method(**kwargs)
+        if asyncio.iscoroutine(result):
+            result = await result
+        return result
+
+    # -- variables ----------------------------------------------------------------------
+
+    def _entry(self, store_id: str, var_id: str) -> _Entry:
+        try:
+            return self._entries[(store_id, var_id)]
+        except KeyError:
+            raise KeyError(f"the parameter store holds no variable {var_id!r} of {store_id}") from None
+
+    def _op_create(self, store_id: str, var_id: str, value: Any, spec: VariableSpec) -> int:
+        self._entries[(store_id, var_id)] = _Entry(_copy(value), spec)
+        return 0
+
+    def _op_read(self, store_id: str, var_id: str, newer_than: int = -1) -> tuple[int, Any]:
+        """``(version, copy of the value)``, or ``(version, None)`` if not newer than ``newer_than``."""
+        entry = self._entry(store_id, var_id)
+        if entry.version <= newer_than:
+            return entry.version, None
+        self._count(store_id, entry.value.nbytes)
+        return entry.version, _copy(entry.value)
+
+    def _op_gather(self, store_id: str, var_id: str, indices: Any) -> tuple[int, Any]:
+        """``(version, copy of rows indices)``: what an embedding lookup needs, not the whole table."""
+        entry = self._entry(store_id, var_id)
+        rows = np.asarray(indices, dtype=np.int64)
+        if rows.size and (rows.min() < 0 or rows.max() >= entry.value.shape[0]):
+            raise IndexError(f"rows {rows.min()}..{rows.max()} of variable '{entry.spec.name}' with "
+                             f"{entry.value.shape[0]} rows")
+        found = entry.value[rows]
+        self._count(store_id, found.nbytes)
+        return entry.version, found
+
+    def _count(self, store_id: str, nbytes: int) -> None:
+        self._served[store_id] = self._served.get(store_id, 0) + int(nbytes)
+
+    def _op_bytes_served(self, store_id: str) -> int:
+        """Bytes of values sent for ``store_id`` (reads and row gathers; not round results)."""
+        return self._served.get(store_id, 0)
+
+    def _op_update(self, store_id: str, var_id: str, method: str, value: Any,
+                   dedupe: tuple[str, int] | None = None, read_version: int | None = None) -> tuple[int, Any]:
+        """``assign``/``assign_add``/``assign_sub`` applied once; ``(version, copy of the new value)``.
+
+        ``dedupe``: the update's key (closure id, n); an update whose key was
+        already applied to this variable is not applied again.
+        ``read_version``: the version the updater computed from; the
+        difference to the version it is applied to (its staleness) is
+        recorded (``staleness`` operation).
+        """
+        entry = self._entry(store_id, var_id)
+        if read_version is not None and read_version >= 0:
+            self._staleness.setdefault(store_id, collections.deque(maxlen=_STALENESS_HISTORY)).append(
+                entry.version - int(read_version))
+        if dedupe is not None and self._seen_before(store_id, var_id, dedupe):
+            return entry.version, _copy(entry.value)
+        _apply_method(entry, method, value)
+        return entry.version, _copy(entry.value)
+
+    def _op_scatter(self, store_id: str, var_id: str, method: str, indices: Any, values: Any,
+                    dedupe: tuple[str, int] | None = None, read_version: int | None = None) -> int:
+        """Rows ``indices`` updated with ``values`` (``add``, ``sub`` or ``update``), once; the new version.
+
+        Repeated indices add up (``add``/``sub``), as TF's ``scatter_add``.
+        ``dedupe`` and ``read_version`` as for ``update``.
+        """
+        entry = self._entry(store_id, var_id)
+        if dedupe is not None and self._seen_before(store_id, var_id, dedupe):
+            return entry.version
+        if read_version is not None and read_version >= 0:
+            self._staleness.setdefault(store_id, collections.deque(maxlen=_STALENESS_HISTORY)).append(
+                entry.version - int(read_version))
+        rows = np.asarray(indices, dtype=np.int64).reshape(-1)
+        delta = np.asarray(as_array(values)[0], dtype=entry.value.dtype)
+        if delta.shape != (len(rows), *entry.value.shape[1:]):
+            raise ValueError(f"scatter_{method} of variable '{entry.spec.name}': values of shape {delta.shape} "
+                             f"for {len(rows)} rows of shape {tuple(entry.value.shape[1:])}")
+        if rows.size and (rows.min() < 0 or rows.max() >= entry.value.shape[0]):
+            raise IndexError(f"scatter_{method}: rows {rows.min()}..{rows.max()} of variable "
+                             f"'{entry.spec.name}' with {entry.value.shape[0]} rows")
+        if method == "add":
+            np.add.at(entry.value, rows, delta)
+        elif method == "sub":
+            np.subtract.at(entry.value, rows, delta)
+        elif method == "update":
+            entry.value[rows] = delta
+        else:
+            raise ValueError(f"unknown scatter method {method!r}")
+        entry.version += 1
+        return entry.version
+
+    def _seen_before(self, store_id: str, var_id: str, dedupe: tuple[str, int]) -> bool:
+        """Whether the update keyed ``dedupe`` was applied to this variable already (then it is counted)."""
+        applied = self._applied.setdefault((store_id, var_id), OrderedDict())
+        key = tuple(dedupe)
+        if key in applied:
+            self._duplicates[store_id] = self._duplicates.get(store_id, 0) + 1
+            return True
+        applied[key] = None
+        if len(applied) > _DEDUPE_WINDOW:
+            applied.popitem(last=False)
+        return False
+
+    def _op_staleness(self, store_id: str) -> list[int]:
+        """The staleness of the recent asynchronous updates (versions applied in between), oldest first."""
+        return list(self._staleness.get(store_id, ()))
+
+    def _op_duplicates(self, store_id: str) -> int:
+        """How many deduplicated updates were skipped (a closure run again after a failure)."""
+        return self._duplicates.get(store_id, 0)
+
+    def _op_apply_fn(self, store_id: str, var_id: str, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``fn(variable, *args, **kwargs)`` on the stored variable, once (TF's ``extended.update``)."""
+        from daskdist.variables import Variable
+
+        entry = self._entry(store_id, var_id)
+        variable = _StoredVariable.wrap(entry)
+        try:
+            result = fn(variable, *args, **kwargs)
+        finally:
+            entry.version += 1
+        if result is variable:
+            return _copy(entry.value)
+        if isinstance(result, Variable):
+            return result.read_value()
+        return result
+
+    def _op_drop(self, store_id: str) -> int:
+        """Forget everything held for ``store_id`` (its strategy closed); how many variables went."""
+        dropped = [k for k in self._entries if k[0] == store_id]
+        for key in dropped:
+            del self._entries[key]
+        for key in [k for k in self._models if k[0] == store_id]:
+            del self._models[key]
+        self._served.pop(store_id, None)
+        self._duplicates.pop(store_id, None)
+        self._staleness.pop(store_id, None)
+        for applied_key in [k for k in self._applied if k[0] == store_id]:
+            del self._applied[applied_key]
+        for round_key in [k for k in self._rounds if k[0] == store_id]:
+            round_ = self._rounds.pop(round_key)
+            round_.error = RuntimeError(f"the parameters of {store_id} were dropped (the strategy closed)")
+            round_.done.set()
+        return len(dropped)
+
+    def _op_versions(self, store_id: str) -> dict[str, int]:
+        """Every variable of ``store_id`` with its version (for tests and staleness figures)."""
+        return {k[1]: e.version for k, e in self._entries.items() if k[0] == store_id}
+
+    # -- synchronous rounds ---------------------------------------------------------------
+
+    async def _op_contribute(self, store_id: str, key: str, round_id: int, rank: int, size: int, kind: str,
+                             has_payload: bool, payload: Any, wait: float) -> dict[str, Any]:
+        """Add ``rank``'s contribution to round ``round_id`` of ``key``; wait up to ``wait`` s for the result.
+
+        Returns ``{"status": "OK", "result": ...}`` once every one of ``size``
+        ranks contributed and the round was finished (``kind``:
+        ``"variable"`` or ``"gradients"``), else ``{"status": "waiting"}``
+        (the caller asks again without its payload). A finished round is
+        forgotten once every rank has fetched its result.
+        """
+        round_key = (store_id, key, int(round_id))
+        round_ = self._rounds.get(round_key)
+        if round_ is None:
+            self._drop_stale_rounds(store_id, key, int(round_id) >> 32)
+            round_ = self._rounds[round_key] = _Round(size=int(size))
+        if round_.size != size:
+            raise ValueError(f"round {round_id} of {key!r}: {size} replicas contribute, the round expects {round_.size}")
+        if has_payload and rank not in round_.contributions and not round_.done.is_set():
+            round_.contributions[int(rank)] = payload
+            if len(round_.contributions) == round_.size:
+                try:
+                    round_.result = self._finish(store_id, key, kind, round_.contributions)
+                except Exception as e:  # noqa: BLE001 - every contributor gets the error
+                    round_.error = e
+                round_.done.set()
+        try:
+            await asyncio.wait_for(round_.done.wait(), max(float(wait), 0.0))
+        except asyncio.TimeoutError:
+            return {"status": "waiting"}
+        round_.fetched.add(int(rank))
+        if len(round_.fetched) >= round_.size:
+            self._rounds.pop(round_key, None)
+        if round_.error is not None:
+            raise round_.error
+        return {"status": "OK", "result": round_.result}
+
+    def _drop_stale_rounds(self, store_id: str, key: str, run: int) -> None:
+        """Forget rounds of ``key`` left by earlier commands (a replica failed before contributing)."""
+        for stale in [k for k in self._rounds if k[:2] == (store_id, key) and k[2] >> 32 < run]:
+            round_ = self._rounds.pop(stale)
+            if not round_.done.is_set():
+                round_.error = RuntimeError(f"round {stale[2] & 0xFFFFFFFF} of {key!r} was abandoned: a later "
+                                            "command started")
+                round_.done.set()
+
+    def _finish(self, store_id: str, key: str, kind: str, contributions: dict[int, Any]) -> Any:
+        ordered = [contributions[r] for r in sorted(contributions)]
+        if kind == "variable":
+            return self._finish_variable_update(store_id, key.partition(":")[2], ordered)
+        if kind == "gradients":
+            return self._finish_gradients(store_id, key.partition(":")[2], ordered)
+        raise ValueError(f"unknown round kind {kind!r}")
+
+    def _finish_variable_update(self, store_id: str, var_id: str, ordered: list[dict[str, Any]]) -> tuple[int, Any]:
+        """An assign made in replica context by every replica, aggregated and applied once (TF's merge_call)."""
+        first = ordered[0]
+        method, aggregation = first["method"], first["aggregation"]
+        if any(c["method"] != method for c in ordered):
+            raise ValueError(f"replicas updated variable {var_id!r} with different methods: "
+                             f"{[c['method'] for c in ordered]}")
+        if aggregation == "ONLY_FIRST_REPLICA":
+            value = first["value"]
+        else:
+            value = functools.reduce(np.add, [np.asarray(to_numpy(as_array(c["value"])[0])) for c in ordered])
+            if aggregation == "MEAN":
+                value = value / len(ordered)
+        entry = self._entry(store_id, var_id)
+        _apply_method(entry, method, value)
+        return entry.version, _copy(entry.value)
+
+    # -- Keras parameters with their optimizer ------------------------------------------------
+
+    def _finish_gradients(self, store_id: str, model_key: str, ordered: list[dict[str, Any]]) -> dict[str, Any]:
+        """Sum the replicas' gradients and step counts, apply the optimizer once, return the new parameters."""
+        key = (store_id, model_key)
+        entry = self._models.get(key)
+        if entry is None:
+            init = next((c["init"] for c in ordered if c.get("init") is not None), None)
+            if init is None:
+                raise RuntimeError(f"the parameter store has no parameters for model {model_key!r}")
+            params, optimizer = init
+            entry = self._models[key] = _ModelEntry([_copy(p) for p in params], optimizer)
+        grads = [functools.reduce(np.add, parts) for parts in zip(*(c["grads"] for c in ordered))]
+        stats = functools.reduce(np.add, [c["stats"] for c in ordered])
+        count = float(stats[0])
+        if count > 0:
+            entry.optimizer.learning_rate = ordered[0]["lr"]
+            scale = 1.0 / count
+            entry.optimizer.apply(entry.params, [g * g.dtype.type(scale) for g in grads])
+            entry.version += 1
+        return {"params": [_copy(p) for p in entry.params], "stats": stats, "version": entry.version}
+
+    def _op_model_state(self, store_id: str, model_key: str) -> dict[str, Any] | None:
+        """``{"params", "optimizer_state", "iterations"}`` of a model's stored copy, or ``None`` if it has none."""
+        entry = self._models.get((store_id, model_key))
+        if entry is None:
+            return None
+        state = {k: _copy(v) for k, v in entry.optimizer.get_state().items()}
+        return {"params": [_copy(p) for p in entry.params], "optimizer_state": state}
+
+    def _op_set_model(self, store_id: str, model_key: str, params: list[Any] | None = None,
+                      optimizer_state: dict[str, Any] | None = None) -> bool:
+        """Overwrite a stored model's parameters and/or optimizer state; ``False`` if none is stored yet."""
+        entry = self._models.get((store_id, model_key))
+        if entry is None:
+            return False
+        if params is not None:
+            if len(params) != len(entry.params):
+                raise ValueError(f"model {model_key!r} has {len(entry.params)} parameters, got {len(params)}")
+            for target, value in zip(entry.params, params):
+                namespace(target).copyto(target, as_array(value)[0], casting="unsafe")
+        if optimizer_state is not None:
+            entry.optimizer.set_state(optimizer_state)
+        entry.version += 1
+        return True
+
+
+def _apply_method(entry: _Entry, method: str, value: Any) -> None:
+    array = np.asarray(to_numpy(as_array(value)[0]))
+    shape = tuple(entry.spec.shape)
+    if array.ndim != 0 and tuple(array.shape) != shape:
+        raise ValueError(f"Cannot assign a value of shape {tuple(array.shape)} to variable "
+                         f"'{entry.spec.name}' of shape {shape}")
+    if method == "assign":
+        new_value = array
+    elif method == "assign_add":
+        new_value = entry.value + array
+    elif method == "assign_sub":
+        new_value = entry.value - array
+    else:
+        raise ValueError(f"unknown update method {method!r}")
+    namespace(entry.value).copyto(entry.value, new_value, casting="unsafe")
+    entry.version += 1
+
+
+class _StoredVariable:
+    """The stored variable as ``extended.update``'s function sees it: a plain variable over the stored array."""
+
+    @staticmethod
+    def wrap(entry: _Entry) -> Any:
+        from daskdist.variables import Variable
+
+        variable = Variable.__new__(Variable)  # no copy: writes go to the stored array
+        variable._value = entry.value
+        variable._spec = entry.spec
+        return variable
+
+
+def install_store(dask_worker: Worker) -> str:
+    """Make ``dask_worker`` a parameter holder (idempotent; run with ``client.run``); its address."""
+    if STORE_EXTENSION not in dask_worker.extensions:
+        store = ParameterStore(dask_worker)
+        dask_worker.extensions[STORE_EXTENSION] = store
+        dask_worker.handlers[HANDLER] = store.handle
+        logger.debug("Parameter store installed on %s", dask_worker.address)
+    return dask_worker.address
