@@ -47,6 +47,7 @@ test-ucx:
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e ".[bench]"
+	$(BIN)/python -m pip install --quiet --no-deps "tf-keras==$$($(BIN)/python -c 'import importlib.metadata as m; v = m.version("tensorflow-cpu").split("."); print(".".join(v[:2]) + ".*")')"
 	$(BIN)/python benchmarks/run_overhead.py
 	$(BIN)/python benchmarks/allreduce.py
 

@@ -142,8 +142,9 @@ def _daskdist(client, workers: list[str] | None, sizes, iterations) -> Result:
 # -- peers ------------------------------------------------------------------------------
 
 
-def _tf_mwms(hosts, per_host: int, sizes, iterations, timeout: float = 300) -> Result:
-    """TF MWMS with one TF task per replica (``per_host`` tasks on each namespace host); medians, or why not."""
+def run_tf_tasks(hosts, per_host: int, script: str, script_args: list[str], timeout: float = 300) -> list[dict] | str:
+    """Run ``script`` as one TF task per replica (``per_host`` tasks on each namespace host, ``TF_CONFIG`` on the
+    namespace addresses); each task's parsed result, or why not (also used by ``multihost_training.py``)."""
     import importlib.util
 
     if importlib.util.find_spec("tensorflow") is None:
@@ -155,18 +156,16 @@ def _tf_mwms(hosts, per_host: int, sizes, iterations, timeout: float = 300) -> R
         env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}),
                    PYTHONPATH=str(REPO))
         procs.append(subprocess.Popen(
-            [*_enter(host), sys.executable, str(REPO / "benchmarks/peers/tf_mwms_allreduce.py"),
-             "--sizes", *map(str, sizes), "--iterations", *map(str, iterations)],
+            [*_enter(host), sys.executable, str(REPO / script), *script_args],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     results = []
     try:
         for proc in procs:
             out, _ = proc.communicate(timeout=timeout)
             try:
-                times = parse_result(out)["times"]
+                results.append(parse_result(out))
             except ValueError:
                 return "unavailable (failed: " + " | ".join(out.strip().splitlines()[-3:]) + ")"
-            results.append({int(n): t for n, t in times.items()})
     except subprocess.TimeoutExpired:
         return f"unavailable (did not finish in {timeout:g}s)"
     finally:
@@ -174,7 +173,17 @@ def _tf_mwms(hosts, per_host: int, sizes, iterations, timeout: float = 300) -> R
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    return _medians(_slowest_per_iteration(results, sizes))
+    return results
+
+
+def _tf_mwms(hosts, per_host: int, sizes, iterations, timeout: float = 300) -> Result:
+    """TF MWMS with one TF task per replica (``per_host`` tasks on each namespace host); medians, or why not."""
+    results = run_tf_tasks(hosts, per_host, "benchmarks/peers/tf_mwms_allreduce.py",
+                           ["--sizes", *map(str, sizes), "--iterations", *map(str, iterations)], timeout)
+    if isinstance(results, str):
+        return results
+    times = [{int(n): t for n, t in r["times"].items()} for r in results]
+    return _medians(_slowest_per_iteration(times, sizes))
 
 
 def _gloo(hosts, per_host: int, plan: list[SizePlan], port: int, timeout: float = 600) -> tuple[Result, str]:
