@@ -24,9 +24,8 @@ from daskdist.data.dataset import Dataset
 from daskdist.data.planner import cut_pipeline
 from daskdist.elastic.ledger import DataLedger, RowMap
 from daskdist.elastic.options import ElasticOptions
-from daskdist.elastic.recovery import RECOVERABLE, Recovery, grow, is_final, recover
+from daskdist.elastic.recovery import RECOVERABLE, Recovery, grow, recover_within_budget
 from daskdist.elastic.replica import CommitKey, commit_progress, elastic_train_epoch, take_commit
-from daskdist.exceptions import ReplicaLostError
 
 if TYPE_CHECKING:
     from daskdist.keras.models import Model
@@ -145,22 +144,8 @@ class ElasticFit:
     # -- recovery -------------------------------------------------------------------
 
     def _recover(self, error: BaseException) -> tuple[CommitKey, dict]:
-        before = list(self.group.addresses)
-        while True:  # a second loss during a recovery starts it again, on the members left
-            self.failures += 1
-            if 0 <= self.options.max_failures < self.failures:
-                raise ReplicaLostError(
-                    f"{error} (the strategy's elastic max_failures={self.options.max_failures} is exhausted)",
-                    worker=getattr(error, "worker", None)) from error
-            logger.warning("Elastic fit: %s; recovering", error)
-            try:
-                outcome = recover(self.group, self.options, error, install_newcomer=self._install_newcomer)
-                break
-            except RECOVERABLE as again:
-                if is_final(again):
-                    raise
-                error = again
-        outcome.lost = [a for a in before if a not in outcome.members]  # every loss, also those during recovery
+        outcome, self.failures = recover_within_budget(self.group, self.options, error, self.failures,
+                                                       install_newcomer=self._install_newcomer)
         self.events.append(outcome)
         self._notify(outcome)
         history = self.model.history

@@ -23,7 +23,7 @@ from daskdist.exceptions import ReplicaLostError, StaleGenerationError
 from daskdist.group.handle import ReplicaGroup
 from daskdist.group.membership import Membership
 
-__all__ = ["ELASTIC_TOPIC", "RECOVERABLE", "Recovery", "admit", "grow", "is_final", "recover"]
+__all__ = ["ELASTIC_TOPIC", "RECOVERABLE", "Recovery", "admit", "grow", "is_final", "recover", "recover_within_budget"]
 
 logger = logging.getLogger(__name__)
 
@@ -233,3 +233,30 @@ def _restore_common_commit(group: ReplicaGroup, admitted: list[str], install_new
     if len(set(digests)) != 1:
         raise _final(ReplicaLostError(f"the members of {group.group_id} hold different states after restoring {key}"))
     return key, healed
+
+
+def recover_within_budget(group: ReplicaGroup, options: ElasticOptions, error: BaseException, failures: int,
+                          install_newcomer: Any = None) -> tuple[Recovery, int]:
+    """``recover`` from ``error``, again after each further loss, each loss counted against ``max_failures``.
+
+    Returns the outcome (``lost``: every member lost since ``error``, also
+    during the recovery) and the new failure count. Raises
+    ``ReplicaLostError`` when the budget is exhausted, and what ``is_final``
+    says cannot be recovered from.
+    """
+    before = list(group.addresses)
+    while True:  # a second loss during a recovery starts it again, on the members left
+        failures += 1
+        if 0 <= options.max_failures < failures:
+            raise ReplicaLostError(f"{error} (the strategy's elastic max_failures={options.max_failures} is exhausted)",
+                                   worker=getattr(error, "worker", None)) from error
+        logger.warning("Elastic training: %s; recovering", error)
+        try:
+            outcome = recover(group, options, error, install_newcomer=install_newcomer)
+            break
+        except RECOVERABLE as again:
+            if is_final(again):
+                raise
+            error = again
+    outcome.lost = [a for a in before if a not in outcome.members]
+    return outcome, failures

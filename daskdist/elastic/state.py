@@ -37,9 +37,8 @@ from daskdist.data.dataset import Dataset
 from daskdist.data.planner import cut_pipeline
 from daskdist.elastic.ledger import DataLedger, RowMap
 from daskdist.elastic.options import ElasticOptions
-from daskdist.elastic.recovery import RECOVERABLE, Recovery, is_final, recover
+from daskdist.elastic.recovery import RECOVERABLE, Recovery, recover_within_budget
 from daskdist.elastic.replica import CommitKey, commit_now
-from daskdist.exceptions import ReplicaLostError
 
 __all__ = ["State", "run"]
 
@@ -160,20 +159,7 @@ class State:
 
     def _recover(self, error: BaseException) -> None:
         group = self.strategy.extended.group
-        before = list(group.addresses)
-        while True:  # a second loss during a recovery starts it again, on the members left
-            self.failures += 1
-            if 0 <= self.options.max_failures < self.failures:
-                raise ReplicaLostError(f"{error} (elastic max_failures={self.options.max_failures} is exhausted)",
-                                       worker=getattr(error, "worker", None)) from error
-            try:
-                outcome = recover(group, self.options, error)
-                break
-            except RECOVERABLE as again:
-                if is_final(again):
-                    raise
-                error = again
-        outcome.lost = [a for a in before if a not in outcome.members]  # every loss, also those during recovery
+        outcome, self.failures = recover_within_budget(group, self.options, error, self.failures)
         self.events.append(outcome)
         restored = self._commits[outcome.commit]
         for key in [k for k in self._commits if k > outcome.commit]:

@@ -196,16 +196,6 @@ class MultiWorkerMirroredExtended(MirroredExtended):
         """How many TF workers (hosts) the replicas span."""
         return len(self.host_groups)
 
-    @property
-    def experimental_between_graph(self) -> bool:
-        """``False``: one client builds every step (TF's MWMS is between-graph: every worker runs the script)."""
-        return False
-
-    @property
-    def experimental_should_init(self) -> bool:
-        """``True``: variables are initialised (from the client, broadcast to every replica)."""
-        return True
-
 
 class MultiWorkerMirroredStrategy(Strategy):
     """Synchronous training on the device-workers of several hosts (TF's ``MultiWorkerMirroredStrategy``).
