@@ -32,31 +32,19 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import cloudpickle  # noqa: E402
 from _common import format_table, local_cluster, print_header  # noqa: E402
+from training_parts import keras_parts  # noqa: E402
+from training_parts.keras_parts import build_cnn, scale  # noqa: E402
+
+# the `dask worker` processes of the kill trials do not have benchmarks/ on their path: ship `scale` by value
+cloudpickle.register_pickle_by_value(keras_parts)
 
 import daskdist as dd  # noqa: E402
-from daskdist import keras  # noqa: E402
 from daskdist.elastic.recovery import ELASTIC_TOPIC  # noqa: E402
 from daskdist.keras.models import PROGRESS_TOPIC  # noqa: E402
 
 BATCH = 64
-
-
-def scale(image, label):
-    return image.astype(np.float32) / 255.0, label
-
-
-def cnn():
-    model = keras.Sequential([
-        keras.layers.Conv2D(32, 3, activation="relu", input_shape=(28, 28, 1)),
-        keras.layers.MaxPooling2D(),
-        keras.layers.Flatten(),
-        keras.layers.Dense(64, activation="relu"),
-        keras.layers.Dense(10),
-    ])
-    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  optimizer=keras.optimizers.Adam(), metrics=["accuracy"])
-    return model
 
 
 def dataset(steps: int):
@@ -77,7 +65,7 @@ def commit_cost(epochs: int, steps: int) -> None:
         models = {}
         for name, strategy in strategies.items():
             with strategy.scope():
-                models[name] = cnn()
+                models[name] = build_cnn()
             models[name].fit(train, epochs=1, verbose=0)  # warm-up
         order = list(kinds)
         for epoch in range(epochs):
@@ -118,7 +106,7 @@ def recovery(trials: int, steps: int) -> None:
             client.wait_for_workers(3, timeout=120)
             with dd.MirroredStrategy(client=client, elastic=dd.ElasticOptions(min_replicas=2)) as strategy:
                 with strategy.scope():
-                    model = cnn()
+                    model = build_cnn()
                 victim = strategy.extended.worker_addresses[1]
                 worker, nanny = client.run(lambda: (os.getpid(), os.getppid()), workers=[victim])[victim]
                 killed: dict[str, float] = {}

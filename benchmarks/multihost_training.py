@@ -63,10 +63,9 @@ def _daskdist(client, epochs: int, batch_per_replica: int) -> tuple[list[float],
     """daskdist's MWMS ``fit`` of the tutorial; (epoch seconds, training samples, replicas, epoch losses)."""
     import dask.array as da
     from mnist_mirrored import load_data
-    from training_parts.keras_parts import EpochTimer
+    from training_parts.keras_parts import EpochTimer, build_cnn
 
     import daskdist as dd
-    from daskdist import keras
 
     (images, labels), _, pixel_max = load_data(None)
     with dd.MultiWorkerMirroredStrategy(client=client) as strategy:
@@ -82,15 +81,7 @@ def _daskdist(client, epochs: int, batch_per_replica: int) -> tuple[list[float],
         dataset = (dd.data.Dataset.from_dask((on_cluster(images), on_cluster(labels)))
                    .map(scale).cache().shuffle(10_000, seed=0).batch(batch_per_replica * replicas))
         with strategy.scope():
-            model = keras.Sequential([
-                keras.layers.Conv2D(32, 3, activation="relu", input_shape=images.shape[1:]),
-                keras.layers.MaxPooling2D(),
-                keras.layers.Flatten(),
-                keras.layers.Dense(64, activation="relu"),
-                keras.layers.Dense(10),
-            ])
-            model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                          optimizer=keras.optimizers.Adam(), metrics=["accuracy"])
+            model = build_cnn(images.shape[1:])
         timer = EpochTimer("daskdist")
         history = model.fit(dataset, epochs=epochs, verbose=0, callbacks=[timer])
     return timer.seconds, len(labels), replicas, history.history["loss"]

@@ -56,10 +56,10 @@ def tutorial_pipeline(x: Any, y: Any, global_batch: int) -> Any:
             .shuffle(SHUFFLE_BUFFER, seed=0).batch(global_batch))
 
 
-def build_cnn() -> Any:
+def build_cnn(input_shape: tuple[int, ...] = IMAGE_SHAPE) -> Any:
     """The tutorial's CNN, compiled as in the tutorial (Adam, sparse CE from logits, accuracy)."""
     model = keras.Sequential([
-        keras.layers.Conv2D(32, 3, activation="relu", input_shape=IMAGE_SHAPE),
+        keras.layers.Conv2D(32, 3, activation="relu", input_shape=tuple(input_shape)),
         keras.layers.MaxPooling2D(),
         keras.layers.Flatten(),
         keras.layers.Dense(64, activation="relu"),
