@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import optree
 
+from daskdist import fault_points
 from daskdist.arrays import to_numpy
 from daskdist.group.service import COMMIT, MODEL, VARIABLE, ReplicaService
 from daskdist.keras import training
@@ -252,6 +253,8 @@ def elastic_train_epoch(service: ReplicaService, model_id: str, batches: Any, st
             totals = [np.asarray(t, np.float64) for t in reduced[:len(totals)]]
             stop = watch.active and float(reduced[-1][0]) > 0
         progress = {"loss_sum": loss_sum, "count": count, "metrics": {model_id: totals}}
+        if fault_points.ARMED:  # a test's fault point (``daskdist.testing.pause-at``): before the commit's copy
+            fault_points.reached("commit")
         ring.add(Commit((fit, epoch, step), service.objects.snapshot(STATE_KINDS), progress))
         if stop and step != last:
             raise _StopForNewcomers(step)

@@ -159,7 +159,13 @@ class State:
 
     def _recover(self, error: BaseException) -> None:
         group = self.strategy.extended.group
-        outcome, self.failures = recover_within_budget(group, self.options, error, self.failures)
+        while True:  # a loss while the strategy takes in the new members is recovered from like any other
+            outcome, self.failures = recover_within_budget(group, self.options, error, self.failures)
+            try:
+                self.strategy.extended.membership_changed()
+                break
+            except RECOVERABLE as again:
+                error = again
         self.events.append(outcome)
         restored = self._commits[outcome.commit]
         for key in [k for k in self._commits if k > outcome.commit]:

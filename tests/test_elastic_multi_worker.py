@@ -1,0 +1,244 @@
+"""Elastic MultiWorkerMirroredStrategy on real processes: a worker and its nanny killed at each phase of a step.
+
+A test-only fault point (``daskdist.testing.pause-at``, ``daskdist/fault_points.py``) makes one replica stop
+at one phase of one step and say so in a file; the test then kills -9 that worker and its nanny, so the
+kill lands exactly there. The gradients go through the ring all-reduce (``implementation="RING"``), whose
+two halves are phases. Each time ``fit`` finishes on the two survivors, every row of each epoch is
+committed once, and the weights equal those of an uninterrupted run within float tolerance.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import dask
+import numpy as np
+import pytest
+
+import daskdist as dd
+from daskdist import config, fault_points, keras
+from tests.test_elastic import ProcessWorkers
+
+Dataset = dd.data.Dataset
+
+pytestmark = pytest.mark.timeout(240)
+
+RING = dd.CommunicationOptions(implementation="RING")
+VICTIM_RANK, PAUSE_STEP = 1, 4  # rank 1 of 3, at the fifth step of the first epoch
+
+
+@pytest.fixture
+def process_workers():
+    made = []
+
+    def make(n: int) -> ProcessWorkers:
+        made.append(ProcessWorkers(n))
+        return made[-1]
+
+    yield make
+    for workers in made:
+        workers.close()
+
+
+def _data(n=240, features=4, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.random((n, features)).astype(np.float32), rng.integers(0, 3, n).astype(np.int64)
+
+
+def _model(weights=None):
+    model = keras.Sequential([keras.layers.Dense(8, activation="relu", input_shape=(4,)), keras.layers.Dense(3)])
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.Adam(0.01), metrics=["accuracy"])
+    model.build((4,))
+    if weights is not None:
+        model.set_weights(weights)
+    return model
+
+
+def _train_set():
+    x, y = _data(240)
+    return Dataset.from_tensor_slices((x, y)).batch(24)  # 10 steps per epoch
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(threaded_client):
+    """The uninterrupted run: MWMS over 3 replicas, the same data, model and initial weights."""
+    weights = _model().get_weights()
+    with dd.MultiWorkerMirroredStrategy(communication_options=RING, client=threaded_client) as strategy:
+        with strategy.scope():
+            model = _model(weights)
+        history = model.fit(_train_set(), epochs=2, verbose=0)
+        return weights, model.get_weights(), history.history
+
+
+class Killer:
+    """Waits for the paused replica's file, then kills -9 its worker and the worker's nanny."""
+
+    def __init__(self, marker):
+        self.marker = marker
+        self.record: dict = {}
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.marker.exists():
+                paused = json.loads(self.marker.read_text())
+                os.kill(paused["ppid"], signal.SIGKILL)  # the nanny first: nothing restarts the worker
+                os.kill(paused["pid"], signal.SIGKILL)
+                self.record.update(paused, killed=time.time())
+                return
+            time.sleep(0.01)
+
+    def join(self) -> dict:
+        self.thread.join(5)
+        assert "killed" in self.record, "the replica never reached its fault point"
+        return self.record
+
+
+def test_pause_points_are_parsed_and_checked():
+    assert fault_points.PausePoint.parse("reduce-scatter:4:1") == fault_points.PausePoint("reduce-scatter", 4, 1)
+    for bad in ("reduce:4:1", "apply:4", "apply:-1:0", "apply:x:0", "apply:1:2:3"):
+        with pytest.raises(ValueError, match="pause-at must be '<phase>:<step>:<rank>'"):
+            fault_points.PausePoint.parse(bad)
+    assert config.get("testing.pause-at") is None  # off by default
+
+
+def test_a_pause_point_fires_once_on_its_rank_and_step_and_writes_who_paused(tmp_path):
+    marker = tmp_path / "paused.json"
+    steps = iter(range(10))
+    settings = {"daskdist.testing.pause-at": "forward:2:1", "daskdist.testing.pause-file": str(marker),
+                "daskdist.testing.pause-seconds": "0.2s"}
+    with dask.config.set(settings):
+        assert fault_points.arm(0, lambda: 0) is not None  # another rank: armed, but never pauses
+        fault_points.begin_step(2)
+        fault_points.reached("forward")
+        assert not marker.exists()
+        before_batch = fault_points.arm(1, lambda: next(steps))
+        paused_at = []
+        for _ in range(4):
+            before_batch()  # steps 0, 1, 2, 3
+            start = time.monotonic()
+            fault_points.reached("forward")
+            fault_points.reached("apply")
+            if time.monotonic() - start >= 0.2:
+                paused_at.append(fault_points._local.step)
+        assert paused_at == [2]
+        record = json.loads(marker.read_text())
+        assert record["pid"] == os.getpid() and record["ppid"] == os.getppid()
+        assert (record["phase"], record["step"], record["rank"]) == ("forward", 2, 1)
+        fault_points.arm(1, lambda: 2)  # armed again (a replayed step after a loss): the file says it fired
+        fault_points.begin_step(2)
+        start = time.monotonic()
+        fault_points.reached("forward")
+        assert time.monotonic() - start < 0.2
+    with dask.config.set({"daskdist.testing.pause-at": "forward:2:1"}), \
+            pytest.raises(ValueError, match="needs daskdist.testing.pause-file"):
+        fault_points.arm(1, lambda: 0)
+    assert fault_points.arm(1, lambda: 0) is None  # unset: nothing armed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", fault_points.PHASES)
+def test_kill_9_of_one_of_3_workers_at_each_phase_of_a_step_fit_finishes_with_the_uninterrupted_weights(
+        phase, uninterrupted, process_workers, tmp_path):
+    weights, expected, reference = uninterrupted
+    workers = process_workers(3)
+    marker = tmp_path / "paused.json"
+    settings = {"daskdist.testing.pause-at": f"{phase}:{PAUSE_STEP}:{VICTIM_RANK}",
+                "daskdist.testing.pause-file": str(marker)}
+    with dask.config.set(settings), dd.MultiWorkerMirroredStrategy(
+            communication_options=RING, client=workers.client,
+            elastic=dd.ElasticOptions(min_replicas=2)) as strategy:
+        assert strategy.num_replicas_in_sync == 3 and strategy.extended.group.spec.policy == "elastic"
+        with strategy.scope():
+            model = _model(weights)
+        victim = strategy.extended.worker_addresses[VICTIM_RANK]
+        killer = Killer(marker)
+        history = model.fit(_train_set(), epochs=2, verbose=0)
+        record = killer.join()
+        assert (record["phase"], record["step"], record["rank"], record["address"]) == (
+            phase, PAUSE_STEP, VICTIM_RANK, victim)
+        assert strategy.num_replicas_in_sync == 2 and victim not in strategy.extended.worker_addresses
+        (event,) = history.elastic.events
+        assert event.lost == [victim] and event.action == "restored" and len(event.members) == 2
+        _, epoch, step = event.commit
+        # back to the commit before the step the victim died in (after it, for a death while committing it)
+        assert (epoch, step) == (0, PAUSE_STEP + 1 if phase == "commit" else PAUSE_STEP)
+        restored = [t for t, m in workers.client.get_events("daskdist-elastic") if m.get("action") == "restored"]
+        assert len(restored) == 1 and restored[0] - record["killed"] < 15  # detected and re-formed in seconds
+        for e in (0, 1):  # every row of each epoch in exactly one committed update
+            assert history.elastic.ledger.steps(e) == list(range(10))
+            assert sorted(history.elastic.ledger.positions(e, history.elastic.rows).tolist()) == list(range(240))
+        for got, want in zip(model.get_weights(), expected):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        assert history.history["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+        assert history.history["accuracy"] == pytest.approx(reference["accuracy"], rel=1e-5)
+        assert int(model._optimizer_state()["iterations"]) == 20  # each step applied once in the state kept
+        # the survivors' resolvers name the two members left (one host here: task 0)
+        seen = strategy.extended.group.call(_resolver_view)
+        assert [s[0] for s in seen] == [("worker", 0)] * 2
+        assert all(victim not in s[1] and len(s[1]) == 2 for s in seen)
+
+
+def _resolver_view(service):
+    resolver = service.strategy_view.cluster_resolver
+    return (resolver.task_type, resolver.task_id), list(resolver.selector)
+
+
+def _digits():
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    images = (digits.images / 16.0).astype(np.float32)[..., None]
+    return train_test_split(images, digits.target.astype(np.int64), test_size=0.2, random_state=0)
+
+
+def _cnn(weights=None):
+    model = keras.Sequential([
+        keras.layers.Conv2D(16, 3, activation="relu", input_shape=(8, 8, 1)),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Flatten(),
+        keras.layers.Dense(32, activation="relu"),
+        keras.layers.Dense(10),
+    ])
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.Adam(0.003), metrics=["accuracy"])
+    model.build((8, 8, 1))
+    if weights is not None:
+        model.set_weights(weights)
+    return model
+
+
+@pytest.mark.slow
+def test_a_kill_inside_the_all_reduce_leaves_the_digits_test_accuracy_within_half_a_point(process_workers, tmp_path):
+    x_train, x_test, y_train, y_test = _digits()
+    train = Dataset.from_tensor_slices((x_train, y_train)).batch(96)  # 15 steps per epoch, the last one partial
+    workers = process_workers(3)
+    weights = _cnn().get_weights()
+    accuracy = {}
+    for interrupted in (False, True):
+        marker = tmp_path / f"paused-{interrupted}.json"
+        settings = {"daskdist.testing.pause-at": f"all-gather:20:{VICTIM_RANK}" if interrupted else None,
+                    "daskdist.testing.pause-file": str(marker)}
+        with dask.config.set(settings), dd.MultiWorkerMirroredStrategy(
+                communication_options=RING, client=workers.client,
+                elastic=dd.ElasticOptions(min_replicas=2)) as strategy:
+            with strategy.scope():
+                model = _cnn(weights)
+            killer = Killer(marker) if interrupted else None
+            history = model.fit(train, epochs=4, verbose=0)
+            if killer is not None:
+                assert killer.join()["phase"] == "all-gather"
+                (event,) = history.elastic.events
+                assert event.commit[1:] == (1, 5)  # step 20 is the sixth of the second epoch
+            accuracy[interrupted] = model.evaluate(Dataset.from_tensor_slices((x_test, y_test)).batch(90),
+                                                   verbose=0, return_dict=True)["accuracy"]
+    assert accuracy[False] > 0.85, accuracy  # it learned
+    assert abs(accuracy[True] - accuracy[False]) <= 0.005, accuracy
