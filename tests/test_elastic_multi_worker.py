@@ -242,3 +242,40 @@ def test_a_kill_inside_the_all_reduce_leaves_the_digits_test_accuracy_within_hal
                                                    verbose=0, return_dict=True)["accuracy"]
     assert accuracy[False] > 0.85, accuracy  # it learned
     assert abs(accuracy[True] - accuracy[False]) <= 0.005, accuracy
+
+
+@pytest.mark.slow
+def test_an_elastic_custom_loop_under_mwms_survives_a_killed_worker_and_counts_every_row_once(process_workers):
+    workers = process_workers(3)
+    values = np.arange(1, 121, dtype=np.float64)
+    dataset = Dataset.from_tensor_slices(values).batch(12)  # 10 steps per epoch
+    with dd.MultiWorkerMirroredStrategy(client=workers.client, elastic=dd.ElasticOptions(min_replicas=2)) as strategy:
+        with strategy.scope():
+            total = dd.Variable(np.zeros((), np.float64), aggregation=dd.VariableAggregation.ONLY_FIRST_REPLICA)
+        victim = strategy.extended.worker_addresses[2]
+        killed = []
+
+        def step(rows):
+            total.assign_add(dd.get_replica_context().all_reduce("SUM", rows.sum()))
+
+        @dd.elastic.run
+        def train(state):
+            while state.epoch < 2:
+                for batch in state.batches(dataset):
+                    if (state.epoch, state.batch) == (0, 5) and not killed:
+                        workers.kill(victim)  # between two steps, after 4 commits: the next run fails
+                        killed.append(state.steps)
+                    state.steps += 1
+                    strategy.run(step, args=(batch,))
+                    state.commit()
+                state.epoch += 1
+
+        state = dd.elastic.State(strategy, epoch=0, steps=0)
+        train(state)
+        (event,) = state.events
+        assert event.lost == [victim] and strategy.num_replicas_in_sync == 2
+        assert killed == [4] and state.steps == 20  # the failed step's count went back with the commit
+        assert total.read_value() == 2 * values.sum()  # each row added once per epoch, none replayed or skipped
+        for epoch in (0, 1):
+            assert sorted(state.ledger.positions(epoch, state._rows).tolist()) == list(range(120))
+        assert [s[0] for s in strategy.extended.group.call(_resolver_view)] == [("worker", 0)] * 2
