@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 from daskdist import config
 
-__all__ = ["ARMED", "PHASES", "PausePoint", "arm", "begin_step", "reached"]
+__all__ = ["ARMED", "PHASES", "PausePoint", "arm", "begin_step", "bound", "reached"]
 
 logger = logging.getLogger(__name__)
 
@@ -113,25 +113,41 @@ def begin_step(step: int) -> None:
 
 def reached(phase: str) -> None:
     """Fault point ``phase``: pause here if this thread's armed point names it and this step (once, see module)."""
+    pause = bound(phase)
+    if pause is not None:
+        pause()
+
+
+def bound(phase: str) -> Callable[[], None] | None:
+    """Fault point ``phase`` of this thread's current step, as a callable another thread may call.
+
+    ``None`` unless this thread's armed point names ``phase`` and the current
+    step. For work a replica hands to a helper thread (a commit's copy): the
+    pause then happens where that thread runs it. Disarms this thread's point.
+    """
     point = getattr(_local, "point", None)
     if point is None or point.phase != phase or point.step != _local.step:
-        return
-    try:
-        fd = os.open(_local.path + ".lock", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:  # it fired already (in this or another process): run on
-        _local.point = None
-        return
-    os.close(fd)
+        return None
     _local.point = None
-    record = {"pid": os.getpid(), "ppid": os.getppid(), "address": _worker_address(), "phase": phase,
-              "step": point.step, "rank": point.rank, "host": socket.gethostname()}
-    partial = f"{_local.path}.{os.getpid()}.tmp"
-    with open(partial, "w") as f:
-        json.dump(record, f)
-    os.replace(partial, _local.path)  # the test sees the whole record or none
-    logger.warning("Test fault point: replica %d pauses at %s of step %d for %g s (daskdist.testing.pause-at)",
-                   point.rank, phase, point.step, _local.seconds)
-    time.sleep(_local.seconds)
+    path, seconds = _local.path, _local.seconds
+
+    def pause() -> None:
+        try:
+            fd = os.open(path + ".lock", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:  # it fired already (in this or another process): run on
+            return
+        os.close(fd)
+        record = {"pid": os.getpid(), "ppid": os.getppid(), "address": _worker_address(), "phase": phase,
+                  "step": point.step, "rank": point.rank, "host": socket.gethostname()}
+        partial = f"{path}.{os.getpid()}.tmp"
+        with open(partial, "w") as f:
+            json.dump(record, f)
+        os.replace(partial, path)  # the test sees the whole record or none
+        logger.warning("Test fault point: replica %d pauses at %s of step %d for %g s (daskdist.testing.pause-at)",
+                       point.rank, phase, point.step, seconds)
+        time.sleep(seconds)
+
+    return pause
 
 
 def _worker_address() -> str | None:

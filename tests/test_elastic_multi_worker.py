@@ -137,6 +137,17 @@ def test_a_pause_point_fires_once_on_its_rank_and_step_and_writes_who_paused(tmp
         start = time.monotonic()
         fault_points.reached("forward")
         assert time.monotonic() - start < 0.2
+    handed = tmp_path / "handed.json"  # a point handed to another thread (a commit's copy) pauses there
+    with dask.config.set({**settings, "daskdist.testing.pause-at": "commit:3:0",
+                          "daskdist.testing.pause-file": str(handed)}):
+        fault_points.arm(0, lambda: 0)
+        fault_points.begin_step(3)
+        pause = fault_points.bound("commit")
+        assert pause is not None and fault_points.bound("commit") is None  # handed over once
+        helper = threading.Thread(target=pause)
+        helper.start()
+        helper.join(5)
+        assert json.loads(handed.read_text())["phase"] == "commit"
     with dask.config.set({"daskdist.testing.pause-at": "forward:2:1"}), \
             pytest.raises(ValueError, match="needs daskdist.testing.pause-file"):
         fault_points.arm(1, lambda: 0)
@@ -279,3 +290,150 @@ def test_an_elastic_custom_loop_under_mwms_survives_a_killed_worker_and_counts_e
         for epoch in (0, 1):
             assert sorted(state.ledger.positions(epoch, state._rows).tolist()) == list(range(120))
         assert [s[0] for s in strategy.extended.group.call(_resolver_view)] == [("worker", 0)] * 2
+
+
+# -- separate hosts (network namespaces: tests/netns.py) -------------------------------------------------------
+
+netns = pytest.mark.netns
+
+
+@pytest.fixture
+def fresh_hosts():
+    """Two namespace hosts h1, h2 with two Dask workers each (no nannies), made for one test that breaks them."""
+    from distributed import Client
+
+    from tests.netns import start_hosts, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    hosts = start_hosts(2, 2, rate="10gbit")
+    previous = signal.signal(signal.SIGTERM, lambda *_: (hosts.close(), os._exit(143)))
+    try:
+        with Client(hosts.scheduler_address, set_as_default=False) as client:
+            client.wait_for_workers(4, timeout=60)
+            yield hosts, client
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        hosts.close()
+
+
+def _wide_set():
+    x, y = _data(320, features=8, seed=1)
+    return Dataset.from_tensor_slices((x, y)).batch(32)  # 10 steps per epoch
+
+
+def _wide_model(weights=None):
+    model = keras.Sequential([keras.layers.Dense(16, activation="relu", input_shape=(8,)), keras.layers.Dense(3)])
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.Adam(0.01), metrics=["accuracy"])
+    model.build((8,))
+    if weights is not None:
+        model.set_weights(weights)
+    return model
+
+
+def _uninterrupted_on(client, weights):
+    with dd.MultiWorkerMirroredStrategy(client=client) as strategy:
+        assert strategy.num_replicas_in_sync == 4 and strategy.extended.num_hosts == 2
+        with strategy.scope():
+            model = _wide_model(weights)
+        history = model.fit(_wide_set(), epochs=2, verbose=0)
+        return model.get_weights(), history.history
+
+
+def _host_workers(client, host) -> list[str]:
+    return sorted(a for a in client.scheduler_info()["workers"] if f"//{host.address}:" in a)
+
+
+def _check_finished_on_h1(strategy, history, hosts, client, expected, reference):
+    h1 = hosts.hosts[0]
+    assert strategy.num_replicas_in_sync == 2 and strategy.extended.num_hosts == 1
+    assert all(f"//{h1.address}:" in a for a in strategy.extended.worker_addresses)
+    for e in (0, 1):
+        assert sorted(history.elastic.ledger.positions(e, history.elastic.rows).tolist()) == list(range(320))
+    for got, want in zip(history.model.get_weights(), expected):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert history.history["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+    # the survivors' TF view: one host left, task 0, the spec naming only h1
+    seen = strategy.extended.group.call(_resolver_view)
+    assert [s[0] for s in seen] == [("worker", 0)] * 2
+    assert strategy.cluster_resolver.cluster_spec().as_dict() == {"worker": [h1.address]}
+
+
+@netns
+@pytest.mark.slow
+def test_a_whole_host_lost_mid_epoch_mwms_training_finishes_on_the_other_host(fresh_hosts, tmp_path):
+    hosts, client = fresh_hosts
+    weights = _wide_model().get_weights()
+    expected, reference = _uninterrupted_on(client, weights)
+    h2 = hosts.hosts[1]
+    lost = _host_workers(client, h2)
+    marker = tmp_path / "paused.json"
+    settings = {"daskdist.testing.pause-at": f"forward:{PAUSE_STEP}:2",  # h2's first replica, mid step 4
+                "daskdist.testing.pause-file": str(marker)}
+    with dask.config.set(settings), dd.MultiWorkerMirroredStrategy(
+            client=client, elastic=dd.ElasticOptions(min_replicas=2)) as strategy:
+        assert strategy.extended.num_hosts == 2
+        with strategy.scope():
+            model = _wide_model(weights)
+        record: dict = {}
+
+        def lose_h2():
+            deadline = time.monotonic() + 120
+            while not marker.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            record.update(json.loads(marker.read_text()))
+            for worker in h2.workers:  # every process of the host (its workers have no nanny)
+                os.kill(worker.pid, signal.SIGKILL)
+            record["killed"] = time.time()
+
+        thread = threading.Thread(target=lose_h2, daemon=True)
+        thread.start()
+        history = model.fit(_wide_set(), epochs=2, verbose=0)
+        thread.join(5)
+        assert record.get("host") == "h2" and "killed" in record
+        assert sorted(a for event in history.elastic.events for a in event.lost) == lost
+        restored = [t for t, m in client.get_events("daskdist-elastic") if m.get("action") == "restored"]
+        assert restored and restored[-1] - record["killed"] < 15
+        _check_finished_on_h1(strategy, history, hosts, client, expected, reference)
+
+
+@netns
+@pytest.mark.slow
+def test_a_host_cut_off_mid_epoch_is_detected_within_10_seconds_and_training_finishes_on_the_rest(
+        fresh_hosts, tmp_path):
+    hosts, client = fresh_hosts
+    weights = _wide_model().get_weights()
+    expected, reference = _uninterrupted_on(client, weights)
+    h2 = hosts.hosts[1]
+    lost = _host_workers(client, h2)
+    marker = tmp_path / "paused.json"
+    settings = {"daskdist.testing.pause-at": f"forward:{PAUSE_STEP}:2", "daskdist.testing.pause-file": str(marker),
+                "daskdist.testing.pause-seconds": "3s"}  # then it runs on, into a link that is down
+    try:
+        with dask.config.set(settings), dd.MultiWorkerMirroredStrategy(
+                client=client, elastic=dd.ElasticOptions(min_replicas=2, generation_timeout="90s")) as strategy:
+            with strategy.scope():
+                model = _wide_model(weights)
+            record: dict = {}
+
+            def cut_h2():
+                deadline = time.monotonic() + 120
+                while not marker.exists() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                hosts.link_down(1)  # no FIN, no RST: h2's packets just vanish
+                record["cut"] = time.time()
+
+            thread = threading.Thread(target=cut_h2, daemon=True)
+            thread.start()
+            history = model.fit(_wide_set(), epochs=2, verbose=0)
+            thread.join(5)
+            assert "cut" in record
+            assert sorted(a for event in history.elastic.events for a in event.lost) == lost
+            restored = [t for t, m in client.get_events("daskdist-elastic") if m.get("action") == "restored"]
+            # detected within 10 s (replica heartbeats), plus the re-formation and restore
+            assert restored and restored[-1] - record["cut"] < 15, restored[-1] - record["cut"]
+            _check_finished_on_h1(strategy, history, hosts, client, expected, reference)
+    finally:
+        hosts.link_up(1)
