@@ -129,7 +129,7 @@ def bound(phase: str) -> Callable[[], None] | None:
     if point is None or point.phase != phase or point.step != _local.step:
         return None
     _local.point = None
-    path, seconds = _local.path, _local.seconds
+    path, seconds, address = _local.path, _local.seconds, _worker_address()  # the worker, known in its thread
 
     def pause() -> None:
         try:
@@ -137,7 +137,7 @@ def bound(phase: str) -> Callable[[], None] | None:
         except FileExistsError:  # it fired already (in this or another process): run on
             return
         os.close(fd)
-        record = {"pid": os.getpid(), "ppid": os.getppid(), "address": _worker_address(), "phase": phase,
+        record = {"pid": os.getpid(), "ppid": os.getppid(), "address": address, "phase": phase,
                   "step": point.step, "rank": point.rank, "host": socket.gethostname()}
         partial = f"{path}.{os.getpid()}.tmp"
         with open(partial, "w") as f:
