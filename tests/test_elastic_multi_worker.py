@@ -154,6 +154,25 @@ def test_a_pause_point_fires_once_on_its_rank_and_step_and_writes_who_paused(tmp
     assert fault_points.arm(1, lambda: 0) is None  # unset: nothing armed
 
 
+def test_after_a_re_formation_hosts_left_are_renumbered_and_newcomers_join_their_host():
+    from daskdist.cluster_resolver.selection import HostGroup
+    from daskdist.strategy.multi_worker_mirrored import renumber_hosts
+
+    a = [f"tcp://10.0.0.{h}:{p}" for h in (1, 2, 3) for p in (1, 2)]  # hosts .1, .2, .3 with two workers each
+    hosts = [HostGroup("h1", (a[0], a[1])), HostGroup("h2", (a[2], a[3])), HostGroup("h3", (a[4], a[5]))]
+    # host h2 lost entirely: h3 becomes task 1
+    groups, tasks = renumber_hosts(hosts, [a[0], a[1], a[4], a[5]])
+    assert [g.entry for g in groups] == ["h1", "h3"] and tasks == [0, 0, 1, 1]
+    # rank 0 lost (the oldest survivor of h1 leads): h1 keeps task 0 with one worker
+    groups, tasks = renumber_hosts(hosts, [a[1], a[2], a[3]])
+    assert groups == [HostGroup("h1", (a[1],)), HostGroup("h2", (a[2], a[3]))] and tasks == [0, 1, 1]
+    # newcomers: one on h2's machine joins h2, one on a new machine forms host 2
+    newcomer, stranger = "tcp://10.0.0.2:9", "tcp://10.0.0.9:1"
+    groups, tasks = renumber_hosts(hosts[:2], [a[0], a[2], a[3], newcomer, stranger])
+    assert groups[1] == HostGroup("h2", (a[2], a[3], newcomer)) and groups[2] == HostGroup("10.0.0.9", (stranger,))
+    assert tasks == [0, 1, 1, 1, 2]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("phase", fault_points.PHASES)
 def test_kill_9_of_one_of_3_workers_at_each_phase_of_a_step_fit_finishes_with_the_uninterrupted_weights(
@@ -290,6 +309,29 @@ def test_an_elastic_custom_loop_under_mwms_survives_a_killed_worker_and_counts_e
         for epoch in (0, 1):
             assert sorted(state.ledger.positions(epoch, state._rows).tolist()) == list(range(120))
         assert [s[0] for s in strategy.extended.group.call(_resolver_view)] == [("worker", 0)] * 2
+
+
+@pytest.mark.slow
+def test_a_free_worker_joins_an_elastic_mwms_at_the_next_epoch_with_a_resolver_of_the_grown_group(process_workers):
+    workers = process_workers(3)
+    chosen = sorted(workers.client.scheduler_info()["workers"])[:2]
+    resolver = dd.cluster_resolver.DaskClusterResolver(workers=chosen)
+    weights = _model().get_weights()
+    options = dd.ElasticOptions(min_replicas=2, max_replicas=3)
+    with dd.MultiWorkerMirroredStrategy(resolver, client=workers.client, elastic=options) as strategy:
+        assert list(strategy.extended.worker_addresses) == chosen
+        (free,) = set(workers.client.scheduler_info()["workers"]) - set(chosen)
+        with strategy.scope():
+            model = _model(weights)
+        history = model.fit(_train_set(), epochs=2, verbose=0)
+        (event,) = history.elastic.events
+        assert event.action == "grew" and event.admitted == [free]
+        assert strategy.num_replicas_in_sync == 3 and strategy.extended.num_hosts == 1
+        assert strategy.cluster_resolver is resolver  # the user's resolver stays the strategy's (TF)
+        seen = strategy.extended.group.call(_resolver_view)  # the newcomer too has a resolver, of all three
+        assert [s[0] for s in seen] == [("worker", 0)] * 3
+        assert all(sorted(s[1]) == sorted([*chosen, free]) for s in seen)
+        assert sorted(history.elastic.ledger.positions(1, history.elastic.rows).tolist()) == list(range(240))
 
 
 # -- separate hosts (network namespaces: tests/netns.py) -------------------------------------------------------

@@ -45,7 +45,8 @@ from daskdist.replica.strategy_view import CLUSTER_RESOLVER_KEY
 from daskdist.strategy.base import Strategy
 from daskdist.strategy.mirrored import MirroredExtended
 
-__all__ = ["MultiWorkerMirroredExtended", "MultiWorkerMirroredStrategy", "MultiWorkerMirroredStrategyExperimental"]
+__all__ = ["MultiWorkerMirroredExtended", "MultiWorkerMirroredStrategy", "MultiWorkerMirroredStrategyExperimental",
+           "renumber_hosts"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,40 @@ def validate_cluster_spec(spec: ClusterSpec, task_type: str | None, task_id: int
         raise ValueError("There must be at most one 'evaluator' job.")
     if task_type in spec.jobs and task_id >= len(spec.job_tasks(task_type)):
         raise ValueError(f"The `task_id` {task_id} exceeds the maximum id of {task_type}.")
+
+
+def renumber_hosts(groups: list[HostGroup], members: list[str]) -> tuple[list[HostGroup], list[int]]:
+    """The hosts (TF workers) of a re-formed group, and each member's ``task_id``.
+
+    Parameters
+    ----------
+    groups
+        The hosts before, in task order, each with its Dask workers.
+    members
+        The new members' addresses in rank order (survivors in their old order, newcomers last).
+
+    Returns
+    -------
+    The hosts that still hold members, in the order their first member ranks, and the ``task_id`` of each
+    member (its host's index). A host whose members all left is dropped and the hosts after it move up; a
+    newcomer joins the host whose workers share its address's host, else forms a new host at the end.
+    """
+    kept = [HostGroup(g.entry, tuple(a for a in g.workers if a in members)) for g in groups]
+    live = [g for g in kept if g.workers]
+    placed = {a for g in live for a in g.workers}
+    for address in members:
+        if address in placed:
+            continue
+        host = address_host(address)
+        index = next((i for i, g in enumerate(live) if address_host(g.workers[0]) == host), None)
+        if index is None:
+            live.append(HostGroup(host, (address,)))
+        else:
+            live[index] = HostGroup(live[index].entry, (*live[index].workers, address))
+    task_of = {a: i for i, g in enumerate(live) for a in g.workers}
+    order = list(dict.fromkeys(task_of[a] for a in members))
+    renumber = {old: new for new, old in enumerate(order)}
+    return [live[old] for old in order], [renumber[task_of[a]] for a in members]
 
 
 def _install_resolver(runtime: Any, resolver: DaskClusterResolver) -> None:
@@ -194,24 +229,7 @@ class MultiWorkerMirroredExtended(MirroredExtended):
         at the end. Every replica then gets a resolver of the new members.
         """
         members = list(self.worker_addresses)
-        kept = [HostGroup(g.entry, tuple(a for a in g.workers if a in members)) for g in self.host_groups]
-        groups = [g for g in kept if g.workers]
-        placed = {a for g in groups for a in g.workers}
-        for address in members:
-            if address in placed:
-                continue
-            host = address_host(address)
-            index = next((i for i, g in enumerate(groups) if address_host(g.workers[0]) == host), None)
-            if index is None:
-                groups.append(HostGroup(host, (address,)))
-            else:
-                groups[index] = HostGroup(groups[index].entry, (*groups[index].workers, address))
-        task_of = {a: i for i, g in enumerate(groups) for a in g.workers}
-        # ranks are the members' order (survivors keep theirs, newcomers come last): task ids follow it
-        order = list(dict.fromkeys(task_of[a] for a in members))
-        renumber = {old: new for new, old in enumerate(order)}
-        self.host_groups = [groups[old] for old in order]
-        self.task_ids = [renumber[task_of[a]] for a in members]
+        self.host_groups, self.task_ids = renumber_hosts(self.host_groups, members)
         logger.info("MultiWorkerMirroredStrategy re-formed: %d hosts (%s), %d replicas", len(self.host_groups),
                     ", ".join(f"{g.entry} x{len(g.workers)}" for g in self.host_groups), len(members))
         if not (self._resolver_given or self._selection is not None):
