@@ -246,16 +246,30 @@ def _cnn(weights=None):
     return model
 
 
+def _seeded_weights(model, seed=0):
+    """Glorot-uniform kernels and zero biases from a seeded generator: the same start in every run."""
+    rng = np.random.default_rng(seed)
+    weights = []
+    for w in model.get_weights():
+        if w.ndim == 1:
+            weights.append(np.zeros_like(w))
+        else:
+            fan_in, fan_out = int(np.prod(w.shape[:-1])), int(w.shape[-1])
+            limit = np.sqrt(6.0 / (fan_in + fan_out))
+            weights.append(rng.uniform(-limit, limit, w.shape).astype(w.dtype))
+    return weights
+
+
 @pytest.mark.slow
 def test_a_kill_inside_the_all_reduce_leaves_the_digits_test_accuracy_within_half_a_point(process_workers, tmp_path):
     x_train, x_test, y_train, y_test = _digits()
-    train = Dataset.from_tensor_slices((x_train, y_train)).batch(96)  # 15 steps per epoch, the last one partial
+    train = Dataset.from_tensor_slices((x_train, y_train)).batch(48)  # 30 steps per epoch, the last one partial
     workers = process_workers(3)
-    weights = _cnn().get_weights()
+    weights = _seeded_weights(_cnn())
     accuracy = {}
     for interrupted in (False, True):
         marker = tmp_path / f"paused-{interrupted}.json"
-        settings = {"daskdist.testing.pause-at": f"all-gather:20:{VICTIM_RANK}" if interrupted else None,
+        settings = {"daskdist.testing.pause-at": f"all-gather:40:{VICTIM_RANK}" if interrupted else None,
                     "daskdist.testing.pause-file": str(marker)}
         with dask.config.set(settings), dd.MultiWorkerMirroredStrategy(
                 communication_options=RING, client=workers.client,
@@ -263,14 +277,14 @@ def test_a_kill_inside_the_all_reduce_leaves_the_digits_test_accuracy_within_hal
             with strategy.scope():
                 model = _cnn(weights)
             killer = Killer(marker) if interrupted else None
-            history = model.fit(train, epochs=4, verbose=0)
+            history = model.fit(train, epochs=5, verbose=0)
             if killer is not None:
                 assert killer.join()["phase"] == "all-gather"
                 (event,) = history.elastic.events
-                assert event.commit[1:] == (1, 5)  # step 20 is the sixth of the second epoch
+                assert event.commit[1:] == (1, 10)  # step 40 is the eleventh of the second epoch
             accuracy[interrupted] = model.evaluate(Dataset.from_tensor_slices((x_test, y_test)).batch(90),
                                                    verbose=0, return_dict=True)["accuracy"]
-    assert accuracy[False] > 0.85, accuracy  # it learned
+    assert accuracy[False] > 0.9, accuracy  # it learned
     assert abs(accuracy[True] - accuracy[False]) <= 0.005, accuracy
 
 
