@@ -78,8 +78,9 @@ def uninterrupted(threaded_client):
 class Killer:
     """Waits for the paused replica's file, then kills -9 its worker and the worker's nanny."""
 
-    def __init__(self, marker):
+    def __init__(self, marker, nanny: bool = True):
         self.marker = marker
+        self.nanny = nanny  # whether the worker has a nanny (its parent) to kill first
         self.record: dict = {}
         self.thread = threading.Thread(target=self._watch, daemon=True)
         self.thread.start()
@@ -89,7 +90,8 @@ class Killer:
         while time.monotonic() < deadline:
             if self.marker.exists():
                 paused = json.loads(self.marker.read_text())
-                os.kill(paused["ppid"], signal.SIGKILL)  # the nanny first: nothing restarts the worker
+                if self.nanny:
+                    os.kill(paused["ppid"], signal.SIGKILL)  # the nanny first: nothing restarts the worker
                 os.kill(paused["pid"], signal.SIGKILL)
                 self.record.update(paused, killed=time.time())
                 return
@@ -453,6 +455,43 @@ def test_a_whole_host_lost_mid_epoch_mwms_training_finishes_on_the_other_host(fr
         restored = [t for t, m in client.get_events("daskdist-elastic") if m.get("action") == "restored"]
         assert restored and restored[-1] - record["killed"] < 15
         _check_finished_on_h1(strategy, history, hosts, client, expected, reference)
+
+
+@netns
+@pytest.mark.slow
+def test_h2s_leader_killed_inside_the_cross_host_ring_training_finishes_on_three_replicas_over_two_hosts(
+        fresh_hosts, tmp_path):
+    """Every pack goes through the hierarchical all-reduce (no one-hop size), whose leaders' ring crosses hosts."""
+    hosts, client = fresh_hosts
+    weights = _wide_model().get_weights()
+    with dask.config.set({"daskdist.collective.small-message-bytes": 0}):
+        expected, reference = _uninterrupted_on(client, weights)
+    h1, h2 = hosts.hosts
+    marker = tmp_path / "paused.json"
+    settings = {"daskdist.collective.small-message-bytes": 0,
+                "daskdist.testing.pause-at": f"reduce-scatter:{PAUSE_STEP}:2",  # h2's leader, in the hosts' ring
+                "daskdist.testing.pause-file": str(marker)}
+    with dask.config.set(settings), dd.MultiWorkerMirroredStrategy(
+            client=client, elastic=dd.ElasticOptions(min_replicas=2)) as strategy:
+        with strategy.scope():
+            model = _wide_model(weights)
+        victim = strategy.extended.worker_addresses[2]
+        killer = Killer(marker, nanny=False)
+        history = model.fit(_wide_set(), epochs=2, verbose=0)
+        record = killer.join()
+        assert (record["host"], record["address"], record["phase"]) == ("h2", victim, "reduce-scatter")
+        (event,) = history.elastic.events
+        assert event.lost == [victim] and event.commit[1:] == (0, PAUSE_STEP)
+        assert strategy.num_replicas_in_sync == 3 and strategy.extended.num_hosts == 2
+        # h2's other worker is its host's only replica now: task 1, the spec still naming both hosts
+        seen = strategy.extended.group.call(_resolver_view)
+        assert [s[0] for s in seen] == [("worker", 0), ("worker", 0), ("worker", 1)]
+        assert strategy.cluster_resolver.cluster_spec().as_dict() == {"worker": [h1.address, h2.address]}
+        for e in (0, 1):
+            assert sorted(history.elastic.ledger.positions(e, history.elastic.rows).tolist()) == list(range(320))
+        for got, want in zip(model.get_weights(), expected):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        assert history.history["loss"] == pytest.approx(reference["loss"], rel=1e-5)
 
 
 @netns
