@@ -366,3 +366,51 @@ def test_the_v1_facade_runs_on_every_worker_with_its_own_input(threaded_client):
         assert len(first.values) == len(roles["worker"]) == 2
         assert first.values == ([0, 1], [2, 3]) and second.values == ([4, 5], [6, 7])  # batches sharded per worker
         assert int(global_step.numpy()) == 4
+
+
+@pytest.mark.timeout(120)
+def test_a_ps_lost_while_a_lost_workers_closure_is_re_run_fails_join_and_fetch_within_seconds(make_cluster, tmp_path):
+    client = make_cluster(3, processes=True)
+    roles = _roles(client, 1)
+    starts = tmp_path / "starts"
+    with dd.ParameterServerStrategy(SpecResolver(roles), client=client) as strategy:
+        coordinator = ClusterCoordinator(strategy)
+        with strategy.scope():
+            v = dd.Variable(np.zeros(()), name="v")
+
+        def closure(i):
+            with open(starts, "a") as f:  # one line per run of closure i, by the process that runs it
+                f.write(f"{i} {os.getpid()}\n")
+            v.assign_add(1.0)
+            time.sleep(1.0)
+            v.assign_add(1.0)
+            return i
+
+        values = [coordinator.schedule(closure, args=(i,)) for i in range(12)]
+        time.sleep(0.5)  # both workers are inside their first closure
+        victim, other = roles["worker"]
+        os.kill(_pid(client, victim), signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        rerun = None
+        while rerun is None and time.monotonic() < deadline:  # wait for the lost closure to start again elsewhere
+            runs: dict[int, set[str]] = {}
+            for line in starts.read_text().splitlines() if starts.exists() else []:
+                i, pid = line.split()
+                runs.setdefault(int(i), set()).add(pid)
+            rerun = next((i for i, pids in runs.items() if len(pids) > 1), None)
+            time.sleep(0.02)
+        assert rerun is not None, "the lost worker's closure never ran again"
+        os.kill(_pid(client, roles["ps"][0]), signal.SIGKILL)  # while the re-run is in flight
+        start = time.monotonic()
+        with pytest.raises(dd.experimental.coordinator.ParameterServerLostError, match="parameter server"):
+            coordinator.join()
+        with pytest.raises((dd.experimental.coordinator.ParameterServerLostError, CancelledError)) as raised:
+            values[rerun].fetch()
+        assert time.monotonic() - start < 10
+        if isinstance(raised.value, CancelledError):  # only if it had not started before the ps was found lost
+            pytest.fail(f"closure {rerun} was re-running, yet its fetch says cancelled: {raised.value}")
+        with pytest.raises(CancelledError):
+            values[-1].fetch()  # still queued when the ps was lost: cancelled
+        with pytest.raises(dd.experimental.coordinator.ParameterServerLostError):
+            coordinator.schedule(closure, args=(99,))
+    assert time.monotonic() - start < 30  # closing the strategy did not wait for the lost ps either
