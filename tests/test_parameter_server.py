@@ -414,3 +414,51 @@ def test_a_ps_lost_while_a_lost_workers_closure_is_re_run_fails_join_and_fetch_w
         with pytest.raises(dd.experimental.coordinator.ParameterServerLostError):
             coordinator.schedule(closure, args=(99,))
     assert time.monotonic() - start < 30  # closing the strategy did not wait for the lost ps either
+
+
+# -- per-worker input from Dask collections: read in place, recorded in the data ledger ---------------------
+
+
+@pytest.mark.timeout(120)
+def test_per_worker_datasets_of_dask_collections_read_their_own_partitions_and_the_ledger_shows_each_once(
+        threaded_client):
+    import dask.array as da
+
+    roles = _roles(threaded_client, 1)
+    ids = da.arange(96, chunks=8)
+    table = threaded_client.persist(da.stack([ids, ids * 10], axis=1), workers=roles["worker"])  # 12 partitions
+    with dd.ParameterServerStrategy(SpecResolver(roles), client=threaded_client) as strategy:
+        coordinator = ClusterCoordinator(strategy)
+        per_worker = coordinator.create_per_worker_dataset(
+            lambda ctx: dd.data.Dataset.from_dask(table).shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+            .batch(4))
+        plan = per_worker.locality
+        assert plan is not None and sorted(p for mine in plan.partitions for p in mine) == list(range(12))
+        for address, mine in zip(roles["worker"], plan.partitions):
+            assert mine and all(plan.holders[p] == (address,) for p in mine)  # each reads what its worker holds
+        iterator = iter(per_worker)
+
+        def step(it):
+            from distributed import get_worker
+
+            try:
+                batch = next(it)
+            except StopIteration:
+                return None
+            return get_worker().address, [int(row) for row in batch[:, 0]]
+
+        results = coordinator.fetch([coordinator.schedule(step, args=(iterator,)) for _ in range(40)])
+        read = [(address, rows) for address, rows in filter(None, results)]
+        assert sorted(r for _, rows in read for r in rows) == list(range(96))  # every row once, none twice
+        for address, rows in read:  # a row of partition p came from the worker that holds p
+            assert all(plan.holders[r // 8] == (address,) for r in rows)
+        ledger = coordinator.data_ledger
+        assert sorted(ledger.partitions()) == list(range(12)) and ledger.duplicates() == {}
+        assert ledger.rows() == 96 and ledger.partitions(pass_index=1) == {}
+        assert {e.worker for e in ledger.entries} == set(roles["worker"])
+        for partition, workers in ledger.partitions().items():
+            assert workers == [plan.holders[partition][0]]
+        with pytest.raises(ValueError, match="partitions for 2 workers"):
+            coordinator.create_per_worker_dataset(
+                lambda ctx: dd.data.Dataset.from_dask(da.arange(4, chunks=4)).shard(
+                    ctx.num_input_pipelines, ctx.input_pipeline_id).batch(2))
