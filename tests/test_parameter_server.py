@@ -133,17 +133,6 @@ def test_min_size_partitioner_shards_a_large_embedding_over_the_ps(four_threads)
         np.testing.assert_array_equal(rows, [[-2.0] * 8, [-1.0] * 8, [0.0] * 8])
 
 
-def test_keras_fit_is_refused_rather_than_training_worker_copies(threaded_client):
-    from daskdist import keras
-
-    with dd.ParameterServerStrategy(SpecResolver(_roles(threaded_client, 1)), client=threaded_client) as strategy:
-        with strategy.scope():
-            model = keras.Sequential([keras.layers.Dense(2, input_shape=(3,))])
-            model.compile(loss="mse", optimizer="sgd")
-        with pytest.raises(NotImplementedError, match="not supported yet"):
-            model.fit(np.zeros((8, 3), np.float32), np.zeros((8, 2), np.float32), epochs=1, verbose=0)
-
-
 # -- scheduling, results, errors ----------------------------------------------------------------
 
 

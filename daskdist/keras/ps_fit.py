@@ -66,11 +66,18 @@ def uses_coordinator(strategy: Any) -> bool:
 def _coordinator(model: Model) -> Any:
     from daskdist.strategy.coordinator import ClusterCoordinator
 
-    return ClusterCoordinator(model._strategy)
+    return ClusterCoordinator(_strategy(model))
+
+
+def _strategy(model: Model) -> Any:
+    strategy = model._strategy
+    if strategy is None:
+        raise RuntimeError("the model was not created in a ParameterServerStrategy's scope")
+    return strategy
 
 
 def _stores(model: Model) -> list[Any]:
-    return list(model._strategy.extended._stores)
+    return list(_strategy(model).extended._stores)
 
 
 def _params(model: Model) -> list[Any]:
@@ -97,9 +104,10 @@ def _install(model: Model) -> Any:
     coordinator = _coordinator(model)
     if model._installed:
         return coordinator
-    model._strategy.extended.check_open()
-    if not model.built and model._declared_input_shape() is not None:
-        model.build(model._declared_input_shape())
+    _strategy(model).extended.check_open()
+    declared = model._declared_input_shape()
+    if not model.built and declared is not None:
+        model.build(declared)
     _check_model(model)
     stores = _stores(model)
     if model.built:  # the client's initial weights are the ones kept (the workers' offers come later)
@@ -115,7 +123,7 @@ def _install(model: Model) -> Any:
 
 
 def _init_stores(model: Model, stores: list[Any], params: list[Any] | None = None) -> None:
-    client = model._strategy.client
+    client = _strategy(model).client
     if params is None:
         params = [np.array(to_numpy(p), copy=True) for p in _params(model)]
     for store, indices in zip(stores, _layout(len(params), len(stores))):
@@ -205,7 +213,7 @@ def evaluate(model: Model, x: Any, y: Any, batch_size: int | None, steps: int | 
         sizes = [min(spe, steps - start) for start in range(0, steps, spe)]
         values = [coordinator.schedule(_evaluate_closure, args=(model._model_id, iterator, n)) for n in sizes]
     else:
-        shards = _evaluation_shards(model, len(model._strategy.extended.worker_addresses))
+        shards = _evaluation_shards(model, len(_strategy(model).extended.worker_addresses))
         if steps is not None:
             data = data.take(steps)
         values = [coordinator.schedule(_evaluate_closure, args=(model._model_id, data.shard(shards, i), None))
@@ -237,7 +245,7 @@ def get_weights(model: Model) -> list[np.ndarray]:
 
 
 def _stored_params(model: Model) -> list[np.ndarray] | None:
-    stores, client = _stores(model), model._strategy.client
+    stores, client = _stores(model), _strategy(model).client
     count = len(_params(model))
     params: list[Any] = [None] * count
     for store, indices in zip(stores, _layout(count, len(stores))):
@@ -266,7 +274,7 @@ def set_weights(model: Model, weights: list[Any]) -> None:
     model._require_built()
     model._assign_weights(list(weights))
     params = [np.array(to_numpy(p), copy=True) for p in _params(model)]
-    stores, client = _stores(model), model._strategy.client
+    stores, client = _stores(model), _strategy(model).client
     for store, indices in zip(stores, _layout(len(params), len(stores))):
         if indices and not store.call_from_client(client, "set_model", model_key=model._model_id,
                                                   params=[params[i] for i in indices]):
@@ -276,7 +284,7 @@ def set_weights(model: Model, weights: list[Any]) -> None:
 
 def get_optimizer_state(model: Model) -> dict[str, Any]:
     """The optimizer state gathered from the stores, slots renumbered in the model's parameter order."""
-    stores, client = _stores(model), model._strategy.client
+    stores, client = _stores(model), _strategy(model).client
     count = len(_params(model)) if model.built else 0
     state: dict[str, Any] = {}
     for store, indices in zip(stores, _layout(count, len(stores))):
@@ -295,7 +303,7 @@ def get_optimizer_state(model: Model) -> dict[str, Any]:
 def set_optimizer_state(model: Model, state: dict[str, Any]) -> None:
     """Give each store its part of ``state`` (slots renumbered to the store's own order)."""
     model.optimizer.set_state(state)
-    stores, client = _stores(model), model._strategy.client
+    stores, client = _stores(model), _strategy(model).client
     count = len(_params(model))
     for store, indices in zip(stores, _layout(count, len(stores))):
         if not indices:

@@ -55,7 +55,7 @@ class LoggedSource(KeyedSource):
         self._log: Any = None
         self._loads: dict[int, int] = {}
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "_log": None, "_loads": {}}
 
     def bind(self, service: Any) -> None:
