@@ -75,7 +75,7 @@ def test_fit_under_ps_trains_digits_to_95_percent_with_the_parameters_and_optimi
 
         # the parameters and Adam's slots live on the ps: two trainable arrays per store, pushed once per step
         stores = strategy.extended._stores
-        states = [s.call_from_client(four_workers, "model_state", model_key=model._model_id) for s in stores]
+        states = [s.call_from_client(four_workers, "model_state", model_key=model._ps_key) for s in stores]
         assert [len(st["params"]) for st in states] == [2, 2]  # kernel/bias of 2 layers, round-robin
         assert [int(st["optimizer_state"]["iterations"]) for st in states] == [500, 500]  # 10 x 50 steps, once each
         assert {"m/0", "v/0", "m/1", "v/1"} <= set(states[0]["optimizer_state"])
@@ -117,7 +117,7 @@ def test_fit_under_ps_follows_tensorflows_rules(four_workers):
         history = model.fit(x_train, y_train, batch_size=64, epochs=2, steps_per_epoch=6, verbose=0,
                             validation_data=(x_train[:200], y_train[:200]))
         assert set(history.history) == {"loss", "accuracy", "val_loss", "val_accuracy"}
-        state = strategy.extended._stores[0].call_from_client(four_workers, "model_state", model_key=model._model_id)
+        state = strategy.extended._stores[0].call_from_client(four_workers, "model_state", model_key=model._ps_key)
         assert int(state["optimizer_state"]["iterations"]) == 12
 
         def with_errors(ctx):
@@ -146,3 +146,10 @@ def test_weights_and_optimizer_state_round_trip_through_the_ps(four_workers, tmp
             np.testing.assert_array_equal(a, b)
         state = model._optimizer_state()
         assert int(state["iterations"]) == 5 and {"m/0", "m/1", "m/2", "m/3"} <= set(state)
+        # compiled again: a new optimizer on the ps, training goes on from the weights so far
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True))
+        model.fit(x_train, y_train, epochs=1, steps_per_epoch=3, verbose=0)
+        after = model._optimizer_state()
+        assert int(after["iterations"]) == 3 and not any(k.startswith("m/") for k in after)  # SGD: no Adam slots
+        assert not np.allclose(model.get_weights()[0], 0.0)  # went on from the loaded weights, not zeros

@@ -62,6 +62,7 @@ class Model:
         self._installed = False
         self._steps_per_execution = 1
         self._pss_evaluation_shards: int | str = 0
+        self._ps_key: str | None = None  # where ParameterServerStrategy's stores hold the parameters (keras/ps_fit)
 
     # -- building ------------------------------------------------------------------
 

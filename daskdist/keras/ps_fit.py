@@ -33,6 +33,7 @@ are refused: their state would stay on each worker.
 from __future__ import annotations
 
 import copy
+import uuid
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -85,6 +86,12 @@ def _params(model: Model) -> list[Any]:
     return [layer.params[name] for layer in model.layers for name in sorted(layer.params)]
 
 
+def _key(model: Model) -> str:
+    """The key of the model's parameters on the stores (a new one each time the model is compiled and used)."""
+    key: str = model._ps_key
+    return key
+
+
 def _layout(count: int, stores: int) -> list[list[int]]:
     """Per store, the indices of the parameters it holds (parameter ``i`` on store ``i % stores``)."""
     return [list(range(s, count, stores)) for s in range(stores)]
@@ -110,13 +117,21 @@ def _install(model: Model) -> Any:
         model.build(declared)
     _check_model(model)
     stores = _stores(model)
+    previous = getattr(model, "_ps_key", None)
+    if previous is not None and model.built:  # compiled again: go on from the weights trained so far
+        stored = _stored_params(model)
+        if stored is not None:
+            for target, value in zip(_params(model), stored):
+                namespace(target).copyto(target, namespace(target).asarray(value, dtype=target.dtype))
+    # the parameters under a new key: a new compile brings a new optimizer, whose slots start afresh
+    model._ps_key = f"{model._model_id}:{uuid.uuid4().hex[:8]}"
     if model.built:  # the client's initial weights are the ones kept (the workers' offers come later)
         _init_stores(model, stores)
     payload = copy.copy(model)
     payload._strategy = None
     payload._installed = False
     payload.history = None
-    trainer = PsTrainer(copy.deepcopy(payload), stores, model._model_id)
+    trainer = PsTrainer(copy.deepcopy(payload), stores, _key(model))
     coordinator._run_on_each_worker(_install_trainer, lambda _index: (model._model_id, trainer))
     model._installed = True
     return coordinator
@@ -128,7 +143,7 @@ def _init_stores(model: Model, stores: list[Any], params: list[Any] | None = Non
         params = [np.array(to_numpy(p), copy=True) for p in _params(model)]
     for store, indices in zip(stores, _layout(len(params), len(stores))):
         if indices:
-            store.call_from_client(client, "model_init", model_key=model._model_id,
+            store.call_from_client(client, "model_init", model_key=_key(model),
                                    params=[params[i] for i in indices], optimizer=copy.deepcopy(model.optimizer))
 
 
@@ -251,7 +266,7 @@ def _stored_params(model: Model) -> list[np.ndarray] | None:
     for store, indices in zip(stores, _layout(count, len(stores))):
         if not indices:
             continue
-        state = store.call_from_client(client, "model_state", model_key=model._model_id)
+        state = store.call_from_client(client, "model_state", model_key=_key(model))
         if state is None:
             return None
         for i, value in zip(indices, state["params"]):
@@ -276,7 +291,7 @@ def set_weights(model: Model, weights: list[Any]) -> None:
     params = [np.array(to_numpy(p), copy=True) for p in _params(model)]
     stores, client = _stores(model), _strategy(model).client
     for store, indices in zip(stores, _layout(len(params), len(stores))):
-        if indices and not store.call_from_client(client, "set_model", model_key=model._model_id,
+        if indices and not store.call_from_client(client, "set_model", model_key=_key(model),
                                                   params=[params[i] for i in indices]):
             _init_stores(model, stores, params)
             return
@@ -288,7 +303,7 @@ def get_optimizer_state(model: Model) -> dict[str, Any]:
     count = len(_params(model)) if model.built else 0
     state: dict[str, Any] = {}
     for store, indices in zip(stores, _layout(count, len(stores))):
-        stored = store.call_from_client(client, "model_state", model_key=model._model_id) if indices else None
+        stored = store.call_from_client(client, "model_state", model_key=_key(model)) if indices else None
         if stored is None:
             continue
         for key, value in stored["optimizer_state"].items():
@@ -313,7 +328,7 @@ def set_optimizer_state(model: Model, state: dict[str, Any]) -> None:
         for j, i in local.items():
             part.update({f"{key.rpartition('/')[0]}/{j}": value for key, value in state.items()
                          if "/" in key and key.rpartition("/")[2] == str(i)})
-        store.call_from_client(client, "set_model", model_key=model._model_id, optimizer_state=part)
+        store.call_from_client(client, "set_model", model_key=_key(model), optimizer_state=part)
 
 
 # -- the workers -----------------------------------------------------------------------------------
