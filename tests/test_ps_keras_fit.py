@@ -120,6 +120,23 @@ def test_fit_under_ps_follows_tensorflows_rules(four_workers):
         state = strategy.extended._stores[0].call_from_client(four_workers, "model_state", model_key=model._ps_key)
         assert int(state["optimizer_state"]["iterations"]) == 12
 
+        # a DatasetCreator over Dask collections: each worker reads the partitions its Dask worker holds
+        import dask.array as da
+
+        workers = list(strategy.extended.worker_addresses)
+        x_dask, y_dask = four_workers.persist([da.from_array(x_train, chunks=(180, 64)),
+                                               da.from_array(y_train, chunks=180)], workers=workers[:1])
+        coordinator = ClusterCoordinator(strategy)
+        before = len(coordinator.data_ledger.entries)
+        model.fit(dd.experimental.DatasetCreator(
+            lambda ctx: dd.data.Dataset.from_dask((x_dask, y_dask)).shard(ctx.num_input_pipelines,
+                                                                          ctx.input_pipeline_id).batch(32).repeat()),
+            epochs=1, steps_per_epoch=12, verbose=0)
+        entries = coordinator.data_ledger.entries[before:]
+        assert entries and {e.rows for e in entries} <= {180, 1437 - 7 * 180}
+        first_pass = [e.partition for e in entries if e.pass_index == 0]
+        assert len(first_pass) == len(set(first_pass))  # no partition read twice in a pass
+
         def with_errors(ctx):
             def fail(x, y):
                 raise RuntimeError("bad batch in the input pipeline")
