@@ -451,3 +451,45 @@ def test_per_worker_datasets_of_dask_collections_read_their_own_partitions_and_t
             coordinator.create_per_worker_dataset(
                 lambda ctx: dd.data.Dataset.from_dask(da.arange(4, chunks=4)).shard(
                     ctx.num_input_pipelines, ctx.input_pipeline_id).batch(2))
+
+
+@pytest.mark.timeout(120)
+def test_after_a_worker_is_killed_the_ledger_and_the_updates_count_each_committed_row_once(make_cluster):
+    import dask.array as da
+
+    client = make_cluster(3, processes=True)
+    roles = _roles(client, 1)
+    ids = da.arange(96, chunks=8)
+    table = client.persist(da.stack([ids, ids], axis=1), workers=roles["worker"])
+    with dd.ParameterServerStrategy(SpecResolver(roles), client=client) as strategy:
+        coordinator = ClusterCoordinator(strategy)
+        with strategy.scope():
+            applied = dd.Variable(np.zeros((), np.int64), name="applied")
+        per_worker = coordinator.create_per_worker_dataset(
+            lambda ctx: dd.data.Dataset.from_dask(table).shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+            .batch(4))
+        iterator = iter(per_worker)
+
+        def step(it):
+            try:
+                batch = next(it)
+            except StopIteration:
+                return []
+            time.sleep(0.2)
+            applied.assign_add(len(batch))  # a re-run after a loss applies it at most once (closure id)
+            return [int(r) for r in batch[:, 0]]
+
+        values = [coordinator.schedule(step, args=(iterator,)) for _ in range(40)]
+        time.sleep(1.1)
+        victim = roles["worker"][0]
+        os.kill(_pid(client, victim), signal.SIGKILL)
+        coordinator.join()
+        rows = [r for batch in coordinator.fetch(values) for r in batch]
+        assert len(rows) == len(set(rows))  # no row returned by two committed closures
+        assert int(applied.numpy()) == len(rows)  # each committed batch's update applied once, none twice
+        ledger = coordinator.data_ledger
+        assert ledger.duplicates() == {}  # no partition loaded twice in the pass by committed closures
+        mine = dict(zip(roles["worker"], per_worker.locality.partitions))
+        assert set(ledger.partitions()) <= set(range(12))
+        assert set(mine[roles["worker"][1]]) <= set(ledger.partitions())  # the survivor read all of its own
+        assert ledger.rows() < 96  # the partitions the lost worker still held were skipped in this pass
