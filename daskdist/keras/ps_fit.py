@@ -88,7 +88,9 @@ def _params(model: Model) -> list[Any]:
 
 def _key(model: Model) -> str:
     """The key of the model's parameters on the stores (a new one each time the model is compiled and used)."""
-    key: str = model._ps_key
+    key = model._ps_key
+    if key is None:
+        raise RuntimeError("the model's parameters are not on the ps yet: fit or evaluate it first")
     return key
 
 
