@@ -88,6 +88,13 @@ def test_fit_under_ps_trains_digits_to_95_percent_with_the_parameters_and_optimi
         assert logs["accuracy"] >= 0.95, logs
         logits = np.maximum(x_test @ weights[0] + weights[1], 0) @ weights[2] + weights[3]
         assert abs(float((logits.argmax(axis=1) == y_test).mean()) - logs["accuracy"]) < 1e-9  # every row once
+        import dask.array as da  # the same test set as Dask collections: shards of whole partitions, each once
+
+        test_dask = four_workers.persist([da.from_array(x_test, chunks=(50, 64)), da.from_array(y_test, chunks=50)])
+        dask_logs = model.evaluate(dd.data.Dataset.from_dask(tuple(test_dask)).batch(16), return_dict=True,
+                                   verbose=0)
+        assert dask_logs["accuracy"] == pytest.approx(logs["accuracy"]) and dask_logs["loss"] == pytest.approx(
+            logs["loss"], rel=1e-5)
         with pytest.raises(NotImplementedError, match="`model.predict` is not yet supported"):
             model.predict(x_test)
 

@@ -22,7 +22,8 @@ TensorFlow's rules (Keras' ``_ClusterCoordinatorDataHandler`` and
 * ``evaluate`` with a ``DatasetCreator`` needs ``steps`` (at-least-once, as
   TF's default); with arrays or a finite ``Dataset`` it is exact: the data is
   cut into ``pss_evaluation_shards`` shards (a ``compile`` argument; 0 or
-  ``"auto"``: 4 per worker), one closure evaluates one shard, and the client
+  ``"auto"``: 4 per worker; over Dask collections, shards of whole
+  partitions), one closure evaluates one shard, and the client
   counts each shard once (TF's exact visitation guarantee);
 * ``predict`` raises ``NotImplementedError`` (TF's message).
 
@@ -40,6 +41,7 @@ import numpy as np
 
 from daskdist import context
 from daskdist.arrays import as_array, namespace, to_numpy
+from daskdist.data import ops
 from daskdist.group.service import MODEL
 from daskdist.keras import callbacks as callbacks_module
 from daskdist.keras import training
@@ -231,12 +233,27 @@ def evaluate(model: Model, x: Any, y: Any, batch_size: int | None, steps: int | 
         values = [coordinator.schedule(_evaluate_closure, args=(model._model_id, iterator, n)) for n in sizes]
     else:
         shards = _evaluation_shards(model, len(_strategy(model).extended.worker_addresses))
-        if steps is not None:
-            data = data.take(steps)
-        values = [coordinator.schedule(_evaluate_closure, args=(model._model_id, data.shard(shards, i), None))
-                  for i in range(shards)]
+        pieces = _evaluation_pieces(data.take(steps) if steps is not None else data, shards)
+        values = [coordinator.schedule(_evaluate_closure, args=(model._model_id, piece, None)) for piece in pieces]
     coordinator.join()
     return _epoch_logs(model, coordinator.fetch(values))
+
+
+def _evaluation_pieces(data: Any, shards: int) -> list[Any]:
+    """The shards of an exact evaluation: whole partitions of Dask collections (each read once), else batches."""
+    from daskdist.data.dataset import Dataset
+    from daskdist.data.sources import DaskSource
+
+    source = data.source
+    if isinstance(source, DaskSource) and not any(isinstance(op, ops.Take) for op in data.transformations):
+        count = min(shards, len(source.partitions))
+        pieces = []
+        for i in range(count):
+            part = copy.copy(source)
+            part.partitions = source.partitions[i::count]
+            pieces.append(Dataset(part, data.transformations))
+        return pieces
+    return [data.shard(shards, i) for i in range(shards)]
 
 
 def _evaluation_shards(model: Model, workers: int) -> int:

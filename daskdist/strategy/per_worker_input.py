@@ -26,6 +26,7 @@ they happened.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +42,8 @@ from daskdist.group.service import STRATEGY
 
 __all__ = ["CONSUMED_KEY", "ClosureDataLedger", "LedgerEntry", "LocalityPlan", "LoggedSource", "drain_consumed",
            "plan_by_locality"]
+
+logger = logging.getLogger(__name__)
 
 #: The resident log of partition loads on a parameter-server worker, drained with each closure's result.
 CONSUMED_KEY = (STRATEGY, "ps-consumed")
@@ -114,7 +117,8 @@ def plan_by_locality(client: Any, workers: list[str], dataset_fn: Any, dataset_k
     try:
         datasets = [dataset_fn(InputContext(num_input_pipelines=n, input_pipeline_id=i, num_replicas_in_sync=1))
                     for i in range(n)]
-    except TypeError:  # dataset_fn() takes no context: it cannot shard by pipeline
+    except Exception as e:  # noqa: BLE001 - no context argument, or it needs a worker: it runs on the workers
+        logger.debug("dataset_fn is not planned by locality on the client (%s); it runs on each worker", e)
         return None
     if not all(_leading_shard(d, i, n) for i, d in enumerate(datasets)):
         return None
