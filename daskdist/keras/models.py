@@ -175,12 +175,9 @@ class Model:
                 steps_per_execution: int = 1, pss_evaluation_shards: int | str = 0) -> None:
         """Choose the optimizer, loss and metrics (objects or Keras names).
 
-        ``steps_per_execution`` (steps per closure) and ``pss_evaluation_shards``
-        (shards of an exact evaluation; ``0``/``"auto"``: 4 per worker) matter
-        under ParameterServerStrategy only (``keras/ps_fit.py``); elsewhere an
-        epoch is one command to the replicas already.
+        ``steps_per_execution`` and ``pss_evaluation_shards`` are used under ParameterServerStrategy only.
         """
-        if isinstance(steps_per_execution, bool) or not isinstance(steps_per_execution, int) or steps_per_execution < 1:
+        if type(steps_per_execution) is not int or steps_per_execution < 1:
             raise ValueError(f"steps_per_execution must be an int >= 1, got {steps_per_execution!r}")
         from daskdist.keras import losses, optimizers
         from daskdist.keras import metrics as metrics_module
@@ -247,9 +244,7 @@ class Model:
             initial_epoch: int = 0, steps_per_epoch: int | None = None, validation_steps: int | None = None) -> Any:
         """Train for ``epochs`` (Keras' ``fit``): ``x`` is a ``Dataset`` (batched) or arrays with ``y``.
 
-        Under ParameterServerStrategy ``x`` may also be a ``DatasetCreator``
-        (or a ``dataset_fn``), ``steps_per_epoch`` is required and every
-        ``steps_per_execution`` steps are one coordinator closure (``keras/ps_fit.py``).
+        Under ParameterServerStrategy see ``keras/ps_fit.py`` (``DatasetCreator``, ``steps_per_epoch``).
         """
         self._require_compiled()
         if self._uses_coordinator():
