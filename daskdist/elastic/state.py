@@ -37,7 +37,7 @@ from daskdist.data.dataset import Dataset
 from daskdist.data.planner import cut_pipeline
 from daskdist.elastic.ledger import DataLedger, RowMap
 from daskdist.elastic.options import ElasticOptions
-from daskdist.elastic.recovery import RECOVERABLE, Recovery, recover_within_budget
+from daskdist.elastic.recovery import RECOVERABLE, Recovery, recover_within_budget, remember_members
 from daskdist.elastic.replica import CommitKey, commit_now
 
 __all__ = ["State", "run"]
@@ -154,6 +154,7 @@ class State:
         return out
 
     def _begin(self) -> None:
+        remember_members(self.strategy.extended.group)  # a member lost later is known by its Dask name
         if not self._commits:
             self.commit()
 
