@@ -234,6 +234,11 @@ def admit(group: ReplicaGroup, newcomers: list[str]) -> list[str]:
             workers=[address], allow_other_workers=False, pure=False))
     deadline = time.monotonic() + 60
     while not all(_hosts_replica(group, a) for a in newcomers):
+        present = group.client.scheduler_info(n_workers=-1)["workers"]
+        gone = [a for a in newcomers if a not in present]
+        if gone:  # lost while starting: a loss like any other (the scheduler re-forms the group without it)
+            raise ReplicaLostError(f"the worker {gone[0]} admitted into {group.group_id} left the cluster before "
+                                   "its replica started", worker=gone[0])
         if time.monotonic() >= deadline:
             raise ReplicaLostError(f"the replicas admitted on {newcomers} did not start within 60 s")
         time.sleep(0.1)
@@ -292,16 +297,18 @@ def recover_within_budget(group: ReplicaGroup, options: ElasticOptions, error: B
     ``ReplicaLostError`` when the budget is exhausted, and what ``is_final``
     says cannot be recovered from.
     """
+    if is_final(error):  # the end of an elastic run is never recovered from (it reached the caller's loop again)
+        raise error
     before = list(group.addresses)
     while True:  # a second loss during a recovery starts it again, on the members left
         failures += 1
         if 0 <= options.max_failures < failures:
             if getattr(error, "worker", None):
                 quarantine_of(group).failed([error.worker])  # type: ignore[attr-defined]
-            raise ReplicaLostError(
+            raise _final(ReplicaLostError(
                 f"{error} (the strategy's elastic max_failures={options.max_failures} is exhausted; workers lost: "
                 f"{quarantine_of(group).describe() or 'none known'})",
-                worker=getattr(error, "worker", None)) from error
+                worker=getattr(error, "worker", None))) from error
         logger.warning("Elastic training: %s; recovering", error)
         try:
             outcome = recover(group, options, error, install_newcomer=install_newcomer)

@@ -182,10 +182,14 @@ def take_commit(service: ReplicaService, model_id: str, key: CommitKey, input_sh
                               {"loss_sum": 0.0, "count": 0.0, "metrics": {}}))
 
 
-def commit_now(service: ReplicaService, key: CommitKey) -> None:
-    """Commit the replica's variables and models as they are (``dd.elastic.State.commit``)."""
+def commit_now(service: ReplicaService, key: CommitKey) -> bool:
+    """Commit the replica's variables and models as they are (``dd.elastic.State.commit``).
+
+    Returns whether the scheduler said members are retiring (the loop lets them leave at this commit).
+    """
     _ring(service).add(Commit(tuple(key), service.objects.snapshot(STATE_KINDS),  # type: ignore[arg-type]
                               {"loss_sum": 0.0, "count": 0.0, "metrics": {}}))
+    return _retiring(service)
 
 
 def commit_progress(service: ReplicaService, key: CommitKey) -> dict:

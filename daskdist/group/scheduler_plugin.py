@@ -11,7 +11,8 @@ group (every other replica's collectives fail at once with
 ``ReplicaLostError``, and so does the client), ``elastic`` re-forms it on the
 survivors in a new generation. Workers hosting members are protected from
 Dask's downscaling (``valid_workers_downscaling``, as the P2P shuffle does).
-Groups whose client disconnects are closed.
+Groups whose client disconnects are closed. Members of elastic groups that
+stall are fenced out, and retired ones leave at a commit (``group.departures``).
 """
 
 from __future__ import annotations
