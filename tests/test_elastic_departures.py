@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import daskdist as dd
+from daskdist.collective.transport.shm_orphans import sweep_orphans
 from daskdist.elastic.quarantine import Quarantine
 from daskdist.elastic.replica import Commit, CommitRing
 from daskdist.group.service import ResidentStore
@@ -36,6 +37,7 @@ def process_workers():
     yield make
     for workers in made:
         workers.close()
+    sweep_orphans()  # the segments of the replicas killed here (only those whose creator is gone)
 
 
 def _wait_for_step(client, step, since, epoch=0, timeout=120):
@@ -310,3 +312,28 @@ def test_a_custom_loop_lets_a_retired_member_leave_at_its_commit_with_nothing_re
         assert total.read_value() == 2 * values.sum()  # every row added once per epoch: nothing replayed
         for epoch in (0, 1):
             assert sorted(state.ledger.positions(epoch, state._rows).tolist()) == list(range(120))
+
+
+def test_the_heartbeat_watch_names_silent_members_of_elastic_groups_once_the_scheduler_kept_time():
+    from types import SimpleNamespace
+
+    from daskdist.group.departures import Departures
+    from daskdist.group.scheduler_plugin import GroupState
+
+    now = 1000.0
+    workers = {a: SimpleNamespace(last_seen=now - silent) for a, silent in (("a", 1), ("b", 7), ("c", 30))}
+    elastic = GroupState("g1", ["a", "b"], None, status="running", policy="elastic", heartbeat_timeout=6.0)
+    fixed = GroupState("g2", ["c"], None, status="running", policy="fixed", heartbeat_timeout=6.0)
+    plugin = SimpleNamespace(groups={"g1": elastic, "g2": fixed}, _scheduler=SimpleNamespace(workers=workers))
+    watch = Departures(plugin)  # type: ignore[arg-type]
+    watch.responsive_since = now - 100
+    assert [(g.group_id, w) for g, w, _ in watch.stalled(now)] == [("g1", "b")]  # fixed groups: Dask's worker-ttl
+    watch.responsive_since = now - 3  # the scheduler was blocked 3 s ago: old heartbeats prove nothing yet
+    assert watch.stalled(now) == []
+    watch.responsive_since = now - 100
+    elastic.heartbeat_timeout = 8.0
+    assert watch.stalled(now) == []
+    elastic.heartbeat_timeout = 3.0  # never below ten of Dask's heartbeats (5 s with a few workers)
+    assert [w for _, w, _ in watch.stalled(now)] == ["b"]
+    elastic.heartbeat_timeout = 0.0  # off
+    assert watch.stalled(now) == []

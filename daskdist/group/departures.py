@@ -58,6 +58,9 @@ class Departures:
         self.plugin = plugin
         self._watch: asyncio.Task[None] | None = None
         self._retire: Callable[..., Awaitable[dict[str, Any]]] | None = None
+        # since when the scheduler's own event loop has kept time: after it was blocked, every worker's last
+        # heartbeat looks old, so nobody is declared lost until it has been responsive for a whole deadline
+        self.responsive_since = time.time()
 
     def start(self, scheduler: Scheduler) -> None:
         """Wrap the ``retire_workers`` handler and start watching members' heartbeats."""
@@ -87,6 +90,8 @@ class Departures:
                                                                                                  "running"):
                 continue
             deadline = max(group.heartbeat_timeout, floor)
+            if now - self.responsive_since < deadline:
+                continue
             for address in group.workers:
                 ws = scheduler.workers.get(address)
                 if ws is not None and now - ws.last_seen > deadline:
@@ -95,7 +100,10 @@ class Departures:
 
     async def _watch_heartbeats(self) -> None:
         while True:
+            before = time.monotonic()
             await asyncio.sleep(_WATCH_INTERVAL)
+            if time.monotonic() - before > _WATCH_INTERVAL + 1.0:  # the scheduler itself was blocked
+                self.responsive_since = time.time()
             try:
                 for group, address, silent in self.stalled():
                     await self._fence_out(group, address, silent)
