@@ -337,3 +337,26 @@ def test_the_heartbeat_watch_names_silent_members_of_elastic_groups_once_the_sch
     assert [w for _, w, _ in watch.stalled(now)] == ["b"]
     elastic.heartbeat_timeout = 0.0  # off
     assert watch.stalled(now) == []
+
+
+@pytest.mark.slow
+def test_a_member_retired_between_two_fits_leaves_at_once_and_is_no_failure(process_workers):
+    workers = process_workers(3)
+    x, y = _data(240)
+    train = Dataset.from_tensor_slices((x, y)).batch(24)
+    options = dd.ElasticOptions(min_replicas=2, max_failures=0)  # a single loss would end the next fit
+    with dd.MirroredStrategy(client=workers.client, elastic=options) as strategy:
+        with strategy.scope():
+            model = _model()
+        model.fit(train, epochs=1, verbose=0)
+        victim = strategy.extended.worker_addresses[2]
+        start = time.monotonic()
+        workers.client.retire_workers(workers=[victim], close_workers=True)  # the group runs nothing meanwhile
+        assert time.monotonic() - start < 30  # not the 60 s leave-timeout: the scheduler re-formed the idle group
+        assert victim not in workers.client.scheduler_info()["workers"]
+        assert any(m.get("action") == "left" and list(m.get("workers", ())) == [victim]
+                   for _, m in workers.client.get_events("daskdist"))
+        history = model.fit(train, epochs=1, verbose=0)  # the group moved on while idle: nothing to restore
+        assert history.elastic.events == []
+        assert strategy.num_replicas_in_sync == 2 and victim not in strategy.extended.worker_addresses
+        assert int(model._optimizer_state()["iterations"]) == 20  # nothing replayed, nothing lost

@@ -30,7 +30,7 @@ from daskdist.elastic.replica import CommitKey, commit_progress, elastic_train_e
 if TYPE_CHECKING:
     from daskdist.keras.models import Model
 
-__all__ = ["ElasticFit"]
+__all__ = ["ElasticFit", "catch_up"]
 
 logger = logging.getLogger(__name__)
 
@@ -204,6 +204,20 @@ class ElasticFit:
         transformations.insert(last, ops.Skip(skip))  # folded into the plan's row range (position ops only)
         rest = Dataset(self.train.source, tuple(transformations))
         return self.strategy.experimental_distribute_dataset(rest)
+
+
+def catch_up(strategy: Any) -> None:
+    """Before an elastic ``fit`` (or evaluate, predict): learn the membership changes made while the group ran
+    nothing (a member retired or lost between two calls), so that the first command goes to the members left.
+
+    Nothing is restored: every command before completed on every member, so the survivors hold one state.
+    """
+    group = strategy.extended.group
+    before = group.membership
+    membership = group.refresh_membership()
+    if membership.generation != before.generation:
+        logger.info("Elastic group %s moved from %s to %s while idle", group.group_id, before.addresses,
+                    membership.addresses)
 
 
 def _input_shape(element_spec: Any) -> tuple[tuple[int, ...] | None, str | None]:

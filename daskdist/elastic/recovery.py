@@ -85,7 +85,10 @@ def recover(group: ReplicaGroup, options: ElasticOptions, error: BaseException,
     start = time.monotonic()
     before = group.membership
     membership = _next_generation(group, before, options.generation_seconds, error)
-    lost = [a for a in before.addresses if a not in membership.addresses]
+    gone = [a for a in before.addresses if a not in membership.addresses]
+    retired = _retired(group)
+    lost = [a for a in gone if a not in retired]
+    left = [a for a in gone if a in retired]  # retired while the group ran nothing: a leave, not a loss
     quarantine_of(group).failed(lost)  # kept out for options.cooldown
     admitted: list[str] = []
     if membership.size < options.min_replicas:
@@ -93,7 +96,8 @@ def recover(group: ReplicaGroup, options: ElasticOptions, error: BaseException,
         membership = group.membership
     commit, healed = _restore_common_commit(group, admitted, install_newcomer)
     outcome = Recovery(int(membership.generation), list(membership.addresses), lost, admitted, commit,
-                       time.monotonic() - start, healed)
+                       time.monotonic() - start, healed, action="restored" if lost or not left else "left",
+                       left=left)
     logger.warning("Elastic group %s recovered in %.1f s: generation %d on %d members (lost %s), back at commit %s",
                    group.group_id, outcome.seconds, outcome.generation, membership.size, lost, commit)
     try:
@@ -157,6 +161,28 @@ def leave(group: ReplicaGroup, options: ElasticOptions, install_newcomer: Any = 
     except Exception as e:  # events are for watching; never fail a leave for them
         logger.debug("Could not log the leave event: %s", e)
     return outcome
+
+
+def _retired(group: ReplicaGroup) -> set[str]:
+    """The members that left the group gracefully (retired: ``group.departures``), as the scheduler knows."""
+    try:
+        response = group._ask_scheduler("daskdist_membership", group_id=group.group_id)
+    except Exception:
+        return set()
+    return set(response.get("retired", ())) if response.get("status") == "OK" else set()
+
+
+def _only_retired(group: ReplicaGroup, before: list[str]) -> bool:
+    """Whether the group moved on only because members retired (no failure): every member gone retired."""
+    try:
+        response = group._ask_scheduler("daskdist_membership", group_id=group.group_id)
+    except Exception:
+        return False
+    if response.get("status") != "OK":
+        return False
+    now = set(Membership.from_msg(response["membership"]).addresses)
+    gone = [a for a in before if a not in now]
+    return bool(gone) and set(gone) <= set(response.get("retired", ()))
 
 
 def _next_generation(group: ReplicaGroup, before: Membership, timeout: float, error: BaseException) -> Membership:
@@ -301,7 +327,8 @@ def recover_within_budget(group: ReplicaGroup, options: ElasticOptions, error: B
         raise error
     before = list(group.addresses)
     while True:  # a second loss during a recovery starts it again, on the members left
-        failures += 1
+        if not _only_retired(group, list(group.addresses)):
+            failures += 1
         if 0 <= options.max_failures < failures:
             if getattr(error, "worker", None):
                 quarantine_of(group).failed([error.worker])  # type: ignore[attr-defined]
@@ -317,5 +344,5 @@ def recover_within_budget(group: ReplicaGroup, options: ElasticOptions, error: B
             if is_final(again):
                 raise
             error = again
-    outcome.lost = [a for a in before if a not in outcome.members]
+    outcome.lost = [a for a in before if a not in outcome.members and a not in outcome.left]
     return outcome, failures

@@ -207,6 +207,7 @@ class Departures:
         if not left:
             return {"status": "OK", "left": []}
         survivors = [a for a in group.workers if a not in left]
+        group.retired.update(left)
         why = f"{', '.join(left)} retired: left {group_id} at a commit" + (f" ({reason})" if reason else "")
         try:
             self.plugin.change_membership(group_id, survivors, why)

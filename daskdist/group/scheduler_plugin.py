@@ -79,6 +79,7 @@ class GroupState:
     heartbeat_timeout: float = 0.0  # elastic: a member silent this long is declared lost (0: Dask's worker-ttl)
     leave_timeout: float = 60.0  # elastic: how long a retirement waits for the member to leave at a commit
     leaving: set[str] = field(default_factory=set)  # members retiring, to leave at the next commit
+    retired: set[str] = field(default_factory=set)  # members that left gracefully (not a loss)
 
     def wake_meetings(self) -> None:
         """The group failed, closed or moved on: every replica waiting in ``exchange`` gets an answer now."""
@@ -292,7 +293,7 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
         if stale is not None:
             return stale
         return {"status": "OK", "membership": group.membership.to_msg(), "state": group.status,
-                "policy": group.policy}
+                "policy": group.policy, "retired": sorted(group.retired)}
 
     # -- membership changes ----------------------------------------------------------
 
