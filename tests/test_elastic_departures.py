@@ -360,3 +360,13 @@ def test_a_member_retired_between_two_fits_leaves_at_once_and_is_no_failure(proc
         assert history.elastic.events == []
         assert strategy.num_replicas_in_sync == 2 and victim not in strategy.extended.worker_addresses
         assert int(model._optimizer_state()["iterations"]) == 20  # nothing replayed, nothing lost
+
+
+def test_the_cooldown_is_a_checked_duration():
+    assert dd.ElasticOptions().cooldown_seconds == 60
+    assert dd.ElasticOptions(cooldown="10min").cooldown_seconds == 600
+    assert dd.ElasticOptions(cooldown=0).cooldown_seconds == 0
+    with pytest.raises(ValueError, match="cooldown"):
+        dd.ElasticOptions(cooldown="soon")
+    with pytest.raises(ValueError, match="cooldown"):
+        dd.ElasticOptions(cooldown=-1)

@@ -93,6 +93,7 @@ class State:
         self._reset_callbacks: list[Callable[[], None]] = []
         self._rows: RowMap | None = None
         self._pending: list[tuple[int, int]] = []  # (epoch, batch) taken since the last commit
+        self._in_run = False  # inside an ``@dd.elastic.run`` function (which lets retiring members leave)
         for name, value in attributes.items():
             if name in _OWN or name.startswith("_"):
                 raise ValueError(f"{name!r} is not a free State attribute")
@@ -111,7 +112,7 @@ class State:
             for epoch, batch in self._pending:
                 self.ledger.record(epoch, range(batch, batch + 1), self._rows)
         self._pending = []
-        if any(retiring):  # members retire: ``run`` lets them leave at this commit and calls the loop again
+        if any(retiring) and self._in_run:  # members retire: ``run`` lets them leave here, calls the loop again
             raise _MembersRetiring()
 
     def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
@@ -215,7 +216,11 @@ def run(fn: Callable[..., Any]) -> Callable[..., Any]:
         while True:
             try:
                 state._begin()
-                return fn(state, *args, **kwargs)
+                state._in_run = True
+                try:
+                    return fn(state, *args, **kwargs)
+                finally:
+                    state._in_run = False
             except _MembersRetiring:
                 state._leave()
             except RECOVERABLE as error:
