@@ -20,7 +20,7 @@ Phases (``PHASES``): ``input`` (before the step's batch is taken), ``forward``
 all-reduce: ``CommunicationOptions(implementation="RING")`` makes the
 gradients go through it), ``apply`` (the optimizer has updated the first
 parameter, not the others) and ``commit`` (an elastic commit of the step,
-before its copy is taken).
+at the start of its copy, in the thread that copies it: ``bound``).
 
 Zero cost when unset: a training command reads the key once (``arm``); the
 points on the hot paths test one module-level boolean, ``ARMED``, false
