@@ -35,7 +35,7 @@ import optree
 from daskdist.exceptions import ReplicaLostError, StrategyClosedError
 from daskdist.group.service import DATASET, ITERATOR
 from daskdist.strategy.parameter_server import ParameterServerExtended, ParameterServerStrategy
-from daskdist.strategy.ps_values import CLOSURE_KEY
+from daskdist.strategy.ps_session import begin_closure, end_closure
 
 __all__ = [
     "ClusterCoordinator",
@@ -422,17 +422,24 @@ def _element(values: PerWorkerValues, index: int) -> Any:
 
 
 def run_closure(service: Any, closure_id: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Worker command: run one closure, its updates keyed by ``closure_id`` (deduplicated at the stores)."""
+    """Worker command: run one closure, its updates keyed by ``closure_id`` (deduplicated at the stores).
+
+    Its reads and updates are batched per store (``ps_session``): the queued
+    updates are pushed before the closure's result returns.
+    """
     structure: Any = (args, kwargs)
     resolved: Any = optree.tree_map(
         lambda x: service.objects.get(ITERATOR, x.key) if isinstance(x, _WorkerResource) else x,
         structure, is_leaf=lambda x: isinstance(x, _WorkerResource), none_is_leaf=True)
     args, kwargs = resolved
-    service.objects.install(*CLOSURE_KEY, [closure_id, 0])
+    session = begin_closure(service, closure_id)
+    failed = True
     try:
-        return service.run_step(fn, args, kwargs)
+        result = service.run_step(fn, args, kwargs)
+        failed = False
+        return result
     finally:
-        service.objects.discard(*CLOSURE_KEY)
+        end_closure(service, session, failed)
 
 
 class PerWorkerDataset:

@@ -5,27 +5,33 @@ store id) and pickles as those two strings. From a replica thread, a store in
 the same worker process is called directly on the worker's event loop (no
 serialization; the store copies what it hands out); any other store is called
 through the worker's Dask comms, worker to worker. From the client, through
-the client's connection pool. A store that cannot be reached raises
-``ReplicaLostError`` naming it.
+the client's connection pool. Requests and replies are Dask-serialized
+objects (``ToPickle``: pickle protocol 5, each numpy buffer a frame of its
+own, written to the socket without being copied into one pickle).
+``exchange_from_replica`` sends one request to each of several stores at
+once (concurrently, on the worker's event loop). A store that cannot be
+reached raises ``ReplicaLostError`` naming it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from distributed.core import CommClosedError, send_recv
+from distributed.protocol.serialize import ToPickle
 from distributed.utils import sync
 
 from daskdist import config, serialization
 from daskdist.exceptions import ReplicaLostError
-from daskdist.strategy.parameter_store import HANDLER, STORE_EXTENSION
+from daskdist.strategy.parameter_store import HANDLER, STORE_EXTENSION, unwrap
 
 if TYPE_CHECKING:
     from distributed import Client
 
-__all__ = ["RoundCounter", "StoreRef"]
+__all__ = ["RoundCounter", "StoreRef", "exchange_from_replica"]
 
 
 class RoundCounter:
@@ -62,15 +68,18 @@ class StoreRef:
     def call_from_replica(self, runtime: Any, op: str, **kwargs: Any) -> Any:
         """Run ``op`` on the store from a replica thread (``runtime``: the replica's runtime)."""
         worker = runtime.worker
+        return sync(worker.loop, self._call_on_loop, worker, op, kwargs)
+
+    async def _call_on_loop(self, worker: Any, op: str, kwargs: dict[str, Any]) -> Any:
+        """``op`` on the store, from ``worker``'s event loop: a direct call in the same worker, else a request."""
         kwargs["store_id"] = self.store_id
         if worker.address == self.address:
             store = worker.extensions.get(STORE_EXTENSION)
             if store is None:
                 raise ReplicaLostError(f"the parameter store on {self.address} is gone", worker=self.address)
-            return sync(worker.loop, store.run, op, kwargs)
-        payload = serialization.dumps((op, kwargs))
+            return await store.run(op, kwargs)
         try:
-            response = sync(worker.loop, _call, worker.rpc, self.address, payload)
+            response = await _call(worker.rpc, self.address, ToPickle((op, kwargs)))
         except (OSError, CommClosedError) as e:
             raise ReplicaLostError(f"the parameter store on {self.address} cannot be reached: {e}",
                                    worker=self.address) from e
@@ -113,16 +122,39 @@ class StoreRef:
     def call_from_client(self, client: Client, op: str, **kwargs: Any) -> Any:
         """Run ``op`` on the store from the client."""
         kwargs["store_id"] = self.store_id
-        payload = serialization.dumps((op, kwargs))
         try:
-            response = client.sync(_call, client.rpc, self.address, payload)  # type: ignore[no-untyped-call]
+            response = client.sync(_call, client.rpc, self.address, ToPickle((op, kwargs)))  # type: ignore[no-untyped-call]
         except (OSError, CommClosedError) as e:
             raise ReplicaLostError(f"the parameter store on {self.address} cannot be reached: {e}",
                                    worker=self.address) from e
         return _result(response)
 
 
-async def _call(pool: Any, address: str, payload: bytes) -> dict[str, Any]:
+def exchange_from_replica(runtime: Any, requests: dict[StoreRef, dict[str, Any]]) -> dict[StoreRef, Any]:
+    """One ``exchange`` per store, all sent at once from a replica thread; each store's reply.
+
+    ``requests``: ``{store: exchange arguments}``. The requests go out
+    concurrently (one round trip for all the stores, not one per store); the
+    first error (e.g. ``ReplicaLostError`` of a lost store) is raised once
+    every request finished.
+    """
+    if not requests:
+        return {}
+    worker = runtime.worker
+    stores = list(requests)
+
+    async def all_of() -> list[Any]:
+        results = await asyncio.gather(*(s._call_on_loop(worker, "exchange", dict(requests[s])) for s in stores),
+                                       return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return list(results)
+
+    return dict(zip(stores, sync(worker.loop, all_of)))
+
+
+async def _call(pool: Any, address: str, payload: Any) -> dict[str, Any]:
     """One request to the store's handler; connecting gives up after ``daskdist.parameter-store.connect-timeout``.
 
     Dask retries a refused connection until ``distributed.comm.timeouts.connect``
@@ -141,4 +173,4 @@ async def _call(pool: Any, address: str, payload: bytes) -> dict[str, Any]:
 def _result(response: dict[str, Any]) -> Any:
     if response.get("status") != "OK":
         raise serialization.exception_from_message(response)
-    return serialization.loads(response["result"])
+    return unwrap(response["result"])

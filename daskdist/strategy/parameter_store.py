@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from distributed.protocol.serialize import Serialize, ToPickle
 
 from daskdist import serialization
 from daskdist.arrays import as_array, namespace, to_numpy
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 
     from daskdist.variables import VariableSpec
 
-__all__ = ["HANDLER", "STORE_EXTENSION", "ParameterStore", "install_store"]
+__all__ = ["HANDLER", "STORE_EXTENSION", "ParameterStore", "install_store", "unwrap"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class _Entry:
     value: Any
     spec: VariableSpec
     version: int = 0
+    shared: bool = False  # ``value`` itself was handed out (read-only): copy it before changing it in place
 
 
 @dataclass
@@ -86,6 +88,34 @@ def _copy(value: Any) -> np.ndarray:
     return np.array(to_numpy(as_array(value)[0]), copy=True)
 
 
+def _hand_out(entry: _Entry) -> np.ndarray:
+    """The stored value without a copy, as a read-only view (copy-on-write: the store never changes it again).
+
+    Dense updates replace ``entry.value`` by a fresh array; an in-place
+    change (scatter, ``apply_fn``) copies first if the value was handed out.
+    A replica in the same process and Dask's serialization of a reply (which
+    may happen after other operations ran) both see the value as it was.
+    """
+    entry.shared = True
+    view = entry.value.view()
+    view.flags.writeable = False
+    return view
+
+
+def _writable(entry: _Entry) -> np.ndarray:
+    """``entry.value``, copied first if it was handed out (to change it in place)."""
+    if entry.shared:
+        entry.value, entry.shared = entry.value.copy(), False
+    return entry.value
+
+
+def unwrap(obj: Any) -> Any:
+    """The object a Dask ``ToPickle``/``Serialize`` wrapper carries (a comm that did not deserialize it)."""
+    if isinstance(obj, (ToPickle, Serialize)):
+        return obj.data
+    return obj
+
+
 class ParameterStore:
     """The variables one worker holds for the strategies that placed them here (keyed by store id)."""
 
@@ -104,12 +134,18 @@ class ParameterStore:
 
     # -- the handler -----------------------------------------------------------------
 
-    async def handle(self, payload: bytes) -> dict[str, Any]:
-        """``daskdist_ps`` handler: ``payload`` is a pickled ``(op, kwargs)``; never raises across the wire."""
+    async def handle(self, payload: Any) -> dict[str, Any]:
+        """``daskdist_ps`` handler: ``payload`` is ``(op, kwargs)``; never raises across the wire.
+
+        The request and the reply travel as Dask-serialized objects (pickle
+        protocol 5: numpy buffers are frames of their own, sent without a
+        copy into one pickle); a request from an older client may be a pickled
+        ``bytes``.
+        """
         try:
-            op, kwargs = serialization.loads(payload)
+            op, kwargs = serialization.loads(payload) if isinstance(payload, bytes) else unwrap(payload)
             result = await self.run(op, kwargs)
-            return {"status": "OK", "result": serialization.dumps(result)}
+            return {"status": "OK", "result": ToPickle(result)}
         except Exception as e:  # noqa: BLE001 - handlers answer with the error, never raise across the wire
             address = self.worker.address if self.worker is not None else ""
             return serialization.error_message(e, -1, address)
@@ -137,12 +173,12 @@ class ParameterStore:
         return 0
 
     def _op_read(self, store_id: str, var_id: str, newer_than: int = -1) -> tuple[int, Any]:
-        """``(version, copy of the value)``, or ``(version, None)`` if not newer than ``newer_than``."""
+        """``(version, the value, read-only)``, or ``(version, None)`` if not newer than ``newer_than``."""
         entry = self._entry(store_id, var_id)
         if entry.version <= newer_than:
             return entry.version, None
         self._count(store_id, entry.value.nbytes)
-        return entry.version, _copy(entry.value)
+        return entry.version, _hand_out(entry)
 
     def _op_gather(self, store_id: str, var_id: str, indices: Any) -> tuple[int, Any]:
         """``(version, copy of rows indices)``: what an embedding lookup needs, not the whole table."""
@@ -164,7 +200,7 @@ class ParameterStore:
 
     def _op_update(self, store_id: str, var_id: str, method: str, value: Any,
                    dedupe: tuple[str, int] | None = None, read_version: int | None = None) -> tuple[int, Any]:
-        """``assign``/``assign_add``/``assign_sub`` applied once; ``(version, copy of the new value)``.
+        """``assign``/``assign_add``/``assign_sub`` applied once; ``(version, the new value, read-only)``.
 
         ``dedupe``: the update's key (closure id, n); an update whose key was
         already applied to this variable is not applied again.
@@ -172,14 +208,50 @@ class ParameterStore:
         difference to the version it is applied to (its staleness) is
         recorded (``staleness`` operation).
         """
+        version = self._update(store_id, var_id, method, value, dedupe, read_version)
+        return version, _hand_out(self._entry(store_id, var_id))
+
+    def _update(self, store_id: str, var_id: str, method: str, value: Any,
+                dedupe: tuple[str, int] | None, read_version: int | None) -> int:
         entry = self._entry(store_id, var_id)
+        if dedupe is not None and self._seen_before(store_id, var_id, dedupe):
+            return entry.version
+        self._record_staleness(store_id, entry, read_version)
+        _apply_method(entry, method, value)
+        return entry.version
+
+    def _record_staleness(self, store_id: str, entry: _Entry, read_version: int | None) -> None:
         if read_version is not None and read_version >= 0:
             self._staleness.setdefault(store_id, collections.deque(maxlen=_STALENESS_HISTORY)).append(
                 entry.version - int(read_version))
-        if dedupe is not None and self._seen_before(store_id, var_id, dedupe):
-            return entry.version, _copy(entry.value)
-        _apply_method(entry, method, value)
-        return entry.version, _copy(entry.value)
+
+    def _op_exchange(self, store_id: str, updates: list[tuple[Any, ...]] = (),  # type: ignore[assignment]
+                     reads: dict[str, int] | None = None,
+                     gathers: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+        """A worker's batch for this store: apply ``updates`` in order, then serve ``reads`` and ``gathers``.
+
+        ``updates``: ``("update", var_id, method, value, dedupe, read_version)``
+        or ``("scatter", var_id, method, indices, values, dedupe,
+        read_version)``, each applied once per dedupe key, as the single
+        operations do. ``reads``: ``{var_id: version the worker holds}``;
+        only the variables changed since are sent (``None`` for the others).
+        ``gathers``: ``{var_id: rows}``. Returns ``{"versions": {var_id:
+        version after the updates}, "values": {var_id: (version, value or
+        None)}, "rows": {var_id: (version, rows)}}``. The batch is applied
+        in one go on the event loop: no other request sees half of it.
+        """
+        versions: dict[str, int] = {}
+        for update in updates:
+            kind, var_id, *rest = update
+            if kind == "update":
+                versions[var_id] = self._update(store_id, var_id, *rest)
+            elif kind == "scatter":
+                versions[var_id] = self._op_scatter(store_id, var_id, *rest)
+            else:
+                raise ValueError(f"unknown update kind {kind!r}")
+        values = {var_id: self._op_read(store_id, var_id, newer_than) for var_id, newer_than in (reads or {}).items()}
+        rows = {var_id: self._op_gather(store_id, var_id, indices) for var_id, indices in (gathers or {}).items()}
+        return {"versions": versions, "values": values, "rows": rows}
 
     def _op_scatter(self, store_id: str, var_id: str, method: str, indices: Any, values: Any,
                     dedupe: tuple[str, int] | None = None, read_version: int | None = None) -> int:
@@ -191,9 +263,7 @@ class ParameterStore:
         entry = self._entry(store_id, var_id)
         if dedupe is not None and self._seen_before(store_id, var_id, dedupe):
             return entry.version
-        if read_version is not None and read_version >= 0:
-            self._staleness.setdefault(store_id, collections.deque(maxlen=_STALENESS_HISTORY)).append(
-                entry.version - int(read_version))
+        self._record_staleness(store_id, entry, read_version)
         rows = np.asarray(indices, dtype=np.int64).reshape(-1)
         delta = np.asarray(as_array(values)[0], dtype=entry.value.dtype)
         if delta.shape != (len(rows), *entry.value.shape[1:]):
@@ -202,14 +272,15 @@ class ParameterStore:
         if rows.size and (rows.min() < 0 or rows.max() >= entry.value.shape[0]):
             raise IndexError(f"scatter_{method}: rows {rows.min()}..{rows.max()} of variable "
                              f"'{entry.spec.name}' with {entry.value.shape[0]} rows")
-        if method == "add":
-            np.add.at(entry.value, rows, delta)
-        elif method == "sub":
-            np.subtract.at(entry.value, rows, delta)
-        elif method == "update":
-            entry.value[rows] = delta
-        else:
+        if method not in ("add", "sub", "update"):
             raise ValueError(f"unknown scatter method {method!r}")
+        table = _writable(entry)
+        if method == "add":
+            np.add.at(table, rows, delta)
+        elif method == "sub":
+            np.subtract.at(table, rows, delta)
+        else:
+            table[rows] = delta
         entry.version += 1
         return entry.version
 
@@ -238,6 +309,7 @@ class ParameterStore:
         from daskdist.variables import Variable
 
         entry = self._entry(store_id, var_id)
+        _writable(entry)
         variable = _StoredVariable.wrap(entry)
         try:
             result = fn(variable, *args, **kwargs)
@@ -391,20 +463,22 @@ class ParameterStore:
 
 
 def _apply_method(entry: _Entry, method: str, value: Any) -> None:
+    """Apply a dense update into a fresh array (what was handed out before keeps its value; no copy of the old)."""
     array = np.asarray(to_numpy(as_array(value)[0]))
     shape = tuple(entry.spec.shape)
     if array.ndim != 0 and tuple(array.shape) != shape:
         raise ValueError(f"Cannot assign a value of shape {tuple(array.shape)} to variable "
                          f"'{entry.spec.name}' of shape {shape}")
+    new_value = np.empty_like(entry.value)
     if method == "assign":
-        new_value = array
+        np.copyto(new_value, array, casting="unsafe")
     elif method == "assign_add":
-        new_value = entry.value + array
+        np.add(entry.value, array, out=new_value, casting="unsafe")
     elif method == "assign_sub":
-        new_value = entry.value - array
+        np.subtract(entry.value, array, out=new_value, casting="unsafe")
     else:
         raise ValueError(f"unknown update method {method!r}")
-    namespace(entry.value).copyto(entry.value, new_value, casting="unsafe")
+    entry.value, entry.shared = new_value, False
     entry.version += 1
 
 
