@@ -298,7 +298,8 @@ class ClusterCoordinator:
             closure.remote_value._set_not_ready()
             try:
                 args, kwargs = _for_worker(closure.args, closure.kwargs, self._workers.index(address))
-                result = group.call(run_closure, (closure.closure_id, closure.fn, args, kwargs))[0]
+                result = group.call(run_closure, (closure.closure_id, closure.fn, args, kwargs,
+                                                  self._extended.client_writes))[0]
             except BaseException as e:  # noqa: BLE001 - sorted below: lost worker, lost ps, the closure's own
                 if self._worker_lost(e, address):
                     logger.warning("Worker %s was lost running closure %s; it goes to another worker: %s",
@@ -421,18 +422,21 @@ def _element(values: PerWorkerValues, index: int) -> Any:
     return values.values[index]
 
 
-def run_closure(service: Any, closure_id: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def run_closure(service: Any, closure_id: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                client_writes: int = 0) -> Any:
     """Worker command: run one closure, its updates keyed by ``closure_id`` (deduplicated at the stores).
 
     Its reads and updates are batched per store (``ps_session``): the queued
-    updates are pushed before the closure's result returns.
+    updates are pushed before the closure's result returns. ``client_writes``:
+    the client's count of variable writes (values pulled ahead at the end
+    of this worker's previous closure are used only if it did not change).
     """
     structure: Any = (args, kwargs)
     resolved: Any = optree.tree_map(
         lambda x: service.objects.get(ITERATOR, x.key) if isinstance(x, _WorkerResource) else x,
         structure, is_leaf=lambda x: isinstance(x, _WorkerResource), none_is_leaf=True)
     args, kwargs = resolved
-    session = begin_closure(service, closure_id)
+    session = begin_closure(service, closure_id, client_writes)
     failed = True
     try:
         result = service.run_step(fn, args, kwargs)

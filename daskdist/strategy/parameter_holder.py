@@ -48,6 +48,8 @@ class ParameterHolderExtended(SpmdExtended):
 
     _stores: list[StoreRef]
     _store_devices: list[str]
+    #: Variable writes made from the client (parameter-server workers drop values pulled ahead when it changes).
+    client_writes: int = 0
 
     def _open_stores(self, addresses: list[str], devices: list[str]) -> None:
         """Install a parameter store on each of ``addresses`` (TF device names ``devices``), and the gradient rule."""
@@ -174,6 +176,7 @@ class ParameterHolderExtended(SpmdExtended):
     def scatter_variable(self, var_id: str, method: str, indices: Any, values: Any) -> None:
         """A sparse update from the client (``scatter_add``/``scatter_sub``/``scatter_update``), applied once."""
         self.check_open()
+        self.client_writes += 1
         self._store_for(var_id).call_from_client(self.client, "scatter", var_id=var_id, method=method,
                                                  indices=indices, values=values)
 
@@ -184,6 +187,7 @@ class ParameterHolderExtended(SpmdExtended):
         if var_id not in self._store_of:
             super().update_variable(var_id, method, value)
             return
+        self.client_writes += 1
         self._store_for(var_id).call_from_client(self.client, "update", var_id=var_id, method=method, value=value)
 
     def update(self, var: Any, fn: Callable[..., Any], args: Any = (), kwargs: Kwargs | None = None,
@@ -197,6 +201,7 @@ class ParameterHolderExtended(SpmdExtended):
                 holders: list[int]) -> list[Any]:
         if var._var_id not in self._store_of:
             return super()._update(var, fn, args, kwargs, holders)
+        self.client_writes += 1
         result = self._store_for(var._var_id).call_from_client(
             self.client, "apply_fn", var_id=var._var_id, fn=fn, args=args, kwargs=kwargs)
         return [result]

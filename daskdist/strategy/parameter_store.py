@@ -97,7 +97,7 @@ def _hand_out(entry: _Entry) -> np.ndarray:
     may happen after other operations ran) both see the value as it was.
     """
     entry.shared = True
-    view = entry.value.view()
+    view: np.ndarray = entry.value.view()
     view.flags.writeable = False
     return view
 
@@ -106,7 +106,8 @@ def _writable(entry: _Entry) -> np.ndarray:
     """``entry.value``, copied first if it was handed out (to change it in place)."""
     if entry.shared:
         entry.value, entry.shared = entry.value.copy(), False
-    return entry.value
+    value: np.ndarray = entry.value
+    return value
 
 
 def unwrap(obj: Any) -> Any:

@@ -16,6 +16,15 @@ coordinator's ``run_closure`` for the closure a worker runs) batches them:
   the version it was computed from (staleness). At the end of the closure
   (also when it raised), one ``exchange`` per store carries all of them and
   the store applies them in order, in one go.
+* **Pull-ahead** (``daskdist.parameter-store.pull-ahead``, on by default).
+  The push at the end of a closure also pulls the working set, in the same
+  request: the worker's next closure finds its values there and sends
+  nothing to the stores until its end, one round trip per closure instead
+  of two. The values it computes from are then those of the end of its
+  previous closure (the store's staleness figures count it). They are not
+  used if the client wrote a variable since (the coordinator tells the
+  worker how many writes the client made), nor by a closure that is not the
+  worker's next one.
 * **Reads after writes.** A read of a variable with a queued update, or a
   row gather of one, first sends the queued updates of its store with the
   read, so the closure sees the value the store has after its update (and
@@ -30,6 +39,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from daskdist import config
 from daskdist.group.service import STRATEGY
 from daskdist.strategy.parameter_client import exchange_from_replica
 
@@ -53,6 +63,17 @@ class WorkingSet:
     def __init__(self) -> None:
         self.closures = 0  # closures begun on this worker
         self._last_read: dict[str, tuple[AggregatingVariable, int]] = {}
+        self.ahead: list[AggregatingVariable] = []  # pulled at the end of closure ``ahead_of``
+        self.ahead_of = -1
+        self.ahead_client_writes = -1
+
+    def begin(self, runtime: Any, client_writes: int) -> None:
+        """A closure starts: the values pulled ahead by the previous one are fresh for it, if still valid."""
+        self.closures += 1
+        if self.ahead_of == self.closures - 1 and self.ahead_client_writes == client_writes:
+            for view in self.ahead:
+                view._cached_run = runtime.run_id
+        self.ahead, self.ahead_of = [], -1
 
     def mark_read(self, view: AggregatingVariable) -> None:
         self._last_read[view._var_id] = (view, self.closures)
@@ -67,10 +88,11 @@ class WorkingSet:
 class ClosureSession:
     """The reads and queued updates of the closure a worker runs (see the module's description)."""
 
-    def __init__(self, runtime: Any, closure_id: str, working_set: WorkingSet):
+    def __init__(self, runtime: Any, closure_id: str, working_set: WorkingSet, client_writes: int = 0):
         self.runtime = runtime
         self.closure_id = closure_id
         self.working_set = working_set
+        self.client_writes = client_writes
         self._updates = 0
         self._pending: dict[StoreRef, list[tuple[Any, ...]]] = {}
         self._pending_views: dict[str, AggregatingVariable] = {}
@@ -112,10 +134,22 @@ class ClosureSession:
         replies = self._exchange(set(gathers), gathers=gathers)
         return [replies[view._store]["rows"][view._var_id][1] for view, _ in requests]
 
-    def flush(self) -> None:
-        """Push every queued update (the closure ends): one request per store, all at once."""
-        if self._pending:
-            self._exchange(set(self._pending))
+    def flush(self, pull_ahead: bool = False) -> None:
+        """Push every queued update (the closure ends): one request per store, all at once.
+
+        ``pull_ahead``: the same requests pull the working set for the
+        worker's next closure.
+        """
+        if not pull_ahead:
+            if self._pending:
+                self._exchange(set(self._pending))
+            return
+        hot = self.working_set.hot()
+        stores = set(self._pending) | {v._store for v in hot}
+        if stores:
+            self._exchange(stores, read_views=hot)
+            ws = self.working_set
+            ws.ahead, ws.ahead_of, ws.ahead_client_writes = hot, ws.closures, self.client_writes
 
     def _exchange(self, stores: set[StoreRef], read_views: list[AggregatingVariable] = (),  # type: ignore[assignment]
                   gathers: dict[StoreRef, dict[str, Any]] | None = None) -> dict[StoreRef, Any]:
@@ -146,14 +180,18 @@ class ClosureSession:
         return replies
 
 
-def begin_closure(runtime: Any, closure_id: str) -> ClosureSession:
-    """Install the session of closure ``closure_id`` on this worker (``run_closure`` calls it first)."""
+def begin_closure(runtime: Any, closure_id: str, client_writes: int = 0) -> ClosureSession:
+    """Install the session of closure ``closure_id`` on this worker (``run_closure`` calls it first).
+
+    ``client_writes``: how many variable writes the client made so far (the
+    values pulled ahead are used only if it made none since).
+    """
     working_set = runtime.objects.find(*WORKING_SET_KEY)
     if working_set is None:
         working_set = WorkingSet()
         runtime.objects.install(*WORKING_SET_KEY, working_set)
-    working_set.closures += 1
-    session = ClosureSession(runtime, closure_id, working_set)
+    working_set.begin(runtime, client_writes)
+    session = ClosureSession(runtime, closure_id, working_set, client_writes)
     runtime.objects.install(*CLOSURE_KEY, session)
     return session
 
@@ -167,7 +205,7 @@ def end_closure(runtime: Any, session: ClosureSession, failed: bool) -> None:
     and the push's is logged).
     """
     try:
-        session.flush()
+        session.flush(pull_ahead=not failed and bool(config.get("parameter-store.pull-ahead", True)))
     except Exception as e:
         if not failed:
             raise
