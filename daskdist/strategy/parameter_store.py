@@ -10,10 +10,18 @@ through the scheduler) or, from a replica of the same process, as direct
 calls on the worker's event loop (``parameter_client``).
 
 Every operation runs on the worker's event loop, one at a time, so an update
-is atomic and versions are totally ordered. Operations:
+is atomic and versions are totally ordered. Values are handed out without a
+copy, read-only: dense updates put a fresh array in place of the old one, and
+in-place changes (scatter, ``apply_fn``) copy first if the value was handed
+out (copy-on-write), so a reader in the same process, or a reply Dask
+serializes later, always sees the value it was given. Operations:
 
-``create``, ``read``, ``update``, ``apply_fn`` (TF's ``extended.update``: a
-function applied once to the stored variable), ``drop``;
+``create``, ``read``, ``gather``, ``update``, ``scatter``, ``apply_fn`` (TF's
+``extended.update``: a function applied once to the stored variable),
+``drop``; ``exchange`` (a parameter-server worker's batch: its queued
+updates applied in order, then the reads it asks for, version-aware, and
+row gathers; ``ps_session``); ``requests``, ``bytes_served``,
+``staleness``, ``duplicates``, ``versions`` (figures);
 ``contribute`` (synchronous rounds: each of ``size`` replicas contributes to
 round ``r`` of a key; once all have, the round is finished once, e.g. an
 aggregated assign or a gradient step with the optimizer, and every
@@ -50,6 +58,7 @@ STORE_EXTENSION = "daskdist-ps"
 _DEDUPE_WINDOW = 1 << 16  # update keys remembered per variable
 _STALENESS_HISTORY = 1 << 16  # staleness samples kept per store id
 HANDLER = "daskdist_ps"
+_TRAFFIC_OPS = frozenset({"read", "gather", "update", "scatter", "exchange"})  # counted by ``requests``
 
 
 @dataclass
@@ -129,6 +138,7 @@ class ParameterStore:
         self._duplicates: dict[str, int] = {}
         self._staleness: dict[str, collections.deque[int]] = {}
         self._served: dict[str, int] = {}  # bytes of values sent out, per store id (reads and row gathers)
+        self._requests: dict[str, int] = {}  # variable traffic requests served, per store id
 
     def __repr__(self) -> str:
         return f"<ParameterStore variables={len(self._entries)} models={len(self._models)}>"
@@ -156,6 +166,9 @@ class ParameterStore:
         method = getattr(self, f"_op_{op}", None)
         if method is None:
             raise ValueError(f"unknown parameter store operation {op!r}")
+        if op in _TRAFFIC_OPS:
+            store_id = kwargs.get("store_id", "")
+            self._requests[store_id] = self._requests.get(store_id, 0) + 1
         result = method(**kwargs)
         if asyncio.iscoroutine(result):
             result = await result
@@ -194,6 +207,10 @@ class ParameterStore:
 
     def _count(self, store_id: str, nbytes: int) -> None:
         self._served[store_id] = self._served.get(store_id, 0) + int(nbytes)
+
+    def _op_requests(self, store_id: str) -> int:
+        """How many reads, gathers, updates and exchanges were served for ``store_id`` (round trips to this ps)."""
+        return self._requests.get(store_id, 0)
 
     def _op_bytes_served(self, store_id: str) -> int:
         """Bytes of values sent for ``store_id`` (reads and row gathers; not round results)."""
@@ -330,6 +347,7 @@ class ParameterStore:
         for key in [k for k in self._models if k[0] == store_id]:
             del self._models[key]
         self._served.pop(store_id, None)
+        self._requests.pop(store_id, None)
         self._duplicates.pop(store_id, None)
         self._staleness.pop(store_id, None)
         for applied_key in [k for k in self._applied if k[0] == store_id]:
