@@ -177,3 +177,16 @@ def test_a_bad_update_in_a_batch_raises_and_keeps_the_updates_before_it():
         store._op_exchange("s", updates=[("update", "v", "assign_add", np.ones(3, np.float32), None, None),
                                          ("update", "v", "assign", np.ones(5, np.float32), None, None)])
     assert asyncio.run(store.run("read", {"store_id": "s", "var_id": "v"}))[0] == 1
+
+
+def test_an_embedding_lookup_of_a_whole_stored_table_pulls_only_the_rows_asked_for(threaded_client):
+    with _strategy(threaded_client) as strategy:
+        coordinator = ClusterCoordinator(strategy)
+        with strategy.scope():
+            table = dd.Variable(np.arange(4000, dtype=np.float32).reshape(1000, 4), name="table")  # ps 0
+        store = strategy.extended._stores[0]
+        before = store.call_from_client(strategy.client, "bytes_served")
+        ids = np.array([[7, 999], [7, 0]])
+        rows = coordinator.schedule(lambda: dd.nn.embedding_lookup(table, ids)).fetch()
+        np.testing.assert_array_equal(rows, np.arange(4000, dtype=np.float32).reshape(1000, 4)[ids])
+        assert store.call_from_client(strategy.client, "bytes_served") - before == 3 * 4 * 4  # 3 distinct rows

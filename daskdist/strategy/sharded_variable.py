@@ -283,6 +283,12 @@ def embedding_lookup(params: Any, ids: Any, max_norm: float | None = None, name:
         if out is None:
             out = np.empty((0, *params.shape[1:]), dtype=params.dtype)
         result = out
+    elif hasattr(params, "_gather_rows"):  # a stored variable: only the rows travel (TF gathers on the ps)
+        rows = int(params.shape[0])
+        if flat.size and (flat.min() < 0 or flat.max() >= rows):
+            raise IndexError(f"embedding_lookup: ids must be in [0, {rows}), got {flat.min()}..{flat.max()}")
+        unique, inverse = np.unique(flat, return_inverse=True)
+        result = as_array(_rows(params, unique))[0][inverse]
     else:
         table = as_array(params.value() if isinstance(params, Variable) else params)[0]
         result = table[flat]
