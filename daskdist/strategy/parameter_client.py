@@ -8,8 +8,10 @@ through the worker's Dask comms, worker to worker. From the client, through
 the client's connection pool. Requests and replies are Dask-serialized
 objects (``ToPickle``: pickle protocol 5, each numpy buffer a frame of its
 own, written to the socket without being copied into one pickle).
-``exchange_from_replica`` sends one request to each of several stores at
-once (concurrently, on the worker's event loop). A store that cannot be
+``exchange_from_replica`` (a parameter-server worker's batch) sends one
+request to each of several stores at once: a store of this process is
+called directly (no copy), one with a direct channel gets it there
+(``ps_channel``), any other through Dask's comms. A store that cannot be
 reached raises ``ReplicaLostError`` naming it.
 """
 
@@ -26,7 +28,7 @@ from distributed.utils import sync
 
 from daskdist import config, serialization
 from daskdist.exceptions import ReplicaLostError
-from daskdist.strategy.parameter_store import HANDLER, STORE_EXTENSION, unwrap
+from daskdist.strategy.parameter_store import HANDLER, STORE_EXTENSION, store_in_process, unwrap
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -62,6 +64,7 @@ class StoreRef:
 
     address: str
     store_id: str
+    direct: tuple[str, int, str] | None = None  # the store's direct channel: host, port, secret (``ps_channel``)
 
     # -- from a replica thread ---------------------------------------------------------
 
@@ -140,18 +143,42 @@ def exchange_from_replica(runtime: Any, requests: dict[StoreRef, dict[str, Any]]
     """
     if not requests:
         return {}
+    from daskdist.strategy.ps_channel import direct_exchange
+
     worker = runtime.worker
-    stores = list(requests)
+    held = {s: store_in_process(s.address) for s in requests}  # this process's stores: called directly
+    local = [s for s in requests if held[s] is not None]
+    direct = [s for s in requests if held[s] is None and s.direct is not None]
+    through_dask = [s for s in requests if held[s] is None and s.direct is None]
+    replies: dict[StoreRef, Any] = {}
+    errors: list[BaseException] = []
+    if direct:
+        try:  # sent first: the stores work while this thread serves the rest
+            replies.update(direct_exchange({s: ("exchange", {**requests[s], "store_id": s.store_id})
+                                            for s in direct}))
+        except Exception as e:  # noqa: BLE001 - raised after the others were answered
+            errors.append(e)
+    if through_dask:
 
-    async def all_of() -> list[Any]:
-        results = await asyncio.gather(*(s._call_on_loop(worker, "exchange", dict(requests[s])) for s in stores),
-                                       return_exceptions=True)
-        for result in results:
+        async def all_of() -> list[Any]:
+            return list(await asyncio.gather(
+                *(s._call_on_loop(worker, "exchange", dict(requests[s])) for s in through_dask),
+                return_exceptions=True))
+
+        for store, result in zip(through_dask, sync(worker.loop, all_of)):
             if isinstance(result, BaseException):
-                raise result
-        return list(results)
-
-    return dict(zip(stores, sync(worker.loop, all_of)))
+                errors.append(result)
+            else:
+                replies[store] = result
+    for store in local:  # a store of this process: called directly, no copy (it takes its own lock)
+        try:
+            replies[store] = held[store].run_sync("exchange",  # type: ignore[union-attr]
+                                                  {**requests[store], "store_id": store.store_id})
+        except Exception as e:  # noqa: BLE001 - raised after the others were answered
+            errors.append(e)
+    if errors:
+        raise errors[0]
+    return replies
 
 
 async def _call(pool: Any, address: str, payload: Any) -> dict[str, Any]:

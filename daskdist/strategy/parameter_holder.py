@@ -58,8 +58,9 @@ class ParameterHolderExtended(SpmdExtended):
         self._store_of: dict[str, int] = {}
         self._placement_counter = itertools.count()
         for address in addresses:
-            self.client.run(install_store, workers=[address])
-            self._stores.append(StoreRef(address, self.token))
+            installed = self.client.run(install_store, workers=[address])[address]
+            direct = installed["direct"]
+            self._stores.append(StoreRef(address, self.token, tuple(direct) if direct else None))
         logger.info("%s: parameters on %s", type(self.strategy).__name__, addresses)
 
     # -- placement -------------------------------------------------------------------------

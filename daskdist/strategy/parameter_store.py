@@ -35,6 +35,8 @@ import asyncio
 import collections
 import functools
 import logging
+import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -50,7 +52,7 @@ if TYPE_CHECKING:
 
     from daskdist.variables import VariableSpec
 
-__all__ = ["HANDLER", "STORE_EXTENSION", "ParameterStore", "install_store", "unwrap"]
+__all__ = ["HANDLER", "STORE_EXTENSION", "ParameterStore", "install_store", "store_in_process", "unwrap"]
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +141,8 @@ class ParameterStore:
         self._staleness: dict[str, collections.deque[int]] = {}
         self._served: dict[str, int] = {}  # bytes of values sent out, per store id (reads and row gathers)
         self._requests: dict[str, int] = {}  # variable traffic requests served, per store id
+        self._lock = threading.RLock()  # the event loop and the direct channel's threads take turns
+        self.server: Any = None  # the direct channel (``ps_channel.StoreServer``), if any
 
     def __repr__(self) -> str:
         return f"<ParameterStore variables={len(self._entries)} models={len(self._models)}>"
@@ -163,16 +167,38 @@ class ParameterStore:
 
     async def run(self, op: str, kwargs: dict[str, Any]) -> Any:
         """Run one operation (on the worker's event loop)."""
+        method = self._method(op, kwargs)
+        with self._lock:
+            result = method(**kwargs)
+        if asyncio.iscoroutine(result):
+            result = await result  # ``contribute``: takes the lock itself, never across an await
+        return result
+
+    def run_sync(self, op: str, kwargs: dict[str, Any]) -> Any:
+        """Run one synchronous operation from any thread (the direct channel, a replica of this process)."""
+        method = self._method(op, kwargs)
+        with self._lock:
+            result = method(**kwargs)
+        if asyncio.iscoroutine(result):
+            result.close()
+            raise ValueError(f"parameter store operation {op!r} runs on the event loop only")
+        return result
+
+    def _method(self, op: str, kwargs: dict[str, Any]) -> Any:
         method = getattr(self, f"_op_{op}", None)
         if method is None:
             raise ValueError(f"unknown parameter store operation {op!r}")
         if op in _TRAFFIC_OPS:
             store_id = kwargs.get("store_id", "")
-            self._requests[store_id] = self._requests.get(store_id, 0) + 1
-        result = method(**kwargs)
-        if asyncio.iscoroutine(result):
-            result = await result
-        return result
+            with self._lock:
+                self._requests[store_id] = self._requests.get(store_id, 0) + 1
+        return method
+
+    def close(self) -> None:
+        """The worker closes: stop the direct channel."""
+        if self.server is not None:
+            self.server.close()
+            self.server = None
 
     # -- variables ----------------------------------------------------------------------
 
@@ -375,27 +401,30 @@ class ParameterStore:
         forgotten once every rank has fetched its result.
         """
         round_key = (store_id, key, int(round_id))
-        round_ = self._rounds.get(round_key)
-        if round_ is None:
-            self._drop_stale_rounds(store_id, key, int(round_id) >> 32)
-            round_ = self._rounds[round_key] = _Round(size=int(size))
-        if round_.size != size:
-            raise ValueError(f"round {round_id} of {key!r}: {size} replicas contribute, the round expects {round_.size}")
-        if has_payload and rank not in round_.contributions and not round_.done.is_set():
-            round_.contributions[int(rank)] = payload
-            if len(round_.contributions) == round_.size:
-                try:
-                    round_.result = self._finish(store_id, key, kind, round_.contributions)
-                except Exception as e:  # noqa: BLE001 - every contributor gets the error
-                    round_.error = e
-                round_.done.set()
+        with self._lock:
+            round_ = self._rounds.get(round_key)
+            if round_ is None:
+                self._drop_stale_rounds(store_id, key, int(round_id) >> 32)
+                round_ = self._rounds[round_key] = _Round(size=int(size))
+            if round_.size != size:
+                raise ValueError(f"round {round_id} of {key!r}: {size} replicas contribute, the round expects "
+                                 f"{round_.size}")
+            if has_payload and rank not in round_.contributions and not round_.done.is_set():
+                round_.contributions[int(rank)] = payload
+                if len(round_.contributions) == round_.size:
+                    try:
+                        round_.result = self._finish(store_id, key, kind, round_.contributions)
+                    except Exception as e:  # noqa: BLE001 - every contributor gets the error
+                        round_.error = e
+                    round_.done.set()
         try:
             await asyncio.wait_for(round_.done.wait(), max(float(wait), 0.0))
         except asyncio.TimeoutError:
             return {"status": "waiting"}
-        round_.fetched.add(int(rank))
-        if len(round_.fetched) >= round_.size:
-            self._rounds.pop(round_key, None)
+        with self._lock:
+            round_.fetched.add(int(rank))
+            if len(round_.fetched) >= round_.size:
+                self._rounds.pop(round_key, None)
         if round_.error is not None:
             raise round_.error
         return {"status": "OK", "result": round_.result}
@@ -514,11 +543,43 @@ class _StoredVariable:
         return variable
 
 
-def install_store(dask_worker: Worker) -> str:
-    """Make ``dask_worker`` a parameter holder (idempotent; run with ``client.run``); its address."""
-    if STORE_EXTENSION not in dask_worker.extensions:
+#: The stores of this process by worker address (a threaded cluster's replicas call them directly).
+_IN_PROCESS: weakref.WeakValueDictionary[str, ParameterStore] = weakref.WeakValueDictionary()
+
+
+def store_in_process(address: str) -> ParameterStore | None:
+    """The store held by the worker at ``address`` if that worker lives in this process (and still has it)."""
+    store = _IN_PROCESS.get(address)
+    if store is None or store.worker is None or store.worker.extensions.get(STORE_EXTENSION) is not store:
+        return None
+    return store
+
+
+def install_store(dask_worker: Worker) -> dict[str, Any]:
+    """Make ``dask_worker`` a parameter holder (idempotent; run with ``client.run``).
+
+    Returns ``{"address": the worker's address, "direct": (host, port,
+    secret) of its direct channel, or None}`` (no channel on ``tls://``
+    clusters, or with ``daskdist.parameter-store.direct-channel`` false).
+    """
+    store = dask_worker.extensions.get(STORE_EXTENSION)
+    if store is None:
         store = ParameterStore(dask_worker)
         dask_worker.extensions[STORE_EXTENSION] = store
+        _IN_PROCESS[dask_worker.address] = store
         dask_worker.handlers[HANDLER] = store.handle
         logger.debug("Parameter store installed on %s", dask_worker.address)
-    return dask_worker.address
+    if store.server is None and _direct_channel_wanted(dask_worker.address):
+        from distributed.comm import get_address_host
+
+        from daskdist.strategy.ps_channel import StoreServer
+
+        store.server = StoreServer(store, get_address_host(dask_worker.address))
+    direct = None if store.server is None else (*store.server.endpoint, store.server.secret)
+    return {"address": dask_worker.address, "direct": direct}
+
+
+def _direct_channel_wanted(address: str) -> bool:
+    from daskdist import config
+
+    return bool(config.get("parameter-store.direct-channel", True)) and address.startswith("tcp://")
