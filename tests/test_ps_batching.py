@@ -190,3 +190,73 @@ def test_an_embedding_lookup_of_a_whole_stored_table_pulls_only_the_rows_asked_f
         rows = coordinator.schedule(lambda: dd.nn.embedding_lookup(table, ids)).fetch()
         np.testing.assert_array_equal(rows, np.arange(4000, dtype=np.float32).reshape(1000, 4)[ids])
         assert store.call_from_client(strategy.client, "bytes_served") - before == 3 * 4 * 4  # 3 distinct rows
+
+
+# -- the direct channel ------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("direct_channel", [True, False])
+def test_worker_processes_reach_the_ps_on_the_direct_channel_or_through_dask_comms(make_cluster, direct_channel):
+    with dask.config.set({"daskdist.parameter-store.direct-channel": direct_channel}):
+        client = make_cluster(3, processes=True)
+        with _strategy(client) as strategy:
+            assert all((s.direct is not None) == direct_channel for s in strategy.extended._stores)
+            coordinator = ClusterCoordinator(strategy)
+            with strategy.scope():
+                kernel = dd.Variable(np.zeros((8, 3), np.float32), name="kernel")
+                bias = dd.Variable(np.zeros(3, np.float32), name="bias")
+            step = _train_step(kernel, bias)
+            coordinator.schedule(step)  # the first closure pulls each variable at its first read, then pushes
+            coordinator.join()
+            assert _requests(strategy) == [2, 2]
+            for _ in range(10):
+                coordinator.schedule(step)
+            coordinator.join()
+            assert _requests(strategy) == [12, 12]  # then one exchange per closure per ps (pulled ahead)
+            np.testing.assert_allclose(kernel.numpy(), np.full((8, 3), -5.5, np.float32))
+
+
+def test_a_message_larger_than_the_socket_buffers_arrives_whole_with_its_arrays():
+    import socket
+    import threading
+
+    from daskdist.strategy.ps_channel import recv_message, send_message
+
+    left, right = socket.socketpair()
+    message = ("exchange", {"values": [np.arange(3_000_000, dtype=np.float32), np.ones((5, 2))[:, 0]], "n": 7})
+    received = []
+    reader = threading.Thread(target=lambda: received.append(recv_message(right)))
+    reader.start()
+    send_message(left, message)
+    reader.join(30)
+    left.close()
+    right.close()
+    op, kwargs = received[0]
+    assert op == "exchange" and kwargs["n"] == 7
+    np.testing.assert_array_equal(kwargs["values"][0], message[1]["values"][0])
+    np.testing.assert_array_equal(kwargs["values"][1], np.ones(5))  # a strided array travels in the pickle
+
+
+def test_the_direct_channel_refuses_a_wrong_secret_and_serves_only_variable_traffic():
+    import socket
+
+    from daskdist.strategy.ps_channel import HELLO, StoreServer, recv_message, send_message
+
+    store = _store_with(np.zeros(3, np.float32))
+    server = StoreServer(store, "127.0.0.1")
+    try:
+        with socket.create_connection(server.endpoint[:2], timeout=10) as sock:
+            sock.sendall(HELLO + b"x" * len(server.secret))
+            assert sock.recv(1) == b""  # closed by the server
+        with socket.create_connection(server.endpoint[:2], timeout=10) as sock:
+            sock.sendall(HELLO + server.secret.encode())
+            send_message(sock, ("apply_fn", {"store_id": "s", "var_id": "v", "fn": print, "args": (), "kwargs": {}}))
+            assert recv_message(sock)["status"] != "OK"
+            send_message(sock, ("exchange", {"store_id": "s", "reads": {"v": -1},
+                                             "updates": [("update", "v", "assign_add", np.ones(3), None, None)]}))
+            reply = recv_message(sock)
+            assert reply["status"] == "OK"
+            np.testing.assert_array_equal(reply["result"]["values"]["v"][1], [1, 1, 1])
+    finally:
+        server.close()

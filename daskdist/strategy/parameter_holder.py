@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import optree
 
+from daskdist import config
 from daskdist.group.service import VARIABLE
 from daskdist.strategy.extended import Args, Kwargs
 from daskdist.strategy.parameter_client import RoundCounter, StoreRef
@@ -59,7 +60,7 @@ class ParameterHolderExtended(SpmdExtended):
         self._placement_counter = itertools.count()
         for address in addresses:
             installed = self.client.run(install_store, workers=[address])[address]
-            direct = installed["direct"]
+            direct = installed["direct"] if config.get("parameter-store.direct-channel", True) else None
             self._stores.append(StoreRef(address, self.token, tuple(direct) if direct else None))
         logger.info("%s: parameters on %s", type(self.strategy).__name__, addresses)
 

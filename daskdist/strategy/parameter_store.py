@@ -559,8 +559,9 @@ def install_store(dask_worker: Worker) -> dict[str, Any]:
     """Make ``dask_worker`` a parameter holder (idempotent; run with ``client.run``).
 
     Returns ``{"address": the worker's address, "direct": (host, port,
-    secret) of its direct channel, or None}`` (no channel on ``tls://``
-    clusters, or with ``daskdist.parameter-store.direct-channel`` false).
+    secret) of its direct channel, or None}`` (no channel on ``tls://`` or
+    in-process clusters). Whether workers use it is the strategy's choice
+    (``daskdist.parameter-store.direct-channel``, read on the client).
     """
     store = dask_worker.extensions.get(STORE_EXTENSION)
     if store is None:
@@ -569,7 +570,7 @@ def install_store(dask_worker: Worker) -> dict[str, Any]:
         _IN_PROCESS[dask_worker.address] = store
         dask_worker.handlers[HANDLER] = store.handle
         logger.debug("Parameter store installed on %s", dask_worker.address)
-    if store.server is None and _direct_channel_wanted(dask_worker.address):
+    if store.server is None and dask_worker.address.startswith("tcp://"):
         from distributed.comm import get_address_host
 
         from daskdist.strategy.ps_channel import StoreServer
@@ -577,9 +578,3 @@ def install_store(dask_worker: Worker) -> dict[str, Any]:
         store.server = StoreServer(store, get_address_host(dask_worker.address))
     direct = None if store.server is None else (*store.server.endpoint, store.server.secret)
     return {"address": dask_worker.address, "direct": direct}
-
-
-def _direct_channel_wanted(address: str) -> bool:
-    from daskdist import config
-
-    return bool(config.get("parameter-store.direct-channel", True)) and address.startswith("tcp://")
