@@ -92,10 +92,24 @@ class AggregatingVariable(DistributedVariable):
         return self._value
 
     def _receive(self, version: int, value: Any, run_id: Any) -> None:
-        """The store's answer to a read: its value at ``version`` (``None``: the copy held is that version)."""
+        """The store's answer to a read: its value at ``version`` (``None``: the copy held is that version).
+
+        A host value is kept read-only (it may be the store's own array, in
+        the same process): like TF's tensors, what ``value()`` returns is not
+        changed in place.
+        """
         if value is not None:
-            self._value, self._cached_version = _on_replica_device(value, self._runtime), version
+            value = _on_replica_device(value, self._runtime)
+            if isinstance(value, np.ndarray) and value.flags.writeable:
+                value.flags.writeable = False
+            self._value, self._cached_version = value, version
         self._cached_run = run_id
+
+    def restore(self, state: Any) -> None:
+        """Put a snapshot back as this replica's compute copy (pulled again before it is used)."""
+        if not self._on_replica():
+            raise RuntimeError(f"Variable '{self.name}': restore() is for a replica's copy, not the client's handle")
+        self._value, self._cached_run = namespace(state).array(state, copy=True), None
 
     def _fresh(self, session: ClosureSession | None) -> bool:
         """Whether the compute copy is the store's value for this command (nothing queued since)."""
