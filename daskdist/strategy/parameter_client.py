@@ -29,6 +29,7 @@ from distributed.utils import sync
 from daskdist import config, serialization
 from daskdist.exceptions import ReplicaLostError
 from daskdist.strategy.parameter_store import HANDLER, STORE_EXTENSION, store_in_process, unwrap
+from daskdist.strategy.ps_channel import DIRECT_OPS, direct_exchange
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -69,8 +70,20 @@ class StoreRef:
     # -- from a replica thread ---------------------------------------------------------
 
     def call_from_replica(self, runtime: Any, op: str, **kwargs: Any) -> Any:
-        """Run ``op`` on the store from a replica thread (``runtime``: the replica's runtime)."""
+        """Run ``op`` on the store from a replica thread (``runtime``: the replica's runtime).
+
+        A worker's variable and Keras-parameter traffic (``ps_channel.DIRECT_OPS``)
+        goes without the event loop: a store of this process is called
+        directly, one with a direct channel gets it there. The rest (rounds,
+        functions, optimizers) goes through the worker's event loop.
+        """
         worker = runtime.worker
+        if op in DIRECT_OPS:  # no event loop on the way: a store of this process, else the direct channel
+            held = store_in_process(self.address)
+            if held is not None:
+                return held.run_sync(op, {**kwargs, "store_id": self.store_id})
+            if self.direct is not None:
+                return direct_exchange({self: (op, {**kwargs, "store_id": self.store_id})})[self]
         return sync(worker.loop, self._call_on_loop, worker, op, kwargs)
 
     async def _call_on_loop(self, worker: Any, op: str, kwargs: dict[str, Any]) -> Any:
@@ -143,8 +156,6 @@ def exchange_from_replica(runtime: Any, requests: dict[StoreRef, dict[str, Any]]
     """
     if not requests:
         return {}
-    from daskdist.strategy.ps_channel import direct_exchange
-
     worker = runtime.worker
     held = {s: store_in_process(s.address) for s in requests}  # this process's stores: called directly
     local = [s for s in requests if held[s] is not None]

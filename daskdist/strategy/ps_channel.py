@@ -45,8 +45,9 @@ __all__ = ["DIRECT_OPS", "StoreServer", "direct_exchange", "recv_message", "send
 logger = logging.getLogger(__name__)
 
 HELLO = b"daskdist-ps-1:"
-#: What the channel serves: a worker's variable traffic (never functions: no cloudpickle on the way in).
-DIRECT_OPS = frozenset({"exchange", "read", "gather", "update", "scatter"})
+#: What the channel serves: a worker's variable and Keras-parameter traffic (arrays and numbers; never
+#: functions or optimizers: no cloudpickle on the way in).
+DIRECT_OPS = frozenset({"exchange", "read", "gather", "update", "scatter", "model_pull", "model_push"})
 _HEADER = struct.Struct("<QI")  # pickle bytes, out-of-band buffers
 _HELLO_TIMEOUT = 5.0
 

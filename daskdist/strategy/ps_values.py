@@ -244,6 +244,12 @@ def _on_replica_device(value: Any, runtime: Any) -> Any:
     return value
 
 
+def _dedupe_key(runtime: Any) -> tuple[str, int] | None:
+    """``(closure id, n)`` for the closure's next update (``ps_fit``'s pushes too), or ``None`` outside closures."""
+    session = current_session(runtime)
+    return None if session is None else session.next_dedupe_key()
+
+
 def _resolve_stored_variable(token: str, var_id: str, spec: VariableSpec, store: StoreRef,
                              device: str) -> Any:
     """Unpickle a stored variable: this replica's view (made on first use), else the client's handle."""
