@@ -48,6 +48,7 @@ from distributed.protocol.serialize import Serialize, ToPickle
 
 from daskdist import serialization
 from daskdist.arrays import as_array, namespace, to_numpy
+from daskdist.strategy.stored_values import Entry, StoredVariable, apply_method, copy_to_host, hand_out, writable
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -63,16 +64,6 @@ _DEDUPE_WINDOW = 1 << 16  # update keys remembered per variable
 _STALENESS_HISTORY = 1 << 16  # staleness samples kept per store id
 HANDLER = "daskdist_ps"
 _TRAFFIC_OPS = frozenset({"read", "gather", "update", "scatter", "exchange"})  # counted by ``requests``
-
-
-@dataclass
-class _Entry:
-    """One stored variable: its array, what it is, and how many times it changed."""
-
-    value: Any
-    spec: VariableSpec
-    version: int = 0
-    shared: bool = False  # ``value`` itself was handed out (read-only): copy it before changing it in place
 
 
 @dataclass
@@ -96,33 +87,6 @@ class _Round:
     fetched: set[int] = field(default_factory=set)
 
 
-def _copy(value: Any) -> np.ndarray:
-    """A host (numpy) copy: stores hold host memory, whatever device a replica computes on."""
-    return np.array(to_numpy(as_array(value)[0]), copy=True)
-
-
-def _hand_out(entry: _Entry) -> np.ndarray:
-    """The stored value without a copy, as a read-only view (copy-on-write: the store never changes it again).
-
-    Dense updates replace ``entry.value`` by a fresh array; an in-place
-    change (scatter, ``apply_fn``) copies first if the value was handed out.
-    A replica in the same process and Dask's serialization of a reply (which
-    may happen after other operations ran) both see the value as it was.
-    """
-    entry.shared = True
-    view: np.ndarray = entry.value.view()
-    view.flags.writeable = False
-    return view
-
-
-def _writable(entry: _Entry) -> np.ndarray:
-    """``entry.value``, copied first if it was handed out (to change it in place)."""
-    if entry.shared:
-        entry.value, entry.shared = entry.value.copy(), False
-    value: np.ndarray = entry.value
-    return value
-
-
 def unwrap(obj: Any) -> Any:
     """The object a Dask ``ToPickle``/``Serialize`` wrapper carries (a comm that did not deserialize it)."""
     if isinstance(obj, (ToPickle, Serialize)):
@@ -135,7 +99,7 @@ class ParameterStore:
 
     def __init__(self, worker: Worker | None = None):
         self.worker = worker
-        self._entries: dict[tuple[str, str], _Entry] = {}
+        self._entries: dict[tuple[str, str], Entry] = {}
         self._models: dict[tuple[str, str], _ModelEntry] = {}
         self._rounds: dict[tuple[str, str, int], _Round] = {}
         self._applied: dict[tuple[str, str], OrderedDict[tuple[Any, ...], None]] = {}  # update keys applied, per variable
@@ -204,14 +168,14 @@ class ParameterStore:
 
     # -- variables ----------------------------------------------------------------------
 
-    def _entry(self, store_id: str, var_id: str) -> _Entry:
+    def _entry(self, store_id: str, var_id: str) -> Entry:
         try:
             return self._entries[(store_id, var_id)]
         except KeyError:
             raise KeyError(f"the parameter store holds no variable {var_id!r} of {store_id}") from None
 
     def _op_create(self, store_id: str, var_id: str, value: Any, spec: VariableSpec) -> int:
-        self._entries[(store_id, var_id)] = _Entry(_copy(value), spec)
+        self._entries[(store_id, var_id)] = Entry(copy_to_host(value), spec)
         return 0
 
     def _op_read(self, store_id: str, var_id: str, newer_than: int = -1) -> tuple[int, Any]:
@@ -220,7 +184,7 @@ class ParameterStore:
         if entry.version <= newer_than:
             return entry.version, None
         self._count(store_id, entry.value.nbytes)
-        return entry.version, _hand_out(entry)
+        return entry.version, hand_out(entry)
 
     def _op_gather(self, store_id: str, var_id: str, indices: Any) -> tuple[int, Any]:
         """``(version, copy of rows indices)``: what an embedding lookup needs, not the whole table."""
@@ -255,7 +219,7 @@ class ParameterStore:
         recorded (``staleness`` operation).
         """
         version = self._update(store_id, var_id, method, value, dedupe, read_version)
-        return version, _hand_out(self._entry(store_id, var_id))
+        return version, hand_out(self._entry(store_id, var_id))
 
     def _update(self, store_id: str, var_id: str, method: str, value: Any,
                 dedupe: tuple[str, int] | None, read_version: int | None) -> int:
@@ -263,10 +227,10 @@ class ParameterStore:
         if dedupe is not None and self._seen_before(store_id, var_id, dedupe):
             return entry.version
         self._record_staleness(store_id, entry, read_version)
-        _apply_method(entry, method, value)
+        apply_method(entry, method, value)
         return entry.version
 
-    def _record_staleness(self, store_id: str, entry: _Entry, read_version: int | None) -> None:
+    def _record_staleness(self, store_id: str, entry: Entry, read_version: int | None) -> None:
         if read_version is not None and read_version >= 0:
             self._staleness.setdefault(store_id, collections.deque(maxlen=_STALENESS_HISTORY)).append(
                 entry.version - int(read_version))
@@ -320,7 +284,7 @@ class ParameterStore:
                              f"'{entry.spec.name}' with {entry.value.shape[0]} rows")
         if method not in ("add", "sub", "update"):
             raise ValueError(f"unknown scatter method {method!r}")
-        table = _writable(entry)
+        table = writable(entry)
         if method == "add":
             np.add.at(table, rows, delta)
         elif method == "sub":
@@ -355,14 +319,14 @@ class ParameterStore:
         from daskdist.variables import Variable
 
         entry = self._entry(store_id, var_id)
-        _writable(entry)
-        variable = _StoredVariable.wrap(entry)
+        writable(entry)
+        variable = StoredVariable.wrap(entry)
         try:
             result = fn(variable, *args, **kwargs)
         finally:
             entry.version += 1
         if result is variable:
-            return _copy(entry.value)
+            return copy_to_host(entry.value)
         if isinstance(result, Variable):
             return result.read_value()
         return result
@@ -462,8 +426,8 @@ class ParameterStore:
             if aggregation == "MEAN":
                 value = value / len(ordered)
         entry = self._entry(store_id, var_id)
-        _apply_method(entry, method, value)
-        return entry.version, _copy(entry.value)
+        apply_method(entry, method, value)
+        return entry.version, copy_to_host(entry.value)
 
     # -- Keras parameters with their optimizer ------------------------------------------------
 
@@ -476,7 +440,7 @@ class ParameterStore:
             if init is None:
                 raise RuntimeError(f"the parameter store has no parameters for model {model_key!r}")
             params, optimizer = init
-            entry = self._models[key] = _ModelEntry([_copy(p) for p in params], optimizer)
+            entry = self._models[key] = _ModelEntry([copy_to_host(p) for p in params], optimizer)
         grads = [functools.reduce(np.add, parts) for parts in zip(*(c["grads"] for c in ordered))]
         stats = functools.reduce(np.add, [c["stats"] for c in ordered])
         count = float(stats[0])
@@ -485,15 +449,15 @@ class ParameterStore:
             scale = 1.0 / count
             entry.optimizer.apply(entry.params, [g * g.dtype.type(scale) for g in grads])
             entry.version += 1
-        return {"params": [_copy(p) for p in entry.params], "stats": stats, "version": entry.version}
+        return {"params": [copy_to_host(p) for p in entry.params], "stats": stats, "version": entry.version}
 
     def _op_model_state(self, store_id: str, model_key: str) -> dict[str, Any] | None:
         """``{"params", "optimizer_state", "iterations"}`` of a model's stored copy, or ``None`` if it has none."""
         entry = self._models.get((store_id, model_key))
         if entry is None:
             return None
-        state = {k: _copy(v) for k, v in entry.optimizer.get_state().items()}
-        return {"params": [_copy(p) for p in entry.params], "optimizer_state": state}
+        state = {k: copy_to_host(v) for k, v in entry.optimizer.get_state().items()}
+        return {"params": [copy_to_host(p) for p in entry.params], "optimizer_state": state}
 
     def _op_set_model(self, store_id: str, model_key: str, params: list[Any] | None = None,
                       optimizer_state: dict[str, Any] | None = None) -> bool:
@@ -522,7 +486,7 @@ class ParameterStore:
         """
         key = (store_id, model_key)
         if key not in self._models:
-            self._models[key] = _ModelEntry([_copy(p) for p in params], optimizer)
+            self._models[key] = _ModelEntry([copy_to_host(p) for p in params], optimizer)
         return self._models[key].version
 
     def _model_entry(self, store_id: str, model_key: str) -> _ModelEntry:
@@ -536,7 +500,7 @@ class ParameterStore:
         entry = self._model_entry(store_id, model_key)
         if entry.version <= newer_than:
             return entry.version, None
-        params = [_copy(p) for p in entry.params]
+        params = [copy_to_host(p) for p in entry.params]
         self._count(store_id, sum(p.nbytes for p in params))
         return entry.version, params
 
@@ -556,42 +520,9 @@ class ParameterStore:
             entry.optimizer.learning_rate = lr
             entry.optimizer.apply(entry.params, [np.asarray(to_numpy(g)) for g in grads])
             entry.version += 1
-        params = [_copy(p) for p in entry.params]
+        params = [copy_to_host(p) for p in entry.params]
         self._count(store_id, sum(p.nbytes for p in params))
         return entry.version, params
-
-
-def _apply_method(entry: _Entry, method: str, value: Any) -> None:
-    """Apply a dense update into a fresh array (what was handed out before keeps its value; no copy of the old)."""
-    array = np.asarray(to_numpy(as_array(value)[0]))
-    shape = tuple(entry.spec.shape)
-    if array.ndim != 0 and tuple(array.shape) != shape:
-        raise ValueError(f"Cannot assign a value of shape {tuple(array.shape)} to variable "
-                         f"'{entry.spec.name}' of shape {shape}")
-    new_value = np.empty_like(entry.value)
-    if method == "assign":
-        np.copyto(new_value, array, casting="unsafe")
-    elif method == "assign_add":
-        np.add(entry.value, array, out=new_value, casting="unsafe")
-    elif method == "assign_sub":
-        np.subtract(entry.value, array, out=new_value, casting="unsafe")
-    else:
-        raise ValueError(f"unknown update method {method!r}")
-    entry.value, entry.shared = new_value, False
-    entry.version += 1
-
-
-class _StoredVariable:
-    """The stored variable as ``extended.update``'s function sees it: a plain variable over the stored array."""
-
-    @staticmethod
-    def wrap(entry: _Entry) -> Any:
-        from daskdist.variables import Variable
-
-        variable = Variable.__new__(Variable)  # no copy: writes go to the stored array
-        variable._value = entry.value
-        variable._spec = entry.spec
-        return variable
 
 
 #: The stores of this process by worker address (a threaded cluster's replicas call them directly).
