@@ -20,7 +20,15 @@ Phases (``PHASES``): ``input`` (before the step's batch is taken), ``forward``
 all-reduce: ``CommunicationOptions(implementation="RING")`` makes the
 gradients go through it), ``apply`` (the optimizer has updated the first
 parameter, not the others) and ``commit`` (an elastic commit of the step,
-at the start of its copy, in the thread that copies it: ``bound``).
+at the start of its copy, in the thread that copies it: ``bound``). Those are
+``STEP_PHASES``. ``restore`` is no phase of a step: it fires on a replica
+going back to a commit during an elastic recovery (``restore_commit``, or
+``install_commit`` for a member given a survivor's commit), after the commit's
+state is written into the replica and before it answers; its step is the
+restored commit's step (the epoch's global batches done at that commit, the
+third field of its ``CommitKey``) and its rank the replica's rank in the new
+generation (``restoring``). A step of ``*`` matches any step (``"restore:*:1"``:
+the first restore on rank 1, whatever commit the survivors agree on).
 
 Zero cost when unset: a training command reads the key once (``arm``); the
 points on the hot paths test one module-level boolean, ``ARMED``, false
@@ -40,11 +48,14 @@ from dataclasses import dataclass
 
 from daskdist import config
 
-__all__ = ["ARMED", "PHASES", "PausePoint", "arm", "begin_step", "bound", "reached"]
+__all__ = ["ARMED", "PHASES", "STEP_PHASES", "PausePoint", "arm", "begin_step", "bound", "reached", "restoring"]
 
 logger = logging.getLogger(__name__)
 
-PHASES = ("input", "forward", "reduce-scatter", "all-gather", "apply", "commit")
+#: The phases of a training step (``arm``, ``reached``, ``bound``).
+STEP_PHASES = ("input", "forward", "reduce-scatter", "all-gather", "apply", "commit")
+#: Every phase: those of a step, and ``restore`` (a replica going back to a commit in a recovery: ``restoring``).
+PHASES = (*STEP_PHASES, "restore")
 
 #: Whether a fault point was armed in this process: the only thing hot paths look at.
 ARMED = False
@@ -54,26 +65,32 @@ _local = threading.local()
 
 @dataclass(frozen=True)
 class PausePoint:
-    """Where a replica pauses: ``phase`` of training step ``step`` on the replica of rank ``rank``."""
+    """Where a replica pauses: ``phase`` of training step ``step`` (``None``: any) on the replica of rank ``rank``."""
 
     phase: str
-    step: int
+    step: int | None
     rank: int
+
+    def matches(self, phase: str, step: int) -> bool:
+        """Whether this point names ``phase`` and ``step``."""
+        return self.phase == phase and self.step in (None, step)
 
     @classmethod
     def parse(cls, spec: str) -> PausePoint:
-        """``"<phase>:<step>:<rank>"`` (``"apply:4:1"``).
+        """``"<phase>:<step>:<rank>"`` (``"apply:4:1"``; ``"restore:*:1"``: any step).
 
         Raises
         ------
         ValueError
-            Not three fields, an unknown phase, or a step or rank that is not an integer >= 0.
+            Not three fields, an unknown phase, a step that is neither ``*`` nor an integer >= 0, or a rank
+            that is not an integer >= 0.
         """
         parts = str(spec).split(":")
-        if len(parts) != 3 or parts[0] not in PHASES or not parts[1].isdigit() or not parts[2].isdigit():
+        if (len(parts) != 3 or parts[0] not in PHASES or not (parts[1].isdigit() or parts[1] == "*")
+                or not parts[2].isdigit()):
             raise ValueError(f"daskdist.testing.pause-at must be '<phase>:<step>:<rank>' with a phase among "
-                             f"{', '.join(PHASES)}, got {spec!r}")
-        return cls(parts[0], int(parts[1]), int(parts[2]))
+                             f"{', '.join(PHASES)} and a step that is an integer or '*', got {spec!r}")
+        return cls(parts[0], None if parts[1] == "*" else int(parts[1]), int(parts[2]))
 
 
 def arm(rank: int, step_of: Callable[[], int]) -> Callable[[], None] | None:
@@ -126,10 +143,31 @@ def bound(phase: str) -> Callable[[], None] | None:
     pause then happens where that thread runs it. Disarms this thread's point.
     """
     point = getattr(_local, "point", None)
-    if point is None or point.phase != phase or point.step != _local.step:
+    if point is None or not point.matches(phase, _local.step):
         return None
     _local.point = None
-    path, seconds, address = _local.path, _local.seconds, _worker_address()  # the worker, known in its thread
+    return _pause(point, phase, _local.step, _local.path, _local.seconds, _worker_address())
+
+
+def restoring(rank: int, step: int) -> None:
+    """Fault point ``restore``: the replica of rank ``rank`` (this generation's) restored a commit of ``step``.
+
+    Called by the elastic restore commands when ``ARMED`` (a training command armed a point in this
+    process); reads the settings again, since ranks change with the generation. Pauses once, as the others.
+    """
+    spec = config.get("testing.pause-at")
+    if not spec:
+        return
+    point = PausePoint.parse(spec)
+    path = config.get("testing.pause-file")
+    if point.rank != rank or not point.matches("restore", step) or not path:
+        return
+    _pause(point, "restore", step, str(path), config.get_seconds("testing.pause-seconds"), _worker_address())()
+
+
+def _pause(point: PausePoint, phase: str, step: int, path: str, seconds: float,
+           address: str | None) -> Callable[[], None]:
+    """The pause of ``point`` (reached at ``phase`` of ``step``): fires once, see the module."""
 
     def pause() -> None:
         try:
@@ -138,13 +176,13 @@ def bound(phase: str) -> Callable[[], None] | None:
             return
         os.close(fd)
         record = {"pid": os.getpid(), "ppid": os.getppid(), "address": address, "phase": phase,
-                  "step": point.step, "rank": point.rank, "host": socket.gethostname()}
+                  "step": step, "rank": point.rank, "host": socket.gethostname()}
         partial = f"{path}.{os.getpid()}.tmp"
         with open(partial, "w") as f:
             json.dump(record, f)
         os.replace(partial, path)  # the test sees the whole record or none
         logger.warning("Test fault point: replica %d pauses at %s of step %d for %g s (daskdist.testing.pause-at)",
-                       point.rank, phase, point.step, seconds)
+                       point.rank, phase, step, seconds)
         time.sleep(seconds)
 
     return pause

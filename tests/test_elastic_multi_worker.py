@@ -105,7 +105,10 @@ class Killer:
 
 def test_pause_points_are_parsed_and_checked():
     assert fault_points.PausePoint.parse("reduce-scatter:4:1") == fault_points.PausePoint("reduce-scatter", 4, 1)
-    for bad in ("reduce:4:1", "apply:4", "apply:-1:0", "apply:x:0", "apply:1:2:3"):
+    assert fault_points.PausePoint.parse("restore:*:0") == fault_points.PausePoint("restore", None, 0)
+    assert fault_points.PausePoint("restore", None, 0).matches("restore", 7)
+    assert not fault_points.PausePoint("apply", 3, 0).matches("apply", 4)
+    for bad in ("reduce:4:1", "apply:4", "apply:-1:0", "apply:x:0", "apply:1:2:3", "apply:4:*"):
         with pytest.raises(ValueError, match="pause-at must be '<phase>:<step>:<rank>'"):
             fault_points.PausePoint.parse(bad)
     assert config.get("testing.pause-at") is None  # off by default
@@ -176,7 +179,7 @@ def test_after_a_re_formation_hosts_left_are_renumbered_and_newcomers_join_their
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("phase", fault_points.PHASES)
+@pytest.mark.parametrize("phase", fault_points.STEP_PHASES)
 def test_kill_9_of_one_of_3_workers_at_each_phase_of_a_step_fit_finishes_with_the_uninterrupted_weights(
         phase, uninterrupted, process_workers, tmp_path):
     weights, expected, reference = uninterrupted

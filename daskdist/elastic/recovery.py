@@ -66,7 +66,7 @@ class Recovery:
 
 
 def recover(group: ReplicaGroup, options: ElasticOptions, error: BaseException,
-            install_newcomer: Any = None) -> Recovery:
+            install_newcomer: Any = None, since: list[str] | None = None) -> Recovery:
     """Bring ``group`` back after ``error`` (a lost member): re-formed, big enough, at one commit.
 
     Parameters
@@ -74,6 +74,9 @@ def recover(group: ReplicaGroup, options: ElasticOptions, error: BaseException,
     install_newcomer
         ``install_newcomer(rank)``: puts what a new member needs before the
         commit (a model) on rank ``rank``; ``None``: new workers are not admitted.
+    since
+        The members when the first loss of this recovery struck (it was started again after a loss during
+        it): the outcome's ``lost`` (also in its log line and Dask event) names every member lost since.
 
     Raises
     ------
@@ -95,6 +98,8 @@ def recover(group: ReplicaGroup, options: ElasticOptions, error: BaseException,
         admitted = _wait_for_members(group, options, lost, install_newcomer is not None)
         membership = group.membership
     commit, healed = _restore_common_commit(group, admitted, install_newcomer)
+    if since is not None:
+        lost = [a for a in since if a not in membership.addresses and a not in left]
     outcome = Recovery(int(membership.generation), list(membership.addresses), lost, admitted, commit,
                        time.monotonic() - start, healed, action="restored" if lost or not left else "left",
                        left=left)
@@ -338,11 +343,10 @@ def recover_within_budget(group: ReplicaGroup, options: ElasticOptions, error: B
                 worker=getattr(error, "worker", None))) from error
         logger.warning("Elastic training: %s; recovering", error)
         try:
-            outcome = recover(group, options, error, install_newcomer=install_newcomer)
+            outcome = recover(group, options, error, install_newcomer=install_newcomer, since=before)
             break
         except RECOVERABLE as again:
             if is_final(again):
                 raise
             error = again
-    outcome.lost = [a for a in before if a not in outcome.members and a not in outcome.left]
     return outcome, failures

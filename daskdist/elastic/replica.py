@@ -216,6 +216,8 @@ def restore_commit(service: ReplicaService, key: CommitKey, rank0_metrics: bool 
     ring.settle()  # no copy may read what the restore writes
     commit = ring.get(key)
     service.objects.restore(commit.state)
+    if fault_points.ARMED:  # a test's fault point (``daskdist.testing.pause-at``): restored, not yet answered
+        fault_points.restoring(service.rank, commit.key[2])
     ring.drop_after(key)
     _restore_metrics(service, commit.progress)
     return state_digest(commit.state)
@@ -231,6 +233,8 @@ def install_commit(service: ReplicaService, commit: Commit) -> str:
     ring = _ring(service)
     ring.settle()
     service.objects.restore(commit.state)
+    if fault_points.ARMED:
+        fault_points.restoring(service.rank, commit.key[2])
     ring.drop_after(commit.key)
     ring.add(commit)
     _restore_metrics(service, commit.progress)
