@@ -24,7 +24,8 @@ from daskdist.data.dataset import Dataset
 from daskdist.data.planner import cut_pipeline
 from daskdist.elastic.ledger import DataLedger, RowMap
 from daskdist.elastic.options import ElasticOptions
-from daskdist.elastic.recovery import RECOVERABLE, Recovery, grow, leave, recover_within_budget, remember_members
+from daskdist.elastic.recovery import (RECOVERABLE, Recovery, grow, leave, recover_within_budget, refill,
+                                      remember_members)
 from daskdist.elastic.replica import CommitKey, commit_progress, elastic_train_epoch, take_commit
 
 if TYPE_CHECKING:
@@ -79,6 +80,7 @@ class ElasticFit:
         """The commit every replica can go back to before the first step (the model built everywhere)."""
         self._first_epoch = epoch
         remember_members(self.group)  # a member lost later is known by its Dask name (its cooldown)
+        self._change(refill)  # left below min_replicas by an earlier run: wait for workers, else raise again
         while True:
             try:
                 shape, dtype = _input_shape(self.runner._dist_train.element_spec)
@@ -167,8 +169,8 @@ class ElasticFit:
         return outcome.commit, progress
 
     def _change(self, change: Any) -> tuple[CommitKey, dict] | None:
-        """At a commit boundary: ``leave`` (retiring members go) or ``grow`` (free workers join, up to
-        ``max_replicas``), then plan the coming steps over the members.
+        """At a commit boundary: ``leave`` (retiring members go), ``grow`` (free workers join, up to
+        ``max_replicas``) or ``refill`` (below ``min_replicas``), then plan the coming steps over the members.
 
         Returns the commit and progress a loss meanwhile sent the group back to, else ``None``.
         """

@@ -30,6 +30,7 @@ class Quarantine:
         self.clock = clock
         self.names: dict[str, str] = {}  # address -> Dask worker name
         self.failures: dict[str, list[float]] = {}  # worker identity -> when it failed
+        self.lost: list[str] = []  # the addresses of the workers that failed, oldest first
 
     def identity(self, address: str) -> str:
         """The name a worker is known by: its Dask name, else its address."""
@@ -46,6 +47,7 @@ class Quarantine:
         """Record that the workers at ``addresses`` were lost now."""
         now = self.clock()
         for address in addresses:
+            self.lost.append(address)
             self.failures.setdefault(self.identity(address), []).append(now)
 
     def cooling(self, address: str, cooldown: float) -> bool:

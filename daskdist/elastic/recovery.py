@@ -25,7 +25,7 @@ from daskdist.group.handle import ReplicaGroup
 from daskdist.group.membership import Membership
 
 __all__ = ["ELASTIC_TOPIC", "RECOVERABLE", "Recovery", "admit", "grow", "is_final", "leave", "recover",
-           "recover_within_budget", "remember_members"]
+           "recover_within_budget", "refill", "remember_members"]
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +129,36 @@ def grow(group: ReplicaGroup, options: ElasticOptions, install_newcomer: Any) ->
                        time.monotonic() - start, healed, action="grew")
     logger.info("Elastic group %s grew to %d members (admitted %s) at commit %s", group.group_id, group.size,
                 admitted, commit)
+    try:
+        group.client.log_event(ELASTIC_TOPIC, {"group": group.group_id, **outcome.to_msg()})
+    except Exception as e:  # events are for watching; never fail a growth for them
+        logger.debug("Could not log the growth event: %s", e)
+    return outcome
+
+
+def refill(group: ReplicaGroup, options: ElasticOptions, install_newcomer: Any) -> Recovery | None:
+    """Before a ``fit``: a group left below ``min_replicas`` (an earlier run ended in that error) waits for workers.
+
+    ``None`` when the group has ``min_replicas`` members. Else free workers are
+    admitted as they come, for up to ``wait_timeout``, and every member goes
+    to the newest commit the old members hold (where the run that lost the
+    workers would have gone back to), the newcomers getting it from a survivor.
+
+    Raises
+    ------
+    ReplicaLostError
+        No worker came within ``wait_timeout`` (naming the workers lost), as when the loss happened.
+    """
+    if group.size >= options.min_replicas:
+        return None
+    start = time.monotonic()
+    lost = [a for a in quarantine_of(group).lost if a not in group.addresses]
+    admitted = _wait_for_members(group, options, lost, can_admit=True)
+    commit, healed = _restore_common_commit(group, admitted, install_newcomer)
+    outcome = Recovery(int(group.generation), list(group.addresses), [], admitted, commit,
+                       time.monotonic() - start, healed, action="grew")
+    logger.warning("Elastic group %s was below min_replicas=%d: admitted %s, at commit %s", group.group_id,
+                   options.min_replicas, admitted, commit)
     try:
         group.client.log_event(ELASTIC_TOPIC, {"group": group.group_id, **outcome.to_msg()})
     except Exception as e:  # events are for watching; never fail a growth for them
