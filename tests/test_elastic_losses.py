@@ -17,8 +17,8 @@ import pytest
 
 import daskdist as dd
 from tests.test_elastic import _data, _kill_at_step, _model, slow_batch
+from tests.test_elastic_departures import process_workers  # noqa: F401 (the fixture: it sweeps killed segments)
 from tests.test_elastic_multi_worker import RING, Killer, _resolver_view, _train_set
-from tests.test_elastic_multi_worker import process_workers  # noqa: F401 (the fixture, which sweeps segments)
 
 Dataset = dd.data.Dataset
 

@@ -24,8 +24,15 @@ from daskdist.data.dataset import Dataset
 from daskdist.data.planner import cut_pipeline
 from daskdist.elastic.ledger import DataLedger, RowMap
 from daskdist.elastic.options import ElasticOptions
-from daskdist.elastic.recovery import (RECOVERABLE, Recovery, grow, leave, recover_within_budget, refill,
-                                      remember_members)
+from daskdist.elastic.recovery import (
+    RECOVERABLE,
+    Recovery,
+    grow,
+    leave,
+    recover_within_budget,
+    refill,
+    remember_members,
+)
 from daskdist.elastic.replica import CommitKey, commit_progress, elastic_train_epoch, take_commit
 
 if TYPE_CHECKING:
