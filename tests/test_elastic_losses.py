@@ -9,6 +9,8 @@ files (``Killer``) or on replica 0's progress events (``_kill_at_step``), as in 
 
 from __future__ import annotations
 
+import json
+import os
 import time
 
 import dask
@@ -16,6 +18,7 @@ import numpy as np
 import pytest
 
 import daskdist as dd
+from daskdist import fault_points
 from tests.test_elastic import _data, _kill_at_step, _model, slow_batch
 from tests.test_elastic_departures import process_workers  # noqa: F401 (the fixture: it sweeps killed segments)
 from tests.test_elastic_multi_worker import RING, Killer, _resolver_view, _train_set
@@ -62,6 +65,33 @@ def uninterrupted_mwms(threaded_client):
             model = _model(weights)
         history = model.fit(_train_set(), epochs=2, verbose=0)
         return weights, model.get_weights(), history.history
+
+
+def test_the_restore_point_fires_once_on_the_new_generations_rank_at_the_commits_step(tmp_path):
+    marker = tmp_path / "paused.json"
+    settings = {"daskdist.testing.pause-at": "restore:4:1", "daskdist.testing.pause-file": str(marker),
+                "daskdist.testing.pause-seconds": "0.2s"}
+    with dask.config.set(settings):
+        assert fault_points.arm(1, lambda: 4) is not None  # a training command arms it (ARMED); no step pauses
+        fault_points.begin_step(4)
+        for phase in fault_points.STEP_PHASES:
+            fault_points.reached(phase)
+        for rank, step in ((0, 4), (1, 3)):  # another rank, another commit: no pause
+            fault_points.restoring(rank, step)
+        assert not marker.exists()
+        start = time.monotonic()
+        fault_points.restoring(1, 4)
+        assert time.monotonic() - start >= 0.2
+        record = json.loads(marker.read_text())
+        assert (record["phase"], record["step"], record["rank"], record["pid"]) == ("restore", 4, 1, os.getpid())
+        start = time.monotonic()
+        fault_points.restoring(1, 4)  # fired once: a later restore runs on
+        assert time.monotonic() - start < 0.2
+    anywhere = tmp_path / "any.json"
+    with dask.config.set({**settings, "daskdist.testing.pause-at": "restore:*:0",
+                          "daskdist.testing.pause-file": str(anywhere)}):
+        fault_points.restoring(0, 7)  # "*": whatever commit the survivors agreed on
+        assert json.loads(anywhere.read_text())["step"] == 7
 
 
 @pytest.mark.slow
