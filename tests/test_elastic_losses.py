@@ -205,3 +205,21 @@ def _weights_digest(service):
     from daskdist.elastic.replica import STATE_KINDS, state_digest
 
     return state_digest(service.objects.snapshot(STATE_KINDS))
+
+
+def test_a_strategy_started_below_min_replicas_admits_a_free_worker_before_its_first_step(
+        uninterrupted_mwms, threaded_client):
+    weights, expected, reference = uninterrupted_mwms
+    (chosen, *free) = sorted(threaded_client.scheduler_info()["workers"])
+    resolver = dd.cluster_resolver.DaskClusterResolver(workers=[chosen])
+    options = dd.ElasticOptions(min_replicas=2, max_replicas=2, wait_timeout="60s")
+    with dd.MultiWorkerMirroredStrategy(resolver, communication_options=RING, client=threaded_client,
+                                        elastic=options) as strategy:
+        assert strategy.num_replicas_in_sync == 1
+        with strategy.scope():
+            model = _model(weights)
+        history = model.fit(_train_set(), epochs=2, verbose=0)
+        (event,) = history.elastic.events  # the newcomer joined before any step: it trained every step
+        assert event.action == "grew" and event.admitted[0] in free and event.commit[1:] == (0, 0)
+        assert strategy.num_replicas_in_sync == 2
+        _check_exact(history, model, expected, reference)  # the global batch re-split: the same arithmetic

@@ -33,7 +33,7 @@ from daskdist.elastic.recovery import (
     refill,
     remember_members,
 )
-from daskdist.elastic.replica import CommitKey, commit_progress, elastic_train_epoch, take_commit
+from daskdist.elastic.replica import CommitKey, commit_keys, commit_progress, elastic_train_epoch, take_commit
 
 if TYPE_CHECKING:
     from daskdist.keras.models import Model
@@ -87,7 +87,16 @@ class ElasticFit:
         """The commit every replica can go back to before the first step (the model built everywhere)."""
         self._first_epoch = epoch
         remember_members(self.group)  # a member lost later is known by its Dask name (its cooldown)
-        self._change(refill)  # left below min_replicas by an earlier run: wait for workers, else raise again
+        if self.group.size < self.options.min_replicas:
+            # below min_replicas (an earlier run ended in that error, or the strategy started smaller): wait for
+            # workers (they get the survivors' newest commit: a group that never committed commits first), or
+            # raise again; never train below min_replicas
+            if not all(self.group.call(commit_keys)):
+                self._take_first_commit(epoch)
+            self._change(refill)
+        self._take_first_commit(epoch)
+
+    def _take_first_commit(self, epoch: int) -> None:
         while True:
             try:
                 shape, dtype = _input_shape(self.runner._dist_train.element_spec)
