@@ -1,32 +1,58 @@
-"""Elastic training: the cost of committing every step, and the time from a kill -9 to training again.
+"""Elastic training: the cost of committing, the time from a kill -9 to training again, and goodput.
 
-Two parts:
+Three parts, all with the tutorial's CNN (``examples/mnist_mirrored.py``,
+MNIST-shaped synthetic data, ``map(scale).cache().batch(64)``: the tutorial's
+pipeline without its shuffle, which elastic ``fit`` does not take yet):
 
-1. **Commit cost.** ``fit`` of the tutorial's CNN (``examples/mnist_mirrored.py``,
-   MNIST-shaped synthetic data, ``map(scale).cache().batch(B)``: the tutorial's
-   pipeline without its shuffle, which elastic ``fit`` does not take yet) on 2
-   replicas, epochs alternating (ABBA) between a plain strategy and elastic ones
-   with ``commit_every`` 1 and 10. Reported: median wall time per step of each
-   (epoch time / steps, the warm-up epoch skipped), and the elastic ones'
-   overhead against the plain one (goal: under 3 % at ``commit_every=1``).
-2. **Recovery.** 3 ``dask worker`` processes (each with its nanny); one is
-   killed with its nanny (SIGKILL) mid-epoch. Reported, per trial: seconds from
-   the kill to the recovery event (new generation, commit restored), and to the
-   first step of the new generation (replica 0's first progress event after it).
+1. **Commit cost.** ``fit`` on 2 replicas (a ``LocalCluster``), epochs
+   alternating (ABBA) between a plain (non-elastic) strategy and elastic ones
+   with ``commit_every`` 1 and 10, side by side in one run. Reported: median
+   wall time per step of each (epoch time / steps, a warm-up epoch first), and
+   each one's ratio to the plain one (goal: under 1.03 at ``commit_every=1``).
+2. **Goodput with a kill -9 every epoch.** 3 ``dask worker`` processes (each
+   with its nanny) on a fresh scheduler per run; ``--goodput-epochs`` (10)
+   epochs of ``fit``. In every epoch, once replica 0 reported step
+   ``steps // 2``, a worker of the group (rank 1) is killed with its nanny
+   (SIGKILL, nothing restarts it) and a replacement ``dask worker`` is started
+   (a spot instance replaced), so that every run has 3 workers to use:
 
-Run: ``python benchmarks/elastic.py [--epochs 6] [--steps 32] [--trials 3]``.
+   * *uninterrupted*: the plain strategy, no kill;
+   * *elastic*: ``ElasticOptions(min_replicas=2, max_replicas=3,
+     admit_every="1s")``: fit goes on on the survivors from the newest commit
+     and admits the replacement at the next commit boundary once it is up
+     (a kill before it is up leaves 1 replica: below ``min_replicas`` the
+     recovery waits for it);
+   * *restart + BackupAndRestore*: what a user has today: the plain strategy
+     with ``keras.callbacks.BackupAndRestore``; the kill ends ``fit`` with
+     ``ReplicaLostError``, the user's loop waits for 3 workers, makes a new
+     strategy and model and calls ``fit`` again, which resumes after the last
+     finished epoch (the killed epoch's steps are trained again).
+
+   Reported: wall time, goodput (samples of the 10 epochs / wall time) and its
+   ratio to the uninterrupted run.
+3. **Kill -9 to the first step of the new generation**, from the elastic run's
+   kills: per kill, seconds from the kill to the end of the recovery
+   (``History.elastic_events``' ``time``: the new generation formed, the commit
+   restored) and to the start of replica 0's first step after it (the step's
+   own wall-clock start, from the scheduler's step store); mean and range.
+
+Run: ``python benchmarks/elastic.py`` (about 5 minutes on 2 cores);
+``--quick`` (2 measured epochs, 16 steps, 3 goodput epochs) is a smoke run.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -41,7 +67,7 @@ from training_parts.keras_parts import build_cnn, scale  # noqa: E402
 cloudpickle.register_pickle_by_value(keras_parts)
 
 import daskdist as dd  # noqa: E402
-from daskdist.elastic.recovery import ELASTIC_TOPIC  # noqa: E402
+from daskdist import keras  # noqa: E402
 from daskdist.keras.models import PROGRESS_TOPIC  # noqa: E402
 
 BATCH = 64
@@ -76,70 +102,200 @@ def commit_cost(epochs: int, steps: int) -> None:
         for strategy in strategies.values():
             strategy.close()
     plain = statistics.median(times["plain"])
-    rows = [[name, f"{statistics.median(t) * 1e3:.2f}", f"{(statistics.median(t) / plain - 1) * 100:+.1f} %"]
-            for name, t in times.items()]
-    print(format_table(["strategy", "ms per step (median)", "vs plain"], rows))
+    rows = [[name, f"{statistics.median(t) * 1e3:.2f}", f"{statistics.median(t) / plain:.3f}",
+             f"{min(t) * 1e3:.2f}-{max(t) * 1e3:.2f}"] for name, t in times.items()]
+    print(format_table(["strategy", "ms per step (median)", "ratio to plain", "range (ms)"], rows))
 
 
-def _kill_mid_epoch(client, step: int, pids: tuple[int, ...], killed: dict) -> None:
-    """SIGKILL ``pids`` once replica 0 reported ``step``; the kill's time goes in ``killed["at"]``."""
-    since = time.time()
-    while not any(t > since and m.get("step", -1) >= step for t, m in client.get_events(PROGRESS_TOPIC)):
-        time.sleep(0.01)
-    killed["at"] = time.time()
-    for pid in pids:
-        os.kill(pid, signal.SIGKILL)
+class ProcessWorkers:
+    """A scheduler in this process and ``dask worker`` processes (each with its nanny) that may be killed."""
 
+    def __init__(self, n: int):
+        from distributed import Client, LocalCluster
 
-def recovery(trials: int, steps: int) -> None:
-    from distributed import Client, LocalCluster
+        self.cluster = LocalCluster(n_workers=0, processes=True, dashboard_address=":0", silence_logs=40)
+        self.client = Client(self.cluster, set_as_default=False)
+        self._command = [os.path.join(os.path.dirname(sys.executable), "dask"), "worker",
+                         self.cluster.scheduler_address, "--nthreads", "1", "--no-dashboard"]
+        self.processes: list[subprocess.Popen] = []
+        for _ in range(n):
+            self.start_one()
+        self.client.wait_for_workers(n, timeout=120)
 
-    dask = os.path.join(os.path.dirname(sys.executable), "dask")
-    results = []
-    for _ in range(trials):
-        cluster = LocalCluster(n_workers=0, processes=True, dashboard_address=":0", silence_logs=40)
-        client = Client(cluster, set_as_default=False)
-        nannies = [subprocess.Popen([dask, "worker", cluster.scheduler_address, "--nthreads", "1",
-                                     "--no-dashboard"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                   for _ in range(3)]
-        try:
-            client.wait_for_workers(3, timeout=120)
-            with dd.MirroredStrategy(client=client, elastic=dd.ElasticOptions(min_replicas=2)) as strategy:
-                with strategy.scope():
-                    model = build_cnn()
-                victim = strategy.extended.worker_addresses[1]
-                worker, nanny = client.run(lambda: (os.getpid(), os.getppid()), workers=[victim])[victim]
-                killed: dict[str, float] = {}
-                thread = threading.Thread(target=_kill_mid_epoch, args=(client, steps // 2, (nanny, worker), killed),
-                                          daemon=True)
-                thread.start()
-                model.fit(dataset(steps), epochs=2, verbose=0)
-                thread.join(10)
-                restored = min(t for t, m in client.get_events(ELASTIC_TOPIC) if m.get("action") == "restored")
-                first = min(t for t, m in client.get_events(PROGRESS_TOPIC) if t > restored)
-                results.append((restored - killed["at"], first - killed["at"]))
-        finally:
-            client.close()
-            cluster.close()
-            for process in nannies:
+    def start_one(self) -> None:
+        self.processes.append(subprocess.Popen(self._command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+    def kill(self, address: str) -> float:
+        """SIGKILL the worker at ``address`` and its nanny; the wall-clock time of the kill."""
+        worker, nanny = self.client.run(lambda: (os.getpid(), os.getppid()), workers=[address])[address]
+        at = time.time()
+        os.kill(nanny, signal.SIGKILL)
+        os.kill(worker, signal.SIGKILL)
+        return at
+
+    def close(self) -> None:
+        self.client.close()
+        self.cluster.close()
+        for process in self.processes:
+            if process.poll() is None:
                 process.kill()
-                process.wait(10)
-    rows = [[str(i), f"{r:.2f}", f"{f:.2f}"] for i, (r, f) in enumerate(results)]
-    print(format_table(["trial", "kill -> restored (s)", "kill -> first step after (s)"], rows))
-    print("(the first step is seen through replica 0's progress events, sent at most every 0.25 s)")
+            process.wait(10)
+
+
+class KillEveryEpoch(threading.Thread):
+    """Kills rank 1 of the current group once per epoch (at replica 0's step ``step``) and starts a replacement."""
+
+    def __init__(self, workers: ProcessWorkers, members: Callable[[], list[str]], step: int, epochs: int):
+        super().__init__(daemon=True)
+        self.workers, self.members, self.step, self.epochs = workers, members, step, epochs
+        self.kills: list[float] = []  # wall-clock times
+        self.failed: list[str] = []  # kill attempts that failed (the group was between generations), retried
+        self.stopped = threading.Event()
+        self.since = time.time()
+
+    def run(self) -> None:
+        killed: set[int] = set()
+        while not self.stopped.is_set() and len(killed) < self.epochs:
+            events = self.workers.client.get_events(PROGRESS_TOPIC)
+            due = sorted({m.get("epoch") for t, m in events if t > self.since and m.get("epoch") not in killed
+                          and m.get("step", -1) >= self.step})
+            if not due:
+                time.sleep(0.02)
+                continue
+            try:
+                victim = self.members()[1]
+                self.kills.append(self.workers.kill(victim))
+            except Exception as e:  # noqa: BLE001 - the group is between generations (or restarting): try again
+                self.failed.append(f"{type(e).__name__}: {e}")
+                time.sleep(0.1)
+                continue
+            killed.add(int(due[0]))
+            self.workers.start_one()
+
+
+def _first_steps_after(dask_scheduler: object, token: str, times: list[float]) -> list[float | None]:
+    """Per wall-clock time, the start of rank 0's first step after it (the scheduler's step store)."""
+    group = dask_scheduler.extensions["daskdist"].store.groups.get(token)  # type: ignore[attr-defined]
+    starts = sorted(step["start"] for step in group.replicas[0].history) if group is not None else []
+    return [next((s for s in starts if s >= t), None) for t in times]
+
+
+def _run_uninterrupted(epochs: int, steps: int) -> tuple[float, str]:
+    workers = ProcessWorkers(3)
+    try:
+        with dd.MirroredStrategy(client=workers.client) as strategy:
+            with strategy.scope():
+                model = build_cnn()
+            start = time.perf_counter()
+            model.fit(dataset(steps), epochs=epochs, verbose=0)
+            return time.perf_counter() - start, "-"
+    finally:
+        workers.close()
+
+
+def _run_elastic(epochs: int, steps: int) -> tuple[float, str, list[tuple[float, float, float | None]]]:
+    """Wall time, a note, and per kill (kill -> recovered, recovery's own seconds, kill -> first step after)."""
+    workers = ProcessWorkers(3)
+    try:
+        options = dd.ElasticOptions(min_replicas=2, max_replicas=3, admit_every="1s")
+        with dd.MirroredStrategy(client=workers.client, elastic=options) as strategy:
+            with strategy.scope():
+                model = build_cnn()
+            killer = KillEveryEpoch(workers, lambda: list(strategy.extended.worker_addresses), steps // 2, epochs)
+            killer.start()
+            start = time.perf_counter()
+            history = model.fit(dataset(steps), epochs=epochs, verbose=0)
+            wall = time.perf_counter() - start
+            killer.stopped.set()
+            killer.join(10)
+            time.sleep(2.5)  # the last steps reach the scheduler's store (daskdist.metrics.event-interval: 1 s)
+            restored = [e for e in history.elastic_events if e["action"] == "restored"]
+            firsts = workers.client.run_on_scheduler(_first_steps_after, token=strategy.extended.token,
+                                                     times=[e["time"] for e in restored])
+            per_kill = []
+            for kill, event, first in zip(killer.kills, restored, firsts):
+                per_kill.append((event["time"] - kill, event["seconds"], None if first is None else first - kill))
+            grew = sum(1 for e in history.elastic_events if e["action"] == "grew")
+            if killer.failed:
+                print(f"  ({len(killer.failed)} kill attempts retried; last: {killer.failed[-1]})")
+            return wall, f"{len(killer.kills)} kills, {len(restored)} recoveries, {grew} growths", per_kill
+    finally:
+        workers.close()
+
+
+def _run_restarts(epochs: int, steps: int) -> tuple[float, str]:
+    """The plain strategy with BackupAndRestore, ``fit`` called again after each loss (the user's loop)."""
+    from daskdist.exceptions import DaskdistError
+
+    workers = ProcessWorkers(3)
+    backup = tempfile.mkdtemp(prefix="daskdist-bench-backup-")
+    current: dict[str, list[str]] = {"members": []}
+    killer = KillEveryEpoch(workers, lambda: current["members"], steps // 2, epochs)
+    restarts = 0
+    try:
+        killer.start()
+        start = time.perf_counter()
+        while True:
+            workers.client.wait_for_workers(3, timeout=120)
+            try:
+                with dd.MirroredStrategy(client=workers.client) as strategy:
+                    current["members"] = list(strategy.extended.worker_addresses)
+                    with strategy.scope():
+                        model = build_cnn()
+                    model.fit(dataset(steps), epochs=epochs, verbose=0,
+                              callbacks=[keras.callbacks.BackupAndRestore(backup)])
+                break
+            except DaskdistError:
+                restarts += 1
+                current["members"] = []
+                time.sleep(0.1)
+        wall = time.perf_counter() - start
+        killer.stopped.set()
+        killer.join(10)
+        return wall, f"{len(killer.kills)} kills, {restarts} restarts"
+    finally:
+        shutil.rmtree(backup, ignore_errors=True)
+        workers.close()
+
+
+def goodput(epochs: int, steps: int) -> None:
+    samples = epochs * steps * BATCH
+    runs = [("uninterrupted", *_run_uninterrupted(epochs, steps))]
+    wall, note, per_kill = _run_elastic(epochs, steps)
+    runs.append(("elastic, a kill -9 per epoch", wall, note))
+    runs.append(("restart + BackupAndRestore, a kill -9 per epoch", *_run_restarts(epochs, steps)))
+    base = samples / runs[0][1]
+    rows = [[name, f"{wall:.1f}", f"{samples / wall:,.0f}", f"{samples / wall / base:.2f}", note]
+            for name, wall, note in runs]
+    print(format_table(["run", "wall s", "goodput samples/s", "vs uninterrupted", "events"], rows))
+    print(f"\n## Kill -9 to the first step of the new generation (the elastic run's {len(per_kill)} kills)\n")
+    rows = [[str(i), f"{r:.2f}", f"{s:.2f}", "-" if f is None else f"{f:.2f}"] for i, (r, s, f) in enumerate(per_kill)]
+    print(format_table(["kill", "kill -> recovered (s)", "recovery itself (s)", "kill -> first step (s)"], rows))
+    firsts = [f for _, _, f in per_kill if f is not None]
+    if firsts:
+        print(f"\nkill -> first step of the new generation: mean {statistics.mean(firsts):.2f} s "
+              f"(min {min(firsts):.2f}, max {max(firsts):.2f}, {len(firsts)} kills)")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--epochs", type=int, default=6, help="measured epochs per strategy (commit cost)")
     parser.add_argument("--steps", type=int, default=32, help="steps per epoch")
-    parser.add_argument("--trials", type=int, default=3, help="kills (recovery)")
+    parser.add_argument("--goodput-epochs", type=int, default=10, help="epochs of each goodput run")
+    parser.add_argument("--parts", nargs="+", choices=["commit", "goodput"], default=["commit", "goodput"])
+    parser.add_argument("--quick", action="store_true", help="smoke run: 2 epochs, 16 steps, 3 goodput epochs")
     args = parser.parse_args()
+    if args.quick:
+        args.epochs, args.steps, args.goodput_epochs = 2, 16, 3
     print_header("Elastic training")
-    print("\n## Commit cost\n")
-    commit_cost(args.epochs, args.steps)
-    print("\n## Recovery after kill -9 of a worker and its nanny\n")
-    recovery(args.trials, args.steps)
+    begin = time.perf_counter()
+    if "commit" in args.parts:
+        print("\n## Commit cost per step\n")
+        commit_cost(args.epochs, args.steps)
+    if "goodput" in args.parts:
+        print(f"\n## Goodput of {args.goodput_epochs} epochs of {args.steps} steps, a kill -9 per epoch\n")
+        goodput(args.goodput_epochs, args.steps)
+    print(f"\ntotal {time.perf_counter() - begin:.0f} s")
 
 
 if __name__ == "__main__":

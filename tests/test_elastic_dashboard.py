@@ -19,7 +19,7 @@ import pytest
 import daskdist as dd
 from daskdist.dashboard.membership import marker_positions
 from daskdist.dashboard.store import MetricsStore
-from tests.test_elastic import _data, _kill_at_step, _model, process_workers, slow_batch  # noqa: F401 (fixture)
+from tests.test_elastic import ProcessWorkers, _data, _kill_at_step, _model, slow_batch
 
 Dataset = dd.data.Dataset
 
@@ -36,6 +36,19 @@ with pull_session(url=sys.argv[1]) as session:
     out["summary"] = doc.get_model_by_name("daskdist-summary").text
     print(json.dumps(out))
 """
+
+
+@pytest.fixture
+def process_workers():
+    made: list[ProcessWorkers] = []
+
+    def make(n: int) -> ProcessWorkers:
+        made.append(ProcessWorkers(n))
+        return made[-1]
+
+    yield make
+    for workers in made:
+        workers.close()
 
 
 def _steps_after(dask_scheduler, token: str, generation: int) -> int:

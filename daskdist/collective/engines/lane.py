@@ -198,6 +198,7 @@ class LaneEngine:
         self._send_order = [(comm.rank + k) % comm.size for k in range(1, comm.size)]
         self._senders: list[tuple[int, Callable[[], bool], Callable[..., None]]] | None = None
         self._queued = lane.queued
+        self._next_collective = comm.next_collective
 
     def plan(self, op: Any, value: np.ndarray, options: CommunicationOptions | None) -> _Plan | None:
         """The plan for ``value``, or ``None`` when another engine must take it.
@@ -299,7 +300,7 @@ class LaneEngine:
         """
         comm = self.comm
         run_id = comm.run_id
-        seq = comm.next_collective()
+        seq = self._next_collective()
         start = _monotonic()
         try:
             result = self._exchange(plan, value, run_id, seq, start)
