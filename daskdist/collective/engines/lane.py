@@ -344,6 +344,7 @@ class LaneEngine:
         result: Any = None  # set when rank 1's array is combined with rank 0's
         first: np.ndarray | None = None  # rank 0's array, until rank 1's is combined with it
         first_release = None
+        incoming: np.ndarray | None
         for r, peek, release in self._sources:
             if peek is None:
                 incoming = value
