@@ -89,7 +89,7 @@ def test_the_store_marks_each_membership_change_before_the_first_step_of_its_gen
     assert sorted(group.steps()) == [0, 1]  # rank 2's history is of the old generation: not shown
     assert change.lost == ["b"] and change.admitted == []
     assert change.recovery == {"action": "restored", "commit": [1, 0, 2], "seconds": 1.5, "healed": None}
-    assert change.label() == "gen 1: 2 replicas (lost 1, back to step 2)"
+    assert change.label() == "gen 1: 2 replicas (lost 1, from step 2)"
     starts = [s["start"] for s in group.steps()[0]]
     ((x, marked),) = marker_positions(starts, group.membership.changes_after_start())
     assert marked is change and x == pytest.approx(2.95)  # in the gap before the 4th step, the first after it

@@ -60,7 +60,7 @@ class MembershipChange:
         if self.admitted:
             parts.append(f"admitted {len(self.admitted)}")
         if self.recovery and self.recovery.get("commit"):
-            parts.append(f"back to step {self.recovery['commit'][-1]}")
+            parts.append(f"from step {self.recovery['commit'][-1]}")
         return text + (f" ({', '.join(parts)})" if parts else "")
 
 

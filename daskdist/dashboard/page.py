@@ -46,7 +46,7 @@ INDIVIDUAL = "/individual-daskdist-steps"
 STACKED = ("input_wait", "compute", "allreduce", "apply")
 COLORS = ("#f28e2b", "#4e79a7", "#e15759", "#59a14f")
 UPDATE_MS = 500
-MARKER_COLOR = "#7f7f7f"
+MARKER_COLOR = "#222222"
 #: Columns of the step chart's membership markers (``x``: where on the step axis; ``time``: ms since the epoch).
 MARKER_COLUMNS = ("x", "generation", "replicas", "label", "lost", "admitted", "reason", "time")
 #: Columns of the replica count over time (``membership.MembershipHistory.series``).
@@ -147,8 +147,9 @@ class StepPhases:
         self.markers = ColumnDataSource({k: [] for k in MARKER_COLUMNS}, name="daskdist-membership")
         self.phases.vspan(x="x", source=self.markers, line_color=MARKER_COLOR, line_width=2, line_dash="dashed")
         self.phases.add_layout(LabelSet(x="x", y=6, y_units="screen", text="label", source=self.markers,
-                                        angle=math.pi / 2, x_offset=-4, text_font_size="10px",
-                                        text_color=MARKER_COLOR))
+                                        angle=math.pi / 2, x_offset=-4, text_font_size="9px",
+                                        text_color=MARKER_COLOR, background_fill_color="white",
+                                        background_fill_alpha=0.85))
         self.replica_count = ColumnDataSource({k: [] for k in COUNT_COLUMNS}, name="daskdist-replicas")
         self.replicas = figure(title="Replicas over time (a point per membership generation)", height=160,
                                sizing_mode=sizing_mode, x_axis_type="datetime", tools="", y_axis_label="replicas",
