@@ -18,10 +18,10 @@ pipeline without its shuffle, which elastic ``fit`` does not take yet):
 
    * *uninterrupted*: the plain strategy, no kill;
    * *elastic*: ``ElasticOptions(min_replicas=2, max_replicas=3,
-     admit_every="1s")``: fit goes on on the survivors from the newest commit
-     and admits the replacement at the next commit boundary once it is up
-     (a kill before it is up leaves 1 replica: below ``min_replicas`` the
-     recovery waits for it);
+     admit_every="1s")`` (``--min-replicas 1`` for 1): fit goes on on the
+     survivors from the newest commit and admits the replacement at the next
+     commit boundary once it is up (with ``min_replicas=2`` a kill before it is
+     up leaves 1 replica: below ``min_replicas`` the recovery waits for it);
    * *restart + BackupAndRestore*: what a user has today: the plain strategy
      with ``keras.callbacks.BackupAndRestore``; the kill ends ``fit`` with
      ``ReplicaLostError``, the user's loop waits for 3 workers, makes a new
@@ -36,8 +36,9 @@ pipeline without its shuffle, which elastic ``fit`` does not take yet):
    restored) and to the start of replica 0's first step after it (the step's
    own wall-clock start, from the scheduler's step store); mean and range.
 
-Run: ``python benchmarks/elastic.py`` (about 5 minutes on 2 cores);
-``--quick`` (2 measured epochs, 16 steps, 3 goodput epochs) is a smoke run.
+Run: ``python benchmarks/elastic.py [--min-replicas 1|2] [--parts commit goodput]``
+(330 s on 2 cores at load 15-20); ``--quick`` (2 measured epochs, 16 steps, 3
+goodput epochs) is a smoke run.
 """
 
 from __future__ import annotations
@@ -193,11 +194,12 @@ def _run_uninterrupted(epochs: int, steps: int) -> tuple[float, str]:
         workers.close()
 
 
-def _run_elastic(epochs: int, steps: int) -> tuple[float, str, list[tuple[float, float, float | None]]]:
+def _run_elastic(epochs: int, steps: int, min_replicas: int
+                 ) -> tuple[float, str, list[tuple[float, float, float | None]]]:
     """Wall time, a note, and per kill (kill -> recovered, recovery's own seconds, kill -> first step after)."""
     workers = ProcessWorkers(3)
     try:
-        options = dd.ElasticOptions(min_replicas=2, max_replicas=3, admit_every="1s")
+        options = dd.ElasticOptions(min_replicas=min_replicas, max_replicas=3, admit_every="1s")
         with dd.MirroredStrategy(client=workers.client, elastic=options) as strategy:
             with strategy.scope():
                 model = build_cnn()
@@ -258,11 +260,11 @@ def _run_restarts(epochs: int, steps: int) -> tuple[float, str]:
         workers.close()
 
 
-def goodput(epochs: int, steps: int) -> None:
+def goodput(epochs: int, steps: int, min_replicas: int) -> None:
     samples = epochs * steps * BATCH
     runs = [("uninterrupted", *_run_uninterrupted(epochs, steps))]
-    wall, note, per_kill = _run_elastic(epochs, steps)
-    runs.append(("elastic, a kill -9 per epoch", wall, note))
+    wall, note, per_kill = _run_elastic(epochs, steps, min_replicas)
+    runs.append((f"elastic (min_replicas={min_replicas}), a kill -9 per epoch", wall, note))
     runs.append(("restart + BackupAndRestore, a kill -9 per epoch", *_run_restarts(epochs, steps)))
     base = samples / runs[0][1]
     rows = [[name, f"{wall:.1f}", f"{samples / wall:,.0f}", f"{samples / wall / base:.2f}", note]
@@ -282,6 +284,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=6, help="measured epochs per strategy (commit cost)")
     parser.add_argument("--steps", type=int, default=32, help="steps per epoch")
     parser.add_argument("--goodput-epochs", type=int, default=10, help="epochs of each goodput run")
+    parser.add_argument("--min-replicas", type=int, default=2, choices=[1, 2],
+                        help="the elastic goodput run's min_replicas (1: fit never waits for a replacement)")
     parser.add_argument("--parts", nargs="+", choices=["commit", "goodput"], default=["commit", "goodput"])
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 epochs, 16 steps, 3 goodput epochs")
     args = parser.parse_args()
@@ -294,7 +298,7 @@ def main() -> None:
         commit_cost(args.epochs, args.steps)
     if "goodput" in args.parts:
         print(f"\n## Goodput of {args.goodput_epochs} epochs of {args.steps} steps, a kill -9 per epoch\n")
-        goodput(args.goodput_epochs, args.steps)
+        goodput(args.goodput_epochs, args.steps, args.min_replicas)
     print(f"\ntotal {time.perf_counter() - begin:.0f} s")
 
 
