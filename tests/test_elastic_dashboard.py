@@ -102,6 +102,11 @@ def test_the_store_marks_each_membership_change_before_the_first_step_of_its_gen
     # a group only registered does not take the page from the group whose steps came last
     store.membership_changed("other", 0, ["d"], [], "started")
     assert store.latest_group() is group
+    # a strategy of several groups (the parameter-server strategy's one-replica worker groups): the count is theirs
+    store.membership_changed("ps", 0, ["w1"], [], "started", "ps-worker-1")
+    store.membership_changed("ps", 0, ["w2"], [], "started", "ps-worker-2")
+    assert store.groups["ps"].membership.replicas == 2
+    assert store.groups["ps"].membership.series(now=1e12)["replicas"] == [1, 2, 2]
 
 
 def test_a_lost_worker_is_a_marker_on_the_step_chart_and_a_drop_in_the_replica_count(process_workers, caplog):

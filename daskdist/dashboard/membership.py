@@ -33,6 +33,11 @@ class MembershipChange:
     members: list[str]
     before: list[str]
     reason: str = ""
+    #: The replica group it happened to (a strategy may run several: the parameter-server strategy's workers).
+    group: str = ""
+    #: Replicas of the whole strategy after it: the members of every group of the strategy, each at its newest
+    #: generation (``len(members)`` for a strategy of one group).
+    replicas: int = 0
     #: From the client's recovery event, once it arrived: ``{"action", "commit", "seconds", "healed"}``.
     recovery: dict[str, Any] | None = None
 
@@ -50,7 +55,7 @@ class MembershipChange:
     def to_msg(self) -> dict[str, Any]:
         """A plain dict (with ``replicas``, ``lost`` and ``admitted``), as events and the page carry it."""
         return {"time": self.time, "generation": self.generation, "replicas": len(self.members),
-                "members": list(self.members), "before": list(self.before), "lost": self.lost,
+                "strategy_replicas": self.replicas, "members": list(self.members), "before": list(self.before), "lost": self.lost,
                 "admitted": self.admitted, "reason": self.reason, "recovery": self.recovery}
 
     def label(self) -> str:
@@ -69,12 +74,15 @@ class MembershipHistory:
     """The generations of one group, oldest first (at most ``MAX_CHANGES``)."""
 
     changes: collections.deque = field(default_factory=lambda: collections.deque(maxlen=MAX_CHANGES))
+    #: Per replica group of the strategy, its members in its newest generation.
+    current: dict[str, list[str]] = field(default_factory=dict)
 
     def changed(self, generation: int, members: list[str], before: list[str], reason: str = "",
-                when: float | None = None) -> MembershipChange:
-        """Record generation ``generation`` on ``members`` (``before``: the previous generation's members)."""
+                when: float | None = None, group: str = "") -> MembershipChange:
+        """Record generation ``generation`` of ``group`` on ``members`` (``before``: its previous members)."""
+        self.current[group] = list(members)
         change = MembershipChange(time.time() if when is None else float(when), int(generation), list(members),
-                                  list(before), str(reason))
+                                  list(before), str(reason), group, sum(map(len, self.current.values())))
         self.changes.append(change)
         return change
 
@@ -88,8 +96,8 @@ class MembershipHistory:
 
     @property
     def replicas(self) -> int | None:
-        """The members of the newest generation (``None`` before the first is recorded)."""
-        return len(self.changes[-1].members) if self.changes else None
+        """Replicas of the strategy now: its groups' members (``None`` before the first generation is recorded)."""
+        return sum(map(len, self.current.values())) if self.current else None
 
     def changes_after_start(self) -> list[MembershipChange]:
         """Every change but the group's start (generation 0): what the step chart marks."""
@@ -105,7 +113,7 @@ class MembershipHistory:
         points = list(self.changes)
         for change in points:
             out["time"].append(change.time * 1000)
-            out["replicas"].append(len(change.members))
+            out["replicas"].append(change.replicas)
             out["generation"].append(change.generation)
             out["lost"].append(", ".join(change.lost))
             out["admitted"].append(", ".join(change.admitted))
@@ -113,7 +121,7 @@ class MembershipHistory:
         if points:
             last = points[-1]
             out["time"].append(max(time.time() if now is None else now, last.time) * 1000)
-            out["replicas"].append(len(last.members))
+            out["replicas"].append(last.replicas)
             out["generation"].append(last.generation)
             out["lost"].append("")
             out["admitted"].append("")

@@ -217,7 +217,7 @@ class StepPhases:
         for x, change in marker_positions(starts, group.membership.changes_after_start()):
             markers["x"].append(x)
             markers["generation"].append(change.generation)
-            markers["replicas"].append(len(change.members))
+            markers["replicas"].append(change.replicas)
             markers["label"].append(change.label())
             markers["lost"].append(", ".join(change.lost))
             markers["admitted"].append(", ".join(change.admitted))

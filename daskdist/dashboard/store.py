@@ -205,18 +205,19 @@ class MetricsStore:
         elif topic == ELASTIC_TOPIC and isinstance(msg, dict) and msg.get("strategy") in self.groups:
             self.groups[str(msg["strategy"])].membership.recovered(msg)
 
-    def membership_changed(self, group_id: str, generation: int, members: list[str], before: list[str],
-                           reason: str = "") -> MembershipChange:
-        """Record a generation of ``group_id`` (the scheduler plugin calls this at each one, 0 included).
+    def membership_changed(self, strategy: str, generation: int, members: list[str], before: list[str],
+                           reason: str = "", replica_group: str = "") -> MembershipChange:
+        """Record a generation of ``replica_group``, one of ``strategy``'s groups (the scheduler plugin calls
+        this at each one, 0 included; the store's unit is the strategy, as for steps).
 
-        A group first seen here does not count as reporting (``latest_group``
-        keeps showing the group whose steps came last until its steps come).
+        A strategy first seen here does not count as reporting (``latest_group``
+        keeps showing the one whose steps came last until its steps come).
         """
-        new = group_id not in self.groups
-        group = self.group(group_id)
+        new = strategy not in self.groups
+        group = self.group(strategy)
         if new:
             group.updated = 0.0
-        return group.membership.changed(generation, members, before, reason)
+        return group.membership.changed(generation, members, before, reason, group=replica_group)
 
     def group(self, group_id: str) -> GroupMetrics:
         """The metrics of ``group_id``, created on first use."""

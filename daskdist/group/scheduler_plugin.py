@@ -151,7 +151,7 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
         )
         self._scheduler.log_event(EVENT_TOPIC, {"action": "register", "group": group_id, "workers": workers,
                                                "generation": 0})
-        self.store.membership_changed(strategy_token or group_id, 0, list(workers), [], "started")
+        self.store.membership_changed(strategy_token or group_id, 0, list(workers), [], "started", group_id)
         return {"status": "OK"}
 
     async def rendezvous(self, group_id: str, rank: int, address: str, info: dict[str, Any] | None = None,
@@ -327,7 +327,7 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
         previous = list(group.workers)
         group.membership, group.generation, group.workers = new, int(new.generation), list(workers)
         change = self.store.membership_changed(group.strategy_token or group_id, int(new.generation), list(workers),
-                                               previous, reason)
+                                               previous, reason, group_id)
         self._scheduler.log_event(EVENT_TOPIC, {"action": "generation", "group": group_id,
                                                "strategy": group.strategy_token, **change.to_msg(),
                                                "workers": list(workers)})
