@@ -1,6 +1,6 @@
-"""Elastic training: the cost of committing, the time from a kill -9 to training again, and goodput.
+"""Elastic training: the cost of committing, the time from a kill -9 (or SIGSTOP) to training again, goodput.
 
-Three parts, all with the tutorial's CNN (``examples/mnist_mirrored.py``,
+Four parts, all with the tutorial's CNN (``examples/mnist_mirrored.py``,
 MNIST-shaped synthetic data, ``map(scale).cache().batch(64)``: the tutorial's
 pipeline without its shuffle, which elastic ``fit`` does not take yet):
 
@@ -36,9 +36,17 @@ pipeline without its shuffle, which elastic ``fit`` does not take yet):
    restored) and to the start of replica 0's first step after it (the step's
    own wall-clock start, from the scheduler's step store); mean and range.
 
-Run: ``python benchmarks/elastic.py [--min-replicas 1|2] [--parts commit goodput]``
-(330 s on 2 cores at load 15-20); ``--quick`` (2 measured epochs, 16 steps, 3
-goodput epochs) is a smoke run.
+4. **Stopped** (``stop``; ``recovery`` is the same with SIGKILL): per trial a
+   fresh cluster of 3 ``dask worker`` processes, one worker and its nanny get
+   SIGSTOP mid-epoch: the processes live and keep their sockets open but
+   answer nothing; the scheduler declares the worker lost when its heartbeats
+   stop for ``daskdist.elastic.heartbeat-timeout``. Reported, per trial:
+   seconds from the signal to the recovery event and to the first step of the
+   new generation (replica 0's first progress event after it).
+
+Run: ``python benchmarks/elastic.py [--min-replicas 1|2] [--parts commit,goodput,stop]``
+(commit and goodput: 330 s on 2 cores at load 15-20); ``--quick`` (2 measured
+epochs, 16 steps, 3 goodput epochs, 1 trial) is a smoke run.
 """
 
 from __future__ import annotations
@@ -69,6 +77,7 @@ cloudpickle.register_pickle_by_value(keras_parts)
 
 import daskdist as dd  # noqa: E402
 from daskdist import keras  # noqa: E402
+from daskdist.elastic.recovery import ELASTIC_TOPIC  # noqa: E402
 from daskdist.keras.models import PROGRESS_TOPIC  # noqa: E402
 
 BATCH = 64
@@ -279,6 +288,57 @@ def goodput(epochs: int, steps: int, min_replicas: int) -> None:
               f"(min {min(firsts):.2f}, max {max(firsts):.2f}, {len(firsts)} kills)")
 
 
+def _kill_mid_epoch(client, step: int, pids: tuple[int, ...], killed: dict, how: int = signal.SIGKILL) -> None:
+    """Send ``how`` to ``pids`` once replica 0 reported ``step``; the kill's time goes in ``killed["at"]``."""
+    since = time.time()
+    while not any(t > since and m.get("step", -1) >= step for t, m in client.get_events(PROGRESS_TOPIC)):
+        time.sleep(0.01)
+    killed["at"] = time.time()
+    for pid in pids:
+        os.kill(pid, how)
+
+
+def recovery(trials: int, steps: int, how: int = signal.SIGKILL) -> None:
+    from distributed import Client, LocalCluster
+
+    dask = os.path.join(os.path.dirname(sys.executable), "dask")
+    results = []
+    for _ in range(trials):
+        cluster = LocalCluster(n_workers=0, processes=True, dashboard_address=":0", silence_logs=40)
+        client = Client(cluster, set_as_default=False)
+        nannies = [subprocess.Popen([dask, "worker", cluster.scheduler_address, "--nthreads", "1",
+                                     "--no-dashboard"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                   for _ in range(3)]
+        try:
+            client.wait_for_workers(3, timeout=120)
+            with dd.MirroredStrategy(client=client, elastic=dd.ElasticOptions(min_replicas=2)) as strategy:
+                with strategy.scope():
+                    model = build_cnn()
+                victim = strategy.extended.worker_addresses[1]
+                worker, nanny = client.run(lambda: (os.getpid(), os.getppid()), workers=[victim])[victim]
+                killed: dict[str, float] = {}
+                thread = threading.Thread(target=_kill_mid_epoch,
+                                          args=(client, steps // 2, (nanny, worker), killed, how), daemon=True)
+                thread.start()
+                model.fit(dataset(steps), epochs=2, verbose=0)
+                thread.join(10)
+                restored = min(t for t, m in client.get_events(ELASTIC_TOPIC) if m.get("action") == "restored")
+                first = min(t for t, m in client.get_events(PROGRESS_TOPIC) if t > restored)
+                results.append((restored - killed["at"], first - killed["at"]))
+                if how != signal.SIGKILL:
+                    for pid in (nanny, worker):  # stopped, not dead: end them
+                        os.kill(pid, signal.SIGKILL)
+        finally:
+            client.close()
+            cluster.close()
+            for process in nannies:
+                process.kill()
+                process.wait(10)
+    rows = [[str(i), f"{r:.2f}", f"{f:.2f}"] for i, (r, f) in enumerate(results)]
+    print(format_table(["trial", "kill -> restored (s)", "kill -> first step after (s)"], rows))
+    print("(the first step is seen through replica 0's progress events, sent at most every 0.25 s)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--epochs", type=int, default=6, help="measured epochs per strategy (commit cost)")
@@ -286,19 +346,30 @@ def main() -> None:
     parser.add_argument("--goodput-epochs", type=int, default=10, help="epochs of each goodput run")
     parser.add_argument("--min-replicas", type=int, default=2, choices=[1, 2],
                         help="the elastic goodput run's min_replicas (1: fit never waits for a replacement)")
-    parser.add_argument("--parts", nargs="+", choices=["commit", "goodput"], default=["commit", "goodput"])
-    parser.add_argument("--quick", action="store_true", help="smoke run: 2 epochs, 16 steps, 3 goodput epochs")
+    parser.add_argument("--trials", type=int, default=3, help="kills (recovery) and stops (stop), one cluster each")
+    parser.add_argument("--parts", default="commit,goodput,stop",
+                        help="which parts, comma-separated: commit, goodput (a kill -9 per epoch, with kill -> "
+                             "first step per kill), recovery (kill -9, one per cluster), stop (SIGSTOP)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 2 epochs, 16 steps, 3 goodput epochs, 1 trial")
     args = parser.parse_args()
     if args.quick:
-        args.epochs, args.steps, args.goodput_epochs = 2, 16, 3
+        args.epochs, args.steps, args.goodput_epochs, args.trials = 2, 16, 3, 1
+    parts = set(args.parts.split(","))
     print_header("Elastic training")
     begin = time.perf_counter()
-    if "commit" in args.parts:
+    if "commit" in parts:
         print("\n## Commit cost per step\n")
         commit_cost(args.epochs, args.steps)
-    if "goodput" in args.parts:
+    if "goodput" in parts:
         print(f"\n## Goodput of {args.goodput_epochs} epochs of {args.steps} steps, a kill -9 per epoch\n")
         goodput(args.goodput_epochs, args.steps, args.min_replicas)
+    if "recovery" in parts:
+        print("\n## Recovery after kill -9 of a worker and its nanny\n")
+        recovery(args.trials, args.steps)
+    if "stop" in parts:
+        print("\n## Recovery after SIGSTOP of a worker and its nanny (alive, silent)\n")
+        recovery(args.trials, args.steps, signal.SIGSTOP)
     print(f"\ntotal {time.perf_counter() - begin:.0f} s")
 
 

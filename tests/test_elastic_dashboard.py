@@ -107,6 +107,9 @@ def test_the_store_marks_each_membership_change_before_the_first_step_of_its_gen
     store.membership_changed("ps", 0, ["w2"], [], "started", "ps-worker-2")
     assert store.groups["ps"].membership.replicas == 2
     assert store.groups["ps"].membership.series(now=1e12)["replicas"] == [1, 2, 2]
+    # a worker that retired gracefully left; it was not lost
+    retired = store.membership_changed("s", 2, ["a"], ["a", "c"], "c retired", retired=["c"])
+    assert retired.left == ["c"] and retired.lost == [] and retired.label() == "gen 2: 1 replicas (left 1)"
 
 
 def test_a_lost_worker_is_a_marker_on_the_step_chart_and_a_drop_in_the_replica_count(process_workers, caplog):
@@ -164,4 +167,4 @@ def test_a_lost_worker_is_a_marker_on_the_step_chart_and_a_drop_in_the_replica_c
     assert count["replicas"] == [3, 2, 2] and count["generation"] == [0, 1, 1]
     assert count["time"][0] < count["time"][1] <= count["time"][2] and count["lost"][1] == victim
     assert started * 1000 < count["time"][1] < time.time() * 1000
-    assert "generation 1: 1 worker(s) lost" in page["summary"]
+    assert "generation 1: 1 worker(s) lost, 0 retired" in page["summary"]

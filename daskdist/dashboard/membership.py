@@ -38,12 +38,20 @@ class MembershipChange:
     #: Replicas of the whole strategy after it: the members of every group of the strategy, each at its newest
     #: generation (``len(members)`` for a strategy of one group).
     replicas: int = 0
+    #: Workers the group knew as retired (graceful leaves) when it happened: those gone are ``left``, not ``lost``.
+    retired: list[str] = field(default_factory=list)
     #: From the client's recovery event, once it arrived: ``{"action", "commit", "seconds", "healed"}``.
     recovery: dict[str, Any] | None = None
 
     @property
     def lost(self) -> list[str]:
-        return [a for a in self.before if a not in self.members]
+        """Members gone in this generation that did not retire (killed, crashed, cut off)."""
+        return [a for a in self.before if a not in self.members and a not in self.retired]
+
+    @property
+    def left(self) -> list[str]:
+        """Members gone in this generation that retired gracefully (left at a commit, nothing rolled back)."""
+        return [a for a in self.before if a not in self.members and a in self.retired]
 
     @property
     def admitted(self) -> list[str]:
@@ -56,12 +64,14 @@ class MembershipChange:
         """A plain dict (with ``replicas``, ``lost`` and ``admitted``), as events and the page carry it."""
         return {"time": self.time, "generation": self.generation, "replicas": len(self.members),
                 "strategy_replicas": self.replicas, "members": list(self.members), "before": list(self.before), "lost": self.lost,
-                "admitted": self.admitted, "reason": self.reason, "recovery": self.recovery}
+                "left": self.left, "admitted": self.admitted, "reason": self.reason, "recovery": self.recovery}
 
     def label(self) -> str:
         """A short text for the step chart: ``gen 1: 2 replicas (lost 1, admitted 0)``."""
         text = f"gen {self.generation}: {len(self.members)} replicas"
         parts = [f"lost {len(self.lost)}"] if self.lost else []
+        if self.left:
+            parts.append(f"left {len(self.left)}")
         if self.admitted:
             parts.append(f"admitted {len(self.admitted)}")
         if self.recovery and self.recovery.get("commit"):
@@ -78,11 +88,13 @@ class MembershipHistory:
     current: dict[str, list[str]] = field(default_factory=dict)
 
     def changed(self, generation: int, members: list[str], before: list[str], reason: str = "",
-                when: float | None = None, group: str = "") -> MembershipChange:
-        """Record generation ``generation`` of ``group`` on ``members`` (``before``: its previous members)."""
+                when: float | None = None, group: str = "", retired: list[str] | None = None) -> MembershipChange:
+        """Record generation ``generation`` of ``group`` on ``members`` (``before``: its previous members;
+        ``retired``: the workers that retired from it gracefully, so far)."""
         self.current[group] = list(members)
         change = MembershipChange(time.time() if when is None else float(when), int(generation), list(members),
-                                  list(before), str(reason), group, sum(map(len, self.current.values())))
+                                  list(before), str(reason), group, sum(map(len, self.current.values())),
+                                  sorted(retired or ()))
         self.changes.append(change)
         return change
 
@@ -115,7 +127,7 @@ class MembershipHistory:
             out["time"].append(change.time * 1000)
             out["replicas"].append(change.replicas)
             out["generation"].append(change.generation)
-            out["lost"].append(", ".join(change.lost))
+            out["lost"].append(", ".join(change.lost + [f"{a} (retired)" for a in change.left]))
             out["admitted"].append(", ".join(change.admitted))
             out["reason"].append(change.reason)
         if points:

@@ -195,8 +195,9 @@ class StepPhases:
         changes = group.membership.changes_after_start()
         if changes:
             lost = sum(len(c.lost) for c in changes)
+            left = sum(len(c.left) for c in changes)
             admitted = sum(len(c.admitted) for c in changes)
-            text += (f"<br><b>membership</b> generation {changes[-1].generation}: {lost} worker(s) lost, "
+            text += (f"<br><b>membership</b> generation {changes[-1].generation}: {lost} worker(s) lost, {left} retired, "
                      f"{admitted} admitted since the start; last change: {html.escape(changes[-1].reason)}")
         progress = store.latest_progress()
         if progress is not None:
@@ -219,7 +220,7 @@ class StepPhases:
             markers["generation"].append(change.generation)
             markers["replicas"].append(change.replicas)
             markers["label"].append(change.label())
-            markers["lost"].append(", ".join(change.lost))
+            markers["lost"].append(", ".join(change.lost + [f"{a} (retired)" for a in change.left]))
             markers["admitted"].append(", ".join(change.admitted))
             markers["reason"].append(change.reason)
             markers["time"].append(change.time * 1000)

@@ -206,7 +206,8 @@ class MetricsStore:
             self.groups[str(msg["strategy"])].membership.recovered(msg)
 
     def membership_changed(self, strategy: str, generation: int, members: list[str], before: list[str],
-                           reason: str = "", replica_group: str = "") -> MembershipChange:
+                           reason: str = "", replica_group: str = "", retired: list[str] | None = None
+                           ) -> MembershipChange:
         """Record a generation of ``replica_group``, one of ``strategy``'s groups (the scheduler plugin calls
         this at each one, 0 included; the store's unit is the strategy, as for steps).
 
@@ -217,7 +218,7 @@ class MetricsStore:
         group = self.group(strategy)
         if new:
             group.updated = 0.0
-        return group.membership.changed(generation, members, before, reason, group=replica_group)
+        return group.membership.changed(generation, members, before, reason, group=replica_group, retired=retired)
 
     def group(self, group_id: str) -> GroupMetrics:
         """The metrics of ``group_id``, created on first use."""

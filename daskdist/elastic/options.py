@@ -48,6 +48,14 @@ class ElasticOptions:
         some and the group is below ``max_replicas``, the epoch stops at the
         next commit, the workers are admitted with that commit, and the epoch
         goes on over all members.
+    cooldown
+        A worker lost during training (killed, crashed, declared lost for
+        missing heartbeats) is not admitted again for this long after its
+        loss (a Dask duration), so a worker that keeps failing does not keep
+        sending the group back to its last commit; each of its losses counts
+        against ``max_failures``, whose error names the workers that failed
+        and how often. Workers are told apart by their Dask name (kept when a
+        nanny restarts a worker), else their address.
     """
 
     min_replicas: int = 1
@@ -57,6 +65,7 @@ class ElasticOptions:
     wait_timeout: Duration = "10min"
     generation_timeout: Duration = "30s"
     admit_every: Duration | None = "30s"
+    cooldown: Duration = "60s"
 
     def __post_init__(self) -> None:
         if not isinstance(self.min_replicas, int) or self.min_replicas < 1:
@@ -69,7 +78,7 @@ class ElasticOptions:
             raise ValueError(f"commit_every must be a positive int, got {self.commit_every!r}")
         if not isinstance(self.max_failures, int) or self.max_failures < -1:
             raise ValueError(f"max_failures must be -1 (no limit) or a count >= 0, got {self.max_failures!r}")
-        for name in ("wait_timeout", "generation_timeout", "admit_every"):
+        for name in ("wait_timeout", "generation_timeout", "admit_every", "cooldown"):
             if name == "admit_every" and self.admit_every is None:
                 continue
             try:
@@ -86,6 +95,10 @@ class ElasticOptions:
     @property
     def admit_seconds(self) -> float | None:
         return None if self.admit_every is None else _seconds(self.admit_every)
+
+    @property
+    def cooldown_seconds(self) -> float:
+        return _seconds(self.cooldown)
 
     @property
     def generation_seconds(self) -> float:

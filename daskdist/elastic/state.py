@@ -19,7 +19,10 @@ member is lost the function's call raises; ``run`` recovers the group
 the replicas and in the state's attributes), calls the reset callbacks, and
 calls the function again: ``state.epoch`` and ``state.batch`` say where it
 goes on, and ``state.batches`` yields only the batches after the commit,
-planned over the new members with the same global batch.
+planned over the new members with the same global batch. When members retire
+(``client.retire_workers``, a worker's ``lifetime``), ``commit()`` raises
+once it has committed and ``run`` lets them leave there, restoring nothing
+(Horovod's ``HostsUpdatedInterrupt``), then calls the function again.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from daskdist.data.dataset import Dataset
 from daskdist.data.planner import cut_pipeline
 from daskdist.elastic.ledger import DataLedger, RowMap
 from daskdist.elastic.options import ElasticOptions
-from daskdist.elastic.recovery import RECOVERABLE, Recovery, recover_within_budget
+from daskdist.elastic.recovery import RECOVERABLE, Recovery, leave, recover_within_budget, remember_members
 from daskdist.elastic.replica import CommitKey, commit_now
 
 __all__ = ["State", "run"]
@@ -90,6 +93,7 @@ class State:
         self._reset_callbacks: list[Callable[[], None]] = []
         self._rows: RowMap | None = None
         self._pending: list[tuple[int, int]] = []  # (epoch, batch) taken since the last commit
+        self._in_run = False  # inside an ``@dd.elastic.run`` function (which lets retiring members leave)
         for name, value in attributes.items():
             if name in _OWN or name.startswith("_"):
                 raise ValueError(f"{name!r} is not a free State attribute")
@@ -100,7 +104,7 @@ class State:
     def commit(self) -> None:
         """Keep this point: the replicas' variables and models, and this state's attributes."""
         key: CommitKey = (self._run_id, next(self._serial), 0)
-        self.strategy.extended.group.call(commit_now, (key,))
+        retiring = self.strategy.extended.group.call(commit_now, (key,))
         self._commits[key] = self._plain_attributes()
         while len(self._commits) > 2:
             self._commits.popitem(last=False)
@@ -108,6 +112,8 @@ class State:
             for epoch, batch in self._pending:
                 self.ledger.record(epoch, range(batch, batch + 1), self._rows)
         self._pending = []
+        if any(retiring) and self._in_run:  # members retire: ``run`` lets them leave here, calls the loop again
+            raise _MembersRetiring()
 
     def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
         """Call each of ``callbacks`` after a recovery, before the loop goes on (to rescale a learning rate)."""
@@ -125,6 +131,9 @@ class State:
             raise TypeError("state.batches takes a dd.data.Dataset (or a distributed dataset made from one)")
         strategy = self.strategy
         skip = self.batch * cut_pipeline(dataset).batch.batch_size
+        if self._rows is not None and skip and self.batch >= self._rows.steps:
+            self.batch = 0  # the loop was left at the epoch's last commit (members retired): nothing remains
+            return
         transformations = list(dataset.transformations)
         last = max(i for i, op in enumerate(transformations) if isinstance(op, ops.Batch))
         if skip:
@@ -154,8 +163,21 @@ class State:
         return out
 
     def _begin(self) -> None:
+        remember_members(self.strategy.extended.group)  # a member lost later is known by its Dask name
         if not self._commits:
             self.commit()
+
+    def _leave(self) -> None:
+        """At the commit just taken: the retiring members leave (no rollback), the reset callbacks run."""
+        try:
+            outcome = leave(self.strategy.extended.group, self.options)
+        except RECOVERABLE as error:
+            self._recover(error)
+            return
+        if outcome is not None:
+            self.events.append(outcome)
+            for callback in self._reset_callbacks:
+                callback()
 
     def _recover(self, error: BaseException) -> None:
         group = self.strategy.extended.group
@@ -170,6 +192,11 @@ class State:
         self.ledger.rollback(self.epoch, self.batch)
         for callback in self._reset_callbacks:
             callback()
+
+
+class _MembersRetiring(Exception):
+    """Raised by ``State.commit`` when members retire: ``run`` lets them leave there (Horovod's
+    ``HostsUpdatedInterrupt``: nothing restored) and calls the loop again."""
 
 
 def _lives_on_replicas(value: Any) -> bool:
@@ -189,7 +216,13 @@ def run(fn: Callable[..., Any]) -> Callable[..., Any]:
         while True:
             try:
                 state._begin()
-                return fn(state, *args, **kwargs)
+                state._in_run = True
+                try:
+                    return fn(state, *args, **kwargs)
+                finally:
+                    state._in_run = False
+            except _MembersRetiring:
+                state._leave()
             except RECOVERABLE as error:
                 logger.warning("Elastic loop %s: %s; recovering", getattr(fn, "__name__", "fn"), error)
                 state._recover(error)
