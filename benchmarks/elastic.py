@@ -224,8 +224,10 @@ def _run_elastic(epochs: int, steps: int, min_replicas: int
             firsts = workers.client.run_on_scheduler(_first_steps_after, token=strategy.extended.token,
                                                      times=[e["time"] for e in restored])
             per_kill = []
-            for kill, event, first in zip(killer.kills, restored, firsts):
-                per_kill.append((event["time"] - kill, event["seconds"], None if first is None else first - kill))
+            for event, first in zip(restored, firsts):  # each recovery with the kill before it (a kill at the
+                kill = max((k for k in killer.kills if k <= event["time"]), default=None)  # very end has none)
+                if kill is not None:
+                    per_kill.append((event["time"] - kill, event["seconds"], None if first is None else first - kill))
             grew = sum(1 for e in history.elastic_events if e["action"] == "grew")
             if killer.failed:
                 print(f"  ({len(killer.failed)} kill attempts retried; last: {killer.failed[-1]})")
