@@ -33,6 +33,7 @@ import numpy as np
 __all__ = [
     "GlobalBatchRows",
     "Piece",
+    "SelectedRows",
     "balanced_pieces",
     "global_batch_sizes",
     "homes",
@@ -85,6 +86,27 @@ class GlobalBatchRows:
         each = -(-rows_in_batch // self.num_replicas)
         low = self.rank * each
         return (positions < self.total_rows) & (offset >= low) & (offset < low + each) & (offset < rows_in_batch)
+
+
+@dataclass(frozen=True, eq=False)
+class SelectedRows:
+    """The rows one replica takes of one read, chosen on the client (a picklable mask).
+
+    ``keep[i]`` says whether global position ``first + i`` is taken. Used
+    when a ``Gather`` before the batch reorders rows: which rows a replica
+    takes then depends on each row's place in the gathered order, which the
+    planner computes once and ships as this mask (the rows of one read only).
+    """
+
+    first: int
+    keep: np.ndarray
+
+    def mask(self, positions: np.ndarray) -> np.ndarray:
+        index = np.asarray(positions, dtype=np.int64) - self.first
+        inside = (index >= 0) & (index < len(self.keep))
+        out = np.zeros(index.shape, bool)
+        out[inside] = self.keep[index[inside]]
+        return out
 
 
 @dataclass(frozen=True)
