@@ -1,0 +1,320 @@
+"""Elastic input (issue 16): shuffled epochs re-planned after a loss, random state in commits, keep="per_replica".
+
+The slow tests run ``dask worker`` processes that are killed with their
+nannies (``ProcessWorkers`` of ``test_elastic.py``).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import daskdist as dd
+from daskdist import keras
+from daskdist.data import ops
+from tests.test_elastic import ProcessWorkers, _kill_at_step, slow_batch
+
+Dataset = dd.data.Dataset
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture
+def process_workers():
+    made = []
+
+    def make(n: int) -> ProcessWorkers:
+        made.append(ProcessWorkers(n))
+        return made[-1]
+
+    yield make
+    for workers in made:
+        workers.close()
+
+
+def _replica_rows(strategy, dist):
+    """Every step's rows as the replicas hold them, concatenated in replica order."""
+    steps = []
+    for batch in dist:
+        parts = strategy.experimental_local_results(strategy.run(lambda b: b, args=(batch,)))
+        steps.append(np.concatenate([np.asarray(p) for p in parts]))
+    return steps
+
+
+# -- the planner: a gathered order, split by global batch ---------------------------------------------------
+
+
+@pytest.mark.parametrize("source", ["local", "dask"])
+def test_a_gathered_dataset_distributes_each_gathered_batch_exactly(threaded_client, source):
+    import dask.array as da
+
+    ids = np.arange(50)
+    if source == "dask":
+        base = Dataset.from_dask(threaded_client.persist(da.from_array(ids, chunks=12)))
+    else:
+        base = Dataset.from_tensor_slices(ids, num_partitions=4)
+    order = np.random.default_rng(3).permutation(47)  # rows 3 ... 49 (skip(3) is folded), in a random order
+    dataset = Dataset(base.source, (ops.Skip(3), ops.Gather(order[5:]), ops.Batch(8)))
+    expected = [batch for batch in dataset]
+    assert np.concatenate(expected).tolist() == (3 + order[5:]).tolist()
+    with dd.MirroredStrategy(client=threaded_client) as strategy:
+        dist = strategy.experimental_distribute_dataset(dataset)
+        assert dist.plan().split == "global" and dist.plan().steps == 6
+        got = _replica_rows(strategy, dist)
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_gather_is_checked():
+    with pytest.raises(ValueError, match="non-negative"):
+        ops.Gather([0, -1])
+    with pytest.raises(IndexError, match="out of range"):
+        list(Dataset(Dataset.range(4).source, (ops.Gather([5]), ops.Batch(2))))
+
+
+# -- which pipelines an elastic fit takes ---------------------------------------------------------------------
+
+
+def _linear_model():
+    model = keras.Sequential([keras.layers.Dense(1, input_shape=(3,))])
+    model.compile(loss=keras.losses.MeanSquaredError(), optimizer=keras.optimizers.SGD(0.1))
+    return model
+
+
+@pytest.mark.parametrize("pipeline, message", [
+    (lambda d: d.filter(lambda x, y: True).batch(4), "filter"),
+    (lambda d: d.repeat(2).batch(4), "repeat"),
+    (lambda d: d.shuffle(8).take(6).batch(4), "take"),
+    (lambda d: d.batch(4).shuffle(3), "after the batch"),
+    (lambda d: d.shuffle(8).shuffle(8).batch(4), "one shuffle"),
+])
+def test_an_elastic_fit_refuses_what_it_cannot_replan_naming_the_op(threaded_client, pipeline, message):
+    x = np.ones((16, 3), np.float32)
+    train = pipeline(Dataset.from_tensor_slices((x, x[:, :1])))
+    with dd.MirroredStrategy(client=threaded_client, elastic=dd.ElasticOptions()) as strategy:
+        with strategy.scope():
+            model = _linear_model()
+        with pytest.raises(ValueError, match=message):
+            model.fit(train, epochs=1, verbose=0)
+
+
+def test_elastic_options_check_keep_and_the_membership_callback():
+    with pytest.raises(ValueError, match="keep"):
+        dd.ElasticOptions(keep="everything")
+    with pytest.raises(TypeError, match="on_membership_change"):
+        dd.ElasticOptions(on_membership_change=3)
+    assert dd.ElasticOptions().keep == "global_batch"
+
+
+def test_a_shuffled_elastic_epoch_is_a_seeded_permutation_trained_in_the_ledgers_order(threaded_client):
+    """Without failures: each epoch's steps hold the seeded permutation's batches, reshuffled every epoch, and
+    the weights are those of training on exactly those batches in this process."""
+    rng = np.random.default_rng(0)
+    x = rng.random((60, 3)).astype(np.float32)
+    y = (x @ np.array([[1.0], [-2.0], [0.5]], np.float32)).astype(np.float32)
+    train = Dataset.from_tensor_slices((x, y)).shuffle(16, seed=7).batch(12)
+    reference = _linear_model()
+    reference.build((3,))
+    weights = reference.get_weights()
+    with dd.MirroredStrategy(client=threaded_client, elastic=dd.ElasticOptions(commit_every=2)) as strategy:
+        with strategy.scope():
+            model = _linear_model()
+            model.build((3,))
+            model.set_weights(weights)
+        history = model.fit(train, epochs=2, verbose=0)
+        elastic = history.elastic
+        orders = [elastic.input.order(e) for e in (0, 1)]
+        assert orders[0].tolist() != orders[1].tolist()  # reshuffle_each_iteration
+        assert orders[0].tolist() == np.random.default_rng([7, 0]).permutation(60).tolist()
+        for epoch in (0, 1):
+            assert elastic.ledger.steps(epoch) == [0, 1, 2, 3, 4]
+            np.testing.assert_array_equal(elastic.ledger.positions(epoch), orders[epoch])
+        trained = model.get_weights()
+    for order in orders:  # the same batches, in this process
+        reference.fit(Dataset(train.source, (ops.Gather(order), ops.Batch(12))), epochs=1, verbose=0)
+    for got, want in zip(trained, reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_shuffle_without_reshuffling_or_with_a_cache_after_it_keeps_one_order(threaded_client):
+    x = np.ones((20, 3), np.float32)
+    for train in (Dataset.from_tensor_slices((x, x[:, :1])).shuffle(20, reshuffle_each_iteration=False).batch(5),
+                  Dataset.from_tensor_slices((x, x[:, :1])).shuffle(20).cache().batch(5)):
+        with dd.MirroredStrategy(client=threaded_client, elastic=dd.ElasticOptions()) as strategy:
+            with strategy.scope():
+                model = _linear_model()
+            history = model.fit(train, epochs=2, verbose=0)
+            ledger = history.elastic.ledger
+            np.testing.assert_array_equal(ledger.positions(0), ledger.positions(1))
+            assert sorted(ledger.positions(0).tolist()) == list(range(20))
+            assert ledger.positions(0).tolist() != list(range(20))
+
+
+# -- random state in commits ----------------------------------------------------------------------------------
+
+
+def test_a_model_snapshot_puts_back_the_dropout_generator():
+    from daskdist.keras.models import _InstalledModel
+
+    model = keras.Sequential([keras.layers.Dense(4, input_shape=(3,)), keras.layers.Dropout(0.5, seed=2)])
+    model.build((3,))
+    x = np.ones((6, 3), np.float32)
+    resident = _InstalledModel(model)
+    before = resident.snapshot()  # before the first draw: the generator starts again from its seed
+    first = model._forward(x, training=True)
+    resident.restore(before)
+    np.testing.assert_array_equal(model._forward(x, training=True), first)
+    middle = resident.snapshot()
+    second = model._forward(x, training=True)
+    assert not np.array_equal(first, second)
+    model._forward(x, training=True)
+    resident.restore(middle)
+    np.testing.assert_array_equal(model._forward(x, training=True), second)
+
+
+def test_the_state_digest_ignores_random_state_but_not_weights():
+    from daskdist.elastic.replica import state_digest
+    from daskdist.keras.models import RandomStates
+
+    a = {("model", "m"): {"weights": [np.ones(3)], "rng": RandomStates({"dropout": {"numpy": {"state": 1}}})}}
+    b = {("model", "m"): {"weights": [np.ones(3)], "rng": RandomStates({"dropout": {"numpy": {"state": 2}}})}}
+    c = {("model", "m"): {"weights": [np.zeros(3)], "rng": RandomStates({})}}
+    assert state_digest(a) == state_digest(b) != state_digest(c)
+
+
+def _data(n=240, features=4, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.random((n, features)).astype(np.float32), rng.integers(0, 3, n).astype(np.int64)
+
+
+def _dropout_model(weights=None):
+    model = keras.Sequential([keras.layers.Dense(16, activation="relu", input_shape=(4,)),
+                              keras.layers.Dropout(0.5, seed=11), keras.layers.Dense(3)])
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.SGD(0.2))
+    model.build((4,))
+    if weights is not None:
+        model.set_weights(weights)
+    return model
+
+
+@pytest.mark.slow
+def test_after_a_restore_a_dropout_model_trains_as_the_uninterrupted_run(process_workers):
+    """A worker killed mid-epoch and replaced: the replayed steps draw the dropout masks they drew before."""
+    workers = process_workers(3)
+    x, y = _data(240)
+    train = Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)  # 10 steps of 8 rows per replica
+    weights = _dropout_model().get_weights()
+    with dd.MirroredStrategy(client=workers.client) as strategy:
+        with strategy.scope():
+            model = _dropout_model(weights)
+        model.fit(train, epochs=1, verbose=0)
+        expected = model.get_weights()
+    with dd.MirroredStrategy(client=workers.client, elastic=dd.ElasticOptions(
+            min_replicas=3, commit_every=3, wait_timeout="90s")) as strategy:
+        with strategy.scope():
+            model = _dropout_model(weights)
+        victim = strategy.extended.worker_addresses[2]
+        thread, record = _kill_at_step(workers, victim, step=5)
+        adder = threading.Thread(target=lambda: (thread.join(120), workers.add()), daemon=True)
+        adder.start()
+        history = model.fit(train, epochs=1, verbose=0)
+        adder.join(5)
+        assert "killed" in record
+        (event,) = history.elastic.events
+        assert event.lost == [victim] and len(event.admitted) == 1 and 0 < event.commit[2] < 10
+        assert sorted(history.elastic.ledger.positions(0).tolist()) == list(range(240))
+        for got, want in zip(model.get_weights(), expected):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+# -- shuffled input across a loss -----------------------------------------------------------------------------
+
+
+def ids_as_one_hot(ids, target):
+    return np.eye(60, dtype=np.float32)[ids], target
+
+
+@pytest.mark.slow
+def test_shuffled_sample_ids_are_each_committed_once_per_epoch_across_a_kill_with_commit_every_5(process_workers):
+    """One-hot samples and a linear model: each weight moves only when its sample trains, so the weights show
+    how many times every sample contributed to a committed update, whatever the order."""
+    import dask.array as da
+
+    workers = process_workers(3)
+    ids = np.arange(60)
+    ids_d = workers.client.persist(da.from_array(ids, chunks=15))  # four partitions spread over the workers
+    train = (Dataset.from_dask((ids_d, da.ones((60, 1), chunks=15, dtype=np.float32)))
+             .shuffle(20, seed=5).map(ids_as_one_hot).batch(6).map(slow_batch))  # 10 steps per epoch
+    lr = 0.3
+    with dd.MirroredStrategy(client=workers.client,
+                             elastic=dd.ElasticOptions(min_replicas=2, commit_every=5)) as strategy:
+        with strategy.scope():
+            model = keras.Sequential([keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros",
+                                                         input_shape=(60,))])
+            model.compile(loss=keras.losses.MeanSquaredError(), optimizer=keras.optimizers.SGD(lr))
+        victim = strategy.extended.worker_addresses[1]
+        thread, record = _kill_at_step(workers, victim, step=7, epoch=0)
+        history = model.fit(train, epochs=2, verbose=0)
+        thread.join(5)
+        assert "killed" in record
+        (event,) = history.elastic.events
+        assert event.commit[1:] == (0, 5)  # back to the commit_every=5 boundary mid-epoch
+        ledger, elastic = history.elastic.ledger, history.elastic
+        for epoch in (0, 1):
+            assert ledger.steps(epoch) == list(range(10))
+            committed = ids[ledger.positions(epoch)]
+            assert sorted(committed.tolist()) == ids.tolist()  # no repeats, no gaps
+            np.testing.assert_array_equal(ledger.positions(epoch), elastic.input.order(epoch))  # the seeded order
+        assert ledger.positions(0).tolist() != ledger.positions(1).tolist()
+        # one MSE step on sample i moves w_i by lr/3 * (1 - w_i): 0.1 after one epoch, 0.19 after two
+        w = model.get_weights()[0][:, 0]
+        np.testing.assert_allclose(w, np.full(60, 1 - (1 - lr / 3) ** 2), rtol=1e-6)
+
+
+# -- keep="per_replica" ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_keep_per_replica_shrinks_the_global_batch_and_lets_the_user_rescale_the_learning_rate(process_workers):
+    workers = process_workers(3)
+    x, y = _data(240)
+    train = Dataset.from_tensor_slices((x, y)).shuffle(240, seed=1).batch(24).map(slow_batch)  # 8 per replica
+    changes = []
+    holder = {}
+
+    def rescale(old, new):  # linear scaling: the learning rate follows the global batch
+        changes.append((old, new))
+        optimizer = holder["model"].optimizer
+        optimizer.learning_rate = float(optimizer.learning_rate) * new / old
+
+    options = dd.ElasticOptions(min_replicas=2, keep="per_replica", on_membership_change=rescale)
+    with dd.MirroredStrategy(client=workers.client, elastic=options) as strategy:
+        with strategy.scope():
+            model = keras.Sequential([keras.layers.Dense(8, activation="relu", input_shape=(4,)),
+                                      keras.layers.Dense(3)])
+            model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          optimizer=keras.optimizers.SGD(0.3))
+        holder["model"] = model
+        victim = strategy.extended.worker_addresses[0]
+        thread, record = _kill_at_step(workers, victim, step=4)
+        history = model.fit(train, epochs=2, verbose=0)
+        thread.join(5)
+        assert "killed" in record
+        (event,) = history.elastic.events
+        restored = event.commit[2]
+        assert event.commit[1] == 0 and 0 < restored < 10
+        assert changes == [(3, 2)]
+        assert float(model.optimizer.learning_rate) == pytest.approx(0.3 * 2 / 3)
+        ledger = history.elastic.ledger
+        sizes = [len(ledger.epochs[0][s]) for s in ledger.steps(0)]
+        rest = 240 - 24 * restored
+        assert sizes == [24] * restored + [16] * (rest // 16) + ([rest % 16] if rest % 16 else [])
+        assert [len(ledger.epochs[1][s]) for s in ledger.steps(1)] == [16] * 15  # the next epoch: 8 x 2
+        for epoch in (0, 1):
+            assert sorted(ledger.positions(epoch).tolist()) == list(range(240))
+            np.testing.assert_array_equal(ledger.positions(epoch), history.elastic.input.order(epoch))
+        assert np.isfinite(history.history["loss"]).all()
