@@ -7,6 +7,7 @@ nannies (``ProcessWorkers`` of ``test_elastic.py``).
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -318,3 +319,43 @@ def test_keep_per_replica_shrinks_the_global_batch_and_lets_the_user_rescale_the
             assert sorted(ledger.positions(epoch).tolist()) == list(range(240))
             np.testing.assert_array_equal(ledger.positions(epoch), history.elastic.input.order(epoch))
         assert np.isfinite(history.history["loss"]).all()
+
+
+@pytest.mark.slow
+def test_an_elastic_custom_loop_reads_a_shuffled_dataset_once_per_epoch_across_a_kill(process_workers):
+    workers = process_workers(3)
+    values = np.arange(1, 121, dtype=np.float64)
+    dataset = Dataset.from_tensor_slices(values).shuffle(50, seed=3).batch(12).map(slow_batch)  # 10 steps
+    with dd.MirroredStrategy(client=workers.client, elastic=dd.ElasticOptions(min_replicas=2)) as strategy:
+        with strategy.scope():
+            total = dd.Variable(np.zeros((), np.float64), aggregation=dd.VariableAggregation.ONLY_FIRST_REPLICA)
+        seen = []
+
+        def step(batch):
+            (rows,) = batch
+            summed = dd.get_replica_context().all_reduce("SUM", rows.sum())
+            total.assign_add(summed)
+
+        @dd.elastic.run
+        def train(state):
+            while state.epoch < 2:
+                for batch in state.batches(dataset):
+                    strategy.run(step, args=(batch,))
+                    state.commit()
+                state.epoch += 1
+
+        state = dd.elastic.State(strategy, epoch=0)
+        victim = strategy.extended.worker_addresses[1]
+        killer = threading.Thread(target=lambda: (time.sleep(2.0), workers.kill(victim)), daemon=True)
+        killer.start()
+        train(state)
+        killer.join(5)
+        (event,) = state.events
+        assert event.lost == [victim]
+        assert total.read_value() == 2 * values.sum()  # each row added exactly once per epoch
+        (epoch_input,) = [known for _, known in state._inputs.values()]
+        for epoch in (0, 1):
+            positions = state.ledger.positions(epoch)
+            np.testing.assert_array_equal(positions, epoch_input.order(epoch))
+            seen.append(positions.tolist())
+        assert seen[0] != seen[1] and sorted(seen[0]) == list(range(120))
