@@ -5,10 +5,12 @@ Client side (``keras.Model.fit`` hands its epochs here when the strategy has
 replicas commit every ``commit_every`` steps (``elastic/replica.py``). When
 a member is lost the command fails; the group is recovered
 (``elastic/recovery.py``) at the newest commit all survivors hold, the rest
-of the epoch (the global batches after that commit) is planned again over the
-new members with the input planner (the global batch stays the same size,
-re-split over the replica count), and the epoch goes on from there. The
-ledger records the rows of every committed step.
+of the epoch (its rows after that commit, in the epoch's order: source order
+or the seeded permutation standing for a shuffle, ``elastic/epochs.py``) is
+planned again over the new members with the input planner (the global batch
+stays the same size, re-split over the replica count, unless
+``keep="per_replica"``), and the epoch goes on from there. The ledger records
+the rows of every committed step.
 """
 
 from __future__ import annotations
