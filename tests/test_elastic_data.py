@@ -341,10 +341,11 @@ def test_an_elastic_custom_loop_reads_a_shuffled_dataset_once_per_epoch_across_a
             while state.epoch < 2:
                 for batch in state.batches(dataset):
                     strategy.run(step, args=(batch,))
+                    state.draws.append(float(state.rng.random()))  # client-side randomness, committed too
                     state.commit()
                 state.epoch += 1
 
-        state = dd.elastic.State(strategy, epoch=0)
+        state = dd.elastic.State(strategy, epoch=0, rng=np.random.default_rng(4), draws=[])
         victim = strategy.extended.worker_addresses[1]
         killer = threading.Thread(target=lambda: (time.sleep(2.0), workers.kill(victim)), daemon=True)
         killer.start()
@@ -353,6 +354,7 @@ def test_an_elastic_custom_loop_reads_a_shuffled_dataset_once_per_epoch_across_a
         (event,) = state.events
         assert event.lost == [victim]
         assert total.read_value() == 2 * values.sum()  # each row added exactly once per epoch
+        assert state.draws == np.random.default_rng(4).random(20).tolist()  # the generator went back with the rest
         (epoch_input,) = [known for _, known in state._inputs.values()]
         for epoch in (0, 1):
             positions = state.ledger.positions(epoch)

@@ -37,6 +37,7 @@ import numpy as np
 from daskdist.data import ops
 from daskdist.data.dataset import Dataset
 from daskdist.data.planner import cut_pipeline
+from daskdist.data.sources import DaskSource
 from daskdist.data.split import global_batch_sizes
 from daskdist.elastic.ledger import EpochSchedule, RowMap
 from daskdist.elastic.options import ElasticOptions
@@ -117,6 +118,10 @@ class EpochInput:
             self.seed = self.shuffle.seed if self.shuffle.seed is not None else _fresh_seed()
             cache_after = any(isinstance(op, ops.Cache) for op in transformations[self._shuffle_index:self._batch_index])
             self.frozen_order = (not self.shuffle.reshuffle_each_iteration) or cache_after
+        # a Dask source stays in the cluster for the whole fit: each epoch's plan reads it without computing
+        # it again (a partition lost with a worker is computed again from its graph)
+        self._held = ([strategy.extended.client.persist(c) for c in dataset.source.collections]
+                      if isinstance(dataset.source, DaskSource) else [])
         # the rows of an epoch, in source order: the pipeline without its shuffle, planned once
         self.source_order = Dataset(dataset.source, tuple(op for op in transformations if op is not self.shuffle))
         self.rows = RowMap.from_plan(strategy.experimental_distribute_dataset(self.source_order).plan(),
