@@ -76,6 +76,23 @@ def test_a_gather_is_checked():
         list(Dataset(Dataset.range(4).source, (ops.Gather([5]), ops.Batch(2))))
 
 
+def test_an_epoch_schedule_follows_its_order_across_a_change_of_batch_size():
+    from daskdist.elastic.ledger import DataLedger, EpochSchedule, RowMap
+
+    order = np.random.default_rng(1).permutation(20)
+    schedule = EpochSchedule(20, order)
+    schedule.start(0, 0, 6)  # 3 replicas of 2 rows
+    assert schedule.positions_of_step(1).tolist() == order[6:12].tolist()
+    schedule.start(2, schedule.row_of_step(2), 4)  # from step 2 on, 2 replicas of 2 rows
+    assert schedule.row_of_step(2) == 12
+    assert [len(schedule.positions_of_step(s)) for s in range(4)] == [6, 6, 4, 4]
+    ledger = DataLedger()
+    ledger.record(0, range(4), schedule)
+    np.testing.assert_array_equal(ledger.positions(0), order)
+    rows = RowMap(((0, 0, 10), (1, 5, 15)), 6, 4)
+    assert rows.rows_of_positions(np.array([3, 4, 12, 13, 2])) == [(0, 3, 5), (1, 7, 9), (0, 2, 3)]
+
+
 # -- which pipelines an elastic fit takes ---------------------------------------------------------------------
 
 

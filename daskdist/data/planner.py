@@ -278,7 +278,7 @@ def _steps(parts: PipelineParts, exact_sizes: bool, used: int, batch_size: int, 
     if exact_sizes:
         steps = len(global_batch_sizes(used, batch_size, drop))
         return steps, [steps] * n
-    if parts.kind == "unknown":
+    if parts.kind in ("unknown", "gathered"):  # a gather outside the global split: counts not worked out
         return None, [None] * n
     mine = [0] * n
     for read in planned:
