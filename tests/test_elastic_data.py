@@ -15,6 +15,7 @@ import pytest
 import daskdist as dd
 from daskdist import keras
 from daskdist.data import ops
+from daskdist.data.split import replica_split
 from tests.test_elastic import ProcessWorkers, _kill_at_step, slow_batch
 
 Dataset = dd.data.Dataset
@@ -36,11 +37,11 @@ def process_workers():
 
 
 def _replica_rows(strategy, dist):
-    """Every step's rows as the replicas hold them, concatenated in replica order."""
+    """Every step's rows as the replicas hold them (concatenated in replica order) and each replica's count."""
     steps = []
     for batch in dist:
-        parts = strategy.experimental_local_results(strategy.run(lambda b: b, args=(batch,)))
-        steps.append(np.concatenate([np.asarray(p) for p in parts]))
+        parts = [np.asarray(p) for p in strategy.experimental_local_results(strategy.run(lambda b: b, args=(batch,)))]
+        steps.append((np.concatenate(parts), [len(p) for p in parts]))
     return steps
 
 
@@ -65,8 +66,36 @@ def test_a_gathered_dataset_distributes_each_gathered_batch_exactly(threaded_cli
         assert dist.plan().split == "global" and dist.plan().steps == 6
         got = _replica_rows(strategy, dist)
     assert len(got) == len(expected)
-    for a, b in zip(got, expected):
-        np.testing.assert_array_equal(a, b)
+    for (rows, sizes), batch in zip(got, expected):  # each step holds the gathered batch, in TF's shares
+        np.testing.assert_array_equal(np.sort(rows), np.sort(batch))
+        assert sizes == replica_split(len(batch), 3)
+
+
+def test_each_row_of_a_gathered_batch_goes_to_a_replica_that_holds_it_when_it_can():
+    from daskdist.data.split import assign_by_locality
+
+    owner = np.array([0, 0, 0, 0, 1, 2,  2, 2, 1, 1, 1, 1,  0, 1])  # batches of 6, then a partial one of 2
+    assigned = assign_by_locality(owner, 6, False, 3)
+    # batch 0: replica 0 keeps two of its four rows (TF's share is 2), the others fill the short replicas
+    assert assigned[:6].tolist() == [0, 0, 1, 2, 1, 2]
+    assert assigned[6:12].tolist() == [2, 2, 1, 1, 0, 0]
+    assert assigned[12:].tolist() == [0, 1]
+    for first, size in ((0, 6), (6, 6), (12, 2)):
+        counts = np.bincount(assigned[first:first + size], minlength=3).tolist()
+        assert counts == replica_split(size, 3)
+    assert assign_by_locality(owner, 6, True, 3)[12:].tolist() == [-1, -1]  # dropped with the partial batch
+
+
+def test_a_shuffled_order_of_dask_partitions_moves_few_rows(threaded_client):
+    import dask.array as da
+
+    ids = np.arange(6000)
+    base = Dataset.from_dask(threaded_client.persist(da.from_array(ids, chunks=500)))
+    order = np.random.default_rng(3).permutation(6000)
+    with dd.MirroredStrategy(client=threaded_client) as strategy:
+        plan = strategy.experimental_distribute_dataset(Dataset(base.source, (ops.Gather(order), ops.Batch(60)))).plan()
+    # TF's contiguous split of random rows would move about 2/3 of them; by locality about a tenth moves
+    assert plan.bytes_to_move < 0.25 * plan.bytes_total, plan
 
 
 def test_a_gather_is_checked():

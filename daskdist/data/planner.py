@@ -9,8 +9,10 @@ Whether a step can hold exactly the undistributed batch depends on the row
 ops: ``map``, ``cache`` and ``prefetch`` keep every row at its position, and
 leading ``take``/``skip`` only choose a range of positions (they are folded
 into the plan). A ``Gather`` (elastic training's seeded epoch order) picks
-and orders rows the client knows: the ``"global"`` split still holds, each
-replica reads its part of every gathered batch and reorders its own rows.
+and orders rows the client knows: the ``"global"`` split still holds (each
+step is the gathered batch, each replica takes TF's share of it), the
+replica of each row of a batch chosen by where the row lives; each replica
+reorders its own rows.
 ``shuffle`` keeps row counts but not positions: the split is
 then ``"balanced"`` (each replica shuffles its own rows). ``filter``,
 ``shard``, ``repeat`` or ``unbatch`` before the batch change counts: replicas
@@ -35,6 +37,7 @@ from daskdist.data.sources import DaskSource, LocalSource, Partition, Source
 from daskdist.data.split import (
     GlobalBatchRows,
     SelectedRows,
+    assign_by_locality,
     balanced_pieces,
     global_batch_sizes,
     homes,
@@ -156,7 +159,7 @@ def plan_dataset(client: Any, workers: list[str], dataset: Dataset, options: Inp
     local = dask_rows.local_bytes(workers) if dask_rows is not None else [{} for _ in rows]
     home = homes(local, sizes, n)
     if gather is not None and split == "global":
-        reads, local_orders = _gathered_reads(rows, firsts, lo, hi, gather.indices, batch_size, drop, n)
+        reads, local_orders = _gathered_reads(rows, firsts, home, lo, hi, gather.indices, batch_size, drop, n)
     else:
         reads, local_orders = _reads(split, rows, firsts, home, lo, hi, batch_size, drop, n), None
     step_sizes = replica_step_sizes(used, batch_size, drop, n)
@@ -218,30 +221,35 @@ def _reads(split: str, rows: list[int], firsts: list[int], home: list[int], lo: 
                   firsts[clipped[p.partition][0]] - lo) for p in share] for share in pieces]
 
 
-def _gathered_reads(rows: list[int], firsts: list[int], lo: int, hi: int, indices, batch_size: int, drop: bool,
-                    n: int) -> tuple[list[list[Read]], list[np.ndarray]]:
+def _gathered_reads(rows: list[int], firsts: list[int], home: list[int], lo: int, hi: int, indices: np.ndarray,
+                    batch_size: int, drop: bool, n: int) -> tuple[list[list[Read]], list[np.ndarray]]:
     """``"global"`` split of a gathered pass: per replica its reads and the order of the rows they bring.
 
     Gathered row ``q`` (position ``indices[q]`` of ``[lo, hi)``) belongs to
-    global batch ``q // batch_size``; each replica takes its part of every
-    batch (TF's split), reads those rows where they are, in source order, and
-    puts them back in gathered order with a local ``Gather``.
+    global batch ``q // batch_size``; each replica takes TF's share of every
+    batch, chosen among the batch's rows its worker holds first
+    (``assign_by_locality``), reads those rows where they are, in source
+    order, and puts them back in gathered order with a local ``Gather``.
     """
-    out_index = np.full(hi - lo, -1, np.int64)
-    out_index[indices] = np.arange(len(indices))
     if len(np.unique(indices)) != len(indices):
         raise ValueError("a gathered dataset must name each row at most once")
+    out_index = np.full(hi - lo, -1, np.int64)
+    out_index[indices] = np.arange(len(indices))
+    starts = np.asarray(firsts, np.int64) - lo  # position of each partition's row 0
+    partition_of = np.searchsorted(starts, indices, side="right") - 1
+    owner = np.asarray(home, np.int64)[partition_of] if len(indices) else np.empty(0, np.int64)
+    assigned = assign_by_locality(owner, batch_size, drop, n)
     clipped = [(i, max(0, lo - f), min(r, hi - f)) for i, (r, f) in enumerate(zip(rows, firsts))]
     clipped = [(i, a, b) for i, a, b in clipped if b > a]
     reads: list[list[Read]] = []
     orders: list[np.ndarray] = []
     for rank in range(n):
-        rule = GlobalBatchRows(len(indices), batch_size, drop, n, rank)
         mine, arriving = [], []
         for i, a, b in clipped:
             first = firsts[i] - lo
             q = out_index[first + a : first + b]
-            keep = (q >= 0) & rule.mask(np.maximum(q, 0))
+            keep = q >= 0
+            keep[keep] = assigned[q[keep]] == rank
             if keep.any():
                 mine.append(Read(i, a, b, first, SelectedRows(first + a, keep)))
                 arriving.append(q[keep])
