@@ -186,6 +186,19 @@ def test_a_shuffled_elastic_epoch_is_a_seeded_permutation_trained_in_the_ledgers
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_an_elastic_fit_on_arrays_shuffles_them_with_a_seed_drawn_once_per_fit(threaded_client):
+    x = np.random.default_rng(2).random((30, 3)).astype(np.float32)
+    with dd.MirroredStrategy(client=threaded_client, elastic=dd.ElasticOptions()) as strategy:
+        with strategy.scope():
+            model = _linear_model()
+        history = model.fit(x, x[:, :1], batch_size=10, epochs=2, verbose=0)  # Keras' shuffle=True, no seed
+        elastic = history.elastic
+        assert elastic.input.seed is not None
+        first, second = elastic.ledger.positions(0), elastic.ledger.positions(1)
+        assert sorted(first.tolist()) == sorted(second.tolist()) == list(range(30))
+        assert first.tolist() != second.tolist() and first.tolist() != list(range(30))
+
+
 def test_a_shuffle_without_reshuffling_or_with_a_cache_after_it_keeps_one_order(threaded_client):
     x = np.ones((20, 3), np.float32)
     for train in (Dataset.from_tensor_slices((x, x[:, :1])).shuffle(20, reshuffle_each_iteration=False).batch(5),
