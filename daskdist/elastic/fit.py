@@ -94,12 +94,12 @@ class ElasticFit:
             if recovered is not None:
                 first, start = self._resume(epoch, first, *recovered)
         while True:
-            dist, total = self._plan_rest(epoch, schedule, first, steps)
-            lr = float(self.model.optimizer.learning_rate)
-            room = self.options.max_replicas is None or self.group.size < self.options.max_replicas
-            args = (self.model._model_id, dist, total - first, lr, self.runner._tag, (self.fit_id, epoch), first,
-                    self.options.commit_every, start, self.options.admit_seconds, room)
             try:
+                dist, total = self._plan_rest(epoch, schedule, first, steps)  # a loss while planning: recover too
+                lr = float(self.model.optimizer.learning_rate)
+                room = self.options.max_replicas is None or self.group.size < self.options.max_replicas
+                args = (self.model._model_id, dist, total - first, lr, self.runner._tag, (self.fit_id, epoch), first,
+                        self.options.commit_every, start, self.options.admit_seconds, room)
                 logs = self.group.call(elastic_train_epoch, args)[0]
                 if "stopped_at" in logs:  # free workers wait: admit them at this commit, then go on over all
                     stop = int(logs["stopped_at"])
