@@ -335,6 +335,46 @@ def test_shuffled_sample_ids_are_each_committed_once_per_epoch_across_a_kill_wit
         np.testing.assert_allclose(w, np.full(60, 1 - (1 - lr / 3) ** 2), rtol=1e-6)
 
 
+def _small_model(weights=None):
+    model = keras.Sequential([keras.layers.Dense(8, activation="relu", input_shape=(4,)), keras.layers.Dense(3)])
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.Adam(0.01), metrics=["accuracy"])
+    model.build((4,))
+    if weights is not None:
+        model.set_weights(weights)
+    return model
+
+
+@pytest.mark.slow
+def test_a_shuffled_fit_that_loses_a_worker_ends_with_the_uninterrupted_shuffled_runs_weights(process_workers):
+    workers = process_workers(3)
+    x, y = _data(240)
+    train = Dataset.from_tensor_slices((x, y)).shuffle(64, seed=9).batch(24).map(slow_batch)
+    weights = _small_model().get_weights()
+    with dd.MirroredStrategy(client=workers.client, elastic=dd.ElasticOptions(min_replicas=2)) as strategy:
+        with strategy.scope():
+            model = _small_model(weights)
+        reference = model.fit(train, epochs=2, verbose=0)  # uninterrupted, the same seeded orders
+        expected = model.get_weights()
+    with dd.MirroredStrategy(client=workers.client,
+                             elastic=dd.ElasticOptions(min_replicas=2, commit_every=2)) as strategy:
+        with strategy.scope():
+            model = _small_model(weights)
+        victim = strategy.extended.worker_addresses[0]  # rank 0, with the rows its worker held
+        thread, record = _kill_at_step(workers, victim, step=3, epoch=1)
+        history = model.fit(train, epochs=2, verbose=0)
+        thread.join(5)
+        assert "killed" in record
+        (event,) = history.elastic.events
+        assert event.commit[1] == 1 and strategy.num_replicas_in_sync == 2
+        for epoch in (0, 1):
+            np.testing.assert_array_equal(history.elastic.ledger.positions(epoch), history.elastic.input.order(epoch))
+        for got, want in zip(model.get_weights(), expected):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        assert history.history["loss"] == pytest.approx(reference.history["loss"], rel=1e-5)
+        assert history.history["accuracy"] == pytest.approx(reference.history["accuracy"], rel=1e-5)
+
+
 # -- keep="per_replica" ---------------------------------------------------------------------------------------
 
 
@@ -420,3 +460,26 @@ def test_an_elastic_custom_loop_reads_a_shuffled_dataset_once_per_epoch_across_a
             np.testing.assert_array_equal(positions, epoch_input.order(epoch))
             seen.append(positions.tolist())
         assert seen[0] != seen[1] and sorted(seen[0]) == list(range(120))
+
+
+@pytest.mark.slow
+def test_keep_per_replica_grows_the_global_batch_when_a_worker_is_admitted_mid_epoch(process_workers):
+    workers = process_workers(3)
+    x, y = _data(240)
+    train = Dataset.from_tensor_slices((x, y)).shuffle(240, seed=2).batch(16).map(slow_batch)  # 8 per replica
+    changes = []
+    options = dd.ElasticOptions(min_replicas=2, max_replicas=3, commit_every=2, admit_every="0.3s",
+                                keep="per_replica", on_membership_change=lambda old, new: changes.append((old, new)))
+    with dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=workers.client, elastic=options) as strategy:
+        with strategy.scope():
+            model = _small_model()
+        history = model.fit(train, epochs=1, verbose=0)
+        (event,) = history.elastic.events
+        assert event.action == "grew" and changes == [(2, 3)]
+        stop = event.commit[2]
+        assert 0 < stop < 15 and stop % 2 == 0
+        ledger = history.elastic.ledger
+        sizes = [len(ledger.epochs[0][s]) for s in ledger.steps(0)]
+        rest = 240 - 16 * stop
+        assert sizes == [16] * stop + [24] * (rest // 24) + ([rest % 24] if rest % 24 else [])
+        np.testing.assert_array_equal(ledger.positions(0), history.elastic.input.order(0))
