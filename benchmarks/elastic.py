@@ -4,7 +4,9 @@ Two parts:
 
 1. **Commit cost.** ``fit`` of the tutorial's CNN (``examples/mnist_mirrored.py``,
    MNIST-shaped synthetic data, ``map(scale).cache().batch(B)``: the tutorial's
-   pipeline without its shuffle, which elastic ``fit`` does not take yet) on 2
+   pipeline without its shuffle, so that plain and elastic read the same input:
+   elastic ``fit`` turns a shuffle into a seeded full permutation planned each
+   epoch, a plain strategy into per-replica buffers) on 2
    replicas, epochs alternating (ABBA) between a plain strategy and elastic ones
    with ``commit_every`` 1 and 10. Reported: median wall time per step of each
    (epoch time / steps, the warm-up epoch skipped), and the elastic ones'
