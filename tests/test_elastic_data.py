@@ -172,6 +172,8 @@ def test_a_shuffled_elastic_epoch_is_a_seeded_permutation_trained_in_the_ledgers
             model.build((3,))
             model.set_weights(weights)
         history = model.fit(train, epochs=2, verbose=0)
+        # each epoch was a new plan; the replicas keep only the last one's rows (and the fit's own dataset)
+        assert strategy.extended.group.call(_datasets_held) == [2, 2, 2]
         elastic = history.elastic
         orders = [elastic.input.order(e) for e in (0, 1)]
         assert orders[0].tolist() != orders[1].tolist()  # reshuffle_each_iteration
@@ -197,6 +199,12 @@ def test_an_elastic_fit_on_arrays_shuffles_them_with_a_seed_drawn_once_per_fit(t
         first, second = elastic.ledger.positions(0), elastic.ledger.positions(1)
         assert sorted(first.tolist()) == sorted(second.tolist()) == list(range(30))
         assert first.tolist() != second.tolist() and first.tolist() != list(range(30))
+
+
+def _datasets_held(service):
+    from daskdist.group.service import DATASET
+
+    return len(service.objects.ids(DATASET))
 
 
 def test_a_shuffle_without_reshuffling_or_with_a_cache_after_it_keeps_one_order(threaded_client):

@@ -36,13 +36,14 @@ import numpy as np
 
 from daskdist.data import ops
 from daskdist.data.dataset import Dataset
-from daskdist.data.planner import cut_pipeline
+from daskdist.data.options import InputOptions
+from daskdist.data.planner import cut_pipeline, plan_dataset
 from daskdist.data.sources import DaskSource
 from daskdist.data.split import global_batch_sizes
 from daskdist.elastic.ledger import EpochSchedule, RowMap
 from daskdist.elastic.options import ElasticOptions
 
-__all__ = ["EpochInput", "check_elastic_pipeline"]
+__all__ = ["EpochInput", "check_elastic_pipeline", "release"]
 
 logger = logging.getLogger(__name__)
 
@@ -124,8 +125,9 @@ class EpochInput:
                       if isinstance(dataset.source, DaskSource) else [])
         # the rows of an epoch, in source order: the pipeline without its shuffle, planned once
         self.source_order = Dataset(dataset.source, tuple(op for op in transformations if op is not self.shuffle))
-        self.rows = RowMap.from_plan(strategy.experimental_distribute_dataset(self.source_order).plan(),
-                                     self.batch_size)
+        planned = plan_dataset(strategy.extended.client, list(strategy.extended.worker_addresses),
+                               self.source_order, InputOptions())  # only to count rows: nothing is registered
+        self.rows = RowMap.from_plan(planned.plan, self.batch_size)
         self.first_replicas = strategy.num_replicas_in_sync
         self.per_replica_batch: int | None = None
         if options.keep == "per_replica":
@@ -185,3 +187,14 @@ class EpochInput:
 def _fresh_seed() -> int:
     """A seed for a ``shuffle(seed=None)``: drawn once per ``fit`` on the client, so every re-plan agrees."""
     return int(np.random.SeedSequence().entropy % (2**63))  # type: ignore[operator]
+
+
+def release(strategy: Any, distributed: Any) -> None:
+    """Drop a distributed dataset's shards on the replicas: the plan of an epoch (or its rest) that is over.
+
+    Each shuffled epoch, and each rest of an epoch after a membership change, is a new distributed dataset;
+    without this the replicas would keep every one's rows (a local source's rows are copied into them).
+    """
+    from daskdist.data.replica import forget_dataset
+
+    strategy.extended.run_on_replicas(forget_dataset, (distributed._id,))

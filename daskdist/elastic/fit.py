@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from daskdist.data.dataset import Dataset
-from daskdist.elastic.epochs import EpochInput
+from daskdist.elastic.epochs import EpochInput, release
 from daskdist.elastic.ledger import DataLedger, EpochSchedule
 from daskdist.elastic.options import ElasticOptions, notify_membership_change
 from daskdist.elastic.recovery import RECOVERABLE, Recovery, grow, recover_within_budget
@@ -67,6 +67,7 @@ class ElasticFit:
         self._first_epoch = 0
         self._callbacks: Any = None  # the fit's CallbackList, told of membership changes
         self._planned: tuple[tuple, Any] | None = None  # (what it was planned for, distributed dataset)
+        self._stale: list[Any] = []  # distributed datasets whose shards the replicas may drop
         self._schedule = self.input.schedule(0)
 
     # -- epochs ---------------------------------------------------------------------
@@ -128,8 +129,13 @@ class ElasticFit:
         order_key = None if self.input.shuffle is None else (0 if self.input.frozen_order else epoch)
         wanted = (order_key, row, tuple(self.strategy.extended.worker_addresses))
         if self._planned is None or self._planned[0] != wanted:
+            if self._planned is not None:
+                self._stale.append(self._planned[1])
             self._planned = (wanted, self.strategy.experimental_distribute_dataset(
                 self.input.dataset_from(epoch, row, n)))
+        while self._stale:  # plans that are over: their rows leave the replicas (a loss here is recovered from)
+            release(self.strategy, self._stale[-1])
+            self._stale.pop()
         return self._planned[1], total
 
     def _resume(self, epoch: int, first: int, key: CommitKey, progress: dict) -> tuple[int, Any]:
@@ -161,7 +167,7 @@ class ElasticFit:
         if history is not None:
             history.elastic_events = [e.to_msg() for e in self.events]
         # the rest of the epoch, later epochs and validation are planned over the new members
-        self._planned = None
+        self._forget_plan()
         self.runner._dist_val = None
         progress = self.group.call(commit_progress, (outcome.commit,), member=0)[0]
         return outcome.commit, progress
@@ -181,9 +187,15 @@ class ElasticFit:
         self._notify(outcome)
         if self.model.history is not None:
             self.model.history.elastic_events = [e.to_msg() for e in self.events]
-        self._planned = None
+        self._forget_plan()
         self.runner._dist_val = None
         return None
+
+    def _forget_plan(self) -> None:
+        """Plan again at the next epoch command (the members changed); the old plan's shards are released."""
+        if self._planned is not None:
+            self._stale.append(self._planned[1])
+        self._planned = None
 
     def _notify(self, outcome: Recovery) -> None:
         """Tell the user of a membership change (to rescale a learning rate, say), before training goes on.

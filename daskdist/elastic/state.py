@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from daskdist.data.dataset import Dataset
-from daskdist.elastic.epochs import EpochInput
+from daskdist.elastic.epochs import EpochInput, release
 from daskdist.elastic.ledger import DataLedger, EpochSchedule, RowMap
 from daskdist.elastic.options import ElasticOptions, notify_membership_change
 from daskdist.elastic.recovery import RECOVERABLE, Recovery, recover_within_budget
@@ -146,6 +146,7 @@ class State:
             self._pending.append((self.epoch, self.batch, schedule))
             self.batch += 1
             yield element
+        release(strategy, distributed)  # the epoch is over: its rows leave the replicas
         self._schedules = {k: v for k, v in self._schedules.items() if k[1] >= self.epoch}
         self.batch = 0
 

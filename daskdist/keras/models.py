@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import pickle
 import uuid
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -519,6 +520,7 @@ class RandomStates:
     One leaf of the snapshot (its own copy), left out of elastic training's
     state digest (``digest_bytes``): replicas may legitimately draw different
     numbers (their batches differ in shape), while their weights must agree.
+    As an array (``numpy.asarray``) it is its pickled bytes.
     """
 
     def __init__(self, states: dict[str, dict]):
@@ -526,6 +528,15 @@ class RandomStates:
 
     def digest_bytes(self) -> bytes:
         return b""
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        """The states as bytes (``uint8``), so that snapshots compare as arrays do."""
+        return np.frombuffer(pickle.dumps(self.states, protocol=4), np.uint8)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RandomStates) and np.array_equal(np.asarray(self), np.asarray(other))
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 class _InstalledModel:
