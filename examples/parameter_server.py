@@ -1,9 +1,11 @@
 """Asynchronous parameter-server training on daskdist (TF's parameter-server training tutorial, in small).
 
-A local Dask cluster: the first ``--ps`` workers hold the parameters, the
-others train. The data is a Dask DataFrame (the digits, 64 pixel columns and
-a label) persisted on the cluster; each worker reads its share through a
-per-worker dataset. The model is a softmax classifier over a large hashed
+A local Dask cluster: ``DaskClusterResolver(client, num_ps=--ps)`` makes
+``--ps`` workers hold the parameters, the others train. The data is a Dask
+DataFrame (the digits, 64 pixel columns and a label) persisted on the
+training workers; each worker's per-worker dataset reads the partitions its
+own Dask worker holds (``shard`` by locality), and the coordinator's data
+ledger shows which partitions the committed closures read. The model is a softmax classifier over a large hashed
 embedding: every (position, pixel value) pair is a token,
 hashed into ``--rows`` rows (default 2**18, 10 floats each: 10 MB), split over
 the ps by ``MinSizePartitioner`` into a ``ShardedVariable``. A closure reads
@@ -25,14 +27,6 @@ import pandas as pd
 from distributed import Client, LocalCluster
 
 import daskdist as dd
-
-
-def worker_roles(client: Client, num_ps: int) -> dd.cluster_resolver.SimpleClusterResolver:
-    """A cluster resolver for a local cluster: the first ``num_ps`` Dask workers (by name) are ps."""
-    info = client.scheduler_info(n_workers=-1)["workers"]
-    ordered = sorted(info, key=lambda a: info[a]["name"])
-    spec = dd.cluster_resolver.ClusterSpec({"ps": ordered[:num_ps], "worker": ordered[num_ps:]})
-    return dd.cluster_resolver.SimpleClusterResolver(spec)
 
 
 def load_digits() -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
@@ -58,11 +52,13 @@ def main(args: argparse.Namespace) -> float:
     (x_train, y_train), (x_test, y_test) = load_digits()
     with LocalCluster(n_workers=args.ps + args.workers, threads_per_worker=1, processes=True,
                       dashboard_address=":0", silence_logs=logging.ERROR) as cluster, Client(cluster) as client:
+        resolver = dd.cluster_resolver.DaskClusterResolver(client, num_ps=args.ps)
+        workers = resolver.cluster_spec().as_dict()["worker"]
         frame = pd.DataFrame(x_train, columns=[f"p{i}" for i in range(64)]).assign(label=y_train)
-        train = client.persist(ddf.from_pandas(frame, npartitions=8))  # the data lives on the workers
+        train = client.persist(ddf.from_pandas(frame, npartitions=8), workers=workers)  # on the training workers
 
         strategy = dd.ParameterServerStrategy(
-            worker_roles(client, args.ps),
+            resolver,
             variable_partitioner=dd.experimental.partitioners.MinSizePartitioner(
                 min_shard_bytes=256 << 10, max_shards=args.ps),
             client=client)
@@ -78,7 +74,9 @@ def main(args: argparse.Namespace) -> float:
             return (dd.data.Dataset.from_dask(train).shard(ctx.num_input_pipelines, ctx.input_pipeline_id).cache()
                     .shuffle(2000, seed=ctx.input_pipeline_id).batch(args.batch).repeat())
 
-        iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+        per_worker = coordinator.create_per_worker_dataset(dataset_fn)
+        print(f"partitions read by each worker (where they are held): {per_worker.locality.partitions}")
+        iterator = iter(per_worker)
         rows = args.rows
 
         def train_step(it):
@@ -106,6 +104,9 @@ def main(args: argparse.Namespace) -> float:
             print(f"step {step:4d}: loss {np.mean(fetched[step:step + 20]):.4f}")
         logits = dd.nn.embedding_lookup(embedding, tokens(x_test, rows)).sum(axis=1) + bias.numpy()
         accuracy = float((logits.argmax(axis=1) == y_test).mean())
+        read = coordinator.data_ledger.partitions()
+        print(f"data ledger, first pass: {len(read)} partitions read, {coordinator.data_ledger.rows()} rows, "
+              f"duplicates: {coordinator.data_ledger.duplicates() or 'none'}")
         print(f"{args.steps} closures in {seconds:.2f} s ({args.steps / seconds:.0f}/s); test accuracy {accuracy:.4f}")
         strategy.close()
     return accuracy

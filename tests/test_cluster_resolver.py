@@ -231,3 +231,68 @@ def test_dask_cluster_resolver_reads_the_live_cluster_on_every_call():
         assert resolver.cluster_spec() == {} and not resolver.cluster_spec()  # live, nothing cached
     with pytest.raises(TypeError, match="client must be a distributed.Client"):
         DaskClusterResolver("tcp://x:1")
+
+
+# -- DaskClusterResolver(num_ps=k): roles for ParameterServerStrategy --------------------------------------
+
+from daskdist.cluster_resolver.selection import choose_ps, select_ps_roles  # noqa: E402
+
+
+def test_num_ps_spreads_the_parameter_servers_over_hosts_from_the_end_of_each_host():
+    assert choose_ps(WORKERS, 1) == ["tcp://10.0.0.1:4002"]
+    assert choose_ps(WORKERS, 2) == ["tcp://10.0.0.1:4002", "tcp://10.0.0.2:4002"]  # one per host
+    assert choose_ps(WORKERS, 3) == ["tcp://10.0.0.1:4002", "tcp://10.0.0.2:4002", "tcp://10.0.0.1:4001"]
+    assert choose_ps(WORKERS, 0) == []
+    with pytest.raises(ValueError, match="There must be at least one worker"):
+        choose_ps(WORKERS, 4)
+    with pytest.raises(ValueError, match="num_ps must be >= 0"):
+        choose_ps(WORKERS, -1)
+
+
+def test_a_tf_config_style_spec_with_ps_selects_ps_and_workers_by_host_port():
+    ps, workers = select_ps_roles(ClusterSpec({"ps": ["10.0.0.2:4002"], "worker": ["h1", "10.0.0.2:4001"]}), WORKERS)
+    assert ps == ["tcp://10.0.0.2:4002"]
+    assert workers == ["tcp://10.0.0.1:4001", "tcp://10.0.0.1:4002", "tcp://10.0.0.2:4001"]
+    ps, workers = select_ps_roles(ClusterSpec({"ps": ["h2"], "worker": ["h2"]}), WORKERS)  # a host: the rest of it
+    assert ps == ["tcp://10.0.0.2:4001"] and workers == ["tcp://10.0.0.2:4002"]
+    with pytest.raises(ValueError, match="ps entry 'h3:1' matches no free Dask worker"):
+        select_ps_roles(ClusterSpec({"ps": ["h3:1"], "worker": ["h1"]}), WORKERS)
+    with pytest.raises(ValueError, match="both name the Dask worker"):
+        select_ps_roles(ClusterSpec({"ps": ["10.0.0.1:4001"], "worker": ["10.0.0.1:4001"]}), WORKERS)
+
+
+@pytest.mark.timeout(60)
+def test_dask_cluster_resolver_with_num_ps_lists_ps_and_workers_and_refuses_bad_k():
+    import logging
+
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=3, threads_per_worker=1, processes=False, dashboard_address=":0",
+                      silence_logs=logging.ERROR) as cluster, Client(cluster, set_as_default=False) as client:
+        info = client.scheduler_info()["workers"]
+        ordered = sorted(info, key=lambda a: info[a]["name"])
+        resolver = DaskClusterResolver(client, num_ps=1)
+        spec = resolver.cluster_spec()
+        assert spec.as_dict() == {"ps": [ordered[-1]], "worker": ordered[:-1]}  # the last worker of the host
+        assert resolver.num_ps == 1 and "num_ps=1" in repr(resolver)
+        assert resolver.num_accelerators("ps", 0) == {} and resolver.num_accelerators("worker", 1) == {}
+        with pytest.raises(ValueError, match="does not use parameter servers"):
+            resolver.hosts()
+        with pytest.raises(ValueError, match="does not use parameter servers"):
+            dd.MultiWorkerMirroredStrategy(resolver, client=client)
+        explicit = DaskClusterResolver(client, ps=[ordered[0]])
+        assert explicit.cluster_spec().as_dict() == {"ps": [ordered[0]], "worker": ordered[1:]}
+        with pytest.raises(ValueError, match="There must be at least one worker"):
+            DaskClusterResolver(client, num_ps=3).cluster_spec()
+        with pytest.raises(ValueError, match="There must be at least one worker"):
+            dd.ParameterServerStrategy(DaskClusterResolver(client, num_ps=3))
+        with pytest.raises(ValueError, match="num_ps must be >= 0"):
+            DaskClusterResolver(client, num_ps=-1)
+        with pytest.raises(TypeError, match="num_ps must be an int"):
+            DaskClusterResolver(client, num_ps=1.5)
+        with pytest.raises(ValueError, match="not workers of the cluster"):
+            DaskClusterResolver(client, ps=["tcp://10.255.255.1:1"]).cluster_spec()
+        cluster.scale(4)
+        client.wait_for_workers(4)
+        grown = resolver.cluster_spec().as_dict()
+        assert grown["ps"] == [ordered[-1]] and len(grown["worker"]) == 3  # the ps kept; the newcomer works

@@ -133,17 +133,6 @@ def test_min_size_partitioner_shards_a_large_embedding_over_the_ps(four_threads)
         np.testing.assert_array_equal(rows, [[-2.0] * 8, [-1.0] * 8, [0.0] * 8])
 
 
-def test_keras_fit_is_refused_rather_than_training_worker_copies(threaded_client):
-    from daskdist import keras
-
-    with dd.ParameterServerStrategy(SpecResolver(_roles(threaded_client, 1)), client=threaded_client) as strategy:
-        with strategy.scope():
-            model = keras.Sequential([keras.layers.Dense(2, input_shape=(3,))])
-            model.compile(loss="mse", optimizer="sgd")
-        with pytest.raises(NotImplementedError, match="not supported yet"):
-            model.fit(np.zeros((8, 3), np.float32), np.zeros((8, 2), np.float32), epochs=1, verbose=0)
-
-
 # -- scheduling, results, errors ----------------------------------------------------------------
 
 
@@ -366,3 +355,141 @@ def test_the_v1_facade_runs_on_every_worker_with_its_own_input(threaded_client):
         assert len(first.values) == len(roles["worker"]) == 2
         assert first.values == ([0, 1], [2, 3]) and second.values == ([4, 5], [6, 7])  # batches sharded per worker
         assert int(global_step.numpy()) == 4
+
+
+@pytest.mark.timeout(120)
+def test_a_ps_lost_while_a_lost_workers_closure_is_re_run_fails_join_and_fetch_within_seconds(make_cluster, tmp_path):
+    client = make_cluster(3, processes=True)
+    roles = _roles(client, 1)
+    starts = tmp_path / "starts"
+    with dd.ParameterServerStrategy(SpecResolver(roles), client=client) as strategy:
+        coordinator = ClusterCoordinator(strategy)
+        with strategy.scope():
+            v = dd.Variable(np.zeros(()), name="v")
+
+        def closure(i):
+            with open(starts, "a") as f:  # one line per run of closure i, by the process that runs it
+                f.write(f"{i} {os.getpid()}\n")
+            v.assign_add(1.0)
+            time.sleep(1.0)
+            v.assign_add(1.0)
+            return i
+
+        values = [coordinator.schedule(closure, args=(i,)) for i in range(12)]
+        time.sleep(0.5)  # both workers are inside their first closure
+        victim, other = roles["worker"]
+        os.kill(_pid(client, victim), signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        rerun = None
+        while rerun is None and time.monotonic() < deadline:  # wait for the lost closure to start again elsewhere
+            runs: dict[int, set[str]] = {}
+            for line in starts.read_text().splitlines() if starts.exists() else []:
+                i, pid = line.split()
+                runs.setdefault(int(i), set()).add(pid)
+            rerun = next((i for i, pids in runs.items() if len(pids) > 1), None)
+            time.sleep(0.02)
+        assert rerun is not None, "the lost worker's closure never ran again"
+        os.kill(_pid(client, roles["ps"][0]), signal.SIGKILL)  # while the re-run is in flight
+        start = time.monotonic()
+        with pytest.raises(dd.experimental.coordinator.ParameterServerLostError, match="parameter server"):
+            coordinator.join()
+        with pytest.raises((dd.experimental.coordinator.ParameterServerLostError, CancelledError)) as raised:
+            values[rerun].fetch()
+        assert time.monotonic() - start < 10
+        if isinstance(raised.value, CancelledError):  # only if it had not started before the ps was found lost
+            pytest.fail(f"closure {rerun} was re-running, yet its fetch says cancelled: {raised.value}")
+        with pytest.raises(CancelledError):
+            values[-1].fetch()  # still queued when the ps was lost: cancelled
+        with pytest.raises(dd.experimental.coordinator.ParameterServerLostError):
+            coordinator.schedule(closure, args=(99,))
+    assert time.monotonic() - start < 30  # closing the strategy did not wait for the lost ps either
+
+
+# -- per-worker input from Dask collections: read in place, recorded in the data ledger ---------------------
+
+
+@pytest.mark.timeout(120)
+def test_per_worker_datasets_of_dask_collections_read_their_own_partitions_and_the_ledger_shows_each_once(
+        threaded_client):
+    import dask.array as da
+
+    roles = _roles(threaded_client, 1)
+    ids = da.arange(96, chunks=8)
+    table = threaded_client.persist(da.stack([ids, ids * 10], axis=1), workers=roles["worker"])  # 12 partitions
+    with dd.ParameterServerStrategy(SpecResolver(roles), client=threaded_client) as strategy:
+        coordinator = ClusterCoordinator(strategy)
+        per_worker = coordinator.create_per_worker_dataset(
+            lambda ctx: dd.data.Dataset.from_dask(table).shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+            .batch(4))
+        plan = per_worker.locality
+        assert plan is not None and sorted(p for mine in plan.partitions for p in mine) == list(range(12))
+        for address, mine in zip(roles["worker"], plan.partitions):
+            assert mine and all(plan.holders[p] == (address,) for p in mine)  # each reads what its worker holds
+        iterator = iter(per_worker)
+
+        def step(it):
+            from distributed import get_worker
+
+            try:
+                batch = next(it)
+            except StopIteration:
+                return None
+            return get_worker().address, [int(row) for row in batch[:, 0]]
+
+        results = coordinator.fetch([coordinator.schedule(step, args=(iterator,)) for _ in range(40)])
+        read = [(address, rows) for address, rows in filter(None, results)]
+        assert sorted(r for _, rows in read for r in rows) == list(range(96))  # every row once, none twice
+        for address, rows in read:  # a row of partition p came from the worker that holds p
+            assert all(plan.holders[r // 8] == (address,) for r in rows)
+        ledger = coordinator.data_ledger
+        assert sorted(ledger.partitions()) == list(range(12)) and ledger.duplicates() == {}
+        assert ledger.rows() == 96 and ledger.partitions(pass_index=1) == {}
+        assert {e.worker for e in ledger.entries} == set(roles["worker"])
+        for partition, workers in ledger.partitions().items():
+            assert workers == [plan.holders[partition][0]]
+        with pytest.raises(ValueError, match="partitions for 2 workers"):
+            coordinator.create_per_worker_dataset(
+                lambda ctx: dd.data.Dataset.from_dask(da.arange(4, chunks=4)).shard(
+                    ctx.num_input_pipelines, ctx.input_pipeline_id).batch(2))
+
+
+@pytest.mark.timeout(120)
+def test_after_a_worker_is_killed_the_ledger_and_the_updates_count_each_committed_row_once(make_cluster):
+    import dask.array as da
+
+    client = make_cluster(3, processes=True)
+    roles = _roles(client, 1)
+    ids = da.arange(96, chunks=8)
+    table = client.persist(da.stack([ids, ids], axis=1), workers=roles["worker"])
+    with dd.ParameterServerStrategy(SpecResolver(roles), client=client) as strategy:
+        coordinator = ClusterCoordinator(strategy)
+        with strategy.scope():
+            applied = dd.Variable(np.zeros((), np.int64), name="applied")
+        per_worker = coordinator.create_per_worker_dataset(
+            lambda ctx: dd.data.Dataset.from_dask(table).shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+            .batch(4))
+        iterator = iter(per_worker)
+
+        def step(it):
+            try:
+                batch = next(it)
+            except StopIteration:
+                return []
+            time.sleep(0.2)
+            applied.assign_add(len(batch))  # a re-run after a loss applies it at most once (closure id)
+            return [int(r) for r in batch[:, 0]]
+
+        values = [coordinator.schedule(step, args=(iterator,)) for _ in range(40)]
+        time.sleep(1.1)
+        victim = roles["worker"][0]
+        os.kill(_pid(client, victim), signal.SIGKILL)
+        coordinator.join()
+        rows = [r for batch in coordinator.fetch(values) for r in batch]
+        assert len(rows) == len(set(rows))  # no row returned by two committed closures
+        assert int(applied.numpy()) == len(rows)  # each committed batch's update applied once, none twice
+        ledger = coordinator.data_ledger
+        assert ledger.duplicates() == {}  # no partition loaded twice in the pass by committed closures
+        mine = dict(zip(roles["worker"], per_worker.locality.partitions))
+        assert set(ledger.partitions()) <= set(range(12))
+        assert set(mine[roles["worker"][1]]) <= set(ledger.partitions())  # the survivor read all of its own
+        assert ledger.rows() < 96  # the partitions the lost worker still held were skipped in this pass

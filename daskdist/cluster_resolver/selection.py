@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 from daskdist.cluster_resolver.cluster_spec import ClusterSpec
 
-__all__ = ["HostGroup", "WorkerRecord", "address_host", "group_by_host", "match_entry", "placement_key",
-           "select_hosts", "split_address"]
+__all__ = ["HostGroup", "WorkerRecord", "address_host", "choose_ps", "group_by_host", "match_entry", "placement_key",
+           "select_hosts", "select_ps_roles", "split_address"]
 
 #: The jobs whose tasks train under MultiWorkerMirroredStrategy, in TF's order (the chief is task 0).
 TRAINING_JOBS = ("chief", "worker")
@@ -122,3 +122,78 @@ def select_hosts(spec: ClusterSpec, workers: Sequence[WorkerRecord]) -> list[Hos
             owner[address] = entry
         groups.append(HostGroup(entry, matched))
     return groups
+
+
+def choose_ps(workers: Sequence[WorkerRecord], num_ps: int) -> list[str]:
+    """The ``num_ps`` Dask workers that become parameter servers: spread over hosts, deterministic.
+
+    Hosts are taken in placement order, and each round gives one more ps to
+    every host in turn, from the *end* of that host's workers (so the first
+    workers of each host, where rank 0 of other groups tends to go, keep
+    training). With one host and workers ``w0..w3``, ``num_ps=2`` picks
+    ``w3`` and ``w2``; with two hosts of two workers, the last worker of each.
+    The same workers give the same choice.
+
+    Raises
+    ------
+    ValueError
+        ``num_ps`` leaves no Dask worker to train (TF's "There must be at
+        least one worker."), or is negative.
+    """
+    if num_ps < 0:
+        raise ValueError(f"num_ps must be >= 0, got {num_ps}")
+    if num_ps >= len(workers):
+        raise ValueError(f"There must be at least one worker. num_ps={num_ps} takes every one of the "
+                         f"{len(workers)} Dask workers of the cluster as a parameter server")
+    remaining = [list(g.workers) for g in group_by_host(workers)]
+    chosen: list[str] = []
+    while len(chosen) < num_ps:
+        for addresses in remaining:
+            if addresses and len(chosen) < num_ps:
+                chosen.append(addresses.pop())
+    return chosen
+
+
+def select_ps_roles(spec: ClusterSpec, workers: Sequence[WorkerRecord]) -> tuple[list[str], list[str]]:
+    """``(ps, worker)`` Dask addresses for a spec with a ``ps`` job (TF_CONFIG's parameter-server form).
+
+    Each ``ps`` entry names one Dask worker (its exact address or ``host:port``;
+    a bare host names the first worker on it not taken yet); each ``chief`` or
+    ``worker`` entry names the Dask workers it matches (an exact address: that
+    one; a host: every worker on it not already a ps).
+
+    Raises
+    ------
+    ValueError
+        An entry that matches no Dask worker (the message names it), or a
+        Dask worker named twice.
+    """
+    existing = ", ".join(f"{w.address} (host {w.host})" for w in workers) or "none"
+    taken: dict[str, str] = {}
+    ps: list[str] = []
+    for i in spec.task_indices("ps"):
+        entry = spec.task_address("ps", i)
+        free = [a for a in match_entry(entry, workers) if a not in taken]
+        if not free:
+            raise ValueError(f"The cluster spec's ps entry {entry!r} matches no free Dask worker; the Dask "
+                             f"workers are: {existing}")
+        taken[free[0]] = entry
+        ps.append(free[0])
+    trainers: list[str] = []
+    for job in TRAINING_JOBS:
+        for i in spec.task_indices(job) if job in spec.jobs else []:
+            entry = spec.task_address(job, i)
+            matched = match_entry(entry, workers)
+            if not matched:
+                raise ValueError(f"The cluster spec entry {entry!r} matches no Dask worker; the Dask workers "
+                                 f"are: {existing}")
+            exact = len(matched) == 1 and split_address(entry)[1] is not None
+            for address in matched:
+                if address in taken:
+                    if exact:
+                        raise ValueError(f"The cluster spec entries {taken[address]!r} and {entry!r} both name "
+                                         f"the Dask worker {address}; each worker can belong to one task only")
+                    continue
+                taken[address] = entry
+                trainers.append(address)
+    return ps, trainers

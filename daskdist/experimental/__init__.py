@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from daskdist.experimental import coordinator, partitioners
+from daskdist.keras.dataset_creator import DatasetCreator
 from daskdist.strategy.central_storage import CentralStorageStrategy
 from daskdist.strategy.parameter_server import ParameterServerStrategy
 from daskdist.strategy.sharded_variable import ShardedVariable
 
-__all__ = ["CentralStorageStrategy", "ParameterServerStrategy", "ShardedVariable", "coordinator", "partitioners"]
+__all__ = ["CentralStorageStrategy", "DatasetCreator", "ParameterServerStrategy", "ShardedVariable", "coordinator",
+           "partitioners"]

@@ -24,7 +24,7 @@ from daskdist import context
 from daskdist.arrays import as_array, to_numpy
 from daskdist.group.service import MODEL, ReplicaService
 from daskdist.keras import callbacks as callbacks_module
-from daskdist.keras import saving, training
+from daskdist.keras import ps_fit, saving, training
 from daskdist.strategy.gradient_applier import gradient_applier
 
 if TYPE_CHECKING:
@@ -61,6 +61,9 @@ class Model:
         self._strategy: Strategy | None = _current_strategy()
         self._model_id = uuid.uuid4().hex[:12]
         self._installed = False
+        self._steps_per_execution = 1
+        self._pss_evaluation_shards: int | str = 0
+        self._ps_key: str | None = None  # where ParameterServerStrategy's stores hold the parameters (keras/ps_fit)
 
     # -- building ------------------------------------------------------------------
 
@@ -141,14 +144,19 @@ class Model:
             self.layers[index].set_weights_from(mapping)
 
     def get_weights(self) -> list[np.ndarray]:
-        """The weights as numpy arrays (from replica 0 for a distributed model)."""
+        """The weights as numpy arrays (from replica 0 for a distributed model; from the ps under PS)."""
+        if self._installed and self._uses_coordinator():
+            return ps_fit.get_weights(self)
         if self._installed:
             return self._strategy.extended.run_on_replica(0, _replica_get_weights, (self._model_id,))
         self._require_built()
         return [np.array(to_numpy(a), copy=True) for _, a in self._weight_items()]
 
     def set_weights(self, weights: list[Any]) -> None:
-        """Set every weight (on every replica for a distributed model)."""
+        """Set every weight (on every replica for a distributed model; on the ps under PS)."""
+        if self._installed and self._uses_coordinator():
+            ps_fit.set_weights(self, list(weights))
+            return
         self._require_built()
         self._assign_weights(list(weights))
         if self._installed:
@@ -164,8 +172,14 @@ class Model:
 
     # -- compile -------------------------------------------------------------------
 
-    def compile(self, optimizer: Any = "rmsprop", loss: Any = None, metrics: list[Any] | None = None) -> None:
-        """Choose the optimizer, loss and metrics (objects or Keras names)."""
+    def compile(self, optimizer: Any = "rmsprop", loss: Any = None, metrics: list[Any] | None = None,
+                steps_per_execution: int = 1, pss_evaluation_shards: int | str = 0) -> None:
+        """Choose the optimizer, loss and metrics (objects or Keras names).
+
+        ``steps_per_execution`` and ``pss_evaluation_shards`` are used under ParameterServerStrategy only.
+        """
+        if type(steps_per_execution) is not int or steps_per_execution < 1:
+            raise ValueError(f"steps_per_execution must be an int >= 1, got {steps_per_execution!r}")
         from daskdist.keras import losses, optimizers
         from daskdist.keras import metrics as metrics_module
 
@@ -179,6 +193,8 @@ class Model:
             "loss": {"class_name": type(self.loss).__name__, "config": self.loss.get_config()},
             "metrics": [m if isinstance(m, str) else type(m).__name__ for m in (metrics or [])],
         }
+        self._steps_per_execution = steps_per_execution
+        self._pss_evaluation_shards = pss_evaluation_shards
         self._installed = False  # the replicas get the newly compiled model on next use
 
     def reset_metrics(self) -> None:
@@ -188,6 +204,10 @@ class Model:
     @property
     def metrics_names(self) -> list[str]:
         return ["loss", *(m.name for m in self.compiled_metrics)]
+
+    def _uses_coordinator(self) -> bool:
+        """Whether steps run as closures of a ``ClusterCoordinator`` (ParameterServerStrategy)."""
+        return self._strategy is not None and ps_fit.uses_coordinator(self._strategy)
 
     def _require_compiled(self) -> None:
         if self.optimizer is None or self.loss is None:
@@ -223,8 +243,14 @@ class Model:
     def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None, epochs: int = 1, verbose: int | str = "auto",
             callbacks: list[Any] | None = None, validation_data: Any = None, shuffle: bool = True,
             initial_epoch: int = 0, steps_per_epoch: int | None = None, validation_steps: int | None = None) -> Any:
-        """Train for ``epochs`` (Keras' ``fit``): ``x`` is a ``Dataset`` (batched) or arrays with ``y``."""
+        """Train for ``epochs`` (Keras' ``fit``): ``x`` is a ``Dataset`` (batched) or arrays with ``y``.
+
+        Under ParameterServerStrategy see ``keras/ps_fit.py`` (``DatasetCreator``, ``steps_per_epoch``).
+        """
         self._require_compiled()
+        if self._uses_coordinator():
+            return ps_fit.fit(self, x, y, batch_size, epochs, verbose, callbacks, validation_data, shuffle,
+                              initial_epoch, steps_per_epoch, validation_steps)
         train = self._as_dataset(x, y, batch_size, shuffle)
         val = self._as_dataset(*validation_data, batch_size=batch_size, shuffle=False) if isinstance(
             validation_data, tuple) else (self._as_dataset(validation_data, None, batch_size, False)
@@ -259,12 +285,15 @@ class Model:
                  steps: int | None = None, return_dict: bool = False) -> Any:
         """Loss and metrics over the data (Keras' ``evaluate``)."""
         self._require_compiled()
-        data = self._as_dataset(x, y, batch_size, False)
-        runner = _Runner(self, None, data)
-        try:
-            logs = runner.evaluate(data, steps)
-        finally:
-            runner.close()
+        if self._uses_coordinator():
+            logs = ps_fit.evaluate(self, x, y, batch_size, steps)
+        else:
+            data = self._as_dataset(x, y, batch_size, False)
+            runner = _Runner(self, None, data)
+            try:
+                logs = runner.evaluate(data, steps)
+            finally:
+                runner.close()
         if return_dict:
             return logs
         values = [logs[name] for name in self.metrics_names if name in logs]
@@ -272,6 +301,8 @@ class Model:
 
     def predict(self, x: Any, batch_size: int | None = None, verbose: int | str = "auto") -> np.ndarray:
         """Outputs for ``x`` (arrays or a ``Dataset``), computed in this process with the current weights."""
+        if self._uses_coordinator():
+            raise NotImplementedError("`model.predict` is not yet supported with `ParameterServerStrategy`.")
         local = self._local_copy()
         data = self._as_dataset(x, None, batch_size or 32, False)
         return to_numpy(training.predict_batches(local, iter(data)))
@@ -364,11 +395,16 @@ class Model:
             self._set_optimizer_state(optimizer_state)
 
     def _optimizer_state(self) -> dict:
+        if self._installed and self._uses_coordinator():
+            return ps_fit.get_optimizer_state(self)
         if self._installed:
             return self._strategy.extended.run_on_replica(0, _replica_optimizer_state, (self._model_id,))
         return self.optimizer.get_state()
 
     def _set_optimizer_state(self, state: dict) -> None:
+        if self._installed and self._uses_coordinator():
+            ps_fit.set_optimizer_state(self, state)
+            return
         self.optimizer.set_state(state)
         if self._installed:
             self._strategy.extended.run_on_replicas(_replica_set_optimizer_state, (self._model_id, state))

@@ -35,6 +35,7 @@ import optree
 from daskdist.exceptions import ReplicaLostError, StrategyClosedError
 from daskdist.group.service import DATASET, ITERATOR
 from daskdist.strategy.parameter_server import ParameterServerExtended, ParameterServerStrategy
+from daskdist.strategy.per_worker_input import ClosureDataLedger, drain_consumed, plan_by_locality
 from daskdist.strategy.ps_values import CLOSURE_KEY
 
 __all__ = [
@@ -194,6 +195,8 @@ class ClusterCoordinator:
         self._live: set[str] = set(self._workers)
         self._seen = set(self._extended.client.scheduler_info(n_workers=-1)["workers"])  # newcomers come later
         self._resources: list[tuple[Callable[..., Any], Callable[[int], tuple[Any, ...]]]] = []  # re-made on newcomers
+        #: The partitions of Dask collections each committed closure's per-worker pipeline loaded.
+        self.data_ledger = ClosureDataLedger()
         self._threads = [threading.Thread(target=self._drive, args=(address,), daemon=True,
                                           name=f"daskdist-coordinator-{i}") for i, address in enumerate(self._workers)]
         self._threads.append(threading.Thread(target=self._watch_cluster, daemon=True,
@@ -298,7 +301,7 @@ class ClusterCoordinator:
             closure.remote_value._set_not_ready()
             try:
                 args, kwargs = _for_worker(closure.args, closure.kwargs, self._workers.index(address))
-                result = group.call(run_closure, (closure.closure_id, closure.fn, args, kwargs))[0]
+                result, consumed = group.call(run_recorded_closure, (closure.closure_id, closure.fn, args, kwargs))[0]
             except BaseException as e:  # noqa: BLE001 - sorted below: lost worker, lost ps, the closure's own
                 if self._worker_lost(e, address):
                     logger.warning("Worker %s was lost running closure %s; it goes to another worker: %s",
@@ -316,6 +319,7 @@ class ClusterCoordinator:
                     return
                 self._closure_failed(closure, e)
             else:
+                self.data_ledger.record(closure.closure_id, address, consumed)
                 closure.remote_value._set_value(result)
                 with self._cond:
                     self._inflight -= 1
@@ -435,12 +439,48 @@ def run_closure(service: Any, closure_id: str, fn: Callable[..., Any], args: tup
         service.objects.discard(*CLOSURE_KEY)
 
 
+def run_recorded_closure(service: Any, closure_id: str, fn: Callable[..., Any], args: tuple[Any, ...],
+                         kwargs: dict[str, Any]) -> tuple[Any, list[tuple[str, int, int, int]]]:
+    """Worker command: ``run_closure``, and the partition loads its pipelines made (for the data ledger).
+
+    The loads of a closure that raised are dropped: it commits nothing.
+    """
+    try:
+        result = run_closure(service, closure_id, fn, args, kwargs)
+    except BaseException:
+        drain_consumed(service)
+        raise
+    return result, drain_consumed(service)
+
+
 class PerWorkerDataset:
-    """A dataset built on every worker (TF's ``PerWorkerDataset``); ``iter()`` gives per-worker iterators."""
+    """A dataset built on every worker (TF's ``PerWorkerDataset``); ``iter()`` gives per-worker iterators.
+
+    A ``dataset_fn`` whose pipelines read Dask collections and start with
+    ``shard(num_input_pipelines, input_pipeline_id)`` is planned by locality
+    on the client (``per_worker_input``): ``locality`` is then the plan (each
+    worker's partitions), and ``coordinator.data_ledger`` records what each
+    committed closure loaded. Otherwise ``dataset_fn`` runs on each worker.
+    """
 
     def __init__(self, coordinator: ClusterCoordinator, dataset_fn: Any):
         self._coordinator = coordinator
         self._key = f"ps-dataset:{uuid.uuid4().hex[:12]}"
+        live = [a for a in coordinator._workers if a in coordinator._live]
+        self.locality = plan_by_locality(coordinator._extended.client, live, dataset_fn, self._key)
+        if self.locality is not None:
+            plan, count = self.locality, len(live)
+            by_address = dict(zip(live, plan.datasets))
+
+            def planned(i: int) -> tuple[Any, ...]:  # a newcomer reads pipeline (index mod count), from its holders
+                address = coordinator._workers[i] if i < len(coordinator._workers) else None
+                dataset = by_address.get(address) if address is not None else None
+                if dataset is None:
+                    dataset = plan.datasets[i % count]
+                return (self._key, dataset, i % count, count)
+
+            coordinator._run_on_each_worker(_make_dataset, planned)
+            return
         workers = len(coordinator._workers)  # a newcomer reads input pipeline (its index mod this)
         coordinator._run_on_each_worker(_make_dataset, lambda i: (self._key, dataset_fn, i % workers, workers))
 
@@ -467,6 +507,9 @@ def _make_dataset(service: Any, key: str, dataset_fn: Any, index: int, workers: 
         dataset = dataset_fn(ctx) if takes_context else dataset_fn()
     else:
         dataset = dataset_fn
+    bind = getattr(getattr(dataset, "source", None), "bind", None)
+    if bind is not None:  # partitions read from this worker's memory, loads logged for the ledger
+        bind(service)
     service.objects.install(DATASET, key, dataset)
 
 

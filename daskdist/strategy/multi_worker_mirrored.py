@@ -161,6 +161,9 @@ class MultiWorkerMirroredExtended(MirroredExtended):
         """The hosts to train on: chosen by the resolver's spec, or every host of the cluster."""
         resolver = self._resolver
         if isinstance(resolver, DaskClusterResolver):
+            if resolver.has_ps:
+                raise ValueError("MultiWorkerMirroredStrategy does not use parameter servers, but this "
+                                 "DaskClusterResolver selects some (num_ps/ps); use ParameterServerStrategy")
             selector = resolver.selector
             if selector is None:
                 return group_by_host(records)

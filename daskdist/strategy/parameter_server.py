@@ -238,13 +238,15 @@ class ParameterServerExtended(ParameterHolderExtended):
             results.append(self._worker_groups[addresses[index]].call(command, tuple(worker_args))[0])
         return results
 
+    #: Keras runs ``fit``/``evaluate`` as coordinator closures (``daskdist.keras.ps_fit``), not as replica commands.
+    schedules_closures = True
+
     def install_resident(self, kind: str, object_id: str, obj: Any) -> None:
-        """Keras models are not trained under this strategy yet: say so instead of training worker copies."""
+        """Keras models are installed by ``keras.ps_fit`` (a trainer per worker), never as SPMD replicas' copies."""
         if kind == "model":
             raise NotImplementedError(
-                "Keras fit/evaluate/predict under ParameterServerStrategy are not supported yet: the model's "
-                "weights would be trained on each worker's own copy, not on the ps. Write the step as a function "
-                "scheduled with ClusterCoordinator.schedule, with dd.Variable parameters created in scope()."
+                "a Keras model under ParameterServerStrategy is trained through keras.ps_fit (its parameters on "
+                "the ps), not installed on the workers as a replica copy"
             )
         super().install_resident(kind, object_id, obj)
 

@@ -18,7 +18,9 @@ function applied once to the stored variable), ``drop``;
 round ``r`` of a key; once all have, the round is finished once, e.g. an
 aggregated assign or a gradient step with the optimizer, and every
 contributor gets the same result); ``model_state`` / ``set_model`` for the
-Keras parameters and optimizer a round of gradients updates.
+Keras parameters and optimizer a round of gradients updates; ``model_init``,
+``model_pull`` and ``model_push`` for ParameterServerStrategy's ``fit``
+(each worker pushes its gradients on its own; the optimizer runs here).
 """
 
 from __future__ import annotations
@@ -388,6 +390,55 @@ class ParameterStore:
             entry.optimizer.set_state(optimizer_state)
         entry.version += 1
         return True
+
+
+    # -- Keras parameters pushed asynchronously (ParameterServerStrategy's fit) -----------------------
+
+    def _op_model_init(self, store_id: str, model_key: str, params: list[Any], optimizer: Any) -> int:
+        """Hold ``params`` (this store's part of a model) and their optimizer, unless held already; the version.
+
+        The first caller wins: every worker offers its freshly built copy, all
+        then pull the one kept.
+        """
+        key = (store_id, model_key)
+        if key not in self._models:
+            self._models[key] = _ModelEntry([_copy(p) for p in params], optimizer)
+        return self._models[key].version
+
+    def _model_entry(self, store_id: str, model_key: str) -> _ModelEntry:
+        try:
+            return self._models[(store_id, model_key)]
+        except KeyError:
+            raise KeyError(f"the parameter store holds no parameters of model {model_key!r}") from None
+
+    def _op_model_pull(self, store_id: str, model_key: str, newer_than: int = -1) -> tuple[int, Any]:
+        """``(version, copies of the parameters)``, or ``(version, None)`` if not newer than ``newer_than``."""
+        entry = self._model_entry(store_id, model_key)
+        if entry.version <= newer_than:
+            return entry.version, None
+        params = [_copy(p) for p in entry.params]
+        self._count(store_id, sum(p.nbytes for p in params))
+        return entry.version, params
+
+    def _op_model_push(self, store_id: str, model_key: str, grads: list[Any], lr: float,
+                       dedupe: tuple[str, int] | None = None, read_version: int | None = None) -> tuple[int, Any]:
+        """One worker's averaged gradients, the optimizer applied here once; ``(version, new parameters)``.
+
+        ``dedupe`` (closure id, n): a push already applied is not applied again
+        (a closure run again after its worker was lost). ``read_version``: the
+        version the gradients were computed from (recorded as staleness).
+        """
+        entry = self._model_entry(store_id, model_key)
+        if read_version is not None and read_version >= 0:
+            self._staleness.setdefault(store_id, collections.deque(maxlen=_STALENESS_HISTORY)).append(
+                entry.version - int(read_version))
+        if dedupe is None or not self._seen_before(store_id, f"model:{model_key}", dedupe):
+            entry.optimizer.learning_rate = lr
+            entry.optimizer.apply(entry.params, [np.asarray(to_numpy(g)) for g in grads])
+            entry.version += 1
+        params = [_copy(p) for p in entry.params]
+        self._count(store_id, sum(p.nbytes for p in params))
+        return entry.version, params
 
 
 def _apply_method(entry: _Entry, method: str, value: Any) -> None:
