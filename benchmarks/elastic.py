@@ -15,8 +15,11 @@ Two parts:
    killed with its nanny (SIGKILL) mid-epoch. Reported, per trial: seconds from
    the kill to the recovery event (new generation, commit restored), and to the
    first step of the new generation (replica 0's first progress event after it).
+3. **Stopped.** The same with SIGSTOP instead of SIGKILL: the processes live and
+   keep their sockets open but answer nothing; the scheduler declares the worker
+   lost when its heartbeats stop for ``daskdist.elastic.heartbeat-timeout``.
 
-Run: ``python benchmarks/elastic.py [--epochs 6] [--steps 32] [--trials 3]``.
+Run: ``python benchmarks/elastic.py [--epochs 6] [--steps 32] [--trials 3] [--parts commit,recovery,stop]``.
 """
 
 from __future__ import annotations
@@ -83,17 +86,17 @@ def commit_cost(epochs: int, steps: int) -> None:
     print(format_table(["strategy", "ms per step (median)", "vs plain"], rows))
 
 
-def _kill_mid_epoch(client, step: int, pids: tuple[int, ...], killed: dict) -> None:
-    """SIGKILL ``pids`` once replica 0 reported ``step``; the kill's time goes in ``killed["at"]``."""
+def _kill_mid_epoch(client, step: int, pids: tuple[int, ...], killed: dict, how: int = signal.SIGKILL) -> None:
+    """Send ``how`` to ``pids`` once replica 0 reported ``step``; the kill's time goes in ``killed["at"]``."""
     since = time.time()
     while not any(t > since and m.get("step", -1) >= step for t, m in client.get_events(PROGRESS_TOPIC)):
         time.sleep(0.01)
     killed["at"] = time.time()
     for pid in pids:
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, how)
 
 
-def recovery(trials: int, steps: int) -> None:
+def recovery(trials: int, steps: int, how: int = signal.SIGKILL) -> None:
     from distributed import Client, LocalCluster
 
     dask = os.path.join(os.path.dirname(sys.executable), "dask")
@@ -112,14 +115,17 @@ def recovery(trials: int, steps: int) -> None:
                 victim = strategy.extended.worker_addresses[1]
                 worker, nanny = client.run(lambda: (os.getpid(), os.getppid()), workers=[victim])[victim]
                 killed: dict[str, float] = {}
-                thread = threading.Thread(target=_kill_mid_epoch, args=(client, steps // 2, (nanny, worker), killed),
-                                          daemon=True)
+                thread = threading.Thread(target=_kill_mid_epoch,
+                                          args=(client, steps // 2, (nanny, worker), killed, how), daemon=True)
                 thread.start()
                 model.fit(dataset(steps), epochs=2, verbose=0)
                 thread.join(10)
                 restored = min(t for t, m in client.get_events(ELASTIC_TOPIC) if m.get("action") == "restored")
                 first = min(t for t, m in client.get_events(PROGRESS_TOPIC) if t > restored)
                 results.append((restored - killed["at"], first - killed["at"]))
+                if how != signal.SIGKILL:
+                    for pid in (nanny, worker):  # stopped, not dead: end them
+                        os.kill(pid, signal.SIGKILL)
         finally:
             client.close()
             cluster.close()
@@ -136,12 +142,20 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=6, help="measured epochs per strategy (commit cost)")
     parser.add_argument("--steps", type=int, default=32, help="steps per epoch")
     parser.add_argument("--trials", type=int, default=3, help="kills (recovery)")
+    parser.add_argument("--parts", default="commit,recovery,stop",
+                        help="which parts, comma-separated: commit, recovery (kill -9), stop (SIGSTOP)")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
     print_header("Elastic training")
-    print("\n## Commit cost\n")
-    commit_cost(args.epochs, args.steps)
-    print("\n## Recovery after kill -9 of a worker and its nanny\n")
-    recovery(args.trials, args.steps)
+    if "commit" in parts:
+        print("\n## Commit cost\n")
+        commit_cost(args.epochs, args.steps)
+    if "recovery" in parts:
+        print("\n## Recovery after kill -9 of a worker and its nanny\n")
+        recovery(args.trials, args.steps)
+    if "stop" in parts:
+        print("\n## Recovery after SIGSTOP of a worker and its nanny (alive, silent)\n")
+        recovery(args.trials, args.steps, signal.SIGSTOP)
 
 
 if __name__ == "__main__":

@@ -478,30 +478,64 @@ def test_the_commit_ring_keeps_the_two_newest_and_forgets_replayed_ones():
     assert state_digest(same) != state_digest({("variable", "c1"): np.full(3, 2, np.float64)})
 
 
+async def _close_gracefully(dask_worker):
+    await dask_worker.close_gracefully(reason="worker-lifetime-reached")
+
+
 @pytest.mark.slow
-def test_a_retired_worker_is_a_loss_the_fit_survives_and_the_strategy_then_closes_cleanly(process_workers, caplog):
+@pytest.mark.parametrize("how", ["retire_workers", "lifetime"])
+def test_a_retired_member_leaves_at_a_commit_with_no_rollback_and_the_strategy_then_closes_cleanly(
+        process_workers, caplog, how):
     workers = process_workers(3)
     x, y = _data(240)
     train = Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)
+    weights = _model().get_weights()
+    with dd.MirroredStrategy(client=workers.client) as strategy:  # the uninterrupted run
+        with strategy.scope():
+            model = _model(weights)
+        model.fit(train, epochs=1, verbose=0)
+        expected = model.get_weights()
     strategy = dd.MirroredStrategy(client=workers.client, elastic=dd.ElasticOptions(min_replicas=2))
     with strategy.scope():
-        model = _model()
-    victim = strategy.extended.worker_addresses[0]
+        model = _model(weights)
+    victim = strategy.extended.worker_addresses[0]  # rank 0: the new rank 0 goes on from the same commit
     since = time.time()
+    retired = {}
 
     def retire():
         while not any(t > since and m.get("step", -1) >= 3 for t, m in workers.client.get_events(PROGRESS_TOPIC)):
             time.sleep(0.02)
-        workers.client.retire_workers(workers=[victim], close_workers=True)
+        if how == "retire_workers":
+            retired["answer"] = workers.client.retire_workers(workers=[victim], close_workers=True)
+        else:  # what a worker's lifetime calls when it is reached
+            workers.client.run(_close_gracefully, workers=[victim], wait=False)
+            retired["answer"] = "asked"
 
     thread = threading.Thread(target=retire, daemon=True)
     thread.start()
     history = model.fit(train, epochs=1, verbose=0)
-    thread.join(30)
+    thread.join(60)
+    assert "answer" in retired, "the member was never retired"
     (event,) = history.elastic.events
-    assert event.lost == [victim]
+    assert event.action == "left" and event.left == [victim] and event.lost == [] and len(event.members) == 2
+    assert 3 <= event.commit[2] < 10  # left at a commit mid-epoch
+    assert strategy.num_replicas_in_sync == 2 and victim not in strategy.extended.worker_addresses
+    elastic_events = [m for t, m in workers.client.get_events("daskdist-elastic") if t > since]
+    assert [m["action"] for m in elastic_events] == ["left"]  # no rollback ("restored") at all
+    # the step counter never went back: replica 0's progress over the epoch only goes up, each step applied once
+    steps = [m["step"] for t, m in workers.client.get_events(PROGRESS_TOPIC) if t > since]
+    assert steps and steps == sorted(steps)
+    assert int(model._optimizer_state()["iterations"]) == 10
+    assert history.elastic.ledger.steps(0) == list(range(10))
     assert sorted(history.elastic.ledger.positions(0, history.elastic.rows).tolist()) == list(range(240))
-    assert int(model._optimizer_state()["iterations"]) == 10  # each step applied once in the state kept
+    for got, want in zip(model.get_weights(), expected):  # the same arithmetic: the global batch is kept
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    deadline = time.monotonic() + 30
+    while victim in workers.client.scheduler_info()["workers"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert victim not in workers.client.scheduler_info()["workers"]  # and then Dask's retirement went on
+    assert any(m.get("action") == "left" and list(m.get("workers", ())) == [victim]
+               for _, m in workers.client.get_events("daskdist"))
     start = time.monotonic()
     with caplog.at_level("WARNING", logger="daskdist.group.handle"):
         strategy.close()

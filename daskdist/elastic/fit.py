@@ -25,13 +25,13 @@ from daskdist.data.dataset import Dataset
 from daskdist.elastic.epochs import EpochInput, release
 from daskdist.elastic.ledger import DataLedger, EpochSchedule
 from daskdist.elastic.options import ElasticOptions, notify_membership_change
-from daskdist.elastic.recovery import RECOVERABLE, Recovery, grow, recover_within_budget
+from daskdist.elastic.recovery import RECOVERABLE, Recovery, grow, leave, recover_within_budget, remember_members
 from daskdist.elastic.replica import CommitKey, commit_progress, elastic_train_epoch, take_commit
 
 if TYPE_CHECKING:
     from daskdist.keras.models import Model
 
-__all__ = ["ElasticFit"]
+__all__ = ["ElasticFit", "catch_up"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,7 @@ class ElasticFit:
     def begin(self, epoch: int) -> None:
         """The commit every replica can go back to before the first step (the model built everywhere)."""
         self._first_epoch = epoch
+        remember_members(self.group)  # a member lost later is known by its Dask name (its cooldown)
         while True:
             try:
                 shape, dtype = _input_shape(self.runner._dist_train.element_spec)
@@ -91,7 +92,8 @@ class ElasticFit:
         schedule = self._schedule = self.input.schedule(epoch)
         first, start = 0, None
         if epoch > self._first_epoch:
-            recovered = self._grow()  # an epoch boundary is a commit boundary: free workers join here
+            # an epoch boundary is a commit boundary: retiring members leave and free workers join here
+            recovered = self._change(leave) or self._change(grow)
             if recovered is not None:
                 first, start = self._resume(epoch, first, *recovered)
         while True:
@@ -102,12 +104,12 @@ class ElasticFit:
                 args = (self.model._model_id, dist, total - first, lr, self.runner._tag, (self.fit_id, epoch), first,
                         self.options.commit_every, start, self.options.admit_seconds, room)
                 logs = self.group.call(elastic_train_epoch, args)[0]
-                if "stopped_at" in logs:  # free workers wait: admit them at this commit, then go on over all
+                if "stopped_at" in logs:  # members retire or free workers wait: at this commit, then go on
                     stop = int(logs["stopped_at"])
                     self.ledger.record(epoch, range(first, stop), schedule)
                     progress = self.group.call(commit_progress, ((self.fit_id, epoch, stop),), member=0)[0]
                     first, start = stop, (progress["loss_sum"], progress["count"])
-                    recovered = self._grow()
+                    recovered = (self._change(leave) if logs.get("leave") else None) or self._change(grow)
                     if recovered is not None:  # a loss while admitting: back to the commit all members hold
                         first, start = self._resume(epoch, first, *recovered)
                     continue
@@ -172,13 +174,14 @@ class ElasticFit:
         progress = self.group.call(commit_progress, (outcome.commit,), member=0)[0]
         return outcome.commit, progress
 
-    def _grow(self) -> tuple[CommitKey, dict] | None:
-        """Admit the cluster's free workers (up to ``max_replicas``) and plan the coming epochs over them.
+    def _change(self, change: Any) -> tuple[CommitKey, dict] | None:
+        """At a commit boundary: ``leave`` (retiring members go) or ``grow`` (free workers join, up to
+        ``max_replicas``), then plan the coming steps over the members.
 
         Returns the commit and progress a loss meanwhile sent the group back to, else ``None``.
         """
         try:
-            outcome = grow(self.group, self.options, self._install_newcomer)
+            outcome = change(self.group, self.options, self._install_newcomer)
         except RECOVERABLE as error:
             return self._recover(error)
         if outcome is None:
@@ -215,6 +218,20 @@ class ElasticFit:
 
         self.strategy.extended.run_on_replica(rank, install_resident, (MODEL, self.model._model_id,
                                                                        self.model._resident()))
+
+
+def catch_up(strategy: Any) -> None:
+    """Before an elastic ``fit`` (or evaluate, predict): learn the membership changes made while the group ran
+    nothing (a member retired or lost between two calls), so that the first command goes to the members left.
+
+    Nothing is restored: every command before completed on every member, so the survivors hold one state.
+    """
+    group = strategy.extended.group
+    before = group.membership
+    membership = group.refresh_membership()
+    if membership.generation != before.generation:
+        logger.info("Elastic group %s moved from %s to %s while idle", group.group_id, before.addresses,
+                    membership.addresses)
 
 
 def _input_shape(element_spec: Any) -> tuple[tuple[int, ...] | None, str | None]:

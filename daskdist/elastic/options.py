@@ -62,9 +62,17 @@ class ElasticOptions:
     on_membership_change
         ``callable(old, new)`` called on the client with the replica counts
         before and after each membership change (a loss survived, workers
-        admitted), before training goes on, in ``fit`` and in
+        admitted, members retired), before training goes on, in ``fit`` and in
         ``dd.elastic.run`` loops. ``fit``'s Keras callbacks that define
         ``on_membership_change(event)`` are called too, with the event.
+    cooldown
+        A worker lost during training (killed, crashed, declared lost for
+        missing heartbeats) is not admitted again for this long after its
+        loss (a Dask duration), so a worker that keeps failing does not keep
+        sending the group back to its last commit; each of its losses counts
+        against ``max_failures``, whose error names the workers that failed
+        and how often. Workers are told apart by their Dask name (kept when a
+        nanny restarts a worker), else their address.
     """
 
     min_replicas: int = 1
@@ -76,6 +84,7 @@ class ElasticOptions:
     admit_every: Duration | None = "30s"
     keep: str = "global_batch"
     on_membership_change: Callable[[int, int], object] | None = None
+    cooldown: Duration = "60s"
 
     def __post_init__(self) -> None:
         if not isinstance(self.min_replicas, int) or self.min_replicas < 1:
@@ -92,7 +101,7 @@ class ElasticOptions:
             raise ValueError(f"keep must be one of {KEEPS}, got {self.keep!r}")
         if self.on_membership_change is not None and not callable(self.on_membership_change):
             raise TypeError(f"on_membership_change must be callable(old, new), got {self.on_membership_change!r}")
-        for name in ("wait_timeout", "generation_timeout", "admit_every"):
+        for name in ("wait_timeout", "generation_timeout", "admit_every", "cooldown"):
             if name == "admit_every" and self.admit_every is None:
                 continue
             try:
@@ -111,6 +120,10 @@ class ElasticOptions:
         return None if self.admit_every is None else _seconds(self.admit_every)
 
     @property
+    def cooldown_seconds(self) -> float:
+        return _seconds(self.cooldown)
+
+    @property
     def generation_seconds(self) -> float:
         return _seconds(self.generation_timeout)
 
@@ -127,5 +140,5 @@ def notify_membership_change(options: ElasticOptions, event: Any) -> None:
     if options.on_membership_change is None:
         return
     new = len(event.members)
-    old = new + len(event.lost) - len(event.admitted)
+    old = new + len(event.lost) + len(getattr(event, "left", ())) - len(event.admitted)
     options.on_membership_change(old, new)

@@ -18,12 +18,14 @@ import time
 from typing import Any
 
 from daskdist.elastic.options import ElasticOptions
+from daskdist.elastic.quarantine import quarantine_of
 from daskdist.elastic.replica import CommitKey, commit_keys, commit_state, install_commit, restore_commit
 from daskdist.exceptions import ReplicaLostError, StaleGenerationError
 from daskdist.group.handle import ReplicaGroup
 from daskdist.group.membership import Membership
 
-__all__ = ["ELASTIC_TOPIC", "RECOVERABLE", "Recovery", "admit", "grow", "is_final", "recover", "recover_within_budget"]
+__all__ = ["ELASTIC_TOPIC", "RECOVERABLE", "Recovery", "admit", "grow", "is_final", "leave", "recover",
+           "recover_within_budget", "remember_members"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +58,8 @@ class Recovery:
     commit: CommitKey
     seconds: float
     healed: bool = False
-    action: str = "restored"  # "restored" after a loss, "grew" when free workers joined
+    action: str = "restored"  # "restored" after a loss, "grew" when free workers joined, "left" after a retirement
+    left: list[str] = dataclasses.field(default_factory=list)  # members retired (gracefully, no rollback)
 
     def to_msg(self) -> dict:
         return {**dataclasses.asdict(self), "commit": list(self.commit)}
@@ -82,14 +85,19 @@ def recover(group: ReplicaGroup, options: ElasticOptions, error: BaseException,
     start = time.monotonic()
     before = group.membership
     membership = _next_generation(group, before, options.generation_seconds, error)
-    lost = [a for a in before.addresses if a not in membership.addresses]
+    gone = [a for a in before.addresses if a not in membership.addresses]
+    retired = _retired(group)
+    lost = [a for a in gone if a not in retired]
+    left = [a for a in gone if a in retired]  # retired while the group ran nothing: a leave, not a loss
+    quarantine_of(group).failed(lost)  # kept out for options.cooldown
     admitted: list[str] = []
     if membership.size < options.min_replicas:
         admitted = _wait_for_members(group, options, lost, install_newcomer is not None)
         membership = group.membership
     commit, healed = _restore_common_commit(group, admitted, install_newcomer)
     outcome = Recovery(int(membership.generation), list(membership.addresses), lost, admitted, commit,
-                       time.monotonic() - start, healed)
+                       time.monotonic() - start, healed, action="restored" if lost or not left else "left",
+                       left=left)
     logger.warning("Elastic group %s recovered in %.1f s: generation %d on %d members (lost %s), back at commit %s",
                    group.group_id, outcome.seconds, outcome.generation, membership.size, lost, commit)
     try:
@@ -105,7 +113,7 @@ def grow(group: ReplicaGroup, options: ElasticOptions, install_newcomer: Any) ->
     Nothing is rolled back: every member already holds the newest commit,
     which the newcomers receive from a survivor.
     """
-    free = _free_workers(group)
+    free = _free_workers(group, options)
     room = options.max_replicas - group.size if options.max_replicas is not None else len(free)
     if not free or room <= 0:
         return None
@@ -121,6 +129,60 @@ def grow(group: ReplicaGroup, options: ElasticOptions, install_newcomer: Any) ->
     except Exception as e:  # events are for watching; never fail a growth for them
         logger.debug("Could not log the growth event: %s", e)
     return outcome
+
+
+def leave(group: ReplicaGroup, options: ElasticOptions, install_newcomer: Any = None) -> Recovery | None:
+    """At the commit the group stopped at: re-form it without its retiring members; ``None`` if none retire.
+
+    Nothing is rolled back: every member holds that commit, which is their
+    current state (the restore only checks that their digests agree). Below
+    ``min_replicas`` free workers are admitted as after a loss.
+    """
+    before = list(group.addresses)
+    start = time.monotonic()
+    response = group._ask_scheduler("daskdist_graceful_leave", group_id=group.group_id)
+    if response.get("status") != "OK":
+        raise ReplicaLostError(f"could not let members retire from {group.group_id}: {response.get('message')}")
+    membership = group.refresh_membership()
+    left = [a for a in before if a not in membership.addresses]
+    if not left:
+        return None
+    admitted: list[str] = []
+    if membership.size < options.min_replicas:
+        admitted = _wait_for_members(group, options, left, install_newcomer is not None)
+        membership = group.membership
+    commit, healed = _restore_common_commit(group, admitted, install_newcomer)
+    outcome = Recovery(int(membership.generation), list(membership.addresses), [], admitted, commit,
+                       time.monotonic() - start, healed, action="left", left=left)
+    logger.warning("Elastic group %s let %s retire at commit %s: generation %d on %d members", group.group_id, left,
+                   commit, outcome.generation, membership.size)
+    try:
+        group.client.log_event(ELASTIC_TOPIC, {"group": group.group_id, **outcome.to_msg()})
+    except Exception as e:  # events are for watching; never fail a leave for them
+        logger.debug("Could not log the leave event: %s", e)
+    return outcome
+
+
+def _retired(group: ReplicaGroup) -> set[str]:
+    """The members that left the group gracefully (retired: ``group.departures``), as the scheduler knows."""
+    try:
+        response = group._ask_scheduler("daskdist_membership", group_id=group.group_id)
+    except Exception:
+        return set()
+    return set(response.get("retired", ())) if response.get("status") == "OK" else set()
+
+
+def _only_retired(group: ReplicaGroup, before: list[str]) -> bool:
+    """Whether the group moved on only because members retired (no failure): every member gone retired."""
+    try:
+        response = group._ask_scheduler("daskdist_membership", group_id=group.group_id)
+    except Exception:
+        return False
+    if response.get("status") != "OK":
+        return False
+    now = set(Membership.from_msg(response["membership"]).addresses)
+    gone = [a for a in before if a not in now]
+    return bool(gone) and set(gone) <= set(response.get("retired", ()))
 
 
 def _next_generation(group: ReplicaGroup, before: Membership, timeout: float, error: BaseException) -> Membership:
@@ -143,7 +205,7 @@ def _wait_for_members(group: ReplicaGroup, options: ElasticOptions, lost: list[s
     deadline = time.monotonic() + options.wait_seconds
     admitted: list[str] = []
     while group.size < options.min_replicas:
-        free = [] if not can_admit else _free_workers(group)
+        free = [] if not can_admit else _free_workers(group, options)
         room = options.max_replicas - group.size if options.max_replicas is not None else len(free)
         if free and room > 0:
             admitted += admit(group, free[:room])
@@ -157,11 +219,23 @@ def _wait_for_members(group: ReplicaGroup, options: ElasticOptions, lost: list[s
     return admitted
 
 
-def _free_workers(group: ReplicaGroup) -> list[str]:
-    """Workers of the cluster that host no member of the group, oldest first."""
+def remember_members(group: ReplicaGroup) -> None:
+    """Note the Dask names of the cluster's workers, so that a member lost later is known by its name."""
+    quarantine_of(group).remember(group.client.scheduler_info(n_workers=-1)["workers"])
+
+
+def _free_workers(group: ReplicaGroup, options: ElasticOptions) -> list[str]:
+    """Workers of the cluster that host no member of the group, oldest first, but those in their cooldown."""
     workers = group.client.scheduler_info(n_workers=-1)["workers"]
+    quarantine = quarantine_of(group)
+    quarantine.remember(workers)
     members = set(group.addresses)
-    return [a for a in workers if a not in members]
+    free = [a for a in workers if a not in members]
+    cooling = [a for a in free if quarantine.cooling(a, options.cooldown_seconds)]
+    if cooling:
+        logger.info("Not admitting %s into %s: they failed less than cooldown=%s ago", cooling, group.group_id,
+                    options.cooldown)
+    return [a for a in free if a not in cooling]
 
 
 def admit(group: ReplicaGroup, newcomers: list[str]) -> list[str]:
@@ -186,6 +260,11 @@ def admit(group: ReplicaGroup, newcomers: list[str]) -> list[str]:
             workers=[address], allow_other_workers=False, pure=False))
     deadline = time.monotonic() + 60
     while not all(_hosts_replica(group, a) for a in newcomers):
+        present = group.client.scheduler_info(n_workers=-1)["workers"]
+        gone = [a for a in newcomers if a not in present]
+        if gone:  # lost while starting: a loss like any other (the scheduler re-forms the group without it)
+            raise ReplicaLostError(f"the worker {gone[0]} admitted into {group.group_id} left the cluster before "
+                                   "its replica started", worker=gone[0])
         if time.monotonic() >= deadline:
             raise ReplicaLostError(f"the replicas admitted on {newcomers} did not start within 60 s")
         time.sleep(0.1)
@@ -244,12 +323,19 @@ def recover_within_budget(group: ReplicaGroup, options: ElasticOptions, error: B
     ``ReplicaLostError`` when the budget is exhausted, and what ``is_final``
     says cannot be recovered from.
     """
+    if is_final(error):  # the end of an elastic run is never recovered from (it reached the caller's loop again)
+        raise error
     before = list(group.addresses)
     while True:  # a second loss during a recovery starts it again, on the members left
-        failures += 1
+        if not _only_retired(group, list(group.addresses)):
+            failures += 1
         if 0 <= options.max_failures < failures:
-            raise ReplicaLostError(f"{error} (the strategy's elastic max_failures={options.max_failures} is exhausted)",
-                                   worker=getattr(error, "worker", None)) from error
+            if getattr(error, "worker", None):
+                quarantine_of(group).failed([error.worker])  # type: ignore[attr-defined]
+            raise _final(ReplicaLostError(
+                f"{error} (the strategy's elastic max_failures={options.max_failures} is exhausted; workers lost: "
+                f"{quarantine_of(group).describe() or 'none known'})",
+                worker=getattr(error, "worker", None))) from error
         logger.warning("Elastic training: %s; recovering", error)
         try:
             outcome = recover(group, options, error, install_newcomer=install_newcomer)
@@ -258,5 +344,5 @@ def recover_within_budget(group: ReplicaGroup, options: ElasticOptions, error: B
             if is_final(again):
                 raise
             error = again
-    outcome.lost = [a for a in before if a not in outcome.members]
+    outcome.lost = [a for a in before if a not in outcome.members and a not in outcome.left]
     return outcome, failures

@@ -10,11 +10,12 @@ reach, and the survivors agree on the newest commit all of them hold.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import logging
+import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -49,13 +50,66 @@ _PROGRESS_INTERVAL = 0.25
 STATE_KINDS = (VARIABLE, MODEL)
 
 
-@dataclass
 class Commit:
-    """One committed state of one replica."""
+    """One committed state of one replica: its key, its state (``ResidentStore.snapshot(STATE_KINDS)``), the
+    epoch's progress at that step (``{"loss_sum", "count", "metrics"}``).
 
-    key: CommitKey
-    state: dict  # ResidentStore.snapshot(STATE_KINDS)
-    progress: dict  # {"loss_sum", "count", "metrics": [global totals per metric]}
+    A commit taken during ``fit`` is copied by a background thread (``Commit.copying``) while the next step's
+    input, forward and backward run; ``state`` waits for the copy. The replica waits for it before the next
+    optimizer apply (``settle``), the only thing that changes what is being copied.
+    """
+
+    def __init__(self, key: CommitKey, state: dict, progress: dict):
+        self.key = key
+        self.progress = progress
+        self._state: dict | None = state
+        self._copy: concurrent.futures.Future[dict] | None = None
+
+    @classmethod
+    def copying(cls, key: CommitKey, objects: Any, progress: dict) -> Commit:
+        """A commit whose state ``objects`` (a ``ResidentStore``) is copied by a thread started now."""
+        commit = cls(key, {}, progress)
+        commit._state = None
+        future: concurrent.futures.Future[dict] = concurrent.futures.Future()
+
+        def copy() -> None:
+            try:
+                future.set_result(_copy_state(objects))
+            except BaseException as e:  # the replica raises it at its next settle or restore
+                future.set_exception(e)
+
+        commit._copy = future
+        threading.Thread(target=copy, name=f"daskdist-commit-{key}", daemon=True).start()
+        return commit
+
+    @property
+    def state(self) -> dict:
+        if self._state is None:
+            assert self._copy is not None
+            self._state = self._copy.result()
+            self._copy = None
+        return self._state
+
+    @property
+    def copied(self) -> bool:
+        """Whether the state is copied (``state`` would not wait)."""
+        return self._copy is None or self._copy.done()
+
+    def settle(self) -> None:
+        """Wait until the state is copied (raises what the copy raised)."""
+        self.state  # noqa: B018 (waits for the copy)
+
+    def __getstate__(self) -> dict:
+        return {"key": self.key, "state": self.state, "progress": self.progress}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["key"], state["state"], state["progress"])  # type: ignore[misc]
+
+
+def _copy_state(objects: Any) -> dict:
+    """The copy a commit keeps: the replica's variables and models (``ResidentStore.snapshot``)."""
+    state: dict = objects.snapshot(STATE_KINDS)
+    return state
 
 
 class CommitRing:
@@ -75,6 +129,11 @@ class CommitRing:
             return self.commits[tuple(key)]  # type: ignore[index]
         except KeyError:
             raise KeyError(f"no commit {tuple(key)} here (held: {list(self.commits)})") from None
+
+    def settle(self) -> None:
+        """Wait until every commit's copy is done (before anything changes the state they copy)."""
+        for commit in list(self.commits.values()):
+            commit.settle()
 
     def drop_after(self, key: CommitKey) -> None:
         """Forget commits newer than ``key`` (their steps are replayed)."""
@@ -126,10 +185,14 @@ def take_commit(service: ReplicaService, model_id: str, key: CommitKey, input_sh
                               {"loss_sum": 0.0, "count": 0.0, "metrics": {}}))
 
 
-def commit_now(service: ReplicaService, key: CommitKey) -> None:
-    """Commit the replica's variables and models as they are (``dd.elastic.State.commit``)."""
+def commit_now(service: ReplicaService, key: CommitKey) -> bool:
+    """Commit the replica's variables and models as they are (``dd.elastic.State.commit``).
+
+    Returns whether the scheduler said members are retiring (the loop lets them leave at this commit).
+    """
     _ring(service).add(Commit(tuple(key), service.objects.snapshot(STATE_KINDS),  # type: ignore[arg-type]
                               {"loss_sum": 0.0, "count": 0.0, "metrics": {}}))
+    return _retiring(service)
 
 
 def commit_progress(service: ReplicaService, key: CommitKey) -> dict:
@@ -145,6 +208,7 @@ def commit_keys(service: ReplicaService) -> list[CommitKey]:
 def restore_commit(service: ReplicaService, key: CommitKey, rank0_metrics: bool = True) -> str:
     """Go back to commit ``key``: restore its state, forget newer commits; returns the state's digest."""
     ring = _ring(service)
+    ring.settle()  # no copy may read what the restore writes
     commit = ring.get(key)
     service.objects.restore(commit.state)
     ring.drop_after(key)
@@ -159,8 +223,9 @@ def commit_state(service: ReplicaService, key: CommitKey) -> Commit:
 
 def install_commit(service: ReplicaService, commit: Commit) -> str:
     """Take ``commit`` from another replica: restore it and keep it as this replica's newest commit."""
-    service.objects.restore(commit.state)
     ring = _ring(service)
+    ring.settle()
+    service.objects.restore(commit.state)
     ring.drop_after(commit.key)
     ring.add(commit)
     _restore_metrics(service, commit.progress)
@@ -179,12 +244,21 @@ def _restore_metrics(service: ReplicaService, progress: dict) -> None:
             metric.set_totals(total if service.rank == 0 else np.zeros_like(total))
 
 
-class _StopForNewcomers(Exception):
-    """Raised at a commit to end an epoch's command there: free workers are waiting to be admitted."""
+class _StopAtCommit(Exception):
+    """Raised at a commit to end an epoch's command there: free workers wait to be admitted, or members retire."""
 
-    def __init__(self, step: int):
+    def __init__(self, step: int, leave: bool):
         super().__init__(step)
         self.step = step
+        self.leave = leave
+
+
+def _retiring(service: ReplicaService) -> bool:
+    """Whether the scheduler said members of this replica's group are retiring (``group.departures``)."""
+    worker = getattr(service, "worker", None)
+    extension = getattr(worker, "extensions", {}).get("daskdist") if worker is not None else None
+    retiring = getattr(extension, "retiring", None)
+    return bool(retiring(getattr(service, "group_id", None))) if retiring is not None else False
 
 
 class _FreeWorkerWatch:
@@ -229,7 +303,11 @@ def elastic_train_epoch(service: ReplicaService, model_id: str, batches: Any, st
     ``batches`` holds the epoch's global batches from ``first_step`` on (re-planned over this generation);
     ``steps`` is their count. ``start``: the epoch's global loss sum and count at ``first_step``. With
     ``admit_every`` (seconds) and ``room`` (the group may grow), replica 0 looks for free workers; when
-    there are some, every replica stops at the next commit and answers ``{"stopped_at": step}``.
+    there are some, every replica stops at the next commit and answers ``{"stopped_at": step}``; so it does,
+    with ``"leave": True``, when the scheduler said members are retiring (they leave at that commit).
+
+    Each commit's copy is taken by a background thread while the next step's input, forward, backward
+    and all-reduce run; the replica waits for it just before the next optimizer apply.
     """
     from daskdist.keras.models import PROGRESS_TOPIC
 
@@ -246,18 +324,16 @@ def elastic_train_epoch(service: ReplicaService, model_id: str, batches: Any, st
         if step % commit_every and step != last:
             return
         totals = [np.asarray(m.totals(), np.float64) for m in model.compiled_metrics]
-        stop = False
-        if totals or watch.active:
-            # one all-reduce: the epoch's metrics so far (so a lost replica's share is not lost) and, when the
-            # group may grow, replica 0's "free workers wait" flag (the same on every replica: all take part)
-            flag = [np.array([float(watch.due())])] if watch.active else []
-            reduced = ctx.all_reduce(ReduceOp.SUM, [*totals, *flag])
-            totals = [np.asarray(t, np.float64) for t in reduced[:len(totals)]]
-            stop = watch.active and float(reduced[-1][0]) > 0
+        # one all-reduce: the epoch's metrics so far (so a lost replica's share is not lost), replica 0's "free
+        # workers wait" flag and any replica's "members retire" flag (every replica takes part, so all stop here)
+        flags = np.array([float(watch.due()), float(_retiring(service))])
+        reduced = ctx.all_reduce(ReduceOp.SUM, [*totals, flags])
+        totals = [np.asarray(t, np.float64) for t in reduced[:len(totals)]]
+        grow, leave = (float(f) > 0 for f in reduced[-1])
         progress = {"loss_sum": loss_sum, "count": count, "metrics": {model_id: totals}}
-        ring.add(Commit((fit, epoch, step), service.objects.snapshot(STATE_KINDS), progress))
-        if stop and step != last:
-            raise _StopForNewcomers(step)
+        ring.add(Commit.copying((fit, epoch, step), service.objects, progress))  # copied off the step path
+        if (grow or leave) and step != last:
+            raise _StopAtCommit(step, leave)
 
     sent = [0.0]
 
@@ -268,9 +344,12 @@ def elastic_train_epoch(service: ReplicaService, model_id: str, batches: Any, st
             service.log_event(PROGRESS_TOPIC, {"tag": tag, "epoch": epoch, "step": first_step + done, "logs": logs})
 
     try:
-        logs = training.train_batches(model, batches, steps, progress, start=start, on_step=on_step)
-    except _StopForNewcomers as stop:
+        logs = training.train_batches(model, batches, steps, progress, start=start, on_step=on_step,
+                                      before_apply=ring.settle)
+    except _StopAtCommit as stop:
         service.flush_step_events()
-        return {"stopped_at": stop.step}
+        return {"stopped_at": stop.step, "leave": stop.leave}
+    finally:
+        ring.settle()  # the client may change the state next (a restore, set_weights): the last copy ends first
     service.flush_step_events()
     return logs

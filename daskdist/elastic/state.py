@@ -20,7 +20,10 @@ the replicas and in the state's attributes), calls the reset callbacks, and
 calls the function again: ``state.epoch`` and ``state.batch`` say where it
 goes on, and ``state.batches`` yields only the batches after the commit,
 planned over the new members with the same global batch (or, with
-``keep="per_replica"``, the same batch per replica).
+``keep="per_replica"``, the same batch per replica). When members retire
+(``client.retire_workers``, a worker's ``lifetime``), ``commit()`` raises
+once it has committed and ``run`` lets them leave there, restoring nothing
+(Horovod's ``HostsUpdatedInterrupt``), then calls the function again.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from daskdist.data.dataset import Dataset
 from daskdist.elastic.epochs import EpochInput, release
 from daskdist.elastic.ledger import DataLedger, EpochSchedule, RowMap
 from daskdist.elastic.options import ElasticOptions, notify_membership_change
-from daskdist.elastic.recovery import RECOVERABLE, Recovery, recover_within_budget
+from daskdist.elastic.recovery import RECOVERABLE, Recovery, leave, recover_within_budget, remember_members
 from daskdist.elastic.replica import CommitKey, commit_now
 
 __all__ = ["State", "run"]
@@ -92,6 +95,7 @@ class State:
         self._inputs: dict[int, tuple[Dataset, EpochInput]] = {}  # per dataset, its epochs' order
         self._schedules: dict[tuple[int, int], EpochSchedule] = {}  # (dataset, epoch): which rows each batch holds
         self._pending: list[tuple[int, int, EpochSchedule]] = []  # (epoch, batch, schedule) since the last commit
+        self._in_run = False  # inside an ``@dd.elastic.run`` function (which lets retiring members leave)
         for name, value in attributes.items():
             if name in _OWN or name.startswith("_"):
                 raise ValueError(f"{name!r} is not a free State attribute")
@@ -102,7 +106,7 @@ class State:
     def commit(self) -> None:
         """Keep this point: the replicas' variables and models, and this state's attributes."""
         key: CommitKey = (self._run_id, next(self._serial), 0)
-        self.strategy.extended.group.call(commit_now, (key,))
+        retiring = self.strategy.extended.group.call(commit_now, (key,))
         self._commits[key] = self._plain_attributes()
         while len(self._commits) > 2:
             self._commits.popitem(last=False)
@@ -110,6 +114,8 @@ class State:
             for epoch, batch, schedule in self._pending:
                 self.ledger.record(epoch, range(batch, batch + 1), schedule)
         self._pending = []
+        if any(retiring) and self._in_run:  # members retire: ``run`` lets them leave here, calls the loop again
+            raise _MembersRetiring()
 
     def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
         """Call each of ``callbacks`` after a recovery, before the loop goes on (to rescale a learning rate)."""
@@ -140,6 +146,9 @@ class State:
                 schedule.start(0, 0, epoch_input.global_batch(epoch_input.first_replicas))
         n = strategy.num_replicas_in_sync
         row = schedule.row_of_step(self.batch) if self.batch else 0
+        if self.batch and epoch_input.steps_from(row, n) == 0:
+            self.batch = 0  # the loop was left at the epoch's last commit (members retired): nothing remains
+            return
         schedule.start(self.batch, row, epoch_input.global_batch(n))
         distributed = strategy.experimental_distribute_dataset(epoch_input.dataset_from(self.epoch, row, n))
         for element in distributed:
@@ -161,8 +170,21 @@ class State:
         return out
 
     def _begin(self) -> None:
+        remember_members(self.strategy.extended.group)  # a member lost later is known by its Dask name
         if not self._commits:
             self.commit()
+
+    def _leave(self) -> None:
+        """At the commit just taken: the retiring members leave (no rollback), the reset callbacks run."""
+        try:
+            outcome = leave(self.strategy.extended.group, self.options)
+        except RECOVERABLE as error:
+            self._recover(error)
+            return
+        if outcome is not None:
+            self.events.append(outcome)
+            for callback in self._reset_callbacks:
+                callback()
 
     def _recover(self, error: BaseException) -> None:
         group = self.strategy.extended.group
@@ -178,6 +200,11 @@ class State:
         notify_membership_change(self.options, outcome)
         for callback in self._reset_callbacks:
             callback()
+
+
+class _MembersRetiring(Exception):
+    """Raised by ``State.commit`` when members retire: ``run`` lets them leave there (Horovod's
+    ``HostsUpdatedInterrupt``: nothing restored) and calls the loop again."""
 
 
 def _lives_on_replicas(value: Any) -> bool:
@@ -197,7 +224,13 @@ def run(fn: Callable[..., Any]) -> Callable[..., Any]:
         while True:
             try:
                 state._begin()
-                return fn(state, *args, **kwargs)
+                state._in_run = True
+                try:
+                    return fn(state, *args, **kwargs)
+                finally:
+                    state._in_run = False
+            except _MembersRetiring:
+                state._leave()
             except RECOVERABLE as error:
                 logger.warning("Elastic loop %s: %s; recovering", getattr(fn, "__name__", "fn"), error)
                 state._recover(error)

@@ -181,6 +181,8 @@ class ReplicaGroup:
             membership=self.membership.to_msg(),
             policy=self.spec.policy,
             strategy_token=self.strategy_token,
+            heartbeat_timeout=config.get_seconds("elastic.heartbeat-timeout"),
+            leave_timeout=config.get_seconds("elastic.leave-timeout"),
         )
         if response.get("status") != "OK":
             raise ValueError(response.get("message"))

@@ -11,7 +11,8 @@ group (every other replica's collectives fail at once with
 ``ReplicaLostError``, and so does the client), ``elastic`` re-forms it on the
 survivors in a new generation. Workers hosting members are protected from
 Dask's downscaling (``valid_workers_downscaling``, as the P2P shuffle does).
-Groups whose client disconnects are closed.
+Groups whose client disconnects are closed. Members of elastic groups that
+stall are fenced out, and retired ones leave at a commit (``group.departures``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from daskdist.dashboard import page, prometheus
 from daskdist.dashboard.event_log import bound_topic
 from daskdist.dashboard.store import STEP_TOPIC, MetricsStore
 from daskdist.exceptions import StaleGenerationError
+from daskdist.group.departures import Departures
 from daskdist.group.membership import Member, Membership, MembershipPolicy, check_generation
 from daskdist.group.worker_plugin import DaskdistWorkerPlugin
 
@@ -74,6 +76,10 @@ class GroupState:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     meetings: dict[str, Meeting] = field(default_factory=dict)
+    heartbeat_timeout: float = 0.0  # elastic: a member silent this long is declared lost (0: Dask's worker-ttl)
+    leave_timeout: float = 60.0  # elastic: how long a retirement waits for the member to leave at a commit
+    leaving: set[str] = field(default_factory=set)  # members retiring, to leave at the next commit
+    retired: set[str] = field(default_factory=set)  # members that left gracefully (not a loss)
 
     def wake_meetings(self) -> None:
         """The group failed, closed or moved on: every replica waiting in ``exchange`` gets an answer now."""
@@ -103,6 +109,7 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
         self.store = MetricsStore(int(config.get("metrics.history")),
                                   straggler_min_wait=config.get_seconds("metrics.straggler-min-wait"))
         self.step_event_log = int(config.get("metrics.scheduler-event-log"))
+        self.departures = Departures(self)
 
     @property
     def _scheduler(self) -> Scheduler:
@@ -125,6 +132,7 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
             }
         )
         scheduler.extensions["daskdist"] = self
+        self.departures.start(scheduler)
         plugin = dumps(DaskdistWorkerPlugin())  # type: ignore[no-untyped-call]
         await scheduler.register_worker_plugin(None, plugin, name="daskdist", idempotent=True)
         prometheus.register_store(self.store)
@@ -137,8 +145,12 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
 
     def register_group(self, group_id: str, workers: list[str], client: str | None = None,
                        membership: dict[str, Any] | None = None, policy: MembershipPolicy = "fixed",
-                       strategy_token: str | None = None) -> dict[str, Any]:
-        """Announce a group about to launch one replica on each of ``workers`` (rank order), generation 0."""
+                       strategy_token: str | None = None, heartbeat_timeout: float = 0.0,
+                       leave_timeout: float = 60.0) -> dict[str, Any]:
+        """Announce a group about to launch one replica on each of ``workers`` (rank order), generation 0.
+
+        ``heartbeat_timeout`` and ``leave_timeout`` (seconds, elastic groups): see ``group.departures``.
+        """
         missing = [w for w in workers if w not in self._scheduler.workers]
         if missing:
             return {"status": "error", "message": f"workers {missing} are not part of the cluster"}
@@ -147,7 +159,8 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
         self.groups[group_id] = GroupState(
             group_id, list(workers), client,
             membership=Membership.from_msg(membership) if membership is not None else None, policy=policy,
-            strategy_token=strategy_token,
+            strategy_token=strategy_token, heartbeat_timeout=float(heartbeat_timeout),
+            leave_timeout=float(leave_timeout),
         )
         self._scheduler.log_event(EVENT_TOPIC, {"action": "register", "group": group_id, "workers": workers,
                                                "generation": 0})
@@ -280,7 +293,7 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
         if stale is not None:
             return stale
         return {"status": "OK", "membership": group.membership.to_msg(), "state": group.status,
-                "policy": group.policy}
+                "policy": group.policy, "retired": sorted(group.retired)}
 
     # -- membership changes ----------------------------------------------------------
 
@@ -370,8 +383,12 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
         if topic == STEP_TOPIC and self.scheduler is not None:
             bound_topic(self.scheduler, topic, self.step_event_log)
 
+    async def close(self) -> None:
+        self.departures.stop()
+
     def remove_worker(self, scheduler: Scheduler, worker: str, *, stimulus_id: str, **kwargs: Any) -> None:
         for group in list(self.groups.values()):
+            group.leaving.discard(worker)
             if worker not in group.workers or group.status in ("failed", "closed"):
                 continue
             rank = group.workers.index(worker)

@@ -65,6 +65,8 @@ class DaskdistWorkerPlugin(WorkerPlugin):
     def __init__(self) -> None:
         self.replicas: dict[str, HostedReplica] = {}
         self.worker: Worker | None = None
+        #: per group, the members retiring: the replicas stop at their next commit (``retiring``)
+        self.leaving: dict[str, set[str]] = {}
 
     def setup(self, worker: Worker) -> None:
         self.worker = worker
@@ -82,6 +84,7 @@ class DaskdistWorkerPlugin(WorkerPlugin):
                 "daskdist_abort_group": self.abort_group,
                 "daskdist_close_group": self.close_group,
                 "daskdist_new_generation": self.new_generation,
+                "daskdist_leave": self.leave,
             }
         )
         worker.extensions["daskdist"] = self
@@ -181,5 +184,17 @@ class DaskdistWorkerPlugin(WorkerPlugin):
     def new_generation(self, group_id: str, membership: dict[str, Any], message: str = "") -> None:
         """The scheduler moved the group to a new generation: the replica here re-forms at its next command."""
         runtime = self.replicas.get(group_id)
+        self.leaving.pop(group_id, None)
         if runtime is not None:
-            runtime.new_generation(Membership.from_msg(membership))
+            new = Membership.from_msg(membership)
+            runtime.new_generation(new)
+            if self._address not in new.addresses:  # it left (retired): nothing will come for it any more
+                runtime.stop()
+
+    def leave(self, group_id: str, workers: list[str]) -> None:
+        """Members ``workers`` of ``group_id`` are retiring: the group stops at its next commit to let them go."""
+        self.leaving.setdefault(group_id, set()).update(workers)
+
+    def retiring(self, group_id: str) -> bool:
+        """Whether members of ``group_id`` wait to leave it (read by the replicas at each commit)."""
+        return bool(self.leaving.get(group_id))

@@ -473,6 +473,10 @@ class _Runner:
         self._subscribed = False
         self._elastic: Any = None  # ``daskdist.elastic.fit.ElasticFit`` during a fit on an elastic strategy
         if self.distributed:
+            if getattr(model._strategy.extended, "elastic", None) is not None:
+                from daskdist.elastic.fit import catch_up
+
+                catch_up(model._strategy)  # members that left while the group ran nothing (retired, lost)
             model._ensure_installed()
             strategy = model._strategy
             if train is not None:

@@ -106,13 +106,15 @@ def _timed_batches(batches: Iterable[Any], steps: int | None, timer: Any) -> Gen
 
 def train_batches(model: Model, batches: Iterable[Any], steps: int | None, progress: ProgressFn | None, *,
                   start: tuple[float, float] | None = None,
-                  on_step: Callable[[int, float, float], None] | None = None) -> dict:
+                  on_step: Callable[[int, float, float], None] | None = None,
+                  before_apply: Callable[[], None] | None = None) -> dict:
     """One epoch of training over ``batches`` (at most ``steps``); returns the epoch's global logs.
 
     ``start``: the epoch's global ``(loss sum, examples)`` so far, when the
     epoch resumes part-way (elastic training; the metrics are then not
     reset). ``on_step(step, loss_sum, count)`` is called on every replica
-    after each step (elastic commits).
+    after each step (elastic commits); ``before_apply()`` just before each
+    optimizer apply changes the weights (an elastic commit's copy ends there).
     """
     ctx = context.get_replica_context()
     if start is None:
@@ -125,7 +127,7 @@ def train_batches(model: Model, batches: Iterable[Any], steps: int | None, progr
     with contextlib.closing(_timed_batches(batches, steps, timer)) as timed:
         for batch in timed:
             x, y, sample_weight = split_batch(batch)
-            step_loss, step_count = _train_step(model, ctx, x, y, sample_weight, timer, applier)
+            step_loss, step_count = _train_step(model, ctx, x, y, sample_weight, timer, applier, before_apply)
             if timer is not None:
                 timer.end()
             loss_sum += step_loss
@@ -141,7 +143,7 @@ def train_batches(model: Model, batches: Iterable[Any], steps: int | None, progr
 
 
 def _train_step(model: Model, ctx: Any, x: Any, y: Any, sample_weight: Any, timer: Any,
-                applier: Any = None) -> tuple[float, float]:
+                applier: Any = None, before_apply: Callable[[], None] | None = None) -> tuple[float, float]:
     x, _ = as_array(x)
     y, _ = as_array(y)
     model._ensure_built(x)
@@ -165,6 +167,8 @@ def _train_step(model: Model, ctx: Any, x: Any, y: Any, sample_weight: Any, time
         grads = [namespace(p).zeros_like(p) for p in params]
     stats = _step_stats(grads, rows, loss_sum)
     if applier is not None:  # parameters held elsewhere (CentralStorage): reduced there, optimizer run there once
+        if before_apply is not None:
+            before_apply()
         start = time.perf_counter()
         total_stats = applier.apply_gradients(context.current_runtime(), model._model_id, model.optimizer, params,
                                               grads, stats)
@@ -175,6 +179,8 @@ def _train_step(model: Model, ctx: Any, x: Any, y: Any, sample_weight: Any, time
     else:
         total = ctx.all_reduce(ReduceOp.SUM, {"grads": grads, "stats": stats})
         global_count = float(total["stats"][0])
+        if before_apply is not None:
+            before_apply()
     if applier is None and global_count > 0:
         start = time.perf_counter()
         scale = 1.0 / global_count
