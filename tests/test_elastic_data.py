@@ -243,6 +243,42 @@ def test_a_model_snapshot_puts_back_the_dropout_generator():
     np.testing.assert_array_equal(model._forward(x, training=True), second)
 
 
+class _SlowToCopy:
+    """A resident whose snapshot waits for a signal: holds a commit's copy thread back."""
+
+    def __init__(self):
+        self.go = threading.Event()
+
+    def snapshot(self):
+        assert self.go.wait(10)
+        return {}
+
+    def restore(self, state):
+        pass
+
+
+def test_a_commit_copied_off_the_step_path_keeps_the_random_state_of_the_commit_point():
+    """The next step's forward draws dropout masks while the commit is still being copied."""
+    from daskdist.elastic.replica import Commit
+    from daskdist.group.service import MODEL, VARIABLE, ResidentStore
+    from daskdist.keras.models import _InstalledModel
+
+    model = keras.Sequential([keras.layers.Dense(4, input_shape=(3,)), keras.layers.Dropout(0.5, seed=2)])
+    model.build((3,))
+    x = np.ones((6, 3), np.float32)
+    model._forward(x, training=True)  # the generator exists and has drawn
+    objects = ResidentStore()
+    slow = _SlowToCopy()
+    objects.install(VARIABLE, "slow", slow)  # copied first: the thread waits here
+    objects.install(MODEL, "m", _InstalledModel(model))
+    commit = Commit.copying((1, 0, 1), objects, {})
+    replayed = model._forward(x, training=True)  # the next step, during the copy
+    slow.go.set()
+    model._forward(x, training=True)
+    objects.get(MODEL, "m").restore(commit.state[(MODEL, "m")])
+    np.testing.assert_array_equal(model._forward(x, training=True), replayed)
+
+
 def test_the_state_digest_ignores_random_state_but_not_weights():
     from daskdist.elastic.replica import state_digest
     from daskdist.keras.models import RandomStates

@@ -71,10 +71,11 @@ class Commit:
         commit = cls(key, {}, progress)
         commit._state = None
         future: concurrent.futures.Future[dict] = concurrent.futures.Future()
+        random = _random_states_now(objects)  # the next step's forward draws from them while the copy runs
 
         def copy() -> None:
             try:
-                future.set_result(_copy_state(objects))
+                future.set_result(_copy_state(objects, random))
             except BaseException as e:  # the replica raises it at its next settle or restore
                 future.set_exception(e)
 
@@ -106,9 +107,27 @@ class Commit:
         self.__init__(state["key"], state["state"], state["progress"])  # type: ignore[misc]
 
 
-def _copy_state(objects: Any) -> dict:
-    """The copy a commit keeps: the replica's variables and models (``ResidentStore.snapshot``)."""
+def _random_states_now(objects: Any) -> dict:
+    """The models' random generator states at the commit (``snapshot_random``), read on the step path.
+
+    The weights cannot change before the next apply (which waits for the copy), but the next forward
+    (a dropout) draws from the generators at once: their state is taken before the copy thread starts.
+    """
+    out = {}
+    for model_id in objects.ids(MODEL):
+        resident = objects.get(MODEL, model_id)
+        if hasattr(resident, "snapshot_random"):
+            out[(MODEL, model_id)] = resident.snapshot_random()
+    return out
+
+
+def _copy_state(objects: Any, random: dict | None = None) -> dict:
+    """The copy a commit keeps: the replica's variables and models (``ResidentStore.snapshot``), with the
+    models' random states taken at the commit (``random``) in place of those the copy read."""
     state: dict = objects.snapshot(STATE_KINDS)
+    for key, states in (random or {}).items():
+        if key in state:
+            state[key]["rng"] = states
     return state
 
 

@@ -591,8 +591,12 @@ class _InstalledModel:
         optimizer = self.model.optimizer
         state = {} if optimizer is None else {k: np.array(to_numpy(v), copy=True)
                                               for k, v in optimizer.get_state().items()}
+        return {"weights": weights, "optimizer": state, "rng": self.snapshot_random()}
+
+    def snapshot_random(self) -> RandomStates:
+        """The layers' random generator states (a copy), under ``"rng"`` in ``snapshot``."""
         rng = {layer.name: layer.rng_state() for layer in self.model.layers}
-        return {"weights": weights, "optimizer": state, "rng": RandomStates({k: v for k, v in rng.items() if v})}
+        return RandomStates({k: v for k, v in rng.items() if v})
 
     def restore(self, state: dict) -> None:
         self.model._assign_weights(state["weights"])
