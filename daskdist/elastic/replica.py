@@ -75,7 +75,7 @@ class Commit:
 
         def copy() -> None:
             try:
-                future.set_result(_copy_state(objects, random))
+                future.set_result(_with_random_states(_copy_state(objects), random))
             except BaseException as e:  # the replica raises it at its next settle or restore
                 future.set_exception(e)
 
@@ -121,11 +121,15 @@ def _random_states_now(objects: Any) -> dict:
     return out
 
 
-def _copy_state(objects: Any, random: dict | None = None) -> dict:
-    """The copy a commit keeps: the replica's variables and models (``ResidentStore.snapshot``), with the
-    models' random states taken at the commit (``random``) in place of those the copy read."""
+def _copy_state(objects: Any) -> dict:
+    """The copy a commit keeps: the replica's variables and models (``ResidentStore.snapshot``)."""
     state: dict = objects.snapshot(STATE_KINDS)
-    for key, states in (random or {}).items():
+    return state
+
+
+def _with_random_states(state: dict, random: dict) -> dict:
+    """``state`` with the models' random states taken at the commit (``random``) in place of those copied."""
+    for key, states in random.items():
         if key in state:
             state[key]["rng"] = states
     return state
