@@ -267,7 +267,8 @@ def test_a_worker_killed_mid_closure_loses_nothing_and_applies_nothing_twice(mak
             after = dd.Variable(np.zeros((), np.int64), name="after")
 
         def closure(i):
-            before.assign_add(1)  # applied, then the worker dies: the re-run must not apply it again
+            before.assign_add(1)  # queued (updates are pushed at the closure's end); reading it back pushes it
+            before.read_value()  # now: applied, then the worker dies: the re-run must not apply it again
             time.sleep(0.5)
             after.assign_add(1)
             return i

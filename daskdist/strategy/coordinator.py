@@ -36,7 +36,7 @@ from daskdist.exceptions import ReplicaLostError, StrategyClosedError
 from daskdist.group.service import DATASET, ITERATOR
 from daskdist.strategy.parameter_server import ParameterServerExtended, ParameterServerStrategy
 from daskdist.strategy.per_worker_input import ClosureDataLedger, drain_consumed, plan_by_locality
-from daskdist.strategy.ps_values import CLOSURE_KEY
+from daskdist.strategy.ps_session import begin_closure, end_closure
 
 __all__ = [
     "ClusterCoordinator",
@@ -301,7 +301,8 @@ class ClusterCoordinator:
             closure.remote_value._set_not_ready()
             try:
                 args, kwargs = _for_worker(closure.args, closure.kwargs, self._workers.index(address))
-                result, consumed = group.call(run_recorded_closure, (closure.closure_id, closure.fn, args, kwargs))[0]
+                result, consumed = group.call(run_recorded_closure, (closure.closure_id, closure.fn, args, kwargs,
+                                                                     self._extended.client_writes))[0]
             except BaseException as e:  # noqa: BLE001 - sorted below: lost worker, lost ps, the closure's own
                 if self._worker_lost(e, address):
                     logger.warning("Worker %s was lost running closure %s; it goes to another worker: %s",
@@ -425,28 +426,38 @@ def _element(values: PerWorkerValues, index: int) -> Any:
     return values.values[index]
 
 
-def run_closure(service: Any, closure_id: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Worker command: run one closure, its updates keyed by ``closure_id`` (deduplicated at the stores)."""
+def run_closure(service: Any, closure_id: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                client_writes: int = 0) -> Any:
+    """Worker command: run one closure, its updates keyed by ``closure_id`` (deduplicated at the stores).
+
+    Its reads and updates are batched per store (``ps_session``): the queued
+    updates are pushed before the closure's result returns. ``client_writes``:
+    the client's count of variable writes (values pulled ahead at the end
+    of this worker's previous closure are used only if it did not change).
+    """
     structure: Any = (args, kwargs)
     resolved: Any = optree.tree_map(
         lambda x: service.objects.get(ITERATOR, x.key) if isinstance(x, _WorkerResource) else x,
         structure, is_leaf=lambda x: isinstance(x, _WorkerResource), none_is_leaf=True)
     args, kwargs = resolved
-    service.objects.install(*CLOSURE_KEY, [closure_id, 0])
+    session = begin_closure(service, closure_id, client_writes)
+    failed = True
     try:
-        return service.run_step(fn, args, kwargs)
+        result = service.run_step(fn, args, kwargs)
+        failed = False
+        return result
     finally:
-        service.objects.discard(*CLOSURE_KEY)
+        end_closure(service, session, failed)
 
 
 def run_recorded_closure(service: Any, closure_id: str, fn: Callable[..., Any], args: tuple[Any, ...],
-                         kwargs: dict[str, Any]) -> tuple[Any, list[tuple[str, int, int, int]]]:
+                         kwargs: dict[str, Any], client_writes: int = 0) -> tuple[Any, list[tuple[str, int, int, int]]]:
     """Worker command: ``run_closure``, and the partition loads its pipelines made (for the data ledger).
 
     The loads of a closure that raised are dropped: it commits nothing.
     """
     try:
-        result = run_closure(service, closure_id, fn, args, kwargs)
+        result = run_closure(service, closure_id, fn, args, kwargs, client_writes)
     except BaseException:
         drain_consumed(service)
         raise

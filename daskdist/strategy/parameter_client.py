@@ -5,27 +5,36 @@ store id) and pickles as those two strings. From a replica thread, a store in
 the same worker process is called directly on the worker's event loop (no
 serialization; the store copies what it hands out); any other store is called
 through the worker's Dask comms, worker to worker. From the client, through
-the client's connection pool. A store that cannot be reached raises
-``ReplicaLostError`` naming it.
+the client's connection pool. Requests and replies are Dask-serialized
+objects (``ToPickle``: pickle protocol 5, each numpy buffer a frame of its
+own, written to the socket without being copied into one pickle).
+``exchange_from_replica`` (a parameter-server worker's batch) sends one
+request to each of several stores at once: a store of this process is
+called directly (no copy), one with a direct channel gets it there
+(``ps_channel``), any other through Dask's comms. A store that cannot be
+reached raises ``ReplicaLostError`` naming it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from distributed.core import CommClosedError, send_recv
+from distributed.protocol.serialize import ToPickle
 from distributed.utils import sync
 
 from daskdist import config, serialization
 from daskdist.exceptions import ReplicaLostError
-from daskdist.strategy.parameter_store import HANDLER, STORE_EXTENSION
+from daskdist.strategy.parameter_store import HANDLER, STORE_EXTENSION, store_in_process, unwrap
+from daskdist.strategy.ps_channel import DIRECT_OPS, direct_exchange
 
 if TYPE_CHECKING:
     from distributed import Client
 
-__all__ = ["RoundCounter", "StoreRef"]
+__all__ = ["RoundCounter", "StoreRef", "exchange_from_replica"]
 
 
 class RoundCounter:
@@ -56,21 +65,37 @@ class StoreRef:
 
     address: str
     store_id: str
+    direct: tuple[str, int, str] | None = None  # the store's direct channel: host, port, secret (``ps_channel``)
 
     # -- from a replica thread ---------------------------------------------------------
 
     def call_from_replica(self, runtime: Any, op: str, **kwargs: Any) -> Any:
-        """Run ``op`` on the store from a replica thread (``runtime``: the replica's runtime)."""
+        """Run ``op`` on the store from a replica thread (``runtime``: the replica's runtime).
+
+        A worker's variable and Keras-parameter traffic (``ps_channel.DIRECT_OPS``)
+        goes without the event loop: a store of this process is called
+        directly, one with a direct channel gets it there. The rest (rounds,
+        functions, optimizers) goes through the worker's event loop.
+        """
         worker = runtime.worker
+        if op in DIRECT_OPS:  # no event loop on the way: a store of this process, else the direct channel
+            held = store_in_process(self.address)
+            if held is not None:
+                return held.run_sync(op, {**kwargs, "store_id": self.store_id})
+            if self.direct is not None:
+                return direct_exchange({self: (op, {**kwargs, "store_id": self.store_id})})[self]
+        return sync(worker.loop, self._call_on_loop, worker, op, kwargs)
+
+    async def _call_on_loop(self, worker: Any, op: str, kwargs: dict[str, Any]) -> Any:
+        """``op`` on the store, from ``worker``'s event loop: a direct call in the same worker, else a request."""
         kwargs["store_id"] = self.store_id
         if worker.address == self.address:
             store = worker.extensions.get(STORE_EXTENSION)
             if store is None:
                 raise ReplicaLostError(f"the parameter store on {self.address} is gone", worker=self.address)
-            return sync(worker.loop, store.run, op, kwargs)
-        payload = serialization.dumps((op, kwargs))
+            return await store.run(op, kwargs)
         try:
-            response = sync(worker.loop, _call, worker.rpc, self.address, payload)
+            response = await _call(worker.rpc, self.address, ToPickle((op, kwargs)))
         except (OSError, CommClosedError) as e:
             raise ReplicaLostError(f"the parameter store on {self.address} cannot be reached: {e}",
                                    worker=self.address) from e
@@ -113,16 +138,61 @@ class StoreRef:
     def call_from_client(self, client: Client, op: str, **kwargs: Any) -> Any:
         """Run ``op`` on the store from the client."""
         kwargs["store_id"] = self.store_id
-        payload = serialization.dumps((op, kwargs))
         try:
-            response = client.sync(_call, client.rpc, self.address, payload)  # type: ignore[no-untyped-call]
+            response = client.sync(_call, client.rpc, self.address, ToPickle((op, kwargs)))  # type: ignore[no-untyped-call]
         except (OSError, CommClosedError) as e:
             raise ReplicaLostError(f"the parameter store on {self.address} cannot be reached: {e}",
                                    worker=self.address) from e
         return _result(response)
 
 
-async def _call(pool: Any, address: str, payload: bytes) -> dict[str, Any]:
+def exchange_from_replica(runtime: Any, requests: dict[StoreRef, dict[str, Any]]) -> dict[StoreRef, Any]:
+    """One ``exchange`` per store, all sent at once from a replica thread; each store's reply.
+
+    ``requests``: ``{store: exchange arguments}``. The requests go out
+    concurrently (one round trip for all the stores, not one per store); the
+    first error (e.g. ``ReplicaLostError`` of a lost store) is raised once
+    every request finished.
+    """
+    if not requests:
+        return {}
+    worker = runtime.worker
+    held = {s: store_in_process(s.address) for s in requests}  # this process's stores: called directly
+    local = [s for s in requests if held[s] is not None]
+    direct = [s for s in requests if held[s] is None and s.direct is not None]
+    through_dask = [s for s in requests if held[s] is None and s.direct is None]
+    replies: dict[StoreRef, Any] = {}
+    errors: list[BaseException] = []
+    if direct:
+        try:  # sent first: the stores work while this thread serves the rest
+            replies.update(direct_exchange({s: ("exchange", {**requests[s], "store_id": s.store_id})
+                                            for s in direct}))
+        except Exception as e:  # noqa: BLE001 - raised after the others were answered
+            errors.append(e)
+    if through_dask:
+
+        async def all_of() -> list[Any]:
+            return list(await asyncio.gather(
+                *(s._call_on_loop(worker, "exchange", dict(requests[s])) for s in through_dask),
+                return_exceptions=True))
+
+        for store, result in zip(through_dask, sync(worker.loop, all_of)):
+            if isinstance(result, BaseException):
+                errors.append(result)
+            else:
+                replies[store] = result
+    for store in local:  # a store of this process: called directly, no copy (it takes its own lock)
+        try:
+            replies[store] = held[store].run_sync("exchange",  # type: ignore[union-attr]
+                                                  {**requests[store], "store_id": store.store_id})
+        except Exception as e:  # noqa: BLE001 - raised after the others were answered
+            errors.append(e)
+    if errors:
+        raise errors[0]
+    return replies
+
+
+async def _call(pool: Any, address: str, payload: Any) -> dict[str, Any]:
     """One request to the store's handler; connecting gives up after ``daskdist.parameter-store.connect-timeout``.
 
     Dask retries a refused connection until ``distributed.comm.timeouts.connect``
@@ -141,4 +211,4 @@ async def _call(pool: Any, address: str, payload: bytes) -> dict[str, Any]:
 def _result(response: dict[str, Any]) -> Any:
     if response.get("status") != "OK":
         raise serialization.exception_from_message(response)
-    return serialization.loads(response["result"])
+    return unwrap(response["result"])

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import optree
 
+from daskdist import config
 from daskdist.group.service import VARIABLE
 from daskdist.strategy.extended import Args, Kwargs
 from daskdist.strategy.parameter_client import RoundCounter, StoreRef
@@ -48,6 +49,8 @@ class ParameterHolderExtended(SpmdExtended):
 
     _stores: list[StoreRef]
     _store_devices: list[str]
+    #: Variable writes made from the client (parameter-server workers drop values pulled ahead when it changes).
+    client_writes: int = 0
 
     def _open_stores(self, addresses: list[str], devices: list[str]) -> None:
         """Install a parameter store on each of ``addresses`` (TF device names ``devices``), and the gradient rule."""
@@ -56,8 +59,9 @@ class ParameterHolderExtended(SpmdExtended):
         self._store_of: dict[str, int] = {}
         self._placement_counter = itertools.count()
         for address in addresses:
-            self.client.run(install_store, workers=[address])
-            self._stores.append(StoreRef(address, self.token))
+            installed = self.client.run(install_store, workers=[address])[address]
+            direct = installed["direct"] if config.get("parameter-store.direct-channel", True) else None
+            self._stores.append(StoreRef(address, self.token, tuple(direct) if direct else None))
         logger.info("%s: parameters on %s", type(self.strategy).__name__, addresses)
 
     # -- placement -------------------------------------------------------------------------
@@ -174,6 +178,7 @@ class ParameterHolderExtended(SpmdExtended):
     def scatter_variable(self, var_id: str, method: str, indices: Any, values: Any) -> None:
         """A sparse update from the client (``scatter_add``/``scatter_sub``/``scatter_update``), applied once."""
         self.check_open()
+        self.client_writes += 1
         self._store_for(var_id).call_from_client(self.client, "scatter", var_id=var_id, method=method,
                                                  indices=indices, values=values)
 
@@ -184,6 +189,7 @@ class ParameterHolderExtended(SpmdExtended):
         if var_id not in self._store_of:
             super().update_variable(var_id, method, value)
             return
+        self.client_writes += 1
         self._store_for(var_id).call_from_client(self.client, "update", var_id=var_id, method=method, value=value)
 
     def update(self, var: Any, fn: Callable[..., Any], args: Any = (), kwargs: Kwargs | None = None,
@@ -197,6 +203,7 @@ class ParameterHolderExtended(SpmdExtended):
                 holders: list[int]) -> list[Any]:
         if var._var_id not in self._store_of:
             return super()._update(var, fn, args, kwargs, holders)
+        self.client_writes += 1
         result = self._store_for(var._var_id).call_from_client(
             self.client, "apply_fn", var_id=var._var_id, fn=fn, args=args, kwargs=kwargs)
         return [result]

@@ -10,10 +10,18 @@ through the scheduler) or, from a replica of the same process, as direct
 calls on the worker's event loop (``parameter_client``).
 
 Every operation runs on the worker's event loop, one at a time, so an update
-is atomic and versions are totally ordered. Operations:
+is atomic and versions are totally ordered. Values are handed out without a
+copy, read-only: dense updates put a fresh array in place of the old one, and
+in-place changes (scatter, ``apply_fn``) copy first if the value was handed
+out (copy-on-write), so a reader in the same process, or a reply Dask
+serializes later, always sees the value it was given. Operations:
 
-``create``, ``read``, ``update``, ``apply_fn`` (TF's ``extended.update``: a
-function applied once to the stored variable), ``drop``;
+``create``, ``read``, ``gather``, ``update``, ``scatter``, ``apply_fn`` (TF's
+``extended.update``: a function applied once to the stored variable),
+``drop``; ``exchange`` (a parameter-server worker's batch: its queued
+updates applied in order, then the reads it asks for, version-aware, and
+row gathers; ``ps_session``); ``requests``, ``bytes_served``,
+``staleness``, ``duplicates``, ``versions`` (figures);
 ``contribute`` (synchronous rounds: each of ``size`` replicas contributes to
 round ``r`` of a key; once all have, the round is finished once, e.g. an
 aggregated assign or a gradient step with the optimizer, and every
@@ -29,21 +37,25 @@ import asyncio
 import collections
 import functools
 import logging
+import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from distributed.protocol.serialize import Serialize, ToPickle
 
 from daskdist import serialization
 from daskdist.arrays import as_array, namespace, to_numpy
+from daskdist.strategy.stored_values import Entry, StoredVariable, apply_method, copy_to_host, hand_out, writable
 
 if TYPE_CHECKING:
     from distributed import Worker
 
     from daskdist.variables import VariableSpec
 
-__all__ = ["HANDLER", "STORE_EXTENSION", "ParameterStore", "install_store"]
+__all__ = ["HANDLER", "STORE_EXTENSION", "ParameterStore", "install_store", "store_in_process", "unwrap"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,15 +63,7 @@ STORE_EXTENSION = "daskdist-ps"
 _DEDUPE_WINDOW = 1 << 16  # update keys remembered per variable
 _STALENESS_HISTORY = 1 << 16  # staleness samples kept per store id
 HANDLER = "daskdist_ps"
-
-
-@dataclass
-class _Entry:
-    """One stored variable: its array, what it is, and how many times it changed."""
-
-    value: Any
-    spec: VariableSpec
-    version: int = 0
+_TRAFFIC_OPS = frozenset({"read", "gather", "update", "scatter", "exchange"})  # counted by ``requests``
 
 
 @dataclass
@@ -83,9 +87,11 @@ class _Round:
     fetched: set[int] = field(default_factory=set)
 
 
-def _copy(value: Any) -> np.ndarray:
-    """A host (numpy) copy: stores hold host memory, whatever device a replica computes on."""
-    return np.array(to_numpy(as_array(value)[0]), copy=True)
+def unwrap(obj: Any) -> Any:
+    """The object a Dask ``ToPickle``/``Serialize`` wrapper carries (a comm that did not deserialize it)."""
+    if isinstance(obj, (ToPickle, Serialize)):
+        return obj.data
+    return obj
 
 
 class ParameterStore:
@@ -93,58 +99,92 @@ class ParameterStore:
 
     def __init__(self, worker: Worker | None = None):
         self.worker = worker
-        self._entries: dict[tuple[str, str], _Entry] = {}
+        self._entries: dict[tuple[str, str], Entry] = {}
         self._models: dict[tuple[str, str], _ModelEntry] = {}
         self._rounds: dict[tuple[str, str, int], _Round] = {}
         self._applied: dict[tuple[str, str], OrderedDict[tuple[Any, ...], None]] = {}  # update keys applied, per variable
         self._duplicates: dict[str, int] = {}
         self._staleness: dict[str, collections.deque[int]] = {}
         self._served: dict[str, int] = {}  # bytes of values sent out, per store id (reads and row gathers)
+        self._requests: dict[str, int] = {}  # variable traffic requests served, per store id
+        self._lock = threading.RLock()  # the event loop and the direct channel's threads take turns
+        self.server: Any = None  # the direct channel (``ps_channel.StoreServer``), if any
 
     def __repr__(self) -> str:
         return f"<ParameterStore variables={len(self._entries)} models={len(self._models)}>"
 
     # -- the handler -----------------------------------------------------------------
 
-    async def handle(self, payload: bytes) -> dict[str, Any]:
-        """``daskdist_ps`` handler: ``payload`` is a pickled ``(op, kwargs)``; never raises across the wire."""
+    async def handle(self, payload: Any) -> dict[str, Any]:
+        """``daskdist_ps`` handler: ``payload`` is ``(op, kwargs)``; never raises across the wire.
+
+        The request and the reply travel as Dask-serialized objects (pickle
+        protocol 5: numpy buffers are frames of their own, sent without a
+        copy into one pickle); a request from an older client may be a pickled
+        ``bytes``.
+        """
         try:
-            op, kwargs = serialization.loads(payload)
+            op, kwargs = serialization.loads(payload) if isinstance(payload, bytes) else unwrap(payload)
             result = await self.run(op, kwargs)
-            return {"status": "OK", "result": serialization.dumps(result)}
+            return {"status": "OK", "result": ToPickle(result)}
         except Exception as e:  # noqa: BLE001 - handlers answer with the error, never raise across the wire
             address = self.worker.address if self.worker is not None else ""
             return serialization.error_message(e, -1, address)
 
     async def run(self, op: str, kwargs: dict[str, Any]) -> Any:
         """Run one operation (on the worker's event loop)."""
+        method = self._method(op, kwargs)
+        with self._lock:
+            result = method(**kwargs)
+        if asyncio.iscoroutine(result):
+            result = await result  # ``contribute``: takes the lock itself, never across an await
+        return result
+
+    def run_sync(self, op: str, kwargs: dict[str, Any]) -> Any:
+        """Run one synchronous operation from any thread (the direct channel, a replica of this process)."""
+        method = self._method(op, kwargs)
+        with self._lock:
+            result = method(**kwargs)
+        if asyncio.iscoroutine(result):
+            result.close()
+            raise ValueError(f"parameter store operation {op!r} runs on the event loop only")
+        return result
+
+    def _method(self, op: str, kwargs: dict[str, Any]) -> Any:
         method = getattr(self, f"_op_{op}", None)
         if method is None:
             raise ValueError(f"unknown parameter store operation {op!r}")
-        result = method(**kwargs)
-        if asyncio.iscoroutine(result):
-            result = await result
-        return result
+        if op in _TRAFFIC_OPS:
+            store_id = kwargs.get("store_id", "")
+            with self._lock:
+                self._requests[store_id] = self._requests.get(store_id, 0) + 1
+        return method
+
+    def close(self) -> None:
+        """The worker closes: stop the direct channel."""
+        if self.server is not None:
+            self.server.close()
+            self.server = None
 
     # -- variables ----------------------------------------------------------------------
 
-    def _entry(self, store_id: str, var_id: str) -> _Entry:
+    def _entry(self, store_id: str, var_id: str) -> Entry:
         try:
             return self._entries[(store_id, var_id)]
         except KeyError:
             raise KeyError(f"the parameter store holds no variable {var_id!r} of {store_id}") from None
 
     def _op_create(self, store_id: str, var_id: str, value: Any, spec: VariableSpec) -> int:
-        self._entries[(store_id, var_id)] = _Entry(_copy(value), spec)
+        self._entries[(store_id, var_id)] = Entry(copy_to_host(value), spec)
         return 0
 
     def _op_read(self, store_id: str, var_id: str, newer_than: int = -1) -> tuple[int, Any]:
-        """``(version, copy of the value)``, or ``(version, None)`` if not newer than ``newer_than``."""
+        """``(version, the value, read-only)``, or ``(version, None)`` if not newer than ``newer_than``."""
         entry = self._entry(store_id, var_id)
         if entry.version <= newer_than:
             return entry.version, None
         self._count(store_id, entry.value.nbytes)
-        return entry.version, _copy(entry.value)
+        return entry.version, hand_out(entry)
 
     def _op_gather(self, store_id: str, var_id: str, indices: Any) -> tuple[int, Any]:
         """``(version, copy of rows indices)``: what an embedding lookup needs, not the whole table."""
@@ -160,13 +200,17 @@ class ParameterStore:
     def _count(self, store_id: str, nbytes: int) -> None:
         self._served[store_id] = self._served.get(store_id, 0) + int(nbytes)
 
+    def _op_requests(self, store_id: str) -> int:
+        """How many reads, gathers, updates and exchanges were served for ``store_id`` (round trips to this ps)."""
+        return self._requests.get(store_id, 0)
+
     def _op_bytes_served(self, store_id: str) -> int:
         """Bytes of values sent for ``store_id`` (reads and row gathers; not round results)."""
         return self._served.get(store_id, 0)
 
     def _op_update(self, store_id: str, var_id: str, method: str, value: Any,
                    dedupe: tuple[str, int] | None = None, read_version: int | None = None) -> tuple[int, Any]:
-        """``assign``/``assign_add``/``assign_sub`` applied once; ``(version, copy of the new value)``.
+        """``assign``/``assign_add``/``assign_sub`` applied once; ``(version, the new value, read-only)``.
 
         ``dedupe``: the update's key (closure id, n); an update whose key was
         already applied to this variable is not applied again.
@@ -174,14 +218,50 @@ class ParameterStore:
         difference to the version it is applied to (its staleness) is
         recorded (``staleness`` operation).
         """
+        version = self._update(store_id, var_id, method, value, dedupe, read_version)
+        return version, hand_out(self._entry(store_id, var_id))
+
+    def _update(self, store_id: str, var_id: str, method: str, value: Any,
+                dedupe: tuple[str, int] | None, read_version: int | None) -> int:
         entry = self._entry(store_id, var_id)
+        if dedupe is not None and self._seen_before(store_id, var_id, dedupe):
+            return entry.version
+        self._record_staleness(store_id, entry, read_version)
+        apply_method(entry, method, value)
+        return entry.version
+
+    def _record_staleness(self, store_id: str, entry: Entry, read_version: int | None) -> None:
         if read_version is not None and read_version >= 0:
             self._staleness.setdefault(store_id, collections.deque(maxlen=_STALENESS_HISTORY)).append(
                 entry.version - int(read_version))
-        if dedupe is not None and self._seen_before(store_id, var_id, dedupe):
-            return entry.version, _copy(entry.value)
-        _apply_method(entry, method, value)
-        return entry.version, _copy(entry.value)
+
+    def _op_exchange(self, store_id: str, updates: list[tuple[Any, ...]] = (),  # type: ignore[assignment]
+                     reads: dict[str, int] | None = None,
+                     gathers: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+        """A worker's batch for this store: apply ``updates`` in order, then serve ``reads`` and ``gathers``.
+
+        ``updates``: ``("update", var_id, method, value, dedupe, read_version)``
+        or ``("scatter", var_id, method, indices, values, dedupe,
+        read_version)``, each applied once per dedupe key, as the single
+        operations do. ``reads``: ``{var_id: version the worker holds}``;
+        only the variables changed since are sent (``None`` for the others).
+        ``gathers``: ``{var_id: rows}``. Returns ``{"versions": {var_id:
+        version after the updates}, "values": {var_id: (version, value or
+        None)}, "rows": {var_id: (version, rows)}}``. The batch is applied
+        in one go on the event loop: no other request sees half of it.
+        """
+        versions: dict[str, int] = {}
+        for update in updates:
+            kind, var_id, *rest = update
+            if kind == "update":
+                versions[var_id] = self._update(store_id, var_id, *rest)
+            elif kind == "scatter":
+                versions[var_id] = self._op_scatter(store_id, var_id, *rest)
+            else:
+                raise ValueError(f"unknown update kind {kind!r}")
+        values = {var_id: self._op_read(store_id, var_id, newer_than) for var_id, newer_than in (reads or {}).items()}
+        rows = {var_id: self._op_gather(store_id, var_id, indices) for var_id, indices in (gathers or {}).items()}
+        return {"versions": versions, "values": values, "rows": rows}
 
     def _op_scatter(self, store_id: str, var_id: str, method: str, indices: Any, values: Any,
                     dedupe: tuple[str, int] | None = None, read_version: int | None = None) -> int:
@@ -193,9 +273,7 @@ class ParameterStore:
         entry = self._entry(store_id, var_id)
         if dedupe is not None and self._seen_before(store_id, var_id, dedupe):
             return entry.version
-        if read_version is not None and read_version >= 0:
-            self._staleness.setdefault(store_id, collections.deque(maxlen=_STALENESS_HISTORY)).append(
-                entry.version - int(read_version))
+        self._record_staleness(store_id, entry, read_version)
         rows = np.asarray(indices, dtype=np.int64).reshape(-1)
         delta = np.asarray(as_array(values)[0], dtype=entry.value.dtype)
         if delta.shape != (len(rows), *entry.value.shape[1:]):
@@ -204,14 +282,15 @@ class ParameterStore:
         if rows.size and (rows.min() < 0 or rows.max() >= entry.value.shape[0]):
             raise IndexError(f"scatter_{method}: rows {rows.min()}..{rows.max()} of variable "
                              f"'{entry.spec.name}' with {entry.value.shape[0]} rows")
-        if method == "add":
-            np.add.at(entry.value, rows, delta)
-        elif method == "sub":
-            np.subtract.at(entry.value, rows, delta)
-        elif method == "update":
-            entry.value[rows] = delta
-        else:
+        if method not in ("add", "sub", "update"):
             raise ValueError(f"unknown scatter method {method!r}")
+        table = writable(entry)
+        if method == "add":
+            np.add.at(table, rows, delta)
+        elif method == "sub":
+            np.subtract.at(table, rows, delta)
+        else:
+            table[rows] = delta
         entry.version += 1
         return entry.version
 
@@ -240,13 +319,14 @@ class ParameterStore:
         from daskdist.variables import Variable
 
         entry = self._entry(store_id, var_id)
-        variable = _StoredVariable.wrap(entry)
+        writable(entry)
+        variable = StoredVariable.wrap(entry)
         try:
             result = fn(variable, *args, **kwargs)
         finally:
             entry.version += 1
         if result is variable:
-            return _copy(entry.value)
+            return copy_to_host(entry.value)
         if isinstance(result, Variable):
             return result.read_value()
         return result
@@ -259,6 +339,7 @@ class ParameterStore:
         for key in [k for k in self._models if k[0] == store_id]:
             del self._models[key]
         self._served.pop(store_id, None)
+        self._requests.pop(store_id, None)
         self._duplicates.pop(store_id, None)
         self._staleness.pop(store_id, None)
         for applied_key in [k for k in self._applied if k[0] == store_id]:
@@ -286,27 +367,30 @@ class ParameterStore:
         forgotten once every rank has fetched its result.
         """
         round_key = (store_id, key, int(round_id))
-        round_ = self._rounds.get(round_key)
-        if round_ is None:
-            self._drop_stale_rounds(store_id, key, int(round_id) >> 32)
-            round_ = self._rounds[round_key] = _Round(size=int(size))
-        if round_.size != size:
-            raise ValueError(f"round {round_id} of {key!r}: {size} replicas contribute, the round expects {round_.size}")
-        if has_payload and rank not in round_.contributions and not round_.done.is_set():
-            round_.contributions[int(rank)] = payload
-            if len(round_.contributions) == round_.size:
-                try:
-                    round_.result = self._finish(store_id, key, kind, round_.contributions)
-                except Exception as e:  # noqa: BLE001 - every contributor gets the error
-                    round_.error = e
-                round_.done.set()
+        with self._lock:
+            round_ = self._rounds.get(round_key)
+            if round_ is None:
+                self._drop_stale_rounds(store_id, key, int(round_id) >> 32)
+                round_ = self._rounds[round_key] = _Round(size=int(size))
+            if round_.size != size:
+                raise ValueError(f"round {round_id} of {key!r}: {size} replicas contribute, the round expects "
+                                 f"{round_.size}")
+            if has_payload and rank not in round_.contributions and not round_.done.is_set():
+                round_.contributions[int(rank)] = payload
+                if len(round_.contributions) == round_.size:
+                    try:
+                        round_.result = self._finish(store_id, key, kind, round_.contributions)
+                    except Exception as e:  # noqa: BLE001 - every contributor gets the error
+                        round_.error = e
+                    round_.done.set()
         try:
             await asyncio.wait_for(round_.done.wait(), max(float(wait), 0.0))
         except asyncio.TimeoutError:
             return {"status": "waiting"}
-        round_.fetched.add(int(rank))
-        if len(round_.fetched) >= round_.size:
-            self._rounds.pop(round_key, None)
+        with self._lock:
+            round_.fetched.add(int(rank))
+            if len(round_.fetched) >= round_.size:
+                self._rounds.pop(round_key, None)
         if round_.error is not None:
             raise round_.error
         return {"status": "OK", "result": round_.result}
@@ -342,8 +426,8 @@ class ParameterStore:
             if aggregation == "MEAN":
                 value = value / len(ordered)
         entry = self._entry(store_id, var_id)
-        _apply_method(entry, method, value)
-        return entry.version, _copy(entry.value)
+        apply_method(entry, method, value)
+        return entry.version, copy_to_host(entry.value)
 
     # -- Keras parameters with their optimizer ------------------------------------------------
 
@@ -356,7 +440,7 @@ class ParameterStore:
             if init is None:
                 raise RuntimeError(f"the parameter store has no parameters for model {model_key!r}")
             params, optimizer = init
-            entry = self._models[key] = _ModelEntry([_copy(p) for p in params], optimizer)
+            entry = self._models[key] = _ModelEntry([copy_to_host(p) for p in params], optimizer)
         grads = [functools.reduce(np.add, parts) for parts in zip(*(c["grads"] for c in ordered))]
         stats = functools.reduce(np.add, [c["stats"] for c in ordered])
         count = float(stats[0])
@@ -365,15 +449,15 @@ class ParameterStore:
             scale = 1.0 / count
             entry.optimizer.apply(entry.params, [g * g.dtype.type(scale) for g in grads])
             entry.version += 1
-        return {"params": [_copy(p) for p in entry.params], "stats": stats, "version": entry.version}
+        return {"params": [copy_to_host(p) for p in entry.params], "stats": stats, "version": entry.version}
 
     def _op_model_state(self, store_id: str, model_key: str) -> dict[str, Any] | None:
         """``{"params", "optimizer_state", "iterations"}`` of a model's stored copy, or ``None`` if it has none."""
         entry = self._models.get((store_id, model_key))
         if entry is None:
             return None
-        state = {k: _copy(v) for k, v in entry.optimizer.get_state().items()}
-        return {"params": [_copy(p) for p in entry.params], "optimizer_state": state}
+        state = {k: copy_to_host(v) for k, v in entry.optimizer.get_state().items()}
+        return {"params": [copy_to_host(p) for p in entry.params], "optimizer_state": state}
 
     def _op_set_model(self, store_id: str, model_key: str, params: list[Any] | None = None,
                       optimizer_state: dict[str, Any] | None = None) -> bool:
@@ -402,7 +486,7 @@ class ParameterStore:
         """
         key = (store_id, model_key)
         if key not in self._models:
-            self._models[key] = _ModelEntry([_copy(p) for p in params], optimizer)
+            self._models[key] = _ModelEntry([copy_to_host(p) for p in params], optimizer)
         return self._models[key].version
 
     def _model_entry(self, store_id: str, model_key: str) -> _ModelEntry:
@@ -416,7 +500,7 @@ class ParameterStore:
         entry = self._model_entry(store_id, model_key)
         if entry.version <= newer_than:
             return entry.version, None
-        params = [_copy(p) for p in entry.params]
+        params = [copy_to_host(p) for p in entry.params]
         self._count(store_id, sum(p.nbytes for p in params))
         return entry.version, params
 
@@ -436,47 +520,43 @@ class ParameterStore:
             entry.optimizer.learning_rate = lr
             entry.optimizer.apply(entry.params, [np.asarray(to_numpy(g)) for g in grads])
             entry.version += 1
-        params = [_copy(p) for p in entry.params]
+        params = [copy_to_host(p) for p in entry.params]
         self._count(store_id, sum(p.nbytes for p in params))
         return entry.version, params
 
 
-def _apply_method(entry: _Entry, method: str, value: Any) -> None:
-    array = np.asarray(to_numpy(as_array(value)[0]))
-    shape = tuple(entry.spec.shape)
-    if array.ndim != 0 and tuple(array.shape) != shape:
-        raise ValueError(f"Cannot assign a value of shape {tuple(array.shape)} to variable "
-                         f"'{entry.spec.name}' of shape {shape}")
-    if method == "assign":
-        new_value = array
-    elif method == "assign_add":
-        new_value = entry.value + array
-    elif method == "assign_sub":
-        new_value = entry.value - array
-    else:
-        raise ValueError(f"unknown update method {method!r}")
-    namespace(entry.value).copyto(entry.value, new_value, casting="unsafe")
-    entry.version += 1
+#: The stores of this process by worker address (a threaded cluster's replicas call them directly).
+_IN_PROCESS: weakref.WeakValueDictionary[str, ParameterStore] = weakref.WeakValueDictionary()
 
 
-class _StoredVariable:
-    """The stored variable as ``extended.update``'s function sees it: a plain variable over the stored array."""
-
-    @staticmethod
-    def wrap(entry: _Entry) -> Any:
-        from daskdist.variables import Variable
-
-        variable = Variable.__new__(Variable)  # no copy: writes go to the stored array
-        variable._value = entry.value
-        variable._spec = entry.spec
-        return variable
+def store_in_process(address: str) -> ParameterStore | None:
+    """The store held by the worker at ``address`` if that worker lives in this process (and still has it)."""
+    store = _IN_PROCESS.get(address)
+    if store is None or store.worker is None or store.worker.extensions.get(STORE_EXTENSION) is not store:
+        return None
+    return store
 
 
-def install_store(dask_worker: Worker) -> str:
-    """Make ``dask_worker`` a parameter holder (idempotent; run with ``client.run``); its address."""
-    if STORE_EXTENSION not in dask_worker.extensions:
+def install_store(dask_worker: Worker) -> dict[str, Any]:
+    """Make ``dask_worker`` a parameter holder (idempotent; run with ``client.run``).
+
+    Returns ``{"address": the worker's address, "direct": (host, port,
+    secret) of its direct channel, or None}`` (no channel on ``tls://`` or
+    in-process clusters). Whether workers use it is the strategy's choice
+    (``daskdist.parameter-store.direct-channel``, read on the client).
+    """
+    store = dask_worker.extensions.get(STORE_EXTENSION)
+    if store is None:
         store = ParameterStore(dask_worker)
         dask_worker.extensions[STORE_EXTENSION] = store
+        _IN_PROCESS[dask_worker.address] = store
         dask_worker.handlers[HANDLER] = store.handle
         logger.debug("Parameter store installed on %s", dask_worker.address)
-    return dask_worker.address
+    if store.server is None and dask_worker.address.startswith("tcp://"):
+        from distributed.comm import get_address_host
+
+        from daskdist.strategy.ps_channel import StoreServer
+
+        store.server = StoreServer(store, get_address_host(dask_worker.address))
+    direct = None if store.server is None else (*store.server.endpoint, store.server.secret)
+    return {"address": dask_worker.address, "direct": direct}

@@ -2,7 +2,9 @@
 
 On the client it is a handle whose reads and writes go to the store once.
 On each replica it is a view: reads use a compute copy pulled from the store
-(at most once per command, and only when the store's version is newer), and
+(at most once per command, and only when the store's version is newer; in a
+parameter-server closure, pulled together with the worker's other variables
+and updated in one push per store at the end: ``ps_session``), and
 an ``assign``/``assign_add``/``assign_sub`` in replica context is TensorFlow's
 ``merge_call`` -> ``apply_aggregation`` -> one update of the stored value:
 every replica contributes to a round at the store, which aggregates the
@@ -16,16 +18,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from daskdist import context
-from daskdist.arrays import namespace
-from daskdist.group.service import STRATEGY, VARIABLE
+from daskdist.arrays import as_array, namespace, to_numpy
+from daskdist.group.service import VARIABLE
 from daskdist.strategy.parameter_client import RoundCounter
+from daskdist.strategy.ps_session import CLOSURE_KEY, ClosureSession, current_session
 from daskdist.variables import DistributedVariable, VariableAggregation, VariableSpec
 
 if TYPE_CHECKING:
     from daskdist.strategy.parameter_client import StoreRef
 
-__all__ = ["AggregatingVariable", "aggregation_error_message"]
+__all__ = ["CLOSURE_KEY", "AggregatingVariable", "aggregation_error_message"]
 
 
 def aggregation_error_message(variable_type: str) -> str:
@@ -74,23 +79,76 @@ class AggregatingVariable(DistributedVariable):
         if not self._on_replica():
             return self._client_owner().read_variable(self._var_id)
         runtime = self._runtime
+        session = current_session(runtime)
+        if session is not None:
+            session.working_set.mark_read(self)
+            if self._value is None or self._cached_run != runtime.run_id or session.has_pending(self):
+                session.pull(self)
+            return self._value
         if self._value is None or self._cached_run != runtime.run_id:
             version, value = self._store.call_from_replica(runtime, "read", var_id=self._var_id,
                                                            newer_than=self._cached_version)
-            if value is not None:
-                self._value, self._cached_version = _on_replica_device(value, runtime), version
-            self._cached_run = runtime.run_id
+            self._receive(version, value, runtime.run_id)
         return self._value
+
+    def _receive(self, version: int, value: Any, run_id: Any) -> None:
+        """The store's answer to a read: its value at ``version`` (``None``: the copy held is that version).
+
+        A host value is kept read-only (it may be the store's own array, in
+        the same process): like TF's tensors, what ``value()`` returns is not
+        changed in place.
+        """
+        if value is not None:
+            value = _on_replica_device(value, self._runtime)
+            if isinstance(value, np.ndarray) and value.flags.writeable:
+                value.flags.writeable = False
+            self._value, self._cached_version = value, version
+        self._cached_run = run_id
+
+    def restore(self, state: Any) -> None:
+        """Put a snapshot back as this replica's compute copy (pulled again before it is used)."""
+        if not self._on_replica():
+            raise RuntimeError(f"Variable '{self.name}': restore() is for a replica's copy, not the client's handle")
+        self._value, self._cached_run = namespace(state).array(state, copy=True), None
+
+    def _fresh(self, session: ClosureSession | None) -> bool:
+        """Whether the compute copy is the store's value for this command (nothing queued since)."""
+        return (self._value is not None and self._cached_run == self._runtime.run_id
+                and (session is None or not session.has_pending(self)))
 
     def _gather_rows(self, rows: Any) -> Any:
         """Rows ``rows`` of the stored value: from the compute copy if it is fresh, else only those rows."""
         if not self._on_replica():
             return self._client_owner().gather_rows(self._var_id, rows)
         runtime = self._runtime
-        if self._value is not None and self._cached_run == runtime.run_id:
+        session = current_session(runtime)
+        if self._fresh(session):
             return self._value[rows]
+        if session is not None:
+            return _on_replica_device(session.gather(self, rows), runtime)
         _, found = self._store.call_from_replica(runtime, "gather", var_id=self._var_id, indices=rows)
         return _on_replica_device(found, runtime)
+
+    @staticmethod
+    def _gather_rows_of_shards(requests: list[tuple[AggregatingVariable, Any]]) -> list[Any]:
+        """Rows of several stored shards: in a closure, one request per store and all stores at once."""
+        views = [v for v, _ in requests]
+        runtime = views[0]._runtime if views and views[0]._on_replica() else None
+        session = current_session(runtime) if runtime is not None else None
+        if session is None or any(v._runtime is not runtime for v in views):
+            return [view._gather_rows(rows) for view, rows in requests]
+        found: list[Any] = [None] * len(requests)
+        remote = []
+        for i, (view, rows) in enumerate(requests):
+            if view._fresh(session):
+                found[i] = view._value[rows]
+            else:
+                remote.append(i)
+        if remote:
+            pulled = session.gather_many([requests[i] for i in remote])
+            for i, rows in zip(remote, pulled):
+                found[i] = _on_replica_device(rows, runtime)
+        return found
 
     # -- sparse updates (embeddings) -------------------------------------------------------
 
@@ -119,10 +177,28 @@ class AggregatingVariable(DistributedVariable):
                 "sync: reduce the sparse update first (merge_call) or run it from a parameter-server worker"
             )
         read = self._cached_version if self._cached_run == runtime.run_id else None
+        session = current_session(runtime)
+        if session is not None:
+            rows, delta = self._check_scatter(method, indices, values)
+            session.queue(self, ("scatter", self._var_id, method, rows, delta, session.next_dedupe_key(), read))
+            return self
         self._store.call_from_replica(runtime, "scatter", var_id=self._var_id, method=method, indices=indices,
-                                      values=values, dedupe=_dedupe_key(runtime), read_version=read)
+                                      values=values, dedupe=None, read_version=read)
         self._cached_run = None  # the compute copy is stale: the next read pulls
         return self
+
+    def _check_scatter(self, method: str, indices: Any, values: Any) -> tuple[np.ndarray, np.ndarray]:
+        """The rows and values of a sparse update as the store takes them; its errors raised here, at once."""
+        rows = np.asarray(to_numpy(as_array(indices)[0]), dtype=np.int64).reshape(-1)
+        delta = np.array(to_numpy(as_array(values)[0]), dtype=self.dtype, copy=True)
+        shape = tuple(self.shape)
+        if delta.shape != (len(rows), *shape[1:]):
+            raise ValueError(f"scatter_{method} of variable '{self.name}': values of shape {delta.shape} "
+                             f"for {len(rows)} rows of shape {shape[1:]}")
+        if rows.size and (rows.min() < 0 or rows.max() >= shape[0]):
+            raise IndexError(f"scatter_{method}: rows {rows.min()}..{rows.max()} of variable "
+                             f"'{self.name}' with {shape[0]} rows")
+        return rows, delta
 
     # -- writing -----------------------------------------------------------------------
 
@@ -136,10 +212,15 @@ class AggregatingVariable(DistributedVariable):
         array = self._convert(value)
         if ctx is not None and runtime.size > 1 and self.aggregation is VariableAggregation.NONE:
             raise ValueError(aggregation_error_message("AggregatingVariable"))
-        if runtime.size == 1:  # nothing to aggregate (a parameter-server worker): applied at once, deduplicated
+        read = self._cached_version if self._cached_run == runtime.run_id else None
+        session = current_session(runtime)
+        if runtime.size == 1 and session is not None:  # a parameter-server closure: pushed with the others
+            host = np.array(to_numpy(array), copy=True)  # the caller may reuse its array before the push
+            session.queue(self, ("update", self._var_id, method, host, session.next_dedupe_key(), read))
+            return
+        if runtime.size == 1:  # nothing to aggregate: applied at once
             version, new_value = self._store.call_from_replica(
-                runtime, "update", var_id=self._var_id, method=method, value=array, dedupe=_dedupe_key(runtime),
-                read_version=self._cached_version if self._cached_run == runtime.run_id else None)
+                runtime, "update", var_id=self._var_id, method=method, value=array, dedupe=None, read_version=read)
             self._value = _on_replica_device(new_value, runtime)
             self._cached_version, self._cached_run = version, runtime.run_id
             return
@@ -163,21 +244,10 @@ def _on_replica_device(value: Any, runtime: Any) -> Any:
     return value
 
 
-#: The resident under which a parameter-server worker records the closure it runs (id, updates so far).
-CLOSURE_KEY = (STRATEGY, "ps-closure")
-
-
 def _dedupe_key(runtime: Any) -> tuple[str, int] | None:
-    """``(closure id, n)`` for the n-th update of the closure this worker runs, or ``None`` outside closures.
-
-    A closure run again after a worker failure makes the same updates in the
-    same order, so the store applies each key once.
-    """
-    closure = runtime.objects.find(*CLOSURE_KEY)
-    if closure is None:
-        return None
-    closure[1] += 1
-    return (closure[0], closure[1])
+    """``(closure id, n)`` for the closure's next update (``ps_fit``'s pushes too), or ``None`` outside closures."""
+    session = current_session(runtime)
+    return None if session is None else session.next_dedupe_key()
 
 
 def _resolve_stored_variable(token: str, var_id: str, spec: VariableSpec, store: StoreRef,

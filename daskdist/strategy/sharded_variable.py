@@ -237,6 +237,14 @@ def _rows(variable: Any, local_ids: np.ndarray) -> Any:
     return as_array(variable.value())[0][local_ids]
 
 
+def _rows_of_shards(variables: list[Any], local_ids: list[np.ndarray]) -> list[Any]:
+    """Rows of several shards: stored shards are asked together (one request per store, all at once)."""
+    gather_many = getattr(type(variables[0]), "_gather_rows_of_shards", None) if variables else None
+    if gather_many is not None and all(type(v) is type(variables[0]) for v in variables):
+        return list(gather_many(list(zip(variables, local_ids))))
+    return [_rows(variable, ids) for variable, ids in zip(variables, local_ids)]
+
+
 def embedding_lookup(params: Any, ids: Any, max_norm: float | None = None, name: str | None = None) -> Any:
     """Rows ``ids`` of ``params`` (TF's ``tf.nn.embedding_lookup``); shape ``ids.shape + row shape``.
 
@@ -259,17 +267,28 @@ def embedding_lookup(params: Any, ids: Any, max_norm: float | None = None, name:
             raise IndexError(f"embedding_lookup: ids must be in [0, {rows}), got {flat.min()}..{flat.max()}")
         shard_of = np.searchsorted(params._offsets, flat, side="right") - 1
         out = None
-        for shard in np.unique(shard_of):
-            where = np.nonzero(shard_of == shard)[0]
-            local = flat[where] - params._offsets[shard]
-            unique, inverse = np.unique(local, return_inverse=True)  # each row pulled once
-            found = as_array(_rows(params._variables[shard], unique))[0][inverse]
+        shards = [int(shard) for shard in np.unique(shard_of)]
+        wheres = [np.nonzero(shard_of == shard)[0] for shard in shards]
+        uniques, inverses = [], []
+        for shard, where in zip(shards, wheres):
+            unique, inverse = np.unique(flat[where] - params._offsets[shard], return_inverse=True)  # each row once
+            uniques.append(unique)
+            inverses.append(inverse)
+        pulled = _rows_of_shards([params._variables[shard] for shard in shards], uniques)
+        for where, rows, inverse in zip(wheres, pulled, inverses):
+            found = as_array(rows)[0][inverse]
             if out is None:
                 out = namespace(found).empty((flat.size, *params.shape[1:]), dtype=found.dtype)
             out[where] = found
         if out is None:
             out = np.empty((0, *params.shape[1:]), dtype=params.dtype)
         result = out
+    elif hasattr(params, "_gather_rows"):  # a stored variable: only the rows travel (TF gathers on the ps)
+        rows = int(params.shape[0])
+        if flat.size and (flat.min() < 0 or flat.max() >= rows):
+            raise IndexError(f"embedding_lookup: ids must be in [0, {rows}), got {flat.min()}..{flat.max()}")
+        unique, inverse = np.unique(flat, return_inverse=True)
+        result = as_array(_rows(params, unique))[0][inverse]
     else:
         table = as_array(params.value() if isinstance(params, Variable) else params)[0]
         result = table[flat]
