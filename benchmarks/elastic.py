@@ -2,7 +2,9 @@
 
 Four parts, all with the tutorial's CNN (``examples/mnist_mirrored.py``,
 MNIST-shaped synthetic data, ``map(scale).cache().batch(64)``: the tutorial's
-pipeline without its shuffle, which elastic ``fit`` does not take yet):
+pipeline without its shuffle, so that plain and elastic read the same input:
+elastic ``fit`` turns a shuffle into a seeded full permutation planned each
+epoch, a plain strategy into per-replica buffers):
 
 1. **Commit cost.** ``fit`` on 2 replicas (a ``LocalCluster``), epochs
    alternating (ABBA) between a plain (non-elastic) strategy and elastic ones

@@ -277,12 +277,15 @@ def remember_members(group: ReplicaGroup) -> None:
 
 
 def _free_workers(group: ReplicaGroup, options: ElasticOptions) -> list[str]:
-    """Workers of the cluster that host no member of the group, oldest first, but those in their cooldown."""
+    """Workers of the cluster that host no member of the group, oldest first, but those in their cooldown and
+    those leaving (retired from the group, or closing)."""
     workers = group.client.scheduler_info(n_workers=-1)["workers"]
     quarantine = quarantine_of(group)
     quarantine.remember(workers)
     members = set(group.addresses)
-    free = [a for a in workers if a not in members]
+    # a member that just retired is still in the cluster while Dask closes it: it is not free
+    leaving = _retired(group) | {a for a, info in workers.items() if info.get("status", "running") != "running"}
+    free = [a for a in workers if a not in members and a not in leaving]
     cooling = [a for a in free if quarantine.cooling(a, options.cooldown_seconds)]
     if cooling:
         logger.info("Not admitting %s into %s: they failed less than cooldown=%s ago", cooling, group.group_id,
