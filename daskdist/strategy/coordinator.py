@@ -488,7 +488,7 @@ class PerWorkerDataset:
                 """Worker ``i``'s pipeline; a newcomer takes over a lost worker's (else reads ``i mod count`` again)."""
                 address = coordinator._workers[i] if i < len(coordinator._workers) else None
                 dataset = by_address.get(address) if address is not None else None
-                if dataset is not None:
+                if address is not None and dataset is not None:
                     return (self._key, dataset, live.index(address), count)
                 orphaned = [j for j, reader in sorted(readers.items())
                             if reader != i and (reader >= len(coordinator._workers)

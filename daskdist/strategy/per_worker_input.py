@@ -17,10 +17,17 @@ Every partition a worker loads is logged there with the load's pass (1st,
 the log with each closure's result and records it in the client's
 ``ClosureDataLedger`` when the closure commits. A closure whose worker is
 lost commits nothing, and the partitions its pipeline held are not read
-again in that pass (they are not re-assigned): visitation per pass is *at
-most once* per partition, and exactly once when no worker is lost. Loads
-made ahead by ``shuffle``/``prefetch`` count for the closure during which
-they happened.
+again in that pass by the survivors (they are not re-assigned): visitation
+per pass is *at most once* per partition, and exactly once when no worker
+is lost. Loads made ahead by ``shuffle``/``prefetch`` count for the closure
+during which they happened.
+
+A worker admitted in place of a lost one (a nanny restart) takes the lost
+worker's pipeline over (``LocalityPlan.takeover``): it reads from the
+collection's own keys (Dask recomputes those that were lost), skips in its
+first sweep the partitions committed closures loaded in the pass in
+progress, and numbers its passes on: the pass then completes, each
+partition loaded once.
 """
 
 from __future__ import annotations
@@ -127,7 +134,8 @@ class LocalityPlan:
     def takeover(self, index: int, committed: dict[int, int]) -> Dataset:
         """Pipeline ``index`` for a worker replacing its lost reader (``LoggedSource.resumed``)."""
         dataset = self.portable[index]
-        source: LoggedSource = dataset.source
+        source = dataset.source
+        assert isinstance(source, LoggedSource)
         return Dataset(source.resumed(committed), dataset.transformations)
 
 
