@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+from daskdist import fault_points
 from daskdist.arrays import namespace
 from daskdist.collective.call import Call
 from daskdist.collective.reduction import combine_into, finalize
@@ -81,10 +82,14 @@ def allreduce_ring(call: Call, buf: Any, op: ReduceOp, out: Any = None) -> Any:
         outgoing = sources[send_index] if step == 0 else chunks[send_index]
         call.sendrecv(right, outgoing, left, f"rs{step}", chunks[recv_index], op,
                       None if out is None else sources[recv_index])
+        if step == 0 and fault_points.ARMED:  # a test's fault point (``daskdist.testing.pause-at``)
+            fault_points.reached("reduce-scatter")
     finalize(op, chunks[(rank + 1) % size], size)
     for step in range(size - 1):
         send_index, recv_index = (rank + 1 - step) % size, (rank - step) % size
         call.sendrecv(right, chunks[send_index], left, f"ag{step}", chunks[recv_index], None)
+        if step == 0 and fault_points.ARMED:
+            fault_points.reached("all-gather")
     return target
 
 

@@ -146,8 +146,14 @@ class ElasticFit:
     # -- recovery -------------------------------------------------------------------
 
     def _recover(self, error: BaseException) -> tuple[CommitKey, dict]:
-        outcome, self.failures = recover_within_budget(self.group, self.options, error, self.failures,
-                                                       install_newcomer=self._install_newcomer)
+        while True:  # a loss while the strategy takes in the new members is recovered from like any other
+            outcome, self.failures = recover_within_budget(self.group, self.options, error, self.failures,
+                                                           install_newcomer=self._install_newcomer)
+            try:
+                self.strategy.extended.membership_changed()
+                break
+            except RECOVERABLE as again:
+                error = again
         self.events.append(outcome)
         self._notify(outcome)
         history = self.model.history
@@ -172,6 +178,10 @@ class ElasticFit:
             return self._recover(error)
         if outcome is None:
             return None
+        try:
+            self.strategy.extended.membership_changed()
+        except RECOVERABLE as error:
+            return self._recover(error)
         self.events.append(outcome)
         self._notify(outcome)
         if self.model.history is not None:

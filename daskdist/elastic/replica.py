@@ -16,11 +16,13 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import optree
 
+from daskdist import fault_points
 from daskdist.arrays import to_numpy
 from daskdist.group.service import COMMIT, MODEL, VARIABLE, ReplicaService
 from daskdist.keras import training
@@ -66,14 +68,20 @@ class Commit:
         self._copy: concurrent.futures.Future[dict] | None = None
 
     @classmethod
-    def copying(cls, key: CommitKey, objects: Any, progress: dict) -> Commit:
-        """A commit whose state ``objects`` (a ``ResidentStore``) is copied by a thread started now."""
+    def copying(cls, key: CommitKey, objects: Any, progress: dict,
+                before_copy: Callable[[], None] | None = None) -> Commit:
+        """A commit whose state ``objects`` (a ``ResidentStore``) is copied by a thread started now.
+
+        ``before_copy``: called first in that thread (a test's fault point, ``fault_points.bound``).
+        """
         commit = cls(key, {}, progress)
         commit._state = None
         future: concurrent.futures.Future[dict] = concurrent.futures.Future()
 
         def copy() -> None:
             try:
+                if before_copy is not None:
+                    before_copy()
                 future.set_result(_copy_state(objects))
             except BaseException as e:  # the replica raises it at its next settle or restore
                 future.set_exception(e)
@@ -328,7 +336,9 @@ def elastic_train_epoch(service: ReplicaService, model_id: str, batches: Any, st
         totals = [np.asarray(t, np.float64) for t in reduced[:len(totals)]]
         grow, leave = (float(f) > 0 for f in reduced[-1])
         progress = {"loss_sum": loss_sum, "count": count, "metrics": {model_id: totals}}
-        ring.add(Commit.copying((fit, epoch, step), service.objects, progress))  # copied off the step path
+        # a test's fault point (``daskdist.testing.pause-at``): in the commit's copy, wherever that runs
+        pause = fault_points.bound("commit") if fault_points.ARMED else None
+        ring.add(Commit.copying((fit, epoch, step), service.objects, progress, pause))  # copied off the step path
         if (grow or leave) and step != last:
             raise _StopAtCommit(step, leave)
 

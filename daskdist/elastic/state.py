@@ -171,6 +171,8 @@ class State:
         """At the commit just taken: the retiring members leave (no rollback), the reset callbacks run."""
         try:
             outcome = leave(self.strategy.extended.group, self.options)
+            if outcome is not None:
+                self.strategy.extended.membership_changed()
         except RECOVERABLE as error:
             self._recover(error)
             return
@@ -181,7 +183,13 @@ class State:
 
     def _recover(self, error: BaseException) -> None:
         group = self.strategy.extended.group
-        outcome, self.failures = recover_within_budget(group, self.options, error, self.failures)
+        while True:  # a loss while the strategy takes in the new members is recovered from like any other
+            outcome, self.failures = recover_within_budget(group, self.options, error, self.failures)
+            try:
+                self.strategy.extended.membership_changed()
+                break
+            except RECOVERABLE as again:
+                error = again
         self.events.append(outcome)
         restored = self._commits[outcome.commit]
         for key in [k for k in self._commits if k > outcome.commit]:

@@ -23,9 +23,13 @@ from daskdist import serialization
 from daskdist.exceptions import ReplicaLostError
 from daskdist.group.frames import HELLO, read_response, send_request
 
-__all__ = ["CommandChannels", "client_ssl_context"]
+__all__ = ["WAIT_ENDING_KINDS", "CommandChannels", "client_ssl_context"]
 
 logger = logging.getLogger(__name__)
+
+#: Failure kinds after which the client stops waiting for the other replicas' answers: a lost member, and a
+#: group that moved to a newer generation (re-formed without members that may never answer).
+WAIT_ENDING_KINDS = ("lost", "stale")
 
 
 class CommandChannels:
@@ -67,8 +71,10 @@ class CommandChannels:
         """Send ``payloads[rank]`` to each target and gather the answers, by rank.
 
         After the first failure the others get ``abort_grace`` seconds to
-        report theirs; a lost replica ends the wait at once. Ranks that never
-        answered map to ``None``.
+        report theirs; a lost replica, or one that says the group moved to a
+        newer generation (the scheduler re-formed it without some members, who
+        may never answer: a host cut off), ends the wait at once. Ranks that
+        never answered map to ``None``.
         """
         settings_bytes = pickle.dumps(settings, protocol=pickle.HIGHEST_PROTOCOL) if settings is not None else b""
         responses: dict[int, dict[str, Any] | None] = dict.fromkeys(targets)
@@ -107,7 +113,7 @@ class CommandChannels:
                 responses[rank] = response
                 if response.get("status") != "OK":
                     failed = True
-                    lost |= response.get("kind") == "lost"
+                    lost |= response.get("kind") in WAIT_ENDING_KINDS
             if failed and deadline is None:
                 deadline = time.monotonic() + abort_grace
         return responses

@@ -34,7 +34,7 @@ from daskdist.cluster.placement import Placement
 from daskdist.collective.nccl_support import parse_setting as parse_nccl_setting
 from daskdist.collective.settings import parse_single_copy_bytes
 from daskdist.exceptions import RendezvousError, ReplicaLostError, StrategyClosedError
-from daskdist.group.channel import CommandChannels, client_ssl_context
+from daskdist.group.channel import WAIT_ENDING_KINDS, CommandChannels, client_ssl_context
 from daskdist.group.launch import run_replica
 from daskdist.group.membership import GroupId, Member, Membership, MembershipPolicy
 from daskdist.group.scheduler_plugin import DaskdistSchedulerPlugin
@@ -479,8 +479,9 @@ class ReplicaGroup:
             for task in done:
                 response = responses[tasks[task]] = task.result()
                 failed |= response.get("status") != "OK"
-                lost |= response.get("kind") == "lost"
-        if pending and not lost:  # a replica failed: give the others a bounded time to report why
+                lost |= response.get("kind") in WAIT_ENDING_KINDS
+        if pending and not lost:  # a replica failed: give the others a bounded time to report why (not after a
+            # loss or a new generation: the members still silent may be gone, cut off with no FIN or RST)
             done, pending = await asyncio.wait(pending, timeout=config.get_seconds("client.abort-grace"))
             for task in done:
                 responses[tasks[task]] = task.result()

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from daskdist import context
+from daskdist import context, fault_points
 from daskdist.arrays import as_array, namespace
 from daskdist.ops import ReduceOp
 from daskdist.strategy.gradient_applier import gradient_applier
@@ -80,11 +80,13 @@ def _timer() -> _RuntimeTimer | None:
     return _RuntimeTimer(service) if service is not None else None
 
 
-def _timed_batches(batches: Iterable[Any], steps: int | None, timer: Any) -> Generator[Any, None, None]:
+def _timed_batches(batches: Iterable[Any], steps: int | None, timer: Any,
+                   before_batch: Callable[[], None] | None = None) -> Generator[Any, None, None]:
     """The batches of one pass (at most ``steps``), each taken once its step's timer is open.
 
     Taking the batch inside the step makes its input wait count; the caller
     ends the step. Closing the generator closes the batch iterator.
+    ``before_batch``: called before each batch is taken (a test's fault point, ``fault_points.arm``).
     """
     iterator = iter(batches)
     try:
@@ -92,6 +94,8 @@ def _timed_batches(batches: Iterable[Any], steps: int | None, timer: Any) -> Gen
         while steps is None or step < steps:
             if timer is not None:
                 timer.begin(step)
+            if before_batch is not None:
+                before_batch()
             try:
                 batch = next(iterator)
             except StopIteration:
@@ -123,8 +127,9 @@ def train_batches(model: Model, batches: Iterable[Any], steps: int | None, progr
     timer = _timer()
     service = context.current_runtime()
     applier = gradient_applier(service) if service is not None else None  # where the optimizer runs
+    before_batch = fault_points.arm(service.rank if service is not None else 0, lambda: model.optimizer.iterations)
     step = 0
-    with contextlib.closing(_timed_batches(batches, steps, timer)) as timed:
+    with contextlib.closing(_timed_batches(batches, steps, timer, before_batch)) as timed:
         for batch in timed:
             x, y, sample_weight = split_batch(batch)
             step_loss, step_count = _train_step(model, ctx, x, y, sample_weight, timer, applier, before_apply)
@@ -153,6 +158,8 @@ def _train_step(model: Model, ctx: Any, x: Any, y: Any, sample_weight: Any, time
     loss_sum = 0.0
     if rows:
         y_pred = model._forward(x, training=True)
+        if fault_points.ARMED:
+            fault_points.reached("forward")
         per_example = model.loss.per_example(y, y_pred)
         grad = model.loss.gradient(y, y_pred)
         if sample_weight is not None:

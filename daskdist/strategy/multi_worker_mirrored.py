@@ -33,17 +33,20 @@ from daskdist.cluster_resolver import (
 from daskdist.cluster_resolver.selection import (
     HostGroup,
     WorkerRecord,
+    address_host,
     group_by_host,
     placement_key,
     select_hosts,
 )
+from daskdist.elastic.options import ElasticOptions
 from daskdist.group.service import STRATEGY
 from daskdist.ops import CommunicationImplementation, CommunicationOptions
 from daskdist.replica.strategy_view import CLUSTER_RESOLVER_KEY
 from daskdist.strategy.base import Strategy
 from daskdist.strategy.mirrored import MirroredExtended
 
-__all__ = ["MultiWorkerMirroredExtended", "MultiWorkerMirroredStrategy", "MultiWorkerMirroredStrategyExperimental"]
+__all__ = ["MultiWorkerMirroredExtended", "MultiWorkerMirroredStrategy", "MultiWorkerMirroredStrategyExperimental",
+           "renumber_hosts"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +81,40 @@ def validate_cluster_spec(spec: ClusterSpec, task_type: str | None, task_id: int
         raise ValueError(f"The `task_id` {task_id} exceeds the maximum id of {task_type}.")
 
 
+def renumber_hosts(groups: list[HostGroup], members: list[str]) -> tuple[list[HostGroup], list[int]]:
+    """The hosts (TF workers) of a re-formed group, and each member's ``task_id``.
+
+    Parameters
+    ----------
+    groups
+        The hosts before, in task order, each with its Dask workers.
+    members
+        The new members' addresses in rank order (survivors in their old order, newcomers last).
+
+    Returns
+    -------
+    The hosts that still hold members, in the order their first member ranks, and the ``task_id`` of each
+    member (its host's index). A host whose members all left is dropped and the hosts after it move up; a
+    newcomer joins the host whose workers share its address's host, else forms a new host at the end.
+    """
+    kept = [HostGroup(g.entry, tuple(a for a in g.workers if a in members)) for g in groups]
+    live = [g for g in kept if g.workers]
+    placed = {a for g in live for a in g.workers}
+    for address in members:
+        if address in placed:
+            continue
+        host = address_host(address)
+        index = next((i for i, g in enumerate(live) if address_host(g.workers[0]) == host), None)
+        if index is None:
+            live.append(HostGroup(host, (address,)))
+        else:
+            live[index] = HostGroup(live[index].entry, (*live[index].workers, address))
+    task_of = {a: i for i, g in enumerate(live) for a in g.workers}
+    order = list(dict.fromkeys(task_of[a] for a in members))
+    renumber = {old: new for new, old in enumerate(order)}
+    return [live[old] for old in order], [renumber[task_of[a]] for a in members]
+
+
 def _install_resolver(runtime: Any, resolver: DaskClusterResolver) -> None:
     """Replica command: leave this replica its resolver (``ctx.strategy.cluster_resolver``)."""
     runtime.objects.install(STRATEGY, CLUSTER_RESOLVER_KEY, resolver)
@@ -101,16 +138,19 @@ class MultiWorkerMirroredExtended(MirroredExtended):
     client
         The ``distributed.Client`` (``None``: the default client, else an
         embedded local cluster, which is one host).
+    elastic
+        ``ElasticOptions`` (the group re-forms on the survivors of a loss), or ``None``.
     """
 
     def __init__(self, strategy: Any, cluster_resolver: ClusterResolver, resolver_given: bool,
-                 options: CommunicationOptions, client: Client | None):
+                 options: CommunicationOptions, client: Client | None, elastic: ElasticOptions | None = None):
         self._resolver = cluster_resolver
         self._selection: ClusterSpec | None = None
         self.task_ids: list[int] = []
         self.host_groups: list[HostGroup] = []
         self._gpus: dict[str, int] = {}
-        super().__init__(strategy, None, None, client, options=options)
+        super().__init__(strategy, None, None, client, options=options, elastic=elastic)
+        self._resolver_given = resolver_given
         try:
             if resolver_given or self._selection is not None:
                 self.cluster_resolver: ClusterResolver = cluster_resolver
@@ -183,6 +223,22 @@ class MultiWorkerMirroredExtended(MirroredExtended):
         self._selection = spec
         return select_hosts(spec, records)
 
+    def membership_changed(self) -> None:
+        """After an elastic group re-formed (members lost or admitted): hosts renumbered, resolvers replaced.
+
+        Hosts keep their order; a host whose replicas all left is dropped and
+        the hosts after it move up (TF's ``task_id`` of each remaining host is
+        its new index); a newcomer joins its host's group, or forms a new host
+        at the end. Every replica then gets a resolver of the new members.
+        """
+        members = list(self.worker_addresses)
+        self.host_groups, self.task_ids = renumber_hosts(self.host_groups, members)
+        logger.info("MultiWorkerMirroredStrategy re-formed: %d hosts (%s), %d replicas", len(self.host_groups),
+                    ", ".join(f"{g.entry} x{len(g.workers)}" for g in self.host_groups), len(members))
+        if not (self._resolver_given or self._selection is not None):
+            self.cluster_resolver = DaskClusterResolver(self.client, workers=members)
+        self._install_replica_resolvers()
+
     def _install_replica_resolvers(self) -> None:
         addresses = list(self.worker_addresses)
         resolvers = []
@@ -220,6 +276,12 @@ class MultiWorkerMirroredStrategy(Strategy):
     client
         The ``distributed.Client`` of the cluster (``None``: the default
         client, else an embedded local cluster).
+    elastic
+        ``dd.ElasticOptions(min_replicas, ...)``: a lost worker (or a whole
+        host) no longer ends ``fit`` or a ``dd.elastic.run`` loop; the
+        survivors re-form, go back to the newest commit and go on, the hosts
+        renumbered (``docs/elastic.md``). ``None`` (the default): a lost
+        worker raises ``ReplicaLostError`` everywhere.
 
     Raises
     ------
@@ -237,7 +299,8 @@ class MultiWorkerMirroredStrategy(Strategy):
     """
 
     def __init__(self, cluster_resolver: ClusterResolver | None = None,
-                 communication_options: CommunicationOptions | None = None, *, client: Client | None = None):
+                 communication_options: CommunicationOptions | None = None, *, client: Client | None = None,
+                 elastic: ElasticOptions | None = None):
         if communication_options is None:
             communication_options = CommunicationOptions()
         if not isinstance(communication_options, CommunicationOptions):  # TF raises ValueError for both
@@ -251,7 +314,7 @@ class MultiWorkerMirroredStrategy(Strategy):
                 "cluster_resolver must be an instance of dd.cluster_resolver.ClusterResolver, got "
                 f"{type(resolver).__name__}")
         self._multi_worker = MultiWorkerMirroredExtended(self, resolver, cluster_resolver is not None,
-                                                         communication_options, client)
+                                                         communication_options, client, elastic=elastic)
         super().__init__(self._multi_worker)
 
     @property

@@ -212,6 +212,13 @@ class SpmdExtended(StrategyExtended):
         """The replica group handle (the SPMD transport of the contract's commands)."""
         return self._group
 
+    def membership_changed(self) -> None:
+        """Called by elastic training once the group re-formed (members lost or admitted) and holds one commit.
+
+        Nothing to do here; ``MultiWorkerMirroredExtended`` renumbers its hosts
+        and gives every replica a resolver of the new members.
+        """
+
     def check_open(self) -> None:
         if self._closed:
             raise StrategyClosedError("This strategy is closed; create a new one")
