@@ -472,11 +472,11 @@ def test_after_a_worker_is_killed_the_ledger_and_the_updates_count_each_committe
         iterator = iter(per_worker)
 
         def step(it):
+            time.sleep(0.2)  # an exhausted worker's closures take as long: it does not drain the queue from the other
             try:
                 batch = next(it)
             except StopIteration:
                 return []
-            time.sleep(0.2)
             applied.assign_add(len(batch))  # a re-run after a loss applies it at most once (closure id)
             return [int(r) for r in batch[:, 0]]
 
@@ -487,7 +487,9 @@ def test_after_a_worker_is_killed_the_ledger_and_the_updates_count_each_committe
         coordinator.join()
         rows = [r for batch in coordinator.fetch(values) for r in batch]
         assert len(rows) == len(set(rows))  # no row returned by two committed closures
-        assert int(applied.numpy()) == len(rows)  # each committed batch's update applied once, none twice
+        # each committed batch's update applied once, none twice (see docs/strategies.md for the one-reply window in
+        # which a lost attempt's push counts instead of its re-run's)
+        assert int(applied.numpy()) == len(rows), (int(applied.numpy()), rows, coordinator.data_ledger.entries)
         ledger = coordinator.data_ledger
         assert ledger.duplicates() == {}  # no partition loaded twice in the pass by committed closures
         mine = dict(zip(roles["worker"], per_worker.locality.partitions))
@@ -532,8 +534,15 @@ def test_a_worker_restarted_by_its_nanny_takes_over_the_lost_pipeline_and_reads_
             newcomer = next((a for a in coordinator._live if a not in roles["worker"]), None)
             time.sleep(0.1)
         assert newcomer is not None, "the restarted worker was not admitted"
-        rest = coordinator.fetch([coordinator.schedule(step, args=(iterator,)) for _ in range(40)])
-        rows = [r for _, batch in first + rest for r in batch]
+        results, exhausted = list(first), set()
+        for _ in range(30):  # until both pipelines ran out (an exhausted worker answers fast: go on till both did)
+            more = coordinator.fetch([coordinator.schedule(step, args=(iterator,)) for _ in range(8)])
+            results += more
+            exhausted |= {address for address, batch in more if not batch}
+            if {roles["worker"][1], newcomer} <= exhausted:
+                break
+        assert {roles["worker"][1], newcomer} <= exhausted
+        rows = [r for _, batch in results for r in batch]
         assert len(rows) == len(set(rows))  # no row read twice, though the newcomer reads the lost worker's pipeline
         ledger = coordinator.data_ledger
         assert ledger.duplicates() == {}
