@@ -1,35 +1,69 @@
-"""Elastic training: the cost of committing every step, and the time from a kill -9 to training again.
+"""Elastic training: the cost of committing, the time from a kill -9 (or SIGSTOP) to training again, goodput.
 
-Two parts:
+Four parts, all with the tutorial's CNN (``examples/mnist_mirrored.py``,
+MNIST-shaped synthetic data, ``map(scale).cache().batch(64)``: the tutorial's
+pipeline without its shuffle, so that plain and elastic read the same input:
+elastic ``fit`` turns a shuffle into a seeded full permutation planned each
+epoch, a plain strategy into per-replica buffers):
 
-1. **Commit cost.** ``fit`` of the tutorial's CNN (``examples/mnist_mirrored.py``,
-   MNIST-shaped synthetic data, ``map(scale).cache().batch(B)``: the tutorial's
-   pipeline without its shuffle, which elastic ``fit`` does not take yet) on 2
-   replicas, epochs alternating (ABBA) between a plain strategy and elastic ones
-   with ``commit_every`` 1 and 10. Reported: median wall time per step of each
-   (epoch time / steps, the warm-up epoch skipped), and the elastic ones'
-   overhead against the plain one (goal: under 3 % at ``commit_every=1``).
-2. **Recovery.** 3 ``dask worker`` processes (each with its nanny); one is
-   killed with its nanny (SIGKILL) mid-epoch. Reported, per trial: seconds from
-   the kill to the recovery event (new generation, commit restored), and to the
-   first step of the new generation (replica 0's first progress event after it).
-3. **Stopped.** The same with SIGSTOP instead of SIGKILL: the processes live and
-   keep their sockets open but answer nothing; the scheduler declares the worker
-   lost when its heartbeats stop for ``daskdist.elastic.heartbeat-timeout``.
+1. **Commit cost.** ``fit`` on 2 replicas (a ``LocalCluster``), epochs
+   alternating (ABBA) between a plain (non-elastic) strategy and elastic ones
+   with ``commit_every`` 1 and 10, side by side in one run. Reported: median
+   wall time per step of each (epoch time / steps, a warm-up epoch first), and
+   each one's ratio to the plain one (goal: under 1.03 at ``commit_every=1``).
+2. **Goodput with a kill -9 every epoch.** 3 ``dask worker`` processes (each
+   with its nanny) on a fresh scheduler per run; ``--goodput-epochs`` (10)
+   epochs of ``fit``. In every epoch, once replica 0 reported step
+   ``steps // 2``, a worker of the group (rank 1) is killed with its nanny
+   (SIGKILL, nothing restarts it) and a replacement ``dask worker`` is started
+   (a spot instance replaced), so that every run has 3 workers to use:
 
-Run: ``python benchmarks/elastic.py [--epochs 6] [--steps 32] [--trials 3] [--parts commit,recovery,stop]``.
+   * *uninterrupted*: the plain strategy, no kill;
+   * *elastic*: ``ElasticOptions(min_replicas=2, max_replicas=3,
+     admit_every="1s")`` (``--min-replicas 1`` for 1): fit goes on on the
+     survivors from the newest commit and admits the replacement at the next
+     commit boundary once it is up (with ``min_replicas=2`` a kill before it is
+     up leaves 1 replica: below ``min_replicas`` the recovery waits for it);
+   * *restart + BackupAndRestore*: what a user has today: the plain strategy
+     with ``keras.callbacks.BackupAndRestore``; the kill ends ``fit`` with
+     ``ReplicaLostError``, the user's loop waits for 3 workers, makes a new
+     strategy and model and calls ``fit`` again, which resumes after the last
+     finished epoch (the killed epoch's steps are trained again).
+
+   Reported: wall time, goodput (samples of the 10 epochs / wall time) and its
+   ratio to the uninterrupted run.
+3. **Kill -9 to the first step of the new generation**, from the elastic run's
+   kills: per kill, seconds from the kill to the end of the recovery
+   (``History.elastic_events``' ``time``: the new generation formed, the commit
+   restored) and to the start of replica 0's first step after it (the step's
+   own wall-clock start, from the scheduler's step store); mean and range.
+
+4. **Stopped** (``stop``; ``recovery`` is the same with SIGKILL): per trial a
+   fresh cluster of 3 ``dask worker`` processes, one worker and its nanny get
+   SIGSTOP mid-epoch: the processes live and keep their sockets open but
+   answer nothing; the scheduler declares the worker lost when its heartbeats
+   stop for ``daskdist.elastic.heartbeat-timeout``. Reported, per trial:
+   seconds from the signal to the recovery event and to the first step of the
+   new generation (replica 0's first progress event after it).
+
+Run: ``python benchmarks/elastic.py [--min-replicas 1|2] [--parts commit,goodput,stop]``
+(commit and goodput: 330 s on 2 cores at load 15-20); ``--quick`` (2 measured
+epochs, 16 steps, 3 goodput epochs, 1 trial) is a smoke run.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -44,6 +78,7 @@ from training_parts.keras_parts import build_cnn, scale  # noqa: E402
 cloudpickle.register_pickle_by_value(keras_parts)
 
 import daskdist as dd  # noqa: E402
+from daskdist import keras  # noqa: E402
 from daskdist.elastic.recovery import ELASTIC_TOPIC  # noqa: E402
 from daskdist.keras.models import PROGRESS_TOPIC  # noqa: E402
 
@@ -79,9 +114,182 @@ def commit_cost(epochs: int, steps: int) -> None:
         for strategy in strategies.values():
             strategy.close()
     plain = statistics.median(times["plain"])
-    rows = [[name, f"{statistics.median(t) * 1e3:.2f}", f"{(statistics.median(t) / plain - 1) * 100:+.1f} %"]
-            for name, t in times.items()]
-    print(format_table(["strategy", "ms per step (median)", "vs plain"], rows))
+    rows = [[name, f"{statistics.median(t) * 1e3:.2f}", f"{statistics.median(t) / plain:.3f}",
+             f"{min(t) * 1e3:.2f}-{max(t) * 1e3:.2f}"] for name, t in times.items()]
+    print(format_table(["strategy", "ms per step (median)", "ratio to plain", "range (ms)"], rows))
+
+
+class ProcessWorkers:
+    """A scheduler in this process and ``dask worker`` processes (each with its nanny) that may be killed."""
+
+    def __init__(self, n: int):
+        from distributed import Client, LocalCluster
+
+        self.cluster = LocalCluster(n_workers=0, processes=True, dashboard_address=":0", silence_logs=40)
+        self.client = Client(self.cluster, set_as_default=False)
+        self._command = [os.path.join(os.path.dirname(sys.executable), "dask"), "worker",
+                         self.cluster.scheduler_address, "--nthreads", "1", "--no-dashboard"]
+        self.processes: list[subprocess.Popen] = []
+        for _ in range(n):
+            self.start_one()
+        self.client.wait_for_workers(n, timeout=120)
+
+    def start_one(self) -> None:
+        self.processes.append(subprocess.Popen(self._command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+    def kill(self, address: str) -> float:
+        """SIGKILL the worker at ``address`` and its nanny; the wall-clock time of the kill."""
+        worker, nanny = self.client.run(lambda: (os.getpid(), os.getppid()), workers=[address])[address]
+        at = time.time()
+        os.kill(nanny, signal.SIGKILL)
+        os.kill(worker, signal.SIGKILL)
+        return at
+
+    def close(self) -> None:
+        self.client.close()
+        self.cluster.close()
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait(10)
+
+
+class KillEveryEpoch(threading.Thread):
+    """Kills rank 1 of the current group once per epoch (at replica 0's step ``step``) and starts a replacement."""
+
+    def __init__(self, workers: ProcessWorkers, members: Callable[[], list[str]], step: int, epochs: int):
+        super().__init__(daemon=True)
+        self.workers, self.members, self.step, self.epochs = workers, members, step, epochs
+        self.kills: list[float] = []  # wall-clock times
+        self.failed: list[str] = []  # kill attempts that failed (the group was between generations), retried
+        self.stopped = threading.Event()
+        self.since = time.time()
+
+    def run(self) -> None:
+        killed: set[int] = set()
+        while not self.stopped.is_set() and len(killed) < self.epochs:
+            events = self.workers.client.get_events(PROGRESS_TOPIC)
+            due = sorted({m.get("epoch") for t, m in events if t > self.since and m.get("epoch") not in killed
+                          and m.get("step", -1) >= self.step})
+            if not due:
+                time.sleep(0.02)
+                continue
+            try:
+                victim = self.members()[1]
+                self.kills.append(self.workers.kill(victim))
+            except Exception as e:  # noqa: BLE001 - the group is between generations (or restarting): try again
+                self.failed.append(f"{type(e).__name__}: {e}")
+                time.sleep(0.1)
+                continue
+            killed.add(int(due[0]))
+            self.workers.start_one()
+
+
+def _first_steps_after(dask_scheduler: object, token: str, times: list[float]) -> list[float | None]:
+    """Per wall-clock time, the start of rank 0's first step after it (the scheduler's step store)."""
+    group = dask_scheduler.extensions["daskdist"].store.groups.get(token)  # type: ignore[attr-defined]
+    starts = sorted(step["start"] for step in group.replicas[0].history) if group is not None else []
+    return [next((s for s in starts if s >= t), None) for t in times]
+
+
+def _run_uninterrupted(epochs: int, steps: int) -> tuple[float, str]:
+    workers = ProcessWorkers(3)
+    try:
+        with dd.MirroredStrategy(client=workers.client) as strategy:
+            with strategy.scope():
+                model = build_cnn()
+            start = time.perf_counter()
+            model.fit(dataset(steps), epochs=epochs, verbose=0)
+            return time.perf_counter() - start, "-"
+    finally:
+        workers.close()
+
+
+def _run_elastic(epochs: int, steps: int, min_replicas: int
+                 ) -> tuple[float, str, list[tuple[float, float, float | None]]]:
+    """Wall time, a note, and per kill (kill -> recovered, recovery's own seconds, kill -> first step after)."""
+    workers = ProcessWorkers(3)
+    try:
+        options = dd.ElasticOptions(min_replicas=min_replicas, max_replicas=3, admit_every="1s")
+        with dd.MirroredStrategy(client=workers.client, elastic=options) as strategy:
+            with strategy.scope():
+                model = build_cnn()
+            killer = KillEveryEpoch(workers, lambda: list(strategy.extended.worker_addresses), steps // 2, epochs)
+            killer.start()
+            start = time.perf_counter()
+            history = model.fit(dataset(steps), epochs=epochs, verbose=0)
+            wall = time.perf_counter() - start
+            killer.stopped.set()
+            killer.join(10)
+            time.sleep(2.5)  # the last steps reach the scheduler's store (daskdist.metrics.event-interval: 1 s)
+            restored = [e for e in history.elastic_events if e["action"] == "restored"]
+            firsts = workers.client.run_on_scheduler(_first_steps_after, token=strategy.extended.token,
+                                                     times=[e["time"] for e in restored])
+            per_kill = []
+            for event, first in zip(restored, firsts):  # each recovery with the kill before it (a kill at the
+                kill = max((k for k in killer.kills if k <= event["time"]), default=None)  # very end has none)
+                if kill is not None:
+                    per_kill.append((event["time"] - kill, event["seconds"], None if first is None else first - kill))
+            grew = sum(1 for e in history.elastic_events if e["action"] == "grew")
+            if killer.failed:
+                print(f"  ({len(killer.failed)} kill attempts retried; last: {killer.failed[-1]})")
+            return wall, f"{len(killer.kills)} kills, {len(restored)} recoveries, {grew} growths", per_kill
+    finally:
+        workers.close()
+
+
+def _run_restarts(epochs: int, steps: int) -> tuple[float, str]:
+    """The plain strategy with BackupAndRestore, ``fit`` called again after each loss (the user's loop)."""
+    from daskdist.exceptions import DaskdistError
+
+    workers = ProcessWorkers(3)
+    backup = tempfile.mkdtemp(prefix="daskdist-bench-backup-")
+    current: dict[str, list[str]] = {"members": []}
+    killer = KillEveryEpoch(workers, lambda: current["members"], steps // 2, epochs)
+    restarts = 0
+    try:
+        killer.start()
+        start = time.perf_counter()
+        while True:
+            workers.client.wait_for_workers(3, timeout=120)
+            try:
+                with dd.MirroredStrategy(client=workers.client) as strategy:
+                    current["members"] = list(strategy.extended.worker_addresses)
+                    with strategy.scope():
+                        model = build_cnn()
+                    model.fit(dataset(steps), epochs=epochs, verbose=0,
+                              callbacks=[keras.callbacks.BackupAndRestore(backup)])
+                break
+            except DaskdistError:
+                restarts += 1
+                current["members"] = []
+                time.sleep(0.1)
+        wall = time.perf_counter() - start
+        killer.stopped.set()
+        killer.join(10)
+        return wall, f"{len(killer.kills)} kills, {restarts} restarts"
+    finally:
+        shutil.rmtree(backup, ignore_errors=True)
+        workers.close()
+
+
+def goodput(epochs: int, steps: int, min_replicas: int) -> None:
+    samples = epochs * steps * BATCH
+    runs = [("uninterrupted", *_run_uninterrupted(epochs, steps))]
+    wall, note, per_kill = _run_elastic(epochs, steps, min_replicas)
+    runs.append((f"elastic (min_replicas={min_replicas}), a kill -9 per epoch", wall, note))
+    runs.append(("restart + BackupAndRestore, a kill -9 per epoch", *_run_restarts(epochs, steps)))
+    base = samples / runs[0][1]
+    rows = [[name, f"{wall:.1f}", f"{samples / wall:,.0f}", f"{samples / wall / base:.2f}", note]
+            for name, wall, note in runs]
+    print(format_table(["run", "wall s", "goodput samples/s", "vs uninterrupted", "events"], rows))
+    print(f"\n## Kill -9 to the first step of the new generation (the elastic run's {len(per_kill)} kills)\n")
+    rows = [[str(i), f"{r:.2f}", f"{s:.2f}", "-" if f is None else f"{f:.2f}"] for i, (r, s, f) in enumerate(per_kill)]
+    print(format_table(["kill", "kill -> recovered (s)", "recovery itself (s)", "kill -> first step (s)"], rows))
+    firsts = [f for _, _, f in per_kill if f is not None]
+    if firsts:
+        print(f"\nkill -> first step of the new generation: mean {statistics.mean(firsts):.2f} s "
+              f"(min {min(firsts):.2f}, max {max(firsts):.2f}, {len(firsts)} kills)")
 
 
 def _kill_mid_epoch(client, step: int, pids: tuple[int, ...], killed: dict, how: int = signal.SIGKILL) -> None:
@@ -139,21 +347,34 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--epochs", type=int, default=6, help="measured epochs per strategy (commit cost)")
     parser.add_argument("--steps", type=int, default=32, help="steps per epoch")
-    parser.add_argument("--trials", type=int, default=3, help="kills (recovery)")
-    parser.add_argument("--parts", default="commit,recovery,stop",
-                        help="which parts, comma-separated: commit, recovery (kill -9), stop (SIGSTOP)")
+    parser.add_argument("--goodput-epochs", type=int, default=10, help="epochs of each goodput run")
+    parser.add_argument("--min-replicas", type=int, default=2, choices=[1, 2],
+                        help="the elastic goodput run's min_replicas (1: fit never waits for a replacement)")
+    parser.add_argument("--trials", type=int, default=3, help="kills (recovery) and stops (stop), one cluster each")
+    parser.add_argument("--parts", default="commit,goodput,stop",
+                        help="which parts, comma-separated: commit, goodput (a kill -9 per epoch, with kill -> "
+                             "first step per kill), recovery (kill -9, one per cluster), stop (SIGSTOP)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 2 epochs, 16 steps, 3 goodput epochs, 1 trial")
     args = parser.parse_args()
+    if args.quick:
+        args.epochs, args.steps, args.goodput_epochs, args.trials = 2, 16, 3, 1
     parts = set(args.parts.split(","))
     print_header("Elastic training")
+    begin = time.perf_counter()
     if "commit" in parts:
-        print("\n## Commit cost\n")
+        print("\n## Commit cost per step\n")
         commit_cost(args.epochs, args.steps)
+    if "goodput" in parts:
+        print(f"\n## Goodput of {args.goodput_epochs} epochs of {args.steps} steps, a kill -9 per epoch\n")
+        goodput(args.goodput_epochs, args.steps, args.min_replicas)
     if "recovery" in parts:
         print("\n## Recovery after kill -9 of a worker and its nanny\n")
         recovery(args.trials, args.steps)
     if "stop" in parts:
         print("\n## Recovery after SIGSTOP of a worker and its nanny (alive, silent)\n")
         recovery(args.trials, args.steps, signal.SIGSTOP)
+    print(f"\ntotal {time.perf_counter() - begin:.0f} s")
 
 
 if __name__ == "__main__":

@@ -131,6 +131,7 @@ class Communicator:
             "collective.stall-warning") else 0.0
         self.active: tuple[Any, float] | None = None  # the collective in progress, since (monotonic)
         self._stall_watch: stall.StallWatch | None = None
+        self._check_aborts = transport.mailbox.check  # bound once: the mailbox lives as long as this generation
         self.buffers = BufferPool()  # result buffers of large all-reduces, reused once the caller drops them
         shm = shared_memory_route(transport, size, rank) if size > 1 else None
         self.lane = LaneEngine(self, shm.lane()) if shm is not None else None
@@ -189,7 +190,7 @@ class Communicator:
 
     def next_collective(self) -> int:
         """Number the next collective of the run (raising first if the run was aborted)."""
-        self.transport.mailbox.check(self.run_id)
+        self._check_aborts(self.run_id)
         self.seq += 1
         return self.seq
 

@@ -14,6 +14,10 @@ throughput in steps/s and samples/s (summed over the replicas; only for steps
 that know their batch size); the latest ``fit`` progress; and the stragglers of
 those steps' collectives (``stragglers.StragglerTracker``): per collective the
 replica the others waited for and how long, and per replica how often.
+Membership changes (a worker lost, one admitted: ``membership.py``) are a
+dashed vertical line on the step chart, before the first step of the new
+generation, labelled with the generation, the replica count and the workers
+lost and admitted; the replica count over time is a chart of its own.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from daskdist import config
+from daskdist.dashboard.membership import marker_positions
 
 if TYPE_CHECKING:
     from distributed import Scheduler
@@ -41,6 +46,11 @@ INDIVIDUAL = "/individual-daskdist-steps"
 STACKED = ("input_wait", "compute", "allreduce", "apply")
 COLORS = ("#f28e2b", "#4e79a7", "#e15759", "#59a14f")
 UPDATE_MS = 500
+MARKER_COLOR = "#222222"
+#: Columns of the step chart's membership markers (``x``: where on the step axis; ``time``: ms since the epoch).
+MARKER_COLUMNS = ("x", "generation", "replicas", "label", "lost", "admitted", "reason", "time")
+#: Columns of the replica count over time (``membership.MembershipHistory.series``).
+COUNT_COLUMNS = ("time", "replicas", "generation", "lost", "admitted", "reason")
 COLLECTIVE_ROWS = 200  # collectives listed at most (newest first)
 
 
@@ -94,7 +104,7 @@ class StepPhases:
 
     def __init__(self, scheduler: Scheduler, sizing_mode: str = "stretch_width", **kwargs: Any):
         from bokeh.layouts import column
-        from bokeh.models import ColumnDataSource, CustomJSHover, DataRange1d, Div, HoverTool, LinearAxis
+        from bokeh.models import ColumnDataSource, CustomJSHover, DataRange1d, Div, HoverTool, LabelSet, LinearAxis
         from bokeh.plotting import figure
 
         self.scheduler = scheduler
@@ -133,7 +143,26 @@ class StepPhases:
         self.throughput.add_layout(LinearAxis(y_range_name="samples", axis_label="samples/s"), "right")
         self.throughput.legend.location = "top_left"
         self.summary = Div(text="No daskdist steps reported yet.", name="daskdist-summary")
-        self.root = column(self.summary, self.phases, self.throughput, sizing_mode=sizing_mode)
+        # membership changes: a marker per change on the step chart, and the replica count over time
+        self.markers = ColumnDataSource({k: [] for k in MARKER_COLUMNS}, name="daskdist-membership")
+        self.phases.vspan(x="x", source=self.markers, line_color=MARKER_COLOR, line_width=2, line_dash="dashed")
+        self.phases.add_layout(LabelSet(x="x", y=6, y_units="screen", text="label", source=self.markers,
+                                        angle=math.pi / 2, x_offset=-4, text_font_size="9px",
+                                        text_color=MARKER_COLOR, background_fill_color="white",
+                                        background_fill_alpha=0.85))
+        self.replica_count = ColumnDataSource({k: [] for k in COUNT_COLUMNS}, name="daskdist-replicas")
+        self.replicas = figure(title="Replicas over time (a point per membership generation)", height=160,
+                               sizing_mode=sizing_mode, x_axis_type="datetime", tools="", y_axis_label="replicas",
+                               **kwargs)
+        self.replicas.step(x="time", y="replicas", source=self.replica_count, mode="after", color=COLORS[1],
+                           line_width=2)
+        points = self.replicas.scatter(x="time", y="replicas", source=self.replica_count, size=7,
+                                       color=MARKER_COLOR)
+        self.replicas.add_tools(HoverTool(renderers=[points], tooltips=[
+            ("generation", "@generation"), ("replicas", "@replicas"), ("lost", "@lost"), ("admitted", "@admitted"),
+            ("reason", "@reason")]))
+        self.replicas.y_range.start = 0
+        self.root = column(self.summary, self.phases, self.throughput, self.replicas, sizing_mode=sizing_mode)
         self._group: str | None = None
 
     def data(self) -> tuple[dict[str, list], str, float, float | None]:
@@ -163,6 +192,13 @@ class StepPhases:
         text = (f"<b>Group</b> {html.escape(group.group)}{' (closed)' if group.closed else ''}: "
                 f"{len(per_replica)} replicas, {total_steps} steps, <b>{rate:.2f} steps/s</b>, "
                 f"<b>{samples_text}</b>")
+        changes = group.membership.changes_after_start()
+        if changes:
+            lost = sum(len(c.lost) for c in changes)
+            left = sum(len(c.left) for c in changes)
+            admitted = sum(len(c.admitted) for c in changes)
+            text += (f"<br><b>membership</b> generation {changes[-1].generation}: {lost} worker(s) lost, {left} retired, "
+                     f"{admitted} admitted since the start; last change: {html.escape(changes[-1].reason)}")
         progress = store.latest_progress()
         if progress is not None:
             logs = ", ".join(f"{k}={v:.4g}" if isinstance(v, (int, float)) else f"{k}={v}"
@@ -170,6 +206,25 @@ class StepPhases:
             fit_step = "end" if progress["step"] == -1 else progress["step"]
             text += f"<br><b>fit</b> epoch {progress['epoch']}, step {fit_step}: {html.escape(logs)}"
         return data, text, rate, samples_rate
+
+    def membership_data(self) -> tuple[dict[str, list], dict[str, list]]:
+        """The step chart's markers (one per membership change in view) and the replica count over time."""
+        markers: dict[str, list] = {k: [] for k in MARKER_COLUMNS}
+        group = _latest_group(self.scheduler)
+        if group is None:
+            return markers, {k: [] for k in COUNT_COLUMNS}
+        steps = group.steps(self.steps)
+        starts = [step["start"] for step in next(iter(steps.values()), [])]  # rank 0's: the oldest survivor
+        for x, change in marker_positions(starts, group.membership.changes_after_start()):
+            markers["x"].append(x)
+            markers["generation"].append(change.generation)
+            markers["replicas"].append(change.replicas)
+            markers["label"].append(change.label())
+            markers["lost"].append(", ".join(change.lost + [f"{a} (retired)" for a in change.left]))
+            markers["admitted"].append(", ".join(change.admitted))
+            markers["reason"].append(change.reason)
+            markers["time"].append(change.time * 1000)
+        return markers, group.membership.series()
 
     def _follow_time_unit(self, totals: list[float]) -> None:
         """Read the time axis in the unit of the longest step shown (1.5 ms, not 1.500e-3 s)."""
@@ -184,6 +239,10 @@ class StepPhases:
         self._follow_time_unit(data["total"])
         self.source.data = data
         self.summary.text = text
+        markers, count = self.membership_data()
+        if markers != self.markers.data:
+            self.markers.data = markers
+        self.replica_count.data = count
         group = _latest_group(self.scheduler)
         if group is not None:
             if group.group != self._group:

@@ -8,7 +8,9 @@ Replicas ship their step timings as events on topic ``daskdist-steps``
 ``daskdist.metrics.history`` steps, running totals (steps, samples,
 collectives, bytes) and histograms of the phase times (for Prometheus); per
 group, the straggler of each collective (``stragglers.StragglerTracker``);
-and the latest progress of each ``fit``.
+and the latest progress of each ``fit``; per group, its membership generations
+(``membership.MembershipHistory``, recorded by the scheduler plugin, with the
+client's recovery events on ``daskdist-elastic`` attached).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from daskdist.dashboard.membership import ELASTIC_TOPIC, MembershipChange, MembershipHistory
 from daskdist.dashboard.stragglers import StragglerTotals, StragglerTracker, collective_ranges
 
 __all__ = ["BUCKETS", "PHASES", "GroupMetrics", "Histogram", "MetricsStore", "ReplicaMetrics"]
@@ -99,6 +102,7 @@ class GroupMetrics:
     closed: bool = False
     updated: float = field(default_factory=time.time)
     stragglers: StragglerTracker = field(default_factory=StragglerTracker)
+    membership: MembershipHistory = field(default_factory=MembershipHistory)
 
     @property
     def size(self) -> int:
@@ -151,9 +155,17 @@ class GroupMetrics:
         return self.stragglers.summary(self.recent_collectives(last))
 
     def steps(self, last: int | None = None) -> dict[int, list[dict]]:
-        """Per replica (rank order), its most recent ``last`` steps, oldest first."""
+        """Per replica (rank order), its most recent ``last`` steps, oldest first.
+
+        Once the group's membership is known, only the ranks of its newest
+        generation (after a loss the highest ranks' histories are of workers
+        that moved to a lower rank or left).
+        """
         out = {}
+        current = self.membership.replicas
         for rank in sorted(self.replicas):
+            if current is not None and rank >= current:
+                continue
             history = list(self.replicas[rank].history)
             out[rank] = history[-last:] if last else history
         return out
@@ -190,6 +202,23 @@ class MetricsStore:
             }
             while len(self.progress) > MAX_GROUPS:
                 self.progress.pop(next(iter(self.progress)))
+        elif topic == ELASTIC_TOPIC and isinstance(msg, dict) and msg.get("strategy") in self.groups:
+            self.groups[str(msg["strategy"])].membership.recovered(msg)
+
+    def membership_changed(self, strategy: str, generation: int, members: list[str], before: list[str],
+                           reason: str = "", replica_group: str = "", retired: list[str] | None = None
+                           ) -> MembershipChange:
+        """Record a generation of ``replica_group``, one of ``strategy``'s groups (the scheduler plugin calls
+        this at each one, 0 included; the store's unit is the strategy, as for steps).
+
+        A strategy first seen here does not count as reporting (``latest_group``
+        keeps showing the one whose steps came last until its steps come).
+        """
+        new = strategy not in self.groups
+        group = self.group(strategy)
+        if new:
+            group.updated = 0.0
+        return group.membership.changed(generation, members, before, reason, group=replica_group, retired=retired)
 
     def group(self, group_id: str) -> GroupMetrics:
         """The metrics of ``group_id``, created on first use."""

@@ -30,6 +30,7 @@ __all__ = [
     "Batch",
     "Cache",
     "Filter",
+    "Gather",
     "Map",
     "Op",
     "PipelineState",
@@ -308,6 +309,40 @@ class Shuffle(Op):
 
     def describe(self) -> str:
         return f"shuffle({self.buffer_size})"
+
+
+class Gather(Op):
+    """Rows in a given order: output row ``i`` is the pass's upstream row ``indices[i]`` (rows not named are dropped).
+
+    Not a ``tf.data`` transformation: elastic training (``daskdist.elastic``)
+    turns a ``shuffle`` before the batch into a ``Gather`` of a seeded
+    permutation of the epoch's rows, which the planner can split by global
+    batch (``data/planner.py``) and re-plan from any row after a loss. It holds
+    every upstream row of a pass in memory before emitting the first.
+    """
+
+    def __init__(self, indices: Any):
+        indices = np.asarray(indices)
+        if indices.ndim != 1 or (indices.size and (indices.dtype.kind not in "iu" or indices.min() < 0)):
+            raise ValueError("gather needs a 1-d array of non-negative row indices")
+        self.indices = indices.astype(np.int64, copy=False)
+
+    def apply_rows(self, upstream, state):
+        blocks = [block for block in upstream(state) if block_rows(block)]
+        if not blocks:
+            if len(self.indices):
+                raise IndexError(f"gather of {len(self.indices)} rows from an empty pass")
+            return
+        block = concat_blocks(blocks)
+        if len(self.indices) and int(self.indices.max()) >= block_rows(block):
+            raise IndexError(f"gather index {int(self.indices.max())} out of range for {block_rows(block)} rows")
+        yield from _gather_in_chunks(block, self.indices)
+
+    def apply_elements(self, upstream, state):
+        raise ValueError("gather reorders rows: put it before the batch")
+
+    def describe(self) -> str:
+        return f"gather({len(self.indices)} rows)"
 
 
 _GATHER_ROWS = 2048

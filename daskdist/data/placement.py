@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from daskdist.data.sources import DaskSource, Partition
-from daskdist.data.split import GlobalBatchRows
+from daskdist.data.split import GlobalBatchRows, SelectedRows
 
 if TYPE_CHECKING:
     from distributed import Client, Future
@@ -35,10 +35,10 @@ class Read:
     start: int
     stop: int
     first_position: int  # global position of the partition's row 0 (for ``rule``)
-    rule: GlobalBatchRows | None = None
+    rule: GlobalBatchRows | SelectedRows | None = None
 
 
-def select_rows(value: Any, start: int, stop: int, first_position: int, rule: GlobalBatchRows | None) -> Any:
+def select_rows(value: Any, start: int, stop: int, first_position: int, rule: GlobalBatchRows | SelectedRows | None) -> Any:
     """Rows ``[start, stop)`` of a partition's value (numpy, cupy, pandas), keeping only ``rule``'s rows."""
     take = value.iloc if hasattr(value, "iloc") else value
     part = take[start:stop]

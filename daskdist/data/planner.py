@@ -8,7 +8,12 @@ split), then the ops after the batch.
 Whether a step can hold exactly the undistributed batch depends on the row
 ops: ``map``, ``cache`` and ``prefetch`` keep every row at its position, and
 leading ``take``/``skip`` only choose a range of positions (they are folded
-into the plan). ``shuffle`` keeps row counts but not positions: the split is
+into the plan). A ``Gather`` (elastic training's seeded epoch order) picks
+and orders rows the client knows: the ``"global"`` split still holds (each
+step is the gathered batch, each replica takes TF's share of it), the
+replica of each row of a batch chosen by where the row lives; each replica
+reorders its own rows.
+``shuffle`` keeps row counts but not positions: the split is
 then ``"balanced"`` (each replica shuffles its own rows). ``filter``,
 ``shard``, ``repeat`` or ``unbatch`` before the batch change counts: replicas
 batch their rows with their share of the batch size and stop together by the
@@ -31,6 +36,8 @@ from daskdist.data.plan import Plan, PlannedRead
 from daskdist.data.sources import DaskSource, LocalSource, Partition, Source
 from daskdist.data.split import (
     GlobalBatchRows,
+    SelectedRows,
+    assign_by_locality,
     balanced_pieces,
     global_batch_sizes,
     homes,
@@ -55,7 +62,12 @@ class PipelineParts:
     row_ops: tuple[ops.Op, ...]
     batch: ops.Batch
     after_ops: tuple[ops.Op, ...]
-    kind: str  # "positions": rows keep positions; "counts": rows keep counts; "unknown"
+    kind: str  # "positions": rows keep positions; "gathered": one Gather orders them; "counts"; "unknown"
+
+    @property
+    def gather(self) -> ops.Gather | None:
+        """The one ``Gather`` among the row ops of a ``"gathered"`` pipeline."""
+        return next((op for op in self.row_ops if isinstance(op, ops.Gather)), None)
 
 
 def cut_pipeline(dataset: Dataset) -> PipelineParts:
@@ -79,6 +91,9 @@ def cut_pipeline(dataset: Dataset) -> PipelineParts:
     row_ops = tuple(folded) + tuple(transformations[leading:last])
     if all(isinstance(op, _POSITION_OPS) for op in row_ops):
         kind = "positions"
+    elif (sum(isinstance(op, ops.Gather) for op in row_ops) == 1
+          and all(isinstance(op, _POSITION_OPS + (ops.Gather,)) for op in row_ops)):
+        kind = "gathered"
     elif all(isinstance(op, _COUNT_OPS) for op in row_ops):
         kind = "counts"
     else:
@@ -127,16 +142,26 @@ def plan_dataset(client: Any, workers: list[str], dataset: Dataset, options: Inp
     lo = min(parts.skip, sum(rows))
     hi = sum(rows) if parts.take is None else min(sum(rows), lo + parts.take)
     used = hi - lo
+    gather = parts.gather if parts.kind == "gathered" else None
+    if gather is not None:
+        if len(gather.indices) and int(gather.indices.max()) >= used:
+            raise ValueError(f"gather index {int(gather.indices.max())} out of range for the {used} rows before it")
+        used = len(gather.indices)
     split = options.experimental_split
     if policy is AutoShardPolicy.OFF:
         split = "everything"
-    elif split == "global" and parts.kind != "positions":
+    elif gather is not None and split != "global":
+        raise ValueError(f"a gathered dataset (elastic training's epoch order) needs the 'global' split, not {split!r}")
+    elif split == "global" and parts.kind != "positions" and gather is None:
         split = "balanced"
         notes.append("the ops before batch move rows (shuffle, filter ...): each replica runs them on a balanced "
                      "run of rows, so a step's rows are not the undistributed batch")
     local = dask_rows.local_bytes(workers) if dask_rows is not None else [{} for _ in rows]
     home = homes(local, sizes, n)
-    reads = _reads(split, rows, firsts, home, lo, hi, batch_size, drop, n)
+    if gather is not None and split == "global":
+        reads, local_orders = _gathered_reads(rows, firsts, home, lo, hi, gather.indices, batch_size, drop, n)
+    else:
+        reads, local_orders = _reads(split, rows, firsts, home, lo, hi, batch_size, drop, n), None
     step_sizes = replica_step_sizes(used, batch_size, drop, n)
     exact_sizes = split in ("global", "balanced") and parts.kind != "unknown"
     each = replica_split(batch_size, n)
@@ -155,7 +180,10 @@ def plan_dataset(client: Any, workers: list[str], dataset: Dataset, options: Inp
             shard_partitions = list(shard_source.partitions)
             moved = [0] * len(reads[rank])
         batch = ops.SplitBatch(step_sizes[rank], drop) if exact_sizes else ops.Batch(max(each[rank], 1), drop)
-        ds = Dataset(shard_source, parts.row_ops + (batch,) + parts.after_ops)
+        row_ops = parts.row_ops
+        if local_orders is not None:  # the replica's own rows, in the gathered order
+            row_ops = tuple(ops.Gather(local_orders[rank]) if isinstance(op, ops.Gather) else op for op in row_ops)
+        ds = Dataset(shard_source, row_ops + (batch,) + parts.after_ops)
         inputs.append(ReplicaInput(shard_source, shard_partitions, ds))
         for read, m in zip(reads[rank], moved):
             taken = _taken(read)
@@ -193,6 +221,44 @@ def _reads(split: str, rows: list[int], firsts: list[int], home: list[int], lo: 
                   firsts[clipped[p.partition][0]] - lo) for p in share] for share in pieces]
 
 
+def _gathered_reads(rows: list[int], firsts: list[int], home: list[int], lo: int, hi: int, indices: np.ndarray,
+                    batch_size: int, drop: bool, n: int) -> tuple[list[list[Read]], list[np.ndarray]]:
+    """``"global"`` split of a gathered pass: per replica its reads and the order of the rows they bring.
+
+    Gathered row ``q`` (position ``indices[q]`` of ``[lo, hi)``) belongs to
+    global batch ``q // batch_size``; each replica takes TF's share of every
+    batch, chosen among the batch's rows its worker holds first
+    (``assign_by_locality``), reads those rows where they are, in source
+    order, and puts them back in gathered order with a local ``Gather``.
+    """
+    if len(np.unique(indices)) != len(indices):
+        raise ValueError("a gathered dataset must name each row at most once")
+    out_index = np.full(hi - lo, -1, np.int64)
+    out_index[indices] = np.arange(len(indices))
+    starts = np.asarray(firsts, np.int64) - lo  # position of each partition's row 0
+    partition_of = np.searchsorted(starts, indices, side="right") - 1
+    owner = np.asarray(home, np.int64)[partition_of] if len(indices) else np.empty(0, np.int64)
+    assigned = assign_by_locality(owner, batch_size, drop, n)
+    clipped = [(i, max(0, lo - f), min(r, hi - f)) for i, (r, f) in enumerate(zip(rows, firsts))]
+    clipped = [(i, a, b) for i, a, b in clipped if b > a]
+    reads: list[list[Read]] = []
+    orders: list[np.ndarray] = []
+    for rank in range(n):
+        mine, arriving = [], []
+        for i, a, b in clipped:
+            first = firsts[i] - lo
+            q = out_index[first + a : first + b]
+            keep = q >= 0
+            keep[keep] = assigned[q[keep]] == rank
+            if keep.any():
+                mine.append(Read(i, a, b, first, SelectedRows(first + a, keep)))
+                arriving.append(q[keep])
+        reads.append(mine)
+        taken = np.concatenate(arriving) if arriving else np.empty(0, np.int64)
+        orders.append(np.argsort(taken, kind="stable"))
+    return reads, orders
+
+
 def _taken(read: Read) -> int:
     if read.rule is None:
         return read.stop - read.start
@@ -220,7 +286,7 @@ def _steps(parts: PipelineParts, exact_sizes: bool, used: int, batch_size: int, 
     if exact_sizes:
         steps = len(global_batch_sizes(used, batch_size, drop))
         return steps, [steps] * n
-    if parts.kind == "unknown":
+    if parts.kind in ("unknown", "gathered"):  # a gather outside the global split: counts not worked out
         return None, [None] * n
     mine = [0] * n
     for read in planned:

@@ -33,6 +33,8 @@ import numpy as np
 __all__ = [
     "GlobalBatchRows",
     "Piece",
+    "SelectedRows",
+    "assign_by_locality",
     "balanced_pieces",
     "global_batch_sizes",
     "homes",
@@ -85,6 +87,66 @@ class GlobalBatchRows:
         each = -(-rows_in_batch // self.num_replicas)
         low = self.rank * each
         return (positions < self.total_rows) & (offset >= low) & (offset < low + each) & (offset < rows_in_batch)
+
+
+@dataclass(frozen=True, eq=False)
+class SelectedRows:
+    """The rows one replica takes of one read, chosen on the client (a picklable mask).
+
+    ``keep[i]`` says whether global position ``first + i`` is taken. Used
+    when a ``Gather`` before the batch reorders rows: which rows a replica
+    takes then depends on each row's place in the gathered order, which the
+    planner computes once and ships as this mask (the rows of one read only).
+    """
+
+    first: int
+    keep: np.ndarray
+
+    def mask(self, positions: np.ndarray) -> np.ndarray:
+        index = np.asarray(positions, dtype=np.int64) - self.first
+        inside = (index >= 0) & (index < len(self.keep))
+        out = np.zeros(index.shape, bool)
+        out[inside] = self.keep[index[inside]]
+        return out
+
+
+def assign_by_locality(owner: np.ndarray, batch_size: int, drop_remainder: bool, num_replicas: int) -> np.ndarray:
+    """The replica of each row of a gathered (reordered) pass: each global batch's rows go where they live.
+
+    Parameters
+    ----------
+    owner
+        Per row of the pass, in its order, the replica whose worker holds it.
+    batch_size, drop_remainder
+        The global batch.
+    num_replicas
+        Replicas in the group.
+
+    Returns
+    -------
+    Per row, the replica that takes it (``-1``: dropped with a partial last
+    batch). Each global batch keeps its rows, and each replica takes TF's
+    share of it (``replica_split``): first rows its worker holds, then the
+    batch's leftover rows fill the replicas still short, in replica order.
+    Which replica takes which row of a batch changes nothing in a step's
+    arithmetic beyond the order of a sum (the rows of a reordered batch are
+    not contiguous anyway), and it keeps most rows where they are.
+    """
+    owner = np.asarray(owner, dtype=np.int64)
+    assigned = np.full(len(owner), -1, np.int64)
+    first = 0
+    for size in global_batch_sizes(len(owner), batch_size, drop_remainder):
+        batch = owner[first : first + size]
+        want = replica_split(size, num_replicas)
+        mine = np.full(size, -1, np.int64)
+        for replica in range(num_replicas):
+            local = np.flatnonzero(batch == replica)[: want[replica]]
+            mine[local] = replica
+        short = [want[r] - int((mine == r).sum()) for r in range(num_replicas)]
+        mine[mine < 0] = np.repeat(np.arange(num_replicas), short)
+        assigned[first : first + size] = mine
+        first += size
+    return assigned
 
 
 @dataclass(frozen=True)

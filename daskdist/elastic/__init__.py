@@ -2,7 +2,7 @@
 
 ``options`` (``ElasticOptions``), ``replica`` (the commit ring and the
 replica-side commands), ``ledger`` (which rows each committed step
-consumed), ``recovery`` (re-formed group, enough members, one commit) and
+consumed), ``epochs`` (each epoch's row order and global batch), ``recovery`` (re-formed group, enough members, one commit) and
 ``fit`` (``keras.Model.fit`` on an elastic strategy), ``state`` (``State`` and
 ``run``, for custom loops). See ``docs/elastic.md``.
 """

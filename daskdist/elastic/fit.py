@@ -5,10 +5,12 @@ Client side (``keras.Model.fit`` hands its epochs here when the strategy has
 replicas commit every ``commit_every`` steps (``elastic/replica.py``). When
 a member is lost the command fails; the group is recovered
 (``elastic/recovery.py``) at the newest commit all survivors hold, the rest
-of the epoch (the global batches after that commit) is planned again over the
-new members with the input planner (the global batch stays the same size,
-re-split over the replica count), and the epoch goes on from there. The
-ledger records the rows of every committed step.
+of the epoch (its rows after that commit, in the epoch's order: source order
+or the seeded permutation standing for a shuffle, ``elastic/epochs.py``) is
+planned again over the new members with the input planner (the global batch
+stays the same size, re-split over the replica count, unless
+``keep="per_replica"``), and the epoch goes on from there. The ledger records
+the rows of every committed step.
 """
 
 from __future__ import annotations
@@ -19,11 +21,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from daskdist.data import ops
 from daskdist.data.dataset import Dataset
-from daskdist.data.planner import cut_pipeline
-from daskdist.elastic.ledger import DataLedger, RowMap
-from daskdist.elastic.options import ElasticOptions
+from daskdist.elastic.epochs import EpochInput, release
+from daskdist.elastic.ledger import DataLedger, EpochSchedule
+from daskdist.elastic.options import ElasticOptions, notify_membership_change
 from daskdist.elastic.recovery import RECOVERABLE, Recovery, grow, leave, recover_within_budget, remember_members
 from daskdist.elastic.replica import CommitKey, commit_progress, elastic_train_epoch, take_commit
 
@@ -43,8 +44,7 @@ class ElasticFit:
     Parameters
     ----------
     runner
-        The model's epoch runner (``keras.models._Runner``), whose distributed datasets are re-planned
-        after a membership change.
+        The model's epoch runner (``keras.models._Runner``).
     options
         The strategy's ``ElasticOptions``.
     """
@@ -60,18 +60,15 @@ class ElasticFit:
         self.events: list[Recovery] = []
         self.failures = 0
         self.train: Dataset = runner._train
-        plan = runner._dist_train.plan()
-        if plan.split != "global" or plan.steps is None:
-            raise ValueError(
-                "elastic fit needs a dataset whose steps are the undistributed dataset's batches (the 'global' "
-                f"split, known step count); this one plans a {plan.split!r} split"
-                + (f" ({'; '.join(plan.notes)})" if plan.notes else "")
-                + ": shuffle, filter, repeat or unbatch before the batch are not supported yet"
-            )
-        self.rows = RowMap.from_plan(plan, cut_pipeline(self.train).batch.batch_size)
+        self.input = EpochInput(self.strategy, self.train, options)
+        self.rows = self.input.rows
+        logger.info("Elastic fit %d: epochs read %s", self.fit_id, self.input.describe_order())
         self._committed: CommitKey | None = None
         self._first_epoch = 0
         self._callbacks: Any = None  # the fit's CallbackList, told of membership changes
+        self._planned: tuple[tuple, Any] | None = None  # (what it was planned for, distributed dataset)
+        self._stale: list[Any] = []  # distributed datasets whose shards the replicas may drop
+        self._schedule = self.input.schedule(0)
 
     # -- epochs ---------------------------------------------------------------------
 
@@ -92,43 +89,61 @@ class ElasticFit:
     def train_epoch(self, epoch: int, steps: int | None, cb: Any) -> dict:
         """One epoch, resumed from the newest common commit after each loss; the epoch's logs."""
         self._callbacks = cb
-        total = self.rows.steps if steps is None else min(int(steps), self.rows.steps)
+        schedule = self._schedule = self.input.schedule(epoch)
         first, start = 0, None
         if epoch > self._first_epoch:
             # an epoch boundary is a commit boundary: retiring members leave and free workers join here
             recovered = self._change(leave) or self._change(grow)
             if recovered is not None:
                 first, start = self._resume(epoch, first, *recovered)
-        dist = self.runner._dist_train if first == 0 else self._distribute_from(first)
         while True:
-            lr = float(self.model.optimizer.learning_rate)
-            room = self.options.max_replicas is None or self.group.size < self.options.max_replicas
-            args = (self.model._model_id, dist, total - first, lr, self.runner._tag, (self.fit_id, epoch), first,
-                    self.options.commit_every, start, self.options.admit_seconds, room)
             try:
+                dist, total = self._plan_rest(epoch, schedule, first, steps)  # a loss while planning: recover too
+                lr = float(self.model.optimizer.learning_rate)
+                room = self.options.max_replicas is None or self.group.size < self.options.max_replicas
+                args = (self.model._model_id, dist, total - first, lr, self.runner._tag, (self.fit_id, epoch), first,
+                        self.options.commit_every, start, self.options.admit_seconds, room)
                 logs = self.group.call(elastic_train_epoch, args)[0]
                 if "stopped_at" in logs:  # members retire or free workers wait: at this commit, then go on
                     stop = int(logs["stopped_at"])
-                    self.ledger.record(epoch, range(first, stop), self.rows)
+                    self.ledger.record(epoch, range(first, stop), schedule)
                     progress = self.group.call(commit_progress, ((self.fit_id, epoch, stop),), member=0)[0]
                     first, start = stop, (progress["loss_sum"], progress["count"])
                     recovered = (self._change(leave) if logs.get("leave") else None) or self._change(grow)
                     if recovered is not None:  # a loss while admitting: back to the commit all members hold
                         first, start = self._resume(epoch, first, *recovered)
-                    dist = self._distribute_from(first)
                     continue
             except RECOVERABLE as error:
                 first, start = self._resume(epoch, first, *self._recover(error))
-                dist = self._distribute_from(first)
                 continue
-            self.ledger.record(epoch, range(first, total), self.rows)
+            self.ledger.record(epoch, range(first, total), schedule)
             self._committed = (self.fit_id, epoch, total)
             return dict(logs)
+
+    def _plan_rest(self, epoch: int, schedule: EpochSchedule, first: int, limit: int | None) -> tuple[Any, int]:
+        """The epoch's global batches from step ``first`` on over the current members, and the epoch's steps."""
+        row = schedule.row_of_step(first) if first else 0
+        n = self.group.size
+        schedule.start(first, row, self.input.global_batch(n))
+        total = first + self.input.steps_from(row, n)
+        if limit is not None:
+            total = min(total, int(limit))
+        order_key = None if self.input.shuffle is None else (0 if self.input.frozen_order else epoch)
+        wanted = (order_key, row, tuple(self.strategy.extended.worker_addresses))
+        if self._planned is None or self._planned[0] != wanted:
+            if self._planned is not None:
+                self._stale.append(self._planned[1])
+            self._planned = (wanted, self.strategy.experimental_distribute_dataset(
+                self.input.dataset_from(epoch, row, n)))
+        while self._stale:  # plans that are over: their rows leave the replicas (a loss here is recovered from)
+            release(self.strategy, self._stale[-1])
+            self._stale.pop()
+        return self._planned[1], total
 
     def _resume(self, epoch: int, first: int, key: CommitKey, progress: dict) -> tuple[int, Any]:
         """After going back to commit ``key``: the ledger up to it, and the step and progress to go on from."""
         if key[1] == epoch and key[2] > first:
-            self.ledger.record(epoch, range(first, key[2]), self.rows)
+            self.ledger.record(epoch, range(first, key[2]), self._schedule)
         elif key[1] < epoch or key[2] < first:
             self.ledger.rollback(epoch, key[2] if key[1] == epoch else 0)
         if key[1] != epoch or key[2] == 0:
@@ -159,10 +174,9 @@ class ElasticFit:
         history = self.model.history
         if history is not None:
             history.elastic_events = [e.to_msg() for e in self.events]
-        # every later epoch (and validation) is planned over the new members
-        self.runner._dist_train = self.strategy.experimental_distribute_dataset(self.train)
-        if self.runner._dist_val is not None:
-            self.runner._dist_val = None
+        # the rest of the epoch, later epochs and validation are planned over the new members
+        self._forget_plan()
+        self.runner._dist_val = None
         progress = self.group.call(commit_progress, (outcome.commit,), member=0)[0]
         return outcome.commit, progress
 
@@ -186,12 +200,23 @@ class ElasticFit:
         self._notify(outcome)
         if self.model.history is not None:
             self.model.history.elastic_events = [e.to_msg() for e in self.events]
-        self.runner._dist_train = self.strategy.experimental_distribute_dataset(self.train)
+        self._forget_plan()
         self.runner._dist_val = None
         return None
 
+    def _forget_plan(self) -> None:
+        """Plan again at the next epoch command (the members changed); the old plan's shards are released."""
+        if self._planned is not None:
+            self._stale.append(self._planned[1])
+        self._planned = None
+
     def _notify(self, outcome: Recovery) -> None:
-        """Call ``on_membership_change(event)`` on the fit's callbacks that have it (to rescale a learning rate)."""
+        """Tell the user of a membership change (to rescale a learning rate, say), before training goes on.
+
+        ``ElasticOptions.on_membership_change(old, new)`` with the replica counts, then every callback of
+        the fit that defines ``on_membership_change(event)`` with the event.
+        """
+        notify_membership_change(self.options, outcome)
         for callback in getattr(self._callbacks, "callbacks", []):
             hook = getattr(callback, "on_membership_change", None)
             if hook is not None:
@@ -203,17 +228,6 @@ class ElasticFit:
 
         self.strategy.extended.run_on_replica(rank, install_resident, (MODEL, self.model._model_id,
                                                                        self.model._resident()))
-
-    def _distribute_from(self, step: int) -> Any:
-        """The epoch's global batches from ``step`` on, planned over the current members."""
-        if step == 0:
-            return self.runner._dist_train
-        skip = step * self.rows.batch_size
-        transformations = list(self.train.transformations)
-        last = max(i for i, op in enumerate(transformations) if isinstance(op, ops.Batch))
-        transformations.insert(last, ops.Skip(skip))  # folded into the plan's row range (position ops only)
-        rest = Dataset(self.train.source, tuple(transformations))
-        return self.strategy.experimental_distribute_dataset(rest)
 
 
 def catch_up(strategy: Any) -> None:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from dask.utils import parse_timedelta
 
-__all__ = ["ElasticOptions"]
+__all__ = ["ElasticOptions", "notify_membership_change"]
 
 Duration = str | float | int
+KEEPS = ("global_batch", "per_replica")
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,20 @@ class ElasticOptions:
         some and the group is below ``max_replicas``, the epoch stops at the
         next commit, the workers are admitted with that commit, and the epoch
         goes on over all members.
+    keep
+        What stays constant when the replica count changes. ``"global_batch"``
+        (default): the dataset's global batch, re-split over the new replica
+        count, so every step's arithmetic is that of an uninterrupted run.
+        ``"per_replica"``: each replica's batch (the global batch at the start
+        of ``fit`` divided by the replica count then), so the global batch
+        grows and shrinks with the group; rescale the learning rate in
+        ``on_membership_change``.
+    on_membership_change
+        ``callable(old, new)`` called on the client with the replica counts
+        before and after each membership change (a loss survived, workers
+        admitted, members retired), before training goes on, in ``fit`` and in
+        ``dd.elastic.run`` loops. ``fit``'s Keras callbacks that define
+        ``on_membership_change(event)`` are called too, with the event.
     cooldown
         A worker lost during training (killed, crashed, declared lost for
         missing heartbeats) is not admitted again for this long after its
@@ -65,6 +82,8 @@ class ElasticOptions:
     wait_timeout: Duration = "10min"
     generation_timeout: Duration = "30s"
     admit_every: Duration | None = "30s"
+    keep: str = "global_batch"
+    on_membership_change: Callable[[int, int], object] | None = None
     cooldown: Duration = "60s"
 
     def __post_init__(self) -> None:
@@ -78,6 +97,10 @@ class ElasticOptions:
             raise ValueError(f"commit_every must be a positive int, got {self.commit_every!r}")
         if not isinstance(self.max_failures, int) or self.max_failures < -1:
             raise ValueError(f"max_failures must be -1 (no limit) or a count >= 0, got {self.max_failures!r}")
+        if self.keep not in KEEPS:
+            raise ValueError(f"keep must be one of {KEEPS}, got {self.keep!r}")
+        if self.on_membership_change is not None and not callable(self.on_membership_change):
+            raise TypeError(f"on_membership_change must be callable(old, new), got {self.on_membership_change!r}")
         for name in ("wait_timeout", "generation_timeout", "admit_every", "cooldown"):
             if name == "admit_every" and self.admit_every is None:
                 continue
@@ -110,3 +133,12 @@ def _seconds(value: Duration) -> float:
     if isinstance(value, str) and value.strip().endswith("min"):
         value = value.strip()[:-3] + "minutes"
     return float(parse_timedelta(value, default="seconds"))
+
+
+def notify_membership_change(options: ElasticOptions, event: Any) -> None:
+    """Call ``options.on_membership_change(old, new)`` for a ``Recovery`` (replica counts before and after)."""
+    if options.on_membership_change is None:
+        return
+    new = len(event.members)
+    old = new + len(event.lost) + len(getattr(event, "left", ())) - len(event.admitted)
+    options.on_membership_change(old, new)

@@ -17,6 +17,7 @@ import logging
 import time
 from typing import Any
 
+from daskdist.dashboard.membership import ELASTIC_TOPIC as MEMBERSHIP_EVENTS
 from daskdist.elastic.options import ElasticOptions
 from daskdist.elastic.quarantine import quarantine_of
 from daskdist.elastic.replica import CommitKey, commit_keys, commit_state, install_commit, restore_commit
@@ -29,8 +30,9 @@ __all__ = ["ELASTIC_TOPIC", "RECOVERABLE", "Recovery", "admit", "grow", "is_fina
 
 logger = logging.getLogger(__name__)
 
-#: The Dask event topic of elastic transitions (``client.get_events("daskdist-elastic")``).
-ELASTIC_TOPIC = "daskdist-elastic"
+#: The Dask event topic of elastic transitions (``client.get_events("daskdist-elastic")``); the scheduler's
+#: dashboard store attaches each to the generation it names.
+ELASTIC_TOPIC = MEMBERSHIP_EVENTS
 #: What a lost member makes a command raise under the elastic policy (the handle turns broken connections
 #: into ``ReplicaLostError``; a user's own exception is never taken for a loss).
 RECOVERABLE = (ReplicaLostError, StaleGenerationError)
@@ -49,7 +51,16 @@ def is_final(error: BaseException) -> bool:
 
 @dataclasses.dataclass
 class Recovery:
-    """What one recovery did (kept in ``History.elastic_events``)."""
+    """What one recovery did (kept in ``History.elastic_events``, logged on ``daskdist-elastic``).
+
+    ``generation`` and ``members``: the group after it; ``members_before``: the
+    members before the change; ``lost`` / ``left`` (retired gracefully) /
+    ``admitted``: the difference;
+    ``reason``: what started it (the loss's error, or the workers admitted);
+    ``commit``: the ``(fit, epoch, step)`` commit every member holds after it;
+    ``seconds``: how long it took; ``time``: when training went on (wall
+    clock, seconds since the epoch).
+    """
 
     generation: int
     members: list[str]
@@ -60,13 +71,34 @@ class Recovery:
     healed: bool = False
     action: str = "restored"  # "restored" after a loss, "grew" when free workers joined, "left" after a retirement
     left: list[str] = dataclasses.field(default_factory=list)  # members retired (gracefully, no rollback)
+    members_before: list[str] = dataclasses.field(default_factory=list)
+    reason: str = ""
+    time: float = dataclasses.field(default_factory=time.time)
 
     def to_msg(self) -> dict:
         return {**dataclasses.asdict(self), "commit": list(self.commit)}
 
+    def describe(self) -> str:
+        """One line for the logs: generation, members before and after, lost, admitted, commit, why."""
+        return (f"generation {self.generation}: {len(self.members_before)} -> {len(self.members)} members "
+                f"(lost {self.lost or 'none'}, left {self.left or 'none'}, admitted {self.admitted or 'none'}), "
+                f"at commit {self.commit} "
+                f"after {self.seconds:.1f} s; reason: {self.reason or 'not given'}")
+
+
+def _announce(group: ReplicaGroup, outcome: Recovery) -> None:
+    """Log ``outcome`` and send it as a ``daskdist-elastic`` Dask event (the dashboard marks it)."""
+    level = logging.WARNING if outcome.action in ("restored", "left") else logging.INFO
+    logger.log(level, "Elastic group %s %s: %s", group.group_id, outcome.action, outcome.describe())
+    try:
+        group.client.log_event(ELASTIC_TOPIC, {"group": group.group_id, "strategy": group.strategy_token,
+                                               **outcome.to_msg()})
+    except Exception as e:  # events are for watching; never fail a recovery for them
+        logger.debug("Could not log the %s event: %s", outcome.action, e)
+
 
 def recover(group: ReplicaGroup, options: ElasticOptions, error: BaseException,
-            install_newcomer: Any = None) -> Recovery:
+            install_newcomer: Any = None, members_before: list[str] | None = None) -> Recovery:
     """Bring ``group`` back after ``error`` (a lost member): re-formed, big enough, at one commit.
 
     Parameters
@@ -74,6 +106,9 @@ def recover(group: ReplicaGroup, options: ElasticOptions, error: BaseException,
     install_newcomer
         ``install_newcomer(rank)``: puts what a new member needs before the
         commit (a model) on rank ``rank``; ``None``: new workers are not admitted.
+    members_before
+        The members before the loss (default: the group's members now); a
+        second loss during a recovery passes the members before the first.
 
     Raises
     ------
@@ -85,11 +120,13 @@ def recover(group: ReplicaGroup, options: ElasticOptions, error: BaseException,
     start = time.monotonic()
     before = group.membership
     membership = _next_generation(group, before, options.generation_seconds, error)
-    gone = [a for a in before.addresses if a not in membership.addresses]
+    previous = list(before.addresses) if members_before is None else list(members_before)
+    gone_now = [a for a in before.addresses if a not in membership.addresses]
     retired = _retired(group)
+    quarantine_of(group).failed([a for a in gone_now if a not in retired])  # kept out for options.cooldown
+    gone = [a for a in previous if a not in membership.addresses]  # since the first loss of this recovery
     lost = [a for a in gone if a not in retired]
     left = [a for a in gone if a in retired]  # retired while the group ran nothing: a leave, not a loss
-    quarantine_of(group).failed(lost)  # kept out for options.cooldown
     admitted: list[str] = []
     if membership.size < options.min_replicas:
         admitted = _wait_for_members(group, options, lost, install_newcomer is not None)
@@ -97,13 +134,8 @@ def recover(group: ReplicaGroup, options: ElasticOptions, error: BaseException,
     commit, healed = _restore_common_commit(group, admitted, install_newcomer)
     outcome = Recovery(int(membership.generation), list(membership.addresses), lost, admitted, commit,
                        time.monotonic() - start, healed, action="restored" if lost or not left else "left",
-                       left=left)
-    logger.warning("Elastic group %s recovered in %.1f s: generation %d on %d members (lost %s), back at commit %s",
-                   group.group_id, outcome.seconds, outcome.generation, membership.size, lost, commit)
-    try:
-        group.client.log_event(ELASTIC_TOPIC, {"group": group.group_id, **outcome.to_msg()})
-    except Exception as e:  # events are for watching; never fail a recovery for them
-        logger.debug("Could not log the recovery event: %s", e)
+                       left=left, members_before=previous, reason=f"{type(error).__name__}: {error}")
+    _announce(group, outcome)
     return outcome
 
 
@@ -118,16 +150,13 @@ def grow(group: ReplicaGroup, options: ElasticOptions, install_newcomer: Any) ->
     if not free or room <= 0:
         return None
     start = time.monotonic()
+    before = list(group.addresses)
     admitted = admit(group, free[:room])
     commit, healed = _restore_common_commit(group, admitted, install_newcomer)
     outcome = Recovery(int(group.generation), list(group.addresses), [], admitted, commit,
-                       time.monotonic() - start, healed, action="grew")
-    logger.info("Elastic group %s grew to %d members (admitted %s) at commit %s", group.group_id, group.size,
-                admitted, commit)
-    try:
-        group.client.log_event(ELASTIC_TOPIC, {"group": group.group_id, **outcome.to_msg()})
-    except Exception as e:  # events are for watching; never fail a growth for them
-        logger.debug("Could not log the growth event: %s", e)
+                       time.monotonic() - start, healed, action="grew", members_before=before,
+                       reason=f"admitting free workers {', '.join(admitted)}")
+    _announce(group, outcome)
     return outcome
 
 
@@ -153,13 +182,9 @@ def leave(group: ReplicaGroup, options: ElasticOptions, install_newcomer: Any = 
         membership = group.membership
     commit, healed = _restore_common_commit(group, admitted, install_newcomer)
     outcome = Recovery(int(membership.generation), list(membership.addresses), [], admitted, commit,
-                       time.monotonic() - start, healed, action="left", left=left)
-    logger.warning("Elastic group %s let %s retire at commit %s: generation %d on %d members", group.group_id, left,
-                   commit, outcome.generation, membership.size)
-    try:
-        group.client.log_event(ELASTIC_TOPIC, {"group": group.group_id, **outcome.to_msg()})
-    except Exception as e:  # events are for watching; never fail a leave for them
-        logger.debug("Could not log the leave event: %s", e)
+                       time.monotonic() - start, healed, action="left", left=left, members_before=before,
+                       reason=f"retiring {', '.join(left)} (graceful: no rollback)")
+    _announce(group, outcome)
     return outcome
 
 
@@ -225,12 +250,15 @@ def remember_members(group: ReplicaGroup) -> None:
 
 
 def _free_workers(group: ReplicaGroup, options: ElasticOptions) -> list[str]:
-    """Workers of the cluster that host no member of the group, oldest first, but those in their cooldown."""
+    """Workers of the cluster that host no member of the group, oldest first, but those in their cooldown and
+    those leaving (retired from the group, or closing)."""
     workers = group.client.scheduler_info(n_workers=-1)["workers"]
     quarantine = quarantine_of(group)
     quarantine.remember(workers)
     members = set(group.addresses)
-    free = [a for a in workers if a not in members]
+    # a member that just retired is still in the cluster while Dask closes it: it is not free
+    leaving = _retired(group) | {a for a, info in workers.items() if info.get("status", "running") != "running"}
+    free = [a for a in workers if a not in members and a not in leaving]
     cooling = [a for a in free if quarantine.cooling(a, options.cooldown_seconds)]
     if cooling:
         logger.info("Not admitting %s into %s: they failed less than cooldown=%s ago", cooling, group.group_id,
@@ -338,11 +366,10 @@ def recover_within_budget(group: ReplicaGroup, options: ElasticOptions, error: B
                 worker=getattr(error, "worker", None))) from error
         logger.warning("Elastic training: %s; recovering", error)
         try:
-            outcome = recover(group, options, error, install_newcomer=install_newcomer)
+            outcome = recover(group, options, error, install_newcomer=install_newcomer, members_before=before)
             break
         except RECOVERABLE as again:
             if is_final(again):
                 raise
             error = again
-    outcome.lost = [a for a in before if a not in outcome.members and a not in outcome.left]
     return outcome, failures

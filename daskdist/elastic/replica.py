@@ -77,12 +77,13 @@ class Commit:
         commit = cls(key, {}, progress)
         commit._state = None
         future: concurrent.futures.Future[dict] = concurrent.futures.Future()
+        random = _random_states_now(objects)  # the next step's forward draws from them while the copy runs
 
         def copy() -> None:
             try:
                 if before_copy is not None:
                     before_copy()
-                future.set_result(_copy_state(objects))
+                future.set_result(_with_random_states(_copy_state(objects), random))
             except BaseException as e:  # the replica raises it at its next settle or restore
                 future.set_exception(e)
 
@@ -114,9 +115,31 @@ class Commit:
         self.__init__(state["key"], state["state"], state["progress"])  # type: ignore[misc]
 
 
+def _random_states_now(objects: Any) -> dict:
+    """The models' random generator states at the commit (``snapshot_random``), read on the step path.
+
+    The weights cannot change before the next apply (which waits for the copy), but the next forward
+    (a dropout) draws from the generators at once: their state is taken before the copy thread starts.
+    """
+    out = {}
+    for model_id in objects.ids(MODEL):
+        resident = objects.get(MODEL, model_id)
+        if hasattr(resident, "snapshot_random"):
+            out[(MODEL, model_id)] = resident.snapshot_random()
+    return out
+
+
 def _copy_state(objects: Any) -> dict:
     """The copy a commit keeps: the replica's variables and models (``ResidentStore.snapshot``)."""
     state: dict = objects.snapshot(STATE_KINDS)
+    return state
+
+
+def _with_random_states(state: dict, random: dict) -> dict:
+    """``state`` with the models' random states taken at the commit (``random``) in place of those copied."""
+    for key, states in random.items():
+        if key in state:
+            state[key]["rng"] = states
     return state
 
 
@@ -163,6 +186,9 @@ def state_digest(state: dict) -> str:
     for key in sorted(state, key=repr):
         digest.update(repr(key).encode())
         for leaf in optree.tree_leaves(state[key], none_is_leaf=True):
+            if hasattr(leaf, "digest_bytes"):  # a leaf that says what of it must agree (random states: nothing)
+                digest.update(leaf.digest_bytes())
+                continue
             array = np.ascontiguousarray(to_numpy(leaf)) if hasattr(leaf, "shape") else np.asarray(leaf)
             digest.update(f"{array.dtype}{array.shape}".encode())
             digest.update(array.tobytes())

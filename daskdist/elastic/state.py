@@ -19,7 +19,8 @@ member is lost the function's call raises; ``run`` recovers the group
 the replicas and in the state's attributes), calls the reset callbacks, and
 calls the function again: ``state.epoch`` and ``state.batch`` say where it
 goes on, and ``state.batches`` yields only the batches after the commit,
-planned over the new members with the same global batch. When members retire
+planned over the new members with the same global batch (or, with
+``keep="per_replica"``, the same batch per replica). When members retire
 (``client.retire_workers``, a worker's ``lifetime``), ``commit()`` raises
 once it has committed and ``run`` lets them leave there, restoring nothing
 (Horovod's ``HostsUpdatedInterrupt``), then calls the function again.
@@ -35,11 +36,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from daskdist.data import ops
 from daskdist.data.dataset import Dataset
-from daskdist.data.planner import cut_pipeline
-from daskdist.elastic.ledger import DataLedger, RowMap
-from daskdist.elastic.options import ElasticOptions
+from daskdist.elastic.epochs import EpochInput, release
+from daskdist.elastic.ledger import DataLedger, EpochSchedule, RowMap
+from daskdist.elastic.options import ElasticOptions, notify_membership_change
 from daskdist.elastic.recovery import RECOVERABLE, Recovery, leave, recover_within_budget, remember_members
 from daskdist.elastic.replica import CommitKey, commit_now
 
@@ -91,8 +91,10 @@ class State:
         self._serial = itertools.count(1)
         self._commits: OrderedDict[CommitKey, dict] = OrderedDict()
         self._reset_callbacks: list[Callable[[], None]] = []
-        self._rows: RowMap | None = None
-        self._pending: list[tuple[int, int]] = []  # (epoch, batch) taken since the last commit
+        self._rows: RowMap | None = None  # the epoch positions of the last dataset's rows
+        self._inputs: dict[int, tuple[Dataset, EpochInput]] = {}  # per dataset, its epochs' order
+        self._schedules: dict[tuple[int, int], EpochSchedule] = {}  # (dataset, epoch): which rows each batch holds
+        self._pending: list[tuple[int, int, EpochSchedule]] = []  # (epoch, batch, schedule) since the last commit
         self._in_run = False  # inside an ``@dd.elastic.run`` function (which lets retiring members leave)
         for name, value in attributes.items():
             if name in _OWN or name.startswith("_"):
@@ -109,8 +111,8 @@ class State:
         while len(self._commits) > 2:
             self._commits.popitem(last=False)
         if self._rows is not None:
-            for epoch, batch in self._pending:
-                self.ledger.record(epoch, range(batch, batch + 1), self._rows)
+            for epoch, batch, schedule in self._pending:
+                self.ledger.record(epoch, range(batch, batch + 1), schedule)
         self._pending = []
         if any(retiring) and self._in_run:  # members retire: ``run`` lets them leave here, calls the loop again
             raise _MembersRetiring()
@@ -123,33 +125,38 @@ class State:
         """This epoch's global batches after ``self.batch``, as ``PerReplica`` handles over the current members.
 
         ``dataset`` is a ``dd.data.Dataset`` batched with the global batch, or
-        a distributed dataset made from one; its rows must keep their
-        positions before the batch (no shuffle or filter there yet).
+        a distributed dataset made from one. A ``shuffle`` before the batch
+        reads the epoch in a seeded permutation decided on the client
+        (``elastic/epochs.py``), so the rest of an epoch can be planned again
+        after a loss; ``filter``, ``repeat`` and the like are refused.
         """
         dataset = getattr(dataset, "dataset", dataset)
         if not isinstance(dataset, Dataset):
             raise TypeError("state.batches takes a dd.data.Dataset (or a distributed dataset made from one)")
         strategy = self.strategy
-        skip = self.batch * cut_pipeline(dataset).batch.batch_size
-        if self._rows is not None and skip and self.batch >= self._rows.steps:
+        known = self._inputs.get(id(dataset))
+        if known is None or known[0] is not dataset:
+            known = self._inputs[id(dataset)] = (dataset, EpochInput(strategy, dataset, self.options))
+        epoch_input = known[1]
+        self._rows = epoch_input.rows
+        schedule = self._schedules.get((id(dataset), self.epoch))
+        if schedule is None or self.batch == 0:
+            schedule = self._schedules[(id(dataset), self.epoch)] = epoch_input.schedule(self.epoch)
+            if self.batch:  # an epoch this state never planned (restored from elsewhere): its first replica count
+                schedule.start(0, 0, epoch_input.global_batch(epoch_input.first_replicas))
+        n = strategy.num_replicas_in_sync
+        row = schedule.row_of_step(self.batch) if self.batch else 0
+        if self.batch and epoch_input.steps_from(row, n) == 0:
             self.batch = 0  # the loop was left at the epoch's last commit (members retired): nothing remains
             return
-        transformations = list(dataset.transformations)
-        last = max(i for i, op in enumerate(transformations) if isinstance(op, ops.Batch))
-        if skip:
-            transformations.insert(last, ops.Skip(skip))
-        distributed = strategy.experimental_distribute_dataset(Dataset(dataset.source, tuple(transformations)))
-        plan = distributed.plan()
-        if plan.split != "global" or plan.steps is None:
-            raise ValueError("elastic loops need a dataset whose steps are the undistributed dataset's batches "
-                             f"(the 'global' split); this one plans a {plan.split!r} split")
-        if self._rows is None or skip == 0:
-            full = distributed if skip == 0 else strategy.experimental_distribute_dataset(dataset)
-            self._rows = RowMap.from_plan(full.plan(), cut_pipeline(dataset).batch.batch_size)
+        schedule.start(self.batch, row, epoch_input.global_batch(n))
+        distributed = strategy.experimental_distribute_dataset(epoch_input.dataset_from(self.epoch, row, n))
         for element in distributed:
-            self._pending.append((self.epoch, self.batch))
+            self._pending.append((self.epoch, self.batch, schedule))
             self.batch += 1
             yield element
+        release(strategy, distributed)  # the epoch is over: its rows leave the replicas
+        self._schedules = {k: v for k, v in self._schedules.items() if k[1] >= self.epoch}
         self.batch = 0
 
     # -- recovery ---------------------------------------------------------------------
@@ -198,6 +205,7 @@ class State:
             setattr(self, name, value if _lives_on_replicas(value) else copy.deepcopy(value))
         self._pending = []
         self.ledger.rollback(self.epoch, self.batch)
+        notify_membership_change(self.options, outcome)
         for callback in self._reset_callbacks:
             callback()
 

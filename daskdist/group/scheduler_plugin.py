@@ -164,6 +164,7 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
         )
         self._scheduler.log_event(EVENT_TOPIC, {"action": "register", "group": group_id, "workers": workers,
                                                "generation": 0})
+        self.store.membership_changed(strategy_token or group_id, 0, list(workers), [], "started", group_id)
         return {"status": "OK"}
 
     async def rendezvous(self, group_id: str, rank: int, address: str, info: dict[str, Any] | None = None,
@@ -338,8 +339,15 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
         new = group.membership.next(members)
         previous = list(group.workers)
         group.membership, group.generation, group.workers = new, int(new.generation), list(workers)
-        self._scheduler.log_event(EVENT_TOPIC, {"action": "generation", "group": group_id, "generation": new.generation,
-                                               "workers": list(workers), "reason": reason})
+        change = self.store.membership_changed(group.strategy_token or group_id, int(new.generation), list(workers),
+                                               previous, reason, group_id, sorted(group.retired))
+        self._scheduler.log_event(EVENT_TOPIC, {"action": "generation", "group": group_id,
+                                               "strategy": group.strategy_token, **change.to_msg(),
+                                               "workers": list(workers)})
+        logger.log(logging.WARNING if change.lost else logging.INFO,
+                   "Replica group %s moved to generation %d: %d -> %d members (lost %s, left %s, admitted %s): %s",
+                   group_id, new.generation, len(previous), len(workers), change.lost or "none",
+                   change.left or "none", change.admitted or "none", reason or "no reason given")
         # wake everyone waiting in the old generation's rendezvous or meetings: they are stale now
         group.ready.set()
         group.wake_meetings()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import pickle
 import uuid
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -29,7 +30,7 @@ from daskdist.strategy.gradient_applier import gradient_applier
 if TYPE_CHECKING:
     from daskdist.strategy.base import Strategy
 
-__all__ = ["Model", "Sequential", "load_model"]
+__all__ = ["Model", "RandomStates", "Sequential", "load_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -553,8 +554,34 @@ class _Runner:
 # -- commands that run on the replicas ---------------------------------------------------
 
 
+class RandomStates:
+    """The layers' random generator states in a model snapshot, by layer name.
+
+    One leaf of the snapshot (its own copy), left out of elastic training's
+    state digest (``digest_bytes``): replicas may legitimately draw different
+    numbers (their batches differ in shape), while their weights must agree.
+    As an array (``numpy.asarray``) it is its pickled bytes.
+    """
+
+    def __init__(self, states: dict[str, dict]):
+        self.states = copy.deepcopy(states)
+
+    def digest_bytes(self) -> bytes:
+        return b""
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        """The states as bytes (``uint8``), so that snapshots compare as arrays do."""
+        return np.frombuffer(pickle.dumps(self.states, protocol=4), np.uint8)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RandomStates) and np.array_equal(np.asarray(self), np.asarray(other))
+
+    __hash__ = None  # type: ignore[assignment]
+
+
 class _InstalledModel:
-    """A model resident on a replica (kind ``"model"``): its weights and optimizer state snapshot and restore."""
+    """A model resident on a replica (kind ``"model"``): its weights, optimizer state and layers' random
+    generators (dropout) snapshot and restore."""
 
     def __init__(self, model: Model):
         self.model = model
@@ -564,12 +591,21 @@ class _InstalledModel:
         optimizer = self.model.optimizer
         state = {} if optimizer is None else {k: np.array(to_numpy(v), copy=True)
                                               for k, v in optimizer.get_state().items()}
-        return {"weights": weights, "optimizer": state}
+        return {"weights": weights, "optimizer": state, "rng": self.snapshot_random()}
+
+    def snapshot_random(self) -> RandomStates:
+        """The layers' random generator states (a copy), under ``"rng"`` in ``snapshot``."""
+        rng = {layer.name: layer.rng_state() for layer in self.model.layers}
+        return RandomStates({k: v for k, v in rng.items() if v})
 
     def restore(self, state: dict) -> None:
         self.model._assign_weights(state["weights"])
         if self.model.optimizer is not None and state["optimizer"]:
             self.model.optimizer.set_state(state["optimizer"])
+        if "rng" in state:
+            rng = state["rng"].states
+            for layer in self.model.layers:
+                layer.set_rng_state(rng.get(layer.name, {}))
 
 
 def _replica_model(service: ReplicaService, model_id: str) -> Model:

@@ -28,6 +28,16 @@ class ReplicaContext:
 
     def __init__(self, runtime: ReplicaService):
         self._runtime = runtime
+        self._all_reduce: Callable[..., Any] | None = None
+
+    def bind(self, communicator: Any) -> None:
+        """Bind the collectives of the generation's ``communicator`` (the runtime calls this at each rewiring).
+
+        ``all_reduce`` then calls the communicator's method directly instead of
+        looking it up through the runtime on every call (a small all-reduce
+        takes about 12 µs; each lookup is a noticeable part of it).
+        """
+        self._all_reduce = communicator.all_reduce
 
     @property
     def strategy(self) -> Any:
@@ -63,7 +73,10 @@ class ReplicaContext:
         options
             ``CommunicationOptions`` for this call (pack size, timeout, implementation).
         """
-        return self._runtime.communicator.all_reduce(reduce_op, value, options)
+        all_reduce = self._all_reduce
+        if all_reduce is None:
+            all_reduce = self._runtime.communicator.all_reduce
+        return all_reduce(reduce_op, value, options)
 
     def all_gather(self, value: Any, axis: int, options: CommunicationOptions | None = None) -> Any:
         """Concatenate ``value`` from all replicas along ``axis``, in replica order."""

@@ -86,6 +86,7 @@ class ReplicaRuntime:
         if config.get("client.command-channel", "direct") == "direct":
             self._server = CommandServer(get_address_host(worker.address), spec.secret, tls_contexts(worker)[0])
         self.context = ReplicaContext(self)
+        self.context.bind(self._wiring.communicator)
         self.strategy_view = ReplicaStrategyView(self)
         self.state = "starting"
         self.run_id = -1
@@ -342,6 +343,7 @@ class ReplicaRuntime:
         new = self._wire(membership, rank)
         with self._generation_lock:
             self._wiring = new
+            self.context.bind(new.communicator)
             self.membership, self.rank, self.size, self.devices = membership, Rank(rank), membership.size, membership.devices
             self.generation = membership.generation
             early = self._early.pop(int(generation), [])
@@ -456,7 +458,8 @@ class ReplicaRuntime:
 
     def _collective_done(self, kind: str, seconds: float, nbytes: int) -> None:
         """A collective finished (the communicator's callback): time it, with its identity in the group."""
-        self.timer.add_collective(kind, seconds, nbytes, (self.communicator.run_id, self.communicator.seq))
+        communicator = self._wiring.communicator  # one lookup, not two through the property
+        self.timer.add_collective(kind, seconds, nbytes, (communicator.run_id, communicator.seq))
 
     def record_step(self, timing: Any) -> None:
         """Queue a finished step's timing for the scheduler (sent within ``metrics.event-interval``, ``events``)."""

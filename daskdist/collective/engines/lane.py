@@ -61,6 +61,7 @@ __all__ = ["LaneEngine", "LaneHost", "shared_memory_route"]
 _UFUNC_NAMES = {ReduceOp.SUM: "add", ReduceOp.MEAN: "add", ReduceOp.MAX: "maximum", ReduceOp.MIN: "minimum",
                 ReduceOp.PRODUCT: "multiply"}
 _PLANS_KEPT = 1024
+_monotonic = time.monotonic  # bound once: the lane's whole call costs about 12 µs
 
 
 def shared_memory_route(transport: Transport, size: int, rank: int) -> ShmTransport | None:
@@ -114,7 +115,6 @@ class _Plan:
         "nbytes",
         "new_out",
         "op",
-        "send_order",
         "sent_bytes",
         "shape",
         "sig",
@@ -144,7 +144,6 @@ class _Plan:
         self.dtype = value.dtype
         self.shape = value.shape
         self.key = (value.dtype, value.shape)
-        self.send_order = [(rank + k) % size for k in range(1, size)]
         # the result goes into a fresh array the ufunc allocates, except for 0-d values (a ufunc
         # would give a scalar) and large ones (reused buffers)
         self.new_out = value.ndim == 0 or value.nbytes >= pooled_bytes
@@ -189,8 +188,17 @@ class LaneEngine:
         self.limit = min(self.limit, lane.slot_bytes)  # the lane reads each array whole from one slot
         self._plans: dict[tuple[Any, ...], _Plan | None] = {}
         self._call: _LaneCall | None = None  # the collective in progress, once it had to wait
-        self._peek = lane.peek
-        self._release = lane.release
+        # bound once per generation (this engine lives as long as its communicator): the ranks in reduction
+        # order with each peer's peek and release, and (at the first exchange, once the transport is
+        # connected) each destination's can_write and write_lane, so a call does no per-peer lookups
+        self._rank = comm.rank
+        self._size = comm.size
+        self._sources = [(r, None, None) if r == comm.rank else (r, lane.peek[r], lane.release[r])
+                         for r in range(comm.size)]
+        self._send_order = [(comm.rank + k) % comm.size for k in range(1, comm.size)]
+        self._senders: list[tuple[int, Callable[[], bool], Callable[..., None]]] | None = None
+        self._queued = lane.queued
+        self._next_collective = comm.next_collective
 
     def plan(self, op: Any, value: np.ndarray, options: CommunicationOptions | None) -> _Plan | None:
         """The plan for ``value``, or ``None`` when another engine must take it.
@@ -200,7 +208,9 @@ class LaneEngine:
         agree on the signature agree on the lane. Plans are cached: for a bare
         numpy array, this lookup is all the communicator does before ``run``.
         """
-        key = (op, value.shape, value.dtype, options)
+        # a ReduceOp member is keyed by its id (members live as long as the class): hashing an Enum member
+        # is a Python-level call, a noticeable part of a 12 µs all-reduce
+        key = (id(op) if type(op) is ReduceOp else op, value.shape, value.dtype, options)
         try:
             return self._plans[key]
         except KeyError:
@@ -292,8 +302,8 @@ class LaneEngine:
         """
         comm = self.comm
         run_id = comm.run_id
-        seq = comm.next_collective()
-        start = time.monotonic()
+        seq = self._next_collective()
+        start = _monotonic()
         try:
             result = self._exchange(plan, value, run_id, seq, start)
         except Exception as e:
@@ -303,8 +313,9 @@ class LaneEngine:
             if self._call is not None:
                 comm.end_tracking()
                 self._call = None
-        if comm.on_collective is not None:
-            comm.on_collective("all_reduce", time.monotonic() - start, plan.sent_bytes)
+        on_collective = comm.on_collective
+        if on_collective is not None:
+            on_collective("all_reduce", _monotonic() - start, plan.sent_bytes)
         return result
 
     def _slow(self, plan: _Plan, run_id: int, seq: int, start: float) -> tuple[_LaneCall, float]:
@@ -316,22 +327,31 @@ class LaneEngine:
         return self._call, start + self._call.timeout
 
     def _exchange(self, plan: _Plan, value: np.ndarray, run_id: int, seq: int, start: float) -> np.ndarray:
-        lane = self.lane
-        rank = self.comm.rank
+        senders = self._senders
+        if senders is None:
+            writers = self.lane.writers()
+            senders = self._senders = [(dst, *writers[dst]) for dst in self._send_order]
+        queued = self._queued
         handles = []
-        try_write = lane.try_write
-        for dst in plan.send_order:
-            if not try_write(dst, plan.header, run_id, seq, value, plan.key):
-                handles.append(lane.send_queued(dst, (run_id, seq, rank, plan.name), value, plan.sig_bytes))
+        header, key = plan.header, plan.key
+        for dst, can_write, write in senders:
+            if not queued.get(dst) and can_write():
+                write(header, run_id, seq, value, key)
+            else:
+                handles.append(self.lane.send_queued(dst, (run_id, seq, self._rank, plan.name), value,
+                                                     plan.sig_bytes))
         ufunc = plan.ufunc
         result: Any = None  # set when rank 1's array is combined with rank 0's
         first: np.ndarray | None = None  # rank 0's array, until rank 1's is combined with it
         first_release = None
-        for r in range(self.comm.size):
-            if r == rank:
-                incoming, release = value, None
+        incoming: np.ndarray | None
+        for r, peek, release in self._sources:
+            if peek is None:
+                incoming = value
             else:
-                incoming, release = self._take(plan, r, run_id, seq, start)
+                incoming = peek((run_id, seq, r, plan.name_field), key)
+                if incoming is None:  # not there yet (or something else first): wait for it
+                    incoming, release = self._take(plan, r, run_id, seq, start)
             if r == 0:
                 first, first_release = incoming, release
                 continue
@@ -348,7 +368,7 @@ class LaneEngine:
             if release is not None:
                 release()
         if plan.mean:
-            finalize(plan.op, result, self.comm.size)
+            finalize(plan.op, result, self._size)
         if handles:
             _call, deadline = self._slow(plan, run_id, seq, start)
             for handle in handles:
@@ -362,10 +382,10 @@ class LaneEngine:
         return np.empty(plan.shape, plan.dtype)
 
     def _take(self, plan: _Plan, src: int, run_id: int, seq: int, start: float) -> tuple[np.ndarray, Any]:
-        """``src``'s array (a view into its channel) and how to free the slot; waits as long as it must."""
-        incoming = self._peek[src]((run_id, seq, src, plan.name_field), plan.key)
-        if incoming is not None:  # the message itself: nothing of this tag can be stashed
-            return incoming, self._release[src]
+        """``src``'s array (a view into its channel) and how to free the slot, once the first peek missed.
+
+        Waits as long as it must.
+        """
         call, deadline = self._slow(plan, run_id, seq, start)
         try:
             return self.lane.receive(src, run_id, seq, plan.name, plan.name_field, plan.nbytes, plan.dtype,

@@ -266,6 +266,15 @@ class ShmTransport(Transport):
                 continue
             self.stash_message(src, header, data)
 
+    def outbound(self, dst: int) -> ShmChannel:
+        """The channel from this replica to ``dst`` (opened on first use: ``dst`` created it)."""
+        return self._channel_to(dst)
+
+    @property
+    def queued(self) -> dict[int, int]:
+        """Sends per destination still with the sender thread (this dict is updated in place)."""
+        return self._queued
+
     def inbound(self, src: int) -> ShmChannel:
         """The channel from ``src`` to this replica."""
         return self._inbound[src]

@@ -46,6 +46,11 @@ class _Source(Protocol):
 
     def inbound(self, src: int) -> ShmChannel: ...
 
+    def outbound(self, dst: int) -> ShmChannel: ...
+
+    @property
+    def queued(self) -> dict[int, int]: ...
+
     def take_stashed(self, src: int, tag: Tag) -> Any: ...
 
     def stash_message(self, src: int, header: tuple[Any, ...], data: np.ndarray) -> None: ...
@@ -77,6 +82,9 @@ class ShmLane:
         gets the new run and sequence numbers); ``False`` (nothing written)
         when the channel is full or earlier sends to ``dst`` are still queued:
         then ``send_queued``.
+    queued
+        Sends per destination still queued with the transport's sender thread
+        (the transport's own dict, updated in place).
     """
 
     def __init__(self, transport: _Source, peers: list[int]):
@@ -89,6 +97,23 @@ class ShmLane:
             src: channel.peek_lane for src, channel in self._channels.items()}
         self.release: dict[int, Callable[[], None]] = {src: channel.release for src, channel in self._channels.items()}
         self.try_write: Callable[[int, bytes, int, int, np.ndarray, tuple[Any, ...]], bool] = transport.try_send_lane
+        self.queued: dict[int, int] = transport.queued
+        self._peers = list(peers)
+
+    def writers(self) -> dict[int, tuple[Callable[[], bool], Callable[..., None]]]:
+        """Per destination rank, ``(can_write, write)``: the bound methods ``try_write`` calls.
+
+        ``ShmChannel.can_write`` and ``write_lane`` of the channel to ``dst``,
+        for a caller that binds them once per generation (call it once the
+        transport is connected: the peers' channels exist then). Before
+        ``write`` the caller checks ``can_write()`` and that ``queued`` holds
+        no send for ``dst``, as ``try_write`` does.
+        """
+        out = {}
+        for dst in self._peers:
+            channel = self._transport.outbound(dst)
+            out[dst] = (channel.can_write, channel.write_lane)
+        return out
 
     def send_queued(self, dst: int, tag: Tag, value: np.ndarray, extra: bytes) -> SendHandle:
         """Send ``value`` to ``dst`` through the transport's queue, when ``try_write`` had no room."""

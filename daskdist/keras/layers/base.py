@@ -131,6 +131,20 @@ class Layer:
             self.build(tuple(int(d) for d in x.shape[1:]))
         return self.forward(x, training=training)
 
+    # -- random state (elastic commits) --------------------------------------------------------------------
+
+    def rng_state(self) -> dict[str, Any]:
+        """The state of the random generators the layer draws from in training (none by default).
+
+        Elastic training keeps it in every commit and puts it back with
+        :meth:`set_rng_state`, so that steps replayed after a loss draw what
+        they drew the first time.
+        """
+        return {}
+
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        """Put back a state from :meth:`rng_state`."""
+
     # -- weights -------------------------------------------------------------------------------------------
 
     def weights_list(self) -> list[tuple[str, Array]]:

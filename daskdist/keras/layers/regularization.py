@@ -44,6 +44,22 @@ class Dropout(Layer):
         state["_generators"] = {k: v for k, v in self._generators.items() if k == "numpy"}  # device RNGs restart
         return state
 
+    def rng_state(self) -> dict[str, Any]:
+        """The numpy generator's state (``{}`` before its first draw: it then starts again from ``seed``).
+
+        Device (cupy) generators are not included: after a restore they start again from ``seed``.
+        """
+        generator = self._generators.get("numpy")
+        return {} if generator is None else {"numpy": generator.bit_generator.state}
+
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        self._generators = {}
+        saved = state.get("numpy")
+        if saved is not None:
+            generator = np.random.Generator(getattr(np.random, saved["bit_generator"])())
+            generator.bit_generator.state = saved
+            self._generators["numpy"] = generator
+
     def forward(self, x: Array, training: bool = False) -> Array:
         if not training or self.rate == 0.0:
             self._cache = {"mask": None}
