@@ -472,11 +472,11 @@ def test_after_a_worker_is_killed_the_ledger_and_the_updates_count_each_committe
         iterator = iter(per_worker)
 
         def step(it):
+            time.sleep(0.2)  # an exhausted worker's closures take as long: it does not drain the queue from the other
             try:
                 batch = next(it)
             except StopIteration:
                 return []
-            time.sleep(0.2)
             applied.assign_add(len(batch))  # a re-run after a loss applies it at most once (closure id)
             return [int(r) for r in batch[:, 0]]
 
@@ -487,10 +487,66 @@ def test_after_a_worker_is_killed_the_ledger_and_the_updates_count_each_committe
         coordinator.join()
         rows = [r for batch in coordinator.fetch(values) for r in batch]
         assert len(rows) == len(set(rows))  # no row returned by two committed closures
-        assert int(applied.numpy()) == len(rows)  # each committed batch's update applied once, none twice
+        # each committed batch's update applied once, none twice (see docs/strategies.md for the one-reply window in
+        # which a lost attempt's push counts instead of its re-run's)
+        assert int(applied.numpy()) == len(rows), (int(applied.numpy()), rows, coordinator.data_ledger.entries)
         ledger = coordinator.data_ledger
         assert ledger.duplicates() == {}  # no partition loaded twice in the pass by committed closures
         mine = dict(zip(roles["worker"], per_worker.locality.partitions))
         assert set(ledger.partitions()) <= set(range(12))
         assert set(mine[roles["worker"][1]]) <= set(ledger.partitions())  # the survivor read all of its own
-        assert ledger.rows() < 96  # the partitions the lost worker still held were skipped in this pass
+        # every returned row lies in a partition a committed closure loaded, each partition loaded once in the pass
+        # (the nanny restarts the killed worker: it takes over the lost pipeline, skipping what was committed)
+        assert len(rows) <= ledger.rows() <= 96
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_restarted_by_its_nanny_takes_over_the_lost_pipeline_and_reads_each_partition_once(make_cluster):
+    import dask.array as da
+
+    client = make_cluster(3, processes=True)
+    roles = _roles(client, 1)
+    ids = da.arange(96, chunks=8)
+    table = client.persist(da.stack([ids, ids], axis=1), workers=roles["worker"])
+    with dd.ParameterServerStrategy(SpecResolver(roles), client=client) as strategy:
+        coordinator = ClusterCoordinator(strategy)
+        per_worker = coordinator.create_per_worker_dataset(
+            lambda ctx: dd.data.Dataset.from_dask(table).shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+            .batch(4))
+        iterator = iter(per_worker)
+
+        def step(it):
+            from distributed import get_worker
+
+            try:
+                batch = next(it)
+            except StopIteration:
+                return get_worker().address, []
+            time.sleep(0.05)
+            return get_worker().address, [int(r) for r in batch[:, 0]]
+
+        first = coordinator.fetch([coordinator.schedule(step, args=(iterator,)) for _ in range(6)])
+        victim = roles["worker"][0]
+        os.kill(_pid(client, victim), signal.SIGKILL)  # idle: every closure it ran has committed
+        deadline = time.monotonic() + 60
+        newcomer = None
+        while newcomer is None and time.monotonic() < deadline:
+            newcomer = next((a for a in coordinator._live if a not in roles["worker"]), None)
+            time.sleep(0.1)
+        assert newcomer is not None, "the restarted worker was not admitted"
+        results, exhausted = list(first), set()
+        for _ in range(30):  # until both pipelines ran out (an exhausted worker answers fast: go on till both did)
+            more = coordinator.fetch([coordinator.schedule(step, args=(iterator,)) for _ in range(8)])
+            results += more
+            exhausted |= {address for address, batch in more if not batch}
+            if {roles["worker"][1], newcomer} <= exhausted:
+                break
+        assert {roles["worker"][1], newcomer} <= exhausted
+        rows = [r for _, batch in results for r in batch]
+        assert len(rows) == len(set(rows))  # no row read twice, though the newcomer reads the lost worker's pipeline
+        ledger = coordinator.data_ledger
+        assert ledger.duplicates() == {}
+        assert newcomer in {e.worker for e in ledger.entries}  # it took the lost pipeline over
+        lost_pipeline = set(per_worker.locality.partitions[0])
+        assert {e.partition for e in ledger.entries if e.worker in (victim, newcomer)} == lost_pipeline
+        assert ledger.rows() == 96  # the pass is complete: the newcomer read what the lost worker had not committed

@@ -202,7 +202,7 @@ class Dataset:
         def source_blocks(_: ops.PipelineState) -> Iterator[Any]:
             for partition in partitions:
                 block = load(partition)
-                if ops.block_rows(block):
+                if block is not None and ops.block_rows(block):  # None: a source skipping it this time
                     yield block
 
         upstream: Callable[[ops.PipelineState], Iterator[Any]] = source_blocks

@@ -42,22 +42,32 @@ class KeyedSource(Source):
         self.partitions = partitions
         self._assemble = assemble
         self.worker: Any = None  # bound on the replica (loads run in prefetch threads, not worker threads)
+        self.fetch_wait = 0.0  # seconds to wait for a holder of a key no worker holds (Dask recomputing it)
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "worker": None}
 
     def load(self, partition: Partition) -> Any:
         worker = self.worker
-        values = [worker.data[key] if key in worker.data else _fetch(worker, key) for key in partition.keys]
+        values = [worker.data[key] if key in worker.data else _fetch(worker, key, self.fetch_wait)
+                  for key in partition.keys]
         return self._assemble(values)
 
 
-def _fetch(worker: Any, key: Any) -> Any:
-    """Get a key this worker does not hold from a worker that does (rare: the data moved since placement)."""
+def _fetch(worker: Any, key: Any, wait: float = 0.0) -> Any:
+    """Get a key this worker does not hold from a worker that does (rare: the data moved since placement).
+
+    ``wait``: seconds to wait for a holder when none has it (a key whose
+    holder was lost, which Dask recomputes because a client holds it).
+    """
     from distributed.utils import sync
     from distributed.worker import get_data_from_worker
 
+    deadline = time.monotonic() + wait
     holders = sync(worker.loop, worker.scheduler.who_has, keys=[key]).get(key) or []
+    while not holders and time.monotonic() < deadline:
+        time.sleep(0.2)
+        holders = sync(worker.loop, worker.scheduler.who_has, keys=[key]).get(key) or []
     if not holders:
         raise KeyError(f"no worker holds partition data {key!r}; was the collection released?")
     logger.warning("Partition data %s is not on %s; fetching it from %s", key, worker.address, holders[0])

@@ -482,13 +482,22 @@ class PerWorkerDataset:
         if self.locality is not None:
             plan, count = self.locality, len(live)
             by_address = dict(zip(live, plan.datasets))
+            readers = {j: coordinator._workers.index(a) for j, a in enumerate(live)}  # pipeline -> its worker's index
 
-            def planned(i: int) -> tuple[Any, ...]:  # a newcomer reads pipeline (index mod count), from its holders
+            def planned(i: int) -> tuple[Any, ...]:
+                """Worker ``i``'s pipeline; a newcomer takes over a lost worker's (else reads ``i mod count`` again)."""
                 address = coordinator._workers[i] if i < len(coordinator._workers) else None
                 dataset = by_address.get(address) if address is not None else None
-                if dataset is None:
-                    dataset = plan.datasets[i % count]
-                return (self._key, dataset, i % count, count)
+                if address is not None and dataset is not None:
+                    return (self._key, dataset, live.index(address), count)
+                orphaned = [j for j, reader in sorted(readers.items())
+                            if reader != i and (reader >= len(coordinator._workers)
+                                                or coordinator._workers[reader] not in coordinator._live)]
+                if orphaned:
+                    readers[orphaned[0]] = i
+                    dataset = plan.takeover(orphaned[0], coordinator.data_ledger.load_counts(self._key))
+                    return (self._key, dataset, orphaned[0], count)
+                return (self._key, plan.portable[i % count], i % count, count)
 
             coordinator._run_on_each_worker(_make_dataset, planned)
             return

@@ -72,13 +72,15 @@ class StoreRef:
     def call_from_replica(self, runtime: Any, op: str, **kwargs: Any) -> Any:
         """Run ``op`` on the store from a replica thread (``runtime``: the replica's runtime).
 
-        A worker's variable and Keras-parameter traffic (``ps_channel.DIRECT_OPS``)
-        goes without the event loop: a store of this process is called
-        directly, one with a direct channel gets it there. The rest (rounds,
-        functions, optimizers) goes through the worker's event loop.
+        A worker's variable and Keras-parameter traffic and synchronous
+        rounds (``ps_channel.DIRECT_OPS``) go without the event loop: a store
+        of this process is called directly (a round's wait then blocks this
+        thread), one with a direct channel gets it there. The rest
+        (functions, optimizers, a round's contribution carrying the
+        optimizer) goes through the worker's event loop.
         """
         worker = runtime.worker
-        if op in DIRECT_OPS:  # no event loop on the way: a store of this process, else the direct channel
+        if op in DIRECT_OPS and not _carries_objects(op, kwargs):  # no event loop on the way: a store of this process, else the direct channel
             held = store_in_process(self.address)
             if held is not None:
                 return held.run_sync(op, {**kwargs, "store_id": self.store_id})
@@ -190,6 +192,12 @@ def exchange_from_replica(runtime: Any, requests: dict[StoreRef, dict[str, Any]]
     if errors:
         raise errors[0]
     return replies
+
+
+def _carries_objects(op: str, kwargs: dict[str, Any]) -> bool:
+    """Whether a ``contribute`` carries more than arrays and numbers (the first gradient round: the optimizer)."""
+    payload = kwargs.get("payload") if op == "contribute" else None
+    return isinstance(payload, dict) and payload.get("init") is not None
 
 
 async def _call(pool: Any, address: str, payload: Any) -> dict[str, Any]:

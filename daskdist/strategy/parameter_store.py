@@ -40,7 +40,7 @@ import logging
 import threading
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -48,6 +48,7 @@ from distributed.protocol.serialize import Serialize, ToPickle
 
 from daskdist import serialization
 from daskdist.arrays import as_array, namespace, to_numpy
+from daskdist.strategy.store_rounds import SynchronousRounds
 from daskdist.strategy.stored_values import Entry, StoredVariable, apply_method, copy_to_host, hand_out, writable
 
 if TYPE_CHECKING:
@@ -75,18 +76,6 @@ class _ModelEntry:
     version: int = 0
 
 
-@dataclass
-class _Round:
-    """One synchronous round: contributions by rank until all ``size`` came, then one result for all."""
-
-    size: int
-    contributions: dict[int, Any] = field(default_factory=dict)
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-    result: Any = None
-    error: BaseException | None = None
-    fetched: set[int] = field(default_factory=set)
-
-
 def unwrap(obj: Any) -> Any:
     """The object a Dask ``ToPickle``/``Serialize`` wrapper carries (a comm that did not deserialize it)."""
     if isinstance(obj, (ToPickle, Serialize)):
@@ -101,7 +90,7 @@ class ParameterStore:
         self.worker = worker
         self._entries: dict[tuple[str, str], Entry] = {}
         self._models: dict[tuple[str, str], _ModelEntry] = {}
-        self._rounds: dict[tuple[str, str, int], _Round] = {}
+        self._rounds = SynchronousRounds()  # ``contribute``
         self._applied: dict[tuple[str, str], OrderedDict[tuple[Any, ...], None]] = {}  # update keys applied, per variable
         self._duplicates: dict[str, int] = {}
         self._staleness: dict[str, collections.deque[int]] = {}
@@ -141,8 +130,10 @@ class ParameterStore:
         return result
 
     def run_sync(self, op: str, kwargs: dict[str, Any]) -> Any:
-        """Run one synchronous operation from any thread (the direct channel, a replica of this process)."""
+        """Run one operation from any thread (the direct channel, a replica of this process); ``contribute`` waits there."""
         method = self._method(op, kwargs)
+        if op == "contribute":
+            return self._contribute_blocking(**kwargs)
         with self._lock:
             result = method(**kwargs)
         if asyncio.iscoroutine(result):
@@ -344,10 +335,7 @@ class ParameterStore:
         self._staleness.pop(store_id, None)
         for applied_key in [k for k in self._applied if k[0] == store_id]:
             del self._applied[applied_key]
-        for round_key in [k for k in self._rounds if k[0] == store_id]:
-            round_ = self._rounds.pop(round_key)
-            round_.error = RuntimeError(f"the parameters of {store_id} were dropped (the strategy closed)")
-            round_.done.set()
+        self._rounds.drop_store(store_id, f"the parameters of {store_id} were dropped (the strategy closed)")
         return len(dropped)
 
     def _op_versions(self, store_id: str) -> dict[str, int]:
@@ -364,45 +352,30 @@ class ParameterStore:
         ranks contributed and the round was finished (``kind``:
         ``"variable"`` or ``"gradients"``), else ``{"status": "waiting"}``
         (the caller asks again without its payload). A finished round is
-        forgotten once every rank has fetched its result.
+        forgotten once every rank has fetched its result. On the event loop;
+        ``run_sync`` (a replica of this process, the direct channel) waits
+        in its own thread instead (``_contribute_blocking``).
         """
         round_key = (store_id, key, int(round_id))
         with self._lock:
-            round_ = self._rounds.get(round_key)
-            if round_ is None:
-                self._drop_stale_rounds(store_id, key, int(round_id) >> 32)
-                round_ = self._rounds[round_key] = _Round(size=int(size))
-            if round_.size != size:
-                raise ValueError(f"round {round_id} of {key!r}: {size} replicas contribute, the round expects "
-                                 f"{round_.size}")
-            if has_payload and rank not in round_.contributions and not round_.done.is_set():
-                round_.contributions[int(rank)] = payload
-                if len(round_.contributions) == round_.size:
-                    try:
-                        round_.result = self._finish(store_id, key, kind, round_.contributions)
-                    except Exception as e:  # noqa: BLE001 - every contributor gets the error
-                        round_.error = e
-                    round_.done.set()
-        try:
-            await asyncio.wait_for(round_.done.wait(), max(float(wait), 0.0))
-        except asyncio.TimeoutError:
+            round_ = self._rounds.contribute(round_key, int(rank), int(size), has_payload, payload,
+                                             functools.partial(self._finish, store_id, key, kind))
+        if not await round_.wait_async(wait):
             return {"status": "waiting"}
         with self._lock:
-            round_.fetched.add(int(rank))
-            if len(round_.fetched) >= round_.size:
-                self._rounds.pop(round_key, None)
-        if round_.error is not None:
-            raise round_.error
-        return {"status": "OK", "result": round_.result}
+            return self._rounds.collect(round_key, round_, int(rank))
 
-    def _drop_stale_rounds(self, store_id: str, key: str, run: int) -> None:
-        """Forget rounds of ``key`` left by earlier commands (a replica failed before contributing)."""
-        for stale in [k for k in self._rounds if k[:2] == (store_id, key) and k[2] >> 32 < run]:
-            round_ = self._rounds.pop(stale)
-            if not round_.done.is_set():
-                round_.error = RuntimeError(f"round {stale[2] & 0xFFFFFFFF} of {key!r} was abandoned: a later "
-                                            "command started")
-                round_.done.set()
+    def _contribute_blocking(self, store_id: str, key: str, round_id: int, rank: int, size: int, kind: str,
+                             has_payload: bool, payload: Any, wait: float) -> dict[str, Any]:
+        """``contribute`` from a thread: the wait blocks that thread, never holding the store's lock."""
+        round_key = (store_id, key, int(round_id))
+        with self._lock:
+            round_ = self._rounds.contribute(round_key, int(rank), int(size), has_payload, payload,
+                                             functools.partial(self._finish, store_id, key, kind))
+        if not round_.wait(wait):
+            return {"status": "waiting"}
+        with self._lock:
+            return self._rounds.collect(round_key, round_, int(rank))
 
     def _finish(self, store_id: str, key: str, kind: str, contributions: dict[int, Any]) -> Any:
         ordered = [contributions[r] for r in sorted(contributions)]

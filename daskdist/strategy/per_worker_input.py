@@ -17,26 +17,35 @@ Every partition a worker loads is logged there with the load's pass (1st,
 the log with each closure's result and records it in the client's
 ``ClosureDataLedger`` when the closure commits. A closure whose worker is
 lost commits nothing, and the partitions its pipeline held are not read
-again in that pass (they are not re-assigned): visitation per pass is *at
-most once* per partition, and exactly once when no worker is lost. Loads
-made ahead by ``shuffle``/``prefetch`` count for the closure during which
-they happened.
+again in that pass by the survivors (they are not re-assigned): visitation
+per pass is *at most once* per partition, and exactly once when no worker
+is lost. Loads made ahead by ``shuffle``/``prefetch`` count for the closure
+during which they happened.
+
+A worker admitted in place of a lost one (a nanny restart) takes the lost
+worker's pipeline over (``LocalityPlan.takeover``): it reads from the
+collection's own keys (Dask recomputes those that were lost), skips in its
+first sweep the partitions committed closures loaded in the pass in
+progress, and numbers its passes on: the pass then completes, each
+partition loaded once.
 """
 
 from __future__ import annotations
 
 import collections
+import copy
 import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from daskdist import config
 from daskdist.data import ops
 from daskdist.data.dataset import Dataset
 from daskdist.data.options import InputContext
 from daskdist.data.placement import DaskRows, Read
 from daskdist.data.replica import KeyedSource
-from daskdist.data.sources import DaskSource
+from daskdist.data.sources import DaskSource, Partition
 from daskdist.data.split import homes
 from daskdist.group.service import STRATEGY
 
@@ -57,6 +66,25 @@ class LoggedSource(KeyedSource):
         self.dataset_key = dataset_key
         self._log: Any = None
         self._loads: dict[int, int] = {}
+        self.start_loads: dict[int, int] = {}  # a resumed pipeline: passes committed so far, per partition
+        self.skip_once: set[int] = set()  # a resumed pipeline: partitions read in the current pass already
+
+    def resumed(self, committed: dict[int, int]) -> LoggedSource:
+        """This pipeline for a worker taking it over from a lost one: it goes on with the pass in progress.
+
+        ``committed``: per partition, the loads committed closures made
+        (the ledger). The pass in progress is the least of them over this
+        pipeline's partitions; in its first sweep the new reader skips the
+        partitions already read in that pass, and numbers its loads on
+        from the committed ones.
+        """
+        resumed = copy.copy(self)
+        counts = {p.index: int(committed.get(p.index, 0)) for p in self.partitions}
+        current = min(counts.values(), default=0)
+        resumed.start_loads = counts
+        resumed.skip_once = {p for p, n in counts.items() if n > current}
+        resumed.fetch_wait = config.get_seconds("parameter-store.lost-data-wait")
+        return resumed
 
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "_log": None, "_loads": {}}
@@ -64,6 +92,7 @@ class LoggedSource(KeyedSource):
     def bind(self, service: Any) -> None:
         """On the worker: read from its memory, log into its resident log of loads."""
         self.worker = service.worker
+        self._loads = dict(self.start_loads)
         log = service.objects.find(*CONSUMED_KEY)
         if log is None:
             log = collections.deque()
@@ -71,6 +100,9 @@ class LoggedSource(KeyedSource):
         self._log = log
 
     def load(self, partition: Any) -> Any:
+        if partition.index in self.skip_once:  # read in this pass by the lost worker's committed closures
+            self.skip_once.discard(partition.index)
+            return None
         value = super().load(partition)
         passes = self._loads[partition.index] = self._loads.get(partition.index, 0) + 1
         if self._log is not None:
@@ -95,6 +127,16 @@ class LocalityPlan:
     partitions: list[list[int]]  # per worker, the partition indices it reads
     holders: dict[int, tuple[str, ...]]  # per partition, the Dask workers that held it when planned
     keep: list[Any] = field(default_factory=list)
+    #: Per worker, its pipeline read from the collection's own keys (held by the client: Dask recomputes
+    #: them if their worker is lost), for a worker admitted later that takes the pipeline over.
+    portable: list[Dataset] = field(default_factory=list)
+
+    def takeover(self, index: int, committed: dict[int, int]) -> Dataset:
+        """Pipeline ``index`` for a worker replacing its lost reader (``LoggedSource.resumed``)."""
+        dataset = self.portable[index]
+        source = dataset.source
+        assert isinstance(source, LoggedSource)
+        return Dataset(source.resumed(committed), dataset.transformations)
 
 
 def _leading_shard(dataset: Any, index: int, count: int) -> bool:
@@ -142,6 +184,11 @@ def plan_by_locality(client: Any, workers: list[str], dataset_fn: Any, dataset_k
         keyed = LoggedSource(dataset_key, source.treedef, partitions, source.assemble)
         plan.datasets.append(Dataset(keyed, tuple(datasets[rank].transformations[1:])))
         plan.partitions.append(mine)
+        own_keys = [Partition(p.index, p.rows, 0, keys=tuple(f.key for f in rows.leaf_futures[p.index]))
+                    for p in partitions]
+        plan.keep.extend(f for i in mine for f in rows.leaf_futures[i])
+        plan.portable.append(Dataset(LoggedSource(dataset_key, source.treedef, own_keys, source.assemble),
+                                     tuple(datasets[rank].transformations[1:])))
     return plan
 
 
@@ -193,6 +240,10 @@ class ClosureDataLedger:
             if e.pass_index == pass_index and (dataset_key is None or e.dataset_key == dataset_key):
                 out.setdefault(e.partition, []).append(e.worker)
         return out
+
+    def load_counts(self, dataset_key: str) -> dict[int, int]:
+        """Per partition of ``dataset_key``, how many times committed closures loaded it (all passes)."""
+        return dict(collections.Counter(e.partition for e in self.entries if e.dataset_key == dataset_key))
 
     def rows(self, dataset_key: str | None = None, pass_index: int = 0) -> int:
         """Rows of the partitions committed closures loaded in pass ``pass_index``."""
