@@ -18,6 +18,7 @@ import numpy as np
 
 from daskdist.data.sources import DaskSource, Partition
 from daskdist.data.split import GlobalBatchRows, SelectedRows
+from daskdist.exceptions import ReplicaLostError
 
 if TYPE_CHECKING:
     from distributed import Client, Future
@@ -104,6 +105,7 @@ class DaskRows:
         """
         client = self.client
         placed, kept, moved = [], [], []
+        targets = {worker}  # the workers the tasks below are pinned to
         if not hasattr(self, "pinned"):
             self.pinned: list[tuple[str, Future]] = []
         for read in reads:
@@ -114,6 +116,7 @@ class DaskRows:
                 source = future
                 if not full:  # cut the rows where the leaf is, so that only they travel
                     where = worker if worker in holders else (holders[0] if holders else worker)
+                    targets.add(where)
                     source = client.submit(select_rows, future, read.start, read.stop, read.first_position, read.rule,
                                            workers=[where], allow_other_workers=False, pure=False)
                     kept.append(source)
@@ -127,6 +130,7 @@ class DaskRows:
                     read_moved += int(self.nbytes.get(future.key, 0) * self._fraction(read))
             placed.append(Partition(read.partition, self._taken(read), 0, keys=tuple(keys)))
             moved.append(read_moved)
+        _wait_while_alive(client, kept, targets)
         for future in kept:
             error = future.exception()
             if error is not None:
@@ -141,6 +145,28 @@ class DaskRows:
     def _fraction(self, read: Read) -> float:
         rows = self.rows[read.partition]
         return self._taken(read) / rows if rows else 0.0
+
+
+def _wait_while_alive(client: Client, futures: list[Future], workers: set[str], poll: float = 0.5) -> None:
+    """Wait for ``futures``, pinned to ``workers``; a worker that leaves meanwhile raises ``ReplicaLostError``.
+
+    A task pinned to a worker that left the cluster waits for it for ever
+    (Dask keeps it as ``no-worker``), so a plan placed while a replica's
+    worker dies would never finish: say which worker left instead, so that an
+    elastic ``fit`` recovers and a plain one fails clearly.
+    """
+    for future in futures:
+        while True:
+            try:
+                future.exception(timeout=poll)
+                break
+            except TimeoutError:
+                alive = set(client.scheduler_info(n_workers=-1)["workers"])
+                gone = sorted(workers - alive)
+                if gone:
+                    raise ReplicaLostError(
+                        f"worker {gone[0]} left the cluster while the input was placed on it", worker=gone[0]
+                    ) from None
 
 
 def _partition_futures(collection: Any, futures: list[Future]) -> list[Future]:
