@@ -16,7 +16,7 @@ import pytest
 import daskdist as dd
 from daskdist.collective.transport.shm_orphans import sweep_orphans
 from daskdist.elastic.quarantine import Quarantine
-from daskdist.elastic.replica import Commit, CommitRing
+from daskdist.elastic.replica import STATE_KINDS, Commit, CommitRing, state_digest
 from daskdist.group.service import ResidentStore
 from daskdist.keras.models import PROGRESS_TOPIC
 from tests.test_elastic import ProcessWorkers, _data, _model, slow_batch
@@ -312,6 +312,58 @@ def test_a_custom_loop_lets_a_retired_member_leave_at_its_commit_with_nothing_re
         assert total.read_value() == 2 * values.sum()  # every row added once per epoch: nothing replayed
         for epoch in (0, 1):
             assert sorted(state.ledger.positions(epoch, state._rows).tolist()) == list(range(120))
+
+
+def _digest_of_state(service):
+    """This replica's variables and models as one hash (what a commit would hold)."""
+    return state_digest(service.objects.snapshot(STATE_KINDS))
+
+
+@pytest.mark.slow
+def test_a_custom_loop_admits_a_worker_started_mid_epoch_at_a_commit_and_every_replica_holds_one_state(
+        process_workers):
+    workers = process_workers(2)
+    values = np.arange(1, 121, dtype=np.float64)
+    dataset = Dataset.from_tensor_slices(values).batch(12).map(slow_batch)  # 10 steps per epoch
+    options = dd.ElasticOptions(min_replicas=2, admit_every="0.1s")
+    with dd.MirroredStrategy(client=workers.client, elastic=options) as strategy:
+        with strategy.scope():
+            total = dd.Variable(np.zeros((), np.float64), aggregation=dd.VariableAggregation.ONLY_FIRST_REPLICA)
+        members_before = list(strategy.extended.worker_addresses)
+
+        def step(batch):
+            (rows,) = batch
+            total.assign_add(dd.get_replica_context().all_reduce("SUM", rows.sum()))
+
+        @dd.elastic.run
+        def train(state):
+            while state.epoch < 2:
+                for batch in state.batches(dataset):
+                    strategy.run(step, args=(batch,))
+                    state.steps += 1
+                    state.commit()
+                    if state.epoch == 0 and state.batch == 3 and not state.started:
+                        state.started = True  # a third worker starts mid-epoch; the loop goes on meanwhile
+                        workers.add()
+                        workers.client.wait_for_workers(3, timeout=120)
+                state.epoch += 1
+
+        state = dd.elastic.State(strategy, epoch=0, steps=0, started=False, total=total)
+        resets = []
+        state.register_reset_callbacks([lambda: resets.append((state.epoch, state.batch,
+                                                               strategy.num_replicas_in_sync))])
+        train(state)
+        (event,) = state.events
+        newcomer = [a for a in workers.client.scheduler_info()["workers"] if a not in members_before]
+        assert event.action == "grew" and event.admitted == newcomer and event.lost == [] and event.left == []
+        (joined,) = resets
+        assert joined[0] == 0 and 3 <= joined[1] < 10 and joined[2] == 3  # at a commit inside epoch 0
+        assert strategy.num_replicas_in_sync == 3 and state.steps == 20 and state.epoch == 2
+        assert total.read_value() == 2 * values.sum()  # every row added once per epoch: nothing replayed
+        for epoch in (0, 1):
+            assert sorted(state.ledger.positions(epoch, state._rows).tolist()) == list(range(120))
+        digests = strategy.extended.group.call(_digest_of_state)
+        assert len(digests) == 3 and len(set(digests)) == 1
 
 
 def test_the_heartbeat_watch_names_silent_members_of_elastic_groups_once_the_scheduler_kept_time():

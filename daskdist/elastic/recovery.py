@@ -25,7 +25,7 @@ from daskdist.exceptions import ReplicaLostError, StaleGenerationError
 from daskdist.group.handle import ReplicaGroup
 from daskdist.group.membership import Membership
 
-__all__ = ["ELASTIC_TOPIC", "RECOVERABLE", "Recovery", "admit", "grow", "is_final", "leave", "recover",
+__all__ = ["ELASTIC_TOPIC", "RECOVERABLE", "Recovery", "admit", "free_workers", "grow", "is_final", "leave", "recover",
            "recover_within_budget", "refill", "remember_members"]
 
 logger = logging.getLogger(__name__)
@@ -145,7 +145,7 @@ def grow(group: ReplicaGroup, options: ElasticOptions, install_newcomer: Any) ->
     Nothing is rolled back: every member already holds the newest commit,
     which the newcomers receive from a survivor.
     """
-    free = _free_workers(group, options)
+    free = free_workers(group, options)
     room = options.max_replicas - group.size if options.max_replicas is not None else len(free)
     if not free or room <= 0:
         return None
@@ -257,7 +257,7 @@ def _wait_for_members(group: ReplicaGroup, options: ElasticOptions, lost: list[s
     deadline = time.monotonic() + options.wait_seconds
     admitted: list[str] = []
     while group.size < options.min_replicas:
-        free = [] if not can_admit else _free_workers(group, options)
+        free = [] if not can_admit else free_workers(group, options)
         room = options.max_replicas - group.size if options.max_replicas is not None else len(free)
         if free and room > 0:
             admitted += admit(group, free[:room])
@@ -276,7 +276,7 @@ def remember_members(group: ReplicaGroup) -> None:
     quarantine_of(group).remember(group.client.scheduler_info(n_workers=-1)["workers"])
 
 
-def _free_workers(group: ReplicaGroup, options: ElasticOptions) -> list[str]:
+def free_workers(group: ReplicaGroup, options: ElasticOptions) -> list[str]:
     """Workers of the cluster that host no member of the group, oldest first, but those in their cooldown and
     those leaving (retired from the group, or closing)."""
     workers = group.client.scheduler_info(n_workers=-1)["workers"]

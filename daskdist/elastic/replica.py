@@ -33,6 +33,7 @@ __all__ = [
     "CommitKey",
     "CommitRing",
     "commit_keys",
+    "state_residents",
     "commit_now",
     "commit_progress",
     "commit_state",
@@ -224,6 +225,11 @@ def commit_now(service: ReplicaService, key: CommitKey) -> bool:
     _ring(service).add(Commit(tuple(key), service.objects.snapshot(STATE_KINDS),  # type: ignore[arg-type]
                               {"loss_sum": 0.0, "count": 0.0, "metrics": {}}))
     return _retiring(service)
+
+
+def state_residents(service: ReplicaService) -> list[tuple[str, str]]:
+    """The ``(kind, id)`` of every resident a commit covers (variables, models) on this replica."""
+    return [(kind, object_id) for kind in STATE_KINDS for object_id in service.objects.ids(kind)]
 
 
 def commit_progress(service: ReplicaService, key: CommitKey) -> dict:

@@ -32,6 +32,7 @@ import copy
 import functools
 import itertools
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -40,8 +41,16 @@ from daskdist.data.dataset import Dataset
 from daskdist.elastic.epochs import EpochInput, release
 from daskdist.elastic.ledger import DataLedger, EpochSchedule, RowMap
 from daskdist.elastic.options import ElasticOptions, notify_membership_change
-from daskdist.elastic.recovery import RECOVERABLE, Recovery, leave, recover_within_budget, remember_members
-from daskdist.elastic.replica import CommitKey, commit_now
+from daskdist.elastic.recovery import (
+    RECOVERABLE,
+    Recovery,
+    free_workers,
+    grow,
+    leave,
+    recover_within_budget,
+    remember_members,
+)
+from daskdist.elastic.replica import CommitKey, commit_now, state_residents
 
 __all__ = ["State", "run"]
 
@@ -96,6 +105,7 @@ class State:
         self._schedules: dict[tuple[int, int], EpochSchedule] = {}  # (dataset, epoch): which rows each batch holds
         self._pending: list[tuple[int, int, EpochSchedule]] = []  # (epoch, batch, schedule) since the last commit
         self._in_run = False  # inside an ``@dd.elastic.run`` function (which lets retiring members leave)
+        self._looked = time.monotonic()  # when ``commit`` last looked for free workers (every ``admit_every``)
         for name, value in attributes.items():
             if name in _OWN or name.startswith("_"):
                 raise ValueError(f"{name!r} is not a free State attribute")
@@ -116,6 +126,28 @@ class State:
         self._pending = []
         if any(retiring) and self._in_run:  # members retire: ``run`` lets them leave here, calls the loop again
             raise _MembersRetiring()
+        if self._in_run and self._workers_wait():  # free workers: ``run`` admits them here, calls the loop again
+            raise _MembersJoining()
+
+    def _workers_wait(self) -> bool:
+        """Every ``admit_every``: whether free workers wait and the group is below ``max_replicas``.
+
+        The client asks the scheduler (one call per ``admit_every``, none between); every replica has
+        committed already, so all of them stop at this commit.
+        """
+        every = self.options.admit_seconds
+        group = self.strategy.extended.group
+        if every is None or (self.options.max_replicas is not None and group.size >= self.options.max_replicas):
+            return False
+        now = time.monotonic()
+        if now - self._looked < every:
+            return False
+        self._looked = now
+        try:
+            return bool(free_workers(group, self.options))
+        except Exception as e:  # a slow scheduler must not fail the loop: look again later
+            logger.debug("Could not look for free workers: %s", e)
+            return False
 
     def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
         """Call each of ``callbacks`` after a recovery, before the loop goes on (to rescale a learning rate)."""
@@ -188,6 +220,67 @@ class State:
             for callback in self._reset_callbacks:
                 callback()
 
+    def _grow(self) -> None:
+        """At the commit just taken: free workers join (they receive it from a survivor, nothing is rolled
+        back), then ``on_membership_change`` and the reset callbacks run; ``batches`` re-plans the epoch's rest."""
+        group = self.strategy.extended.group
+        try:
+            missing = self._unrebuildable(group.call(state_residents, member=0)[0])
+            if missing:
+                logger.warning("Elastic loop: not admitting free workers: the replicas hold %s, which are not "
+                               "models or variables among the state's attributes, so a newcomer could not "
+                               "rebuild them", missing)
+                self._looked = float("inf")  # never again in this state
+                return
+            outcome = grow(group, self.options, self._install_newcomer)
+            if outcome is not None:
+                self.strategy.extended.membership_changed()
+        except RECOVERABLE as error:
+            self._recover(error)
+            return
+        if outcome is None:
+            return
+        self.events.append(outcome)
+        notify_membership_change(self.options, outcome)
+        for callback in self._reset_callbacks:
+            callback()
+
+    def _rebuildable(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The state's models and distributed variables, by resident id (what a newcomer can be given)."""
+        from daskdist.keras.models import Model
+        from daskdist.variables import DistributedVariable
+
+        models, variables = {}, {}
+        for value in vars(self).values():
+            if isinstance(value, Model):
+                models[value._model_id] = value
+            elif isinstance(value, DistributedVariable):
+                variables[value._var_id] = value
+        return models, variables
+
+    def _unrebuildable(self, residents: list) -> list[tuple[str, str]]:
+        from daskdist.group.service import MODEL, VARIABLE
+
+        models, variables = self._rebuildable()
+        known = {(MODEL, i) for i in models} | {(VARIABLE, i) for i in variables}
+        return [tuple(r) for r in residents if tuple(r) not in known]  # type: ignore[misc]
+
+    def _install_newcomer(self, rank: int) -> None:
+        """Give the newcomer at ``rank`` the state's models and variables (their values come with the commit)."""
+        import numpy as np
+
+        from daskdist.group.service import MODEL
+        from daskdist.replica.commands import create_variable
+        from daskdist.strategy.replica_commands import install_resident
+
+        extended = self.strategy.extended
+        models, variables = self._rebuildable()
+        for model_id, model in models.items():
+            extended.run_on_replica(rank, install_resident, (MODEL, model_id, model._resident()))
+        for var_id, variable in variables.items():
+            spec = variable._spec
+            extended.run_on_replica(rank, create_variable, (var_id, np.zeros(spec.shape, spec.dtype), spec))
+
     def _recover(self, error: BaseException) -> None:
         group = self.strategy.extended.group
         while True:  # a loss while the strategy takes in the new members is recovered from like any other
@@ -208,6 +301,11 @@ class State:
         notify_membership_change(self.options, outcome)
         for callback in self._reset_callbacks:
             callback()
+
+
+class _MembersJoining(Exception):
+    """Raised by ``State.commit`` when free workers wait: ``run`` admits them there (nothing restored) and
+    calls the loop again."""
 
 
 class _MembersRetiring(Exception):
@@ -239,6 +337,8 @@ def run(fn: Callable[..., Any]) -> Callable[..., Any]:
                     state._in_run = False
             except _MembersRetiring:
                 state._leave()
+            except _MembersJoining:
+                state._grow()
             except RECOVERABLE as error:
                 logger.warning("Elastic loop %s: %s; recovering", getattr(fn, "__name__", "fn"), error)
                 state._recover(error)
