@@ -366,6 +366,35 @@ def test_a_custom_loop_admits_a_worker_started_mid_epoch_at_a_commit_and_every_r
         assert len(digests) == 3 and len(set(digests)) == 1
 
 
+@pytest.mark.slow
+def test_a_custom_loop_whose_variable_is_kept_outside_the_state_does_not_grow_and_says_why(process_workers,
+                                                                                           caplog):
+    workers = process_workers(3)
+    values = np.arange(1, 49, dtype=np.float64)
+    dataset = Dataset.from_tensor_slices(values).batch(12)
+    options = dd.ElasticOptions(min_replicas=2, max_replicas=3, admit_every=0)
+    with dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=workers.client, elastic=options) as strategy:
+        with strategy.scope():
+            total = dd.Variable(np.zeros((), np.float64), aggregation=dd.VariableAggregation.ONLY_FIRST_REPLICA)
+
+        def step(batch):
+            total.assign_add(dd.get_replica_context().all_reduce("SUM", batch.sum()))
+
+        @dd.elastic.run
+        def train(state):
+            for batch in state.batches(dataset):
+                strategy.run(step, args=(batch,))
+                state.commit()
+
+        state = dd.elastic.State(strategy)
+        with caplog.at_level("WARNING", logger="daskdist.elastic.state"):
+            train(state)
+        assert state.events == [] and strategy.num_replicas_in_sync == 2
+        assert total.read_value() == values.sum()
+        assert any("not admitting free workers" in r.getMessage() and "variable" in r.getMessage()
+                   for r in caplog.records)
+
+
 def test_the_heartbeat_watch_names_silent_members_of_elastic_groups_once_the_scheduler_kept_time():
     from types import SimpleNamespace
 

@@ -50,7 +50,9 @@ class ElasticOptions:
         Dask duration; ``None``: only at epoch boundaries). When it finds
         some and the group is below ``max_replicas``, the epoch stops at the
         next commit, the workers are admitted with that commit, and the epoch
-        goes on over all members.
+        goes on over all members. In an ``@dd.elastic.run`` loop,
+        ``State.commit`` looks (on the client) as often, and the loop's
+        function is called again over all members (``None``: it never grows).
     keep
         What stays constant when the replica count changes. ``"global_batch"``
         (default): the dataset's global batch, re-split over the new replica

@@ -23,7 +23,10 @@ planned over the new members with the same global batch (or, with
 ``keep="per_replica"``, the same batch per replica). When members retire
 (``client.retire_workers``, a worker's ``lifetime``), ``commit()`` raises
 once it has committed and ``run`` lets them leave there, restoring nothing
-(Horovod's ``HostsUpdatedInterrupt``), then calls the function again.
+(Horovod's ``HostsUpdatedInterrupt``), then calls the function again. So it
+does when free Dask workers wait (looked for every ``admit_every``) and the
+group is below ``max_replicas``: ``run`` admits them at that commit, giving
+each the state's models and variables and then the commit from a survivor.
 """
 
 from __future__ import annotations
