@@ -19,6 +19,7 @@ __all__ = [
     "check_worker_settings",
     "command_line",
     "config_overrides",
+    "blas_in_use",
     "environment_lines",
     "format_table",
     "local_cluster",
@@ -77,7 +78,19 @@ def environment_lines() -> list[str]:
         f"host: {platform.node()}  cpus: {os.cpu_count()}  python: {platform.python_version()}",
         f"daskdist {daskdist.__version__}  dask {dask.__version__}  distributed {distributed.__version__}  "
         f"numpy {np.__version__}  daskdist source: {library_revision()}",
+        f"BLAS: {blas_in_use()}  (OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '-')})",
     ]
+
+
+def blas_in_use() -> str:
+    """The BLAS libraries numpy loaded, their kernel (architecture) and threads (threadpoolctl)."""
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return "unknown (threadpoolctl missing)"
+    found = [f"{i['internal_api']} {i.get('version', '')} {i.get('architecture', '?')} x{i['num_threads']}"
+             for i in threadpool_info() if i["user_api"] == "blas"]
+    return ", ".join(found) or "none loaded"
 
 
 def print_header(title: str) -> None:
