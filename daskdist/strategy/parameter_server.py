@@ -256,7 +256,7 @@ class ParameterServerExtended(ParameterHolderExtended):
     def step_timings(self, last: int | None = None) -> list[list[Kwargs]]:
         from daskdist.replica import commands
 
-        return [g.call(commands.step_timings, (last,))[0] for g in self._worker_groups.values()]
+        return [g.call(commands.step_timings, (last,))[0] for g in list(self._worker_groups.values())]
 
     def distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
         raise NotImplementedError(
@@ -285,7 +285,7 @@ class ParameterServerExtended(ParameterHolderExtended):
                 logger.debug("Could not drop the parameters held on %s: %s", store.address, e)
         self._closed = True
         registry.unregister(self._token)
-        for group in self._worker_groups.values():
+        for group in list(self._worker_groups.values()):  # a coordinator thread may admit a worker meanwhile
             try:
                 group.close()
             except Exception as e:  # noqa: BLE001 - a lost worker
