@@ -119,13 +119,10 @@ class State:
     def commit(self) -> None:
         """Keep this point: the replicas' variables and models, and this state's attributes."""
         key: CommitKey = (self._run_id, next(self._serial), 0)
-        # Kept before the replicas are asked: they may all commit ``key`` and the reply still fail (a loss
-        # noticed on the way back); the recovery then goes back to ``key``, which must be known here. Three
-        # kept: ``key`` and the replicas' two newest before it.
-        self._commits[key] = self._plain_attributes()
-        while len(self._commits) > 3:
-            self._commits.popitem(last=False)
         retiring = self.strategy.extended.group.call(commit_now, (key,))
+        self._commits[key] = self._plain_attributes()
+        while len(self._commits) > 2:
+            self._commits.popitem(last=False)
         if self._rows is not None:
             for epoch, batch, schedule in self._pending:
                 self.ledger.record(epoch, range(batch, batch + 1), schedule)
