@@ -31,6 +31,7 @@ from daskdist.dashboard.event_log import bound_topic
 from daskdist.dashboard.store import STEP_TOPIC, MetricsStore
 from daskdist.exceptions import StaleGenerationError
 from daskdist.group.departures import Departures
+from daskdist.group.kv_store import KeyValueStore
 from daskdist.group.membership import Member, Membership, MembershipPolicy, check_generation
 from daskdist.group.worker_plugin import DaskdistWorkerPlugin
 
@@ -110,6 +111,7 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
                                   straggler_min_wait=config.get_seconds("metrics.straggler-min-wait"))
         self.step_event_log = int(config.get("metrics.scheduler-event-log"))
         self.departures = Departures(self)
+        self.kv = KeyValueStore()  # torch.distributed's Store of each group (plugins.torch)
 
     @property
     def _scheduler(self) -> Scheduler:
@@ -129,6 +131,7 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
                 "daskdist_group_status": self.group_status,
                 "daskdist_membership": self.membership,
                 "daskdist_change_membership": self.change_membership_handler,
+                "daskdist_kv": self.kv.handle,
             }
         )
         scheduler.extensions["daskdist"] = self
@@ -276,6 +279,7 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
             group.ready.set()
             group.wake_meetings()
             self._scheduler.log_event(EVENT_TOPIC, {"action": "close", "group": group_id})
+        self.kv.drop(f"{group_id}/")
         self.store.close_group(group.strategy_token or group_id if group is not None else group_id)
         return {"status": "OK"}
 

@@ -1,0 +1,147 @@
+"""``init_process_group`` inside a replica: torch.distributed's default group on the ``daskdist`` backend.
+
+``init_process_group()`` (called in a function that ``strategy.run`` runs on
+the replicas) registers the ``daskdist`` backend with
+``torch.distributed.Backend.register_backend``, and initialises torch's
+default group with rank = the replica's id in sync and world size = the
+replicas in sync, meeting through ``DaskdistStore`` (the scheduler: no
+``MASTER_ADDR``, no port). The group belongs to one membership generation:
+called again after the group re-formed (elastic), it destroys the old one and
+builds the next; a group of a closed strategy is destroyed by the next call
+(or by ``destroy_process_group()``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import threading
+from typing import Any
+
+import torch.distributed as dist
+
+from daskdist import config, context
+from daskdist.plugins.torch.comm import ReplicaComm, comm_thread_wanted
+from daskdist.plugins.torch.process_group import BACKEND_NAME, ProcessGroupDaskdist
+from daskdist.plugins.torch.store import DaskdistStore
+
+__all__ = ["destroy_process_group", "init_process_group", "register_backend"]
+
+logger = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_registered = False
+
+
+class _Current:
+    """What this process's default group is made of (one replica per process holds it)."""
+
+    comm: ReplicaComm | None = None
+    runtime: Any = None
+    generation: int = -1
+    store: DaskdistStore | None = None
+
+
+_current = _Current()
+
+
+def register_backend() -> None:
+    """Register ``"daskdist"`` with ``torch.distributed`` (idempotent; devices: cpu, and cuda through NCCL)."""
+    global _registered
+    with _lock:
+        if _registered or BACKEND_NAME.upper() in dist.Backend._plugins:
+            _registered = True
+            return
+        dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
+        _registered = True
+
+
+def _create(options: Any, backend_options: Any) -> ProcessGroupDaskdist:
+    """torch's creator: the default group, or a subgroup of it (``new_group``) with its global ranks."""
+    comm = _current.comm
+    if comm is None:
+        raise RuntimeError("the daskdist torch backend is made by dd.plugins.torch.init_process_group(), "
+                           "inside a function run on the replicas (strategy.run)")
+    ranks = [int(r) for r in (options.global_ranks_in_group or [])] or None
+    pg = ProcessGroupDaskdist(comm, int(options.group_rank), int(options.group_size), ranks)
+    pg._nccl_store = options.store
+    return pg
+
+
+def init_process_group(timeout: datetime.timedelta | float | None = None) -> None:
+    """Initialise ``torch.distributed``'s default group on the ``daskdist`` backend, in this replica.
+
+    Call it inside a function run by ``strategy.run``, on every replica. Then
+    ``torch.distributed`` answers ``is_initialized()``, ``get_rank()`` (the
+    replica id in sync), ``get_world_size()`` (the replicas in sync) and
+    ``get_backend() == "daskdist"``, and ``DistributedDataParallel``,
+    ``SyncBatchNorm``, ``ZeroRedundancyOptimizer`` and ``dist.*`` carry their
+    tensors over daskdist's collectives.
+
+    Parameters
+    ----------
+    timeout
+        torch's timeout of the group (seconds or a ``timedelta``); daskdist's
+        collectives keep their own deadline (``daskdist.collective.timeout``).
+
+    Raises
+    ------
+    RuntimeError
+        Outside a replica; called twice in one generation; several replicas
+        share this process (threaded workers: one replica per worker process
+        is needed); or ``torch.distributed`` was initialised by something else.
+    """
+    runtime = context.current_runtime()
+    if runtime is None or not hasattr(runtime, "communicator") or not hasattr(runtime, "worker"):
+        raise RuntimeError("dd.plugins.torch.init_process_group() must be called inside a function run on the "
+                           "replicas (strategy.run(fn)), not on the client or outside a strategy")
+    if dist.is_initialized():
+        if _current.comm is None:
+            raise RuntimeError(f"torch.distributed is already initialised in this process (backend "
+                               f"{dist.get_backend()!r}) by something other than daskdist")
+        if _current.runtime is runtime and _current.generation == runtime.generation:
+            raise RuntimeError("dd.plugins.torch.init_process_group() was already called in this replica (for "
+                               f"generation {runtime.generation} of {runtime.group_id}); call it once")
+        destroy_process_group()  # a closed strategy's group, or the previous generation's
+    register_backend()
+    comm = ReplicaComm(runtime, threaded=comm_thread_wanted(config.get("torch.comm-thread", "auto")))
+    try:
+        where = comm.all_gather_objects((socket.gethostname(), os.getpid()))
+        shared = sorted({r for r, w in enumerate(where) if where.count(w) > 1})
+        if shared:
+            raise RuntimeError(
+                f"the daskdist torch backend needs one replica per worker process: replicas {shared} share one "
+                "process (a threaded cluster, e.g. LocalCluster(processes=False), or workers with several "
+                "threads holding replicas); torch.distributed's default group is process-global")
+        store = DaskdistStore(runtime.worker, f"{runtime.group_id}/{runtime.generation}")
+        _current.comm, _current.runtime, _current.generation, _current.store = comm, runtime, runtime.generation, store
+        if timeout is None:
+            timeout = datetime.timedelta(seconds=config.get_seconds("collective.timeout"))
+        elif not isinstance(timeout, datetime.timedelta):
+            timeout = datetime.timedelta(seconds=float(timeout))
+        dist.init_process_group(BACKEND_NAME, store=store, rank=int(runtime.rank), world_size=int(runtime.size),
+                                timeout=timeout)
+    except BaseException:
+        comm.close()
+        _current.comm = _current.runtime = _current.store = None
+        _current.generation = -1
+        raise
+    logger.info("torch.distributed initialised on daskdist: rank %d of %d (%s, generation %d, %s)", runtime.rank,
+                runtime.size, runtime.group_id, runtime.generation,
+                "communication thread" if comm.threaded else "inline")
+
+
+def destroy_process_group() -> None:
+    """Destroy the default group made by ``init_process_group`` (and its subgroups), if there is one."""
+    comm = _current.comm
+    if comm is None:
+        return
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    finally:
+        comm.close()
+        _current.comm = _current.runtime = _current.store = None
+        _current.generation = -1

@@ -1,0 +1,353 @@
+"""``ProcessGroupDaskdist``: a ``torch.distributed.ProcessGroup`` whose collectives are daskdist's.
+
+A Python subclass of ``dist.ProcessGroup`` (torch's ``PyProcessGroup``
+trampoline): torch's C++ callers (DDP's reducer, ``SyncBatchNorm``, ZeRO) and
+``torch.distributed``'s functions reach these methods. Tensors travel as numpy
+views of their memory (no copy for contiguous CPU tensors), results are
+copied back in place, and every method returns a ``Work`` made from a
+``torch.futures.Future`` that the adapter (``comm.ReplicaComm``) completes,
+inline or on the group's communication thread. CUDA tensors go to a torch
+NCCL process group made through the same store (``nccl_group``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
+
+from daskdist.plugins.torch.comm import ReplicaComm
+
+__all__ = ["BACKEND_NAME", "SUPPORTED", "ProcessGroupDaskdist"]
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAME = "daskdist"
+
+#: the operations of ``torch.distributed`` this backend carries (named in the error of any other)
+SUPPORTED = ("all_reduce (SUM, AVG, MIN, MAX, PRODUCT)", "all_reduce_coalesced", "broadcast", "all_gather",
+             "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "reduce", "gather", "scatter",
+             "all_to_all_single", "barrier", "send", "recv", "new_group")
+
+_OPS = ((dist.ReduceOp.SUM, "sum"), (dist.ReduceOp.AVG, "mean"), (dist.ReduceOp.MIN, "min"),
+        (dist.ReduceOp.MAX, "max"), (dist.ReduceOp.PRODUCT, "prod"))
+
+
+def _op_name(op: Any) -> str:
+    for torch_op, name in _OPS:
+        if op == torch_op:
+            return name
+    raise ValueError(f"the daskdist backend reduces with SUM, AVG, MIN, MAX or PRODUCT; got {op}")
+
+
+def _view(tensor: torch.Tensor) -> np.ndarray:
+    """The numpy view of a CPU tensor's memory (no copy; strided tensors keep their strides)."""
+    if tensor.device.type != "cpu":
+        raise ValueError(f"the daskdist backend carries CPU tensors (CUDA ones go through NCCL); got {tensor.device}")
+    if tensor.dtype in (torch.bfloat16,) or tensor.is_complex() or tensor.is_quantized:
+        raise TypeError(f"the daskdist backend carries float16/32/64, integer and bool tensors; got {tensor.dtype}")
+    return tensor.detach().numpy()
+
+
+def _copy_into(tensor: torch.Tensor, array: np.ndarray) -> None:
+    np.copyto(_view(tensor), np.asarray(array).reshape(tuple(tensor.shape)), casting="no")
+
+
+class ProcessGroupDaskdist(dist.ProcessGroup):  # type: ignore[misc]
+    """The process group of the replicas of one daskdist group generation (or a subgroup of them).
+
+    Parameters
+    ----------
+    comm
+        The replica's collectives (``ReplicaComm``), shared with subgroups.
+    rank, size
+        This replica's rank in this group and the group's size.
+    ranks
+        The global ranks of the group's members (``None``: every replica).
+    """
+
+    def __init__(self, comm: ReplicaComm, rank: int, size: int, ranks: list[int] | None = None):
+        super().__init__(rank, size)
+        self._comm = comm
+        self._rank = rank
+        self._size = size
+        self._ranks = ranks
+        self._group_name = ""
+        self._group_desc = ""
+        if ranks is not None and ranks != list(range(comm.runtime.size)):
+            from daskdist.plugins.torch.subgroup import SubgroupComm
+
+            self._ops: Any = SubgroupComm(comm, ranks)
+        else:
+            self._ops = comm
+
+    # -- identity ---------------------------------------------------------------
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's names
+        return BACKEND_NAME
+
+    def getRank(self) -> int:  # noqa: N802
+        return self._rank
+
+    def getSize(self) -> int:  # noqa: N802
+        return self._size
+
+    def getGroupName(self) -> str:  # noqa: N802
+        return self._group_name
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._group_name = name
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return self._group_desc
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._group_desc = desc
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    @property
+    def group_desc(self) -> str:
+        return self._group_desc
+
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    def abort(self) -> None:
+        self._comm.close()
+
+    def shutdown(self) -> None:
+        self._comm.close()
+
+    def __repr__(self) -> str:
+        return f"<ProcessGroupDaskdist rank={self._rank} size={self._size} name={self._group_name!r}>"
+
+    # -- machinery ----------------------------------------------------------------
+
+    def _work(self, body: Callable[[], Any]) -> Any:
+        return _create_work_from_future(self._comm.submit(body))
+
+    # -- collectives ----------------------------------------------------------------
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        views = [_view(t) for t in tensors]
+
+        def body() -> list[torch.Tensor]:
+            for t, r in zip(tensors, self._ops.all_reduce(op, views)):
+                _copy_into(t, r)
+            return tensors
+
+        return self._work(body)
+
+    allreduce_coalesced = allreduce
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        views = [_view(t) for t in tensors]
+        root = int(opts.rootRank)
+
+        def body() -> list[torch.Tensor]:
+            result = self._ops.broadcast(views, root)
+            if self._rank != root:
+                for t, r in zip(tensors, result):
+                    _copy_into(t, r)
+            return tensors
+
+        return self._work(body)
+
+    def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
+        views = [_view(t)[None] for t in inputs]
+
+        def body() -> list[list[torch.Tensor]]:
+            for outputs, gathered in zip(output_lists, self._ops.all_gather(views)):
+                for t, part in zip(outputs, gathered):
+                    _copy_into(t, part)
+            return output_lists
+
+        return self._work(body)
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:  # noqa: A002
+        view = _view(input).reshape((1, -1))
+
+        def body() -> list[torch.Tensor]:
+            _copy_into(output, self._ops.all_gather([view])[0])
+            return [output]
+
+        return self._work(body)
+
+    all_gather_single = _allgather_base
+
+    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> Any:
+        views = [_view(t).reshape((1, -1)) for t in inputs]
+
+        def body() -> list[torch.Tensor]:
+            for t, r in zip(outputs, self._ops.all_gather(views)):
+                _copy_into(t, r)
+            return outputs
+
+        return self._work(body)
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any) -> Any:
+        op = _op_name(opts.reduceOp)
+        stacked = [np.stack([_view(t) for t in parts]) for parts in input_lists]
+
+        def body() -> list[torch.Tensor]:
+            for t, r in zip(outputs, self._ops.reduce_scatter(op, stacked)):
+                _copy_into(t, r)
+            return outputs
+
+        return self._work(body)
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Any:  # noqa: A002
+        return self.reduce_scatter_tensor_coalesced([output], [input], opts)
+
+    def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any) -> Any:
+        op = _op_name(opts.reduceOp)
+        for o, i in zip(outputs, inputs):
+            if i.numel() != o.numel() * self._size:
+                raise ValueError(f"reduce_scatter_tensor needs an input of world size x the output's elements: "
+                                 f"input {list(i.shape)}, output {list(o.shape)}, world size {self._size}")
+        views = [_view(t).reshape((self._size, -1)) for t in inputs]
+
+        def body() -> list[torch.Tensor]:
+            for t, r in zip(outputs, self._ops.reduce_scatter(op, views)):
+                _copy_into(t, r)
+            return outputs
+
+        return self._work(body)
+
+    reduce_scatter_single = _reduce_scatter_base
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        op = _op_name(opts.reduceOp)
+        root = int(opts.rootRank)
+        views = [_view(t) for t in tensors]
+
+        def body() -> list[torch.Tensor]:
+            result = self._ops.all_reduce(op, views)
+            if self._rank == root:
+                for t, r in zip(tensors, result):
+                    _copy_into(t, r)
+            return tensors
+
+        return self._work(body)
+
+    def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> Any:
+        root = int(opts.rootRank)
+        views = [_view(t)[None] for t in inputs]
+
+        def body() -> list[list[torch.Tensor]]:
+            gathered = self._ops.all_gather(views)
+            if self._rank == root:
+                for outputs, g in zip(output_lists, gathered):
+                    for t, part in zip(outputs, g):
+                        _copy_into(t, part)
+            return output_lists
+
+        return self._work(body)
+
+    def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any) -> Any:
+        root = int(opts.rootRank)
+        if self._rank == root:
+            stacked = [np.stack([_view(t) for t in parts]) for parts in input_lists]
+        else:
+            stacked = [np.zeros((self._size, *o.shape), dtype=_view(o).dtype) for o in outputs]
+
+        def body() -> list[torch.Tensor]:
+            for t, r in zip(outputs, self._ops.broadcast(stacked, root)):
+                _copy_into(t, r[self._rank])
+            return outputs
+
+        return self._work(body)
+
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],  # noqa: A002
+                      input_split_sizes: list[int], opts: Any = None) -> Any:
+        size, rank = self._size, self._rank
+        source = _view(input)
+        in_splits = list(input_split_sizes) or [source.shape[0] // size] * size
+        out_splits = list(output_split_sizes) or [output.shape[0] // size] * size
+        if sum(in_splits) != source.shape[0] or sum(out_splits) != output.shape[0]:
+            raise ValueError(f"all_to_all_single: split sizes {in_splits} / {out_splits} do not add up to the "
+                             f"tensors' first dimensions {source.shape[0]} / {output.shape[0]}")
+        bounds = np.cumsum([0, *in_splits])
+        chunks = [source[bounds[i]:bounds[i + 1]] for i in range(size)]
+
+        def body() -> list[torch.Tensor]:
+            everyone = self._ops.all_gather_objects([np.ascontiguousarray(c) for c in chunks])
+            received = np.concatenate([everyone[src][rank] for src in range(size)])
+            _copy_into(output, received)
+            return [output]
+
+        return self._work(body)
+
+    all_to_all_single = alltoall_base
+
+    def barrier(self, opts: Any = None) -> Any:
+        def body() -> list[torch.Tensor]:
+            self._ops.barrier()
+            return []
+
+        return self._work(body)
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
+        views = [_view(t) for t in tensors]
+        peer = self._ranks[dst] if self._ranks is not None else dst
+
+        def body() -> list[torch.Tensor]:
+            for v in views:
+                self._comm.send(v, peer, tag)
+            return tensors
+
+        return self._work(body)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Any:
+        views = [_view(t) for t in tensors]
+        peer = self._ranks[src] if self._ranks is not None else src
+
+        def body() -> list[torch.Tensor]:
+            for v in views:
+                self._comm.recv(v, peer, tag)
+            return tensors
+
+        return self._work(body)
+
+    # -- not supported: name what is ---------------------------------------------------
+
+    def _unsupported(self, what: str) -> Any:
+        raise NotImplementedError(f"the daskdist torch backend does not support {what}; it supports "
+                                  f"{', '.join(SUPPORTED)}")
+
+    def alltoall(self, *args: Any, **kwargs: Any) -> Any:
+        return self._unsupported("all_to_all (lists of tensors); use all_to_all_single")
+
+    def recv_anysource(self, *args: Any, **kwargs: Any) -> Any:
+        return self._unsupported("recv from any source")
+
+    def monitored_barrier(self, *args: Any, **kwargs: Any) -> Any:
+        return self._unsupported("monitored_barrier")
+
+    def allgather_coalesced(self, *args: Any, **kwargs: Any) -> Any:
+        return self._unsupported("all_gather_coalesced")
