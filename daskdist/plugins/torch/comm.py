@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from daskdist import config
+from daskdist.ops import ReduceOp
 
 __all__ = ["ReplicaComm", "comm_thread_wanted"]
 
@@ -115,7 +116,7 @@ class ReplicaComm:
             raise RuntimeError(f"replica {runtime.rank} of {runtime.group_id} is closed")
         return runtime.communicator
 
-    def all_reduce(self, op: str, arrays: list[np.ndarray]) -> list[np.ndarray]:
+    def all_reduce(self, op: ReduceOp, arrays: list[np.ndarray]) -> list[np.ndarray]:
         result = self.communicator.all_reduce(op, arrays[0] if len(arrays) == 1 else list(arrays))
         return [result] if len(arrays) == 1 else list(result)
 
@@ -126,7 +127,7 @@ class ReplicaComm:
         """Concatenate along axis 0, rank order."""
         return list(self.communicator.all_gather(list(arrays), 0))
 
-    def reduce_scatter(self, op: str, arrays: list[np.ndarray]) -> list[np.ndarray]:
+    def reduce_scatter(self, op: ReduceOp, arrays: list[np.ndarray]) -> list[np.ndarray]:
         """Reduce, then this rank's part along axis 0 (``array_split`` order)."""
         return list(self.communicator.reduce_scatter(op, list(arrays), 0))
 

@@ -13,16 +13,17 @@ NCCL process group made through the same store (``nccl_group``).
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 
+from daskdist.ops import ReduceOp
 from daskdist.plugins.torch.comm import ReplicaComm
 
-__all__ = ["BACKEND_NAME", "SUPPORTED", "ProcessGroupDaskdist"]
+__all__ = ["BACKEND_NAME", "SUPPORTED", "DaskdistWork", "ProcessGroupDaskdist"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,11 +34,61 @@ SUPPORTED = ("all_reduce (SUM, AVG, MIN, MAX, PRODUCT)", "all_reduce_coalesced",
              "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "reduce", "gather", "scatter",
              "all_to_all_single", "barrier", "send", "recv", "new_group")
 
-_OPS = ((dist.ReduceOp.SUM, "sum"), (dist.ReduceOp.AVG, "mean"), (dist.ReduceOp.MIN, "min"),
-        (dist.ReduceOp.MAX, "max"), (dist.ReduceOp.PRODUCT, "prod"))
+_OPS = ((dist.ReduceOp.SUM, ReduceOp.SUM), (dist.ReduceOp.AVG, ReduceOp.MEAN), (dist.ReduceOp.MIN, ReduceOp.MIN),
+        (dist.ReduceOp.MAX, ReduceOp.MAX), (dist.ReduceOp.PRODUCT, ReduceOp.PRODUCT))
 
 
-def _op_name(op: Any) -> str:
+class DaskdistWork(dist._Work):  # type: ignore[misc]
+    """The work of one collective: done when the adapter completes its future; ``wait`` raises its error.
+
+    (torch's ``_create_work_from_future`` makes a work whose ``wait`` swallows
+    the future's exception: a failed collective would look done.)
+    """
+
+    def __init__(self, future: torch.futures.Future):
+        super().__init__()
+        self._future = future
+
+    def wait(self, timeout: Any = None) -> bool:
+        seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout or 0)
+        if seconds > 0:
+            deadline = time.monotonic() + seconds
+            while not self._future.done():
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(f"daskdist collective did not finish within {seconds:g} s")
+                time.sleep(0.0005)
+        self._future.wait()  # raises the collective's error
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return bool(self._future.done())
+
+    def is_success(self) -> bool:
+        if not self._future.done():
+            return False
+        try:
+            self._future.wait()
+        except Exception:
+            return False
+        return True
+
+    def exception(self) -> Any:
+        if not self._future.done():
+            return None
+        try:
+            self._future.wait()
+        except Exception as e:
+            return e
+        return None
+
+    def result(self) -> Any:
+        return self._future.wait()
+
+
+def _op_name(op: Any) -> ReduceOp:
     for torch_op, name in _OPS:
         if op == torch_op:
             return name
@@ -143,7 +194,7 @@ class ProcessGroupDaskdist(dist.ProcessGroup):  # type: ignore[misc]
     # -- machinery ----------------------------------------------------------------
 
     def _work(self, body: Callable[[], Any]) -> Any:
-        return _create_work_from_future(self._comm.submit(body))
+        return DaskdistWork(self._comm.submit(body))
 
     # -- collectives ----------------------------------------------------------------
 

@@ -15,11 +15,13 @@ from typing import Any
 
 import numpy as np
 
+from daskdist.ops import ReduceOp
 from daskdist.plugins.torch.comm import ReplicaComm
 
 __all__ = ["SubgroupComm"]
 
-_COMBINE = {"sum": np.add, "mean": np.add, "min": np.minimum, "max": np.maximum, "prod": np.multiply}
+_COMBINE = {ReduceOp.SUM: np.add, ReduceOp.MEAN: np.add, ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum,
+            ReduceOp.PRODUCT: np.multiply}
 
 
 class SubgroupComm:
@@ -48,7 +50,7 @@ class SubgroupComm:
             return value
         return self.comm.recv_object(self.leader, self.tag)
 
-    def all_reduce(self, op: str, arrays: list[np.ndarray]) -> list[np.ndarray]:
+    def all_reduce(self, op: ReduceOp, arrays: list[np.ndarray]) -> list[np.ndarray]:
         everyone = self._gather(arrays)
         result = None
         if everyone is not None:
@@ -58,7 +60,7 @@ class SubgroupComm:
             for member in everyone[1:]:
                 for acc, a in zip(result, member):
                     combine(acc, a, out=acc)
-            if op == "mean":
+            if op is ReduceOp.MEAN:
                 result = [(acc / len(self.ranks)).astype(acc.dtype) for acc in result]
         return list(self._share(result))
 
@@ -78,7 +80,7 @@ class SubgroupComm:
             result = [np.concatenate(parts) for parts in zip(*everyone)]
         return list(self._share(result))
 
-    def reduce_scatter(self, op: str, arrays: list[np.ndarray]) -> list[np.ndarray]:
+    def reduce_scatter(self, op: ReduceOp, arrays: list[np.ndarray]) -> list[np.ndarray]:
         reduced = self.all_reduce(op, arrays)
         index = self.ranks.index(self.me)
         return [np.array_split(r, len(self.ranks))[index] for r in reduced]
@@ -89,7 +91,7 @@ class SubgroupComm:
         return list(self._share(result))
 
     def barrier(self) -> None:
-        self.all_reduce("sum", [np.zeros(1, dtype=np.int8)])
+        self.all_reduce(ReduceOp.SUM, [np.zeros(1, dtype=np.int8)])
 
 
 def _check_same(everyone: list[list[np.ndarray]], ranks: list[int], what: str) -> None:
