@@ -264,6 +264,7 @@ def test_a_killed_worker_fails_the_pending_torch_call_everywhere(make_cluster, t
     def fn():
         dd.plugins.torch.init_process_group()
         rank = dist.get_rank()
+        (tmp_path / f"ready{rank}").write_text("")
         if rank == 1:
             time.sleep(60)  # killed while the others wait in the all-reduce
         start = time.monotonic()
@@ -284,7 +285,10 @@ def test_a_killed_worker_fails_the_pending_torch_call_everywhere(make_cluster, t
 
     thread = threading.Thread(target=call)
     thread.start()
-    time.sleep(3)
+    deadline = time.monotonic() + 120  # worker processes import torch first: slow on a loaded machine
+    while time.monotonic() < deadline and len(list(tmp_path.glob("ready*"))) < 3:
+        time.sleep(0.1)
+    time.sleep(0.5)  # replicas 0 and 2 are inside the all-reduce now
     killed_at = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     thread.join(30)
