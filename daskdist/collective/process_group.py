@@ -126,8 +126,11 @@ class _Shared:
     def close(self) -> None:
         with self.submit_lock:
             self.closed = True
-            if self.thread is not None:
+            thread = self.thread
+            if thread is not None:
                 self.jobs.put(None)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5)  # the work queued finishes (or fails at once after an abort)
 
 
 class ProcessGroup:
@@ -307,11 +310,10 @@ class ProcessGroup:
         return {str(code): group._comm.seq for code, group in self._shared.groups.items() if code}
 
     def close(self) -> None:
-        """Stop the FIFO thread (after the work queued) and the communicators' watch threads."""
+        """Stop the FIFO thread (after the work queued) and every communicator of the generation's groups."""
         self._shared.close()
         for group in list(self._shared.groups.values()):
-            if group is not self:
-                group._comm.close()
+            group._comm.close()
 
     # -- machinery --------------------------------------------------------------------
 
