@@ -464,7 +464,7 @@ class ReplicaRuntime:
                 if aborted is not None:  # the client aborted it before it started
                     self.mailbox.abort_run(failed_commands, aborted)
                 result = command(self, *args)
-                response = {"status": "OK", "result": serialization.dumps(result)}
+                response: dict[str, Any] = {"status": "OK", "result": serialization.dumps(result)}
                 group.fence()
                 if self.mailbox.run_abort(group.epoch) is not None:  # a collective error the function caught:
                     response["epoch_aborted"] = True  # the client starts a new epoch for the next command
