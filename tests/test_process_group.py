@@ -264,6 +264,23 @@ def test_a_slow_replica_that_is_still_running_gets_the_full_timeout():
     assert _run(fake, groups, fn) == [[2.0, 2.0]] * 2
 
 
+def test_timeout_seconds_zero_disables_the_deadline_as_in_tensorflow():
+    fake, groups = _groups(2)
+
+    def fn(g: ProcessGroup, options):
+        if g.rank == 1:
+            time.sleep(2.5)
+        return g.all_reduce("SUM", np.ones(2), options)
+
+    with dask.config.set({"daskdist.collective.timeout": "1s"}):  # what None means (read at each command)
+        out = _run(fake, groups, lambda g: fn(g, None))
+        assert isinstance(out[0], CollectiveTimeoutError) and "timed out after 1s" in str(out[0])
+        out = _run(fake, groups, lambda g: fn(g, dd.CommunicationOptions(timeout_seconds=0)))
+    assert [r.tolist() for r in out] == [[2.0, 2.0]] * 2
+    with pytest.raises(ValueError, match="0: no deadline"):
+        dd.CommunicationOptions(timeout_seconds=-1)
+
+
 def test_skip_check_off_waits_for_the_timeout():
     with dask.config.set({"daskdist.collective.skip-check": 0}):
         fake, groups = _groups(2)

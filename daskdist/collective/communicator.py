@@ -47,7 +47,7 @@ from daskdist.collective.nccl import NcclEngine
 from daskdist.collective.single_copy import SingleCopyAllReduce
 from daskdist.collective.transport.base import Transport
 from daskdist.exceptions import DaskdistError, kind_of
-from daskdist.ops import Algorithm, CommunicationOptions, ReduceOp
+from daskdist.ops import Algorithm, CommunicationOptions, ReduceOp, timeout_of
 
 __all__ = ["Algorithm", "Communicator", "ControlPlane"]
 
@@ -279,7 +279,7 @@ class Communicator:
     def run_collective(self, kind: str, sig: str, options: CommunicationOptions,
                        body: Callable[[CollectiveCall], Any]) -> Any:
         """Run ``body`` as the next collective of the epoch: a ``CollectiveCall`` with its signature and deadline."""
-        timeout = options.timeout_seconds or self.default_timeout
+        timeout = timeout_of(options.timeout_seconds, self.default_timeout)
         self.next_collective()
         call = CollectiveCall(self, kind, sig, time.monotonic() + timeout, timeout)
 

@@ -54,7 +54,7 @@ from daskdist.collective.transport.framing import ARRAY, MAX_NDIM, dtype_text
 from daskdist.collective.transport.shm import ShmTransport, lane_header
 from daskdist.collective.transport.shm_lane import LaneMismatch, ShmLane
 from daskdist.exceptions import CollectiveMismatchError, CollectiveTimeoutError
-from daskdist.ops import CommunicationImplementation, CommunicationOptions, ReduceOp
+from daskdist.ops import CommunicationImplementation, CommunicationOptions, ReduceOp, timeout_of
 
 __all__ = ["LaneEngine", "LaneHost", "shared_memory_route"]
 
@@ -323,7 +323,7 @@ class LaneEngine:
     def _slow(self, plan: _Plan, epoch: int, seq: int, start: float) -> tuple[_LaneCall, float]:
         """The collective as timeouts and probes see it, registered with the communicator; and its deadline."""
         if self._call is None:
-            timeout = plan.timeout or self.comm.default_timeout
+            timeout = timeout_of(plan.timeout, self.comm.default_timeout)
             self._call = _LaneCall(epoch, self.comm.run_id, seq, timeout, plan.sent_bytes)
             self.comm.begin_tracking("all_reduce", self._call, start)
         return self._call, start + self._call.timeout
