@@ -78,6 +78,13 @@ def _direct_ops():
     t = torch.ones(1)
     dist.all_reduce(t, group=sub)
     out["new_group"] = t.tolist()
+    solo = dist.new_group([1])  # every rank calls it; rank 0 is not a member
+    if r == 1:
+        t = torch.full((1,), 7.0)
+        dist.all_reduce(t, group=solo)
+        out["solo"] = (t.tolist(), dist.get_rank(solo), dist.get_world_size(solo))
+    else:
+        out["solo"] = solo == dist.GroupMember.NON_GROUP_MEMBER
     out["group_name"] = dist.distributed_c10d._get_default_group().group_name
     return out
 
@@ -103,6 +110,7 @@ def test_every_supported_op_gives_the_right_values(process_client):
     assert results[0]["reduce"] == [3.0, 3.0]
     assert results[0]["gather"] == [[0.0], [1.0]]
     assert results[1]["recv"] == [0.0, 1.0, 2.0]
+    assert results[0]["solo"] is True and results[1]["solo"] == ([7.0], 0, 1)
 
 
 # -- DDP ----------------------------------------------------------------------------------

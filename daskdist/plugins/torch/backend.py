@@ -64,10 +64,9 @@ def _create(options: Any, backend_options: Any) -> ProcessGroupDaskdist:
     if comm is None:
         raise RuntimeError("the daskdist torch backend is made by dd.plugins.torch.init_process_group(), "
                            "inside a function run on the replicas (strategy.run)")
-    ranks = [int(r) for r in (options.global_ranks_in_group or [])] or None
-    pg = ProcessGroupDaskdist(comm, int(options.group_rank), int(options.group_size), ranks)
-    pg._nccl_store = options.store
-    return pg
+    if int(options.group_size) != comm.runtime.size:  # torch asks the default group for subgroups (new_group)
+        raise RuntimeError("daskdist subgroups come from the default group's new_group; this torch did not ask it")
+    return ProcessGroupDaskdist(comm, int(options.group_rank), int(options.group_size))
 
 
 def init_process_group(timeout: datetime.timedelta | float | None = None) -> None:
@@ -108,7 +107,7 @@ def init_process_group(timeout: datetime.timedelta | float | None = None) -> Non
     register_backend()
     comm = ReplicaComm(runtime, threaded=comm_thread_wanted(config.get("torch.comm-thread", "auto")))
     try:
-        where = comm.all_gather_objects((socket.gethostname(), os.getpid()))
+        where = comm.call(lambda group, _: group.all_gather_objects((socket.gethostname(), os.getpid())))
         shared = sorted({r for r, w in enumerate(where) if where.count(w) > 1})
         if shared:
             raise RuntimeError(

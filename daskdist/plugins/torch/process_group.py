@@ -121,20 +121,13 @@ class ProcessGroupDaskdist(dist.ProcessGroup):  # type: ignore[misc]
         The global ranks of the group's members (``None``: every replica).
     """
 
-    def __init__(self, comm: ReplicaComm, rank: int, size: int, ranks: list[int] | None = None):
+    def __init__(self, comm: ReplicaComm, rank: int, size: int):
         super().__init__(rank, size)
         self._comm = comm
         self._rank = rank
         self._size = size
-        self._ranks = ranks
         self._group_name = ""
         self._group_desc = ""
-        if ranks is not None and ranks != list(range(comm.runtime.size)):
-            from daskdist.plugins.torch.subgroup import SubgroupComm
-
-            self._ops: Any = SubgroupComm(comm, ranks)
-        else:
-            self._ops = comm
 
     # -- identity ---------------------------------------------------------------
 
@@ -193,21 +186,33 @@ class ProcessGroupDaskdist(dist.ProcessGroup):  # type: ignore[misc]
 
     # -- machinery ----------------------------------------------------------------
 
-    def _work(self, body: Callable[[], Any]) -> Any:
-        return DaskdistWork(self._comm.submit(body))
+    def _work(self, call: Any, finish: Callable[[Any], Any]) -> DaskdistWork:
+        return DaskdistWork(self._comm.run(call, finish))
+
+    def new_group(self, ranks: list[int], timeout: Any = None, pg_options: Any = None, group_name: str | None = None,
+                  group_desc: str | None = None) -> ProcessGroupDaskdist | None:
+        """torch's ``dist.new_group`` (every rank calls it): a subgroup of daskdist's process group, or ``None``."""
+        sub = self._comm.subgroup(sorted(int(r) for r in ranks), group_name)
+        if sub is None:
+            return None
+        pg = ProcessGroupDaskdist(sub, sub.group.rank, sub.group.size)
+        pg._set_group_name(group_name or "")
+        pg._set_group_desc(group_desc or "")
+        return pg
 
     # -- collectives ----------------------------------------------------------------
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         views = [_view(t) for t in tensors]
+        value: Any = views[0] if len(views) == 1 else views
 
-        def body() -> list[torch.Tensor]:
-            for t, r in zip(tensors, self._ops.all_reduce(op, views)):
+        def finish(result: Any) -> list[torch.Tensor]:
+            for t, r in zip(tensors, [result] if len(views) == 1 else result):
                 _copy_into(t, r)
             return tensors
 
-        return self._work(body)
+        return self._work(lambda g, a: g.all_reduce(op, value, async_op=a), finish)
 
     allreduce_coalesced = allreduce
 
@@ -215,34 +220,27 @@ class ProcessGroupDaskdist(dist.ProcessGroup):  # type: ignore[misc]
         views = [_view(t) for t in tensors]
         root = int(opts.rootRank)
 
-        def body() -> list[torch.Tensor]:
-            result = self._ops.broadcast(views, root)
+        def finish(result: Any) -> list[torch.Tensor]:
             if self._rank != root:
                 for t, r in zip(tensors, result):
                     _copy_into(t, r)
             return tensors
 
-        return self._work(body)
+        return self._work(lambda g, a: g.broadcast(views, root, async_op=a), finish)
 
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
         views = [_view(t)[None] for t in inputs]
 
-        def body() -> list[list[torch.Tensor]]:
-            for outputs, gathered in zip(output_lists, self._ops.all_gather(views)):
+        def finish(result: Any) -> list[list[torch.Tensor]]:
+            for outputs, gathered in zip(output_lists, result):
                 for t, part in zip(outputs, gathered):
                     _copy_into(t, part)
             return output_lists
 
-        return self._work(body)
+        return self._work(lambda g, a: g.all_gather(views, 0, async_op=a), finish)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:  # noqa: A002
-        view = _view(input).reshape((1, -1))
-
-        def body() -> list[torch.Tensor]:
-            _copy_into(output, self._ops.all_gather([view])[0])
-            return [output]
-
-        return self._work(body)
+        return self.allgather_into_tensor_coalesced([output], [input], opts)
 
     all_gather_single = _allgather_base
 
@@ -250,12 +248,12 @@ class ProcessGroupDaskdist(dist.ProcessGroup):  # type: ignore[misc]
                                         opts: Any = None) -> Any:
         views = [_view(t).reshape((1, -1)) for t in inputs]
 
-        def body() -> list[torch.Tensor]:
-            for t, r in zip(outputs, self._ops.all_gather(views)):
+        def finish(result: Any) -> list[torch.Tensor]:
+            for t, r in zip(outputs, result):
                 _copy_into(t, r)
             return outputs
 
-        return self._work(body)
+        return self._work(lambda g, a: g.all_gather(views, 0, async_op=a), finish)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
@@ -263,12 +261,12 @@ class ProcessGroupDaskdist(dist.ProcessGroup):  # type: ignore[misc]
         op = _op_name(opts.reduceOp)
         stacked = [np.stack([_view(t) for t in parts]) for parts in input_lists]
 
-        def body() -> list[torch.Tensor]:
-            for t, r in zip(outputs, self._ops.reduce_scatter(op, stacked)):
+        def finish(result: Any) -> list[torch.Tensor]:
+            for t, r in zip(outputs, result):
                 _copy_into(t, r)
             return outputs
 
-        return self._work(body)
+        return self._work(lambda g, a: g.reduce_scatter(op, stacked, 0, async_op=a), finish)
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Any:  # noqa: A002
         return self.reduce_scatter_tensor_coalesced([output], [input], opts)
@@ -282,12 +280,12 @@ class ProcessGroupDaskdist(dist.ProcessGroup):  # type: ignore[misc]
                                  f"input {list(i.shape)}, output {list(o.shape)}, world size {self._size}")
         views = [_view(t).reshape((self._size, -1)) for t in inputs]
 
-        def body() -> list[torch.Tensor]:
-            for t, r in zip(outputs, self._ops.reduce_scatter(op, views)):
+        def finish(result: Any) -> list[torch.Tensor]:
+            for t, r in zip(outputs, result):
                 _copy_into(t, r)
             return outputs
 
-        return self._work(body)
+        return self._work(lambda g, a: g.reduce_scatter(op, views, 0, async_op=a), finish)
 
     reduce_scatter_single = _reduce_scatter_base
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
@@ -297,28 +295,26 @@ class ProcessGroupDaskdist(dist.ProcessGroup):  # type: ignore[misc]
         root = int(opts.rootRank)
         views = [_view(t) for t in tensors]
 
-        def body() -> list[torch.Tensor]:
-            result = self._ops.all_reduce(op, views)
+        def finish(result: Any) -> list[torch.Tensor]:
             if self._rank == root:
                 for t, r in zip(tensors, result):
                     _copy_into(t, r)
             return tensors
 
-        return self._work(body)
+        return self._work(lambda g, a: g.all_reduce(op, views, async_op=a), finish)
 
     def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> Any:
         root = int(opts.rootRank)
         views = [_view(t)[None] for t in inputs]
 
-        def body() -> list[list[torch.Tensor]]:
-            gathered = self._ops.all_gather(views)
+        def finish(result: Any) -> list[list[torch.Tensor]]:
             if self._rank == root:
-                for outputs, g in zip(output_lists, gathered):
-                    for t, part in zip(outputs, g):
+                for outputs, gathered in zip(output_lists, result):
+                    for t, part in zip(outputs, gathered):
                         _copy_into(t, part)
             return output_lists
 
-        return self._work(body)
+        return self._work(lambda g, a: g.all_gather(views, 0, async_op=a), finish)
 
     def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any) -> Any:
         root = int(opts.rootRank)
@@ -327,12 +323,12 @@ class ProcessGroupDaskdist(dist.ProcessGroup):  # type: ignore[misc]
         else:
             stacked = [np.zeros((self._size, *o.shape), dtype=_view(o).dtype) for o in outputs]
 
-        def body() -> list[torch.Tensor]:
-            for t, r in zip(outputs, self._ops.broadcast(stacked, root)):
+        def finish(result: Any) -> list[torch.Tensor]:
+            for t, r in zip(outputs, result):
                 _copy_into(t, r[self._rank])
             return outputs
 
-        return self._work(body)
+        return self._work(lambda g, a: g.broadcast(stacked, root, async_op=a), finish)
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],  # noqa: A002
                       input_split_sizes: list[int], opts: Any = None) -> Any:
@@ -344,46 +340,34 @@ class ProcessGroupDaskdist(dist.ProcessGroup):  # type: ignore[misc]
             raise ValueError(f"all_to_all_single: split sizes {in_splits} / {out_splits} do not add up to the "
                              f"tensors' first dimensions {source.shape[0]} / {output.shape[0]}")
         bounds = np.cumsum([0, *in_splits])
-        chunks = [source[bounds[i]:bounds[i + 1]] for i in range(size)]
+        chunks = [np.ascontiguousarray(source[bounds[i]:bounds[i + 1]]) for i in range(size)]
 
-        def body() -> list[torch.Tensor]:
-            everyone = self._ops.all_gather_objects([np.ascontiguousarray(c) for c in chunks])
-            received = np.concatenate([everyone[src][rank] for src in range(size)])
-            _copy_into(output, received)
+        def finish(everyone: Any) -> list[torch.Tensor]:
+            _copy_into(output, np.concatenate([everyone[src][rank] for src in range(size)]))
             return [output]
 
-        return self._work(body)
+        return self._work(lambda g, a: g.all_gather_objects(chunks, async_op=a), finish)
 
     all_to_all_single = alltoall_base
 
     def barrier(self, opts: Any = None) -> Any:
-        def body() -> list[torch.Tensor]:
-            self._ops.barrier()
-            return []
-
-        return self._work(body)
+        return self._work(lambda g, a: g.barrier(async_op=a), lambda _: [])
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
-        views = [_view(t) for t in tensors]
-        peer = self._ranks[dst] if self._ranks is not None else dst
-
-        def body() -> list[torch.Tensor]:
-            for v in views:
-                self._comm.send(v, peer, tag)
-            return tensors
-
-        return self._work(body)
+        views = [np.ascontiguousarray(_view(t)) for t in tensors]
+        value: Any = views[0] if len(views) == 1 else views
+        return self._work(lambda g, a: g.send(value, dst, tag, async_op=a), lambda _: tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Any:
-        views = [_view(t) for t in tensors]
-        peer = self._ranks[src] if self._ranks is not None else src
-
-        def body() -> list[torch.Tensor]:
-            for v in views:
-                self._comm.recv(v, peer, tag)
+        def finish(result: Any) -> list[torch.Tensor]:
+            for t, r in zip(tensors, [result] if len(tensors) == 1 else result):
+                if np.asarray(r).nbytes != t.numel() * t.element_size():
+                    raise ValueError(f"recv from rank {src} (tag {tag}): got {np.asarray(r).dtype}"
+                                     f"{list(np.asarray(r).shape)}, expected {t.dtype}{list(t.shape)}")
+                _copy_into(t, r)
             return tensors
 
-        return self._work(body)
+        return self._work(lambda g, a: g.recv(src, tag, async_op=a), finish)
 
     # -- not supported: name what is ---------------------------------------------------
 
