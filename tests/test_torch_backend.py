@@ -311,3 +311,19 @@ def test_a_killed_worker_fails_the_pending_torch_call_everywhere(make_cluster, t
     assert all(float(line.split()[1]) < 12 for line in lines)
     assert all(victim in line for line in lines), lines
     strategy.close()
+
+
+def _cuda_all_reduce():
+    torch.cuda.set_device(dist.get_rank() if dist.is_initialized() else dd.get_replica_context().replica_id_in_sync_group)
+    dd.plugins.torch.init_process_group()
+    t = torch.full((4,), float(dist.get_rank() + 1), device="cuda")
+    dist.all_reduce(t)
+    return t.cpu().tolist()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs 2 CUDA devices (torch's NCCL)")
+def test_cuda_tensors_go_through_nccl(process_client):
+    with dd.MirroredStrategy(client=process_client) as strategy:
+        results = strategy.experimental_local_results(strategy.run(_cuda_all_reduce))
+    assert results == [[3.0] * 4, [3.0] * 4]

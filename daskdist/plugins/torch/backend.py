@@ -66,7 +66,9 @@ def _create(options: Any, backend_options: Any) -> ProcessGroupDaskdist:
                            "inside a function run on the replicas (strategy.run)")
     if int(options.group_size) != comm.runtime.size:  # torch asks the default group for subgroups (new_group)
         raise RuntimeError("daskdist subgroups come from the default group's new_group; this torch did not ask it")
-    return ProcessGroupDaskdist(comm, int(options.group_rank), int(options.group_size))
+    pg = ProcessGroupDaskdist(comm, int(options.group_rank), int(options.group_size))
+    pg._store = options.store
+    return pg
 
 
 def init_process_group(timeout: datetime.timedelta | float | None = None) -> None:

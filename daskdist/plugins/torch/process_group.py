@@ -98,7 +98,8 @@ def _op_name(op: Any) -> ReduceOp:
 def _view(tensor: torch.Tensor) -> np.ndarray:
     """The numpy view of a CPU tensor's memory (no copy; strided tensors keep their strides)."""
     if tensor.device.type != "cpu":
-        raise ValueError(f"the daskdist backend carries CPU tensors (CUDA ones go through NCCL); got {tensor.device}")
+        raise ValueError(f"the daskdist backend carries CPU tensors (CUDA ones go through NCCL, all of one call on "
+                         f"one device); got {tensor.device}")
     if tensor.dtype in (torch.bfloat16,) or tensor.is_complex() or tensor.is_quantized:
         raise TypeError(f"the daskdist backend carries float16/32/64, integer and bool tensors; got {tensor.dtype}")
     return tensor.detach().numpy()
@@ -128,6 +129,8 @@ class ProcessGroupDaskdist(dist.ProcessGroup):  # type: ignore[misc]
         self._size = size
         self._group_name = ""
         self._group_desc = ""
+        self._store: Any = None  # the group's torch Store (DaskdistStore): NCCL's rendezvous for CUDA tensors
+        self._nccl_group: Any = None
 
     # -- identity ---------------------------------------------------------------
 
@@ -184,6 +187,26 @@ class ProcessGroupDaskdist(dist.ProcessGroup):  # type: ignore[misc]
     def __repr__(self) -> str:
         return f"<ProcessGroupDaskdist rank={self._rank} size={self._size} name={self._group_name!r}>"
 
+    # -- CUDA tensors: torch's NCCL through the same store ---------------------------------
+
+    def _nccl(self) -> Any:
+        """torch's ``ProcessGroupNCCL`` for this group, made on first use through the group's store (no port)."""
+        if self._nccl_group is None:
+            if self._store is None or not hasattr(dist, "ProcessGroupNCCL"):
+                raise ValueError("CUDA tensors need torch's NCCL backend (a CUDA build of torch) and a group made "
+                                 "by dd.plugins.torch.init_process_group()")
+            store = dist.PrefixStore(f"nccl/{self._group_name}/", self._store)
+            self._nccl_group = dist.ProcessGroupNCCL(store, self._rank, self._size)
+        return self._nccl_group
+
+    def _on_cuda(self, tensors: Any) -> bool:
+        first = tensors
+        while isinstance(first, (list, tuple)):
+            if not first:
+                return False
+            first = first[0]
+        return isinstance(first, torch.Tensor) and first.device.type == "cuda"
+
     # -- machinery ----------------------------------------------------------------
 
     def _work(self, call: Any, finish: Callable[[Any], Any]) -> DaskdistWork:
@@ -198,11 +221,14 @@ class ProcessGroupDaskdist(dist.ProcessGroup):  # type: ignore[misc]
         pg = ProcessGroupDaskdist(sub, sub.group.rank, sub.group.size)
         pg._set_group_name(group_name or "")
         pg._set_group_desc(group_desc or "")
+        pg._store = self._store
         return pg
 
     # -- collectives ----------------------------------------------------------------
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        if self._on_cuda(tensors):
+            return self._nccl().allreduce(tensors, opts)
         op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         views = [_view(t) for t in tensors]
         value: Any = views[0] if len(views) == 1 else views
@@ -217,6 +243,8 @@ class ProcessGroupDaskdist(dist.ProcessGroup):  # type: ignore[misc]
     allreduce_coalesced = allreduce
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        if self._on_cuda(tensors):
+            return self._nccl().broadcast(tensors, opts)
         views = [_view(t) for t in tensors]
         root = int(opts.rootRank)
 
@@ -229,6 +257,8 @@ class ProcessGroupDaskdist(dist.ProcessGroup):  # type: ignore[misc]
         return self._work(lambda g, a: g.broadcast(views, root, async_op=a), finish)
 
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
+        if self._on_cuda(inputs):
+            return self._nccl().allgather(output_lists, inputs, opts)
         views = [_view(t)[None] for t in inputs]
 
         def finish(result: Any) -> list[list[torch.Tensor]]:
@@ -246,6 +276,8 @@ class ProcessGroupDaskdist(dist.ProcessGroup):  # type: ignore[misc]
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> Any:
+        if self._on_cuda(inputs):
+            return self._nccl().allgather_into_tensor_coalesced(outputs, inputs, opts)
         views = [_view(t).reshape((1, -1)) for t in inputs]
 
         def finish(result: Any) -> list[torch.Tensor]:
@@ -258,6 +290,8 @@ class ProcessGroupDaskdist(dist.ProcessGroup):  # type: ignore[misc]
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
     def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any) -> Any:
+        if self._on_cuda(outputs):
+            return self._nccl().reduce_scatter(outputs, input_lists, opts)
         op = _op_name(opts.reduceOp)
         stacked = [np.stack([_view(t) for t in parts]) for parts in input_lists]
 
@@ -273,6 +307,8 @@ class ProcessGroupDaskdist(dist.ProcessGroup):  # type: ignore[misc]
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any) -> Any:
+        if self._on_cuda(inputs):
+            return self._nccl().reduce_scatter_tensor_coalesced(outputs, inputs, opts)
         op = _op_name(opts.reduceOp)
         for o, i in zip(outputs, inputs):
             if i.numel() != o.numel() * self._size:
@@ -291,6 +327,8 @@ class ProcessGroupDaskdist(dist.ProcessGroup):  # type: ignore[misc]
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        if self._on_cuda(tensors):
+            return self._nccl().reduce(tensors, opts)
         op = _op_name(opts.reduceOp)
         root = int(opts.rootRank)
         views = [_view(t) for t in tensors]
@@ -304,6 +342,8 @@ class ProcessGroupDaskdist(dist.ProcessGroup):  # type: ignore[misc]
         return self._work(lambda g, a: g.all_reduce(op, views, async_op=a), finish)
 
     def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> Any:
+        if self._on_cuda(inputs):
+            return self._nccl().gather(output_lists, inputs, opts)
         root = int(opts.rootRank)
         views = [_view(t)[None] for t in inputs]
 
@@ -317,6 +357,8 @@ class ProcessGroupDaskdist(dist.ProcessGroup):  # type: ignore[misc]
         return self._work(lambda g, a: g.all_gather(views, 0, async_op=a), finish)
 
     def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any) -> Any:
+        if self._on_cuda(outputs):
+            return self._nccl().scatter(outputs, input_lists, opts)
         root = int(opts.rootRank)
         if self._rank == root:
             stacked = [np.stack([_view(t) for t in parts]) for parts in input_lists]
@@ -332,6 +374,8 @@ class ProcessGroupDaskdist(dist.ProcessGroup):  # type: ignore[misc]
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],  # noqa: A002
                       input_split_sizes: list[int], opts: Any = None) -> Any:
+        if self._on_cuda(input):
+            return self._nccl().alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
         size, rank = self._size, self._rank
         source = _view(input)
         in_splits = list(input_split_sizes) or [source.shape[0] // size] * size
@@ -354,11 +398,15 @@ class ProcessGroupDaskdist(dist.ProcessGroup):  # type: ignore[misc]
         return self._work(lambda g, a: g.barrier(async_op=a), lambda _: [])
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
+        if self._on_cuda(tensors):
+            return self._nccl().send(tensors, dst, tag)
         views = [np.ascontiguousarray(_view(t)) for t in tensors]
         value: Any = views[0] if len(views) == 1 else views
         return self._work(lambda g, a: g.send(value, dst, tag, async_op=a), lambda _: tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Any:
+        if self._on_cuda(tensors):
+            return self._nccl().recv(tensors, src, tag)
         def finish(result: Any) -> list[torch.Tensor]:
             for t, r in zip(tensors, [result] if len(tensors) == 1 else result):
                 if np.asarray(r).nbytes != t.numel() * t.element_size():
