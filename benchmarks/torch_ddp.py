@@ -1,0 +1,173 @@
+"""Stock DDP on the daskdist torch backend against DDP on gloo, and the backend's per-call overhead (issue 20).
+
+Both DDP arms run in the same worker processes (a LocalCluster of 2
+single-threaded processes, one replica each, pinned as daskdist pins them),
+on the same data, seed and global batch, with the same torch and threads; they
+differ only in the process group: gloo (rendezvoused through daskdist's store,
+so no port either) or ``daskdist``. Rounds alternate the arms. Models: the
+tutorial CNN on 28x28 input (about 1.4 MB of gradients) and a gradient-heavy
+MLP (3 Linear 2048x2048, about 50 MB). The final loss of each arm is printed
+as a parity check.
+
+Then ``dist.all_reduce`` through the backend against ``ReplicaContext.all_reduce``
+on the same replicas, 4 KiB and 64 MiB: the torch layer's cost per call.
+
+    python benchmarks/torch_ddp.py --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import daskdist as dd  # noqa: E402
+from benchmarks._common import format_table, local_cluster, print_header  # noqa: E402
+
+GLOBAL_BATCH = 64
+
+
+def _model(name: str) -> Any:
+    import torch
+
+    torch.manual_seed(0)
+    if name == "cnn":
+        return torch.nn.Sequential(
+            torch.nn.Conv2d(1, 32, 3), torch.nn.ReLU(), torch.nn.MaxPool2d(2), torch.nn.Flatten(),
+            torch.nn.Linear(32 * 13 * 13, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    return torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048),
+                               torch.nn.ReLU(), torch.nn.Linear(2048, 2048))
+
+
+def _batch(name: str, step: int) -> tuple[Any, Any]:
+    import torch
+
+    rng = np.random.default_rng(step)
+    if name == "cnn":
+        x = rng.random((GLOBAL_BATCH, 1, 28, 28), dtype=np.float32)
+        y = rng.integers(0, 10, GLOBAL_BATCH)
+    else:
+        x = rng.standard_normal((GLOBAL_BATCH, 2048), dtype=np.float32)
+        y = rng.integers(0, 2048, GLOBAL_BATCH)
+    return torch.from_numpy(x), torch.from_numpy(y)
+
+
+def ddp_arm(arm: str, name: str, steps: int, warmup: int, tag: str) -> dict[str, Any]:
+    """On a replica: ``steps`` DDP steps of ``name`` on backend ``arm``; step times and the last loss."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from daskdist import context
+    from daskdist.plugins.torch.store import DaskdistStore
+
+    torch.set_num_threads(1)
+    runtime = context.current_runtime()
+    if arm == "gloo":
+        store = DaskdistStore(runtime.worker, f"{runtime.group_id}/bench-{tag}")
+        dist.init_process_group("gloo", store=store, rank=runtime.rank, world_size=runtime.size)
+    else:
+        dd.plugins.torch.init_process_group()
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        model = DistributedDataParallel(_model(name))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        local = GLOBAL_BATCH // world
+        batches = [_batch(name, s) for s in range(steps + warmup)]
+        times, loss = [], 0.0
+        for s, (x, y) in enumerate(batches):
+            xs, ys = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
+            start = time.perf_counter()
+            optimizer.zero_grad()
+            out = torch.nn.functional.cross_entropy(model(xs), ys)
+            out.backward()
+            optimizer.step()
+            if s >= warmup:
+                times.append(time.perf_counter() - start)
+            loss = float(out)
+        final = torch.tensor([loss])
+        dist.all_reduce(final)
+        return {"times": times, "loss": float(final) / world}
+    finally:
+        if arm == "gloo":
+            dist.destroy_process_group()
+        else:
+            dd.plugins.torch.destroy_process_group()
+
+
+def overhead_arm(arm: str, nbytes: int, calls: int) -> float:
+    """On a replica: median seconds per all-reduce of ``nbytes`` (float32) through ``arm``."""
+    import torch
+    import torch.distributed as dist
+
+    ctx = dd.get_replica_context()
+    if arm == "torch" and not dist.is_initialized():
+        dd.plugins.torch.init_process_group()
+    tensor = torch.ones(nbytes // 4)
+    array = tensor.numpy()
+    times = []
+    for _ in range(calls):
+        ctx.barrier()
+        start = time.perf_counter()
+        if arm == "torch":
+            dist.all_reduce(tensor)
+        else:
+            ctx.all_reduce("SUM", array)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main(rounds: int, cnn_steps: int, mlp_steps: int) -> None:
+    print_header("DDP on daskdist vs DDP on gloo (2 replicas, one host), and the torch layer's cost per call")
+    with local_cluster(2) as client, dd.MirroredStrategy(client=client) as strategy:
+        rows, losses = [], {}
+        results: dict[tuple[str, str], list[float]] = {}
+        for r in range(rounds):
+            for name, steps in (("cnn", cnn_steps), ("mlp", mlp_steps)):
+                for arm in (("gloo", "daskdist") if r % 2 == 0 else ("daskdist", "gloo")):
+                    out = strategy.experimental_local_results(
+                        strategy.run(ddp_arm, args=(arm, name, steps, 3, f"{r}-{name}-{arm}")))
+                    step = max(statistics.median(o["times"]) for o in out)  # the slowest replica's median
+                    results.setdefault((name, arm), []).append(step)
+                    losses[(name, arm)] = out[0]["loss"]
+        for name in ("cnn", "mlp"):
+            gloo, ours = results[(name, "gloo")], results[(name, "daskdist")]
+            ratios = [g / d for g, d in zip(gloo, ours)]
+            rows.append([name, ", ".join(f"{1e3 * t:.1f}" for t in gloo), ", ".join(f"{1e3 * t:.1f}" for t in ours),
+                         f"{GLOBAL_BATCH / statistics.median(gloo):.0f}", f"{GLOBAL_BATCH / statistics.median(ours):.0f}",
+                         ", ".join(f"{x:.2f}" for x in ratios),
+                         f"{losses[(name, 'gloo')]:.6f} / {losses[(name, 'daskdist')]:.6f}"])
+        print(format_table(["model", "gloo step ms (rounds)", "daskdist step ms (rounds)", "gloo samples/s",
+                            "daskdist samples/s", "daskdist/gloo", "final loss gloo / daskdist"], rows))
+        print()
+        rows = []
+        for nbytes, calls in ((4096, 2000), (64 << 20, 10)):
+            per: dict[str, list[float]] = {"torch": [], "context": []}
+            for r in range(rounds):
+                for arm in (("torch", "context") if r % 2 == 0 else ("context", "torch")):
+                    out = strategy.experimental_local_results(strategy.run(overhead_arm, args=(arm, nbytes, calls)))
+                    per[arm].append(max(out))
+            added = [t - c for t, c in zip(per["torch"], per["context"])]
+            rows.append([f"{nbytes // 1024} KiB" if nbytes < 1 << 20 else f"{nbytes >> 20} MiB",
+                         ", ".join(f"{1e6 * t:.1f}" for t in per["context"]),
+                         ", ".join(f"{1e6 * t:.1f}" for t in per["torch"]),
+                         ", ".join(f"{1e6 * a:+.1f}" for a in added)])
+        print(format_table(["size", "ReplicaContext.all_reduce us (rounds)", "dist.all_reduce us (rounds)",
+                            "added by the torch layer us"], rows))
+        strategy.run(lambda: dd.plugins.torch.destroy_process_group())
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--cnn-steps", type=int, default=40)
+    parser.add_argument("--mlp-steps", type=int, default=12)
+    args = parser.parse_args()
+    main(args.rounds, args.cnn_steps, args.mlp_steps)
