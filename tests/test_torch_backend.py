@@ -113,6 +113,29 @@ def test_every_supported_op_gives_the_right_values(process_client):
     assert results[0]["solo"] is True and results[1]["solo"] == ([7.0], 0, 1)
 
 
+def _store_ops():
+    import datetime
+
+    dd.plugins.torch.init_process_group()
+    store = dist.distributed_c10d._get_default_store()
+    rank = dist.get_rank()
+    store.set(f"k{rank}", f"v{rank}")
+    store.wait([f"k{1 - rank}"], datetime.timedelta(seconds=30))
+    counted = store.add("count", 5)
+    dist.barrier()
+    return {"other": store.get(f"k{1 - rank}"), "count": int(store.get("count")), "added": counted,
+            "check": store.check(["k0", "k1"]), "missing": store.check(["nope"])}
+
+
+def test_the_store_is_served_by_the_scheduler(process_client):
+    """torch's Store of the group (gloo or NCCL could meet through it): set/get/add/wait/check across replicas."""
+    with dd.MirroredStrategy(client=process_client) as strategy:
+        results = strategy.experimental_local_results(strategy.run(_store_ops))
+    assert [r["other"] for r in results] == [b"v1", b"v0"]
+    assert all(r["count"] == 10 and r["check"] and not r["missing"] for r in results)
+    assert sorted(r["added"] for r in results) == [5, 10]
+
+
 # -- DDP ----------------------------------------------------------------------------------
 
 

@@ -52,41 +52,41 @@ class KeyValueStore:
             except asyncio.TimeoutError:
                 return False
 
-    async def handle(self, scope: str, op: str, keys: list[str] | None = None, value: Any = None,
+    async def handle(self, scope: str, action: str, keys: list[str] | None = None, value: Any = None,
                      expected: Any = None, timeout: float = 0.0) -> dict[str, Any]:
         """Run one store operation; never raises across the wire (an error message instead).
 
-        ``op``: ``set``, ``get`` (waits up to ``timeout``), ``add`` (an int,
+        ``action``: ``set``, ``get`` (waits up to ``timeout``), ``add`` (an int,
         returns the new value), ``compare_set``, ``check``, ``wait``,
         ``delete``, ``num_keys``. Values are bytes.
         """
         keys = list(keys or [])
         data = self._scopes.setdefault(scope, {})
-        if op == "set":
+        if action == "set":
             data[keys[0]] = bytes(value)
             self._touch(scope)
             return {"status": "OK"}
-        if op in ("get", "wait"):
+        if action in ("get", "wait"):
             if not await self._wait_for(scope, keys, timeout):
                 return {"status": "waiting"}
             data = self._scopes.get(scope, {})
-            return {"status": "OK", "value": data[keys[0]] if op == "get" else None}
-        if op == "add":
+            return {"status": "OK", "value": data[keys[0]] if action == "get" else None}
+        if action == "add":
             new = int(data.get(keys[0], b"0")) + int(value)
             data[keys[0]] = str(new).encode()
             self._touch(scope)
             return {"status": "OK", "value": new}
-        if op == "compare_set":
+        if action == "compare_set":
             current = data.get(keys[0])
             if (current is None and not expected) or current == bytes(expected or b""):
                 data[keys[0]] = bytes(value)
                 self._touch(scope)
                 return {"status": "OK", "value": bytes(value)}
             return {"status": "OK", "value": current if current is not None else bytes(expected or b"")}
-        if op == "check":
+        if action == "check":
             return {"status": "OK", "value": all(k in data for k in keys)}
-        if op == "delete":
+        if action == "delete":
             return {"status": "OK", "value": data.pop(keys[0], None) is not None}
-        if op == "num_keys":
+        if action == "num_keys":
             return {"status": "OK", "value": len(data)}
-        return {"status": "error", "message": f"unknown store operation {op!r}"}
+        return {"status": "error", "message": f"unknown store operation {action!r}"}

@@ -40,20 +40,20 @@ class DaskdistStore(dist.Store):  # type: ignore[misc]
         self._scope = scope
         self._timeout = timeout
 
-    def _call(self, op: str, keys: list[str] | None = None, **kwargs: Any) -> Any:
+    def _call(self, action: str, keys: list[str] | None = None, **kwargs: Any) -> Any:
         wait = float(kwargs.get("timeout", 0.0))
-        response = sync(self._worker.loop, self._worker.scheduler.daskdist_kv, scope=self._scope, op=op,
+        response = sync(self._worker.loop, self._worker.scheduler.daskdist_kv, scope=self._scope, action=action,
                         keys=keys or [], callback_timeout=wait + 30, **kwargs)
         if response.get("status") == "error":
             raise RuntimeError(f"daskdist store: {response.get('message')}")
         return response
 
-    def _blocking(self, op: str, keys: list[str], timeout: datetime.timedelta | None = None) -> Any:
+    def _blocking(self, action: str, keys: list[str], timeout: datetime.timedelta | None = None) -> Any:
         limit = (timeout or self._timeout).total_seconds()
         deadline = time.monotonic() + limit
         while True:
             remaining = deadline - time.monotonic()
-            response = self._call(op, keys, timeout=max(0.0, min(_POLL, remaining)))
+            response = self._call(action, keys, timeout=max(0.0, min(_POLL, remaining)))
             if response["status"] == "OK":
                 return response.get("value")
             if remaining <= 0:
