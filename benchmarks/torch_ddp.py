@@ -91,7 +91,7 @@ def ddp_arm(arm: str, name: str, steps: int, warmup: int, tag: str) -> dict[str,
             optimizer.step()
             if s >= warmup:
                 times.append(time.perf_counter() - start)
-            loss = float(out)
+            loss = float(out.detach())
         final = torch.tensor([loss])
         dist.all_reduce(final)
         return {"times": times, "loss": float(final) / world}
@@ -110,7 +110,7 @@ def overhead_arm(arm: str, nbytes: int, calls: int) -> float:
     ctx = dd.get_replica_context()
     if arm == "torch" and not dist.is_initialized():
         dd.plugins.torch.init_process_group()
-    tensor = torch.ones(nbytes // 4)
+    tensor = torch.zeros(nbytes // 4)  # zeros: repeated sums stay finite
     array = tensor.numpy()
     times = []
     for _ in range(calls):

@@ -98,12 +98,16 @@ def _op_name(op: Any) -> ReduceOp:
 
 def _view(tensor: torch.Tensor) -> np.ndarray:
     """The numpy view of a CPU tensor's memory (no copy; strided tensors keep their strides)."""
-    if tensor.device.type != "cpu":
-        raise ValueError(f"the daskdist backend carries CPU tensors (CUDA ones go through NCCL, all of one call on "
-                         f"one device); got {tensor.device}")
-    if tensor.dtype in (torch.bfloat16,) or tensor.is_complex() or tensor.is_quantized:
+    if tensor.dtype not in _CARRIED or tensor.device.type != "cpu":
+        if tensor.device.type != "cpu":
+            raise ValueError(f"the daskdist backend carries CPU tensors (CUDA ones go through NCCL, all of one call "
+                             f"on one device); got {tensor.device}")
         raise TypeError(f"the daskdist backend carries float16/32/64, integer and bool tensors; got {tensor.dtype}")
     return tensor.detach().numpy()
+
+
+_CARRIED = frozenset({torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16, torch.int32,
+                      torch.int64, torch.bool})
 
 
 def _copy_into(tensor: torch.Tensor, array: np.ndarray) -> None:
@@ -235,8 +239,8 @@ class ProcessGroupDaskdist(dist.ProcessGroup):  # type: ignore[misc]
         value: Any = views[0] if len(views) == 1 else views
 
         def finish(result: Any) -> list[torch.Tensor]:
-            for t, r in zip(tensors, [result] if len(views) == 1 else result):
-                _copy_into(t, r)
+            for v, r in zip(views, [result] if len(views) == 1 else result):
+                np.copyto(v, r, casting="no")  # the same shape and dtype: checked by the collective
             return tensors
 
         return self._work(lambda g, a: g.all_reduce(op, value, async_op=a), finish)
