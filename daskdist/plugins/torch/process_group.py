@@ -24,7 +24,7 @@ import torch.distributed as dist
 from daskdist.ops import ReduceOp
 from daskdist.plugins.torch.comm import ReplicaComm
 
-__all__ = ["BACKEND_NAME", "SUPPORTED", "DaskdistWork", "ProcessGroupDaskdist"]
+__all__ = ["BACKEND_NAME", "SUPPORTED", "DaskdistWork", "ProcessGroupDaskdist"]  # noqa: RUF022 - constants first
 
 logger = logging.getLogger(__name__)
 
