@@ -12,7 +12,7 @@ as a parity check.
 Then ``dist.all_reduce`` through the backend against ``ReplicaContext.all_reduce``
 on the same replicas, 4 KiB and 64 MiB: the torch layer's cost per call.
 
-    python benchmarks/torch_ddp.py --rounds 3
+    python benchmarks/torch_ddp.py --rounds 3 [--parts ddp,overhead]
 """
 
 from __future__ import annotations
@@ -124,44 +124,56 @@ def overhead_arm(arm: str, nbytes: int, calls: int) -> float:
     return statistics.median(times)
 
 
-def main(rounds: int, cnn_steps: int, mlp_steps: int) -> None:
+def main(rounds: int, cnn_steps: int, mlp_steps: int, parts: str = "ddp,overhead") -> None:
     print_header("DDP on daskdist vs DDP on gloo (2 replicas, one host), and the torch layer's cost per call")
     with local_cluster(2) as client, dd.MirroredStrategy(client=client) as strategy:
-        rows, losses = [], {}
-        results: dict[tuple[str, str], list[float]] = {}
-        for r in range(rounds):
-            for name, steps in (("cnn", cnn_steps), ("mlp", mlp_steps)):
-                for arm in (("gloo", "daskdist") if r % 2 == 0 else ("daskdist", "gloo")):
-                    out = strategy.experimental_local_results(
-                        strategy.run(ddp_arm, args=(arm, name, steps, 3, f"{r}-{name}-{arm}")))
-                    step = max(statistics.median(o["times"]) for o in out)  # the slowest replica's median
-                    results.setdefault((name, arm), []).append(step)
-                    losses[(name, arm)] = out[0]["loss"]
-        for name in ("cnn", "mlp"):
-            gloo, ours = results[(name, "gloo")], results[(name, "daskdist")]
-            ratios = [g / d for g, d in zip(gloo, ours)]
-            rows.append([name, ", ".join(f"{1e3 * t:.1f}" for t in gloo), ", ".join(f"{1e3 * t:.1f}" for t in ours),
-                         f"{GLOBAL_BATCH / statistics.median(gloo):.0f}", f"{GLOBAL_BATCH / statistics.median(ours):.0f}",
-                         ", ".join(f"{x:.2f}" for x in ratios),
-                         f"{losses[(name, 'gloo')]:.6f} / {losses[(name, 'daskdist')]:.6f}"])
-        print(format_table(["model", "gloo step ms (rounds)", "daskdist step ms (rounds)", "gloo samples/s",
-                            "daskdist samples/s", "daskdist/gloo", "final loss gloo / daskdist"], rows))
-        print()
-        rows = []
-        for nbytes, calls in ((4096, 2000), (64 << 20, 10)):
-            per: dict[str, list[float]] = {"torch": [], "context": []}
-            for r in range(rounds):
-                for arm in (("torch", "context") if r % 2 == 0 else ("context", "torch")):
-                    out = strategy.experimental_local_results(strategy.run(overhead_arm, args=(arm, nbytes, calls)))
-                    per[arm].append(max(out))
-            added = [t - c for t, c in zip(per["torch"], per["context"])]
-            rows.append([f"{nbytes // 1024} KiB" if nbytes < 1 << 20 else f"{nbytes >> 20} MiB",
-                         ", ".join(f"{1e6 * t:.1f}" for t in per["context"]),
-                         ", ".join(f"{1e6 * t:.1f}" for t in per["torch"]),
-                         ", ".join(f"{1e6 * a:+.1f}" for a in added)])
-        print(format_table(["size", "ReplicaContext.all_reduce us (rounds)", "dist.all_reduce us (rounds)",
-                            "added by the torch layer us"], rows))
+        if "ddp" in parts:
+            ddp_figures(strategy, rounds, cnn_steps, mlp_steps)
+        if "overhead" in parts:
+            overhead_figures(strategy, rounds)
         strategy.run(lambda: dd.plugins.torch.destroy_process_group())
+
+
+def ddp_figures(strategy: Any, rounds: int, cnn_steps: int, mlp_steps: int) -> None:
+    """DDP on gloo and on daskdist, ``rounds`` rounds alternated: step times, samples/s, final losses."""
+    rows, losses = [], {}
+    results: dict[tuple[str, str], list[float]] = {}
+    for r in range(rounds):
+        for name, steps in (("cnn", cnn_steps), ("mlp", mlp_steps)):
+            for arm in (("gloo", "daskdist") if r % 2 == 0 else ("daskdist", "gloo")):
+                out = strategy.experimental_local_results(
+                    strategy.run(ddp_arm, args=(arm, name, steps, 3, f"{r}-{name}-{arm}")))
+                step = max(statistics.median(o["times"]) for o in out)  # the slowest replica's median
+                results.setdefault((name, arm), []).append(step)
+                losses[(name, arm)] = out[0]["loss"]
+    for name in ("cnn", "mlp"):
+        gloo, ours = results[(name, "gloo")], results[(name, "daskdist")]
+        ratios = [g / d for g, d in zip(gloo, ours)]
+        rows.append([name, ", ".join(f"{1e3 * t:.1f}" for t in gloo), ", ".join(f"{1e3 * t:.1f}" for t in ours),
+                     f"{GLOBAL_BATCH / statistics.median(gloo):.0f}", f"{GLOBAL_BATCH / statistics.median(ours):.0f}",
+                     ", ".join(f"{x:.2f}" for x in ratios),
+                     f"{losses[(name, 'gloo')]:.6f} / {losses[(name, 'daskdist')]:.6f}"])
+    print(format_table(["model", "gloo step ms (rounds)", "daskdist step ms (rounds)", "gloo samples/s",
+                        "daskdist samples/s", "daskdist/gloo", "final loss gloo / daskdist"], rows))
+    print()
+
+
+def overhead_figures(strategy: Any, rounds: int) -> None:
+    """``dist.all_reduce`` against ``ReplicaContext.all_reduce``, 4 KiB and 64 MiB."""
+    rows = []
+    for nbytes, calls in ((4096, 2000), (64 << 20, 10)):
+        per: dict[str, list[float]] = {"torch": [], "context": []}
+        for r in range(rounds):
+            for arm in (("torch", "context") if r % 2 == 0 else ("context", "torch")):
+                out = strategy.experimental_local_results(strategy.run(overhead_arm, args=(arm, nbytes, calls)))
+                per[arm].append(max(out))
+        added = [t - c for t, c in zip(per["torch"], per["context"])]
+        rows.append([f"{nbytes // 1024} KiB" if nbytes < 1 << 20 else f"{nbytes >> 20} MiB",
+                     ", ".join(f"{1e6 * t:.1f}" for t in per["context"]),
+                     ", ".join(f"{1e6 * t:.1f}" for t in per["torch"]),
+                     ", ".join(f"{1e6 * a:+.1f}" for a in added)])
+    print(format_table(["size", "ReplicaContext.all_reduce us (rounds)", "dist.all_reduce us (rounds)",
+                        "added by the torch layer us"], rows))
 
 
 if __name__ == "__main__":
@@ -169,5 +181,6 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cnn-steps", type=int, default=40)
     parser.add_argument("--mlp-steps", type=int, default=12)
+    parser.add_argument("--parts", default="ddp,overhead", help="comma-separated: ddp, overhead")
     args = parser.parse_args()
-    main(args.rounds, args.cnn_steps, args.mlp_steps)
+    main(args.rounds, args.cnn_steps, args.mlp_steps, args.parts)
