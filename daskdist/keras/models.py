@@ -318,7 +318,7 @@ class Model:
         return clone
 
     def _as_dataset(self, x: Any, y: Any = None, batch_size: int | None = None, shuffle: bool = False) -> Any:
-        from daskdist.data.dataset import Dataset
+        from daskdist.data.dataset import Dataset, TensorSpec
         from daskdist.keras.input_check import check_model_input
 
         if x is None:
@@ -333,6 +333,8 @@ class Model:
         structure = (x_array,) if y is None else (x_array, as_array(y)[0])
         if y is not None and len(structure[1]) != len(x_array):
             raise ValueError(f"x and y have different lengths ({len(x_array)} and {len(structure[1])})")
+        specs = tuple(TensorSpec((None, *a.shape[1:]), a.dtype) for a in structure)
+        check_model_input(specs if y is not None else specs[0], self._built_input_shape())  # as for a Dataset
         dataset = Dataset.from_tensor_slices(structure if y is not None else x_array)
         if shuffle:
             dataset = dataset.shuffle(len(x_array))
