@@ -187,11 +187,12 @@ class Model:
             raise ValueError("compile needs a loss")
         self.optimizer = optimizers.get(optimizer)
         self.loss = losses.get(loss)
-        self.compiled_metrics = [metrics_module.get(m, loss=self.loss) for m in (metrics or [])]
+        self.compiled_metrics = [metrics_module.compiled(m, loss=self.loss) for m in (metrics or [])]
         self._compile_config = {
             "optimizer": {"class_name": type(self.optimizer).__name__, "config": self.optimizer.get_config()},
             "loss": {"class_name": type(self.loss).__name__, "config": self.loss.get_config()},
-            "metrics": [m if isinstance(m, str) else type(m).__name__ for m in (metrics or [])],
+            "metrics": [m if isinstance(m, str) else metrics_module.serialize(c) for m, c in
+                        zip(metrics or [], self.compiled_metrics) if isinstance(m, str) or metrics_module.is_known(c)],
         }
         self._steps_per_execution = steps_per_execution
         self._pss_evaluation_shards = pss_evaluation_shards

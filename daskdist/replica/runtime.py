@@ -365,6 +365,7 @@ class ReplicaRuntime:
         self.state = "idle"
         server = self._server
         while True:
+            item: Any
             if server is None:
                 item = self._commands.get()
             else:
