@@ -99,8 +99,8 @@ class Huber(ElementwiseLoss):
 
     default_name = "huber_loss"
 
-    def __init__(self, delta: float = 1.0, name: str | None = None):
-        super().__init__(name)
+    def __init__(self, delta: float = 1.0, name: str | None = None, reduction: str = "sum_over_batch_size"):
+        super().__init__(name, reduction)
         self.delta = float(delta)
 
     def _values(self, t: Array, p: Array) -> Array:
@@ -141,8 +141,8 @@ class BinaryCrossentropy(ElementwiseLoss):
 
     default_name = "binary_crossentropy"
 
-    def __init__(self, from_logits: bool = False, name: str | None = None):
-        super().__init__(name)
+    def __init__(self, from_logits: bool = False, name: str | None = None, reduction: str = "sum_over_batch_size"):
+        super().__init__(name, reduction)
         self.from_logits = bool(from_logits)
 
     def _values(self, t: Array, p: Array) -> Array:

@@ -12,10 +12,13 @@ import math
 from typing import Any
 
 from daskdist.keras.backend import move_like
+from daskdist.keras.gradient_tape import TapeTensor, record_loss
 
 __all__ = ["ElementwiseLoss", "Loss", "per_example_mean", "targets_like"]
 
 Array = Any
+
+_REDUCTIONS = ("sum_over_batch_size", "sum", "none", "auto")  # "auto": the default, as in Keras
 
 
 class Loss:
@@ -27,8 +30,11 @@ class Loss:
 
     default_name = "loss"
 
-    def __init__(self, name: str | None = None):
+    def __init__(self, name: str | None = None, reduction: str = "sum_over_batch_size"):
+        if reduction not in _REDUCTIONS:
+            raise ValueError(f"Invalid reduction {reduction!r}; expected one of {', '.join(_REDUCTIONS)}")
         self.name = name or self.default_name
+        self.reduction = reduction
 
     def per_example(self, y_true: Array, y_pred: Array) -> Array:
         """The loss of each example, shape ``(batch,)``, dtype of ``y_pred``."""
@@ -38,16 +44,30 @@ class Loss:
         """``d per_example(y_true, y_pred)[i] / d y_pred[i]`` for every example ``i``; shape of ``y_pred``."""
         raise NotImplementedError
 
-    def __call__(self, y_true: Array, y_pred: Array, sample_weight: Array | None = None) -> float:
-        """Mean loss over the batch (``sum(w * loss) / batch`` with ``sample_weight``)."""
+    def __call__(self, y_true: Array, y_pred: Array, sample_weight: Array | None = None) -> Any:
+        """The loss of the batch, reduced as ``reduction`` says (Keras' ``reduction``).
+
+        ``"sum_over_batch_size"`` (the default): the mean, ``sum(w * loss) /
+        batch`` with ``sample_weight`` (a float); ``"sum"``: the sum;
+        ``"none"``: the per-example losses (for
+        ``dd.nn.compute_average_loss`` in a custom loop). Under a
+        ``GradientTape`` with a recorded ``y_pred`` the value is recorded, so
+        ``tape.gradient`` differentiates it.
+        """
+        if isinstance(y_pred, TapeTensor):
+            return record_loss(self, y_true, y_pred, sample_weight, self.reduction)
         per = self.per_example(y_true, y_pred)
         if sample_weight is not None:
-            per = per * move_like(sample_weight, per)
+            per = per * move_like(sample_weight, per).reshape(-1)
+        if self.reduction == "none":
+            return per
+        if self.reduction == "sum":
+            return float(per.sum())
         return float(per.sum()) / max(per.shape[0], 1)
 
     def get_config(self) -> dict[str, Any]:
         """Constructor keyword arguments (JSON-serialisable)."""
-        return {"name": self.name}
+        return {"name": self.name, "reduction": self.reduction}
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Loss:

@@ -130,8 +130,8 @@ class SparseCategoricalCrossentropy(Loss):
 
     default_name = "sparse_categorical_crossentropy"
 
-    def __init__(self, from_logits: bool = False, name: str | None = None):
-        super().__init__(name)
+    def __init__(self, from_logits: bool = False, name: str | None = None, reduction: str = "sum_over_batch_size"):
+        super().__init__(name, reduction)
         self.from_logits = bool(from_logits)
 
     def per_example(self, y_true: Array, y_pred: Array) -> Array:
@@ -155,8 +155,8 @@ class CategoricalCrossentropy(Loss):
 
     default_name = "categorical_crossentropy"
 
-    def __init__(self, from_logits: bool = False, name: str | None = None):
-        super().__init__(name)
+    def __init__(self, from_logits: bool = False, name: str | None = None, reduction: str = "sum_over_batch_size"):
+        super().__init__(name, reduction)
         self.from_logits = bool(from_logits)
 
     def _targets(self, y_true: Array, y_pred: Array) -> Array:

@@ -24,7 +24,7 @@ from daskdist import context
 from daskdist.arrays import as_array, to_numpy
 from daskdist.group.service import MODEL, ReplicaService
 from daskdist.keras import callbacks as callbacks_module
-from daskdist.keras import ps_fit, saving, training
+from daskdist.keras import ps_fit, resident_ref, saving, training
 from daskdist.strategy.gradient_applier import gradient_applier
 
 if TYPE_CHECKING:
@@ -101,9 +101,11 @@ class Model:
             x = layer.forward(x, training=training)
         return x
 
-    def _backward(self, grad: Any) -> None:
+    def _backward(self, grad: Any) -> Any:
+        """Back-propagate ``grad`` (of the last forward's output); fills the layers' ``grads``; returns ``dL/dx``."""
         for layer in reversed(self.layers):
             grad = layer.backward(grad)
+        return grad
 
     def _trainable_arrays(self) -> tuple[list[Any], list[Any]]:
         params, grads = [], []
@@ -114,9 +116,26 @@ class Model:
         return params, grads
 
     def __call__(self, x: Any, training: bool = False) -> Any:
-        x, _ = as_array(x)
+        """The model's output for a batch ``x``; recorded when a ``GradientTape`` is open (custom loops)."""
+        from daskdist.keras.gradient_tape import record_model_call
+
+        inputs = x
+        x, _ = as_array(np.asarray(x) if isinstance(x, np.ndarray) else x)
         self._ensure_built(x)
-        return self._forward(x, training=training)
+        return record_model_call(self, inputs, self._forward(x, training=training))
+
+    @property
+    def trainable_variables(self) -> list[Any]:
+        """The trainable parameter arrays, in a fixed order (``tape.gradient``'s sources, the optimizer's).
+
+        Empty until the model is built. Inside a replica they are that
+        replica's arrays; ``optimizer.apply_gradients`` updates them in place.
+        """
+        if not self.built:
+            return []
+        return [layer.params[name] for layer in self.layers for name in sorted(layer.params)]
+
+    trainable_weights = trainable_variables
 
     # -- weights -------------------------------------------------------------------
 
@@ -227,11 +246,17 @@ class Model:
 
     def _resident(self) -> _InstalledModel:
         """What is installed on a replica: a copy without the client's strategy and history."""
-        payload = copy.copy(self)
+        payload = object.__new__(type(self))  # not copy.copy: that would call __reduce_ex__, which may refer
+        payload.__dict__.update(self.__dict__)
         payload._strategy = None
         payload._installed = False
         payload.history = None
         return _InstalledModel(payload)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Inside a function sent by its strategy's ``run``: a reference to each replica's resident copy."""
+        reference = resident_ref.reduce_for_replicas(self, self._model_id)
+        return reference if reference is not None else super().__reduce_ex__(protocol)
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -588,6 +613,9 @@ class _InstalledModel:
 
     def __init__(self, model: Model):
         self.model = model
+
+    def unwrap(self) -> Model:
+        return self.model
 
     def snapshot(self) -> dict:
         weights = [np.array(to_numpy(a), copy=True) for _, a in self.model._weight_items()]

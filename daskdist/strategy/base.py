@@ -118,8 +118,11 @@ class Strategy:
         if options is not None and not isinstance(options, RunOptions):
             raise TypeError(f"options must be a distribute.RunOptions, got {type(options).__name__}")
         self._require_no_other_strategy()
-        with context.shipping_to(self):
-            return self._extended.call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
+        with context.shipping_to(self) as shipment:
+            result = self._extended.call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
+        for sent in shipment.sent_in_full:  # every replica installed it: later runs send a reference only
+            sent._installed = True
+        return result
 
     def _require_no_other_strategy(self) -> None:
         """Raise as TensorFlow does when another strategy's scope is in effect in this thread."""
