@@ -315,3 +315,41 @@ def test_fit_with_numpy_x_of_the_wrong_width_fails_on_the_client(threaded_client
     local.fit(x[:, :3], y, batch_size=4, verbose=0)
     with pytest.raises(ValueError, match=r"\(None, 3\).*\(None, 4\)"):
         local.fit(x, y, batch_size=4, verbose=0)
+
+
+def test_python_numbers_in_collectives_keep_numpy_dtypes(threaded_client):
+    """The deliberate difference docs/strategies.md lists: no float32 narrowing of Python numbers there."""
+    with dd.MirroredStrategy(client=threaded_client) as strategy:
+        out = strategy.run(lambda: dd.get_replica_context().all_reduce(dd.ReduceOp.SUM, 1.0))
+        assert {np.asarray(v).dtype for v in strategy.experimental_local_results(out)} == {np.dtype(np.float64)}
+
+
+# -- item 11: documentation, examples, packaging ------------------------------------------------------------------
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+
+
+def test_readme_lists_every_example_and_says_what_an_existing_cluster_needs():
+    readme = (ROOT / "README.md").read_text()
+    for example in sorted((ROOT / "examples").iterdir()):
+        if example.suffix in (".py", ".ipynb"):
+            assert f"examples/{example.name}" in readme, example.name
+    assert "need daskdist installed" in readme
+    assert 'pip install -e ".[torch]"' in readme  # how torch gets installed for examples/pytorch_plugin.py
+    # the learning-rate claim says which schedule the digits run uses
+    assert "3e-3 -> 1e-3 -> 3e-4" in readme and "3e-3 if epoch < 6 else (1e-3 if epoch < 10 else 3e-4)" in (
+        ROOT / "examples" / "mnist_mirrored.py").read_text()
+
+
+def test_quickstart_does_not_call_itself_make_run():
+    first_line = (ROOT / "examples" / "quickstart.py").read_text().split("\n", 1)[0]
+    assert "make run" not in first_line
+    assert "mnist_mirrored.py" in (ROOT / "Makefile").read_text().split("\nrun:", 1)[1].split("\n\n", 1)[0]
+
+
+def test_pyproject_license_is_an_spdx_string_with_a_setuptools_that_reads_it():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert project["project"]["license"] == "BSD-3-Clause"  # the table form is deprecated by setuptools >= 77
+    assert "setuptools>=77" in project["build-system"]["requires"]  # PEP 639 strings need setuptools 77
