@@ -314,7 +314,7 @@ class Model:
         if self._uses_coordinator():
             logs = ps_fit.evaluate(self, x, y, batch_size, steps)
         else:
-            data = self._as_dataset(x, y, batch_size, False)
+            data = self._as_dataset(x, y, batch_size, False, what="evaluate")
             runner = _Runner(self, None, data)
             try:
                 logs = runner.evaluate(data, steps)
@@ -330,7 +330,7 @@ class Model:
         if self._uses_coordinator():
             raise NotImplementedError("`model.predict` is not yet supported with `ParameterServerStrategy`.")
         local = self._local_copy()
-        data = self._as_dataset(x, None, batch_size or 32, False)
+        data = self._as_dataset(x, None, batch_size or 32, False, what="predict")
         return to_numpy(training.predict_batches(local, iter(data)))
 
     def _local_copy(self) -> Model:
@@ -343,7 +343,8 @@ class Model:
         clone._assign_weights(self.get_weights())
         return clone
 
-    def _as_dataset(self, x: Any, y: Any = None, batch_size: int | None = None, shuffle: bool = False) -> Any:
+    def _as_dataset(self, x: Any, y: Any = None, batch_size: int | None = None, shuffle: bool = False,
+                    what: str = "fit") -> Any:
         from daskdist.data.dataset import Dataset, TensorSpec
         from daskdist.keras.input_check import check_model_input
 
@@ -353,14 +354,14 @@ class Model:
             if y is not None:
                 raise ValueError("y must not be given when x is a Dataset (it yields (x, y) pairs)")
             client = self._strategy.client if self._strategy is not None else None
-            check_model_input(x.element_spec_with(client), self._built_input_shape())  # on the client, before training
+            check_model_input(x.element_spec_with(client), self._built_input_shape(), what)  # on the client, first
             return x
         x_array, _ = as_array(x)
         structure = (x_array,) if y is None else (x_array, as_array(y)[0])
         if y is not None and len(structure[1]) != len(x_array):
             raise ValueError(f"x and y have different lengths ({len(x_array)} and {len(structure[1])})")
         specs = tuple(TensorSpec((None, *a.shape[1:]), a.dtype) for a in structure)
-        check_model_input(specs if y is not None else specs[0], self._built_input_shape())  # as for a Dataset
+        check_model_input(specs if y is not None else specs[0], self._built_input_shape(), what)  # as for a Dataset
         dataset = Dataset.from_tensor_slices(structure if y is not None else x_array)
         if shuffle:
             dataset = dataset.shuffle(len(x_array))
