@@ -39,7 +39,7 @@ TF_KERAS_METRIC_NAMES = [
     "SparseTopKCategoricalAccuracy", "MeanAbsoluteError", "MeanSquaredError", "MeanAbsolutePercentageError",
     "MeanSquaredLogarithmicError", "RootMeanSquaredError", "KLDivergence", "LogCoshError", "Hinge", "SquaredHinge",
     "CategoricalHinge", "Poisson", "CosineSimilarity", "BinaryCrossentropy", "CategoricalCrossentropy",
-    "SparseCategoricalCrossentropy",
+    "SparseCategoricalCrossentropy", "Precision", "Recall",
 ]
 
 
@@ -207,6 +207,23 @@ def test_fit_with_every_new_loss_lowers_it(name):
     best = losses.get(name)(target, target)  # each loss is smallest where the prediction is the target
     first, last = history.history["loss"][0], history.history["loss"][-1]
     assert last - best < 0.7 * (first - best), (first, last, best)
+
+
+def test_precision_and_recall_sum_over_replicas(threaded_client):
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((60, 3)).astype(np.float32)
+    y = (x @ np.array([1.0, -1.0, 0.5], np.float32) > 0).astype(np.float32).reshape(-1, 1)
+    with dd.MirroredStrategy(client=threaded_client) as strategy:
+        with strategy.scope():
+            model = keras.Sequential([keras.layers.Dense(1, activation="sigmoid", input_shape=(3,))])
+            model.compile(optimizer=keras.optimizers.Adam(0.05), loss="binary_crossentropy",
+                          metrics=["Precision", keras.metrics.Recall(thresholds=0.3)])
+        model.fit(x, y, batch_size=20, epochs=3, verbose=0)
+        logs = model.evaluate(x, y, batch_size=20, verbose=0, return_dict=True)
+        pred = model.predict(x)
+    tp = ((pred > 0.5) & (y > 0.5)).sum()
+    assert logs["precision"] == pytest.approx(tp / (pred > 0.5).sum())
+    assert logs["recall"] == pytest.approx(((pred > 0.3) & (y > 0.5)).sum() / (y > 0.5).sum())
 
 
 # -- item 5: dtypes ----------------------------------------------------------------------------------------------

@@ -57,6 +57,8 @@ __all__ = [
     "MeanSquaredLogarithmicError",
     "Metric",
     "Poisson",
+    "Precision",
+    "Recall",
     "RootMeanSquaredError",
     "SparseCategoricalAccuracy",
     "SparseCategoricalCrossentropy",
@@ -164,6 +166,55 @@ class AutoAccuracy(Metric):
         return CategoricalAccuracy().values(y_true, y_pred)
 
 
+class _ConfusionRatio(Metric):
+    """``true positives / (true positives + a kind of error)``, thresholded at ``thresholds``.
+
+    The ``[total, count]`` pair is ``[true positives, the denominator]``, so
+    it sums over replicas like every other metric here.
+    """
+
+    def __init__(self, thresholds: float | None = None, name: str | None = None):
+        super().__init__(name)
+        self.thresholds = 0.5 if thresholds is None else float(thresholds)
+
+    def _denominator(self, predicted: Array, actual: Array) -> Array:
+        raise NotImplementedError
+
+    def update_state(self, y_true: Array, y_pred: Array, sample_weight: Array | None = None) -> None:
+        actual = move_like(y_true, y_pred)
+        if actual.shape != y_pred.shape and actual.size == y_pred.size:
+            actual = actual.reshape(y_pred.shape)
+        actual = actual > 0.5
+        predicted = y_pred > self.thresholds
+        weight = 1.0
+        if sample_weight is not None:
+            w = move_like(sample_weight, y_pred).astype("float64", copy=False)
+            weight = w.reshape(w.shape + (1,) * (y_pred.ndim - w.ndim))
+        self.total += float(((predicted & actual) * weight).sum())
+        self.count += float((self._denominator(predicted, actual) * weight).sum())
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "thresholds": self.thresholds}
+
+
+class Precision(_ConfusionRatio):
+    """Of the outputs predicted positive (``y_pred > thresholds``), the fraction that are (Keras' ``Precision``)."""
+
+    default_name = "precision"
+
+    def _denominator(self, predicted: Array, actual: Array) -> Array:
+        return predicted
+
+
+class Recall(_ConfusionRatio):
+    """Of the positive targets, the fraction predicted positive (Keras' ``Recall``)."""
+
+    default_name = "recall"
+
+    def _denominator(self, predicted: Array, actual: Array) -> Array:
+        return actual
+
+
 # the names tf.keras.metrics.get accepts for these metrics (its functions and aliases), lower case;
 # "accuracy"/"acc" and "crossentropy"/"ce" are chosen from the loss, as Keras' compile does
 _BY_NAME: dict[str, type[Metric]] = {
@@ -197,7 +248,7 @@ _BY_NAME: dict[str, type[Metric]] = {
 }
 _CHOSEN_BY_LOSS = ("accuracy", "acc", "crossentropy", "ce")
 _CLASSES: list[type[Metric]] = [Mean, SparseCategoricalAccuracy, CategoricalAccuracy, Accuracy, BinaryAccuracy,
-                                AutoAccuracy, *_BY_NAME.values()]
+                                AutoAccuracy, Precision, Recall, *_BY_NAME.values()]
 _BY_CLASS_NAME: dict[str, type[Metric]] = {cls.__name__: cls for cls in _CLASSES}
 
 
