@@ -39,7 +39,7 @@ class ReplicaContext:
         takes about 12 µs; each lookup is a noticeable part of it).
         """
         self._group = group
-        self._all_reduce = group.all_reduce
+        self._all_reduce = group.inline_all_reduce
 
     @property
     def process_group(self) -> Any:
