@@ -8,13 +8,16 @@ hits all three alike:
 
 * ``communicator``: ``Communicator.all_reduce`` called directly, the path
   ``ReplicaContext.all_reduce`` took before the process group existed;
+* ``context-before``: ``ReplicaContext.all_reduce`` as it was before the
+  process group (its method body over the bound communicator method);
 * ``context``: ``ReplicaContext.all_reduce`` (the group's inline all-reduce:
-  drain check, lock, communicator);
+  drain check, lock or owner check, communicator);
 * ``async``: ``process_group.all_reduce(..., async_op=True).wait()`` (one
   hand-off to the group's FIFO thread and back).
 
-The figure is the median over blocks of the per-call time of a block (the
-slower replica's), and its ratio to the ``communicator`` path.
+Each call is timed on its own; the figure is the median over calls of the
+slower replica's time (as ``allreduce.py`` does), and its ratio to the
+``communicator`` path.
 
 Usage::
 
@@ -34,16 +37,31 @@ from distributed import Client, LocalCluster
 
 import daskdist as dd
 
-PATHS = ("communicator", "context", "async")
+PATHS = ("communicator", "context-before", "context", "async")
+
+
+class _ContextBefore:
+    """``ReplicaContext.all_reduce`` as it was before the process group: a bound communicator method."""
+
+    def __init__(self, communicator):
+        self._all_reduce = communicator.all_reduce
+
+    def all_reduce(self, reduce_op, value, options=None):
+        all_reduce = self._all_reduce
+        if all_reduce is None:
+            raise RuntimeError("unbound")
+        return all_reduce(reduce_op, value, options)
 
 
 def _measure(sizes: list[int], blocks: int) -> dict:
-    """Inside a replica: {size: {path: [seconds per call, one per block]}}."""
+    """Inside a replica: {size: {path: [seconds of each call]}}."""
     ctx = dd.get_replica_context()
     group = ctx.process_group
     communicator = ctx._runtime.communicator  # the pre-process-group path, for comparison only
+    before = _ContextBefore(communicator)
     calls = {
         "communicator": lambda x: communicator.all_reduce("SUM", x),
+        "context-before": lambda x: before.all_reduce("SUM", x),
         "context": lambda x: ctx.all_reduce("SUM", x),
         "async": lambda x: group.all_reduce("SUM", x, async_op=True).wait(),
     }
@@ -60,10 +78,11 @@ def _measure(sizes: list[int], blocks: int) -> dict:
             for path in order:
                 ctx.barrier()
                 call = calls[path]
-                start = time.perf_counter()
+                spent = times[path]
                 for _ in range(per_block):
+                    start = time.perf_counter()
                     call(x)
-                times[path].append((time.perf_counter() - start) / per_block)
+                    spent.append(time.perf_counter() - start)
         out[nbytes] = times
     return out
 
@@ -79,17 +98,18 @@ def main(argv: list[str] | None = None) -> None:
                          silence_logs=logging.ERROR) as cluster, Client(cluster) as client, \
             dd.MirroredStrategy(client=client) as strategy:
         results = strategy.experimental_local_results(strategy.run(_measure, args=(args.sizes, args.blocks)))
-    print(f"transport {args.transport}, 2 replicas (worker processes), {args.blocks} blocks per path, "
-          "per-call time = the slower replica's block time / calls in the block; median over blocks")
-    print("| size | path | median µs per call | ratio to communicator |")
-    print("|-----:|------|-------------------:|----------------------:|")
+    print(f"transport {args.transport}, 2 replicas (worker processes), {args.blocks} blocks per path; "
+          "median over calls of the slower replica's time")
+    print("| size | path | median µs per call | ratio to communicator | ratio to context-before |")
+    print("|-----:|------|-------------------:|----------------------:|------------------------:|")
     for nbytes in args.sizes:
         medians = {}
         for path in PATHS:
-            slowest = [max(r[nbytes][path][b] for r in results) for b in range(args.blocks)]
+            slowest = [max(calls) for calls in zip(*(r[nbytes][path] for r in results))]
             medians[path] = statistics.median(slowest)
         for path in PATHS:
-            print(f"| {nbytes} | {path} | {medians[path] * 1e6:.1f} | {medians[path] / medians['communicator']:.3f} |")
+            print(f"| {nbytes} | {path} | {medians[path] * 1e6:.1f} | {medians[path] / medians['communicator']:.3f} "
+                  f"| {medians[path] / medians['context-before']:.3f} |")
 
 
 if __name__ == "__main__":
