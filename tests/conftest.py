@@ -84,3 +84,34 @@ def netns_hosts():
     finally:
         signal.signal(signal.SIGTERM, previous)
         hosts.close()
+
+
+@pytest.fixture(scope="session")
+def warm_pool():
+    """The session's pool of fresh ``dask worker`` sets, built ahead in the background."""
+    from tests.support.processes import WarmPool, warm_pool_enabled
+
+    pool = WarmPool(enabled=warm_pool_enabled())
+    yield pool
+    pool.close()
+
+
+@pytest.fixture
+def process_workers(warm_pool):
+    """``make(n)``: ``n`` fresh ``dask worker`` processes (with nannies) and a client; all closed afterwards.
+
+    Closing stops the test's kill watchers first, then sweeps the shared-memory segments of the replicas
+    killed here (only those whose creator is gone).
+    """
+    from daskdist.collective.transport.shm_orphans import sweep_orphans
+
+    made = []
+
+    def make(n: int):
+        made.append(warm_pool.take(n))
+        return made[-1]
+
+    yield make
+    for workers in made:
+        workers.close()
+    sweep_orphans()

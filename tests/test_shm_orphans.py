@@ -55,6 +55,7 @@ def test_segments_of_dead_creators_go_and_the_others_stay():
         unlink_segment(dead)
 
 
+@pytest.mark.slow
 def test_a_cluster_killed_at_once_leaves_nothing_behind_for_long(make_cluster):
     """Every replica of the host is killed together; the next strategy there removes their segments."""
     client = make_cluster(2, processes=True)

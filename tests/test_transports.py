@@ -23,6 +23,7 @@ from daskdist.collective.transport.base import PayloadMismatch
 from daskdist.collective.transport.shm import ShmTransport
 from daskdist.collective.transport.shm_channel import store_order_is_total
 from daskdist.exceptions import DaskdistError, RendezvousError
+from tests.support.transports import check_all_reduce, group_routes
 
 TRANSPORTS = {
     "shm": {"daskdist.collective.transport": "shm"},
@@ -35,30 +36,13 @@ TRANSPORTS = {
 }
 
 
-def _routes(client, strategy):
-    token = strategy.extended.group.group_id
-
-    def describe(dask_worker):
-        out = {}
-        for group, runtime in dask_worker.extensions["daskdist"].replicas.items():
-            if group == token:
-                transport = runtime.transport
-                out[runtime.rank] = transport.describe() if hasattr(transport, "describe") else transport.name
-        return out
-
-    merged = {}
-    for part in client.run(describe).values():
-        merged.update(part)
-    return merged
-
-
 def test_auto_uses_shared_memory_on_one_host_and_dask_across(threaded_client):
     with dd.MirroredStrategy(client=threaded_client) as strategy:
-        routes = _routes(threaded_client, strategy)
+        routes = group_routes(threaded_client, strategy)
         assert routes == {0: {1: "shm", 2: "shm"}, 1: {0: "shm", 2: "shm"}, 2: {0: "shm", 1: "shm"}}
     with dask.config.set(TRANSPORTS["cross-host"]):
         with dd.MirroredStrategy(client=threaded_client) as strategy:
-            routes = _routes(threaded_client, strategy)
+            routes = group_routes(threaded_client, strategy)
             assert routes == {0: {1: "socket", 2: "socket"}, 1: {0: "socket", 2: "socket"}, 2: {0: "socket", 1: "socket"}}
 
 
@@ -82,7 +66,7 @@ def test_off_x86_the_group_talks_over_sockets_and_an_explicit_shm_request_is_ref
     shm_logger = logging.getLogger(shm_module.__name__)
     monkeypatch.setattr(shm_logger, "handlers", [caplog.handler])  # whatever the cluster's logging config does
     with dd.MirroredStrategy(client=threaded_client) as strategy:
-        routes = _routes(threaded_client, strategy)
+        routes = group_routes(threaded_client, strategy)
         assert routes == {0: {1: "socket", 2: "socket"}, 1: {0: "socket", 2: "socket"}, 2: {0: "socket", 1: "socket"}}
 
         def fn():
@@ -97,60 +81,6 @@ def test_off_x86_the_group_talks_over_sockets_and_an_explicit_shm_request_is_ref
             pass
 
 
-def _check_all_reduce(strategy, seed):
-    """Every op, several dtypes and odd sizes, against numpy (each replica can rebuild all inputs)."""
-
-    def fn():
-        ctx = dd.get_replica_context()
-        n, rank = ctx.num_replicas_in_sync, ctx.replica_id_in_sync_group
-        failures = []
-        cases = [
-            ("SUM", "float32", (1001,)), ("SUM", "float64", ()), ("SUM", "int32", (0,)),
-            ("MEAN", "float16", (7, 3)), ("MAX", "int8", (13,)), ("MIN", "uint8", (5,)),
-            ("PRODUCT", "int64", (3,)), ("SUM", "bool", (9,)), ("SUM", "float32", (700_001,)),
-            ("MEAN", "float64", (300_000,)), ("SUM", "bfloat16", (11,)),
-        ]
-        for op, dtype, shape in cases:
-            inputs = []
-            if dtype == "bfloat16":
-                import ml_dtypes
-
-                dtype = ml_dtypes.bfloat16
-            for r in range(n):
-                rng = np.random.default_rng([seed, r, len(shape)])
-                if dtype == "bool":
-                    inputs.append(rng.random(shape) > 0.5)
-                elif np.dtype(dtype).kind in "iuV":
-                    inputs.append(rng.integers(0, 4, shape).astype(dtype))
-                else:
-                    inputs.append(rng.standard_normal(shape).astype(dtype))
-            got = ctx.all_reduce(op, inputs[rank])
-            stacked = np.stack(inputs)
-            if op in ("SUM", "MEAN"):
-                want = stacked.any(axis=0) if dtype == "bool" else stacked.sum(axis=0, dtype=dtype)
-                if op == "MEAN":
-                    want = (want / n).astype(dtype)
-            else:
-                want = {"MAX": np.max, "MIN": np.min, "PRODUCT": np.prod}[op](stacked, axis=0).astype(dtype)
-            if got.shape != want.shape or got.dtype != np.dtype(dtype) or not np.allclose(
-                got.astype("float64"), want.astype("float64"), rtol=5e-3, atol=5e-3
-            ):
-                failures.append((op, dtype, shape))
-        scattered = ctx.reduce_scatter("SUM", np.arange(10.0) * (rank + 1), axis=0)
-        if scattered.tolist() != np.array_split(np.arange(10.0) * n * (n + 1) / 2, n)[rank].tolist():
-            failures.append("reduce_scatter")
-        if ctx.broadcast({"w": np.full(3, rank)}, root=n - 1)["w"].tolist() != [n - 1] * 3:
-            failures.append("broadcast")
-        ctx.barrier()
-        gathered = ctx.all_gather(np.full((rank + 1, 2), rank), axis=0)
-        if gathered[:, 0].tolist() != [r for r in range(n) for _ in range(r + 1)]:
-            failures.append("all_gather")
-        return failures
-
-    out = strategy.run(fn)
-    assert all(f == [] for f in strategy.experimental_local_results(out)), strategy.experimental_local_results(out)
-
-
 @pytest.mark.parametrize("transport", list(TRANSPORTS))
 @pytest.mark.parametrize("replicas", [2, 3])
 def test_results_equal_numpy_on_every_transport(threaded_client, transport, replicas):
@@ -158,7 +88,7 @@ def test_results_equal_numpy_on_every_transport(threaded_client, transport, repl
         devices = [f"/cpu:{i}" for i in range(replicas)]
         for ops in (None, dd.ReductionToOneDevice(), dd.HierarchicalCopyAllReduce()):
             with dd.MirroredStrategy(devices=devices, client=threaded_client, cross_device_ops=ops) as strategy:
-                _check_all_reduce(strategy, seed=replicas)
+                check_all_reduce(strategy, seed=replicas)
 
 
 @pytest.mark.parametrize("transport", ["shm", "socket", "dask", "hierarchical"])
@@ -167,7 +97,7 @@ def test_four_replicas_in_processes(make_cluster, transport):
     with dask.config.set(TRANSPORTS[transport]):
         with dd.MirroredStrategy(client=client) as strategy:
             assert strategy.num_replicas_in_sync == 4
-            _check_all_reduce(strategy, seed=4)
+            check_all_reduce(strategy, seed=4)
 
 
 def test_soak_random_sizes_and_dtypes(threaded_client):
