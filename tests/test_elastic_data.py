@@ -457,8 +457,7 @@ def test_an_elastic_custom_loop_reads_a_shuffled_dataset_once_per_epoch_across_a
             total = dd.Variable(np.zeros((), np.float64), aggregation=dd.VariableAggregation.ONLY_FIRST_REPLICA)
         seen = []
 
-        def step(batch):
-            (rows,) = batch
+        def step(rows):
             summed = dd.get_replica_context().all_reduce("SUM", rows.sum())
             total.assign_add(summed)
 
@@ -468,7 +467,7 @@ def test_an_elastic_custom_loop_reads_a_shuffled_dataset_once_per_epoch_across_a
                 for batch in state.batches(dataset):
                     if (state.epoch, state.batch) == (0, 5) and not killed:
                         workers.kill(victim)  # between two steps, after 5 commits: the next run fails
-                        killed.append(state.batch)
+                        killed.append(state.batch)  # the fifth batch, taken after 4 commits
                     strategy.run(step, args=(batch,))
                     state.draws.append(float(state.rng.random()))  # client-side randomness, committed too
                     state.commit()

@@ -264,8 +264,8 @@ def test_a_custom_loop_lets_a_retired_member_leave_at_its_commit_with_nothing_re
             while state.epoch < 2:
                 for batch in state.batches(dataset):
                     if (state.epoch, state.batch) == (0, 4) and not retirer.is_alive() and not retired:
-                        retirer.start()  # asked after 4 commits; the member leaves at a later commit
-                        retired.append(state.steps)
+                        retirer.start()  # asked after 3 commits; the member leaves at a later one
+                        retired.append(state.steps)  # 3 steps done: state.batch counts the one taken
                     strategy.run(step, args=(batch,))
                     state.steps += 1
                     state.commit()
@@ -280,7 +280,7 @@ def test_a_custom_loop_lets_a_retired_member_leave_at_its_commit_with_nothing_re
             target=lambda: workers.client.retire_workers(workers=[victim], close_workers=True), daemon=True)
         train(state)
         retirer.join(60)
-        assert retired == [4] and not retirer.is_alive()
+        assert retired == [3] and not retirer.is_alive()
         (event,) = state.events
         assert event.action == "left" and event.left == [victim] and event.lost == [] and resets == [2]
         assert state.steps == 20 and state.epoch == 2
