@@ -479,11 +479,14 @@ def test_per_worker_datasets_of_dask_collections_read_their_own_partitions_and_t
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_after_a_worker_is_killed_the_ledger_and_the_updates_count_each_committed_row_once(make_cluster):
+def test_after_a_worker_is_killed_the_ledger_and_the_updates_count_each_committed_row_once(make_cluster, tmp_path):
     import dask.array as da
 
     client = make_cluster(3, processes=True)
     roles = _roles(client, 1)
+    victim, survivor = roles["worker"]
+    victim_pid = _pid(client, victim)
+    reached = str(tmp_path / "reached")
     ids = da.arange(96, chunks=8)
     table = client.persist(da.stack([ids, ids], axis=1), workers=roles["worker"])
     with dd.ParameterServerStrategy(SpecResolver(roles), client=client) as strategy:
@@ -496,33 +499,49 @@ def test_after_a_worker_is_killed_the_ledger_and_the_updates_count_each_committe
         iterator = iter(per_worker)
 
         def step(it):
-            time.sleep(0.2)  # an exhausted worker's closures take as long: it does not drain the queue from the other
+            from distributed import get_worker
+
+            time.sleep(0.05)
             try:
                 batch = next(it)
             except StopIteration:
-                return []
+                return get_worker().address, []
+            if os.getpid() == victim_pid and not os.path.exists(reached):  # the fault point: batch taken, then
+                open(reached, "w").close()  # the worker is killed before its closure commits
+                time.sleep(60)
             applied.assign_add(len(batch))  # a re-run after a loss applies it at most once (closure id)
-            return [int(r) for r in batch[:, 0]]
+            return get_worker().address, [int(r) for r in batch[:, 0]]
 
-        values = [coordinator.schedule(step, args=(iterator,)) for _ in range(40)]
-        time.sleep(1.1)
-        victim = roles["worker"][0]
-        os.kill(_pid(client, victim), signal.SIGKILL)
+        values = [coordinator.schedule(step, args=(iterator,)) for _ in range(8)]
+        _wait_for_file(reached)
+        os.kill(victim_pid, signal.SIGKILL)
         coordinator.join()
-        rows = [r for batch in coordinator.fetch(values) for r in batch]
+        results = coordinator.fetch(values)
+        deadline = time.monotonic() + 60
+        newcomer = None  # the nanny restarts the killed worker: it takes over the lost pipeline
+        while newcomer is None and time.monotonic() < deadline:
+            newcomer = next((a for a in coordinator._live if a not in roles["worker"]), None)
+            time.sleep(0.1)
+        assert newcomer is not None, "the restarted worker was not admitted"
+        exhausted = set()
+        for _ in range(30):  # until both pipelines ran out
+            more = coordinator.fetch([coordinator.schedule(step, args=(iterator,)) for _ in range(8)])
+            results += more
+            exhausted |= {address for address, batch in more if not batch}
+            if {survivor, newcomer} <= exhausted:
+                break
+        assert {survivor, newcomer} <= exhausted
+        rows = [r for _, batch in results for r in batch]
         assert len(rows) == len(set(rows))  # no row returned by two committed closures
+        assert sorted(rows) == list(range(96))  # and none lost with the killed worker's pipeline or closure
         # each committed batch's update applied once, none twice (see docs/strategies.md for the one-reply window in
         # which a lost attempt's push counts instead of its re-run's)
         assert int(applied.numpy()) == len(rows), (int(applied.numpy()), rows, coordinator.data_ledger.entries)
         ledger = coordinator.data_ledger
         assert ledger.duplicates() == {}  # no partition loaded twice in the pass by committed closures
-        mine = dict(zip(roles["worker"], per_worker.locality.partitions))
-        assert set(ledger.partitions()) <= set(range(12))
-        assert set(mine[roles["worker"][1]]) <= set(ledger.partitions())  # the survivor read all of its own
-        # every returned row lies in a partition a committed closure loaded, each partition loaded once in the pass
-        # (the nanny restarts the killed worker: it takes over the lost pipeline, skipping what was committed)
-        assert len(rows) <= ledger.rows() <= 96
-
+        assert ledger.rows() == 96 and set(ledger.partitions()) == set(range(12))  # the pass is complete
+        lost_pipeline = set(per_worker.locality.partitions[0])
+        assert {e.partition for e in ledger.entries if e.worker in (victim, newcomer)} == lost_pipeline
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
