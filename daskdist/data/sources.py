@@ -9,8 +9,9 @@ the first axis, dataframes), which stay on the workers that hold them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import optree
