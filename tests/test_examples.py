@@ -1,7 +1,8 @@
 """Every example in ``examples/`` run as a user runs it: ``python examples/<name>.py``, in its own process.
 
 ``elastic_mnist.py`` runs in ``test_elastic_example.py`` (a worker killed mid-fit), ``dataframe_regression.py``
-in ``test_dataframe_input.py`` and ``tutorial.ipynb`` in ``test_notebook.py``; the others run here with
+in ``test_dataframe_input.py``, ``multi_worker.py`` in ``test_examples_multi_worker.py`` (against ``dask
+scheduler`` and ``dask worker`` processes) and ``tutorial.ipynb`` in ``test_notebook.py``; the others run here with
 fewer epochs or steps than their defaults, each starting its own embedded cluster as it does for a user.
 """
 
@@ -30,7 +31,7 @@ def _run(name: str, *args: str, cwd=None) -> str:
 
 def test_every_example_has_a_test():
     tested = {"quickstart.py", "mnist_mirrored.py", "parameter_server.py", "pytorch_plugin.py",  # here
-              "elastic_mnist.py", "dataframe_regression.py", "tutorial.ipynb"}  # in their own test files
+              "elastic_mnist.py", "dataframe_regression.py", "multi_worker.py", "tutorial.ipynb"}  # their own files
     assert {p.name for p in EXAMPLES.iterdir() if p.suffix in (".py", ".ipynb")} == tested
 
 
