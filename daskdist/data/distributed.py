@@ -5,7 +5,8 @@ from __future__ import annotations
 import itertools
 import logging
 import uuid
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import optree
