@@ -65,10 +65,9 @@ class AggregatingVariable(DistributedVariable):
         self.cached_run = None
         self._rounds = RoundCounter()
 
-    @property
-    def var_id(self) -> str:
-        """The id the variable is kept under in its store."""
-        return self._var_id
+    def replica_runtime(self) -> Any:
+        """The replica runtime of a worker's view, or ``None`` for the client's handle."""
+        return self._runtime if self._on_replica() else None
 
     @property
     def store(self) -> StoreRef:
@@ -143,9 +142,9 @@ class AggregatingVariable(DistributedVariable):
     def _gather_rows_of_shards(requests: list[tuple[AggregatingVariable, Any]]) -> list[Any]:
         """Rows of several stored shards: in a closure, one request per store and all stores at once."""
         views = [v for v, _ in requests]
-        runtime = views[0]._runtime if views and views[0]._on_replica() else None
+        runtime = views[0].replica_runtime() if views else None
         session = current_session(runtime) if runtime is not None else None
-        if session is None or any(v._runtime is not runtime for v in views):
+        if session is None or any(v.replica_runtime() is not runtime for v in views):
             return [view._gather_rows(rows) for view, rows in requests]
         found: list[Any] = [None] * len(requests)
         remote = []

@@ -137,7 +137,7 @@ class ParameterHolderExtended(SpmdExtended):
         """Variables created inside the block go to ``colocate_with_variable``'s store (and are never sharded)."""
         with super().colocate_vars_with(colocate_with_variable):
             previous = self._colocated_store
-            self._colocated_store = self._store_of.get(colocate_with_variable._var_id)
+            self._colocated_store = self._store_of.get(colocate_with_variable.var_id)
             try:
                 yield
             finally:
@@ -213,11 +213,11 @@ class ParameterHolderExtended(SpmdExtended):
 
     def _update(self, var: DistributedVariable, fn: Callable[..., Any], args: Args, kwargs: Kwargs,
                 holders: list[int]) -> list[Any]:
-        if var._var_id not in self._store_of:
+        if var.var_id not in self._store_of:
             return super()._update(var, fn, args, kwargs, holders)
         self.client_writes += 1
-        result = self._store_for(var._var_id).call_from_client(
-            self.client, "apply_fn", var_id=var._var_id, fn=fn, args=args, kwargs=kwargs)
+        result = self._store_for(var.var_id).call_from_client(
+            self.client, "apply_fn", var_id=var.var_id, fn=fn, args=args, kwargs=kwargs)
         return [result]
 
     # -- closing -------------------------------------------------------------------------------
