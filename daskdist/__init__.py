@@ -61,6 +61,7 @@ __all__ = [
     "DistributedValues",
     "ElasticOptions",
     "ElasticRecoveryError",
+    "GradientTape",
     "HierarchicalCopyAllReduce",
     "IndexedSlices",
     "InputContext",
@@ -102,3 +103,12 @@ __all__ = [
     "plugins",
     "train",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``dd.GradientTape`` is ``daskdist.keras.GradientTape``, imported on first use (keras is optional here)."""
+    if name == "GradientTape":
+        from daskdist.keras.gradient_tape import GradientTape
+
+        return GradientTape
+    raise AttributeError(f"module 'daskdist' has no attribute {name!r}")
