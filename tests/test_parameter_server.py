@@ -73,7 +73,7 @@ def test_the_coordinator_needs_a_parameter_server_strategy(threaded_client):
 
 def _stores_holding(strategy):
     """For each ps address, the variable ids its store holds."""
-    return {s.address: sorted(s.call_from_client(strategy.client, "versions")) for s in strategy.extended._stores}
+    return {s.address: sorted(s.call_from_client(strategy.client, "versions")) for s in strategy.extended.stores}
 
 
 def test_variables_go_round_robin_and_partitioned_ones_split_as_tensorflow_does(four_threads):
@@ -121,7 +121,7 @@ def test_min_size_partitioner_shards_a_large_embedding_over_the_ps(four_threads)
             return rows.shape
 
         assert coordinator.fetch(coordinator.schedule(touch, args=(np.array([1, 99_999]),))) == (2, 8)
-        served = [s.call_from_client(four_threads, "bytes_served") for s in strategy.extended._stores]
+        served = [s.call_from_client(four_threads, "bytes_served") for s in strategy.extended.stores]
         assert served == [32, 32]  # one row from each shard, not 1.6 MB
 
         def push(ids):  # a sparse gradient step: only the rows touched travel to the ps
@@ -240,7 +240,7 @@ def test_asynchronous_training_converges_on_digits(four_threads):
         losses = [coordinator.schedule(train_step, args=(iterator,)) for _ in range(600)]
         coordinator.join()
         assert int(steps.numpy()) == 600  # every closure's updates applied exactly once
-        staleness = strategy.extended._stores[0].call_from_client(four_threads, "staleness")
+        staleness = strategy.extended.stores[0].call_from_client(four_threads, "staleness")
         # store 0 holds kernel/part_0 and bias: two updates per closure, each counted against what it read
         assert len(staleness) == 1200 and min(staleness) >= 0 and max(staleness) <= 2 * 600
         first, last = np.mean(coordinator.fetch(losses[:20])), np.mean(coordinator.fetch(losses[-20:]))
@@ -295,7 +295,7 @@ def test_a_worker_killed_mid_closure_loses_nothing_and_applies_nothing_twice(mak
         assert time.monotonic() - start < 60
         assert coordinator.fetch(values) == list(range(16))  # every closure's result fetchable
         assert int(before.numpy()) == 16 and int(after.numpy()) == 16  # no update applied twice, none lost
-        assert strategy.extended._stores[0].call_from_client(client, "duplicates") >= 1  # the re-run was deduplicated
+        assert strategy.extended.stores[0].call_from_client(client, "duplicates") >= 1  # the re-run was deduplicated
         assert victim not in coordinator._live
 
 

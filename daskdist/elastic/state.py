@@ -258,7 +258,7 @@ class State:
             if isinstance(value, Model):
                 models[value._model_id] = value
             elif isinstance(value, DistributedVariable):
-                variables[value._var_id] = value
+                variables[value.var_id] = value
         return models, variables
 
     def _unrebuildable(self, residents: list) -> list[tuple[str, str]]:
@@ -281,7 +281,7 @@ class State:
         for model_id, model in models.items():
             extended.run_on_replica(rank, install_resident, (MODEL, model_id, model._resident()))
         for var_id, variable in variables.items():
-            spec = variable._spec
+            spec = variable.spec
             extended.run_on_replica(rank, create_variable, (var_id, np.zeros(spec.shape, spec.dtype), spec))
 
     def _recover(self, error: BaseException) -> None:

@@ -302,7 +302,7 @@ class SpmdExtended(StrategyExtended):
         (TensorFlow's rule).
         """
         self.check_open()
-        spec = self._variables[var_id]._spec
+        spec = self._variables[var_id].spec
         holders = self._variable_holders(var_id)
         if (
             spec.synchronization is VariableSynchronization.ON_READ
