@@ -15,6 +15,7 @@ from daskdist.cross_device_ops import (
 from daskdist.data import InputContext, InputOptions, OutOfRangeError
 from daskdist.elastic import ElasticOptions
 from daskdist.exceptions import (
+    ClientClosedError,
     CollectiveAbortedError,
     CollectiveError,
     CollectiveMismatchError,
@@ -46,6 +47,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AllReduceCrossDeviceOps",
+    "ClientClosedError",
     "CollectiveAbortedError",
     "CollectiveError",
     "CollectiveMismatchError",

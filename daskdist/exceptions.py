@@ -4,6 +4,7 @@
 
     DaskdistError
     ├── StrategyClosedError          the strategy was closed or its group failed
+    │   └── ClientClosedError        the Dask client it was given (or uses) is closed
     ├── RendezvousError              replicas did not all start in time
     ├── ReplicaLostError             a replica's worker died (recoverable by restarting)
     ├── StaleGenerationError         a message of an older membership generation was rejected
@@ -20,6 +21,7 @@ the remaining workers and restores from its last checkpoint.
 from __future__ import annotations
 
 __all__ = [
+    "ClientClosedError",
     "CollectiveAbortedError",
     "CollectiveError",
     "CollectiveMismatchError",
@@ -38,6 +40,15 @@ class DaskdistError(Exception):
 
 class StrategyClosedError(DaskdistError, RuntimeError):
     """The strategy was closed, or its replica group failed and cannot run more work."""
+
+
+class ClientClosedError(StrategyClosedError):
+    """The ``distributed.Client`` a strategy was given, or the one it runs on, is closed.
+
+    Raised by a strategy's constructor for a closed client, and by ``run`` (and every command) once the
+    client was closed under a live strategy: the scheduler then closes the strategy's replicas, so the
+    strategy cannot run more work. Create a new client and a new strategy.
+    """
 
 
 class RendezvousError(DaskdistError, TimeoutError):

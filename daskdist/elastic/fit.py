@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from daskdist.data.dataset import Dataset
-from daskdist.elastic.epochs import EpochInput, release
+from daskdist.elastic.epochs import GLOBAL_SPLIT, EpochInput, release
 from daskdist.elastic.ledger import DataLedger, EpochSchedule
 from daskdist.elastic.options import ElasticOptions, notify_membership_change
 from daskdist.elastic.recovery import (
@@ -152,7 +152,7 @@ class ElasticFit:
             if self._planned is not None:
                 self._stale.append(self._planned[1])
             self._planned = (wanted, self.strategy.experimental_distribute_dataset(
-                self.input.dataset_from(epoch, row, n)))
+                self.input.dataset_from(epoch, row, n), GLOBAL_SPLIT))
         while self._stale:  # plans that are over: their rows leave the replicas (a loss here is recovered from)
             release(self.strategy, self._stale[-1])
             self._stale.pop()
