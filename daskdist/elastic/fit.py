@@ -92,6 +92,11 @@ class ElasticFit:
                 self._take_first_commit(epoch)
             self._change(refill)
         self._take_first_commit(epoch)
+        # free workers (the cluster scaled back after a loss, say) join at the start of every fit, up to
+        # max_replicas, not only below min_replicas: they get the commit just taken (a loss meanwhile goes back
+        # to it, or to an older one every member holds, and the first epoch starts from its step 0 anyway)
+        if self._change(grow) is not None:
+            self._take_first_commit(epoch)
 
     def _take_first_commit(self, epoch: int) -> None:
         while True:

@@ -255,6 +255,11 @@ def restore_commit(service: ReplicaService, key: CommitKey, rank0_metrics: bool 
     return state_digest(commit.state)
 
 
+def missing_residents(service: ReplicaService, key: CommitKey) -> list[tuple[str, str]]:
+    """The residents commit ``key`` restores that this replica does not hold (it cannot restore it then)."""
+    return [k for k in _ring(service).get(key).state if service.objects.find(*k) is None]
+
+
 def commit_state(service: ReplicaService, key: CommitKey) -> Commit:
     """This replica's commit ``key`` (to heal a replica whose copy differs, or a newcomer)."""
     return _ring(service).get(key)
