@@ -224,6 +224,7 @@ def commit_now(service: ReplicaService, key: CommitKey) -> bool:
     """
     _ring(service).add(Commit(tuple(key), service.objects.snapshot(STATE_KINDS),  # type: ignore[arg-type]
                               {"loss_sum": 0.0, "count": 0.0, "metrics": {}}))
+    fault_points.state_committed(service.rank, key[1])  # a test's fault point: committed, not yet answered
     return _retiring(service)
 
 
