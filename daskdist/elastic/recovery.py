@@ -349,7 +349,7 @@ def _hosts_replica(group: ReplicaGroup, address: str) -> bool:
 
 def _restore_common_commit(group: ReplicaGroup, admitted: list[str], install_newcomer: Any) -> tuple[CommitKey, bool]:
     """Every member back at the newest commit all the old members hold; newcomers get it from a survivor."""
-    newcomers = [group.membership.rank_of(a) for a in admitted]
+    newcomers: list[int] = [group.membership.rank_of(a) for a in admitted]
     old = [r for r in range(group.size) if r not in newcomers]
     held = group.call(commit_keys, ranks=old)
     # a member holding no commit was admitted but never given the state (a loss cut its admission short): it
