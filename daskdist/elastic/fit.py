@@ -74,6 +74,7 @@ class ElasticFit:
         self._committed: CommitKey | None = None
         self._first_epoch = 0
         self._callbacks: Any = None  # the fit's CallbackList, told of membership changes
+        self._untold: list[Recovery] = []  # changes before the first epoch (growth at the start): told then
         self._planned: tuple[tuple, Any] | None = None  # (what it was planned for, distributed dataset)
         self._stale: list[Any] = []  # distributed datasets whose shards the replicas may drop
         self._schedule = self.input.schedule(0)
@@ -112,6 +113,9 @@ class ElasticFit:
     def train_epoch(self, epoch: int, steps: int | None, cb: Any) -> dict:
         """One epoch, resumed from the newest common commit after each loss; the epoch's logs."""
         self._callbacks = cb
+        untold, self._untold = self._untold, []
+        for outcome in untold:  # a growth at the start of the fit, before the callbacks were known
+            self._tell_callbacks(outcome)
         schedule = self._schedule = self.input.schedule(epoch)
         first, start = 0, None
         if epoch > self._first_epoch:
@@ -240,6 +244,12 @@ class ElasticFit:
         the fit that defines ``on_membership_change(event)`` with the event.
         """
         notify_membership_change(self.options, outcome)
+        if self._callbacks is None:
+            self._untold.append(outcome)
+        else:
+            self._tell_callbacks(outcome)
+
+    def _tell_callbacks(self, outcome: Recovery) -> None:
         for callback in getattr(self._callbacks, "callbacks", []):
             hook = getattr(callback, "on_membership_change", None)
             if hook is not None:
