@@ -16,6 +16,7 @@ from daskdist.data import InputContext, InputOptions, OutOfRangeError
 from daskdist.elastic import ElasticOptions
 from daskdist.exceptions import (
     CheckpointError,
+    ClientClosedError,
     CollectiveAbortedError,
     CollectiveError,
     CollectiveMismatchError,
@@ -50,6 +51,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AllReduceCrossDeviceOps",
     "CheckpointError",
+    "ClientClosedError",
     "CollectiveAbortedError",
     "CollectiveError",
     "CollectiveMismatchError",

@@ -4,6 +4,7 @@
 
     DaskdistError
     ├── StrategyClosedError              (RuntimeError) the strategy was closed or its group failed
+    │   └── ClientClosedError            the Dask client it was given (or uses) is closed
     ├── RendezvousError                  (TimeoutError) replicas did not all start in time
     ├── ReplicaLostError                 a member's worker left the cluster
     │   ├── ParameterServerLostError     a parameter server was lost: fatal for its strategy
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 __all__ = [
     "CheckpointError",
+    "ClientClosedError",
     "CollectiveAbortedError",
     "CollectiveError",
     "CollectiveMismatchError",
@@ -55,6 +57,15 @@ class DaskdistError(Exception):
 
 class StrategyClosedError(DaskdistError, RuntimeError):
     """The strategy was closed, or its replica group failed and cannot run more work."""
+
+
+class ClientClosedError(StrategyClosedError):
+    """The ``distributed.Client`` a strategy was given, or the one it runs on, is closed.
+
+    Raised by a strategy's constructor for a closed client, and by ``run`` (and every command) once the
+    client was closed under a live strategy: the scheduler then closes the strategy's replicas, so the
+    strategy cannot run more work. Create a new client and a new strategy.
+    """
 
 
 class RendezvousError(DaskdistError, TimeoutError):

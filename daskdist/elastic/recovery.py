@@ -20,7 +20,14 @@ from typing import Any
 from daskdist.dashboard.membership import ELASTIC_TOPIC as MEMBERSHIP_EVENTS
 from daskdist.elastic.options import ElasticOptions
 from daskdist.elastic.quarantine import quarantine_of
-from daskdist.elastic.replica import CommitKey, commit_keys, commit_state, install_commit, restore_commit
+from daskdist.elastic.replica import (
+    CommitKey,
+    commit_keys,
+    commit_state,
+    install_commit,
+    missing_residents,
+    restore_commit,
+)
 from daskdist.exceptions import ElasticRecoveryError, ReplicaLostError, StaleGenerationError
 from daskdist.group.handle import ReplicaGroup
 from daskdist.group.membership import Membership
@@ -336,14 +343,30 @@ def _hosts_replica(group: ReplicaGroup, address: str) -> bool:
 
 def _restore_common_commit(group: ReplicaGroup, admitted: list[str], install_newcomer: Any) -> tuple[CommitKey, bool]:
     """Every member back at the newest commit all the old members hold; newcomers get it from a survivor."""
-    newcomers = [group.membership.rank_of(a) for a in admitted]
+    newcomers: list[int] = [group.membership.rank_of(a) for a in admitted]
     old = [r for r in range(group.size) if r not in newcomers]
     held = group.call(commit_keys, ranks=old)
+    # a member holding no commit was admitted but never given the state (a loss cut its admission short): it
+    # is a newcomer, never asked to restore what it was not given
+    unseeded = [r for r, keys in zip(old, held) if not keys]
+    if unseeded and len(unseeded) < len(old):
+        logger.info("Members %s of %s hold no commit (admitted, never given the state): admitting them as "
+                    "newcomers", unseeded, group.group_id)
+        newcomers += unseeded
+        held = [keys for r, keys in zip(old, held) if r not in unseeded]
+        old = [r for r in old if r not in unseeded]
     common = set.intersection(*(set(map(tuple, keys)) for keys in held)) if held else set()
     if not common:
         raise ElasticRecoveryError(f"the survivors of {group.group_id} hold no common commit (held: {held}); "
                                    "their state cannot be made consistent")
     key: CommitKey = max(common)  # type: ignore[assignment]
+    missing = group.call(missing_residents, (key,), ranks=old)
+    lacking = [r for r, m in zip(old, missing) if m]
+    if lacking and len(lacking) < len(old):  # a member that lacks what the commit restores gets it as a newcomer
+        logger.info("Members %s of %s lack residents of commit %s (%s): admitting them as newcomers", lacking,
+                    group.group_id, key, [m for m in missing if m][0])
+        newcomers += lacking
+        old = [r for r in old if r not in lacking]
     digests = group.call(restore_commit, (key,), ranks=old)
     healed = False
     if len(set(digests)) > 1 or newcomers:

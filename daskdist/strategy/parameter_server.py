@@ -35,6 +35,7 @@ from dask.utils import parse_bytes
 from distributed import Client, default_client
 
 from daskdist import config, context, registry
+from daskdist.cluster.client_state import check_client_open
 from daskdist.cluster.devices import DeviceSpec
 from daskdist.cluster.embedded import describe_worker
 from daskdist.cluster.placement import Placement
@@ -135,6 +136,7 @@ class ParameterServerExtended(ParameterHolderExtended):
             client = getattr(cluster_resolver, "_client", None) or default_client()  # type: ignore[no-untyped-call]
         if not isinstance(client, Client):
             raise TypeError(f"client must be a distributed.Client, got {type(client).__name__}")
+        check_client_open(client, type(strategy).__name__)
         known = client.scheduler_info(n_workers=-1)["workers"]
         ps, workers = _match_workers(ps, known), _match_workers(workers, known)
         self.strategy = strategy
