@@ -359,7 +359,7 @@ def _pg_roundtrip():
     sub = g.new_group([g.size - 1])
     if rank == 0:
         g.send(np.arange(5), g.size - 1, tag=3)
-    received = g.recv(0, tag=3).tolist() if rank == g.size - 1 else None
+    received = g.recv(0, tag=3).tolist() if rank == g.size - 1 else [-1] * 5  # one structure on every replica
 
     def from_thread():
         return g.all_gather(np.array([rank]), async_op=True).wait(timeout=60).tolist()
@@ -381,7 +381,7 @@ def test_replicas_use_the_process_group_over_real_transports(process_client, tra
                 in enumerate(out):
             assert sums == [1.0, 3.0, 5.0] and big == 2.0 and small == [2.0] * 3
             assert not_member == (rank == 0)
-            assert received == ([0, 1, 2, 3, 4] if rank == 1 else None)
+            assert received == ([0, 1, 2, 3, 4] if rank == 1 else [-1] * 5)
             assert gathered == [0, 1] and ranks == (0, 1) and generation == 0 and name.endswith("/0")
             assert replica_thread
 

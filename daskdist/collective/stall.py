@@ -11,7 +11,9 @@ looks at collectives that already wait:
   at once with a ``CollectiveMismatchError`` naming that replica and the
   collective it skipped (``check_skipped``). A peer still running the
   command (slow, in user code) is never judged: the collective waits its
-  full timeout for it.
+  full timeout for it. A collective whose timeout is at most twice
+  ``skip-check`` is not checked: it times out first, with the same names
+  in its ``CollectiveTimeoutError``.
 * after ``daskdist.collective.stall-warning`` (10 s): a warning naming the
   replicas that have not joined (``report_stall``);
 * at the timeout: ``CollectiveTimeoutError`` says the same (``describe_timeout``).
@@ -155,7 +157,7 @@ class StallWatch:
             waited = now - since
             identity = (call.epoch, call.seq, call.run_id)
             try:
-                if self.skip_check > 0 and waited >= self.skip_check and (
+                if self.skip_check > 0 and waited >= self.skip_check and call.timeout > 2 * self.skip_check and (
                         self._checked is None or self._checked[0] != identity
                         or now - self._checked[1] >= self.skip_check):
                     self._checked = (identity, now)

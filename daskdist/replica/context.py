@@ -34,12 +34,16 @@ class ReplicaContext:
     def bind(self, group: Any) -> None:
         """Bind the generation's process ``group`` (the runtime calls this at each rewiring).
 
-        ``all_reduce`` then calls the group's method directly instead of
-        looking it up through the runtime on every call (a small all-reduce
-        takes about 12 µs; each lookup is a noticeable part of it).
+        ``all_reduce`` is then the group's inline all-reduce itself, with no
+        lookup through the runtime and no extra call on the way (a small
+        all-reduce takes about 12 µs; each of those is a noticeable part of it).
         """
         self._group = group
-        self._all_reduce = group.all_reduce
+        self._all_reduce = inline = group.inline_all_reduce
+        # the instance attribute shadows the method: ``ctx.all_reduce(...)`` is then one call, as before the
+        # process group existed (same parameters, same docstring)
+        inline.__doc__ = ReplicaContext.all_reduce.__doc__
+        self.all_reduce = inline  # type: ignore[method-assign]
 
     @property
     def process_group(self) -> Any:
