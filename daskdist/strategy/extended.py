@@ -43,6 +43,7 @@ from daskdist.variables import (
 )
 
 if TYPE_CHECKING:
+    from daskdist.strategy.training_contract import StepDriver
     from distributed import Client
 
     from daskdist.cross_device_ops import CrossDeviceOps
@@ -206,6 +207,18 @@ class StrategyExtended(abc.ABC):
     @abc.abstractmethod
     def _run_on(self, command: Command, args: Args | list[Args], ranks: list[int] | None) -> list[Any]:
         """Send ``command`` to ``ranks`` (``None``: all); ``args`` shared or one tuple per replica."""
+
+    def step_driver(self) -> StepDriver:
+        """The step driver that trains a framework's ``Trainable`` under this strategy (``training_contract``).
+
+        Raises
+        ------
+        NotImplementedError
+            This strategy has no driver for framework models yet (only the built-in layers train under it).
+        """
+        raise NotImplementedError(
+            f"{type(self.strategy).__name__} cannot train framework models (Keras 3) yet: use MirroredStrategy, "
+            "OneDeviceStrategy or MultiWorkerMirroredStrategy, or the built-in layers (daskdist.keras)")
 
     # -- variables ------------------------------------------------------------------------
 
