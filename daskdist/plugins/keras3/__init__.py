@@ -23,7 +23,7 @@ outside every scope run Keras' own code untouched. See ``docs/keras3.md``.
 
 from __future__ import annotations
 
-from daskdist.plugins.keras3.backend import SUPPORTED_BACKENDS, UnsupportedBackendError, check_backend
+from daskdist.plugins.keras3.backend import SUPPORTED_BACKENDS, UnsupportedBackendError, check_backend, check_model
 from daskdist.plugins.keras3.hooks import install, install_when_imported, installed
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "UnsupportedBackendError",
     "WeightsDifferError",
     "check_backend",
+    "check_model",
     "install",
     "installed",
 ]

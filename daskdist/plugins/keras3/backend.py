@@ -6,7 +6,7 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["SUPPORTED_BACKENDS", "UnsupportedBackendError", "check_backend", "keras_backend", "prepare_replica"]
+__all__ = ["SUPPORTED_BACKENDS", "UnsupportedBackendError", "check_backend", "check_model", "keras_backend", "prepare_replica"]
 
 #: The Keras 3 backends whose models daskdist trains (their gradients can be exchanged between backward and
 #: apply); the JAX backend is planned (not installed in the project's environment).
@@ -52,3 +52,18 @@ def prepare_replica(backend: str) -> Any:
             f"this worker's Keras runs the {running!r} backend but the client's runs {backend!r}: start the "
             f"workers with KERAS_BACKEND={backend}")
     return keras
+
+
+def check_model(obj: Any) -> None:
+    """Raise ``TypeError`` unless ``obj`` is a Keras 3 model or a built-in ``daskdist.keras`` model."""
+    keras = sys.modules.get("keras")
+    if keras is not None and isinstance(obj, keras.Model):
+        return
+    from daskdist.keras.models import Model as BuiltinModel
+
+    if isinstance(obj, BuiltinModel):
+        return
+    raise TypeError(
+        f"{type(obj).__module__}.{type(obj).__qualname__} is neither a Keras 3 model (keras.Model, with "
+        "KERAS_BACKEND=torch) nor a daskdist.keras model: daskdist trains those two; wrap a PyTorch module with "
+        "dd.plugins.torch in a custom loop (strategy.run)")

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from daskdist.plugins.keras3 import commands, registry
-from daskdist.plugins.keras3.backend import check_backend, keras_backend
+from daskdist.plugins.keras3.backend import check_backend, check_model, keras_backend
 from daskdist.plugins.keras3.payload import pack_model
 
 __all__ = [
@@ -113,6 +113,7 @@ def _ensure_built(model: Any, sample: Any) -> None:
 
 def ensure_installed(model: Any, record: registry.Record) -> None:
     """Install (or re-install) the model on every replica when the client's copy changed."""
+    check_model(model)
     current = fingerprint(model)
     if current == record.fingerprint:
         return

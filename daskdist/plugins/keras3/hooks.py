@@ -15,6 +15,7 @@ Installed once, when ``keras`` is imported in a process that imported
   replicas' weights when a custom loop may have changed them.
 * ``Optimizer.__init__`` records optimizers created in a scope;
   ``Optimizer.apply`` exchanges gradients on the replicas (``exchange.py``).
+* ``TensorBoard`` writes through ``tensorboardX`` where TensorFlow is not installed (``tensorboard.py``).
 * ``__reduce_ex__`` of recorded models and optimizers: inside
   ``strategy.run(fn)`` a captured model or optimizer travels as a reference to
   the replica's own copy (as distributed variables do).
@@ -67,7 +68,7 @@ def install() -> None:
         from keras.src.models.model import Model
         from keras.src.optimizers.base_optimizer import BaseOptimizer
 
-        from daskdist.plugins.keras3 import exchange, fit
+        from daskdist.plugins.keras3 import exchange, fit, tensorboard
 
         def make_init(original: Callable[..., Any]) -> Callable[..., Any]:
             def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -111,6 +112,7 @@ def install() -> None:
             return apply
 
         _wrap(BaseOptimizer, "apply", make_apply)
+        tensorboard.install()
         _installed = True
         logger.debug("daskdist: Keras 3 Model and Optimizer methods wrapped")
 
