@@ -10,12 +10,11 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 torch = pytest.importorskip("torch")
 pytest.importorskip("keras")
 
+import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import daskdist as dd  # noqa: E402
 from tests.keras3_models import assert_replicas_identical, dense_data, sequential  # noqa: E402
-
-import keras  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -54,7 +53,7 @@ def test_custom_loop_with_strategy_run_equals_one_process(threaded_client, devic
         plain.set_weights(model.get_weights())
         dist = strategy.experimental_distribute_dataset(dd.data.Dataset.from_tensor_slices((x, y))
                                                         .batch(GLOBAL_BATCH_SIZE))
-        for epoch in range(2):
+        for _ in range(2):  # two epochs
             losses, plain_losses = [], []
             for batch in dist:
                 per_replica = strategy.run(train_step, args=(batch,))

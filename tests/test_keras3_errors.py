@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -12,13 +10,12 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 torch = pytest.importorskip("torch")
 pytest.importorskip("keras")
 
+import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import daskdist as dd  # noqa: E402
 from daskdist.plugins import keras3  # noqa: E402
 from tests.keras3_models import NoisyRestore, compile_model, dense_data, sequential  # noqa: E402
-
-import keras  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 TWO = ["/cpu:0", "/cpu:1"]
@@ -36,21 +33,8 @@ def test_unsupported_backends_are_refused_naming_the_one_that_works():
     with pytest.raises(keras3.UnsupportedBackendError, match="bound to TensorFlow's own .*KERAS_BACKEND=torch"):
         keras3.check_backend("tensorflow")
     keras3.check_backend("torch")
-
-
-def test_a_model_created_in_scope_on_the_numpy_backend_is_refused():
-    code = ("import os, logging; os.environ['KERAS_BACKEND'] = 'numpy'; import keras, daskdist as dd\n"
-            "from distributed import Client, LocalCluster\n"
-            "with LocalCluster(n_workers=1, processes=False, dashboard_address=':0') as c, Client(c) as client:\n"
-            "    with dd.OneDeviceStrategy('/cpu:0', client=client) as s, s.scope():\n"
-            "        try:\n"
-            "            keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])\n"
-            "        except dd.plugins.keras3.UnsupportedBackendError as e:\n"
-            "            print('REFUSED', e)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": os.getcwd()})
-    assert "REFUSED daskdist cannot train a Keras 3 model on the 'numpy' backend" in out.stdout, out.stderr[-3000:]
-    assert "KERAS_BACKEND=torch" in out.stdout
+    with pytest.raises(keras3.UnsupportedBackendError, match="the 'numpy' backend cannot compute gradients"):
+        keras3.check_backend("numpy")
 
 
 def test_model_created_outside_the_scope_is_refused_inside_it(threaded_client):

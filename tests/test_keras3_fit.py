@@ -17,6 +17,7 @@ pytest.importorskip("torch")
 pytest.importorskip("keras")
 
 import dask.array as da  # noqa: E402
+import keras  # noqa: E402  (tests.keras3_models set KERAS_BACKEND=torch first)
 import numpy as np  # noqa: E402
 
 import daskdist as dd  # noqa: E402
@@ -31,8 +32,6 @@ from tests.keras3_models import (  # noqa: E402
     subclassed,
     twin,
 )
-
-import keras  # noqa: E402  (tests.keras3_models set KERAS_BACKEND=torch first)
 
 pytestmark = pytest.mark.timeout(600)
 

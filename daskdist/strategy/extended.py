@@ -43,11 +43,11 @@ from daskdist.variables import (
 )
 
 if TYPE_CHECKING:
-    from daskdist.strategy.training_contract import StepDriver
     from distributed import Client
 
     from daskdist.cross_device_ops import CrossDeviceOps
     from daskdist.data.distributed import DistributedDataset
+    from daskdist.strategy.training_contract import StepDriver
     from daskdist.variables import VariableSpec
 
 __all__ = ["Args", "Command", "Kwargs", "StrategyExtended"]

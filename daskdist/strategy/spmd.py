@@ -238,7 +238,12 @@ class SpmdExtended(StrategyExtended):
         return self._group.call(command, args, ranks=ranks)
 
     def step_driver(self) -> SpmdStepDriver:
-        """All-reduce the gradients, apply on every replica (``training_contract.SpmdStepDriver``)."""
+        """All-reduce the gradients, apply on every replica (``training_contract.SpmdStepDriver``).
+
+        An Extended that places variables otherwise (a parameter holder) needs its own driver: refused.
+        """
+        if type(self)._variable_placement is not StrategyExtended._variable_placement:
+            super().step_driver()
         return SpmdStepDriver()
 
     def step_timings(self, last: int | None = None) -> list[list[Kwargs]]:

@@ -94,9 +94,9 @@ def fingerprint(model: Any) -> str:
     import keras
 
     digest = hashlib.blake2b(digest_size=16)
-    digest.update(repr((id(model.optimizer), model.compiled, model.get_compile_config()
+    digest.update(repr((id(_optimizer(model)), model.compiled, model.get_compile_config()
                         if model.compiled else None)).encode())
-    variables = list(model.variables) + (list(model.optimizer.variables) if model.optimizer is not None else [])
+    variables = list(model.variables) + (list(_optimizer(model).variables) if _optimizer(model) is not None else [])
     for variable in variables:
         digest.update(np.ascontiguousarray(keras.ops.convert_to_numpy(variable.value)).tobytes())
     return digest.hexdigest()
@@ -129,7 +129,7 @@ def _take_state(model: Any, state: dict[str, list[np.ndarray]]) -> None:
     """Give the client's model the weights and optimizer state of replica 0."""
     for variable, value in zip(model.variables, state["variables"]):
         variable.assign(value)
-    optimizer = model.optimizer
+    optimizer = _optimizer(model)
     if optimizer is not None and state["optimizer"]:
         if not optimizer.built:
             optimizer.build(model.trainable_variables)
@@ -193,7 +193,7 @@ def _distribute(record: registry.Record, x: Any, y: Any, batch_size: int | None,
 
 def _learning_rate(model: Any) -> float | None:
     """The client's learning rate (``LearningRateScheduler`` sets it), or ``None`` for a schedule."""
-    optimizer = model.optimizer
+    optimizer = _optimizer(model)
     if optimizer is None or isinstance(optimizer.get_config().get("learning_rate"), dict):
         return None
     return float(np.asarray(optimizer.learning_rate))
@@ -335,3 +335,8 @@ def reference(obj: Any) -> Any:
     from daskdist.plugins.keras3 import references
 
     return references.reduce(obj, record)
+
+
+def _optimizer(model: Any) -> Any:
+    """The model's optimizer, or ``None`` before ``compile`` (Keras sets the attribute in ``compile``)."""
+    return getattr(model, "optimizer", None)

@@ -30,8 +30,6 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from daskdist.plugins.keras3 import registry
-
 __all__ = ["install", "install_when_imported", "installed"]
 
 logger = logging.getLogger(__name__)

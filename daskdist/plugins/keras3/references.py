@@ -3,7 +3,8 @@
 TensorFlow's custom-training tutorial calls the model and the optimizer
 created in the scope from a function run on every replica. Pickled for that
 function, a recorded model becomes a reference resolved on each replica to its
-own copy (installed with the first function that uses it); a recorded
+own copy (its ``.keras`` payload is scattered to the replicas' workers with
+the first function that uses it, and loaded there on first use); a recorded
 optimizer becomes its class and configuration, built once per replica, whose
 ``apply`` sums the gradients over the replicas (``exchange.py``).
 """
@@ -16,7 +17,6 @@ from daskdist import context
 from daskdist.group.service import MODEL
 from daskdist.plugins.keras3 import registry
 from daskdist.plugins.keras3.backend import keras_backend, prepare_replica
-from daskdist.plugins.keras3.payload import ModelPayload
 
 __all__ = ["OptimizerResident", "reduce", "resolve_model", "resolve_optimizer"]
 
@@ -49,12 +49,15 @@ def reduce(obj: Any, record: registry.Record) -> tuple[Any, tuple[Any, ...]]:
     from daskdist.plugins.keras3 import fit
     from daskdist.plugins.keras3.payload import pack_model
 
-    payload = None
-    if record.fingerprint is None:  # not on the replicas yet: the first function that uses it carries it
+    if record.fingerprint is None:  # not on the replicas yet: sent to their workers, loaded on first use
+        extended = record.strategy.extended
         payload = pack_model(obj, keras_backend())
+        record.payload = extended.client.scatter(payload, workers=list(extended.worker_addresses), broadcast=True,
+                                                 hash=False)
         record.fingerprint = fit.fingerprint(obj)
     record.dirty = True
-    return resolve_model, (token, record.object_id, payload)
+    key = record.payload.key if record.payload is not None else None
+    return resolve_model, (token, record.object_id, key)
 
 
 def _runtime(token: str, what: str) -> Any:
@@ -65,22 +68,22 @@ def _runtime(token: str, what: str) -> Any:
     return runtime
 
 
-def resolve_model(token: str, model_id: str, payload: ModelPayload | None) -> Any:
-    """The replica's copy of a model (installed from ``payload`` the first time)."""
+def resolve_model(token: str, model_id: str, payload_key: str | None) -> Any:
+    """The replica's copy of a model (loaded the first time from the payload its worker holds)."""
     runtime = _runtime(token, "model")
     found = runtime.objects.find(MODEL, model_id)
     if found is None:
-        if payload is None:
-            raise RuntimeError(f"model {model_id} is not on this replica: it was installed with a function that "
-                               "did not reach it; call model.fit or use it again after re-creating it")
+        if payload_key is None or payload_key not in runtime.worker.data:
+            raise RuntimeError(f"model {model_id} is not on this replica and its worker holds no copy to load: call "
+                               "model.fit, or re-create the model in the scope")
         from daskdist.plugins.keras3 import commands
 
-        commands.install_model(runtime, model_id, payload)
+        commands.install_model(runtime, model_id, runtime.worker.data[payload_key])
         found = runtime.objects.get(MODEL, model_id)
     return found.model
 
 
-def resolve_optimizer(token: str, optimizer_id: str, backend: str, cls: type, config: dict[str, Any]) -> Any:
+def resolve_optimizer(token: str, optimizer_id: str, backend: str, cls: Any, config: dict[str, Any]) -> Any:
     """The replica's copy of an optimizer created in the scope (built from its configuration the first time)."""
     runtime = _runtime(token, "optimizer")
     key = _OPTIMIZER_PREFIX + optimizer_id

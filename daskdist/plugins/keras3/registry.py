@@ -36,6 +36,8 @@ class Record:
     fingerprint: Any = None
     dirty: bool = False
     """The replicas' copy may have changed since the client took its state (a custom loop ran)."""
+    payload: Any = None
+    """The Dask future of the model's payload on the replicas' workers (a custom loop loads it there)."""
 
 
 _records: weakref.WeakKeyDictionary[Any, Record] = weakref.WeakKeyDictionary()

@@ -80,7 +80,7 @@ class KerasTrainable:
         return [v.value for v in self.model.trainable_variables]
 
     def train_step(self, batch: Any, exchange: GradientExchange) -> None:
-        with exchange_module.active(self.model.optimizer, exchange, batch_rows(batch)):
+        with exchange_module.active(_optimizer(self.model), exchange, batch_rows(batch)):
             self.model.train_step(to_tensors(batch))
 
     def join_step(self, exchange: GradientExchange) -> None:
@@ -90,17 +90,17 @@ class KerasTrainable:
         zeros = [np.zeros(tuple(v.shape), dtype=_numpy_dtype(v)) for v in variables]
         reduced = exchange(zeros, 0)
         with torch.no_grad():
-            self.model.optimizer.apply([torch.from_numpy(g) for g in reduced], variables)
+            _optimizer(self.model).apply([torch.from_numpy(g) for g in reduced], variables)
 
     def snapshot(self) -> dict[str, list[np.ndarray]]:
-        optimizer = self.model.optimizer
+        optimizer = _optimizer(self.model)
         return {"variables": _variable_arrays(list(self.model.variables)),
                 "optimizer": _variable_arrays(list(optimizer.variables)) if optimizer is not None else []}
 
     def restore(self, state: dict[str, list[np.ndarray]]) -> None:
         for variable, value in zip(self.model.variables, state["variables"]):
             variable.assign(value)
-        optimizer = self.model.optimizer
+        optimizer = _optimizer(self.model)
         if optimizer is not None and state["optimizer"]:
             if not optimizer.built:
                 optimizer.build(self.model.trainable_variables)
@@ -175,7 +175,7 @@ class KerasTrainable:
         return [v.path for v in self.model.variables if id(v) not in seeds]
 
     def _seed_generators(self) -> list[Any]:
-        generators = []
+        generators: list[Any] = []
         for layer in self.model._flatten_layers(include_self=True, recursive=True):
             generators.extend(getattr(layer, "_seed_generators", []))
         return generators
@@ -193,3 +193,8 @@ def _numpy_dtype(variable: Any) -> Any:
     import keras
 
     return keras.backend.standardize_dtype(variable.dtype)
+
+
+def _optimizer(model: Any) -> Any:
+    """The model's optimizer, or ``None`` before ``compile`` (Keras sets the attribute in ``compile``)."""
+    return getattr(model, "optimizer", None)
