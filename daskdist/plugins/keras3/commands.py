@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -21,7 +20,6 @@ if TYPE_CHECKING:
     from daskdist.strategy.training_contract import StepDriver
 
 __all__ = [
-    "PROGRESS_TOPIC",
     "WeightsDifferError",
     "evaluate",
     "install_model",
@@ -32,8 +30,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-PROGRESS_TOPIC = "daskdist-keras3-progress"
-_PROGRESS_INTERVAL = 0.25
 
 
 class WeightsDifferError(ValueError):
@@ -93,20 +89,29 @@ def set_learning_rate(service: ReplicaService, model_id: str, learning_rate: flo
         optimizer.learning_rate = learning_rate
 
 
+class _RecordingTimer:
+    """The replica's step timer whose finished steps go to the scheduler (dashboard, /metrics)."""
+
+    def __init__(self, service: ReplicaService):
+        self._service = service
+        self._timer = service.timer
+
+    def begin(self, step: int) -> None:
+        self._timer.begin(step)
+
+    def add_samples(self, samples: int) -> None:
+        self._timer.add_samples(samples)
+
+    def end(self) -> None:
+        self._service.record_step(self._timer.end())
+
+
 def train_epoch(service: ReplicaService, model_id: str, batches: Any, steps: int | None, driver: StepDriver,
-                learning_rate: float | None, tag: str, epoch: int) -> dict[str, Any]:
+                learning_rate: float | None) -> dict[str, Any]:
     """One epoch on this replica's shard; replica 0 adds the model's state (for the client's copy) to its logs."""
     set_learning_rate(service, model_id, learning_rate)
     resident = trainable(service, model_id)
-    last = [0.0]
-
-    def progress(step: int) -> None:
-        now = time.monotonic()
-        if service.rank == 0 and now - last[0] >= _PROGRESS_INTERVAL:
-            last[0] = now
-            service.log_event(PROGRESS_TOPIC, {"tag": tag, "epoch": epoch, "step": step})
-
-    logs = resident.train_epoch(batches, steps, driver, progress)
+    logs = resident.train_epoch(batches, steps, driver, _RecordingTimer(service))
     service.flush_step_events()
     return {"logs": logs, "state": resident.snapshot() if service.rank == 0 else None}
 

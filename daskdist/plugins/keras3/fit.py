@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -246,7 +245,6 @@ def fit(original: Callable[..., Any], model: Any, x: Any = None, y: Any = None, 
         callbacks, add_history=True, add_progbar=verbose_level != 0, verbose=verbose_level, epochs=epochs,
         steps=steps, model=model)
     model.stop_training = False
-    tag = uuid.uuid4().hex[:8]
     callback_list.on_train_begin()
     logs: dict[str, Any] = {}
     for epoch in range(initial_epoch, epochs):
@@ -254,7 +252,7 @@ def fit(original: Callable[..., Any], model: Any, x: Any = None, y: Any = None, 
         callback_list.on_epoch_begin(epoch)
         results = extended.run_on_replicas(
             commands.train_epoch,
-            (record.object_id, train, steps_per_epoch, driver, _learning_rate(model), tag, epoch))
+            (record.object_id, train, steps_per_epoch, driver, _learning_rate(model)))
         logs = dict(results[0]["logs"])
         _take_state(model, results[0]["state"])
         record.fingerprint = fingerprint(model)

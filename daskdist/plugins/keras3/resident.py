@@ -16,8 +16,7 @@ what one process would.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import optree
@@ -30,6 +29,14 @@ from daskdist.strategy.training_contract import GradientExchange, StepDriver
 __all__ = ["KerasTrainable", "batch_rows", "to_tensors"]
 
 _SEED_STRIDE = 1_000_003  # replica r's seed generators start at seed + r * stride
+
+
+class StepTimerLike(Protocol):
+    """A replica's step timer as ``train_epoch`` uses it."""
+
+    def begin(self, step: int) -> None: ...
+    def add_samples(self, samples: int) -> None: ...
+    def end(self) -> None: ...
 
 
 def batch_rows(batch: Any) -> int:
@@ -110,17 +117,33 @@ class KerasTrainable:
     # -- epochs --------------------------------------------------------------------
 
     def train_epoch(self, batches: Any, steps: int | None, driver: StepDriver,
-                    progress: Callable[[int], None] | None = None) -> dict[str, float]:
-        """One epoch over this replica's shard; the epoch's global logs (every replica returns the same)."""
+                    timer: StepTimerLike | None = None) -> dict[str, float]:
+        """One epoch over this replica's shard; the epoch's global logs (every replica returns the same).
+
+        ``timer``: the replica's step timer (``begin(step)``, ``add_samples``, ``end()``); a batch is taken
+        once its step's timer is open, so the input wait counts.
+        """
         self.model.reset_metrics()
+        iterator = iter(batches)
         step = 0
-        for batch in batches:
-            if steps is not None and step >= steps:
-                break
-            driver.step(self, batch, batch_rows(batch))
-            step += 1
-            if progress is not None:
-                progress(step)
+        try:
+            while steps is None or step < steps:
+                if timer is not None:
+                    timer.begin(step)
+                try:
+                    batch = next(iterator)
+                except StopIteration:
+                    break
+                rows = batch_rows(batch)
+                driver.step(self, batch, rows)
+                if timer is not None:
+                    timer.add_samples(rows)
+                    timer.end()
+                step += 1
+        finally:
+            close = getattr(iterator, "close", None)
+            if close is not None:
+                close()
         self.average_non_trainable()
         return self.global_metrics()
 
