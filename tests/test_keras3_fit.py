@@ -130,12 +130,14 @@ def test_tutorial_callbacks_run_on_the_client_with_global_logs(threaded_client, 
         plain = twin(model, sequential)
         recorder, plain_recorder = Recorder(), Recorder()
         checkpoint = str(tmp_path / "ckpt" / "ckpt_{epoch}.weights.h5")
-        model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0, callbacks=[
-            keras.callbacks.TensorBoard(log_dir=str(tmp_path / "logs")),
-            keras.callbacks.ModelCheckpoint(filepath=checkpoint, save_weights_only=True),
-            keras.callbacks.LearningRateScheduler(decay), recorder])
-        plain.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0,
-                  callbacks=[keras.callbacks.LearningRateScheduler(decay), plain_recorder])
+        callbacks = [keras.callbacks.TensorBoard(log_dir=str(tmp_path / "logs")),
+                     keras.callbacks.ModelCheckpoint(filepath=checkpoint, save_weights_only=True),
+                     keras.callbacks.LearningRateScheduler(decay), recorder]
+        history = model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0, validation_data=(x[:40], y[:40]),
+                            callbacks=callbacks)
+        expected = plain.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0, validation_data=(x[:40], y[:40]),
+                             callbacks=[keras.callbacks.LearningRateScheduler(decay), plain_recorder])
+        np.testing.assert_allclose(history.history["val_loss"], expected.history["val_loss"], rtol=RTOL)
         _assert_same_weights(model, plain)  # the schedule's rates reached the replicas
         assert [r[0] for r in recorder.logs] == [0, 1, 2]
         for (_, logs, lr), (_, plain_logs, plain_lr) in zip(recorder.logs, plain_recorder.logs):

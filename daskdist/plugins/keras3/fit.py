@@ -227,6 +227,9 @@ def fit(original: Callable[..., Any], model: Any, x: Any = None, y: Any = None, 
         raise NotImplementedError(f"fit under a daskdist strategy does not take {[k for k, v in unsupported.items() if v]}"
                                   " yet: put the weights in the dataset's (x, y, weight) elements, split it yourself")
     extended = record.strategy.extended
+    if getattr(extended, "elastic", None) is not None:
+        raise NotImplementedError("elastic training (dd.ElasticOptions) of Keras 3 models is not supported yet: "
+                                  "use a strategy without elastic options, or the built-in layers (daskdist.keras)")
     driver = extended.step_driver()
     train = _distribute(record, x, y, batch_size, shuffle, model)
     val = None
