@@ -150,7 +150,7 @@ def main(args: argparse.Namespace) -> None:
     exchange = max(p["exchange"] for p in parts)
     print(f"\nper step (2 replicas, {half} rows each, torch threads per replica {parts[0]['threads']}): "
           f"fit {dd_step * 1e3:.2f} ms, Keras' own train_step {bare * 1e3:.2f} ms, "
-          f"exchange (all-reduce of {sum(v.size for v in k3.trainable_variables) * 4 / 1e6:.2f} MB) "
+          f"exchange (all-reduce of {sum(int(np.prod(v.shape)) for v in k3.trainable_variables) * 4 / 1e6:.2f} MB) "
           f"{exchange * 1e3:.2f} ms; daskdist over Keras' step: {(dd_step - bare) * 1e3:.2f} ms "
           f"(of which exchange {exchange * 1e3:.2f} ms, the rest {(dd_step - bare - exchange) * 1e3:.2f} ms)")
 

@@ -73,14 +73,24 @@ def resolve_model(token: str, model_id: str, payload_key: str | None) -> Any:
     runtime = _runtime(token, "model")
     found = runtime.objects.find(MODEL, model_id)
     if found is None:
-        if payload_key is None or payload_key not in runtime.worker.data:
-            raise RuntimeError(f"model {model_id} is not on this replica and its worker holds no copy to load: call "
-                               "model.fit, or re-create the model in the scope")
+        if payload_key is None:
+            raise RuntimeError(f"model {model_id} is not on this replica and no copy was sent: call model.fit, or "
+                               "re-create the model in the scope")
         from daskdist.plugins.keras3 import commands
 
-        commands.install_model(runtime, model_id, runtime.worker.data[payload_key])
+        commands.install_model(runtime, model_id, _payload(runtime, payload_key))
         found = runtime.objects.get(MODEL, model_id)
     return found.model
+
+
+def _payload(runtime: Any, key: str) -> Any:
+    """The scattered payload: from this worker's memory, else (Dask's memory manager dropped the copy) fetched."""
+    data = runtime.worker.data
+    if key in data:
+        return data[key]
+    from distributed import Future, get_client
+
+    return Future(key, client=get_client()).result()
 
 
 def resolve_optimizer(token: str, optimizer_id: str, backend: str, cls: Any, config: dict[str, Any]) -> Any:
