@@ -61,6 +61,11 @@ Kwargs = dict[str, Any]
 Command = Callable[..., Any]
 
 
+#: Called as ``hook(extended)`` before ``call_for_each_replica`` ships a function to the replicas: a framework
+#: adapter places there what the function may capture (``daskdist.plugins.keras3``: models created in the scope).
+BEFORE_CALL_HOOKS: list[Callable[[StrategyExtended], None]] = []
+
+
 class StrategyExtended(abc.ABC):
     """What a strategy does, independently of how its replicas are reached (TF's ``StrategyExtended``).
 
@@ -151,6 +156,8 @@ class StrategyExtended(abc.ABC):
         self.check_open()
         args, kwargs = tuple(args), dict(kwargs or {})
         check_num_components((args, kwargs), self.num_replicas)
+        for hook in BEFORE_CALL_HOOKS:
+            hook(self)
         return self._call_for_each_replica(fn, args, kwargs)
 
     @abc.abstractmethod

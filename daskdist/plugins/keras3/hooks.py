@@ -66,7 +66,7 @@ def install() -> None:
         from keras.src.models.model import Model
         from keras.src.optimizers.base_optimizer import BaseOptimizer
 
-        from daskdist.plugins.keras3 import exchange, fit, tensorboard
+        from daskdist.plugins.keras3 import exchange, fit, references, tensorboard
 
         def make_init(original: Callable[..., Any]) -> Callable[..., Any]:
             def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -111,6 +111,9 @@ def install() -> None:
 
         _wrap(BaseOptimizer, "apply", make_apply)
         tensorboard.install()
+        from daskdist.strategy.extended import BEFORE_CALL_HOOKS
+
+        BEFORE_CALL_HOOKS.append(references.place_models)
         _installed = True
         logger.debug("daskdist: Keras 3 Model and Optimizer methods wrapped")
 

@@ -3,8 +3,8 @@
 TensorFlow's custom-training tutorial calls the model and the optimizer
 created in the scope from a function run on every replica. Pickled for that
 function, a recorded model becomes a reference resolved on each replica to its
-own copy (its ``.keras`` payload is scattered to the replicas' workers with
-the first function that uses it, and loaded there on first use); a recorded
+own copy (built models created in the scope are installed on the replicas
+before ``strategy.run`` ships its function: ``place_models``); a recorded
 optimizer becomes its class and configuration, built once per replica, whose
 ``apply`` sums the gradients over the replicas (``exchange.py``).
 """
@@ -18,7 +18,7 @@ from daskdist.group.service import MODEL
 from daskdist.plugins.keras3 import registry
 from daskdist.plugins.keras3.backend import keras_backend, prepare_replica
 
-__all__ = ["OptimizerResident", "reduce", "resolve_model", "resolve_optimizer"]
+__all__ = ["OptimizerResident", "place_models", "reduce", "resolve_model", "resolve_optimizer"]
 
 _OPTIMIZER_PREFIX = "optimizer/"
 
@@ -46,18 +46,23 @@ def reduce(obj: Any, record: registry.Record) -> tuple[Any, tuple[Any, ...]]:
     token = record.strategy.extended.token
     if isinstance(obj, BaseOptimizer):
         return resolve_optimizer, (token, record.object_id, keras_backend(), type(obj), obj.get_config())
-    from daskdist.plugins.keras3 import fit
-    from daskdist.plugins.keras3.payload import pack_model
-
-    if record.fingerprint is None:  # not on the replicas yet: sent to their workers, loaded on first use
-        extended = record.strategy.extended
-        payload = pack_model(obj, keras_backend())
-        record.payload = extended.client.scatter(payload, workers=list(extended.worker_addresses), broadcast=True,
-                                                 hash=False)
-        record.fingerprint = fit.fingerprint(obj)
+    if record.fingerprint is None:
+        raise RuntimeError(f"model {obj.name!r} is not on the replicas yet: build it (give it an Input, or call it on "
+                           "one batch) before strategy.run uses it")
     record.dirty = True
-    key = record.payload.key if record.payload is not None else None
-    return resolve_model, (token, record.object_id, key)
+    return resolve_model, (token, record.object_id)
+
+
+def place_models(extended: Any) -> None:
+    """Before ``strategy.run``: install the built models created in this strategy's scope not installed yet."""
+    import keras
+
+    from daskdist.plugins.keras3 import fit
+
+    for obj, record in registry.items():
+        if (record.strategy.extended is extended and record.fingerprint is None and isinstance(obj, keras.Model)
+                and obj.built):
+            fit.ensure_installed(obj, record)
 
 
 def _runtime(token: str, what: str) -> Any:
@@ -68,29 +73,13 @@ def _runtime(token: str, what: str) -> Any:
     return runtime
 
 
-def resolve_model(token: str, model_id: str, payload_key: str | None) -> Any:
-    """The replica's copy of a model (loaded the first time from the payload its worker holds)."""
+def resolve_model(token: str, model_id: str) -> Any:
+    """The replica's copy of a model."""
     runtime = _runtime(token, "model")
     found = runtime.objects.find(MODEL, model_id)
     if found is None:
-        if payload_key is None:
-            raise RuntimeError(f"model {model_id} is not on this replica and no copy was sent: call model.fit, or "
-                               "re-create the model in the scope")
-        from daskdist.plugins.keras3 import commands
-
-        commands.install_model(runtime, model_id, _payload(runtime, payload_key))
-        found = runtime.objects.get(MODEL, model_id)
+        raise RuntimeError(f"model {model_id} is not on this replica: re-create it in the strategy's scope")
     return found.model
-
-
-def _payload(runtime: Any, key: str) -> Any:
-    """The scattered payload: from this worker's memory, else (Dask's memory manager dropped the copy) fetched."""
-    data = runtime.worker.data
-    if key in data:
-        return data[key]
-    from distributed import Future, get_client
-
-    return Future(key, client=get_client()).result()
 
 
 def resolve_optimizer(token: str, optimizer_id: str, backend: str, cls: Any, config: dict[str, Any]) -> Any:

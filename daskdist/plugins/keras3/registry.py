@@ -14,7 +14,7 @@ from typing import Any
 
 from daskdist import context
 
-__all__ = ["Record", "current_client_strategy", "is_open", "lookup", "register"]
+__all__ = ["Record", "current_client_strategy", "is_open", "items", "lookup", "register"]
 
 
 @dataclass
@@ -36,8 +36,6 @@ class Record:
     fingerprint: Any = None
     dirty: bool = False
     """The replicas' copy may have changed since the client took its state (a custom loop ran)."""
-    payload: Any = None
-    """The Dask future of the model's payload on the replicas' workers (a custom loop loads it there)."""
 
 
 _records: weakref.WeakKeyDictionary[Any, Record] = weakref.WeakKeyDictionary()
@@ -75,3 +73,8 @@ def is_open(record: Record) -> bool:
     except Exception:
         return False
     return True
+
+
+def items() -> list[tuple[Any, Record]]:
+    """Every recorded object with its record (a copy: safe while records come and go)."""
+    return list(_records.items())
