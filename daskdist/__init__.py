@@ -56,6 +56,7 @@ __all__ = [
     "DaskdistError",
     "DistributedValues",
     "ElasticOptions",
+    "GradientTape",
     "HierarchicalCopyAllReduce",
     "IndexedSlices",
     "InputContext",
@@ -96,3 +97,12 @@ __all__ = [
     "plugins",
     "train",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``dd.GradientTape`` is ``daskdist.keras.GradientTape``, imported on first use (keras is optional here)."""
+    if name == "GradientTape":
+        from daskdist.keras.gradient_tape import GradientTape
+
+        return GradientTape
+    raise AttributeError(f"module 'daskdist' has no attribute {name!r}")

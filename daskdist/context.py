@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from daskdist.replica.context import ReplicaContext
 
 __all__ = [
+    "describe_strategy",
     "experimental_set_strategy",
     "get_replica_context",
     "get_strategy",
@@ -135,3 +136,50 @@ def experimental_set_strategy(strategy: Any) -> None:
         scope = strategy.scope()
         scope.__enter__()
         _local.set_strategy_scope = scope
+
+
+def describe_strategy(strategy: Any) -> str:
+    """A strategy's class, replica count and token: two strategies on one cluster are told apart."""
+    extended = getattr(strategy, "extended", None)
+    token = getattr(extended, "token", None)
+    replicas = getattr(strategy, "num_replicas_in_sync", "?")
+    suffix = f" {token}" if token is not None else ""
+    return f"<{type(strategy).__name__}{suffix} replicas={replicas}>"
+
+
+@dataclass
+class Shipment:
+    """What ``strategy.run`` is sending: the strategy, and objects sent along with their full state."""
+
+    strategy: Any
+    sent_in_full: list[Any]
+
+
+@contextlib.contextmanager
+def shipping_to(strategy: Any) -> Iterator[Shipment]:
+    """Mark that this thread is sending a function (and its arguments) to ``strategy``'s replicas.
+
+    A distributed variable pickled meanwhile checks that it belongs to that
+    strategy (:func:`shipping_target`), so using strategy A's variable in
+    strategy B's ``run`` fails on the client, naming both. A model or
+    optimizer of the strategy pickles as a reference to the replicas' copy,
+    carrying itself the first time (it notes itself in ``sent_in_full``).
+    """
+    previous = getattr(_local, "shipping", None)
+    shipment = Shipment(strategy, [])
+    _local.shipping = shipment
+    try:
+        yield shipment
+    finally:
+        _local.shipping = previous
+
+
+def current_shipment() -> Shipment | None:
+    """The shipment ``strategy.run`` is pickling in this thread, or ``None``."""
+    return getattr(_local, "shipping", None)
+
+
+def shipping_target() -> Any:
+    """The strategy whose ``run`` is pickling its function in this thread, or ``None``."""
+    shipment = current_shipment()
+    return shipment.strategy if shipment is not None else None

@@ -115,7 +115,9 @@ def _same_on_every_replica(components: Sequence[Any]) -> bool:
 def regroup(results: Sequence[Any], always_wrap: bool = False) -> Any:
     """Turn per-replica results into one structure whose leaves are ``PerReplica`` (TF's regroup).
 
-    With one replica the result is returned as is. A leaf that every replica
+    With one replica the result is returned as is. Results whose nested
+    structures differ between replicas raise ``ValueError`` (TF's regroup
+    refuses them too). A leaf that every replica
     returned as one object (a distributed variable, ``None``, a bool, a small
     int; see ``_same_on_every_replica``) is returned as itself, as TF's
     regroup does; every other leaf becomes a ``PerReplica``. ``always_wrap``
@@ -129,8 +131,12 @@ def regroup(results: Sequence[Any], always_wrap: bool = False) -> Any:
     except Exception:
         return PerReplica(results)
     treedef = flat[0][1]
-    if any(t != treedef for _, t in flat):
-        return PerReplica(results)
+    for replica, (_, other) in enumerate(flat):
+        if other != treedef:  # TF's regroup asserts the same: lists/tuples of one length, dicts of one key set
+            raise ValueError(
+                f"the replicas returned results of different structures: replica 0 returned {treedef}, replica "
+                f"{replica} returned {other}; every replica must return the same nested structure"
+            )
     leaves = []
     for components in zip(*(leaves_ for leaves_, _ in flat)):
         same = not always_wrap and _same_on_every_replica(components)

@@ -23,6 +23,7 @@ import numpy as np
 
 from daskdist import context, registry
 from daskdist.arrays import as_array, namespace, to_numpy
+from daskdist.dtype_inference import is_python_value, python_value_array
 from daskdist.exceptions import StrategyClosedError
 from daskdist.group.service import VARIABLE
 from daskdist.ops import ReduceOp
@@ -88,7 +89,7 @@ class VariableSpec:
             raise ValueError("initial_value must be given")
         if callable(initial_value):
             initial_value = initial_value()
-        value, _ = as_array(initial_value)
+        value = python_value_array(initial_value) if is_python_value(initial_value) else as_array(initial_value)[0]
         xp = namespace(value)
         if dtype is not None:
             value = value.astype(np.dtype(dtype), copy=False)
@@ -284,6 +285,15 @@ class DistributedVariable(Variable):
         self._value = local_value
 
     def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        target = context.shipping_target()
+        if target is not None and getattr(target.extended, "token", self._token) != self._token:
+            owner = self._owner or registry.lookup(self._token)
+            mine = context.describe_strategy(owner.strategy) if owner is not None else f"strategy {self._token}"
+            raise ValueError(
+                f"Variable '{self.name}' belongs to {mine} and cannot be used in a function run by "
+                f"{context.describe_strategy(target)}: mixing different tf.distribute.Strategy objects; create it "
+                "in that strategy's scope"
+            )
         return (_resolve_variable, (self._token, self._var_id, self._spec))
 
     @property

@@ -6,7 +6,9 @@ averages the gradients over the replicas (tensors go through DLPack), so all
 copies take the same steps. The whole training loop runs inside the replicas:
 one ``strategy.run`` call, no client round trip per step.
 
-Needs PyTorch (CPU build: ``pip install torch==2.13.0``) and scikit-learn.
+Needs PyTorch and scikit-learn: ``pip install -e ".[torch,examples]"`` in a
+checkout (the ``torch`` extra pins the CPU build); ``make test`` installs
+both, ``make run`` installs scikit-learn only.
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
-"""The MirroredStrategy API on an embedded local cluster (the README's ``make run``).
+"""The MirroredStrategy API alone, on an embedded local cluster: no model, no data.
 
-Starts a ``LocalCluster`` with one replica per core (at least 2), creates a
-mirrored variable, runs a step with a nested all-reduce on every replica,
-reduces and gathers the results on the client, and closes everything.
+Run: ``python examples/quickstart.py [--replicas N]`` (``make run`` runs
+``examples/mnist_mirrored.py``, the Keras tutorial, instead). Starts a
+``LocalCluster`` with one replica per core (at least 2), creates a mirrored
+variable, runs a step with a nested all-reduce on every replica, reduces and
+gathers the results on the client, and closes everything.
 """
 
 from __future__ import annotations

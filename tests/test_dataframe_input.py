@@ -24,19 +24,24 @@ def _example():
     return module
 
 
-def _least_squares_mse(frame) -> float:
-    data = frame.compute()
-    x = np.column_stack([data.drop(columns="target").to_numpy(), np.ones(len(data))])
-    coef, *_ = np.linalg.lstsq(x, data["target"].to_numpy(), rcond=None)
-    return float(np.mean((x @ coef - data["target"].to_numpy()) ** 2))
+def _least_squares_held_out_mse(train_frame, held_out_frame) -> float:
+    """The mean squared error on the held-out rows of the least-squares fit to the training rows."""
+    def design(data):
+        return np.column_stack([data.drop(columns="target").to_numpy(), np.ones(len(data))])
+
+    data, held_out = train_frame.compute(), held_out_frame.compute()
+    coef, *_ = np.linalg.lstsq(design(data), data["target"].to_numpy(), rcond=None)
+    return float(np.mean((design(held_out) @ coef - held_out["target"].to_numpy()) ** 2))
 
 
 def test_the_dataframe_regression_example_trains_on_the_cluster(process_client):
     example = _example()
     result = example.train(process_client, epochs=40)
-    best = _least_squares_mse(example.load_frame())
+    train_frame, held_out = example.split_frame(example.load_frame())
+    assert 0.1 < len(held_out) / (len(train_frame) + len(held_out)) < 0.3  # rows the model never saw
+    best = _least_squares_held_out_mse(train_frame, held_out)
     assert result["last_loss"] < result["first_loss"]
-    assert result["mse"] < best * 1.1, (result, best)  # close to the least-squares fit
+    assert result["mse"] < best * 1.1, (result, best)  # close to the least-squares fit, on held-out rows
 
 
 def test_arrays_derived_from_a_persisted_dataframe_are_read_as_arrays(threaded_client):

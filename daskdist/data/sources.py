@@ -15,6 +15,8 @@ from typing import Any, Callable
 import numpy as np
 import optree
 
+from daskdist.dtype_inference import python_value_array
+
 __all__ = ["DaskSource", "LocalSource", "Partition", "RangeSource", "Source"]
 
 
@@ -56,9 +58,10 @@ def _as_row_arrays(structure: Any) -> Any:
             return leaf.to_numpy()
         if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
             return leaf
-        return np.asarray(leaf)
+        return python_value_array(leaf)  # TF's inference: Python floats float32, ints int32
 
-    return optree.tree_map(convert, structure, none_is_leaf=False)
+    # a list is one array, as in tf.data (tuples and dicts are structures)
+    return optree.tree_map(convert, structure, none_is_leaf=False, is_leaf=lambda x: isinstance(x, list))
 
 
 def _check_lengths(leaves: list[Any], what: str) -> int:

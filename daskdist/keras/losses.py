@@ -1,5 +1,10 @@
 """Losses with per-example values and their gradients, Keras names and semantics.
 
+This module holds the cross-entropies, :func:`compute_average_loss` and the
+registry of names (:func:`get`): every name TensorFlow's Keras accepts for a
+built-in loss (``"mse"``, ``"mae"``, ``"kld"``, ``"logcosh"``, ...); the other
+losses live in ``elementwise_losses`` and ``distribution_losses``.
+
 A :class:`Loss` gives the loss of each example (``per_example``, shape
 ``(batch,)``), the gradient of each example's loss with respect to its own
 prediction (``gradient``, the shape of ``y_pred``), and the batch mean
@@ -19,65 +24,46 @@ import math
 from typing import Any
 
 from daskdist.keras.backend import epsilon, move_like, xp_of
+from daskdist.keras.distribution_losses import CategoricalHinge, CosineSimilarity, KLDivergence
+from daskdist.keras.elementwise_losses import (
+    BinaryCrossentropy,
+    Hinge,
+    Huber,
+    LogCosh,
+    MeanAbsoluteError,
+    MeanAbsolutePercentageError,
+    MeanSquaredError,
+    MeanSquaredLogarithmicError,
+    Poisson,
+    SquaredHinge,
+)
+from daskdist.keras.loss_base import Loss
+from daskdist.keras.loss_base import per_example_mean as _per_example_mean
 
 __all__ = [
+    "BinaryCrossentropy",
     "CategoricalCrossentropy",
+    "CategoricalHinge",
+    "CosineSimilarity",
+    "Hinge",
+    "Huber",
+    "KLDivergence",
+    "LogCosh",
     "Loss",
+    "MeanAbsoluteError",
+    "MeanAbsolutePercentageError",
     "MeanSquaredError",
+    "MeanSquaredLogarithmicError",
+    "Poisson",
     "SparseCategoricalCrossentropy",
+    "SquaredHinge",
     "compute_average_loss",
     "get",
+    "known_names",
     "serialize",
 ]
 
 Array = Any
-
-
-class Loss:
-    """Base class: ``per_example``, ``gradient``, ``__call__``, ``get_config``/``from_config``.
-
-    Predictions of shape ``(batch, ..., k)`` with extra middle dimensions
-    (e.g. per-pixel classes) are averaged over those dimensions per example.
-    """
-
-    default_name = "loss"
-
-    def __init__(self, name: str | None = None):
-        self.name = name or self.default_name
-
-    def per_example(self, y_true: Array, y_pred: Array) -> Array:
-        """The loss of each example, shape ``(batch,)``, dtype of ``y_pred``."""
-        raise NotImplementedError
-
-    def gradient(self, y_true: Array, y_pred: Array) -> Array:
-        """``d per_example(y_true, y_pred)[i] / d y_pred[i]`` for every example ``i``; shape of ``y_pred``."""
-        raise NotImplementedError
-
-    def __call__(self, y_true: Array, y_pred: Array, sample_weight: Array | None = None) -> float:
-        """Mean loss over the batch (``sum(w * loss) / batch`` with ``sample_weight``)."""
-        per = self.per_example(y_true, y_pred)
-        if sample_weight is not None:
-            per = per * move_like(sample_weight, per)
-        return float(per.sum()) / max(per.shape[0], 1)
-
-    def get_config(self) -> dict[str, Any]:
-        """Constructor keyword arguments (JSON-serialisable)."""
-        return {"name": self.name}
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> Loss:
-        return cls(**config)
-
-    def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
-        return f"{type(self).__name__}({args})"
-
-
-def _per_example_mean(values: Array) -> Array:
-    """Average ``(batch, ...)`` over everything but the batch axis."""
-    if values.ndim == 1:
-        return values
-    return values.reshape(values.shape[0], -1).mean(axis=1)
 
 
 def _log_softmax(z: Array) -> Array:
@@ -144,8 +130,8 @@ class SparseCategoricalCrossentropy(Loss):
 
     default_name = "sparse_categorical_crossentropy"
 
-    def __init__(self, from_logits: bool = False, name: str | None = None):
-        super().__init__(name)
+    def __init__(self, from_logits: bool = False, name: str | None = None, reduction: str = "sum_over_batch_size"):
+        super().__init__(name, reduction)
         self.from_logits = bool(from_logits)
 
     def per_example(self, y_true: Array, y_pred: Array) -> Array:
@@ -169,8 +155,8 @@ class CategoricalCrossentropy(Loss):
 
     default_name = "categorical_crossentropy"
 
-    def __init__(self, from_logits: bool = False, name: str | None = None):
-        super().__init__(name)
+    def __init__(self, from_logits: bool = False, name: str | None = None, reduction: str = "sum_over_batch_size"):
+        super().__init__(name, reduction)
         self.from_logits = bool(from_logits)
 
     def _targets(self, y_true: Array, y_pred: Array) -> Array:
@@ -187,34 +173,6 @@ class CategoricalCrossentropy(Loss):
 
     def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), "from_logits": self.from_logits}
-
-
-class MeanSquaredError(Loss):
-    """Mean over the non-batch axes of ``(y_pred - y_true) ** 2``.
-
-    ``y_true`` with the same number of elements as ``y_pred`` but another
-    shape (``(batch,)`` against ``(batch, 1)``) is reshaped to it.
-    """
-
-    default_name = "mean_squared_error"
-
-    def _diff(self, y_true: Array, y_pred: Array) -> Array:
-        t = move_like(y_true, y_pred)
-        if t.shape != y_pred.shape:
-            if t.size != y_pred.size:
-                raise ValueError(f"Targets of shape {tuple(t.shape)} do not match predictions {tuple(y_pred.shape)}")
-            t = t.reshape(y_pred.shape)
-        return y_pred - t.astype(y_pred.dtype, copy=False)
-
-    def per_example(self, y_true: Array, y_pred: Array) -> Array:
-        d = self._diff(y_true, y_pred)
-        d *= d
-        return _per_example_mean(d)
-
-    def gradient(self, y_true: Array, y_pred: Array) -> Array:
-        d = self._diff(y_true, y_pred)
-        d *= 2.0 / max(math.prod(y_pred.shape[1:]), 1)
-        return d
 
 
 def compute_average_loss(
@@ -248,15 +206,44 @@ def compute_average_loss(
     return per_example_loss.sum() / global_batch_size
 
 
+# every name tf.keras.losses.get accepts for these losses (its functions and their aliases), lower case
 _ALIASES: dict[str, type[Loss]] = {
     "sparse_categorical_crossentropy": SparseCategoricalCrossentropy,
     "categorical_crossentropy": CategoricalCrossentropy,
+    "binary_crossentropy": BinaryCrossentropy,
+    "bce": BinaryCrossentropy,
     "mean_squared_error": MeanSquaredError,
     "mse": MeanSquaredError,
+    "mean_absolute_error": MeanAbsoluteError,
+    "mae": MeanAbsoluteError,
+    "mean_absolute_percentage_error": MeanAbsolutePercentageError,
+    "mape": MeanAbsolutePercentageError,
+    "mean_squared_logarithmic_error": MeanSquaredLogarithmicError,
+    "msle": MeanSquaredLogarithmicError,
+    "kl_divergence": KLDivergence,
+    "kullback_leibler_divergence": KLDivergence,
+    "kld": KLDivergence,
+    "log_cosh": LogCosh,
+    "logcosh": LogCosh,
+    "huber": Huber,
+    "huber_loss": Huber,
+    "hinge": Hinge,
+    "squared_hinge": SquaredHinge,
+    "categorical_hinge": CategoricalHinge,
+    "poisson": Poisson,
+    "cosine_similarity": CosineSimilarity,
 }
-_BY_CLASS_NAME: dict[str, type[Loss]] = {
-    cls.__name__: cls for cls in (SparseCategoricalCrossentropy, CategoricalCrossentropy, MeanSquaredError)
-}
+_CLASSES: tuple[type[Loss], ...] = (
+    SparseCategoricalCrossentropy, CategoricalCrossentropy, BinaryCrossentropy, MeanSquaredError, MeanAbsoluteError,
+    MeanAbsolutePercentageError, MeanSquaredLogarithmicError, KLDivergence, LogCosh, Huber, Hinge, SquaredHinge,
+    CategoricalHinge, Poisson, CosineSimilarity,
+)
+_BY_CLASS_NAME: dict[str, type[Loss]] = {cls.__name__: cls for cls in _CLASSES}
+
+
+def known_names() -> list[str]:
+    """Every string :func:`get` accepts: Keras' function names and aliases, then the class names."""
+    return sorted(_ALIASES) + sorted(_BY_CLASS_NAME)
 
 
 def get(identifier: str | dict | Loss | type[Loss]) -> Loss:
@@ -275,8 +262,13 @@ def get(identifier: str | dict | Loss | type[Loss]) -> Loss:
     if isinstance(identifier, str):
         cls = _ALIASES.get(identifier.lower()) or _BY_CLASS_NAME.get(identifier)
         if cls is None:
-            raise ValueError(f"Unknown loss {identifier!r}; known: {sorted(_ALIASES)}")
+            raise ValueError(f"Unknown loss {identifier!r}; known: {', '.join(known_names())}")
         return cls()
+    if callable(identifier):
+        raise TypeError(
+            f"loss {identifier!r} is a function: the built-in layers back-propagate each loss's own gradient, so "
+            f"compile takes a Loss (a subclass with per_example and gradient) or a name: {', '.join(known_names())}"
+        )
     raise TypeError(f"Cannot interpret {identifier!r} as a loss")
 
 

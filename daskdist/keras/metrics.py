@@ -1,107 +1,78 @@
-"""Streaming metrics (Keras names) whose state is a ``[total, count]`` pair.
+"""Streaming metrics (Keras names) whose state is a ``[total, count]`` pair, and the registry of names.
 
-Every metric here is a weighted mean: ``result() = total / count``. The pair
-is exposed by :meth:`Metric.totals` and :meth:`Metric.set_totals`, so a
-data-parallel model can all-reduce (SUM) it across replicas and every
-replica then reports the global value. Totals are kept on the host in
-float64, so counts stay exact.
+Every metric is a weighted mean (``result() = total / count``, see
+:mod:`daskdist.keras.metric_base`), so a data-parallel model all-reduces the
+pair across replicas and every replica reports the global value. This
+module holds ``Mean`` and the accuracies; every built-in loss as a metric,
+top-k accuracy and ``MeanMetricWrapper`` are in ``loss_metrics``. :func:`get`
+accepts every name TensorFlow's Keras accepts in ``compile(metrics=...)``
+for these metrics, and refuses any other on the client, listing the known.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
-from daskdist.arrays import to_numpy
 from daskdist.keras import losses as _losses
-from daskdist.keras.backend import move_like, xp_of
+from daskdist.keras.backend import move_like
+from daskdist.keras.loss_metrics import (
+    BinaryCrossentropy,
+    CategoricalCrossentropy,
+    CategoricalHinge,
+    CosineSimilarity,
+    Hinge,
+    KLDivergence,
+    LogCoshError,
+    MeanAbsoluteError,
+    MeanAbsolutePercentageError,
+    MeanMetricWrapper,
+    MeanSquaredError,
+    MeanSquaredLogarithmicError,
+    Poisson,
+    RootMeanSquaredError,
+    SparseCategoricalCrossentropy,
+    SparseTopKCategoricalAccuracy,
+    SquaredHinge,
+    TopKCategoricalAccuracy,
+)
+from daskdist.keras.metric_base import Metric, check_compilable
 
 __all__ = [
     "Accuracy",
     "AutoAccuracy",
     "BinaryAccuracy",
+    "BinaryCrossentropy",
     "CategoricalAccuracy",
+    "CategoricalCrossentropy",
+    "CategoricalHinge",
+    "CosineSimilarity",
+    "Hinge",
+    "KLDivergence",
+    "LogCoshError",
     "Mean",
+    "MeanAbsoluteError",
+    "MeanAbsolutePercentageError",
+    "MeanMetricWrapper",
+    "MeanSquaredError",
+    "MeanSquaredLogarithmicError",
     "Metric",
+    "Poisson",
+    "Precision",
+    "Recall",
+    "RootMeanSquaredError",
     "SparseCategoricalAccuracy",
+    "SparseCategoricalCrossentropy",
+    "SparseTopKCategoricalAccuracy",
+    "SquaredHinge",
+    "TopKCategoricalAccuracy",
+    "compiled",
     "get",
+    "is_known",
+    "known_names",
     "serialize",
 ]
 
 Array = Any
-
-
-class Metric:
-    """Base class: a weighted mean of per-example values.
-
-    Subclasses implement :meth:`values` (per-example values from
-    ``y_true``/``y_pred``).
-    """
-
-    default_name = "metric"
-
-    def __init__(self, name: str | None = None):
-        self.name = name or self.default_name
-        self.total = 0.0
-        self.count = 0.0
-
-    def values(self, y_true: Array, y_pred: Array) -> Array:
-        """Per-example values (e.g. 1.0 for a correct prediction)."""
-        raise NotImplementedError
-
-    def update_state(self, y_true: Array, y_pred: Array, sample_weight: Array | None = None) -> None:
-        """Accumulate a batch."""
-        self._accumulate(self.values(y_true, y_pred), sample_weight)
-
-    def _accumulate(self, values: Array, sample_weight: Array | None) -> None:
-        if not hasattr(values, "dtype"):
-            values = np.asarray(values)
-        values = values.astype("float64", copy=False)
-        if sample_weight is None:
-            self.total += float(values.sum())
-            self.count += float(values.size)
-            return
-        w = sample_weight if hasattr(sample_weight, "dtype") else np.asarray(sample_weight)
-        w = move_like(w, values).astype("float64", copy=False)
-        if w.shape != values.shape:
-            w = w.reshape(values.shape) if w.size == values.size else xp_of(values).broadcast_to(w, values.shape)
-        self.total += float((values * w).sum())
-        self.count += float(w.sum())
-
-    def result(self) -> float:
-        """``total / count`` (0.0 before any update)."""
-        return self.total / self.count if self.count else 0.0
-
-    def reset_state(self) -> None:
-        """Forget all accumulated values."""
-        self.total = 0.0
-        self.count = 0.0
-
-    def totals(self) -> np.ndarray:
-        """``array([total, count])`` (float64, host) for all-reducing across replicas."""
-        return np.array([self.total, self.count], dtype=np.float64)
-
-    def set_totals(self, totals: Array) -> None:
-        """Replace the state by a ``[total, count]`` pair (e.g. the all-reduced sum of :meth:`totals`)."""
-        total, count = (float(v) for v in to_numpy(totals).reshape(-1)[:2])
-        self.total, self.count = total, count
-
-    def __call__(self, *args: Any, **kwargs: Any) -> float:
-        """Update with a batch and return the new result."""
-        self.update_state(*args, **kwargs)
-        return self.result()
-
-    def get_config(self) -> dict[str, Any]:
-        """Constructor keyword arguments (JSON-serialisable)."""
-        return {"name": self.name}
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> Metric:
-        return cls(**config)
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} name={self.name!r} result={self.result():.6g}>"
 
 
 class Mean(Metric):
@@ -195,30 +166,128 @@ class AutoAccuracy(Metric):
         return CategoricalAccuracy().values(y_true, y_pred)
 
 
+class _ConfusionRatio(Metric):
+    """``true positives / (true positives + a kind of error)``, thresholded at ``thresholds``.
+
+    The ``[total, count]`` pair is ``[true positives, the denominator]``, so
+    it sums over replicas like every other metric here.
+    """
+
+    def __init__(self, thresholds: float | None = None, name: str | None = None):
+        super().__init__(name)
+        self.thresholds = 0.5 if thresholds is None else float(thresholds)
+
+    def _denominator(self, predicted: Array, actual: Array) -> Array:
+        raise NotImplementedError
+
+    def update_state(self, y_true: Array, y_pred: Array, sample_weight: Array | None = None) -> None:
+        actual = move_like(y_true, y_pred)
+        if actual.shape != y_pred.shape and actual.size == y_pred.size:
+            actual = actual.reshape(y_pred.shape)
+        actual = actual > 0.5
+        predicted = y_pred > self.thresholds
+        weight = 1.0
+        if sample_weight is not None:
+            w = move_like(sample_weight, y_pred).astype("float64", copy=False)
+            weight = w.reshape(w.shape + (1,) * (y_pred.ndim - w.ndim))
+        self.total += float(((predicted & actual) * weight).sum())
+        self.count += float((self._denominator(predicted, actual) * weight).sum())
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "thresholds": self.thresholds}
+
+
+class Precision(_ConfusionRatio):
+    """Of the outputs predicted positive (``y_pred > thresholds``), the fraction that are (Keras' ``Precision``)."""
+
+    default_name = "precision"
+
+    def _denominator(self, predicted: Array, actual: Array) -> Array:
+        return predicted
+
+
+class Recall(_ConfusionRatio):
+    """Of the positive targets, the fraction predicted positive (Keras' ``Recall``)."""
+
+    default_name = "recall"
+
+    def _denominator(self, predicted: Array, actual: Array) -> Array:
+        return actual
+
+
+# the names tf.keras.metrics.get accepts for these metrics (its functions and aliases), lower case;
+# "accuracy"/"acc" and "crossentropy"/"ce" are chosen from the loss, as Keras' compile does
 _BY_NAME: dict[str, type[Metric]] = {
     "sparse_categorical_accuracy": SparseCategoricalAccuracy,
     "categorical_accuracy": CategoricalAccuracy,
     "binary_accuracy": BinaryAccuracy,
-    "mean": Mean,
+    "top_k_categorical_accuracy": TopKCategoricalAccuracy,
+    "sparse_top_k_categorical_accuracy": SparseTopKCategoricalAccuracy,
+    "mean_squared_error": MeanSquaredError,
+    "mse": MeanSquaredError,
+    "mean_absolute_error": MeanAbsoluteError,
+    "mae": MeanAbsoluteError,
+    "mean_absolute_percentage_error": MeanAbsolutePercentageError,
+    "mape": MeanAbsolutePercentageError,
+    "mean_squared_logarithmic_error": MeanSquaredLogarithmicError,
+    "msle": MeanSquaredLogarithmicError,
+    "root_mean_squared_error": RootMeanSquaredError,
+    "kl_divergence": KLDivergence,
+    "kullback_leibler_divergence": KLDivergence,
+    "kld": KLDivergence,
+    "logcosh": LogCoshError,
+    "log_cosh": LogCoshError,
+    "hinge": Hinge,
+    "squared_hinge": SquaredHinge,
+    "categorical_hinge": CategoricalHinge,
+    "poisson": Poisson,
+    "cosine_similarity": CosineSimilarity,
+    "binary_crossentropy": BinaryCrossentropy,
+    "categorical_crossentropy": CategoricalCrossentropy,
+    "sparse_categorical_crossentropy": SparseCategoricalCrossentropy,
 }
-_BY_CLASS_NAME: dict[str, type[Metric]] = {
-    cls.__name__: cls
-    for cls in (Mean, SparseCategoricalAccuracy, CategoricalAccuracy, Accuracy, BinaryAccuracy, AutoAccuracy)
-}
+_CHOSEN_BY_LOSS = ("accuracy", "acc", "crossentropy", "ce")
+_CLASSES: list[type[Metric]] = [Mean, SparseCategoricalAccuracy, CategoricalAccuracy, Accuracy, BinaryAccuracy,
+                                AutoAccuracy, Precision, Recall, *_BY_NAME.values()]
+_BY_CLASS_NAME: dict[str, type[Metric]] = {cls.__name__: cls for cls in _CLASSES}
 
 
-def get(identifier: str | dict | Metric | type[Metric], loss: Any = None) -> Metric:
-    """Resolve a metric.
+def known_names() -> list[str]:
+    """Every string :func:`get` accepts: Keras' names, then the class names."""
+    return sorted({*_BY_NAME, *_CHOSEN_BY_LOSS}) + sorted(_BY_CLASS_NAME)
+
+
+def get(identifier: Any, loss: Any = None) -> Metric:
+    """Resolve a metric (``compile`` then checks it with :func:`compiled`).
 
     ``"accuracy"`` / ``"acc"`` pick the accuracy that fits ``loss``, as
     Keras' ``compile`` does: :class:`SparseCategoricalAccuracy` for
     ``sparse_categorical_crossentropy``, :class:`CategoricalAccuracy` for
     ``categorical_crossentropy``, and otherwise (no loss, or another one)
-    :class:`AutoAccuracy`, which decides from the shapes as Keras does. The
-    metric keeps the name you asked for. Other names
-    (``"sparse_categorical_accuracy"``, ...), class names, ``{"class_name",
-    "config"}`` dicts, classes and instances are accepted too.
+    :class:`AutoAccuracy`, which decides from the shapes as Keras does;
+    ``"crossentropy"`` / ``"ce"`` the cross-entropy of the loss's kind
+    (categorical when the loss is not a cross-entropy). A metric made
+    from a name keeps that name (``metrics=["mae"]`` logs ``"mae"``, as in
+    Keras). Other Keras names (``"mse"``, ``"kld"``, ...; see
+    :func:`known_names`), class names, ``{"class_name", "config"}`` dicts,
+    classes, instances, and functions of ``(y_true, y_pred)`` (wrapped in
+    :class:`MeanMetricWrapper`) are accepted too.
     """
+    return _resolve(identifier, loss)
+
+
+def compiled(identifier: Any, loss: Any = None) -> Metric:
+    """:func:`get` for ``compile``: also raise on the client for a metric that ``fit`` could not update.
+
+    ``Mean`` and other metrics whose ``update_state`` takes ``values`` raise
+    ``TypeError`` here: ``fit`` passes ``(y_true, y_pred, sample_weight)``.
+    """
+    metric = _resolve(identifier, loss)
+    check_compilable(metric, identifier)
+    return metric
+
+
+def _resolve(identifier: Any, loss: Any) -> Metric:
     if isinstance(identifier, Metric):
         return identifier
     if isinstance(identifier, type) and issubclass(identifier, Metric):
@@ -226,16 +295,32 @@ def get(identifier: str | dict | Metric | type[Metric], loss: Any = None) -> Met
     if isinstance(identifier, dict):
         cls = _BY_CLASS_NAME.get(identifier["class_name"])
         if cls is None:
-            raise ValueError(f"Unknown metric class {identifier['class_name']!r}")
+            raise ValueError(f"Unknown metric class {identifier['class_name']!r}; known: {sorted(_BY_CLASS_NAME)}")
         return cls.from_config(identifier.get("config", {}))
     if isinstance(identifier, str):
-        if identifier.lower() in ("accuracy", "acc"):
+        key = identifier.lower()
+        if key in ("accuracy", "acc"):
             return _accuracy_for(loss)(name=identifier)
-        cls = _BY_NAME.get(identifier.lower()) or _BY_CLASS_NAME.get(identifier)
+        if key in ("crossentropy", "ce"):
+            return _crossentropy_for(loss)(name=identifier)
+        cls = _BY_NAME.get(key) or _BY_CLASS_NAME.get(identifier)
         if cls is None:
-            raise ValueError(f"Unknown metric {identifier!r}; known: {sorted(_BY_NAME) + ['accuracy']}")
-        return cls()
+            raise ValueError(f"Unknown metric {identifier!r}; known: {', '.join(known_names())}")
+        return cls(name=identifier) if identifier.lower() in _BY_NAME else cls()
+    if isinstance(identifier, type) and issubclass(identifier, _losses.Loss):
+        return MeanMetricWrapper(identifier())
+    if callable(identifier):
+        return MeanMetricWrapper(identifier)
     raise TypeError(f"Cannot interpret {identifier!r} as a metric")
+
+
+def _crossentropy_for(loss: Any) -> type[Metric]:
+    loss = _losses.get(loss) if loss is not None else None
+    if isinstance(loss, _losses.SparseCategoricalCrossentropy):
+        return SparseCategoricalCrossentropy
+    if isinstance(loss, _losses.BinaryCrossentropy):
+        return BinaryCrossentropy
+    return CategoricalCrossentropy
 
 
 def _accuracy_for(loss: Any) -> type[Metric]:
@@ -247,6 +332,11 @@ def _accuracy_for(loss: Any) -> type[Metric]:
     if isinstance(loss, _losses.CategoricalCrossentropy):
         return CategoricalAccuracy
     return AutoAccuracy
+
+
+def is_known(metric: Metric) -> bool:
+    """Whether :func:`get` can rebuild ``metric`` from :func:`serialize` (a built-in class, not a wrapper)."""
+    return _BY_CLASS_NAME.get(type(metric).__name__) is type(metric)
 
 
 def serialize(metric: Metric) -> dict[str, Any]:

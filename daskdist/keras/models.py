@@ -24,7 +24,7 @@ from daskdist import context
 from daskdist.arrays import as_array, to_numpy
 from daskdist.group.service import MODEL, ReplicaService
 from daskdist.keras import callbacks as callbacks_module
-from daskdist.keras import ps_fit, saving, training
+from daskdist.keras import ps_fit, resident_ref, saving, training
 from daskdist.strategy.gradient_applier import gradient_applier
 
 if TYPE_CHECKING:
@@ -101,9 +101,11 @@ class Model:
             x = layer.forward(x, training=training)
         return x
 
-    def _backward(self, grad: Any) -> None:
+    def _backward(self, grad: Any) -> Any:
+        """Back-propagate ``grad`` (of the last forward's output); fills the layers' ``grads``; returns ``dL/dx``."""
         for layer in reversed(self.layers):
             grad = layer.backward(grad)
+        return grad
 
     def _trainable_arrays(self) -> tuple[list[Any], list[Any]]:
         params, grads = [], []
@@ -114,9 +116,26 @@ class Model:
         return params, grads
 
     def __call__(self, x: Any, training: bool = False) -> Any:
-        x, _ = as_array(x)
+        """The model's output for a batch ``x``; recorded when a ``GradientTape`` is open (custom loops)."""
+        from daskdist.keras.gradient_tape import record_model_call
+
+        inputs = x
+        x, _ = as_array(np.asarray(x) if isinstance(x, np.ndarray) else x)
         self._ensure_built(x)
-        return self._forward(x, training=training)
+        return record_model_call(self, inputs, self._forward(x, training=training))
+
+    @property
+    def trainable_variables(self) -> list[Any]:
+        """The trainable parameter arrays, in a fixed order (``tape.gradient``'s sources, the optimizer's).
+
+        Empty until the model is built. Inside a replica they are that
+        replica's arrays; ``optimizer.apply_gradients`` updates them in place.
+        """
+        if not self.built:
+            return []
+        return [layer.params[name] for layer in self.layers for name in sorted(layer.params)]
+
+    trainable_weights = trainable_variables
 
     # -- weights -------------------------------------------------------------------
 
@@ -187,11 +206,12 @@ class Model:
             raise ValueError("compile needs a loss")
         self.optimizer = optimizers.get(optimizer)
         self.loss = losses.get(loss)
-        self.compiled_metrics = [metrics_module.get(m, loss=self.loss) for m in (metrics or [])]
+        self.compiled_metrics = [metrics_module.compiled(m, loss=self.loss) for m in (metrics or [])]
         self._compile_config = {
             "optimizer": {"class_name": type(self.optimizer).__name__, "config": self.optimizer.get_config()},
             "loss": {"class_name": type(self.loss).__name__, "config": self.loss.get_config()},
-            "metrics": [m if isinstance(m, str) else type(m).__name__ for m in (metrics or [])],
+            "metrics": [m if isinstance(m, str) else metrics_module.serialize(c) for m, c in
+                        zip(metrics or [], self.compiled_metrics) if isinstance(m, str) or metrics_module.is_known(c)],
         }
         self._steps_per_execution = steps_per_execution
         self._pss_evaluation_shards = pss_evaluation_shards
@@ -226,11 +246,17 @@ class Model:
 
     def _resident(self) -> _InstalledModel:
         """What is installed on a replica: a copy without the client's strategy and history."""
-        payload = copy.copy(self)
+        payload = object.__new__(type(self))  # not copy.copy: that would call __reduce_ex__, which may refer
+        payload.__dict__.update(self.__dict__)
         payload._strategy = None
         payload._installed = False
         payload.history = None
         return _InstalledModel(payload)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Inside a function sent by its strategy's ``run``: a reference to each replica's resident copy."""
+        reference = resident_ref.reduce_for_replicas(self, self._model_id)
+        return reference if reference is not None else super().__reduce_ex__(protocol)
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -288,7 +314,7 @@ class Model:
         if self._uses_coordinator():
             logs = ps_fit.evaluate(self, x, y, batch_size, steps)
         else:
-            data = self._as_dataset(x, y, batch_size, False)
+            data = self._as_dataset(x, y, batch_size, False, what="evaluate")
             runner = _Runner(self, None, data)
             try:
                 logs = runner.evaluate(data, steps)
@@ -304,7 +330,7 @@ class Model:
         if self._uses_coordinator():
             raise NotImplementedError("`model.predict` is not yet supported with `ParameterServerStrategy`.")
         local = self._local_copy()
-        data = self._as_dataset(x, None, batch_size or 32, False)
+        data = self._as_dataset(x, None, batch_size or 32, False, what="predict")
         return to_numpy(training.predict_batches(local, iter(data)))
 
     def _local_copy(self) -> Model:
@@ -317,8 +343,9 @@ class Model:
         clone._assign_weights(self.get_weights())
         return clone
 
-    def _as_dataset(self, x: Any, y: Any = None, batch_size: int | None = None, shuffle: bool = False) -> Any:
-        from daskdist.data.dataset import Dataset
+    def _as_dataset(self, x: Any, y: Any = None, batch_size: int | None = None, shuffle: bool = False,
+                    what: str = "fit") -> Any:
+        from daskdist.data.dataset import Dataset, TensorSpec
         from daskdist.keras.input_check import check_model_input
 
         if x is None:
@@ -327,12 +354,14 @@ class Model:
             if y is not None:
                 raise ValueError("y must not be given when x is a Dataset (it yields (x, y) pairs)")
             client = self._strategy.client if self._strategy is not None else None
-            check_model_input(x.element_spec_with(client), self._built_input_shape())  # on the client, before training
+            check_model_input(x.element_spec_with(client), self._built_input_shape(), what)  # on the client, first
             return x
         x_array, _ = as_array(x)
         structure = (x_array,) if y is None else (x_array, as_array(y)[0])
         if y is not None and len(structure[1]) != len(x_array):
             raise ValueError(f"x and y have different lengths ({len(x_array)} and {len(structure[1])})")
+        specs = tuple(TensorSpec((None, *a.shape[1:]), a.dtype) for a in structure)
+        check_model_input(specs if y is not None else specs[0], self._built_input_shape(), what)  # as for a Dataset
         dataset = Dataset.from_tensor_slices(structure if y is not None else x_array)
         if shuffle:
             dataset = dataset.shuffle(len(x_array))
@@ -585,6 +614,9 @@ class _InstalledModel:
 
     def __init__(self, model: Model):
         self.model = model
+
+    def unwrap(self) -> Model:
+        return self.model
 
     def snapshot(self) -> dict:
         weights = [np.array(to_numpy(a), copy=True) for _, a in self.model._weight_items()]

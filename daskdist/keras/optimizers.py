@@ -15,11 +15,12 @@ Examples
 from __future__ import annotations
 
 import math
+import uuid
 from typing import Any
 
 import numpy as np
 
-from daskdist import fault_points
+from daskdist import context, fault_points
 from daskdist.keras.backend import move_like, to_numpy, xp_of
 
 __all__ = ["SGD", "Adam", "LearningRate", "Optimizer", "RMSprop", "get", "serialize"]
@@ -32,6 +33,30 @@ class LearningRate(float):
 
     def numpy(self) -> float:
         return float(self)
+
+
+def _current_strategy() -> Any:
+    frame = context.current_frame()
+    if frame is not None and frame.replica_context is None and hasattr(frame.strategy, "_extended"):
+        return frame.strategy
+    return None
+
+
+class _InstalledOptimizer:
+    """An optimizer resident on a replica (made in ``strategy.scope()``, captured by a ``run`` function)."""
+
+    def __init__(self, optimizer: Optimizer):
+        self.optimizer = optimizer
+
+    def unwrap(self) -> Optimizer:
+        return self.optimizer
+
+    def snapshot(self) -> dict[str, Any]:
+        return {k: np.array(to_numpy(v), copy=True) for k, v in self.optimizer.get_state().items()}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        if state:
+            self.optimizer.set_state(state)
 
 
 class Optimizer:
@@ -57,6 +82,57 @@ class Optimizer:
         self.name = name or type(self).__name__
         self.iterations = 0
         self._slots: dict[str, list[Array]] = {}
+        self._strategy = _current_strategy()  # made in strategy.scope(): resident on the replicas (custom loops)
+        self._installed = False
+        self._optimizer_id = f"optimizer-{uuid.uuid4().hex[:12]}"
+
+    # -- custom loops ----------------------------------------------------------------------------------------
+
+    def apply_gradients(self, grads_and_vars: Any, name: str | None = None, skip_gradients_aggregation: bool = False,
+                        experimental_aggregate_gradients: bool = True) -> int:
+        """Apply ``(gradient, variable)`` pairs (TF's ``apply_gradients``); returns :attr:`iterations`.
+
+        The variables are parameter arrays (``model.trainable_variables``),
+        updated in place. Inside a replica of a strategy with several
+        replicas the gradients are first summed over the replicas
+        (one all-reduce), as TF's optimizers do in ``strategy.run``: scale
+        the loss by the *global* batch size (``dd.nn.compute_average_loss``)
+        so the sum is the global mean's gradient. ``skip_gradients_aggregation=True``
+        (or ``experimental_aggregate_gradients=False``) applies them as given.
+        Pairs whose gradient is ``None`` are left out, as TF does (with a
+        warning there); none left raises ``ValueError``. Pass the same
+        variables in the same order every step: the slots (momentum, Adam's
+        moments) are kept by position.
+        """
+        pairs = [(g, v) for g, v in grads_and_vars]
+        kept = [(g, v) for g, v in pairs if g is not None]
+        if not kept:
+            raise ValueError(f"No gradients provided for any variable ({len(pairs)} variables)")
+        grads = [g for g, _ in kept]
+        ctx = context.get_replica_context()
+        if (ctx is not None and ctx.num_replicas_in_sync > 1 and context.current_runtime() is not None
+                and not skip_gradients_aggregation and experimental_aggregate_gradients):
+            from daskdist.ops import ReduceOp
+
+            grads = ctx.all_reduce(ReduceOp.SUM, grads)
+        self.apply([v for _, v in kept], grads)
+        return self.iterations
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        from daskdist.keras.resident_ref import reduce_for_replicas
+
+        reference = reduce_for_replicas(self, self._optimizer_id)
+        return reference if reference is not None else super().__reduce_ex__(protocol)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_strategy"] = None
+        return state
+
+    def _resident(self) -> _InstalledOptimizer:
+        payload = object.__new__(type(self))
+        payload.__dict__.update(self.__getstate__())
+        return _InstalledOptimizer(payload)
 
     @property
     def learning_rate(self) -> LearningRate:

@@ -170,7 +170,7 @@ def _train_step(model: Model, ctx: Any, x: Any, y: Any, sample_weight: Any, time
         loss_sum = float(namespace(per_example).sum(per_example))
         params, grads = model._trainable_arrays()
     else:  # this replica ran out of data this step: it still joins the all-reduce, with zeros
-        params, _ = model._trainable_arrays()
+        params = model.trainable_variables  # (its layers may have no gradients yet: no backward ran here)
         grads = [namespace(p).zeros_like(p) for p in params]
     stats = _step_stats(grads, rows, loss_sum)
     if applier is not None:  # parameters held elsewhere (CentralStorage): reduced there, optimizer run there once

@@ -57,6 +57,8 @@ __all__ = ["ReplicaRuntime", "pin_replica_thread", "replica_main"]
 
 logger = logging.getLogger(__name__)
 
+_NO_COMMAND = object()  # serve(): the command queue was empty
+
 STALL_EVENT_TOPIC = "daskdist-stall"
 
 
@@ -363,13 +365,17 @@ class ReplicaRuntime:
         self.state = "idle"
         server = self._server
         while True:
+            item: Any
             if server is None:
                 item = self._commands.get()
             else:
                 try:
                     item = self._commands.get_nowait()
                 except queue.Empty:
-                    # wait on the client's direct channel and on the queue's wake-up, in this thread
+                    item = _NO_COMMAND
+                if item is _NO_COMMAND:
+                    # wait on the client's direct channel and on the queue's wake-up, in this thread; outside the
+                    # `except` block, so a command's error does not carry queue.Empty as its context
                     for conn, (run_id, generation, settings, payload) in server.wait():
                         response = self._execute(run_id, payload, generation, settings)
                         response["run_id"] = run_id

@@ -84,6 +84,7 @@ class Strategy:
     def scope(self) -> Iterator[Strategy]:
         """Cross-replica context: variables created inside are distributed over the replicas."""
         self._extended.check_open()
+        self._require_no_other_strategy()
         frame = context.Frame(strategy=self, replica_context=None, variable_creator=self._extended.create_variable)
         with context.enter(frame):
             yield self
@@ -116,7 +117,21 @@ class Strategy:
             raise TypeError(f"args must be a tuple, got {type(args).__name__}")
         if options is not None and not isinstance(options, RunOptions):
             raise TypeError(f"options must be a distribute.RunOptions, got {type(options).__name__}")
-        return self._extended.call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
+        self._require_no_other_strategy()
+        with context.shipping_to(self) as shipment:
+            result = self._extended.call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
+        for sent in shipment.sent_in_full:  # every replica installed it: later runs send a reference only
+            sent._installed = True
+        return result
+
+    def _require_no_other_strategy(self) -> None:
+        """Raise as TensorFlow does when another strategy's scope is in effect in this thread."""
+        frame = context.current_frame()
+        if frame is not None and frame.replica_context is None and frame.strategy is not self:
+            raise RuntimeError(
+                f"Mixing different tf.distribute.Strategy objects: {context.describe_strategy(frame.strategy)} "
+                f"is not {context.describe_strategy(self)}"
+            )
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
         """Reduce ``value`` (results of ``run``) across replicas, and along ``axis`` if given."""
