@@ -8,7 +8,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test check test-ucx bench install clean
+.PHONY: run test test-fast test-random check test-ucx bench install clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,10 +26,22 @@ run: $(STAMP)
 # scripts/ensure_chromium.sh installs Debian's chromium for the dashboard browser test when it is missing
 # (best effort, never fails; the test skips without it); scripts/ensure_iproute2.sh does the same for `ip`/`tc`
 # (iproute2), which the network-namespace host tests need (they skip without it, or without root)
+# two pytest-xdist workers; --dist loadgroup keeps each module's tests on one worker (its module-scoped clusters
+# start once) and every netns test in one group (tests/conftest.py). Every test runs, slow and netns included.
+PYTEST_WORKERS ?= 2
 test: $(STAMP)
 	-bash scripts/ensure_chromium.sh
 	-bash scripts/ensure_iproute2.sh
-	$(BIN)/python -m pytest tests -q
+	$(BIN)/python -m pytest tests -q -n $(PYTEST_WORKERS) --dist loadgroup --durations=15
+
+# for development: no crash/kill tests and no network namespaces (CI runs `make test`, which has them)
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest tests -q -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow and not netns"
+
+# the whole suite in a random order (pytest-randomly; the seed is printed, rerun one with -p randomly
+# --randomly-seed=<seed>): every test must pass alone and in any order
+test-random: $(STAMP)
+	$(BIN)/python -m pytest tests -q -p randomly -n $(PYTEST_WORKERS) --dist loadgroup
 
 # static checks (configured in pyproject.toml): ruff's lint rules, mypy (strict for daskdist.collective,
 # daskdist.group and daskdist.strategy) and the import-direction contracts (lint-imports); .ci/run runs them

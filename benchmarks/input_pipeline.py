@@ -108,16 +108,16 @@ def movement() -> None:
         del blocks
         client.wait_for_workers(3)
         total_bytes = sum(rows for rows, _ in MOVEMENT_LAYOUT) * 17 * 4
-        print(f"{'split':<10}{'plan: bytes moved':>20}{'share':>8}{'measured transfer':>20}{'steps':>7}"
+        print(f"{'option':<10}{'split':<9}{'plan: bytes moved':>20}{'share':>8}{'measured transfer':>20}{'steps':>7}"
               f"{'rows per replica':>26}")
-        for split in ("global", "balanced", "local"):
+        for split in (None, "global", "balanced", "local"):  # None: the default, chosen by the source
             with dd.MirroredStrategy(client=client) as strategy:
                 ds = dd.data.Dataset.from_dask(table).map(lambda row: (row[:16], row[16])).batch(96)
                 before = _transferred(client)
                 dist = strategy.experimental_distribute_dataset(ds, dd.InputOptions(experimental_split=split))
                 measured = _transferred(client) - before
                 plan = dist.plan()
-                print(f"{split:<10}{plan.bytes_to_move:>20,}{plan.bytes_to_move / total_bytes:>8.1%}{measured:>20,}"
+                print(f"{split or 'default':<10}{plan.split:<9}{plan.bytes_to_move:>20,}{plan.bytes_to_move / total_bytes:>8.1%}{measured:>20,}"
                       f"{plan.steps:>7}{plan.rows_per_replica()!s:>26}")
                 del dist
 

@@ -116,7 +116,7 @@ def closure_figures(client: object, num_ps: int, args: argparse.Namespace, only_
         for _ in range(args.warmup):
             coordinator.schedule(train_step, args=(iterator,))
         coordinator.join()
-        stores = strategy.extended._stores
+        stores = strategy.extended.stores
         before = [len(s.call_from_client(client, "staleness")) for s in stores]
         requests_before = [s.call_from_client(client, "requests") for s in stores]
         start = time.perf_counter()
@@ -159,7 +159,7 @@ def bytes_served(client: object, num_ps: int, partitioned: bool, closures: int) 
             ids = rng.integers(0, 100_000, 32)
             coordinator.schedule(lambda i: dd.nn.embedding_lookup(table, i).sum(), args=(ids,))
         coordinator.join()
-        return [s.call_from_client(client, "bytes_served") for s in strategy.extended._stores]
+        return [s.call_from_client(client, "bytes_served") for s in strategy.extended.stores]
 
 
 def tensorflow_peer(workers: int, args: argparse.Namespace) -> dict | str:

@@ -15,11 +15,15 @@ from daskdist.cross_device_ops import (
 from daskdist.data import InputContext, InputOptions, OutOfRangeError
 from daskdist.elastic import ElasticOptions
 from daskdist.exceptions import (
+    CheckpointError,
+    ClientClosedError,
     CollectiveAbortedError,
     CollectiveError,
     CollectiveMismatchError,
     CollectiveTimeoutError,
     DaskdistError,
+    ElasticRecoveryError,
+    ParameterServerLostError,
     RendezvousError,
     ReplicaLostError,
     StaleGenerationError,
@@ -46,6 +50,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AllReduceCrossDeviceOps",
+    "CheckpointError",
+    "ClientClosedError",
     "CollectiveAbortedError",
     "CollectiveError",
     "CollectiveMismatchError",
@@ -56,6 +62,7 @@ __all__ = [
     "DaskdistError",
     "DistributedValues",
     "ElasticOptions",
+    "ElasticRecoveryError",
     "GradientTape",
     "HierarchicalCopyAllReduce",
     "IndexedSlices",
@@ -68,6 +75,7 @@ __all__ = [
     "NcclAllReduce",
     "OneDeviceStrategy",
     "OutOfRangeError",
+    "ParameterServerLostError",
     "ParameterServerStrategy",
     "PerReplica",
     "ReduceOp",

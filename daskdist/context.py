@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     from daskdist.replica.context import ReplicaContext
@@ -94,7 +95,7 @@ def get_replica_context() -> ReplicaContext | None:
     if frame is None:
         from daskdist.strategy.default import default_replica_context
 
-        return default_replica_context()
+        return cast("ReplicaContext", default_replica_context())  # duck-typed: ReplicaContext's API, one replica
     return frame.replica_context
 
 

@@ -19,7 +19,8 @@ TF class                   daskdist algorithm
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from daskdist.cluster.devices import DeviceSpec, parse_device
 from daskdist.ops import Algorithm, CommunicationOptions, ReduceOp

@@ -3,28 +3,47 @@
 ::
 
     DaskdistError
-    ├── StrategyClosedError          the strategy was closed or its group failed
-    ├── RendezvousError              replicas did not all start in time
-    ├── ReplicaLostError             a replica's worker died (recoverable by restarting)
-    ├── StaleGenerationError         a message of an older membership generation was rejected
-    └── CollectiveError              a collective could not complete
-        ├── CollectiveMismatchError  replicas passed different shapes, dtypes or structures
-        ├── CollectiveTimeoutError   a replica did not join within the deadline
-        └── CollectiveAbortedError   another replica failed during the same run
+    ├── StrategyClosedError              (RuntimeError) the strategy was closed or its group failed
+    │   └── ClientClosedError            the Dask client it was given (or uses) is closed
+    ├── RendezvousError                  (TimeoutError) replicas did not all start in time
+    ├── ReplicaLostError                 a member's worker left the cluster
+    │   ├── ParameterServerLostError     a parameter server was lost: fatal for its strategy
+    │   └── ElasticRecoveryError         elastic recovery cannot go on: ends the elastic run
+    ├── StaleGenerationError             a message of an older membership generation was rejected
+    ├── OutOfRangeError                  (StopIteration) get_next after the end of the data
+    ├── CheckpointError                  (ValueError) a checkpoint is missing, damaged or does not fit
+    └── CollectiveError                  a collective could not complete
+        ├── CollectiveMismatchError      (ValueError) replicas passed different shapes, dtypes or structures
+        ├── CollectiveTimeoutError       (TimeoutError) a replica did not join within the deadline
+        └── CollectiveAbortedError       another replica failed during the same run
 
-``ReplicaLostError`` is the documented recoverable error: a training loop that
-wants to survive a lost worker catches exactly that, builds a new strategy on
-the remaining workers and restores from its last checkpoint.
+A builtin in parentheses is a second base: code that catches it (``except
+ValueError``, a ``for`` loop ending on ``StopIteration``) keeps working.
+
+``ReplicaLostError`` is the recoverable error: an elastic strategy
+(``elastic=dd.ElasticOptions(...)``) recovers from it by itself, on the
+surviving workers; without elastic, a training loop that wants to survive a
+lost worker catches exactly that, builds a new strategy on the remaining
+workers and restores from its last checkpoint. Its two subclasses are the
+losses nothing recovers from in place: ``ParameterServerLostError`` (the
+variables lived on the lost ps; restart from a checkpoint) and
+``ElasticRecoveryError`` (an elastic run that cannot re-form: too few
+workers, no common commit, the recovery budget spent).
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "CheckpointError",
+    "ClientClosedError",
     "CollectiveAbortedError",
     "CollectiveError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "DaskdistError",
+    "ElasticRecoveryError",
+    "OutOfRangeError",
+    "ParameterServerLostError",
     "RendezvousError",
     "ReplicaLostError",
     "StaleGenerationError",
@@ -38,6 +57,15 @@ class DaskdistError(Exception):
 
 class StrategyClosedError(DaskdistError, RuntimeError):
     """The strategy was closed, or its replica group failed and cannot run more work."""
+
+
+class ClientClosedError(StrategyClosedError):
+    """The ``distributed.Client`` a strategy was given, or the one it runs on, is closed.
+
+    Raised by a strategy's constructor for a closed client, and by ``run`` (and every command) once the
+    client was closed under a live strategy: the scheduler then closes the strategy's replicas, so the
+    strategy cannot run more work. Create a new client and a new strategy.
+    """
 
 
 class RendezvousError(DaskdistError, TimeoutError):
@@ -61,6 +89,31 @@ class ReplicaLostError(DaskdistError):
 
     def __reduce__(self):
         return (type(self), (str(self), self.worker))
+
+
+class ParameterServerLostError(ReplicaLostError):
+    """A parameter server left the cluster: training cannot go on (TF's ``PSUnavailableError``; fatal).
+
+    Raised by every later call of the strategy's ``ClusterCoordinator``
+    (``schedule``, ``join``, ``done``, ``fetch``) within about a second of the
+    loss, which the scheduler plugin announces like any lost group member.
+    """
+
+
+class ElasticRecoveryError(ReplicaLostError):
+    """An elastic run cannot recover: too few workers, no common commit, or the recovery budget is spent.
+
+    Ends the elastic run (never recovered from again); still a
+    ``ReplicaLostError`` for code that catches losses.
+    """
+
+
+class OutOfRangeError(DaskdistError, StopIteration):
+    """``get_next`` was called after the end of the data (TF's ``tf.errors.OutOfRangeError``)."""
+
+
+class CheckpointError(DaskdistError, ValueError):
+    """A checkpoint is missing, damaged, or does not fit the model."""
 
 
 class StaleGenerationError(DaskdistError):

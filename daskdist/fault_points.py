@@ -29,6 +29,12 @@ restored commit's step (the epoch's global batches done at that commit, the
 third field of its ``CommitKey``) and its rank the replica's rank in the new
 generation (``restoring``). A step of ``*`` matches any step (``"restore:*:1"``:
 the first restore on rank 1, whatever commit the survivors agree on).
+``state-commit`` is no phase of a step either: it fires on a replica that
+has just committed for ``dd.elastic.State.commit`` (``commit_now``), before it
+answers, so a kill there loses the reply of a commit every replica made; its
+step is the commit's serial number in its ``State`` (the second field of its
+``CommitKey``: 1 for the state's first commit), its rank the replica's
+(``state_committed``).
 
 Zero cost when unset: a training command reads the key once (``arm``); the
 points on the hot paths test one module-level boolean, ``ARMED``, false
@@ -48,14 +54,15 @@ from dataclasses import dataclass
 
 from daskdist import config
 
-__all__ = ["ARMED", "PHASES", "STEP_PHASES", "PausePoint", "arm", "begin_step", "bound", "reached", "restoring"]
+__all__ = ["ARMED", "PHASES", "STEP_PHASES", "PausePoint", "arm", "begin_step", "bound", "reached", "restoring",
+           "state_committed"]
 
 logger = logging.getLogger(__name__)
 
 #: The phases of a training step (``arm``, ``reached``, ``bound``).
 STEP_PHASES = ("input", "forward", "reduce-scatter", "all-gather", "apply", "commit")
 #: Every phase: those of a step, and ``restore`` (a replica going back to a commit in a recovery: ``restoring``).
-PHASES = (*STEP_PHASES, "restore")
+PHASES = (*STEP_PHASES, "restore", "state-commit")
 
 #: Whether a fault point was armed in this process: the only thing hot paths look at.
 ARMED = False
@@ -163,6 +170,21 @@ def restoring(rank: int, step: int) -> None:
     if point.rank != rank or not point.matches("restore", step) or not path:
         return
     _pause(point, "restore", step, str(path), config.get_seconds("testing.pause-seconds"), _worker_address())()
+
+
+def state_committed(rank: int, serial: int) -> None:
+    """Fault point ``state-commit``: the replica of rank ``rank`` committed ``State`` commit ``serial``.
+
+    Called by ``commit_now`` (a custom loop's commits arm nothing): costs a settings lookup per commit.
+    """
+    spec = config.get("testing.pause-at")
+    if not spec:
+        return
+    point = PausePoint.parse(spec)
+    path = config.get("testing.pause-file")
+    if point.rank != rank or not point.matches("state-commit", serial) or not path:
+        return
+    _pause(point, "state-commit", serial, str(path), config.get_seconds("testing.pause-seconds"), _worker_address())()
 
 
 def _pause(point: PausePoint, phase: str, step: int, path: str, seconds: float,

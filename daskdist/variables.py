@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -297,6 +298,16 @@ class DistributedVariable(Variable):
         return (_resolve_variable, (self._token, self._var_id, self._spec))
 
     @property
+    def var_id(self) -> str:
+        """The id the strategy keeps this variable under (on its replicas, or in its parameter store)."""
+        return self._var_id
+
+    @property
+    def spec(self) -> VariableSpec:
+        """How the variable was made: name, shape, dtype, trainable, synchronization, aggregation."""
+        return self._spec
+
+    @property
     def distribute_strategy(self) -> Any:
         """The strategy this variable belongs to (inside a replica, that replica's view of it)."""
         if self._on_replica():
@@ -332,6 +343,10 @@ class DistributedVariable(Variable):
 
     def _local_results(self) -> tuple[Any, ...]:
         return tuple(self._client_owner().read_variable(self._var_id, all_replicas=True))
+
+    def local_results(self) -> tuple[Any, ...]:
+        """Every replica's copy (TF's ``_local_results``; one element for a variable held in a store)."""
+        return self._local_results()
 
     # -- reading ----------------------------------------------------------------
 

@@ -55,32 +55,125 @@ def make_cluster():
         cluster.close()
 
 
+class _NetnsHostsOfModule:
+    """The module's two namespace hosts, started again before a test if an earlier one broke them.
+
+    A test may kill a worker or cut a link: the next test that asks gets hosts with all 4 workers, whatever
+    the order the tests run in.
+    """
+
+    def __init__(self):
+        self.hosts = None
+        self.client = None
+        self._previous = None
+
+    def healthy(self):
+        import signal
+
+        from tests.netns import start_hosts, unavailable_reason
+
+        if self.client is not None:
+            try:
+                if len(self.client.scheduler_info()["workers"]) == 4:
+                    return self.hosts, self.client
+            except OSError:
+                pass
+            self.close()
+        reason = unavailable_reason()
+        if reason is not None:
+            pytest.skip(reason)
+        self.hosts = start_hosts(2, 2, rate="10gbit")
+
+        def on_sigterm(signum, frame):
+            self.close()
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        self._previous = signal.signal(signal.SIGTERM, on_sigterm)
+        self.client = Client(self.hosts.scheduler_address, set_as_default=False, timeout=120)  # a loaded machine
+        self.client.wait_for_workers(4, timeout=60)
+        return self.hosts, self.client
+
+    def close(self):
+        import signal
+
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+        if self.hosts is not None:
+            self.hosts.close()
+            self.hosts = None
+
+
 @pytest.fixture(scope="module")
-def netns_hosts():
+def _netns_hosts_of_module():
+    holder = _NetnsHostsOfModule()
+    yield holder
+    holder.close()
+
+
+@pytest.fixture
+def netns_hosts(_netns_hosts_of_module):
     """Two namespace hosts (h1, h2) with 2 Dask workers each, a scheduler on the bridge, and a client.
 
-    Skips with the reason where namespaces cannot be made (not root, no iproute2).
-    Everything is removed afterwards, also when the test process gets SIGTERM.
+    Skips with the reason where namespaces cannot be made (not root, no iproute2). Shared by the module's
+    tests, and started again if a test left fewer than 4 workers. Everything is removed afterwards, also
+    when the test process gets SIGTERM.
     """
-    import signal
+    return _netns_hosts_of_module.healthy()
 
-    from tests.netns import start_hosts, unavailable_reason
 
-    reason = unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    hosts = start_hosts(2, 2, rate="10gbit")
+@pytest.fixture(autouse=True)
+def _fault_points_disarmed():
+    """A test that armed a fault point in this process leaves it disarmed for the next one."""
+    yield
+    from daskdist import fault_points
 
-    def on_sigterm(signum, frame):
-        hosts.close()
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
+    fault_points.ARMED = False
 
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
-    try:
-        with Client(hosts.scheduler_address, set_as_default=False) as client:
-            client.wait_for_workers(4, timeout=60)
-            yield hosts, client
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        hosts.close()
+
+def pytest_collection_modifyitems(config, items):
+    """xdist groups (``--dist loadgroup``): every netns test in one group, the rest by module.
+
+    Namespace hosts share the machine's bridge subnets and the stale-run sweep, so they run one at a time;
+    a module's tests stay together so its module-scoped clusters start once.
+    """
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        netns = item.get_closest_marker("netns") is not None or item.path.name == "test_netns_harness.py"
+        item.add_marker(pytest.mark.xdist_group("netns" if netns else item.path.stem))
+
+
+@pytest.fixture(scope="session")
+def warm_pool():
+    """The session's pool of fresh ``dask worker`` sets, built ahead in the background."""
+    from tests.support.processes import WarmPool, warm_pool_enabled
+
+    pool = WarmPool(enabled=warm_pool_enabled())
+    yield pool
+    pool.close()
+
+
+@pytest.fixture
+def process_workers(warm_pool):
+    """``make(n)``: ``n`` fresh ``dask worker`` processes (with nannies) and a client; all closed afterwards.
+
+    Closing stops the test's kill watchers first, then sweeps the shared-memory segments of the replicas
+    killed here (only those whose creator is gone).
+    """
+    from daskdist.collective.transport.shm_orphans import sweep_orphans
+
+    made = []
+
+    def make(n: int):
+        made.append(warm_pool.take(n))
+        return made[-1]
+
+    yield make
+    for workers in made:
+        workers.close()
+    sweep_orphans()

@@ -7,7 +7,7 @@ import pytest
 
 import daskdist as dd
 from daskdist import keras
-from daskdist.strategy.parameter_store import STORE_EXTENSION
+from daskdist.ps.store import STORE_EXTENSION
 
 Dataset = dd.data.Dataset
 TWO = ["/cpu:0", "/cpu:1"]
@@ -21,14 +21,14 @@ def central(threaded_client):
 
 def _store_versions(client, strategy):
     """``{var_id: version}`` of the strategy's store, read on the holder's worker."""
-    store = strategy.extended._stores[0]
+    store = strategy.extended.stores[0]
     return store.call_from_client(client, "versions")
 
 
 def _holds_copy(service, var_id):
     """Whether this replica holds a copy of its own (a mirrored variable) rather than a view of the store."""
     from daskdist.group.service import VARIABLE
-    from daskdist.strategy.ps_values import AggregatingVariable
+    from daskdist.ps.values import AggregatingVariable
 
     return not isinstance(service.objects.get(VARIABLE, var_id), AggregatingVariable)
 

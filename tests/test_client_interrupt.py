@@ -98,6 +98,7 @@ def _replicas_of(client, token: str) -> list:
     return [r for rs in client.run(replicas).values() for r in rs]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_a_client_killed_mid_fit_leaves_no_segment_and_the_workers_train_on(make_cluster, tmp_path, sig):
@@ -122,6 +123,7 @@ def test_a_client_killed_mid_fit_leaves_no_segment_and_the_workers_train_on(make
         assert all(np.array_equal(v, np.full(1000, 2.0)) for v in strategy.experimental_local_results(total))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
 def test_stopping_a_script_with_an_embedded_cluster_mid_fit_cleans_up(tmp_path, sig):

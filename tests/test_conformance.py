@@ -388,18 +388,31 @@ def test_assign_mirrored_var_cross_device_context(strategy):
     assert float(np.asarray(mirrored_var.assign(6.0))) == 6.0
 
 
-def test_assign_mirrored_var_replica_context(strategy):
-    """mirrored_strategy_test.py, ``testAssignMirroredVarReplicaContext``: MEAN of replica ids is 0.5."""
-    mirrored_var = _mirrored(strategy, 1.0, "MEAN")
-    strategy.run(lambda: mirrored_var.assign(np.asarray(replica_id(), mirrored_var.dtype)))
-    assert float(mirrored_var.numpy()) == 0.5
+# mirrored_strategy_test.py's table of updates in a replica context, MEAN aggregation: each replica's own
+# id (the MEAN of 0 and 1 is applied) or one value every replica passes
+_REPLICA_CONTEXT_UPDATES = [
+    # TF's test, method, initial value, each replica's update (None: its replica id), TF's expected value
+    ("testAssignMirroredVarReplicaContext", "assign", 1.0, None, 0.5),
+    ("testAssignMirroredVarReplicaContextWithSingleValue", "assign", 1.0, 5.0, 5.0),
+    ("testAssignAddMirroredVarReplicaContext", "assign_add", 1.0, None, 1.5),
+    ("testAssignAddMirroredVarReplicaContextWithSingleValue", "assign_add", 1.0, 5.0, 6.0),
+    ("testAssignSubMirroredVarReplicaContext", "assign_sub", 5.0, None, 4.5),
+    ("testAssignSubMirroredVarReplicaContextWithSingleValue", "assign_sub", 5.0, 1.0, 4.0),
+]
 
 
-def test_assign_mirrored_var_replica_context_with_single_value(strategy):
-    """mirrored_strategy_test.py, ``testAssignMirroredVarReplicaContextWithSingleValue``: 5.0."""
-    mirrored_var = _mirrored(strategy, 1.0, "MEAN")
-    strategy.run(lambda: mirrored_var.assign(5.0))
-    assert float(mirrored_var.numpy()) == 5.0
+@pytest.mark.parametrize(("method", "initial", "update", "expected"), [case[1:] for case in _REPLICA_CONTEXT_UPDATES],
+                         ids=[case[0] for case in _REPLICA_CONTEXT_UPDATES])
+def test_mirrored_var_updated_in_a_replica_context(strategy, method, initial, update, expected):
+    """mirrored_strategy_test.py, ``test{Assign,AssignAdd,AssignSub}MirroredVarReplicaContext[WithSingleValue]``."""
+    mirrored_var = _mirrored(strategy, initial, "MEAN")
+
+    def fn():
+        value = np.asarray(replica_id(), mirrored_var.dtype) if update is None else update
+        getattr(mirrored_var, method)(value)
+
+    strategy.run(fn)
+    assert float(mirrored_var.numpy()) == expected
 
 
 def test_assign_add_mirrored_var_cross_device_context(strategy):
@@ -415,39 +428,11 @@ def test_assign_add_mirrored_var_cross_device_context(strategy):
     )
 
 
-def test_assign_add_mirrored_var_replica_context(strategy):
-    """mirrored_strategy_test.py, ``testAssignAddMirroredVarReplicaContext``: 1.0 + mean(0, 1) = 1.5."""
-    mirrored_var = _mirrored(strategy, 1.0, "MEAN")
-    strategy.run(lambda: mirrored_var.assign_add(np.asarray(replica_id(), mirrored_var.dtype)))
-    assert float(mirrored_var.numpy()) == 1.5
-
-
-def test_assign_add_mirrored_var_replica_context_with_single_value(strategy):
-    """mirrored_strategy_test.py, ``testAssignAddMirroredVarReplicaContextWithSingleValue``: 6.0."""
-    mirrored_var = _mirrored(strategy, 1.0, "MEAN")
-    strategy.run(lambda: mirrored_var.assign_add(5.0))
-    assert float(mirrored_var.numpy()) == 6.0
-
-
 def test_assign_sub_mirrored_var_cross_device_context(strategy):
     """mirrored_strategy_test.py, ``testAssignSubMirroredVarCrossDeviceContext``: 3.0 on both copies."""
     mirrored_var = _mirrored(strategy, 5.0)
     assert float(np.asarray(mirrored_var.assign_sub(2.0))) == 3.0
     assert local(strategy, mirrored_var) == [3.0, 3.0]
-
-
-def test_assign_sub_mirrored_var_replica_context(strategy):
-    """mirrored_strategy_test.py, ``testAssignSubMirroredVarReplicaContext``: 5.0 - mean(0, 1) = 4.5."""
-    mirrored_var = _mirrored(strategy, 5.0, "MEAN")
-    strategy.run(lambda: mirrored_var.assign_sub(np.asarray(replica_id(), mirrored_var.dtype)))
-    assert float(mirrored_var.numpy()) == 4.5
-
-
-def test_assign_sub_mirrored_var_replica_context_with_single_value(strategy):
-    """mirrored_strategy_test.py, ``testAssignSubMirroredVarReplicaContextWithSingleValue``: 4.0."""
-    mirrored_var = _mirrored(strategy, 5.0, "MEAN")
-    strategy.run(lambda: mirrored_var.assign_sub(1.0))
-    assert float(mirrored_var.numpy()) == 4.0
 
 
 def test_assign_replica_local_var_sum_aggregation(strategy):

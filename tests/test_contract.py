@@ -385,3 +385,138 @@ def test_the_client_initialises_checkpoints_and_writes_summaries(two):
         "/job:localhost/replica:0/task:0/device:CPU:0",
         "/job:localhost/replica:0/task:0/device:CPU:1",
     )
+
+
+# -- private names and the parameter-server service ------------------------------------------------
+
+#: ``obj._name`` reached from a package that does not define ``_name``, and why it stays for now.
+#: Each entry is (module, attribute): a new one needs a reason here, or a public name.
+PRIVATE_ACCESS_ALLOWED = {
+    # Dask offers no public hook for these
+    ("dashboard/bokeh_apps.py", "_applications"): "adds the daskdist page to the scheduler's running Bokeh server",
+    ("dashboard/event_log.py", "_topics"): "bounds the scheduler's event log of the step topic",
+    ("data/replica.py", "_get_client"): "the worker's client, made on demand (worker.client would start one)",
+    # review 3, problems 2 and 3: elastic runs Keras' step loop and drives the group handle; the Keras 3
+    # training contract (a Trainable and a step driver) and the group's membership verbs replace them
+    ("elastic/epochs.py", "_id"): "a DistributedDataset's id, to forget its shards",
+    ("elastic/fit.py", "_dist_train"): "Keras' distributed train step",
+    ("elastic/fit.py", "_evaluate_once"): "Keras' evaluation",
+    ("elastic/fit.py", "_model_id"): "the model's resident id",
+    ("elastic/fit.py", "_resident"): "the model's resident kind",
+    ("elastic/fit.py", "_strategy"): "the model's strategy",
+    ("elastic/fit.py", "_tag"): "the model's fit tag",
+    ("elastic/fit.py", "_train"): "Keras' training loop",
+    ("elastic/recovery.py", "_ask_scheduler"): "the group handle's scheduler calls",
+    ("elastic/replica.py", "_ensure_built"): "Keras' build on a replica",
+    ("elastic/replica.py", "_require_built"): "Keras' build check on a replica",
+    ("elastic/state.py", "_model_id"): "the model's resident id",
+    ("elastic/state.py", "_resident"): "the model's resident kind",
+    # the replica's strategy view reads its own variables' copies (replica and variables are one contract)
+    ("replica/strategy_view.py", "_token"): "which strategy a variable belongs to",
+    ("replica/strategy_view.py", "_value"): "the replica's copy of a variable",
+    ("variables.py", "_broadcast"): "ReplicaContext's broadcast of a SyncOnRead variable's first copy",
+}
+
+
+def _package_of(path: pathlib.Path, root: pathlib.Path) -> str:
+    """A module's package for the private-name rule: its top-level subpackage of daskdist, or the root."""
+    parts = path.relative_to(root).parts
+    return parts[0] if len(parts) > 1 else "<root>"
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def test_no_private_name_is_reached_across_packages():
+    """``x._name`` (one leading underscore) on anything but ``self``/``cls`` must be defined in the same package.
+
+    Defined: a function, method or class of that name, or an assignment to
+    it (``self._name = ...``, a class attribute), in any module of the
+    accessing module's package (its top-level subpackage of daskdist, e.g.
+    ``daskdist.ps``; the modules at the top level of daskdist form one).
+    Names of other packages and of third-party objects are reached through
+    public, documented names; the few exceptions are listed with a reason.
+    """
+    root = pathlib.Path(dd.__file__).parent
+    trees = {path: ast.parse(path.read_text()) for path in sorted(root.rglob("*.py"))}
+    defined: dict[str, set[str]] = {}
+    for path, tree in trees.items():
+        names = defined.setdefault(_package_of(path, root), set())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+    found = set()
+    for path, tree in trees.items():
+        names = defined[_package_of(path, root)]
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or not _private(node.attr) or node.attr in names:
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            found.add((path.relative_to(root).as_posix(), node.attr))
+    assert sorted(found - set(PRIVATE_ACCESS_ALLOWED)) == []  # new cross-package private access
+    assert sorted(set(PRIVATE_ACCESS_ALLOWED) - found) == []  # an exception no longer needed: remove it
+
+
+def test_the_rule_catches_a_private_name_of_another_package(tmp_path):
+    """The scan above, on a two-package tree: ``store._entries`` from strategy is caught, ``self._x`` is not."""
+    (tmp_path / "ps").mkdir()
+    (tmp_path / "strategy").mkdir()
+    (tmp_path / "ps" / "store.py").write_text("class Store:\n    def __init__(self):\n        self._entries = {}\n")
+    (tmp_path / "strategy" / "holder.py").write_text(
+        "def count(store):\n    return len(store._entries)\n\n\nclass H:\n    def f(self):\n        return self._y\n")
+    trees = {p: ast.parse(p.read_text()) for p in sorted(tmp_path.rglob("*.py"))}
+    defined: dict[str, set[str]] = {}
+    for path, tree in trees.items():
+        names = defined.setdefault(_package_of(path, tmp_path), set())
+        names.update(n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store))
+    caught = [(path.name, n.attr) for path, tree in trees.items() for n in ast.walk(tree)
+              if isinstance(n, ast.Attribute) and _private(n.attr) and n.attr not in defined[_package_of(path, tmp_path)]
+              and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"))]
+    assert caught == [("holder.py", "_entries")]
+
+
+def test_the_contract_keeping_strategy_to_ps_client_names_every_other_ps_module():
+    """``pyproject.toml``'s contract forbids every module of daskdist.ps but ``client`` to daskdist.strategy.
+
+    A new module of daskdist.ps is private to the service until it is added
+    there (``lint-imports`` then checks strategy's imports).
+    """
+    import re
+
+    root = pathlib.Path(dd.__file__).parent
+    text = (root.parent / "pyproject.toml").read_text()
+    block = text.split('name = "strategy reaches the parameter-server service only through daskdist.ps.client"')[1]
+    block = block.split("[[tool.importlinter.contracts]]")[0]
+    forbidden = re.search(r"forbidden_modules = \[(.*?)\]", block, re.S).group(1)
+    named = set(re.findall(r'"(daskdist\.ps\.[a-z_]+)"', forbidden))
+    modules = {f"daskdist.ps.{p.stem}" for p in (root / "ps").glob("*.py") if p.stem not in ("__init__", "client")}
+    assert named == modules
+    assert re.search(r'source_modules = \["daskdist.strategy"\]', block)
+
+
+def test_the_parameter_server_service_has_no_import_circle():
+    """No cycle among daskdist.ps's modules and strategy's PS modules (``TYPE_CHECKING`` and lazy imports count).
+
+    (The strategy contract's own cycle, ``context`` -> ``default`` -> ``base``
+    -> ``extended`` -> ``context``, is review 3's and is not counted here.)
+    """
+    import grimp
+
+    graph = grimp.build_graph("daskdist")
+    modules = sorted(m for m in graph.modules if m.startswith("daskdist.ps") or m in (
+        "daskdist.strategy.parameter_holder", "daskdist.strategy.parameter_server", "daskdist.strategy.coordinator",
+        "daskdist.strategy.parameter_server_v1", "daskdist.strategy.central_storage"))
+    circles = []
+    for importer in modules:
+        for imported in graph.find_modules_directly_imported_by(importer):
+            if imported in modules and imported != importer:
+                back = graph.find_shortest_chain(importer=imported, imported=importer)
+                if back:
+                    circles.append((importer, *back))
+    assert circles == []

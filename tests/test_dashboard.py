@@ -241,11 +241,13 @@ def test_stall_warning_names_the_late_replica(threaded_client, caplog):
 
 
 def test_no_stall_warning_in_a_normal_run(threaded_client):
-    with (dask.config.set({"daskdist.collective.stall-warning": "0.5s"}),
+    # a collective every replica joined cancels its warning: none fires after the threshold has passed (the
+    # threshold is far above a step's milliseconds, so a loaded machine does not make a real stall)
+    with (dask.config.set({"daskdist.collective.stall-warning": "2s"}),
           dd.MirroredStrategy(client=threaded_client) as strategy):
         token = strategy.extended.token
         _train_steps(strategy, 5)
-        time.sleep(0.6)
+        time.sleep(2.5)
     assert _stall_events(threaded_client, token) == []
 
 
@@ -427,7 +429,7 @@ def test_stragglers_name_the_replica_that_sleeps_before_each_all_reduce(threaded
     def step():
         ctx = dd.get_replica_context()
         if ctx.replica_id_in_sync_group == late:
-            time.sleep(0.03)
+            time.sleep(0.25)  # far above what load adds to the others' arrival, so it is the late one
         return ctx.all_reduce("SUM", np.ones(16))
 
     with (dask.config.set({"daskdist.metrics.event-interval": "0s"}),
@@ -442,21 +444,21 @@ def test_stragglers_name_the_replica_that_sleeps_before_each_all_reduce(threaded
             _page_models, names=("daskdist-stragglers", "daskdist-collectives", "daskdist-stragglers-title"))
         values = _metric_values(threaded_client, token)
 
-    # the store: each step's all_reduce, attributed to the sleeping replica with a ~30 ms wait
+    # the store: each step's all_reduce, attributed to the sleeping replica with a ~250 ms wait
     collectives = summary["collectives"]
     assert len(collectives) == 10 and all(c["kind"] == "all_reduce" for c in collectives)
     blamed = [c for c in collectives if c["replica"] == late]
     assert len(blamed) >= 8
-    assert all(0.015 < c["wait"] < 1.0 for c in blamed)
+    assert all(0.1 < c["wait"] < 10.0 for c in blamed)
     count, mean_wait = summary["stragglers"][late]
-    assert count >= 8 and 0.015 < mean_wait < 1.0
+    assert count >= 8 and 0.1 < mean_wait < 10.0
     assert max(summary["stragglers"], key=lambda r: summary["stragglers"][r][0]) == late
 
     # the page's Bokeh data: the summary table and the per-collective rows
     table = page["daskdist-stragglers"]
     row = table["replica"].index(late)
     assert table["count"][row] >= 8 and table["count"][row] == max(table["count"])
-    assert 15 < table["mean_wait_ms"][row] < 1000
+    assert 100 < table["mean_wait_ms"][row] < 10_000
     rows = page["daskdist-collectives"]
     assert len(rows["replica"]) == 10 and rows["replica"].count(late) >= 8
     title = page["daskdist-stragglers-title"]
@@ -464,7 +466,7 @@ def test_stragglers_name_the_replica_that_sleeps_before_each_all_reduce(threaded
 
     # /metrics
     assert values[f'daskdist_straggler_total{{group="{token}",replica="{late}"}}'] >= 8
-    assert values[f'daskdist_straggler_wait_seconds_total{{group="{token}",replica="{late}"}}'] > 8 * 0.015
+    assert values[f'daskdist_straggler_wait_seconds_total{{group="{token}",replica="{late}"}}'] > 8 * 0.1
     assert all(values[f'daskdist_straggler_total{{group="{token}",replica="{r}"}}'] <= 2 for r in (0, 2))
 
 

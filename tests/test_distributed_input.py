@@ -82,7 +82,7 @@ def test_each_step_is_the_undistributed_batch_and_the_plan_says_what_moves(proce
     with dd.MirroredStrategy(client=process_client) as strategy:
         ds, n = _ids_dataset([250] * 8, 64, client=process_client)  # x and y chunks land independently
         before = _transferred_bytes(process_client)
-        dist = strategy.experimental_distribute_dataset(ds)
+        dist = strategy.experimental_distribute_dataset(ds, dd.InputOptions(experimental_split="global"))
         steps = []
         for batch in dist:
             parts = strategy.experimental_local_results(strategy.run(lambda b: b[1], args=(batch,)))
@@ -137,7 +137,7 @@ def test_data_not_yet_computed_is_computed_by_dask_then_read_where_it_is(process
 def test_sharding_policies(threaded_client):
     with dd.MirroredStrategy(client=threaded_client) as strategy:
         few, n = _ids_dataset([30, 30], 6, client=threaded_client)  # 2 partitions, 3 replicas: rows are split
-        dist = strategy.experimental_distribute_dataset(few)
+        dist = strategy.experimental_distribute_dataset(few, dd.InputOptions(experimental_split="global"))
         assert "AUTO sharding, global split" in repr(dist.plan())
         ids, rows = _seen_ids(strategy, dist)
         assert sorted(ids) == list(range(n)) and rows == [[2, 2, 2]] * 10

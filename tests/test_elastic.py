@@ -7,117 +7,23 @@ worker, as when a machine goes away.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 
 import numpy as np
 import pytest
-from distributed import Client, LocalCluster
 
 import daskdist as dd
 from daskdist import keras
 from daskdist.keras.models import PROGRESS_TOPIC
+from tests.support import models
+from tests.support.killers import kill_at_step
+from tests.support.models import slow_batch
 
 Dataset = dd.data.Dataset
 
 pytestmark = pytest.mark.timeout(240)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-class ProcessWorkers:
-    """A scheduler in this process and ``dask worker`` processes (nanny + worker) that tests may kill."""
-
-    def __init__(self, n: int):
-        self.cluster = LocalCluster(n_workers=0, processes=True, dashboard_address=":0", silence_logs=40)
-        self.client = Client(self.cluster, set_as_default=False)
-        env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        dask = os.path.join(os.path.dirname(sys.executable), "dask")
-        self._command = [dask, "worker", self.cluster.scheduler_address, "--nthreads", "1", "--no-dashboard"]
-        self._env = env
-        self.nannies = [self._start(f"w{i}") for i in range(n)]
-        self.client.wait_for_workers(n, timeout=120)
-
-    def _start(self, name: str) -> subprocess.Popen:
-        return subprocess.Popen(self._command + ["--name", name], env=self._env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
-
-    def add(self) -> None:
-        """Start one more worker (with its nanny)."""
-        self.nannies.append(self._start(f"w{len(self.nannies)}"))
-
-    def kill(self, address: str) -> None:
-        """kill -9 the worker at ``address`` and its nanny: nothing restarts it."""
-        pids = self.client.run(lambda: (os.getpid(), os.getppid()), workers=[address])[address]
-        worker, nanny = pids
-        os.kill(nanny, signal.SIGKILL)
-        os.kill(worker, signal.SIGKILL)
-
-    def close(self) -> None:
-        self.client.close()
-        self.cluster.close()
-        for process in self.nannies:
-            if process.poll() is None:
-                process.kill()
-            process.wait(10)
-
-
-@pytest.fixture
-def process_workers():
-    made = []
-
-    def make(n: int) -> ProcessWorkers:
-        made.append(ProcessWorkers(n))
-        return made[-1]
-
-    yield make
-    for workers in made:
-        workers.close()
-
-
-def slow_batch(*batch):
-    """An after-batch map that makes each step take a while, so a kill lands mid-epoch."""
-    time.sleep(0.12)
-    return batch
-
-
-def _data(n=240, features=4, seed=0):
-    rng = np.random.default_rng(seed)
-    return rng.random((n, features)).astype(np.float32), rng.integers(0, 3, n).astype(np.int64)
-
-
-def _model(weights=None):
-    model = keras.Sequential([keras.layers.Dense(8, activation="relu", input_shape=(4,)), keras.layers.Dense(3)])
-    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  optimizer=keras.optimizers.Adam(0.01), metrics=["accuracy"])
-    model.build((4,))
-    if weights is not None:
-        model.set_weights(weights)
-    return model
-
-
-def _kill_at_step(workers, victim, step, epoch=0):
-    """A thread that kills ``victim`` once replica 0 reported ``step`` of ``epoch``; returns (thread, record)."""
-    record = {}
-    since = time.time()
-
-    def watch():
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            events = workers.client.get_events(PROGRESS_TOPIC)
-            if any(t > since and m.get("epoch") == epoch and m.get("step", -1) >= step for t, m in events):
-                workers.kill(victim)
-                record["killed"] = time.monotonic()
-                return
-            time.sleep(0.02)
-
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    return thread, record
 
 
 def test_elastic_options_are_checked_and_opt_in():
@@ -135,15 +41,15 @@ def test_elastic_options_are_checked_and_opt_in():
 
 
 def test_an_elastic_fit_without_failures_trains_as_a_plain_one(threaded_client):
-    x, y = _data(120)
+    x, y = models.data(120)
     train = Dataset.from_tensor_slices((x, y)).batch(24)
-    weights = _model().get_weights()
+    weights = models.model().get_weights()
     results = []
     for elastic in (None, dd.ElasticOptions(min_replicas=2, commit_every=2)):
         with dd.MirroredStrategy(client=threaded_client, elastic=elastic) as strategy:
             assert strategy.extended.group.spec.policy == ("elastic" if elastic else "fixed")
             with strategy.scope():
-                model = _model(weights)
+                model = models.model(weights)
             history = model.fit(train, epochs=2, verbose=0)
             results.append((model.get_weights(), history.history))
             if elastic:
@@ -161,13 +67,13 @@ def test_an_elastic_fit_without_failures_trains_as_a_plain_one(threaded_client):
 @pytest.mark.slow
 def test_a_worker_and_its_nanny_killed_mid_epoch_fit_finishes_with_the_uninterrupted_weights(process_workers):
     workers = process_workers(3)
-    x, y = _data(240)
+    x, y = models.data(240)
     train = Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)  # 10 steps per epoch
-    weights = _model().get_weights()
+    weights = models.model().get_weights()
 
     with dd.MirroredStrategy(client=workers.client) as strategy:  # the uninterrupted run, today's strategy
         with strategy.scope():
-            model = _model(weights)
+            model = models.model(weights)
         reference = model.fit(train, epochs=2, verbose=0)
         expected = model.get_weights()
 
@@ -175,9 +81,9 @@ def test_a_worker_and_its_nanny_killed_mid_epoch_fit_finishes_with_the_uninterru
     with strategy:
         assert strategy.num_replicas_in_sync == 3
         with strategy.scope():
-            model = _model(weights)
+            model = models.model(weights)
         victim = strategy.extended.worker_addresses[1]
-        thread, record = _kill_at_step(workers, victim, step=4)
+        thread, record = kill_at_step(workers, victim, step=4)
         start = time.monotonic()
         history = model.fit(train, epochs=2, verbose=0)
         thread.join(5)
@@ -223,7 +129,7 @@ def test_the_ledger_holds_every_sample_once_per_epoch_across_a_loss_with_commit_
                                                          input_shape=(60,))])
             model.compile(loss=keras.losses.MeanSquaredError(), optimizer=keras.optimizers.SGD(lr))
         victim = strategy.extended.worker_addresses[2]
-        thread, record = _kill_at_step(workers, victim, step=5)
+        thread, record = kill_at_step(workers, victim, step=5)
         history = model.fit(train, epochs=1, verbose=0)
         thread.join(5)
         assert "killed" in record
@@ -241,14 +147,14 @@ def test_the_ledger_holds_every_sample_once_per_epoch_across_a_loss_with_commit_
 @pytest.mark.slow
 def test_below_min_replicas_the_strategy_waits_then_raises_naming_the_lost_worker(process_workers):
     workers = process_workers(2)
-    x, y = _data(240)
+    x, y = models.data(240)
     train = Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)
     with dd.MirroredStrategy(client=workers.client,
                              elastic=dd.ElasticOptions(min_replicas=2, wait_timeout="2s")) as strategy:
         with strategy.scope():
-            model = _model()
+            model = models.model()
         victim = strategy.extended.worker_addresses[1]
-        thread, record = _kill_at_step(workers, victim, step=2)
+        thread, record = kill_at_step(workers, victim, step=2)
         start = time.monotonic()
         with pytest.raises(dd.ReplicaLostError, match="min_replicas=2") as info:
             model.fit(train, epochs=1, verbose=0)
@@ -266,24 +172,24 @@ def test_a_new_worker_is_admitted_when_the_group_is_below_min_replicas_and_gets_
     import dask.array as da
 
     workers = process_workers(3)
-    x, y = _data(240)
+    x, y = models.data(240)
     x_d, y_d = da.from_array(x, chunks=(40, 4)), da.from_array(y, chunks=40)
     x_d, y_d = workers.client.persist([x_d, y_d])  # six partitions spread over the three workers
     train = Dataset.from_dask((x_d, y_d)).batch(24).map(slow_batch)
-    weights = _model().get_weights()
+    weights = models.model().get_weights()
     with dd.MirroredStrategy(client=workers.client) as strategy:
         with strategy.scope():
-            model = _model(weights)
+            model = models.model(weights)
         model.fit(train, epochs=1, verbose=0)
         expected = model.get_weights()
 
     with dd.MirroredStrategy(client=workers.client,
                              elastic=dd.ElasticOptions(min_replicas=3, wait_timeout="90s")) as strategy:
         with strategy.scope():
-            model = _model(weights)
+            model = models.model(weights)
         before = set(strategy.extended.worker_addresses)
         victim = strategy.extended.worker_addresses[0]  # rank 0 too: a new rank 0 is chosen
-        thread, record = _kill_at_step(workers, victim, step=3)
+        thread, record = kill_at_step(workers, victim, step=3)
         adder = threading.Thread(target=lambda: (thread.join(120), workers.add()), daemon=True)
         adder.start()
         history = model.fit(train, epochs=1, verbose=0)
@@ -309,14 +215,13 @@ def test_a_new_worker_is_admitted_when_the_group_is_below_min_replicas_and_gets_
 def test_an_elastic_custom_loop_survives_a_loss_and_counts_every_row_once(process_workers):
     workers = process_workers(3)
     values = np.arange(1, 121, dtype=np.float64)
-    dataset = Dataset.from_tensor_slices(values).batch(12).map(slow_batch)  # 10 steps per epoch
+    dataset = Dataset.from_tensor_slices(values).batch(12)  # 10 steps per epoch
     with dd.MirroredStrategy(client=workers.client, elastic=dd.ElasticOptions(min_replicas=2)) as strategy:
         with strategy.scope():
             total = dd.Variable(np.zeros((), np.float64), aggregation=dd.VariableAggregation.ONLY_FIRST_REPLICA)
         resets = []
 
-        def step(batch):
-            (rows,) = batch
+        def step(rows):
             summed = dd.get_replica_context().all_reduce("SUM", rows.sum())
             total.assign_add(summed)
 
@@ -324,6 +229,9 @@ def test_an_elastic_custom_loop_survives_a_loss_and_counts_every_row_once(proces
         def train(state):
             while state.epoch < 2:
                 for batch in state.batches(dataset):
+                    if (state.epoch, state.batch) == (0, 5) and not killed:
+                        workers.kill(victim)  # between two steps, after 5 commits: the next run fails
+                        killed.append(state.steps)  # 4 steps done: state.batch counts the one taken
                     strategy.run(step, args=(batch,))
                     state.steps += 1
                     state.commit()
@@ -332,12 +240,10 @@ def test_an_elastic_custom_loop_survives_a_loss_and_counts_every_row_once(proces
         state = dd.elastic.State(strategy, epoch=0, steps=0)
         state.register_reset_callbacks([lambda: resets.append(strategy.num_replicas_in_sync)])
         victim = strategy.extended.worker_addresses[1]
-        killer = threading.Thread(target=lambda: (time.sleep(2.5), workers.kill(victim)), daemon=True)
-        killer.start()
+        killed = []
         train(state)
-        killer.join(5)
         (event,) = state.events
-        assert event.lost == [victim] and resets == [2]
+        assert event.lost == [victim] and resets == [2] and killed == [4]
         assert state.steps == 20 and state.epoch == 2
         # each row added exactly once per epoch, on every replica's copy: no replayed step, no skipped one
         assert total.read_value() == 2 * values.sum()
@@ -350,14 +256,14 @@ def test_an_elastic_custom_loop_survives_a_loss_and_counts_every_row_once(proces
 @pytest.mark.slow
 def test_a_loss_beyond_max_failures_raises_naming_the_worker(process_workers):
     workers = process_workers(3)
-    x, y = _data(240)
+    x, y = models.data(240)
     train = Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)
     with dd.MirroredStrategy(client=workers.client,
                              elastic=dd.ElasticOptions(min_replicas=1, max_failures=0)) as strategy:
         with strategy.scope():
-            model = _model()
+            model = models.model()
         victim = strategy.extended.worker_addresses[2]
-        thread, record = _kill_at_step(workers, victim, step=2)
+        thread, record = kill_at_step(workers, victim, step=2)
         with pytest.raises(dd.ReplicaLostError, match="max_failures=0 is exhausted") as info:
             model.fit(train, epochs=1, verbose=0)
         thread.join(5)
@@ -365,21 +271,21 @@ def test_a_loss_beyond_max_failures_raises_naming_the_worker(process_workers):
 
 
 @pytest.mark.slow
-def test_a_free_worker_is_admitted_at_the_next_epoch_and_trains_with_the_same_arithmetic(process_workers):
+def test_a_free_worker_is_admitted_at_the_start_of_fit_and_trains_with_the_same_arithmetic(process_workers):
     workers = process_workers(3)
-    x, y = _data(240)
+    x, y = models.data(240)
     train = Dataset.from_tensor_slices((x, y)).batch(24)
-    weights = _model().get_weights()
+    weights = models.model().get_weights()
     with dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=workers.client) as strategy:
         with strategy.scope():
-            model = _model(weights)
+            model = models.model(weights)
         reference = model.fit(train, epochs=2, verbose=0)
         expected = model.get_weights()
     with dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=workers.client,
                              elastic=dd.ElasticOptions(min_replicas=2, max_replicas=3)) as strategy:
         (free,) = set(workers.client.scheduler_info()["workers"]) - set(strategy.extended.worker_addresses)
         with strategy.scope():
-            model = _model(weights)
+            model = models.model(weights)
         changes = []
 
         class Watch(keras.callbacks.Callback):
@@ -389,7 +295,8 @@ def test_a_free_worker_is_admitted_at_the_next_epoch_and_trains_with_the_same_ar
         history = model.fit(train, epochs=2, verbose=0, callbacks=[Watch()])
         assert changes == [("grew", 3, 3)]  # told once the newcomer is in, before the epoch it trains in
         (event,) = history.elastic.events
-        assert event.admitted == [free] and event.lost == [] and event.commit[1:] == (0, 10)
+        # free workers join at the start of every fit (issue 23 item 10), at its first commit
+        assert event.admitted == [free] and event.lost == [] and event.commit[1:] == (0, 0)
         assert strategy.num_replicas_in_sync == 3
         assert history.elastic_events[0]["action"] == "grew" and history.elastic_events[0]["admitted"] == [free]
         assert sorted(history.elastic.ledger.positions(1, history.elastic.rows).tolist()) == list(range(240))
@@ -402,12 +309,12 @@ def test_a_free_worker_is_admitted_at_the_next_epoch_and_trains_with_the_same_ar
 @pytest.mark.slow
 def test_two_workers_killed_at_once_fit_finishes_on_the_other_two(process_workers):
     workers = process_workers(4)
-    x, y = _data(240)
+    x, y = models.data(240)
     train = Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)
-    weights = _model().get_weights()
+    weights = models.model().get_weights()
     with dd.MirroredStrategy(client=workers.client, elastic=dd.ElasticOptions(min_replicas=2)) as strategy:
         with strategy.scope():
-            model = _model(weights)
+            model = models.model(weights)
         victims = list(strategy.extended.worker_addresses[1:3])
         record = {}
         since = time.time()
@@ -435,7 +342,7 @@ def test_two_workers_killed_at_once_fit_finishes_on_the_other_two(process_worker
 
     with dd.MirroredStrategy(client=workers.client) as strategy:  # the uninterrupted run, on the two left
         with strategy.scope():
-            reference = _model(weights)
+            reference = models.model(weights)
         reference.fit(train, epochs=1, verbose=0)
         for got, want in zip(trained, reference.get_weights()):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
@@ -487,17 +394,17 @@ async def _close_gracefully(dask_worker):
 def test_a_retired_member_leaves_at_a_commit_with_no_rollback_and_the_strategy_then_closes_cleanly(
         process_workers, caplog, how):
     workers = process_workers(3)
-    x, y = _data(240)
+    x, y = models.data(240)
     train = Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)
-    weights = _model().get_weights()
+    weights = models.model().get_weights()
     with dd.MirroredStrategy(client=workers.client) as strategy:  # the uninterrupted run
         with strategy.scope():
-            model = _model(weights)
+            model = models.model(weights)
         model.fit(train, epochs=1, verbose=0)
         expected = model.get_weights()
     strategy = dd.MirroredStrategy(client=workers.client, elastic=dd.ElasticOptions(min_replicas=2))
     with strategy.scope():
-        model = _model(weights)
+        model = models.model(weights)
     victim = strategy.extended.worker_addresses[0]  # rank 0: the new rank 0 goes on from the same commit
     since = time.time()
     retired = {}
@@ -546,19 +453,19 @@ def test_a_retired_member_leaves_at_a_commit_with_no_rollback_and_the_strategy_t
 @pytest.mark.slow
 def test_a_free_worker_is_admitted_mid_epoch_at_a_commit_boundary(process_workers):
     workers = process_workers(3)
-    x, y = _data(240)
+    x, y = models.data(240)
     train = Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)  # 10 steps of about 0.12 s
-    weights = _model().get_weights()
+    weights = models.model().get_weights()
     with dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=workers.client) as strategy:
         with strategy.scope():
-            model = _model(weights)
+            model = models.model(weights)
         reference = model.fit(train, epochs=1, verbose=0)
         expected = model.get_weights()
     options = dd.ElasticOptions(min_replicas=2, max_replicas=3, commit_every=2, admit_every="0.3s")
     with dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=workers.client, elastic=options) as strategy:
         (free,) = set(workers.client.scheduler_info()["workers"]) - set(strategy.extended.worker_addresses)
         with strategy.scope():
-            model = _model(weights)
+            model = models.model(weights)
         history = model.fit(train, epochs=1, verbose=0)
         (event,) = history.elastic.events
         assert event.action == "grew" and event.admitted == [free] and event.lost == []

@@ -19,7 +19,9 @@ import pytest
 import daskdist as dd
 from daskdist.dashboard.membership import marker_positions
 from daskdist.dashboard.store import MetricsStore
-from tests.test_elastic import ProcessWorkers, _data, _kill_at_step, _model, slow_batch
+from tests.support import models
+from tests.support.killers import kill_at_step
+from tests.support.models import slow_batch
 
 Dataset = dd.data.Dataset
 
@@ -36,19 +38,6 @@ with pull_session(url=sys.argv[1]) as session:
     out["summary"] = doc.get_model_by_name("daskdist-summary").text
     print(json.dumps(out))
 """
-
-
-@pytest.fixture
-def process_workers():
-    made: list[ProcessWorkers] = []
-
-    def make(n: int) -> ProcessWorkers:
-        made.append(ProcessWorkers(n))
-        return made[-1]
-
-    yield make
-    for workers in made:
-        workers.close()
 
 
 def _steps_after(dask_scheduler, token: str, generation: int) -> int:
@@ -112,18 +101,19 @@ def test_the_store_marks_each_membership_change_before_the_first_step_of_its_gen
     assert retired.left == ["c"] and retired.lost == [] and retired.label() == "gen 2: 1 replicas (left 1)"
 
 
+@pytest.mark.slow
 def test_a_lost_worker_is_a_marker_on_the_step_chart_and_a_drop_in_the_replica_count(process_workers, caplog):
     workers = process_workers(3)
-    x, y = _data(240)
+    x, y = models.data(240)
     train = Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)  # 10 steps per epoch
     strategy = dd.MirroredStrategy(client=workers.client, elastic=dd.ElasticOptions(min_replicas=2))
     with strategy:
         with strategy.scope():
-            model = _model()
+            model = models.model()
         token = strategy.extended.token
         before = list(strategy.extended.worker_addresses)
         victim = before[1]
-        thread, record = _kill_at_step(workers, victim, step=4)
+        thread, record = kill_at_step(workers, victim, step=4)
         started = time.time()
         with caplog.at_level(logging.INFO, logger="daskdist.elastic.recovery"):
             history = model.fit(train, epochs=2, verbose=0)

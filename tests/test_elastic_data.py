@@ -7,7 +7,6 @@ nannies (``ProcessWorkers`` of ``test_elastic.py``).
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -16,24 +15,13 @@ import daskdist as dd
 from daskdist import keras
 from daskdist.data import ops
 from daskdist.data.split import replica_split
-from tests.test_elastic import ProcessWorkers, _kill_at_step, slow_batch
+from tests.support import models
+from tests.support.killers import kill_at_step
+from tests.support.models import slow_batch
 
 Dataset = dd.data.Dataset
 
 pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture
-def process_workers():
-    made = []
-
-    def make(n: int) -> ProcessWorkers:
-        made.append(ProcessWorkers(n))
-        return made[-1]
-
-    yield make
-    for workers in made:
-        workers.close()
 
 
 def _replica_rows(strategy, dist):
@@ -289,11 +277,6 @@ def test_the_state_digest_ignores_random_state_but_not_weights():
     assert state_digest(a) == state_digest(b) != state_digest(c)
 
 
-def _data(n=240, features=4, seed=0):
-    rng = np.random.default_rng(seed)
-    return rng.random((n, features)).astype(np.float32), rng.integers(0, 3, n).astype(np.int64)
-
-
 def _dropout_model(weights=None):
     model = keras.Sequential([keras.layers.Dense(16, activation="relu", input_shape=(4,)),
                               keras.layers.Dropout(0.5, seed=11), keras.layers.Dense(3)])
@@ -309,7 +292,7 @@ def _dropout_model(weights=None):
 def test_after_a_restore_a_dropout_model_trains_as_the_uninterrupted_run(process_workers):
     """A worker killed mid-epoch and replaced: the replayed steps draw the dropout masks they drew before."""
     workers = process_workers(3)
-    x, y = _data(240)
+    x, y = models.data(240)
     train = Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)  # 10 steps of 8 rows per replica
     weights = _dropout_model().get_weights()
     with dd.MirroredStrategy(client=workers.client) as strategy:
@@ -322,7 +305,7 @@ def test_after_a_restore_a_dropout_model_trains_as_the_uninterrupted_run(process
         with strategy.scope():
             model = _dropout_model(weights)
         victim = strategy.extended.worker_addresses[2]
-        thread, record = _kill_at_step(workers, victim, step=5)
+        thread, record = kill_at_step(workers, victim, step=5)
         adder = threading.Thread(target=lambda: (thread.join(120), workers.add()), daemon=True)
         adder.start()
         history = model.fit(train, epochs=1, verbose=0)
@@ -361,7 +344,7 @@ def test_shuffled_sample_ids_are_each_committed_once_per_epoch_across_a_kill_wit
                                                          input_shape=(60,))])
             model.compile(loss=keras.losses.MeanSquaredError(), optimizer=keras.optimizers.SGD(lr))
         victim = strategy.extended.worker_addresses[1]
-        thread, record = _kill_at_step(workers, victim, step=7, epoch=0)
+        thread, record = kill_at_step(workers, victim, step=7, epoch=0)
         history = model.fit(train, epochs=2, verbose=0)
         thread.join(5)
         assert "killed" in record
@@ -392,7 +375,7 @@ def _small_model(weights=None):
 @pytest.mark.slow
 def test_a_shuffled_fit_that_loses_a_worker_ends_with_the_uninterrupted_shuffled_runs_weights(process_workers):
     workers = process_workers(3)
-    x, y = _data(240)
+    x, y = models.data(240)
     train = Dataset.from_tensor_slices((x, y)).shuffle(64, seed=9).batch(24).map(slow_batch)
     weights = _small_model().get_weights()
     with dd.MirroredStrategy(client=workers.client, elastic=dd.ElasticOptions(min_replicas=2)) as strategy:
@@ -405,7 +388,7 @@ def test_a_shuffled_fit_that_loses_a_worker_ends_with_the_uninterrupted_shuffled
         with strategy.scope():
             model = _small_model(weights)
         victim = strategy.extended.worker_addresses[0]  # rank 0, with the rows its worker held
-        thread, record = _kill_at_step(workers, victim, step=3, epoch=1)
+        thread, record = kill_at_step(workers, victim, step=3, epoch=1)
         history = model.fit(train, epochs=2, verbose=0)
         thread.join(5)
         assert "killed" in record
@@ -425,7 +408,7 @@ def test_a_shuffled_fit_that_loses_a_worker_ends_with_the_uninterrupted_shuffled
 @pytest.mark.slow
 def test_keep_per_replica_shrinks_the_global_batch_and_lets_the_user_rescale_the_learning_rate(process_workers):
     workers = process_workers(3)
-    x, y = _data(240)
+    x, y = models.data(240)
     train = Dataset.from_tensor_slices((x, y)).shuffle(240, seed=1).batch(24).map(slow_batch)  # 8 per replica
     changes = []
     holder = {}
@@ -444,7 +427,7 @@ def test_keep_per_replica_shrinks_the_global_batch_and_lets_the_user_rescale_the
                           optimizer=keras.optimizers.SGD(0.3))
         holder["model"] = model
         victim = strategy.extended.worker_addresses[0]
-        thread, record = _kill_at_step(workers, victim, step=4)
+        thread, record = kill_at_step(workers, victim, step=4)
         history = model.fit(train, epochs=2, verbose=0)
         thread.join(5)
         assert "killed" in record
@@ -468,14 +451,13 @@ def test_keep_per_replica_shrinks_the_global_batch_and_lets_the_user_rescale_the
 def test_an_elastic_custom_loop_reads_a_shuffled_dataset_once_per_epoch_across_a_kill(process_workers):
     workers = process_workers(3)
     values = np.arange(1, 121, dtype=np.float64)
-    dataset = Dataset.from_tensor_slices(values).shuffle(50, seed=3).batch(12).map(slow_batch)  # 10 steps
+    dataset = Dataset.from_tensor_slices(values).shuffle(50, seed=3).batch(12)  # 10 steps
     with dd.MirroredStrategy(client=workers.client, elastic=dd.ElasticOptions(min_replicas=2)) as strategy:
         with strategy.scope():
             total = dd.Variable(np.zeros((), np.float64), aggregation=dd.VariableAggregation.ONLY_FIRST_REPLICA)
         seen = []
 
-        def step(batch):
-            (rows,) = batch
+        def step(rows):
             summed = dd.get_replica_context().all_reduce("SUM", rows.sum())
             total.assign_add(summed)
 
@@ -483,6 +465,9 @@ def test_an_elastic_custom_loop_reads_a_shuffled_dataset_once_per_epoch_across_a
         def train(state):
             while state.epoch < 2:
                 for batch in state.batches(dataset):
+                    if (state.epoch, state.batch) == (0, 5) and not killed:
+                        workers.kill(victim)  # between two steps, after 5 commits: the next run fails
+                        killed.append(state.batch)  # the fifth batch, taken after 4 commits
                     strategy.run(step, args=(batch,))
                     state.draws.append(float(state.rng.random()))  # client-side randomness, committed too
                     state.commit()
@@ -490,12 +475,10 @@ def test_an_elastic_custom_loop_reads_a_shuffled_dataset_once_per_epoch_across_a
 
         state = dd.elastic.State(strategy, epoch=0, rng=np.random.default_rng(4), draws=[])
         victim = strategy.extended.worker_addresses[1]
-        killer = threading.Thread(target=lambda: (time.sleep(2.0), workers.kill(victim)), daemon=True)
-        killer.start()
+        killed = []
         train(state)
-        killer.join(5)
         (event,) = state.events
-        assert event.lost == [victim]
+        assert event.lost == [victim] and killed == [5]
         assert total.read_value() == 2 * values.sum()  # each row added exactly once per epoch
         assert state.draws == np.random.default_rng(4).random(20).tolist()  # the generator went back with the rest
         (epoch_input,) = [known for _, known in state._inputs.values()]
@@ -509,7 +492,7 @@ def test_an_elastic_custom_loop_reads_a_shuffled_dataset_once_per_epoch_across_a
 @pytest.mark.slow
 def test_keep_per_replica_grows_the_global_batch_when_a_worker_is_admitted_mid_epoch(process_workers):
     workers = process_workers(3)
-    x, y = _data(240)
+    x, y = models.data(240)
     train = Dataset.from_tensor_slices((x, y)).shuffle(240, seed=2).batch(16).map(slow_batch)  # 8 per replica
     changes = []
     options = dd.ElasticOptions(min_replicas=2, max_replicas=3, commit_every=2, admit_every="0.3s",

@@ -14,64 +14,36 @@ import numpy as np
 import pytest
 
 import daskdist as dd
-from daskdist.collective.transport.shm_orphans import sweep_orphans
 from daskdist.elastic.quarantine import Quarantine
 from daskdist.elastic.replica import STATE_KINDS, Commit, CommitRing, state_digest
 from daskdist.group.service import ResidentStore
-from daskdist.keras.models import PROGRESS_TOPIC
-from tests.test_elastic import ProcessWorkers, _data, _model, slow_batch
+from tests.support import models
+from tests.support.killers import wait_for_step
+from tests.support.models import slow_batch
 
 Dataset = dd.data.Dataset
 
 pytestmark = pytest.mark.timeout(240)
 
 
-@pytest.fixture
-def process_workers():
-    made = []
-
-    def make(n: int) -> ProcessWorkers:
-        made.append(ProcessWorkers(n))
-        return made[-1]
-
-    yield make
-    for workers in made:
-        workers.close()
-    sweep_orphans()  # the segments of the replicas killed here (only those whose creator is gone)
-
-
-def _wait_for_step(client, step, since, epoch=0, timeout=120):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(t > since and epoch in (None, m.get("epoch")) and m.get("step", -1) >= step
-               for t, m in client.get_events(PROGRESS_TOPIC)):
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"replica 0 never reported step {step}")
-
-
-def _pids(client, address):
-    return client.run(lambda: (os.getpid(), os.getppid()), workers=[address])[address]
-
-
 @pytest.mark.slow
 def test_a_stopped_worker_and_its_nanny_are_declared_lost_within_seconds_and_fit_finishes(process_workers):
     workers = process_workers(3)
-    x, y = _data(240)
+    x, y = models.data(240)
     train = Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)
     strategy = dd.MirroredStrategy(client=workers.client, elastic=dd.ElasticOptions(min_replicas=2))
     stopped: list[int] = []
     try:
         with strategy:
             with strategy.scope():
-                model = _model()
+                model = models.model()
             victim = strategy.extended.worker_addresses[1]
-            pids = _pids(workers.client, victim)
+            pids = workers.pids(victim)
             since = time.time()
             record = {}
 
             def stop():
-                _wait_for_step(workers.client, 3, since)
+                wait_for_step(workers.client, 3, since)
                 for pid in pids:  # SIGSTOP: the process lives, its sockets stay open, it answers nothing
                     os.kill(pid, signal.SIGSTOP)
                     stopped.append(pid)
@@ -99,7 +71,7 @@ def test_a_stopped_worker_and_its_nanny_are_declared_lost_within_seconds_and_fit
 
 def _kill_worker_only(workers, address):
     """kill -9 the worker process but not its nanny: the nanny starts it again under the same name."""
-    worker, _ = _pids(workers.client, address)
+    worker, _ = workers.pids(address)
     os.kill(worker, signal.SIGKILL)
 
 
@@ -116,16 +88,16 @@ def _wait_for_name(client, name, old_address, timeout=90):
 @pytest.mark.slow
 def test_a_failed_worker_restarted_by_its_nanny_is_not_admitted_during_its_cooldown(process_workers):
     workers = process_workers(3)
-    x, y = _data(240)
+    x, y = models.data(240)
     train = Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)
     options = dd.ElasticOptions(min_replicas=2, admit_every="0.3s", cooldown="10min")
     with dd.MirroredStrategy(client=workers.client, elastic=options) as strategy:
         with strategy.scope():
-            model = _model()
+            model = models.model()
         victim = strategy.extended.worker_addresses[1]
         name = workers.client.scheduler_info()["workers"][victim]["name"]
         since = time.time()
-        thread = threading.Thread(target=lambda: (_wait_for_step(workers.client, 3, since),
+        thread = threading.Thread(target=lambda: (wait_for_step(workers.client, 3, since),
                                                   _kill_worker_only(workers, victim)), daemon=True)
         thread.start()
         history = model.fit(train, epochs=1, verbose=0)
@@ -141,26 +113,26 @@ def test_a_failed_worker_restarted_by_its_nanny_is_not_admitted_during_its_coold
 @pytest.mark.slow
 def test_a_worker_that_keeps_failing_is_named_in_the_error_once_max_failures_is_spent(process_workers):
     workers = process_workers(3)
-    x, y = _data(240)
+    x, y = models.data(240)
     train = Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)
     options = dd.ElasticOptions(min_replicas=2, max_failures=1, admit_every="0.3s", cooldown="1s")
     with dd.MirroredStrategy(client=workers.client, elastic=options) as strategy:
         with strategy.scope():
-            model = _model()
+            model = models.model()
         victim = strategy.extended.worker_addresses[2]
         name = workers.client.scheduler_info()["workers"][victim]["name"]
         since = time.time()
         record = {}
 
         def fail_twice():
-            _wait_for_step(workers.client, 3, since)
+            wait_for_step(workers.client, 3, since)
             _kill_worker_only(workers, victim)
             back = _wait_for_name(workers.client, name, victim)  # restarted by its nanny
             deadline = time.monotonic() + 90
             while back not in strategy.extended.worker_addresses and time.monotonic() < deadline:
                 time.sleep(0.05)  # its cooldown over, it is admitted again at a commit
             record["readmitted"] = back in strategy.extended.worker_addresses
-            _wait_for_step(workers.client, 0, time.time() + 0.5, epoch=None)  # it trains, then fails again
+            wait_for_step(workers.client, 0, time.time() + 0.5, epoch=None)  # it trains, then fails again
             _kill_worker_only(workers, back)
 
         thread = threading.Thread(target=fail_twice, daemon=True)
@@ -176,18 +148,18 @@ def test_a_worker_that_keeps_failing_is_named_in_the_error_once_max_failures_is_
 def test_a_worker_killed_while_it_copies_a_commit_is_recovered_with_the_uninterrupted_weights(
         process_workers, tmp_path):
     workers = process_workers(3)
-    x, y = _data(240)
+    x, y = models.data(240)
     train = Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)
-    weights = _model().get_weights()
+    weights = models.model().get_weights()
     with dd.MirroredStrategy(client=workers.client) as strategy:
         with strategy.scope():
-            model = _model(weights)
+            model = models.model(weights)
         model.fit(train, epochs=1, verbose=0)
         expected = model.get_weights()
     marker = str(tmp_path / "copying")
     with dd.MirroredStrategy(client=workers.client, elastic=dd.ElasticOptions(min_replicas=2)) as strategy:
         with strategy.scope():
-            model = _model(weights)
+            model = models.model(weights)
         victim = strategy.extended.worker_addresses[1]
 
         def slow_copies(marker=marker):  # on the victim: its 5th commit copy says so, then takes a while
@@ -230,9 +202,10 @@ class _Array:
 
     def __init__(self, value):
         self.value = value
+        self.release = threading.Event()  # the copy waits for it: the test decides when it ends
 
     def snapshot(self):
-        time.sleep(0.2)  # a copy that takes a while: the caller goes on meanwhile
+        assert self.release.wait(60), "the copy was never released"
         return self.value.copy()
 
     def restore(self, state):
@@ -244,10 +217,9 @@ def test_a_commit_copies_in_the_background_and_holds_the_state_of_its_step():
     weights = _Array(np.zeros(4))
     store.install("variable", "w", weights)
     ring = CommitRing()
-    start = time.monotonic()
-    ring.add(Commit.copying((1, 0, 1), store, {}))
-    assert time.monotonic() - start < 0.1  # the step path does not wait for the copy
+    ring.add(Commit.copying((1, 0, 1), store, {}))  # returns while the copy waits: the step path goes on
     assert not ring.get((1, 0, 1)).copied
+    weights.release.set()
     ring.settle()  # what the replica does before the next optimizer apply
     weights.value += 1  # the next apply
     ring.add(Commit.copying((1, 0, 2), store, {}))
@@ -291,6 +263,9 @@ def test_a_custom_loop_lets_a_retired_member_leave_at_its_commit_with_nothing_re
         def train(state):
             while state.epoch < 2:
                 for batch in state.batches(dataset):
+                    if (state.epoch, state.batch) == (0, 4) and not retirer.is_alive() and not retired:
+                        retirer.start()  # asked after 3 commits; the member leaves at a later one
+                        retired.append(state.steps)  # 3 steps done: state.batch counts the one taken
                     strategy.run(step, args=(batch,))
                     state.steps += 1
                     state.commit()
@@ -300,12 +275,12 @@ def test_a_custom_loop_lets_a_retired_member_leave_at_its_commit_with_nothing_re
         resets = []
         state.register_reset_callbacks([lambda: resets.append(strategy.num_replicas_in_sync)])
         victim = strategy.extended.worker_addresses[1]
+        retired = []
         retirer = threading.Thread(
-            target=lambda: (time.sleep(2.0), workers.client.retire_workers(workers=[victim], close_workers=True)),
-            daemon=True)
-        retirer.start()
+            target=lambda: workers.client.retire_workers(workers=[victim], close_workers=True), daemon=True)
         train(state)
         retirer.join(60)
+        assert retired == [3] and not retirer.is_alive()
         (event,) = state.events
         assert event.action == "left" and event.left == [victim] and event.lost == [] and resets == [2]
         assert state.steps == 20 and state.epoch == 2
@@ -423,12 +398,12 @@ def test_the_heartbeat_watch_names_silent_members_of_elastic_groups_once_the_sch
 @pytest.mark.slow
 def test_a_member_retired_between_two_fits_leaves_at_once_and_is_no_failure(process_workers):
     workers = process_workers(3)
-    x, y = _data(240)
+    x, y = models.data(240)
     train = Dataset.from_tensor_slices((x, y)).batch(24)
     options = dd.ElasticOptions(min_replicas=2, max_failures=0)  # a single loss would end the next fit
     with dd.MirroredStrategy(client=workers.client, elastic=options) as strategy:
         with strategy.scope():
-            model = _model()
+            model = models.model()
         model.fit(train, epochs=1, verbose=0)
         victim = strategy.extended.worker_addresses[2]
         start = time.monotonic()

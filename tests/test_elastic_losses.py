@@ -19,9 +19,9 @@ import pytest
 
 import daskdist as dd
 from daskdist import fault_points
-from tests.test_elastic import _data, _kill_at_step, _model, slow_batch
-from tests.test_elastic_departures import process_workers  # noqa: F401 (the fixture: it sweeps killed segments)
-from tests.test_elastic_multi_worker import RING, Killer, _resolver_view, _train_set
+from tests.support import models
+from tests.support.killers import Killer, kill_at_step
+from tests.support.models import slow_batch
 
 Dataset = dd.data.Dataset
 
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def _slow_set():
-    x, y = _data(240)
+    x, y = models.data(240)
     return Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)  # 10 steps of about 0.12 s
 
 
@@ -48,10 +48,10 @@ def _check_exact(history, model, expected, reference, epochs=2):
 @pytest.fixture(scope="module")
 def uninterrupted_mirrored(threaded_client):
     """MirroredStrategy over 3 replicas, no loss: the initial weights, the final ones, the logs."""
-    weights = _model().get_weights()
+    weights = models.model().get_weights()
     with dd.MirroredStrategy(client=threaded_client) as strategy:
         with strategy.scope():
-            model = _model(weights)
+            model = models.model(weights)
         history = model.fit(_slow_set(), epochs=2, verbose=0)
         return weights, model.get_weights(), history.history
 
@@ -59,11 +59,11 @@ def uninterrupted_mirrored(threaded_client):
 @pytest.fixture(scope="module")
 def uninterrupted_mwms(threaded_client):
     """MultiWorkerMirroredStrategy over 3 replicas through the ring all-reduce, no loss."""
-    weights = _model().get_weights()
-    with dd.MultiWorkerMirroredStrategy(communication_options=RING, client=threaded_client) as strategy:
+    weights = models.model().get_weights()
+    with dd.MultiWorkerMirroredStrategy(communication_options=models.RING, client=threaded_client) as strategy:
         with strategy.scope():
-            model = _model(weights)
-        history = model.fit(_train_set(), epochs=2, verbose=0)
+            model = models.model(weights)
+        history = model.fit(models.train_set(), epochs=2, verbose=0)
         return weights, model.get_weights(), history.history
 
 
@@ -79,14 +79,12 @@ def test_the_restore_point_fires_once_on_the_new_generations_rank_at_the_commits
         for rank, step in ((0, 4), (1, 3)):  # another rank, another commit: no pause
             fault_points.restoring(rank, step)
         assert not marker.exists()
-        start = time.monotonic()
         fault_points.restoring(1, 4)
-        assert time.monotonic() - start >= 0.2
-        record = json.loads(marker.read_text())
+        record = json.loads(marker.read_text())  # the pause wrote who paused
         assert (record["phase"], record["step"], record["rank"], record["pid"]) == ("restore", 4, 1, os.getpid())
-        start = time.monotonic()
-        fault_points.restoring(1, 4)  # fired once: a later restore runs on
-        assert time.monotonic() - start < 0.2
+        marker.unlink()
+        fault_points.restoring(1, 4)  # fired once: a later restore runs on, with no second pause
+        assert not marker.exists()
     anywhere = tmp_path / "any.json"
     with dask.config.set({**settings, "daskdist.testing.pause-at": "restore:*:0",
                           "daskdist.testing.pause-file": str(anywhere)}):
@@ -106,11 +104,11 @@ def test_a_second_worker_killed_while_the_survivors_restore_the_commit_fit_finis
             client=workers.client, elastic=dd.ElasticOptions(min_replicas=2)) as strategy:
         assert strategy.num_replicas_in_sync == 4
         with strategy.scope():
-            model = _model(weights)
+            model = models.model(weights)
         members = list(strategy.extended.worker_addresses)
         first = members[1]
-        killer = Killer(marker)
-        thread, killed_first = _kill_at_step(workers, first, step=4)  # mid-epoch, on replica 0's progress
+        killer = Killer(marker, workers=workers)
+        thread, killed_first = kill_at_step(workers, first, step=4)  # mid-epoch, on replica 0's progress
         start = time.monotonic()
         history = model.fit(_slow_set(), epochs=2, verbose=0)
         thread.join(5)
@@ -140,14 +138,14 @@ def test_rank_0_killed_mid_epoch_under_mwms_its_weights_and_metrics_come_back_fr
     marker = tmp_path / "paused.json"
     settings = {"daskdist.testing.pause-at": "forward:4:0", "daskdist.testing.pause-file": str(marker)}
     with dask.config.set(settings), dd.MultiWorkerMirroredStrategy(
-            communication_options=RING, client=workers.client,
+            communication_options=models.RING, client=workers.client,
             elastic=dd.ElasticOptions(min_replicas=2)) as strategy:
         with strategy.scope():
-            model = _model(weights)
+            model = models.model(weights)
         members = list(strategy.extended.worker_addresses)
         victim = members[0]  # the replica the client reads the weights from, and that sums the epoch's metrics
-        killer = Killer(marker)
-        history = model.fit(_train_set(), epochs=2, verbose=0)
+        killer = Killer(marker, workers=workers)
+        history = model.fit(models.train_set(), epochs=2, verbose=0)
         record = killer.join()
         assert (record["phase"], record["step"], record["rank"], record["address"]) == ("forward", 4, 0, victim)
         assert list(strategy.extended.worker_addresses) == members[1:]  # the oldest survivor is rank 0 now
@@ -155,7 +153,7 @@ def test_rank_0_killed_mid_epoch_under_mwms_its_weights_and_metrics_come_back_fr
         assert event.lost == [victim] and event.commit[1:] == (0, 4) and event.members == members[1:]
         assert history.elastic.failures == 1
         _check_exact(history, model, expected, reference)  # the metric totals too: rank 0's, from the commit
-        seen = strategy.extended.group.call(_resolver_view)
+        seen = strategy.extended.group.call(models.resolver_view)
         assert [s[0] for s in seen] == [("worker", 0)] * 2
         assert all(victim not in s[1] and len(s[1]) == 2 for s in seen)
 
@@ -171,11 +169,11 @@ def test_under_mwms_a_loss_below_min_replicas_waits_then_raises_naming_the_lost_
     with dask.config.set(settings), dd.MultiWorkerMirroredStrategy(client=workers.client,
                                                                    elastic=options) as strategy:
         with strategy.scope():
-            model = _model()
+            model = models.model()
         victim = strategy.extended.worker_addresses[1]
-        killer = Killer(marker)
+        killer = Killer(marker, workers=workers)
         with pytest.raises(dd.ReplicaLostError, match="min_replicas=2") as info:
-            model.fit(_train_set(), epochs=2, verbose=0)
+            model.fit(models.train_set(), epochs=2, verbose=0)
         raised = time.time()
         record = killer.join()
         assert record["address"] == victim
@@ -185,13 +183,13 @@ def test_under_mwms_a_loss_below_min_replicas_waits_then_raises_naming_the_lost_
         # the run is over, not wedged: the next fit waits for a worker again, then raises the same clear error
         again = time.monotonic()
         with pytest.raises(dd.ReplicaLostError, match="min_replicas=2") as info:
-            model.fit(_train_set(), epochs=1, verbose=0)
+            model.fit(models.train_set(), epochs=1, verbose=0)
         assert info.value.worker == victim and 3 <= time.monotonic() - again < 30
         assert strategy.num_replicas_in_sync == 1  # it never trained below min_replicas
         # a worker that comes in time is admitted by the next fit, gets the survivor's commit, and trains
         workers.add()
         workers.client.wait_for_workers(2, timeout=60)  # registered: the fit's wait is not a race with its start
-        history = model.fit(_train_set(), epochs=1, verbose=0)
+        history = model.fit(models.train_set(), epochs=1, verbose=0)
         (event,) = history.elastic.events
         assert event.action == "grew" and len(event.admitted) == 1 and victim not in event.admitted
         assert strategy.num_replicas_in_sync == 2
@@ -213,12 +211,12 @@ def test_a_strategy_started_below_min_replicas_admits_a_free_worker_before_its_f
     (chosen, *free) = sorted(threaded_client.scheduler_info()["workers"])
     resolver = dd.cluster_resolver.DaskClusterResolver(workers=[chosen])
     options = dd.ElasticOptions(min_replicas=2, max_replicas=2, wait_timeout="60s")
-    with dd.MultiWorkerMirroredStrategy(resolver, communication_options=RING, client=threaded_client,
+    with dd.MultiWorkerMirroredStrategy(resolver, communication_options=models.RING, client=threaded_client,
                                         elastic=options) as strategy:
         assert strategy.num_replicas_in_sync == 1
         with strategy.scope():
-            model = _model(weights)
-        history = model.fit(_train_set(), epochs=2, verbose=0)
+            model = models.model(weights)
+        history = model.fit(models.train_set(), epochs=2, verbose=0)
         (event,) = history.elastic.events  # the newcomer joined before any step: it trained every step
         assert event.action == "grew" and event.admitted[0] in free and event.commit[1:] == (0, 0)
         assert strategy.num_replicas_in_sync == 2

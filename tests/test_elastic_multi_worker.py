@@ -2,7 +2,7 @@
 
 A test-only fault point (``daskdist.testing.pause-at``, ``daskdist/fault_points.py``) makes one replica stop
 at one phase of one step and say so in a file; the test then kills -9 that worker and its nanny, so the
-kill lands exactly there. The gradients go through the ring all-reduce (``implementation="RING"``), whose
+kill lands exactly there. The gradients go through the ring all-reduce (``implementation="models.RING"``), whose
 two halves are phases. Each time ``fit`` finishes on the two survivors, every row of each epoch is
 committed once, and the weights equal those of an uninterrupted run within float tolerance.
 """
@@ -21,86 +21,25 @@ import pytest
 
 import daskdist as dd
 from daskdist import config, fault_points, keras
-from tests.test_elastic import ProcessWorkers
+from tests.support import models
+from tests.support.killers import Killer
 
 Dataset = dd.data.Dataset
 
 pytestmark = pytest.mark.timeout(240)
 
-RING = dd.CommunicationOptions(implementation="RING")
 VICTIM_RANK, PAUSE_STEP = 1, 4  # rank 1 of 3, at the fifth step of the first epoch
-
-
-@pytest.fixture
-def process_workers():
-    made = []
-
-    def make(n: int) -> ProcessWorkers:
-        made.append(ProcessWorkers(n))
-        return made[-1]
-
-    yield make
-    for workers in made:
-        workers.close()
-
-
-def _data(n=240, features=4, seed=0):
-    rng = np.random.default_rng(seed)
-    return rng.random((n, features)).astype(np.float32), rng.integers(0, 3, n).astype(np.int64)
-
-
-def _model(weights=None):
-    model = keras.Sequential([keras.layers.Dense(8, activation="relu", input_shape=(4,)), keras.layers.Dense(3)])
-    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  optimizer=keras.optimizers.Adam(0.01), metrics=["accuracy"])
-    model.build((4,))
-    if weights is not None:
-        model.set_weights(weights)
-    return model
-
-
-def _train_set():
-    x, y = _data(240)
-    return Dataset.from_tensor_slices((x, y)).batch(24)  # 10 steps per epoch
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(threaded_client):
     """The uninterrupted run: MWMS over 3 replicas, the same data, model and initial weights."""
-    weights = _model().get_weights()
-    with dd.MultiWorkerMirroredStrategy(communication_options=RING, client=threaded_client) as strategy:
+    weights = models.model().get_weights()
+    with dd.MultiWorkerMirroredStrategy(communication_options=models.RING, client=threaded_client) as strategy:
         with strategy.scope():
-            model = _model(weights)
-        history = model.fit(_train_set(), epochs=2, verbose=0)
+            model = models.model(weights)
+        history = model.fit(models.train_set(), epochs=2, verbose=0)
         return weights, model.get_weights(), history.history
-
-
-class Killer:
-    """Waits for the paused replica's file, then kills -9 its worker and the worker's nanny."""
-
-    def __init__(self, marker, nanny: bool = True):
-        self.marker = marker
-        self.nanny = nanny  # whether the worker has a nanny (its parent) to kill first
-        self.record: dict = {}
-        self.thread = threading.Thread(target=self._watch, daemon=True)
-        self.thread.start()
-
-    def _watch(self) -> None:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.marker.exists():
-                paused = json.loads(self.marker.read_text())
-                if self.nanny:
-                    os.kill(paused["ppid"], signal.SIGKILL)  # the nanny first: nothing restarts the worker
-                os.kill(paused["pid"], signal.SIGKILL)
-                self.record.update(paused, killed=time.time())
-                return
-            time.sleep(0.01)
-
-    def join(self) -> dict:
-        self.thread.join(5)
-        assert "killed" in self.record, "the replica never reached its fault point"
-        return self.record
 
 
 def test_pause_points_are_parsed_and_checked():
@@ -125,23 +64,23 @@ def test_a_pause_point_fires_once_on_its_rank_and_step_and_writes_who_paused(tmp
         fault_points.reached("forward")
         assert not marker.exists()
         before_batch = fault_points.arm(1, lambda: next(steps))
-        paused_at = []
+        paused_at, records = [], []
         for _ in range(4):
             before_batch()  # steps 0, 1, 2, 3
-            start = time.monotonic()
             fault_points.reached("forward")
             fault_points.reached("apply")
-            if time.monotonic() - start >= 0.2:
+            if marker.exists():  # a pause writes who paused (whole, or not at all), then sleeps
                 paused_at.append(fault_points._local.step)
+                records.append(json.loads(marker.read_text()))
+                marker.unlink()
         assert paused_at == [2]
-        record = json.loads(marker.read_text())
+        (record,) = records
         assert record["pid"] == os.getpid() and record["ppid"] == os.getppid()
         assert (record["phase"], record["step"], record["rank"]) == ("forward", 2, 1)
-        fault_points.arm(1, lambda: 2)  # armed again (a replayed step after a loss): the file says it fired
+        fault_points.arm(1, lambda: 2)  # armed again (a replayed step after a loss): its lock says it fired
         fault_points.begin_step(2)
-        start = time.monotonic()
         fault_points.reached("forward")
-        assert time.monotonic() - start < 0.2
+        assert not marker.exists()  # no second pause
     handed = tmp_path / "handed.json"  # a point handed to another thread (a commit's copy) pauses there
     with dask.config.set({**settings, "daskdist.testing.pause-at": "commit:3:0",
                           "daskdist.testing.pause-file": str(handed)}):
@@ -188,14 +127,14 @@ def test_kill_9_of_one_of_3_workers_at_each_phase_of_a_step_fit_finishes_with_th
     settings = {"daskdist.testing.pause-at": f"{phase}:{PAUSE_STEP}:{VICTIM_RANK}",
                 "daskdist.testing.pause-file": str(marker)}
     with dask.config.set(settings), dd.MultiWorkerMirroredStrategy(
-            communication_options=RING, client=workers.client,
+            communication_options=models.RING, client=workers.client,
             elastic=dd.ElasticOptions(min_replicas=2)) as strategy:
         assert strategy.num_replicas_in_sync == 3 and strategy.extended.group.spec.policy == "elastic"
         with strategy.scope():
-            model = _model(weights)
+            model = models.model(weights)
         victim = strategy.extended.worker_addresses[VICTIM_RANK]
-        killer = Killer(marker)
-        history = model.fit(_train_set(), epochs=2, verbose=0)
+        killer = Killer(marker, workers=workers)
+        history = model.fit(models.train_set(), epochs=2, verbose=0)
         record = killer.join()
         assert (record["phase"], record["step"], record["rank"], record["address"]) == (
             phase, PAUSE_STEP, VICTIM_RANK, victim)
@@ -216,14 +155,9 @@ def test_kill_9_of_one_of_3_workers_at_each_phase_of_a_step_fit_finishes_with_th
         assert history.history["accuracy"] == pytest.approx(reference["accuracy"], rel=1e-5)
         assert int(model._optimizer_state()["iterations"]) == 20  # each step applied once in the state kept
         # the survivors' resolvers name the two members left (one host here: task 0)
-        seen = strategy.extended.group.call(_resolver_view)
+        seen = strategy.extended.group.call(models.resolver_view)
         assert [s[0] for s in seen] == [("worker", 0)] * 2
         assert all(victim not in s[1] and len(s[1]) == 2 for s in seen)
-
-
-def _resolver_view(service):
-    resolver = service.strategy_view.cluster_resolver
-    return (resolver.task_type, resolver.task_id), list(resolver.selector)
 
 
 def _digits():
@@ -277,11 +211,11 @@ def test_a_kill_inside_the_all_reduce_leaves_the_digits_test_accuracy_within_hal
         settings = {"daskdist.testing.pause-at": f"all-gather:40:{VICTIM_RANK}" if interrupted else None,
                     "daskdist.testing.pause-file": str(marker)}
         with dask.config.set(settings), dd.MultiWorkerMirroredStrategy(
-                communication_options=RING, client=workers.client,
+                communication_options=models.RING, client=workers.client,
                 elastic=dd.ElasticOptions(min_replicas=2)) as strategy:
             with strategy.scope():
                 model = _cnn(weights)
-            killer = Killer(marker) if interrupted else None
+            killer = Killer(marker, workers=workers) if interrupted else None
             history = model.fit(train, epochs=5, verbose=0)
             if killer is not None:
                 assert killer.join()["phase"] == "all-gather"
@@ -327,7 +261,7 @@ def test_an_elastic_custom_loop_under_mwms_survives_a_killed_worker_and_counts_e
         assert total.read_value() == 2 * values.sum()  # each row added once per epoch, none replayed or skipped
         for epoch in (0, 1):
             assert sorted(state.ledger.positions(epoch, state._rows).tolist()) == list(range(120))
-        assert [s[0] for s in strategy.extended.group.call(_resolver_view)] == [("worker", 0)] * 2
+        assert [s[0] for s in strategy.extended.group.call(models.resolver_view)] == [("worker", 0)] * 2
 
 
 @pytest.mark.slow
@@ -335,19 +269,19 @@ def test_a_free_worker_joins_an_elastic_mwms_at_the_next_epoch_with_a_resolver_o
     workers = process_workers(3)
     chosen = sorted(workers.client.scheduler_info()["workers"])[:2]
     resolver = dd.cluster_resolver.DaskClusterResolver(workers=chosen)
-    weights = _model().get_weights()
+    weights = models.model().get_weights()
     options = dd.ElasticOptions(min_replicas=2, max_replicas=3)
     with dd.MultiWorkerMirroredStrategy(resolver, client=workers.client, elastic=options) as strategy:
         assert list(strategy.extended.worker_addresses) == chosen
         (free,) = set(workers.client.scheduler_info()["workers"]) - set(chosen)
         with strategy.scope():
-            model = _model(weights)
-        history = model.fit(_train_set(), epochs=2, verbose=0)
+            model = models.model(weights)
+        history = model.fit(models.train_set(), epochs=2, verbose=0)
         (event,) = history.elastic.events
         assert event.action == "grew" and event.admitted == [free]
         assert strategy.num_replicas_in_sync == 3 and strategy.extended.num_hosts == 1
         assert strategy.cluster_resolver is resolver  # the user's resolver stays the strategy's (TF)
-        seen = strategy.extended.group.call(_resolver_view)  # the newcomer too has a resolver, of all three
+        seen = strategy.extended.group.call(models.resolver_view)  # the newcomer too has a resolver, of all three
         assert [s[0] for s in seen] == [("worker", 0)] * 3
         assert all(sorted(s[1]) == sorted([*chosen, free]) for s in seen)
         assert sorted(history.elastic.ledger.positions(1, history.elastic.rows).tolist()) == list(range(240))
@@ -380,7 +314,7 @@ def fresh_hosts():
 
 
 def _wide_set():
-    x, y = _data(320, features=8, seed=1)
+    x, y = models.data(320, features=8, seed=1)
     return Dataset.from_tensor_slices((x, y)).batch(32)  # 10 steps per epoch
 
 
@@ -417,7 +351,7 @@ def _check_finished_on_h1(strategy, history, hosts, client, expected, reference)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert history.history["loss"] == pytest.approx(reference["loss"], rel=1e-5)
     # the survivors' TF view: one host left, task 0, the spec naming only h1
-    seen = strategy.extended.group.call(_resolver_view)
+    seen = strategy.extended.group.call(models.resolver_view)
     assert [s[0] for s in seen] == [("worker", 0)] * 2
     assert strategy.cluster_resolver.cluster_spec().as_dict() == {"worker": [h1.address]}
 
@@ -487,7 +421,7 @@ def test_h2s_leader_killed_inside_the_cross_host_ring_training_finishes_on_three
         assert event.lost == [victim] and event.commit[1:] == (0, PAUSE_STEP)
         assert strategy.num_replicas_in_sync == 3 and strategy.extended.num_hosts == 2
         # h2's other worker is its host's only replica now: task 1, the spec still naming both hosts
-        seen = strategy.extended.group.call(_resolver_view)
+        seen = strategy.extended.group.call(models.resolver_view)
         assert [s[0] for s in seen] == [("worker", 0), ("worker", 0), ("worker", 1)]
         assert strategy.cluster_resolver.cluster_spec().as_dict() == {"worker": [h1.address, h2.address]}
         for e in (0, 1):

@@ -282,6 +282,7 @@ def test_workers_of_a_group_are_protected_from_downscaling(make_cluster):
 
 
 
+@pytest.mark.slow
 def test_an_elastic_group_re_forms_on_the_survivors_of_a_killed_worker(make_cluster):
     client = make_cluster(3, processes=True)
     with dask.config.set(ELASTIC):

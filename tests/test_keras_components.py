@@ -339,7 +339,7 @@ def test_synchronized_batchnorm_matches_full_batch(shape):
     assert not np.allclose(half(np.array_split(x, 2)[0], training=True), y_ref[: shape[0] // 2])
 
 
-def test_synchronized_batchnorm_over_real_communicators():
+def test_synchronized_batchnorm_over_in_memory_communicators():
     rng = np.random.default_rng(11)
     x = rng.standard_normal((9, 4)) * 2 - 1
     g = rng.standard_normal((9, 4))
@@ -351,6 +351,33 @@ def test_synchronized_batchnorm_over_real_communicators():
         assert not isinstance(o, Exception), o
     np.testing.assert_allclose(np.concatenate([o[0] for o in out]), y_ref, rtol=1e-10, atol=1e-10)
     np.testing.assert_allclose(np.concatenate([o[1] for o in out]), dx_ref, rtol=1e-9, atol=1e-10)
+
+
+def test_synchronized_batchnorm_under_a_strategy_on_a_cluster_matches_full_batch(threaded_client):
+    """Three replicas of a real cluster, each with its third of the batch, synchronised by the replica context."""
+    import daskdist as dd
+
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((9, 4)) * 2 - 1
+    g = rng.standard_normal((9, 4))
+    gamma, beta = rng.uniform(0.5, 1.5, 4), rng.standard_normal(4)
+    ref, y_ref, dx_ref = _full_batch_reference(x, g, gamma, beta)
+
+    def replica():
+        ctx = dd.get_replica_context()
+        y, dx, grads, state = _sync_replica(ctx.replica_id_in_sync_group, ctx.num_replicas_in_sync, x, g, gamma,
+                                            beta, None)  # no all_reduce given: the replica context's
+        return {"y": y, "dx": dx, "gamma": grads["gamma"], "mean": state["moving_mean"]}
+
+    with dd.MirroredStrategy(client=threaded_client) as strategy:
+        assert strategy.num_replicas_in_sync == 3
+        out = strategy.run(replica)
+        local = {key: strategy.experimental_local_results(value) for key, value in out.items()}
+    np.testing.assert_allclose(np.concatenate(local["y"]), y_ref, rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(np.concatenate(local["dx"]), dx_ref, rtol=1e-9, atol=1e-10)
+    np.testing.assert_allclose(sum(local["gamma"]), ref.grads["gamma"], rtol=1e-10, atol=1e-10)
+    for mean in local["mean"]:  # every replica's moving statistics are the full batch's
+        np.testing.assert_allclose(mean, ref.state["moving_mean"], rtol=1e-10)
 
 
 def test_synchronized_batchnorm_single_replica_defaults_to_local():

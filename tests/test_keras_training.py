@@ -185,17 +185,32 @@ def test_early_stopping_and_backup_and_restore(threaded_client, tmp_path):
             model = _cnn()
         with pytest.raises(KeyboardInterrupt):
             model.fit(train, epochs=4, callbacks=[keras.callbacks.BackupAndRestore(backup), Interrupt()], verbose=0)
-        saved = model.get_weights()
+        saved = model.get_weights()  # those of the end of epoch 1, which the backup holds
         with strategy.scope():
             resumed = _cnn()
-        history = resumed.fit(train, epochs=4, callbacks=[keras.callbacks.BackupAndRestore(backup)], verbose=0)
+        resumed.build((8, 8, 1))
+        fresh = resumed.get_weights()
+
+        class FirstEpoch(keras.callbacks.Callback):
+            """The weights the resumed fit starts its first epoch from."""
+
+            def on_epoch_begin(self, epoch, logs=None):
+                if not hasattr(self, "start"):
+                    self.start = (epoch, self.model.get_weights())
+
+        first = FirstEpoch()
+        history = resumed.fit(train, epochs=4, callbacks=[keras.callbacks.BackupAndRestore(backup), first], verbose=0)
         assert history.epoch == [2, 3]  # epochs 0 and 1 were done before the interruption
+        epoch, start = first.start
+        assert epoch == 2 and len(start) == len(saved) == len(fresh)
+        for got, backed_up, initial in zip(start, saved, fresh):  # it resumed from the backup, not from its init
+            np.testing.assert_array_equal(got, backed_up)
+            assert not np.array_equal(got, initial) or not initial.any()
         assert not os.path.exists(backup)  # removed once training finished
 
         stopper = keras.callbacks.EarlyStopping(monitor="loss", patience=1, min_delta=100.0)
         history = resumed.fit(train, epochs=10, callbacks=[stopper], verbose=0)
         assert len(history.epoch) == 2 and resumed.stop_training
-    assert saved  # weights were readable after the interruption
 
 
 def test_custom_training_loop_with_compute_average_loss(threaded_client):
@@ -221,4 +236,18 @@ def test_custom_training_loop_with_compute_average_loss(threaded_client):
             for batch in dist:
                 per_replica = strategy.run(train_step, args=(batch,))
                 losses.append(float(strategy.reduce("SUM", per_replica, axis=None)))
-        assert losses[-1] < losses[0]
+        trained = np.asarray(w.read_value())
+
+    # the same 20 steps on one device over each whole global batch of 64: the per-replica losses scaled by the
+    # global batch size add up to the batch's mean loss, and the SUM-aggregated partial gradients to its gradient
+    # (a MEAN aggregation, or a per-replica batch size in place of 64, halves the step and fails here)
+    features, reference_w, reference_losses = x.reshape(-1, 64), np.zeros((64, 10), np.float32), []
+    for _ in range(5):
+        for start in range(0, 256, 64):
+            images, labels = features[start:start + 64], y[start:start + 64]
+            logits = images @ reference_w
+            reference_losses.append(float(loss_fn.per_example(labels, logits).mean()))
+            reference_w = reference_w - 0.5 * (images.T @ (loss_fn.gradient(labels, logits) / 64))
+    assert losses == pytest.approx(reference_losses, rel=1e-5)
+    np.testing.assert_allclose(trained, reference_w, rtol=1e-4, atol=1e-6)
+    assert losses[-1] < losses[0] * 0.7  # and it learns

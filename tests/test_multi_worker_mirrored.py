@@ -3,8 +3,8 @@
 The ``netns`` tests run on two namespace hosts h1 and h2 with two Dask workers
 each (``tests/netns.py``): own host names, private ``/dev/shm``, TCP over
 veth links through a bridge. They skip where namespaces cannot be made (not
-root, no iproute2); select them with ``-m netns``. The last test kills a
-worker, so it stays last.
+root, no iproute2); select them with ``-m netns``. A test that kills a worker
+leaves fewer than 4: the ``netns_hosts`` fixture starts the hosts again for the next test, in any order.
 """
 
 from __future__ import annotations
@@ -370,7 +370,7 @@ def test_a_link_down_without_fin_or_rst_is_detected_within_10_seconds(netns_host
 @netns
 def test_kill_9_of_one_hosts_worker_mid_all_reduce_fails_every_survivor_and_the_client_within_10_seconds(
         netns_hosts, tmp_path):
-    hosts, client = netns_hosts  # this test kills a worker: keep it last
+    hosts, client = netns_hosts  # this test kills a worker: the fixture starts fresh hosts for the next
     strategy = dd.MultiWorkerMirroredStrategy(client=client)
     try:
         strategy.run(_all_reduce_1mib)

@@ -139,7 +139,7 @@ def test_sharded_variable_of_stored_shards_pulls_only_the_rows_touched(threaded_
         def lookup(i):
             return dd.nn.embedding_lookup(table, i)
 
-        store = strategy.extended._stores[0]
+        store = strategy.extended.stores[0]
         before = store.call_from_client(threaded_client, "bytes_served")
         out = strategy.run(lookup, args=(ids,))
         assert store.call_from_client(threaded_client, "bytes_served") - before == 6 * 8 * 4  # 6 rows, not 1000

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import daskdist as dd
-from daskdist.strategy.parameter_store import ParameterStore
+from daskdist.ps.store import ParameterStore
 from daskdist.variables import VariableSpec
 
 ClusterCoordinator = dd.experimental.coordinator.ClusterCoordinator
@@ -31,7 +31,7 @@ def _strategy(client, partitioner=None):
 
 
 def _requests(strategy):
-    return [s.call_from_client(strategy.client, "requests") for s in strategy.extended._stores]
+    return [s.call_from_client(strategy.client, "requests") for s in strategy.extended.stores]
 
 
 def _train_step(kernel, bias):
@@ -184,7 +184,7 @@ def test_an_embedding_lookup_of_a_whole_stored_table_pulls_only_the_rows_asked_f
         coordinator = ClusterCoordinator(strategy)
         with strategy.scope():
             table = dd.Variable(np.arange(4000, dtype=np.float32).reshape(1000, 4), name="table")  # ps 0
-        store = strategy.extended._stores[0]
+        store = strategy.extended.stores[0]
         before = store.call_from_client(strategy.client, "bytes_served")
         ids = np.array([[7, 999], [7, 0]])
         rows = coordinator.schedule(lambda: dd.nn.embedding_lookup(table, ids)).fetch()
@@ -201,7 +201,7 @@ def test_worker_processes_reach_the_ps_on_the_direct_channel_or_through_dask_com
     with dask.config.set({"daskdist.parameter-store.direct-channel": direct_channel}):
         client = make_cluster(3, processes=True)
         with _strategy(client) as strategy:
-            assert all((s.direct is not None) == direct_channel for s in strategy.extended._stores)
+            assert all((s.direct is not None) == direct_channel for s in strategy.extended.stores)
             coordinator = ClusterCoordinator(strategy)
             with strategy.scope():
                 kernel = dd.Variable(np.zeros((8, 3), np.float32), name="kernel")
@@ -221,7 +221,7 @@ def test_a_message_larger_than_the_socket_buffers_arrives_whole_with_its_arrays(
     import socket
     import threading
 
-    from daskdist.strategy.ps_channel import recv_message, send_message
+    from daskdist.ps.channel import recv_message, send_message
 
     left, right = socket.socketpair()
     message = ("exchange", {"values": [np.arange(3_000_000, dtype=np.float32), np.ones((5, 2))[:, 0]], "n": 7})
@@ -241,7 +241,7 @@ def test_a_message_larger_than_the_socket_buffers_arrives_whole_with_its_arrays(
 def test_the_direct_channel_refuses_a_wrong_secret_and_serves_only_variable_traffic():
     import socket
 
-    from daskdist.strategy.ps_channel import HELLO, StoreServer, recv_message, send_message
+    from daskdist.ps.channel import HELLO, StoreServer, recv_message, send_message
 
     store = _store_with(np.zeros(3, np.float32))
     server = StoreServer(store, "127.0.0.1")

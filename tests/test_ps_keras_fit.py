@@ -74,7 +74,7 @@ def test_fit_under_ps_trains_digits_to_95_percent_with_the_parameters_and_optimi
         assert ClusterCoordinator(strategy) is strategy._coordinator  # fit made the strategy's coordinator
 
         # the parameters and Adam's slots live on the ps: two trainable arrays per store, pushed once per step
-        stores = strategy.extended._stores
+        stores = strategy.extended.stores
         states = [s.call_from_client(four_workers, "model_state", model_key=model._ps_key) for s in stores]
         assert [len(st["params"]) for st in states] == [2, 2]  # kernel/bias of 2 layers, round-robin
         assert [int(st["optimizer_state"]["iterations"]) for st in states] == [500, 500]  # 10 x 50 steps, once each
@@ -124,7 +124,7 @@ def test_fit_under_ps_follows_tensorflows_rules(four_workers):
         history = model.fit(x_train, y_train, batch_size=64, epochs=2, steps_per_epoch=6, verbose=0,
                             validation_data=(x_train[:200], y_train[:200]))
         assert set(history.history) == {"loss", "accuracy", "val_loss", "val_accuracy"}
-        state = strategy.extended._stores[0].call_from_client(four_workers, "model_state", model_key=model._ps_key)
+        state = strategy.extended.stores[0].call_from_client(four_workers, "model_state", model_key=model._ps_key)
         assert int(state["optimizer_state"]["iterations"]) == 12
 
         # a DatasetCreator over Dask collections: each worker reads the partitions its Dask worker holds

@@ -17,7 +17,7 @@ import pytest
 import daskdist as dd
 from daskdist.collective.mailbox import Mailbox, MailboxTimeout
 from daskdist.collective.transport.base import PayloadMismatch
-from tests.test_transports import _check_all_reduce, _routes
+from tests.support.transports import check_all_reduce, group_routes
 
 UCX = {"daskdist.collective.transport": "ucx"}
 
@@ -34,9 +34,9 @@ def test_results_equal_numpy_over_ucx(threaded_client, ucxx):
             for ops in (None, dd.ReductionToOneDevice(), dd.HierarchicalCopyAllReduce()):
                 with dd.MirroredStrategy(devices=devices, client=threaded_client, cross_device_ops=ops) as strategy:
                     if ops is None:
-                        routes = _routes(threaded_client, strategy)
+                        routes = group_routes(threaded_client, strategy)
                         assert routes == {r: {p: "ucx" for p in range(replicas) if p != r} for r in range(replicas)}
-                    _check_all_reduce(strategy, seed=replicas)
+                    check_all_reduce(strategy, seed=replicas)
 
 
 def test_replicas_in_processes_and_large_messages(process_client, ucxx):
@@ -63,7 +63,7 @@ def test_replicas_in_processes_and_large_messages(process_client, ucxx):
 
 def test_auto_never_picks_ucx(threaded_client, ucxx):
     with dd.MirroredStrategy(client=threaded_client) as strategy:
-        routes = _routes(threaded_client, strategy)
+        routes = group_routes(threaded_client, strategy)
         assert all("ucx" not in peers.values() for peers in routes.values())
 
 

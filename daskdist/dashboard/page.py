@@ -52,6 +52,8 @@ MARKER_COLUMNS = ("x", "generation", "replicas", "label", "lost", "admitted", "r
 #: Columns of the replica count over time (``membership.MembershipHistory.series``).
 COUNT_COLUMNS = ("time", "replicas", "generation", "lost", "admitted", "reason")
 COLLECTIVE_ROWS = 200  # collectives listed at most (newest first)
+NO_LIVE_GROUP = ("No live daskdist group: every strategy that reported steps is closed "
+                 "(set daskdist.metrics.dashboard-closed-groups to show the last closed one).")
 
 
 def _store(scheduler: Scheduler) -> MetricsStore | None:
@@ -59,9 +61,14 @@ def _store(scheduler: Scheduler) -> MetricsStore | None:
     return getattr(plugin, "store", None)
 
 
+def _show_closed() -> bool:
+    """Whether the page may show a closed group (``daskdist.metrics.dashboard-closed-groups``)."""
+    return bool(config.get("metrics.dashboard-closed-groups", False))
+
+
 def _latest_group(scheduler: Scheduler) -> GroupMetrics | None:
     store = _store(scheduler)
-    return store.latest_group() if store is not None else None
+    return store.latest_group(include_closed=_show_closed()) if store is not None else None
 
 
 def _steps_shown() -> int:
@@ -169,9 +176,10 @@ class StepPhases:
         """Bar data of the latest group, its summary (HTML), its steps/s and samples/s (None: unknown)."""
         data: dict[str, list] = {k: [] for k in self.source.data}
         store = _store(self.scheduler)
-        group = store.latest_group() if store is not None else None
+        group = store.latest_group(include_closed=_show_closed()) if store is not None else None
         if group is None or store is None:
-            return data, "No daskdist steps reported yet.", 0.0, None
+            closed = store is not None and any(g.closed for g in list(store.groups.values()))
+            return data, NO_LIVE_GROUP if closed else "No daskdist steps reported yet.", 0.0, None
         per_replica = group.steps(self.steps)
         n = max(len(per_replica), 1)
         width = 1.0 / (n + 1)

@@ -4,6 +4,11 @@ Distributed serves ``prometheus_client``'s global registry on the dashboard's
 ``/metrics``; one ``DaskdistCollector`` registered there (once per process)
 reports every live ``MetricsStore`` (one per scheduler in this process).
 Without ``prometheus_client`` nothing is registered.
+
+A closed group's series stay ``daskdist.metrics.closed-grace`` (default 2 min)
+after the close, its rates at 0 and its counters at their final values, so
+that a scrape (Prometheus' default interval is 1 min) records the last steps;
+then they go away, and Prometheus marks them stale at its next scrape.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from daskdist import config
 from daskdist.dashboard.stragglers import StragglerTotals
 
 if TYPE_CHECKING:
@@ -55,8 +61,9 @@ class DaskdistCollector:
         waits = CounterMetricFamily("daskdist_straggler_wait_seconds",
                                     "Seconds the other replicas waited for this one in those collectives",
                                     labels=["group", "replica"])
+        grace = config.get_seconds("metrics.closed-grace")
         for store in list(_stores):
-            for group in list(store.groups.values()):
+            for group in store.exported_groups(grace):
                 for rank, replica in sorted(group.replicas.items()):
                     labels = [group.group, str(rank)]
                     steps.add_metric(labels, replica.steps_total)
@@ -65,10 +72,11 @@ class DaskdistCollector:
                     nbytes.add_metric(labels, replica.bytes_total)
                     for phase, histogram in replica.phases.items():
                         phases.add_metric([*labels, phase], histogram.cumulative(), histogram.total)
-                throughput.add_metric([group.group], group.throughput())
+                # a closed group runs no steps: its rates are 0 while its final counts stay for the grace period
+                throughput.add_metric([group.group], 0.0 if group.closed else group.throughput())
                 rate = group.samples_per_second()
                 if rate is not None:
-                    sample_rate.add_metric([group.group], rate)
+                    sample_rate.add_metric([group.group], 0.0 if group.closed else rate)
                 if group.size >= 2:  # one replica never waits for another
                     for rank in sorted(group.replicas):
                         totals = group.stragglers.totals.get(rank, StragglerTotals())

@@ -100,6 +100,7 @@ class GroupMetrics:
     history: int
     replicas: dict[int, ReplicaMetrics] = field(default_factory=dict)
     closed: bool = False
+    closed_at: float | None = None  # time.time() of the close, for /metrics' grace period
     updated: float = field(default_factory=time.time)
     stragglers: StragglerTracker = field(default_factory=StragglerTracker)
     membership: MembershipHistory = field(default_factory=MembershipHistory)
@@ -230,13 +231,26 @@ class MetricsStore:
         return group
 
     def close_group(self, group_id: str) -> None:
-        """Mark a group closed; its metrics stay until ``MAX_GROUPS`` newer groups push them out."""
-        if group_id in self.groups:
-            self.groups[group_id].closed = True
+        """Mark a group closed; its metrics stay until ``MAX_GROUPS`` newer groups push them out.
 
-    def latest_group(self) -> GroupMetrics | None:
-        """The group that reported most recently, if any."""
-        return max(self.groups.values(), key=lambda g: g.updated, default=None)
+        ``/metrics`` reports a closed group for ``grace`` seconds more (``exported_groups``), the page only
+        on request (``latest_group(include_closed=True)``).
+        """
+        group = self.groups.get(group_id)
+        if group is not None and not group.closed:
+            group.closed = True
+            group.closed_at = time.time()
+
+    def exported_groups(self, grace: float, now: float | None = None) -> list[GroupMetrics]:
+        """The groups ``/metrics`` reports: every live one, and those closed less than ``grace`` seconds ago."""
+        now = time.time() if now is None else now
+        return [g for g in list(self.groups.values())
+                if not g.closed or (g.closed_at is not None and now - g.closed_at < grace)]
+
+    def latest_group(self, include_closed: bool = False) -> GroupMetrics | None:
+        """The live group that reported most recently (any group with ``include_closed``), if any."""
+        candidates = [g for g in list(self.groups.values()) if include_closed or not g.closed]
+        return max(candidates, key=lambda g: g.updated, default=None)
 
     def latest_progress(self) -> dict | None:
         """The most recent ``fit`` progress (with its ``tag``), if any."""

@@ -5,7 +5,8 @@ from __future__ import annotations
 import itertools
 import logging
 import uuid
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import optree
@@ -15,7 +16,7 @@ from daskdist.data.dataset import Dataset
 from daskdist.data.options import InputContext, InputOptions
 from daskdist.data.plan import Plan
 from daskdist.data.planner import plan_dataset
-from daskdist.exceptions import DaskdistError
+from daskdist.exceptions import OutOfRangeError
 from daskdist.values import PerReplica
 
 if TYPE_CHECKING:
@@ -24,10 +25,6 @@ if TYPE_CHECKING:
 __all__ = ["DistributedDataset", "DistributedIterator", "OutOfRangeError", "Optional"]
 
 logger = logging.getLogger(__name__)
-
-
-class OutOfRangeError(DaskdistError, StopIteration):
-    """``get_next`` was called after the end of the data (TF's ``tf.errors.OutOfRangeError``)."""
 
 
 class Optional:

@@ -36,14 +36,17 @@ class InputOptions:
     auto_shard_policy
         An ``AutoShardPolicy`` (in TF it lives in ``tf.data.Options``).
     experimental_split
-        Which rows each replica reads (not in TF, whose devices share one host's memory):
+        Which rows each replica reads (not in TF, whose devices share one host's memory). ``None`` (the
+        default) chooses by the source: ``"balanced"`` for Dask collections (the data stays on the workers
+        that hold it), ``"global"`` for rows held in the client's memory (``from_tensor_slices``, numpy),
+        and for elastic training's seeded epoch order.
 
-        ``"global"`` (default, TF's semantics)
+        ``"global"`` (TF's semantics)
             step ``k`` holds exactly the undistributed dataset's batch ``k``,
             split over the replicas with TF's rule (the first replicas get
             ``ceil(b / n)`` rows, the later ones what is left, possibly
             none); the rows a replica needs move to its worker, only those.
-        ``"balanced"``
+        ``"balanced"`` (the default for Dask collections)
             every replica reads one run of rows: its worker's partitions,
             plus a slice of a neighbour's where it is short. Steps and
             per-replica batch sizes are those of ``"global"``, a step's rows
@@ -57,16 +60,17 @@ class InputOptions:
     experimental_fetch_to_device: bool = True
     experimental_per_replica_buffer_size: int = 2
     auto_shard_policy: AutoShardPolicy = AutoShardPolicy.AUTO
-    experimental_split: str = "global"
+    experimental_split: str | None = None
 
     def __post_init__(self) -> None:
         if self.experimental_per_replica_buffer_size < 0:
             raise ValueError("experimental_per_replica_buffer_size must be >= 0")
         if isinstance(self.auto_shard_policy, str):
             object.__setattr__(self, "auto_shard_policy", AutoShardPolicy[self.auto_shard_policy.upper()])
-        if self.experimental_split not in ("global", "balanced", "local"):
+        if self.experimental_split not in (None, "global", "balanced", "local"):
             raise ValueError(
-                f"experimental_split must be 'global', 'balanced' or 'local', got {self.experimental_split!r}"
+                f"experimental_split must be 'global', 'balanced', 'local' or None (chosen by the source), "
+                f"got {self.experimental_split!r}"
             )
 
 

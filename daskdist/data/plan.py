@@ -64,10 +64,8 @@ class Plan:
     def rows_per_replica(self) -> list[int | None]:
         rows: list[int | None] = [0] * len(self.workers)
         for p in self.reads:
-            if p.rows < 0 or rows[p.replica] is None:
-                rows[p.replica] = None
-            else:
-                rows[p.replica] += p.rows
+            known = rows[p.replica]
+            rows[p.replica] = None if p.rows < 0 or known is None else known + p.rows
         return rows
 
     def bytes_per_replica(self) -> list[int]:

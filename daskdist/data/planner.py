@@ -148,6 +148,8 @@ def plan_dataset(client: Any, workers: list[str], dataset: Dataset, options: Inp
             raise ValueError(f"gather index {int(gather.indices.max())} out of range for the {used} rows before it")
         used = len(gather.indices)
     split = options.experimental_split
+    if split is None:  # Dask data stays where it lives; rows in the client's memory follow TF's exact split
+        split = "balanced" if dask_rows is not None and gather is None else "global"
     if policy is AutoShardPolicy.OFF:
         split = "everything"
     elif gather is not None and split != "global":

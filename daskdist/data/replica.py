@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import optree
@@ -74,7 +75,7 @@ def _fetch(worker: Any, key: Any, wait: float = 0.0) -> Any:
     response = sync(worker.loop, get_data_from_worker, worker.rpc, [key], holders[0], who=worker.address)
     if response.get("status") != "OK":
         raise RuntimeError(f"could not fetch {key!r} from {holders[0]}: {response.get('status')}")
-    return response["data"][key]
+    return cast(Any, response)["data"][key]  # distributed's TypedDict names only the busy reply
 
 
 @dataclass
@@ -230,8 +231,9 @@ def next_batch(runtime: ReplicaService, iterator_id: str, step: int) -> int:
     else:
         element = _to_device(element, iterator.shard, runtime)
         runtime.objects.install(BATCH, key, element)
-        leaves = optree.tree_leaves(element)
-        rows = int(len(leaves[0])) if leaves and getattr(leaves[0], "ndim", 0) else 1
+        leaves: list[Any] = optree.tree_leaves(element)
+        first: Any = leaves[0] if leaves else None
+        rows = int(len(first)) if first is not None and getattr(first, "ndim", None) else 1
     runtime.objects.discard(BATCH, _batch_id(iterator_id, step - _BATCHES_KEPT))
     return rows
 

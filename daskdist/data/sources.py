@@ -9,8 +9,9 @@ the first axis, dataframes), which stay on the workers that hold them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, cast
 
 import numpy as np
 import optree
@@ -157,9 +158,9 @@ class DaskSource(Source):
                     )
                 aligned.append(leaf if leaf.chunks[0] == bounds else leaf.rechunk({0: bounds}))
             self.collections = aligned
-            rows = [int(b) for b in bounds]
-            block_bytes = [sum(int(np.prod((r, *leaf.shape[1:]))) * leaf.dtype.itemsize for leaf in aligned)
-                           for r in rows]
+            rows: list[int | None] = [int(b) for b in bounds]
+            block_bytes = [sum(int(np.prod((int(b), *leaf.shape[1:]))) * leaf.dtype.itemsize for leaf in aligned)
+                           for b in bounds]
         else:
             npart = first.npartitions
             for leaf in prepared[1:]:
@@ -204,7 +205,8 @@ class DaskSource(Source):
 
     def sample(self, client: Any = None) -> Any:
         """The first row of the first partition as a one-row structure (only that row is computed)."""
-        heads = [c[:1] if hasattr(c, "chunks") else c.head(1, npartitions=1, compute=False) for c in self.collections]
+        heads = [c[:1] if hasattr(c, "chunks") else cast(Any, c).head(1, npartitions=1, compute=False)
+                 for c in self.collections]
         client = client or self.owning_client()
         # one compute per head: computing dataframe expressions together with array graphs materialises the
         # expressions and can lose a column projection (dask 2026.8)
@@ -218,7 +220,7 @@ class DaskSource(Source):
 
     def assemble(self, leaf_values: list[Any]) -> Any:
         """Turn the loaded values of one partition's leaves into the structure of row arrays."""
-        converted = []
+        converted: list[Any] = []
         for value in leaf_values:
             if hasattr(value, "columns") and hasattr(value, "to_numpy"):  # a pandas DataFrame: dict of columns
                 converted.append({str(c): value[c].to_numpy() for c in value.columns})

@@ -126,7 +126,7 @@ class EpochInput:
         # the rows of an epoch, in source order: the pipeline without its shuffle, planned once
         self.source_order = Dataset(dataset.source, tuple(op for op in transformations if op is not self.shuffle))
         planned = plan_dataset(strategy.extended.client, list(strategy.extended.worker_addresses),
-                               self.source_order, InputOptions())  # only to count rows: nothing is registered
+                               self.source_order, GLOBAL_SPLIT)  # only to count rows: nothing is registered
         self.rows = RowMap.from_plan(planned.plan, self.batch_size)
         self.first_replicas = strategy.num_replicas_in_sync
         self.per_replica_batch: int | None = None
@@ -182,6 +182,11 @@ class EpochInput:
             return "source order"
         how = "the same every epoch" if self.frozen_order else "a new one each epoch"
         return f"a seeded permutation of all {self.total_rows} rows (seed {self.seed}, {how})"
+
+
+#: Elastic epochs are planned with TF's exact split: the ledger counts global batch ``k`` as epoch positions
+#: ``[k * B, (k + 1) * B)`` of the epoch order, whatever the source (the default for Dask data is ``"balanced"``)
+GLOBAL_SPLIT = InputOptions(experimental_split="global")
 
 
 def _fresh_seed() -> int:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from daskdist.data.dataset import Dataset
-from daskdist.elastic.epochs import EpochInput, release
+from daskdist.elastic.epochs import GLOBAL_SPLIT, EpochInput, release
 from daskdist.elastic.ledger import DataLedger, EpochSchedule
 from daskdist.elastic.options import ElasticOptions, notify_membership_change
 from daskdist.elastic.recovery import (
@@ -74,6 +74,7 @@ class ElasticFit:
         self._committed: CommitKey | None = None
         self._first_epoch = 0
         self._callbacks: Any = None  # the fit's CallbackList, told of membership changes
+        self._untold: list[Recovery] = []  # changes before the first epoch (growth at the start): told then
         self._planned: tuple[tuple, Any] | None = None  # (what it was planned for, distributed dataset)
         self._stale: list[Any] = []  # distributed datasets whose shards the replicas may drop
         self._schedule = self.input.schedule(0)
@@ -92,6 +93,11 @@ class ElasticFit:
                 self._take_first_commit(epoch)
             self._change(refill)
         self._take_first_commit(epoch)
+        # free workers (the cluster scaled back after a loss, say) join at the start of every fit, up to
+        # max_replicas, not only below min_replicas: they get the commit just taken (a loss meanwhile goes back
+        # to it, or to an older one every member holds, and the first epoch starts from its step 0 anyway)
+        if self._change(grow) is not None:
+            self._take_first_commit(epoch)
 
     def _take_first_commit(self, epoch: int) -> None:
         while True:
@@ -107,6 +113,9 @@ class ElasticFit:
     def train_epoch(self, epoch: int, steps: int | None, cb: Any) -> dict:
         """One epoch, resumed from the newest common commit after each loss; the epoch's logs."""
         self._callbacks = cb
+        untold, self._untold = self._untold, []
+        for outcome in untold:  # a growth at the start of the fit, before the callbacks were known
+            self._tell_callbacks(outcome)
         schedule = self._schedule = self.input.schedule(epoch)
         first, start = 0, None
         if epoch > self._first_epoch:
@@ -152,7 +161,7 @@ class ElasticFit:
             if self._planned is not None:
                 self._stale.append(self._planned[1])
             self._planned = (wanted, self.strategy.experimental_distribute_dataset(
-                self.input.dataset_from(epoch, row, n)))
+                self.input.dataset_from(epoch, row, n), GLOBAL_SPLIT))
         while self._stale:  # plans that are over: their rows leave the replicas (a loss here is recovered from)
             release(self.strategy, self._stale[-1])
             self._stale.pop()
@@ -235,6 +244,12 @@ class ElasticFit:
         the fit that defines ``on_membership_change(event)`` with the event.
         """
         notify_membership_change(self.options, outcome)
+        if self._callbacks is None:
+            self._untold.append(outcome)
+        else:
+            self._tell_callbacks(outcome)
+
+    def _tell_callbacks(self, outcome: Recovery) -> None:
         for callback in getattr(self._callbacks, "callbacks", []):
             hook = getattr(callback, "on_membership_change", None)
             if hook is not None:

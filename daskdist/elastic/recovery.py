@@ -20,8 +20,15 @@ from typing import Any
 from daskdist.dashboard.membership import ELASTIC_TOPIC as MEMBERSHIP_EVENTS
 from daskdist.elastic.options import ElasticOptions
 from daskdist.elastic.quarantine import quarantine_of
-from daskdist.elastic.replica import CommitKey, commit_keys, commit_state, install_commit, restore_commit
-from daskdist.exceptions import ReplicaLostError, StaleGenerationError
+from daskdist.elastic.replica import (
+    CommitKey,
+    commit_keys,
+    commit_state,
+    install_commit,
+    missing_residents,
+    restore_commit,
+)
+from daskdist.exceptions import ElasticRecoveryError, ReplicaLostError, StaleGenerationError
 from daskdist.group.handle import ReplicaGroup
 from daskdist.group.membership import Membership
 
@@ -38,15 +45,9 @@ ELASTIC_TOPIC = MEMBERSHIP_EVENTS
 RECOVERABLE = (ReplicaLostError, StaleGenerationError)
 
 
-def _final(error: ReplicaLostError) -> ReplicaLostError:
-    """Mark an error that a new recovery cannot cure (too few workers, no common commit, not a loss)."""
-    error.elastic_final = True  # type: ignore[attr-defined]
-    return error
-
-
 def is_final(error: BaseException) -> bool:
-    """Whether a recovery's error ends the elastic run (``_final``), rather than being a second loss."""
-    return bool(getattr(error, "elastic_final", False))
+    """Whether a recovery's error ends the elastic run (``ElasticRecoveryError``), rather than being a second loss."""
+    return isinstance(error, ElasticRecoveryError)
 
 
 @dataclasses.dataclass
@@ -245,10 +246,10 @@ def _next_generation(group: ReplicaGroup, before: Membership, timeout: float, er
         if membership.generation > before.generation:
             return membership
         if time.monotonic() >= deadline:
-            raise _final(ReplicaLostError(
+            raise ElasticRecoveryError(
                 f"{type(error).__name__} ({error}) but the scheduler announced no new membership for "
                 f"{group.group_id} within {timeout:g} s, so it is not a loss the group can recover from"
-            )) from error
+            ) from error
         time.sleep(0.05)
 
 
@@ -263,10 +264,10 @@ def _wait_for_members(group: ReplicaGroup, options: ElasticOptions, lost: list[s
             admitted += admit(group, free[:room])
             continue
         if time.monotonic() >= deadline:
-            raise _final(ReplicaLostError(
+            raise ElasticRecoveryError(
                 f"the elastic group {group.group_id} lost {', '.join(lost) or 'members'} and has "
                 f"{group.size} replicas, fewer than min_replicas={options.min_replicas}; no worker came within "
-                f"wait_timeout ({options.wait_seconds:g} s)", worker=lost[0] if lost else None))
+                f"wait_timeout ({options.wait_seconds:g} s)", worker=lost[0] if lost else None)
         time.sleep(0.2)
     return admitted
 
@@ -342,14 +343,30 @@ def _hosts_replica(group: ReplicaGroup, address: str) -> bool:
 
 def _restore_common_commit(group: ReplicaGroup, admitted: list[str], install_newcomer: Any) -> tuple[CommitKey, bool]:
     """Every member back at the newest commit all the old members hold; newcomers get it from a survivor."""
-    newcomers = [group.membership.rank_of(a) for a in admitted]
+    newcomers: list[int] = [group.membership.rank_of(a) for a in admitted]
     old = [r for r in range(group.size) if r not in newcomers]
     held = group.call(commit_keys, ranks=old)
+    # a member holding no commit was admitted but never given the state (a loss cut its admission short): it
+    # is a newcomer, never asked to restore what it was not given
+    unseeded = [r for r, keys in zip(old, held) if not keys]
+    if unseeded and len(unseeded) < len(old):
+        logger.info("Members %s of %s hold no commit (admitted, never given the state): admitting them as "
+                    "newcomers", unseeded, group.group_id)
+        newcomers += unseeded
+        held = [keys for r, keys in zip(old, held) if r not in unseeded]
+        old = [r for r in old if r not in unseeded]
     common = set.intersection(*(set(map(tuple, keys)) for keys in held)) if held else set()
     if not common:
-        raise _final(ReplicaLostError(f"the survivors of {group.group_id} hold no common commit (held: {held}); "
-                                      "their state cannot be made consistent"))
+        raise ElasticRecoveryError(f"the survivors of {group.group_id} hold no common commit (held: {held}); "
+                                   "their state cannot be made consistent")
     key: CommitKey = max(common)  # type: ignore[assignment]
+    missing = group.call(missing_residents, (key,), ranks=old)
+    lacking = [r for r, m in zip(old, missing) if m]
+    if lacking and len(lacking) < len(old):  # a member that lacks what the commit restores gets it as a newcomer
+        logger.info("Members %s of %s lack residents of commit %s (%s): admitting them as newcomers", lacking,
+                    group.group_id, key, [m for m in missing if m][0])
+        newcomers += lacking
+        old = [r for r in old if r not in lacking]
     digests = group.call(restore_commit, (key,), ranks=old)
     healed = False
     if len(set(digests)) > 1 or newcomers:
@@ -365,7 +382,7 @@ def _restore_common_commit(group: ReplicaGroup, admitted: list[str], install_new
         fixed = group.call(install_commit, (commit,), ranks=targets)
         digests = [digests[0]] + list(fixed)
     if len(set(digests)) != 1:
-        raise _final(ReplicaLostError(f"the members of {group.group_id} hold different states after restoring {key}"))
+        raise ElasticRecoveryError(f"the members of {group.group_id} hold different states after restoring {key}")
     return key, healed
 
 
@@ -387,10 +404,10 @@ def recover_within_budget(group: ReplicaGroup, options: ElasticOptions, error: B
         if 0 <= options.max_failures < failures:
             if getattr(error, "worker", None):
                 quarantine_of(group).failed([error.worker])  # type: ignore[attr-defined]
-            raise _final(ReplicaLostError(
+            raise ElasticRecoveryError(
                 f"{error} (the strategy's elastic max_failures={options.max_failures} is exhausted; workers lost: "
                 f"{quarantine_of(group).describe() or 'none known'})",
-                worker=getattr(error, "worker", None))) from error
+                worker=getattr(error, "worker", None)) from error
         logger.warning("Elastic training: %s; recovering", error)
         try:
             outcome = recover(group, options, error, install_newcomer=install_newcomer, members_before=before)

@@ -224,6 +224,7 @@ def commit_now(service: ReplicaService, key: CommitKey) -> bool:
     """
     _ring(service).add(Commit(tuple(key), service.objects.snapshot(STATE_KINDS),  # type: ignore[arg-type]
                               {"loss_sum": 0.0, "count": 0.0, "metrics": {}}))
+    fault_points.state_committed(service.rank, key[1])  # a test's fault point: committed, not yet answered
     return _retiring(service)
 
 
@@ -253,6 +254,11 @@ def restore_commit(service: ReplicaService, key: CommitKey, rank0_metrics: bool 
     ring.drop_after(key)
     _restore_metrics(service, commit.progress)
     return state_digest(commit.state)
+
+
+def missing_residents(service: ReplicaService, key: CommitKey) -> list[tuple[str, str]]:
+    """The residents commit ``key`` restores that this replica does not hold (it cannot restore it then)."""
+    return [k for k in _ring(service).get(key).state if service.objects.find(*k) is None]
 
 
 def commit_state(service: ReplicaService, key: CommitKey) -> Commit:

@@ -108,6 +108,7 @@ class State:
         self._schedules: dict[tuple[int, int], EpochSchedule] = {}  # (dataset, epoch): which rows each batch holds
         self._pending: list[tuple[int, int, EpochSchedule]] = []  # (epoch, batch, schedule) since the last commit
         self._in_run = False  # inside an ``@dd.elastic.run`` function (which lets retiring members leave)
+        self._committing: tuple[CommitKey, list[tuple[int, int, EpochSchedule]]] | None = None  # asked, no reply
         self._looked = time.monotonic()  # when ``commit`` last looked for free workers (every ``admit_every``)
         for name, value in attributes.items():
             if name in _OWN or name.startswith("_"):
@@ -119,18 +120,27 @@ class State:
     def commit(self) -> None:
         """Keep this point: the replicas' variables and models, and this state's attributes."""
         key: CommitKey = (self._run_id, next(self._serial), 0)
-        retiring = self.strategy.extended.group.call(commit_now, (key,))
+        # kept before the replicas are asked: they may all commit ``key`` and the reply still be lost (a member
+        # lost after committing); the recovery then goes back to ``key``, which must be known here, with the
+        # batches it commits (``_recover`` records them then). Three kept: ``key`` and the replicas' two before.
         self._commits[key] = self._plain_attributes()
-        while len(self._commits) > 2:
+        while len(self._commits) > 3:
             self._commits.popitem(last=False)
-        if self._rows is not None:
-            for epoch, batch, schedule in self._pending:
-                self.ledger.record(epoch, range(batch, batch + 1), schedule)
+        self._committing = (key, self._pending)
+        retiring = self.strategy.extended.group.call(commit_now, (key,))
+        self._committing = None
+        self._record(self._pending)
         self._pending = []
         if any(retiring) and self._in_run:  # members retire: ``run`` lets them leave here, calls the loop again
             raise _MembersRetiring()
         if self._in_run and self._workers_wait():  # free workers: ``run`` admits them here, calls the loop again
             raise _MembersJoining()
+
+    def _record(self, pending: list[tuple[int, int, EpochSchedule]]) -> None:
+        """The batches of a commit every member made, in the ledger."""
+        if self._rows is not None:
+            for epoch, batch, schedule in pending:
+                self.ledger.record(epoch, range(batch, batch + 1), schedule)
 
     def _workers_wait(self) -> bool:
         """Every ``admit_every``: whether free workers wait and the group is below ``max_replicas``.
@@ -258,7 +268,7 @@ class State:
             if isinstance(value, Model):
                 models[value._model_id] = value
             elif isinstance(value, DistributedVariable):
-                variables[value._var_id] = value
+                variables[value.var_id] = value
         return models, variables
 
     def _unrebuildable(self, residents: list) -> list[tuple[str, str]]:
@@ -281,7 +291,7 @@ class State:
         for model_id, model in models.items():
             extended.run_on_replica(rank, install_resident, (MODEL, model_id, model._resident()))
         for var_id, variable in variables.items():
-            spec = variable._spec
+            spec = variable.spec
             extended.run_on_replica(rank, create_variable, (var_id, np.zeros(spec.shape, spec.dtype), spec))
 
     def _recover(self, error: BaseException) -> None:
@@ -294,6 +304,9 @@ class State:
             except RECOVERABLE as again:
                 error = again
         self.events.append(outcome)
+        committing, self._committing = self._committing, None
+        if committing is not None and committing[0] == outcome.commit:  # every member made it; the reply was lost
+            self._record(committing[1])
         restored = self._commits[outcome.commit]
         for key in [k for k in self._commits if k > outcome.commit]:
             del self._commits[key]

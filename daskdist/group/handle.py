@@ -29,6 +29,7 @@ from distributed import Client, Future
 from distributed.comm.core import CommClosedError
 
 from daskdist import config, serialization
+from daskdist.cluster.client_state import check_client_open, client_is_closed
 from daskdist.cluster.interrupts import abort_interrupted_run
 from daskdist.cluster.placement import Placement
 from daskdist.collective.nccl_support import parse_setting as parse_nccl_setting
@@ -260,6 +261,12 @@ class ReplicaGroup:
         if self.closed:
             return
         self.closed = True
+        if client_is_closed(self.client):  # the scheduler closed this client's replicas when the client left
+            logger.info("Closing %s after its Dask client was closed: the scheduler already stopped its replicas",
+                        self.group_id)
+            self._channels_close()
+            self.futures, self.task_workers = [], []
+            return
         try:
             ranks = self._ranks_alive(range(self.size))
             self._sync(self._stop, ranks)
@@ -285,10 +292,13 @@ class ReplicaGroup:
         alive = set(self.client.scheduler_info(n_workers=-1)["workers"])
         return [r for r in ranks if self.addresses[r] in alive]
 
-    def _release(self) -> None:
+    def _channels_close(self) -> None:
         if self._channels is not None:
             self._channels.close()
             self._channels = None
+
+    def _release(self) -> None:
+        self._channels_close()
         try:
             self._ask_scheduler("daskdist_close_group", group_id=self.group_id)
         except Exception as e:
@@ -433,6 +443,7 @@ class ReplicaGroup:
         """The ranks a command goes to; raises if the group cannot take commands."""
         if self.closed:
             raise StrategyClosedError("This strategy is closed; create a new one")
+        check_client_open(self.client, "This strategy", _CLIENT_LEFT)
         if self.failure is not None:
             raise StrategyClosedError(
                 f"This strategy's replica group failed and cannot run more work ({self.failure}); "
@@ -517,9 +528,14 @@ class ReplicaGroup:
                 f"replicas {silent} did not answer within daskdist.client.abort-grace after the failure "
                 "(still busy in user code?)"
             )
+        if root["kind"] == "lost" and client_is_closed(self.client):  # not a lost worker: the client left
+            check_client_open(self.client, "This strategy", _CLIENT_LEFT)
         if root["kind"] == "lost" and self.spec.policy == "fixed":
             self.failure = error
         raise error
+
+
+_CLIENT_LEFT = " and a new strategy on it (the scheduler stopped this strategy's replicas when its client left)"
 
 
 def _answer(responses: dict[int, dict[str, Any] | None], rank: int) -> dict[str, Any]:

@@ -11,6 +11,9 @@ group (every other replica's collectives fail at once with
 ``ReplicaLostError``, and so does the client), ``elastic`` re-forms it on the
 survivors in a new generation. Workers hosting members are protected from
 Dask's downscaling (``valid_workers_downscaling``, as the P2P shuffle does).
+Members need not be replicas: a strategy's parameter stores form a group of
+members with role ``ps`` (``daskdist.ps.members``), hosted by the worker
+plugin, which this plugin covers alike (a lost ps fails its group).
 Groups whose client disconnects are closed. Members of elastic groups that
 stall are fenced out, and retired ones leave at a commit (``group.departures``).
 """

@@ -26,11 +26,12 @@ if TYPE_CHECKING:
 
     from distributed import Worker
 
-__all__ = ["DaskdistWorkerPlugin", "HostedReplica"]
+__all__ = ["DaskdistWorkerPlugin", "HostedMember", "HostedReplica"]
 
 logger = logging.getLogger(__name__)
 
-_HANDLERS = ("daskdist_call", "daskdist_message", "daskdist_abort", "daskdist_status", "daskdist_stop")
+_HANDLERS = ("daskdist_call", "daskdist_message", "daskdist_abort", "daskdist_status", "daskdist_stop",
+             "daskdist_host_member")
 
 
 class HostedReplica(Protocol):
@@ -56,6 +57,16 @@ class HostedReplica(Protocol):
     def stop(self) -> None: ...
 
 
+class HostedMember(Protocol):
+    """A member that is not a replica (a parameter store): what the worker plugin needs of it."""
+
+    def info(self) -> dict[str, Any]: ...
+
+    def abort_group(self, message: str) -> None: ...
+
+    def stop(self) -> None: ...
+
+
 class DaskdistWorkerPlugin(WorkerPlugin):
     """Worker extension holding this worker's replicas, keyed by group id (one replica per group here)."""
 
@@ -64,6 +75,8 @@ class DaskdistWorkerPlugin(WorkerPlugin):
 
     def __init__(self) -> None:
         self.replicas: dict[str, HostedReplica] = {}
+        #: this worker's members of other roles (parameter stores), keyed by group id
+        self.members: dict[str, HostedMember] = {}
         self.worker: Worker | None = None
         #: per group, the members retiring: the replicas stop at their next commit (``retiring``)
         self.leaving: dict[str, set[str]] = {}
@@ -77,6 +90,7 @@ class DaskdistWorkerPlugin(WorkerPlugin):
                 "daskdist_abort": self.abort_run,
                 "daskdist_status": self.status,
                 "daskdist_stop": self.stop,
+                "daskdist_host_member": self.host_member,
             }
         )
         worker.stream_handlers.update(
@@ -94,6 +108,9 @@ class DaskdistWorkerPlugin(WorkerPlugin):
             runtime.abort_group(f"worker {worker.address} is closing")
             runtime.stop()
         self.replicas.clear()
+        for member in list(self.members.values()):
+            member.stop()
+        self.members.clear()
         for name in _HANDLERS:
             worker.handlers.pop(name, None)
         # stream handlers stay: the scheduler may still send aborts while this worker closes, and an
@@ -159,11 +176,47 @@ class DaskdistWorkerPlugin(WorkerPlugin):
         return runtime.status() if runtime is not None else None
 
     def stop(self, group_id: str, rank: int) -> dict[str, Any]:
-        """Ask the replica to finish (the strategy is closing)."""
+        """Ask the replica (or the member of another role) to finish (the strategy is closing)."""
         runtime = self.replicas.get(group_id)
         if runtime is not None:
             runtime.stop()
+        self._stop_member(group_id)
         return {"status": "OK"}
+
+    async def host_member(self, group_id: str, rank: int, role: str, factory: bytes,
+                          generation: int = 0) -> dict[str, Any]:
+        """Start this worker's member of ``group_id`` with role ``role`` and meet the group's rendezvous.
+
+        ``factory``: a pickled callable ``factory(worker) -> HostedMember``
+        (a parameter store: ``daskdist.ps.members.start_store_member``). The
+        member's ``info()`` is its rendezvous info. Answers ``{"status": "OK",
+        "info": ...}`` once every member has arrived, or an error message
+        (never raises across the wire).
+        """
+        if self.worker is None:
+            return {"status": "error", "message": "the daskdist worker plugin is not set up"}
+        try:
+            if group_id in self.members:
+                raise RuntimeError(f"worker {self._address} already hosts a member of {group_id}")
+            member: HostedMember = serialization.loads(factory)(self.worker)
+            info = member.info()
+        except Exception as e:  # noqa: BLE001 - answered with the error
+            return serialization.error_message(e, rank, self._address)
+        self.members[group_id] = member
+        logger.debug("Worker %s hosts member %d (%s) of %s", self._address, rank, role, group_id)
+        scheduler: Any = self.worker.scheduler
+        answer: dict[str, Any] = await scheduler.daskdist_rendezvous(group_id=group_id, rank=rank,
+                                                                     address=self._address, info=info,
+                                                                     generation=generation)
+        if answer.get("status") != "OK":
+            self._stop_member(group_id)
+            return {"status": "error", "message": answer.get("message", f"the rendezvous of {group_id} failed")}
+        return {"status": "OK", "info": info}
+
+    def _stop_member(self, group_id: str) -> None:
+        member = self.members.pop(group_id, None)
+        if member is not None:
+            member.stop()
 
     # -- stream handlers (from the scheduler plugin) -------------------------------
 
@@ -173,6 +226,9 @@ class DaskdistWorkerPlugin(WorkerPlugin):
         runtime = self.replicas.get(group_id)
         if runtime is not None:
             runtime.abort_group(message, generation)
+        member = self.members.get(group_id)
+        if member is not None:
+            member.abort_group(message)
 
     def close_group(self, group_id: str, message: str = "") -> None:
         """The group's client went away: abort and stop the replica here."""
@@ -180,6 +236,7 @@ class DaskdistWorkerPlugin(WorkerPlugin):
         if runtime is not None:
             runtime.abort_group(message or f"group {group_id} was closed")
             runtime.stop()
+        self._stop_member(group_id)
 
     def new_generation(self, group_id: str, membership: dict[str, Any], message: str = "") -> None:
         """The scheduler moved the group to a new generation: the replica here re-forms at its next command."""

@@ -370,8 +370,8 @@ class Model:
     # -- description and saving ----------------------------------------------------
 
     def get_config(self) -> dict:
-        return {"name": self.name, "layers": [{"class_name": type(l).__name__, "config": l.get_config()}
-                                              for l in self.layers]}
+        return {"name": self.name, "layers": [{"class_name": type(layer).__name__, "config": layer.get_config()}
+                                              for layer in self.layers]}
 
     @classmethod
     def from_config(cls, config: dict) -> Model:

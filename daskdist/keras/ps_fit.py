@@ -80,7 +80,7 @@ def _strategy(model: Model) -> Any:
 
 
 def _stores(model: Model) -> list[Any]:
-    return list(_strategy(model).extended._stores)
+    return list(_strategy(model).extended.stores)
 
 
 def _params(model: Model) -> list[Any]:
@@ -136,7 +136,7 @@ def _install(model: Model) -> Any:
     payload._installed = False
     payload.history = None
     trainer = PsTrainer(copy.deepcopy(payload), stores, _key(model))
-    coordinator._run_on_each_worker(_install_trainer, lambda _index: (model._model_id, trainer))
+    coordinator.run_on_each_worker(_install_trainer, lambda _index: (model._model_id, trainer))
     model._installed = True
     return coordinator
 
@@ -406,7 +406,7 @@ class PsTrainer:
     def apply_gradients(self, service: Any, model_key: str, optimizer: Any, params: list[Any], grads: list[Any],
                         stats: Any) -> Any:
         """Push this step's mean gradients to the stores; their optimizers apply them; copy back the result."""
-        from daskdist.strategy.ps_values import _dedupe_key
+        from daskdist.ps.client import dedupe_key
 
         assert self._versions is not None
         count = float(to_numpy(stats)[0])
@@ -419,7 +419,7 @@ class PsTrainer:
             version, values = store.call_from_replica(
                 service, "model_push", model_key=self.model_key,
                 grads=[to_numpy(grads[i] * grads[i].dtype.type(scale)) for i in indices],
-                lr=float(optimizer.learning_rate), dedupe=_dedupe_key(service), read_version=self._versions[s])
+                lr=float(optimizer.learning_rate), dedupe=dedupe_key(service), read_version=self._versions[s])
             _copy_into([params[i] for i in indices], values)
             self._versions[s] = version
         return stats

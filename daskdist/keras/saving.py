@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from daskdist.exceptions import CheckpointError
+
 __all__ = [
     "CheckpointError",
     "latest_checkpoint",
@@ -30,10 +32,6 @@ __all__ = [
 ]
 
 _STATE_FILE = "checkpoint"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, damaged, or does not fit the model."""
 
 
 def _atomic_write(path: str, data: bytes) -> None:

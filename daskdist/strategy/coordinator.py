@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import enum
-import inspect
 import itertools
 import logging
 import threading
@@ -32,11 +31,18 @@ from typing import Any
 import numpy as np
 import optree
 
-from daskdist.exceptions import ReplicaLostError, StrategyClosedError
-from daskdist.group.service import DATASET, ITERATOR
+from daskdist.exceptions import ParameterServerLostError, ReplicaLostError, StrategyClosedError
+from daskdist.ps.client import (
+    ClosureDataLedger,
+    PerWorkerIterator,
+    PerWorkerValues,
+    WorkerResource,
+    make_dataset,
+    make_iterator,
+    plan_by_locality,
+    run_recorded_closure,
+)
 from daskdist.strategy.parameter_server import ParameterServerExtended, ParameterServerStrategy
-from daskdist.strategy.per_worker_input import ClosureDataLedger, drain_consumed, plan_by_locality
-from daskdist.strategy.ps_session import begin_closure, end_closure
 
 __all__ = [
     "ClusterCoordinator",
@@ -49,10 +55,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _PS_POLL_SECONDS = 0.5
-
-
-class ParameterServerLostError(ReplicaLostError):
-    """A parameter server left the cluster: training cannot go on (TF's ``PSUnavailableError``; fatal)."""
 
 
 class RemoteValueStatus(enum.Enum):
@@ -123,30 +125,6 @@ def _to_numpy(x: Any) -> Any:
     return np.asarray(x) if hasattr(x, "__array__") and not isinstance(x, np.ndarray) else x
 
 
-class PerWorkerValues:
-    """One value per worker (TF's ``PerWorkerValues``); a closure receives its own worker's element."""
-
-    def __init__(self, values: tuple[Any, ...]):
-        self._values = tuple(values)
-
-    @property
-    def values(self) -> tuple[Any, ...]:
-        return self._values
-
-    def __repr__(self) -> str:
-        return f"PerWorkerValues({list(self._values)!r})"
-
-
-class _WorkerResource:
-    """A reference to an object a worker holds (its dataset, its iterator), resolved on that worker."""
-
-    def __init__(self, key: str):
-        self.key = key
-
-    def __repr__(self) -> str:
-        return f"<worker resource {self.key}>"
-
-
 class _Closure:
     def __init__(self, closure_id: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]):
         self.closure_id = closure_id
@@ -182,7 +160,9 @@ class ClusterCoordinator:
             )
         strategy.extended.check_open()
         self._strategy = strategy
-        self._extended: ParameterServerExtended = strategy._ps_extended
+        extended = strategy.extended
+        assert isinstance(extended, ParameterServerExtended)
+        self._extended: ParameterServerExtended = extended
         self._queue: collections.deque[_Closure] = collections.deque()
         self._cond = threading.Condition()
         self._inflight = 0
@@ -273,12 +253,34 @@ class ClusterCoordinator:
         """Build a dataset on every worker: ``dataset_fn(input_context)`` (or ``dataset_fn()``), or a dataset."""
         return PerWorkerDataset(self, dataset_fn)
 
-    def _run_on_each_worker(self, command: Callable[..., Any], args_for: Callable[[int], tuple[Any, ...]]) -> None:
-        """Make a per-worker resource on every live worker, and later on every newcomer."""
+    def run_on_each_worker(self, command: Callable[..., Any], args_for: Callable[[int], tuple[Any, ...]]) -> None:
+        """Make a per-worker resource on every live worker, and later on every newcomer.
+
+        ``command`` runs as a replica command of each worker's group with
+        ``args_for(index)`` (``index``: the worker's position in ``workers``);
+        a worker admitted later runs it too, before it takes closures.
+        """
         self._resources.append((command, args_for))
-        for index, address in enumerate(self._workers):
-            if address in self._live:
+        for index, address in enumerate(self.workers):
+            if self.is_live(address):
                 self._extended.worker_groups[address].call(command, args_for(index))
+
+    @property
+    def workers(self) -> tuple[str, ...]:
+        """Every worker admitted so far, in index order (a lost one keeps its index)."""
+        with self._cond:
+            return tuple(self._workers)
+
+    def is_live(self, address: str) -> bool:
+        """Whether the worker at ``address`` is admitted and not lost."""
+        with self._cond:
+            return address in self._live
+
+    @property
+    def live_workers(self) -> tuple[str, ...]:
+        """The admitted workers not lost, in index order."""
+        with self._cond:
+            return tuple(a for a in self._workers if a in self._live)
 
     # -- the drivers -------------------------------------------------------------------------------
 
@@ -350,33 +352,33 @@ class ClusterCoordinator:
             self._queue.popleft().remote_value._set_error(error)
 
     def _watch_cluster(self) -> None:
-        """Every half second: fail fast if a ps member left the cluster; admit Dask workers that joined.
+        """Every half second: fail fast if the store group failed (a ps was lost); admit Dask workers that joined.
 
-        A ps missing from two polls in a row is lost (TF's coordinator also
-        waits two polling rounds before it decides). A Dask worker that joined
-        the cluster after the coordinator started becomes a worker: its
-        per-worker datasets and iterators are made on it (TF's resource
-        closures) and it takes closures from the queue.
+        The stores are members with role ``ps`` of the strategy's store group:
+        the scheduler plugin fails that group as soon as a ps's worker leaves
+        the cluster (``remove_worker``), and its status says why. A Dask
+        worker that joined the cluster after the coordinator started becomes
+        a worker: its per-worker datasets and iterators are made on it (TF's
+        resource closures) and it takes closures from the queue.
         """
         client = self._extended.client
-        missing_before: set[str] = set()
+        group = self._extended.store_group
         while not self._stopped:
             time.sleep(_PS_POLL_SECONDS)
             try:
+                status, reason = group.status() if group is not None else ("running", "")
                 workers = client.scheduler_info(n_workers=-1)["workers"]
             except Exception as e:  # noqa: BLE001 - the client is closing
                 logger.debug("Coordinator could not ask the scheduler for workers: %s", e)
                 continue
-            missing = {a for a in self._extended.ps_addresses if a not in workers}
-            lost = sorted(missing & missing_before)  # missing twice in a row (about a second): lost
-            missing_before = missing
-            if lost:
+            if status == "failed" and not self._stopped:
+                lost = next((a for a in self._extended.ps_addresses if a not in workers), None)
                 with self._cond:
                     if self._fatal is None:
                         self._fatal = ParameterServerLostError(
-                            f"parameter server {lost[0]} left the cluster; training cannot continue "
-                            "(restart from a checkpoint with a new strategy)", worker=lost[0])
-                    self._cancel_queued(CancelledError(f"cancelled: parameter server {lost[0]} is lost"))
+                            f"a parameter server is lost; training cannot continue (restart from a checkpoint "
+                            f"with a new strategy): {reason}", worker=lost)
+                    self._cancel_queued(CancelledError(f"cancelled: parameter server {lost} is lost"))
                     self._cond.notify_all()
                 return
             with self._cond:
@@ -387,7 +389,7 @@ class ClusterCoordinator:
 
     def _admit(self, address: str) -> None:
         try:
-            self._extended._add_worker(address)
+            self._extended.add_worker(address)
             index = self._workers.index(address) if address in self._workers else len(self._workers)
             for command, args_for in self._resources:
                 self._extended.worker_groups[address].call(command, args_for(index))
@@ -404,7 +406,7 @@ class ClusterCoordinator:
         thread.start()
         logger.info("Worker %s joined the ParameterServerStrategy", address)
 
-    def _shutdown(self) -> None:
+    def shutdown(self) -> None:
         """Stop the drivers (the strategy closes); queued closures are cancelled."""
         with self._cond:
             self._stopped = True
@@ -419,49 +421,11 @@ def _for_worker(args: tuple[Any, ...], kwargs: dict[str, Any], index: int) -> An
 
 
 def _element(values: PerWorkerValues, index: int) -> Any:
-    if isinstance(values, _PerWorkerIterator):  # the same resource key on every worker, newcomers included
+    if isinstance(values, PerWorkerIterator):  # the same resource key on every worker, newcomers included
         return values.values[0]
     if index >= len(values.values):
         raise ValueError(f"these PerWorkerValues have {len(values.values)} elements; worker {index} joined later")
     return values.values[index]
-
-
-def run_closure(service: Any, closure_id: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-                client_writes: int = 0) -> Any:
-    """Worker command: run one closure, its updates keyed by ``closure_id`` (deduplicated at the stores).
-
-    Its reads and updates are batched per store (``ps_session``): the queued
-    updates are pushed before the closure's result returns. ``client_writes``:
-    the client's count of variable writes (values pulled ahead at the end
-    of this worker's previous closure are used only if it did not change).
-    """
-    structure: Any = (args, kwargs)
-    resolved: Any = optree.tree_map(
-        lambda x: service.objects.get(ITERATOR, x.key) if isinstance(x, _WorkerResource) else x,
-        structure, is_leaf=lambda x: isinstance(x, _WorkerResource), none_is_leaf=True)
-    args, kwargs = resolved
-    session = begin_closure(service, closure_id, client_writes)
-    failed = True
-    try:
-        result = service.run_step(fn, args, kwargs)
-        failed = False
-        return result
-    finally:
-        end_closure(service, session, failed)
-
-
-def run_recorded_closure(service: Any, closure_id: str, fn: Callable[..., Any], args: tuple[Any, ...],
-                         kwargs: dict[str, Any], client_writes: int = 0) -> tuple[Any, list[tuple[str, int, int, int]]]:
-    """Worker command: ``run_closure``, and the partition loads its pipelines made (for the data ledger).
-
-    The loads of a closure that raised are dropped: it commits nothing.
-    """
-    try:
-        result = run_closure(service, closure_id, fn, args, kwargs, client_writes)
-    except BaseException:
-        drain_consumed(service)
-        raise
-    return result, drain_consumed(service)
 
 
 class PerWorkerDataset:
@@ -469,7 +433,7 @@ class PerWorkerDataset:
 
     A ``dataset_fn`` whose pipelines read Dask collections and start with
     ``shard(num_input_pipelines, input_pipeline_id)`` is planned by locality
-    on the client (``per_worker_input``): ``locality`` is then the plan (each
+    on the client (``daskdist.ps.input``): ``locality`` is then the plan (each
     worker's partitions), and ``coordinator.data_ledger`` records what each
     committed closure loaded. Otherwise ``dataset_fn`` runs on each worker.
     """
@@ -477,61 +441,35 @@ class PerWorkerDataset:
     def __init__(self, coordinator: ClusterCoordinator, dataset_fn: Any):
         self._coordinator = coordinator
         self._key = f"ps-dataset:{uuid.uuid4().hex[:12]}"
-        live = [a for a in coordinator._workers if a in coordinator._live]
-        self.locality = plan_by_locality(coordinator._extended.client, live, dataset_fn, self._key)
+        live = list(coordinator.live_workers)
+        self.locality = plan_by_locality(coordinator.strategy.extended.client, live, dataset_fn, self._key)
         if self.locality is not None:
             plan, count = self.locality, len(live)
             by_address = dict(zip(live, plan.datasets))
-            readers = {j: coordinator._workers.index(a) for j, a in enumerate(live)}  # pipeline -> its worker's index
+            indices = coordinator.workers
+            readers = {j: indices.index(a) for j, a in enumerate(live)}  # pipeline -> its worker's index
 
             def planned(i: int) -> tuple[Any, ...]:
                 """Worker ``i``'s pipeline; a newcomer takes over a lost worker's (else reads ``i mod count`` again)."""
-                address = coordinator._workers[i] if i < len(coordinator._workers) else None
+                workers = coordinator.workers
+                address = workers[i] if i < len(workers) else None
                 dataset = by_address.get(address) if address is not None else None
                 if address is not None and dataset is not None:
                     return (self._key, dataset, live.index(address), count)
                 orphaned = [j for j, reader in sorted(readers.items())
-                            if reader != i and (reader >= len(coordinator._workers)
-                                                or coordinator._workers[reader] not in coordinator._live)]
+                            if reader != i and (reader >= len(workers) or not coordinator.is_live(workers[reader]))]
                 if orphaned:
                     readers[orphaned[0]] = i
                     dataset = plan.takeover(orphaned[0], coordinator.data_ledger.load_counts(self._key))
                     return (self._key, dataset, orphaned[0], count)
                 return (self._key, plan.portable[i % count], i % count, count)
 
-            coordinator._run_on_each_worker(_make_dataset, planned)
+            coordinator.run_on_each_worker(make_dataset, planned)
             return
-        workers = len(coordinator._workers)  # a newcomer reads input pipeline (its index mod this)
-        coordinator._run_on_each_worker(_make_dataset, lambda i: (self._key, dataset_fn, i % workers, workers))
+        workers = len(coordinator.workers)  # a newcomer reads input pipeline (its index mod this)
+        coordinator.run_on_each_worker(make_dataset, lambda i: (self._key, dataset_fn, i % workers, workers))
 
     def __iter__(self) -> PerWorkerValues:
         key = f"ps-iterator:{uuid.uuid4().hex[:12]}"
-        self._coordinator._run_on_each_worker(_make_iterator, lambda i: (self._key, key))
-        return _PerWorkerIterator(tuple(_WorkerResource(key) for _ in self._coordinator._workers))
-
-
-class _PerWorkerIterator(PerWorkerValues):
-    """Per-worker iterators: pass to ``schedule``; ``next()`` on it is not supported (as in TF)."""
-
-    def __next__(self) -> Any:
-        raise TypeError("next() is not supported on per-worker iterators: pass them to coordinator.schedule "
-                        "and call next() inside the scheduled function")
-
-
-def _make_dataset(service: Any, key: str, dataset_fn: Any, index: int, workers: int) -> None:
-    from daskdist.data import InputContext
-
-    if callable(dataset_fn) and not hasattr(dataset_fn, "__iter__"):
-        takes_context = len(inspect.signature(dataset_fn).parameters) >= 1
-        ctx = InputContext(num_input_pipelines=workers, input_pipeline_id=index, num_replicas_in_sync=1)
-        dataset = dataset_fn(ctx) if takes_context else dataset_fn()
-    else:
-        dataset = dataset_fn
-    bind = getattr(getattr(dataset, "source", None), "bind", None)
-    if bind is not None:  # partitions read from this worker's memory, loads logged for the ledger
-        bind(service)
-    service.objects.install(DATASET, key, dataset)
-
-
-def _make_iterator(service: Any, dataset_key: str, key: str) -> None:
-    service.objects.install(ITERATOR, key, iter(service.objects.get(DATASET, dataset_key)))
+        self._coordinator.run_on_each_worker(make_iterator, lambda i: (self._key, key))
+        return PerWorkerIterator(tuple(WorkerResource(key) for _ in self._coordinator.workers))

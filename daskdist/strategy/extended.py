@@ -269,7 +269,7 @@ class StrategyExtended(abc.ABC):
         """Variables created inside the block are placed where ``colocate_with_variable`` is (TF's API)."""
         self._validate_colocate_with_variable(colocate_with_variable)
         previous = self._colocation
-        self._colocation = self._variable_holders(colocate_with_variable._var_id)
+        self._colocation = self._variable_holders(colocate_with_variable.var_id)
         try:
             yield
         finally:
@@ -365,7 +365,7 @@ class StrategyExtended(abc.ABC):
 
         def reduce_leaf(leaf: Any) -> Any:
             if isinstance(leaf, SyncOnReadVariable):
-                leaf = PerReplica(leaf._local_results())
+                leaf = PerReplica(leaf.local_results())
             if not isinstance(leaf, DistributedValues):
                 return self._reduce_non_distributed(op, leaf, destinations)
             _validate_destinations(destinations)
@@ -426,7 +426,7 @@ class StrategyExtended(abc.ABC):
         self._check_own_variable(var, "update")
         self.check_open()
         args, kwargs = tuple(args), dict(kwargs or {})
-        holders = self._variable_holders(var._var_id)
+        holders = self._variable_holders(var.var_id)
         check_num_components((args, kwargs), len(holders))
         results = self._update(var, fn, args, kwargs, holders)
         from daskdist.values import regroup
@@ -536,6 +536,6 @@ def _destination_count(destinations: Any, extended: StrategyExtended) -> int:
         return len(destinations)
     if isinstance(destinations, DistributedVariable):
         if destinations._token == extended.token:
-            return len(extended._variable_holders(destinations._var_id))
+            return len(extended._variable_holders(destinations.var_id))
         return extended.num_replicas
     return 1

@@ -3,7 +3,8 @@
 TensorFlow's ``ParameterServerStrategyExtended`` in its local form (the one
 ``CentralStorageStrategy`` is a facade over): compute replicas run every step
 in sync, but each variable has a single copy, held by a parameter store in a
-worker's host memory (``parameter_store``). The placement hook
+worker's host memory (``daskdist.ps.store``); the stores are the members,
+with role ``ps``, of the strategy's store group (``daskdist.ps.members``). The placement hook
 ``_parameter_placement`` picks the store of a new variable (round-robin over
 the stores, as TF's ``replica_device_setter``); every replica gets an
 ``AggregatingVariable`` view of it. Gradients of ``fit`` are reduced to the
@@ -23,12 +24,9 @@ from typing import Any
 import numpy as np
 import optree
 
-from daskdist import config
 from daskdist.group.service import VARIABLE
+from daskdist.ps.client import AggregatingVariable, RoundCounter, StoreGroup, StoreRef
 from daskdist.strategy.extended import Args, Kwargs
-from daskdist.strategy.parameter_client import RoundCounter, StoreRef
-from daskdist.strategy.parameter_store import install_store
-from daskdist.strategy.ps_values import AggregatingVariable
 from daskdist.strategy.spmd import SpmdExtended
 from daskdist.values import Mirrored, PerReplica
 from daskdist.variables import DistributedVariable, VariableAggregation, VariableSpec
@@ -49,6 +47,7 @@ class ParameterHolderExtended(SpmdExtended):
 
     _stores: list[StoreRef]
     _store_devices: list[str]
+    _store_group: StoreGroup | None = None
     #: Variable writes made from the client (parameter-server workers drop values pulled ahead when it changes).
     client_writes: int = 0
 
@@ -58,11 +57,24 @@ class ParameterHolderExtended(SpmdExtended):
         self._store_devices = list(devices)
         self._store_of: dict[str, int] = {}
         self._placement_counter = itertools.count()
-        for address in addresses:
-            installed = self.client.run(install_store, workers=[address])[address]
-            direct = installed["direct"] if config.get("parameter-store.direct-channel", True) else None
-            self._stores.append(StoreRef(address, self.token, tuple(direct) if direct else None))
+        self._store_group = StoreGroup(self.client, self.token, addresses, devices)
+        self._stores = self._store_group.start()
         logger.info("%s: parameters on %s", type(self.strategy).__name__, addresses)
+
+    @property
+    def stores(self) -> tuple[StoreRef, ...]:
+        """The parameter stores, in placement order (a variable's store index is its position)."""
+        return tuple(getattr(self, "_stores", ()))
+
+    @property
+    def store_group(self) -> StoreGroup | None:
+        """The stores' group (members with role ``ps``), or ``None`` before the stores are opened."""
+        return self._store_group
+
+    def close_stores(self) -> None:
+        """Drop the variables held for this strategy and close the store group (idempotent)."""
+        if self._store_group is not None:
+            self._store_group.close()
 
     # -- placement -------------------------------------------------------------------------
 
@@ -125,7 +137,7 @@ class ParameterHolderExtended(SpmdExtended):
         """Variables created inside the block go to ``colocate_with_variable``'s store (and are never sharded)."""
         with super().colocate_vars_with(colocate_with_variable):
             previous = self._colocated_store
-            self._colocated_store = self._store_of.get(colocate_with_variable._var_id)
+            self._colocated_store = self._store_of.get(colocate_with_variable.var_id)
             try:
                 yield
             finally:
@@ -201,35 +213,19 @@ class ParameterHolderExtended(SpmdExtended):
 
     def _update(self, var: DistributedVariable, fn: Callable[..., Any], args: Args, kwargs: Kwargs,
                 holders: list[int]) -> list[Any]:
-        if var._var_id not in self._store_of:
+        if var.var_id not in self._store_of:
             return super()._update(var, fn, args, kwargs, holders)
         self.client_writes += 1
-        result = self._store_for(var._var_id).call_from_client(
-            self.client, "apply_fn", var_id=var._var_id, fn=fn, args=args, kwargs=kwargs)
+        result = self._store_for(var.var_id).call_from_client(
+            self.client, "apply_fn", var_id=var.var_id, fn=fn, args=args, kwargs=kwargs)
         return [result]
 
     # -- closing -------------------------------------------------------------------------------
 
     def close(self) -> None:
         if not self._closed:
-            for store in _live_stores(self):
-                try:
-                    store.call_from_client(self.client, "drop")
-                except Exception as e:  # noqa: BLE001 - the holder may be gone already
-                    logger.debug("Could not drop the parameters held on %s: %s", store.address, e)
+            self.close_stores()
         super().close()
-
-
-def _live_stores(extended: Any) -> list[StoreRef]:
-    """The stores whose worker is still in the cluster (a lost one is not waited for)."""
-    stores = list(getattr(extended, "_stores", []))
-    if not stores:
-        return []
-    try:
-        workers = extended.client.scheduler_info(n_workers=-1)["workers"]
-    except Exception:  # noqa: BLE001 - the client is closing: try them all
-        return stores
-    return [s for s in stores if s.address in workers]
 
 
 def _check_aggregation(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

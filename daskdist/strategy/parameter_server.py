@@ -4,7 +4,7 @@ TensorFlow's ``tf.distribute.ParameterServerStrategy`` (``parameter_server_strat
 
 * the client is TF's ``chief`` (the coordinator);
 * each ``ps`` member is a Dask worker holding a parameter store
-  (``parameter_store``); variables created in ``scope()`` go to the stores
+  (``daskdist.ps.store``); variables created in ``scope()`` go to the stores
   round-robin, or are split by ``variable_partitioner`` into a
   ``ShardedVariable`` whose shards go round-robin;
 * each ``worker`` member is a Dask worker running a one-replica group of its
@@ -35,6 +35,7 @@ from dask.utils import parse_bytes
 from distributed import Client, default_client
 
 from daskdist import config, context, registry
+from daskdist.cluster.client_state import check_client_open
 from daskdist.cluster.devices import DeviceSpec
 from daskdist.cluster.embedded import describe_worker
 from daskdist.cluster.placement import Placement
@@ -45,7 +46,7 @@ from daskdist.group.service import STRATEGY
 from daskdist.ops import CommunicationOptions
 from daskdist.strategy.base import Strategy
 from daskdist.strategy.extended import Args, Command, Kwargs
-from daskdist.strategy.parameter_holder import ParameterHolderExtended, _live_stores
+from daskdist.strategy.parameter_holder import ParameterHolderExtended
 
 __all__ = ["ParameterServerExtended", "ParameterServerStrategy", "cluster_members"]
 
@@ -135,6 +136,7 @@ class ParameterServerExtended(ParameterHolderExtended):
             client = getattr(cluster_resolver, "_client", None) or default_client()  # type: ignore[no-untyped-call]
         if not isinstance(client, Client):
             raise TypeError(f"client must be a distributed.Client, got {type(client).__name__}")
+        check_client_open(client, type(strategy).__name__)
         known = client.scheduler_info(n_workers=-1)["workers"]
         ps, workers = _match_workers(ps, known), _match_workers(workers, known)
         self.strategy = strategy
@@ -165,7 +167,7 @@ class ParameterServerExtended(ParameterHolderExtended):
             raise
         logger.info("ParameterServerStrategy: ps %s, workers %s", ps, workers)
 
-    def _add_worker(self, address: str) -> None:
+    def add_worker(self, address: str) -> None:
         """Start a worker group on a Dask worker that joined the cluster (the coordinator admits it)."""
         self.check_open()
         host = self.client.run(describe_worker, workers=[address])[address]["host"]
@@ -277,12 +279,8 @@ class ParameterServerExtended(ParameterHolderExtended):
             return
         coordinator = getattr(self.strategy, "_coordinator", None)
         if coordinator is not None:
-            coordinator._shutdown()
-        for store in _live_stores(self):
-            try:
-                store.call_from_client(self.client, "drop")
-            except Exception as e:  # noqa: BLE001 - a lost ps
-                logger.debug("Could not drop the parameters held on %s: %s", store.address, e)
+            coordinator.shutdown()
+        self.close_stores()
         self._closed = True
         registry.unregister(self._token)
         for group in list(self._worker_groups.values()):  # a coordinator thread may admit a worker meanwhile

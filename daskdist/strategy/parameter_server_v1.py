@@ -27,7 +27,14 @@ from typing import Any
 
 from distributed import Client
 
-from daskdist.strategy.coordinator import PerWorkerValues, _PerWorkerIterator, _WorkerResource, run_closure
+from daskdist.ps.client import (
+    PerWorkerIterator,
+    PerWorkerValues,
+    WorkerResource,
+    make_dataset,
+    make_iterator,
+    run_closure,
+)
 from daskdist.strategy.extended import Args, Kwargs
 from daskdist.strategy.parameter_server import ParameterServerExtended, ParameterServerStrategy
 
@@ -63,7 +70,7 @@ class ParameterServerV1Extended(ParameterServerExtended):
 def _select(structure: Any, index: int) -> Any:
     import optree
 
-    return optree.tree_map(lambda x: x.values[0] if isinstance(x, _PerWorkerIterator)
+    return optree.tree_map(lambda x: x.values[0] if isinstance(x, PerWorkerIterator)
                            else (x.values[index] if isinstance(x, PerWorkerValues) else x),
                            structure, is_leaf=lambda x: isinstance(x, PerWorkerValues), none_is_leaf=True)
 
@@ -74,24 +81,20 @@ class _PerWorkerInput:
     def __init__(self, extended: ParameterServerV1Extended, dataset_fn: Callable[[Any], Any]):
         import uuid
 
-        from daskdist.strategy.coordinator import _make_dataset
-
         self._extended = extended
         self._key = f"ps-dataset:{uuid.uuid4().hex[:12]}"
         groups = list(extended.worker_groups.values())
         for index, group in enumerate(groups):
-            group.call(_make_dataset, (self._key, dataset_fn, index, len(groups)))
+            group.call(make_dataset, (self._key, dataset_fn, index, len(groups)))
 
     def __iter__(self) -> PerWorkerValues:
         import uuid
 
-        from daskdist.strategy.coordinator import _make_iterator
-
         key = f"ps-iterator:{uuid.uuid4().hex[:12]}"
         groups = list(self._extended.worker_groups.values())
         for group in groups:
-            group.call(_make_iterator, (self._key, key))
-        return _PerWorkerIterator(tuple(_WorkerResource(key) for _ in groups))
+            group.call(make_iterator, (self._key, key))
+        return PerWorkerIterator(tuple(WorkerResource(key) for _ in groups))
 
 
 class ParameterServerStrategyV1(ParameterServerStrategy):

@@ -2,6 +2,8 @@
 
 The contract's own verbs that need code on the replica: installing a
 resident object, and TF's ``extended.update`` applied to one variable copy.
+It imports nothing of the strategy package: ``extended`` imports it (lazily),
+never the other way round.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from daskdist import context
-from daskdist.strategy.extended import Args, Kwargs
 
 if TYPE_CHECKING:
     from daskdist.group.service import ReplicaService
@@ -24,8 +25,8 @@ def install_resident(service: ReplicaService, kind: str, object_id: str, obj: An
     service.objects.install(kind, object_id, obj)
 
 
-def update_copy(service: ReplicaService, variable: DistributedVariable, fn: Callable[..., Any], args: Args,
-                kwargs: Kwargs) -> Any:
+def update_copy(service: ReplicaService, variable: DistributedVariable, fn: Callable[..., Any],
+                args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``fn(copy, *args, **kwargs)`` on this replica's copy, in cross-replica context (TF's ``UpdateContext``).
 
     ``variable`` arrives as a reference and resolves to this replica's copy;

@@ -22,6 +22,7 @@ from distributed import Client, default_client
 
 from daskdist import config, registry
 from daskdist.arrays import as_array
+from daskdist.cluster.client_state import check_client_open
 from daskdist.cluster.devices import DeviceSpec, parse_devices
 from daskdist.cluster.embedded import describe_worker, start_embedded_cluster
 from daskdist.cluster.interrupts import EmbeddedShutdown
@@ -84,6 +85,7 @@ class SpmdExtended(StrategyExtended):
                  elastic: ElasticOptions | None = None):
         specs = parse_devices(devices) if devices is not None else None
         self._check_arguments(cross_device_ops, client)
+        check_client_open(client, type(strategy).__name__)
         if elastic is not None and not isinstance(elastic, ElasticOptions):
             raise TypeError(f"elastic must be a dd.ElasticOptions or None, got {type(elastic).__name__}")
         self.strategy = strategy
@@ -312,7 +314,7 @@ class SpmdExtended(StrategyExtended):
         (TensorFlow's rule).
         """
         self.check_open()
-        spec = self._variables[var_id]._spec
+        spec = self._variables[var_id].spec
         holders = self._variable_holders(var_id)
         if (
             spec.synchronization is VariableSynchronization.ON_READ

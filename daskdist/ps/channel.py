@@ -1,6 +1,6 @@
 """The direct channel to a parameter store: a worker's replica thread and a server thread on the ps, over TCP.
 
-A parameter-server closure's exchange with a store (``ps_session``) is one
+A parameter-server closure's exchange with a store (``daskdist.ps.session``) is one
 request and one reply. Through Dask's comms it passes the worker's event loop
 twice and the ps's event loop once, each a thread that must be woken, plus
 Dask's message protocol. Here the replica thread writes the request on its own
@@ -30,15 +30,11 @@ import secrets
 import socket
 import struct
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
 from daskdist import config, serialization
 from daskdist.exceptions import ReplicaLostError
 from daskdist.group.frames import recv_exactly
-
-if TYPE_CHECKING:
-    from daskdist.strategy.parameter_client import StoreRef
-    from daskdist.strategy.parameter_store import ParameterStore
 
 __all__ = ["DIRECT_OPS", "StoreServer", "direct_exchange", "recv_message", "send_message"]
 
@@ -47,10 +43,33 @@ logger = logging.getLogger(__name__)
 HELLO = b"daskdist-ps-1:"
 #: What the channel serves: a worker's variable and Keras-parameter traffic, and CentralStorage's rounds
 #: (arrays and numbers; never functions or optimizers: no cloudpickle on the way in; a round's first
-#: contribution carrying the optimizer goes through Dask's comms, ``parameter_client``).
+#: contribution carrying the optimizer goes through Dask's comms, ``daskdist.ps.refs``).
 DIRECT_OPS = frozenset({"exchange", "read", "gather", "update", "scatter", "model_pull", "model_push", "contribute"})
 _HEADER = struct.Struct("<QI")  # pickle bytes, out-of-band buffers
 _HELLO_TIMEOUT = 5.0
+
+
+class ServedStore(Protocol):
+    """What the server needs of the store it serves (``daskdist.ps.store.ParameterStore``)."""
+
+    worker: Any  # the Dask worker holding the store, or None
+
+    def run_sync(self, op: str, kwargs: dict[str, Any]) -> Any: ...
+
+
+class DirectStore(Protocol):
+    """What a caller needs of a store it reaches directly (``daskdist.ps.refs.StoreRef``): hashable."""
+
+    @property
+    def address(self) -> str: ...
+
+    @property
+    def direct(self) -> tuple[str, int, str] | None: ...
+
+    def __hash__(self) -> int: ...
+
+
+_S = TypeVar("_S", bound=DirectStore)
 
 
 def send_message(sock: socket.socket, obj: Any) -> None:
@@ -90,7 +109,7 @@ class StoreServer:
         The interface to listen on (the worker's host).
     """
 
-    def __init__(self, store: ParameterStore, host: str):
+    def __init__(self, store: ServedStore, host: str):
         self._store = store
         self.secret = secrets.token_hex(16)
         self._listener = socket.create_server((host, 0))
@@ -155,7 +174,7 @@ class StoreServer:
 _local = threading.local()  # each replica thread's connections: {(host, port): socket}
 
 
-def _connection(store: StoreRef) -> socket.socket:
+def _connection(store: DirectStore) -> socket.socket:
     connections: dict[tuple[str, int], socket.socket] = getattr(_local, "connections", None) or {}
     _local.connections = connections
     assert store.direct is not None
@@ -170,7 +189,7 @@ def _connection(store: StoreRef) -> socket.socket:
     return sock
 
 
-def _drop(store: StoreRef) -> None:
+def _drop(store: DirectStore) -> None:
     connections: dict[tuple[str, int], socket.socket] = getattr(_local, "connections", None) or {}
     if store.direct is not None:
         sock = connections.pop((store.direct[0], store.direct[1]), None)
@@ -178,7 +197,7 @@ def _drop(store: StoreRef) -> None:
             sock.close()
 
 
-def direct_exchange(requests: dict[StoreRef, tuple[str, dict[str, Any]]]) -> dict[StoreRef, Any]:
+def direct_exchange(requests: dict[_S, tuple[str, dict[str, Any]]]) -> dict[_S, Any]:
     """Send every request first, then read the replies: the stores work on them at the same time.
 
     Raises
@@ -187,7 +206,7 @@ def direct_exchange(requests: dict[StoreRef, tuple[str, dict[str, Any]]]) -> dic
         A store that cannot be reached (connection refused, closed or timed
         out), naming its worker; raised after every other reply was read.
     """
-    sent: list[StoreRef] = []
+    sent: list[_S] = []
     first_error: BaseException | None = None
     for store, message in requests.items():
         try:
@@ -197,7 +216,7 @@ def direct_exchange(requests: dict[StoreRef, tuple[str, dict[str, Any]]]) -> dic
             _drop(store)
             first_error = first_error or ReplicaLostError(
                 f"the parameter store on {store.address} cannot be reached: {e}", worker=store.address)
-    replies: dict[StoreRef, Any] = {}
+    replies: dict[_S, Any] = {}
     for store in sent:
         try:
             response = recv_message(_connection(store))

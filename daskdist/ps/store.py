@@ -1,13 +1,15 @@
 """The parameter store: variables held in one Dask worker's host memory, served to replicas and the client.
 
 A ``ParameterStore`` lives in ``worker.extensions["daskdist-ps"]`` of each
-worker that holds parameters (CentralStorage's parameter holder, later the
-ps members of ParameterServerStrategy). It is separate from any replica on
+worker that holds parameters (CentralStorage's parameter holder, the ps
+members of ParameterServerStrategy), installed by the worker plugin when the
+worker becomes a member with role ``ps`` of a strategy's store group
+(``daskdist.ps.members``). It is separate from any replica on
 that worker: a replica computing there keeps its own compute copy and reads
 the store like the others. Requests arrive through the worker handler
 ``daskdist_ps`` (Dask comms, worker to worker or client to worker; never
 through the scheduler) or, from a replica of the same process, as direct
-calls on the worker's event loop (``parameter_client``).
+calls on the worker's event loop (``daskdist.ps.refs``).
 
 Every operation runs on the worker's event loop, one at a time, so an update
 is atomic and versions are totally ordered. Values are handed out without a
@@ -20,7 +22,7 @@ serializes later, always sees the value it was given. Operations:
 ``extended.update``: a function applied once to the stored variable),
 ``drop``; ``exchange`` (a parameter-server worker's batch: its queued
 updates applied in order, then the reads it asks for, version-aware, and
-row gathers; ``ps_session``); ``requests``, ``bytes_served``,
+row gathers; ``daskdist.ps.session``); ``requests``, ``bytes_served``,
 ``staleness``, ``duplicates``, ``versions`` (figures);
 ``contribute`` (synchronous rounds: each of ``size`` replicas contributes to
 round ``r`` of a key; once all have, the round is finished once, e.g. an
@@ -48,15 +50,15 @@ from distributed.protocol.serialize import Serialize, ToPickle
 
 from daskdist import serialization
 from daskdist.arrays import as_array, namespace, to_numpy
-from daskdist.strategy.store_rounds import SynchronousRounds
-from daskdist.strategy.stored_values import Entry, StoredVariable, apply_method, copy_to_host, hand_out, writable
+from daskdist.ps.entries import Entry, StoredVariable, apply_method, copy_to_host, hand_out, writable
+from daskdist.ps.rounds import SynchronousRounds
 
 if TYPE_CHECKING:
     from distributed import Worker
 
     from daskdist.variables import VariableSpec
 
-__all__ = ["HANDLER", "STORE_EXTENSION", "ParameterStore", "install_store", "store_in_process", "unwrap"]
+__all__ = ["HANDLER", "STORE_EXTENSION", "ParameterStore", "register_in_process", "store_in_process", "unwrap"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +99,7 @@ class ParameterStore:
         self._served: dict[str, int] = {}  # bytes of values sent out, per store id (reads and row gathers)
         self._requests: dict[str, int] = {}  # variable traffic requests served, per store id
         self._lock = threading.RLock()  # the event loop and the direct channel's threads take turns
-        self.server: Any = None  # the direct channel (``ps_channel.StoreServer``), if any
+        self.server: Any = None  # the direct channel (``daskdist.ps.channel.StoreServer``), if any
 
     def __repr__(self) -> str:
         return f"<ParameterStore variables={len(self._entries)} models={len(self._models)}>"
@@ -502,34 +504,14 @@ class ParameterStore:
 _IN_PROCESS: weakref.WeakValueDictionary[str, ParameterStore] = weakref.WeakValueDictionary()
 
 
+def register_in_process(address: str, store: ParameterStore) -> None:
+    """Make ``store`` (held by the worker at ``address``) callable directly by replicas of this process."""
+    _IN_PROCESS[address] = store
+
+
 def store_in_process(address: str) -> ParameterStore | None:
     """The store held by the worker at ``address`` if that worker lives in this process (and still has it)."""
     store = _IN_PROCESS.get(address)
     if store is None or store.worker is None or store.worker.extensions.get(STORE_EXTENSION) is not store:
         return None
     return store
-
-
-def install_store(dask_worker: Worker) -> dict[str, Any]:
-    """Make ``dask_worker`` a parameter holder (idempotent; run with ``client.run``).
-
-    Returns ``{"address": the worker's address, "direct": (host, port,
-    secret) of its direct channel, or None}`` (no channel on ``tls://`` or
-    in-process clusters). Whether workers use it is the strategy's choice
-    (``daskdist.parameter-store.direct-channel``, read on the client).
-    """
-    store = dask_worker.extensions.get(STORE_EXTENSION)
-    if store is None:
-        store = ParameterStore(dask_worker)
-        dask_worker.extensions[STORE_EXTENSION] = store
-        _IN_PROCESS[dask_worker.address] = store
-        dask_worker.handlers[HANDLER] = store.handle
-        logger.debug("Parameter store installed on %s", dask_worker.address)
-    if store.server is None and dask_worker.address.startswith("tcp://"):
-        from distributed.comm import get_address_host
-
-        from daskdist.strategy.ps_channel import StoreServer
-
-        store.server = StoreServer(store, get_address_host(dask_worker.address))
-    direct = None if store.server is None else (*store.server.endpoint, store.server.secret)
-    return {"address": dask_worker.address, "direct": direct}

@@ -4,7 +4,7 @@ On the client it is a handle whose reads and writes go to the store once.
 On each replica it is a view: reads use a compute copy pulled from the store
 (at most once per command, and only when the store's version is newer; in a
 parameter-server closure, pulled together with the worker's other variables
-and updated in one push per store at the end: ``ps_session``), and
+and updated in one push per store at the end: ``daskdist.ps.session``), and
 an ``assign``/``assign_add``/``assign_sub`` in replica context is TensorFlow's
 ``merge_call`` -> ``apply_aggregation`` -> one update of the stored value:
 every replica contributes to a round at the store, which aggregates the
@@ -23,14 +23,14 @@ import numpy as np
 from daskdist import context
 from daskdist.arrays import as_array, namespace, to_numpy
 from daskdist.group.service import VARIABLE
-from daskdist.strategy.parameter_client import RoundCounter
-from daskdist.strategy.ps_session import CLOSURE_KEY, ClosureSession, current_session
+from daskdist.ps.refs import RoundCounter
+from daskdist.ps.session import CLOSURE_KEY, ClosureSession, current_session
 from daskdist.variables import DistributedVariable, VariableAggregation, VariableSpec
 
 if TYPE_CHECKING:
-    from daskdist.strategy.parameter_client import StoreRef
+    from daskdist.ps.refs import StoreRef
 
-__all__ = ["CLOSURE_KEY", "AggregatingVariable", "aggregation_error_message"]
+__all__ = ["CLOSURE_KEY", "AggregatingVariable", "aggregation_error_message", "dedupe_key"]
 
 
 def aggregation_error_message(variable_type: str) -> str:
@@ -61,9 +61,18 @@ class AggregatingVariable(DistributedVariable):
         super().__init__(spec, token, var_id, owner=owner, runtime=runtime)
         self._store = store
         self._device = device
-        self._cached_version = -1
-        self._cached_run = None
+        self.cached_version = -1
+        self.cached_run = None
         self._rounds = RoundCounter()
+
+    def replica_runtime(self) -> Any:
+        """The replica runtime of a worker's view, or ``None`` for the client's handle."""
+        return self._runtime if self._on_replica() else None
+
+    @property
+    def store(self) -> StoreRef:
+        """The parameter store holding the variable."""
+        return self._store
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return (_resolve_stored_variable, (self._token, self._var_id, self._spec, self._store, self._device))
@@ -82,16 +91,16 @@ class AggregatingVariable(DistributedVariable):
         session = current_session(runtime)
         if session is not None:
             session.working_set.mark_read(self)
-            if self._value is None or self._cached_run != runtime.run_id or session.has_pending(self):
+            if self._value is None or self.cached_run != runtime.run_id or session.has_pending(self):
                 session.pull(self)
             return self._value
-        if self._value is None or self._cached_run != runtime.run_id:
+        if self._value is None or self.cached_run != runtime.run_id:
             version, value = self._store.call_from_replica(runtime, "read", var_id=self._var_id,
-                                                           newer_than=self._cached_version)
-            self._receive(version, value, runtime.run_id)
+                                                           newer_than=self.cached_version)
+            self.receive(version, value, runtime.run_id)
         return self._value
 
-    def _receive(self, version: int, value: Any, run_id: Any) -> None:
+    def receive(self, version: int, value: Any, run_id: Any) -> None:
         """The store's answer to a read: its value at ``version`` (``None``: the copy held is that version).
 
         A host value is kept read-only (it may be the store's own array, in
@@ -102,18 +111,18 @@ class AggregatingVariable(DistributedVariable):
             value = _on_replica_device(value, self._runtime)
             if isinstance(value, np.ndarray) and value.flags.writeable:
                 value.flags.writeable = False
-            self._value, self._cached_version = value, version
-        self._cached_run = run_id
+            self._value, self.cached_version = value, version
+        self.cached_run = run_id
 
     def restore(self, state: Any) -> None:
         """Put a snapshot back as this replica's compute copy (pulled again before it is used)."""
         if not self._on_replica():
             raise RuntimeError(f"Variable '{self.name}': restore() is for a replica's copy, not the client's handle")
-        self._value, self._cached_run = namespace(state).array(state, copy=True), None
+        self._value, self.cached_run = namespace(state).array(state, copy=True), None
 
     def _fresh(self, session: ClosureSession | None) -> bool:
         """Whether the compute copy is the store's value for this command (nothing queued since)."""
-        return (self._value is not None and self._cached_run == self._runtime.run_id
+        return (self._value is not None and self.cached_run == self._runtime.run_id
                 and (session is None or not session.has_pending(self)))
 
     def _gather_rows(self, rows: Any) -> Any:
@@ -133,9 +142,9 @@ class AggregatingVariable(DistributedVariable):
     def _gather_rows_of_shards(requests: list[tuple[AggregatingVariable, Any]]) -> list[Any]:
         """Rows of several stored shards: in a closure, one request per store and all stores at once."""
         views = [v for v, _ in requests]
-        runtime = views[0]._runtime if views and views[0]._on_replica() else None
+        runtime = views[0].replica_runtime() if views else None
         session = current_session(runtime) if runtime is not None else None
-        if session is None or any(v._runtime is not runtime for v in views):
+        if session is None or any(v.replica_runtime() is not runtime for v in views):
             return [view._gather_rows(rows) for view, rows in requests]
         found: list[Any] = [None] * len(requests)
         remote = []
@@ -176,7 +185,7 @@ class AggregatingVariable(DistributedVariable):
                 f"scatter_{method} of variable '{self.name}' in replica context with {runtime.size} replicas in "
                 "sync: reduce the sparse update first (merge_call) or run it from a parameter-server worker"
             )
-        read = self._cached_version if self._cached_run == runtime.run_id else None
+        read = self.cached_version if self.cached_run == runtime.run_id else None
         session = current_session(runtime)
         if session is not None:
             rows, delta = self._check_scatter(method, indices, values)
@@ -184,7 +193,7 @@ class AggregatingVariable(DistributedVariable):
             return self
         self._store.call_from_replica(runtime, "scatter", var_id=self._var_id, method=method, indices=indices,
                                       values=values, dedupe=None, read_version=read)
-        self._cached_run = None  # the compute copy is stale: the next read pulls
+        self.cached_run = None  # the compute copy is stale: the next read pulls
         return self
 
     def _check_scatter(self, method: str, indices: Any, values: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -212,7 +221,7 @@ class AggregatingVariable(DistributedVariable):
         array = self._convert(value)
         if ctx is not None and runtime.size > 1 and self.aggregation is VariableAggregation.NONE:
             raise ValueError(aggregation_error_message("AggregatingVariable"))
-        read = self._cached_version if self._cached_run == runtime.run_id else None
+        read = self.cached_version if self.cached_run == runtime.run_id else None
         session = current_session(runtime)
         if runtime.size == 1 and session is not None:  # a parameter-server closure: pushed with the others
             host = np.array(to_numpy(array), copy=True)  # the caller may reuse its array before the push
@@ -222,7 +231,7 @@ class AggregatingVariable(DistributedVariable):
             version, new_value = self._store.call_from_replica(
                 runtime, "update", var_id=self._var_id, method=method, value=array, dedupe=None, read_version=read)
             self._value = _on_replica_device(new_value, runtime)
-            self._cached_version, self._cached_run = version, runtime.run_id
+            self.cached_version, self.cached_run = version, runtime.run_id
             return
         # replica context: aggregate as the variable says; merge_call (cross-replica on every replica): once
         aggregation = self.aggregation.name if ctx is not None else "ONLY_FIRST_REPLICA"
@@ -231,7 +240,7 @@ class AggregatingVariable(DistributedVariable):
             {"method": method, "value": array, "aggregation": aggregation},
         )
         self._value = _on_replica_device(namespace(new_value).array(new_value, copy=True), runtime)
-        self._cached_version, self._cached_run = version, runtime.run_id
+        self.cached_version, self.cached_run = version, runtime.run_id
 
 
 def _on_replica_device(value: Any, runtime: Any) -> Any:
@@ -244,7 +253,7 @@ def _on_replica_device(value: Any, runtime: Any) -> Any:
     return value
 
 
-def _dedupe_key(runtime: Any) -> tuple[str, int] | None:
+def dedupe_key(runtime: Any) -> tuple[str, int] | None:
     """``(closure id, n)`` for the closure's next update (``ps_fit``'s pushes too), or ``None`` outside closures."""
     session = current_session(runtime)
     return None if session is None else session.next_dedupe_key()

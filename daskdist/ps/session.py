@@ -37,19 +37,33 @@ replica) there is no session and every read and update is its own request.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from daskdist import config
 from daskdist.group.service import STRATEGY
-from daskdist.strategy.parameter_client import exchange_from_replica
+from daskdist.ps.refs import exchange_from_replica
 
 if TYPE_CHECKING:
-    from daskdist.strategy.parameter_client import StoreRef
-    from daskdist.strategy.ps_values import AggregatingVariable
+    from daskdist.ps.refs import StoreRef
 
-__all__ = ["CLOSURE_KEY", "ClosureSession", "WorkingSet", "begin_closure", "current_session", "end_closure"]
+__all__ = ["CLOSURE_KEY", "ClosureSession", "StoredView", "WorkingSet", "begin_closure", "current_session", "end_closure"]
 
 logger = logging.getLogger(__name__)
+
+class StoredView(Protocol):
+    """What a session needs of a worker's view of a stored variable (``daskdist.ps.values.AggregatingVariable``)."""
+
+    cached_run: Any  # the run (closure) whose value the view holds, or None: stale
+    cached_version: int  # the store's version of the value the view holds
+
+    @property
+    def var_id(self) -> str: ...
+
+    @property
+    def store(self) -> StoreRef: ...
+
+    def receive(self, version: int, value: Any, run_id: Any) -> None: ...
+
 
 #: The resident under which a parameter-server worker keeps the session of the closure it runs.
 CLOSURE_KEY = (STRATEGY, "ps-closure")
@@ -62,8 +76,8 @@ class WorkingSet:
 
     def __init__(self) -> None:
         self.closures = 0  # closures begun on this worker
-        self._last_read: dict[str, tuple[AggregatingVariable, int]] = {}
-        self.ahead: list[AggregatingVariable] = []  # pulled at the end of closure ``ahead_of``
+        self._last_read: dict[str, tuple[StoredView, int]] = {}
+        self.ahead: list[StoredView] = []  # pulled at the end of closure ``ahead_of``
         self.ahead_of = -1
         self.ahead_client_writes = -1
 
@@ -72,13 +86,13 @@ class WorkingSet:
         self.closures += 1
         if self.ahead_of == self.closures - 1 and self.ahead_client_writes == client_writes:
             for view in self.ahead:
-                view._cached_run = runtime.run_id
+                view.cached_run = runtime.run_id
         self.ahead, self.ahead_of = [], -1
 
-    def mark_read(self, view: AggregatingVariable) -> None:
-        self._last_read[view._var_id] = (view, self.closures)
+    def mark_read(self, view: StoredView) -> None:
+        self._last_read[view.var_id] = (view, self.closures)
 
-    def hot(self) -> list[AggregatingVariable]:
+    def hot(self) -> list[StoredView]:
         """Variables read whole in this closure or the previous one (older ones drop out)."""
         for var_id in [k for k, (_, n) in self._last_read.items() if n < self.closures - 1]:
             del self._last_read[var_id]
@@ -95,7 +109,7 @@ class ClosureSession:
         self.client_writes = client_writes
         self._updates = 0
         self._pending: dict[StoreRef, list[tuple[Any, ...]]] = {}
-        self._pending_views: dict[str, AggregatingVariable] = {}
+        self._pending_views: dict[str, StoredView] = {}
         self.exchanges = 0  # requests sent to stores (for tests and figures)
 
     # -- updates ---------------------------------------------------------------------------
@@ -105,34 +119,34 @@ class ClosureSession:
         self._updates += 1
         return (self.closure_id, self._updates)
 
-    def queue(self, view: AggregatingVariable, update: tuple[Any, ...]) -> None:
+    def queue(self, view: StoredView, update: tuple[Any, ...]) -> None:
         """Queue ``update`` (an ``exchange`` update tuple) of ``view`` for its store."""
-        self._pending.setdefault(view._store, []).append(update)
-        self._pending_views[view._var_id] = view
+        self._pending.setdefault(view.store, []).append(update)
+        self._pending_views[view.var_id] = view
 
-    def has_pending(self, view: AggregatingVariable) -> bool:
-        return view._var_id in self._pending_views
+    def has_pending(self, view: StoredView) -> bool:
+        return view.var_id in self._pending_views
 
     # -- exchanges ---------------------------------------------------------------------------
 
-    def pull(self, view: AggregatingVariable) -> None:
+    def pull(self, view: StoredView) -> None:
         """Make ``view``'s copy fresh: pull it with the working set, pushing what is queued for their stores."""
         self.working_set.mark_read(view)
         run_id = self.runtime.run_id
-        stale = [v for v in self.working_set.hot() if v._cached_run != run_id or self.has_pending(v)]
-        self._exchange({v._store for v in stale}, read_views=stale)
+        stale = [v for v in self.working_set.hot() if v.cached_run != run_id or self.has_pending(v)]
+        self._exchange({v.store for v in stale}, read_views=stale)
 
-    def gather(self, view: AggregatingVariable, rows: Any) -> Any:
+    def gather(self, view: StoredView, rows: Any) -> Any:
         """Rows ``rows`` of ``view`` (its queued updates, and its store's, are sent first)."""
         return self.gather_many([(view, rows)])[0]
 
-    def gather_many(self, requests: list[tuple[AggregatingVariable, Any]]) -> list[Any]:
+    def gather_many(self, requests: list[tuple[StoredView, Any]]) -> list[Any]:
         """Rows of several variables: one request per store, all stores at once."""
         gathers: dict[StoreRef, dict[str, Any]] = {}
         for view, rows in requests:
-            gathers.setdefault(view._store, {})[view._var_id] = rows
+            gathers.setdefault(view.store, {})[view.var_id] = rows
         replies = self._exchange(set(gathers), gathers=gathers)
-        return [replies[view._store]["rows"][view._var_id][1] for view, _ in requests]
+        return [replies[view.store]["rows"][view.var_id][1] for view, _ in requests]
 
     def flush(self, pull_ahead: bool = False) -> None:
         """Push every queued update (the closure ends): one request per store, all at once.
@@ -145,21 +159,21 @@ class ClosureSession:
                 self._exchange(set(self._pending))
             return
         hot = self.working_set.hot()
-        stores = set(self._pending) | {v._store for v in hot}
+        stores = set(self._pending) | {v.store for v in hot}
         if stores:
             self._exchange(stores, read_views=hot)
             ws = self.working_set
             ws.ahead, ws.ahead_of, ws.ahead_client_writes = hot, ws.closures, self.client_writes
 
-    def _exchange(self, stores: set[StoreRef], read_views: list[AggregatingVariable] = (),  # type: ignore[assignment]
+    def _exchange(self, stores: set[StoreRef], read_views: list[StoredView] = (),  # type: ignore[assignment]
                   gathers: dict[StoreRef, dict[str, Any]] | None = None) -> dict[StoreRef, Any]:
         """One ``exchange`` with each of ``stores``: their queued updates, then the reads and gathers asked for."""
         gathers = gathers or {}
         reads: dict[StoreRef, dict[str, int]] = {}
-        readers: dict[tuple[StoreRef, str], AggregatingVariable] = {}
+        readers: dict[tuple[StoreRef, str], StoredView] = {}
         for view in read_views:
-            reads.setdefault(view._store, {})[view._var_id] = view._cached_version
-            readers[(view._store, view._var_id)] = view
+            reads.setdefault(view.store, {})[view.var_id] = view.cached_version
+            readers[(view.store, view.var_id)] = view
         requests = {}
         for store in stores:
             request: dict[str, Any] = {"updates": self._pending.pop(store, [])}
@@ -168,15 +182,15 @@ class ClosureSession:
             if gathers.get(store):
                 request["gathers"] = gathers[store]
             requests[store] = request
-        for view in [v for v in self._pending_views.values() if v._store in stores]:
-            del self._pending_views[view._var_id]
-            view._cached_run = None  # the copy no longer is the store's value (unless read back below)
+        for view in [v for v in self._pending_views.values() if v.store in stores]:
+            del self._pending_views[view.var_id]
+            view.cached_run = None  # the copy no longer is the store's value (unless read back below)
         self.exchanges += len(requests)
         replies = exchange_from_replica(self.runtime, requests)
         run_id = self.runtime.run_id
         for store, reply in replies.items():
             for var_id, (version, value) in reply["values"].items():
-                readers[(store, var_id)]._receive(version, value, run_id)
+                readers[(store, var_id)].receive(version, value, run_id)
         return replies
 
 

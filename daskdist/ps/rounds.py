@@ -1,14 +1,14 @@
 """A parameter store's synchronous rounds: every replica contributes, the round is finished once, all get its result.
 
 CentralStorage's gradient steps and replica-context assigns are rounds
-(``parameter_store``'s ``contribute``). A contributor waits for the round's
+(``daskdist.ps.store``'s ``contribute``). A contributor waits for the round's
 result in slices (``wait`` seconds, then it asks again), from either side of
 the store:
 
 * on the worker's event loop (a request through Dask's comms): ``wait_async``
   awaits a future the finishing thread wakes with ``call_soon_threadsafe``;
 * on a thread (a replica of the store's own process, or a thread of the
-  direct channel, ``ps_channel``): ``Round.wait`` blocks on a
+  direct channel, ``daskdist.ps.channel``): ``Round.wait`` blocks on a
   ``threading.Event``.
 
 Whoever brings the last contribution finishes the round, under the store's

@@ -1,4 +1,4 @@
-"""Reaching a parameter store (``parameter_store``) from a replica thread or from the client.
+"""Reaching a parameter store (``daskdist.ps.store``) from a replica thread or from the client.
 
 A ``StoreRef`` names one store (the worker that holds it and the strategy's
 store id) and pickles as those two strings. From a replica thread, a store in
@@ -11,7 +11,7 @@ own, written to the socket without being copied into one pickle).
 ``exchange_from_replica`` (a parameter-server worker's batch) sends one
 request to each of several stores at once: a store of this process is
 called directly (no copy), one with a direct channel gets it there
-(``ps_channel``), any other through Dask's comms. A store that cannot be
+(``daskdist.ps.channel``), any other through Dask's comms. A store that cannot be
 reached raises ``ReplicaLostError`` naming it.
 """
 
@@ -28,8 +28,8 @@ from distributed.utils import sync
 
 from daskdist import config, serialization
 from daskdist.exceptions import ReplicaLostError
-from daskdist.strategy.parameter_store import HANDLER, STORE_EXTENSION, store_in_process, unwrap
-from daskdist.strategy.ps_channel import DIRECT_OPS, direct_exchange
+from daskdist.ps.channel import DIRECT_OPS, direct_exchange
+from daskdist.ps.store import HANDLER, STORE_EXTENSION, store_in_process, unwrap
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -65,7 +65,7 @@ class StoreRef:
 
     address: str
     store_id: str
-    direct: tuple[str, int, str] | None = None  # the store's direct channel: host, port, secret (``ps_channel``)
+    direct: tuple[str, int, str] | None = None  # the store's direct channel: host, port, secret (``daskdist.ps.channel``)
 
     # -- from a replica thread ---------------------------------------------------------
 
@@ -73,7 +73,7 @@ class StoreRef:
         """Run ``op`` on the store from a replica thread (``runtime``: the replica's runtime).
 
         A worker's variable and Keras-parameter traffic and synchronous
-        rounds (``ps_channel.DIRECT_OPS``) go without the event loop: a store
+        rounds (``daskdist.ps.channel.DIRECT_OPS``) go without the event loop: a store
         of this process is called directly (a round's wait then blocks this
         thread), one with a direct channel gets it there. The rest
         (functions, optimizers, a round's contribution carrying the

@@ -1,0 +1,126 @@
+"""The worker half of ``ClusterCoordinator``: closures and per-worker resources, run on a worker's replica.
+
+The client's queue and drivers (``daskdist.strategy.coordinator``) send these
+functions as commands to each worker's one-replica group. A closure's reads
+and updates are batched per store (``daskdist.ps.session``); per-worker
+datasets and iterators are residents of the worker's replica, named by a
+``WorkerResource`` the client passes in a closure's arguments.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import optree
+
+from daskdist.group.service import DATASET, ITERATOR
+from daskdist.ps.input import drain_consumed
+from daskdist.ps.session import begin_closure, end_closure
+
+__all__ = [
+    "PerWorkerIterator",
+    "PerWorkerValues",
+    "WorkerResource",
+    "make_dataset",
+    "make_iterator",
+    "run_closure",
+    "run_recorded_closure",
+]
+
+
+class PerWorkerValues:
+    """One value per worker (TF's ``PerWorkerValues``); a closure receives its own worker's element."""
+
+    def __init__(self, values: tuple[Any, ...]):
+        self._values = tuple(values)
+
+    @property
+    def values(self) -> tuple[Any, ...]:
+        return self._values
+
+    def __repr__(self) -> str:
+        return f"PerWorkerValues({list(self._values)!r})"
+
+
+class PerWorkerIterator(PerWorkerValues):
+    """Per-worker iterators: pass to ``schedule``; ``next()`` on it is not supported (as in TF).
+
+    Every element is the same ``WorkerResource`` (one key on every worker,
+    newcomers included).
+    """
+
+    def __next__(self) -> Any:
+        raise TypeError("next() is not supported on per-worker iterators: pass them to coordinator.schedule "
+                        "and call next() inside the scheduled function")
+
+
+class WorkerResource:
+    """A reference to an object a worker holds (its dataset, its iterator), resolved on that worker."""
+
+    def __init__(self, key: str):
+        self.key = key
+
+    def __repr__(self) -> str:
+        return f"<worker resource {self.key}>"
+
+
+def run_closure(service: Any, closure_id: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                client_writes: int = 0) -> Any:
+    """Worker command: run one closure, its updates keyed by ``closure_id`` (deduplicated at the stores).
+
+    Its reads and updates are batched per store (``daskdist.ps.session``):
+    the queued updates are pushed before the closure's result returns.
+    ``client_writes``: the client's count of variable writes (values pulled
+    ahead at the end of this worker's previous closure are used only if it
+    did not change).
+    """
+    structure: Any = (args, kwargs)
+    resolved: Any = optree.tree_map(
+        lambda x: service.objects.get(ITERATOR, x.key) if isinstance(x, WorkerResource) else x,
+        structure, is_leaf=lambda x: isinstance(x, WorkerResource), none_is_leaf=True)
+    args, kwargs = resolved
+    session = begin_closure(service, closure_id, client_writes)
+    failed = True
+    try:
+        result = service.run_step(fn, args, kwargs)
+        failed = False
+        return result
+    finally:
+        end_closure(service, session, failed)
+
+
+def run_recorded_closure(service: Any, closure_id: str, fn: Callable[..., Any], args: tuple[Any, ...],
+                         kwargs: dict[str, Any], client_writes: int = 0) -> tuple[Any, list[tuple[str, int, int, int]]]:
+    """Worker command: ``run_closure``, and the partition loads its pipelines made (for the data ledger).
+
+    The loads of a closure that raised are dropped: it commits nothing.
+    """
+    try:
+        result = run_closure(service, closure_id, fn, args, kwargs, client_writes)
+    except BaseException:
+        drain_consumed(service)
+        raise
+    return result, drain_consumed(service)
+
+
+def make_dataset(service: Any, key: str, dataset_fn: Any, index: int, workers: int) -> None:
+    """Worker command: build this worker's dataset (input pipeline ``index`` of ``workers``) under ``key``."""
+    from daskdist.data import InputContext
+
+    if callable(dataset_fn) and not hasattr(dataset_fn, "__iter__"):
+        takes_context = len(inspect.signature(dataset_fn).parameters) >= 1
+        ctx = InputContext(num_input_pipelines=workers, input_pipeline_id=index, num_replicas_in_sync=1)
+        dataset = dataset_fn(ctx) if takes_context else dataset_fn()
+    else:
+        dataset = dataset_fn
+    bind = getattr(getattr(dataset, "source", None), "bind", None)
+    if bind is not None:  # partitions read from this worker's memory, loads logged for the ledger
+        bind(service)
+    service.objects.install(DATASET, key, dataset)
+
+
+def make_iterator(service: Any, dataset_key: str, key: str) -> None:
+    """Worker command: an iterator over this worker's dataset ``dataset_key``, kept under ``key``."""
+    service.objects.install(ITERATOR, key, iter(service.objects.get(DATASET, dataset_key)))

@@ -1,0 +1,121 @@
+"""Where a test places a kill: at a fault point (``Killer``) or at a step replica 0 reported (``KillAtStep``).
+
+Both are threads that the ``process_workers`` fixture stops and joins when the test ends, so a watcher
+never outlives its test (a late exception in it would fail a later test).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+from daskdist.keras.models import PROGRESS_TOPIC
+
+
+class _Watcher:
+    """A daemon thread polling ``_poll`` until it returns True, the deadline passes or ``stop()``."""
+
+    def __init__(self, timeout: float = 120.0, interval: float = 0.02):
+        self.record: dict = {}
+        self._stopped = threading.Event()
+        self._timeout = timeout
+        self._interval = interval
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + self._timeout
+        while time.monotonic() < deadline and not self._stopped.is_set():
+            if self._poll():
+                return
+            self._stopped.wait(self._interval)
+
+    def _poll(self) -> bool:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        """Stop polling and join the thread."""
+        self._stopped.set()
+        self.thread.join(10)
+
+
+class Killer(_Watcher):
+    """Waits for the paused replica's file (``daskdist.testing.pause-file``), then kills -9 it and its nanny."""
+
+    def __init__(self, marker, nanny: bool = True, workers=None):
+        super().__init__(interval=0.01)
+        self.marker = marker
+        self.nanny = nanny  # whether the worker has a nanny (its parent) to kill first
+        if workers is not None:
+            workers.watch(self)
+        self.thread.start()
+
+    def _poll(self) -> bool:
+        if not self.marker.exists():
+            return False
+        try:
+            paused = json.loads(self.marker.read_text())
+        except json.JSONDecodeError:  # caught mid-write: read it again
+            return False
+        if self.nanny:
+            os.kill(paused["ppid"], signal.SIGKILL)  # the nanny first: nothing restarts the worker
+        os.kill(paused["pid"], signal.SIGKILL)
+        self.record.update(paused, killed=time.time())
+        return True
+
+    def join(self) -> dict:
+        self.thread.join(5)
+        assert "killed" in self.record, "the replica never reached its fault point"
+        return self.record
+
+
+def reported_step(client, since: float, step: int, epoch: int | None = 0) -> bool:
+    """Whether replica 0 reported ``step`` (or later) of ``epoch`` (``None``: any) after ``since``."""
+    return any(t > since and epoch in (None, m.get("epoch")) and m.get("step", -1) >= step
+               for t, m in client.get_events(PROGRESS_TOPIC))
+
+
+def wait_for_step(client, step: int, since: float, epoch: int | None = 0, timeout: float = 120) -> None:
+    """Block until replica 0 reported ``step`` of ``epoch`` after ``since``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if reported_step(client, since, step, epoch):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"replica 0 never reported step {step}")
+
+
+class KillAtStep(_Watcher):
+    """Kills ``victim`` (and its nanny) once replica 0 reported ``step`` of ``epoch``.
+
+    ``record["killed"]`` is the monotonic time of the kill. Stopped with its workers.
+    """
+
+    def __init__(self, workers, victim: str, step: int, epoch: int = 0):
+        super().__init__()
+        self.workers = workers
+        self.victim = victim
+        self.step = step
+        self.epoch = epoch
+        self._since = time.time()
+        workers.watch(self)
+        self.thread.start()
+
+    def _poll(self) -> bool:
+        if not reported_step(self.workers.client, self._since, self.step, self.epoch):
+            return False
+        self.workers.kill(self.victim)
+        self.record["killed"] = time.monotonic()
+        return True
+
+    def join(self, timeout: float | None = None) -> dict:
+        self.thread.join(timeout)
+        return self.record
+
+
+def kill_at_step(workers, victim: str, step: int, epoch: int = 0):
+    """A watcher that kills ``victim`` at ``step`` of ``epoch``: returns (thread, record), as the tests use it."""
+    watcher = KillAtStep(workers, victim, step, epoch)
+    return watcher.thread, watcher.record

@@ -1,0 +1,50 @@
+"""The small model and data sets the elastic tests share (daskdist's Keras API)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+import daskdist as dd
+from daskdist import keras
+
+Dataset = dd.data.Dataset
+
+#: the ring all-reduce, whose two halves are fault-point phases
+RING = dd.CommunicationOptions(implementation="RING")
+
+
+def slow_batch(*batch):
+    """An after-batch map that makes each step take a while, so a step-placed kill lands mid-epoch."""
+    time.sleep(0.12)
+    return batch
+
+
+def data(n=240, features=4, seed=0):
+    """``n`` rows of ``features`` floats in [0, 1) and labels in {0, 1, 2}, from ``seed``."""
+    rng = np.random.default_rng(seed)
+    return rng.random((n, features)).astype(np.float32), rng.integers(0, 3, n).astype(np.int64)
+
+
+def model(weights=None):
+    """A 4 -> 8 -> 3 classifier with Adam(0.01), built, with ``weights`` if given."""
+    made = keras.Sequential([keras.layers.Dense(8, activation="relu", input_shape=(4,)), keras.layers.Dense(3)])
+    made.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                 optimizer=keras.optimizers.Adam(0.01), metrics=["accuracy"])
+    made.build((4,))
+    if weights is not None:
+        made.set_weights(weights)
+    return made
+
+
+def train_set():
+    """240 rows in batches of 24: 10 steps per epoch."""
+    x, y = data(240)
+    return Dataset.from_tensor_slices((x, y)).batch(24)
+
+
+def resolver_view(service):
+    """(task type, task id) and the selected workers of a replica's cluster resolver (``group.call``)."""
+    resolver = service.strategy_view.cluster_resolver
+    return (resolver.task_type, resolver.task_id), list(resolver.selector)

@@ -1,0 +1,79 @@
+"""Checks shared by the transport tests: the routes a group took, an all-reduce of every op against numpy."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import daskdist as dd
+
+
+def group_routes(client, strategy):
+    """Each replica's route to each peer (``{rank: {peer: name}}``) in ``strategy``'s group."""
+    token = strategy.extended.group.group_id
+
+    def describe(dask_worker):
+        out = {}
+        for group, runtime in dask_worker.extensions["daskdist"].replicas.items():
+            if group == token:
+                transport = runtime.transport
+                out[runtime.rank] = transport.describe() if hasattr(transport, "describe") else transport.name
+        return out
+
+    merged = {}
+    for part in client.run(describe).values():
+        merged.update(part)
+    return merged
+
+
+def check_all_reduce(strategy, seed):
+    """Every op, several dtypes and odd sizes, against numpy (each replica can rebuild all inputs)."""
+
+    def fn():
+        ctx = dd.get_replica_context()
+        n, rank = ctx.num_replicas_in_sync, ctx.replica_id_in_sync_group
+        failures = []
+        cases = [
+            ("SUM", "float32", (1001,)), ("SUM", "float64", ()), ("SUM", "int32", (0,)),
+            ("MEAN", "float16", (7, 3)), ("MAX", "int8", (13,)), ("MIN", "uint8", (5,)),
+            ("PRODUCT", "int64", (3,)), ("SUM", "bool", (9,)), ("SUM", "float32", (700_001,)),
+            ("MEAN", "float64", (300_000,)), ("SUM", "bfloat16", (11,)),
+        ]
+        for op, dtype, shape in cases:
+            inputs = []
+            if dtype == "bfloat16":
+                import ml_dtypes
+
+                dtype = ml_dtypes.bfloat16
+            for r in range(n):
+                rng = np.random.default_rng([seed, r, len(shape)])
+                if dtype == "bool":
+                    inputs.append(rng.random(shape) > 0.5)
+                elif np.dtype(dtype).kind in "iuV":
+                    inputs.append(rng.integers(0, 4, shape).astype(dtype))
+                else:
+                    inputs.append(rng.standard_normal(shape).astype(dtype))
+            got = ctx.all_reduce(op, inputs[rank])
+            stacked = np.stack(inputs)
+            if op in ("SUM", "MEAN"):
+                want = stacked.any(axis=0) if dtype == "bool" else stacked.sum(axis=0, dtype=dtype)
+                if op == "MEAN":
+                    want = (want / n).astype(dtype)
+            else:
+                want = {"MAX": np.max, "MIN": np.min, "PRODUCT": np.prod}[op](stacked, axis=0).astype(dtype)
+            if got.shape != want.shape or got.dtype != np.dtype(dtype) or not np.allclose(
+                got.astype("float64"), want.astype("float64"), rtol=5e-3, atol=5e-3
+            ):
+                failures.append((op, dtype, shape))
+        scattered = ctx.reduce_scatter("SUM", np.arange(10.0) * (rank + 1), axis=0)
+        if scattered.tolist() != np.array_split(np.arange(10.0) * n * (n + 1) / 2, n)[rank].tolist():
+            failures.append("reduce_scatter")
+        if ctx.broadcast({"w": np.full(3, rank)}, root=n - 1)["w"].tolist() != [n - 1] * 3:
+            failures.append("broadcast")
+        ctx.barrier()
+        gathered = ctx.all_gather(np.full((rank + 1, 2), rank), axis=0)
+        if gathered[:, 0].tolist() != [r for r in range(n) for _ in range(r + 1)]:
+            failures.append("all_gather")
+        return failures
+
+    out = strategy.run(fn)
+    assert all(f == [] for f in strategy.experimental_local_results(out)), strategy.experimental_local_results(out)
