@@ -12,7 +12,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Algorithm", "CommunicationImplementation", "CommunicationOptions", "ReduceOp"]
+__all__ = ["NO_DEADLINE_SECONDS", "Algorithm", "CommunicationImplementation", "CommunicationOptions", "ReduceOp",
+           "timeout_of"]
+
+#: What ``timeout_seconds=0`` (TensorFlow: "zero disables timeout") waits: a year, not forever, so every
+#: deadline stays a finite ``time.monotonic()`` value.
+NO_DEADLINE_SECONDS = 365 * 24 * 3600.0
 
 
 class ReduceOp(enum.Enum):
@@ -59,17 +64,30 @@ class CommunicationImplementation(enum.Enum):
 class CommunicationOptions:
     """Options for one collective (TF's ``tf.distribute.experimental.CommunicationOptions``).
 
+    As in TensorFlow they are hints: an option that does not apply to a
+    collective or a strategy is ignored. Passed to a strategy (its
+    ``communication_options``) they are the defaults of its collectives; passed
+    to one collective, its fields that are not defaults override those
+    (``merge``).
+
     Parameters
     ----------
     bytes_per_pack
-        Tensors are fused into packs of about this many bytes before they are
-        reduced; ``0`` lets daskdist choose (one pack per dtype).
+        A non-negative int: the arrays of one all-reduce are fused into packs
+        of about this many bytes; ``0`` lets daskdist choose (one pack per
+        dtype, split by the group's ``num_packs``). As in TensorFlow.
     timeout_seconds
-        Deadline of the collective; ``None`` uses ``daskdist.collective.timeout``.
-        When it passes, every replica raises ``CollectiveTimeoutError`` naming
-        the replicas that did not join.
+        Deadline of the collective, in seconds. ``0`` disables it, as in
+        TensorFlow (the collective still fails at once when a replica is
+        lost or is known to have skipped it, and still warns when it stalls).
+        ``None``: ``daskdist.collective.timeout`` (300 s), where TensorFlow
+        waits forever; when it passes, every replica raises
+        ``CollectiveTimeoutError`` (TensorFlow: ``DeadlineExceededError``;
+        ours is a ``TimeoutError``) naming the replicas that did not join.
     implementation
-        A ``CommunicationImplementation`` or its name.
+        A ``CommunicationImplementation`` or its name: ``AUTO`` (daskdist
+        chooses), ``RING`` (the ring algorithm) or ``NCCL`` (GPU arrays
+        through NCCL; others take the ring, as TensorFlow falls back).
     """
 
     bytes_per_pack: int = 0
@@ -79,8 +97,11 @@ class CommunicationOptions:
     def __post_init__(self) -> None:
         if not isinstance(self.bytes_per_pack, int) or self.bytes_per_pack < 0:
             raise ValueError(f"bytes_per_pack must be a non-negative int, got {self.bytes_per_pack!r}")
-        if self.timeout_seconds is not None and not self.timeout_seconds > 0:
-            raise ValueError(f"timeout_seconds must be positive or None, got {self.timeout_seconds!r}")
+        if self.timeout_seconds is not None and (isinstance(self.timeout_seconds, bool)
+                                                 or not isinstance(self.timeout_seconds, (int, float))
+                                                 or not self.timeout_seconds >= 0):
+            raise ValueError(f"timeout_seconds must be a number >= 0 (0: no deadline) or None, "
+                             f"got {self.timeout_seconds!r}")
         if isinstance(self.implementation, str):
             try:
                 impl = CommunicationImplementation[self.implementation.upper()]
@@ -103,6 +124,13 @@ class CommunicationOptions:
                 else self.implementation
             ),
         )
+
+
+def timeout_of(timeout_seconds: float | None, default: float) -> float:
+    """The seconds a collective with ``timeout_seconds`` waits: ``default`` for ``None``, a year for ``0``."""
+    if timeout_seconds is None:
+        return default
+    return float(timeout_seconds) if timeout_seconds > 0 else NO_DEADLINE_SECONDS
 
 
 class Algorithm:

@@ -36,14 +36,15 @@ class InMemoryControl:
         self.rank = rank
         self.group = group
 
-    def abort_peers(self, run_id: int, abort: Abort) -> None:
+    def abort_peers(self, epoch: int, abort: Abort) -> None:
         for r, mailbox in enumerate(self.group.mailboxes):
             if r != self.rank:
-                mailbox.abort_run(run_id, abort)
+                mailbox.abort_run(epoch, abort)
 
     def probe(self, rank: int, timeout: float) -> dict | None:
         comm = self.group.comms[rank]
-        return {"run_id": comm.run_id, "collective": comm.seq, "state": self.group.states[rank]}
+        return {"state": self.group.states[rank], "epoch": comm.epoch, "run_id": comm.run_id,
+                "collective": comm.seq}
 
 
 class InMemoryGroup:
@@ -52,6 +53,7 @@ class InMemoryGroup:
         self.size = size
         self.mailboxes = [Mailbox() for _ in range(size)]
         self.states = ["idle"] * size
+        self.failed_runs = 0  # the epoch of the next run, as the client counts it
         self.comms = [
             Communicator(r, size, InMemoryTransport(r, self), InMemoryControl(r, self), algorithm, options,
                          hosts=hosts)
@@ -59,22 +61,32 @@ class InMemoryGroup:
         ]
 
     def run_ranks(self, fn: Callable[[Communicator], Any], run_id: int = 1, timeout: float = 30) -> list[Any]:
-        """Run ``fn(comm)`` on every rank in its own thread; exceptions are returned, not raised."""
+        """Run ``fn(comm)`` on every rank in its own thread; exceptions are returned, not raised.
+
+        As the replica runtime does with a client command: the epoch is the
+        number of earlier runs that failed (numbering goes on across runs
+        that succeed).
+        """
         barrier = threading.Barrier(self.size)
+        epoch = self.failed_runs
 
         def body(rank: int) -> Any:
             comm = self.comms[rank]
-            comm.begin_run(run_id)
             self.states[rank] = "running"
+            comm.begin_epoch(epoch)
+            comm.begin_command(run_id)
             barrier.wait()
             try:
                 return fn(comm)
             except Exception as e:
-                comm.abort_run(e)
+                comm.abort_epoch(e)
                 return e
             finally:
                 self.states[rank] = "idle"
 
         with concurrent.futures.ThreadPoolExecutor(self.size) as pool:
             futures = [pool.submit(body, r) for r in range(self.size)]
-            return [f.result(timeout=timeout) for f in futures]
+            results = [f.result(timeout=timeout) for f in futures]
+        if any(isinstance(r, Exception) for r in results):
+            self.failed_runs += 1
+        return results

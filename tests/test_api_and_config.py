@@ -34,7 +34,8 @@ def test_communication_options():
     with pytest.raises(ValueError):
         dd.CommunicationOptions(bytes_per_pack=-1)
     with pytest.raises(ValueError):
-        dd.CommunicationOptions(timeout_seconds=0)
+        dd.CommunicationOptions(timeout_seconds=-1)
+    assert dd.CommunicationOptions(timeout_seconds=0).timeout_seconds == 0  # TF: zero disables the timeout
     with pytest.raises(ValueError):
         dd.CommunicationOptions(implementation="carrier-pigeon")
     merged = dd.CommunicationOptions(timeout_seconds=3).merge(dd.CommunicationOptions(bytes_per_pack=8))

@@ -598,7 +598,7 @@ def test_a_replica_stuck_before_nccl_times_out_aborts_communicators_and_a_later_
     group.comms[1].nccl.device.inputs_ready = lambda: True
 
     def again(c):
-        c.set_generation(1)
+        c.begin_epoch(1)  # the fake group starts epoch 1 itself, as the client would
         return c.all_reduce("SUM", x[c.rank])
 
     out = group.run_ranks(again, run_id=3)

@@ -1,15 +1,26 @@
 """A replica's collectives: validation, the one-replica shortcut, engine choice, aborts.
 
-``Communicator`` is what ``ReplicaContext.all_reduce`` and friends call. Each
-collective is a ``CollectiveCall`` (``collective.call``): numbered within the
-current run, tagged, checked against the neighbours' signatures, bounded by a
-deadline. ``all_reduce`` follows TensorFlow's ``reduce`` →
+``Communicator`` is the engine room of a ``ProcessGroup``
+(``collective.process_group``), which is what ``ReplicaContext.all_reduce``
+and friends call. Each collective is a ``CollectiveCall``
+(``collective.call``): numbered within the group's current epoch (not per
+client command), tagged, checked against the neighbours' signatures, bounded
+by a deadline. ``all_reduce`` follows TensorFlow's ``reduce`` →
 ``reduce_implementation`` shape: validate into an ``AllReducePlan``, return a
 copy when the group has one replica, then run the first engine that accepts
 the plan: the latency lane, NCCL, or the packed path with its pack engines
 (``collective.engines``). Any failure inside a collective aborts the run on
-every replica; a replica waiting longer than ``daskdist.collective.stall-warning``
-warns, naming the replicas that have not joined (``collective.stall``).
+every replica (the group's current epoch); a replica waiting longer than
+``daskdist.collective.stall-warning`` warns, naming the replicas that have
+not joined, and one that waits for a replica known to have finished the
+command without joining raises at once (``collective.stall``).
+
+Epochs: every message is tagged ``(epoch, seq, src, name)``. The epoch is the
+number of the group's client commands that had failed when the current one
+started (the client counts them and sends the count with each command), so
+it is the same on every replica; a failed collective aborts the epoch, and
+the next command starts a new one: numbering restarts and what is left of
+the aborted epoch is dropped. A successful command does not renumber.
 """
 
 from __future__ import annotations
@@ -36,7 +47,7 @@ from daskdist.collective.nccl import NcclEngine
 from daskdist.collective.single_copy import SingleCopyAllReduce
 from daskdist.collective.transport.base import Transport
 from daskdist.exceptions import DaskdistError, kind_of
-from daskdist.ops import Algorithm, CommunicationOptions, ReduceOp
+from daskdist.ops import Algorithm, CommunicationOptions, ReduceOp, timeout_of
 
 __all__ = ["Algorithm", "Communicator", "ControlPlane"]
 
@@ -46,13 +57,13 @@ logger = logging.getLogger(__name__)
 class ControlPlane(Protocol):
     """What the communicator needs from the replica runtime besides moving data."""
 
-    def abort_peers(self, run_id: int, abort: Abort) -> None:
-        """Tell every other replica that ``run_id`` was aborted."""
+    def abort_peers(self, epoch: int, abort: Abort) -> None:
+        """Tell every other replica that the group's ``epoch`` was aborted."""
 
     def probe(self, rank: int, timeout: float) -> dict[str, Any] | None:
         """Ask ``rank`` where it is (run, collective number, state); ``None`` if it does not answer."""
 
-    def exchange(self, key: str, value: Any, deadline: float, run_id: int) -> dict[int, Any]:
+    def exchange(self, key: str, value: Any, deadline: float, epoch: int) -> dict[int, Any]:
         """Meet every replica under ``key`` and return each one's ``value`` (NCCL's unique id)."""
 
 
@@ -121,7 +132,8 @@ class Communicator:
         self.hosts = list(hosts) if hosts else [str(r) for r in range(size)]
         groups = algorithms.host_groups(self.hosts)
         self.multi_host = 1 < len(groups) < size  # several hosts, and some host holds several replicas
-        self.run_id = 0
+        self.epoch = 0  # the first field of every tag: see the module docstring
+        self.run_id = 0  # the client command in progress (named in errors and probes; not in tags)
         self.seq = 0
         self.default_timeout = config.get_seconds("collective.timeout")
         self.current_kind: str | None = None
@@ -129,6 +141,8 @@ class Communicator:
         self.on_stall = on_stall
         self.stall_warning = config.get_seconds("collective.stall-warning") if config.get(
             "collective.stall-warning") else 0.0
+        self.skip_check = config.get_seconds("collective.skip-check") if config.get(
+            "collective.skip-check") else 0.0
         self.active: tuple[Any, float] | None = None  # the collective in progress, since (monotonic)
         self._stall_watch: stall.StallWatch | None = None
         self._check_aborts = transport.mailbox.check  # bound once: the mailbox lives as long as this generation
@@ -144,9 +158,9 @@ class Communicator:
         self._on_nccl = NcclAllReduce(self.packed)
 
     def start_stall_watch(self) -> None:
-        """Start the thread that warns about collectives waiting longer than ``collective.stall-warning``."""
+        """Start the thread that watches waiting collectives (``collective.stall-warning`` and ``skip-check``)."""
         if self._stall_watch is None:
-            self._stall_watch = stall.StallWatch(self, self.stall_warning)
+            self._stall_watch = stall.StallWatch(self, self.stall_warning, self.skip_check)
 
     def close(self) -> None:
         """Stop the stall watch, if one runs, and abort the NCCL communicator, if any."""
@@ -156,41 +170,53 @@ class Communicator:
         if self.nccl is not None:
             self.nccl.close()
 
-    # -- runs -----------------------------------------------------------------
+    # -- commands and epochs ------------------------------------------------------
 
-    def begin_run(self, run_id: int) -> None:
-        """Start numbering collectives for ``run_id`` and drop stale messages."""
+    def begin_command(self, run_id: int) -> None:
+        """A client command starts: name it in errors and probes, and re-read the default timeout (no renumbering)."""
         self.run_id = run_id
-        self.seq = 0
-        self.default_timeout = config.get_seconds("collective.timeout")  # read once per run, not per collective
-        self.transport.mailbox.begin_run(run_id)
+        self.default_timeout = config.get_seconds("collective.timeout")  # read once per command, not per collective
 
-    def set_generation(self, generation: int) -> None:
-        """How many of the group's runs had failed when the client sent this one (before its collectives).
+    def begin_epoch(self, epoch: int) -> None:
+        """Move to ``epoch`` (how many of the group's commands had failed): numbering restarts, stale messages go.
 
-        The same on every replica in one run; the NCCL communicator is
-        aborted and re-made when it changes.
+        Nothing happens when ``epoch`` is the current one. The NCCL
+        communicator, if any, is aborted and re-made, since a failed command
+        may have left it in the middle of a collective.
         """
+        if epoch == self.epoch:
+            return
+        self.epoch = epoch
+        self.seq = 0
+        self.transport.mailbox.begin_run(epoch)
         if self.nccl is not None:
-            self.nccl.set_generation(generation)
+            self.nccl.set_epoch(epoch)
 
-    def abort_run(self, error: BaseException) -> None:
-        """Abort the current run on every replica because of ``error`` raised here."""
-        if isinstance(error, DaskdistError) and self.transport.mailbox.run_abort(self.run_id) is not None:
+    def abort_epoch(self, error: BaseException) -> None:
+        """Abort the current epoch on every replica because of ``error`` raised here."""
+        mailbox = self.transport.mailbox
+        if isinstance(error, DaskdistError) and mailbox.run_abort(self.epoch) is not None:
             return  # we are only echoing an abort that reached us
-        if self.transport.mailbox.group_abort is not None:
+        if mailbox.group_abort is not None:
             return
         kind = kind_of(error)
         message = str(error) if kind != "aborted" else (
             f"replica {self.rank} raised {type(error).__name__}: {error}"
         )
-        abort = Abort(kind, message, self.rank)
-        self.transport.mailbox.abort_run(self.run_id, abort)
-        self.control.abort_peers(self.run_id, abort)
+        self.abort_with(Abort(kind, message, self.rank))
+
+    def abort_with(self, abort: Abort) -> None:
+        """Abort the current epoch here and on every other replica with ``abort`` (the first abort wins)."""
+        self.transport.mailbox.abort_run(self.epoch, abort)
+        self.control.abort_peers(self.epoch, abort)
+
+    def check_aborted(self) -> None:
+        """Raise the error of the current epoch's abort (or of the generation's), if there is one."""
+        self._check_aborts(self.epoch)
 
     def next_collective(self) -> int:
-        """Number the next collective of the run (raising first if the run was aborted)."""
-        self._check_aborts(self.run_id)
+        """Number the next collective of the epoch (raising first if the epoch was aborted)."""
+        self._check_aborts(self.epoch)
         self.seq += 1
         return self.seq
 
@@ -252,8 +278,8 @@ class Communicator:
 
     def run_collective(self, kind: str, sig: str, options: CommunicationOptions,
                        body: Callable[[CollectiveCall], Any]) -> Any:
-        """Run ``body`` as the next collective of the run: a ``CollectiveCall`` with its signature and deadline."""
-        timeout = options.timeout_seconds or self.default_timeout
+        """Run ``body`` as the next collective of the epoch: a ``CollectiveCall`` with its signature and deadline."""
+        timeout = timeout_of(options.timeout_seconds, self.default_timeout)
         self.next_collective()
         call = CollectiveCall(self, kind, sig, time.monotonic() + timeout, timeout)
 
@@ -267,7 +293,7 @@ class Communicator:
     def run_tracked(self, kind: str, call: Any, body: Callable[..., Any], *args: Any) -> Any:
         """Run ``body(*args)`` as the collective ``call`` in progress.
 
-        Marks it for status probes and the stall watch, aborts the run on every
+        Marks it for status probes and the stall watch, aborts the epoch on every
         replica if it fails (mismatch, timeout, lost peer, bad data) and reports
         its time and ``call.nbytes`` to ``on_collective`` when it succeeds.
         """
@@ -276,7 +302,7 @@ class Communicator:
         try:
             result = body(*args)
         except Exception as e:
-            self.abort_run(e)
+            self.abort_epoch(e)
             raise
         finally:
             self.end_tracking()
@@ -287,7 +313,7 @@ class Communicator:
     def begin_tracking(self, kind: str, call: Any, since: float) -> None:
         """Show ``call`` (in progress since ``since``, monotonic) to status probes and the stall watch."""
         self.current_kind = kind
-        if self.stall_warning > 0 and self._stall_watch is None:
+        if self._stall_watch is None and (self.stall_warning > 0 or self.skip_check > 0):
             self.start_stall_watch()
         self.active = (call, since)
 
@@ -303,6 +329,10 @@ class Communicator:
     def missing_peers(self, call: Any) -> list[tuple[int, str]]:
         """Probe the peers: ``(rank, where it is)`` for each that has not joined ``call``."""
         return stall.missing_peers(self, call)
+
+    def check_skipped(self, call: Any) -> bool:
+        """Abort ``call`` on every replica if a peer finished the command without joining it; whether it did."""
+        return stall.check_skipped(self, call)
 
     def report_stall(self, call: Any, waited: float) -> None:
         """Warn that this replica has waited ``waited`` seconds in ``call`` (and tell ``on_stall``)."""

@@ -13,18 +13,19 @@ How a communicator comes to be
     ``engine_for_group`` turns the reports into one decision the whole group
     shares: an engine on every replica, or none anywhere (a replica without
     NCCL, a version without ``ncclCommAbort``, two replicas on one GPU).
-    At the first collective of a *generation* (see below) rank 0 calls
+    At the first collective of an *epoch* (see below) rank 0 calls
     ``get_unique_id()`` and every rank meets at the scheduler plugin's
-    keyed exchange (the rendezvous mechanism, under ``nccl/<generation>``);
+    keyed exchange (the rendezvous mechanism, under ``nccl/<epoch>``);
     then each rank calls ``NcclCommunicator(size, unique_id, rank)`` in a
     helper thread (the call blocks until every rank has joined) while the
     replica thread polls for it with the collective's deadline and aborts.
 
-Generations
-    The client counts the runs of the group that failed and sends the count
-    with every run (``Communicator.set_generation``). A communicator belongs to
-    the generation it was made in; a replica entering a later generation
-    aborts it and the next GPU collective makes a new one with a new unique
+Epochs
+    The client counts the commands of the group that failed and sends the
+    count with every command: the group's epoch (``Communicator.begin_epoch``;
+    a membership generation is another thing: it gets a new engine). A
+    communicator belongs to the epoch it was made in; a replica entering a
+    later epoch aborts it and the next GPU collective makes a new one with a new unique
     id. Every replica sees the same count in the same run, so they all
     re-create together, including the ones whose own communicator looked
     healthy when a peer aborted its own.
@@ -219,7 +220,7 @@ class NcclEngine:
     mailbox
         The replica's mailbox: its run and group aborts end every wait.
     exchange
-        ``exchange(key, value, deadline, run_id)``: meet every replica at the
+        ``exchange(key, value, deadline, epoch)``: meet every replica at the
         scheduler under ``key``, return ``{rank: value}`` (the runtime's
         ``ReplicaRuntime.exchange``); raises ``MailboxTimeout`` at ``deadline``.
     device
@@ -241,16 +242,16 @@ class NcclEngine:
         self.nccl = device.nccl
         self.bfloat16 = bfloat16
         self.spin_seconds = spin_seconds
-        self.generation = 0
+        self.epoch = 0
         self.communicators_made = 0
         self._comm: Any = None
         self._comm_device: int | None = None
-        self._comm_generation = -1
+        self._comm_epoch = -1
         self._streams: dict[int, Any] = {}
         self._keys_used: set[str] = set()
 
     def __repr__(self) -> str:
-        state = "none" if self._comm is None else f"generation {self._comm_generation} on GPU {self._comm_device}"
+        state = "none" if self._comm is None else f"epoch {self._comm_epoch} on GPU {self._comm_device}"
         return f"<NcclEngine rank={self.rank}/{self.size} communicator: {state}>"
 
     # -- what takes this path ------------------------------------------------------
@@ -265,11 +266,11 @@ class NcclEngine:
 
     # -- lifecycle -----------------------------------------------------------------
 
-    def set_generation(self, generation: int) -> None:
-        """A run of the client's ``generation`` starts: a communicator of an earlier one is aborted."""
-        self.generation = generation
-        if self._comm is not None and self._comm_generation != generation:
-            logger.debug("Replica %d: a run failed since the NCCL communicator was made; it is re-made", self.rank)
+    def set_epoch(self, epoch: int) -> None:
+        """The group's ``epoch`` (failed commands so far) starts: a communicator of an earlier one is aborted."""
+        self.epoch = epoch
+        if self._comm is not None and self._comm_epoch != epoch:
+            logger.debug("Replica %d: a command failed since the NCCL communicator was made; it is re-made", self.rank)
             self._drop()
 
     def close(self) -> None:
@@ -452,23 +453,23 @@ class NcclEngine:
             finished = self.device.record(stream)
             self._wait(call, lambda: self.device.done(finished), comm)
         except BaseException:
-            self._drop()  # peers may be inside the same NCCL call: abort it; the next generation re-makes it
+            self._drop()  # peers may be inside the same NCCL call: abort it; the next epoch re-makes it
             raise
 
     def _communicator(self, call: CollectiveCall, device: int) -> Any:
-        """This generation's communicator, made now if need be (unique id through the scheduler)."""
+        """This epoch's communicator, made now if need be (unique id through the scheduler)."""
         if self._comm is not None:
             return self._comm
-        key = f"nccl/{self.generation}"
-        if key in self._keys_used:  # every drop happens in a failing run, which starts a new generation
+        key = f"nccl/{self.epoch}"
+        if key in self._keys_used:  # every drop happens in a failing command, which starts a new epoch
             raise CollectiveAbortedError(
-                f"replica {self.rank}: the NCCL communicator of generation {self.generation} was already made "
-                "and dropped; the group must start a new run"
+                f"replica {self.rank}: the NCCL communicator of epoch {self.epoch} was already made "
+                "and dropped; the group must start a new command"
             )
         self._keys_used.add(key)
         unique_id = list(self.nccl.get_unique_id()) if self.rank == 0 else None
         try:
-            values = self.exchange(key, unique_id, call.deadline, call.run_id)
+            values = self.exchange(key, unique_id, call.deadline, call.epoch)
         except MailboxTimeout:
             raise CollectiveTimeoutError(call.comm.describe_timeout(call, 0)) from None
         unique_id = values.get(0)
@@ -478,10 +479,10 @@ class NcclEngine:
         comm = self._init(call, unique_id, device)
         if device not in self._streams:
             self._streams[device] = self.device.new_stream()
-        self._comm, self._comm_device, self._comm_generation = comm, device, self.generation
+        self._comm, self._comm_device, self._comm_epoch = comm, device, self.epoch
         self.communicators_made += 1
-        logger.debug("Replica %d made its NCCL communicator (generation %d, GPU %d)", self.rank,
-                     self.generation, device)
+        logger.debug("Replica %d made its NCCL communicator (epoch %d, GPU %d)", self.rank,
+                     self.epoch, device)
         return comm
 
     def _init(self, call: CollectiveCall, unique_id: tuple, device: int) -> Any:
@@ -515,10 +516,10 @@ class NcclEngine:
 
     def _wait(self, call: CollectiveCall, ready: Callable[[], bool], comm: Any) -> None:
         """Poll ``ready`` until true, raising on an abort, an NCCL error of ``comm`` or the deadline."""
-        mailbox, run_id = self.mailbox, call.run_id
+        mailbox, epoch, run_id = self.mailbox, call.epoch, call.run_id
 
         def check() -> None:
-            mailbox.check(run_id)
+            mailbox.check(epoch)
             if comm is not None:
                 try:
                     comm.check_async_error()
@@ -531,15 +532,15 @@ class NcclEngine:
             raise CollectiveTimeoutError(call.comm.describe_timeout(call, (self.rank - 1) % self.size)) from None
         except _NcclFailure as failure:
             cause = failure.__cause__
-            self._await_abort(run_id, call.deadline)  # a lost peer: prefer the scheduler's ReplicaLostError
+            self._await_abort(epoch, call.deadline)  # a lost peer: prefer the scheduler's ReplicaLostError
             raise CollectiveAbortedError(
                 f"{call.kind} #{call.seq} of run {run_id}: NCCL reported an error on replica {self.rank}: "
                 f"{describe_nccl_error(cause)}"
             ) from cause
 
-    def _await_abort(self, run_id: int, deadline: float, grace: float = 2.0) -> None:
+    def _await_abort(self, epoch: int, deadline: float, grace: float = 2.0) -> None:
         """After an NCCL error, give the group's own abort (which names the cause) a moment to arrive."""
         until = min(deadline, time.monotonic() + grace)
         while time.monotonic() < until:
-            self.mailbox.check(run_id)
+            self.mailbox.check(epoch)
             time.sleep(0.01)

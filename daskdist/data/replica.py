@@ -319,7 +319,7 @@ class ReplicaDatasetView:
 
     def __iter__(self) -> Iterator[Any]:
         iterator = ReplicaIterator(self._shard, self._runtime.rank)
-        comm = self._runtime.communicator
+        comm = self._runtime.process_group
         try:
             if self._shard.steps is not None:  # every replica knows how many steps: no agreement needed
                 for _ in range(self._shard.steps):

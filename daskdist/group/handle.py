@@ -109,8 +109,9 @@ class ReplicaGroup:
         self.closed = False
         self._run_ids = itertools.count(1)
         self._lock = threading.Lock()
-        #: Runs that failed so far; sent with every run so that all replicas re-make their NCCL
-        #: communicator together after a failure (``Communicator.set_generation``).
+        #: Runs that failed so far (or whose collectives a replica aborted): sent with every run, it is the
+        #: replicas' process-group epoch, so they all renumber their collectives (and re-make NCCL) together
+        #: after a failure (``ProcessGroup.start_command``).
         self.failed_runs = 0
 
     @property
@@ -400,7 +401,7 @@ class ReplicaGroup:
                     abort_interrupted_run(self.client, self.addresses, self.group_id, ranks, run_id, e,
                                           self.membership.generation)
                 raise
-            if any(r is None or r.get("status") != "OK" for r in responses.values()):
+            if _counts_as_failed(responses):
                 self.failed_runs += 1
         return self._results(responses, ranks)
 
@@ -429,7 +430,7 @@ class ReplicaGroup:
         def done(finished: concurrent.futures.Future[dict[int, dict[str, Any] | None]]) -> None:
             try:
                 responses = finished.result()
-                if any(r is None or r.get("status") != "OK" for r in responses.values()):
+                if _counts_as_failed(responses):
                     with self._lock:
                         self.failed_runs += 1
                 result.set_result(self._results(responses, ranks))
@@ -544,3 +545,9 @@ def _answer(responses: dict[int, dict[str, Any] | None], rank: int) -> dict[str,
     if response is None:
         raise RuntimeError(f"replica {rank} gave no answer")  # not reached: only called when every replica answered
     return response
+
+
+def _counts_as_failed(responses: dict[int, dict[str, Any] | None]) -> bool:
+    """Whether a run starts a new epoch of the replicas' process group: a replica failed, or aborted its
+    collectives (a collective error the user's function caught still leaves that epoch aborted)."""
+    return any(r is None or r.get("status") != "OK" or r.get("epoch_aborted") for r in responses.values())

@@ -168,6 +168,10 @@ class ReplicaService(Protocol):
     def communicator(self) -> Any:
         """This generation's communicator (collectives)."""
 
+    @property
+    def process_group(self) -> Any:
+        """This generation's process group: collectives go through it (sync or async, any thread)."""
+
     def log_event(self, topic: str, msg: Any) -> None:
         """Send a structured event to the scheduler (``Worker.log_event``)."""
 

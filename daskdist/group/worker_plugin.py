@@ -46,7 +46,8 @@ class HostedReplica(Protocol):
 
     def deliver(self, generation: int, tag: tuple[Any, ...], payload: Any) -> None: ...
 
-    def abort_run(self, generation: int, run_id: int | None, abort: dict[str, Any]) -> None: ...
+    def abort_run(self, generation: int, run_id: int | None, abort: dict[str, Any],
+                  epoch: int | None = None) -> None: ...
 
     def abort_group(self, message: str, generation: int | None = None) -> None: ...
 
@@ -161,14 +162,15 @@ class DaskdistWorkerPlugin(WorkerPlugin):
         runtime.deliver(generation, tuple(tag), payload)
 
     def abort_run(self, group_id: str, rank: int, run_id: int | None, abort: dict[str, Any],
-                  generation: int = 0) -> None:
-        """A peer failed during ``run_id``: fail this replica's waits in that run of that generation.
+                  generation: int = 0, epoch: int | None = None) -> None:
+        """A peer failed in ``epoch`` of the process group, or the client aborted ``run_id``: fail those waits.
 
-        ``run_id=None``: a peer's transport lost another replica; the generation is lost here too.
+        ``epoch=None`` and ``run_id=None``: a peer's transport lost another
+        replica; the generation is lost here too.
         """
         runtime = self.replicas.get(group_id)
         if runtime is not None:
-            runtime.abort_run(generation, run_id, abort)
+            runtime.abort_run(generation, run_id, abort, epoch)
 
     def status(self, group_id: str, rank: int) -> dict[str, Any] | None:
         """Where the replica is (run, collective number, state, generation), for timeout diagnostics."""

@@ -120,7 +120,7 @@ class StoreRef:
         deadline = time.monotonic() + config.get_seconds("collective.timeout")
         has_payload = True
         while True:
-            runtime.mailbox.check(runtime.run_id)
+            runtime.mailbox.check(runtime.communicator.epoch)  # aborts are per process-group epoch
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise CollectiveTimeoutError(

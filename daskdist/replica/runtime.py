@@ -11,8 +11,12 @@ not a scheduler round trip.
 ``ReplicaRuntime`` keeps the command loop and the control plane, and
 implements ``daskdist.group.service.ReplicaService`` for what commands use
 (rank, size, generation, context, timer, events, the resident store). What
-knows the peers is one generation's ``Wiring`` (``replica/wiring.py``),
-rebuilt when the group moves to a new generation; the residents stay. The
+knows the peers is one generation's ``Wiring`` (``replica/wiring.py``) with
+its ``ProcessGroup``, rebuilt when the group moves to a new generation; the
+residents stay. A client command is a fence of the process group, not a
+renumbering: its collectives go on numbering from the last command's, and a
+new epoch (numbering from zero) starts only after a command failed
+(the client sends its count of failed commands with every command). The
 replica thread reads settings only from the client's snapshot carried by the
 spec (``daskdist.config.use_snapshot``).
 """
@@ -37,6 +41,7 @@ from daskdist import config, context, serialization
 from daskdist.arrays import namespace
 from daskdist.collective import nccl
 from daskdist.collective.mailbox import Abort, Mailbox, MailboxTimeout
+from daskdist.collective.process_group import ProcessGroup
 from daskdist.exceptions import RendezvousError, ReplicaLostError, StaleGenerationError
 from daskdist.group.membership import Generation, Membership, Rank, check_generation
 from daskdist.group.service import BATCH, VARIABLE, ResidentStore
@@ -88,13 +93,14 @@ class ReplicaRuntime:
         if config.get("client.command-channel", "direct") == "direct":
             self._server = CommandServer(get_address_host(worker.address), spec.secret, tls_contexts(worker)[0])
         self.context = ReplicaContext(self)
-        self.context.bind(self._wiring.communicator)
+        self.context.bind(self._wiring.group)
         self.strategy_view = ReplicaStrategyView(self)
         self.state = "starting"
         self.run_id = -1
         self._commands: queue.Queue[tuple[int, bytes, int, dict | None, asyncio.Future] | None] = queue.Queue()
         self._announced: Membership | None = None  # a newer generation the scheduler told us of
         self._early: dict[int, list[tuple[tuple, Any]]] = {}  # peers' messages of a generation not yet wired
+        self._aborted_runs: dict[int, Abort] = {}  # client commands the client aborted (an interrupt), newest last
         self._generation_lock = threading.Lock()
         self._stopping = False  # the strategy is closing: connections ending now are expected
         self._created_in_replica = 0
@@ -126,6 +132,11 @@ class ReplicaRuntime:
     @property
     def communicator(self) -> Any:
         return self._wiring.communicator
+
+    @property
+    def process_group(self) -> ProcessGroup:
+        """This generation's root process group (``ReplicaContext.process_group``)."""
+        return self._wiring.group
 
     @property
     def known_generation(self) -> int:
@@ -161,17 +172,27 @@ class ReplicaRuntime:
                 logger.debug("Replica %d of %s dropped a message %s of stale generation %d (now %d)",
                              self.rank, self.group_id, tag, generation, self.generation)
 
-    def abort_run(self, generation: int, run_id: int | None, abort: dict[str, Any]) -> None:
-        """A peer failed during ``run_id`` of ``generation``: fail this replica's waits in it (not if stale).
+    def abort_run(self, generation: int, run_id: int | None, abort: dict[str, Any], epoch: int | None = None) -> None:
+        """An abort for ``generation`` (not if stale): of a peer's epoch, of a client command, or of the generation.
 
-        ``run_id=None``: a peer's transport lost another replica (``peer_lost``): the generation is lost.
+        ``epoch`` given: a peer's collective failed in that epoch of the
+        process group; this replica's waits in it fail. Else ``run_id``: the
+        client aborted that command (an interrupt); its collectives fail,
+        now or when it starts. ``run_id=None``: a peer's transport lost
+        another replica (``peer_lost``): the generation is lost.
         """
         if generation != self.generation:
             return
-        if run_id is None:
+        if epoch is not None:
+            self.mailbox.abort_run(epoch, Abort.from_msg(abort))
+        elif run_id is None:
             self.abort_group(str(abort.get("message", "a peer was lost")), generation)
         else:
-            self.mailbox.abort_run(run_id, Abort.from_msg(abort))
+            self._aborted_runs[run_id] = Abort.from_msg(abort)
+            while len(self._aborted_runs) > 64:
+                del self._aborted_runs[min(self._aborted_runs)]
+            if run_id == self.run_id and self.state == "running":
+                self.mailbox.abort_run(self.communicator.epoch, Abort.from_msg(abort))
 
     def peer_lost(self, peer: int | None, message: str) -> None:
         """A transport lost ``peer`` for good (no heartbeat, or reset): fail the generation here and on every peer.
@@ -214,27 +235,39 @@ class ReplicaRuntime:
             self._server.wake()
 
     def status(self) -> dict:
+        """Where this replica is, for peers' probes (``collective.stall``).
+
+        The state is read first: a replica seen idle has finished its
+        command, so the numbers read after it are final for that command.
+        """
+        state = self.state
+        wiring = self._wiring
+        communicator = wiring.communicator
         return {
+            "state": state,
+            "epoch": communicator.epoch,
             "run_id": self.run_id,
-            "collective": self.communicator.seq,
-            "kind": self.communicator.current_kind,
-            "state": self.state,
+            "collective": communicator.seq,
+            "groups": wiring.group.collective_numbers(),
+            "kind": communicator.current_kind,
             "generation": self.generation,
         }
 
     # -- control plane used by the communicator (replica thread) ---------------
 
-    def abort_peers(self, run_id: int, abort: Abort) -> None:
+    def abort_peers(self, epoch: int, abort: Abort) -> None:
         for rank, address in enumerate(self.membership.addresses):
             if rank != self.rank:
-                asyncio.run_coroutine_threadsafe(self._send_abort(address, rank, run_id, abort), self.loop)
+                asyncio.run_coroutine_threadsafe(self._send_abort(address, rank, self.run_id, abort, epoch),
+                                                 self.loop)
 
-    async def _send_abort(self, address: str, rank: int, run_id: int | None, abort: Abort) -> None:
-        """Send ``abort`` for ``run_id`` to replica ``rank`` (``None``: for good, the whole generation)."""
+    async def _send_abort(self, address: str, rank: int, run_id: int | None, abort: Abort,
+                          epoch: int | None = None) -> None:
+        """Send ``abort`` of ``epoch`` (``None``: for good, the whole generation) to replica ``rank``."""
         try:
             await self.worker.rpc(address).daskdist_abort(
                 group_id=self.group_id, generation=self.generation, rank=rank, run_id=run_id, abort=abort.to_msg(),
-                reply=False,
+                epoch=epoch, reply=False,
             )
         except Exception as e:  # the peer may be gone; the scheduler tells the others
             logger.debug("Could not send abort to replica %d on %s: %s", rank, address, e)
@@ -249,10 +282,10 @@ class ReplicaRuntime:
             future.cancel()
             return None
 
-    def exchange(self, key: str, value: Any, deadline: float, run_id: int) -> dict[int, Any]:
+    def exchange(self, key: str, value: Any, deadline: float, epoch: int) -> dict[int, Any]:
         """Meet every replica at the scheduler under ``key`` (after the rendezvous); ``{rank: value}`` back.
 
-        Polls in slices of at most 0.5 s, checking this run's and the group's
+        Polls in slices of at most 0.5 s, checking this epoch's and the group's
         aborts between them. Values travel as msgpack (tuples come back as lists).
 
         Raises
@@ -263,7 +296,7 @@ class ReplicaRuntime:
             The scheduler has failed or closed the group.
         """
         while True:
-            self.mailbox.check(run_id)
+            self.mailbox.check(epoch)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise MailboxTimeout(key)
@@ -275,7 +308,7 @@ class ReplicaRuntime:
             if status == "OK":
                 return {int(rank): v for rank, v in response["values"].items()}
             if status != "waiting":
-                self.mailbox.check(run_id)  # the group's own abort names the cause best
+                self.mailbox.check(epoch)  # the group's own abort names the cause best
                 raise ReplicaLostError(response.get("message", f"replica group {self.group_id} is gone"))
 
     # -- generations (replica thread) ---------------------------------------------
@@ -345,7 +378,7 @@ class ReplicaRuntime:
         new = self._wire(membership, rank)
         with self._generation_lock:
             self._wiring = new
-            self.context.bind(new.communicator)
+            self.context.bind(new.group)
             self.membership, self.rank, self.size, self.devices = membership, Rank(rank), membership.size, membership.devices
             self.generation = membership.generation
             early = self._early.pop(int(generation), [])
@@ -420,9 +453,9 @@ class ReplicaRuntime:
             return serialization.error_message(e, self.rank, self.worker.address)
         if self.mailbox.group_abort is not None:
             return serialization.error_message(self.mailbox.group_abort.error(), self.rank, self.worker.address)
+        self.state = "running"  # before the run id: a peer that reads "idle" then this run id saw it finished
         self.run_id = run_id
-        self.communicator.begin_run(run_id)
-        self.state = "running"
+        group = self._wiring.group
         frame = context.Frame(
             strategy=self.strategy_view,
             replica_context=self.context,
@@ -431,14 +464,22 @@ class ReplicaRuntime:
         )
         try:
             with context.enter(frame):
-                command, args, failures = serialization.loads(payload)
-                self.communicator.set_generation(failures)
+                command, args, failed_commands = serialization.loads(payload)
+                group.start_command(run_id, failed_commands)  # a fence; a new epoch after a failed command
+                aborted = self._aborted_runs.pop(run_id, None)
+                if aborted is not None:  # the client aborted it before it started
+                    self.mailbox.abort_run(failed_commands, aborted)
                 result = command(self, *args)
-                return {"status": "OK", "result": serialization.dumps(result)}
+                response: dict[str, Any] = {"status": "OK", "result": serialization.dumps(result)}
+                group.fence()
+                if self.mailbox.run_abort(group.epoch) is not None:  # a collective error the function caught:
+                    response["epoch_aborted"] = True  # the client starts a new epoch for the next command
+                return response
         except Exception as e:
-            self.communicator.abort_run(e)
+            group.abort(e)
             return serialization.error_message(e, self.rank, self.worker.address)
         finally:
+            group.fence()  # the command's async collectives end with it (after an abort: they fail at once)
             self.state = "idle"
 
     def run_step(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -484,7 +525,7 @@ class ReplicaRuntime:
     def _create_variable(self, *args: Any, **kwargs: Any) -> Any:
         """``dd.Variable(...)`` inside a replica function: replica 0's initial value, on every replica."""
         value, spec = VariableSpec.build(*args, **kwargs)
-        check_same_spec_on_every_replica(self.communicator.all_gather_objects(spec))
+        check_same_spec_on_every_replica(self.process_group.all_gather_objects(spec))
         value = self.context._broadcast(value, root=0)
         self._created_in_replica += 1
         var_id = f"r{self._created_in_replica}"

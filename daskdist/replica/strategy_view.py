@@ -80,7 +80,7 @@ class ReplicaExtendedView:
             raise ValueError(f"extended.read_var needs a variable of this strategy, got {type(v).__name__}")
         if not isinstance(v, SyncOnReadVariable):
             return v.read_value()
-        comm = self._runtime.communicator
+        comm = self._runtime.process_group
         if v.aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
             return comm.broadcast(v._value, root=0)
         if v.aggregation is VariableAggregation.NONE:

@@ -1,7 +1,8 @@
-"""One generation's wiring of a replica: mailbox, transports connected to the membership, communicator.
+"""One generation's wiring of a replica: mailbox, transports connected to the membership, process group.
 
 Everything that knows the peers (transport connections, shared-memory
-segments, the latency lane's channels, the NCCL communicator) is built here
+segments, the latency lane's channels, the NCCL communicator, the process
+group with its subgroups and async thread) is built here
 for one membership generation and closed before the next is built, so nothing
 that caches peers outlives its generation. Shared-memory segments and TCP
 greetings are named with ``Membership.wire_id`` (group and generation).
@@ -18,6 +19,7 @@ from distributed.comm.addressing import get_address_host
 
 from daskdist.collective.communicator import Communicator
 from daskdist.collective.mailbox import Mailbox
+from daskdist.collective.process_group import ProcessGroup, build_process_group
 from daskdist.collective.transport.base import Transport
 from daskdist.collective.transport.dask import DaskTransport
 from daskdist.collective.transport.routed import RoutedTransport
@@ -41,8 +43,10 @@ class Wiring:
     mailbox: Mailbox
     transport: Transport
     communicator: Communicator
+    group: ProcessGroup
 
     def close(self) -> None:
+        self.group.close()
         self.communicator.close()
         self.transport.close()
 
@@ -72,7 +76,8 @@ def make_transport(rank: int, membership: Membership, spec: GroupSpec, mailbox: 
     if spec.transport == "shm" and (len(same_host) != len(peers) or on_gpu):
         raise ValueError("the shm transport needs every replica on one host, with CPU devices")
     if spec.transport == "dask" or on_gpu or not peers:
-        return DaskTransport(rank, addresses, mailbox, worker, membership.group_id, int(membership.generation))
+        loop = worker.loop.asyncio_loop  # type: ignore[attr-defined]
+        return DaskTransport(rank, addresses, mailbox, worker.rpc, loop, membership.group_id, int(membership.generation))
     routes: dict[int, Transport] = {}
     if spec.transport == "ucx":
         from daskdist.collective.transport.ucx import UcxTransport  # imports ucxx: only when asked for
@@ -102,7 +107,8 @@ def tls_contexts(worker: Worker) -> tuple[Any, Any]:
 def wire(rank: int, membership: Membership, spec: GroupSpec, worker: Worker, control: Any,
          on_collective: Callable[[str, float, int], None], on_stall: Callable[[dict], None],
          on_peer_lost: Callable[[int | None, str], None] | None = None) -> Wiring:
-    """Build a generation's mailbox, transport and communicator (not yet connected: see ``Transport.connect``)."""
+    """Build a generation's mailbox, transport, communicator and process group (not yet connected: see
+    ``Transport.connect``)."""
     mailbox = Mailbox()
     transport = make_transport(rank, membership, spec, mailbox, worker, on_peer_lost)
     try:
@@ -114,4 +120,6 @@ def wire(rank: int, membership: Membership, spec: GroupSpec, worker: Worker, con
     except BaseException:
         transport.close()
         raise
-    return Wiring(membership, rank, mailbox, transport, communicator)
+    group = build_process_group(communicator, f"{membership.group_id}/{membership.generation}",
+                                int(membership.generation))
+    return Wiring(membership, rank, mailbox, transport, communicator, group)

@@ -2,7 +2,9 @@
 
 Payloads travel as ``to_serialize`` frames over the worker's connection pool,
 so it works wherever the cluster works (``tcp://``, ``tls://`` with the
-cluster's ``Security``, ``ucx://``), with no extra ports or setup. Sends are
+cluster's ``Security``, ``ucx://``), with no extra ports or setup. It needs
+no ``Worker``: an RPC callable (``worker.rpc``, a ``ConnectionPool``, a
+client's ``rpc``) and the event loop it runs on are enough. Sends are
 fire-and-forget messages (``reply=False``) delivered by the peer worker's
 ``daskdist_message`` handler straight into the peer replica's mailbox.
 """
@@ -12,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from distributed.comm.core import CommClosedError
 from distributed.protocol import to_serialize
@@ -20,9 +23,6 @@ from distributed.protocol import to_serialize
 from daskdist.collective.mailbox import Mailbox, Tag
 from daskdist.collective.transport.base import SendHandle, Transport, remaining
 from daskdist.exceptions import CollectiveTimeoutError, ReplicaLostError
-
-if TYPE_CHECKING:
-    from distributed import Worker
 
 __all__ = ["DaskTransport"]
 
@@ -50,12 +50,14 @@ class _FutureSend(SendHandle):
 
 
 class DaskTransport(Transport):
-    """Sends through the worker's Dask connection pool.
+    """Sends through a Dask connection pool.
 
     Parameters
     ----------
-    worker
-        The worker this replica runs on (its ``rpc`` pool and event loop are used).
+    rpc
+        ``rpc(address)`` gives a Dask RPC handle to a worker (``worker.rpc``).
+    loop
+        The asyncio loop ``rpc``'s connections run on (``worker.loop.asyncio_loop``).
     group_id
         The replica group, so peers deliver to the right mailbox.
     generation
@@ -64,13 +66,13 @@ class DaskTransport(Transport):
 
     name = "dask"
 
-    def __init__(self, rank: int, addresses: list[str], mailbox: Mailbox, worker: Worker, group_id: str,
-                 generation: int = 0):
+    def __init__(self, rank: int, addresses: list[str], mailbox: Mailbox, rpc: Callable[[str], Any],
+                 loop: asyncio.AbstractEventLoop, group_id: str, generation: int = 0):
         super().__init__(rank, addresses, mailbox)
-        self._worker = worker
+        self._rpc = rpc
         self._group_id = group_id
         self._generation = generation
-        self._loop = worker.loop.asyncio_loop
+        self._loop = loop
 
     def send(self, dst: int, tag: Tag, payload: Any) -> SendHandle:
         address = self.addresses[dst]
@@ -78,7 +80,7 @@ class DaskTransport(Transport):
         return _FutureSend(asyncio.run_coroutine_threadsafe(coro, self._loop), dst, address)
 
     async def _send(self, address: str, dst: int, tag: Tag, payload: Any) -> None:
-        await self._worker.rpc(address).daskdist_message(
+        await self._rpc(address).daskdist_message(
             group_id=self._group_id,
             generation=self._generation,
             rank=dst,

@@ -1,0 +1,442 @@
+"""``ProcessGroup``: the collectives of one membership generation, callable from any thread, sync or async.
+
+A replica's runtime builds one root group per membership generation
+(``replica/wiring.py``); ``ReplicaContext``'s collectives, the torch backend
+and the Keras adapter all call it (``dd.get_replica_context().process_group``).
+It can also be built on its own from a ``Communicator`` over any transport
+(``build_process_group``), which is how it is tested.
+
+Numbering and epochs
+    Collectives are numbered per group, not per client command: a command
+    boundary is a fence (``fence``), not a renumbering. Messages are tagged
+    ``(epoch, number, src, name)``; the epoch (the client's count of failed
+    commands) changes only after a failure, when numbering restarts on every
+    replica together (``start_command``).
+
+Ordering (decided here; torch's ``async_op`` semantics)
+    * an async call (``async_op=True``) returns a ``Work`` at once; the
+      collective runs on the generation's one FIFO thread, in issue order
+      (the root group and its subgroups share that thread, so their async
+      work keeps the order it was issued in on this replica);
+    * a synchronous call first waits for the async work already issued,
+      then runs inline on the caller's thread (no hand-off on the latency
+      path);
+    * one collective runs at a time per replica and generation (a lock, taken
+      once a second thread has called one; the replica thread alone runs
+      without it): calls from several threads are serialised in the order they take it,
+      so threads that issue collectives concurrently must agree on an order
+      across replicas themselves, as with any process group.
+
+Aborts
+    A collective that fails (mismatch, timeout, lost peer, a skipped
+    collective) aborts the current epoch of the generation on every member,
+    for the root group and all its subgroups: every pending and later
+    collective of the epoch raises. ``abort(error)`` does the same on
+    purpose. In a replica, the next client command after a failure starts a
+    new epoch, and the group works again; a group lost with its generation
+    (a replica lost) stays failed.
+
+Subgroups
+    ``new_group(ranks)`` is called by every member, with the same ranks; it
+    returns a group for members and ``None`` for the others. A subgroup has
+    its own numbering and tag space over the root's transport (no
+    shared-memory lane, single-copy or NCCL engine: the generic engines).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from _thread import get_ident
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from daskdist import config
+from daskdist.collective.communicator import Communicator
+from daskdist.collective.mailbox import MailboxTimeout
+from daskdist.collective.subgroup import P2P_SEQ, SubgroupControl, SubgroupTransport, subgroup_code
+from daskdist.collective.work import Work
+from daskdist.exceptions import CollectiveMismatchError, CollectiveTimeoutError
+from daskdist.ops import CommunicationOptions, ReduceOp
+
+__all__ = ["ProcessGroup", "Work"]
+
+logger = logging.getLogger(__name__)
+
+_Job = tuple["concurrent.futures.Future[Any]", Callable[..., Any], tuple[Any, ...], dict[str, Any] | None]
+
+
+class _Shared:
+    """What the root group and its subgroups share: the lock, the FIFO thread, the subgroup registry."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.lock = threading.Lock()  # one collective at a time on this replica, in this generation
+        # The thread that built the group (the replica thread) runs its collectives without the lock until
+        # another thread calls one (``join``): the latency lane's 4 KiB all-reduce takes about 12 µs, and an
+        # uncontended lock is a noticeable part of it. ``busy`` marks the owner inside a lock-free collective.
+        self.owner = threading.get_ident()
+        self.shared_by_threads = False
+        self.busy = False
+        self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self.submit_lock = threading.Lock()  # keeps ``last`` the newest job of the queue
+        self.last: concurrent.futures.Future[Any] | None = None  # the newest async job (all before it are older)
+        self.thread: threading.Thread | None = None
+        self.groups: dict[int, ProcessGroup] = {}  # code -> group (the root is 0)
+        self.settings = config.current_snapshot()
+        self.closed = False
+
+    def join(self) -> None:
+        """A thread other than the owner is about to take the lock: from now on the owner takes it too."""
+        if not self.shared_by_threads:
+            self.shared_by_threads = True
+            while self.busy:  # the owner's lock-free collective in flight (it re-checks the flag after ``busy``)
+                time.sleep(0.0001)
+
+    def call(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        """``fn(*args)`` as the one collective in progress on this replica (see ``join``)."""
+        if not self.shared_by_threads and get_ident() == self.owner:
+            self.busy = True
+            try:
+                if not self.shared_by_threads:
+                    return fn(*args)
+            finally:
+                self.busy = False
+        elif get_ident() != self.owner:
+            self.join()
+        with self.lock:
+            return fn(*args)
+
+    def submit(self, kind: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> Work:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        settings = config.current_snapshot() or self.settings
+        with self.submit_lock:
+            if self.closed:
+                raise RuntimeError(f"process group {self.name} is closed")
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name=f"daskdist-pg-{self.name}", daemon=True)
+                self.thread.start()
+            self.last = future
+            self.jobs.put((future, fn, args, settings))
+        return Work(future, kind)
+
+    def drain(self) -> None:
+        """Wait until every async job issued so far has finished (never raises)."""
+        last = self.last
+        if last is None:
+            return
+        concurrent.futures.wait([last])
+        with self.submit_lock:
+            if self.last is last:
+                self.last = None
+
+    def _run(self) -> None:
+        self.join()
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            future, fn, args, settings = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                with config.use_snapshot(settings), self.lock:
+                    result = fn(*args)
+            except BaseException as e:
+                future.set_exception(e)
+            else:
+                future.set_result(result)
+            del job, future, args
+
+    def close(self) -> None:
+        with self.submit_lock:
+            self.closed = True
+            thread = self.thread
+            if thread is not None:
+                self.jobs.put(None)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5)  # the work queued finishes (or fails at once after an abort)
+
+
+class ProcessGroup:
+    """The collectives of one group of replicas in one membership generation.
+
+    Parameters
+    ----------
+    communicator
+        Runs the collectives (rank, size, transport, engines).
+    name
+        Names the group (in thread names, errors and ``repr``; a torch
+        backend's group name).
+    generation
+        The membership generation this group belongs to.
+    ranks
+        The global rank (rank in the root group) of each member; default:
+        ``0 .. size - 1``.
+
+    Attributes
+    ----------
+    rank, size
+        This replica's rank in the group, and the number of members.
+    ranks
+        The global rank of each member.
+    """
+
+    def __init__(self, communicator: Communicator, name: str = "default", generation: int = 0,
+                 ranks: Sequence[int] | None = None, *, _shared: _Shared | None = None,
+                 _path: tuple[int, ...] = (), _root_members: Sequence[int] | None = None):
+        self._comm = communicator
+        self.rank = communicator.rank
+        self.size = communicator.size
+        self.name = name
+        self.generation = generation
+        self.ranks = tuple(ranks) if ranks is not None else tuple(range(self.size))
+        self._shared = _shared if _shared is not None else _Shared(name)
+        self._path = _path
+        self._code = subgroup_code(_path)
+        self._root_members = list(_root_members) if _root_members is not None else list(range(self.size))
+        self._children = 0  # new_group calls so far (every member counts them alike)
+        self._p2p: dict[tuple[str, int, int], int] = {}  # (direction, peer, tag) -> messages so far in this epoch
+        self._p2p_epoch = communicator.epoch
+        self._shared.groups[self._code] = self
+        self.inline_all_reduce = self._inline_all_reduce()
+
+    def __repr__(self) -> str:
+        return (f"<ProcessGroup {self.name} rank={self.rank}/{self.size} generation={self.generation} "
+                f"epoch={self._comm.epoch}>")
+
+    @property
+    def communicator(self) -> Communicator:
+        """The communicator that runs this group's collectives."""
+        return self._comm
+
+    @property
+    def epoch(self) -> int:
+        """The current epoch: how many of the client's commands had failed when the current one started."""
+        return self._comm.epoch
+
+    # -- collectives -------------------------------------------------------------
+
+    def all_reduce(self, op: ReduceOp | str, value: Any, options: CommunicationOptions | None = None, *,
+                   async_op: bool = False) -> Any:
+        """Reduce ``value`` (a nested structure of arrays) across the members; the same structure back.
+
+        ``async_op=True``: a ``Work`` whose result is that structure.
+        """
+        if async_op:
+            return self._shared.submit("all_reduce", self._comm.all_reduce, (op, value, options))
+        shared = self._shared
+        if shared.last is not None:
+            shared.drain()
+        return shared.call(self._comm.all_reduce, (op, value, options))
+
+    def all_gather(self, value: Any, axis: int = 0, options: CommunicationOptions | None = None, *,
+                   async_op: bool = False) -> Any:
+        """Concatenate each leaf of ``value`` from every member along ``axis``, in rank order."""
+        return self._call("all_gather", self._comm.all_gather, (value, axis, options), async_op)
+
+    def reduce_scatter(self, op: ReduceOp | str, value: Any, axis: int = 0,
+                       options: CommunicationOptions | None = None, *, async_op: bool = False) -> Any:
+        """Reduce ``value`` across the members; each gets its part along ``axis`` (``numpy.array_split`` parts)."""
+        return self._call("reduce_scatter", self._comm.reduce_scatter, (op, value, axis, options), async_op)
+
+    def broadcast(self, value: Any, root: int = 0, options: CommunicationOptions | None = None, *,
+                  async_op: bool = False) -> Any:
+        """Member ``root``'s ``value`` (``root``: a rank of this group) on every member."""
+        self._check_rank(root, "broadcast root")
+        return self._call("broadcast", self._comm.broadcast, (value, root, options), async_op)
+
+    def all_gather_objects(self, obj: Any, options: CommunicationOptions | None = None, *,
+                           async_op: bool = False) -> Any:
+        """Every member's picklable ``obj``, in rank order."""
+        return self._call("all_gather_objects", self._comm.all_gather_objects, (obj, options), async_op)
+
+    def barrier(self, options: CommunicationOptions | None = None, *, async_op: bool = False) -> Any:
+        """Return once every member has reached this barrier."""
+        return self._call("barrier", self._comm.barrier, (options,), async_op)
+
+    # -- point to point ---------------------------------------------------------------
+
+    def send(self, value: Any, dst: int, tag: int = 0, *, async_op: bool = False) -> Any:
+        """Send ``value`` (an array or a nested structure of them) to member ``dst``.
+
+        The k-th ``send`` to ``dst`` under ``tag`` meets the k-th ``recv``
+        from this member under ``tag`` there (within an epoch). Returns once
+        ``value`` may be reused (``async_op``: a ``Work``).
+        """
+        self._check_peer(dst, "send to")
+        return self._call("send", self._send, (value, dst, int(tag)), async_op)
+
+    def recv(self, src: int, tag: int = 0, *, async_op: bool = False) -> Any:
+        """The value member ``src`` sent under ``tag`` (``async_op``: a ``Work`` whose result it is)."""
+        self._check_peer(src, "receive from")
+        return self._call("recv", self._recv, (src, int(tag)), async_op)
+
+    # -- groups and lifecycle ------------------------------------------------------------
+
+    def new_group(self, ranks: Sequence[int], name: str | None = None) -> ProcessGroup | None:
+        """A subgroup of the members ``ranks`` (ranks of this group); ``None`` on the other members.
+
+        Every member of this group must call it, with the same ranks (a
+        collective of this group: members that disagree all raise
+        ``CollectiveMismatchError``).
+        """
+        wanted = sorted({int(r) for r in ranks})
+        if not wanted or any(not 0 <= r < self.size for r in wanted) or len(wanted) != len(list(ranks)):
+            raise ValueError(f"new_group needs distinct ranks of this group (0..{self.size - 1}); got {list(ranks)!r}")
+        index = self._children
+        self._children += 1
+        everyone = self.all_gather_objects(("new_group", index, wanted))
+        for rank, proposal in enumerate(everyone):
+            if proposal != everyone[0]:
+                raise CollectiveMismatchError(
+                    f"new_group on {self.name}: member 0 asked for ranks {everyone[0][2]} (subgroup #{everyone[0][1]}) "
+                    f"but member {rank} asked for {proposal[2]} (subgroup #{proposal[1]})")
+        if self.rank not in wanted:
+            return None
+        path = self._path + (index,)
+        code = subgroup_code(path)
+        root = self._shared.groups[0]._comm
+        members = [self._root_members[r] for r in wanted]
+        parent = self._comm
+        comm = Communicator(
+            wanted.index(self.rank), len(wanted), SubgroupTransport(root.transport, members, code),
+            SubgroupControl(root.control, members, code), algorithm=parent.algorithm, options=parent.options,
+            on_collective=parent.on_collective, hosts=[parent.hosts[r] for r in wanted], on_stall=parent.on_stall,
+            single_copy_bytes=None,
+        )
+        comm.epoch, comm.run_id, comm.default_timeout = root.epoch, root.run_id, root.default_timeout
+        return ProcessGroup(comm, name or f"{self.name}/{index}", self.generation,
+                            [self.ranks[r] for r in wanted], _shared=self._shared, _path=path,
+                            _root_members=members)
+
+    def fence(self) -> None:
+        """A command boundary: wait for every async collective issued so far (their errors stay in their ``Work``)."""
+        self._shared.drain()
+
+    def start_command(self, run_id: int, epoch: int) -> None:
+        """For the replica runtime: client command ``run_id`` starts in ``epoch`` (its count of failed commands).
+
+        A fence; when ``epoch`` is new, numbering restarts on the root group
+        and every subgroup, and what is left of earlier epochs is dropped.
+        """
+        self._shared.drain()
+        if get_ident() != self._shared.owner:
+            self._shared.join()
+        with self._shared.lock:
+            for group in self._shared.groups.values():
+                group._comm.begin_epoch(epoch)
+                group._comm.begin_command(run_id)
+
+    def abort(self, error: BaseException) -> None:
+        """Abort the current epoch of this generation on every member: its pending and later collectives raise."""
+        self._comm.abort_epoch(error)
+
+    def collective_numbers(self) -> dict[str, int]:
+        """The number of the last collective of each subgroup of the generation (status probes)."""
+        return {str(code): group._comm.seq for code, group in list(self._shared.groups.items()) if code}
+
+    def close(self) -> None:
+        """Stop the FIFO thread (after the work queued) and every communicator of the generation's groups."""
+        self._shared.close()
+        for group in list(self._shared.groups.values()):
+            group._comm.close()
+
+    # -- machinery --------------------------------------------------------------------
+
+    def _inline_all_reduce(self) -> Callable[..., Any]:
+        """``all_reduce(reduce_op, value, options=None)``, synchronous, with no attribute lookups.
+
+        What ``ReplicaContext.all_reduce`` binds: a small all-reduce takes
+        about 12 µs, and each lookup on the way to the lane is a noticeable
+        part of it.
+        """
+        shared = self._shared
+        lock = shared.lock
+        owner = shared.owner
+        all_reduce = self._comm.all_reduce
+
+        def inline_all_reduce(reduce_op: ReduceOp | str, value: Any,
+                              options: CommunicationOptions | None = None) -> Any:
+            if shared.last is not None:
+                shared.drain()
+            if not shared.shared_by_threads and get_ident() == owner:  # as ``_Shared.call``, inlined
+                shared.busy = True
+                try:
+                    if not shared.shared_by_threads:
+                        return all_reduce(reduce_op, value, options)
+                finally:
+                    shared.busy = False
+            elif get_ident() != owner:
+                shared.join()
+            with lock:
+                return all_reduce(reduce_op, value, options)
+
+        return inline_all_reduce
+
+    def _call(self, kind: str, fn: Callable[..., Any], args: tuple[Any, ...], async_op: bool) -> Any:
+        shared = self._shared
+        if async_op:
+            return shared.submit(kind, fn, args)
+        if shared.last is not None:
+            shared.drain()
+        return shared.call(fn, args)
+
+    def _check_rank(self, rank: int, what: str) -> None:
+        if not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.size:
+            raise ValueError(f"{what} {rank!r} is not a rank of {self.name} (0..{self.size - 1})")
+
+    def _check_peer(self, peer: int, what: str) -> None:
+        self._check_rank(peer, f"{what} rank")
+        if peer == self.rank:
+            raise ValueError(f"member {self.rank} of {self.name} cannot {what} itself")
+
+    def _p2p_tag(self, direction: str, peer: int, tag: int, src: int) -> tuple[int, int, int, str]:
+        comm = self._comm
+        if self._p2p_epoch != comm.epoch:
+            self._p2p.clear()
+            self._p2p_epoch = comm.epoch
+        key = (direction, peer, tag)
+        n = self._p2p.get(key, 0)
+        self._p2p[key] = n + 1
+        return (comm.epoch, P2P_SEQ, src, f"p2p/{tag}/{n}")
+
+    def _send(self, value: Any, dst: int, tag: int) -> None:
+        comm = self._comm
+        comm.check_aborted()
+        message_tag = self._p2p_tag("send", dst, tag, self.rank)
+        deadline = time.monotonic() + comm.default_timeout
+        try:
+            comm.transport.send(dst, message_tag, value).wait(deadline)
+        except Exception as e:
+            comm.abort_epoch(e)
+            raise
+
+    def _recv(self, src: int, tag: int) -> Any:
+        comm = self._comm
+        comm.check_aborted()
+        message_tag = self._p2p_tag("recv", src, tag, src)
+        timeout = comm.default_timeout
+        deadline = time.monotonic() + timeout
+        try:
+            try:
+                value = comm.transport.recv(src, message_tag, deadline)
+            except MailboxTimeout:
+                raise CollectiveTimeoutError(
+                    f"recv #{message_tag[3].rsplit('/', 1)[1]} from member {src} of {self.name} under tag {tag} "
+                    f"timed out after {timeout:g}s on member {self.rank}"
+                ) from None
+        except Exception as e:
+            comm.abort_epoch(e)
+            raise
+        return value.copy() if isinstance(value, np.ndarray) else value
+
+
+def build_process_group(communicator: Communicator, name: str = "default", generation: int = 0) -> ProcessGroup:
+    """The root group of a generation over ``communicator`` (any transport: a replica's, or a test's)."""
+    return ProcessGroup(communicator, name, generation)
