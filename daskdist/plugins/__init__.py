@@ -1,10 +1,11 @@
 """Plug-in points for training other frameworks' models with daskdist's collectives.
 
 ``dd.plugins.torch``: PyTorch modules (imports torch only when used).
+``dd.plugins.keras3``: Keras 3 models under the strategies (imports keras only when the user does).
 """
 
 from __future__ import annotations
 
-from daskdist.plugins import torch
+from daskdist.plugins import keras3, torch
 
-__all__ = ["torch"]
+__all__ = ["keras3", "torch"]

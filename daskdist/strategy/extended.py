@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 
     from daskdist.cross_device_ops import CrossDeviceOps
     from daskdist.data.distributed import DistributedDataset
+    from daskdist.strategy.training_contract import StepDriver
     from daskdist.variables import VariableSpec
 
 __all__ = ["Args", "Command", "Kwargs", "StrategyExtended"]
@@ -58,6 +59,11 @@ Kwargs = dict[str, Any]
 #: A command sent to replicas: ``command(service, *args)`` where ``service`` is the replica's
 #: ``daskdist.group.service.ReplicaService``.
 Command = Callable[..., Any]
+
+
+#: Called as ``hook(extended)`` before ``call_for_each_replica`` ships a function to the replicas: a framework
+#: adapter places there what the function may capture (``daskdist.plugins.keras3``: models created in the scope).
+BEFORE_CALL_HOOKS: list[Callable[[StrategyExtended], None]] = []
 
 
 class StrategyExtended(abc.ABC):
@@ -150,6 +156,8 @@ class StrategyExtended(abc.ABC):
         self.check_open()
         args, kwargs = tuple(args), dict(kwargs or {})
         check_num_components((args, kwargs), self.num_replicas)
+        for hook in BEFORE_CALL_HOOKS:
+            hook(self)
         return self._call_for_each_replica(fn, args, kwargs)
 
     @abc.abstractmethod
@@ -206,6 +214,18 @@ class StrategyExtended(abc.ABC):
     @abc.abstractmethod
     def _run_on(self, command: Command, args: Args | list[Args], ranks: list[int] | None) -> list[Any]:
         """Send ``command`` to ``ranks`` (``None``: all); ``args`` shared or one tuple per replica."""
+
+    def step_driver(self) -> StepDriver:
+        """The step driver that trains a framework's ``Trainable`` under this strategy (``training_contract``).
+
+        Raises
+        ------
+        NotImplementedError
+            This strategy has no driver for framework models yet (only the built-in layers train under it).
+        """
+        raise NotImplementedError(
+            f"{type(self.strategy).__name__} cannot train framework models (Keras 3) yet: use MirroredStrategy, "
+            "OneDeviceStrategy or MultiWorkerMirroredStrategy, or the built-in layers (daskdist.keras)")
 
     # -- variables ------------------------------------------------------------------------
 

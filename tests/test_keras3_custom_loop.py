@@ -1,0 +1,66 @@
+"""TensorFlow's custom-training tutorial with a Keras 3 model and optimizer created in the scope (torch backend)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("KERAS_BACKEND", "torch")
+torch = pytest.importorskip("torch")
+pytest.importorskip("keras")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import daskdist as dd  # noqa: E402
+from tests.keras3_models import assert_replicas_identical, dense_data, sequential  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+
+GLOBAL_BATCH_SIZE = 16
+
+
+def _tutorial_objects():
+    model = sequential()
+    optimizer = keras.optimizers.SGD(0.1)
+    loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+
+    def compute_loss(labels, predictions):  # tf.nn.compute_average_loss: the sum over the global batch size
+        return keras.ops.sum(loss_object(labels, predictions)) / GLOBAL_BATCH_SIZE
+
+    def train_step(inputs):
+        images, labels = inputs
+        predictions = model(images, training=True)
+        loss = compute_loss(labels, predictions)
+        model.zero_grad()
+        loss.backward()
+        gradients = [v.value.grad for v in model.trainable_variables]
+        with torch.no_grad():
+            optimizer.apply(gradients, model.trainable_variables)  # in a replica: summed over the replicas
+        return float(loss)
+
+    return model, train_step
+
+
+@pytest.mark.parametrize("devices", [["/cpu:0", "/cpu:1"], ["/cpu:0", "/cpu:1", "/cpu:2"]], ids=["2", "3"])
+def test_custom_loop_with_strategy_run_equals_one_process(threaded_client, devices):
+    x, y = dense_data(rows=40)  # batches of 16, 16, 8: split 8/8, or 6/5/5 and 3/3/2 over three replicas
+    with dd.MirroredStrategy(devices=devices, client=threaded_client) as strategy:
+        with strategy.scope():
+            model, train_step = _tutorial_objects()
+        plain, plain_step = _tutorial_objects()
+        plain.set_weights(model.get_weights())
+        dist = strategy.experimental_distribute_dataset(dd.data.Dataset.from_tensor_slices((x, y))
+                                                        .batch(GLOBAL_BATCH_SIZE))
+        for _ in range(2):  # two epochs
+            losses, plain_losses = [], []
+            for batch in dist:
+                per_replica = strategy.run(train_step, args=(batch,))
+                losses.append(strategy.reduce(dd.ReduceOp.SUM, per_replica, axis=None))
+            for k in range(0, len(x), GLOBAL_BATCH_SIZE):
+                plain_losses.append(plain_step((x[k:k + GLOBAL_BATCH_SIZE], y[k:k + GLOBAL_BATCH_SIZE])))
+            np.testing.assert_allclose(losses, plain_losses, rtol=1e-5)
+        assert_replicas_identical(strategy, model)
+        for a, b in zip(model.get_weights(), plain.get_weights()):  # the client takes the replicas' weights
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
