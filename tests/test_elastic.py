@@ -17,7 +17,7 @@ import daskdist as dd
 from daskdist import keras
 from daskdist.keras.models import PROGRESS_TOPIC
 from tests.support import models
-from tests.support.killers import kill_at_step
+from tests.support.killers import FreeAtStep, kill_at_step
 from tests.support.models import slow_batch
 
 Dataset = dd.data.Dataset
@@ -177,10 +177,13 @@ def test_a_new_worker_is_admitted_when_the_group_is_below_min_replicas_and_gets_
     x_d, y_d = workers.client.persist([x_d, y_d])  # six partitions spread over the three workers
     train = Dataset.from_dask((x_d, y_d)).batch(24).map(slow_batch)
     weights = models.model().get_weights()
+    # the uninterrupted run on the same global batches: elastic epochs split them as TF does ("global"), the
+    # split of in-memory rows (Dask data alone defaults to "balanced", which keeps rows where they live)
+    in_memory = Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)
     with dd.MirroredStrategy(client=workers.client) as strategy:
         with strategy.scope():
             model = models.model(weights)
-        model.fit(train, epochs=1, verbose=0)
+        model.fit(in_memory, epochs=1, verbose=0)
         expected = model.get_weights()
 
     with dd.MirroredStrategy(client=workers.client,
@@ -466,7 +469,10 @@ def test_a_free_worker_is_admitted_mid_epoch_at_a_commit_boundary(process_worker
         (free,) = set(workers.client.scheduler_info()["workers"]) - set(strategy.extended.worker_addresses)
         with strategy.scope():
             model = models.model(weights)
+        arrival = FreeAtStep(workers.client, free, step=1, since=time.time())  # free only once the epoch runs
+        workers.watch(arrival)
         history = model.fit(train, epochs=1, verbose=0)
+        assert arrival.released
         (event,) = history.elastic.events
         assert event.action == "grew" and event.admitted == [free] and event.lost == []
         assert event.commit[1] == 0 and 0 < event.commit[2] < 10 and event.commit[2] % 2 == 0  # a commit mid-epoch

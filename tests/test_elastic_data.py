@@ -7,6 +7,7 @@ nannies (``ProcessWorkers`` of ``test_elastic.py``).
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from daskdist import keras
 from daskdist.data import ops
 from daskdist.data.split import replica_split
 from tests.support import models
-from tests.support.killers import kill_at_step
+from tests.support.killers import FreeAtStep, kill_at_step
 from tests.support.models import slow_batch
 
 Dataset = dd.data.Dataset
@@ -498,9 +499,13 @@ def test_keep_per_replica_grows_the_global_batch_when_a_worker_is_admitted_mid_e
     options = dd.ElasticOptions(min_replicas=2, max_replicas=3, commit_every=2, admit_every="0.3s",
                                 keep="per_replica", on_membership_change=lambda old, new: changes.append((old, new)))
     with dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=workers.client, elastic=options) as strategy:
+        (free,) = set(workers.client.scheduler_info()["workers"]) - set(strategy.extended.worker_addresses)
         with strategy.scope():
             model = _small_model()
+        arrival = FreeAtStep(workers.client, free, step=1, since=time.time())  # free only once the epoch runs
+        workers.watch(arrival)
         history = model.fit(train, epochs=1, verbose=0)
+        assert arrival.released
         (event,) = history.elastic.events
         assert event.action == "grew" and changes == [(2, 3)]
         stop = event.commit[2]

@@ -14,8 +14,8 @@ import pytest
 
 import daskdist as dd
 from daskdist import keras
-from tests.test_elastic import ProcessWorkers
-from tests.test_elastic_multi_worker import Killer
+from tests.support.killers import Killer
+from tests.support.processes import ProcessWorkers
 
 Dataset = dd.data.Dataset
 

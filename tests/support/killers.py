@@ -119,3 +119,36 @@ def kill_at_step(workers, victim: str, step: int, epoch: int = 0):
     """A watcher that kills ``victim`` at ``step`` of ``epoch``: returns (thread, record), as the tests use it."""
     watcher = KillAtStep(workers, victim, step, epoch)
     return watcher.thread, watcher.record
+
+
+def _set_status(status: str, dask_worker=None) -> None:
+    from distributed.core import Status
+
+    dask_worker.status = Status[status]  # the worker tells the scheduler, as a memory pause does
+
+
+class FreeAtStep(_Watcher):
+    """Holds ``worker`` in Dask's ``paused`` state (busy: not a free worker for elastic admission) until
+    replica 0 reported ``step`` of ``epoch``, then lets it run: a worker that becomes free mid-epoch.
+
+    Elastic ``fit`` admits the free workers at its start; this places the arrival after that point.
+    """
+
+    def __init__(self, client, worker: str, step: int, since: float, epoch: int = 0):
+        super().__init__()
+        self.client, self.worker, self.step, self.since, self.epoch = client, worker, step, since, epoch
+        client.run(_set_status, "paused", workers=[worker])
+        deadline = time.monotonic() + 30
+        while client.scheduler_info(n_workers=-1)["workers"][worker].get("status") != "paused":
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{worker} was never seen paused by the scheduler")
+            time.sleep(0.02)
+        self.released = False
+        self.thread.start()
+
+    def _poll(self) -> bool:
+        if not reported_step(self.client, self.since, self.step, self.epoch):
+            return False
+        self.client.run(_set_status, "running", workers=[self.worker])
+        self.released = True
+        return True

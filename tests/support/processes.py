@@ -33,7 +33,9 @@ class ProcessWorkers:
         self.n = n
         self.cluster = LocalCluster(n_workers=0, processes=True, dashboard_address=":0", silence_logs=40)
         self.client = Client(self.cluster, set_as_default=False)
-        self._env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        # no memory pause: Dask would otherwise resume a worker a test holds paused (support.killers.FreeAtStep)
+        self._env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                     "DASK_DISTRIBUTED__WORKER__MEMORY__PAUSE": "False"}
         dask = os.path.join(os.path.dirname(sys.executable), "dask")
         self._command = [dask, "worker", self.cluster.scheduler_address, "--nthreads", "1", "--no-dashboard",
                          "--preload", "tests.support.preload"]
