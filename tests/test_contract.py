@@ -415,6 +415,10 @@ PRIVATE_ACCESS_ALLOWED = {
     ("replica/strategy_view.py", "_token"): "which strategy a variable belongs to",
     ("replica/strategy_view.py", "_value"): "the replica's copy of a variable",
     ("variables.py", "_broadcast"): "ReplicaContext's broadcast of a SyncOnRead variable's first copy",
+    ("plugins/keras3/payload.py", "_flatten_layers"): "Keras 3's own walk of a model's layers (pinned keras==3.15.1)",
+    ("plugins/keras3/resident.py", "_flatten_layers"): "Keras 3's own walk of a model's layers (pinned keras==3.15.1)",
+    ("plugins/torch/backend.py", "_plugins"): "torch.distributed's registry of backends (is 'daskdist' registered)",
+    ("plugins/torch/process_group.py", "_Work"): "torch.distributed's subclassable Work (torch 2.13 has no public one)",
 }
 
 
