@@ -251,9 +251,9 @@ def test_replicas_read_the_clients_settings_not_the_workers(make_cluster):
         assert _everywhere(strategy, strategy.run(_replica_setting, args=("collective.stall-warning",))) == "10s"
 
         def routes():  # the same structure on every replica (different ones are refused, as in TensorFlow)
-            return sorted(dd.get_replica_context()._runtime.transport.describe().values())
+            return ",".join(sorted(dd.get_replica_context()._runtime.transport.describe().values()))
 
-        assert strategy.run(routes).values == (["shm"], ["shm"])  # the client's "auto", not the workers' socket
+        assert strategy.run(routes).values == ("shm", "shm")  # the client's "auto", not the workers' socket
         # a later dask.config.set on the client reaches the replicas with the next command, and its end too
         with dask.config.set({"daskdist.collective.small-message-bytes": 777}):
             assert _everywhere(strategy, strategy.run(_replica_setting, args=("collective.small-message-bytes",))) == 777
