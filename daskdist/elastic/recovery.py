@@ -225,17 +225,36 @@ def _retired(group: ReplicaGroup) -> set[str]:
     return set(response.get("retired", ())) if response.get("status") == "OK" else set()
 
 
-def _only_retired(group: ReplicaGroup, before: list[str]) -> bool:
-    """Whether the group moved on only because members retired (no failure): every member gone retired."""
+def _departures(group: ReplicaGroup, before: list[str]) -> tuple[list[str], set[str]] | None:
+    """The members of ``before`` the scheduler no longer lists, and the retired ones among all (``None``: unknown)."""
     try:
         response = group._ask_scheduler("daskdist_membership", group_id=group.group_id)
     except Exception:
-        return False
+        return None
     if response.get("status") != "OK":
-        return False
+        return None
     now = set(Membership.from_msg(response["membership"]).addresses)
-    gone = [a for a in before if a not in now]
-    return bool(gone) and set(gone) <= set(response.get("retired", ()))
+    return [a for a in before if a not in now], set(response.get("retired", ()))
+
+
+def _only_retired(group: ReplicaGroup, before: list[str]) -> bool:
+    """Whether the group moved on only because members retired (no failure): every member gone retired."""
+    departures = _departures(group, before)
+    if departures is None:
+        return False
+    gone, retired = departures
+    return bool(gone) and set(gone) <= retired
+
+
+def _failed_members(group: ReplicaGroup, error: BaseException, before: list[str]) -> list[str]:
+    """The workers whose loss ``error`` reports: its ``worker``, else the members of ``before`` lost unretired."""
+    if getattr(error, "worker", None):
+        return [error.worker]  # type: ignore[attr-defined]
+    departures = _departures(group, before)  # e.g. a command rejected because the group moved on after a loss
+    if departures is None:
+        return []
+    gone, retired = departures
+    return [a for a in gone if a not in retired]
 
 
 def _next_generation(group: ReplicaGroup, before: Membership, timeout: float, error: BaseException) -> Membership:
@@ -402,8 +421,7 @@ def recover_within_budget(group: ReplicaGroup, options: ElasticOptions, error: B
         if not _only_retired(group, list(group.addresses)):
             failures += 1
         if 0 <= options.max_failures < failures:
-            if getattr(error, "worker", None):
-                quarantine_of(group).failed([error.worker])  # type: ignore[attr-defined]
+            quarantine_of(group).failed(_failed_members(group, error, before))
             raise ElasticRecoveryError(
                 f"{error} (the strategy's elastic max_failures={options.max_failures} is exhausted; workers lost: "
                 f"{quarantine_of(group).describe() or 'none known'})",
