@@ -345,3 +345,25 @@ def test_a_wait_for_the_next_generation_is_woken_by_the_schedulers_announcement(
         view = group.scheduler_view()
         assert view.membership == membership and view.retired == frozenset()
         assert view.departed(workers + ["tcp://gone:1"]) == ["tcp://gone:1"]
+
+
+def test_announcements_count_changes_and_wake_waiters_of_the_group_only():
+    import threading
+
+    from daskdist.group.announcements import Announcements
+
+    announcements = Announcements("daskdist")
+    announcements.handle((0.0, {"action": "register", "group": "g"}))  # not a change
+    announcements.handle((0.0, "not a dict"))
+    assert announcements.version == 0 and not announcements.wait("g", 0, 0.01)
+    announcements.handle((0.0, {"action": "generation", "group": "other", "generation": 3}))
+    assert announcements.version == 1 and not announcements.wait("g", 0, 0.01)  # another group's generation
+    assert announcements.wait("other", 2, 0.01) and not announcements.wait("other", 3, 0.01)
+    woken = []
+    waiter = threading.Thread(target=lambda: woken.append(announcements.wait_past(1, 30)))
+    waiter.start()
+    announcements.handle((0.0, {"action": "worker-added", "worker": "tcp://w:1"}))
+    waiter.join(30)
+    assert woken == [2]
+    announcements.handle((0.0, {"action": "failed", "group": "g", "reason": "lost"}))
+    assert announcements.wait("g", 10, 0.01)  # a failed group wakes its waiters (they then ask the scheduler)

@@ -265,6 +265,7 @@ def _wait_for_members(group: ReplicaGroup, options: ElasticOptions, lost: list[s
     """Below ``min_replicas``: admit free Dask workers as they come, for up to ``wait_timeout``."""
     deadline = time.monotonic() + options.wait_seconds
     admitted: list[str] = []
+    seen = group.cluster_changes()
     while group.size < options.min_replicas:
         free = [] if not can_admit else free_workers(group, options)
         room = options.max_replicas - group.size if options.max_replicas is not None else len(free)
@@ -276,7 +277,7 @@ def _wait_for_members(group: ReplicaGroup, options: ElasticOptions, lost: list[s
                 f"the elastic group {group.group_id} lost {', '.join(lost) or 'members'} and has "
                 f"{group.size} replicas, fewer than min_replicas={options.min_replicas}; no worker came within "
                 f"wait_timeout ({options.wait_seconds:g} s)", worker=lost[0] if lost else None)
-        time.sleep(0.2)
+        seen = group.wait_for_cluster_change(seen, min(1.0, max(deadline - time.monotonic(), 0.0)))
     return admitted
 
 

@@ -1,11 +1,13 @@
 """Membership changes the scheduler plugin announces, heard by the client instead of polled for.
 
 The scheduler plugin logs an event on its topic (``"daskdist"``) whenever a
-group moves to a new generation or closes. Dask lets a client hold one
+group moves to a new generation, closes or fails, and whenever a worker joins
+or leaves the cluster. Dask lets a client hold one
 handler per topic, and one client may drive several groups (several
 strategies), so one ``Announcements`` per client listens for all of them and
 wakes whoever waits for a group's next generation (``ReplicaGroup
-.wait_for_generation``). Waiters still ask the scheduler for the membership
+.wait_for_generation``) or for any change (``wait_past``: elastic admission of
+free workers, the parameter-server coordinator's watch). Waiters still ask the scheduler for the membership
 itself: an announcement only says when to ask, so a missed event costs a
 bounded delay (the waiter's own re-check period), never a wrong answer.
 """
@@ -35,22 +37,25 @@ class Announcements:
         self.topic = topic
         self.condition = threading.Condition()
         self.generations: dict[str, int] = {}  # group id -> the newest generation announced
-        self.closed: set[str] = set()  # groups announced closed
+        self.closed: set[str] = set()  # groups announced closed or failed
+        #: Counts every change heard (a generation, a group ended, a worker added to or removed from the cluster).
+        self.version = 0
 
     def handle(self, event: tuple[float, Any]) -> None:
         """The topic handler (runs on the client's event loop): note the event, wake the waiters."""
         _, msg = event
-        if not isinstance(msg, dict) or "group" not in msg:
+        if not isinstance(msg, dict):
             return
-        group = str(msg["group"])
+        action = msg.get("action")
         with self.condition:
-            if msg.get("action") == "generation":
-                generation = int(msg.get("generation", 0))
-                self.generations[group] = max(generation, self.generations.get(group, 0))
-            elif msg.get("action") == "close":
-                self.closed.add(group)
-            else:
+            if action == "generation" and "group" in msg:
+                group = str(msg["group"])
+                self.generations[group] = max(int(msg.get("generation", 0)), self.generations.get(group, 0))
+            elif action in ("close", "failed") and "group" in msg:
+                self.closed.add(str(msg["group"]))
+            elif action not in ("worker-added", "worker-removed"):
                 return
+            self.version += 1
             self.condition.notify_all()
 
     def wait(self, group_id: str, after: int, timeout: float) -> bool:
@@ -60,6 +65,12 @@ class Announcements:
 
         with self.condition:
             return self.condition.wait_for(announced, timeout=max(timeout, 0.0))
+
+    def wait_past(self, version: int, timeout: float) -> int:
+        """Wait up to ``timeout`` s for any change after ``version`` (``self.version`` as last seen); the version now."""
+        with self.condition:
+            self.condition.wait_for(lambda: self.version > version, timeout=max(timeout, 0.0))
+            return self.version
 
 
 _BY_CLIENT: weakref.WeakKeyDictionary[Any, Announcements] = weakref.WeakKeyDictionary()

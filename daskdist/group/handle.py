@@ -207,6 +207,14 @@ class ReplicaGroup:
                 return None
             announcements.wait(self.group_id, after, min(remaining, recheck))
 
+    def cluster_changes(self) -> int:
+        """How many changes (generations, groups ended, workers joining or leaving) this client heard so far."""
+        return announcements_of(self.client, EVENT_TOPIC).version
+
+    def wait_for_cluster_change(self, seen: int, timeout: float) -> int:
+        """Wait up to ``timeout`` s for a change after ``seen`` (``cluster_changes``); the count now."""
+        return announcements_of(self.client, EVENT_TOPIC).wait_past(seen, timeout)
+
     def admit(self, newcomers: Sequence[str], reason: str = "") -> Membership:
         """Add the workers ``newcomers`` in a new generation and start a replica on each; the new membership.
 
