@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import pickle
 import uuid
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -25,10 +24,11 @@ from daskdist.arrays import as_array, to_numpy
 from daskdist.group.service import MODEL, ReplicaService
 from daskdist.keras import callbacks as callbacks_module
 from daskdist.keras import ps_fit, resident_ref, saving, training
-from daskdist.strategy.gradient_applier import gradient_applier
+from daskdist.keras.trainable import BuiltinTrainable, RandomStates
 
 if TYPE_CHECKING:
     from daskdist.strategy.base import Strategy
+    from daskdist.strategy.training_contract import ParameterHoldingDriver, StepDriver
 
 __all__ = ["Model", "RandomStates", "Sequential", "load_model"]
 
@@ -163,24 +163,69 @@ class Model:
             self.layers[index].set_weights_from(mapping)
 
     def get_weights(self) -> list[np.ndarray]:
-        """The weights as numpy arrays (from replica 0 for a distributed model; from the ps under PS)."""
-        if self._installed and self._uses_coordinator():
-            return ps_fit.get_weights(self)
-        if self._installed:
-            return self._strategy.extended.run_on_replica(0, _replica_get_weights, (self._model_id,))
-        self._require_built()
-        return [np.array(to_numpy(a), copy=True) for _, a in self._weight_items()]
+        """The weights as numpy arrays: the trainable ones from where the strategy holds them (the parameter
+        holder, the ps), the others from replica 0 (PS: this copy); a model without a strategy: its own."""
+        if not self._installed:
+            self._require_built()
+            return [np.array(to_numpy(a), copy=True) for _, a in self._weight_items()]
+        if self._uses_coordinator():
+            weights = ps_fit.local_weights(self)
+        else:
+            weights = self._strategy.extended.run_on_replica(0, _replica_get_weights, (self._model_id,))
+        stored = self._stored_state()
+        if stored is not None:
+            for position, value in zip(self._trainable_positions(), stored["params"]):
+                weights[position] = np.array(to_numpy(value), copy=True)
+        return weights
 
     def set_weights(self, weights: list[Any]) -> None:
-        """Set every weight (on every replica for a distributed model; on the ps under PS)."""
-        if self._installed and self._uses_coordinator():
-            ps_fit.set_weights(self, list(weights))
-            return
+        """Set every weight (here, on every replica of a distributed model, and where its parameters are held)."""
         self._require_built()
         self._assign_weights(list(weights))
-        if self._installed:
+        if not self._installed:
+            return
+        if not self._uses_coordinator():  # PS workers pull the stored parameters at their next closure
             self._strategy.extended.run_on_replicas(_replica_set_weights,
                                                     (self._model_id, [to_numpy(w) for w in weights]))
+        params = [np.array(to_numpy(p), copy=True) for p in self.trainable_variables]
+        self._set_stored(params=params)
+
+    # -- parameters held off the replicas (the parameter holder's and the ps' step drivers) -----------
+
+    def _params_key(self) -> str:
+        """The name of the model's parameters where the strategy holds them."""
+        return self._ps_key or self._model_id
+
+    def _holding_driver(self) -> ParameterHoldingDriver | None:
+        """The strategy's step driver when it holds the parameters off the replicas, else ``None``."""
+        from daskdist.strategy.training_contract import ParameterHoldingDriver
+
+        if self._strategy is None:
+            return None
+        driver = self._strategy.extended.step_driver(self._params_key())
+        return driver if isinstance(driver, ParameterHoldingDriver) else None
+
+    def _stored_state(self) -> dict | None:
+        driver = self._holding_driver()
+        if driver is None or not self.built:
+            return None
+        return driver.stored_state(self._strategy.client, len(self.trainable_variables))
+
+    def _set_stored(self, params: list[Any] | None = None, rule_state: dict | None = None) -> None:
+        """Overwrite the held copy (if any is held yet; else the next step's first offer carries these values)."""
+        driver = self._holding_driver()
+        if driver is None or not self.built:
+            return
+        count = len(self.trainable_variables)
+        if not driver.set_stored(self._strategy.client, count, params=params, rule_state=rule_state):
+            current = [np.array(to_numpy(p), copy=True) for p in self.trainable_variables]
+            driver.init_stored(self._strategy.client, current, self.optimizer)
+
+    def _trainable_positions(self) -> list[int]:
+        """Where each of ``trainable_variables`` sits in ``_weight_items()``."""
+        names = [name for name, _ in self._weight_items()]
+        return [names.index(f"{index}/{name}") for index, layer in enumerate(self.layers)
+                for name in sorted(layer.params)]
 
     def _require_built(self) -> None:
         if not self.built:
@@ -244,14 +289,14 @@ class Model:
         self._strategy.extended.install_resident(MODEL, self._model_id, self._resident())
         self._installed = True
 
-    def _resident(self) -> _InstalledModel:
+    def _resident(self) -> BuiltinTrainable:
         """What is installed on a replica: a copy without the client's strategy and history."""
         payload = object.__new__(type(self))  # not copy.copy: that would call __reduce_ex__, which may refer
         payload.__dict__.update(self.__dict__)
         payload._strategy = None
         payload._installed = False
         payload.history = None
-        return _InstalledModel(payload)
+        return BuiltinTrainable(payload)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Inside a function sent by its strategy's ``run``: a reference to each replica's resident copy."""
@@ -424,19 +469,23 @@ class Model:
             self._set_optimizer_state(optimizer_state)
 
     def _optimizer_state(self) -> dict:
-        if self._installed and self._uses_coordinator():
-            return ps_fit.get_optimizer_state(self)
-        if self._installed:
-            return self._strategy.extended.run_on_replica(0, _replica_optimizer_state, (self._model_id,))
-        return self.optimizer.get_state()
+        """The optimizer state: where the parameters are held (the update rule runs there), else replica 0's."""
+        if not self._installed:
+            return self.optimizer.get_state()
+        stored = self._stored_state()
+        if stored is not None:
+            return stored["rule_state"] or self.optimizer.get_state()
+        if self._uses_coordinator():
+            return self.optimizer.get_state()
+        return self._strategy.extended.run_on_replica(0, _replica_optimizer_state, (self._model_id,))
 
     def _set_optimizer_state(self, state: dict) -> None:
-        if self._installed and self._uses_coordinator():
-            ps_fit.set_optimizer_state(self, state)
-            return
         self.optimizer.set_state(state)
-        if self._installed:
+        if not self._installed:
+            return
+        if not self._uses_coordinator():
             self._strategy.extended.run_on_replicas(_replica_set_optimizer_state, (self._model_id, state))
+        self._set_stored(rule_state=state)
 
     def save(self, filepath: str) -> None:
         """Save architecture, compile settings, weights and optimizer state into directory ``filepath``."""
@@ -513,6 +562,10 @@ class _Runner:
             if val is not None:
                 self._dist_val = val if val is train else strategy.experimental_distribute_dataset(val)
 
+    def driver(self) -> StepDriver:
+        """The strategy's step driver for this model (its parameters named by the model's id)."""
+        return self.model._strategy.extended.step_driver(self.model._model_id)
+
     def steps(self) -> int | None:
         if self._dist_train is not None:
             steps = [s for s in self._dist_train.plan().steps_per_replica() if s is not None]
@@ -540,7 +593,7 @@ class _Runner:
         if self._elastic is not None:
             return self._elastic.train_epoch(epoch, steps, cb)
         results = model._strategy.extended.run_on_replicas(
-            _replica_train_epoch, (model._model_id, self._dist_train, steps, lr, self._tag, epoch))
+            _replica_train_epoch, (model._model_id, self._dist_train, steps, lr, self._tag, epoch, self.driver()))
         return dict(results[0])
 
     def evaluate(self, data: Any, steps: int | None) -> dict:
@@ -583,71 +636,19 @@ class _Runner:
 # -- commands that run on the replicas ---------------------------------------------------
 
 
-class RandomStates:
-    """The layers' random generator states in a model snapshot, by layer name.
-
-    One leaf of the snapshot (its own copy), left out of elastic training's
-    state digest (``digest_bytes``): replicas may legitimately draw different
-    numbers (their batches differ in shape), while their weights must agree.
-    As an array (``numpy.asarray``) it is its pickled bytes.
-    """
-
-    def __init__(self, states: dict[str, dict]):
-        self.states = copy.deepcopy(states)
-
-    def digest_bytes(self) -> bytes:
-        return b""
-
-    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
-        """The states as bytes (``uint8``), so that snapshots compare as arrays do."""
-        return np.frombuffer(pickle.dumps(self.states, protocol=4), np.uint8)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, RandomStates) and np.array_equal(np.asarray(self), np.asarray(other))
-
-    __hash__ = None  # type: ignore[assignment]
-
-
-class _InstalledModel:
-    """A model resident on a replica (kind ``"model"``): its weights, optimizer state and layers' random
-    generators (dropout) snapshot and restore."""
-
-    def __init__(self, model: Model):
-        self.model = model
-
-    def unwrap(self) -> Model:
-        return self.model
-
-    def snapshot(self) -> dict:
-        weights = [np.array(to_numpy(a), copy=True) for _, a in self.model._weight_items()]
-        optimizer = self.model.optimizer
-        state = {} if optimizer is None else {k: np.array(to_numpy(v), copy=True)
-                                              for k, v in optimizer.get_state().items()}
-        return {"weights": weights, "optimizer": state, "rng": self.snapshot_random()}
-
-    def snapshot_random(self) -> RandomStates:
-        """The layers' random generator states (a copy), under ``"rng"`` in ``snapshot``."""
-        rng = {layer.name: layer.rng_state() for layer in self.model.layers}
-        return RandomStates({k: v for k, v in rng.items() if v})
-
-    def restore(self, state: dict) -> None:
-        self.model._assign_weights(state["weights"])
-        if self.model.optimizer is not None and state["optimizer"]:
-            self.model.optimizer.set_state(state["optimizer"])
-        if "rng" in state:
-            rng = state["rng"].states
-            for layer in self.model.layers:
-                layer.set_rng_state(rng.get(layer.name, {}))
+def _replica_trainable(service: ReplicaService, model_id: str) -> BuiltinTrainable:
+    installed: BuiltinTrainable = service.objects.get(MODEL, model_id)
+    return installed
 
 
 def _replica_model(service: ReplicaService, model_id: str) -> Model:
-    installed: _InstalledModel = service.objects.get(MODEL, model_id)
-    return installed.model
+    return _replica_trainable(service, model_id).model
 
 
 def _replica_train_epoch(service: ReplicaService, model_id: str, batches: Any, steps: int | None, lr: float, tag: str,
-                         epoch: int) -> dict:
-    model = _replica_model(service, model_id)
+                         epoch: int, driver: StepDriver) -> dict:
+    trainable = _replica_trainable(service, model_id)
+    model = trainable.model
     model.optimizer.learning_rate = lr
     last = [0.0]
     import time
@@ -658,7 +659,7 @@ def _replica_train_epoch(service: ReplicaService, model_id: str, batches: Any, s
             last[0] = now
             service.log_event(PROGRESS_TOPIC, {"tag": tag, "epoch": epoch, "step": step, "logs": logs})
 
-    logs = training.train_batches(model, batches, steps, progress)
+    logs = training.train_batches(model, batches, steps, progress, driver=driver, trainable=trainable)
     if service.rank == 0:
         service.log_event(PROGRESS_TOPIC, {"tag": tag, "epoch": epoch, "step": -1, "logs": logs})
     service.flush_step_events()
@@ -678,22 +679,11 @@ def _replica_set_weights(service: ReplicaService, model_id: str, weights: list[n
     model = _replica_model(service, model_id)
     model._require_built()
     model._assign_weights(weights)
-    applier = gradient_applier(service)
-    if applier is not None and service.rank == 0:  # the parameters' one stored copy follows
-        params = [to_numpy(layer.params[name]) for layer in model.layers for name in sorted(layer.params)]
-        applier.set_model(service, model_id, params=params)  # in _trainable_arrays' order
 
 
 def _replica_optimizer_state(service: ReplicaService, model_id: str) -> dict:
-    applier = gradient_applier(service)
-    stored = applier.model_state(service, model_id) if applier is not None else None
-    if stored is not None:  # the optimizer runs where the parameters are held (CentralStorage)
-        return stored["optimizer_state"]
     return {k: to_numpy(v) for k, v in _replica_model(service, model_id).optimizer.get_state().items()}
 
 
 def _replica_set_optimizer_state(service: ReplicaService, model_id: str, state: dict) -> None:
     _replica_model(service, model_id).optimizer.set_state(state)
-    applier = gradient_applier(service)
-    if applier is not None and service.rank == 0:
-        applier.set_model(service, model_id, optimizer_state=state)

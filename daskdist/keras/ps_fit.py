@@ -46,12 +46,12 @@ from daskdist.group.service import MODEL
 from daskdist.keras import callbacks as callbacks_module
 from daskdist.keras import training
 from daskdist.keras.dataset_creator import DatasetCreator
+from daskdist.keras.trainable import BuiltinTrainable
 
 if TYPE_CHECKING:
     from daskdist.keras.models import Model
 
-__all__ = ["PsTrainer", "evaluate", "fit", "get_optimizer_state", "get_weights", "set_optimizer_state",
-           "set_weights", "uses_coordinator"]
+__all__ = ["PsTrainer", "evaluate", "fit", "local_weights", "uses_coordinator"]
 
 #: Evaluation shards per worker for ``pss_evaluation_shards="auto"`` (or 0).
 AUTO_SHARDS_PER_WORKER = 4
@@ -79,26 +79,9 @@ def _strategy(model: Model) -> Any:
     return strategy
 
 
-def _stores(model: Model) -> list[Any]:
-    return list(_strategy(model).extended.stores)
-
-
 def _params(model: Model) -> list[Any]:
     """The trainable arrays in the model's order (``Model._trainable_arrays``'s, also before any gradient)."""
     return [layer.params[name] for layer in model.layers for name in sorted(layer.params)]
-
-
-def _key(model: Model) -> str:
-    """The key of the model's parameters on the stores (a new one each time the model is compiled and used)."""
-    key = model._ps_key
-    if key is None:
-        raise RuntimeError("the model's parameters are not on the ps yet: fit or evaluate it first")
-    return key
-
-
-def _layout(count: int, stores: int) -> list[list[int]]:
-    """Per store, the indices of the parameters it holds (parameter ``i`` on store ``i % stores``)."""
-    return [list(range(s, count, stores)) for s in range(stores)]
 
 
 def _check_model(model: Model) -> None:
@@ -115,40 +98,31 @@ def _install(model: Model) -> Any:
     coordinator = _coordinator(model)
     if model._installed:
         return coordinator
-    _strategy(model).extended.check_open()
+    extended = _strategy(model).extended
+    extended.check_open()
     declared = model._declared_input_shape()
     if not model.built and declared is not None:
         model.build(declared)
     _check_model(model)
-    stores = _stores(model)
-    previous = getattr(model, "_ps_key", None)
-    if previous is not None and model.built:  # compiled again: go on from the weights trained so far
-        stored = _stored_params(model)
+    if model._ps_key is not None and model.built:  # compiled again: go on from the weights trained so far
+        stored = model._stored_state()
         if stored is not None:
-            for target, value in zip(_params(model), stored):
+            for target, value in zip(_params(model), stored["params"]):
                 namespace(target).copyto(target, namespace(target).asarray(value, dtype=target.dtype))
     # the parameters under a new key: a new compile brings a new optimizer, whose slots start afresh
     model._ps_key = f"{model._model_id}:{uuid.uuid4().hex[:8]}"
+    driver = extended.step_driver(model._ps_key)
     if model.built:  # the client's initial weights are the ones kept (the workers' offers come later)
-        _init_stores(model, stores)
+        driver.init_stored(_strategy(model).client, [np.array(to_numpy(p), copy=True) for p in _params(model)],
+                           model.optimizer)
     payload = copy.copy(model)
     payload._strategy = None
     payload._installed = False
     payload.history = None
-    trainer = PsTrainer(copy.deepcopy(payload), stores, _key(model))
+    trainer = PsTrainer(copy.deepcopy(payload), driver)
     coordinator.run_on_each_worker(_install_trainer, lambda _index: (model._model_id, trainer))
     model._installed = True
     return coordinator
-
-
-def _init_stores(model: Model, stores: list[Any], params: list[Any] | None = None) -> None:
-    client = _strategy(model).client
-    if params is None:
-        params = [np.array(to_numpy(p), copy=True) for p in _params(model)]
-    for store, indices in zip(stores, _layout(len(params), len(stores))):
-        if indices:
-            store.call_from_client(client, "model_init", model_key=_key(model),
-                                   params=[params[i] for i in indices], optimizer=copy.deepcopy(model.optimizer))
 
 
 def _per_worker_input(model: Model, x: Any, y: Any, batch_size: int | None, shuffle: bool, repeat: bool) -> Any:
@@ -265,108 +239,28 @@ def _evaluation_shards(model: Model, workers: int) -> int:
     return shards
 
 
-def get_weights(model: Model) -> list[np.ndarray]:
-    """The weights, the trainable ones as the ps hold them now (``Model.get_weights``)."""
+def local_weights(model: Model) -> list[np.ndarray]:
+    """The client's copy of the weights (the trainable ones are then read from the stores: ``Model.get_weights``)."""
     model._require_built()
-    weights = [np.array(to_numpy(a), copy=True) for _, a in model._weight_items()]
-    stored = _stored_params(model)
-    if stored is None:
-        return weights
-    positions = _trainable_positions(model)
-    for position, value in zip(positions, stored):
-        weights[position] = value
-    return weights
-
-
-def _stored_params(model: Model) -> list[np.ndarray] | None:
-    stores, client = _stores(model), _strategy(model).client
-    count = len(_params(model))
-    params: list[Any] = [None] * count
-    for store, indices in zip(stores, _layout(count, len(stores))):
-        if not indices:
-            continue
-        state = store.call_from_client(client, "model_state", model_key=_key(model))
-        if state is None:
-            return None
-        for i, value in zip(indices, state["params"]):
-            params[i] = value
-    return params
-
-
-def _trainable_positions(model: Model) -> list[int]:
-    """Where each of ``_trainable_arrays()`` sits in ``_weight_items()``."""
-    names = [name for name, _ in model._weight_items()]
-    positions = []
-    for index, layer in enumerate(model.layers):
-        for name in sorted(layer.params):
-            positions.append(names.index(f"{index}/{name}"))
-    return positions
-
-
-def set_weights(model: Model, weights: list[Any]) -> None:
-    """Set the weights on the client and the trainable ones on the ps (workers pull them next)."""
-    model._require_built()
-    model._assign_weights(list(weights))
-    params = [np.array(to_numpy(p), copy=True) for p in _params(model)]
-    stores, client = _stores(model), _strategy(model).client
-    for store, indices in zip(stores, _layout(len(params), len(stores))):
-        if indices and not store.call_from_client(client, "set_model", model_key=_key(model),
-                                                  params=[params[i] for i in indices]):
-            _init_stores(model, stores, params)
-            return
-
-
-def get_optimizer_state(model: Model) -> dict[str, Any]:
-    """The optimizer state gathered from the stores, slots renumbered in the model's parameter order."""
-    stores, client = _stores(model), _strategy(model).client
-    count = len(_params(model)) if model.built else 0
-    state: dict[str, Any] = {}
-    for store, indices in zip(stores, _layout(count, len(stores))):
-        stored = store.call_from_client(client, "model_state", model_key=_key(model)) if indices else None
-        if stored is None:
-            continue
-        for key, value in stored["optimizer_state"].items():
-            slot, _, position = key.rpartition("/")
-            if slot:
-                state[f"{slot}/{indices[int(position)]}"] = value
-            else:
-                state.setdefault(key, value)
-    return state or model.optimizer.get_state()
-
-
-def set_optimizer_state(model: Model, state: dict[str, Any]) -> None:
-    """Give each store its part of ``state`` (slots renumbered to the store's own order)."""
-    model.optimizer.set_state(state)
-    stores, client = _stores(model), _strategy(model).client
-    count = len(_params(model))
-    for store, indices in zip(stores, _layout(count, len(stores))):
-        if not indices:
-            continue
-        local = {j: i for j, i in enumerate(indices)}
-        part = {key: value for key, value in state.items() if "/" not in key}
-        for j, i in local.items():
-            part.update({f"{key.rpartition('/')[0]}/{j}": value for key, value in state.items()
-                         if "/" in key and key.rpartition("/")[2] == str(i)})
-        store.call_from_client(client, "set_model", model_key=_key(model), optimizer_state=part)
+    return [np.array(to_numpy(a), copy=True) for _, a in model._weight_items()]
 
 
 # -- the workers -----------------------------------------------------------------------------------
 
 
 class PsTrainer:
-    """A model on a parameter-server worker: its compute copy, and the stores that hold its parameters.
+    """A model on a parameter-server worker: its ``BuiltinTrainable`` and the ``PsStepDriver`` that trains it.
 
     Installed as the worker's resident ``(MODEL, model id)``; closures find it
-    there. It is the gradient applier ``training._train_step`` calls: each
-    step's gradients go to the stores, the optimizer runs there, and the new
-    parameters come back into the compute copy.
+    there. Each closure begins a run of the driver (its first step pulls the
+    parameters changed on the stores), each step's gradients go to the
+    stores, their update rules run there, and the new parameters come back.
     """
 
-    def __init__(self, model: Model, stores: list[Any], model_key: str):
+    def __init__(self, model: Model, driver: Any):
         self.model = model
-        self.stores = stores
-        self.model_key = model_key
-        self._versions: list[int] | None = None  # per store, the version of the parameters held here
+        self.trainable = BuiltinTrainable(model)
+        self.driver = driver
 
     def snapshot(self) -> dict[str, Any]:
         return {"weights": [np.array(to_numpy(a), copy=True) for _, a in self.model._weight_items()]}
@@ -374,69 +268,16 @@ class PsTrainer:
     def restore(self, state: dict[str, Any]) -> None:
         self.model._assign_weights(state["weights"])
 
-    def _indices(self) -> list[list[int]]:
-        return _layout(len(_params(self.model)), len(self.stores))
-
-    def _ready(self, service: Any, x: Any) -> None:
-        """Build on the first batch, offer this copy to the stores (the first offer is kept), pull."""
-        self.model._ensure_built(x)
-        if self._versions is None:
-            params = _params(self.model)
-            for store, indices in zip(self.stores, self._indices()):
-                if indices:
-                    store.call_from_replica(service, "model_init", model_key=self.model_key,
-                                            params=[to_numpy(params[i]) for i in indices],
-                                            optimizer=copy.deepcopy(self.model.optimizer))
-            self._versions = [-1] * len(self.stores)
-        self.pull(service)
-
-    def pull(self, service: Any) -> None:
-        """Copy in the parameters changed on the stores since this worker last saw them."""
-        assert self._versions is not None
-        params = _params(self.model)
-        for s, (store, indices) in enumerate(zip(self.stores, self._indices())):
-            if not indices:
-                continue
-            version, values = store.call_from_replica(service, "model_pull", model_key=self.model_key,
-                                                      newer_than=self._versions[s])
-            if values is not None:
-                _copy_into([params[i] for i in indices], values)
-                self._versions[s] = version
-
-    def apply_gradients(self, service: Any, model_key: str, optimizer: Any, params: list[Any], grads: list[Any],
-                        stats: Any) -> Any:
-        """Push this step's mean gradients to the stores; their optimizers apply them; copy back the result."""
-        from daskdist.ps.client import dedupe_key
-
-        assert self._versions is not None
-        count = float(to_numpy(stats)[0])
-        if count <= 0:
-            return stats
-        scale = 1.0 / count
-        for s, (store, indices) in enumerate(zip(self.stores, self._indices())):
-            if not indices:
-                continue
-            version, values = store.call_from_replica(
-                service, "model_push", model_key=self.model_key,
-                grads=[to_numpy(grads[i] * grads[i].dtype.type(scale)) for i in indices],
-                lr=float(optimizer.learning_rate), dedupe=dedupe_key(service), read_version=self._versions[s])
-            _copy_into([params[i] for i in indices], values)
-            self._versions[s] = version
-        return stats
-
     def train(self, service: Any, iterator: Any, steps: int, lr: float) -> dict[str, Any]:
         """``steps`` training steps on this worker's iterator; the sums the client makes the epoch's logs of."""
         model = self.model
         model.optimizer.learning_rate = lr
         model.reset_metrics()
         loss_sum = count = 0.0
-        for step in range(steps):
+        self.driver.begin(self.trainable)
+        for _ in range(steps):
             x, y, sample_weight = training.split_batch(next(iterator))
-            if self._versions is None:
-                self._ready(service, as_array(x)[0])
-            elif step == 0:
-                self.pull(service)  # once per closure: what the other workers pushed meanwhile
-            step_loss, step_count = training._train_step(model, None, x, y, sample_weight, None, self)
+            step_loss, step_count = training.train_step(self.trainable, self.driver, x, y, sample_weight)
             loss_sum += step_loss
             count += step_count
         return self._sums(loss_sum, count)
@@ -459,10 +300,9 @@ class PsTrainer:
             x, _ = as_array(x)
             y, _ = as_array(y)
             if not pulled:
-                if self._versions is None:
-                    self._ready(service, x)
-                else:
-                    self.pull(service)
+                model._ensure_built(x)
+                self.driver.begin(self.trainable)
+                self.driver.pull(self.trainable)
                 pulled = True
             if not training._rows(x):
                 continue
