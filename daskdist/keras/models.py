@@ -168,10 +168,7 @@ class Model:
         if not self._installed:
             self._require_built()
             return [np.array(to_numpy(a), copy=True) for _, a in self._weight_items()]
-        if self._uses_coordinator():
-            weights = ps_fit.local_weights(self)
-        else:
-            weights = self._strategy.extended.run_on_replica(0, _replica_get_weights, (self._model_id,))
+        weights = self._runner().computed_weights()
         stored = self._stored_state()
         if stored is not None:
             for position, value in zip(self._trainable_positions(), stored["params"]):
@@ -184,9 +181,7 @@ class Model:
         self._assign_weights(list(weights))
         if not self._installed:
             return
-        if not self._uses_coordinator():  # PS workers pull the stored parameters at their next closure
-            self._strategy.extended.run_on_replicas(_replica_set_weights,
-                                                    (self._model_id, [to_numpy(w) for w in weights]))
+        self._runner().set_computed_weights([to_numpy(w) for w in weights])
         params = [np.array(to_numpy(p), copy=True) for p in self.trainable_variables]
         self._set_stored(params=params)
 
@@ -270,10 +265,6 @@ class Model:
     def metrics_names(self) -> list[str]:
         return ["loss", *(m.name for m in self.compiled_metrics)]
 
-    def _uses_coordinator(self) -> bool:
-        """Whether steps run as closures of a ``ClusterCoordinator`` (ParameterServerStrategy)."""
-        return self._strategy is not None and ps_fit.uses_coordinator(self._strategy)
-
     def _require_compiled(self) -> None:
         if self.optimizer is None or self.loss is None:
             raise RuntimeError("compile the model before fit/evaluate: model.compile(optimizer=..., loss=...)")
@@ -316,33 +307,31 @@ class Model:
             initial_epoch: int = 0, steps_per_epoch: int | None = None, validation_steps: int | None = None) -> Any:
         """Train for ``epochs`` (Keras' ``fit``): ``x`` is a ``Dataset`` (batched) or arrays with ``y``.
 
-        Under ParameterServerStrategy see ``keras/ps_fit.py`` (``DatasetCreator``, ``steps_per_epoch``).
+        One loop for every strategy: the model's runner (``_runner``) runs each
+        epoch where the strategy trains (replica commands with its step
+        driver, coordinator closures under ParameterServerStrategy: see
+        ``keras/ps_fit.py`` for ``DatasetCreator`` and ``steps_per_epoch``, or
+        this process); callbacks run here with the epoch's global logs.
         """
         self._require_compiled()
-        if self._uses_coordinator():
-            return ps_fit.fit(self, x, y, batch_size, epochs, verbose, callbacks, validation_data, shuffle,
-                              initial_epoch, steps_per_epoch, validation_steps)
-        train = self._as_dataset(x, y, batch_size, shuffle)
-        val = self._as_dataset(*validation_data, batch_size=batch_size, shuffle=False) if isinstance(
-            validation_data, tuple) else (self._as_dataset(validation_data, None, batch_size, False)
-                                          if validation_data is not None else None)
-        runner = _Runner(self, train, val)
-        history = callbacks_module.History()
-        cb = callbacks_module.CallbackList(
-            list(callbacks or []) + [history], model=self, verbose=1 if verbose == "auto" else int(verbose),
-            params={"epochs": epochs, "steps": steps_per_epoch or runner.steps()},
-        )
-        self.stop_training = False
-        self.history = history
-        cb.on_train_begin()
-        start_epoch = max(initial_epoch, cb.resume_epoch())
+        runner = self._runner()
         try:
-            runner.begin_elastic(start_epoch)
+            runner.begin_fit(x, y, batch_size, shuffle, validation_data, callbacks, steps_per_epoch)
+            history = callbacks_module.History()
+            cb = callbacks_module.CallbackList(
+                list(callbacks or []) + [history], model=self, verbose=1 if verbose == "auto" else int(verbose),
+                params={"epochs": epochs, "steps": steps_per_epoch or runner.steps()},
+            )
+            self.stop_training = False
+            self.history = history
+            cb.on_train_begin()
+            start_epoch = max(initial_epoch, cb.resume_epoch())
+            runner.begin(start_epoch)
             for epoch in range(start_epoch, epochs):
                 cb.on_epoch_begin(epoch)
                 logs = runner.train_epoch(epoch, steps_per_epoch, cb)
-                if val is not None:
-                    val_logs = runner.evaluate(val, validation_steps)
+                val_logs = runner.validate(batch_size, validation_steps)
+                if val_logs is not None:
                     logs.update({f"val_{k}": v for k, v in val_logs.items()})
                 cb.on_epoch_end(epoch, logs)
                 if self.stop_training:
@@ -354,17 +343,13 @@ class Model:
 
     def evaluate(self, x: Any = None, y: Any = None, batch_size: int | None = None, verbose: int | str = "auto",
                  steps: int | None = None, return_dict: bool = False) -> Any:
-        """Loss and metrics over the data (Keras' ``evaluate``)."""
+        """Loss and metrics over the data (Keras' ``evaluate``), where the strategy trains (as ``fit``)."""
         self._require_compiled()
-        if self._uses_coordinator():
-            logs = ps_fit.evaluate(self, x, y, batch_size, steps)
-        else:
-            data = self._as_dataset(x, y, batch_size, False, what="evaluate")
-            runner = _Runner(self, None, data)
-            try:
-                logs = runner.evaluate(data, steps)
-            finally:
-                runner.close()
+        runner = self._runner()
+        try:
+            logs = runner.evaluate(x, y, batch_size, steps)
+        finally:
+            runner.close()
         if return_dict:
             return logs
         values = [logs[name] for name in self.metrics_names if name in logs]
@@ -372,11 +357,16 @@ class Model:
 
     def predict(self, x: Any, batch_size: int | None = None, verbose: int | str = "auto") -> np.ndarray:
         """Outputs for ``x`` (arrays or a ``Dataset``), computed in this process with the current weights."""
-        if self._uses_coordinator():
-            raise NotImplementedError("`model.predict` is not yet supported with `ParameterServerStrategy`.")
+        self._runner().check_predict()
         local = self._local_copy()
         data = self._as_dataset(x, None, batch_size or 32, False, what="predict")
         return to_numpy(training.predict_batches(local, iter(data)))
+
+    def _runner(self) -> Any:
+        """How this model's epochs run: coordinator closures if the Extended schedules them, else ``_Runner``."""
+        if self._strategy is not None and ps_fit.uses_coordinator(self._strategy):
+            return ps_fit.ClosureRunner(self)
+        return _Runner(self)
 
     def _local_copy(self) -> Model:
         if not self._installed:
@@ -475,16 +465,13 @@ class Model:
         stored = self._stored_state()
         if stored is not None:
             return stored["rule_state"] or self.optimizer.get_state()
-        if self._uses_coordinator():
-            return self.optimizer.get_state()
-        return self._strategy.extended.run_on_replica(0, _replica_optimizer_state, (self._model_id,))
+        return self._runner().computed_optimizer_state()
 
     def _set_optimizer_state(self, state: dict) -> None:
         self.optimizer.set_state(state)
         if not self._installed:
             return
-        if not self._uses_coordinator():
-            self._strategy.extended.run_on_replicas(_replica_set_optimizer_state, (self._model_id, state))
+        self._runner().set_computed_optimizer_state(state)
         self._set_stored(rule_state=state)
 
     def save(self, filepath: str) -> None:
@@ -540,27 +527,76 @@ def load_model(filepath: str, compile: bool = True) -> Model:
 
 
 class _Runner:
-    """Runs epochs of a model: on the replicas (one command per epoch) or in this process."""
+    """Runs epochs of a model: on the replicas (one command per epoch, the strategy's step driver) or here.
 
-    def __init__(self, model: Model, train: Any, val: Any):
+    The runner interface ``Model.fit``/``evaluate``/``predict`` speak
+    (``ps_fit.ClosureRunner`` is the other one): ``begin_fit``, ``steps``,
+    ``begin``, ``train_epoch``, ``validate``, ``evaluate``, ``check_predict``,
+    ``close``.
+    """
+
+    def __init__(self, model: Model):
         self.model = model
         self.distributed = model._strategy is not None
-        self._train = train
-        self._dist_train = self._dist_val = None
+        self._train: Any = None
+        self._val: Any = None
+        self._dist_train: Any = None
+        self._dist_val: Any = None
         self._tag = uuid.uuid4().hex[:8]
         self._subscribed = False
         self._elastic: Any = None  # ``daskdist.elastic.fit.ElasticFit`` during a fit on an elastic strategy
-        if self.distributed:
-            if getattr(model._strategy.extended, "elastic", None) is not None:
-                from daskdist.elastic.fit import catch_up
 
-                catch_up(model._strategy)  # members that left while the group ran nothing (retired, lost)
-            model._ensure_installed()
-            strategy = model._strategy
-            if train is not None:
-                self._dist_train = strategy.experimental_distribute_dataset(train)
-            if val is not None:
-                self._dist_val = val if val is train else strategy.experimental_distribute_dataset(val)
+    def begin_fit(self, x: Any, y: Any, batch_size: int | None, shuffle: bool, validation_data: Any,
+                  callbacks: list[Any] | None, steps_per_epoch: int | None) -> None:
+        """The fit's data, distributed over the replicas (the model installed there first)."""
+        model = self.model
+        train = model._as_dataset(x, y, batch_size, shuffle)
+        val = model._as_dataset(*validation_data, batch_size=batch_size, shuffle=False) if isinstance(
+            validation_data, tuple) else (model._as_dataset(validation_data, None, batch_size, False)
+                                          if validation_data is not None else None)
+        self._prepare(train, val)
+
+    def _prepare(self, train: Any, val: Any) -> None:
+        model = self.model
+        self._train, self._val = train, val
+        if not self.distributed:
+            return
+        if _elastic_options(model) is not None:
+            from daskdist.elastic.fit import catch_up
+
+            catch_up(model._strategy)  # members that left while the group ran nothing (retired, lost)
+        model._ensure_installed()
+        strategy = model._strategy
+        if train is not None:
+            self._dist_train = strategy.experimental_distribute_dataset(train)
+        if val is not None:
+            self._dist_val = val if val is train else strategy.experimental_distribute_dataset(val)
+
+    def validate(self, batch_size: int | None, steps: int | None) -> dict | None:
+        """The validation logs of the epoch just trained, or ``None`` without validation data."""
+        return None if self._val is None else self.evaluate_dataset(self._val, steps)
+
+    def evaluate(self, x: Any, y: Any, batch_size: int | None, steps: int | None) -> dict:
+        data = self.model._as_dataset(x, y, batch_size, False, what="evaluate")
+        self._prepare(None, data)
+        return self.evaluate_dataset(data, steps)
+
+    def check_predict(self) -> None:
+        """``predict`` runs in this process with the current weights: always possible here."""
+
+    # -- the copies that compute (replica 0's; every replica's when set) ---------------------------
+
+    def computed_weights(self) -> list[np.ndarray]:
+        return self.model._strategy.extended.run_on_replica(0, _replica_get_weights, (self.model._model_id,))
+
+    def set_computed_weights(self, weights: list[np.ndarray]) -> None:
+        self.model._strategy.extended.run_on_replicas(_replica_set_weights, (self.model._model_id, weights))
+
+    def computed_optimizer_state(self) -> dict:
+        return self.model._strategy.extended.run_on_replica(0, _replica_optimizer_state, (self.model._model_id,))
+
+    def set_computed_optimizer_state(self, state: dict) -> None:
+        self.model._strategy.extended.run_on_replicas(_replica_set_optimizer_state, (self.model._model_id, state))
 
     def driver(self) -> StepDriver:
         """The strategy's step driver for this model (its parameters named by the model's id)."""
@@ -572,9 +608,10 @@ class _Runner:
             return max(steps) if steps else None
         return None
 
-    def begin_elastic(self, epoch: int) -> None:
-        """On an elastic strategy (``ElasticOptions``), hand this fit's epochs to ``daskdist.elastic``."""
-        options = getattr(self.model._strategy.extended, "elastic", None) if self.distributed else None
+    def begin(self, epoch: int) -> None:
+        """The fit's first epoch is ``epoch``: on an elastic strategy (``ElasticOptions``), hand this fit's
+        epochs to ``daskdist.elastic``."""
+        options = _elastic_options(self.model)
         if options is None or self._train is None:
             return
         from daskdist.elastic.fit import ElasticFit
@@ -596,7 +633,7 @@ class _Runner:
             _replica_train_epoch, (model._model_id, self._dist_train, steps, lr, self._tag, epoch, self.driver()))
         return dict(results[0])
 
-    def evaluate(self, data: Any, steps: int | None) -> dict:
+    def evaluate_dataset(self, data: Any, steps: int | None) -> dict:
         if self._elastic is not None:
             return self._elastic.evaluate(data, steps)
         return self._evaluate_once(data, steps)
@@ -631,6 +668,11 @@ class _Runner:
                 self.model._strategy.client.unsubscribe_topic(PROGRESS_TOPIC)
             except Exception:  # pragma: no cover - the client may be closing
                 pass
+
+
+def _elastic_options(model: Model) -> Any:
+    """The strategy's ``ElasticOptions``, or ``None`` (no strategy, or not elastic)."""
+    return getattr(model._strategy.extended, "elastic", None) if model._strategy is not None else None
 
 
 # -- commands that run on the replicas ---------------------------------------------------

@@ -51,7 +51,7 @@ from daskdist.keras.trainable import BuiltinTrainable
 if TYPE_CHECKING:
     from daskdist.keras.models import Model
 
-__all__ = ["PsTrainer", "evaluate", "fit", "local_weights", "uses_coordinator"]
+__all__ = ["ClosureRunner", "PsTrainer", "evaluate", "local_weights", "uses_coordinator"]
 
 #: Evaluation shards per worker for ``pss_evaluation_shards="auto"`` (or 0).
 AUTO_SHARDS_PER_WORKER = 4
@@ -137,47 +137,86 @@ def _per_worker_input(model: Model, x: Any, y: Any, batch_size: int | None, shuf
     return dataset.repeat() if repeat and not isinstance(x, Dataset) else dataset
 
 
-def fit(model: Model, x: Any, y: Any, batch_size: int | None, epochs: int, verbose: Any, callbacks: list[Any] | None,
-        validation_data: Any, shuffle: bool, initial_epoch: int, steps_per_epoch: int | None,
-        validation_steps: int | None) -> Any:
-    """``Model.fit`` under ParameterServerStrategy (see the module's notes)."""
-    if steps_per_epoch is None:
-        raise ValueError("`steps_per_epoch` must be specified with `ParameterServerStrategy`.")
-    if steps_per_epoch < 1:
-        raise ValueError(f"steps_per_epoch must be >= 1, got {steps_per_epoch}")
-    batch_level = [type(cb).__name__ for cb in callbacks or []
-                   if any(getattr(type(cb), hook) is not getattr(callbacks_module.Callback, hook)
-                          for hook in ("on_train_batch_begin", "on_train_batch_end"))]
-    if batch_level:
-        raise ValueError(f"Batch-level `Callback`s are not supported with `ParameterServerStrategy`. "
-                         f"Found: {batch_level}")
-    coordinator = _install(model)
-    per_worker = coordinator.create_per_worker_dataset(_per_worker_input(model, x, y, batch_size, shuffle, True))
-    iterator = iter(per_worker)
-    spe = max(1, int(getattr(model, "_steps_per_execution", 1) or 1))
-    history = callbacks_module.History()
-    cb = callbacks_module.CallbackList(list(callbacks or []) + [history], model=model,
-                                       verbose=1 if verbose == "auto" else int(verbose),
-                                       params={"epochs": epochs, "steps": steps_per_epoch})
-    model.stop_training = False
-    model.history = history
-    cb.on_train_begin()
-    for epoch in range(max(initial_epoch, cb.resume_epoch()), epochs):
-        cb.on_epoch_begin(epoch)
+class ClosureRunner:
+    """The runner ``Model.fit``/``evaluate``/``predict`` use when the Extended schedules closures (see the module).
+
+    The same interface as ``keras.models._Runner``: ``begin_fit``, ``steps``,
+    ``begin``, ``train_epoch``, ``validate``, ``evaluate``, ``check_predict``,
+    ``close``, and the computing copies' weights (here: the client's copy; the
+    trainable parameters are read from the stores by ``Model.get_weights``).
+    """
+
+    def __init__(self, model: Model):
+        self.model = model
+        self._coordinator: Any = None
+        self._iterator: Any = None
+        self._validation: Any = None
+
+    def begin_fit(self, x: Any, y: Any, batch_size: int | None, shuffle: bool, validation_data: Any,
+                  callbacks: list[Any] | None, steps_per_epoch: int | None) -> None:
+        """TF's checks (``steps_per_epoch`` required, no batch-level callbacks), then the workers' trainers."""
+        if steps_per_epoch is None:
+            raise ValueError("`steps_per_epoch` must be specified with `ParameterServerStrategy`.")
+        if steps_per_epoch < 1:
+            raise ValueError(f"steps_per_epoch must be >= 1, got {steps_per_epoch}")
+        batch_level = [type(cb).__name__ for cb in callbacks or []
+                       if any(getattr(type(cb), hook) is not getattr(callbacks_module.Callback, hook)
+                              for hook in ("on_train_batch_begin", "on_train_batch_end"))]
+        if batch_level:
+            raise ValueError(f"Batch-level `Callback`s are not supported with `ParameterServerStrategy`. "
+                             f"Found: {batch_level}")
+        model = self.model
+        self._coordinator = _install(model)
+        per_worker = self._coordinator.create_per_worker_dataset(
+            _per_worker_input(model, x, y, batch_size, shuffle, True))
+        self._iterator = iter(per_worker)
+        self._validation = validation_data
+
+    def steps(self) -> int | None:
+        return None  # ``steps_per_epoch`` is required
+
+    def begin(self, epoch: int) -> None:
+        """Nothing: each closure begins its own run of the step driver."""
+
+    def train_epoch(self, epoch: int, steps: int | None, cb: Any) -> dict[str, float]:
+        """``steps`` steps in closures of ``steps_per_execution`` steps on whichever worker is free; joined."""
+        assert steps is not None
+        model, coordinator = self.model, self._coordinator
+        spe = max(1, int(getattr(model, "_steps_per_execution", 1) or 1))
         lr = float(model.optimizer.learning_rate)
-        sizes = [min(spe, steps_per_epoch - start) for start in range(0, steps_per_epoch, spe)]
-        values = [coordinator.schedule(_train_closure, args=(model._model_id, iterator, n, lr)) for n in sizes]
+        sizes = [min(spe, steps - start) for start in range(0, steps, spe)]
+        values = [coordinator.schedule(_train_closure, args=(model._model_id, self._iterator, n, lr)) for n in sizes]
         coordinator.join()
-        logs = _epoch_logs(model, coordinator.fetch(values))
-        if validation_data is not None:
-            val = validation_data if isinstance(validation_data, (tuple, list)) else (validation_data, None)
-            val_logs = evaluate(model, val[0], val[1] if len(val) > 1 else None, batch_size, validation_steps)
-            logs.update({f"val_{k}": v for k, v in val_logs.items()})
-        cb.on_epoch_end(epoch, logs)
-        if model.stop_training:
-            break
-    cb.on_train_end()
-    return history
+        return _epoch_logs(model, coordinator.fetch(values))
+
+    def validate(self, batch_size: int | None, steps: int | None) -> dict[str, float] | None:
+        if self._validation is None:
+            return None
+        val = self._validation if isinstance(self._validation, (tuple, list)) else (self._validation, None)
+        return self.evaluate(val[0], val[1] if len(val) > 1 else None, batch_size, steps)
+
+    def evaluate(self, x: Any, y: Any, batch_size: int | None, steps: int | None) -> dict[str, float]:
+        """Exact shards of finite data, else ``steps`` batches of a ``DatasetCreator``'s per-worker datasets."""
+        return evaluate(self.model, x, y, batch_size, steps)
+
+    def check_predict(self) -> None:
+        raise NotImplementedError("`model.predict` is not yet supported with `ParameterServerStrategy`.")
+
+    def computed_weights(self) -> list[np.ndarray]:
+        """The client's copy (the workers' are asynchronous; the stores hold the trainable parameters)."""
+        return local_weights(self.model)
+
+    def set_computed_weights(self, weights: list[np.ndarray]) -> None:
+        """Nothing: the workers pull the stored parameters at their next closure."""
+
+    def computed_optimizer_state(self) -> dict[str, Any]:
+        return dict(self.model.optimizer.get_state())
+
+    def set_computed_optimizer_state(self, state: dict[str, Any]) -> None:
+        """Nothing: the update rules run on the stores."""
+
+    def close(self) -> None:
+        """Nothing to release (the coordinator is the strategy's)."""
 
 
 def _epoch_logs(model: Model, results: list[dict[str, Any]]) -> dict[str, float]:
@@ -321,11 +360,6 @@ class PsTrainer:
         return {"loss_sum": loss_sum, "count": count,
                 "metrics": [np.asarray(m.totals(), np.float64) for m in model.compiled_metrics],
                 "input_shape": list(getattr(model, "_input_shape", None) or model._declared_input_shape() or [])}
-
-
-def _copy_into(targets: list[Any], values: list[Any]) -> None:
-    for target, value in zip(targets, values):
-        namespace(target).copyto(target, namespace(target).asarray(value, dtype=target.dtype))
 
 
 def _install_trainer(service: Any, model_id: str, trainer: PsTrainer) -> None:
