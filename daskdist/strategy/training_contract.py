@@ -250,7 +250,7 @@ class SpmdStepDriver(StepDriverBase):
             reduced = arrays
         else:
             weighted = arrays if summed else [g * g.dtype.type(rows) for g in arrays]
-            xp = _namespace(arrays[0]) if arrays and stats_dtype != np.float64 else np
+            xp = _namespace(arrays[0]) if arrays and stats_dtype == arrays[0].dtype else np  # one pack
             stats = xp.asarray([float(rows), *(float(s) for s in sums)], dtype=stats_dtype)
             total = ctx.all_reduce(ReduceOp.SUM, {"grads": weighted, "stats": stats})
             values = [float(v) for v in host(total["stats"])]
