@@ -39,15 +39,16 @@ The drivers:
   TensorFlow's mean of the replicas' gradients; with uneven ones it is still
   the gradient of the global batch's mean loss, and a replica with no rows
   in a step joins with zeros.
-* ``HolderStepDriver`` (CentralStorage; in ``held_drivers``): every replica sends its weighted
-  gradients to the parameter holder as one synchronous round; the holder
+* ``HolderStepDriver`` (CentralStorage; in ``held_drivers``): every
+  replica sends its weighted gradients to the parameter holder as one
+  synchronous round; the holder
   sums them, runs the update rule once on the one stored copy of the
   parameters and hands the new parameters to every replica, which
   ``assign`` them (``None`` comes back). The first round carries replica 0's
   parameters and a copy of its ``update_rule()``; the replicas' own
   optimizers never run.
-* ``PsStepDriver`` (ParameterServer; in ``held_drivers``): a closure on one worker. ``begin``
-  marks the parameters stale; the first step of the closure pulls those
+* ``PsStepDriver`` (ParameterServer; in ``held_drivers``): a closure on
+  one worker. ``begin`` marks the parameters stale; the first step of the closure pulls those
   changed on the stores since this worker last saw them (parameter ``i`` on
   store ``i % len(stores)``); each step pushes the worker's mean gradients,
   each store runs its update rule once per push (keyed by closure id and
@@ -59,8 +60,14 @@ Holder and PS drivers need more of the trainable (``HeldTrainable``):
 ``assign`` and ``update_rule`` (the optimizer as a store runs it: numpy
 arrays in place, its slots in ``get_state``). They keep nothing of any
 framework on the stores: parameters are arrays, the update rule an opaque
-object the adapter supplies. ``stored_state`` / ``set_stored`` read and
-write the stored copy from the client (checkpoints, ``set_weights``).
+object the adapter supplies. From the client a ``ParameterHoldingDriver``
+reads and writes the stored copy (``stored_state``, ``set_stored``,
+``init_stored``: checkpoints, ``set_weights``); the same ``key`` (or driver)
+goes on training the same stored parameters.
+
+The protocol is stable: ``Trainable``, ``HeldTrainable``, ``GradientExchange``,
+``StepDriver``, ``ParameterHoldingDriver``, ``StepTotals`` and ``UpdateRule``
+as written here; adapters may rely on nothing else of a driver.
 
 Drivers run inside a replica (they use the current ``ReplicaContext`` and
 replica runtime) and pickle small (their store references and key), so the
