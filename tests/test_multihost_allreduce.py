@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import signal
 import socket
 import threading
@@ -184,3 +185,79 @@ def test_a_cut_link_mid_pipeline_is_detected_within_10_seconds_on_every_replica(
         assert time.monotonic() - closing < 30
     assert len(client.scheduler_info()["workers"]) == 4  # Dask kept the workers: only the group failed
     _wait_until_hosts_reach_each_other(client, hosts)
+
+
+def _receive_from_the_other_host(record_dir: str):
+    """Replica function: one all-reduce (connections up), then a broadcast from rank 2 that rank 2 starts only
+    once the test has cut the link: h1's replicas wait to receive with nothing of theirs in flight."""
+    ctx = dd.get_replica_context()
+    rank = ctx.replica_id_in_sync_group
+    ctx.all_reduce("SUM", np.ones(N))
+    try:
+        if rank == 2:
+            deadline = time.monotonic() + 60
+            while not os.path.exists(os.path.join(record_dir, "cut")) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        else:
+            open(os.path.join(record_dir, f"rank-{rank}.entered"), "w").close()
+        ctx.broadcast(np.ones(4), root=2)
+    except Exception as e:
+        with open(os.path.join(record_dir, f"rank-{rank}.json"), "w") as f:
+            json.dump({"error": type(e).__name__, "at": time.time(), "message": str(e)}, f)
+        raise
+    return "finished"
+
+
+def _unsent_or_unacked(host, peer_address: str) -> int:
+    """Bytes queued or unacknowledged on ``host``'s TCP connections to ``peer_address`` (``ss``'s Send-Q)."""
+    done = subprocess.run(["ip", "netns", "exec", host.namespace, "ss", "-tnH", "state", "established", "dst",
+                           peer_address], capture_output=True, text=True, check=True, timeout=30)
+    return sum(int(line.split()[1]) for line in done.stdout.splitlines() if line.strip())
+
+
+def test_a_cut_link_is_detected_over_tls_by_replicas_that_only_wait_to_receive(netns_tls_hosts, tmp_path):
+    """TLS reads a connection that the heartbeat failed as an end of stream: it must still count as lost."""
+    hosts, client = netns_tls_hosts
+    strategy = dd.MultiWorkerMirroredStrategy(client=client)
+    outcome: dict = {}
+
+    def target():
+        try:
+            outcome["result"] = strategy.run(_receive_from_the_other_host, args=(str(tmp_path),))
+        except BaseException as e:  # noqa: BLE001
+            outcome["error"] = e
+        outcome["at"] = time.time()
+
+    thread = threading.Thread(target=target, daemon=True)
+    try:
+        thread.start()
+        deadline = time.monotonic() + 60
+        h1, h2 = hosts.hosts
+        while not (all((tmp_path / f"rank-{r}.entered").exists() for r in (0, 1, 3))
+                   and _unsent_or_unacked(h1, h2.address) == 0):
+            assert time.monotonic() < deadline and thread.is_alive(), outcome
+            time.sleep(0.05)
+        cut = time.time()
+        hosts.link_down(1)
+        (tmp_path / "cut").touch()
+        try:
+            thread.join(20)
+            assert not thread.is_alive(), "the client's call hung after the link went down"
+            assert isinstance(outcome.get("error"), dd.ReplicaLostError), outcome
+            on_h1 = _records(tmp_path, [0, 1], wait=10)
+        finally:
+            hosts.link_up(1)
+        on_h2 = _records(tmp_path, [2, 3], wait=10)
+        records = {**on_h1, **on_h2}
+        assert {0, 1, 2} <= set(records)
+        for rank, record in records.items():
+            assert record["error"] == "ReplicaLostError", (rank, record)
+            assert record["at"] - cut < 10, (rank, record["at"] - cut)
+    finally:
+        strategy.close()
+    _wait_until_hosts_reach_each_other(client, hosts)
+    if 3 not in records:
+        # rank 3 waits on shared memory only (for rank 2's broadcast); it has no TCP read of its own to fail
+        # and depends on the abort rank 2 sends it when rank 2's send fails, which did not arrive in the
+        # 2026-11-27 runs (load 37-45): a gap of the abort path, not of the heartbeat (issue 24 report)
+        pytest.xfail("rank 3, waiting on shared memory only, did not get rank 2's abort")
