@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import signal
 import socket
+import subprocess
 import threading
 import time
 
