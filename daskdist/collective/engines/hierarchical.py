@@ -42,7 +42,7 @@ class HierarchicalEngine:
     """
 
     def __init__(self, hosts: Sequence[str], automatic: bool = False, buffers: BufferPool | None = None,
-                 pipeline_bytes: int = 1 << 20):
+                 pipeline_bytes: int = 8 << 20):
         self.hosts = list(hosts)
         self.automatic = automatic
         self.buffers = buffers or BufferPool()
