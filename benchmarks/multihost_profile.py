@@ -3,7 +3,7 @@
 Two namespace hosts with one Dask worker each (``tests/netns.py``; root and
 iproute2), links shaped to each ``--rates``; a ``MultiWorkerMirroredStrategy``
 over both runs SUM all-reduces of float32 ones of each ``--sizes`` in a loop
-for ``--seconds``, while ``py-spy record --threads --idle --nonblocking``
+(``--calls``), while for ``--seconds`` ``py-spy record --threads --idle --nonblocking``
 samples every thread of both workers (``--nonblocking``: the process is not
 stopped to sample it). For each thread of rank 0 the script prints its share
 of the samples by innermost Python function (the frame the thread was in:
@@ -40,8 +40,8 @@ from peers._base import format_size, parse_size  # noqa: E402
 __all__ = ["main"]
 
 
-def _loop(nbytes: int, seconds: float) -> dict[str, Any]:
-    """Replica function: all-reduce ``nbytes`` for ``seconds``; calls and their median."""
+def _loop(nbytes: int, calls: int) -> dict[str, Any]:
+    """Replica function: ``calls`` all-reduces of ``nbytes`` (a count, alike on every replica); their median."""
     import daskdist as dd
 
     ctx = dd.get_replica_context()
@@ -49,8 +49,7 @@ def _loop(nbytes: int, seconds: float) -> dict[str, Any]:
     for _ in range(3):
         ctx.all_reduce("SUM", value)
     times = []
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end or len(times) < 3:
+    for _ in range(calls):
         start = time.perf_counter()
         ctx.all_reduce("SUM", value)
         times.append(time.perf_counter() - start)
@@ -99,7 +98,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=parse_size, nargs="+", default=[4096, 64 << 20])
     parser.add_argument("--rates", nargs="+", default=["10gbit", "1gbit"])
-    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--seconds", type=float, default=5.0, help="py-spy's sampling time, from 1 s after the start")
+    parser.add_argument("--calls", type=int, nargs="+", default=None,
+                        help="all-reduces per size (default: 4000 up to 256 KiB, 12 above); make them outlast --seconds")
     parser.add_argument("--top", type=int, default=6, help="functions shown per thread")
     parser.add_argument("--rate-hz", type=int, default=1000, help="py-spy samples per second")
     args = parser.parse_args()
@@ -126,13 +127,14 @@ def main() -> None:
             with dd.MultiWorkerMirroredStrategy(client=client) as strategy:
                 for rate in args.rates:
                     hosts.shape(rate)
-                    for nbytes in args.sizes:
+                    for nbytes, calls in zip(args.sizes, args.calls or [4000 if n <= 256 << 10 else 12
+                                                                         for n in args.sizes]):
                         load = os.getloadavg()[0]
                         result: dict[str, Any] = {}
 
-                        def run(nbytes: int = nbytes, result: dict[str, Any] = result) -> None:
+                        def run(nbytes: int = nbytes, calls: int = calls, result: dict[str, Any] = result) -> None:
                             result["ranks"] = strategy.extended.group.call(
-                                commands.run_function, (_loop, (nbytes, args.seconds + 2), {}))
+                                commands.run_function, (_loop, (nbytes, calls), {}))
 
                         runner = threading.Thread(target=run, daemon=True)
                         runner.start()
