@@ -68,13 +68,14 @@ def test_an_elastic_fit_without_failures_trains_as_a_plain_one(threaded_client):
 def test_a_worker_and_its_nanny_killed_mid_epoch_fit_finishes_with_the_uninterrupted_weights(process_workers):
     workers = process_workers(3)
     x, y = models.data(240)
-    train = Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)  # 10 steps per epoch
+    plain = Dataset.from_tensor_slices((x, y)).batch(24)  # 10 steps per epoch
+    train = plain.map(slow_batch)  # slowed until the kill lands
     weights = models.model().get_weights()
 
     with dd.MirroredStrategy(client=workers.client) as strategy:  # the uninterrupted run, today's strategy
         with strategy.scope():
             model = models.model(weights)
-        reference = model.fit(train, epochs=2, verbose=0)
+        reference = model.fit(plain, epochs=2, verbose=0)
         expected = model.get_weights()
 
     strategy = dd.MirroredStrategy(client=workers.client, elastic=dd.ElasticOptions(min_replicas=2))
@@ -179,7 +180,7 @@ def test_a_new_worker_is_admitted_when_the_group_is_below_min_replicas_and_gets_
     weights = models.model().get_weights()
     # the uninterrupted run on the same global batches: elastic epochs split them as TF does ("global"), the
     # split of in-memory rows (Dask data alone defaults to "balanced", which keeps rows where they live)
-    in_memory = Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)
+    in_memory = Dataset.from_tensor_slices((x, y)).batch(24)
     with dd.MirroredStrategy(client=workers.client) as strategy:
         with strategy.scope():
             model = models.model(weights)
@@ -329,6 +330,7 @@ def test_two_workers_killed_at_once_fit_finishes_on_the_other_two(process_worker
                     for victim in victims:
                         workers.kill(victim)
                     record["killed"] = True
+                    workers.slow_steps(False)  # the survivors cannot finish a step without them
                     return
                 time.sleep(0.02)
 
@@ -346,7 +348,7 @@ def test_two_workers_killed_at_once_fit_finishes_on_the_other_two(process_worker
     with dd.MirroredStrategy(client=workers.client) as strategy:  # the uninterrupted run, on the two left
         with strategy.scope():
             reference = models.model(weights)
-        reference.fit(train, epochs=1, verbose=0)
+        reference.fit(train, epochs=1, verbose=0)  # the switch is off since the kill: no slowing
         for got, want in zip(trained, reference.get_weights()):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
@@ -399,12 +401,13 @@ def test_a_retired_member_leaves_at_a_commit_with_no_rollback_and_the_strategy_t
     workers = process_workers(3)
     rows = 960  # 40 steps of about 0.12 s: a graceful close asked at step 3 lands within the epoch under load
     x, y = models.data(rows)
-    train = Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)
+    plain = Dataset.from_tensor_slices((x, y)).batch(24)
+    train = plain.map(slow_batch)  # slowed until the member has left
     weights = models.model().get_weights()
     with dd.MirroredStrategy(client=workers.client) as strategy:  # the uninterrupted run
         with strategy.scope():
             model = models.model(weights)
-        model.fit(train, epochs=1, verbose=0)
+        model.fit(plain, epochs=1, verbose=0)
         expected = model.get_weights()
     strategy = dd.MirroredStrategy(client=workers.client, elastic=dd.ElasticOptions(min_replicas=2))
     with strategy.scope():
@@ -421,6 +424,10 @@ def test_a_retired_member_leaves_at_a_commit_with_no_rollback_and_the_strategy_t
         else:  # what a worker's lifetime calls when it is reached
             workers.client.run(_close_gracefully, workers=[victim], wait=False)
             retired["answer"] = "asked"
+        deadline = time.monotonic() + 60
+        while victim in workers.client.scheduler_info()["workers"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        workers.slow_steps(False)  # it has left: the rest of the epoch needs no slowing
 
     thread = threading.Thread(target=retire, daemon=True)
     thread.start()
@@ -458,12 +465,13 @@ def test_a_retired_member_leaves_at_a_commit_with_no_rollback_and_the_strategy_t
 def test_a_free_worker_is_admitted_mid_epoch_at_a_commit_boundary(process_workers):
     workers = process_workers(3)
     x, y = models.data(240)
-    train = Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)  # 10 steps of about 0.12 s
+    plain = Dataset.from_tensor_slices((x, y)).batch(24)
+    train = plain.map(slow_batch)  # 10 steps of about 0.12 s
     weights = models.model().get_weights()
     with dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=workers.client) as strategy:
         with strategy.scope():
             model = models.model(weights)
-        reference = model.fit(train, epochs=1, verbose=0)
+        reference = model.fit(plain, epochs=1, verbose=0)
         expected = model.get_weights()
     options = dd.ElasticOptions(min_replicas=2, max_replicas=3, commit_every=2, admit_every="0.3s")
     with dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=workers.client, elastic=options) as strategy:

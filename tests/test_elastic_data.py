@@ -294,12 +294,13 @@ def test_after_a_restore_a_dropout_model_trains_as_the_uninterrupted_run(process
     """A worker killed mid-epoch and replaced: the replayed steps draw the dropout masks they drew before."""
     workers = process_workers(3)
     x, y = models.data(240)
-    train = Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)  # 10 steps of 8 rows per replica
+    plain = Dataset.from_tensor_slices((x, y)).batch(24)  # 10 steps of 8 rows per replica
+    train = plain.map(slow_batch)  # slowed until the kill lands
     weights = _dropout_model().get_weights()
     with dd.MirroredStrategy(client=workers.client) as strategy:
         with strategy.scope():
             model = _dropout_model(weights)
-        model.fit(train, epochs=1, verbose=0)
+        model.fit(plain, epochs=1, verbose=0)
         expected = model.get_weights()
     with dd.MirroredStrategy(client=workers.client, elastic=dd.ElasticOptions(
             min_replicas=3, commit_every=3, wait_timeout="90s")) as strategy:
@@ -377,12 +378,13 @@ def _small_model(weights=None):
 def test_a_shuffled_fit_that_loses_a_worker_ends_with_the_uninterrupted_shuffled_runs_weights(process_workers):
     workers = process_workers(3)
     x, y = models.data(240)
-    train = Dataset.from_tensor_slices((x, y)).shuffle(64, seed=9).batch(24).map(slow_batch)
+    plain = Dataset.from_tensor_slices((x, y)).shuffle(64, seed=9).batch(24)
+    train = plain.map(slow_batch)  # slowed until the kill lands
     weights = _small_model().get_weights()
     with dd.MirroredStrategy(client=workers.client, elastic=dd.ElasticOptions(min_replicas=2)) as strategy:
         with strategy.scope():
             model = _small_model(weights)
-        reference = model.fit(train, epochs=2, verbose=0)  # uninterrupted, the same seeded orders
+        reference = model.fit(plain, epochs=2, verbose=0)  # uninterrupted, the same seeded orders
         expected = model.get_weights()
     with dd.MirroredStrategy(client=workers.client,
                              elastic=dd.ElasticOptions(min_replicas=2, commit_every=2)) as strategy:
