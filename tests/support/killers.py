@@ -10,11 +10,14 @@ collective): ``worker_pid``, ``RunInBackground`` (the run in a thread, with what
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import threading
 import time
+
+import dask
 
 from daskdist.keras.models import PROGRESS_TOPIC
 
@@ -118,6 +121,19 @@ class Killer(_Watcher):
         self.thread.join(5)
         assert "killed" in self.record, "the replica never reached its fault point"
         return self.record
+
+
+@contextlib.contextmanager
+def killed_at(workers, marker, phase: str, step: int | str, rank: int):
+    """Within the block, the replica of ``rank`` pauses at ``phase`` of training step ``step`` (the optimizer's
+    iterations: they count on across epochs) and is killed there with its nanny; yields the ``Killer``.
+
+    A fault point (``daskdist.testing.pause-at``), not a sleep: the kill lands at that step however loaded
+    the machine is, and no step needs slowing down for it.
+    """
+    settings = {"daskdist.testing.pause-at": f"{phase}:{step}:{rank}", "daskdist.testing.pause-file": str(marker)}
+    with dask.config.set(settings):
+        yield Killer(marker, workers=workers)
 
 
 def reported_step(client, since: float, step: int, epoch: int | None = 0) -> bool:
