@@ -71,52 +71,36 @@ def _shared_process_cluster():
 
 
 @pytest.fixture(scope="module")
-def process_client(_shared_process_cluster):
+def process_client(request, _shared_process_cluster):
     """2 worker processes (with nannies) and a client, shared with the session's other modules.
 
     Starting them costs seconds on a loaded machine (two interpreters per worker importing dask and
     daskdist), once per session instead of once per module. Tests must leave both workers running and
     unconfigured; a module that needs processes nobody used before defines its own ``process_client``.
+    After a module in which a test failed (a timeout may leave replicas running there) the next module
+    gets new processes.
     """
-    return _shared_process_cluster.healthy()
+    failed = request.session.testsfailed
+    yield _shared_process_cluster.healthy()
+    if request.session.testsfailed != failed:
+        _shared_process_cluster.close()
 
 
 @pytest.fixture
-def make_cluster(warm_pool):
-    """Build a fresh cluster (and client) that the test may break; closed afterwards.
-
-    ``make_cluster(n)`` with worker processes and no other settings takes a fresh set of ``n`` ``dask worker``
-    processes (each with its nanny, as ``LocalCluster`` starts them) from the session's warm pool, built while
-    earlier tests ran; threads, or other settings, build a ``LocalCluster`` here.
-    """
-    from daskdist.collective.transport.shm_orphans import sweep_orphans
-
+def make_cluster():
+    """Build a fresh cluster (and client) that the test may break; closed afterwards."""
     made = []
 
     def make(n_workers: int = 2, processes: bool = True, **kwargs) -> Client:
-        if processes and not kwargs:
-            workers = warm_pool.take(n_workers)
-            made.append(workers)
-            return workers.client
         cluster = _cluster(n_workers, processes, **kwargs)
         client = Client(cluster, set_as_default=False)
-        made.append(_Made(cluster, client))
+        made.append((cluster, client))
         return client
 
     yield make
-    for cluster in made:
+    for cluster, client in made:
+        client.close()
         cluster.close()
-    if any(not isinstance(cluster, _Made) for cluster in made):
-        sweep_orphans()  # the shared-memory segments of replicas killed here (only those whose creator is gone)
-
-
-class _Made:
-    def __init__(self, cluster: LocalCluster, client: Client):
-        self.cluster, self.client = cluster, client
-
-    def close(self) -> None:
-        self.client.close()
-        self.cluster.close()
 
 
 class _NetnsHostsOfModule:
