@@ -27,7 +27,9 @@ run: $(STAMP)
 # (best effort, never fails; the test skips without it); scripts/ensure_iproute2.sh does the same for `ip`/`tc`
 # (iproute2), which the network-namespace host tests need (they skip without it, or without root)
 # `make test` runs the tests one at a time (PYTEST_WORKERS=0): on 2 cores, two pytest-xdist workers each starting
-# real worker processes (load 15-20) made the kill/elastic tests time out in one run of three (2026-11-25);
+# real worker processes (load 15-20) made the kill/elastic tests time out in one run of three and took 26.9 min
+# against 19.5 serially (2026-11-25); each xdist worker also starts its own shared cluster and warm pool
+# (tests/conftest.py), so a second one doubles the process start-ups the serial run shares;
 # `make test PYTEST_WORKERS=2` runs two workers, --dist loadgroup keeping each module's tests on one worker (its
 # module-scoped clusters start once) and every netns test in one group (tests/conftest.py). Every test runs.
 PYTEST_WORKERS ?= 0
