@@ -270,8 +270,7 @@ def fit(original: Callable[..., Any], model: Any, x: Any = None, y: Any = None, 
     if steps is None and elastic is not None:
         steps = elastic.input.steps_from(0, extended.num_replicas)
     elif steps is None:
-        planned = [s for s in train.plan().steps_per_replica() if s is not None]
-        steps = max(planned) if planned else None
+        steps = loops.planned_steps(train)
     verbose_level = 1 if verbose == "auto" else int(verbose)
     callback_list = keras.callbacks.CallbackList(
         callbacks, add_history=True, add_progbar=verbose_level != 0, verbose=verbose_level, epochs=epochs,

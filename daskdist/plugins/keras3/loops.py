@@ -22,7 +22,7 @@ from typing import Any
 
 from daskdist.plugins.keras3 import commands
 
-__all__ = ["BATCH_HOOKS", "evaluate", "execution_size", "needs_batch_hooks", "train_epoch"]
+__all__ = ["BATCH_HOOKS", "evaluate", "execution_size", "needs_batch_hooks", "planned_steps", "train_epoch"]
 
 #: The per-batch hooks of each loop (``on_batch_*`` are Keras' aliases of the training ones).
 BATCH_HOOKS = {
@@ -44,6 +44,12 @@ def needs_batch_hooks(callbacks: Any, loop: str) -> bool:
 def execution_size(model: Any) -> int:
     """Steps per command between per-batch callbacks: the model's ``steps_per_execution`` (TF's meaning)."""
     return max(1, int(getattr(model, "steps_per_execution", 1) or 1))
+
+
+def planned_steps(batches: Any) -> int | None:
+    """The steps of a distributed dataset's epoch as planned (``None``: not known before reading it)."""
+    planned = [s for s in batches.plan().steps_per_replica() if s is not None]
+    return max(planned) if planned else None
 
 
 def train_epoch(extended: Any, model_id: str, batches: Any, limit: int | None, steps: int | None, driver: Any,
@@ -87,6 +93,7 @@ def evaluate(extended: Any, model_id: str, batches: Any, steps: int | None, call
     if not per_batch:
         logs: dict[str, float] = extended.run_on_replicas(commands.evaluate, (model_id, batches, steps))[0]
     else:
+        steps = steps if steps is not None else planned_steps(batches)
         extended.run_on_replicas(commands.begin_loop, (model_id, "test", batches))
         step = 0
         try:
