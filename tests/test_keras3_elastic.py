@@ -19,6 +19,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import daskdist as dd  # noqa: E402
+from daskdist.plugins.keras3.backend import prepare_replica  # noqa: E402
 from tests.keras3_models import assert_replicas_identical, compile_model, dense_data, sequential, twin  # noqa: E402
 from tests.support.killers import kill_at_step  # noqa: E402
 from tests.support.models import slow_batch  # noqa: E402
@@ -53,6 +54,9 @@ def test_an_elastic_keras3_fit_without_failures_trains_as_one_process(threaded_c
 @pytest.mark.slow
 def test_a_worker_killed_mid_epoch_keras3_fit_finishes_with_the_uninterrupted_weights(process_workers):
     workers = process_workers(3)
+    # Keras and torch imported on the workers before the elastic group starts: an import that holds a loaded
+    # worker's GIL for seconds would miss the group's heartbeats (daskdist.group.heartbeat-timeout)
+    workers.client.run(prepare_replica, "torch")
     x, y = dense_data(rows=240)
     train = dd.data.Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)  # 10 steps per epoch
     options = dd.ElasticOptions(min_replicas=2, commit_every=2)
@@ -61,6 +65,8 @@ def test_a_worker_killed_mid_epoch_keras3_fit_finishes_with_the_uninterrupted_we
         with strategy.scope():
             model = compile_model(sequential(), _adam())
         plain = twin(model, sequential, _adam())  # the uninterrupted run: the same global batches, one process
+        model.evaluate(x[:24], y[:24], verbose=0)  # the model on the replicas before the kill watcher's clock starts
+        plain.evaluate(x[:24], y[:24], verbose=0)
         victim = strategy.extended.worker_addresses[1]
         thread, record = kill_at_step(workers, victim, step=5)
         history = model.fit(train, epochs=2, verbose=0)
