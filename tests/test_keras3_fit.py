@@ -152,7 +152,12 @@ def test_tutorial_callbacks_run_on_the_client_with_global_logs(threaded_client, 
 
         events = EventAccumulator(str(tmp_path / "logs" / "train"))
         events.Reload()
-        logged = [e.value for e in events.Scalars("epoch_loss")]
+        if "epoch_loss" in events.Tags()["scalars"]:  # tensorboardX (no TensorFlow installed): scalar events
+            logged = [e.value for e in events.Scalars("epoch_loss")]
+        else:  # TensorFlow installed: Keras writes tf.summary's tensor events
+            from tensorboard.util import tensor_util
+
+            logged = [float(tensor_util.make_ndarray(e.tensor_proto)) for e in events.Tensors("epoch_loss")]
         np.testing.assert_allclose(logged, [r[1]["loss"] for r in recorder.logs], rtol=1e-6)
 
 
