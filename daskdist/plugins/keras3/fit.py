@@ -61,7 +61,7 @@ def created(model: Any) -> None:
     if strategy is None or registry.lookup(model) is not None:
         return
     check_backend(keras_backend())
-    strategy.extended.step_driver()  # refuses strategies that cannot train framework models yet
+    _check_driver(strategy)
     registry.register(model, strategy)
     # this model's get_weights takes the replicas' weights first (bound on it alone: Keras' Layer.get_weights,
     # which every layer shares, stays Keras' own)
@@ -70,6 +70,16 @@ def created(model: Any) -> None:
 
     # before strategy.run ships a function, the built models created in this scope go to the replicas
     strategy.extended.provide_residents("keras3", functools.partial(references.place_models, strategy.extended))
+
+
+def _check_driver(strategy: Any) -> None:
+    """Refuse strategies whose step driver this adapter cannot use yet (it has no ``assign``/``update_rule``)."""
+    from daskdist.strategy.training_contract import SpmdStepDriver
+
+    if not isinstance(strategy.extended.step_driver(), SpmdStepDriver):
+        raise NotImplementedError(
+            f"{type(strategy).__name__} cannot train framework models (Keras 3) yet: use MirroredStrategy, "
+            "OneDeviceStrategy or MultiWorkerMirroredStrategy, or the built-in layers (daskdist.keras)")
 
 
 def created_optimizer(optimizer: Any) -> None:
