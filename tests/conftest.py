@@ -62,7 +62,8 @@ class _NetnsHostsOfModule:
     the order the tests run in.
     """
 
-    def __init__(self):
+    def __init__(self, tls: bool = False):
+        self.tls = tls
         self.hosts = None
         self.client = None
         self._previous = None
@@ -82,7 +83,7 @@ class _NetnsHostsOfModule:
         reason = unavailable_reason()
         if reason is not None:
             pytest.skip(reason)
-        self.hosts = start_hosts(2, 2, rate="10gbit")
+        self.hosts = start_hosts(2, 2, rate="10gbit", tls=self.tls)
 
         def on_sigterm(signum, frame):
             self.close()
@@ -90,7 +91,8 @@ class _NetnsHostsOfModule:
             os.kill(os.getpid(), signal.SIGTERM)
 
         self._previous = signal.signal(signal.SIGTERM, on_sigterm)
-        self.client = Client(self.hosts.scheduler_address, set_as_default=False, timeout=120)  # a loaded machine
+        self.client = Client(self.hosts.scheduler_address, set_as_default=False, timeout=120,  # a loaded machine
+                             security=self.hosts.security())
         self.client.wait_for_workers(4, timeout=60)
         return self.hosts, self.client
 
@@ -124,6 +126,20 @@ def netns_hosts(_netns_hosts_of_module):
     when the test process gets SIGTERM.
     """
     return _netns_hosts_of_module.healthy()
+
+
+@pytest.fixture(scope="module")
+def _netns_tls_hosts_of_module():
+    holder = _NetnsHostsOfModule(tls=True)
+    yield holder
+    holder.close()
+
+
+@pytest.fixture
+def netns_tls_hosts(_netns_tls_hosts_of_module):
+    """As ``netns_hosts``, on a ``tls://`` cluster (a temporary self-signed certificate): replicas talk over TLS."""
+    pytest.importorskip("cryptography")
+    return _netns_tls_hosts_of_module.healthy()
 
 
 @pytest.fixture(autouse=True)
