@@ -30,6 +30,7 @@ __all__ = [
     "SUPPORTED_BACKENDS",
     "OutsideScopeError",
     "UnsupportedBackendError",
+    "UnsupportedOptimizerError",
     "WeightsDifferError",
     "check_backend",
     "check_model",
@@ -44,6 +45,10 @@ def __getattr__(name: str) -> object:
         from daskdist.plugins.keras3.fit import OutsideScopeError
 
         return OutsideScopeError
+    if name == "UnsupportedOptimizerError":
+        from daskdist.plugins.keras3.update_rule import UnsupportedOptimizerError
+
+        return UnsupportedOptimizerError
     if name == "WeightsDifferError":
         from daskdist.plugins.keras3.commands import WeightsDifferError
 

@@ -27,7 +27,7 @@ from daskdist.ops import ReduceOp
 if TYPE_CHECKING:
     from daskdist.strategy.training_contract import GradientExchange
 
-__all__ = ["active", "apply_with_exchange", "mark_replica_optimizer"]
+__all__ = ["active", "apply_with_exchange", "count_step", "mark_replica_optimizer"]
 
 _local = threading.local()
 _replica_optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -66,6 +66,11 @@ def _numpy_views(grads: Sequence[Any], variables: Sequence[Any]) -> list[np.ndar
     return views
 
 
+def count_step(optimizer: Any) -> None:
+    """A step applied off the replica (the parameter holder or servers): advance ``iterations`` as ``apply`` would."""
+    optimizer.iterations.assign_add(1)
+
+
 def apply_with_exchange(optimizer: Any, grads: Sequence[Any], variables: Sequence[Any] | None,
                         original: Callable[..., Any]) -> Any:
     """``optimizer.apply(grads, variables)`` with the gradients exchanged first where a driver asks for it."""
@@ -81,6 +86,7 @@ def apply_with_exchange(optimizer: Any, grads: Sequence[Any], variables: Sequenc
         exchange, rows = entry
         reduced = exchange(_numpy_views(grads, targets), rows)
         if reduced is None:  # the driver assigned the new parameters (held off the replicas): nothing to apply
+            count_step(optimizer)
             return None
     else:
         ctx = context.get_replica_context()

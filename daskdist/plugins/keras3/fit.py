@@ -27,9 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from daskdist.plugins.keras3 import commands, loops, registry
+from daskdist.plugins.keras3 import commands, loops, registry, update_rule
 from daskdist.plugins.keras3.backend import check_backend, check_model, keras_backend
 from daskdist.plugins.keras3.payload import pack_model
+from daskdist.strategy.training_contract import ParameterHoldingDriver
 
 __all__ = [
     "OutsideScopeError",
@@ -73,13 +74,15 @@ def created(model: Any) -> None:
 
 
 def _check_driver(strategy: Any) -> None:
-    """Refuse strategies whose step driver this adapter cannot use yet (it has no ``assign``/``update_rule``)."""
+    """Refuse strategies whose step driver this adapter cannot use yet (ParameterServer: its closures)."""
+    from daskdist.strategy.held_drivers import HolderStepDriver
     from daskdist.strategy.training_contract import SpmdStepDriver
 
-    if not isinstance(strategy.extended.step_driver(), SpmdStepDriver):
+    if not isinstance(strategy.extended.step_driver(), (SpmdStepDriver, HolderStepDriver)):
         raise NotImplementedError(
             f"{type(strategy).__name__} cannot train framework models (Keras 3) yet: use MirroredStrategy, "
-            "OneDeviceStrategy or MultiWorkerMirroredStrategy, or the built-in layers (daskdist.keras)")
+            "OneDeviceStrategy, MultiWorkerMirroredStrategy or CentralStorageStrategy, or the built-in layers "
+            "(daskdist.keras)")
 
 
 def created_optimizer(optimizer: Any) -> None:
@@ -150,6 +153,29 @@ def _take_state(model: Any, state: dict[str, Any]) -> None:
     from daskdist.plugins.keras3.resident import assign_state
 
     assign_state(model, state)
+
+
+def _give_stored(model: Any, record: registry.Record, driver: Any) -> None:
+    """The client's weights and optimizer state replace the held copy (if one is held: else the first step's)."""
+    import keras
+
+    variables = list(model.trainable_variables)
+    rule = update_rule.update_rule(_optimizer(model))
+    driver.set_stored(record.strategy.client, len(variables),
+                      params=[np.array(keras.ops.convert_to_numpy(v.value), copy=True) for v in variables],
+                      rule_state=update_rule.rule_state(_optimizer(model), rule))
+
+
+def _take_stored(model: Any, record: registry.Record, driver: Any) -> None:
+    """Give the client's model the held parameters and optimizer state (checkpoints and ``save`` see them)."""
+    variables = list(model.trainable_variables)
+    stored = driver.stored_state(record.strategy.client, len(variables))
+    if stored is None:
+        return
+    for variable, value in zip(variables, stored["params"]):
+        variable.assign(np.asarray(value))
+    optimizer = _optimizer(model)
+    update_rule.assign_rule_state(optimizer, variables, update_rule.update_rule(optimizer), stored["rule_state"])
 
 
 def _pull(model: Any, record: registry.Record) -> None:
@@ -249,7 +275,10 @@ def fit(original: Callable[..., Any], model: Any, x: Any = None, y: Any = None, 
     if options is not None and (per_batch or per_test):
         raise NotImplementedError("per-batch callbacks (on_train_batch_*, on_test_batch_*) do not run under an "
                                   "elastic strategy yet: an elastic epoch is one command between commits")
-    driver = extended.step_driver()
+    driver = extended.step_driver(record.object_id)  # a stable key: the held parameters of this model
+    holding = isinstance(driver, ParameterHoldingDriver)
+    if holding:
+        update_rule.check_optimizer(_optimizer(model), type(record.strategy).__name__)
     elastic = None
     if options is None:
         train = _distribute(record, x, y, batch_size, shuffle, model)
@@ -275,7 +304,10 @@ def fit(original: Callable[..., Any], model: Any, x: Any = None, y: Any = None, 
     if validation_data is not None:
         val_data()
     _pull(model, record)
+    installed = record.fingerprint
     ensure_installed(model, record)
+    if holding and record.fingerprint != installed:
+        _give_stored(model, record, driver)
     steps = steps_per_epoch
     if steps is None and elastic is not None:
         steps = elastic.input.steps_from(0, extended.num_replicas)
@@ -313,6 +345,8 @@ def fit(original: Callable[..., Any], model: Any, x: Any = None, y: Any = None, 
                                         lambda: bool(model.stop_training), moved)
         logs = dict(results["logs"])
         _take_state(model, results["state"])
+        if holding:
+            _take_stored(model, record, driver)
         record.fingerprint = fingerprint(model)
         record.dirty = False
         if validation_data is not None:

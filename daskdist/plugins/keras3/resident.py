@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import uuid
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -25,6 +26,7 @@ import optree
 from daskdist import context
 from daskdist.ops import ReduceOp
 from daskdist.plugins.keras3 import exchange as exchange_module
+from daskdist.plugins.keras3 import update_rule as update_rule_module
 from daskdist.strategy.training_contract import GradientExchange, StepDriver
 
 __all__ = ["KerasTrainable", "SeedStates", "assign_state", "batch_rows", "split_variables", "to_tensors"]
@@ -85,12 +87,13 @@ class KerasTrainable:
         self._origin = uuid.uuid4().hex  # names this copy's random states in its snapshots
         self._metric_totals: list[np.ndarray] = []  # the epoch's metrics at the newest elastic commit
         self._resumed = False  # restored: resume_metrics puts the totals back at the next elastic epoch
+        self._rule: tuple[Any, Any] | None = None  # (the optimizer, its update rule) for held parameters
         self._offset_seeds(rank)
 
     # -- the training contract ---------------------------------------------------------
 
     def parameters(self) -> list[Any]:
-        return [v.value for v in self.model.trainable_variables]
+        return [v.value.detach() for v in self.model.trainable_variables]  # views: no autograd, no copy
 
     def train_step(self, batch: Any, exchange: GradientExchange) -> None:
         with exchange_module.active(_optimizer(self.model), exchange, batch_rows(batch)):
@@ -103,9 +106,30 @@ class KerasTrainable:
         zeros = [np.zeros(tuple(v.shape), dtype=_numpy_dtype(v)) for v in variables]
         reduced = exchange(zeros, 0)
         if reduced is None:  # the driver assigned the new parameters
+            exchange_module.count_step(_optimizer(self.model))
             return
         with torch.no_grad():
             _optimizer(self.model).apply([torch.from_numpy(g) for g in reduced], variables)
+
+    def assign(self, values: Sequence[Any | None]) -> None:
+        """Copy ``values`` (numpy, in ``parameters()`` order; ``None``: keep that one) into the trainable weights."""
+        import torch
+
+        with torch.no_grad():
+            for variable, value in zip(self.model.trainable_variables, values):
+                if value is not None:
+                    variable.assign(np.asarray(value))
+
+    def update_rule(self) -> Any:
+        """The optimizer as a parameter store runs it (``update_rule.update_rule``), at the current learning rate."""
+        optimizer = _optimizer(self.model)
+        if self._rule is None or self._rule[0] is not optimizer:
+            rule = update_rule_module.update_rule(optimizer)
+            rule.set_state(update_rule_module.rule_state(optimizer, rule))  # a loaded model's optimizer state
+            self._rule = (optimizer, rule)
+        rule = self._rule[1]
+        rule.learning_rate = float(np.asarray(optimizer.learning_rate))
+        return rule
 
     def snapshot(self) -> dict[str, Any]:
         """The model's weights, its optimizer's variables, its random generators' states (``SeedStates``) and

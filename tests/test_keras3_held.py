@@ -1,0 +1,123 @@
+"""Keras 3 models (torch backend) under CentralStorageStrategy: the parameters and optimizer state held once.
+
+Every replica runs Keras' forward and backward; the gradients go to the
+parameter holder, which applies Keras' update rule once on the one stored
+copy; the replicas' own optimizers never run. The result must be plain Keras
+in one process on the same global batches.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("KERAS_BACKEND", "torch")  # before keras is imported, here and in the workers
+pytest.importorskip("torch")
+pytest.importorskip("keras")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import daskdist as dd  # noqa: E402
+from daskdist.plugins.keras3 import UnsupportedOptimizerError, registry  # noqa: E402
+from tests.keras3_models import compile_model, dense_data, replica_states, sequential, twin  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+
+RTOL = 1e-5
+ATOL = 1e-6
+TWO = ["/cpu:0", "/cpu:1"]
+
+
+def tutorial_cnn():
+    """The TF distributed-training tutorial's model, on 28x28x1 input."""
+    return keras.Sequential([
+        keras.Input((28, 28, 1)),
+        keras.layers.Conv2D(32, 3, activation="relu"),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Flatten(),
+        keras.layers.Dense(64, activation="relu"),
+        keras.layers.Dense(10),
+    ])
+
+
+def mnist_shaped(rows=80, seed=3):
+    rng = np.random.default_rng(seed)
+    x = rng.random((rows, 28, 28, 1), dtype=np.float32)
+    return x, (x[:, :14].sum(axis=(1, 2, 3)) > x[:, 14:].sum(axis=(1, 2, 3))).astype(np.int64) * 3
+
+
+def _optimizer(kind):
+    return keras.optimizers.Adam(0.001) if kind == "adam" else keras.optimizers.SGD(0.05, momentum=0.9)
+
+
+def _assert_same_weights(a, b):
+    for x, y in zip(a.get_weights(), b.get_weights()):
+        np.testing.assert_allclose(x, y, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_central_storage_fit_evaluate_predict_equal_one_process(threaded_client, kind):
+    x, y = mnist_shaped()  # 3 global batches of 32, 32, 16: each replica 16, 16, 8
+    with dd.experimental.CentralStorageStrategy(TWO, client=threaded_client) as strategy:
+        with strategy.scope():
+            model = compile_model(tutorial_cnn(), _optimizer(kind))
+        plain = twin(model, tutorial_cnn, _optimizer(kind))
+        history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        expected = plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        _assert_same_weights(model, plain)
+        for key in ("loss", "accuracy"):
+            np.testing.assert_allclose(history.history[key], expected.history[key], rtol=RTOL)
+        # the optimizer state the client's model shows (checkpoints, save) is plain Keras' own
+        assert int(model.optimizer.iterations) == int(plain.optimizer.iterations) == 6
+        for a, b in zip(model.optimizer.variables, plain.optimizer.variables):
+            np.testing.assert_allclose(np.asarray(a.numpy()), np.asarray(b.numpy()), rtol=1e-4, atol=ATOL)
+
+        # held once: the store has the parameters and the slots; the replicas' optimizers never ran (Keras' load
+        # builds their slots: zeros they keep)
+        record = registry.lookup(model)
+        driver = strategy.extended.step_driver(record.object_id)
+        stored = driver.stored_state(threaded_client, len(model.trainable_variables))
+        for held, weight in zip(stored["params"], model.trainable_variables):
+            np.testing.assert_array_equal(held, np.asarray(weight.numpy()))
+        slots = [name for name in stored["rule_state"] if "/" in name]
+        assert len(slots) == (2 if kind == "adam" else 1) * len(model.trainable_variables)
+        for state in replica_states(strategy, model):
+            assert int(state["optimizer"][0]) == 6  # the steps taken (on the holder)
+            assert not any(np.any(slot) for slot in state["optimizer"][2:])
+            for a, b in zip(state["variables"], model.get_weights()):
+                np.testing.assert_array_equal(a, b)
+
+        assert model.evaluate(x, y, batch_size=32, verbose=0) == pytest.approx(
+            plain.evaluate(x, y, batch_size=32, verbose=0), rel=RTOL)
+        np.testing.assert_allclose(model.predict(x, verbose=0), plain.predict(x, verbose=0), rtol=RTOL, atol=ATOL)
+
+        # set_weights on the client replaces the held copy: the next fit trains from it, as plain Keras does
+        plain.set_weights([w * 0.5 for w in plain.get_weights()])
+        model.set_weights(plain.get_weights())
+        model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+        plain.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+        _assert_same_weights(model, plain)
+
+
+def test_unsupported_optimizers_are_refused_naming_the_supported_ones(threaded_client):
+    x, y = dense_data(rows=32)
+    with dd.experimental.CentralStorageStrategy(TWO, client=threaded_client) as strategy:
+        for optimizer, match in [(keras.optimizers.Adagrad(0.1), "run keras.optimizers.SGD, keras.optimizers.Adam, "
+                                  "keras.optimizers.RMSprop .*got keras.*Adagrad"),
+                                 (keras.optimizers.Adam(0.1, clipnorm=1.0), r"without \['clipnorm'\]"),
+                                 (keras.optimizers.Adam(0.1, amsgrad=True), r"without \['amsgrad'\]")]:
+            with strategy.scope():
+                model = compile_model(sequential(), optimizer)
+            before = model.get_weights()
+            with pytest.raises(UnsupportedOptimizerError, match=match):
+                model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+            for a, b in zip(before, model.get_weights()):  # nothing trained, nothing lost
+                np.testing.assert_array_equal(a, b)
+        with strategy.scope():
+            model = compile_model(sequential(), keras.optimizers.RMSprop(0.01, momentum=0.5))
+        plain = twin(model, sequential, keras.optimizers.RMSprop(0.01, momentum=0.5))
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)  # RMSprop is held too
+        plain.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        _assert_same_weights(model, plain)
