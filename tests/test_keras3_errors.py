@@ -50,8 +50,11 @@ def test_model_created_outside_the_scope_is_refused_inside_it(threaded_client):
 
 
 def test_strategies_without_a_driver_refuse_keras3_models(threaded_client):
-    with dd.experimental.CentralStorageStrategy(TWO, client=threaded_client) as strategy, strategy.scope():
-        with pytest.raises(NotImplementedError, match="CentralStorageStrategy cannot train framework models"):
+    workers = sorted(threaded_client.scheduler_info()["workers"])
+    resolver = dd.cluster_resolver.SimpleClusterResolver(
+        dd.cluster_resolver.ClusterSpec({"ps": workers[:1], "worker": workers[1:]}))
+    with dd.ParameterServerStrategy(resolver, client=threaded_client) as strategy, strategy.scope():
+        with pytest.raises(NotImplementedError, match="ParameterServerStrategy cannot train framework models"):
             sequential()
 
 
