@@ -19,11 +19,14 @@ import ssl
 import time
 from typing import Any
 
-from daskdist import serialization
+from daskdist import serialization, wire
 from daskdist.exceptions import ReplicaLostError
-from daskdist.group.frames import HELLO, read_response, send_request
+from daskdist.wire.tls import client_context as client_ssl_context
 
-__all__ = ["WAIT_ENDING_KINDS", "CommandChannels", "client_ssl_context"]
+__all__ = ["PROTOCOL", "WAIT_ENDING_KINDS", "CommandChannels", "client_ssl_context", "send_request"]
+
+#: The command channel's name in the wire hello (``daskdist.wire.hello``).
+PROTOCOL = "daskdist-command-2"
 
 logger = logging.getLogger(__name__)
 
@@ -44,23 +47,14 @@ class CommandChannels:
     """
 
     def __init__(self, secret: str, ssl_context: ssl.SSLContext | None = None):
-        self._hello = HELLO + secret.encode()
+        self._secret = secret
         self._ssl_context = ssl_context
         self._sockets: dict[str, socket.socket] = {}
 
     def connect(self, address: str, endpoint: tuple[str, int], timeout: float = 10) -> None:
         """Open the channel to the replica on worker ``address`` (listening at ``endpoint``)."""
-        sock = socket.create_connection((endpoint[0], int(endpoint[1])), timeout=timeout)
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self._ssl_context is not None:
-                sock = self._ssl_context.wrap_socket(sock, server_hostname=endpoint[0])
-            sock.sendall(self._hello)
-            sock.settimeout(None)
-        except BaseException:
-            sock.close()
-            raise
-        self._sockets[address] = sock
+        self._sockets[address] = wire.connect(endpoint, PROTOCOL, self._secret, ssl_context=self._ssl_context,
+                                              timeout=timeout)
 
     def has(self, addresses: list[str]) -> bool:
         """Whether every one of ``addresses`` has an open channel."""
@@ -76,7 +70,6 @@ class CommandChannels:
         may never answer: a host cut off), ends the wait at once. Ranks that
         never answered map to ``None``.
         """
-        settings_bytes = pickle.dumps(settings, protocol=pickle.HIGHEST_PROTOCOL) if settings is not None else b""
         responses: dict[int, dict[str, Any] | None] = dict.fromkeys(targets)
         pending: dict[int, int] = {}  # fd -> rank
         failed = lost = False
@@ -85,7 +78,7 @@ class CommandChannels:
             try:
                 if sock is None:
                     raise ConnectionError("no command channel")
-                send_request(sock, run_id, generation, settings_bytes, payloads[rank])
+                send_request(sock, run_id, generation, settings, payloads[rank])
             except (OSError, ConnectionError, ssl.SSLError) as e:
                 responses[rank] = self._lost(rank, address, e)
                 failed = lost = True
@@ -122,7 +115,7 @@ class CommandChannels:
         """The answer to ``run_id`` on ``address``'s channel, skipping answers to earlier calls."""
         sock = self._sockets[address]
         while True:
-            response = read_response(sock)
+            response: dict[str, Any] = wire.recv_message(sock)
             if response.get("run_id", run_id) == run_id:
                 return response
 
@@ -144,10 +137,10 @@ class CommandChannels:
         self._sockets.clear()
 
 
-def client_ssl_context(client: Any) -> ssl.SSLContext | None:
-    """The client's TLS context for connecting to workers, or ``None`` on plain TCP clusters."""
-    address = getattr(getattr(client, "scheduler", None), "address", "") or ""
-    if not str(address).startswith("tls://"):
-        return None
-    context: ssl.SSLContext | None = client.security.get_connection_args("client").get("ssl_context")
-    return context
+def send_request(sock: socket.socket, run_id: int, generation: int, settings: dict[str, Any] | None,
+                 payload: bytes) -> None:
+    """Send one command: its run, generation, the client's new settings (or ``None``) and the pickled command.
+
+    One wire message; the payload travels out of band (written as it lies, no copy into the frame).
+    """
+    wire.send_message(sock, (run_id, generation, settings, pickle.PickleBuffer(payload)))

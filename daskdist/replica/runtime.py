@@ -52,8 +52,9 @@ from daskdist.replica.context import ReplicaContext
 from daskdist.replica.events import StepEventShipper
 from daskdist.replica.strategy_view import ReplicaStrategyView
 from daskdist.replica.timing import StepTimer
-from daskdist.replica.wiring import Wiring, tls_contexts, wire
+from daskdist.replica.wiring import Wiring, wire
 from daskdist.variables import VariableSpec, check_same_spec_on_every_replica, distributed_variable_class
+from daskdist.wire.tls import worker_contexts
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -91,7 +92,7 @@ class ReplicaRuntime:
         self._wiring: Wiring = self._wire(spec.membership, rank)
         self._server: CommandServer | None = None
         if config.get("client.command-channel", "direct") == "direct":
-            self._server = CommandServer(get_address_host(worker.address), spec.secret, tls_contexts(worker)[0])
+            self._server = CommandServer(get_address_host(worker.address), spec.secret, worker_contexts(worker)[0])
         self.context = ReplicaContext(self)
         self.context.bind(self._wiring.group)
         self.strategy_view = ReplicaStrategyView(self)
@@ -441,7 +442,7 @@ class ReplicaRuntime:
         error = ReplicaLostError(f"replica {self.rank} of {self.group_id} is closed", worker=self.worker.address)
         return serialization.error_message(error, self.rank, self.worker.address)
 
-    def _execute(self, run_id: int, payload: bytes, generation: int = 0, settings: dict | None = None) -> dict:
+    def _execute(self, run_id: int, payload: bytes | memoryview, generation: int = 0, settings: dict | None = None) -> dict:
         if settings is not None:  # the client's daskdist.* keys changed since its last command
             self.spec.config = settings
             config.install_snapshot(settings)
