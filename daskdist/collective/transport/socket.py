@@ -51,6 +51,7 @@ from daskdist.collective.transport.base import CompletedSend, SendHandle, Transp
 from daskdist.collective.transport.framing import HEADER, decode, describe_payload, encode, pack_header, unpack_header
 from daskdist.collective.transport.shm_channel import usable_cores
 from daskdist.exceptions import CollectiveTimeoutError, ReplicaLostError
+from daskdist.wire.frames import Buffer
 
 __all__ = ["PROTOCOL", "SocketTransport", "busy_poll_seconds"]
 
@@ -231,13 +232,19 @@ class SocketTransport(Transport):
             inline = data.nbytes <= self.inline_bytes and peer.pending == 0
             if not inline:
                 peer.pending += 1
-        handle = _Send(dst, str(self._peer_addresses.get(dst)))
         if not inline:
+            handle = _Send(dst, str(self._peer_addresses.get(dst)))
             self._sender(dst, peer).put((tag, kind, data, dtype, shape, handle))
             return handle
         with peer.write_lock:  # the calling thread writes: nothing queued for this peer before it
-            self._write(dst, peer, tag, kind, data, dtype, shape, handle)
-        return CompletedSend() if handle.error is None else handle
+            error = self._write(dst, peer, tag, kind, data, dtype, shape)
+        if error is None:
+            return CompletedSend()
+        self._send_failed(dst, error)
+        failed = _Send(dst, str(self._peer_addresses.get(dst)))
+        failed.error = error
+        failed.done.set()
+        return failed
 
     def _peer(self, dst: int) -> _Peer:
         peer = self._peers.get(dst)
@@ -263,21 +270,26 @@ class SocketTransport(Transport):
                             heartbeat=self.heartbeat_timeout, timeout=self.heartbeat_timeout or None)
 
     def _write(self, dst: int, peer: _Peer, tag: Tag, kind: int, data: np.ndarray, dtype: str,
-               shape: tuple[int, ...], handle: _Send) -> None:
-        """Write one frame (the caller holds ``peer.write_lock``); errors go to ``handle``."""
+               shape: tuple[int, ...]) -> BaseException | None:
+        """Write one frame, header and payload in one ``sendmsg`` (the caller holds ``peer.write_lock``); the
+        error, if it failed."""
         try:
             if peer.sock is None:
                 peer.sock = self._connect(dst)
             pack_header(peer.header, 0, tag, kind, dtype, shape, data.nbytes, 0, data.nbytes)
-            parts: list[wire.frames.Buffer] = [peer.header]
+            parts: list[Buffer] = [peer.header]
             if data.nbytes:
                 parts.append(data.reshape(-1).view(np.uint8).data)
             self.sent_bytes[dst] = self.sent_bytes.get(dst, 0) + wire.send_parts(peer.sock, parts)
         except BaseException as e:
-            handle.error = e
-            if not self._closed and isinstance(e, (OSError, ssl.SSLError)) and not isinstance(e, wire.PeerClosed):
-                self._peer_lost(dst, f"sending to it failed: {e!r}")
-        handle.done.set()
+            return e
+        return None
+
+    def _send_failed(self, dst: int, error: BaseException) -> None:
+        """A write to ``dst`` failed (called without ``write_lock``): a connection that failed without being
+        closed reports its peer lost."""
+        if not self._closed and isinstance(error, (OSError, ssl.SSLError)) and not isinstance(error, wire.PeerClosed):
+            self._peer_lost(dst, f"sending to it failed: {error!r}")
 
     def _send_loop(self, dst: int, peer: _Peer) -> None:
         while True:
@@ -286,9 +298,12 @@ class SocketTransport(Transport):
                 return
             tag, kind, data, dtype, shape, handle = job
             with peer.write_lock:
-                self._write(dst, peer, tag, kind, data, dtype, shape, handle)
+                handle.error = self._write(dst, peer, tag, kind, data, dtype, shape)
                 with peer.guard:
                     peer.pending -= 1
+            if handle.error is not None:
+                self._send_failed(dst, handle.error)
+            handle.done.set()
 
     # -- heartbeats ----------------------------------------------------------------
 
