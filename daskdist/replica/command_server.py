@@ -45,7 +45,7 @@ class CommandServer:
     host
         The interface to listen on (the worker's host).
     secret
-        What a client must present after ``HELLO`` (the group's secret, known only to its client).
+        What a client must present in its wire hello (the group's secret, known only to its client).
     ssl_context
         The server's TLS context, or ``None`` for plain TCP.
     """
