@@ -16,6 +16,7 @@ import pickle
 import select
 import socket
 import ssl
+import struct
 import time
 from typing import Any
 
@@ -23,10 +24,12 @@ from daskdist import serialization, wire
 from daskdist.exceptions import ReplicaLostError
 from daskdist.wire.tls import client_context as client_ssl_context
 
-__all__ = ["PROTOCOL", "WAIT_ENDING_KINDS", "CommandChannels", "client_ssl_context", "send_request"]
+__all__ = ["PROTOCOL", "REQUEST", "WAIT_ENDING_KINDS", "CommandChannels", "client_ssl_context", "send_request"]
 
 #: The command channel's name in the wire hello (``daskdist.wire.hello``).
 PROTOCOL = "daskdist-command-2"
+#: A command's header: run id, generation, settings bytes, payload bytes (answers are ``daskdist.wire`` messages).
+REQUEST = struct.Struct("<qqQQ")
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +73,7 @@ class CommandChannels:
         may never answer: a host cut off), ends the wait at once. Ranks that
         never answered map to ``None``.
         """
+        settings_bytes = pickle.dumps(settings, protocol=pickle.HIGHEST_PROTOCOL) if settings is not None else b""
         responses: dict[int, dict[str, Any] | None] = dict.fromkeys(targets)
         pending: dict[int, int] = {}  # fd -> rank
         failed = lost = False
@@ -78,7 +82,7 @@ class CommandChannels:
             try:
                 if sock is None:
                     raise ConnectionError("no command channel")
-                send_request(sock, run_id, generation, settings, payloads[rank])
+                send_request(sock, run_id, generation, settings_bytes, payloads[rank])
             except (OSError, ConnectionError, ssl.SSLError) as e:
                 responses[rank] = self._lost(rank, address, e)
                 failed = lost = True
@@ -137,10 +141,7 @@ class CommandChannels:
         self._sockets.clear()
 
 
-def send_request(sock: socket.socket, run_id: int, generation: int, settings: dict[str, Any] | None,
-                 payload: bytes) -> None:
-    """Send one command: its run, generation, the client's new settings (or ``None``) and the pickled command.
-
-    One wire message; the payload travels out of band (written as it lies, no copy into the frame).
-    """
-    wire.send_message(sock, (run_id, generation, settings, pickle.PickleBuffer(payload)))
+def send_request(sock: socket.socket, run_id: int, generation: int, settings: bytes, payload: bytes) -> None:
+    """Send one command: a fixed header (``REQUEST``), the pickled new settings (empty when unchanged) and
+    the pickled command, in one ``sendmsg`` (``daskdist.wire.frames``)."""
+    wire.send_parts(sock, [REQUEST.pack(run_id, generation, len(settings), len(payload)), settings, payload])

@@ -21,7 +21,7 @@ import ssl
 from typing import Any
 
 from daskdist import wire
-from daskdist.group.channel import PROTOCOL
+from daskdist.group.channel import PROTOCOL, REQUEST
 
 __all__ = ["CommandServer", "Request"]
 
@@ -32,9 +32,11 @@ Request = tuple[int, int, "dict[str, Any] | None", memoryview]
 
 
 def read_request(sock: socket.socket) -> Request:
-    """Read one command sent by ``daskdist.group.channel.send_request``."""
-    run_id, generation, settings, payload = wire.recv_message(sock)
-    return int(run_id), int(generation), settings, payload
+    """Read one command sent by ``daskdist.group.channel.send_request`` (two reads: header, then body)."""
+    run_id, generation, n_settings, n_payload = REQUEST.unpack(wire.recv_exactly(sock, REQUEST.size))
+    body = memoryview(wire.recv_exactly(sock, n_settings + n_payload))
+    settings: dict[str, Any] | None = pickle.loads(body[:n_settings]) if n_settings else None
+    return run_id, generation, settings, body[n_settings:]
 
 
 class CommandServer:
