@@ -52,6 +52,7 @@ from daskdist.collective.transport.framing import HEADER, decode, describe_paylo
 from daskdist.collective.transport.shm_channel import usable_cores
 from daskdist.exceptions import CollectiveTimeoutError, ReplicaLostError
 from daskdist.wire.frames import Buffer
+from daskdist.wire.heartbeat import failed_without_close
 
 __all__ = ["PROTOCOL", "SocketTransport", "busy_poll_seconds"]
 
@@ -201,7 +202,12 @@ class SocketTransport(Transport):
                     start = end = 0
                 self.mailbox.put(tag, decode(kind, dtype, shape, data))
         except wire.PeerClosed as e:
-            if not self._closed:
+            if self._closed:
+                pass
+            elif failed_without_close(conn):  # TLS reads a heartbeat-failed connection as end of stream
+                self._peer_lost(peer, "receiving from it failed: the TLS connection failed: no answer within the "
+                                      "heartbeat timeout, or reset")
+            else:
                 logger.debug("TCP reader of replica %d stopped: %s", self.rank, e)
         except (OSError, ssl.SSLError) as e:
             if not self._closed:
