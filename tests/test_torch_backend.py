@@ -286,11 +286,11 @@ def _init_and_sum():
 def test_a_closed_strategy_leaves_no_torch_group_and_a_new_strategy_inits_again(process_client):
     """The replica's close destroys the torch group it made (a close callback), not the next init."""
     with dd.MirroredStrategy(client=process_client) as strategy:
-        assert strategy.experimental_local_results(strategy.run(_init_and_sum)) == [[2.0, 2.0]] * 2
+        assert list(strategy.experimental_local_results(strategy.run(_init_and_sum))) == [[2.0, 2.0]] * 2
         assert list(process_client.run(_initialised).values()) == [True, True]
     assert list(process_client.run(_initialised).values()) == [False, False]
     with dd.MirroredStrategy(client=process_client) as strategy:
-        assert strategy.experimental_local_results(strategy.run(_init_and_sum)) == [[2.0, 2.0]] * 2
+        assert list(strategy.experimental_local_results(strategy.run(_init_and_sum))) == [[2.0, 2.0]] * 2
 
 
 def _mismatched():

@@ -233,7 +233,7 @@ def _resolve(token: str, model_id: str) -> TorchReplicaModel:
     resident = runtime.objects.find(MODEL, model_id)
     if resident is None:
         raise RuntimeError(f"replica {runtime.rank} of {token} holds no TorchModel {model_id!r}")
-    return resident  # type: ignore[no-any-return]
+    return resident
 
 
 def _module_state(service: Any, model_id: str) -> dict[str, Any]:
