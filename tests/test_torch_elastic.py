@@ -67,6 +67,16 @@ def _pause_here(marker: str) -> None:
     time.sleep(120)
 
 
+def _import_torch():
+    """Run on each worker before the elastic group exists: torch's first import holds the GIL for seconds,
+    long enough under load for the scheduler's elastic heartbeat watch to declare the worker lost."""
+    import importlib
+
+    for name in ("torch", "torch.distributed", "torch.nn.parallel", "tests.test_torch_elastic",
+                 "daskdist.plugins.torch.model", "daskdist.plugins.torch.backend"):
+        importlib.import_module(name)
+
+
 def step(model, batch, steps, marker):
     """One DDP step on this replica's part of the global batch; what the test checks of the group."""
     import torch.distributed as dist
@@ -86,11 +96,15 @@ def step(model, batch, steps, marker):
 def test_a_torch_ddp_loop_survives_a_kill_mid_epoch_with_the_uninterrupted_weights(process_workers, tmp_path,
                                                                                        where):
     workers = process_workers(3)
+    workers.client.run(_import_torch)  # as a user's `dask worker --preload torch` does (docs/torch.md)
     x, y = _data()
     dataset = dd.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
     marker = str(tmp_path / "paused.json")
     settings = {"daskdist.testing.pause-at": f"state-commit:{KILL_STEP + 2}:1",  # commit 1 is the start's
                 "daskdist.testing.pause-file": marker} if where == "state-commit" else {}
+    # a kill -9 is seen at once (the worker's connection closes); the heartbeat watch is for silent workers,
+    # and torch's long GIL-holding calls on a machine under load 30-40 made it take live ones for lost
+    settings["daskdist.elastic.heartbeat-timeout"] = "60s"
     seen = []
     with dask.config.set(settings), dd.MirroredStrategy(
             client=workers.client, elastic=dd.ElasticOptions(min_replicas=2)) as strategy:
