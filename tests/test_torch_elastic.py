@@ -1,12 +1,13 @@
 """Elastic torch: a ``dd.elastic.State`` holding a ``TorchModel`` trains with stock DDP on the daskdist backend
 and survives a kill -9 of a worker (and its nanny) mid-epoch (issue 20, item 4).
 
-The kill is placed at a step: the replica of rank 1 in the first generation stops inside its step
-(between forward and backward, so the others wait in DDP's bucket all-reduce) or just after it
-committed (``state-commit`` fault point: the reply of a commit every member made is lost), and the
-test's ``Killer`` kills it there. The run finishes on the two survivors: the torch group is re-made
-for the new generation, DDP re-wrapped, the newest commit restored (weights and SGD momentum), and the
-weights end within rtol 1e-5 of one process on the same global batches, every row committed once.
+The kill is placed at a step: the replica of rank 1 in the first generation stops inside its step,
+either between forward and backward (the others wait in DDP's bucket all-reduce, which must raise
+there, not crash them) or after its optimizer step (the others have applied that step too, which the
+recovery must roll back: the restore of weights and SGD momentum is what keeps the result right), and
+the test's ``Killer`` kills it there. The run finishes on the two survivors: the torch group is re-made
+for the new generation, DDP re-wrapped, the newest commit restored, and the weights end within rtol
+1e-5 of one process on the same global batches, every row committed once.
 """
 
 from __future__ import annotations
@@ -77,22 +78,25 @@ def _import_torch():
         importlib.import_module(name)
 
 
-def step(model, batch, steps, marker):
+def step(model, batch, steps, where, marker):
     """One DDP step on this replica's part of the global batch; what the test checks of the group."""
     import torch.distributed as dist
 
     x, y = batch
     ddp = model.ddp()  # the group and the wrapper of this generation
+    here = steps == KILL_STEP and dist.get_rank() == 1 and dist.get_world_size() == 3
     model.optimizer.zero_grad()
     loss = torch.nn.functional.cross_entropy(ddp(torch.from_numpy(x)), torch.from_numpy(y))
-    if marker and steps == KILL_STEP and dist.get_rank() == 1 and dist.get_world_size() == 3:
+    if here and where == "backward":
         _pause_here(marker)  # killed here; the others wait in backward's bucket all-reduce
     loss.backward()
     model.optimizer.step()
+    if here and where == "apply":
+        _pause_here(marker)  # killed here; the others applied this step, which the recovery rolls back
     return [dist.get_world_size(), dist.get_backend(), len(x)]
 
 
-@pytest.mark.parametrize("where", ["backward", "state-commit"])
+@pytest.mark.parametrize("where", ["backward", "apply"])
 def test_a_torch_ddp_loop_survives_a_kill_mid_epoch_with_the_uninterrupted_weights(process_workers, tmp_path,
                                                                                        where):
     workers = process_workers(3)
@@ -100,11 +104,9 @@ def test_a_torch_ddp_loop_survives_a_kill_mid_epoch_with_the_uninterrupted_weigh
     x, y = _data()
     dataset = dd.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
     marker = str(tmp_path / "paused.json")
-    settings = {"daskdist.testing.pause-at": f"state-commit:{KILL_STEP + 2}:1",  # commit 1 is the start's
-                "daskdist.testing.pause-file": marker} if where == "state-commit" else {}
     # a kill -9 is seen at once (the worker's connection closes); the heartbeat watch is for silent workers,
     # and torch's long GIL-holding calls on a machine under load 30-40 made it take live ones for lost
-    settings["daskdist.elastic.heartbeat-timeout"] = "60s"
+    settings = {"daskdist.elastic.heartbeat-timeout": "60s"}
     seen = []
     with dask.config.set(settings), dd.MirroredStrategy(
             client=workers.client, elastic=dd.ElasticOptions(min_replicas=2)) as strategy:
@@ -116,8 +118,7 @@ def test_a_torch_ddp_loop_survives_a_kill_mid_epoch_with_the_uninterrupted_weigh
         def train(state):
             while state.epoch < EPOCHS:
                 for batch in state.batches(dataset):
-                    out = strategy.run(step, args=(state.model, batch, state.steps,
-                                                   marker if where == "backward" else None))
+                    out = strategy.run(step, args=(state.model, batch, state.steps, where, marker))
                     seen.append((state.epoch, state.batch, strategy.experimental_local_results(out)))
                     state.steps += 1
                     state.commit()
@@ -129,7 +130,7 @@ def test_a_torch_ddp_loop_survives_a_kill_mid_epoch_with_the_uninterrupted_weigh
         assert record["pid"] != os.getpid()
         (event,) = state.events
         assert event.lost == [victim] and len(event.members) == 2, event
-        assert event.commit[1] == KILL_STEP + 1 + (where == "state-commit")  # the newest commit all hold
+        assert event.commit[1] == KILL_STEP + 1  # the newest commit all hold (1: the start's), then replayed
         assert state.steps == EPOCHS * ROWS // GLOBAL_BATCH and state.epoch == EPOCHS
         # every global batch trained once on the members of its time: 3 replicas of 4 rows, then 2 of 6
         sizes = [[r[0] for r in results] for _, _, results in seen]
