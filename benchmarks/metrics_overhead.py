@@ -20,7 +20,7 @@ both alike.
 Loops (``--loop``, all by default):
 
 * ``replica``: the training loop inside the replicas, as ``fit`` runs it: each
-  step the step ``fit`` makes (``daskdist.keras.training._train_step``:
+  step the step ``fit`` makes (``daskdist.keras.training.train_step``:
   forward, loss gradient, backward, one fused gradient all-reduce, Adam update,
   on a batch held by the replica), wrapped in ``runtime.run_step`` (step timer
   plus shipping): the most direct end-to-end comparison, without client round
@@ -121,14 +121,14 @@ def _hold_batch(images: np.ndarray, labels: np.ndarray) -> None:
 
 def _train_step(model_id: str) -> float:
     """One training step of the resident model on the resident batch: what ``fit`` does per step."""
-    import daskdist as dd
     from daskdist import context
     from daskdist.keras import training
+    from daskdist.strategy.training_contract import SpmdStepDriver
 
     runtime = context.current_runtime()
-    model = runtime.objects.get("model", model_id).model
+    trainable = runtime.objects.get("model", model_id)
     x, y = runtime.objects.get("batch", "bench")
-    loss, _ = training._train_step(model, dd.get_replica_context(), x, y, None, runtime.timer)
+    loss, _ = training.train_step(trainable, SpmdStepDriver(), x, y, None, runtime.timer)
     return loss
 
 
@@ -140,21 +140,20 @@ def _replica_loop(model_id: str, steps: int, ship: bool) -> np.ndarray:
     ``ship`` switches this replica's ``log-events`` for the duration of the loop. Returns the seconds per step
     (an array: one leaf, so ``strategy.run`` gives a ``PerReplica`` of them).
     """
-    import daskdist as dd
     from daskdist import context
     from daskdist.keras import training
+    from daskdist.strategy.training_contract import SpmdStepDriver
 
     runtime = context.current_runtime()
-    model = runtime.objects.get("model", model_id).model
+    trainable = runtime.objects.get("model", model_id)
     x, y = runtime.objects.get("batch", "bench")
-    ctx = dd.get_replica_context()
-    step_args = (model, ctx, x, y, None, runtime.timer)
+    step_args = (trainable, SpmdStepDriver(), x, y, None, runtime.timer)
     saved, runtime._log_events = runtime._log_events, ship
     times = []
     try:
         for _ in range(steps):
             start = time.perf_counter()
-            runtime.run_step(training._train_step, step_args, {})
+            runtime.run_step(training.train_step, step_args, {})
             times.append(time.perf_counter() - start)
     finally:
         runtime._log_events = saved

@@ -406,7 +406,6 @@ PRIVATE_ACCESS_ALLOWED = {
     ("elastic/fit.py", "_strategy"): "the model's strategy",
     ("elastic/fit.py", "_tag"): "the model's fit tag",
     ("elastic/fit.py", "_train"): "Keras' training loop",
-    ("elastic/recovery.py", "_ask_scheduler"): "the group handle's scheduler calls",
     ("elastic/replica.py", "_ensure_built"): "Keras' build on a replica",
     ("elastic/replica.py", "_require_built"): "Keras' build check on a replica",
     ("elastic/state.py", "_model_id"): "the model's resident id",

@@ -214,12 +214,12 @@ def test_a_shuffle_without_reshuffling_or_with_a_cache_after_it_keeps_one_order(
 
 
 def test_a_model_snapshot_puts_back_the_dropout_generator():
-    from daskdist.keras.models import _InstalledModel
+    from daskdist.keras.trainable import BuiltinTrainable
 
     model = keras.Sequential([keras.layers.Dense(4, input_shape=(3,)), keras.layers.Dropout(0.5, seed=2)])
     model.build((3,))
     x = np.ones((6, 3), np.float32)
-    resident = _InstalledModel(model)
+    resident = BuiltinTrainable(model)
     before = resident.snapshot()  # before the first draw: the generator starts again from its seed
     first = model._forward(x, training=True)
     resident.restore(before)
@@ -250,7 +250,7 @@ def test_a_commit_copied_off_the_step_path_keeps_the_random_state_of_the_commit_
     """The next step's forward draws dropout masks while the commit is still being copied."""
     from daskdist.elastic.replica import Commit
     from daskdist.group.service import MODEL, VARIABLE, ResidentStore
-    from daskdist.keras.models import _InstalledModel
+    from daskdist.keras.trainable import BuiltinTrainable
 
     model = keras.Sequential([keras.layers.Dense(4, input_shape=(3,)), keras.layers.Dropout(0.5, seed=2)])
     model.build((3,))
@@ -259,7 +259,7 @@ def test_a_commit_copied_off_the_step_path_keeps_the_random_state_of_the_commit_
     objects = ResidentStore()
     slow = _SlowToCopy()
     objects.install(VARIABLE, "slow", slow)  # copied first: the thread waits here
-    objects.install(MODEL, "m", _InstalledModel(model))
+    objects.install(MODEL, "m", BuiltinTrainable(model))
     commit = Commit.copying((1, 0, 1), objects, {})
     replayed = model._forward(x, training=True)  # the next step, during the copy
     slow.go.set()

@@ -322,3 +322,48 @@ def test_a_new_generation_keeps_drops_or_reorders_members_but_cannot_admit_a_new
         # nothing changed: the group is still at generation 0 and runs
         assert group.refresh_membership().generation == 0
         assert _everywhere(strategy, strategy.run(lambda: dd.get_replica_context().all_reduce("SUM", np.ones(2)))).tolist() == [2, 2]
+
+
+def test_a_wait_for_the_next_generation_is_woken_by_the_schedulers_announcement(threaded_client):
+    """``wait_for_generation`` returns on the plugin's event: its re-check period (120 s) is never waited out."""
+    import threading
+
+    with dask.config.set(ELASTIC), dd.MirroredStrategy(client=threaded_client) as strategy:
+        group = strategy.extended.group
+        workers = list(group.addresses)
+        assert group.wait_for_generation(0, timeout=0.2, recheck=120) is None  # nothing announced: times out
+        changer = threading.Timer(0.5, _change_membership, (threaded_client, group.group_id, workers[::-1]))
+        changer.start()
+        try:
+            start = time.monotonic()
+            membership = group.wait_for_generation(0, timeout=60, recheck=120)
+        finally:
+            changer.join()
+        assert membership is not None and membership.generation == 1, membership
+        assert membership.addresses == workers[::-1] and group.addresses == workers[::-1]
+        assert time.monotonic() - start < 60  # woken by the announcement, not by a re-check
+        view = group.scheduler_view()
+        assert view.membership == membership and view.retired == frozenset()
+        assert view.departed(workers + ["tcp://gone:1"]) == ["tcp://gone:1"]
+
+
+def test_announcements_count_changes_and_wake_waiters_of_the_group_only():
+    import threading
+
+    from daskdist.group.announcements import Announcements
+
+    announcements = Announcements("daskdist")
+    announcements.handle((0.0, {"action": "register", "group": "g"}))  # not a change
+    announcements.handle((0.0, "not a dict"))
+    assert announcements.version == 0 and not announcements.wait("g", 0, 0.01)
+    announcements.handle((0.0, {"action": "generation", "group": "other", "generation": 3}))
+    assert announcements.version == 1 and not announcements.wait("g", 0, 0.01)  # another group's generation
+    assert announcements.wait("other", 2, 0.01) and not announcements.wait("other", 3, 0.01)
+    woken = []
+    waiter = threading.Thread(target=lambda: woken.append(announcements.wait_past(1, 30)))
+    waiter.start()
+    announcements.handle((0.0, {"action": "worker-added", "worker": "tcp://w:1"}))
+    waiter.join(30)
+    assert woken == [2]
+    announcements.handle((0.0, {"action": "failed", "group": "g", "reason": "lost"}))
+    assert announcements.wait("g", 10, 0.01)  # a failed group wakes its waiters (they then ask the scheduler)

@@ -75,10 +75,10 @@ def test_fit_under_ps_trains_digits_to_92_percent_with_the_parameters_and_optimi
 
         # the parameters and Adam's slots live on the ps: two trainable arrays per store, pushed once per step
         stores = strategy.extended.stores
-        states = [s.call_from_client(four_workers, "model_state", model_key=model._ps_key) for s in stores]
+        states = [s.call_from_client(four_workers, "params_state", key=model._ps_key) for s in stores]
         assert [len(st["params"]) for st in states] == [2, 2]  # kernel/bias of 2 layers, round-robin
-        assert [int(st["optimizer_state"]["iterations"]) for st in states] == [500, 500]  # 10 x 50 steps, once each
-        assert {"m/0", "v/0", "m/1", "v/1"} <= set(states[0]["optimizer_state"])
+        assert [int(st["rule_state"]["iterations"]) for st in states] == [500, 500]  # 10 x 50 steps, once each
+        assert {"m/0", "v/0", "m/1", "v/1"} <= set(states[0]["rule_state"])
         weights = model.get_weights()
         # the model's parameter order is (bias, kernel) per layer: store 0 holds both biases, store 1 both kernels
         np.testing.assert_array_equal(weights[1], states[0]["params"][0])
@@ -124,8 +124,8 @@ def test_fit_under_ps_follows_tensorflows_rules(four_workers):
         history = model.fit(x_train, y_train, batch_size=64, epochs=2, steps_per_epoch=6, verbose=0,
                             validation_data=(x_train[:200], y_train[:200]))
         assert set(history.history) == {"loss", "accuracy", "val_loss", "val_accuracy"}
-        state = strategy.extended.stores[0].call_from_client(four_workers, "model_state", model_key=model._ps_key)
-        assert int(state["optimizer_state"]["iterations"]) == 12
+        state = strategy.extended.stores[0].call_from_client(four_workers, "params_state", key=model._ps_key)
+        assert int(state["rule_state"]["iterations"]) == 12
 
         # a DatasetCreator over Dask collections: each worker reads the partitions its Dask worker holds
         import dask.array as da

@@ -73,8 +73,8 @@ def build_cnn(input_shape: tuple[int, ...] = IMAGE_SHAPE) -> Any:
 def bare_block(batch: int, steps: int, warmup: int, seed: int, allreduce: bool = False) -> np.ndarray:
     """On a replica: ``steps`` training steps of a fresh copy of the CNN, without the framework.
 
-    Each step makes, in order, the calls of ``_train_step`` in
-    ``daskdist/keras/training.py`` that do the model's math: forward through
+    Each step makes, in order, the calls of ``BuiltinTrainable.train_step`` in
+    ``daskdist/keras/trainable.py`` that do the model's math: forward through
     ``model.layers``, ``loss.per_example`` and its sum, ``loss.gradient``,
     backward through the layers in reverse, the trainable arrays, the gradient
     scaling by ``1 / count`` and ``optimizer.apply``, then the metric update.

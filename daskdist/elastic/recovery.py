@@ -197,10 +197,7 @@ def leave(group: ReplicaGroup, options: ElasticOptions, install_newcomer: Any = 
     """
     before = list(group.addresses)
     start = time.monotonic()
-    response = group._ask_scheduler("daskdist_graceful_leave", group_id=group.group_id)
-    if response.get("status") != "OK":
-        raise ReplicaLostError(f"could not let members retire from {group.group_id}: {response.get('message')}")
-    membership = group.refresh_membership()
+    membership = group.let_retiring_leave()
     left = [a for a in before if a not in membership.addresses]
     if not left:
         return None
@@ -219,22 +216,18 @@ def leave(group: ReplicaGroup, options: ElasticOptions, install_newcomer: Any = 
 def _retired(group: ReplicaGroup) -> set[str]:
     """The members that left the group gracefully (retired: ``group.departures``), as the scheduler knows."""
     try:
-        response = group._ask_scheduler("daskdist_membership", group_id=group.group_id)
+        return set(group.scheduler_view().retired)
     except Exception:
         return set()
-    return set(response.get("retired", ())) if response.get("status") == "OK" else set()
 
 
 def _departures(group: ReplicaGroup, before: list[str]) -> tuple[list[str], set[str]] | None:
     """The members of ``before`` the scheduler no longer lists, and the retired ones among all (``None``: unknown)."""
     try:
-        response = group._ask_scheduler("daskdist_membership", group_id=group.group_id)
+        view = group.scheduler_view()
     except Exception:
         return None
-    if response.get("status") != "OK":
-        return None
-    now = set(Membership.from_msg(response["membership"]).addresses)
-    return [a for a in before if a not in now], set(response.get("retired", ()))
+    return view.departed(before), set(view.retired)
 
 
 def _only_retired(group: ReplicaGroup, before: list[str]) -> bool:
@@ -259,23 +252,20 @@ def _failed_members(group: ReplicaGroup, error: BaseException, before: list[str]
 
 def _next_generation(group: ReplicaGroup, before: Membership, timeout: float, error: BaseException) -> Membership:
     """Wait for the scheduler to announce a generation newer than ``before``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        membership = group.refresh_membership()
-        if membership.generation > before.generation:
-            return membership
-        if time.monotonic() >= deadline:
-            raise ElasticRecoveryError(
-                f"{type(error).__name__} ({error}) but the scheduler announced no new membership for "
-                f"{group.group_id} within {timeout:g} s, so it is not a loss the group can recover from"
-            ) from error
-        time.sleep(0.05)
+    membership = group.wait_for_generation(before.generation, timeout)
+    if membership is None:
+        raise ElasticRecoveryError(
+            f"{type(error).__name__} ({error}) but the scheduler announced no new membership for "
+            f"{group.group_id} within {timeout:g} s, so it is not a loss the group can recover from"
+        ) from error
+    return membership
 
 
 def _wait_for_members(group: ReplicaGroup, options: ElasticOptions, lost: list[str], can_admit: bool) -> list[str]:
     """Below ``min_replicas``: admit free Dask workers as they come, for up to ``wait_timeout``."""
     deadline = time.monotonic() + options.wait_seconds
     admitted: list[str] = []
+    seen = group.cluster_changes()
     while group.size < options.min_replicas:
         free = [] if not can_admit else free_workers(group, options)
         room = options.max_replicas - group.size if options.max_replicas is not None else len(free)
@@ -287,7 +277,7 @@ def _wait_for_members(group: ReplicaGroup, options: ElasticOptions, lost: list[s
                 f"the elastic group {group.group_id} lost {', '.join(lost) or 'members'} and has "
                 f"{group.size} replicas, fewer than min_replicas={options.min_replicas}; no worker came within "
                 f"wait_timeout ({options.wait_seconds:g} s)", worker=lost[0] if lost else None)
-        time.sleep(0.2)
+        seen = group.wait_for_cluster_change(seen, min(1.0, max(deadline - time.monotonic(), 0.0)))
     return admitted
 
 
@@ -318,46 +308,8 @@ def admit(group: ReplicaGroup, newcomers: list[str]) -> list[str]:
 
     Their replicas meet the others at the first command of the new generation.
     """
-    from daskdist.group.launch import run_replica
-
-    workers = list(group.addresses) + list(newcomers)
-    response = group._ask_scheduler("daskdist_change_membership", group_id=group.group_id, workers=workers,
-                                    reason=f"admitting {', '.join(newcomers)}", admit=True)
-    if response.get("status") != "OK":
-        raise ReplicaLostError(f"could not admit {newcomers}: {response.get('message')}")
-    membership = group.refresh_membership()
-    spec = dataclasses.replace(group.spec, membership=membership)
-    for address in newcomers:
-        rank = membership.rank_of(address)
-        group.task_workers.append(address)
-        group.futures.append(group.client.submit(
-            run_replica, spec, rank, key=f"{group.group_id}-replica-g{membership.generation}-{rank}",
-            workers=[address], allow_other_workers=False, pure=False))
-    deadline = time.monotonic() + 60
-    while not all(_hosts_replica(group, a) for a in newcomers):
-        present = group.client.scheduler_info(n_workers=-1)["workers"]
-        gone = [a for a in newcomers if a not in present]
-        if gone:  # lost while starting: a loss like any other (the scheduler re-forms the group without it)
-            raise ReplicaLostError(f"the worker {gone[0]} admitted into {group.group_id} left the cluster before "
-                                   "its replica started", worker=gone[0])
-        if time.monotonic() >= deadline:
-            raise ReplicaLostError(f"the replicas admitted on {newcomers} did not start within 60 s")
-        time.sleep(0.1)
-    logger.info("Admitted %s into %s (generation %d)", newcomers, group.group_id, membership.generation)
+    group.admit(newcomers)
     return list(newcomers)
-
-
-def _hosts_replica(group: ReplicaGroup, address: str) -> bool:
-    group_id = group.group_id
-
-    def check(dask_worker: Any) -> bool:
-        extension = dask_worker.extensions.get("daskdist")
-        return extension is not None and group_id in extension.replicas
-
-    try:
-        return bool(group.client.run(check, workers=[address]).get(address))
-    except Exception:
-        return False
 
 
 def _restore_common_commit(group: ReplicaGroup, admitted: list[str], install_newcomer: Any) -> tuple[CommitKey, bool]:

@@ -358,7 +358,8 @@ def elastic_train_epoch(service: ReplicaService, model_id: str, batches: Any, st
     """
     from daskdist.keras.models import PROGRESS_TOPIC
 
-    model = service.objects.get(MODEL, model_id).model
+    trainable = service.objects.get(MODEL, model_id)  # the model's Trainable: what each commit snapshots
+    model = trainable.model
     model.optimizer.learning_rate = lr
     ring = _ring(service)
     fit, epoch = key
@@ -394,7 +395,7 @@ def elastic_train_epoch(service: ReplicaService, model_id: str, batches: Any, st
 
     try:
         logs = training.train_batches(model, batches, steps, progress, start=start, on_step=on_step,
-                                      before_apply=ring.settle)
+                                      before_apply=ring.settle, trainable=trainable)
     except _StopAtCommit as stop:
         service.flush_step_events()
         return {"stopped_at": stop.step, "leave": stop.leave}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import threading
@@ -35,10 +36,11 @@ from daskdist.cluster.placement import Placement
 from daskdist.collective.nccl_support import parse_setting as parse_nccl_setting
 from daskdist.collective.settings import parse_single_copy_bytes
 from daskdist.exceptions import RendezvousError, ReplicaLostError, StrategyClosedError
+from daskdist.group.announcements import announcements_of
 from daskdist.group.channel import WAIT_ENDING_KINDS, CommandChannels, client_ssl_context
 from daskdist.group.launch import run_replica
-from daskdist.group.membership import GroupId, Member, Membership, MembershipPolicy
-from daskdist.group.scheduler_plugin import DaskdistSchedulerPlugin
+from daskdist.group.membership import GroupId, Member, Membership, MembershipPolicy, SchedulerView
+from daskdist.group.scheduler_plugin import EVENT_TOPIC, DaskdistSchedulerPlugin
 from daskdist.group.service import restore_residents, snapshot_residents
 from daskdist.group.spec import GroupSpec
 
@@ -172,11 +174,121 @@ class ReplicaGroup:
                 callback(membership)
         return self.membership
 
+    def scheduler_view(self) -> SchedulerView:
+        """What the scheduler plugin knows of the group now: its membership and the members that retired.
+
+        Unlike ``refresh_membership`` this changes nothing on the client.
+
+        Raises
+        ------
+        StrategyClosedError
+            The scheduler no longer knows the group.
+        """
+        response = self._ask_scheduler("daskdist_membership", group_id=self.group_id)
+        if response.get("status") != "OK":
+            raise StrategyClosedError(response.get("message", f"replica group {self.group_id} is gone"))
+        return SchedulerView(Membership.from_msg(response["membership"]), frozenset(response.get("retired", ())))
+
+    def wait_for_generation(self, after: int, timeout: float, recheck: float = 1.0) -> Membership | None:
+        """Wait until the scheduler has the group past generation ``after``; its membership, ``None`` at ``timeout``.
+
+        Woken by the scheduler plugin's announcement of the new generation
+        (``daskdist.group.announcements``), not by polling; ``recheck``
+        seconds bound the wait should an announcement be missed.
+        """
+        announcements = announcements_of(self.client, EVENT_TOPIC)
+        deadline = time.monotonic() + timeout
+        while True:
+            membership = self.refresh_membership()
+            if membership.generation > after:
+                return membership
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            announcements.wait(self.group_id, after, min(remaining, recheck))
+
+    def cluster_changes(self) -> int:
+        """How many changes (generations, groups ended, workers joining or leaving) this client heard so far."""
+        return announcements_of(self.client, EVENT_TOPIC).version
+
+    def wait_for_cluster_change(self, seen: int, timeout: float) -> int:
+        """Wait up to ``timeout`` s for a change after ``seen`` (``cluster_changes``); the count now."""
+        return announcements_of(self.client, EVENT_TOPIC).wait_past(seen, timeout)
+
+    def admit(self, newcomers: Sequence[str], reason: str = "") -> Membership:
+        """Add the workers ``newcomers`` in a new generation and start a replica on each; the new membership.
+
+        Returns once every newcomer's replica runs (it meets the others at the
+        group's first command of the new generation).
+
+        Raises
+        ------
+        ReplicaLostError
+            The scheduler refused the change, a newcomer left the cluster
+            before its replica started (``worker`` names it), or the replicas
+            did not start within 60 s.
+        """
+        workers = list(self.addresses) + list(newcomers)
+        response = self._ask_scheduler("daskdist_change_membership", group_id=self.group_id, workers=workers,
+                                       reason=reason or f"admitting {', '.join(newcomers)}", admit=True)
+        if response.get("status") != "OK":
+            raise ReplicaLostError(f"could not admit {list(newcomers)}: {response.get('message')}")
+        membership = self.refresh_membership()
+        spec = dataclasses.replace(self.spec, membership=membership)
+        for address in newcomers:
+            rank = membership.rank_of(address)
+            self.task_workers.append(address)
+            self.futures.append(self.client.submit(
+                run_replica, spec, rank, key=f"{self.group_id}-replica-g{membership.generation}-{rank}",
+                workers=[address], allow_other_workers=False, pure=False))
+        deadline = time.monotonic() + 60
+        while not all(self._hosts_replica(a) for a in newcomers):
+            present = self.client.scheduler_info(n_workers=-1)["workers"]
+            gone = [a for a in newcomers if a not in present]
+            if gone:  # lost while starting: a loss like any other (the scheduler re-forms the group without it)
+                raise ReplicaLostError(f"the worker {gone[0]} admitted into {self.group_id} left the cluster "
+                                       "before its replica started", worker=gone[0])
+            if time.monotonic() >= deadline:
+                raise ReplicaLostError(f"the replicas admitted on {list(newcomers)} did not start within 60 s")
+            time.sleep(0.1)
+        logger.info("Admitted %s into %s (generation %d)", list(newcomers), self.group_id, membership.generation)
+        return membership
+
+    def let_retiring_leave(self) -> Membership:
+        """Re-form the group without the members asked to retire (``retire_workers``); the new membership.
+
+        A group with none retiring keeps its generation.
+
+        Raises
+        ------
+        ReplicaLostError
+            The scheduler refused the change.
+        """
+        response = self._ask_scheduler("daskdist_graceful_leave", group_id=self.group_id)
+        if response.get("status") != "OK":
+            raise ReplicaLostError(f"could not let members retire from {self.group_id}: {response.get('message')}")
+        return self.refresh_membership()
+
+    def _hosts_replica(self, address: str) -> bool:
+        """Whether the worker at ``address`` runs a replica of this group (its worker plugin knows it)."""
+        group_id = self.group_id
+
+        def check(dask_worker: Any) -> bool:
+            extension = dask_worker.extensions.get("daskdist")
+            return extension is not None and group_id in extension.replicas
+
+        try:
+            return bool(self.client.run(check, workers=[address]).get(address))
+        except Exception:
+            return False
+
     # -- lifecycle ---------------------------------------------------------------
 
     def launch(self) -> None:
         """Install the plugins, start one replica task per worker, and wait for the rendezvous."""
         self.client.register_plugin(DaskdistSchedulerPlugin(), name="daskdist")
+        if self.spec.policy == "elastic":  # listen for its generations from the start (wait_for_generation)
+            announcements_of(self.client, EVENT_TOPIC)
         response = self._ask_scheduler("daskdist_register_group", group_id=self.group_id,
             workers=self.addresses,
             client=self.client.id,

@@ -31,6 +31,7 @@ __all__ = [
     "Rank",
     "Role",
     "RunId",
+    "SchedulerView",
     "check_generation",
 ]
 
@@ -147,6 +148,27 @@ class Membership:
     def from_msg(cls, msg: dict[str, Any]) -> Membership:
         members = tuple(Member(str(a), str(d), str(h), r) for a, d, h, r in msg["members"])
         return cls(GroupId(msg["group_id"]), Generation(int(msg["generation"])), members)
+
+
+@dataclass(frozen=True)
+class SchedulerView:
+    """What the scheduler plugin knows of a group now (``ReplicaGroup.scheduler_view``).
+
+    Attributes
+    ----------
+    membership
+        The group's current membership (possibly newer than the client's).
+    retired
+        Members that left gracefully (retired) in any generation, by address.
+    """
+
+    membership: Membership
+    retired: frozenset[str]
+
+    def departed(self, before: list[str]) -> list[str]:
+        """Those of ``before`` that are no longer members."""
+        now = set(self.membership.addresses)
+        return [a for a in before if a not in now]
 
 
 def check_generation(group_id: str, current: int, received: int, what: str) -> None:

@@ -401,7 +401,12 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
     async def close(self) -> None:
         self.departures.stop()
 
+    def add_worker(self, scheduler: Scheduler, worker: str) -> None:
+        """Announce the new worker (elastic groups and coordinators waiting for one listen: ``announcements``)."""
+        scheduler.log_event(EVENT_TOPIC, {"action": "worker-added", "worker": worker})
+
     def remove_worker(self, scheduler: Scheduler, worker: str, *, stimulus_id: str, **kwargs: Any) -> None:
+        scheduler.log_event(EVENT_TOPIC, {"action": "worker-removed", "worker": worker})
         for group in list(self.groups.values()):
             group.leaving.discard(worker)
             if worker not in group.workers or group.status in ("failed", "closed"):

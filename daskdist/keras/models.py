@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import pickle
 import uuid
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -25,10 +24,11 @@ from daskdist.arrays import as_array, to_numpy
 from daskdist.group.service import MODEL, ReplicaService
 from daskdist.keras import callbacks as callbacks_module
 from daskdist.keras import ps_fit, resident_ref, saving, training
-from daskdist.strategy.gradient_applier import gradient_applier
+from daskdist.keras.trainable import BuiltinTrainable, RandomStates
 
 if TYPE_CHECKING:
     from daskdist.strategy.base import Strategy
+    from daskdist.strategy.training_contract import ParameterHoldingDriver, StepDriver
 
 __all__ = ["Model", "RandomStates", "Sequential", "load_model"]
 
@@ -163,24 +163,64 @@ class Model:
             self.layers[index].set_weights_from(mapping)
 
     def get_weights(self) -> list[np.ndarray]:
-        """The weights as numpy arrays (from replica 0 for a distributed model; from the ps under PS)."""
-        if self._installed and self._uses_coordinator():
-            return ps_fit.get_weights(self)
-        if self._installed:
-            return self._strategy.extended.run_on_replica(0, _replica_get_weights, (self._model_id,))
-        self._require_built()
-        return [np.array(to_numpy(a), copy=True) for _, a in self._weight_items()]
+        """The weights as numpy arrays: the trainable ones from where the strategy holds them (the parameter
+        holder, the ps), the others from replica 0 (PS: this copy); a model without a strategy: its own."""
+        if not self._installed:
+            self._require_built()
+            return [np.array(to_numpy(a), copy=True) for _, a in self._weight_items()]
+        weights = self._runner().computed_weights()
+        stored = self._stored_state()
+        if stored is not None:
+            for position, value in zip(self._trainable_positions(), stored["params"]):
+                weights[position] = np.array(to_numpy(value), copy=True)
+        return weights
 
     def set_weights(self, weights: list[Any]) -> None:
-        """Set every weight (on every replica for a distributed model; on the ps under PS)."""
-        if self._installed and self._uses_coordinator():
-            ps_fit.set_weights(self, list(weights))
-            return
+        """Set every weight (here, on every replica of a distributed model, and where its parameters are held)."""
         self._require_built()
         self._assign_weights(list(weights))
-        if self._installed:
-            self._strategy.extended.run_on_replicas(_replica_set_weights,
-                                                    (self._model_id, [to_numpy(w) for w in weights]))
+        if not self._installed:
+            return
+        self._runner().set_computed_weights([to_numpy(w) for w in weights])
+        params = [np.array(to_numpy(p), copy=True) for p in self.trainable_variables]
+        self._set_stored(params=params)
+
+    # -- parameters held off the replicas (the parameter holder's and the ps' step drivers) -----------
+
+    def _params_key(self) -> str:
+        """The name of the model's parameters where the strategy holds them."""
+        return self._ps_key or self._model_id
+
+    def _holding_driver(self) -> ParameterHoldingDriver | None:
+        """The strategy's step driver when it holds the parameters off the replicas, else ``None``."""
+        from daskdist.strategy.training_contract import ParameterHoldingDriver
+
+        if self._strategy is None:
+            return None
+        driver = self._strategy.extended.step_driver(self._params_key())
+        return driver if isinstance(driver, ParameterHoldingDriver) else None
+
+    def _stored_state(self) -> dict | None:
+        driver = self._holding_driver()
+        if driver is None or not self.built:
+            return None
+        return driver.stored_state(self._strategy.client, len(self.trainable_variables))
+
+    def _set_stored(self, params: list[Any] | None = None, rule_state: dict | None = None) -> None:
+        """Overwrite the held copy (if any is held yet; else the next step's first offer carries these values)."""
+        driver = self._holding_driver()
+        if driver is None or not self.built:
+            return
+        count = len(self.trainable_variables)
+        if not driver.set_stored(self._strategy.client, count, params=params, rule_state=rule_state):
+            current = [np.array(to_numpy(p), copy=True) for p in self.trainable_variables]
+            driver.init_stored(self._strategy.client, current, self.optimizer)
+
+    def _trainable_positions(self) -> list[int]:
+        """Where each of ``trainable_variables`` sits in ``_weight_items()``."""
+        names = [name for name, _ in self._weight_items()]
+        return [names.index(f"{index}/{name}") for index, layer in enumerate(self.layers)
+                for name in sorted(layer.params)]
 
     def _require_built(self) -> None:
         if not self.built:
@@ -225,10 +265,6 @@ class Model:
     def metrics_names(self) -> list[str]:
         return ["loss", *(m.name for m in self.compiled_metrics)]
 
-    def _uses_coordinator(self) -> bool:
-        """Whether steps run as closures of a ``ClusterCoordinator`` (ParameterServerStrategy)."""
-        return self._strategy is not None and ps_fit.uses_coordinator(self._strategy)
-
     def _require_compiled(self) -> None:
         if self.optimizer is None or self.loss is None:
             raise RuntimeError("compile the model before fit/evaluate: model.compile(optimizer=..., loss=...)")
@@ -244,14 +280,14 @@ class Model:
         self._strategy.extended.install_resident(MODEL, self._model_id, self._resident())
         self._installed = True
 
-    def _resident(self) -> _InstalledModel:
+    def _resident(self) -> BuiltinTrainable:
         """What is installed on a replica: a copy without the client's strategy and history."""
         payload = object.__new__(type(self))  # not copy.copy: that would call __reduce_ex__, which may refer
         payload.__dict__.update(self.__dict__)
         payload._strategy = None
         payload._installed = False
         payload.history = None
-        return _InstalledModel(payload)
+        return BuiltinTrainable(payload)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Inside a function sent by its strategy's ``run``: a reference to each replica's resident copy."""
@@ -271,33 +307,31 @@ class Model:
             initial_epoch: int = 0, steps_per_epoch: int | None = None, validation_steps: int | None = None) -> Any:
         """Train for ``epochs`` (Keras' ``fit``): ``x`` is a ``Dataset`` (batched) or arrays with ``y``.
 
-        Under ParameterServerStrategy see ``keras/ps_fit.py`` (``DatasetCreator``, ``steps_per_epoch``).
+        One loop for every strategy: the model's runner (``_runner``) runs each
+        epoch where the strategy trains (replica commands with its step
+        driver, coordinator closures under ParameterServerStrategy: see
+        ``keras/ps_fit.py`` for ``DatasetCreator`` and ``steps_per_epoch``, or
+        this process); callbacks run here with the epoch's global logs.
         """
         self._require_compiled()
-        if self._uses_coordinator():
-            return ps_fit.fit(self, x, y, batch_size, epochs, verbose, callbacks, validation_data, shuffle,
-                              initial_epoch, steps_per_epoch, validation_steps)
-        train = self._as_dataset(x, y, batch_size, shuffle)
-        val = self._as_dataset(*validation_data, batch_size=batch_size, shuffle=False) if isinstance(
-            validation_data, tuple) else (self._as_dataset(validation_data, None, batch_size, False)
-                                          if validation_data is not None else None)
-        runner = _Runner(self, train, val)
-        history = callbacks_module.History()
-        cb = callbacks_module.CallbackList(
-            list(callbacks or []) + [history], model=self, verbose=1 if verbose == "auto" else int(verbose),
-            params={"epochs": epochs, "steps": steps_per_epoch or runner.steps()},
-        )
-        self.stop_training = False
-        self.history = history
-        cb.on_train_begin()
-        start_epoch = max(initial_epoch, cb.resume_epoch())
+        runner = self._runner()
         try:
-            runner.begin_elastic(start_epoch)
+            runner.begin_fit(x, y, batch_size, shuffle, validation_data, callbacks, steps_per_epoch)
+            history = callbacks_module.History()
+            cb = callbacks_module.CallbackList(
+                list(callbacks or []) + [history], model=self, verbose=1 if verbose == "auto" else int(verbose),
+                params={"epochs": epochs, "steps": steps_per_epoch or runner.steps()},
+            )
+            self.stop_training = False
+            self.history = history
+            cb.on_train_begin()
+            start_epoch = max(initial_epoch, cb.resume_epoch())
+            runner.begin(start_epoch)
             for epoch in range(start_epoch, epochs):
                 cb.on_epoch_begin(epoch)
                 logs = runner.train_epoch(epoch, steps_per_epoch, cb)
-                if val is not None:
-                    val_logs = runner.evaluate(val, validation_steps)
+                val_logs = runner.validate(batch_size, validation_steps)
+                if val_logs is not None:
                     logs.update({f"val_{k}": v for k, v in val_logs.items()})
                 cb.on_epoch_end(epoch, logs)
                 if self.stop_training:
@@ -309,17 +343,13 @@ class Model:
 
     def evaluate(self, x: Any = None, y: Any = None, batch_size: int | None = None, verbose: int | str = "auto",
                  steps: int | None = None, return_dict: bool = False) -> Any:
-        """Loss and metrics over the data (Keras' ``evaluate``)."""
+        """Loss and metrics over the data (Keras' ``evaluate``), where the strategy trains (as ``fit``)."""
         self._require_compiled()
-        if self._uses_coordinator():
-            logs = ps_fit.evaluate(self, x, y, batch_size, steps)
-        else:
-            data = self._as_dataset(x, y, batch_size, False, what="evaluate")
-            runner = _Runner(self, None, data)
-            try:
-                logs = runner.evaluate(data, steps)
-            finally:
-                runner.close()
+        runner = self._runner()
+        try:
+            logs = runner.evaluate(x, y, batch_size, steps)
+        finally:
+            runner.close()
         if return_dict:
             return logs
         values = [logs[name] for name in self.metrics_names if name in logs]
@@ -327,11 +357,16 @@ class Model:
 
     def predict(self, x: Any, batch_size: int | None = None, verbose: int | str = "auto") -> np.ndarray:
         """Outputs for ``x`` (arrays or a ``Dataset``), computed in this process with the current weights."""
-        if self._uses_coordinator():
-            raise NotImplementedError("`model.predict` is not yet supported with `ParameterServerStrategy`.")
+        self._runner().check_predict()
         local = self._local_copy()
         data = self._as_dataset(x, None, batch_size or 32, False, what="predict")
         return to_numpy(training.predict_batches(local, iter(data)))
+
+    def _runner(self) -> Any:
+        """How this model's epochs run: coordinator closures if the Extended schedules them, else ``_Runner``."""
+        if self._strategy is not None and ps_fit.uses_coordinator(self._strategy):
+            return ps_fit.ClosureRunner(self)
+        return _Runner(self)
 
     def _local_copy(self) -> Model:
         if not self._installed:
@@ -424,19 +459,20 @@ class Model:
             self._set_optimizer_state(optimizer_state)
 
     def _optimizer_state(self) -> dict:
-        if self._installed and self._uses_coordinator():
-            return ps_fit.get_optimizer_state(self)
-        if self._installed:
-            return self._strategy.extended.run_on_replica(0, _replica_optimizer_state, (self._model_id,))
-        return self.optimizer.get_state()
+        """The optimizer state: where the parameters are held (the update rule runs there), else replica 0's."""
+        if not self._installed:
+            return self.optimizer.get_state()
+        stored = self._stored_state()
+        if stored is not None:
+            return stored["rule_state"] or self.optimizer.get_state()
+        return self._runner().computed_optimizer_state()
 
     def _set_optimizer_state(self, state: dict) -> None:
-        if self._installed and self._uses_coordinator():
-            ps_fit.set_optimizer_state(self, state)
-            return
         self.optimizer.set_state(state)
-        if self._installed:
-            self._strategy.extended.run_on_replicas(_replica_set_optimizer_state, (self._model_id, state))
+        if not self._installed:
+            return
+        self._runner().set_computed_optimizer_state(state)
+        self._set_stored(rule_state=state)
 
     def save(self, filepath: str) -> None:
         """Save architecture, compile settings, weights and optimizer state into directory ``filepath``."""
@@ -491,27 +527,80 @@ def load_model(filepath: str, compile: bool = True) -> Model:
 
 
 class _Runner:
-    """Runs epochs of a model: on the replicas (one command per epoch) or in this process."""
+    """Runs epochs of a model: on the replicas (one command per epoch, the strategy's step driver) or here.
 
-    def __init__(self, model: Model, train: Any, val: Any):
+    The runner interface ``Model.fit``/``evaluate``/``predict`` speak
+    (``ps_fit.ClosureRunner`` is the other one): ``begin_fit``, ``steps``,
+    ``begin``, ``train_epoch``, ``validate``, ``evaluate``, ``check_predict``,
+    ``close``.
+    """
+
+    def __init__(self, model: Model):
         self.model = model
         self.distributed = model._strategy is not None
-        self._train = train
-        self._dist_train = self._dist_val = None
+        self._train: Any = None
+        self._val: Any = None
+        self._dist_train: Any = None
+        self._dist_val: Any = None
         self._tag = uuid.uuid4().hex[:8]
         self._subscribed = False
         self._elastic: Any = None  # ``daskdist.elastic.fit.ElasticFit`` during a fit on an elastic strategy
-        if self.distributed:
-            if getattr(model._strategy.extended, "elastic", None) is not None:
-                from daskdist.elastic.fit import catch_up
 
-                catch_up(model._strategy)  # members that left while the group ran nothing (retired, lost)
-            model._ensure_installed()
-            strategy = model._strategy
-            if train is not None:
-                self._dist_train = strategy.experimental_distribute_dataset(train)
-            if val is not None:
-                self._dist_val = val if val is train else strategy.experimental_distribute_dataset(val)
+    def begin_fit(self, x: Any, y: Any, batch_size: int | None, shuffle: bool, validation_data: Any,
+                  callbacks: list[Any] | None, steps_per_epoch: int | None) -> None:
+        """The fit's data, distributed over the replicas (the model installed there first)."""
+        model = self.model
+        train = model._as_dataset(x, y, batch_size, shuffle)
+        val = model._as_dataset(*validation_data, batch_size=batch_size, shuffle=False) if isinstance(
+            validation_data, tuple) else (model._as_dataset(validation_data, None, batch_size, False)
+                                          if validation_data is not None else None)
+        self._prepare(train, val)
+
+    def _prepare(self, train: Any, val: Any) -> None:
+        model = self.model
+        self._train, self._val = train, val
+        if not self.distributed:
+            return
+        if _elastic_options(model) is not None:
+            from daskdist.elastic.fit import catch_up
+
+            catch_up(model._strategy)  # members that left while the group ran nothing (retired, lost)
+        model._ensure_installed()
+        strategy = model._strategy
+        if train is not None:
+            self._dist_train = strategy.experimental_distribute_dataset(train)
+        if val is not None:
+            self._dist_val = val if val is train else strategy.experimental_distribute_dataset(val)
+
+    def validate(self, batch_size: int | None, steps: int | None) -> dict | None:
+        """The validation logs of the epoch just trained, or ``None`` without validation data."""
+        return None if self._val is None else self.evaluate_dataset(self._val, steps)
+
+    def evaluate(self, x: Any, y: Any, batch_size: int | None, steps: int | None) -> dict:
+        data = self.model._as_dataset(x, y, batch_size, False, what="evaluate")
+        self._prepare(None, data)
+        return self.evaluate_dataset(data, steps)
+
+    def check_predict(self) -> None:
+        """``predict`` runs in this process with the current weights: always possible here."""
+
+    # -- the copies that compute (replica 0's; every replica's when set) ---------------------------
+
+    def computed_weights(self) -> list[np.ndarray]:
+        return self.model._strategy.extended.run_on_replica(0, _replica_get_weights, (self.model._model_id,))
+
+    def set_computed_weights(self, weights: list[np.ndarray]) -> None:
+        self.model._strategy.extended.run_on_replicas(_replica_set_weights, (self.model._model_id, weights))
+
+    def computed_optimizer_state(self) -> dict:
+        return self.model._strategy.extended.run_on_replica(0, _replica_optimizer_state, (self.model._model_id,))
+
+    def set_computed_optimizer_state(self, state: dict) -> None:
+        self.model._strategy.extended.run_on_replicas(_replica_set_optimizer_state, (self.model._model_id, state))
+
+    def driver(self) -> StepDriver:
+        """The strategy's step driver for this model (its parameters named by the model's id)."""
+        return self.model._strategy.extended.step_driver(self.model._model_id)
 
     def steps(self) -> int | None:
         if self._dist_train is not None:
@@ -519,9 +608,10 @@ class _Runner:
             return max(steps) if steps else None
         return None
 
-    def begin_elastic(self, epoch: int) -> None:
-        """On an elastic strategy (``ElasticOptions``), hand this fit's epochs to ``daskdist.elastic``."""
-        options = getattr(self.model._strategy.extended, "elastic", None) if self.distributed else None
+    def begin(self, epoch: int) -> None:
+        """The fit's first epoch is ``epoch``: on an elastic strategy (``ElasticOptions``), hand this fit's
+        epochs to ``daskdist.elastic``."""
+        options = _elastic_options(self.model)
         if options is None or self._train is None:
             return
         from daskdist.elastic.fit import ElasticFit
@@ -540,10 +630,10 @@ class _Runner:
         if self._elastic is not None:
             return self._elastic.train_epoch(epoch, steps, cb)
         results = model._strategy.extended.run_on_replicas(
-            _replica_train_epoch, (model._model_id, self._dist_train, steps, lr, self._tag, epoch))
+            _replica_train_epoch, (model._model_id, self._dist_train, steps, lr, self._tag, epoch, self.driver()))
         return dict(results[0])
 
-    def evaluate(self, data: Any, steps: int | None) -> dict:
+    def evaluate_dataset(self, data: Any, steps: int | None) -> dict:
         if self._elastic is not None:
             return self._elastic.evaluate(data, steps)
         return self._evaluate_once(data, steps)
@@ -580,74 +670,27 @@ class _Runner:
                 pass
 
 
+def _elastic_options(model: Model) -> Any:
+    """The strategy's ``ElasticOptions``, or ``None`` (no strategy, or not elastic)."""
+    return getattr(model._strategy.extended, "elastic", None) if model._strategy is not None else None
+
+
 # -- commands that run on the replicas ---------------------------------------------------
 
 
-class RandomStates:
-    """The layers' random generator states in a model snapshot, by layer name.
-
-    One leaf of the snapshot (its own copy), left out of elastic training's
-    state digest (``digest_bytes``): replicas may legitimately draw different
-    numbers (their batches differ in shape), while their weights must agree.
-    As an array (``numpy.asarray``) it is its pickled bytes.
-    """
-
-    def __init__(self, states: dict[str, dict]):
-        self.states = copy.deepcopy(states)
-
-    def digest_bytes(self) -> bytes:
-        return b""
-
-    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
-        """The states as bytes (``uint8``), so that snapshots compare as arrays do."""
-        return np.frombuffer(pickle.dumps(self.states, protocol=4), np.uint8)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, RandomStates) and np.array_equal(np.asarray(self), np.asarray(other))
-
-    __hash__ = None  # type: ignore[assignment]
-
-
-class _InstalledModel:
-    """A model resident on a replica (kind ``"model"``): its weights, optimizer state and layers' random
-    generators (dropout) snapshot and restore."""
-
-    def __init__(self, model: Model):
-        self.model = model
-
-    def unwrap(self) -> Model:
-        return self.model
-
-    def snapshot(self) -> dict:
-        weights = [np.array(to_numpy(a), copy=True) for _, a in self.model._weight_items()]
-        optimizer = self.model.optimizer
-        state = {} if optimizer is None else {k: np.array(to_numpy(v), copy=True)
-                                              for k, v in optimizer.get_state().items()}
-        return {"weights": weights, "optimizer": state, "rng": self.snapshot_random()}
-
-    def snapshot_random(self) -> RandomStates:
-        """The layers' random generator states (a copy), under ``"rng"`` in ``snapshot``."""
-        rng = {layer.name: layer.rng_state() for layer in self.model.layers}
-        return RandomStates({k: v for k, v in rng.items() if v})
-
-    def restore(self, state: dict) -> None:
-        self.model._assign_weights(state["weights"])
-        if self.model.optimizer is not None and state["optimizer"]:
-            self.model.optimizer.set_state(state["optimizer"])
-        if "rng" in state:
-            rng = state["rng"].states
-            for layer in self.model.layers:
-                layer.set_rng_state(rng.get(layer.name, {}))
+def _replica_trainable(service: ReplicaService, model_id: str) -> BuiltinTrainable:
+    installed: BuiltinTrainable = service.objects.get(MODEL, model_id)
+    return installed
 
 
 def _replica_model(service: ReplicaService, model_id: str) -> Model:
-    installed: _InstalledModel = service.objects.get(MODEL, model_id)
-    return installed.model
+    return _replica_trainable(service, model_id).model
 
 
 def _replica_train_epoch(service: ReplicaService, model_id: str, batches: Any, steps: int | None, lr: float, tag: str,
-                         epoch: int) -> dict:
-    model = _replica_model(service, model_id)
+                         epoch: int, driver: StepDriver) -> dict:
+    trainable = _replica_trainable(service, model_id)
+    model = trainable.model
     model.optimizer.learning_rate = lr
     last = [0.0]
     import time
@@ -658,7 +701,7 @@ def _replica_train_epoch(service: ReplicaService, model_id: str, batches: Any, s
             last[0] = now
             service.log_event(PROGRESS_TOPIC, {"tag": tag, "epoch": epoch, "step": step, "logs": logs})
 
-    logs = training.train_batches(model, batches, steps, progress)
+    logs = training.train_batches(model, batches, steps, progress, driver=driver, trainable=trainable)
     if service.rank == 0:
         service.log_event(PROGRESS_TOPIC, {"tag": tag, "epoch": epoch, "step": -1, "logs": logs})
     service.flush_step_events()
@@ -678,22 +721,11 @@ def _replica_set_weights(service: ReplicaService, model_id: str, weights: list[n
     model = _replica_model(service, model_id)
     model._require_built()
     model._assign_weights(weights)
-    applier = gradient_applier(service)
-    if applier is not None and service.rank == 0:  # the parameters' one stored copy follows
-        params = [to_numpy(layer.params[name]) for layer in model.layers for name in sorted(layer.params)]
-        applier.set_model(service, model_id, params=params)  # in _trainable_arrays' order
 
 
 def _replica_optimizer_state(service: ReplicaService, model_id: str) -> dict:
-    applier = gradient_applier(service)
-    stored = applier.model_state(service, model_id) if applier is not None else None
-    if stored is not None:  # the optimizer runs where the parameters are held (CentralStorage)
-        return stored["optimizer_state"]
     return {k: to_numpy(v) for k, v in _replica_model(service, model_id).optimizer.get_state().items()}
 
 
 def _replica_set_optimizer_state(service: ReplicaService, model_id: str, state: dict) -> None:
     _replica_model(service, model_id).optimizer.set_state(state)
-    applier = gradient_applier(service)
-    if applier is not None and service.rank == 0:
-        applier.set_model(service, model_id, optimizer_state=state)

@@ -4,17 +4,20 @@ They are written once: inside a replica, ``get_replica_context()`` is that
 replica's context and gradients are all-reduced; in the client process (a
 model used without a strategy) it is the one-replica default context.
 
-One step: forward, per-example loss, its gradient, backward (parameter
-gradients summed over the local examples), one all-reduce of a single pack
-holding every gradient plus the example count and the loss sum, division by
-the global count, optimizer update. The same update on every replica keeps
-the copies identical.
+One step is the strategy's step driver running the model's
+``BuiltinTrainable`` (``daskdist.keras.trainable``): forward, per-example
+loss, its gradient, backward (parameter gradients summed over the local
+examples), then the driver's exchange: under the SPMD strategies one
+all-reduce of a single pack holding every gradient plus the example count
+and the loss sum, division by the global count, optimizer update on every
+replica (the same update keeps the copies identical); under CentralStorage
+one round to the parameter holder, which applies the optimizer once; under
+ParameterServerStrategy a push to the stores (``daskdist.keras.ps_fit``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Generator, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -22,14 +25,16 @@ import numpy as np
 
 from daskdist import context, fault_points
 from daskdist.arrays import as_array, namespace
+from daskdist.keras.trainable import BuiltinTrainable
 from daskdist.ops import ReduceOp
-from daskdist.strategy.gradient_applier import gradient_applier
+from daskdist.strategy.training_contract import SpmdStepDriver
 
 if TYPE_CHECKING:
     from daskdist.group.service import ReplicaService
     from daskdist.keras.models import Model
+    from daskdist.strategy.training_contract import StepDriver
 
-__all__ = ["evaluate_batches", "predict_batches", "split_batch", "train_batches"]
+__all__ = ["evaluate_batches", "predict_batches", "split_batch", "train_batches", "train_step"]
 
 ProgressFn = Callable[[int, dict], None]
 
@@ -111,14 +116,19 @@ def _timed_batches(batches: Iterable[Any], steps: int | None, timer: Any,
 def train_batches(model: Model, batches: Iterable[Any], steps: int | None, progress: ProgressFn | None, *,
                   start: tuple[float, float] | None = None,
                   on_step: Callable[[int, float, float], None] | None = None,
-                  before_apply: Callable[[], None] | None = None) -> dict:
+                  before_apply: Callable[[], None] | None = None,
+                  driver: StepDriver | None = None, trainable: BuiltinTrainable | None = None) -> dict:
     """One epoch of training over ``batches`` (at most ``steps``); returns the epoch's global logs.
 
-    ``start``: the epoch's global ``(loss sum, examples)`` so far, when the
-    epoch resumes part-way (elastic training; the metrics are then not
-    reset). ``on_step(step, loss_sum, count)`` is called on every replica
-    after each step (elastic commits); ``before_apply()`` just before each
-    optimizer apply changes the weights (an elastic commit's copy ends there).
+    ``driver``: the strategy's step driver (``extended.step_driver()``;
+    default: the SPMD driver, which in the client process is one replica);
+    ``trainable``: the model's ``BuiltinTrainable`` (the replica's resident;
+    default: a new one). ``start``: the epoch's global ``(loss sum,
+    examples)`` so far, when the epoch resumes part-way (elastic training;
+    the metrics are then not reset). ``on_step(step, loss_sum, count)`` is
+    called on every replica after each step (elastic commits);
+    ``before_apply()`` once per step just before the step changes the
+    weights (an elastic commit's copy ends there).
     """
     ctx = context.get_replica_context()
     if start is None:
@@ -126,92 +136,44 @@ def train_batches(model: Model, batches: Iterable[Any], steps: int | None, progr
     loss_sum, count = (0.0, 0.0) if start is None else (float(start[0]), float(start[1]))
     timer = _timer()
     service = context.current_runtime()
-    applier = gradient_applier(service) if service is not None else None  # where the optimizer runs
+    driver = driver if driver is not None else SpmdStepDriver()
+    trainable = trainable if trainable is not None else BuiltinTrainable(model)
+    trainable.timer, trainable.before_change = timer, before_apply
     before_batch = fault_points.arm(service.rank if service is not None else 0, lambda: model.optimizer.iterations)
+    driver.begin(trainable)
     step = 0
-    with contextlib.closing(_timed_batches(batches, steps, timer, before_batch)) as timed:
-        for batch in timed:
-            x, y, sample_weight = split_batch(batch)
-            step_loss, step_count = _train_step(model, ctx, x, y, sample_weight, timer, applier, before_apply)
-            if timer is not None:
-                timer.end()
-            loss_sum += step_loss
-            count += step_count
-            step += 1
-            if on_step is not None:
-                on_step(step, loss_sum, count)
-            if progress is not None:
-                progress(step, {"loss": loss_sum / max(count, 1.0)})
+    try:
+        with contextlib.closing(_timed_batches(batches, steps, timer, before_batch)) as timed:
+            for batch in timed:
+                x, y, sample_weight = split_batch(batch)
+                step_loss, step_count = train_step(trainable, driver, x, y, sample_weight, timer)
+                if timer is not None:
+                    timer.end()
+                loss_sum += step_loss
+                count += step_count
+                step += 1
+                if on_step is not None:
+                    on_step(step, loss_sum, count)
+                if progress is not None:
+                    progress(step, {"loss": loss_sum / max(count, 1.0)})
+    finally:
+        trainable.timer = trainable.before_change = None
     logs = {"loss": loss_sum / max(count, 1.0)}
     logs.update(_global_metric_results(model, ctx))
     return logs
 
 
-def _train_step(model: Model, ctx: Any, x: Any, y: Any, sample_weight: Any, timer: Any,
-                applier: Any = None, before_apply: Callable[[], None] | None = None) -> tuple[float, float]:
+def train_step(trainable: BuiltinTrainable, driver: StepDriver, x: Any, y: Any, sample_weight: Any,
+               timer: Any = None) -> tuple[float, float]:
+    """One step of ``driver`` over a local batch; ``(loss sum, rows)`` of the step (global, or this worker's under PS)."""
     x, _ = as_array(x)
     y, _ = as_array(y)
-    model._ensure_built(x)
+    trainable.model._ensure_built(x)
     rows = _rows(x)
     if timer is not None:
         timer.add_samples(rows)
-    loss_sum = 0.0
-    if rows:
-        y_pred = model._forward(x, training=True)
-        if fault_points.ARMED:
-            fault_points.reached("forward")
-        per_example = model.loss.per_example(y, y_pred)
-        grad = model.loss.gradient(y, y_pred)
-        if sample_weight is not None:
-            weight, _ = as_array(sample_weight)
-            per_example = per_example * weight
-            grad = grad * namespace(grad).reshape(weight, (-1,) + (1,) * (grad.ndim - 1))
-        model._backward(grad)
-        loss_sum = float(namespace(per_example).sum(per_example))
-        params, grads = model._trainable_arrays()
-    else:  # this replica ran out of data this step: it still joins the all-reduce, with zeros
-        params = model.trainable_variables  # (its layers may have no gradients yet: no backward ran here)
-        grads = [namespace(p).zeros_like(p) for p in params]
-    stats = _step_stats(grads, rows, loss_sum)
-    if applier is not None:  # parameters held elsewhere (CentralStorage): reduced there, optimizer run there once
-        if before_apply is not None:
-            before_apply()
-        start = time.perf_counter()
-        total_stats = applier.apply_gradients(context.current_runtime(), model._model_id, model.optimizer, params,
-                                              grads, stats)
-        global_count = float(total_stats[0])
-        if timer is not None:
-            timer.add_apply(time.perf_counter() - start)
-        total = {"stats": total_stats}
-    else:
-        total = ctx.all_reduce(ReduceOp.SUM, {"grads": grads, "stats": stats})
-        global_count = float(total["stats"][0])
-        if before_apply is not None:
-            before_apply()
-    if applier is None and global_count > 0:
-        start = time.perf_counter()
-        scale = 1.0 / global_count
-        model.optimizer.apply(params, [g * g.dtype.type(scale) for g in total["grads"]])
-        if timer is not None:
-            timer.add_apply(time.perf_counter() - start)
-    if rows:
-        for metric in model.compiled_metrics:
-            metric.update_state(y, y_pred, sample_weight)
-    return float(total["stats"][1]), global_count
-
-
-def _step_stats(grads: list[Any], rows: int, loss_sum: float) -> Any:
-    """``[examples, loss sum]`` of this replica's step, to all-reduce with the gradients.
-
-    In the gradients' namespace and dtype when that is float32 or float64, so
-    that the step's all-reduce is one pack (one collective: on shared memory
-    the latency lane, 2-3x faster than a float32 and a float64 pack); float64
-    numpy otherwise (counts and sums would lose precision in 16-bit floats).
-    """
-    dtype = grads[0].dtype if grads else None
-    if dtype is not None and dtype.kind == "f" and dtype.itemsize >= 4:
-        return namespace(grads[0]).asarray([float(rows), loss_sum], dtype=dtype)
-    return np.array([float(rows), loss_sum], np.float64)
+    totals = driver.step(trainable, (x, y, sample_weight), rows)
+    return (totals.sums[0] if totals.sums else 0.0), totals.rows
 
 
 def _global_metric_results(model: Model, ctx: Any) -> dict:

@@ -41,10 +41,10 @@ __all__ = ["DIRECT_OPS", "StoreServer", "direct_exchange", "recv_message", "send
 logger = logging.getLogger(__name__)
 
 HELLO = b"daskdist-ps-1:"
-#: What the channel serves: a worker's variable and Keras-parameter traffic, and CentralStorage's rounds
-#: (arrays and numbers; never functions or optimizers: no cloudpickle on the way in; a round's first
-#: contribution carrying the optimizer goes through Dask's comms, ``daskdist.ps.refs``).
-DIRECT_OPS = frozenset({"exchange", "read", "gather", "update", "scatter", "model_pull", "model_push", "contribute"})
+#: What the channel serves: a worker's variable and trainable-parameter traffic, and CentralStorage's rounds
+#: (arrays and numbers; never functions or update rules: no cloudpickle on the way in; a round's first
+#: contribution carrying the update rule goes through Dask's comms, ``daskdist.ps.refs``).
+DIRECT_OPS = frozenset({"exchange", "read", "gather", "update", "scatter", "params_pull", "params_push", "contribute"})
 _HEADER = struct.Struct("<QI")  # pickle bytes, out-of-band buffers
 _HELLO_TIMEOUT = 5.0
 

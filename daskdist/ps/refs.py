@@ -72,12 +72,12 @@ class StoreRef:
     def call_from_replica(self, runtime: Any, op: str, **kwargs: Any) -> Any:
         """Run ``op`` on the store from a replica thread (``runtime``: the replica's runtime).
 
-        A worker's variable and Keras-parameter traffic and synchronous
+        A worker's variable and trainable-parameter traffic and synchronous
         rounds (``daskdist.ps.channel.DIRECT_OPS``) go without the event loop: a store
         of this process is called directly (a round's wait then blocks this
         thread), one with a direct channel gets it there. The rest
-        (functions, optimizers, a round's contribution carrying the
-        optimizer) goes through the worker's event loop.
+        (functions, update rules, a round's contribution carrying the
+        update rule) goes through the worker's event loop.
         """
         worker = runtime.worker
         if op in DIRECT_OPS and not _carries_objects(op, kwargs):  # no event loop on the way: a store of this process, else the direct channel
@@ -195,7 +195,7 @@ def exchange_from_replica(runtime: Any, requests: dict[StoreRef, dict[str, Any]]
 
 
 def _carries_objects(op: str, kwargs: dict[str, Any]) -> bool:
-    """Whether a ``contribute`` carries more than arrays and numbers (the first gradient round: the optimizer)."""
+    """Whether a ``contribute`` carries more than arrays and numbers (the first gradient round: the update rule)."""
     payload = kwargs.get("payload") if op == "contribute" else None
     return isinstance(payload, dict) and payload.get("init") is not None
 

@@ -26,11 +26,15 @@ row gathers; ``daskdist.ps.session``); ``requests``, ``bytes_served``,
 ``staleness``, ``duplicates``, ``versions`` (figures);
 ``contribute`` (synchronous rounds: each of ``size`` replicas contributes to
 round ``r`` of a key; once all have, the round is finished once, e.g. an
-aggregated assign or a gradient step with the optimizer, and every
-contributor gets the same result); ``model_state`` / ``set_model`` for the
-Keras parameters and optimizer a round of gradients updates; ``model_init``,
-``model_pull`` and ``model_push`` for ParameterServerStrategy's ``fit``
-(each worker pushes its gradients on its own; the optimizer runs here).
+aggregated assign or a gradient step with an update rule, and every
+contributor gets the same result: the parameter holder's step driver);
+``params_state`` / ``params_set`` for the parameters and update-rule state a
+trainable keeps here; ``params_init``, ``params_pull`` and ``params_push``
+for the parameter-server step driver (each worker pushes its gradients on
+its own; the update rule runs here). The store knows no framework: a
+trainable's parameters are arrays, its update rule an object the adapter
+sends (``daskdist.strategy.training_contract.UpdateRule``: ``apply``,
+``learning_rate``, ``get_state``/``set_state`` of its slots).
 """
 
 from __future__ import annotations
@@ -70,11 +74,11 @@ _TRAFFIC_OPS = frozenset({"read", "gather", "update", "scatter", "exchange"})  #
 
 
 @dataclass
-class _ModelEntry:
-    """The Keras parameters of one model (trainable arrays, in the model's order) and their optimizer."""
+class _ParameterSet:
+    """A trainable's parameters held here (arrays, in the trainable's order) and the update rule that owns their slots."""
 
     params: list[Any]
-    optimizer: Any
+    rule: Any
     version: int = 0
 
 
@@ -91,7 +95,7 @@ class ParameterStore:
     def __init__(self, worker: Worker | None = None):
         self.worker = worker
         self._entries: dict[tuple[str, str], Entry] = {}
-        self._models: dict[tuple[str, str], _ModelEntry] = {}
+        self._params: dict[tuple[str, str], _ParameterSet] = {}
         self._rounds = SynchronousRounds()  # ``contribute``
         self._applied: dict[tuple[str, str], OrderedDict[tuple[Any, ...], None]] = {}  # update keys applied, per variable
         self._duplicates: dict[str, int] = {}
@@ -102,7 +106,7 @@ class ParameterStore:
         self.server: Any = None  # the direct channel (``daskdist.ps.channel.StoreServer``), if any
 
     def __repr__(self) -> str:
-        return f"<ParameterStore variables={len(self._entries)} models={len(self._models)}>"
+        return f"<ParameterStore variables={len(self._entries)} parameter_sets={len(self._params)}>"
 
     # -- the handler -----------------------------------------------------------------
 
@@ -329,8 +333,8 @@ class ParameterStore:
         dropped = [k for k in self._entries if k[0] == store_id]
         for key in dropped:
             del self._entries[key]
-        for key in [k for k in self._models if k[0] == store_id]:
-            del self._models[key]
+        for key in [k for k in self._params if k[0] == store_id]:
+            del self._params[key]
         self._served.pop(store_id, None)
         self._requests.pop(store_id, None)
         self._duplicates.pop(store_id, None)
@@ -404,96 +408,98 @@ class ParameterStore:
         apply_method(entry, method, value)
         return entry.version, copy_to_host(entry.value)
 
-    # -- Keras parameters with their optimizer ------------------------------------------------
+    # -- a trainable's parameters with their update rule ------------------------------------------
 
-    def _finish_gradients(self, store_id: str, model_key: str, ordered: list[dict[str, Any]]) -> dict[str, Any]:
-        """Sum the replicas' gradients and step counts, apply the optimizer once, return the new parameters."""
-        key = (store_id, model_key)
-        entry = self._models.get(key)
+    def _finish_gradients(self, store_id: str, key: str, ordered: list[dict[str, Any]]) -> dict[str, Any]:
+        """Sum the replicas' weighted gradients and step statistics, run the update rule once, return the new parameters.
+
+        ``stats[0]`` is the step's rows: the gradients summed are divided by
+        it (the global mean); the other statistics are only summed.
+        """
+        entry = self._params.get((store_id, key))
         if entry is None:
             init = next((c["init"] for c in ordered if c.get("init") is not None), None)
             if init is None:
-                raise RuntimeError(f"the parameter store has no parameters for model {model_key!r}")
-            params, optimizer = init
-            entry = self._models[key] = _ModelEntry([copy_to_host(p) for p in params], optimizer)
+                raise RuntimeError(f"the parameter store holds no parameters {key!r}")
+            params, rule = init
+            entry = self._params[(store_id, key)] = _ParameterSet([copy_to_host(p) for p in params], rule)
         grads = [functools.reduce(np.add, parts) for parts in zip(*(c["grads"] for c in ordered))]
-        stats = functools.reduce(np.add, [c["stats"] for c in ordered])
+        stats = functools.reduce(np.add, [np.asarray(c["stats"], np.float64) for c in ordered])
         count = float(stats[0])
         if count > 0:
-            entry.optimizer.learning_rate = ordered[0]["lr"]
+            entry.rule.learning_rate = ordered[0]["lr"]
             scale = 1.0 / count
-            entry.optimizer.apply(entry.params, [g * g.dtype.type(scale) for g in grads])
+            entry.rule.apply(entry.params, [g * g.dtype.type(scale) for g in grads])
             entry.version += 1
         return {"params": [copy_to_host(p) for p in entry.params], "stats": stats, "version": entry.version}
 
-    def _op_model_state(self, store_id: str, model_key: str) -> dict[str, Any] | None:
-        """``{"params", "optimizer_state", "iterations"}`` of a model's stored copy, or ``None`` if it has none."""
-        entry = self._models.get((store_id, model_key))
+    def _op_params_state(self, store_id: str, key: str) -> dict[str, Any] | None:
+        """``{"params", "rule_state"}`` of the parameters held as ``key``, or ``None`` if none are."""
+        entry = self._params.get((store_id, key))
         if entry is None:
             return None
-        state = {k: copy_to_host(v) for k, v in entry.optimizer.get_state().items()}
-        return {"params": [copy_to_host(p) for p in entry.params], "optimizer_state": state}
+        state = {k: copy_to_host(v) for k, v in entry.rule.get_state().items()}
+        return {"params": [copy_to_host(p) for p in entry.params], "rule_state": state}
 
-    def _op_set_model(self, store_id: str, model_key: str, params: list[Any] | None = None,
-                      optimizer_state: dict[str, Any] | None = None) -> bool:
-        """Overwrite a stored model's parameters and/or optimizer state; ``False`` if none is stored yet."""
-        entry = self._models.get((store_id, model_key))
+    def _op_params_set(self, store_id: str, key: str, params: list[Any] | None = None,
+                       rule_state: dict[str, Any] | None = None) -> bool:
+        """Overwrite the parameters held as ``key`` and/or their update-rule state; ``False`` if none are held."""
+        entry = self._params.get((store_id, key))
         if entry is None:
             return False
         if params is not None:
             if len(params) != len(entry.params):
-                raise ValueError(f"model {model_key!r} has {len(entry.params)} parameters, got {len(params)}")
+                raise ValueError(f"parameters {key!r}: {len(entry.params)} held, {len(params)} given")
             for target, value in zip(entry.params, params):
                 namespace(target).copyto(target, as_array(value)[0], casting="unsafe")
-        if optimizer_state is not None:
-            entry.optimizer.set_state(optimizer_state)
+        if rule_state is not None:
+            entry.rule.set_state(rule_state)
         entry.version += 1
         return True
 
+    # -- parameters pushed asynchronously (the parameter-server step driver) ---------------------
 
-    # -- Keras parameters pushed asynchronously (ParameterServerStrategy's fit) -----------------------
+    def _op_params_init(self, store_id: str, key: str, params: list[Any], rule: Any) -> int:
+        """Hold ``params`` (this store's part of a trainable's) and their update rule, unless held already.
 
-    def _op_model_init(self, store_id: str, model_key: str, params: list[Any], optimizer: Any) -> int:
-        """Hold ``params`` (this store's part of a model) and their optimizer, unless held already; the version.
-
-        The first caller wins: every worker offers its freshly built copy, all
-        then pull the one kept.
+        Returns the version. The first caller wins: every worker offers its
+        freshly built copy, all then pull the one kept.
         """
-        key = (store_id, model_key)
-        if key not in self._models:
-            self._models[key] = _ModelEntry([copy_to_host(p) for p in params], optimizer)
-        return self._models[key].version
+        held = (store_id, key)
+        if held not in self._params:
+            self._params[held] = _ParameterSet([copy_to_host(p) for p in params], rule)
+        return self._params[held].version
 
-    def _model_entry(self, store_id: str, model_key: str) -> _ModelEntry:
+    def _parameter_set(self, store_id: str, key: str) -> _ParameterSet:
         try:
-            return self._models[(store_id, model_key)]
+            return self._params[(store_id, key)]
         except KeyError:
-            raise KeyError(f"the parameter store holds no parameters of model {model_key!r}") from None
+            raise KeyError(f"the parameter store holds no parameters {key!r}") from None
 
-    def _op_model_pull(self, store_id: str, model_key: str, newer_than: int = -1) -> tuple[int, Any]:
+    def _op_params_pull(self, store_id: str, key: str, newer_than: int = -1) -> tuple[int, Any]:
         """``(version, copies of the parameters)``, or ``(version, None)`` if not newer than ``newer_than``."""
-        entry = self._model_entry(store_id, model_key)
+        entry = self._parameter_set(store_id, key)
         if entry.version <= newer_than:
             return entry.version, None
         params = [copy_to_host(p) for p in entry.params]
         self._count(store_id, sum(p.nbytes for p in params))
         return entry.version, params
 
-    def _op_model_push(self, store_id: str, model_key: str, grads: list[Any], lr: float,
-                       dedupe: tuple[str, int] | None = None, read_version: int | None = None) -> tuple[int, Any]:
-        """One worker's averaged gradients, the optimizer applied here once; ``(version, new parameters)``.
+    def _op_params_push(self, store_id: str, key: str, grads: list[Any], lr: float,
+                        dedupe: tuple[str, int] | None = None, read_version: int | None = None) -> tuple[int, Any]:
+        """One worker's mean gradients, the update rule run here once; ``(version, new parameters)``.
 
         ``dedupe`` (closure id, n): a push already applied is not applied again
         (a closure run again after its worker was lost). ``read_version``: the
         version the gradients were computed from (recorded as staleness).
         """
-        entry = self._model_entry(store_id, model_key)
+        entry = self._parameter_set(store_id, key)
         if read_version is not None and read_version >= 0:
             self._staleness.setdefault(store_id, collections.deque(maxlen=_STALENESS_HISTORY)).append(
                 entry.version - int(read_version))
-        if dedupe is None or not self._seen_before(store_id, f"model:{model_key}", dedupe):
-            entry.optimizer.learning_rate = lr
-            entry.optimizer.apply(entry.params, [np.asarray(to_numpy(g)) for g in grads])
+        if dedupe is None or not self._seen_before(store_id, f"params:{key}", dedupe):
+            entry.rule.learning_rate = lr
+            entry.rule.apply(entry.params, [np.asarray(to_numpy(g)) for g in grads])
             entry.version += 1
         params = [copy_to_host(p) for p in entry.params]
         self._count(store_id, sum(p.nbytes for p in params))

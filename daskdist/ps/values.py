@@ -254,7 +254,7 @@ def _on_replica_device(value: Any, runtime: Any) -> Any:
 
 
 def dedupe_key(runtime: Any) -> tuple[str, int] | None:
-    """``(closure id, n)`` for the closure's next update (``ps_fit``'s pushes too), or ``None`` outside closures."""
+    """``(closure id, n)`` for the closure's next update (the parameter-server step driver's pushes too), or ``None`` outside closures."""
     session = current_session(runtime)
     return None if session is None else session.next_dedupe_key()
 

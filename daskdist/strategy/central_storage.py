@@ -15,8 +15,7 @@ from distributed import Client
 
 from daskdist.cluster.devices import parse_device
 from daskdist.strategy.base import Strategy
-from daskdist.strategy.gradient_applier import GRADIENT_APPLIER
-from daskdist.strategy.parameter_holder import ParameterHolderExtended, StoreGradientApplier
+from daskdist.strategy.parameter_holder import ParameterHolderExtended
 
 __all__ = ["CentralStorageExtended", "CentralStorageStrategy"]
 
@@ -50,7 +49,6 @@ class CentralStorageExtended(ParameterHolderExtended):
         try:
             address, name = self._parameter_holder(parameter_device, device_name)
             self._open_stores([address], [name])
-            self.install_resident(*GRADIENT_APPLIER, StoreGradientApplier(self._stores[0]))
         except BaseException:
             self.close()
             raise

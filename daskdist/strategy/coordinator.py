@@ -22,7 +22,6 @@ import enum
 import itertools
 import logging
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import CancelledError
@@ -32,6 +31,8 @@ import numpy as np
 import optree
 
 from daskdist.exceptions import ParameterServerLostError, ReplicaLostError, StrategyClosedError
+from daskdist.group.announcements import announcements_of
+from daskdist.group.scheduler_plugin import EVENT_TOPIC
 from daskdist.ps.client import (
     ClosureDataLedger,
     PerWorkerIterator,
@@ -54,7 +55,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_PS_POLL_SECONDS = 0.5
+#: The coordinator's watch wakes at the scheduler plugin's announcements (a group failed, a worker joined or
+#: left); it also looks every this many seconds, in case an announcement was missed.
+_WATCH_RECHECK_SECONDS = 2.0
 
 
 class RemoteValueStatus(enum.Enum):
@@ -352,7 +355,7 @@ class ClusterCoordinator:
             self._queue.popleft().remote_value._set_error(error)
 
     def _watch_cluster(self) -> None:
-        """Every half second: fail fast if the store group failed (a ps was lost); admit Dask workers that joined.
+        """At each change the scheduler announces: fail fast if the store group failed (a ps was lost); admit new workers.
 
         The stores are members with role ``ps`` of the strategy's store group:
         the scheduler plugin fails that group as soon as a ps's worker leaves
@@ -363,8 +366,10 @@ class ClusterCoordinator:
         """
         client = self._extended.client
         group = self._extended.store_group
+        announcements = announcements_of(client, EVENT_TOPIC)
+        seen = announcements.version
         while not self._stopped:
-            time.sleep(_PS_POLL_SECONDS)
+            seen = announcements.wait_past(seen, _WATCH_RECHECK_SECONDS)
             try:
                 status, reason = group.status() if group is not None else ("running", "")
                 workers = client.scheduler_info(n_workers=-1)["workers"]

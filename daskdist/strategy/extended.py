@@ -215,8 +215,13 @@ class StrategyExtended(abc.ABC):
     def _run_on(self, command: Command, args: Args | list[Args], ranks: list[int] | None) -> list[Any]:
         """Send ``command`` to ``ranks`` (``None``: all); ``args`` shared or one tuple per replica."""
 
-    def step_driver(self) -> StepDriver:
-        """The step driver that trains a framework's ``Trainable`` under this strategy (``training_contract``).
+    def step_driver(self, key: str | None = None) -> StepDriver:
+        """The step driver that trains a ``Trainable`` under this strategy (``training_contract``).
+
+        ``key`` names the trainable's parameters where the strategy holds
+        them off the replicas (parameter holder, parameter servers): reuse
+        the key (or the driver) to go on training the same parameters;
+        ``None``: a fresh one. The SPMD driver ignores it.
 
         Raises
         ------

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,13 +26,15 @@ import numpy as np
 import optree
 
 from daskdist.group.service import VARIABLE
-from daskdist.ps.client import AggregatingVariable, RoundCounter, StoreGroup, StoreRef
+from daskdist.ps.client import AggregatingVariable, StoreGroup, StoreRef
 from daskdist.strategy.extended import Args, Kwargs
+from daskdist.strategy.held_drivers import HolderStepDriver
 from daskdist.strategy.spmd import SpmdExtended
+from daskdist.strategy.training_contract import StepDriver
 from daskdist.values import Mirrored, PerReplica
 from daskdist.variables import DistributedVariable, VariableAggregation, VariableSpec
 
-__all__ = ["ParameterHolderExtended", "StoreGradientApplier", "select_single_value"]
+__all__ = ["ParameterHolderExtended", "select_single_value"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +78,11 @@ class ParameterHolderExtended(SpmdExtended):
         """Drop the variables held for this strategy and close the store group (idempotent)."""
         if self._store_group is not None:
             self._store_group.close()
+
+    def step_driver(self, key: str | None = None) -> StepDriver:
+        """Reduce to the parameter holder, apply once there, assign on every replica (``HolderStepDriver``)."""
+        self.check_open()
+        return HolderStepDriver(self._stores[0], key or uuid.uuid4().hex)
 
     # -- placement -------------------------------------------------------------------------
 
@@ -263,65 +271,3 @@ def _install_view(service: Any, var_id: str, spec: VariableSpec, store: StoreRef
     """Replica command: this replica's view of a stored variable, found by ``var_id``."""
     service.objects.install(VARIABLE, var_id, AggregatingVariable(spec, service.token, var_id, store, device,
                                                                   runtime=service))
-
-
-class StoreGradientApplier:
-    """How ``fit`` updates a model's parameters when they are held by one parameter store.
-
-    Each step every replica sends its summed gradients and step statistics
-    to the store as one round; the store adds them, applies the optimizer
-    once to its copy of the parameters and returns the new parameters, which
-    each replica copies into its compute copy. The first round carries
-    replica 0's parameters and optimizer, which the store keeps from then on
-    (the replicas' own optimizers never run: one optimizer state, not N).
-    """
-
-    def __init__(self, store: StoreRef):
-        self.store = store
-        self._rounds: dict[str, RoundCounter] = {}
-
-    def apply_gradients(self, service: Any, model_key: str, optimizer: Any, params: list[Any], grads: list[Any],
-                        stats: Any) -> Any:
-        """One synchronous step; returns the step's statistics summed over the replicas."""
-        import numpy as np
-
-        from daskdist.arrays import namespace, to_numpy
-
-        round_id = self._rounds.setdefault(model_key, RoundCounter()).next(service.run_id)
-        init = None
-        if service.rank == 0 and round_id & 0xFFFFFFFF == 1:  # the store keeps the first it gets
-            init = ([np.array(to_numpy(p), copy=True) for p in params], _fresh_copy(optimizer))
-        payload = {"grads": [to_numpy(g) for g in grads], "stats": to_numpy(stats),
-                   "lr": float(optimizer.learning_rate), "init": init}
-        result = self.store.round_from_replica(service, "gradients", f"model:{model_key}", round_id, payload)
-        for param, new in zip(params, result["params"]):
-            namespace(param).copyto(param, _like(new, param))
-        return _like(result["stats"], stats)
-
-    def model_state(self, service: Any, model_key: str) -> dict[str, Any] | None:
-        """The stored parameters and optimizer state, or ``None`` before the first step."""
-        state: dict[str, Any] | None = self.store.call_from_replica(service, "model_state", model_key=model_key)
-        return state
-
-    def set_model(self, service: Any, model_key: str, params: list[Any] | None = None,
-                  optimizer_state: dict[str, Any] | None = None) -> bool:
-        """Overwrite the stored copy (after ``set_weights``/``load_weights``); ``False`` if none yet."""
-        return bool(self.store.call_from_replica(service, "set_model", model_key=model_key, params=params,
-                                            optimizer_state=optimizer_state))
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"store": self.store, "_rounds": {}}
-
-
-def _fresh_copy(optimizer: Any) -> Any:
-    import copy
-
-    return copy.deepcopy(optimizer)
-
-
-def _like(value: Any, reference: Any) -> Any:
-    """``value`` in ``reference``'s namespace (cupy compute copies get cupy arrays)."""
-    from daskdist.arrays import namespace
-
-    xp = namespace(reference)
-    return xp.asarray(value, dtype=getattr(reference, "dtype", None))

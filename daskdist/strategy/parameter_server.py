@@ -46,7 +46,9 @@ from daskdist.group.service import STRATEGY
 from daskdist.ops import CommunicationOptions
 from daskdist.strategy.base import Strategy
 from daskdist.strategy.extended import Args, Command, Kwargs
+from daskdist.strategy.held_drivers import PsStepDriver
 from daskdist.strategy.parameter_holder import ParameterHolderExtended
+from daskdist.strategy.training_contract import StepDriver
 
 __all__ = ["ParameterServerExtended", "ParameterServerStrategy", "cluster_members"]
 
@@ -240,15 +242,21 @@ class ParameterServerExtended(ParameterHolderExtended):
             results.append(self._worker_groups[addresses[index]].call(command, tuple(worker_args))[0])
         return results
 
-    #: Keras runs ``fit``/``evaluate`` as coordinator closures (``daskdist.keras.ps_fit``), not as replica commands.
+    #: ``fit``/``evaluate`` run as coordinator closures (the step driver's ``PsStepDriver``), not as replica commands.
     schedules_closures = True
 
+    def step_driver(self, key: str | None = None) -> StepDriver:
+        """A closure's steps: pull, compute, push to the stores (``training_contract.PsStepDriver``)."""
+        self.check_open()
+        return PsStepDriver(self.stores, key or uuid.uuid4().hex)
+
     def install_resident(self, kind: str, object_id: str, obj: Any) -> None:
-        """Keras models are installed by ``keras.ps_fit`` (a trainer per worker), never as SPMD replicas' copies."""
+        """Models are installed on each worker with their ``PsStepDriver`` (by the adapter), never as SPMD copies."""
         if kind == "model":
             raise NotImplementedError(
-                "a Keras model under ParameterServerStrategy is trained through keras.ps_fit (its parameters on "
-                "the ps), not installed on the workers as a replica copy"
+                "a model under ParameterServerStrategy trains through its step driver (its parameters on the ps, "
+                "each worker its own copy, installed by ClusterCoordinator.run_on_each_worker), not installed on "
+                "the workers as a replica copy"
             )
         super().install_resident(kind, object_id, obj)
 

@@ -36,7 +36,7 @@ from daskdist.ops import CommunicationOptions
 from daskdist.replica import commands
 from daskdist.strategy import replica_commands
 from daskdist.strategy.extended import Args, Command, Kwargs, StrategyExtended
-from daskdist.strategy.training_contract import SpmdStepDriver
+from daskdist.strategy.training_contract import SpmdStepDriver, StepDriver
 from daskdist.values import DistributedValues, regroup, select_replica
 from daskdist.variables import (
     DistributedVariable,
@@ -239,13 +239,13 @@ class SpmdExtended(StrategyExtended):
     def _run_on(self, command: Command, args: Args | list[Args], ranks: list[int] | None) -> list[Any]:
         return self._group.call(command, args, ranks=ranks)
 
-    def step_driver(self) -> SpmdStepDriver:
+    def step_driver(self, key: str | None = None) -> StepDriver:
         """All-reduce the gradients, apply on every replica (``training_contract.SpmdStepDriver``).
 
         An Extended that places variables otherwise (a parameter holder) needs its own driver: refused.
         """
         if type(self)._variable_placement is not StrategyExtended._variable_placement:
-            super().step_driver()
+            return super().step_driver(key)
         return SpmdStepDriver()
 
     def step_timings(self, last: int | None = None) -> list[list[Kwargs]]:

@@ -72,9 +72,18 @@ class Killer(_Watcher):
 
 
 def reported_step(client, since: float, step: int, epoch: int | None = 0) -> bool:
-    """Whether replica 0 reported ``step`` (or later) of ``epoch`` (``None``: any) after ``since``."""
-    return any(t > since and epoch in (None, m.get("epoch")) and m.get("step", -1) >= step
-               for t, m in client.get_events(PROGRESS_TOPIC))
+    """Whether replica 0 reported ``step`` (or later) of ``epoch`` (``None``: any) after ``since``.
+
+    An epoch that had begun reporting before ``since`` and has ended (its ``step: -1`` event) is left out: under
+    load an earlier fit's last progress events can reach the scheduler after ``since`` and would otherwise place
+    the kill at the start of the next fit.
+    """
+    events = client.get_events(PROGRESS_TOPIC)
+    begun = {(m.get("tag"), m.get("epoch")) for t, m in events if t <= since}
+    ended = {(m.get("tag"), m.get("epoch")) for _, m in events if m.get("step") == -1}
+    old = begun & ended
+    return any(t > since and (m.get("tag"), m.get("epoch")) not in old and epoch in (None, m.get("epoch"))
+               and m.get("step", -1) >= step for t, m in events)
 
 
 def wait_for_step(client, step: int, since: float, epoch: int | None = 0, timeout: float = 120) -> None:

@@ -17,12 +17,15 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from daskdist import context
 from daskdist.ops import ReduceOp
+
+if TYPE_CHECKING:
+    from daskdist.strategy.training_contract import GradientExchange
 
 __all__ = ["active", "apply_with_exchange", "mark_replica_optimizer"]
 
@@ -33,7 +36,7 @@ _replica_optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
 class active:
     """``with active(optimizer, exchange, rows):`` routes that optimizer's ``apply`` through ``exchange``."""
 
-    def __init__(self, optimizer: Any, exchange: Callable[[Sequence[Any], int], list[Any]], rows: int):
+    def __init__(self, optimizer: Any, exchange: GradientExchange, rows: int):
         self._key = id(optimizer)
         self._value = (exchange, rows)
 
@@ -77,6 +80,8 @@ def apply_with_exchange(optimizer: Any, grads: Sequence[Any], variables: Sequenc
     if entry is not None:
         exchange, rows = entry
         reduced = exchange(_numpy_views(grads, targets), rows)
+        if reduced is None:  # the driver assigned the new parameters (held off the replicas): nothing to apply
+            return None
     else:
         ctx = context.get_replica_context()
         if ctx is None or ctx.num_replicas_in_sync == 1:

@@ -57,8 +57,18 @@ def created(model: Any) -> None:
     if strategy is None or registry.lookup(model) is not None:
         return
     check_backend(keras_backend())
-    strategy.extended.step_driver()  # refuses strategies that cannot train framework models yet
+    _check_driver(strategy)
     registry.register(model, strategy)
+
+
+def _check_driver(strategy: Any) -> None:
+    """Refuse strategies whose step driver this adapter cannot use yet (it has no ``assign``/``update_rule``)."""
+    from daskdist.strategy.training_contract import SpmdStepDriver
+
+    if not isinstance(strategy.extended.step_driver(), SpmdStepDriver):
+        raise NotImplementedError(
+            f"{type(strategy).__name__} cannot train framework models (Keras 3) yet: use MirroredStrategy, "
+            "OneDeviceStrategy or MultiWorkerMirroredStrategy, or the built-in layers (daskdist.keras)")
 
 
 def created_optimizer(optimizer: Any) -> None:

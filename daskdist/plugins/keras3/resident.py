@@ -96,6 +96,8 @@ class KerasTrainable:
         variables = list(self.model.trainable_variables)
         zeros = [np.zeros(tuple(v.shape), dtype=_numpy_dtype(v)) for v in variables]
         reduced = exchange(zeros, 0)
+        if reduced is None:  # the driver assigned the new parameters
+            return
         with torch.no_grad():
             _optimizer(self.model).apply([torch.from_numpy(g) for g in reduced], variables)
 
