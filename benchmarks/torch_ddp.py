@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import sys
 import time
@@ -191,8 +192,7 @@ def _torch_line() -> str:
     """torch's version and its BLAS (both arms run the same torch, one thread per replica)."""
     import torch
 
-    blas = [part.strip() for line in torch.__config__.show().splitlines() for part in line.split(",")
-            if "BLAS_INFO" in part or "LAPACK_INFO" in part]
+    blas = re.findall(r"(?:BLAS|LAPACK)_INFO=\w+", torch.__config__.show())
     return f"torch {torch.__version__}  {' '.join(blas) or 'BLAS: not reported'}  torch.set_num_threads(1) per replica"
 
 
