@@ -27,7 +27,9 @@ run: $(STAMP)
 # (best effort, never fails; the test skips without it); scripts/ensure_iproute2.sh does the same for `ip`/`tc`
 # (iproute2), which the network-namespace host tests need (they skip without it, or without root)
 # `make test` runs the tests one at a time (PYTEST_WORKERS=0): on 2 cores, two pytest-xdist workers each starting
-# real worker processes (load 15-20) made the kill/elastic tests time out in one run of three (2026-11-25);
+# real worker processes (load 15-20) made the kill/elastic tests time out in one run of three and took 26.9 min
+# against 19.5 serially (2026-11-25); each xdist worker also starts its own shared cluster and warm pool
+# (tests/conftest.py), so a second one doubles the process start-ups the serial run shares;
 # `make test PYTEST_WORKERS=2` runs two workers, --dist loadgroup keeping each module's tests on one worker (its
 # module-scoped clusters start once) and every netns test in one group (tests/conftest.py). Every test runs.
 PYTEST_WORKERS ?= 0
@@ -52,12 +54,12 @@ check: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-# the ucx transport's tests, in a venv of their own with the ucx extra (ucxx and UCX wheels, about 350 MB);
-# `make test` skips them where ucxx is missing
-test-ucx:
-	test -x .venv-ucx/bin/python || $(PYTHON) -m venv .venv-ucx
-	.venv-ucx/bin/python -m pip install --quiet -e ".[test,ucx]"
-	.venv-ucx/bin/python -m pytest tests/test_transport_ucx.py "tests/test_transports.py::test_a_killed_peer_wakes_replicas_blocked_in_the_transport[ucx]" -q
+# the ucx transport's tests: the ucx extra (ucxx-cu12 and the UCX wheels, about 280 MB, a minute to install; it
+# imports without a GPU) into the same venv, then only the ucx tests (about 2.5 min on 2 loaded cores, 2026-11-27),
+# the namespace-host one included (root); CI runs it after `make test`, which skips them where ucxx is missing
+test-ucx: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e ".[test,ucx]"
+	$(BIN)/python -m pytest tests/test_transport_ucx.py tests/test_multihost_ucx.py "tests/test_transports.py::test_a_killed_peer_wakes_replicas_blocked_in_the_transport[ucx]" -q
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e ".[bench]"

@@ -10,12 +10,14 @@ import platform
 import shlex
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
 
 import numpy as np
 
 __all__ = [
     "add_transport_option",
+    "alternating_rounds",
     "check_worker_settings",
     "command_line",
     "config_overrides",
@@ -28,6 +30,8 @@ __all__ = [
     "settings",
     "settings_line",
 ]
+
+T = TypeVar("T")
 
 #: The daskdist settings that change what the benchmarks measure; printed, and checked on the workers.
 SETTINGS = ("collective.transport", "metrics.log-events")
@@ -189,3 +193,25 @@ def local_cluster(n_workers: int) -> Iterator[object]:
             client.close()
     finally:
         cluster.close()
+
+
+def alternating_rounds(arms: Sequence[str], rounds: int, block: Callable[[str], T],
+                       show_load: bool = False) -> dict[str, list[T]]:
+    """``rounds`` rounds of one ``block(arm)`` per arm, the order rotating each round; the results per arm.
+
+    Three arms run A B C, B C A, C A B, ...; two arms A B, B A (ABBA), so a
+    drift of the machine over time falls on every arm alike. ``show_load``:
+    print the load average before each block (the figures of a loaded machine
+    must say so) and the block's result after it.
+    """
+    results: dict[str, list[T]] = {arm: [] for arm in arms}
+    names = list(arms)
+    for round_ in range(rounds):
+        shift = round_ % len(names)
+        for arm in names[shift:] + names[:shift]:
+            load = os.getloadavg()
+            results[arm].append(block(arm))
+            if show_load:
+                print(f"round {round_ + 1} {arm}: {results[arm][-1]} (load before: "
+                      f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f})", flush=True)
+    return results

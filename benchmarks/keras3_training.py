@@ -15,7 +15,8 @@ measured on random labels), the same global batch everywhere:
   same strategy on the same cluster.
 
 One warm-up epoch each, then ``--rounds`` rounds, the order rotating per
-round; samples/s per epoch. Then, on the replicas, the per-step cost of
+round (``_common.alternating_rounds``), the load average printed before each
+arm's epoch; samples/s per epoch. Then, on the replicas, the per-step cost of
 daskdist over Keras' own step: ``fit``'s step time (from the epoch) against a
 loop of Keras' ``model.train_step`` on the same per-replica batch with no
 exchange, and the gradient exchange alone (``SpmdStepDriver.exchange``).
@@ -35,7 +36,7 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
-from _common import format_table, local_cluster, print_header  # noqa: E402
+from _common import alternating_rounds, format_table, local_cluster, print_header  # noqa: E402
 
 import daskdist as dd  # noqa: E402
 
@@ -108,7 +109,6 @@ def main(args: argparse.Namespace) -> None:
     x = rng.random((args.samples, 28, 28, 1), dtype=np.float32)
     y = rng.integers(0, 10, args.samples).astype(np.int64)
     steps = args.samples // args.batch
-    results: dict[str, list[float]] = {"keras3-dd": [], "keras3-plain": [], "builtin-dd": []}
     with local_cluster(2) as client:
         strategy = dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=client)
         dataset = dd.data.Dataset.from_tensor_slices((x, y)).batch(args.batch)
@@ -125,14 +125,13 @@ def main(args: argparse.Namespace) -> None:
         }
         for run in runs.values():  # warm-up: installs, first-touch allocations
             run()
-        names = list(runs)
-        for round_ in range(args.rounds):
-            order = names[round_ % 3:] + names[:round_ % 3]
-            for name in order:
-                start = time.perf_counter()
-                runs[name]()
-                results[name].append(args.samples / (time.perf_counter() - start))
-            print(f"round {round_ + 1}: " + ", ".join(f"{n} {results[n][-1]:.0f}" for n in names), flush=True)
+
+        def samples_per_second(name: str) -> float:
+            start = time.perf_counter()
+            runs[name]()
+            return round(args.samples / (time.perf_counter() - start), 1)
+
+        results = alternating_rounds(list(runs), args.rounds, samples_per_second, show_load=True)
 
         record = registry.lookup(k3)
         half = args.batch // 2

@@ -57,7 +57,14 @@ import time
 from typing import Any
 
 import numpy as np
-from _common import check_worker_settings, format_table, local_cluster, percentile_ms, print_header
+from _common import (
+    alternating_rounds,
+    check_worker_settings,
+    format_table,
+    local_cluster,
+    percentile_ms,
+    print_header,
+)
 
 BATCH_PER_REPLICA = 16
 GOAL = 1.02
@@ -271,11 +278,7 @@ class Bench:
 
     def abba(self, rounds: int, block: Any) -> None:
         """``rounds`` rounds of one block per setting, the order alternating (on off, off on, ...)."""
-        self.blocks = {"on": [], "off": []}
-        order = [("on", "off"), ("off", "on")]
-        for i in range(rounds):
-            for name in order[i % 2]:
-                self.blocks[name].append(block(name))
+        self.blocks = alternating_rounds(["on", "off"], rounds, block)
 
 
 def _hold_batches(strategy: Any, images: np.ndarray, labels: np.ndarray) -> None:

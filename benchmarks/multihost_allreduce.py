@@ -44,7 +44,12 @@ finished other half).
 Usage (as root)::
 
     .venv/bin/python benchmarks/multihost_allreduce.py [--sizes 4KiB 256KiB 4MiB 64MiB] [--rates 10gbit 1gbit]
-        [--iterations 200 20 20 3] [--layouts 1 2] [--systems tf gloo mpi daskdist]
+        [--iterations 200 20 20 3] [--layouts 1 2] [--systems tf gloo mpi ucx daskdist]
+
+``ucx`` is daskdist with ``daskdist.collective.transport: ucx`` (TCP underneath: veth has no RDMA); it needs
+``ucxx`` in the interpreter that runs this script (``.venv-ucx/bin/python``, made by ``make test-ucx``),
+and is reported unavailable otherwise. Cells: the median per call and, in brackets, the wall time per call
+over the timed loop (the untimed calls included), which shows a timed call overlapping the previous call's tail.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -71,13 +77,16 @@ from peers._base import PeerUnavailable, SizePlan, format_size, parse_result, pa
 
 __all__ = ["main"]
 
-SYSTEMS = ("tf", "gloo", "mpi", "daskdist")
-COLUMNS = {"tf": "TF MWMS", "gloo": "gloo", "mpi": "Open MPI", "daskdist": "daskdist"}
+SYSTEMS = ("tf", "gloo", "mpi", "ucx", "daskdist")
+COLUMNS = {"tf": "TF MWMS", "gloo": "gloo", "mpi": "Open MPI", "ucx": "daskdist ucx", "daskdist": "daskdist"}
+OURS = ("daskdist", "ucx")
 TF_PORT = 23456
 GLOO_PORT = 29500
 
 #: A system's result: median seconds by size, or why it is unavailable.
 Result = dict[int, float] | str
+#: Wall time per call by size (over the timed loop, the untimed calls included), slowest rank.
+Walls = dict[int, float]
 
 
 def _log(message: str) -> None:
@@ -108,35 +117,58 @@ def _enter(host) -> list[str]:
 # -- daskdist -------------------------------------------------------------------------
 
 
-def _timed_all_reduces(sizes: list[int], iterations: list[int]) -> dict[int, list[float]]:
-    """Replica function: per size, warm-up then timed all-reduces (each after an untimed one)."""
+def _timed_all_reduces(sizes: list[int], iterations: list[int]) -> dict[str, dict[int, Any]]:
+    """Replica function: per size, warm-up then timed all-reduces (each after an untimed one).
+
+    ``times``: each timed call's seconds; ``walls``: the timed loop's wall time per call (untimed calls included).
+    """
     import daskdist as dd
 
     ctx = dd.get_replica_context()
-    out = {}
+    out: dict[str, dict[int, Any]] = {"times": {}, "walls": {}}
     for nbytes, count in zip(sizes, iterations):
         value = np.ones(nbytes // 4, np.float32)
         for _ in range(3):
             ctx.all_reduce("SUM", value)
         samples = []
+        began = time.perf_counter()
         for _ in range(count):
             ctx.all_reduce("SUM", value)
             start = time.perf_counter()
             ctx.all_reduce("SUM", value)
             samples.append(time.perf_counter() - start)
-        out[nbytes] = samples
+        out["walls"][nbytes] = (time.perf_counter() - began) / (2 * count)
+        out["times"][nbytes] = samples
     return out
 
 
-def _daskdist(client, workers: list[str] | None, sizes, iterations) -> Result:
+def _daskdist(client, workers: list[str] | None, sizes, iterations,
+              transport: str | None = None) -> tuple[Result, Walls]:
+    """daskdist's MWMS over the chosen workers (``transport``: force one, e.g. ``ucx``); (medians, walls)."""
+    import dask
+
     import daskdist as dd
     from daskdist.cluster_resolver import DaskClusterResolver
     from daskdist.replica import commands
 
+    if transport == "ucx":
+        import importlib.util
+
+        if importlib.util.find_spec("ucxx") is None:
+            return ("unavailable (ucxx not installed in this interpreter: run with a venv that has the ucx extra, "
+                    "e.g. .venv-ucx/bin/python after make test-ucx)"), {}
     resolver = DaskClusterResolver(client, workers=workers) if workers else None
-    with dd.MultiWorkerMirroredStrategy(resolver, client=client) as strategy:
-        per_rank = strategy.extended.group.call(commands.run_function, (_timed_all_reduces, (sizes, iterations), {}))
-    return _medians(_slowest_per_iteration(per_rank, sizes))
+    settings = {"daskdist.collective.transport": transport} if transport else {}
+    try:
+        with dask.config.set(settings), dd.MultiWorkerMirroredStrategy(resolver, client=client) as strategy:
+            per_rank = strategy.extended.group.call(commands.run_function,
+                                                    (_timed_all_reduces, (sizes, iterations), {}))
+    except Exception as error:  # noqa: BLE001  (a transport that cannot run here is reported, not fatal)
+        if transport is None:
+            raise
+        return f"unavailable ({type(error).__name__}: {str(error)[:300]})", {}
+    walls = {n: max(r["walls"][n] for r in per_rank) for n in sizes}
+    return _medians(_slowest_per_iteration([r["times"] for r in per_rank], sizes)), walls
 
 
 # -- peers ------------------------------------------------------------------------------
@@ -176,25 +208,27 @@ def run_tf_tasks(hosts, per_host: int, script: str, script_args: list[str], time
     return results
 
 
-def _tf_mwms(hosts, per_host: int, sizes, iterations, timeout: float = 300) -> Result:
-    """TF MWMS with one TF task per replica (``per_host`` tasks on each namespace host); medians, or why not."""
+def _tf_mwms(hosts, per_host: int, sizes, iterations, timeout: float = 300) -> tuple[Result, Walls]:
+    """TF MWMS with one TF task per replica (``per_host`` tasks on each namespace host); (medians, walls), or why not."""
     results = run_tf_tasks(hosts, per_host, "benchmarks/peers/tf_mwms_allreduce.py",
                            ["--sizes", *map(str, sizes), "--iterations", *map(str, iterations)], timeout)
     if isinstance(results, str):
-        return results
+        return results, {}
     times = [{int(n): t for n, t in r["times"].items()} for r in results]
-    return _medians(_slowest_per_iteration(times, sizes))
+    walls = {n: max(r["walls"][str(n)] for r in results) for n in sizes}
+    return _medians(_slowest_per_iteration(times, sizes)), walls
 
 
-def _gloo(hosts, per_host: int, plan: list[SizePlan], port: int, timeout: float = 600) -> tuple[Result, str]:
-    """torch gloo, rank ``r`` inside host ``r // per_host``'s namespaces, the store on host 0; (medians, info)."""
+def _gloo(hosts, per_host: int, plan: list[SizePlan], port: int,
+          timeout: float = 600) -> tuple[Result, Walls, str]:
+    """torch gloo, rank ``r`` inside host ``r // per_host``'s namespaces, the store on host 0; (medians, walls, info)."""
     try:
         result = gloo_allreduce.run(len(hosts.hosts) * per_host, plan, timeout,
                                     rank_prefix=lambda rank: _enter(hosts.hosts[rank // per_host]),
                                     master=(hosts.hosts[0].address, port), socket_ifname="eth0")
     except PeerUnavailable as error:
-        return f"unavailable ({error})", ""
-    return _medians(result["times"]), result["info"]
+        return f"unavailable ({error})", {}, ""
+    return _medians(result["times"]), result["walls"], result["info"]
 
 
 #: PRRTE's ssh launcher runs ``AGENT [options] HOST COMMAND``: this agent runs COMMAND (PRRTE's daemon) in HOST's
@@ -211,8 +245,8 @@ exec setpriv --pdeathsig KILL -- nsenter --net=/run/netns/$ns --uts=/proc/$ancho
 """
 
 
-def _mpi(hosts, per_host: int, plan: list[SizePlan], timeout: float = 600) -> tuple[Result, str]:
-    """Open MPI, PRRTE's daemons started inside the hosts' namespaces by an ssh agent; (medians, info)."""
+def _mpi(hosts, per_host: int, plan: list[SizePlan], timeout: float = 600) -> tuple[Result, Walls, str]:
+    """Open MPI, PRRTE's daemons started inside the hosts' namespaces by an ssh agent; (medians, walls, info)."""
     subnet = f"10.77.{hosts.subnet}.0/24"
     with tempfile.TemporaryDirectory(prefix="mpi-netns-") as tmp:
         agent, hostfile = Path(tmp, "nsenter-agent.sh"), Path(tmp, "hostfile")
@@ -229,8 +263,8 @@ def _mpi(hosts, per_host: int, plan: list[SizePlan], timeout: float = 600) -> tu
         try:
             result = mpi_allreduce.run(len(hosts.hosts) * per_host, plan, extra_args=shlex.join(extra), timeout=timeout)
         except PeerUnavailable as error:
-            return f"unavailable ({error})", ""
-    return _medians(result["times"]), result["info"].replace(tmp, "$TMP")
+            return f"unavailable ({error})", {}, ""
+    return _medians(result["times"]), result["walls"], result["info"].replace(tmp, "$TMP")
 
 
 # -- the run ----------------------------------------------------------------------------
@@ -252,14 +286,18 @@ def _blas() -> str:
         return "unknown"
 
 
-def _cell(result: Result, n: int) -> str:
-    return f"{result[n] * 1e3:.3g}" if isinstance(result, dict) else "-"
+def _cell(result: Result, walls: Walls, n: int) -> str:
+    """``median (wall per call)`` in ms."""
+    if not isinstance(result, dict):
+        return "-"
+    wall = f" ({walls[n] * 1e3:.3g})" if n in walls else ""
+    return f"{result[n] * 1e3:.3g}{wall}"
 
 
 def _versus_best_peer(results: dict[str, Result], n: int) -> str:
     """daskdist's time over the fastest peer's (below 1: daskdist is ahead)."""
     ours = results.get("daskdist")
-    peers = [r[n] for s, r in results.items() if s != "daskdist" and isinstance(r, dict)]
+    peers = [r[n] for s, r in results.items() if s not in OURS and isinstance(r, dict)]
     if not isinstance(ours, dict) or not peers:
         return "-"
     return f"{ours[n] / min(peers):.2f}"
@@ -306,20 +344,23 @@ def main() -> None:
                 for per_host in args.layouts:
                     layout = f"2x{per_host}"
                     results: dict[str, Result] = {}
+                    walls: dict[str, Walls] = {}
                     for system in args.systems:
                         loads.append(os.getloadavg()[0])
                         start = time.monotonic()
                         info = ""
-                        if system == "daskdist":
-                            results[system] = _daskdist(client, first_of_each if per_host == 1 else None,
-                                                        args.sizes, iterations)
+                        _log(f"{rate} {layout} {system} ...")
+                        if system in OURS:
+                            results[system], walls[system] = _daskdist(
+                                client, first_of_each if per_host == 1 else None, args.sizes, iterations,
+                                "ucx" if system == "ucx" else None)
                         elif system == "tf":
-                            results[system] = _tf_mwms(hosts, per_host, args.sizes, iterations)
+                            results[system], walls[system] = _tf_mwms(hosts, per_host, args.sizes, iterations)
                         elif system == "gloo":
-                            results[system], info = _gloo(hosts, per_host, plan, gloo_port)
+                            results[system], walls[system], info = _gloo(hosts, per_host, plan, gloo_port)
                             gloo_port += 1
                         else:
-                            results[system], info = _mpi(hosts, per_host, plan)
+                            results[system], walls[system], info = _mpi(hosts, per_host, plan)
                         _log(f"{rate} {layout} {system}: {time.monotonic() - start:.0f} s")
                         if isinstance(results[system], str):
                             notes.append(f"{layout} {COLUMNS[system]}: {results[system]}")
@@ -328,9 +369,10 @@ def main() -> None:
                     for n in args.sizes:
                         bound = n * 8 / _rate_bits(rate) * 1e3
                         rows.append([rate, layout, format_size(n), f"{bound:.3g}",
-                                     *[_cell(results.get(s, "not run"), n) for s in SYSTEMS],
+                                     *[_cell(results.get(s, "not run"), walls.get(s, {}), n) for s in SYSTEMS],
                                      _versus_best_peer(results, n)])
-                print(f"link {rate}, 2 hosts (median ms, slowest rank; last column: daskdist / fastest peer)")
+                print(f"link {rate}, 2 hosts (median ms per call, slowest rank, and in brackets the wall time per call "
+                      "over the timed loop, untimed calls included; last column: daskdist / fastest peer)")
                 for note in notes:
                     print(f"  {note}")
                 print(format_table(["link", "hosts x replicas", "size", "bound",

@@ -25,29 +25,11 @@ import sys
 
 os.environ.setdefault("KERAS_BACKEND", "torch")  # Keras 3's default backend (TensorFlow) is not daskdist's
 
-import dask.array as da  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from _digits import load_data, tutorial_datasets  # noqa: E402  (examples/_digits.py: the tutorial's data)
 
 import daskdist as dd  # noqa: E402
-
-
-def load_data(path: str | None) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray], float]:
-    """(train, test) images with a channel axis, integer labels, and the pixel maximum used to scale."""
-    if path:
-        with np.load(path) as f:
-            train = (f["x_train"][..., None], f["y_train"].astype(np.int64))
-            test = (f["x_test"][..., None], f["y_test"].astype(np.int64))
-        return train, test, 255.0
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    images = digits.images.astype(np.float32)[..., None]
-    labels = digits.target.astype(np.int64)
-    order = np.random.default_rng(0).permutation(len(labels))
-    images, labels = images[order], labels[order]
-    split = int(0.8 * len(labels))
-    return (images[:split], labels[:split]), (images[split:], labels[split:]), 16.0
 
 
 def main(args: argparse.Namespace) -> float:
@@ -57,20 +39,9 @@ def main(args: argparse.Namespace) -> float:
     strategy = dd.MirroredStrategy(devices=devices)
     print(f"Number of devices: {strategy.num_replicas_in_sync} (Keras backend: {keras.backend.backend()})")
 
-    BUFFER_SIZE = 10_000
     BATCH_SIZE = args.batch_per_replica * strategy.num_replicas_in_sync
-    chunk = max(1, len(train_labels) // (4 * strategy.num_replicas_in_sync))
-
-    def on_cluster(array: np.ndarray) -> da.Array:
-        return strategy.client.persist(da.from_array(array, chunks=(chunk,) + array.shape[1:]))
-
-    def scale(image, label):
-        return (image / pixel_max).astype(np.float32), label
-
-    train_dataset = (dd.data.Dataset.from_dask((on_cluster(train_images), on_cluster(train_labels)))
-                     .map(scale).cache().shuffle(BUFFER_SIZE, seed=0).batch(BATCH_SIZE))
-    eval_dataset = (dd.data.Dataset.from_dask((on_cluster(test_images), on_cluster(test_labels)))
-                    .map(scale).batch(BATCH_SIZE))
+    train_dataset, eval_dataset = tutorial_datasets(strategy, (train_images, train_labels), (test_images, test_labels),
+                                                    pixel_max, BATCH_SIZE)
 
     with strategy.scope():
         model = keras.Sequential([

@@ -25,29 +25,10 @@ import os
 import shutil
 import sys
 
-import dask.array as da
-import numpy as np
+from _digits import load_data, tutorial_datasets  # examples/_digits.py: the tutorial's data and pipelines
 
 import daskdist as dd
 from daskdist import keras
-
-
-def load_data(path: str | None) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray], float]:
-    """(train, test) images with a channel axis, integer labels, and the pixel maximum used to scale."""
-    if path:
-        with np.load(path) as f:
-            train = (f["x_train"][..., None], f["y_train"].astype(np.int64))
-            test = (f["x_test"][..., None], f["y_test"].astype(np.int64))
-        return train, test, 255.0
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    images = digits.images.astype(np.float32)[..., None]
-    labels = digits.target.astype(np.int64)
-    order = np.random.default_rng(0).permutation(len(labels))
-    images, labels = images[order], labels[order]
-    split = int(0.8 * len(labels))
-    return (images[:split], labels[:split]), (images[split:], labels[split:]), 16.0
 
 
 def main(args: argparse.Namespace) -> float:
@@ -62,21 +43,10 @@ def main(args: argparse.Namespace) -> float:
     print(f"Dask dashboard: {strategy.dashboard_link}")
 
     # -- input pipeline over Dask arrays living on the cluster's workers --------------------
-    BUFFER_SIZE = 10_000
     BATCH_SIZE_PER_REPLICA = args.batch_per_replica
     BATCH_SIZE = BATCH_SIZE_PER_REPLICA * strategy.num_replicas_in_sync
-    chunk = max(1, len(train_labels) // (4 * strategy.num_replicas_in_sync))
-
-    def on_cluster(array: np.ndarray) -> da.Array:
-        return strategy.client.persist(da.from_array(array, chunks=(chunk,) + array.shape[1:]))
-
-    def scale(image, label):
-        return (image / pixel_max).astype(np.float32), label
-
-    train_dataset = (dd.data.Dataset.from_dask((on_cluster(train_images), on_cluster(train_labels)))
-                     .map(scale).cache().shuffle(BUFFER_SIZE, seed=0).batch(BATCH_SIZE))
-    eval_dataset = (dd.data.Dataset.from_dask((on_cluster(test_images), on_cluster(test_labels)))
-                    .map(scale).batch(BATCH_SIZE))
+    train_dataset, eval_dataset = tutorial_datasets(strategy, (train_images, train_labels), (test_images, test_labels),
+                                                    pixel_max, BATCH_SIZE)
 
     # -- model, built and compiled in the strategy's scope -------------------------------
     with strategy.scope():

@@ -2,8 +2,9 @@
 
 ``threaded_client``: a LocalCluster whose 3 workers are threads of this
 process (fast; real Dask workers, comms and scheduler). ``process_client``: 2
-workers in their own processes, as users run them. Crash tests build their
-own clusters.
+workers in their own processes, as users run them, started once per session
+(pytest process) and shared by the modules, started again for the next module
+if a test left it with fewer workers. Crash tests build their own clusters.
 """
 
 from __future__ import annotations
@@ -32,10 +33,57 @@ def threaded_client():
         yield client
 
 
+class _SharedCluster:
+    """A cluster of ``n`` workers shared by the session's modules; built again where one is missing or stuck."""
+
+    def __init__(self, n_workers: int, processes: bool):
+        self.n_workers, self.processes = n_workers, processes
+        self.cluster: LocalCluster | None = None
+        self.client: Client | None = None
+
+    def healthy(self) -> Client:
+        if self.client is not None:
+            try:
+                workers = self.client.scheduler_info(n_workers=-1)["workers"].values()
+                if len(workers) == self.n_workers and all(w.get("status") == "running" for w in workers):
+                    return self.client
+            except OSError:
+                pass
+            self.close()
+        self.cluster = _cluster(self.n_workers, self.processes)
+        self.client = Client(self.cluster, set_as_default=False)
+        return self.client
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        if self.cluster is not None:
+            self.cluster.close()
+            self.cluster = None
+
+
+@pytest.fixture(scope="session")
+def _shared_process_cluster():
+    shared = _SharedCluster(2, processes=True)
+    yield shared
+    shared.close()
+
+
 @pytest.fixture(scope="module")
-def process_client():
-    with _cluster(2, processes=True) as cluster, Client(cluster, set_as_default=False) as client:
-        yield client
+def process_client(request, _shared_process_cluster):
+    """2 worker processes (with nannies) and a client, shared with the session's other modules.
+
+    Starting them costs seconds on a loaded machine (two interpreters per worker importing dask and
+    daskdist), once per session instead of once per module. Tests must leave both workers running and
+    unconfigured; a module that needs processes nobody used before defines its own ``process_client``.
+    After a module in which a test failed (a timeout may leave replicas running there) the next module
+    gets new processes.
+    """
+    failed = request.session.testsfailed
+    yield _shared_process_cluster.healthy()
+    if request.session.testsfailed != failed:
+        _shared_process_cluster.close()
 
 
 @pytest.fixture
@@ -62,7 +110,8 @@ class _NetnsHostsOfModule:
     the order the tests run in.
     """
 
-    def __init__(self):
+    def __init__(self, tls: bool = False):
+        self.tls = tls
         self.hosts = None
         self.client = None
         self._previous = None
@@ -82,7 +131,7 @@ class _NetnsHostsOfModule:
         reason = unavailable_reason()
         if reason is not None:
             pytest.skip(reason)
-        self.hosts = start_hosts(2, 2, rate="10gbit")
+        self.hosts = start_hosts(2, 2, rate="10gbit", tls=self.tls)
 
         def on_sigterm(signum, frame):
             self.close()
@@ -90,7 +139,8 @@ class _NetnsHostsOfModule:
             os.kill(os.getpid(), signal.SIGTERM)
 
         self._previous = signal.signal(signal.SIGTERM, on_sigterm)
-        self.client = Client(self.hosts.scheduler_address, set_as_default=False, timeout=120)  # a loaded machine
+        self.client = Client(self.hosts.scheduler_address, set_as_default=False, timeout=120,  # a loaded machine
+                             security=self.hosts.security())
         self.client.wait_for_workers(4, timeout=60)
         return self.hosts, self.client
 
@@ -124,6 +174,20 @@ def netns_hosts(_netns_hosts_of_module):
     when the test process gets SIGTERM.
     """
     return _netns_hosts_of_module.healthy()
+
+
+@pytest.fixture(scope="module")
+def _netns_tls_hosts_of_module():
+    holder = _NetnsHostsOfModule(tls=True)
+    yield holder
+    holder.close()
+
+
+@pytest.fixture
+def netns_tls_hosts(_netns_tls_hosts_of_module):
+    """As ``netns_hosts``, on a ``tls://`` cluster (a temporary self-signed certificate): replicas talk over TLS."""
+    pytest.importorskip("cryptography")
+    return _netns_tls_hosts_of_module.healthy()
 
 
 @pytest.fixture(autouse=True)

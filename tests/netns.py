@@ -113,6 +113,23 @@ class NetnsHosts:
     scheduler_address: str = ""
     rate: str = "10gbit"
     log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="daskdist-netns-logs-")))
+    tls_files: dict[str, str] | None = None  # ``tls=True``: the PEM files of the cluster's one key and certificate
+
+    def security(self):
+        """The client's ``distributed.Security`` for this cluster (``None`` without TLS)."""
+        if self.tls_files is None:
+            return None
+        from distributed.security import Security
+
+        return Security(tls_ca_file=self.tls_files["ca"], tls_client_cert=self.tls_files["cert"],
+                        tls_client_key=self.tls_files["key"], require_encryption=True)
+
+    def tls_arguments(self) -> list[str]:
+        """The TLS options of ``dask scheduler`` and ``dask worker`` (none without TLS)."""
+        if self.tls_files is None:
+            return []
+        files = self.tls_files
+        return ["--tls-ca-file", files["ca"], "--tls-cert", files["cert"], "--tls-key", files["key"]]
 
     @property
     def state_file(self) -> Path:
@@ -214,11 +231,15 @@ def _environment() -> dict[str, str]:
 
 
 def start_hosts(n_hosts: int = 2, workers_per_host: int | list[int] = 2, rate: str = "10gbit",
-                timeout: float = 60) -> NetnsHosts:
+                timeout: float = 60, tls: bool = False) -> NetnsHosts:
     """Make ``n_hosts`` namespace hosts, a scheduler on the bridge, and the Dask workers on each host.
 
     Workers are named ``h<i>-<k>`` (so the placement order is host by host)
     and single-threaded, without a nanny (a kill -9 kills the worker for good).
+    ``tls``: the cluster speaks ``tls://`` with a temporary self-signed
+    certificate (``Security.temporary``, written to the log directory; needs
+    ``cryptography``), so replicas talk over TLS too; the client connects
+    with ``NetnsHosts.security()``.
     On any failure everything made so far is removed before the error is raised.
     """
     remove_stale()
@@ -233,6 +254,8 @@ def start_hosts(n_hosts: int = 2, workers_per_host: int | list[int] = 2, rate: s
         "tag": tag, "pid": os.getpid(), "namespaces": [h.namespace for h in hosts],
         "veths": [h.veth for h in hosts], "bridge": cluster.bridge, "pids": []}))
     try:
+        if tls:
+            _write_tls_files(cluster)
         _make_network(cluster)
         cluster.shape(rate)
         _start_processes(cluster, per_host, timeout)
@@ -240,6 +263,20 @@ def start_hosts(n_hosts: int = 2, workers_per_host: int | list[int] = 2, rate: s
         cluster.close()
         raise
     return cluster
+
+
+def _write_tls_files(cluster: NetnsHosts) -> None:
+    from distributed.security import Security
+
+    temporary = Security.temporary()
+    files = {}
+    for name, contents in (("ca", temporary.tls_ca_file), ("cert", temporary.tls_scheduler_cert),
+                           ("key", temporary.tls_scheduler_key)):
+        path = cluster.log_dir / f"tls-{name}.pem"
+        path.write_text(contents)
+        path.chmod(0o600)
+        files[name] = str(path)
+    cluster.tls_files = files
 
 
 def _make_network(cluster: NetnsHosts) -> None:
@@ -261,11 +298,12 @@ def _make_network(cluster: NetnsHosts) -> None:
 def _start_processes(cluster: NetnsHosts, per_host: list[int], timeout: float) -> None:
     env = _environment()
     port = _free_port(cluster.bridge_address)
-    cluster.scheduler_address = f"tcp://{cluster.bridge_address}:{port}"
+    scheme = "tcp" if cluster.tls_files is None else "tls"
+    cluster.scheduler_address = f"{scheme}://{cluster.bridge_address}:{port}"
     log = open(cluster.log_dir / "scheduler.log", "wb")  # noqa: SIM115  (closed with the process)
     cluster.scheduler = subprocess.Popen(
         [*DIE_WITH_PARENT, sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", cluster.bridge_address, "--port",
-         str(port), "--no-dashboard", "--no-show"],
+         str(port), "--no-dashboard", "--no-show", "--protocol", scheme, *cluster.tls_arguments()],
         env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
     for host in cluster.hosts:
         # an anchor process holds the host's UTS and mount namespaces (host name, private /dev/shm)
@@ -288,7 +326,7 @@ def _start_processes(cluster: NetnsHosts, per_host: list[int], timeout: float) -
                  f"--mount=/proc/{host.anchor.pid}/ns/mnt", f"--wd={REPO_ROOT}", "--",
                  sys.executable, "-m", "distributed.cli.dask_worker", cluster.scheduler_address,
                  "--host", host.address, "--name", f"{host.hostname}-{k}", "--nthreads", "1", "--no-nanny",
-                 "--no-dashboard", "--death-timeout", "60"],
+                 "--no-dashboard", "--death-timeout", "60", *cluster.tls_arguments()],
                 env=env, stdout=log, stderr=subprocess.STDOUT))
     state = json.loads(cluster.state_file.read_text())
     state["pids"] = [p.pid for h in cluster.hosts for p in [h.anchor, *h.workers]] + [cluster.scheduler.pid]

@@ -14,6 +14,17 @@ from daskdist.replica import allocator
 glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
 
 
+@pytest.fixture(scope="module")
+def process_client():
+    """Worker processes of this module alone: the control needs processes whose allocator nobody tuned
+    (the session's shared ``process_client`` has run other modules' replicas, which tune it once)."""
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
+                      silence_logs=40) as cluster, Client(cluster, set_as_default=False) as client:
+        yield client
+
+
 def test_set_once_per_process_when_replicas_start(threaded_client, monkeypatch):
     calls = []
     monkeypatch.setattr(allocator, "_tuned", False)

@@ -17,7 +17,7 @@ import daskdist as dd
 from daskdist import keras
 from daskdist.keras.models import PROGRESS_TOPIC
 from tests.support import models
-from tests.support.killers import FreeAtStep, kill_at_step
+from tests.support.killers import FreeAtStep, killed_at
 from tests.support.models import slow_batch
 
 Dataset = dd.data.Dataset
@@ -65,10 +65,11 @@ def test_an_elastic_fit_without_failures_trains_as_a_plain_one(threaded_client):
 
 
 @pytest.mark.slow
-def test_a_worker_and_its_nanny_killed_mid_epoch_fit_finishes_with_the_uninterrupted_weights(process_workers):
+def test_a_worker_and_its_nanny_killed_mid_epoch_fit_finishes_with_the_uninterrupted_weights(
+        process_workers, tmp_path):
     workers = process_workers(3)
     x, y = models.data(240)
-    train = Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)  # 10 steps per epoch
+    train = Dataset.from_tensor_slices((x, y)).batch(24)  # 10 steps per epoch
     weights = models.model().get_weights()
 
     with dd.MirroredStrategy(client=workers.client) as strategy:  # the uninterrupted run, today's strategy
@@ -83,11 +84,10 @@ def test_a_worker_and_its_nanny_killed_mid_epoch_fit_finishes_with_the_uninterru
         with strategy.scope():
             model = models.model(weights)
         victim = strategy.extended.worker_addresses[1]
-        thread, record = kill_at_step(workers, victim, step=4)
         start = time.monotonic()
-        history = model.fit(train, epochs=2, verbose=0)
-        thread.join(5)
-        assert "killed" in record, "the worker was never killed"
+        with killed_at(workers, tmp_path / "paused.json", "forward", step=4, rank=1) as killer:
+            history = model.fit(train, epochs=2, verbose=0)
+        assert killer.join()["address"] == victim
         assert strategy.num_replicas_in_sync == 2 and victim not in strategy.extended.worker_addresses
         (event,) = history.elastic.events
         assert event.lost == [victim] and event.generation == 1 and len(event.members) == 2
@@ -114,13 +114,13 @@ def ids_as_one_hot(ids, target):
 
 
 @pytest.mark.slow
-def test_the_ledger_holds_every_sample_once_per_epoch_across_a_loss_with_commit_every_3(process_workers):
+def test_the_ledger_holds_every_sample_once_per_epoch_across_a_loss_with_commit_every_3(process_workers, tmp_path):
     """One-hot samples and a linear model: each weight moves only when its sample trains, so the weights show
     how many times every sample contributed to a committed update."""
     workers = process_workers(3)
     ids = np.arange(60)
     train = (Dataset.from_tensor_slices((ids, np.ones((60, 1), np.float32))).map(ids_as_one_hot)
-             .batch(6).map(slow_batch))  # 10 steps per epoch
+             .batch(6))  # 10 steps per epoch
     lr = 0.3
     with dd.MirroredStrategy(client=workers.client,
                              elastic=dd.ElasticOptions(min_replicas=2, commit_every=3)) as strategy:
@@ -129,12 +129,11 @@ def test_the_ledger_holds_every_sample_once_per_epoch_across_a_loss_with_commit_
                                                          input_shape=(60,))])
             model.compile(loss=keras.losses.MeanSquaredError(), optimizer=keras.optimizers.SGD(lr))
         victim = strategy.extended.worker_addresses[2]
-        thread, record = kill_at_step(workers, victim, step=5)
-        history = model.fit(train, epochs=1, verbose=0)
-        thread.join(5)
-        assert "killed" in record
+        with killed_at(workers, tmp_path / "paused.json", "forward", step=5, rank=2) as killer:
+            history = model.fit(train, epochs=1, verbose=0)
+        assert killer.join()["address"] == victim
         (event,) = history.elastic.events
-        assert event.commit[1:] in {(0, 3), (0, 6)}  # a commit boundary of commit_every=3
+        assert event.commit[1:] == (0, 3)  # the last commit boundary of commit_every=3 before step 5
         ledger = history.elastic.ledger
         assert ledger.steps(0) == list(range(10))
         committed = ids[ledger.positions(0, history.elastic.rows)]
@@ -145,21 +144,20 @@ def test_the_ledger_holds_every_sample_once_per_epoch_across_a_loss_with_commit_
 
 
 @pytest.mark.slow
-def test_below_min_replicas_the_strategy_waits_then_raises_naming_the_lost_worker(process_workers):
+def test_below_min_replicas_the_strategy_waits_then_raises_naming_the_lost_worker(process_workers, tmp_path):
     workers = process_workers(2)
     x, y = models.data(240)
-    train = Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)
+    train = Dataset.from_tensor_slices((x, y)).batch(24)
     with dd.MirroredStrategy(client=workers.client,
                              elastic=dd.ElasticOptions(min_replicas=2, wait_timeout="2s")) as strategy:
         with strategy.scope():
             model = models.model()
         victim = strategy.extended.worker_addresses[1]
-        thread, record = kill_at_step(workers, victim, step=2)
         start = time.monotonic()
-        with pytest.raises(dd.ReplicaLostError, match="min_replicas=2") as info:
+        with killed_at(workers, tmp_path / "paused.json", "forward", step=2, rank=1) as killer, \
+                pytest.raises(dd.ReplicaLostError, match="min_replicas=2") as info:
             model.fit(train, epochs=1, verbose=0)
-        thread.join(5)
-        waited = time.monotonic() - record["killed"]
+        waited = time.time() - killer.join()["killed"]
         assert victim in str(info.value) and "wait_timeout" in str(info.value)
         assert 2 <= waited < 30, waited
         assert time.monotonic() - start < 60
@@ -167,7 +165,7 @@ def test_below_min_replicas_the_strategy_waits_then_raises_naming_the_lost_worke
 
 @pytest.mark.slow
 def test_a_new_worker_is_admitted_when_the_group_is_below_min_replicas_and_gets_the_survivors_state(
-        process_workers):
+        process_workers, tmp_path):
     """Rank 0 is lost with the Dask partitions it held: they are computed again from their graph."""
     import dask.array as da
 
@@ -175,11 +173,11 @@ def test_a_new_worker_is_admitted_when_the_group_is_below_min_replicas_and_gets_
     x, y = models.data(240)
     x_d, y_d = da.from_array(x, chunks=(40, 4)), da.from_array(y, chunks=40)
     x_d, y_d = workers.client.persist([x_d, y_d])  # six partitions spread over the three workers
-    train = Dataset.from_dask((x_d, y_d)).batch(24).map(slow_batch)
+    train = Dataset.from_dask((x_d, y_d)).batch(24)
     weights = models.model().get_weights()
     # the uninterrupted run on the same global batches: elastic epochs split them as TF does ("global"), the
     # split of in-memory rows (Dask data alone defaults to "balanced", which keeps rows where they live)
-    in_memory = Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)
+    in_memory = Dataset.from_tensor_slices((x, y)).batch(24)
     with dd.MirroredStrategy(client=workers.client) as strategy:
         with strategy.scope():
             model = models.model(weights)
@@ -192,11 +190,12 @@ def test_a_new_worker_is_admitted_when_the_group_is_below_min_replicas_and_gets_
             model = models.model(weights)
         before = set(strategy.extended.worker_addresses)
         victim = strategy.extended.worker_addresses[0]  # rank 0 too: a new rank 0 is chosen
-        thread, record = kill_at_step(workers, victim, step=3)
-        adder = threading.Thread(target=lambda: (thread.join(120), workers.add()), daemon=True)
-        adder.start()
-        history = model.fit(train, epochs=1, verbose=0)
+        with killed_at(workers, tmp_path / "paused.json", "forward", step=3, rank=0) as killer:
+            adder = threading.Thread(target=lambda: (killer.thread.join(120), workers.add()), daemon=True)
+            adder.start()  # a worker started once the kill landed
+            history = model.fit(train, epochs=1, verbose=0)
         adder.join(5)
+        assert killer.join()["address"] == victim
         (event,) = history.elastic.events
         (newcomer,) = event.admitted
         assert newcomer not in before and event.lost == [victim]
@@ -257,19 +256,19 @@ def test_an_elastic_custom_loop_survives_a_loss_and_counts_every_row_once(proces
 
 
 @pytest.mark.slow
-def test_a_loss_beyond_max_failures_raises_naming_the_worker(process_workers):
+def test_a_loss_beyond_max_failures_raises_naming_the_worker(process_workers, tmp_path):
     workers = process_workers(3)
     x, y = models.data(240)
-    train = Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)
+    train = Dataset.from_tensor_slices((x, y)).batch(24)
     with dd.MirroredStrategy(client=workers.client,
                              elastic=dd.ElasticOptions(min_replicas=1, max_failures=0)) as strategy:
         with strategy.scope():
             model = models.model()
         victim = strategy.extended.worker_addresses[2]
-        thread, record = kill_at_step(workers, victim, step=2)
-        with pytest.raises(dd.ReplicaLostError, match="max_failures=0 is exhausted") as info:
+        with killed_at(workers, tmp_path / "paused.json", "forward", step=2, rank=2) as killer, \
+                pytest.raises(dd.ReplicaLostError, match="max_failures=0 is exhausted") as info:
             model.fit(train, epochs=1, verbose=0)
-        thread.join(5)
+        assert killer.join()["address"] == victim
         assert victim in str(info.value)
 
 
@@ -329,6 +328,7 @@ def test_two_workers_killed_at_once_fit_finishes_on_the_other_two(process_worker
                     for victim in victims:
                         workers.kill(victim)
                     record["killed"] = True
+                    workers.slow_steps(False)  # the survivors cannot finish a step without them
                     return
                 time.sleep(0.02)
 
@@ -346,7 +346,7 @@ def test_two_workers_killed_at_once_fit_finishes_on_the_other_two(process_worker
     with dd.MirroredStrategy(client=workers.client) as strategy:  # the uninterrupted run, on the two left
         with strategy.scope():
             reference = models.model(weights)
-        reference.fit(train, epochs=1, verbose=0)
+        reference.fit(train, epochs=1, verbose=0)  # the switch is off since the kill: no slowing
         for got, want in zip(trained, reference.get_weights()):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
@@ -399,12 +399,13 @@ def test_a_retired_member_leaves_at_a_commit_with_no_rollback_and_the_strategy_t
     workers = process_workers(3)
     rows = 960  # 40 steps of about 0.12 s: a graceful close asked at step 3 lands within the epoch under load
     x, y = models.data(rows)
-    train = Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)
+    plain = Dataset.from_tensor_slices((x, y)).batch(24)
+    train = plain.map(slow_batch)  # slowed until the member has left
     weights = models.model().get_weights()
     with dd.MirroredStrategy(client=workers.client) as strategy:  # the uninterrupted run
         with strategy.scope():
             model = models.model(weights)
-        model.fit(train, epochs=1, verbose=0)
+        model.fit(plain, epochs=1, verbose=0)
         expected = model.get_weights()
     strategy = dd.MirroredStrategy(client=workers.client, elastic=dd.ElasticOptions(min_replicas=2))
     with strategy.scope():
@@ -421,6 +422,10 @@ def test_a_retired_member_leaves_at_a_commit_with_no_rollback_and_the_strategy_t
         else:  # what a worker's lifetime calls when it is reached
             workers.client.run(_close_gracefully, workers=[victim], wait=False)
             retired["answer"] = "asked"
+        deadline = time.monotonic() + 60
+        while victim in workers.client.scheduler_info()["workers"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        workers.slow_steps(False)  # it has left: the rest of the epoch needs no slowing
 
     thread = threading.Thread(target=retire, daemon=True)
     thread.start()
@@ -458,12 +463,13 @@ def test_a_retired_member_leaves_at_a_commit_with_no_rollback_and_the_strategy_t
 def test_a_free_worker_is_admitted_mid_epoch_at_a_commit_boundary(process_workers):
     workers = process_workers(3)
     x, y = models.data(240)
-    train = Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)  # 10 steps of about 0.12 s
+    plain = Dataset.from_tensor_slices((x, y)).batch(24)
+    train = plain.map(slow_batch)  # 10 steps of about 0.12 s
     weights = models.model().get_weights()
     with dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=workers.client) as strategy:
         with strategy.scope():
             model = models.model(weights)
-        reference = model.fit(train, epochs=1, verbose=0)
+        reference = model.fit(plain, epochs=1, verbose=0)
         expected = model.get_weights()
     options = dd.ElasticOptions(min_replicas=2, max_replicas=3, commit_every=2, admit_every="0.3s")
     with dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=workers.client, elastic=options) as strategy:

@@ -20,8 +20,7 @@ import daskdist as dd
 from daskdist.dashboard.membership import marker_positions
 from daskdist.dashboard.store import MetricsStore
 from tests.support import models
-from tests.support.killers import kill_at_step
-from tests.support.models import slow_batch
+from tests.support.killers import killed_at
 
 Dataset = dd.data.Dataset
 
@@ -102,10 +101,11 @@ def test_the_store_marks_each_membership_change_before_the_first_step_of_its_gen
 
 
 @pytest.mark.slow
-def test_a_lost_worker_is_a_marker_on_the_step_chart_and_a_drop_in_the_replica_count(process_workers, caplog):
+def test_a_lost_worker_is_a_marker_on_the_step_chart_and_a_drop_in_the_replica_count(process_workers, caplog,
+                                                                                     tmp_path):
     workers = process_workers(3)
     x, y = models.data(240)
-    train = Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)  # 10 steps per epoch
+    train = Dataset.from_tensor_slices((x, y)).batch(24)  # 10 steps per epoch
     strategy = dd.MirroredStrategy(client=workers.client, elastic=dd.ElasticOptions(min_replicas=2))
     with strategy:
         with strategy.scope():
@@ -113,12 +113,11 @@ def test_a_lost_worker_is_a_marker_on_the_step_chart_and_a_drop_in_the_replica_c
         token = strategy.extended.token
         before = list(strategy.extended.worker_addresses)
         victim = before[1]
-        thread, record = kill_at_step(workers, victim, step=4)
         started = time.time()
-        with caplog.at_level(logging.INFO, logger="daskdist.elastic.recovery"):
+        with caplog.at_level(logging.INFO, logger="daskdist.elastic.recovery"), \
+                killed_at(workers, tmp_path / "paused.json", "forward", step=4, rank=1) as killer:
             history = model.fit(train, epochs=2, verbose=0)
-        thread.join(5)
-        assert "killed" in record, "the worker was never killed"
+        assert killer.join()["address"] == victim
 
         # History and the client's daskdist-elastic event: time, generation, members before and after, reason
         (event,) = history.elastic_events

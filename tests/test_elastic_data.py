@@ -17,7 +17,7 @@ from daskdist import keras
 from daskdist.data import ops
 from daskdist.data.split import replica_split
 from tests.support import models
-from tests.support.killers import FreeAtStep, kill_at_step
+from tests.support.killers import FreeAtStep, killed_at
 from tests.support.models import slow_batch
 
 Dataset = dd.data.Dataset
@@ -290,11 +290,11 @@ def _dropout_model(weights=None):
 
 
 @pytest.mark.slow
-def test_after_a_restore_a_dropout_model_trains_as_the_uninterrupted_run(process_workers):
+def test_after_a_restore_a_dropout_model_trains_as_the_uninterrupted_run(process_workers, tmp_path):
     """A worker killed mid-epoch and replaced: the replayed steps draw the dropout masks they drew before."""
     workers = process_workers(3)
     x, y = models.data(240)
-    train = Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)  # 10 steps of 8 rows per replica
+    train = Dataset.from_tensor_slices((x, y)).batch(24)  # 10 steps of 8 rows per replica
     weights = _dropout_model().get_weights()
     with dd.MirroredStrategy(client=workers.client) as strategy:
         with strategy.scope():
@@ -306,12 +306,12 @@ def test_after_a_restore_a_dropout_model_trains_as_the_uninterrupted_run(process
         with strategy.scope():
             model = _dropout_model(weights)
         victim = strategy.extended.worker_addresses[2]
-        thread, record = kill_at_step(workers, victim, step=5)
-        adder = threading.Thread(target=lambda: (thread.join(120), workers.add()), daemon=True)
-        adder.start()
-        history = model.fit(train, epochs=1, verbose=0)
+        with killed_at(workers, tmp_path / "paused.json", "forward", step=5, rank=2) as killer:
+            adder = threading.Thread(target=lambda: (killer.thread.join(120), workers.add()), daemon=True)
+            adder.start()  # a worker started once the kill landed
+            history = model.fit(train, epochs=1, verbose=0)
         adder.join(5)
-        assert "killed" in record
+        assert killer.join()["address"] == victim
         (event,) = history.elastic.events
         assert event.lost == [victim] and len(event.admitted) == 1 and 0 < event.commit[2] < 10
         assert sorted(history.elastic.ledger.positions(0).tolist()) == list(range(240))
@@ -327,7 +327,8 @@ def ids_as_one_hot(ids, target):
 
 
 @pytest.mark.slow
-def test_shuffled_sample_ids_are_each_committed_once_per_epoch_across_a_kill_with_commit_every_5(process_workers):
+def test_shuffled_sample_ids_are_each_committed_once_per_epoch_across_a_kill_with_commit_every_5(process_workers,
+                                                                                                 tmp_path):
     """One-hot samples and a linear model: each weight moves only when its sample trains, so the weights show
     how many times every sample contributed to a committed update, whatever the order."""
     import dask.array as da
@@ -336,7 +337,7 @@ def test_shuffled_sample_ids_are_each_committed_once_per_epoch_across_a_kill_wit
     ids = np.arange(60)
     ids_d = workers.client.persist(da.from_array(ids, chunks=15))  # four partitions spread over the workers
     train = (Dataset.from_dask((ids_d, da.ones((60, 1), chunks=15, dtype=np.float32)))
-             .shuffle(20, seed=5).map(ids_as_one_hot).batch(6).map(slow_batch))  # 10 steps per epoch
+             .shuffle(20, seed=5).map(ids_as_one_hot).batch(6))  # 10 steps per epoch
     lr = 0.3
     with dd.MirroredStrategy(client=workers.client,
                              elastic=dd.ElasticOptions(min_replicas=2, commit_every=5)) as strategy:
@@ -345,10 +346,9 @@ def test_shuffled_sample_ids_are_each_committed_once_per_epoch_across_a_kill_wit
                                                          input_shape=(60,))])
             model.compile(loss=keras.losses.MeanSquaredError(), optimizer=keras.optimizers.SGD(lr))
         victim = strategy.extended.worker_addresses[1]
-        thread, record = kill_at_step(workers, victim, step=7, epoch=0)
-        history = model.fit(train, epochs=2, verbose=0)
-        thread.join(5)
-        assert "killed" in record
+        with killed_at(workers, tmp_path / "paused.json", "forward", step=7, rank=1) as killer:
+            history = model.fit(train, epochs=2, verbose=0)
+        assert killer.join()["address"] == victim
         (event,) = history.elastic.events
         assert event.commit[1:] == (0, 5)  # back to the commit_every=5 boundary mid-epoch
         ledger, elastic = history.elastic.ledger, history.elastic
@@ -374,10 +374,11 @@ def _small_model(weights=None):
 
 
 @pytest.mark.slow
-def test_a_shuffled_fit_that_loses_a_worker_ends_with_the_uninterrupted_shuffled_runs_weights(process_workers):
+def test_a_shuffled_fit_that_loses_a_worker_ends_with_the_uninterrupted_shuffled_runs_weights(process_workers,
+                                                                                               tmp_path):
     workers = process_workers(3)
     x, y = models.data(240)
-    train = Dataset.from_tensor_slices((x, y)).shuffle(64, seed=9).batch(24).map(slow_batch)
+    train = Dataset.from_tensor_slices((x, y)).shuffle(64, seed=9).batch(24)
     weights = _small_model().get_weights()
     with dd.MirroredStrategy(client=workers.client, elastic=dd.ElasticOptions(min_replicas=2)) as strategy:
         with strategy.scope():
@@ -389,10 +390,10 @@ def test_a_shuffled_fit_that_loses_a_worker_ends_with_the_uninterrupted_shuffled
         with strategy.scope():
             model = _small_model(weights)
         victim = strategy.extended.worker_addresses[0]  # rank 0, with the rows its worker held
-        thread, record = kill_at_step(workers, victim, step=3, epoch=1)
-        history = model.fit(train, epochs=2, verbose=0)
-        thread.join(5)
-        assert "killed" in record
+        # step 13: the fourth of the second epoch (steps count on across epochs)
+        with killed_at(workers, tmp_path / "paused.json", "forward", step=13, rank=0) as killer:
+            history = model.fit(train, epochs=2, verbose=0)
+        assert killer.join()["address"] == victim
         (event,) = history.elastic.events
         assert event.commit[1] == 1 and strategy.num_replicas_in_sync == 2
         for epoch in (0, 1):
@@ -407,10 +408,11 @@ def test_a_shuffled_fit_that_loses_a_worker_ends_with_the_uninterrupted_shuffled
 
 
 @pytest.mark.slow
-def test_keep_per_replica_shrinks_the_global_batch_and_lets_the_user_rescale_the_learning_rate(process_workers):
+def test_keep_per_replica_shrinks_the_global_batch_and_lets_the_user_rescale_the_learning_rate(process_workers,
+                                                                                              tmp_path):
     workers = process_workers(3)
     x, y = models.data(240)
-    train = Dataset.from_tensor_slices((x, y)).shuffle(240, seed=1).batch(24).map(slow_batch)  # 8 per replica
+    train = Dataset.from_tensor_slices((x, y)).shuffle(240, seed=1).batch(24)  # 8 per replica
     changes = []
     holder = {}
 
@@ -428,10 +430,9 @@ def test_keep_per_replica_shrinks_the_global_batch_and_lets_the_user_rescale_the
                           optimizer=keras.optimizers.SGD(0.3))
         holder["model"] = model
         victim = strategy.extended.worker_addresses[0]
-        thread, record = kill_at_step(workers, victim, step=4)
-        history = model.fit(train, epochs=2, verbose=0)
-        thread.join(5)
-        assert "killed" in record
+        with killed_at(workers, tmp_path / "paused.json", "forward", step=4, rank=0) as killer:
+            history = model.fit(train, epochs=2, verbose=0)
+        assert killer.join()["address"] == victim
         (event,) = history.elastic.events
         restored = event.commit[2]
         assert event.commit[1] == 0 and 0 < restored < 10

@@ -48,6 +48,7 @@ def test_a_stopped_worker_and_its_nanny_are_declared_lost_within_seconds_and_fit
                     os.kill(pid, signal.SIGSTOP)
                     stopped.append(pid)
                 record["stopped"] = time.time()
+                workers.slow_steps(False)  # no step completes without the stopped member
 
             thread = threading.Thread(target=stop, daemon=True)
             thread.start()
@@ -149,12 +150,13 @@ def test_a_worker_killed_while_it_copies_a_commit_is_recovered_with_the_uninterr
         process_workers, tmp_path):
     workers = process_workers(3)
     x, y = models.data(240)
-    train = Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)
+    plain = Dataset.from_tensor_slices((x, y)).batch(24)
+    train = plain.map(slow_batch)  # slowed until the kill lands
     weights = models.model().get_weights()
     with dd.MirroredStrategy(client=workers.client) as strategy:
         with strategy.scope():
             model = models.model(weights)
-        model.fit(train, epochs=1, verbose=0)
+        model.fit(plain, epochs=1, verbose=0)
         expected = model.get_weights()
     marker = str(tmp_path / "copying")
     with dd.MirroredStrategy(client=workers.client, elastic=dd.ElasticOptions(min_replicas=2)) as strategy:
@@ -183,6 +185,7 @@ def test_a_worker_killed_while_it_copies_a_commit_is_recovered_with_the_uninterr
             while not os.path.exists(marker) and time.monotonic() < deadline:
                 time.sleep(0.01)
             workers.kill(victim)
+            workers.slow_steps(False)
 
         thread = threading.Thread(target=kill_mid_copy, daemon=True)
         thread.start()
@@ -276,8 +279,9 @@ def test_a_custom_loop_lets_a_retired_member_leave_at_its_commit_with_nothing_re
         state.register_reset_callbacks([lambda: resets.append(strategy.num_replicas_in_sync)])
         victim = strategy.extended.worker_addresses[1]
         retired = []
-        retirer = threading.Thread(
-            target=lambda: workers.client.retire_workers(workers=[victim], close_workers=True), daemon=True)
+        retirer = threading.Thread(  # slowed steps until the member has left
+            target=lambda: (workers.client.retire_workers(workers=[victim], close_workers=True),
+                            workers.slow_steps(False)), daemon=True)
         train(state)
         retirer.join(60)
         assert retired == [3] and not retirer.is_alive()

@@ -14,39 +14,12 @@ import pytest
 
 import daskdist as dd
 from daskdist import keras
+from tests.support import models
 from tests.support.killers import Killer
-from tests.support.processes import ProcessWorkers
 
 Dataset = dd.data.Dataset
 
-pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture
-def process_workers():
-    made = []
-
-    def make(n: int) -> ProcessWorkers:
-        made.append(ProcessWorkers(n))
-        return made[-1]
-
-    yield make
-    for workers in made:
-        workers.close()
-
-
-def _model():
-    model = keras.Sequential([keras.layers.Dense(8, activation="relu", input_shape=(4,)), keras.layers.Dense(3)])
-    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  optimizer=keras.optimizers.Adam(0.01), metrics=["accuracy"])
-    model.build((4,))
-    return model
-
-
-def _train_set():
-    rng = np.random.default_rng(0)
-    x, y = rng.random((240, 4)).astype(np.float32), rng.integers(0, 3, 240).astype(np.int64)
-    return Dataset.from_tensor_slices((x, y)).batch(24)  # 10 steps per epoch
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]  # every test here kills a worker
 
 
 def _every_row_once(history, epochs: int) -> None:
@@ -82,11 +55,11 @@ def test_free_workers_join_at_each_fit_and_losses_during_and_after_growth_are_re
     with dask.config.set({"daskdist.elastic.heartbeat-timeout": "0s"}), \
             dd.MirroredStrategy(client=workers.client, elastic=options) as strategy:
         with strategy.scope():
-            model = _model()
+            model = models.model()
         # 1. a worker lost mid-fit: the fit ends on the 2 survivors
         with dask.config.set({"daskdist.testing.pause-at": "forward:4:1", "daskdist.testing.pause-file": str(marks[0])}):
             killer = Killer(marks[0])
-            history = model.fit(_train_set(), epochs=1, verbose=0)
+            history = model.fit(models.train_set(), epochs=1, verbose=0)
             killer.join()
         assert strategy.num_replicas_in_sync == 2
         _every_row_once(history, 1)
@@ -99,7 +72,7 @@ def test_free_workers_join_at_each_fit_and_losses_during_and_after_growth_are_re
         replicas = _Replicas(strategy)
         with dask.config.set({"daskdist.testing.pause-at": "restore:0:1", "daskdist.testing.pause-file": str(marks[1])}):
             killer = Killer(marks[1])
-            history = model.fit(_train_set(), epochs=1, verbose=0, callbacks=[replicas])
+            history = model.fit(models.train_set(), epochs=1, verbose=0, callbacks=[replicas])
             record = killer.join()
         assert replicas.sizes == [2] and strategy.num_replicas_in_sync == 2
         (restored,) = [e for e in history.elastic.events if e.action == "restored"]
@@ -116,7 +89,7 @@ def test_free_workers_join_at_each_fit_and_losses_during_and_after_growth_are_re
         victim = strategy.extended.worker_addresses[1]
         with dask.config.set({"daskdist.testing.pause-at": "forward:*:1", "daskdist.testing.pause-file": str(marks[2])}):
             killer = Killer(marks[2])
-            history = model.fit(_train_set(), epochs=2, verbose=0, callbacks=[replicas])
+            history = model.fit(models.train_set(), epochs=2, verbose=0, callbacks=[replicas])
             record = killer.join()
         grew = history.elastic.events[0]
         assert grew.action == "grew" and len(grew.admitted) == 1 and len(grew.members) == 3

@@ -33,7 +33,9 @@ def test_every_example_has_a_test():
     tested = {"quickstart.py", "mnist_mirrored.py", "parameter_server.py", "pytorch_plugin.py",  # here
               "elastic_mnist.py", "dataframe_regression.py", "multi_worker.py", "tutorial.ipynb",  # their own files
               "keras3_mnist.py", "torch_ddp.py"}  # test_keras3_example.py, test_torch_example.py
-    assert {p.name for p in EXAMPLES.iterdir() if p.suffix in (".py", ".ipynb")} == tested
+    assert {p.name for p in EXAMPLES.iterdir() if p.suffix in (".py", ".ipynb") and not p.name.startswith("_")} == tested
+    # the examples' shared modules: the tutorial's data (mnist_mirrored.py, keras3_mnist.py)
+    assert {p.name for p in EXAMPLES.glob("_*.py")} == {"_digits.py"}
 
 
 def test_quickstart_reduces_and_gathers_and_closes_its_cluster():

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
 import dask
@@ -12,6 +11,7 @@ import numpy as np
 import pytest
 
 import daskdist as dd
+from tests.support.killers import RunInBackground, lines_of, wait_for_files, worker_pid
 
 
 def test_a_replica_function_raises(threaded_client, tmp_path):
@@ -175,20 +175,17 @@ class TestImpossibleRequests:
             dd.MirroredStrategy(client="tcp://127.0.0.1:8786")
 
 
-def _worker_pid(client, address):
-    return client.run(os.getpid, workers=[address])[address]
-
-
 @pytest.mark.slow
 def test_a_killed_worker_fails_every_replica_and_the_client(make_cluster, tmp_path):
     client = make_cluster(3, processes=True)
     strategy = dd.MirroredStrategy(client=client)
     victim = strategy.extended.worker_addresses[1]
-    pid = _worker_pid(client, victim)
+    pid = worker_pid(client, victim)
     log = tmp_path / "lost"
 
     def fn():
         ctx = dd.get_replica_context()
+        (tmp_path / f"ready{ctx.replica_id_in_sync_group}").write_text("")
         if ctx.replica_id_in_sync_group == 1:
             time.sleep(60)  # killed while the others wait for it inside the all-reduce
         start = time.monotonic()
@@ -199,30 +196,15 @@ def test_a_killed_worker_fails_every_replica_and_the_client(make_cluster, tmp_pa
                 f.write(f"{ctx.replica_id_in_sync_group} {time.monotonic() - start:.2f} {e}\n")
             raise
 
-    outcome = {}
-
-    def call():
-        try:
-            strategy.run(fn)
-        except BaseException as e:
-            outcome["error"] = e
-            outcome["at"] = time.monotonic()
-
-    thread = threading.Thread(target=call)
-    thread.start()
-    time.sleep(2)
+    run = RunInBackground(strategy, fn)
+    wait_for_files(tmp_path, "ready*", 3)  # every replica is in the step: 1 asleep, the others at the all-reduce
     killed_at = time.monotonic()
     os.kill(pid, signal.SIGKILL)
-    thread.join(30)
-    assert not thread.is_alive(), "strategy.run hung after a worker was killed"
-    error = outcome["error"]
+    error = run.join(30)
     assert isinstance(error, dd.ReplicaLostError), repr(error)
     assert victim in str(error)
-    assert outcome["at"] - killed_at < 10
-    deadline = time.monotonic() + 12
-    while time.monotonic() < deadline and len(log.read_text().splitlines() if log.exists() else []) < 2:
-        time.sleep(0.1)
-    lines = log.read_text().splitlines()
+    assert run.at - killed_at < 10
+    lines = lines_of(log, 2)
     assert sorted(line.split()[0] for line in lines) == ["0", "2"]  # every surviving replica raised
     assert all(float(line.split()[1]) < 12 for line in lines)
     assert all(victim in line for line in lines)
@@ -238,7 +220,7 @@ def test_a_worker_killed_between_steps(make_cluster):
     with dd.MirroredStrategy(client=client) as strategy:
         strategy.run(lambda: 1)
         victim = strategy.extended.worker_addresses[0]
-        os.kill(_worker_pid(client, victim), signal.SIGKILL)
+        os.kill(worker_pid(client, victim), signal.SIGKILL)
         time.sleep(1)
         start = time.monotonic()
         with pytest.raises(dd.ReplicaLostError, match="replica 0"):

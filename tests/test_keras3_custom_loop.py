@@ -64,3 +64,26 @@ def test_custom_loop_with_strategy_run_equals_one_process(threaded_client, devic
         assert_replicas_identical(strategy, model)
         for a, b in zip(model.get_weights(), plain.get_weights()):  # the client takes the replicas' weights
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_adapter_reaches_keras_only_through_recorded_models_and_the_extended(threaded_client):
+    import daskdist.strategy.extended as extended_module
+
+    assert not hasattr(extended_module, "BEFORE_CALL_HOOKS")  # a verb of the Extended, not a module-level list
+    assert not hasattr(keras.layers.Layer.get_weights, "__daskdist_original__")  # every layer: Keras' own
+    plain = sequential()
+    assert "get_weights" not in vars(plain)
+    with dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=threaded_client) as strategy:
+        with strategy.scope():
+            model, train_step = _tutorial_objects()
+        assert "get_weights" in vars(model)  # bound on the recorded model alone
+        assert "get_weights" not in vars(model.layers[0])
+        x, y = dense_data(rows=16)
+        start = model.get_weights()
+        # strategy.run ships train_step, which captures the model: the Extended's resident provider placed it
+        strategy.run(train_step, args=(dd.PerReplica([(x[:8], y[:8]), (x[8:], y[8:])]),))
+        states = assert_replicas_identical(strategy, model)
+        after = model.get_weights()  # the model's own get_weights: the replicas' weights now
+        assert not np.array_equal(after[0], start[0])
+        for got, replica in zip(after, states[0]["variables"]):
+            np.testing.assert_array_equal(got, replica)

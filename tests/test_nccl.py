@@ -60,6 +60,7 @@ from daskdist.ops import CommunicationOptions, ReduceOp
 
 from .fakes import InMemoryGroup
 from .reference import NUMPY_OPS, random_inputs
+from .support.killers import RunInBackground, worker_pid
 
 # -- a fake of cupy.cuda.nccl ---------------------------------------------------------------
 
@@ -935,7 +936,7 @@ def test_gpu_a_killed_peer_fails_the_other_within_seconds(tmp_path):
         strategy = dd.MirroredStrategy(client=client)
         strategy.run(lambda: dd.get_replica_context().all_reduce("SUM", cupy.ones(4)))
         victim = strategy.extended.worker_addresses[1]
-        pid = client.run(os.getpid, workers=[victim])[victim]
+        pid = worker_pid(client, victim)
 
         def fn():
             ctx = dd.get_replica_context()
@@ -949,23 +950,13 @@ def test_gpu_a_killed_peer_fails_the_other_within_seconds(tmp_path):
                 log.write_text(f"{time.monotonic() - start:.2f}")
                 raise
 
-        outcome = {}
-
-        def call():
-            try:
-                strategy.run(fn)
-            except BaseException as e:
-                outcome["error"], outcome["at"] = e, time.monotonic()
-
-        thread = threading.Thread(target=call)
-        thread.start()
+        run = RunInBackground(strategy, fn)
         time.sleep(3)
         killed_at = time.monotonic()
         os.kill(pid, signal.SIGKILL)
-        thread.join(30)
-        assert not thread.is_alive(), "strategy.run hung after a GPU worker was killed"
-        assert isinstance(outcome["error"], dd.ReplicaLostError), repr(outcome["error"])
-        assert outcome["at"] - killed_at < 10
+        error = run.join(30)
+        assert isinstance(error, dd.ReplicaLostError), repr(error)
+        assert run.at - killed_at < 10
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and not log.exists():
             time.sleep(0.1)

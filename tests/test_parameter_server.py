@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 import signal
 import time
 from concurrent.futures import CancelledError
@@ -12,6 +13,7 @@ import pytest
 
 import daskdist as dd
 from daskdist.strategy.partitioners import shard_sizes
+from tests.support.killers import wait_for_files, worker_pid
 
 ClusterCoordinator = dd.experimental.coordinator.ClusterCoordinator
 partitioners = dd.experimental.partitioners
@@ -253,16 +255,9 @@ def test_asynchronous_training_converges_on_digits(four_threads):
 # -- failures (worker and ps processes killed with SIGKILL) ---------------------------------------
 
 
-def _pid(client, address):
-    return client.run(os.getpid, workers=[address])[address]
-
-
 def _wait_for_file(path, timeout=60):
     """Block until a closure wrote ``path`` (its fault point: the kill then lands exactly there)."""
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
-        assert time.monotonic() < deadline, f"no closure reached {path}"
-        time.sleep(0.01)
+    wait_for_files(pathlib.Path(path).parent, pathlib.Path(path).name, 1, timeout)
 
 
 @pytest.mark.slow
@@ -270,7 +265,7 @@ def test_a_worker_killed_mid_closure_loses_nothing_and_applies_nothing_twice(mak
     client = make_cluster(3, processes=True)
     roles = _roles(client, 1)
     victim = roles["worker"][0]
-    victim_pid = _pid(client, victim)
+    victim_pid = worker_pid(client, victim)
     reached = str(tmp_path / "reached")
     with dd.ParameterServerStrategy(SpecResolver(roles), client=client) as strategy:
         coordinator = ClusterCoordinator(strategy)
@@ -315,7 +310,7 @@ def test_a_lost_parameter_server_fails_the_coordinator_within_seconds(make_clust
         for _ in range(200):
             coordinator.schedule(closure)
         time.sleep(0.5)
-        os.kill(_pid(client, roles["ps"][0]), signal.SIGKILL)
+        os.kill(worker_pid(client, roles["ps"][0]), signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(dd.experimental.coordinator.ParameterServerLostError, match="parameter server"):
             coordinator.join()
@@ -379,7 +374,7 @@ def test_a_ps_lost_while_a_lost_workers_closure_is_re_run_fails_join_and_fetch_w
     roles = _roles(client, 1)
     starts = tmp_path / "starts"
     victim, other = roles["worker"]
-    victim_pid = _pid(client, victim)
+    victim_pid = worker_pid(client, victim)
     with dd.ParameterServerStrategy(SpecResolver(roles), client=client) as strategy:
         coordinator = ClusterCoordinator(strategy)
         with strategy.scope():
@@ -413,7 +408,7 @@ def test_a_ps_lost_while_a_lost_workers_closure_is_re_run_fails_join_and_fetch_w
             rerun = next((i for i, pids in runs.items() if len(pids) > 1), None)
             time.sleep(0.02)
         assert rerun is not None, "the lost worker's closure never ran again"
-        os.kill(_pid(client, roles["ps"][0]), signal.SIGKILL)  # while the re-run is in flight
+        os.kill(worker_pid(client, roles["ps"][0]), signal.SIGKILL)  # while the re-run is in flight
         start = time.monotonic()
         with pytest.raises(dd.experimental.coordinator.ParameterServerLostError, match="parameter server"):
             coordinator.join()
@@ -485,7 +480,7 @@ def test_after_a_worker_is_killed_the_ledger_and_the_updates_count_each_committe
     client = make_cluster(3, processes=True)
     roles = _roles(client, 1)
     victim, survivor = roles["worker"]
-    victim_pid = _pid(client, victim)
+    victim_pid = worker_pid(client, victim)
     reached = str(tmp_path / "reached")
     ids = da.arange(96, chunks=8)
     table = client.persist(da.stack([ids, ids], axis=1), workers=roles["worker"])
@@ -571,7 +566,7 @@ def test_a_worker_restarted_by_its_nanny_takes_over_the_lost_pipeline_and_reads_
 
         first = coordinator.fetch([coordinator.schedule(step, args=(iterator,)) for _ in range(6)])
         victim = roles["worker"][0]
-        os.kill(_pid(client, victim), signal.SIGKILL)  # idle: every closure it ran has committed
+        os.kill(worker_pid(client, victim), signal.SIGKILL)  # idle: every closure it ran has committed
         deadline = time.monotonic() + 60
         newcomer = None
         while newcomer is None and time.monotonic() < deadline:

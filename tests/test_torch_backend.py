@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 
 import dask
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 
 import daskdist as dd
+from tests.support.killers import RunInBackground, lines_of, wait_for_files, worker_pid
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
@@ -323,16 +323,12 @@ def test_threaded_replicas_get_a_clear_error(threaded_client):
             strategy.run(_needs_processes)
 
 
-def _worker_pid(client, address):
-    return client.run(os.getpid, workers=[address])[address]
-
-
 @pytest.mark.slow
 def test_a_killed_worker_fails_the_pending_torch_call_everywhere(make_cluster, tmp_path):
     client = make_cluster(3, processes=True)
     strategy = dd.MirroredStrategy(client=client)
     victim = strategy.extended.worker_addresses[1]
-    pid = _worker_pid(client, victim)
+    pid = worker_pid(client, victim)
     log = tmp_path / "lost"
 
     def fn():
@@ -349,30 +345,15 @@ def test_a_killed_worker_fails_the_pending_torch_call_everywhere(make_cluster, t
                 f.write(f"{rank} {time.monotonic() - start:.2f} {type(e).__name__} {e}\n".replace("\n", " ") + "\n")
             raise
 
-    outcome = {}
-
-    def call():
-        try:
-            strategy.run(fn)
-        except BaseException as e:
-            outcome["error"], outcome["at"] = e, time.monotonic()
-
-    thread = threading.Thread(target=call)
-    thread.start()
-    deadline = time.monotonic() + 120  # worker processes import torch first: slow on a loaded machine
-    while time.monotonic() < deadline and len(list(tmp_path.glob("ready*"))) < 3:
-        time.sleep(0.1)
+    run = RunInBackground(strategy, fn)
+    wait_for_files(tmp_path, "ready*", 3)  # worker processes import torch first: slow on a loaded machine
     time.sleep(0.5)  # replicas 0 and 2 are inside the all-reduce now
     killed_at = time.monotonic()
     os.kill(pid, signal.SIGKILL)
-    thread.join(30)
-    assert not thread.is_alive(), "strategy.run hung after a worker was killed"
-    assert isinstance(outcome["error"], dd.ReplicaLostError), repr(outcome["error"])
-    assert outcome["at"] - killed_at < 10
-    deadline = time.monotonic() + 12
-    while time.monotonic() < deadline and len(log.read_text().splitlines() if log.exists() else []) < 2:
-        time.sleep(0.1)
-    lines = log.read_text().splitlines()
+    error = run.join(30)
+    assert isinstance(error, dd.ReplicaLostError), repr(error)
+    assert run.at - killed_at < 10
+    lines = lines_of(log, 2)
     assert sorted(line.split()[0] for line in lines) == ["0", "2"]  # every survivor's torch call raised
     assert all(float(line.split()[1]) < 12 for line in lines)
     assert all(victim in line for line in lines), lines

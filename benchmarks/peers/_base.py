@@ -141,13 +141,16 @@ def time_sizes(
     allreduce: Callable[[Any], None],
     check: Callable[[Any], None],
     before: Callable[[Any], None] | None = None,
+    walls: dict[str, float] | None = None,
 ) -> dict[str, list[float]]:
     """The timing loop every rank of a peer runs; returns this rank's times (seconds) by size (``str(nbytes)``).
 
     ``setup(nbytes)`` makes the buffers, ``allreduce(state)`` runs one SUM
     all-reduce, ``check(state)`` raises if the last result is wrong and
     ``before(state)``, if given, runs untimed before every all-reduce (to
-    restore an input that an in-place all-reduce overwrote).
+    restore an input that an in-place all-reduce overwrote). ``walls``, if
+    given, gets each size's wall time per all-reduce over the timed blocks,
+    the untimed calls between them included (``str(nbytes)``: seconds).
     """
     results: dict[str, list[float]] = {}
     for size in plan:
@@ -161,6 +164,7 @@ def time_sizes(
         for _ in range(size.warmup):
             untimed()
         times: list[float] = []
+        began = time.perf_counter()
         for count in size.blocks:
             untimed()
             for _ in range(count):
@@ -169,6 +173,8 @@ def time_sizes(
                 start = time.perf_counter()
                 allreduce(state)
                 times.append(time.perf_counter() - start)
+        if walls is not None:
+            walls[str(size.nbytes)] = (time.perf_counter() - began) / max(1, sum(size.blocks) + len(size.blocks))
         check(state)
         results[str(size.nbytes)] = times
         del state
@@ -179,6 +185,11 @@ def per_iteration_max(rank_times: Sequence[dict[str, list[float]]]) -> dict[int,
     """Per size, each iteration's time as the maximum over the ranks."""
     keys = rank_times[0].keys()
     return {int(k): np.max(np.array([r[k] for r in rank_times], dtype=float), axis=0).tolist() for k in keys}
+
+
+def max_walls(rank_walls: Sequence[dict[str, float]]) -> dict[int, float]:
+    """Per size, the wall time per all-reduce of the slowest rank."""
+    return {int(k): max(r[k] for r in rank_walls) for k in rank_walls[0]}
 
 
 def parse_result(stdout: str) -> dict:

@@ -41,6 +41,7 @@ from peers._base import (
     RESULT_MARKER,
     PeerUnavailable,
     SizePlan,
+    max_walls,
     parse_result,
     per_iteration_max,
     plan_from_json,
@@ -118,6 +119,7 @@ def run(n: int, plan: list[SizePlan], timeout: float = 900, *, rank_prefix: Call
                 f"{n} subprocesses, torch.set_num_threads(1)"
                 + (f", env:// rendezvous on {master[0]}:{master[1]}" if master is not None else ""),
         "times": per_iteration_max([r["times"] for r in results]),
+        "walls": max_walls([r["walls"] for r in results]),
     }
 
 
@@ -162,11 +164,13 @@ def _worker(rank: int, world_size: int, init_method: str, plan_json: str) -> Non
             if float(tensor[i]) != expected:
                 raise AssertionError(f"all_reduce gave {float(tensor[i])}, expected {expected}")
 
+    walls: dict[str, float] = {}
     try:
-        times = time_sizes(plan_from_json(plan_json), setup, allreduce, check, before=before)
+        times = time_sizes(plan_from_json(plan_json), setup, allreduce, check, before=before, walls=walls)
     finally:
         dist.destroy_process_group()
-    print(RESULT_MARKER + json.dumps({"rank": rank, "torch": torch.__version__, "times": times}), flush=True)
+    print(RESULT_MARKER + json.dumps({"rank": rank, "torch": torch.__version__, "times": times, "walls": walls}),
+          flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

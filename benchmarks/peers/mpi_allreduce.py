@@ -39,6 +39,7 @@ from peers._base import (
     RESULT_MARKER,
     PeerUnavailable,
     SizePlan,
+    max_walls,
     parse_result,
     per_iteration_max,
     plan_from_json,
@@ -107,6 +108,7 @@ def run(n: int, plan: list[SizePlan], extra_args: str | None = None, timeout: fl
         "info": f"{result['library']}; mpi4py {result['mpi4py']}; {shlex.join(shown)}",
         "command": shlex.join(shown),
         "times": per_iteration_max(result["times"]),
+        "walls": max_walls(result["walls"]),
     }
 
 
@@ -131,12 +133,14 @@ def _worker(plan_json: str) -> None:
             if value != expected:
                 raise AssertionError(f"Allreduce gave {value}, expected {expected}")
 
-    times = time_sizes(plan_from_json(plan_json), setup, allreduce, check)
+    walls: dict[str, float] = {}
+    times = time_sizes(plan_from_json(plan_json), setup, allreduce, check, walls=walls)
     gathered = comm.gather(times, root=0)
+    gathered_walls = comm.gather(walls, root=0)
     if comm.Get_rank() == 0:
         library = MPI.Get_library_version().strip().splitlines()[0].split(",")[0]
-        print(RESULT_MARKER + json.dumps({"library": library, "mpi4py": mpi4py.__version__, "times": gathered}),
-              flush=True)
+        print(RESULT_MARKER + json.dumps({"library": library, "mpi4py": mpi4py.__version__, "times": gathered,
+                                          "walls": gathered_walls}), flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

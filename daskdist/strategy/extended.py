@@ -13,7 +13,9 @@ TensorFlow's verbs
 Verbs keras and data need beyond TensorFlow's
     ``run_on_replicas`` (a command on every replica that computes),
     ``run_on_replica`` (a command on one of them, e.g. to read weights),
-    ``install_resident`` (a model or other object kept on every replica).
+    ``install_resident`` (a model or other object kept on every replica),
+    ``provide_residents`` (what a framework adapter installs before a replica
+    function is shipped: the residents it may capture).
 
 The public methods do TensorFlow's checks (cross-replica context, argument
 types) and then call an implementation hook, as TF's ``reduce_to`` calls
@@ -59,11 +61,6 @@ Kwargs = dict[str, Any]
 #: A command sent to replicas: ``command(service, *args)`` where ``service`` is the replica's
 #: ``daskdist.group.service.ReplicaService``.
 Command = Callable[..., Any]
-
-
-#: Called as ``hook(extended)`` before ``call_for_each_replica`` ships a function to the replicas: a framework
-#: adapter places there what the function may capture (``daskdist.plugins.keras3``: models created in the scope).
-BEFORE_CALL_HOOKS: list[Callable[[StrategyExtended], None]] = []
 
 
 class StrategyExtended(abc.ABC):
@@ -156,8 +153,8 @@ class StrategyExtended(abc.ABC):
         self.check_open()
         args, kwargs = tuple(args), dict(kwargs or {})
         check_num_components((args, kwargs), self.num_replicas)
-        for hook in BEFORE_CALL_HOOKS:
-            hook(self)
+        for provide in list((self._resident_providers or {}).values()):
+            provide()
         return self._call_for_each_replica(fn, args, kwargs)
 
     @abc.abstractmethod
@@ -210,6 +207,21 @@ class StrategyExtended(abc.ABC):
         from daskdist.strategy import replica_commands
 
         self.run_on_replicas(replica_commands.install_resident, (kind, object_id, obj))
+
+    _resident_providers: dict[str, Callable[[], None]] | None = None
+
+    def provide_residents(self, key: str, provide: Callable[[], None]) -> None:
+        """Call ``provide()`` before every ``call_for_each_replica`` ships a function to the replicas.
+
+        A framework adapter installs there (``install_resident``) what a replica
+        function may capture, e.g. ``daskdist.plugins.keras3`` the built Keras
+        models created in this strategy's scope, which the function's pickled
+        references then find on each replica. One provider per ``key``: a second
+        call with the same key replaces the first.
+        """
+        if self._resident_providers is None:
+            self._resident_providers = {}
+        self._resident_providers[key] = provide
 
     @abc.abstractmethod
     def _run_on(self, command: Command, args: Args | list[Args], ranks: list[int] | None) -> list[Any]:

@@ -2,17 +2,69 @@
 
 Both are threads that the ``process_workers`` fixture stops and joins when the test ends, so a watcher
 never outlives its test (a late exception in it would fail a later test).
+
+For a kill inside one ``strategy.run`` (a replica held in a long sleep while the others wait for it in a
+collective): ``worker_pid``, ``RunInBackground`` (the run in a thread, with what it raised and when),
+``wait_for_files`` (the replicas' ready files) and ``lines_of`` (what every survivor wrote when it raised).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import threading
 import time
 
+import dask
+
 from daskdist.keras.models import PROGRESS_TOPIC
+
+
+def worker_pid(client, address: str) -> int:
+    """The pid of the worker process at ``address`` (not its nanny's)."""
+    return client.run(os.getpid, workers=[address])[address]
+
+
+class RunInBackground:
+    """``strategy.run(fn)`` in a thread; ``error`` is what it raised, ``at`` the monotonic time it returned."""
+
+    def __init__(self, strategy, fn):
+        self.error: BaseException | None = None
+        self.at: float | None = None
+        self.thread = threading.Thread(target=self._run, args=(strategy, fn), daemon=True)
+        self.thread.start()
+
+    def _run(self, strategy, fn) -> None:
+        try:
+            strategy.run(fn)
+        except BaseException as e:  # kept for the test to check: the run must raise, not hang
+            self.error = e
+        self.at = time.monotonic()
+
+    def join(self, timeout: float = 30) -> BaseException | None:
+        """Wait for the run; fail the test if it is still running after ``timeout`` s (a hang)."""
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "strategy.run hung after a worker was killed"
+        return self.error
+
+
+def wait_for_files(directory, pattern: str, count: int, timeout: float = 120) -> None:
+    """Block until ``count`` files match ``pattern`` in ``directory`` (replicas that reached a point)."""
+    deadline = time.monotonic() + timeout
+    while len(list(directory.glob(pattern))) < count:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"only {len(list(directory.glob(pattern)))} of {count} replicas reached {pattern}")
+        time.sleep(0.05)
+
+
+def lines_of(path, count: int, timeout: float = 12) -> list[str]:
+    """The lines of ``path`` once it has ``count`` of them, or what it has when ``timeout`` s passed."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and len(path.read_text().splitlines() if path.exists() else []) < count:
+        time.sleep(0.1)
+    return path.read_text().splitlines() if path.exists() else []
 
 
 class _Watcher:
@@ -71,6 +123,19 @@ class Killer(_Watcher):
         return self.record
 
 
+@contextlib.contextmanager
+def killed_at(workers, marker, phase: str, step: int | str, rank: int):
+    """Within the block, the replica of ``rank`` pauses at ``phase`` of training step ``step`` (the optimizer's
+    iterations: they count on across epochs) and is killed there with its nanny; yields the ``Killer``.
+
+    A fault point (``daskdist.testing.pause-at``), not a sleep: the kill lands at that step however loaded
+    the machine is, and no step needs slowing down for it.
+    """
+    settings = {"daskdist.testing.pause-at": f"{phase}:{step}:{rank}", "daskdist.testing.pause-file": str(marker)}
+    with dask.config.set(settings):
+        yield Killer(marker, workers=workers)
+
+
 def reported_step(client, since: float, step: int, epoch: int | None = 0) -> bool:
     """Whether replica 0 reported ``step`` (or later) of ``epoch`` (``None``: any) after ``since``.
 
@@ -99,7 +164,9 @@ def wait_for_step(client, step: int, since: float, epoch: int | None = 0, timeou
 class KillAtStep(_Watcher):
     """Kills ``victim`` (and its nanny) once replica 0 reported ``step`` of ``epoch``.
 
-    ``record["killed"]`` is the monotonic time of the kill. Stopped with its workers.
+    ``record["killed"]`` is the monotonic time of the kill. Then turns the workers' slow steps off
+    (``ProcessWorkers.slow_steps``): the survivors cannot finish a step without the victim, so the loss
+    lands where it was placed and the rest of the run goes at full speed. Stopped with its workers.
     """
 
     def __init__(self, workers, victim: str, step: int, epoch: int = 0):
@@ -117,6 +184,7 @@ class KillAtStep(_Watcher):
             return False
         self.workers.kill(self.victim)
         self.record["killed"] = time.monotonic()
+        self.workers.slow_steps(False)
         return True
 
     def join(self, timeout: float | None = None) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -16,8 +17,14 @@ RING = dd.CommunicationOptions(implementation="RING")
 
 
 def slow_batch(*batch):
-    """An after-batch map that makes each step take a while, so a step-placed kill lands mid-epoch."""
-    time.sleep(0.12)
+    """An after-batch map that makes each step take a while, so a step-placed kill lands mid-epoch.
+
+    In the workers of a ``ProcessWorkers`` set it sleeps only while the set's slow-steps switch is on
+    (``ProcessWorkers.slow_steps``: a kill at a step turns it off once it landed); elsewhere always.
+    """
+    switch = os.environ.get("DASKDIST_TEST_SLOW_FILE")  # support.processes.SLOW_FILE_ENV
+    if switch is None or os.path.exists(switch):
+        time.sleep(0.12)
     return batch
 
 

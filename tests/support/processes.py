@@ -8,6 +8,11 @@ workers gets fresh, never-used processes that are already up. A used set is neve
 (its workers may be killed, stopped or tuned); the pool replaces it with a fresh one.
 
 ``DASKDIST_TEST_WARM_POOL=0`` turns the pool off (every set is then started inside its test).
+
+Each set has a *slow-steps switch* (``ProcessWorkers.slow_steps``): ``tests.support.models.slow_batch``
+sleeps in its workers only while it is on (it starts on). A kill placed at a step turns it off once the
+kill landed (``support.killers.KillAtStep``): the rest of the run needs no slowing, the survivors cannot
+finish a step without the killed replica.
 """
 
 from __future__ import annotations
@@ -17,11 +22,15 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 
 from distributed import Client, LocalCluster
 
 logger = logging.getLogger(__name__)
+
+#: The environment variable naming a worker set's slow-steps switch (a file: on while it exists).
+SLOW_FILE_ENV = "DASKDIST_TEST_SLOW_FILE"
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -33,9 +42,11 @@ class ProcessWorkers:
         self.n = n
         self.cluster = LocalCluster(n_workers=0, processes=True, dashboard_address=":0", silence_logs=40)
         self.client = Client(self.cluster, set_as_default=False)
+        fd, self.slow_file = tempfile.mkstemp(prefix="daskdist-test-slow-")  # the switch starts on
+        os.close(fd)
         # no memory pause: Dask would otherwise resume a worker a test holds paused (support.killers.FreeAtStep)
         self._env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                     "DASK_DISTRIBUTED__WORKER__MEMORY__PAUSE": "False"}
+                     "DASK_DISTRIBUTED__WORKER__MEMORY__PAUSE": "False", SLOW_FILE_ENV: self.slow_file}
         dask = os.path.join(os.path.dirname(sys.executable), "dask")
         self._command = [dask, "worker", self.cluster.scheduler_address, "--nthreads", "1", "--no-dashboard",
                          "--preload", "tests.support.preload"]
@@ -65,6 +76,13 @@ class ProcessWorkers:
         os.kill(nanny, signal.SIGKILL)
         os.kill(worker, signal.SIGKILL)
 
+    def slow_steps(self, on: bool) -> None:
+        """Turn the slow-steps switch of these workers on or off (``tests.support.models.slow_batch``)."""
+        if on:
+            open(self.slow_file, "a").close()
+        elif os.path.exists(self.slow_file):
+            os.unlink(self.slow_file)
+
     def watch(self, watcher) -> None:
         """Stop and join ``watcher`` (anything with ``stop()``) when these workers close."""
         self._watchers.append(watcher)
@@ -78,6 +96,7 @@ class ProcessWorkers:
             if process.poll() is None:
                 process.kill()
             process.wait(10)
+        self.slow_steps(False)
 
 
 class WarmPool:

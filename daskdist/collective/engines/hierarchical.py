@@ -1,9 +1,11 @@
 """The hierarchical all-reduce engine: within each host, then across hosts' first replicas, then back.
 
-Only one replica per host sends across the network. The group's algorithm
-when it is ``hierarchical`` (``HierarchicalCopyAllReduce``), and AUTO's choice
-for packs above ``small-message-bytes`` when the ranks span several hosts and
-some share one.
+Only one replica per host sends across the network, on one connection per
+host pair; inside a host the replicas use shared memory. Pipelined piece by
+piece (``engines.pipeline``), so the in-host reduce and broadcast run under
+the cross-host transfers. The group's algorithm when it is ``hierarchical``
+(``HierarchicalCopyAllReduce``), and AUTO's choice for packs above
+``small-message-bytes`` when the ranks span several hosts and some share one.
 """
 
 from __future__ import annotations
@@ -11,16 +13,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from daskdist.collective import algorithms
+from daskdist.collective.buffers import BufferPool
 from daskdist.collective.call import Call
 from daskdist.collective.engines.base import PackPlan
 from daskdist.collective.engines.direct import copy_of
+from daskdist.collective.engines.pipeline import allreduce_hierarchical_pipelined
 
 __all__ = ["HierarchicalEngine"]
 
 
 class HierarchicalEngine:
-    """``algorithms.allreduce_hierarchical`` (in place: a borrowed pack is copied first).
+    """``allreduce_hierarchical_pipelined`` for numpy packs (a borrowed one is only read), else the plain one.
 
     Parameters
     ----------
@@ -29,15 +35,27 @@ class HierarchicalEngine:
     automatic
         ``True``: AUTO's choice, not taken when the ring is forced;
         ``False``: the group asked for it, every pack.
+    buffers
+        Where results of borrowed numpy packs go.
+    pipeline_bytes
+        Bytes per piece (``collective.pipeline-bytes``).
     """
 
-    def __init__(self, hosts: Sequence[str], automatic: bool = False):
+    def __init__(self, hosts: Sequence[str], automatic: bool = False, buffers: BufferPool | None = None,
+                 pipeline_bytes: int = 8 << 20):
         self.hosts = list(hosts)
         self.automatic = automatic
+        self.buffers = buffers or BufferPool()
+        self.pipeline_bytes = pipeline_bytes
 
     def accepts(self, plan: PackPlan) -> bool:
         return not (self.automatic and plan.forced_ring)
 
     def run(self, call: Call, plan: PackPlan) -> Any:
-        buf = copy_of(plan.buffer) if plan.borrowed else plan.buffer
+        buf = plan.buffer
+        if isinstance(buf, np.ndarray):
+            out = self.buffers.empty_like(buf) if plan.borrowed else None
+            piece = max(1, self.pipeline_bytes // buf.itemsize)
+            return allreduce_hierarchical_pipelined(call, buf, plan.op, self.hosts, piece, out)
+        buf = copy_of(buf) if plan.borrowed else buf
         return algorithms.allreduce_hierarchical(call, buf, plan.op, self.hosts)

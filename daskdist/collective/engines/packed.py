@@ -17,6 +17,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from dask.utils import parse_bytes
+
+from daskdist import config
 from daskdist.collective.buffers import BufferPool
 from daskdist.collective.call import CollectiveCall
 from daskdist.collective.engines.base import AllReducePlan, Engine, PackPlan
@@ -31,21 +34,30 @@ __all__ = ["PackedAllReduce", "pack_engines"]
 
 
 def pack_engines(algorithm: Any, buffers: BufferPool, hosts: Sequence[str], multi_host: bool,
-                 small_message_bytes: int, single_copy: SingleCopyAllReduce | None) -> list[Engine]:
-    """The pack engines of a group's ``algorithm`` (an ``Algorithm``), in the order they are asked."""
+                 small_message_bytes: int, single_copy: SingleCopyAllReduce | None,
+                 pipeline_bytes: int | None = None) -> list[Engine]:
+    """The pack engines of a group's ``algorithm`` (an ``Algorithm``), in the order they are asked.
+
+    ``pipeline_bytes``: the piece size of the pipelined ring and hierarchical
+    all-reduce (``collective.pipeline-bytes``; ``None``: read from the
+    config). The ring pipelines only when the ranks span several hosts.
+    """
     name = algorithm.name
-    ring = RingEngine(buffers)
+    if pipeline_bytes is None:
+        pipeline_bytes = parse_bytes(config.get("collective.pipeline-bytes"))
+    spans_hosts = len(set(hosts)) > 1
+    ring = RingEngine(buffers, pipeline_bytes if spans_hosts else None)
     if name == "reduce_to_one":
         return [ReduceToOneEngine(algorithm.root, algorithm.accumulation_fn)]
     if name == "direct":
         return [EmptyEngine(), DirectEngine()]
     if name == "hierarchical":
-        return [EmptyEngine(), HierarchicalEngine(hosts)]
+        return [EmptyEngine(), HierarchicalEngine(hosts, False, buffers, pipeline_bytes)]
     if name == "ring":
         return [EmptyEngine(), ring]
     engines: list[Engine] = [EmptyEngine(), DirectEngine(small_message_bytes)]
     if multi_host:
-        engines.append(HierarchicalEngine(hosts, automatic=True))
+        engines.append(HierarchicalEngine(hosts, True, buffers, pipeline_bytes))
     if single_copy is not None:
         engines.append(SingleCopyEngine(single_copy, ring))
     engines.append(ring)

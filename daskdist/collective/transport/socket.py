@@ -68,10 +68,30 @@ class _Send(SendHandle):
             ) from self.error
 
 
+_TCP_CLOSE = 7  # Linux tcp_states.h: the connection failed (timed out or reset); the peer's FIN leaves CLOSE_WAIT
+
+
+def _failed_without_close(sock: socket.socket) -> bool:
+    """Whether a TLS connection that read end-of-stream was failed by the kernel rather than closed by the peer.
+
+    A TLS socket reports a connection that ``TCP_USER_TIMEOUT`` or keepalive
+    failed (the heartbeat) as an unexpected end of stream, which ``ssl``
+    turns into an empty read: the TCP state tells the two apart.
+    """
+    if not isinstance(sock, ssl.SSLSocket) or not hasattr(socket, "TCP_INFO"):
+        return False
+    try:
+        return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == _TCP_CLOSE
+    except OSError:
+        return False
+
+
 def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
     while view.nbytes:
         n = sock.recv_into(view)
         if n == 0:
+            if _failed_without_close(sock):
+                raise ConnectionError("the TLS connection failed: no answer within the heartbeat timeout, or reset")
             raise _PeerClosed("connection closed by the peer")
         view = view[n:]
 

@@ -21,11 +21,16 @@ if TYPE_CHECKING:
 
 __all__ = [
     "WeightsDifferError",
+    "begin_loop",
+    "elastic_train_epoch",
+    "end_loop",
     "evaluate",
     "install_model",
     "model_state",
     "set_learning_rate",
+    "test_steps",
     "train_epoch",
+    "train_steps",
 ]
 
 logger = logging.getLogger(__name__)
@@ -123,3 +128,92 @@ def evaluate(service: ReplicaService, model_id: str, batches: Any, steps: int | 
 def model_state(service: ReplicaService, model_id: str) -> dict[str, list[np.ndarray]]:
     """The replica's model state (``KerasTrainable.snapshot``)."""
     return trainable(service, model_id).snapshot()
+
+
+# -- a loop in several commands (per-batch callbacks on the client between them) ------------------
+
+
+def begin_loop(service: ReplicaService, model_id: str, loop: str, batches: Any) -> None:
+    """Open the ``"train"`` or ``"test"`` loop of the model over this replica's shard of ``batches``."""
+    trainable(service, model_id).begin(loop, batches)
+
+
+def train_steps(service: ReplicaService, model_id: str, count: int | None, driver: StepDriver,
+                learning_rate: float | None) -> dict[str, Any]:
+    """Up to ``count`` steps of the open training loop; ``{"steps": run, "logs": the epoch's global logs so far}``."""
+    set_learning_rate(service, model_id, learning_rate)
+    resident = trainable(service, model_id)
+    done = resident.train_steps(count, driver, _RecordingTimer(service))
+    service.flush_step_events()
+    return {"steps": done, "logs": resident.global_metrics()}
+
+
+def test_steps(service: ReplicaService, model_id: str, count: int | None) -> dict[str, Any]:
+    """Up to ``count`` steps of the open evaluation loop; ``{"steps": run, "logs": the global logs so far}``."""
+    resident = trainable(service, model_id)
+    done = resident.test_steps(count)
+    return {"steps": done, "logs": resident.global_metrics()}
+
+
+def end_loop(service: ReplicaService, model_id: str, loop: str) -> dict[str, Any]:
+    """Close the open loop: its global logs; after training, replica 0 adds the model's state (as ``train_epoch``)."""
+    resident = trainable(service, model_id)
+    if loop == "train":
+        logs = resident.end_train()
+        return {"logs": logs, "state": resident.snapshot() if service.rank == 0 else None}
+    resident.close(loop)
+    return {"logs": resident.global_metrics(), "state": None}
+
+
+# -- elastic epochs -----------------------------------------------------------------------------
+
+_PROGRESS_INTERVAL = 0.25  # seconds between replica 0's progress events
+
+
+def elastic_train_epoch(service: ReplicaService, model_id: str, batches: Any, steps: int, driver: StepDriver,
+                        learning_rate: float | None, key: tuple[int, int], first_step: int, commit_every: int,
+                        tag: str) -> dict[str, Any]:
+    """Steps ``first_step`` ... of an elastic epoch, committing every ``commit_every`` steps and at the end.
+
+    ``batches`` holds the epoch's global batches from ``first_step`` on
+    (planned over this generation's members); ``steps`` is their count;
+    ``key`` is ``(fit, epoch)``. A commit (``daskdist.elastic.replica.commit_now``)
+    keeps every resident's state, this model's with the epoch's metric totals
+    so far (summed over the replicas, so a replica lost later still counts).
+    Replica 0 reports its progress as the built-in layers' ``fit`` does (the
+    ``PROGRESS_TOPIC`` event: tag, epoch, step). Returns the epoch's global
+    logs and, from replica 0, the model's state.
+    """
+    import time
+
+    from daskdist.elastic.replica import commit_now
+    from daskdist.keras.models import PROGRESS_TOPIC
+
+    set_learning_rate(service, model_id, learning_rate)
+    resident = trainable(service, model_id)
+    fit, epoch = key
+    resident.begin("train", batches)
+    if first_step:
+        resident.resume_metrics(service.rank)
+    timer = _RecordingTimer(service)
+    step, last, sent = first_step, first_step + steps, 0.0
+    try:
+        while step < last:
+            if not resident.train_steps(1, driver, timer):
+                break
+            step += 1
+            if service.rank == 0 and time.monotonic() - sent >= _PROGRESS_INTERVAL:
+                sent = time.monotonic()
+                service.log_event(PROGRESS_TOPIC, {"tag": tag, "epoch": epoch, "step": step})
+            if step % commit_every == 0 and step != last:
+                resident.commit_metrics()
+                commit_now(service, (fit, epoch, step))
+    finally:
+        resident.close("train")
+    if step > first_step:  # the epoch's end: moving statistics averaged, then committed as they now are
+        resident.average_non_trainable()
+        resident.commit_metrics()
+        commit_now(service, (fit, epoch, step))
+    logs = resident.global_metrics()
+    service.flush_step_events()
+    return {"logs": logs, "state": resident.snapshot() if service.rank == 0 else None}

@@ -3,9 +3,12 @@
 The client keeps the user's model; the replicas each hold a copy
 (``KerasTrainable``), installed from Keras' own ``.keras`` file on first use
 and again whenever the client's copy changed (compile, ``set_weights``,
-``load_weights``). ``fit`` sends one command per epoch: each replica trains
-over its share of every global batch with the strategy's step driver
-(``extended.step_driver()``), and returns the epoch's global logs; replica 0
+``load_weights``). ``fit`` sends one command per epoch (per
+``steps_per_execution`` steps when a callback has per-batch hooks:
+``loops.py``; epochs in committed steps on an elastic strategy:
+``elastic.py``): each replica trains over its share of every global batch
+with the strategy's step driver (``extended.step_driver()``), and returns the
+epoch's global logs; replica 0
 also returns its weights and optimizer state, which the client's model takes,
 so Keras callbacks (``ModelCheckpoint``, ``TensorBoard``, ``EarlyStopping``,
 ``LearningRateScheduler``, a user's own) run on the client with the global
@@ -15,14 +18,16 @@ file. ``predict`` runs Keras' own ``predict`` on the client's (current) copy.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
+import types
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from daskdist.plugins.keras3 import commands, registry
+from daskdist.plugins.keras3 import commands, loops, registry
 from daskdist.plugins.keras3.backend import check_backend, check_model, keras_backend
 from daskdist.plugins.keras3.payload import pack_model
 
@@ -34,7 +39,6 @@ __all__ = [
     "evaluate",
     "fingerprint",
     "fit",
-    "get_weights",
     "predict",
     "reference",
     "save",
@@ -59,6 +63,13 @@ def created(model: Any) -> None:
     check_backend(keras_backend())
     _check_driver(strategy)
     registry.register(model, strategy)
+    # this model's get_weights takes the replicas' weights first (bound on it alone: Keras' Layer.get_weights,
+    # which every layer shares, stays Keras' own)
+    vars(model)["get_weights"] = types.MethodType(_recorded_get_weights, model)
+    from daskdist.plugins.keras3 import references
+
+    # before strategy.run ships a function, the built models created in this scope go to the replicas
+    strategy.extended.provide_residents("keras3", functools.partial(references.place_models, strategy.extended))
 
 
 def _check_driver(strategy: Any) -> None:
@@ -134,16 +145,11 @@ def ensure_installed(model: Any, record: registry.Record) -> None:
     record.dirty = False
 
 
-def _take_state(model: Any, state: dict[str, list[np.ndarray]]) -> None:
-    """Give the client's model the weights and optimizer state of replica 0."""
-    for variable, value in zip(model.variables, state["variables"]):
-        variable.assign(value)
-    optimizer = _optimizer(model)
-    if optimizer is not None and state["optimizer"]:
-        if not optimizer.built:
-            optimizer.build(model.trainable_variables)
-        for variable, value in zip(optimizer.variables, state["optimizer"]):
-            variable.assign(value)
+def _take_state(model: Any, state: dict[str, Any]) -> None:
+    """Give the client's model the weights, optimizer state and random states of replica 0."""
+    from daskdist.plugins.keras3.resident import assign_state
+
+    assign_state(model, state)
 
 
 def _pull(model: Any, record: registry.Record) -> None:
@@ -237,40 +243,87 @@ def fit(original: Callable[..., Any], model: Any, x: Any = None, y: Any = None, 
         raise NotImplementedError(f"fit under a daskdist strategy does not take {[k for k, v in unsupported.items() if v]}"
                                   " yet: put the weights in the dataset's (x, y, weight) elements, split it yourself")
     extended = record.strategy.extended
-    if getattr(extended, "elastic", None) is not None:
-        raise NotImplementedError("elastic training (dd.ElasticOptions) of Keras 3 models is not supported yet: "
-                                  "use a strategy without elastic options, or the built-in layers (daskdist.keras)")
+    options = getattr(extended, "elastic", None)
+    per_batch = loops.needs_batch_hooks(callbacks, "train")
+    per_test = loops.needs_batch_hooks(callbacks, "test")
+    if options is not None and (per_batch or per_test):
+        raise NotImplementedError("per-batch callbacks (on_train_batch_*, on_test_batch_*) do not run under an "
+                                  "elastic strategy yet: an elastic epoch is one command between commits")
     driver = extended.step_driver()
-    train = _distribute(record, x, y, batch_size, shuffle, model)
-    val = None
+    elastic = None
+    if options is None:
+        train = _distribute(record, x, y, batch_size, shuffle, model)
+    else:
+        from daskdist.plugins.keras3.elastic import KerasElasticFit
+
+        dataset, sample = _as_dataset(record, x, y, batch_size, shuffle)
+        if not model.built or sample is None:
+            _ensure_built(model, sample if sample is not None else _dataset_sample(record, dataset))
+        elastic = KerasElasticFit(model, record, dataset, options)
+    planned_val: dict[int, Any] = {}
+
+    def val_data() -> Any:
+        """The validation data distributed over the current members (planned again after a change)."""
+        generation = elastic.generation if elastic is not None else 0
+        if generation not in planned_val:
+            vx, vy = (validation_data[0], validation_data[1]) if isinstance(validation_data, tuple) else (
+                validation_data, None)
+            planned_val.clear()
+            planned_val[generation] = _distribute(record, vx, vy, validation_batch_size or batch_size, False, model)
+        return planned_val[generation]
+
     if validation_data is not None:
-        vx, vy = (validation_data[0], validation_data[1]) if isinstance(validation_data, tuple) else (
-            validation_data, None)
-        val = _distribute(record, vx, vy, validation_batch_size or batch_size, False, model)
+        val_data()
     _pull(model, record)
     ensure_installed(model, record)
     steps = steps_per_epoch
-    if steps is None:
-        planned = [s for s in train.plan().steps_per_replica() if s is not None]
-        steps = max(planned) if planned else None
+    if steps is None and elastic is not None:
+        steps = elastic.input.steps_from(0, extended.num_replicas)
+    elif steps is None:
+        steps = loops.planned_steps(train)
     verbose_level = 1 if verbose == "auto" else int(verbose)
     callback_list = keras.callbacks.CallbackList(
         callbacks, add_history=True, add_progbar=verbose_level != 0, verbose=verbose_level, epochs=epochs,
         steps=steps, model=model)
+    size = loops.execution_size(model)
+
+    def moved() -> None:
+        record.dirty = True  # get_weights, save: the replicas' weights first
+
     model.stop_training = False
     callback_list.on_train_begin()
+    if elastic is not None:
+        elastic.callbacks = callback_list
+        for callback in callback_list.callbacks:  # the History fit returns: its ledger, rows and events, as
+            if isinstance(callback, keras.callbacks.History):  # the built-in layers' fit keeps them
+                elastic.history = callback
+                callback.elastic = elastic
+                callback.elastic_events = []
+        elastic.begin(initial_epoch)
     logs: dict[str, Any] = {}
     for epoch in range(initial_epoch, epochs):
         model.reset_metrics()
         callback_list.on_epoch_begin(epoch)
-        results = extended.run_on_replicas(
-            commands.train_epoch,
-            (record.object_id, train, steps_per_epoch, driver, _learning_rate(model)))
-        logs = dict(results[0]["logs"])
-        _take_state(model, results[0]["state"])
+        if elastic is not None:
+            results = elastic.train_epoch(epoch, steps_per_epoch, driver, _learning_rate(model),
+                                          f"keras3-{record.object_id}")
+        else:
+            results = loops.train_epoch(extended, record.object_id, train, steps_per_epoch, steps, driver,
+                                        lambda: _learning_rate(model), callback_list, per_batch, size,
+                                        lambda: bool(model.stop_training), moved)
+        logs = dict(results["logs"])
+        _take_state(model, results["state"])
         record.fingerprint = fingerprint(model)
-        if val is not None:
-            val_logs = extended.run_on_replicas(commands.evaluate, (record.object_id, val, validation_steps))[0]
+        record.dirty = False
+        if validation_data is not None:
+            model.stop_evaluating = False
+            if elastic is not None:
+                callback_list.on_test_begin()
+                val_logs = elastic.evaluate(val_data, validation_steps)
+                callback_list.on_test_end(val_logs)
+            else:
+                val_logs = loops.evaluate(extended, record.object_id, val_data(), validation_steps, callback_list,
+                                          per_test, size, lambda: bool(getattr(model, "stop_evaluating", False)))
             logs.update({f"val_{k}": v for k, v in val_logs.items()})
         callback_list.on_epoch_end(epoch, logs)
         if model.stop_training:
@@ -288,11 +341,18 @@ def evaluate(original: Callable[..., Any], model: Any, x: Any = None, y: Any = N
         return original(model, x, y, batch_size, verbose, sample_weight, steps, callbacks, return_dict, **kwargs)
     if sample_weight is not None:
         raise NotImplementedError("evaluate under a daskdist strategy takes sample weights in the dataset's elements")
+    import keras
+
     data = _distribute(record, x, y, batch_size, False, model)
     _pull(model, record)
     ensure_installed(model, record)
-    logs: dict[str, float] = record.strategy.extended.run_on_replicas(
-        commands.evaluate, (record.object_id, data, steps))[0]
+    verbose_level = 1 if verbose == "auto" else int(verbose)
+    callback_list = callbacks if isinstance(callbacks, keras.callbacks.CallbackList) else keras.callbacks.CallbackList(
+        callbacks, add_progbar=verbose_level != 0, verbose=verbose_level, epochs=1, steps=steps, model=model)
+    model.stop_evaluating = False
+    logs = loops.evaluate(record.strategy.extended, record.object_id, data, steps, callback_list,
+                          loops.needs_batch_hooks(callbacks, "test"), loops.execution_size(model),
+                          lambda: bool(getattr(model, "stop_evaluating", False)))
     if return_dict:
         return logs
     values = [logs[name] for name in logs]
@@ -308,21 +368,38 @@ def predict(original: Callable[..., Any], model: Any, x: Any, batch_size: int | 
         from daskdist.data.dataset import Dataset
 
         if isinstance(x, Dataset):
-            from daskdist.plugins.keras3.resident import batch_rows
-
-            outputs = [np.asarray(model.predict_on_batch(b[0] if isinstance(b, (tuple, list)) else b))
-                       for b in iter(x) if batch_rows(b)]
-            return np.concatenate(outputs) if outputs else np.empty((0,))
+            return _predict_dataset(model, x, steps, callbacks)
         if hasattr(x, "__dask_graph__"):
             x = np.asarray(x.compute())
     return original(model, x, batch_size, verbose, steps, callbacks)
 
 
-def get_weights(original: Callable[..., Any], model: Any) -> Any:
+def _predict_dataset(model: Any, dataset: Any, steps: int | None, callbacks: Any) -> np.ndarray:
+    """Keras' ``predict`` loop over a ``daskdist.data.Dataset`` on the client, with Keras' predict callbacks."""
+    import keras
+
+    from daskdist.plugins.keras3.resident import batch_rows
+
+    callback_list = callbacks if isinstance(callbacks, keras.callbacks.CallbackList) else keras.callbacks.CallbackList(
+        callbacks, model=model)
+    callback_list.on_predict_begin()
+    outputs = []
+    for step, batch in enumerate(b for b in iter(dataset) if batch_rows(b)):
+        if steps is not None and step >= steps:
+            break
+        callback_list.on_predict_batch_begin(step)
+        outputs.append(np.asarray(model.predict_on_batch(batch[0] if isinstance(batch, (tuple, list)) else batch)))
+        callback_list.on_predict_batch_end(step, {"outputs": outputs[-1]})
+    callback_list.on_predict_end()
+    return np.concatenate(outputs) if outputs else np.empty((0,))
+
+
+def _recorded_get_weights(model: Any) -> Any:
+    """``get_weights`` of a recorded model: its replicas' current weights (after a custom loop changed them)."""
     record = registry.lookup(model)
     if record is not None and registry.is_open(record):
         _pull(model, record)
-    return original(model)
+    return type(model).get_weights(model)
 
 
 def save(original: Callable[..., Any], model: Any, *args: Any, **kwargs: Any) -> Any:

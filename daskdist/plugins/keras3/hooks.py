@@ -11,7 +11,8 @@ Installed once, when ``keras`` is imported in a process that imported
   strategy's replicas (``fit.py``); a model created outside every scope and
   compiled or trained inside one is refused, as TensorFlow refuses it; every
   other model runs Keras' own code untouched.
-* ``Model.get_weights/save/save_weights``: a recorded model first takes its
+* ``Model.save/save_weights`` (and ``get_weights`` of each recorded model,
+  bound on that model only: ``fit.created``): a recorded model first takes its
   replicas' weights when a custom loop may have changed them.
 * ``Optimizer.__init__`` records optimizers created in a scope;
   ``Optimizer.apply`` exchanges gradients on the replicas (``exchange.py``).
@@ -66,7 +67,7 @@ def install() -> None:
         from keras.src.models.model import Model
         from keras.src.optimizers.base_optimizer import BaseOptimizer
 
-        from daskdist.plugins.keras3 import exchange, fit, references, tensorboard
+        from daskdist.plugins.keras3 import exchange, fit, tensorboard
 
         def make_init(original: Callable[..., Any]) -> Callable[..., Any]:
             def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -77,7 +78,7 @@ def install() -> None:
         _wrap(Model, "__init__", make_init)
         _wrap(Functional, "__init__", make_init)
 
-        for name in ("compile", "fit", "evaluate", "predict", "get_weights", "save", "save_weights"):
+        for name in ("compile", "fit", "evaluate", "predict", "save", "save_weights"):
             handler = getattr(fit, name)
 
             def make_method(original: Callable[..., Any], handler: Callable[..., Any] = handler) -> Callable[..., Any]:
@@ -111,9 +112,6 @@ def install() -> None:
 
         _wrap(BaseOptimizer, "apply", make_apply)
         tensorboard.install()
-        from daskdist.strategy.extended import BEFORE_CALL_HOOKS
-
-        BEFORE_CALL_HOOKS.append(references.place_models)
         _installed = True
         logger.debug("daskdist: Keras 3 Model and Optimizer methods wrapped")
 

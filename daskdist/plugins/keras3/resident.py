@@ -16,6 +16,7 @@ what one process would.
 from __future__ import annotations
 
 import hashlib
+import uuid
 from typing import Any, Protocol
 
 import numpy as np
@@ -26,7 +27,7 @@ from daskdist.ops import ReduceOp
 from daskdist.plugins.keras3 import exchange as exchange_module
 from daskdist.strategy.training_contract import GradientExchange, StepDriver
 
-__all__ = ["KerasTrainable", "batch_rows", "to_tensors"]
+__all__ = ["KerasTrainable", "SeedStates", "assign_state", "batch_rows", "split_variables", "to_tensors"]
 
 _SEED_STRIDE = 1_000_003  # replica r's seed generators start at seed + r * stride
 
@@ -79,6 +80,11 @@ class KerasTrainable:
     def __init__(self, model: Any, rank: int = 0):
         self.model = model
         self.rank = rank
+        self._loops: dict[str, Any] = {}  # the open train/test loop's iterator over this replica's shard
+        self._trained = 0  # steps of the open training loop (the step timer's numbering)
+        self._origin = uuid.uuid4().hex  # names this copy's random states in its snapshots
+        self._metric_totals: list[np.ndarray] = []  # the epoch's metrics at the newest elastic commit
+        self._resumed = False  # restored: resume_metrics puts the totals back at the next elastic epoch
         self._offset_seeds(rank)
 
     # -- the training contract ---------------------------------------------------------
@@ -101,77 +107,152 @@ class KerasTrainable:
         with torch.no_grad():
             _optimizer(self.model).apply([torch.from_numpy(g) for g in reduced], variables)
 
-    def snapshot(self) -> dict[str, list[np.ndarray]]:
+    def snapshot(self) -> dict[str, Any]:
+        """The model's weights, its optimizer's variables, its random generators' states (``SeedStates``) and
+        the epoch's metric totals at the newest elastic commit (``commit_metrics``), all copied."""
         optimizer = _optimizer(self.model)
-        return {"variables": _variable_arrays(list(self.model.variables)),
-                "optimizer": _variable_arrays(list(optimizer.variables)) if optimizer is not None else []}
+        weights, seeds = split_variables(self.model)
+        return {"variables": _variable_arrays(weights),
+                "optimizer": _variable_arrays(list(optimizer.variables)) if optimizer is not None else [],
+                "rng": SeedStates(self._origin, _variable_arrays(seeds)),
+                "metrics": [np.array(t, copy=True) for t in self._metric_totals]}
 
-    def restore(self, state: dict[str, list[np.ndarray]]) -> None:
-        for variable, value in zip(self.model.variables, state["variables"]):
-            variable.assign(value)
-        optimizer = _optimizer(self.model)
-        if optimizer is not None and state["optimizer"]:
-            if not optimizer.built:
-                optimizer.build(self.model.trainable_variables)
-            for variable, value in zip(optimizer.variables, state["optimizer"]):
-                variable.assign(value)
+    def restore(self, state: dict[str, Any]) -> None:
+        """Put back a ``snapshot`` (this replica's, or a twin's: then its own random streams are kept)."""
+        assign_state(self.model, state, seeds=getattr(state.get("rng"), "origin", None) == self._origin)
+        self._metric_totals = [np.array(t, copy=True) for t in state.get("metrics", [])]
+        self._resumed = True
 
-    # -- epochs --------------------------------------------------------------------
+    # -- elastic commits -----------------------------------------------------------------
 
-    def train_epoch(self, batches: Any, steps: int | None, driver: StepDriver,
-                    timer: StepTimerLike | None = None) -> dict[str, float]:
-        """One epoch over this replica's shard; the epoch's global logs (every replica returns the same).
+    def commit_metrics(self) -> None:
+        """Sum the metric variables over the replicas and keep the totals for the next ``snapshot`` (one all-reduce).
+
+        An elastic commit keeps the epoch's metrics so far: restored on
+        whatever replicas are left (``resume_metrics``), they still count the
+        rows of a replica lost since.
+        """
+        variables = list(self.model.metrics_variables)
+        ctx = context.get_replica_context()
+        own = _variable_arrays(variables)
+        if variables and ctx is not None and ctx.num_replicas_in_sync > 1:
+            own = [np.asarray(t) for t in ctx.all_reduce(ReduceOp.SUM, own)]
+        self._metric_totals = own
+
+    def resume_metrics(self, rank: int) -> None:
+        """After a restore, mid-epoch: replica 0 holds the committed metric totals, the others zeros."""
+        variables = list(self.model.metrics_variables)
+        if not self._resumed or len(self._metric_totals) != len(variables):
+            return
+        for variable, total in zip(variables, self._metric_totals):
+            variable.assign(total if rank == 0 else np.zeros_like(total))
+        self._resumed = False
+
+    # -- epochs ---------------------------------------------------------------------
+    #
+    # An epoch (or an evaluation) is one loop over this replica's shard: ``begin`` opens it, ``steps`` runs
+    # some of its steps (all of them, or ``steps_per_execution`` between the client's per-batch callbacks),
+    # ``end`` closes it. ``train_epoch`` and ``evaluate`` are the three in one command.
+
+    def begin(self, loop: str, batches: Any) -> None:
+        """Open the ``loop`` (``"train"`` or ``"test"``) over ``batches``: metrics reset, its iterator made."""
+        self.close(loop)
+        self.model.reset_metrics()
+        self._loops[loop] = iter(batches)
+        if loop == "train":
+            self._trained = 0
+
+    def close(self, loop: str) -> None:
+        """Close the ``loop``'s iterator, if one is open."""
+        iterator = self._loops.pop(loop, None)
+        close = getattr(iterator, "close", None)
+        if close is not None:
+            close()
+
+    def train_steps(self, count: int | None, driver: StepDriver, timer: StepTimerLike | None = None) -> int:
+        """Up to ``count`` (``None``: every remaining) training steps of the open loop; the steps run.
 
         ``timer``: the replica's step timer (``begin(step)``, ``add_samples``, ``end()``); a batch is taken
-        once its step's timer is open, so the input wait counts.
+        once its step's timer is open, so the input wait counts. Every replica runs the same steps (a
+        replica whose share of a global batch is empty joins the step's exchange).
         """
-        self.model.reset_metrics()
-        iterator = iter(batches)
-        step = 0
-        try:
-            while steps is None or step < steps:
-                if timer is not None:
-                    timer.begin(step)
-                try:
-                    batch = next(iterator)
-                except StopIteration:
-                    break
-                rows = batch_rows(batch)
-                driver.step(self, batch, rows)
-                if timer is not None:
-                    timer.add_samples(rows)
-                    timer.end()
-                step += 1
-        finally:
-            close = getattr(iterator, "close", None)
-            if close is not None:
-                close()
-        self.average_non_trainable()
-        return self.global_metrics()
+        iterator = self._loops["train"]
+        done = 0
+        while count is None or done < count:
+            if timer is not None:
+                timer.begin(self._trained)
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                break
+            rows = batch_rows(batch)
+            driver.step(self, batch, rows)
+            if timer is not None:
+                timer.add_samples(rows)
+                timer.end()
+            self._trained += 1
+            done += 1
+        return done
 
-    def evaluate(self, batches: Any, steps: int | None) -> dict[str, float]:
-        """Loss and metrics over this replica's shard, summed over the replicas (every replica: the same logs)."""
-        self.model.reset_metrics()
-        step = 0
-        for batch in batches:
-            if steps is not None and step >= steps:
+    def test_steps(self, count: int | None) -> int:
+        """Up to ``count`` (``None``: every remaining) evaluation steps of the open ``"test"`` loop."""
+        iterator = self._loops["test"]
+        done = 0
+        while count is None or done < count:
+            try:
+                batch = next(iterator)
+            except StopIteration:
                 break
             if batch_rows(batch):
                 self.model.test_step(to_tensors(batch))
-            step += 1
+            done += 1
+        return done
+
+    def end_train(self) -> dict[str, float]:
+        """Close the training loop: moving statistics averaged over the replicas; the epoch's global logs."""
+        self.close("train")
+        self.average_non_trainable()
+        return self.global_metrics()
+
+    def train_epoch(self, batches: Any, steps: int | None, driver: StepDriver,
+                    timer: StepTimerLike | None = None) -> dict[str, float]:
+        """One epoch over this replica's shard; the epoch's global logs (every replica returns the same)."""
+        self.begin("train", batches)
+        try:
+            self.train_steps(steps, driver, timer)
+        finally:
+            self.close("train")
+        return self.end_train()
+
+    def evaluate(self, batches: Any, steps: int | None) -> dict[str, float]:
+        """Loss and metrics over this replica's shard, summed over the replicas (every replica: the same logs)."""
+        self.begin("test", batches)
+        try:
+            self.test_steps(steps)
+        finally:
+            self.close("test")
         return self.global_metrics()
 
     def global_metrics(self) -> dict[str, float]:
-        """Sum every metric variable over the replicas, then read the metrics (TF's SUM sync-on-read)."""
+        """The metrics over every replica's rows so far (TF's SUM sync-on-read), this replica's own kept.
+
+        Every metric variable is summed over the replicas, the metrics are
+        read from the totals, then each replica's own partial sums are put
+        back, so the loop can go on (per-batch callbacks read the running logs).
+        """
         variables = list(self.model.metrics_variables)
         ctx = context.get_replica_context()
+        own = None
         if variables and ctx is not None and ctx.num_replicas_in_sync > 1:
-            totals = ctx.all_reduce(ReduceOp.SUM, _variable_arrays(variables))
-            for variable, total in zip(variables, totals):
+            own = _variable_arrays(variables)
+            for variable, total in zip(variables, ctx.all_reduce(ReduceOp.SUM, own)):
                 variable.assign(total)
         results = self.model.get_metrics_result()
-        return {name: float(np.asarray(value)) for name, value in results.items()
-                if np.asarray(value).size == 1}
+        logs = {name: float(np.asarray(value)) for name, value in results.items() if np.asarray(value).size == 1}
+        if own is not None:
+            for variable, value in zip(variables, own):
+                variable.assign(value)
+        return logs
 
     def average_non_trainable(self) -> None:
         """Average the non-trainable float weights (moving statistics) over the replicas (TF's MEAN on read)."""
@@ -187,31 +268,64 @@ class KerasTrainable:
     def state_digest(self) -> str:
         """A digest of the weights every replica must share (random generator states left out)."""
         digest = hashlib.blake2b(digest_size=16)
-        seeds = {id(g.state) for g in self._seed_generators()}
-        for variable in self.model.variables:
-            if id(variable) in seeds:
-                continue
+        for variable in split_variables(self.model)[0]:
             digest.update(variable.path.encode())
             digest.update(np.ascontiguousarray(np.asarray(variable.numpy())).tobytes())
         return digest.hexdigest()
 
     def weight_names(self) -> list[str]:
-        seeds = {id(g.state) for g in self._seed_generators()}
-        return [v.path for v in self.model.variables if id(v) not in seeds]
-
-    def _seed_generators(self) -> list[Any]:
-        generators: list[Any] = []
-        for layer in self.model._flatten_layers(include_self=True, recursive=True):
-            generators.extend(getattr(layer, "_seed_generators", []))
-        return generators
+        return [v.path for v in split_variables(self.model)[0]]
 
     def _offset_seeds(self, rank: int) -> None:
         if not rank:
             return
-        for generator in self._seed_generators():
-            state = np.array(generator.state.numpy(), copy=True)
-            state[0] = (int(state[0]) + rank * _SEED_STRIDE) % np.iinfo(state.dtype).max
-            generator.state.assign(state)
+        for state in split_variables(self.model)[1]:
+            value = np.array(state.numpy(), copy=True)
+            value[0] = (int(value[0]) + rank * _SEED_STRIDE) % np.iinfo(value.dtype).max
+            state.assign(value)
+
+
+class SeedStates:
+    """The random generators' states of a snapshot: one leaf, left out of elastic training's state digest.
+
+    Replicas draw different random numbers on purpose (their seeds are offset
+    by their rank), while their weights must agree: ``digest_bytes`` is empty.
+    ``origin`` names the replica's copy that took it: a twin's states are not
+    restored (the replica keeps its own stream).
+    """
+
+    def __init__(self, origin: str, states: list[np.ndarray]):
+        self.origin = origin
+        self.states = states
+
+    def digest_bytes(self) -> bytes:
+        return b""
+
+
+def split_variables(model: Any) -> tuple[list[Any], list[Any]]:
+    """The model's variables (Keras' ``model.variables`` order) without and with its seed generators' states."""
+    seeds = [generator.state for layer in model._flatten_layers(include_self=True, recursive=True)
+             for generator in getattr(layer, "_seed_generators", [])]
+    ids = {id(state) for state in seeds}
+    weights = [v for v in model.variables if id(v) not in ids]
+    return weights, [v for v in model.variables if id(v) in ids]
+
+
+def assign_state(model: Any, state: dict[str, Any], seeds: bool = True) -> None:
+    """Give ``model`` the weights, optimizer variables and (``seeds``) random states of a ``snapshot``."""
+    weights, generators = split_variables(model)
+    for variable, value in zip(weights, state["variables"]):
+        variable.assign(value)
+    rng = state.get("rng")
+    if seeds and rng is not None:
+        for variable, value in zip(generators, rng.states):
+            variable.assign(value)
+    optimizer = _optimizer(model)
+    if optimizer is not None and state["optimizer"]:
+        if not optimizer.built:
+            optimizer.build(model.trainable_variables)
+        for variable, value in zip(optimizer.variables, state["optimizer"]):
+            variable.assign(value)
 
 
 def _numpy_dtype(variable: Any) -> Any:

@@ -1,0 +1,217 @@
+"""The pipelined ring all-reduce and the pipelined hierarchical all-reduce (groups that span hosts).
+
+The plain ring (``algorithms.allreduce_ring``) moves a whole chunk per step:
+over TCP the reader thread receives all of it, and only then does the
+replica's thread reduce it and send it on, so the sum and the copies run
+between transfers. Here every chunk goes in pieces of
+``daskdist.collective.pipeline-bytes``, each its own message, and each piece
+is forwarded as soon as it is reduced: while the replica reduces piece ``i``,
+the transport's reader receives piece ``i + 1`` and its sender sends piece
+``i - 1``, in both directions of the ring at once. Every element is still
+reduced once, in the ring's fixed order, so every replica ends with the same
+bits as the plain ring.
+
+The hierarchical all-reduce keeps a host's replicas on shared memory: each
+non-first replica sends its pieces to its host's first replica, which sums
+each piece (out of place, into its result) just before the ring across the
+hosts' first replicas needs it, then sends each finished piece back. So the
+in-host reduce and broadcast overlap the cross-host ring, which runs on one
+connection per host pair.
+
+The order of pieces (``RingSchedule``) is computed alike on every replica, so
+the pieces travel through each shared-memory channel in the order they are
+read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from daskdist import fault_points
+from daskdist.collective.algorithms import SubCall, host_groups
+from daskdist.collective.call import Call
+from daskdist.collective.reduction import finalize
+from daskdist.ops import ReduceOp
+
+__all__ = ["RingSchedule", "allreduce_hierarchical_pipelined", "allreduce_ring_pipelined"]
+
+Span = tuple[int, int]
+
+
+class RingSchedule:
+    """Where the chunks and pieces of a ring of ``size`` over ``n`` elements lie, seen from ``rank``.
+
+    Chunks are ``numpy.array_split``'s (the plain ring's); each chunk is cut
+    into pieces of at most ``piece`` elements.
+
+    Parameters
+    ----------
+    n
+        Elements of the flat buffer.
+    size, rank
+        The ring's size and this member's place in it.
+    piece
+        Elements per piece (at least 1).
+    """
+
+    def __init__(self, n: int, size: int, rank: int, piece: int):
+        self.size = size
+        self.rank = rank
+        base, extra = divmod(n, size)
+        starts = [c * base + min(c, extra) for c in range(size + 1)]
+        piece = max(1, piece)
+        self.pieces: list[list[Span]] = [
+            [(lo, min(lo + piece, starts[c + 1])) for lo in range(starts[c], starts[c + 1], piece)]
+            for c in range(size)
+        ]
+
+    def chunk(self, index: int) -> list[Span]:
+        """The pieces of chunk ``index % size``."""
+        return self.pieces[index % self.size]
+
+    def needed(self) -> list[Span]:
+        """Every piece in the order the ring first reads it: the first send, then each reduce-scatter receive."""
+        return [span for k in range(self.size) for span in self.chunk(self.rank - k)]
+
+    def finished(self) -> list[Span]:
+        """Every piece in the order it is final here: the chunk reduced here, then each all-gather receive."""
+        return [span for k in range(self.size) for span in self.chunk(self.rank + 1 - k)]
+
+
+def allreduce_ring_pipelined(
+    call: Call,
+    source: Any,
+    target: Any,
+    op: ReduceOp,
+    piece: int,
+    divisor: int | None = None,
+    prepare: Callable[[int, int], None] | None = None,
+    finished: Callable[[int, int], None] | None = None,
+) -> Any:
+    """Ring all-reduce of the flat ``source`` into ``target`` (may be ``source``), piece by piece.
+
+    Parameters
+    ----------
+    call
+        The ring's members (a ``Call`` or ``algorithms.SubCall``).
+    source, target
+        Flat arrays of one length. ``source`` is only read (the first send and
+        the base of the first reduction of each element); ``target`` gets the
+        result.
+    op
+        The element-wise reduction (``MEAN`` divides by ``divisor`` at the end).
+    piece
+        Elements per message.
+    divisor
+        What ``MEAN`` divides by (default: the ring's size).
+    prepare
+        ``prepare(lo, hi)`` makes ``target[lo:hi]`` this member's contribution
+        just before the ring first reads it (the in-host reduce); ``source`` is
+        then ignored.
+    finished
+        ``finished(lo, hi)`` is called once ``target[lo:hi]`` is final here.
+    """
+    size, rank = call.size, call.rank
+    schedule = RingSchedule(len(target), size, rank, piece)
+    divisor = size if divisor is None else divisor
+    if prepare is not None:
+        source = target
+    if size == 1:
+        for lo, hi in schedule.chunk(0):
+            if prepare is not None:
+                prepare(lo, hi)
+            elif target is not source:
+                target[lo:hi] = source[lo:hi]
+            finalize(op, target[lo:hi], divisor)
+            if finished is not None:
+                finished(lo, hi)
+        return target
+    right, left = (rank + 1) % size, (rank - 1) % size
+    in_place = source is target
+    handles = []
+    for k, (lo, hi) in enumerate(schedule.chunk(rank)):  # the first reduce-scatter step's sends
+        if prepare is not None:
+            prepare(lo, hi)
+        handles.append(call.send(right, f"rs0.{k}", source[lo:hi]))
+    for step in range(size - 1):  # reduce-scatter: reduce each incoming piece, forward it at once
+        last = step == size - 2
+        forward = "ag0" if last else f"rs{step + 1}"
+        for k, (lo, hi) in enumerate(schedule.chunk(rank - step - 1)):
+            if prepare is not None:
+                prepare(lo, hi)
+            part = target[lo:hi]
+            call.recv_into(left, f"rs{step}.{k}", part, op, None if in_place else source[lo:hi])
+            if last:
+                finalize(op, part, divisor)
+                if finished is not None:
+                    finished(lo, hi)
+            handles.append(call.send(right, f"{forward}.{k}", part))
+        if step == 0 and fault_points.ARMED:  # a test's fault point (``daskdist.testing.pause-at``)
+            fault_points.reached("reduce-scatter")
+    for step in range(size - 1):  # all-gather: copy each incoming piece, forward it unless it is the last step
+        for k, (lo, hi) in enumerate(schedule.chunk(rank - step)):
+            part = target[lo:hi]
+            call.recv_into(left, f"ag{step}.{k}", part, None)
+            if finished is not None:
+                finished(lo, hi)
+            if step < size - 2:
+                handles.append(call.send(right, f"ag{step + 1}.{k}", part))
+        if step == 0 and fault_points.ARMED:
+            fault_points.reached("all-gather")
+    for handle in handles:
+        call.wait(handle)
+    return target
+
+
+def allreduce_hierarchical_pipelined(call: Call, buf: Any, op: ReduceOp, hosts: Sequence[str], piece: int,
+                                     out: Any = None) -> Any:
+    """Reduce within each host onto its first replica, ring across those, send back: pipelined piece by piece.
+
+    Parameters
+    ----------
+    call
+        The whole group.
+    buf
+        This replica's flat pack (only read when ``out`` is given).
+    op
+        The reduction (``MEAN`` divides by the group's size).
+    hosts
+        The host of each rank.
+    piece
+        Elements per message.
+    out
+        Where the result goes (``None``: in place in ``buf``).
+    """
+    target = buf if out is None else out
+    base_op = ReduceOp.SUM if op is ReduceOp.MEAN else op
+    groups = host_groups(hosts)
+    local = next(g for g in groups if call.rank in g)
+    leader, leaders = local[0], [g[0] for g in groups]
+    schedule = RingSchedule(len(buf), len(leaders), leaders.index(leader), piece)
+    if call.rank != leader:
+        handles = [call.send(leader, f"h-up{lo}", buf[lo:hi]) for lo, hi in schedule.needed()]
+        for lo, hi in schedule.finished():
+            call.recv_into(leader, f"h-down{lo}", target[lo:hi], None)
+        for handle in handles:
+            call.wait(handle)
+        return target
+    ring = SubCall(call, leaders, "hx-")
+    if len(local) == 1:  # alone on its host: the ring reads ``buf`` itself
+        return allreduce_ring_pipelined(ring, buf, target, op, piece, divisor=call.size)
+    down: list[Any] = []
+
+    def prepare(lo: int, hi: int) -> None:
+        base = None if out is None else buf[lo:hi]
+        for r in local[1:]:
+            call.recv_into(r, f"h-up{lo}", target[lo:hi], base_op, base)
+            base = None
+
+    def send_down(lo: int, hi: int) -> None:
+        down.extend(call.send(r, f"h-down{lo}", target[lo:hi]) for r in local[1:])
+
+    allreduce_ring_pipelined(ring, target, target, op, piece, divisor=call.size, prepare=prepare,
+                             finished=send_down)
+    for handle in down:
+        call.wait(handle)
+    return target

@@ -1,0 +1,90 @@
+"""Elastic ``fit`` of a Keras 3 model (torch backend): a worker and its nanny killed mid-epoch, the run finishes.
+
+The workers are ``dask worker`` processes started by the test (``process_workers``), so a kill -9 of a worker
+and its nanny leaves nothing to replace it. The reference is plain Keras in this process on the same global
+batches: the SPMD driver's gradient is the global batch's whatever its split over the replicas left.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("KERAS_BACKEND", "torch")
+pytest.importorskip("torch")
+pytest.importorskip("keras")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import daskdist as dd  # noqa: E402
+from daskdist.plugins.keras3.backend import prepare_replica  # noqa: E402
+from tests.keras3_models import assert_replicas_identical, compile_model, dense_data, sequential, twin  # noqa: E402
+from tests.support.killers import kill_at_step  # noqa: E402
+from tests.support.models import slow_batch  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+RTOL = 1e-5
+
+
+def _adam():
+    return keras.optimizers.Adam(1e-2)
+
+
+def test_an_elastic_keras3_fit_without_failures_trains_as_one_process(threaded_client):
+    x, y = dense_data(rows=96)
+    train = dd.data.Dataset.from_tensor_slices((x, y)).batch(24)
+    options = dd.ElasticOptions(min_replicas=1, commit_every=2)
+    with dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=threaded_client, elastic=options) as strategy:
+        with strategy.scope():
+            model = compile_model(sequential(), _adam())
+        plain = twin(model, sequential, _adam())
+        history = model.fit(train, epochs=2, verbose=0)
+        expected = plain.fit(x, y, batch_size=24, epochs=2, shuffle=False, verbose=0)
+        for a, b in zip(model.get_weights(), plain.get_weights()):
+            np.testing.assert_allclose(a, b, rtol=RTOL, atol=1e-6)
+        assert history.history["loss"] == pytest.approx(expected.history["loss"], rel=RTOL)
+        ledger = history.elastic.ledger
+        assert ledger.steps(0) == ledger.steps(1) == [0, 1, 2, 3]
+        assert sorted(ledger.positions(1).tolist()) == list(range(96))
+        assert history.elastic.events == []
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_epoch_keras3_fit_finishes_with_the_uninterrupted_weights(process_workers):
+    workers = process_workers(3)
+    # Keras and torch imported on the workers before the elastic group starts: an import that holds a loaded
+    # worker's GIL for seconds would miss the group's heartbeats (daskdist.group.heartbeat-timeout)
+    workers.client.run(prepare_replica, "torch")
+    x, y = dense_data(rows=240)
+    train = dd.data.Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)  # 10 steps per epoch
+    options = dd.ElasticOptions(min_replicas=2, commit_every=2)
+    with dd.MirroredStrategy(client=workers.client, elastic=options) as strategy:
+        assert strategy.num_replicas_in_sync == 3
+        with strategy.scope():
+            model = compile_model(sequential(), _adam())
+        plain = twin(model, sequential, _adam())  # the uninterrupted run: the same global batches, one process
+        model.evaluate(x[:24], y[:24], verbose=0)  # the model on the replicas before the kill watcher's clock starts
+        plain.evaluate(x[:24], y[:24], verbose=0)
+        victim = strategy.extended.worker_addresses[1]
+        thread, record = kill_at_step(workers, victim, step=5)
+        history = model.fit(train, epochs=2, verbose=0)
+        thread.join(5)
+        assert "killed" in record, "the worker was never killed"
+        expected = plain.fit(x, y, batch_size=24, epochs=2, shuffle=False, verbose=0)
+        assert strategy.num_replicas_in_sync == 2 and victim not in strategy.extended.worker_addresses
+        (event,) = history.elastic.events
+        assert event.lost == [victim] and len(event.members) == 2
+        _, epoch, step = event.commit
+        assert epoch == 0 and 0 < step < 10 and step % 2 == 0  # back to a commit mid-epoch
+        assert history.elastic_events[0]["lost"] == [victim]
+        for e in (0, 1):  # every row of each epoch in exactly one committed step
+            assert history.elastic.ledger.steps(e) == list(range(10))
+            assert sorted(history.elastic.ledger.positions(e).tolist()) == list(range(240))
+        for got, want in zip(model.get_weights(), plain.get_weights()):
+            np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-6)
+        assert int(model.optimizer.iterations.numpy()) == 20  # Adam's step count: the replayed steps once
+        assert history.history["loss"] == pytest.approx(expected.history["loss"], rel=RTOL)
+        assert history.history["accuracy"] == pytest.approx(expected.history["accuracy"], rel=RTOL)
+        assert_replicas_identical(strategy, model)

@@ -1,0 +1,110 @@
+"""The pipelined ring and hierarchical all-reduce of groups that span hosts (``engines.pipeline``).
+
+In-memory transports (no cluster): results against the plain ring, bit for
+bit, and the order of messages that makes it a pipeline. The same engines on
+real namespace hosts: ``tests/test_multihost_allreduce.py``.
+"""
+
+from __future__ import annotations
+
+import dask
+import numpy as np
+import pytest
+
+from daskdist.collective.communicator import Algorithm
+from daskdist.collective.engines.pipeline import RingSchedule
+from daskdist.ops import CommunicationImplementation, CommunicationOptions
+
+from .fakes import InMemoryGroup
+from .reference import random_inputs
+
+RING = CommunicationOptions(implementation=CommunicationImplementation.RING)
+PIECE = 256  # bytes: a few hundred pieces per chunk
+
+
+def _run(size, hosts, op, xs, algorithm="auto", options=None, piece=PIECE):
+    with dask.config.set({"daskdist.collective.pipeline-bytes": piece}):
+        group = InMemoryGroup(size, Algorithm(algorithm), hosts=hosts)
+    results = group.run_ranks(lambda c: c.all_reduce(op, xs[c.rank], options))
+    for r in results:
+        assert not isinstance(r, Exception), r
+    return results
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize(("op", "dtype"), [("SUM", "float32"), ("MEAN", "float64"), ("MAX", "int32"),
+                                           ("MEAN", "int64"), ("PRODUCT", "float64")])
+def test_the_pipelined_ring_gives_the_plain_rings_bits_on_every_replica(size, op, dtype):
+    xs = random_inputs(size, (10_007,), dtype, seed=size)  # not a multiple of the ring or the piece
+    kept = [x.copy() for x in xs]
+    pipelined = _run(size, [f"h{r}" for r in range(size)], op, xs, options=RING)
+    plain = _run(size, ["one"] * size, op, xs, options=RING)  # one host: the ring is not pipelined
+    for got, want in zip(pipelined, plain):
+        assert got.dtype == want.dtype and np.array_equal(got, want)
+    assert all(np.array_equal(x, k) for x, k in zip(xs, kept))  # the callers' arrays are only read
+
+
+@pytest.mark.parametrize("hosts", [["a", "a", "b", "b"], ["a", "b", "a", "b"], ["a", "a", "a", "b"],
+                                   ["a", "b", "b", "b"], ["a", "a", "b", "b", "c", "c"]])
+@pytest.mark.parametrize("op", ["SUM", "MEAN", "MAX"])
+def test_the_pipelined_hierarchical_all_reduce_equals_the_flat_one(hosts, op):
+    size = len(hosts)
+    xs = random_inputs(size, (20_011,), "float64", seed=7)
+    want = {"SUM": np.sum, "MEAN": np.mean, "MAX": np.max}[op](np.stack(xs), axis=0)
+    for algorithm in ("auto", "hierarchical"):
+        results = _run(size, hosts, op, xs, algorithm)
+        for r in results:
+            np.testing.assert_allclose(r, want, rtol=1e-12, atol=1e-14)  # summation order differs from numpy's
+            assert np.array_equal(r, results[0])
+    ints = random_inputs(size, (5_003,), "int64", seed=3)
+    exact = _run(size, hosts, "SUM", ints, "hierarchical")
+    assert all(np.array_equal(r, np.sum(np.stack(ints), axis=0)) for r in exact)
+
+
+def _logged(group, log):
+    """Record, per rank, the names of the messages it sends and receives, in the order it does so."""
+    for comm in group.comms:
+        transport, rank = comm.transport, comm.rank
+        send, recv_into = transport.send, transport.recv_into
+
+        def logged_send(dst, tag, payload, send=send, rank=rank):
+            log.setdefault(rank, []).append(("send", dst, tag[3].split("#")[0]))
+            return send(dst, tag, payload)
+
+        def logged_recv_into(src, tag, *args, recv_into=recv_into, rank=rank):
+            log.setdefault(rank, []).append(("recv", src, tag[3].split("#")[0]))
+            return recv_into(src, tag, *args)
+
+        transport.send, transport.recv_into = logged_send, logged_recv_into
+
+
+def test_each_piece_is_forwarded_before_the_next_one_is_received():
+    log: dict[int, list] = {}
+    with dask.config.set({"daskdist.collective.pipeline-bytes": 4096}):
+        group = InMemoryGroup(3, Algorithm("ring"), hosts=["a", "b", "c"])
+    _logged(group, log)
+    xs = [np.full(3 * 4096, r + 1.0, np.float32) for r in range(3)]  # a chunk of 4 pieces per replica
+    results = group.run_ranks(lambda c: c.all_reduce("SUM", xs[c.rank]))
+    assert all(np.array_equal(r, np.full(3 * 4096, 6.0, np.float32)) for r in results)
+    events = [e for e in log[0] if e[2].startswith(("p0/rs", "p0/ag"))]
+    names = [f"{kind} {name.split('/')[1]}" for kind, _, name in events]
+    # the first step's four pieces leave at once, then every received piece goes on before the next arrives
+    assert names[:4] == ["send rs0.0", "send rs0.1", "send rs0.2", "send rs0.3"]
+    assert names[4:12] == ["recv rs0.0", "send rs1.0", "recv rs0.1", "send rs1.1",
+                           "recv rs0.2", "send rs1.2", "recv rs0.3", "send rs1.3"]
+    assert names[12:14] == ["recv rs1.0", "send ag0.0"] and names[-1] == "recv ag1.3"
+    assert len(names) == 4 * (1 + 2 + 2 + 2 + 1)  # pieces x (first sends, 3 steps of receive + send, last receive)
+    assert {dst for kind, dst, _ in events if kind == "send"} == {1} and {
+        src for kind, src, _ in events if kind == "recv"} == {2}
+
+
+def test_the_schedule_covers_every_element_once_in_the_rings_orders():
+    for n, size, piece in [(10, 3, 2), (7, 4, 100), (3, 4, 1), (1000, 2, 64)]:
+        for rank in range(size):
+            s = RingSchedule(n, size, rank, piece)
+            for order in (s.needed(), s.finished()):
+                covered = sorted(i for lo, hi in order for i in range(lo, hi))
+                assert covered == list(range(n))
+                assert all(0 < hi - lo <= piece for lo, hi in order)
+            assert s.needed() == [p for k in range(size) for p in s.pieces[(rank - k) % size]]
+            assert s.finished() == [p for k in range(size) for p in s.pieces[(rank + 1 - k) % size]]
