@@ -105,6 +105,7 @@ class ReplicaRuntime:
         self._generation_lock = threading.Lock()
         self._stopping = False  # the strategy is closing: connections ending now are expected
         self._created_in_replica = 0
+        self._close_callbacks: list[Callable[[], None]] = []  # add_close_callback: called by close(), newest first
         # the dashboard's unit is the strategy (its token), so a training run's figures outlive generations
         self._step_events = (StepEventShipper(worker, self.strategy_token, rank, self.size,
                                               config.get_seconds("metrics.event-interval"),
@@ -147,6 +148,16 @@ class ReplicaRuntime:
 
     def log_event(self, topic: str, msg: Any) -> None:
         self.worker.log_event(topic, msg)
+
+    def add_close_callback(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` when this replica closes (its strategy closed, or its worker left the group).
+
+        For what a framework adapter makes per replica that must not outlive it
+        (the torch plug-in's default process group). Callbacks run in the
+        replica thread, newest first, before the generation's wiring closes; one
+        that raises is logged and the others still run.
+        """
+        self._close_callbacks.append(callback)
 
     # -- event-loop side ---------------------------------------------------------
 
@@ -430,6 +441,12 @@ class ReplicaRuntime:
                 self.loop.call_soon_threadsafe(_resolve, item[-1], self._closed_response())
 
     def close(self) -> None:
+        callbacks, self._close_callbacks = self._close_callbacks, []
+        for callback in reversed(callbacks):
+            try:
+                callback()
+            except Exception:  # one adapter's failure must not keep the replica from closing
+                logger.exception("A close callback of replica %d of %s failed", self.rank, self.group_id)
         if self._step_events is not None:
             self._step_events.close()
         if self._server is not None:
