@@ -13,11 +13,16 @@ Then ``dist.all_reduce`` through the backend against ``ReplicaContext.all_reduce
 on the same replicas, 4 KiB and 64 MiB: the torch layer's cost per call.
 
     python benchmarks/torch_ddp.py --rounds 3 [--parts ddp,overhead]
+
+The load average (1 minute) is printed before each arm of each round and
+goes into the tables, next to that arm's figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import statistics
 import sys
 import time
@@ -126,6 +131,7 @@ def overhead_arm(arm: str, nbytes: int, calls: int) -> float:
 
 def main(rounds: int, cnn_steps: int, mlp_steps: int, parts: str = "ddp,overhead") -> None:
     print_header("DDP on daskdist vs DDP on gloo (2 replicas, one host), and the torch layer's cost per call")
+    print(_torch_line(), flush=True)
     with local_cluster(2) as client, dd.MirroredStrategy(client=client) as strategy:
         if "ddp" in parts:
             ddp_figures(strategy, rounds, cnn_steps, mlp_steps)
@@ -138,9 +144,11 @@ def ddp_figures(strategy: Any, rounds: int, cnn_steps: int, mlp_steps: int) -> N
     """DDP on gloo and on daskdist, ``rounds`` rounds alternated: step times, samples/s, final losses."""
     rows, losses = [], {}
     results: dict[tuple[str, str], list[float]] = {}
+    loads: dict[tuple[str, str], list[float]] = {}
     for r in range(rounds):
         for name, steps in (("cnn", cnn_steps), ("mlp", mlp_steps)):
             for arm in (("gloo", "daskdist") if r % 2 == 0 else ("daskdist", "gloo")):
+                loads.setdefault((name, arm), []).append(_load(f"round {r + 1}, {name}, {arm}"))
                 out = strategy.experimental_local_results(
                     strategy.run(ddp_arm, args=(arm, name, steps, 3, f"{r}-{name}-{arm}")))
                 step = max(statistics.median(o["times"]) for o in out)  # the slowest replica's median
@@ -152,9 +160,11 @@ def ddp_figures(strategy: Any, rounds: int, cnn_steps: int, mlp_steps: int) -> N
         rows.append([name, ", ".join(f"{1e3 * t:.1f}" for t in gloo), ", ".join(f"{1e3 * t:.1f}" for t in ours),
                      f"{GLOBAL_BATCH / statistics.median(gloo):.0f}", f"{GLOBAL_BATCH / statistics.median(ours):.0f}",
                      ", ".join(f"{x:.2f}" for x in ratios),
-                     f"{losses[(name, 'gloo')]:.6f} / {losses[(name, 'daskdist')]:.6f}"])
+                     f"{losses[(name, 'gloo')]:.6f} / {losses[(name, 'daskdist')]:.6f}",
+                     _loads(loads[(name, "gloo")]), _loads(loads[(name, "daskdist")])])
     print(format_table(["model", "gloo step ms (rounds)", "daskdist step ms (rounds)", "gloo samples/s",
-                        "daskdist samples/s", "daskdist/gloo", "final loss gloo / daskdist"], rows))
+                        "daskdist samples/s", "daskdist/gloo", "final loss gloo / daskdist", "load gloo (rounds)",
+                        "load daskdist (rounds)"], rows))
     print()
 
 
@@ -163,17 +173,38 @@ def overhead_figures(strategy: Any, rounds: int) -> None:
     rows = []
     for nbytes, calls in ((4096, 2000), (64 << 20, 10)):
         per: dict[str, list[float]] = {"torch": [], "context": []}
+        loads: dict[str, list[float]] = {"torch": [], "context": []}
         for r in range(rounds):
             for arm in (("torch", "context") if r % 2 == 0 else ("context", "torch")):
+                loads[arm].append(_load(f"round {r + 1}, {nbytes} bytes, {arm}"))
                 out = strategy.experimental_local_results(strategy.run(overhead_arm, args=(arm, nbytes, calls)))
                 per[arm].append(max(out))
         added = [t - c for t, c in zip(per["torch"], per["context"])]
         rows.append([f"{nbytes // 1024} KiB" if nbytes < 1 << 20 else f"{nbytes >> 20} MiB",
                      ", ".join(f"{1e6 * t:.1f}" for t in per["context"]),
                      ", ".join(f"{1e6 * t:.1f}" for t in per["torch"]),
-                     ", ".join(f"{1e6 * a:+.1f}" for a in added)])
+                     ", ".join(f"{1e6 * a:+.1f}" for a in added), _loads(loads["context"]), _loads(loads["torch"])])
     print(format_table(["size", "ReplicaContext.all_reduce us (rounds)", "dist.all_reduce us (rounds)",
-                        "added by the torch layer us"], rows))
+                        "added by the torch layer us", "load context (rounds)", "load torch (rounds)"], rows))
+
+
+def _torch_line() -> str:
+    """torch's version and its BLAS (both arms run the same torch, one thread per replica)."""
+    import torch
+
+    blas = re.findall(r"(?:BLAS|LAPACK)_INFO=\w+", torch.__config__.show())
+    return f"torch {torch.__version__}  {' '.join(blas) or 'BLAS: not reported'}  torch.set_num_threads(1) per replica"
+
+
+def _load(what: str) -> float:
+    """Print and return the 1-minute load average before an arm (figures under load must say so)."""
+    load = os.getloadavg()
+    print(f"load before {what}: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
+    return load[0]
+
+
+def _loads(values: list[float]) -> str:
+    return ", ".join(f"{v:.1f}" for v in values)
 
 
 if __name__ == "__main__":

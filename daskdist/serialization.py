@@ -34,7 +34,7 @@ def dumps(obj: Any) -> bytes:
     return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def loads(data: bytes) -> Any:
+def loads(data: bytes | bytearray | memoryview) -> Any:
     """Unpickle what ``dumps`` wrote."""
     return pickle.loads(data)
 

@@ -417,6 +417,8 @@ PRIVATE_ACCESS_ALLOWED = {
     ("plugins/keras3/payload.py", "_flatten_layers"): "Keras 3's own walk of a model's layers (pinned keras==3.15.1)",
     ("plugins/keras3/resident.py", "_flatten_layers"): "Keras 3's own walk of a model's layers (pinned keras==3.15.1)",
     ("plugins/torch/backend.py", "_plugins"): "torch.distributed's registry of backends (is 'daskdist' registered)",
+    ("plugins/torch/model.py", "_remove_autograd_hooks"): "DDP's own removal of its reducer's hooks (re-wrap per "
+                                                          "generation; torch 2.13 has no public one)",
     ("plugins/torch/process_group.py", "_Work"): "torch.distributed's subclassable Work (torch 2.13 has no public one)",
 }
 

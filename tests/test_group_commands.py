@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 import daskdist as dd
+from daskdist.group.channel import PROTOCOL
+from daskdist.wire.hello import greeting
 
 #: Set by one replica's command, awaited by another's (the threaded cluster's workers are threads here).
 _GATES: dict[str, threading.Event] = {}
@@ -99,6 +101,6 @@ def test_the_direct_channel_refuses_a_connection_without_the_groups_secret(threa
 
         host, port = threaded_client.run_on_scheduler(endpoints, group_id=group.group_id)[0]
         with socket.create_connection((host, port), timeout=10) as intruder:
-            intruder.sendall(b"daskdist-command-1:" + b"0" * 32)
+            intruder.sendall(greeting(PROTOCOL, "0" * 32))  # the right protocol, not the group's secret
             assert intruder.recv(16) == b""  # closed by the replica
         assert strategy.run(lambda: dd.get_replica_context().replica_id_in_sync_group).values == (0, 1, 2)

@@ -595,7 +595,7 @@ def test_a_replica_stuck_before_nccl_times_out_aborts_communicators_and_a_later_
     assert isinstance(out[1], CollectiveError), out  # replica 1 got the abort while waiting for its inputs
     assert first[0].aborted and not first[1].aborted  # the one in flight was aborted at once
 
-    # the client counts the failed run; every replica drops its communicator and meets under a new key
+    # the client counts the failed run; every replica meets under a new key
     group.comms[1].nccl.device.inputs_ready = lambda: True
 
     def again(c):
@@ -605,9 +605,28 @@ def test_a_replica_stuck_before_nccl_times_out_aborts_communicators_and_a_later_
     out = group.run_ranks(again, run_id=3)
     assert [r.tolist() for r in out] == [[3.0] * 4] * 2
     assert first[1].aborted
-    assert scheduler.keys == ["nccl/0", "nccl/1"] and len(world.ids) == 2
+    # replica 0 dropped its communicator: the ranks learn it at the keep exchange and all make a new one
+    assert scheduler.keys == ["nccl/0", "nccl-keep/1", "nccl/1"] and len(world.ids) == 2
     assert len(world.comms) == 4 and world.comms[2].uid == world.comms[3].uid != first[0].uid
     assert [c.nccl.communicators_made for c in group.comms] == [2, 2]
+
+
+def test_a_failed_command_that_never_reached_nccl_keeps_the_communicator():
+    group, world, scheduler = nccl_group(2)
+    x = [gpu(np.full(4, r + 1.0)) for r in range(2)]
+    assert group.run_ranks(lambda c: c.all_reduce("SUM", x[c.rank]))[0].tolist() == [3.0] * 4
+
+    def after_a_failure(c):
+        c.begin_epoch(1)  # a command failed outside NCCL (a user error): the client counts it
+        return c.all_reduce("SUM", x[c.rank])
+
+    out = group.run_ranks(after_a_failure, run_id=2)
+    assert [r.tolist() for r in out] == [[3.0] * 4] * 2
+    assert scheduler.keys == ["nccl/0", "nccl-keep/1"]  # one exchange, no new unique id
+    assert len(world.comms) == 2 and not any(c.aborted for c in world.comms)
+    assert [c.nccl.communicators_made for c in group.comms] == [1, 1]
+    out = group.run_ranks(lambda c: c.all_reduce("SUM", x[c.rank]), run_id=3)  # the same epoch: no exchange
+    assert scheduler.keys == ["nccl/0", "nccl-keep/1"]
 
 
 def test_an_abort_while_inside_nccl_raises_at_once_and_aborts_the_communicator():

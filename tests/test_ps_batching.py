@@ -241,16 +241,17 @@ def test_a_message_larger_than_the_socket_buffers_arrives_whole_with_its_arrays(
 def test_the_direct_channel_refuses_a_wrong_secret_and_serves_only_variable_traffic():
     import socket
 
-    from daskdist.ps.channel import HELLO, StoreServer, recv_message, send_message
+    from daskdist.ps.channel import PROTOCOL, StoreServer, recv_message, send_message
+    from daskdist.wire.hello import greeting
 
     store = _store_with(np.zeros(3, np.float32))
     server = StoreServer(store, "127.0.0.1")
     try:
         with socket.create_connection(server.endpoint[:2], timeout=10) as sock:
-            sock.sendall(HELLO + b"x" * len(server.secret))
+            sock.sendall(greeting(PROTOCOL, "x" * len(server.secret)))
             assert sock.recv(1) == b""  # closed by the server
         with socket.create_connection(server.endpoint[:2], timeout=10) as sock:
-            sock.sendall(HELLO + server.secret.encode())
+            sock.sendall(greeting(PROTOCOL, server.secret))
             send_message(sock, ("apply_fn", {"store_id": "s", "var_id": "v", "fn": print, "args": (), "kwargs": {}}))
             assert recv_message(sock)["status"] != "OK"
             send_message(sock, ("exchange", {"store_id": "s", "reads": {"v": -1},

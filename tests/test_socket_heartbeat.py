@@ -38,7 +38,7 @@ def test_a_reset_connection_reports_its_peer_lost_and_heartbeats_are_set():
         sender.send(0, (1, 1, 1, "x"), np.ones(3)).wait(time.monotonic() + 10)
         assert receiver.mailbox.take((1, 1, 1, "x"), time.monotonic() + 10).tolist() == [1.0, 1.0, 1.0]
         assert sender.sent_bytes[0] > 24
-        conn = sender._connections[0]
+        conn = sender.peer_socket(0)
         assert conn.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
         assert conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 5000
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))

@@ -235,6 +235,25 @@ def test_ddp_matches_one_process_on_the_global_batch(process_client, variant, co
         assert calls0 == calls1 and calls0 >= STEPS * 2  # the hook carried every bucket (several per step)
 
 
+def _sync_batch_norm_on_cpu():
+    from torch.nn.parallel import DistributedDataParallel
+
+    dd.plugins.torch.init_process_group()
+    model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(_model(batch_norm=True))
+    try:
+        DistributedDataParallel(model)
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_sync_batch_norm_on_cpu_is_refused_by_torch_itself(process_client):
+    """What docs/torch.md says: torch's DDP refuses SyncBatchNorm in a CPU module, whatever the backend."""
+    with dd.MirroredStrategy(client=process_client) as strategy:
+        results = strategy.experimental_local_results(strategy.run(_sync_batch_norm_on_cpu))
+    assert all("SyncBatchNorm layers only work with GPU modules" in r for r in results), results
+
+
 # -- bad input and failures ------------------------------------------------------------------
 
 
@@ -249,6 +268,29 @@ def test_init_twice_or_outside_a_replica_raises(process_client):
     with dd.MirroredStrategy(client=process_client) as strategy:
         with pytest.raises(RuntimeError, match="already called in this replica"):
             strategy.run(_init_twice)
+
+
+def _initialised():
+    import torch.distributed
+
+    return torch.distributed.is_initialized()
+
+
+def _init_and_sum():
+    dd.plugins.torch.init_process_group()
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def test_a_closed_strategy_leaves_no_torch_group_and_a_new_strategy_inits_again(process_client):
+    """The replica's close destroys the torch group it made (a close callback), not the next init."""
+    with dd.MirroredStrategy(client=process_client) as strategy:
+        assert list(strategy.experimental_local_results(strategy.run(_init_and_sum))) == [[2.0, 2.0]] * 2
+        assert list(process_client.run(_initialised).values()) == [True, True]
+    assert list(process_client.run(_initialised).values()) == [False, False]
+    with dd.MirroredStrategy(client=process_client) as strategy:
+        assert list(strategy.experimental_local_results(strategy.run(_init_and_sum))) == [[2.0, 2.0]] * 2
 
 
 def _mismatched():

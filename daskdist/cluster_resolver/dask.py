@@ -106,6 +106,11 @@ class DaskClusterResolver(ClusterResolver):
         self._accelerators: dict[str, int] | None = None
 
     @property
+    def client(self) -> Any:
+        """The ``distributed.Client`` given, or ``None`` (the default client is used)."""
+        return self._client
+
+    @property
     def selector(self) -> list[str] | ClusterSpec | ClusterResolver | None:
         """The ``workers`` given: addresses, a spec or resolver selecting hosts, or ``None`` (every worker)."""
         return self._workers

@@ -180,9 +180,10 @@ class Communicator:
     def begin_epoch(self, epoch: int) -> None:
         """Move to ``epoch`` (how many of the group's commands had failed): numbering restarts, stale messages go.
 
-        Nothing happens when ``epoch`` is the current one. The NCCL
-        communicator, if any, is aborted and re-made, since a failed command
-        may have left it in the middle of a collective.
+        Nothing happens when ``epoch`` is the current one. The NCCL engine,
+        if any, checks at its next collective whether every replica still
+        holds its communicator (a failed command may have aborted one in the
+        middle of a collective) and re-makes it only if not.
         """
         if epoch == self.epoch:
             return

@@ -20,15 +20,19 @@ How a communicator comes to be
     helper thread (the call blocks until every rank has joined) while the
     replica thread polls for it with the collective's deadline and aborts.
 
-Epochs
-    The client counts the commands of the group that failed and sends the
-    count with every command: the group's epoch (``Communicator.begin_epoch``;
-    a membership generation is another thing: it gets a new engine). A
-    communicator belongs to the epoch it was made in; a replica entering a
-    later epoch aborts it and the next GPU collective makes a new one with a new unique
-    id. Every replica sees the same count in the same run, so they all
-    re-create together, including the ones whose own communicator looked
-    healthy when a peer aborted its own.
+Epochs and generations
+    One engine per membership generation (``daskdist.replica.wiring`` builds
+    it with the generation's communicator): a new generation always gets a
+    new NCCL communicator. Within a generation, the client counts the commands
+    that failed and sends the count with every command: the group's epoch
+    (``Communicator.begin_epoch``). A failed command does not by itself
+    re-make the communicator: at the first NCCL collective of a later epoch
+    every rank says at the scheduler's keyed exchange (``nccl-keep/<epoch>``)
+    whether it still holds its communicator. If all do (the failure never
+    reached NCCL: a user error, a Python-level abort) they keep it; if any
+    rank dropped its own (an abort or timeout inside NCCL leaves it unusable)
+    every rank aborts its communicator and they make a new one under
+    ``nccl/<epoch>``, including those whose own communicator looked healthy.
 
 Waiting
     The engine never waits inside CUDA or NCCL. It waits on the host until the
@@ -267,11 +271,9 @@ class NcclEngine:
     # -- lifecycle -----------------------------------------------------------------
 
     def set_epoch(self, epoch: int) -> None:
-        """The group's ``epoch`` (failed commands so far) starts: a communicator of an earlier one is aborted."""
+        """The group's ``epoch`` (failed commands so far) starts; the first NCCL collective asks whether to keep
+        the communicator (see the module's docstring)."""
         self.epoch = epoch
-        if self._comm is not None and self._comm_epoch != epoch:
-            logger.debug("Replica %d: a command failed since the NCCL communicator was made; it is re-made", self.rank)
-            self._drop()
 
     def close(self) -> None:
         """Abort the communicator, if any (local; never waits for peers, which may be gone)."""
@@ -457,9 +459,14 @@ class NcclEngine:
             raise
 
     def _communicator(self, call: CollectiveCall, device: int) -> Any:
-        """This epoch's communicator, made now if need be (unique id through the scheduler)."""
-        if self._comm is not None:
+        """This epoch's communicator: the one held if every rank still holds one, else made now (unique id
+        through the scheduler)."""
+        if self._comm is not None and self._comm_epoch == self.epoch:
             return self._comm
+        if self.epoch > 0 and self._keeps(call):
+            self._comm_epoch = self.epoch
+            return self._comm
+        self._drop()
         key = f"nccl/{self.epoch}"
         if key in self._keys_used:  # every drop happens in a failing command, which starts a new epoch
             raise CollectiveAbortedError(
@@ -484,6 +491,22 @@ class NcclEngine:
         logger.debug("Replica %d made its NCCL communicator (epoch %d, GPU %d)", self.rank,
                      self.epoch, device)
         return comm
+
+    def _keeps(self, call: CollectiveCall) -> bool:
+        """Whether every rank still holds its communicator after a failed command (one exchange per epoch)."""
+        key = f"nccl-keep/{self.epoch}"
+        if key in self._keys_used:
+            return False
+        self._keys_used.add(key)
+        try:
+            held = self.exchange(key, self._comm is not None, call.deadline, call.epoch)
+        except MailboxTimeout:
+            raise CollectiveTimeoutError(call.comm.describe_timeout(call, 0)) from None
+        keep = len(held) == self.size and all(held.values())
+        if not keep and self._comm is not None:
+            logger.debug("Replica %d: a peer dropped its NCCL communicator in a failed command; it is re-made",
+                         self.rank)
+        return keep
 
     def _init(self, call: CollectiveCall, unique_id: tuple, device: int) -> Any:
         """``NcclCommunicator(size, unique_id, rank)`` in a helper thread, waited for like a collective."""

@@ -282,10 +282,10 @@ def install_commit(service: ReplicaService, commit: Commit) -> str:
 def _restore_metrics(service: ReplicaService, progress: dict) -> None:
     """The epoch's metric totals at the commit: all of them on rank 0, zeros elsewhere (they are summed later)."""
     for model_id in service.objects.ids(MODEL):
-        model = service.objects.get(MODEL, model_id).model
         totals = progress.get("metrics", {}).get(model_id)
-        if totals is None:
+        if totals is None:  # no metrics at this commit (a custom loop's, or a model of another framework)
             continue
+        model = service.objects.get(MODEL, model_id).model
         for metric, total in zip(model.compiled_metrics, totals):
             total = np.asarray(total, np.float64)
             metric.set_totals(total if service.rank == 0 else np.zeros_like(total))

@@ -269,6 +269,8 @@ class State:
                 models[value._model_id] = value
             elif isinstance(value, DistributedVariable):
                 variables[value.var_id] = value
+            elif hasattr(value, "_model_id") and hasattr(value, "_resident"):  # an adapter's (dd.plugins.torch)
+                models[value._model_id] = value
         return models, variables
 
     def _unrebuildable(self, residents: list) -> list[tuple[str, str]]:

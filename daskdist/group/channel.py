@@ -16,14 +16,20 @@ import pickle
 import select
 import socket
 import ssl
+import struct
 import time
 from typing import Any
 
-from daskdist import serialization
+from daskdist import serialization, wire
 from daskdist.exceptions import ReplicaLostError
-from daskdist.group.frames import HELLO, read_response, send_request
+from daskdist.wire.tls import client_context as client_ssl_context
 
-__all__ = ["WAIT_ENDING_KINDS", "CommandChannels", "client_ssl_context"]
+__all__ = ["PROTOCOL", "REQUEST", "WAIT_ENDING_KINDS", "CommandChannels", "client_ssl_context", "send_request"]
+
+#: The command channel's name in the wire hello (``daskdist.wire.hello``).
+PROTOCOL = "daskdist-command-2"
+#: A command's header: run id, generation, settings bytes, payload bytes (answers are ``daskdist.wire`` messages).
+REQUEST = struct.Struct("<qqQQ")
 
 logger = logging.getLogger(__name__)
 
@@ -44,23 +50,14 @@ class CommandChannels:
     """
 
     def __init__(self, secret: str, ssl_context: ssl.SSLContext | None = None):
-        self._hello = HELLO + secret.encode()
+        self._secret = secret
         self._ssl_context = ssl_context
         self._sockets: dict[str, socket.socket] = {}
 
     def connect(self, address: str, endpoint: tuple[str, int], timeout: float = 10) -> None:
         """Open the channel to the replica on worker ``address`` (listening at ``endpoint``)."""
-        sock = socket.create_connection((endpoint[0], int(endpoint[1])), timeout=timeout)
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self._ssl_context is not None:
-                sock = self._ssl_context.wrap_socket(sock, server_hostname=endpoint[0])
-            sock.sendall(self._hello)
-            sock.settimeout(None)
-        except BaseException:
-            sock.close()
-            raise
-        self._sockets[address] = sock
+        self._sockets[address] = wire.connect(endpoint, PROTOCOL, self._secret, ssl_context=self._ssl_context,
+                                              timeout=timeout)
 
     def has(self, addresses: list[str]) -> bool:
         """Whether every one of ``addresses`` has an open channel."""
@@ -122,7 +119,7 @@ class CommandChannels:
         """The answer to ``run_id`` on ``address``'s channel, skipping answers to earlier calls."""
         sock = self._sockets[address]
         while True:
-            response = read_response(sock)
+            response: dict[str, Any] = wire.recv_message(sock)
             if response.get("run_id", run_id) == run_id:
                 return response
 
@@ -144,10 +141,7 @@ class CommandChannels:
         self._sockets.clear()
 
 
-def client_ssl_context(client: Any) -> ssl.SSLContext | None:
-    """The client's TLS context for connecting to workers, or ``None`` on plain TCP clusters."""
-    address = getattr(getattr(client, "scheduler", None), "address", "") or ""
-    if not str(address).startswith("tls://"):
-        return None
-    context: ssl.SSLContext | None = client.security.get_connection_args("client").get("ssl_context")
-    return context
+def send_request(sock: socket.socket, run_id: int, generation: int, settings: bytes, payload: bytes) -> None:
+    """Send one command: a fixed header (``REQUEST``), the pickled new settings (empty when unchanged) and
+    the pickled command, in one ``sendmsg`` (``daskdist.wire.frames``)."""
+    wire.send_parts(sock, [REQUEST.pack(run_id, generation, len(settings), len(payload)), settings, payload])

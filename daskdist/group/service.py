@@ -175,6 +175,9 @@ class ReplicaService(Protocol):
     def log_event(self, topic: str, msg: Any) -> None:
         """Send a structured event to the scheduler (``Worker.log_event``)."""
 
+    def add_close_callback(self, callback: Any) -> None:
+        """Call ``callback()`` in the replica thread when the replica closes (strategy closed, or it left)."""
+
     def run_step(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Call ``fn`` as one timed step."""
 

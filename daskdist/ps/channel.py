@@ -10,43 +10,38 @@ development machine under load (``benchmarks/parameter_server.py`` prints the
 A/B): a 2.5 KiB exchange took 2.4-8 ms through Dask comms and 0.08-0.24 ms on
 a plain socket between threads.
 
-Messages are pickled with protocol 5; numpy buffers travel out of band, each
-a part of one ``sendmsg`` (no copy into the pickle on the sending side).
-A connection starts with ``HELLO`` and the store's secret (made when the
-store was installed; it reaches workers inside the strategy's pickled
-``StoreRef``s, as the group secret reaches replicas). Clusters on ``tls://``
-do not get the channel (the stores are reached through Dask's comms, TLS
-included), nor does anything when ``daskdist.parameter-store.direct-channel``
-is false.
+Messages are ``daskdist.wire`` messages (pickle protocol 5, numpy buffers
+out of band, each a part of one ``sendmsg``). A connection starts with the
+wire hello carrying the store's secret (made when the store was installed; it
+reaches workers inside the strategy's pickled ``StoreRef``s, as the group
+secret reaches replicas). Clusters on ``tls://`` do not get the channel (the
+stores are reached through Dask's comms, TLS included), nor does anything
+when ``daskdist.parameter-store.direct-channel`` is false.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hmac
 import logging
 import pickle
 import secrets
 import socket
-import struct
 import threading
 from typing import Any, Protocol, TypeVar
 
-from daskdist import config, serialization
+from daskdist import config, serialization, wire
 from daskdist.exceptions import ReplicaLostError
-from daskdist.group.frames import recv_exactly
+from daskdist.wire import recv_message, send_message
 
-__all__ = ["DIRECT_OPS", "StoreServer", "direct_exchange", "recv_message", "send_message"]
+__all__ = ["DIRECT_OPS", "PROTOCOL", "StoreServer", "direct_exchange", "recv_message", "send_message"]
 
 logger = logging.getLogger(__name__)
 
-HELLO = b"daskdist-ps-1:"
+#: The channel's name in the wire hello (``daskdist.wire.hello``).
+PROTOCOL = "daskdist-ps-2"
 #: What the channel serves: a worker's variable and trainable-parameter traffic, and CentralStorage's rounds
 #: (arrays and numbers; never functions or update rules: no cloudpickle on the way in; a round's first
 #: contribution carrying the update rule goes through Dask's comms, ``daskdist.ps.refs``).
 DIRECT_OPS = frozenset({"exchange", "read", "gather", "update", "scatter", "params_pull", "params_push", "contribute"})
-_HEADER = struct.Struct("<QI")  # pickle bytes, out-of-band buffers
-_HELLO_TIMEOUT = 5.0
 
 
 class ServedStore(Protocol):
@@ -72,32 +67,6 @@ class DirectStore(Protocol):
 _S = TypeVar("_S", bound=DirectStore)
 
 
-def send_message(sock: socket.socket, obj: Any) -> None:
-    """Send ``obj``: header, buffer lengths, pickle, then each numpy buffer as it lies in memory."""
-    buffers: list[pickle.PickleBuffer] = []
-    data = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
-    raws = [b.raw() for b in buffers]
-    parts: list[Any] = [_HEADER.pack(len(data), len(raws)),
-                        struct.pack(f"<{len(raws)}Q", *(r.nbytes for r in raws)), data, *raws]
-    views = [memoryview(p).cast("B") for p in parts if len(p)]
-    while views:
-        sent = sock.sendmsg(views)
-        while views and sent >= len(views[0]):
-            sent -= len(views[0])
-            views.pop(0)
-        if views and sent:
-            views[0] = views[0][sent:]
-
-
-def recv_message(sock: socket.socket) -> Any:
-    """Read what ``send_message`` sent (each buffer received into its own bytearray, then unpickled over it)."""
-    n_data, n_buffers = _HEADER.unpack(recv_exactly(sock, _HEADER.size))
-    lengths = struct.unpack(f"<{n_buffers}Q", recv_exactly(sock, 8 * n_buffers)) if n_buffers else ()
-    data = recv_exactly(sock, n_data)
-    buffers = [recv_exactly(sock, n) for n in lengths]
-    return pickle.loads(data, buffers=buffers)
-
-
 class StoreServer:
     """Serves one ps worker's store on a TCP port of its host: a thread per connection, the store's lock per request.
 
@@ -112,44 +81,16 @@ class StoreServer:
     def __init__(self, store: ServedStore, host: str):
         self._store = store
         self.secret = secrets.token_hex(16)
-        self._listener = socket.create_server((host, 0))
-        self.endpoint = (host, int(self._listener.getsockname()[1]))
-        self._connections: set[socket.socket] = set()
-        self._lock = threading.Lock()
-        self._closed = False
-        threading.Thread(target=self._accept, daemon=True, name="daskdist-ps-accept").start()
+        self._acceptor = wire.Acceptor(host, PROTOCOL, self.secret, self._serve, name="daskdist-ps-serve")
+        self.endpoint = self._acceptor.endpoint
 
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._lock:
-                if self._closed:
-                    conn.close()
-                    return
-                self._connections.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True, name="daskdist-ps-serve").start()
-
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, _tail: bytes) -> None:
         try:
-            conn.settimeout(_HELLO_TIMEOUT)
-            greeting = recv_exactly(conn, len(HELLO) + len(self.secret))
-            if not hmac.compare_digest(bytes(greeting), HELLO + self.secret.encode()):
-                logger.warning("A connection to the parameter store channel gave a wrong greeting; closed")
-                return
-            conn.settimeout(None)
-            while not self._closed:
+            while not self._acceptor.closed:
                 op, kwargs = recv_message(conn)
                 send_message(conn, self._answer(op, kwargs))
-        except (OSError, EOFError, ConnectionError):
+        except (OSError, EOFError, pickle.UnpicklingError):
             pass  # the worker went, or the server closes
-        finally:
-            with self._lock:
-                self._connections.discard(conn)
-            conn.close()
 
     def _answer(self, op: str, kwargs: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -162,13 +103,7 @@ class StoreServer:
 
     def close(self) -> None:
         """Stop listening and close every connection (their threads end)."""
-        with self._lock:
-            self._closed = True
-            connections, self._connections = list(self._connections), set()
-        for sock in (self._listener, *connections):
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
+        self._acceptor.close(join=0)
 
 
 _local = threading.local()  # each replica thread's connections: {(host, port): socket}
@@ -181,10 +116,9 @@ def _connection(store: DirectStore) -> socket.socket:
     host, port, secret = store.direct
     sock = connections.get((host, port))
     if sock is None:
-        sock = socket.create_connection((host, port), timeout=config.get_seconds("parameter-store.connect-timeout"))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock = wire.connect((host, port), PROTOCOL, secret,
+                            timeout=config.get_seconds("parameter-store.connect-timeout"))
         sock.settimeout(config.get_seconds("collective.timeout"))
-        sock.sendall(HELLO + secret.encode())
         connections[(host, port)] = sock
     return sock
 

@@ -12,22 +12,31 @@ The listener lives as long as the replica, across membership generations.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
+import pickle
 import selectors
 import socket
 import ssl
 from typing import Any
 
-from daskdist.group.frames import HELLO, read_request, recv_exactly, send_response
+from daskdist import wire
+from daskdist.group.channel import PROTOCOL, REQUEST
 
-__all__ = ["CommandServer"]
+__all__ = ["CommandServer", "Request"]
 
 logger = logging.getLogger(__name__)
 
-#: How long the replica thread waits for a new connection's greeting (and TLS handshake).
-_HELLO_TIMEOUT = 5.0
+#: One command as read: run id, generation, the client's new settings (or ``None``), the pickled command.
+Request = tuple[int, int, "dict[str, Any] | None", memoryview]
+
+
+def read_request(sock: socket.socket) -> Request:
+    """Read one command sent by ``daskdist.group.channel.send_request`` (two reads: header, then body)."""
+    run_id, generation, n_settings, n_payload = REQUEST.unpack(wire.recv_exactly(sock, REQUEST.size))
+    body = memoryview(wire.recv_exactly(sock, n_settings + n_payload))
+    settings: dict[str, Any] | None = pickle.loads(body[:n_settings]) if n_settings else None
+    return run_id, generation, settings, body[n_settings:]
 
 
 class CommandServer:
@@ -38,15 +47,15 @@ class CommandServer:
     host
         The interface to listen on (the worker's host).
     secret
-        What a client must present after ``HELLO`` (the group's secret, known only to its client).
+        What a client must present in its wire hello (the group's secret, known only to its client).
     ssl_context
         The server's TLS context, or ``None`` for plain TCP.
     """
 
     def __init__(self, host: str, secret: str, ssl_context: ssl.SSLContext | None = None):
-        self._secret = secret.encode()
+        self._secret = secret
         self._ssl_context = ssl_context
-        self._listener = socket.create_server((host, 0))
+        self._listener = wire.listen(host)
         self._listener.setblocking(False)
         self.address = (host, self._listener.getsockname()[1])
         self._wake_r, self._wake_w = os.pipe()
@@ -68,7 +77,7 @@ class CommandServer:
         except (BlockingIOError, OSError):  # the pipe is full (already woken) or closed
             pass
 
-    def wait(self, timeout: float | None = None) -> list[tuple[socket.socket, tuple[int, int, dict[str, Any] | None, bytes]]]:
+    def wait(self, timeout: float | None = None) -> list[tuple[socket.socket, Request]]:
         """Block until requests arrive or ``wake`` is called; return the requests read (maybe none)."""
         requests = []
         for key, _ in self._selector.select(timeout):
@@ -85,7 +94,7 @@ class CommandServer:
                 while True:
                     try:
                         requests.append((conn, read_request(conn)))
-                    except (OSError, ConnectionError, ssl.SSLError) as e:
+                    except (OSError, ssl.SSLError, EOFError, pickle.UnpicklingError) as e:
                         logger.debug("Command connection closed: %s", e)
                         self._drop(conn)
                         break
@@ -96,7 +105,7 @@ class CommandServer:
 
     def reply(self, conn: socket.socket, response: dict[str, Any]) -> None:
         try:
-            send_response(conn, response)
+            wire.send_message(conn, response)
         except (OSError, ssl.SSLError) as e:  # the client went away; it sees the connection fail
             logger.debug("Could not answer on a command connection: %s", e)
             self._drop(conn)
@@ -106,21 +115,9 @@ class CommandServer:
             conn, _ = self._listener.accept()
         except (BlockingIOError, OSError):
             return
-        try:
-            conn.setblocking(True)
-            conn.settimeout(_HELLO_TIMEOUT)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self._ssl_context is not None:
-                conn = self._ssl_context.wrap_socket(conn, server_side=True)
-            hello = bytes(recv_exactly(conn, len(HELLO) + len(self._secret)))
-            if not hmac.compare_digest(hello, HELLO + self._secret):
-                logger.warning("Rejected a command connection that did not present this group's secret")
-                conn.close()
-                return
-            conn.settimeout(None)
-        except (OSError, ConnectionError, ssl.SSLError) as e:
-            logger.debug("A command connection failed its greeting: %s", e)
-            conn.close()
+        try:  # on the replica thread: bounded by the hello timeout; a rejected one is logged by wire.accept
+            conn, _ = wire.accept(conn, PROTOCOL, self._secret, ssl_context=self._ssl_context)
+        except (OSError, ssl.SSLError):
             return
         self._connections[conn.fileno()] = conn
         self._selector.register(conn, selectors.EVENT_READ, "request")

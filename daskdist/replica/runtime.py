@@ -52,8 +52,9 @@ from daskdist.replica.context import ReplicaContext
 from daskdist.replica.events import StepEventShipper
 from daskdist.replica.strategy_view import ReplicaStrategyView
 from daskdist.replica.timing import StepTimer
-from daskdist.replica.wiring import Wiring, tls_contexts, wire
+from daskdist.replica.wiring import Wiring, wire
 from daskdist.variables import VariableSpec, check_same_spec_on_every_replica, distributed_variable_class
+from daskdist.wire.tls import worker_contexts
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -91,7 +92,7 @@ class ReplicaRuntime:
         self._wiring: Wiring = self._wire(spec.membership, rank)
         self._server: CommandServer | None = None
         if config.get("client.command-channel", "direct") == "direct":
-            self._server = CommandServer(get_address_host(worker.address), spec.secret, tls_contexts(worker)[0])
+            self._server = CommandServer(get_address_host(worker.address), spec.secret, worker_contexts(worker)[0])
         self.context = ReplicaContext(self)
         self.context.bind(self._wiring.group)
         self.strategy_view = ReplicaStrategyView(self)
@@ -104,6 +105,7 @@ class ReplicaRuntime:
         self._generation_lock = threading.Lock()
         self._stopping = False  # the strategy is closing: connections ending now are expected
         self._created_in_replica = 0
+        self._close_callbacks: list[Callable[[], None]] = []  # add_close_callback: called by close(), newest first
         # the dashboard's unit is the strategy (its token), so a training run's figures outlive generations
         self._step_events = (StepEventShipper(worker, self.strategy_token, rank, self.size,
                                               config.get_seconds("metrics.event-interval"),
@@ -146,6 +148,16 @@ class ReplicaRuntime:
 
     def log_event(self, topic: str, msg: Any) -> None:
         self.worker.log_event(topic, msg)
+
+    def add_close_callback(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` when this replica closes (its strategy closed, or its worker left the group).
+
+        For what a framework adapter makes per replica that must not outlive it
+        (the torch plug-in's default process group). Callbacks run in the
+        replica thread, newest first, before the generation's wiring closes; one
+        that raises is logged and the others still run.
+        """
+        self._close_callbacks.append(callback)
 
     # -- event-loop side ---------------------------------------------------------
 
@@ -429,6 +441,12 @@ class ReplicaRuntime:
                 self.loop.call_soon_threadsafe(_resolve, item[-1], self._closed_response())
 
     def close(self) -> None:
+        callbacks, self._close_callbacks = self._close_callbacks, []
+        for callback in reversed(callbacks):
+            try:
+                callback()
+            except Exception:  # one adapter's failure must not keep the replica from closing
+                logger.exception("A close callback of replica %d of %s failed", self.rank, self.group_id)
         if self._step_events is not None:
             self._step_events.close()
         if self._server is not None:
@@ -441,7 +459,7 @@ class ReplicaRuntime:
         error = ReplicaLostError(f"replica {self.rank} of {self.group_id} is closed", worker=self.worker.address)
         return serialization.error_message(error, self.rank, self.worker.address)
 
-    def _execute(self, run_id: int, payload: bytes, generation: int = 0, settings: dict | None = None) -> dict:
+    def _execute(self, run_id: int, payload: bytes | memoryview, generation: int = 0, settings: dict | None = None) -> dict:
         if settings is not None:  # the client's daskdist.* keys changed since its last command
             self.spec.config = settings
             config.install_snapshot(settings)

@@ -27,6 +27,7 @@ from daskdist.collective.transport.shm import ShmTransport, shm_supported
 from daskdist.collective.transport.socket import SocketTransport
 from daskdist.group.membership import Membership
 from daskdist.group.spec import TRANSPORTS, GroupSpec
+from daskdist.wire.tls import worker_contexts
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -58,9 +59,12 @@ def make_transport(rank: int, membership: Membership, spec: GroupSpec, mailbox: 
     ``spec.transport``: ``"auto"`` (shared memory to same-host peers, direct
     TCP to the others), ``"shm"`` (every peer must share the host),
     ``"socket"`` (TCP to every peer), ``"dask"`` (Dask comms) or ``"ucx"``
-    (UCX to every peer; needs ucxx, never picked by ``"auto"``). GPU groups
-    use Dask comms (their arrays are not in host memory) for signatures and
-    for what NCCL does not carry (``daskdist.collective.nccl``).
+    (UCX to every peer; needs ucxx, never picked by ``"auto"``). A GPU group's
+    control traffic (signatures, objects, and the arrays NCCL does not carry,
+    ``daskdist.collective.nccl``) goes over the socket transport to every peer
+    under ``"auto"``: beside NCCL, off the workers' event loops; GPU arrays
+    travel pickled (a host copy each way), so the same-host shared-memory and
+    single-copy paths, which read host memory, are never used for them.
     """
     if spec.transport not in TRANSPORTS:
         raise ValueError(f"Unknown transport {spec.transport!r} (daskdist.collective.transport): {', '.join(TRANSPORTS)}")
@@ -75,7 +79,9 @@ def make_transport(rank: int, membership: Membership, spec: GroupSpec, mailbox: 
     on_gpu = any("GPU" in d for d in membership.devices)
     if spec.transport == "shm" and (len(same_host) != len(peers) or on_gpu):
         raise ValueError("the shm transport needs every replica on one host, with CPU devices")
-    if spec.transport == "dask" or on_gpu or not peers:
+    if on_gpu and spec.transport == "auto":
+        same_host = []  # host-memory paths never see GPU arrays: TCP to every peer, same host or not
+    if spec.transport == "dask" or not peers:
         loop = worker.loop.asyncio_loop  # type: ignore[attr-defined]
         return DaskTransport(rank, addresses, mailbox, worker.rpc, loop, membership.group_id, int(membership.generation))
     routes: dict[int, Transport] = {}
@@ -90,18 +96,10 @@ def make_transport(rank: int, membership: Membership, spec: GroupSpec, mailbox: 
     remote = [r for r in peers if r not in routes]
     if remote:
         tcp = SocketTransport(rank, addresses, mailbox, wire_id, get_address_host(worker.address),
-                              *tls_contexts(worker), on_peer_lost=on_peer_lost)
+                              *worker_contexts(worker), on_peer_lost=on_peer_lost, secret=spec.secret,
+                              local_replicas=hosts.count(hosts[rank]))
         routes.update({r: tcp for r in remote})
     return RoutedTransport(rank, addresses, mailbox, routes)
-
-
-def tls_contexts(worker: Worker) -> tuple[Any, Any]:
-    """The cluster's TLS contexts for replica sockets, or ``(None, None)`` on plain TCP clusters."""
-    if not worker.address.startswith("tls://"):
-        return None, None
-    server = worker.security.get_listen_args("worker").get("ssl_context")
-    client = worker.security.get_connection_args("worker").get("ssl_context")
-    return server, client
 
 
 def wire(rank: int, membership: Membership, spec: GroupSpec, worker: Worker, control: Any,

@@ -135,7 +135,8 @@ class ParameterServerExtended(ParameterHolderExtended):
         if variable_partitioner is not None and not callable(variable_partitioner):
             raise TypeError(f"variable_partitioner must be a partitioner, got {type(variable_partitioner).__name__}")
         if client is None:
-            client = getattr(cluster_resolver, "_client", None) or default_client()  # type: ignore[no-untyped-call]
+            # DaskClusterResolver(client=...) names the cluster's client; other resolvers: the default client
+            client = getattr(cluster_resolver, "client", None) or default_client()  # type: ignore[no-untyped-call]
         if not isinstance(client, Client):
             raise TypeError(f"client must be a distributed.Client, got {type(client).__name__}")
         check_client_open(client, type(strategy).__name__)

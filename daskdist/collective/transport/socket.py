@@ -1,19 +1,28 @@
 """Direct TCP between replicas, for replicas on different hosts (TLS when the cluster uses it).
 
 Each replica listens on its worker's host at a free port; the address is
-exchanged at the rendezvous. A replica opens one connection per peer it
-sends to; every frame is a fixed binary header (``framing``) followed by
-the payload bytes, written from a per-peer sender thread so that sending
-and receiving overlap. A reader thread per incoming connection receives
-arrays straight into fresh numpy buffers (``recv_into``, no intermediate
-copy) and delivers them to the replica's mailbox.
+exchanged at the rendezvous. Connections are ``daskdist.wire`` connections:
+the hello carries the group's secret and the generation's wire id (a
+connection from another group or generation is rejected) and the sender's
+rank; TLS comes from the cluster's ``Security`` on ``tls://`` clusters, and
+every connection has the wire heartbeat. A replica opens one connection per
+peer it sends to; every frame is a fixed binary header (``framing``)
+followed by the payload bytes.
 
-When the cluster's ``Security`` requires encryption (``tls://`` comms), the
-listener and the connections use the cluster's TLS contexts.
+Small messages (up to ``daskdist.collective.socket.inline-bytes``) are
+written by the calling thread itself, header and payload in one ``sendmsg``:
+no hand-off to another thread on the critical path. Larger ones go to a
+per-peer sender thread so that sending and receiving overlap (the ring's
+step). A reader thread per incoming connection reads into a buffer of its
+own, so a small frame (header and payload) costs one ``recv``; larger
+payloads are received straight into fresh numpy buffers. It delivers to the
+replica's mailbox, where a waiting replica may spin
+``daskdist.collective.socket.busy-poll`` before it sleeps (``auto``: only
+when the host's cores are not oversubscribed).
 
-Heartbeats: every connection has TCP keepalive and ``TCP_USER_TIMEOUT`` set
-from ``daskdist.collective.socket.heartbeat-timeout``, so a peer that goes
-silent without closing (its host's link is down: no FIN, no RST) fails the
+Heartbeats (``daskdist.wire.heartbeat``, from
+``daskdist.collective.socket.heartbeat-timeout``): a peer that goes silent
+without closing (its host's link is down: no FIN, no RST) fails the
 connection within about that long, whether data is in flight or not. The
 transport then reports the peer lost (``on_peer_lost``), and every replica's
 waits raise ``ReplicaLostError`` instead of running to the collective's
@@ -29,27 +38,43 @@ import socket
 import ssl
 import struct
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from dask.utils import parse_bytes
 
-from daskdist import config
-from daskdist.collective.mailbox import Abort, Mailbox, Tag
-from daskdist.collective.transport.base import SendHandle, Transport, remaining
+from daskdist import config, wire
+from daskdist.collective.mailbox import Abort, Mailbox, MailboxTimeout, Tag
+from daskdist.collective.transport.base import CompletedSend, SendHandle, Transport, remaining
 from daskdist.collective.transport.framing import HEADER, decode, describe_payload, encode, pack_header, unpack_header
+from daskdist.collective.transport.shm_channel import usable_cores
 from daskdist.exceptions import CollectiveTimeoutError, ReplicaLostError
+from daskdist.wire.frames import Buffer
+from daskdist.wire.heartbeat import failed_without_close
 
-__all__ = ["SocketTransport"]
+__all__ = ["PROTOCOL", "SocketTransport", "busy_poll_seconds"]
 
 logger = logging.getLogger(__name__)
 
-_HELLO = b"daskdist-socket-2"
-_RANK = struct.Struct("!i")  # the connecting replica's rank, after the hello and the group id
+#: The transport's name in the wire hello (``daskdist.wire.hello``).
+PROTOCOL = "daskdist-socket-3"
+_RANK = struct.Struct("!i")  # the connecting replica's rank: the hello's tail
+_READ_BUFFER = 256 * 1024  # each reader's buffer: small frames arrive whole in one recv
+_AUTO_BUSY_POLL = 50e-6
 
 
-class _PeerClosed(ConnectionError):
-    """The peer closed the connection (end of stream): its process ended or closed the transport."""
+def busy_poll_seconds(local_replicas: int) -> float:
+    """``daskdist.collective.socket.busy-poll`` in seconds; ``auto``: 50 us unless the host's cores are oversubscribed.
+
+    A replica and its reader threads each want a core while a message is in
+    flight, so ``auto`` spins only with two cores per replica of the host.
+    """
+    value = config.get("collective.socket.busy-poll", "auto")
+    if value == "auto":
+        return _AUTO_BUSY_POLL if usable_cores() >= 2 * max(1, local_replicas) else 0.0
+    return config.get_seconds("collective.socket.busy-poll") if value else 0.0
 
 
 class _Send(SendHandle):
@@ -68,32 +93,17 @@ class _Send(SendHandle):
             ) from self.error
 
 
-_TCP_CLOSE = 7  # Linux tcp_states.h: the connection failed (timed out or reset); the peer's FIN leaves CLOSE_WAIT
+class _Peer:
+    """One peer's outgoing connection: written by the calling thread (small) or the sender thread (large)."""
 
-
-def _failed_without_close(sock: socket.socket) -> bool:
-    """Whether a TLS connection that read end-of-stream was failed by the kernel rather than closed by the peer.
-
-    A TLS socket reports a connection that ``TCP_USER_TIMEOUT`` or keepalive
-    failed (the heartbeat) as an unexpected end of stream, which ``ssl``
-    turns into an empty read: the TCP state tells the two apart.
-    """
-    if not isinstance(sock, ssl.SSLSocket) or not hasattr(socket, "TCP_INFO"):
-        return False
-    try:
-        return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == _TCP_CLOSE
-    except OSError:
-        return False
-
-
-def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
-    while view.nbytes:
-        n = sock.recv_into(view)
-        if n == 0:
-            if _failed_without_close(sock):
-                raise ConnectionError("the TLS connection failed: no answer within the heartbeat timeout, or reset")
-            raise _PeerClosed("connection closed by the peer")
-        view = view[n:]
+    def __init__(self) -> None:
+        self.sock: socket.socket | None = None
+        self.write_lock = threading.Lock()  # one writer of the socket at a time
+        self.guard = threading.Lock()  # guards pending
+        self.pending = 0  # messages queued to the sender thread, not yet written (keeps one thread's order)
+        self.jobs: queue.Queue[tuple[Tag, int, np.ndarray, str, tuple[int, ...], _Send] | None] = queue.Queue()
+        self.thread: threading.Thread | None = None
+        self.header = bytearray(HEADER.size)
 
 
 class SocketTransport(Transport):
@@ -110,6 +120,10 @@ class SocketTransport(Transport):
         yet known) when a connection to a peer fails without being closed: the
         heartbeat deadline passed, or the peer's host reset it. ``None``: abort
         this replica's mailbox for good.
+    secret
+        The group's secret (``GroupSpec.secret``), presented with ``group_id`` in every hello.
+    local_replicas
+        Replicas of the group on this host (for ``busy-poll: auto``).
 
     Attributes
     ----------
@@ -121,24 +135,25 @@ class SocketTransport(Transport):
 
     def __init__(self, rank: int, addresses: list[str], mailbox: Mailbox, group_id: str, host: str,
                  server_context: ssl.SSLContext | None = None, client_context: ssl.SSLContext | None = None,
-                 on_peer_lost: Callable[[int | None, str], None] | None = None):
+                 on_peer_lost: Callable[[int | None, str], None] | None = None, secret: str = "",
+                 local_replicas: int = 1):
         super().__init__(rank, addresses, mailbox)
         self.group_id = group_id
         self.heartbeat_timeout = config.get_seconds("collective.socket.heartbeat-timeout")
+        self.inline_bytes = int(parse_bytes(config.get("collective.socket.inline-bytes", "64KiB")))
+        self.busy_poll = busy_poll_seconds(local_replicas)
         self.sent_bytes: dict[int, int] = {}
         self._on_peer_lost = on_peer_lost
-        self._server_context = server_context
         self._client_context = client_context
-        self._listener = socket.create_server((host, 0))
-        self.listen_address = (host, self._listener.getsockname()[1])
+        self._key = f"{secret}/{group_id}"  # the hello's secret: this group and generation only
         self._peer_addresses: dict[int, tuple[str, int]] = {}
-        self._senders: dict[int, tuple[queue.Queue, threading.Thread]] = {}
-        self._readers: list[threading.Thread] = []
-        self._connections: list[socket.socket] = []
-        self._lock = threading.Lock()
+        self._peers: dict[int, _Peer] = {}
+        self._peers_lock = threading.Lock()
         self._closed = False
-        self._acceptor = threading.Thread(target=self._accept_loop, name=f"daskdist-tcp-accept-{rank}", daemon=True)
-        self._acceptor.start()
+        self._acceptor = wire.Acceptor(host, PROTOCOL, self._key, self._read_loop, tail_bytes=_RANK.size,
+                                       ssl_context=server_context, heartbeat=self.heartbeat_timeout,
+                                       name=f"daskdist-tcp-read-{rank}")
+        self.listen_address = self._acceptor.endpoint
 
     def local_info(self) -> dict[str, Any]:
         return {"socket": list(self.listen_address)}
@@ -150,43 +165,49 @@ class SocketTransport(Transport):
         """Where each peer listens (from the rendezvous)."""
         self._peer_addresses = {int(rank): (host, int(port)) for rank, (host, port) in addresses.items()}
 
+    def peer_socket(self, dst: int) -> socket.socket | None:
+        """The connection this replica writes to ``dst`` on, once one was opened."""
+        peer = self._peers.get(dst)
+        return peer.sock if peer is not None else None
+
     # -- receiving -----------------------------------------------------------------
 
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            thread = threading.Thread(target=self._read_loop, args=(conn,), daemon=True,
-                                      name=f"daskdist-tcp-read-{self.rank}")
-            with self._lock:
-                self._readers.append(thread)
-            thread.start()
-
-    def _read_loop(self, conn: socket.socket) -> None:
-        peer: int | None = None
+    def _read_loop(self, conn: socket.socket, tail: bytes) -> None:
+        """Read frames from one greeted connection into the mailbox (on the acceptor's connection thread)."""
+        peer: int = _RANK.unpack(tail)[0]
+        buf = bytearray(_READ_BUFFER)
+        view = memoryview(buf)
+        start = end = 0
         try:
-            self._set_heartbeat(conn)
-            if self._server_context is not None:
-                conn = self._server_context.wrap_socket(conn, server_side=True)
-            with self._lock:
-                self._connections.append(conn)
-            hello = bytearray(len(_HELLO) + len(self.group_id.encode()) + _RANK.size)
-            _recv_exactly(conn, memoryview(hello))
-            if bytes(hello[:-_RANK.size]) != _HELLO + self.group_id.encode():
-                logger.warning("Rejected a TCP connection that is not from this replica group")
-                return
-            peer = _RANK.unpack(hello[-_RANK.size:])[0]
-            header = bytearray(HEADER.size)
             while not self._closed:
-                _recv_exactly(conn, memoryview(header))
-                tag, kind, dtype, shape, total, _, _ = unpack_header(header)
+                if end - start < HEADER.size:  # too little for a header: move what is left to the front, read on
+                    if start:
+                        buf[: end - start] = buf[start:end]
+                        end, start = end - start, 0
+                    while end < HEADER.size:
+                        n = conn.recv_into(view[end:])
+                        if n == 0:
+                            raise wire.PeerClosed("connection closed by the peer")
+                        end += n
+                tag, kind, dtype, shape, total, _, _ = unpack_header(buf, start)
+                start += HEADER.size
                 data = np.empty(total, np.uint8)
-                _recv_exactly(conn, memoryview(data))
+                have = min(total, end - start)
+                if have:
+                    data[:have] = np.frombuffer(buf, np.uint8, have, start)
+                    start += have
+                if have < total:
+                    wire.recv_into(conn, data[have:].data)
+                if start == end:
+                    start = end = 0
                 self.mailbox.put(tag, decode(kind, dtype, shape, data))
-        except _PeerClosed as e:
-            if not self._closed:
+        except wire.PeerClosed as e:
+            if self._closed:
+                pass
+            elif failed_without_close(conn):  # TLS reads a heartbeat-failed connection as end of stream
+                self._peer_lost(peer, "receiving from it failed: the TLS connection failed: no answer within the "
+                                      "heartbeat timeout, or reset")
+            else:
                 logger.debug("TCP reader of replica %d stopped: %s", self.rank, e)
         except (OSError, ssl.SSLError) as e:
             if not self._closed:
@@ -196,73 +217,101 @@ class SocketTransport(Transport):
             self.mailbox.abort_run(
                 self.mailbox.current_run, Abort("aborted", f"replica {self.rank} could not read a TCP frame: {e!r}", self.rank)
             )
-        finally:
-            conn.close()
+
+    def recv(self, src: int, tag: Tag, deadline: float) -> Any:
+        if self.busy_poll:  # spin a little before sleeping on the mailbox: no wake-up when the message is close
+            until = time.monotonic() + self.busy_poll
+            while time.monotonic() < until:
+                try:
+                    return self.mailbox.take(tag, 0.0)
+                except MailboxTimeout:
+                    pass
+        return self.mailbox.take(tag, deadline)
 
     # -- sending -------------------------------------------------------------------
 
-    def _sender(self, dst: int) -> queue.Queue:
-        entry = self._senders.get(dst)
-        if entry is None:
-            jobs: queue.Queue = queue.Queue()
-            thread = threading.Thread(target=self._send_loop, args=(dst, jobs), daemon=True,
-                                      name=f"daskdist-tcp-send-{self.rank}-{dst}")
-            entry = self._senders[dst] = (jobs, thread)
-            thread.start()
-        return entry[0]
+    def send(self, dst: int, tag: Tag, payload: Any) -> SendHandle:
+        kind, data = encode(payload)
+        dtype, shape = describe_payload(kind, payload)
+        peer = self._peer(dst)
+        with peer.guard:
+            inline = data.nbytes <= self.inline_bytes and peer.pending == 0
+            if not inline:
+                peer.pending += 1
+        if not inline:
+            handle = _Send(dst, str(self._peer_addresses.get(dst)))
+            self._sender(dst, peer).put((tag, kind, data, dtype, shape, handle))
+            return handle
+        with peer.write_lock:  # the calling thread writes: nothing queued for this peer before it
+            error = self._write(dst, peer, tag, kind, data, dtype, shape)
+        if error is None:
+            return CompletedSend()
+        self._send_failed(dst, error)
+        failed = _Send(dst, str(self._peer_addresses.get(dst)))
+        failed.error = error
+        failed.done.set()
+        return failed
+
+    def _peer(self, dst: int) -> _Peer:
+        peer = self._peers.get(dst)
+        if peer is None:
+            with self._peers_lock:
+                peer = self._peers.setdefault(dst, _Peer())
+        return peer
+
+    def _sender(self, dst: int, peer: _Peer) -> queue.Queue[Any]:
+        if peer.thread is None:
+            with self._peers_lock:
+                if peer.thread is None:
+                    peer.thread = threading.Thread(target=self._send_loop, args=(dst, peer), daemon=True,
+                                                   name=f"daskdist-tcp-send-{self.rank}-{dst}")
+                    peer.thread.start()
+        return peer.jobs
 
     def _connect(self, dst: int) -> socket.socket:
         address = self._peer_addresses.get(dst)
         if address is None:
             raise ConnectionError(f"no TCP address for replica {dst} (rendezvous did not provide one)")
-        sock = socket.create_connection(address, timeout=self.heartbeat_timeout or None)
-        sock.settimeout(None)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._set_heartbeat(sock)
-        if self._client_context is not None:
-            sock = self._client_context.wrap_socket(sock, server_hostname=address[0])
-        sock.sendall(_HELLO + self.group_id.encode() + _RANK.pack(self.rank))
-        with self._lock:
-            self._connections.append(sock)
-        return sock
+        return wire.connect(address, PROTOCOL, self._key, tail=_RANK.pack(self.rank), ssl_context=self._client_context,
+                            heartbeat=self.heartbeat_timeout, timeout=self.heartbeat_timeout or None)
 
-    def _send_loop(self, dst: int, jobs: queue.Queue) -> None:
-        sock: socket.socket | None = None
-        header = bytearray(HEADER.size)
+    def _write(self, dst: int, peer: _Peer, tag: Tag, kind: int, data: np.ndarray, dtype: str,
+               shape: tuple[int, ...]) -> BaseException | None:
+        """Write one frame, header and payload in one ``sendmsg`` (the caller holds ``peer.write_lock``); the
+        error, if it failed."""
+        try:
+            if peer.sock is None:
+                peer.sock = self._connect(dst)
+            pack_header(peer.header, 0, tag, kind, dtype, shape, data.nbytes, 0, data.nbytes)
+            parts: list[Buffer] = [peer.header]
+            if data.nbytes:
+                parts.append(data.reshape(-1).view(np.uint8).data)
+            self.sent_bytes[dst] = self.sent_bytes.get(dst, 0) + wire.send_parts(peer.sock, parts)
+        except BaseException as e:
+            return e
+        return None
+
+    def _send_failed(self, dst: int, error: BaseException) -> None:
+        """A write to ``dst`` failed (called without ``write_lock``): a connection that failed without being
+        closed reports its peer lost."""
+        if not self._closed and isinstance(error, (OSError, ssl.SSLError)) and not isinstance(error, wire.PeerClosed):
+            self._peer_lost(dst, f"sending to it failed: {error!r}")
+
+    def _send_loop(self, dst: int, peer: _Peer) -> None:
         while True:
-            job = jobs.get()
+            job = peer.jobs.get()
             if job is None:
                 return
-            tag, payload, handle = job
-            try:
-                if sock is None:
-                    sock = self._connect(dst)
-                kind, data = encode(payload)
-                dtype, shape = describe_payload(kind, payload)
-                pack_header(header, 0, tag, kind, dtype, shape, data.nbytes, 0, data.nbytes)
-                sock.sendall(header)
-                if data.nbytes:
-                    sock.sendall(memoryview(data.reshape(-1).view(np.uint8)))
-                self.sent_bytes[dst] = self.sent_bytes.get(dst, 0) + len(header) + data.nbytes
-            except BaseException as e:
-                handle.error = e
-                if not self._closed and isinstance(e, (OSError, ssl.SSLError)) and not isinstance(e, _PeerClosed):
-                    self._peer_lost(dst, f"sending to it failed: {e!r}")
+            tag, kind, data, dtype, shape, handle = job
+            with peer.write_lock:
+                handle.error = self._write(dst, peer, tag, kind, data, dtype, shape)
+                with peer.guard:
+                    peer.pending -= 1
+            if handle.error is not None:
+                self._send_failed(dst, handle.error)
             handle.done.set()
 
     # -- heartbeats ----------------------------------------------------------------
-
-    def _set_heartbeat(self, sock: socket.socket) -> None:
-        """Keepalive probes and a user timeout: a silent peer fails the connection within the heartbeat deadline."""
-        timeout = self.heartbeat_timeout
-        if not timeout or not hasattr(socket, "TCP_USER_TIMEOUT"):
-            return
-        interval = max(1, int(timeout / 3))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, interval)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(timeout * 1000))
 
     def _peer_lost(self, peer: int | None, detail: str) -> None:
         who = f"replica {peer} ({self.addresses[peer]})" if peer is not None else "a peer replica"
@@ -275,32 +324,23 @@ class SocketTransport(Transport):
             logger.warning("%s", message)
             self.mailbox.abort_group(Abort("lost", message, self.rank))
 
-    def send(self, dst: int, tag: Tag, payload: Any) -> SendHandle:
-        handle = _Send(dst, str(self._peer_addresses.get(dst)))
-        self._sender(dst).put((tag, payload, handle))
-        return handle
-
     # -- closing -------------------------------------------------------------------
 
     def close(self) -> None:
         self._closed = True
-        for jobs, thread in self._senders.values():
-            jobs.put(None)
-        for _, thread in self._senders.values():
-            thread.join(5)
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
-        except OSError:
-            pass
-        self._listener.close()
-        with self._lock:
-            connections = list(self._connections)
-        for conn in connections:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            conn.close()
-        self._acceptor.join(5)
-        for thread in self._readers:
-            thread.join(5)
+        peers = list(self._peers.values())
+        for peer in peers:
+            if peer.thread is not None:
+                peer.jobs.put(None)
+        for peer in peers:
+            if peer.thread is not None:
+                peer.thread.join(5)
+        self._acceptor.close()
+        for peer in peers:  # not under write_lock: shutting down also wakes a writer blocked on a full connection
+            sock = peer.sock
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                sock.close()

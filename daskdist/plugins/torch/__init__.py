@@ -10,6 +10,10 @@ Backend (stock ``DistributedDataParallel``, ``dist.*``, ``SyncBatchNorm``,
 
     strategy.run(train, args=(strategy.experimental_distribute_dataset(ds),))
 
+A model that lives on the replicas between ``strategy.run`` calls and that
+elastic commits keep: ``TorchModel(strategy, build)`` (``model.py``; its
+``ddp()`` re-wraps at each membership generation).
+
 Helpers: ``broadcast_parameters`` / ``allreduce_gradients`` (one fused
 all-reduce after ``backward()``). torch is imported only when the backend is
 used (``import daskdist`` never imports it).
@@ -21,8 +25,17 @@ from typing import Any
 
 from daskdist.plugins.torch.helpers import allreduce_gradients, broadcast_parameters, set_malloc_options
 
-__all__ = ["allreduce_gradients", "broadcast_parameters", "destroy_process_group", "init_process_group",
-           "register_backend", "set_malloc_options"]
+__all__ = ["TorchModel", "allreduce_gradients", "broadcast_parameters", "destroy_process_group",
+           "init_process_group", "register_backend", "set_malloc_options"]
+
+
+def __getattr__(name: str) -> Any:
+    """``TorchModel`` loads on first use (it imports torch)."""
+    if name == "TorchModel":
+        from daskdist.plugins.torch.model import TorchModel
+
+        return TorchModel
+    raise AttributeError(f"module 'daskdist.plugins.torch' has no attribute {name!r}")
 
 
 def init_process_group(*args: Any, **kwargs: Any) -> None:

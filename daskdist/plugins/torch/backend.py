@@ -7,8 +7,9 @@ default group with rank = the replica's id in sync and world size = the
 replicas in sync, meeting through ``DaskdistStore`` (the scheduler: no
 ``MASTER_ADDR``, no port). The group belongs to one membership generation:
 called again after the group re-formed (elastic), it destroys the old one and
-builds the next; a group of a closed strategy is destroyed by the next call
-(or by ``destroy_process_group()``).
+builds the next. It is destroyed when its replica closes (the strategy
+closed, or the worker left the group: a close callback of the replica
+runtime, ``add_close_callback``), or by ``destroy_process_group()``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from daskdist.plugins.torch.comm import ReplicaComm, comm_thread_wanted
 from daskdist.plugins.torch.process_group import BACKEND_NAME, ProcessGroupDaskdist
 from daskdist.plugins.torch.store import DaskdistStore
 
-__all__ = ["destroy_process_group", "init_process_group", "register_backend"]
+__all__ = ["destroy_process_group", "init_process_group", "is_current", "register_backend"]
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +125,8 @@ def init_process_group(timeout: datetime.timedelta | float | None = None) -> Non
             timeout = datetime.timedelta(seconds=float(timeout))
         dist.init_process_group(BACKEND_NAME, store=store, rank=int(runtime.rank), world_size=int(runtime.size),
                                 timeout=timeout)
+        # the replica's close destroys the group it made (a callback per generation: one call each, few)
+        runtime.add_close_callback(lambda: _destroy_if_made_by(runtime))
     except BaseException:
         comm.close()
         _current.comm = _current.runtime = _current.store = None
@@ -132,6 +135,23 @@ def init_process_group(timeout: datetime.timedelta | float | None = None) -> Non
     logger.info("torch.distributed initialised on daskdist: rank %d of %d (%s, generation %d, %s)", runtime.rank,
                 runtime.size, runtime.group_id, runtime.generation,
                 "communication thread" if comm.threaded else "inline")
+
+
+def is_current(runtime: Any = None) -> bool:
+    """Whether this process's default group was made by ``init_process_group`` for ``runtime``'s generation.
+
+    ``runtime``: a replica runtime (default: the one whose function runs in this thread).
+    """
+    runtime = context.current_runtime() if runtime is None else runtime
+    return (runtime is not None and _current.comm is not None and _current.runtime is runtime
+            and _current.generation == runtime.generation and dist.is_initialized())
+
+
+def _destroy_if_made_by(runtime: Any) -> None:
+    """The replica ``runtime`` closes: destroy the default group if that replica made it (not a later one's)."""
+    if _current.runtime is runtime:
+        logger.debug("Replica %s closes: destroying its torch process group", runtime.rank)
+        destroy_process_group()
 
 
 def destroy_process_group() -> None:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ReplicaComm", "comm_thread_wanted"]
+__all__ = ["Outcome", "ReplicaComm", "comm_thread_wanted"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,19 +86,30 @@ class ReplicaComm:
         sub = self.group.new_group(ranks, name=name)
         return None if sub is None else ReplicaComm(self.runtime, self.threaded, sub)
 
-    def run(self, call: Call, finish: Finish) -> torch.futures.Future:
-        """Run ``call`` on the group (async on its thread, or inline); the torch future of ``finish(result)``."""
-        future: torch.futures.Future = torch.futures.Future()
+    def run(self, call: Call, finish: Finish) -> Outcome:
+        """Run ``call`` on the group (async on its thread, or inline); the torch future of ``finish(result)``.
+
+        A failure completes the future with an error as torch's C++ callers
+        (DDP's reducer) see one (``Outcome``), never with the exception as
+        its value: ``set_exception`` stores a Python object that the reducer
+        reads as the collective's result, without the GIL (a segfault).
+        """
         try:
             group = self.group
             if self.threaded:
+                source: torch.futures.Future = torch.futures.Future()
+                outcome = Outcome(source.then(_unwrap))
                 work = call(group, True)
-                work.get_future().add_done_callback(lambda done: _complete(future, lambda: finish(done.result())))
-            else:
-                _complete(future, lambda: finish(call(group, False)))
+                work.get_future().add_done_callback(
+                    lambda done: _complete(source, outcome, lambda: finish(done.result())))
+                return outcome
+            result = finish(call(group, False))
         except BaseException as e:  # noqa: BLE001 - the torch call waiting on the future raises it
-            future.set_exception(e)
-        return future
+            logger.debug("daskdist torch collective failed: %s", e)
+            return Outcome.failed(e)
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(result)
+        return Outcome(future)
 
     def call(self, call: Call) -> Any:
         """Run ``call`` on the group now, in this thread (after the async work issued before it)."""
@@ -109,11 +120,44 @@ class ReplicaComm:
         self._closed = True
 
 
-def _complete(future: torch.futures.Future, body: Callable[[], Any]) -> None:
+class Outcome:
+    """The torch future of one collective, and its error as Python raises it (``None`` while none).
+
+    ``future`` fails with a C++ error (raised in a ``then`` callback) whose
+    message carries the collective's error; ``error`` keeps the exception
+    itself, for ``Work.wait`` in Python to raise as it was.
+    """
+
+    __slots__ = ("error", "future")
+
+    def __init__(self, future: Any):
+        self.future = future
+        self.error: BaseException | None = None
+
+    @classmethod
+    def failed(cls, error: BaseException) -> Outcome:
+        """An outcome already failed with ``error``."""
+        source: torch.futures.Future = torch.futures.Future()
+        outcome = cls(source.then(_unwrap))
+        outcome.error = error
+        source.set_result((False, error))
+        return outcome
+
+
+def _unwrap(done: Any) -> Any:
+    """``then`` callback: the collective's value, or its error raised (torch marks the future failed)."""
+    ok, value = done.value()
+    if not ok:
+        raise value
+    return value
+
+
+def _complete(source: torch.futures.Future, outcome: Outcome, body: Callable[[], Any]) -> None:
     try:
         result = body()
     except BaseException as e:  # noqa: BLE001 - the torch call waiting on it raises this
         logger.debug("daskdist torch collective failed: %s", e)
-        future.set_exception(e)
+        outcome.error = e
+        source.set_result((False, e))
         return
-    future.set_result(result)
+    source.set_result((True, result))

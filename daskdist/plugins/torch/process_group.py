@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from daskdist.ops import ReduceOp
-from daskdist.plugins.torch.comm import ReplicaComm
+from daskdist.plugins.torch.comm import Outcome, ReplicaComm
 
 __all__ = ["BACKEND_NAME", "SUPPORTED", "DaskdistWork", "ProcessGroupDaskdist"]  # noqa: RUF022 - constants first
 
@@ -43,12 +43,15 @@ class DaskdistWork(dist._Work):  # type: ignore[misc]
     """The work of one collective: done when the adapter completes its future; ``wait`` raises its error.
 
     (torch's ``_create_work_from_future`` makes a work whose ``wait`` swallows
-    the future's exception: a failed collective would look done.)
+    the future's exception: a failed collective would look done.) ``wait``
+    raises the collective's own exception (``outcome.error``); torch's C++
+    callers see the future fail with its message.
     """
 
-    def __init__(self, future: torch.futures.Future):
+    def __init__(self, outcome: Outcome):
         super().__init__()
-        self._future = future
+        self._outcome = outcome
+        self._future = outcome.future
 
     def wait(self, timeout: Any = None) -> bool:
         seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout or 0)
@@ -58,7 +61,12 @@ class DaskdistWork(dist._Work):  # type: ignore[misc]
                 if time.monotonic() >= deadline:
                     raise RuntimeError(f"daskdist collective did not finish within {seconds:g} s")
                 time.sleep(0.0005)
-        self._future.wait()  # raises the collective's error
+        try:
+            self._future.wait()
+        except Exception:
+            if self._outcome.error is not None:
+                raise self._outcome.error from None
+            raise
         return True
 
     def get_future(self) -> torch.futures.Future:
@@ -68,17 +76,13 @@ class DaskdistWork(dist._Work):  # type: ignore[misc]
         return bool(self._future.done())
 
     def is_success(self) -> bool:
-        if not self._future.done():
-            return False
-        try:
-            self._future.wait()
-        except Exception:
-            return False
-        return True
+        return bool(self._future.done()) and self.exception() is None
 
     def exception(self) -> Any:
         if not self._future.done():
             return None
+        if self._outcome.error is not None:
+            return self._outcome.error
         try:
             self._future.wait()
         except Exception as e:
@@ -86,7 +90,8 @@ class DaskdistWork(dist._Work):  # type: ignore[misc]
         return None
 
     def result(self) -> Any:
-        return self._future.wait()
+        self.wait()
+        return self._future.value()
 
 
 def _op_name(op: Any) -> ReduceOp:

@@ -1,0 +1,139 @@
+"""The socket transport's small-message path and its wire hello, on real sockets in one process.
+
+Small messages are written by the calling thread (no sender thread, one
+``sendmsg``), large ones by a per-peer sender thread, and one thread's
+messages to a peer arrive in the order it sent them either way. A connection
+must present the group's secret and generation (``daskdist.wire``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import dask
+import numpy as np
+import pytest
+
+from daskdist.collective.mailbox import Mailbox
+from daskdist.collective.transport.base import CompletedSend
+from daskdist.collective.transport.socket import SocketTransport, busy_poll_seconds
+from daskdist.group.membership import Generation, GroupId, Member, Membership
+from daskdist.group.spec import GroupSpec
+from daskdist.replica.wiring import make_transport
+
+ADDRESSES = ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"]
+
+
+class RecordingMailbox(Mailbox):
+    """A mailbox that also records the order messages were delivered in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.order: list = []
+
+    def put(self, tag, value) -> None:
+        self.order.append(tag)
+        super().put(tag, value)
+
+
+def _pair(receiver_secret="s", sender_secret="s", receiver_group="g/0", sender_group="g/0"):
+    receiver = SocketTransport(0, ADDRESSES, RecordingMailbox(), receiver_group, "127.0.0.1", secret=receiver_secret)
+    sender = SocketTransport(1, ADDRESSES, Mailbox(), sender_group, "127.0.0.1", secret=sender_secret)
+    sender.set_peer_addresses({0: receiver.listen_address})
+    return receiver, sender
+
+
+def _sender_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("daskdist-tcp-send-")]
+
+
+def test_small_messages_are_written_by_the_calling_thread_and_one_threads_order_holds():
+    receiver, sender = _pair()
+    try:
+        deadline = time.monotonic() + 30
+        assert isinstance(sender.send(0, (1, 0, 1, "a"), np.arange(10.0)), CompletedSend)
+        assert _sender_threads() == []  # nothing handed to another thread
+        big = np.arange(sender.inline_bytes // 8 + 1000, dtype=np.float64)
+        handles = [sender.send(0, (1, 1, 1, "b"), big)]  # large: the sender thread writes it
+        handles += [sender.send(0, (1, i, 1, "c"), np.full(3, i)) for i in range(2, 6)]  # queued behind it
+        for handle in handles:
+            handle.wait(deadline)
+        assert _sender_threads() == ["daskdist-tcp-send-1-0"]
+        assert sender.send(0, (1, 6, 1, "d"), "text") is not None
+        np.testing.assert_array_equal(receiver.mailbox.take((1, 1, 1, "b"), deadline), big)
+        assert receiver.mailbox.take((1, 6, 1, "d"), deadline) == "text"
+        assert receiver.mailbox.order == [(1, 0, 1, "a"), (1, 1, 1, "b"), *[(1, i, 1, "c") for i in range(2, 6)],
+                                          (1, 6, 1, "d")]
+        assert receiver.mailbox.take((1, 5, 1, "c"), deadline).tolist() == [5, 5, 5]
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_many_small_frames_in_one_read_arrive_whole():
+    receiver, sender = _pair()
+    try:
+        deadline = time.monotonic() + 30
+        sizes = [0, 1, 7, 100, 5000, 20_000, 3, 60_000]
+        for i, n in enumerate(sizes * 20):
+            sender.send(0, (2, i, 1, "x"), np.full(n, i % 251, np.uint8))
+        for i, n in enumerate(sizes * 20):
+            got = receiver.mailbox.take((2, i, 1, "x"), deadline)
+            assert got.shape == (n,) and (n == 0 or got[0] == i % 251)
+    finally:
+        sender.close()
+        receiver.close()
+
+
+@pytest.mark.parametrize("secret, group", [("wrong", "g/0"), ("s", "g/1")])
+def test_a_connection_without_the_groups_secret_or_from_another_generation_is_rejected(secret, group, caplog):
+    receiver, sender = _pair(sender_secret=secret, sender_group=group)
+    try:
+        with caplog.at_level(logging.WARNING, logger="daskdist.wire.connection"):
+            sender.send(0, (1, 0, 1, "a"), np.ones(3))
+            deadline = time.monotonic() + 10
+            while "Rejected a connection" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.02)
+        assert "did not present this channel's secret" in caplog.text
+        assert len(receiver.mailbox) == 0
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_busy_poll_is_off_when_cores_are_oversubscribed_and_set_by_config():
+    assert busy_poll_seconds(local_replicas=10_000) == 0.0  # auto: more replicas than cores
+    with dask.config.set({"daskdist.collective.socket.busy-poll": "100us"}):
+        assert busy_poll_seconds(10_000) == pytest.approx(1e-4)
+        receiver, sender = _pair()
+        try:
+            assert receiver.busy_poll == pytest.approx(1e-4)
+            sender.send(0, (1, 0, 1, "a"), np.ones(3))
+            assert receiver.recv(1, (1, 0, 1, "a"), time.monotonic() + 30).tolist() == [1.0, 1.0, 1.0]
+        finally:
+            sender.close()
+            receiver.close()
+    with dask.config.set({"daskdist.collective.socket.busy-poll": 0}):
+        assert busy_poll_seconds(1) == 0.0
+
+
+class _Worker:
+    """What ``make_transport`` reads of a Dask worker on the socket path: its address and ``Security``."""
+
+    address = "tcp://127.0.0.1:1"
+    security = None
+
+
+@pytest.mark.parametrize("transport", ["auto", "socket"])
+def test_a_gpu_groups_control_traffic_goes_over_sockets_to_every_peer_even_on_one_host(transport):
+    members = tuple(Member(f"tcp://127.0.0.1:{i + 1}", f"/job:worker/replica:0/task:{i}/device:GPU:0", "127.0.0.1")
+                    for i in range(3))
+    membership = Membership(GroupId("daskdist-test"), Generation(0), members)
+    spec = GroupSpec(membership, "token", transport=transport, secret="s")
+    routed = make_transport(0, membership, spec, Mailbox(), _Worker())
+    try:
+        assert {peer: route.name for peer, route in routed.routes_by_peer().items()} == {1: "socket", 2: "socket"}
+    finally:
+        routed.close()
