@@ -49,13 +49,20 @@ def test_model_created_outside_the_scope_is_refused_inside_it(threaded_client):
         model.fit(x, y, verbose=0, epochs=1)  # plain Keras still works
 
 
-def test_strategies_without_a_driver_refuse_keras3_models(threaded_client):
+def test_parameter_server_fit_takes_tensorflows_inputs_only(threaded_client):
+    x, y = dense_data(rows=32)
     workers = sorted(threaded_client.scheduler_info()["workers"])
     resolver = dd.cluster_resolver.SimpleClusterResolver(
         dd.cluster_resolver.ClusterSpec({"ps": workers[:1], "worker": workers[1:]}))
-    with dd.ParameterServerStrategy(resolver, client=threaded_client) as strategy, strategy.scope():
-        with pytest.raises(NotImplementedError, match="ParameterServerStrategy cannot train framework models"):
-            sequential()
+    with dd.ParameterServerStrategy(resolver, client=threaded_client) as strategy:
+        with strategy.scope():
+            model = compile_model(sequential())
+        with pytest.raises(ValueError, match="takes a `DatasetCreator`"):
+            model.fit(x, y, steps_per_epoch=2, verbose=0)
+        with pytest.raises(keras3.UnsupportedOptimizerError, match="keras.optimizers.SGD"):
+            with strategy.scope():
+                other = compile_model(sequential(), keras.optimizers.Adagrad(0.1))
+            other.fit(lambda ctx: None, steps_per_epoch=2, verbose=0)
 
 
 def test_weights_that_differ_across_replicas_at_the_start_raise_on_every_replica(threaded_client):

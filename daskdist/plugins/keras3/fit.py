@@ -67,22 +67,24 @@ def created(model: Any) -> None:
     # this model's get_weights takes the replicas' weights first (bound on it alone: Keras' Layer.get_weights,
     # which every layer shares, stays Keras' own)
     vars(model)["get_weights"] = types.MethodType(_recorded_get_weights, model)
-    from daskdist.plugins.keras3 import references
+    from daskdist.plugins.keras3 import ps, references
 
+    if ps.schedules_closures(strategy.extended):
+        return  # each worker gets its copy when fit installs it (ClusterCoordinator.run_on_each_worker)
     # before strategy.run ships a function, the built models created in this scope go to the replicas
     strategy.extended.provide_residents("keras3", functools.partial(references.place_models, strategy.extended))
 
 
 def _check_driver(strategy: Any) -> None:
     """Refuse strategies whose step driver this adapter cannot use yet (ParameterServer: its closures)."""
-    from daskdist.strategy.held_drivers import HolderStepDriver
+    from daskdist.strategy.held_drivers import HolderStepDriver, PsStepDriver
     from daskdist.strategy.training_contract import SpmdStepDriver
 
-    if not isinstance(strategy.extended.step_driver(), (SpmdStepDriver, HolderStepDriver)):
+    if not isinstance(strategy.extended.step_driver(), (SpmdStepDriver, HolderStepDriver, PsStepDriver)):
         raise NotImplementedError(
             f"{type(strategy).__name__} cannot train framework models (Keras 3) yet: use MirroredStrategy, "
-            "OneDeviceStrategy, MultiWorkerMirroredStrategy or CentralStorageStrategy, or the built-in layers "
-            "(daskdist.keras)")
+            "OneDeviceStrategy, MultiWorkerMirroredStrategy, CentralStorageStrategy or ParameterServerStrategy, "
+            "or the built-in layers (daskdist.keras)")
 
 
 def created_optimizer(optimizer: Any) -> None:
@@ -263,6 +265,14 @@ def fit(original: Callable[..., Any], model: Any, x: Any = None, y: Any = None, 
 
     if not model.compiled:
         raise ValueError("You must call `compile()` before using the model (`model.compile(optimizer, loss)`).")
+    from daskdist.plugins.keras3 import ps
+
+    if ps.schedules_closures(record.strategy.extended):
+        if any(v for v in (validation_split, class_weight is not None, sample_weight is not None)):
+            raise NotImplementedError("fit under ParameterServerStrategy does not take validation_split, "
+                                      "class_weight or sample_weight")
+        return ps.fit(model, record, x, y, epochs, verbose, callbacks, validation_data, initial_epoch,
+                      steps_per_epoch, lambda: _learning_rate(model))
     unsupported = {"validation_split": validation_split != 0.0, "class_weight": class_weight is not None,
                    "sample_weight": sample_weight is not None, "validation_freq": validation_freq != 1}
     if any(unsupported.values()):
@@ -375,6 +385,10 @@ def evaluate(original: Callable[..., Any], model: Any, x: Any = None, y: Any = N
         return original(model, x, y, batch_size, verbose, sample_weight, steps, callbacks, return_dict, **kwargs)
     if sample_weight is not None:
         raise NotImplementedError("evaluate under a daskdist strategy takes sample weights in the dataset's elements")
+    from daskdist.plugins.keras3 import ps
+
+    if ps.schedules_closures(record.strategy.extended):  # the client's copy holds the stored parameters (fit took
+        return original(model, x, y, batch_size, verbose, sample_weight, steps, callbacks, return_dict, **kwargs)
     import keras
 
     data = _distribute(record, x, y, batch_size, False, model)

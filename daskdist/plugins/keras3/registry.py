@@ -29,6 +29,8 @@ class Record:
         Its id in the replicas' resident store.
     fingerprint
         What the replicas hold (architecture, compile settings, weights); ``None`` before the first install.
+    driver
+        Under ParameterServerStrategy, the step driver of the newest ``fit`` (its parameters on the ps), else ``None``.
     """
 
     strategy: Any
@@ -36,6 +38,7 @@ class Record:
     fingerprint: Any = None
     dirty: bool = False
     """The replicas' copy may have changed since the client took its state (a custom loop ran)."""
+    driver: Any = None
 
 
 _records: weakref.WeakKeyDictionary[Any, Record] = weakref.WeakKeyDictionary()
