@@ -63,6 +63,11 @@ def test_parameter_server_fit_takes_tensorflows_inputs_only(threaded_client):
             with strategy.scope():
                 other = compile_model(sequential(), keras.optimizers.Adagrad(0.1))
             other.fit(lambda ctx: None, steps_per_epoch=2, verbose=0)
+        with strategy.scope():
+            normed = compile_model(keras.Sequential([keras.Input((8,)), keras.layers.BatchNormalization(),
+                                                     keras.layers.Dense(4)]))
+        with pytest.raises(NotImplementedError, match="BatchNormalization's moving statistics"):
+            normed.fit(lambda ctx: None, steps_per_epoch=2, verbose=0)
 
 
 def test_weights_that_differ_across_replicas_at_the_start_raise_on_every_replica(threaded_client):

@@ -153,13 +153,20 @@ def fit(model: Any, record: registry.Record, x: Any, y: Any, epochs: int, verbos
     if validation_data is not None:
         raise NotImplementedError(f"validation_data under {name}: call model.evaluate after fit")
     update_rule.check_optimizer(model.optimizer, name)
+    stateful = [w.path for w in model.non_trainable_weights
+                if np.dtype(keras.backend.standardize_dtype(w.dtype)).kind == "f"]
+    if stateful:
+        raise NotImplementedError(f"non-trainable weights ({', '.join(stateful[:4])}: BatchNormalization's moving "
+                                  f"statistics, frozen layers) are not held under {name} yet: they would stay on "
+                                  "each worker")
     if not model.built:
         raise ValueError(f"model {model.name!r} is not built: give it an Input (its workers build their datasets)")
     record.strategy.extended.check_open()
     coordinator = ClusterCoordinator(record.strategy)
     driver = record.driver = _install(model, record, coordinator)
     creator = x if isinstance(x, DatasetCreator) else DatasetCreator(x)
-    iterator = iter(coordinator.create_per_worker_dataset(creator))  # type: ignore[type-var]
+    per_worker: Any = coordinator.create_per_worker_dataset(creator)
+    iterator = iter(per_worker)  # per worker, an iterator over its own dataset
     size = max(1, int(getattr(model, "steps_per_execution", 1) or 1))
     verbose_level = 1 if verbose == "auto" else int(verbose)
     callback_list = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose_level != 0,
