@@ -81,8 +81,11 @@ def _start_fit(tmp_path, where: str) -> tuple[subprocess.Popen, str, list[int]]:
     """A script training until it is stopped; its strategy token, group id and its workers' pids once it fits."""
     script = tmp_path / "fit.py"
     script.write_text(_FIT)
+    # Ctrl-C as a user's terminal delivers it, also when this suite runs as a background job (where the shell
+    # starts every process with SIGINT ignored, and Python then never raises KeyboardInterrupt)
     process = subprocess.Popen([sys.executable, str(script), where], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                               text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     first = process.stdout.readline().split()
     assert first, process.communicate(timeout=30)[1][-3000:]
     token, group_id, pids = first[0], first[1], [int(p) for p in first[2:]]
@@ -162,12 +165,15 @@ def test_ctrl_c_while_waiting_for_a_run_aborts_it_on_the_replicas(threaded_clien
 
     with dd.MirroredStrategy(client=threaded_client) as strategy:
         timer = threading.Timer(1.0, _thread.interrupt_main)  # Ctrl-C, one second into the run
+        # interrupt_main does nothing where SIGINT is ignored (a suite run as a background job): Python's own handler
+        handler = signal.signal(signal.SIGINT, signal.default_int_handler)
         timer.start()
         try:
             with pytest.raises(KeyboardInterrupt):
                 strategy.run(long_run)
         finally:
             timer.cancel()
+            signal.signal(signal.SIGINT, handler)
         interrupted = time.monotonic()
         assert set(strategy.experimental_local_results(strategy.run(lambda: 7))) == {7}  # the replicas are free again
         assert time.monotonic() - interrupted < DEADLINE
