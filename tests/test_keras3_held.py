@@ -99,7 +99,11 @@ def test_central_storage_fit_evaluate_predict_equal_one_process(threaded_client,
         model.set_weights(plain.get_weights())
         model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
         plain.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
-        _assert_same_weights(model, plain)
+        # what this checks is where training started (the halved weights, a 0.5x difference if not); after 9 steps
+        # of SGD with momentum 0.9 at lr 0.05 the order of the replicas' gradient sums shows in a few elements at
+        # 2e-5 (seen once in a full run), so the tolerance is the noise's, not the first epochs' 1e-5
+        for a, b in zip(model.get_weights(), plain.get_weights()):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_unsupported_optimizers_are_refused_naming_the_supported_ones(threaded_client):
