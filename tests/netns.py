@@ -331,3 +331,25 @@ def _start_processes(cluster: NetnsHosts, per_host: list[int], timeout: float) -
     state = json.loads(cluster.state_file.read_text())
     state["pids"] = [p.pid for h in cluster.hosts for p in [h.anchor, *h.workers]] + [cluster.scheduler.pid]
     cluster.state_file.write_text(json.dumps(state))
+
+
+def can_connect(address: str) -> bool:
+    """Whether a TCP connection to ``address`` (``tcp://host:port``) opens within 0.5 s (run on a worker)."""
+    host, port = address.split("://")[1].rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=0.5).close()
+        return True
+    except OSError:
+        return False
+
+
+def wait_until_hosts_reach_each_other(client, hosts: NetnsHosts, timeout: float = 20) -> None:
+    """Block until a worker of each host connects to every worker of the others (after a link came back up)."""
+    workers = list(client.scheduler_info()["workers"])
+    deadline = time.monotonic() + timeout
+    for src in hosts.hosts:
+        mine = [w for w in workers if f"//{src.address}:" in w]
+        others = [w for w in workers if w not in mine]
+        while not all(client.run(can_connect, o, workers=mine[:1])[mine[0]] for o in others):
+            assert time.monotonic() < deadline, f"{src.hostname} cannot reach the other host after the link came back"
+            time.sleep(0.2)

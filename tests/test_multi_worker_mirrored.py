@@ -25,6 +25,8 @@ from daskdist import context, distribute
 from daskdist.cluster_resolver import ClusterSpec, SimpleClusterResolver, TFConfigClusterResolver
 from daskdist.replica import commands
 from daskdist.strategy.multi_worker_mirrored import MultiWorkerMirroredStrategyExperimental
+from tests.netns import wait_until_hosts_reach_each_other
+from tests.support.killers import json_records
 
 
 def _each_replica(strategy, fn, *args) -> list:
@@ -290,26 +292,6 @@ def _all_reduce_until_failure(record_dir: str):
     return "finished"
 
 
-def _can_connect(address: str) -> bool:
-    host, port = address.split("://")[1].rsplit(":", 1)
-    try:
-        socket.create_connection((host, int(port)), timeout=0.5).close()
-        return True
-    except OSError:
-        return False
-
-
-def _wait_until_hosts_reach_each_other(client, hosts, timeout: float = 20) -> None:
-    workers = list(client.scheduler_info()["workers"])
-    deadline = time.monotonic() + timeout
-    for src in hosts.hosts:
-        mine = [w for w in workers if f"//{src.address}:" in w]
-        others = [w for w in workers if w not in mine]
-        while not all(client.run(_can_connect, o, workers=mine[:1])[mine[0]] for o in others):
-            assert time.monotonic() < deadline, f"{src.hostname} cannot reach the other host after the link came back"
-            time.sleep(0.2)
-
-
 def _run_in_thread(strategy, record_dir):
     outcome: dict = {}
 
@@ -323,16 +305,6 @@ def _run_in_thread(strategy, record_dir):
     thread = threading.Thread(target=target, daemon=True)
     thread.start()
     return thread, outcome
-
-
-def _records(record_dir, ranks, wait: float) -> dict[int, dict]:
-    deadline = time.monotonic() + wait
-    while True:
-        found = {r: json.loads((record_dir / f"rank-{r}.json").read_text())
-                 for r in ranks if (record_dir / f"rank-{r}.json").exists()}
-        if len(found) == len(ranks) or time.monotonic() > deadline:
-            return found
-        time.sleep(0.1)
 
 
 @netns
@@ -351,10 +323,10 @@ def test_a_link_down_without_fin_or_rst_is_detected_within_10_seconds(netns_host
             assert isinstance(outcome.get("error"), dd.ReplicaLostError), outcome
             assert outcome["at"] - cut < 10
             assert "heartbeat-timeout" in str(outcome["error"])
-            on_h1 = _records(tmp_path, [0, 1], wait=10)
+            on_h1 = json_records(tmp_path, [0, 1], wait=10)
         finally:
             hosts.link_up(1)
-        on_h2 = _records(tmp_path, [2, 3], wait=10)  # h2's replicas detected it too
+        on_h2 = json_records(tmp_path, [2, 3], wait=10)  # h2's replicas detected it too
         for rank, record in {**on_h1, **on_h2}.items():
             assert record["error"] == "ReplicaLostError", (rank, record)
             assert record["at"] - cut < 10, (rank, record["at"] - cut)
@@ -364,7 +336,7 @@ def test_a_link_down_without_fin_or_rst_is_detected_within_10_seconds(netns_host
         strategy.close()
         assert time.monotonic() - closing < 30
     assert len(client.scheduler_info()["workers"]) == 4  # Dask kept the workers: only the group failed
-    _wait_until_hosts_reach_each_other(client, hosts)
+    wait_until_hosts_reach_each_other(client, hosts)
 
 
 @netns
@@ -385,7 +357,7 @@ def test_kill_9_of_one_hosts_worker_mid_all_reduce_fails_every_survivor_and_the_
         assert not thread.is_alive(), "the client's call hung after a worker was killed"
         assert isinstance(outcome.get("error"), dd.ReplicaLostError), outcome
         assert outcome["at"] - killed < 10
-        survivors = _records(tmp_path, [0, 1, 2], wait=10)
+        survivors = json_records(tmp_path, [0, 1, 2], wait=10)
         assert sorted(survivors) == [0, 1, 2]
         for rank, record in survivors.items():
             assert record["error"] == "ReplicaLostError" and record["at"] - killed < 10, (rank, record)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -24,6 +23,8 @@ import pytest
 import daskdist as dd
 from daskdist import context
 from daskdist.replica import commands
+from tests.netns import wait_until_hosts_reach_each_other
+from tests.support.killers import json_records
 
 pytestmark = pytest.mark.netns
 
@@ -105,36 +106,6 @@ def _start(strategy, record_dir):
     return thread, outcome
 
 
-def _can_connect(address: str) -> bool:
-    host, port = address.split("://")[1].rsplit(":", 1)
-    try:
-        socket.create_connection((host, int(port)), timeout=0.5).close()
-        return True
-    except OSError:
-        return False
-
-
-def _wait_until_hosts_reach_each_other(client, hosts, timeout: float = 20) -> None:
-    workers = list(client.scheduler_info()["workers"])
-    deadline = time.monotonic() + timeout
-    for src in hosts.hosts:
-        mine = [w for w in workers if f"//{src.address}:" in w]
-        others = [w for w in workers if w not in mine]
-        while not all(client.run(_can_connect, o, workers=mine[:1])[mine[0]] for o in others):
-            assert time.monotonic() < deadline, f"{src.hostname} cannot reach the other host after the link came back"
-            time.sleep(0.2)
-
-
-def _records(record_dir, ranks, wait: float) -> dict[int, dict]:
-    deadline = time.monotonic() + wait
-    while True:
-        found = {r: json.loads((record_dir / f"rank-{r}.json").read_text())
-                 for r in ranks if (record_dir / f"rank-{r}.json").exists()}
-        if len(found) == len(ranks) or time.monotonic() > deadline:
-            return found
-        time.sleep(0.1)
-
-
 def test_kill_9_of_the_other_hosts_ring_member_mid_pipeline_fails_every_replica_within_10_seconds(
         netns_tls_hosts, tmp_path):
     hosts, client = netns_tls_hosts  # a worker dies: the fixture starts fresh hosts for the next test
@@ -150,7 +121,7 @@ def test_kill_9_of_the_other_hosts_ring_member_mid_pipeline_fails_every_replica_
         assert not thread.is_alive(), "the client's call hung after a worker was killed"
         assert isinstance(outcome.get("error"), dd.ReplicaLostError), outcome
         assert outcome["at"] - killed < 10
-        survivors = _records(tmp_path, [0, 1, 3], wait=10)
+        survivors = json_records(tmp_path, [0, 1, 3], wait=10)
         assert sorted(survivors) == [0, 1, 3]
         for rank, record in survivors.items():
             assert record["error"] == "ReplicaLostError" and record["at"] - killed < 10, (rank, record)
@@ -171,10 +142,10 @@ def test_a_cut_link_mid_pipeline_is_detected_within_10_seconds_on_every_replica(
             assert not thread.is_alive(), "the client's call hung after the link went down"
             assert isinstance(outcome.get("error"), dd.ReplicaLostError), outcome
             assert outcome["at"] - cut < 10
-            on_h1 = _records(tmp_path, [0, 1], wait=10)
+            on_h1 = json_records(tmp_path, [0, 1], wait=10)
         finally:
             hosts.link_up(1)
-        on_h2 = _records(tmp_path, [2, 3], wait=10)
+        on_h2 = json_records(tmp_path, [2, 3], wait=10)
         for rank, record in {**on_h1, **on_h2}.items():
             assert record["error"] == "ReplicaLostError", (rank, record)
             assert record["at"] - cut < 10, (rank, record["at"] - cut)
@@ -184,7 +155,7 @@ def test_a_cut_link_mid_pipeline_is_detected_within_10_seconds_on_every_replica(
         strategy.close()
         assert time.monotonic() - closing < 30
     assert len(client.scheduler_info()["workers"]) == 4  # Dask kept the workers: only the group failed
-    _wait_until_hosts_reach_each_other(client, hosts)
+    wait_until_hosts_reach_each_other(client, hosts)
 
 
 def _receive_from_the_other_host(record_dir: str):
@@ -244,10 +215,10 @@ def test_a_cut_link_is_detected_over_tls_by_replicas_that_only_wait_to_receive(n
             thread.join(20)
             assert not thread.is_alive(), "the client's call hung after the link went down"
             assert isinstance(outcome.get("error"), dd.ReplicaLostError), outcome
-            on_h1 = _records(tmp_path, [0, 1], wait=10)
+            on_h1 = json_records(tmp_path, [0, 1], wait=10)
         finally:
             hosts.link_up(1)
-        on_h2 = _records(tmp_path, [2, 3], wait=10)
+        on_h2 = json_records(tmp_path, [2, 3], wait=10)
         records = {**on_h1, **on_h2}
         assert {0, 1, 2} <= set(records)
         for rank, record in records.items():
@@ -255,7 +226,7 @@ def test_a_cut_link_is_detected_over_tls_by_replicas_that_only_wait_to_receive(n
             assert record["at"] - cut < 10, (rank, record["at"] - cut)
     finally:
         strategy.close()
-    _wait_until_hosts_reach_each_other(client, hosts)
+    wait_until_hosts_reach_each_other(client, hosts)
     if 3 not in records:
         # rank 3 waits on shared memory only (for rank 2's broadcast); it has no TCP read of its own to fail
         # and depends on the abort rank 2 sends it when rank 2's send fails, which did not arrive in the

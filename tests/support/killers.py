@@ -50,6 +50,17 @@ class RunInBackground:
         return self.error
 
 
+def json_records(directory, ranks, wait: float) -> dict[int, dict]:
+    """The ``rank-<r>.json`` records the replicas wrote in ``directory``, waiting up to ``wait`` s for all of them."""
+    deadline = time.monotonic() + wait
+    while True:
+        found = {r: json.loads((directory / f"rank-{r}.json").read_text())
+                 for r in ranks if (directory / f"rank-{r}.json").exists()}
+        if len(found) == len(ranks) or time.monotonic() > deadline:
+            return found
+        time.sleep(0.1)
+
+
 def wait_for_files(directory, pattern: str, count: int, timeout: float = 120) -> None:
     """Block until ``count`` files match ``pattern`` in ``directory`` (replicas that reached a point)."""
     deadline = time.monotonic() + timeout
