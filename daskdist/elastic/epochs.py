@@ -43,7 +43,7 @@ from daskdist.data.split import global_batch_sizes
 from daskdist.elastic.ledger import EpochSchedule, RowMap
 from daskdist.elastic.options import ElasticOptions
 
-__all__ = ["EpochInput", "check_elastic_pipeline", "release"]
+__all__ = ["EpochInput", "EpochPlans", "check_elastic_pipeline", "release"]
 
 logger = logging.getLogger(__name__)
 
@@ -203,3 +203,52 @@ def release(strategy: Any, distributed: Any) -> None:
     from daskdist.data.replica import forget_dataset
 
     strategy.extended.run_on_replicas(forget_dataset, (distributed._id,))
+
+
+class EpochPlans:
+    """The distributed dataset of the rest of an epoch, planned again when its start or the members change.
+
+    One per elastic fit (the built-in layers' and the Keras 3 adapter's). A
+    plan that is over (a new row to start from, new members) is released on
+    the replicas at the next ``rest``: its shards leave their memory.
+
+    Parameters
+    ----------
+    strategy
+        The elastic strategy.
+    epoch_input
+        The fit's ``EpochInput``.
+    """
+
+    def __init__(self, strategy: Any, epoch_input: EpochInput):
+        self.strategy = strategy
+        self.input = epoch_input
+        self._planned: tuple[tuple[Any, ...], Any] | None = None  # (what it was planned for, distributed dataset)
+        self._stale: list[Any] = []  # distributed datasets whose shards the replicas may drop
+
+    def rest(self, epoch: int, schedule: Any, first: int, limit: int | None, size: int) -> tuple[Any, int]:
+        """The epoch's global batches from step ``first`` on over ``size`` members, and the epoch's steps.
+
+        A loss while the old plans are released raises here (the caller recovers and asks again).
+        """
+        row = schedule.row_of_step(first) if first else 0
+        schedule.start(first, row, self.input.global_batch(size))
+        total = first + self.input.steps_from(row, size)
+        if limit is not None:
+            total = min(total, int(limit))
+        order_key = None if self.input.shuffle is None else (0 if self.input.frozen_order else epoch)
+        wanted = (order_key, row, tuple(self.strategy.extended.worker_addresses))
+        if self._planned is None or self._planned[0] != wanted:
+            self.forget()
+            self._planned = (wanted, self.strategy.experimental_distribute_dataset(
+                self.input.dataset_from(epoch, row, size), GLOBAL_SPLIT))
+        while self._stale:
+            release(self.strategy, self._stale[-1])
+            self._stale.pop()
+        return self._planned[1], total
+
+    def forget(self) -> None:
+        """Plan again at the next ``rest`` (the members changed); the current plan is released then."""
+        if self._planned is not None:
+            self._stale.append(self._planned[1])
+        self._planned = None

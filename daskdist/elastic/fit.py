@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from daskdist.data.dataset import Dataset
-from daskdist.elastic.epochs import GLOBAL_SPLIT, EpochInput, release
-from daskdist.elastic.ledger import DataLedger, EpochSchedule
+from daskdist.elastic.epochs import EpochInput, EpochPlans
+from daskdist.elastic.ledger import DataLedger
 from daskdist.elastic.options import ElasticOptions, notify_membership_change
 from daskdist.elastic.recovery import (
     RECOVERABLE,
@@ -75,8 +75,7 @@ class ElasticFit:
         self._first_epoch = 0
         self._callbacks: Any = None  # the fit's CallbackList, told of membership changes
         self._untold: list[Recovery] = []  # changes before the first epoch (growth at the start): told then
-        self._planned: tuple[tuple, Any] | None = None  # (what it was planned for, distributed dataset)
-        self._stale: list[Any] = []  # distributed datasets whose shards the replicas may drop
+        self.plans = EpochPlans(self.strategy, self.input)
         self._schedule = self.input.schedule(0)
 
     # -- epochs ---------------------------------------------------------------------
@@ -125,7 +124,7 @@ class ElasticFit:
                 first, start = self._resume(epoch, first, *recovered)
         while True:
             try:
-                dist, total = self._plan_rest(epoch, schedule, first, steps)  # a loss while planning: recover too
+                dist, total = self.plans.rest(epoch, schedule, first, steps, self.group.size)  # a loss while planning: recover too
                 lr = float(self.model.optimizer.learning_rate)
                 room = self.options.max_replicas is None or self.group.size < self.options.max_replicas
                 args = (self.model._model_id, dist, total - first, lr, self.runner._tag, (self.fit_id, epoch), first,
@@ -146,26 +145,6 @@ class ElasticFit:
             self.ledger.record(epoch, range(first, total), schedule)
             self._committed = (self.fit_id, epoch, total)
             return dict(logs)
-
-    def _plan_rest(self, epoch: int, schedule: EpochSchedule, first: int, limit: int | None) -> tuple[Any, int]:
-        """The epoch's global batches from step ``first`` on over the current members, and the epoch's steps."""
-        row = schedule.row_of_step(first) if first else 0
-        n = self.group.size
-        schedule.start(first, row, self.input.global_batch(n))
-        total = first + self.input.steps_from(row, n)
-        if limit is not None:
-            total = min(total, int(limit))
-        order_key = None if self.input.shuffle is None else (0 if self.input.frozen_order else epoch)
-        wanted = (order_key, row, tuple(self.strategy.extended.worker_addresses))
-        if self._planned is None or self._planned[0] != wanted:
-            if self._planned is not None:
-                self._stale.append(self._planned[1])
-            self._planned = (wanted, self.strategy.experimental_distribute_dataset(
-                self.input.dataset_from(epoch, row, n), GLOBAL_SPLIT))
-        while self._stale:  # plans that are over: their rows leave the replicas (a loss here is recovered from)
-            release(self.strategy, self._stale[-1])
-            self._stale.pop()
-        return self._planned[1], total
 
     def _resume(self, epoch: int, first: int, key: CommitKey, progress: dict) -> tuple[int, Any]:
         """After going back to commit ``key``: the ledger up to it, and the step and progress to go on from."""
@@ -233,9 +212,7 @@ class ElasticFit:
 
     def _forget_plan(self) -> None:
         """Plan again at the next epoch command (the members changed); the old plan's shards are released."""
-        if self._planned is not None:
-            self._stale.append(self._planned[1])
-        self._planned = None
+        self.plans.forget()
 
     def _notify(self, outcome: Recovery) -> None:
         """Tell the user of a membership change (to rescale a learning rate, say), before training goes on.

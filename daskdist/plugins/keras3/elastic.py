@@ -25,7 +25,7 @@ import logging
 from typing import Any
 
 from daskdist.data.dataset import Dataset
-from daskdist.elastic.epochs import GLOBAL_SPLIT, EpochInput, release
+from daskdist.elastic.epochs import EpochInput, EpochPlans
 from daskdist.elastic.fit import catch_up
 from daskdist.elastic.ledger import DataLedger, EpochSchedule
 from daskdist.elastic.options import ElasticOptions, notify_membership_change
@@ -80,8 +80,7 @@ class KerasElasticFit:
         self.callbacks: Any = None  # the fit's CallbackList: told of membership changes
         self.history: Any = None  # the fit's History: its elastic_events
         self.fit_id = 0
-        self._planned: tuple[tuple[Any, ...], Any] | None = None
-        self._stale: list[Any] = []
+        self.plans = EpochPlans(self.strategy, self.input)
         self.generation = 0  # membership changes so far (the client re-plans validation data on a change)
 
     # -- epochs ---------------------------------------------------------------------
@@ -105,7 +104,7 @@ class KerasElasticFit:
         first = 0
         while True:
             try:
-                batches, total = self._plan_rest(epoch, schedule, first, limit)
+                batches, total = self.plans.rest(epoch, schedule, first, limit, self.group.size)
                 args = (self.record.object_id, batches, total - first, driver, learning_rate,
                         (self.fit_id, epoch), first, self.options.commit_every, tag)
                 result: dict[str, Any] = self.group.call(commands.elastic_train_epoch, args)[0]
@@ -124,26 +123,6 @@ class KerasElasticFit:
                 return logs
             except RECOVERABLE as error:
                 self._recover(error)
-
-    def _plan_rest(self, epoch: int, schedule: EpochSchedule, first: int, limit: int | None) -> tuple[Any, int]:
-        """The epoch's global batches from step ``first`` on over the current members, and the epoch's steps."""
-        row = schedule.row_of_step(first) if first else 0
-        n = self.group.size
-        schedule.start(first, row, self.input.global_batch(n))
-        total = first + self.input.steps_from(row, n)
-        if limit is not None:
-            total = min(total, int(limit))
-        order_key = None if self.input.shuffle is None else (0 if self.input.frozen_order else epoch)
-        wanted = (order_key, row, tuple(self.extended.worker_addresses))
-        if self._planned is None or self._planned[0] != wanted:
-            if self._planned is not None:
-                self._stale.append(self._planned[1])
-            self._planned = (wanted, self.strategy.experimental_distribute_dataset(
-                self.input.dataset_from(epoch, row, n), GLOBAL_SPLIT))
-        while self._stale:  # plans that are over: their rows leave the replicas
-            release(self.strategy, self._stale[-1])
-            self._stale.pop()
-        return self._planned[1], total
 
     def _resume(self, epoch: int, first: int, key: CommitKey, schedule: EpochSchedule) -> int:
         """After going back to commit ``key``: the ledger up to it, and the step of ``epoch`` to go on from."""
@@ -173,9 +152,7 @@ class KerasElasticFit:
                 hook(outcome.to_msg())
         if self.history is not None:
             self.history.elastic_events = [e.to_msg() for e in self.events]
-        if self._planned is not None:  # the rest of the epoch is planned over the new members
-            self._stale.append(self._planned[1])
-            self._planned = None
+        self.plans.forget()  # the rest of the epoch is planned over the new members
         return outcome.commit
 
     def _install_newcomer(self, rank: int) -> None:
