@@ -168,18 +168,6 @@ def _give_stored(model: Any, record: registry.Record, driver: Any) -> None:
                       rule_state=update_rule.rule_state(_optimizer(model), rule))
 
 
-def _take_stored(model: Any, record: registry.Record, driver: Any) -> None:
-    """Give the client's model the held parameters and optimizer state (checkpoints and ``save`` see them)."""
-    variables = list(model.trainable_variables)
-    stored = driver.stored_state(record.strategy.client, len(variables))
-    if stored is None:
-        return
-    for variable, value in zip(variables, stored["params"]):
-        variable.assign(np.asarray(value))
-    optimizer = _optimizer(model)
-    update_rule.assign_rule_state(optimizer, variables, update_rule.update_rule(optimizer), stored["rule_state"])
-
-
 def _pull(model: Any, record: registry.Record) -> None:
     """After a custom loop (``strategy.run``) changed the replicas' copy: take replica 0's state."""
     if not record.dirty or record.fingerprint is None:
@@ -356,7 +344,7 @@ def fit(original: Callable[..., Any], model: Any, x: Any = None, y: Any = None, 
         logs = dict(results["logs"])
         _take_state(model, results["state"])
         if holding:
-            _take_stored(model, record, driver)
+            update_rule.take_stored(model, record.strategy.client, driver)
         record.fingerprint = fingerprint(model)
         record.dirty = False
         if validation_data is not None:

@@ -32,7 +32,7 @@ from daskdist.plugins.keras3.backend import keras_backend, prepare_replica
 from daskdist.plugins.keras3.payload import ModelPayload, pack_model, unpack_model
 from daskdist.plugins.keras3.resident import KerasTrainable
 
-__all__ = ["KerasPsWorker", "fit", "schedules_closures", "take_stored"]
+__all__ = ["KerasPsWorker", "fit", "schedules_closures"]
 
 
 def schedules_closures(extended: Any) -> bool:
@@ -107,18 +107,6 @@ def _install(model: Any, record: registry.Record, coordinator: Any) -> Any:
     return driver
 
 
-def take_stored(model: Any, record: registry.Record, driver: Any) -> None:
-    """Give the client's model the stored parameters and optimizer slots."""
-    variables = list(model.trainable_variables)
-    stored = driver.stored_state(record.strategy.client, len(variables))
-    if stored is None:
-        return
-    for variable, value in zip(variables, stored["params"]):
-        variable.assign(np.asarray(value))
-    update_rule.assign_rule_state(model.optimizer, variables, update_rule.update_rule(model.optimizer),
-                                  stored["rule_state"])
-
-
 def _build_metrics(model: Any, sample: Any) -> None:
     """Build the client's compiled metrics (as the workers' are) from one row, then zero them."""
     if sample is None:
@@ -188,7 +176,7 @@ def fit(model: Any, record: registry.Record, x: Any, y: Any, epochs: int, verbos
         for variable, total in zip(model.metrics_variables, totals):
             variable.assign(total)
         logs = {k: float(np.asarray(v)) for k, v in model.get_metrics_result().items() if np.asarray(v).size == 1}
-        take_stored(model, record, driver)
+        update_rule.take_stored(model, record.strategy.client, driver)
         callback_list.on_epoch_end(epoch, logs)
         if model.stop_training:
             break

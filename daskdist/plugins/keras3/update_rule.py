@@ -21,7 +21,7 @@ import numpy as np
 from daskdist.keras.optimizers import Adam
 
 __all__ = ["SUPPORTED", "KerasAdam", "UnsupportedOptimizerError", "assign_rule_state", "check_optimizer", "rule_state",
-           "update_rule"]
+           "take_stored", "update_rule"]
 
 
 class UnsupportedOptimizerError(NotImplementedError):
@@ -142,3 +142,18 @@ def assign_rule_state(optimizer: Any, variables: list[Any], rule: Any, state: di
             value = state.get(f"{slot}/{i}")
             if value is not None:
                 target.assign(np.asarray(value))
+
+
+def take_stored(model: Any, client: Any, driver: Any) -> None:
+    """Give the client's ``model`` the parameters and optimizer slots its driver's stores hold (``None``: none yet).
+
+    After each epoch under a parameter holder or parameter servers, so that
+    ``get_weights``, ``save`` and checkpoints see the stored state.
+    """
+    variables = list(model.trainable_variables)
+    stored = driver.stored_state(client, len(variables))
+    if stored is None:
+        return
+    for variable, value in zip(variables, stored["params"]):
+        variable.assign(np.asarray(value))
+    assign_rule_state(model.optimizer, variables, update_rule(model.optimizer), stored["rule_state"])
