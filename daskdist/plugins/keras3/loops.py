@@ -67,22 +67,14 @@ def train_epoch(extended: Any, model_id: str, batches: Any, limit: int | None, s
         results = extended.run_on_replicas(commands.train_epoch,
                                            (model_id, batches, limit, driver, learning_rate()))
         return dict(results[0])
-    extended.run_on_replicas(commands.begin_loop, (model_id, "train", batches))
-    step = 0
-    try:
-        while steps is None or step < steps:
-            count = size if steps is None else min(size, steps - step)
-            callbacks.on_train_batch_begin(step)
-            out = extended.run_on_replicas(commands.train_steps, (model_id, count, driver, learning_rate()))[0]
-            moved()
-            if out["steps"]:
-                step += out["steps"]
-                callbacks.on_train_batch_end(step - 1, dict(out["logs"]))
-            if out["steps"] < count or stopped():
-                break
-    finally:
-        results = extended.run_on_replicas(commands.end_loop, (model_id, "train"))
-    return dict(results[0])
+    def run(count: int) -> dict[str, Any]:
+        out: dict[str, Any] = extended.run_on_replicas(commands.train_steps,
+                                                       (model_id, count, driver, learning_rate()))[0]
+        moved()
+        return out
+
+    return _stepwise(extended, model_id, "train", batches, steps, size, run, callbacks.on_train_batch_begin,
+                     callbacks.on_train_batch_end, stopped)
 
 
 def evaluate(extended: Any, model_id: str, batches: Any, steps: int | None, callbacks: Any, per_batch: bool,
@@ -94,20 +86,35 @@ def evaluate(extended: Any, model_id: str, batches: Any, steps: int | None, call
         logs: dict[str, float] = extended.run_on_replicas(commands.evaluate, (model_id, batches, steps))[0]
     else:
         steps = steps if steps is not None else planned_steps(batches)
-        extended.run_on_replicas(commands.begin_loop, (model_id, "test", batches))
-        step = 0
-        try:
-            while steps is None or step < steps:
-                count = size if steps is None else min(size, steps - step)
-                callbacks.on_test_batch_begin(step)
-                out = extended.run_on_replicas(commands.test_steps, (model_id, count))[0]
-                if out["steps"]:
-                    step += out["steps"]
-                    callbacks.on_test_batch_end(step - 1, dict(out["logs"]))
-                if out["steps"] < count or stopped():
-                    break
-        finally:
-            logs = extended.run_on_replicas(commands.end_loop, (model_id, "test"))[0]["logs"]
+        logs = _stepwise(extended, model_id, "test", batches, steps, size,
+                         lambda count: extended.run_on_replicas(commands.test_steps, (model_id, count))[0],
+                         callbacks.on_test_batch_begin, callbacks.on_test_batch_end, stopped)["logs"]
     if callbacks is not None:
         callbacks.on_test_end(logs)
     return dict(logs)
+
+
+def _stepwise(extended: Any, model_id: str, kind: str, batches: Any, steps: int | None, size: int,
+              run: Callable[[int], dict[str, Any]], on_begin: Callable[..., Any], on_end: Callable[..., Any],
+              stopped: Callable[[], bool]) -> dict[str, Any]:
+    """A loop of ``kind`` in commands of ``size`` steps (``run(count)``), the batch hooks between; its end's answer.
+
+    ``on_begin(first step)`` before a command, ``on_end(last step, running global logs)`` after it (TF's
+    semantics with ``steps_per_execution``); it stops at the end of the data, after ``steps``, or when a hook
+    asked (``stopped()``). The replicas' loop state is ended in every case.
+    """
+    extended.run_on_replicas(commands.begin_loop, (model_id, kind, batches))
+    step = 0
+    try:
+        while steps is None or step < steps:
+            count = size if steps is None else min(size, steps - step)
+            on_begin(step)
+            out = run(count)
+            if out["steps"]:
+                step += out["steps"]
+                on_end(step - 1, dict(out["logs"]))
+            if out["steps"] < count or stopped():
+                break
+    finally:
+        results = extended.run_on_replicas(commands.end_loop, (model_id, kind))
+    return dict(results[0])
