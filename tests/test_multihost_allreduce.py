@@ -176,6 +176,8 @@ def _receive_from_the_other_host(record_dir: str):
         with open(os.path.join(record_dir, f"rank-{rank}.json"), "w") as f:
             json.dump({"error": type(e).__name__, "at": time.time(), "message": str(e)}, f)
         raise
+    with open(os.path.join(record_dir, f"rank-{rank}.json"), "w") as f:
+        json.dump({"error": None, "at": time.time(), "message": "finished"}, f)
     return "finished"
 
 
