@@ -223,17 +223,21 @@ class ProcessGroup:
     # -- collectives -------------------------------------------------------------
 
     def all_reduce(self, op: ReduceOp | str, value: Any, options: CommunicationOptions | None = None, *,
-                   async_op: bool = False) -> Any:
+                   async_op: bool = False, in_place: bool = False) -> Any:
         """Reduce ``value`` (a nested structure of arrays) across the members; the same structure back.
 
         ``async_op=True``: a ``Work`` whose result is that structure.
+        ``in_place=True``: the result may be written into ``value``'s own
+        memory (``Communicator.all_reduce``); the structure returned may still
+        hold new arrays (small values, leaves fused into packs), so a caller
+        that needs its arrays updated copies those back.
         """
         if async_op:
-            return self._shared.submit("all_reduce", self._comm.all_reduce, (op, value, options))
+            return self._shared.submit("all_reduce", self._comm.all_reduce, (op, value, options, in_place))
         shared = self._shared
         if shared.last is not None:
             shared.drain()
-        return shared.call(self._comm.all_reduce, (op, value, options))
+        return shared.call(self._comm.all_reduce, (op, value, options, in_place))
 
     def all_gather(self, value: Any, axis: int = 0, options: CommunicationOptions | None = None, *,
                    async_op: bool = False) -> Any:
