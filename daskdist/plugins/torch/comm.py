@@ -81,6 +81,11 @@ class ReplicaComm:
             raise RuntimeError(f"replica {runtime.rank} of {runtime.group_id} is closed")
         return self._group if self._group is not None else runtime.process_group
 
+    @property
+    def all_reduce_now(self) -> Callable[..., Any]:
+        """The group's synchronous all-reduce in this thread (``ProcessGroup.inline_all_reduce``), checked as ``group``."""
+        return self.group.inline_all_reduce
+
     def subgroup(self, ranks: list[int], name: str | None) -> ReplicaComm | None:
         """``new_group(ranks)`` of the root group (every replica calls it); ``None`` on non-members."""
         sub = self.group.new_group(ranks, name=name)

@@ -43,6 +43,7 @@ SUPPORTED = ("all_reduce (SUM, AVG, MIN, MAX, PRODUCT)", "all_reduce_coalesced",
              "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "reduce", "gather", "scatter",
              "all_to_all_single", "barrier", "send", "recv", "new_group")
 
+_SUM = dist.ReduceOp.SUM
 _OPS = ((dist.ReduceOp.SUM, ReduceOp.SUM), (dist.ReduceOp.AVG, ReduceOp.MEAN), (dist.ReduceOp.MIN, ReduceOp.MIN),
         (dist.ReduceOp.MAX, ReduceOp.MAX), (dist.ReduceOp.PRODUCT, ReduceOp.PRODUCT))
 
@@ -107,6 +108,8 @@ class DaskdistWork(dist._Work):  # type: ignore[misc]
 
 
 def _op_name(op: Any) -> ReduceOp:
+    if op == _SUM:  # the common case first
+        return ReduceOp.SUM
     for torch_op, name in _OPS:
         if op == torch_op:
             return name
@@ -287,12 +290,20 @@ class ProcessGroupDaskdist(dist.ProcessGroup):  # type: ignore[misc]
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         """All-reduce in place: a contiguous tensor is reduced where it lies (no result buffer, no copy back)."""
+        if opts is not None and not opts.asyncOp and len(tensors) == 1:  # ``_sync``: the latency path, inlined
+            tensor = tensors[0]
+            if tensor.is_cpu and tensor.dtype in _CARRIED and not tensor.requires_grad:
+                view = tensor.numpy()
+                result = self._comm.all_reduce_now(_op_name(opts.reduceOp), view, None, True)
+                if not np.may_share_memory(view, result):
+                    np.copyto(view, result, casting="no")
+                return _DONE
         if tensors and tensors[0].is_cuda:
             return self._nccl().allreduce(tensors, opts)
         op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         views = [_view(t) for t in tensors]
         value: Any = views[0] if len(views) == 1 else views
-        if _sync(opts):  # the latency path: no closure, no work, no future
+        if _sync(opts):
             _results_into(views, self._comm.group.all_reduce(op, value, in_place=True))
             return _DONE
 
