@@ -104,10 +104,23 @@ def ddp_arm(arm: str, name: str, steps: int, warmup: int, tag: str, bound: float
 
 
 def _train(arm: str, name: str, steps: int, warmup: int) -> dict[str, Any]:
+    """The DDP steps of one arm, then the group's teardown.
+
+    The final loss is averaged with daskdist's ``ReplicaContext.all_reduce``
+    in both arms, not with the arm's backend: a gloo all-reduce of a tensor
+    that Python holds, right before the gloo group is destroyed, deadlocked a
+    replica (round 3's hang). gloo's worker thread, dropping the finished
+    work, releases the tensor and waits for the GIL; the replica thread,
+    freeing the DDP model, runs ``~ProcessGroupGloo``, which joins that thread
+    while holding the GIL (py-spy --native on the stuck replica showed both).
+    The last gloo works are now DDP's own, whose bucket tensors Python never
+    sees, and the model is freed before the group is destroyed.
+    """
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    model: Any = None
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         model = DistributedDataParallel(_model(name))
@@ -125,10 +138,10 @@ def _train(arm: str, name: str, steps: int, warmup: int) -> dict[str, Any]:
             if s >= warmup:
                 times.append(time.perf_counter() - start)
             loss = float(out.detach())
-        final = torch.tensor([loss])
-        dist.all_reduce(final)
-        return {"times": times, "loss": float(final) / world}
+        final = dd.get_replica_context().all_reduce("SUM", np.array([loss]))
+        return {"times": times, "loss": float(final[0]) / world}
     finally:
+        model = optimizer = out = None  # DDP's reducer (and its hold on the group) goes first
         if arm == "gloo":
             dist.destroy_process_group()
         else:
