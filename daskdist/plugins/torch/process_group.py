@@ -148,15 +148,30 @@ def _sync(opts: Any) -> bool:
     return opts is not None and not opts.asyncOp
 
 
-def _done_work() -> Any:
-    """One completed work, shared by every synchronous call: torch's wrapper only ``wait()``s it and drops it.
+class _DoneWork(dist._Work):  # type: ignore[misc]
+    """The completed work of every synchronous call: torch's wrapper only ``wait()``s it and drops it."""
 
-    A C++ work around a finished future (``_create_work_from_future``): its
-    ``wait`` never calls back into Python, and no work is made per call.
-    """
-    future: torch.futures.Future = torch.futures.Future()
-    future.set_result(None)
-    return torch._C._distributed_c10d._create_work_from_future(future)
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self) -> Any:
+        return None
+
+    def get_future(self) -> torch.futures.Future:
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(None)
+        return future
+
+
+def _done_work() -> Any:
+    """One completed work shared by every synchronous call (no work made per call)."""
+    return _DoneWork()
 
 
 _DONE = _done_work()
