@@ -94,13 +94,16 @@ class KerasPsWorker:
         """Keras' ``test_step`` over ``batches`` with the parameters stored now; the metric variables (as ``train``)."""
         from daskdist.plugins.keras3.resident import batch_rows, to_tensors
 
+        import torch
+
         model = self.trainable.model
         self.driver.pull(self.trainable)
         model.reset_metrics()
         batch: Any = None
-        for batch in batches:
-            if batch_rows(batch):
-                model.test_step(to_tensors(batch))
+        with torch.no_grad():
+            for batch in batches:
+                if batch_rows(batch):
+                    model.test_step(to_tensors(batch))
         return _results(model, batch)
 
 
@@ -252,9 +255,12 @@ def _evaluation(coordinator: Any, model_id: str, x: Any, y: Any, batch_size: int
     if ys is not None and len(optree.tree_leaves(ys)[0]) != rows:
         raise ValueError(f"x and y have different lengths ({rows} and {len(optree.tree_leaves(ys)[0])})")
     step = batch_size or 32
-    starts = list(range(0, rows, step))[:steps]
-    batches = [tuple(optree.tree_map(lambda a, s=s: a[s:s + step], part) for part in ((xs,) if ys is None else (xs, ys)))
-               for s in starts]
+    parts = (xs,) if ys is None else (xs, ys)
+
+    def batch_at(start: int) -> tuple[Any, ...]:
+        return tuple(optree.tree_map(lambda a: a[start:start + step], part) for part in parts)
+
+    batches = [batch_at(start) for start in list(range(0, rows, step))[:steps]]
     groups = [batches[i:i + size] for i in range(0, len(batches), size)]
     return lambda: [coordinator.schedule(_evaluate_rows, args=(model_id, group)) for group in groups]
 
@@ -291,7 +297,7 @@ def evaluate(model: Any, record: registry.Record, x: Any, y: Any, batch_size: in
     coordinator = ClusterCoordinator(record.strategy)
     size = max(1, int(getattr(model, "steps_per_execution", 1) or 1))
     evaluation = _evaluation(coordinator, record.object_id, x, y, batch_size, steps, size, "steps")
-    if not model.built and x is not None and not callable(x):
+    if not model.built and (hasattr(x, "shape") or isinstance(x, (tuple, list, dict))):  # arrays: one row builds it
         model(optree.tree_map(lambda a: a[:1], _host(x)), training=False)
     _held(model, record, coordinator)
     callbacks.on_test_begin()

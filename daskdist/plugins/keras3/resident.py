@@ -294,7 +294,7 @@ class KerasTrainable:
 
     def average_non_trainable(self) -> None:
         """Average the non-trainable float weights (moving statistics) over the replicas (TF's MEAN on read)."""
-        variables = state_variables(self.model)
+        variables = [v for v in self.model.non_trainable_variables if np.dtype(_numpy_dtype(v)).kind == "f"]
         ctx = context.get_replica_context()
         if not variables or ctx is None or ctx.num_replicas_in_sync == 1:
             return
@@ -341,8 +341,11 @@ class SeedStates:
 
 
 def state_variables(model: Any) -> list[Any]:
-    """The model's non-trainable float variables (moving statistics, frozen layers' weights), in a fixed order."""
-    return [v for v in model.non_trainable_variables if np.dtype(_numpy_dtype(v)).kind == "f"]
+    """The model's non-trainable float weights (moving statistics, frozen layers' weights), in a fixed order.
+
+    Keras' ``non_trainable_weights``: metric variables and random seed states are not among them.
+    """
+    return [v for v in model.non_trainable_weights if np.dtype(_numpy_dtype(v)).kind == "f"]
 
 
 def split_variables(model: Any) -> tuple[list[Any], list[Any]]:
