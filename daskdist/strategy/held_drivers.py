@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -176,44 +176,35 @@ class PsStepDriver(StepDriverBase):
         self._state_versions = [-1] * len(self.stores)
 
     def pull(self, trainable: Trainable) -> None:
-        """Copy in the parameters changed on the stores since this worker last saw them."""
+        """Copy in the parameters (and a ``StatefulTrainable``'s state) changed on the stores since this worker
+        last saw them."""
         holder = held(trainable, self)
         if self._versions is None:
             self._offer(trainable)
         assert self._versions is not None
         runtime = current_runtime(self)
-        count = len(holder.parameters())
-        values: list[Any] = [None] * count
-        for s, (store, indices) in enumerate(zip(self.stores, self.layout(count))):
-            if not indices:
-                continue
-            version, pulled = store.call_from_replica(runtime, "params_pull", key=self.key,
-                                                      newer_than=self._versions[s])
-            if pulled is not None:
-                for i, value in zip(indices, pulled):
-                    values[i] = value
-                self._versions[s] = version
+        values = self._pulled(runtime, self.key, len(holder.parameters()), self._versions)
         if any(v is not None for v in values):
             holder.assign(values)
         state = _state_of(trainable)
         if state is not None:
-            self._pull_state(trainable, runtime, len(state))
+            values = self._pulled(runtime, self.state_key, len(state), self._state_versions)
+            if any(v is not None for v in values):
+                cast(StatefulTrainable, trainable).assign_held_state(values)
         self._pull_due = False
 
-    def _pull_state(self, trainable: Any, runtime: Any, count: int) -> None:
-        """Copy in the state another worker (or the client) assigned on the stores since this worker last saw it."""
+    def _pulled(self, runtime: Any, key: str, count: int, versions: list[int]) -> list[Any]:
+        """The ``count`` arrays held as ``key`` newer than ``versions`` (per store, updated): ``None`` for the rest."""
         values: list[Any] = [None] * count
         for s, (store, indices) in enumerate(zip(self.stores, self.layout(count))):
             if not indices:
                 continue
-            version, pulled = store.call_from_replica(runtime, "params_pull", key=self.state_key,
-                                                      newer_than=self._state_versions[s])
+            version, pulled = store.call_from_replica(runtime, "params_pull", key=key, newer_than=versions[s])
             if pulled is not None:
                 for i, value in zip(indices, pulled):
                     values[i] = value
-                self._state_versions[s] = version
-        if any(v is not None for v in values):
-            trainable.assign_held_state(values)
+                versions[s] = version
+        return values
 
     def _exchange_for(self, trainable: Trainable) -> GradientExchange:
         holder = held(trainable, self)
