@@ -92,9 +92,9 @@ class KerasPsWorker:
 
     def evaluate(self, batches: Iterable[Any]) -> dict[str, Any]:
         """Keras' ``test_step`` over ``batches`` with the parameters stored now; the metric variables (as ``train``)."""
-        from daskdist.plugins.keras3.resident import batch_rows, to_tensors
-
         import torch
+
+        from daskdist.plugins.keras3.resident import batch_rows, to_tensors
 
         model = self.trainable.model
         self.driver.pull(self.trainable)
