@@ -109,7 +109,7 @@ def check_optimizer(optimizer: Any, strategy: str) -> None:
         import keras
 
         try:
-            keras.optimizers.schedules.deserialize(schedule)
+            _schedule(keras, schedule)
         except Exception as e:  # noqa: BLE001 - any failure to rebuild it is the user's schedule's
             raise UnsupportedOptimizerError(
                 f"{strategy} evaluates the learning-rate schedule on its parameter stores from its config, and "
@@ -172,7 +172,7 @@ class ScheduledRule:
             from daskdist.plugins.keras3.backend import prepare_replica
 
             keras = prepare_replica(self.backend)
-            schedule = keras.optimizers.schedules.deserialize(self.schedule)
+            schedule = _schedule(keras, self.schedule)
 
             def evaluate(step: int) -> float:
                 value = schedule(keras.ops.convert_to_tensor(np.int64(step), dtype="int64"))
@@ -197,6 +197,14 @@ class ScheduledRule:
 
     def __repr__(self) -> str:
         return f"ScheduledRule({self.rule!r}, {self.schedule.get('class_name')})"
+
+
+def _schedule(keras: Any, config: dict[str, Any]) -> Any:
+    """The ``LearningRateSchedule`` of a serialised one, as Keras' optimizer rebuilds it (``TypeError`` if it cannot)."""
+    schedule = keras.saving.deserialize_keras_object(config)
+    if not isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule):
+        raise TypeError(f"{config.get('class_name')!r} rebuilds as {type(schedule).__name__}, not a LearningRateSchedule")
+    return schedule
 
 
 def learning_rate(optimizer: Any) -> float | None:
