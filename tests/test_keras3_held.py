@@ -13,7 +13,7 @@ import os
 import pytest
 
 os.environ.setdefault("KERAS_BACKEND", "torch")  # before keras is imported, here and in the workers
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 pytest.importorskip("keras")
 
 import keras  # noqa: E402
@@ -169,8 +169,6 @@ def test_central_storage_custom_loop_then_fit_equal_one_process(threaded_client)
     """TF's custom-training tutorial under CentralStorage (the optimizer made in the scope sums the replicas'
     gradients, every replica applies the same update), then a `fit` that goes on from the loop's weights; the
     replicas' optimizers, which never apply under the holder, carry no slots."""
-    import torch
-
     global_batch = 16
     x, y = dense_data(rows=48, seed=9)
 
@@ -179,9 +177,12 @@ def test_central_storage_custom_loop_then_fit_equal_one_process(threaded_client)
         optimizer = keras.optimizers.SGD(0.1)
         loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
 
-        def train_step(inputs):
+        def compute_loss(labels, predictions):  # tf.nn.compute_average_loss: the sum over the global batch size
+            return keras.ops.sum(loss_object(labels, predictions)) / global_batch
+
+        def train_step(inputs):  # (keras.ops and torch in one function: cloudpickle would send torch.ops by value)
             features, labels = inputs
-            loss = keras.ops.sum(loss_object(labels, model(features, training=True))) / global_batch
+            loss = compute_loss(labels, model(features, training=True))
             model.zero_grad()
             loss.backward()
             with torch.no_grad():
