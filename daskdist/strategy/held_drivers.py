@@ -165,7 +165,7 @@ class PsStepDriver(StepDriverBase):
             if indices:
                 store.call_from_replica(runtime, "params_init", key=self.key,
                                         params=[host(as_array(params[i])) for i in indices],
-                                        rule=copy.deepcopy(holder.update_rule()))
+                                        rule=_rule_part(holder.update_rule(), indices))
         state = _state_of(trainable)
         if state is not None:
             for store, indices in zip(self.stores, self.layout(len(state))):
@@ -240,12 +240,12 @@ class PsStepDriver(StepDriverBase):
     def init_stored(self, client: Client, params: list[Any], rule: UpdateRule, state: list[Any] | None = None) -> None:
         """Hold ``params`` and a copy of ``rule`` on the stores (unless held already: the first offer is kept);
         ``state``: a ``StatefulTrainable``'s state, held beside them by assignment."""
-        for key, values, make_rule in ((self.key, params, lambda: copy.deepcopy(rule)),
-                                       (self.state_key, state or [], AssignRule)):
+        for key, values, make_rule in ((self.key, params, lambda indices: _rule_part(rule, indices)),
+                                       (self.state_key, state or [], lambda _indices: AssignRule())):
             for store, indices in zip(self.stores, self.layout(len(values))):
                 if indices:
                     store.call_from_client(client, "params_init", key=key, params=[values[i] for i in indices],
-                                           rule=make_rule())
+                                           rule=make_rule(indices))
 
     def release(self, client: Client) -> None:
         """Drop this key's parameters, update rules and state from every store (a later ``fit`` holds its own key)."""
@@ -293,12 +293,7 @@ class PsStepDriver(StepDriverBase):
         for store, indices in zip(self.stores, self.layout(count)):
             if not indices:
                 continue
-            part = None
-            if rule_state is not None:
-                part = {name: value for name, value in rule_state.items() if not _slot_position(name)}
-                for j, i in enumerate(indices):
-                    part.update({f"{name.rpartition('/')[0]}/{j}": value for name, value in rule_state.items()
-                                 if _slot_position(name) == str(i)})
+            part = None if rule_state is None else _state_part(rule_state, indices)
             done = bool(store.call_from_client(client, "params_set", key=self.key,
                                                params=None if params is None else [params[i] for i in indices],
                                                rule_state=part)) and done
@@ -342,6 +337,22 @@ def _learning_rate(rule: UpdateRule) -> float | None:
     """The rule's learning rate for this step, or ``None``: the rule keeps its own (a schedule of its step count)."""
     value = rule.learning_rate
     return None if value is None else float(value)
+
+
+def _state_part(rule_state: dict[str, Any], indices: list[int]) -> dict[str, Any]:
+    """The part of an update rule's state (slots ``<slot>/<i>``) for the parameters ``indices``, renumbered from 0."""
+    part = {name: value for name, value in rule_state.items() if not _slot_position(name)}
+    for j, i in enumerate(indices):
+        part.update({f"{name.rpartition('/')[0]}/{j}": value for name, value in rule_state.items()
+                     if _slot_position(name) == str(i)})
+    return part
+
+
+def _rule_part(rule: UpdateRule, indices: list[int]) -> UpdateRule:
+    """A copy of ``rule`` for the store holding the parameters ``indices`` (its slots only)."""
+    part = copy.deepcopy(rule)
+    part.set_state(_state_part(rule.get_state(), indices))
+    return part
 
 
 def _slot_position(name: str) -> str:
