@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 
+import dask
 import numpy as np
 import pytest
 
@@ -220,8 +221,11 @@ def test_a_new_worker_is_admitted_when_the_group_is_below_min_replicas_and_gets_
         model.fit(in_memory, epochs=1, verbose=0)
         expected = model.get_weights()
 
-    with dd.MirroredStrategy(client=workers.client,
-                             elastic=dd.ElasticOptions(min_replicas=3, wait_timeout="90s")) as strategy:
+    # the kill -9 closes the victim's connections at once; a long heartbeat timeout keeps a loaded machine's late
+    # scheduler heartbeat from declaring another worker lost during the install (this test is not about stalls)
+    with dask.config.set({"daskdist.elastic.heartbeat-timeout": "60s"}), \
+            dd.MirroredStrategy(client=workers.client,
+                                elastic=dd.ElasticOptions(min_replicas=3, wait_timeout="90s")) as strategy:
         with strategy.scope():
             model = models.model(weights)
         before = set(strategy.extended.worker_addresses)
