@@ -46,15 +46,13 @@ def _replica_frame(service: ReplicaService) -> context.Frame:
                          owner=service)
 
 
-def _limit_threads(service: ReplicaService) -> None:
-    """One replica per process: torch's intra-op threads match the cores the process may use on its host."""
-    import torch
-
+def _threads(service: ReplicaService) -> int:
+    """One replica per process: the framework's intra-op threads are the cores the process may use on its host."""
     members = service.membership.members
     host = members[service.rank].host
     same_host = sum(1 for member in members if member.host == host)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    torch.set_num_threads(max(1, cores // same_host))
+    return max(1, cores // same_host)
 
 
 def trainable(service: ReplicaService, model_id: str) -> KerasTrainable:
@@ -65,9 +63,8 @@ def trainable(service: ReplicaService, model_id: str) -> KerasTrainable:
 
 def install_model(service: ReplicaService, model_id: str, payload: ModelPayload) -> str:
     """Load the model of ``payload`` on this replica and keep it as ``(MODEL, model_id)``; its weight digest."""
-    prepare_replica(payload.backend)
+    prepare_replica(payload.backend, threads=_threads(service))
     hooks.install()
-    _limit_threads(service)
     with context.enter(_replica_frame(service)):
         model = unpack_model(payload)
         resident = KerasTrainable(model, service.rank)

@@ -15,7 +15,9 @@ Installed once, when ``keras`` is imported in a process that imported
   bound on that model only: ``fit.created``): a recorded model first takes its
   replicas' weights when a custom loop may have changed them.
 * ``Optimizer.__init__`` records optimizers created in a scope;
-  ``Optimizer.apply`` exchanges gradients on the replicas (``exchange.py``).
+  ``Optimizer.apply`` exchanges gradients on the replicas (``exchange.py``);
+  ``Optimizer.stateless_apply`` hands out the gradients of a JAX step's
+  first half (``exchange.captured``, ``backend_jax``).
 * ``TensorBoard`` writes through ``tensorboardX`` where TensorFlow is not installed (``tensorboard.py``).
 * ``__reduce_ex__`` of recorded models and optimizers: inside
   ``strategy.run(fn)`` a captured model or optimizer travels as a reference to
@@ -66,6 +68,7 @@ def install() -> None:
         from keras.src.models.functional import Functional
         from keras.src.models.model import Model
         from keras.src.optimizers.base_optimizer import BaseOptimizer
+        from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 
         from daskdist.plugins.keras3 import exchange, fit, tensorboard
 
@@ -111,6 +114,15 @@ def install() -> None:
             return apply
 
         _wrap(BaseOptimizer, "apply", make_apply)
+
+        def make_stateless_apply(original: Callable[..., Any]) -> Callable[..., Any]:
+            def stateless_apply(self: Any, optimizer_variables: Any, grads: Any, trainable_variables: Any) -> Any:
+                return exchange.stateless_apply_with_capture(self, optimizer_variables, grads, trainable_variables,
+                                                             original)
+            return stateless_apply
+
+        _wrap(BaseOptimizer, "stateless_apply", make_stateless_apply)
+        _wrap(LossScaleOptimizer, "stateless_apply", make_stateless_apply)
         tensorboard.install()
         _installed = True
         logger.debug("daskdist: Keras 3 Model and Optimizer methods wrapped")

@@ -1,0 +1,243 @@
+"""Keras 3 on its JAX backend under daskdist, run as a user runs it: ``KERAS_BACKEND=jax python -m ...``.
+
+Keras fixes its backend per process when it is imported, and the pytest
+process runs the other Keras 3 modules on torch: ``tests/test_keras3_jax.py``
+runs this script in a subprocess with ``KERAS_BACKEND=jax`` and reads the
+JSON line it prints last. Each scenario compares daskdist with plain
+Keras-JAX in this process on the same global batches and reports the largest
+differences (the test asserts them), so a failure shows by how much.
+
+    python -m tests.support.keras3_jax spmd --workdir DIR
+    python -m tests.support.keras3_jax held --workdir DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+from distributed import Client, LocalCluster  # noqa: E402
+
+import daskdist as dd  # noqa: E402
+from tests.keras3_models import (  # noqa: E402
+    assert_replicas_identical,
+    compile_model,
+    dense_data,
+    replica_states,
+    sequential,
+    twin,
+)
+
+TWO = ["/cpu:0", "/cpu:1"]
+GLOBAL_BATCH_SIZE = 16
+
+
+def tutorial_cnn():
+    """The TF distributed-training tutorial's model, on 28x28x1 input."""
+    return keras.Sequential([
+        keras.Input((28, 28, 1)),
+        keras.layers.Conv2D(32, 3, activation="relu"),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Flatten(),
+        keras.layers.Dense(64, activation="relu"),
+        keras.layers.Dense(10),
+    ])
+
+
+def mnist_shaped(rows=80, seed=3):
+    rng = np.random.default_rng(seed)
+    x = rng.random((rows, 28, 28, 1), dtype=np.float32)
+    return x, (x[:, :14].sum(axis=(1, 2, 3)) > x[:, 14:].sum(axis=(1, 2, 3))).astype(np.int64) * 3
+
+
+def bn_dropout():
+    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                             keras.layers.BatchNormalization(), keras.layers.Dropout(0.3, seed=7),
+                             keras.layers.Dense(4)])
+
+
+def max_rel(a_list, b_list, atol=1e-6) -> float:
+    """The largest ``|a - b| / (atol + |b|)`` over paired arrays (``assert_allclose``'s measure, rtol-scaled)."""
+    worst = 0.0
+    for a, b in zip(a_list, b_list):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        worst = max(worst, float(np.max(np.abs(a - b) / (atol + np.abs(b)))) if a.size else 0.0)
+    return worst
+
+
+def _fit_case(strategy, build, x, y, epochs=2):
+    with strategy.scope():
+        model = compile_model(build())
+    plain = twin(model, build)
+    history = model.fit(x, y, batch_size=32, epochs=epochs, shuffle=False, verbose=0)
+    expected = plain.fit(x, y, batch_size=32, epochs=epochs, shuffle=False, verbose=0)
+    assert_replicas_identical(strategy, model)
+    return model, plain, {
+        "weights": max_rel(model.get_weights(), plain.get_weights()),
+        "loss": max_rel(history.history["loss"], expected.history["loss"]),
+        "accuracy": max_rel(history.history["accuracy"], expected.history["accuracy"]),
+        "evaluate": max_rel(model.evaluate(x, y, batch_size=32, verbose=0), plain.evaluate(x, y, batch_size=32,
+                                                                                             verbose=0)),
+        "predict": max_rel([model.predict(x, verbose=0)], [plain.predict(x, verbose=0)], atol=1e-5),
+        "iterations": int(model.optimizer.iterations.numpy()),
+    }
+
+
+def _custom_loop(strategy, x, y):
+    """TF's custom-training tutorial with Keras-JAX: gradients with jax.grad of stateless_call, optimizer.apply."""
+    import jax
+
+    def objects():
+        model = sequential()
+        optimizer = keras.optimizers.SGD(0.1)
+        loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+
+        def train_step(inputs):
+            images, labels = inputs
+            non_trainable = [v.value for v in model.non_trainable_variables]
+
+            def loss_fn(trainable):
+                predictions, _ = model.stateless_call(trainable, non_trainable, images, training=True)
+                return keras.ops.sum(loss_object(labels, predictions)) / GLOBAL_BATCH_SIZE
+
+            loss, gradients = jax.value_and_grad(loss_fn)([v.value for v in model.trainable_variables])
+            optimizer.apply(gradients, model.trainable_variables)  # in a replica: summed over the replicas
+            return float(loss)
+
+        return model, train_step
+
+    with strategy.scope():
+        model, train_step = objects()
+    plain, plain_step = objects()
+    plain.set_weights(model.get_weights())
+    dist = strategy.experimental_distribute_dataset(dd.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH_SIZE))
+    losses, plain_losses = [], []
+    for _ in range(2):
+        for batch in dist:
+            per_replica = strategy.run(train_step, args=(batch,))
+            losses.append(float(strategy.reduce(dd.ReduceOp.SUM, per_replica, axis=None)))
+        for start in range(0, len(x), GLOBAL_BATCH_SIZE):
+            plain_losses.append(plain_step((x[start:start + GLOBAL_BATCH_SIZE], y[start:start + GLOBAL_BATCH_SIZE])))
+    assert_replicas_identical(strategy, model)
+    return {"weights": max_rel(model.get_weights(), plain.get_weights()), "loss": max_rel(losses, plain_losses),
+            "steps": len(losses)}
+
+
+def spmd(client, workdir):
+    """Mirrored (2 replicas) and MultiWorkerMirrored (3: uneven shares) fit, evaluate, predict, save; a custom loop."""
+    out = {}
+    x, y = mnist_shaped()  # 3 global batches of 32, 32, 16
+    with dd.MirroredStrategy(devices=TWO, client=client) as strategy:
+        model, plain, out["cnn"] = _fit_case(strategy, tutorial_cnn, x, y)
+        path = os.path.join(workdir, "model.keras")
+        model.save(path)
+        np.save(os.path.join(workdir, "x.npy"), x)
+        np.save(os.path.join(workdir, "expected.npy"), plain.predict(x, verbose=0))
+        with strategy.scope():  # load_model in the scope: a model of the strategy that trains on
+            loaded = keras.models.load_model(path)
+        loaded.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+        plain.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+        out["loaded_trains_on"] = max_rel(loaded.get_weights(), plain.get_weights())
+        out["replicas"] = strategy.num_replicas_in_sync
+
+        xs, ys = dense_data(rows=96)
+        with strategy.scope():
+            model = compile_model(bn_dropout())
+        model.fit(xs, ys, batch_size=32, epochs=2, verbose=0)
+        states = assert_replicas_identical(strategy, model)
+        out["bn_dropout"] = {"moving_mean_changed": bool(np.any(model.get_weights()[4] != 0)),
+                             "replicas_equal": all(max_rel(states[0]["variables"], s["variables"]) == 0
+                                                   for s in states[1:])}
+
+        xl, yl = dense_data(rows=40)  # batches of 16, 16, 8: split 8/8, 8/8, 4/4
+        out["custom_loop"] = _custom_loop(strategy, xl, yl)
+    xs, ys = dense_data(rows=80)
+    with dd.MultiWorkerMirroredStrategy(client=client) as strategy:  # 3 replicas: a global batch of 32 splits 11/11/10
+        out["mwms_replicas"] = strategy.num_replicas_in_sync
+        _, _, out["mwms_mlp"] = _fit_case(strategy, sequential, xs, ys)
+    # the saved file, in a process with plain Keras on JAX and no daskdist imported
+    script = ("import sys, numpy as np, keras; assert 'daskdist' not in sys.modules; "
+              f"m = keras.models.load_model({path!r}); x = np.load({os.path.join(workdir, 'x.npy')!r}); "
+              f"e = np.load({os.path.join(workdir, 'expected.npy')!r}); p = m.predict(x, verbose=0); "
+              "print(float(np.max(np.abs(p - e) / (1e-5 + np.abs(e)))), keras.backend.backend())")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "KERAS_BACKEND": "jax"})
+    if done.returncode:
+        raise RuntimeError(done.stderr[-2000:])
+    value, backend = done.stdout.split()[-2:]
+    out["plain_load"] = {"predict": float(value), "backend": backend}
+    return out
+
+
+def held(client, workdir):
+    """CentralStorage (the parameters held once, the update rule on the holder) and ParameterServer with SGD."""
+    out = {}
+    x, y = mnist_shaped()
+
+    def sgd():
+        return keras.optimizers.SGD(0.05, momentum=0.9)
+
+    with dd.experimental.CentralStorageStrategy(TWO, client=client) as strategy:
+        with strategy.scope():
+            model = compile_model(tutorial_cnn(), sgd())
+        plain = twin(model, tutorial_cnn, sgd())
+        history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        expected = plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        states = replica_states(strategy, model)
+        out["central_storage"] = {
+            "weights": max_rel(model.get_weights(), plain.get_weights()),
+            "loss": max_rel(history.history["loss"], expected.history["loss"]),
+            "iterations": int(model.optimizer.iterations.numpy()),
+            "replica_iterations": [int(s["optimizer"][0]) for s in states],
+            "replicas_hold_the_stored": max(max_rel(s["variables"], model.get_weights(), atol=0) for s in states),
+        }
+    xd, yd = dense_data(rows=512, seed=5)
+    x_test, y_test = dense_data(rows=256, seed=6)
+    resolver = dd.cluster_resolver.DaskClusterResolver(client, num_ps=1)  # 1 ps, 2 workers
+    with dd.ParameterServerStrategy(resolver) as strategy:
+        with strategy.scope():
+            model = compile_model(sequential(), keras.optimizers.SGD(0.1, momentum=0.9))
+
+        def dataset_fn(ctx):
+            return (dd.data.Dataset.from_tensor_slices((xd, yd)).shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+                    .shuffle(512, seed=ctx.input_pipeline_id).batch(32).repeat())
+
+        history = model.fit(dd.experimental.DatasetCreator(dataset_fn), epochs=4, steps_per_epoch=20, verbose=0)
+        _, accuracy = model.evaluate(x_test, y_test, batch_size=64, verbose=0)
+        from daskdist.plugins.keras3 import registry
+
+        stored = registry.lookup(model).driver.stored_state(client, len(model.trainable_variables))
+        out["parameter_server"] = {
+            "losses": history.history["loss"], "accuracy": float(accuracy),
+            "stored_iterations": int(stored["rule_state"]["iterations"]),
+            "client_holds_the_stored": max_rel(stored["params"], model.get_weights(), atol=0),
+        }
+    return out
+
+
+SCENARIOS = {"spmd": spmd, "held": held}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenario", choices=sorted(SCENARIOS))
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--workers", type=int, default=3)
+    args = parser.parse_args(argv)
+    with LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=False, dashboard_address=":0",
+                      silence_logs=logging.ERROR) as cluster, Client(cluster, set_as_default=False) as client:
+        result = SCENARIOS[args.scenario](client, args.workdir)
+    result["backend"] = keras.backend.backend()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
