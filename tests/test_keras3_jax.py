@@ -75,11 +75,26 @@ def test_jax_under_central_storage_and_parameter_server(tmp_path):
     # the update ran once per step on the holder (the client's optimizer shows its count), the replicas hold
     # the stored parameters and their own optimizers only counted the steps
     assert central["iterations"] == 6 and central["replica_iterations"] == [6, 6]
-    assert central["replicas_hold_the_stored"] == 0
+    assert central["replicas_hold_the_stored"]
     ps = out["parameter_server"]
     assert ps["stored_iterations"] == 80  # 4 epochs x 20 steps, each applied once on the ps
     assert ps["losses"][-1] < ps["losses"][0] / 2 and ps["accuracy"] >= 0.85, ps
-    assert ps["client_holds_the_stored"] == 0
+    assert ps["client_holds_the_stored"]
+
+
+@pytest.mark.slow
+def test_jax_elastic_fit_survives_a_worker_killed_mid_epoch_with_the_uninterrupted_weights(tmp_path):
+    out = _run("elastic", tmp_path)
+    assert out["worker_backends"] == ["jax"] and out["killed"], out
+    assert out["replicas"] == [3, 2] and out["victim_gone"]
+    (event,) = out["events"]
+    assert event["lost"] and event["members"] == 2
+    _, epoch, step = event["commit"]
+    assert epoch == 0 and 0 < step < 10 and step % 2 == 0  # back to a commit mid-epoch
+    assert out["steps"] == [list(range(10))] * 2 and out["rows"] == [True, True]  # every row once per epoch
+    # the same weights, logs and Adam step count as plain Keras-JAX on the same global batches
+    assert out["weights"] <= RTOL and out["loss"] <= RTOL and out["accuracy"] <= RTOL, out
+    assert out["iterations"] == 20
 
 
 def test_a_backend_neither_torch_nor_jax_is_refused_naming_both():

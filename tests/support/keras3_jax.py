@@ -9,6 +9,7 @@ differences (the test asserts them), so a failure shows by how much.
 
     python -m tests.support.keras3_jax spmd --workdir DIR
     python -m tests.support.keras3_jax held --workdir DIR
+    python -m tests.support.keras3_jax elastic --workdir DIR    (its own ``dask worker`` processes)
 """
 
 from __future__ import annotations
@@ -71,6 +72,11 @@ def max_rel(a_list, b_list, atol=1e-6) -> float:
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         worst = max(worst, float(np.max(np.abs(a - b) / (atol + np.abs(b)))) if a.size else 0.0)
     return worst
+
+
+def same(a_list, b_list) -> bool:
+    """Whether paired arrays are equal bit for bit."""
+    return all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(a_list, b_list))
 
 
 def _fit_case(strategy, build, x, y, epochs=2):
@@ -154,8 +160,7 @@ def spmd(client, workdir):
         model.fit(xs, ys, batch_size=32, epochs=2, verbose=0)
         states = assert_replicas_identical(strategy, model)
         out["bn_dropout"] = {"moving_mean_changed": bool(np.any(model.get_weights()[4] != 0)),
-                             "replicas_equal": all(max_rel(states[0]["variables"], s["variables"]) == 0
-                                                   for s in states[1:])}
+                             "replicas_equal": all(same(states[0]["variables"], s["variables"]) for s in states[1:])}
 
         xl, yl = dense_data(rows=40)  # batches of 16, 16, 8: split 8/8, 8/8, 4/4
         out["custom_loop"] = _custom_loop(strategy, xl, yl)
@@ -197,7 +202,7 @@ def held(client, workdir):
             "loss": max_rel(history.history["loss"], expected.history["loss"]),
             "iterations": int(model.optimizer.iterations.numpy()),
             "replica_iterations": [int(s["optimizer"][0]) for s in states],
-            "replicas_hold_the_stored": max(max_rel(s["variables"], model.get_weights(), atol=0) for s in states),
+            "replicas_hold_the_stored": all(same(s["variables"], model.get_weights()) for s in states),
         }
     xd, yd = dense_data(rows=512, seed=5)
     x_test, y_test = dense_data(rows=256, seed=6)
@@ -218,12 +223,68 @@ def held(client, workdir):
         out["parameter_server"] = {
             "losses": history.history["loss"], "accuracy": float(accuracy),
             "stored_iterations": int(stored["rule_state"]["iterations"]),
-            "client_holds_the_stored": max_rel(stored["params"], model.get_weights(), atol=0),
+            "client_holds_the_stored": same(stored["params"], model.get_weights()),
         }
     return out
 
 
-SCENARIOS = {"spmd": spmd, "held": held}
+def elastic(_client, workdir):
+    """kill -9 of a ``dask worker`` (and its nanny) at step 5 of 10 of an elastic fit over 3 worker processes.
+
+    The test harness's own worker set (``tests.support.processes.ProcessWorkers``: the workers inherit
+    ``KERAS_BACKEND=jax``) and kill (``tests.support.killers.kill_at_step``), as in test_keras3_elastic.
+    """
+    from daskdist.plugins.keras3.backend import prepare_replica
+    from tests.support.killers import kill_at_step
+    from tests.support.models import slow_batch
+    from tests.support.processes import ProcessWorkers
+
+    workers = ProcessWorkers(3)
+    try:
+        # Keras and JAX imported on the workers before the elastic group starts (an import holding a loaded
+        # worker's GIL for seconds would miss the group's heartbeats)
+        backends = workers.client.run(lambda: prepare_replica("jax").backend.backend())
+        x, y = dense_data(rows=240)
+        train = dd.data.Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)  # 10 steps per epoch
+        options = dd.ElasticOptions(min_replicas=2, commit_every=2)
+
+        def adam():
+            return keras.optimizers.Adam(1e-2)
+
+        with dd.MirroredStrategy(client=workers.client, elastic=options) as strategy:
+            replicas_before = strategy.num_replicas_in_sync
+            with strategy.scope():
+                model = compile_model(sequential(), adam())
+            plain = twin(model, sequential, adam())
+            model.evaluate(x[:24], y[:24], verbose=0)  # the model on the replicas before the kill watcher starts
+            plain.evaluate(x[:24], y[:24], verbose=0)
+            victim = strategy.extended.worker_addresses[1]
+            thread, record = kill_at_step(workers, victim, step=5)
+            history = model.fit(train, epochs=2, verbose=0)
+            thread.join(5)
+            expected = plain.fit(x, y, batch_size=24, epochs=2, shuffle=False, verbose=0)
+            assert_replicas_identical(strategy, model)
+            events = history.elastic.events
+            ledger = history.elastic.ledger
+            return {
+                "worker_backends": sorted(set(backends.values())),
+                "killed": "killed" in record,
+                "replicas": [replicas_before, strategy.num_replicas_in_sync],
+                "victim_gone": victim not in strategy.extended.worker_addresses,
+                "events": [{"lost": e.lost == [victim], "members": len(e.members), "commit": list(e.commit)}
+                           for e in events],
+                "steps": [ledger.steps(e) for e in (0, 1)],
+                "rows": [sorted(ledger.positions(e).tolist()) == list(range(240)) for e in (0, 1)],
+                "weights": max_rel(model.get_weights(), plain.get_weights()),
+                "loss": max_rel(history.history["loss"], expected.history["loss"]),
+                "accuracy": max_rel(history.history["accuracy"], expected.history["accuracy"]),
+                "iterations": int(model.optimizer.iterations.numpy()),
+            }
+    finally:
+        workers.close()
+
+
+SCENARIOS = {"spmd": spmd, "held": held, "elastic": elastic}
 
 
 def main(argv=None) -> None:
@@ -232,9 +293,12 @@ def main(argv=None) -> None:
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--workers", type=int, default=3)
     args = parser.parse_args(argv)
-    with LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=False, dashboard_address=":0",
-                      silence_logs=logging.ERROR) as cluster, Client(cluster, set_as_default=False) as client:
-        result = SCENARIOS[args.scenario](client, args.workdir)
+    if args.scenario == "elastic":  # its own worker processes
+        result = elastic(None, args.workdir)
+    else:
+        with LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=False, dashboard_address=":0",
+                          silence_logs=logging.ERROR) as cluster, Client(cluster, set_as_default=False) as client:
+            result = SCENARIOS[args.scenario](client, args.workdir)
     result["backend"] = keras.backend.backend()
     print(json.dumps(result))
 
