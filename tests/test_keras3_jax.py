@@ -59,6 +59,7 @@ def test_jax_fit_evaluate_predict_save_and_a_custom_loop_equal_plain_keras_jax(t
     # BatchNormalization's moving statistics averaged over the replicas (identical, and they moved); each
     # replica draws its own dropout stream
     assert out["bn_dropout"]["moving_mean_changed"] and out["bn_dropout"]["replicas_equal"]
+    assert out["bn_dropout"]["own_streams"]
     # TF's custom-training tutorial: strategy.run with jax.grad and the scope's optimizer (gradients summed)
     assert out["custom_loop"]["steps"] == 6
     assert out["custom_loop"]["weights"] <= RTOL and out["custom_loop"]["loss"] <= RTOL
