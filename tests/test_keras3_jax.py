@@ -52,8 +52,8 @@ def test_jax_fit_evaluate_predict_save_and_a_custom_loop_equal_plain_keras_jax(t
     # the tutorial's CNN under MirroredStrategy with 2 replicas: 2 epochs of 3 global batches (32, 32, 16)
     assert out["replicas"] == 2
     _assert_equal_to_plain(out["cnn"], steps=6)
-    # model.keras: plain Keras on JAX, with no daskdist imported, loads it and predicts the same
-    assert out["plain_load"]["backend"] == "jax" and out["plain_load"]["predict"] <= RTOL
+    # model.keras: plain Keras on JAX, with no daskdist imported, loads it and predicts what the model did
+    assert out["plain_load"]["backend"] == "jax" and out["plain_load"]["predict_abs_diff"] == 0
     # keras.models.load_model in the scope gives a model of the strategy that trains on as plain Keras does
     assert out["loaded_trains_on"] <= RTOL
     # BatchNormalization's moving statistics averaged over the replicas (identical, and they moved); each
