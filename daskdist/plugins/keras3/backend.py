@@ -52,7 +52,7 @@ def framework(name: str | None = None) -> types.ModuleType:
     ``backend_torch`` or ``backend_jax``: ``steps(model)`` (a step's
     gradients exchanged, the optimizer's apply, an evaluation step),
     ``to_numpy``/``from_numpy`` (gradients as numpy and back),
-    ``no_grad()`` and ``limit_threads``.
+    ``views``, ``no_grad()`` and ``limit_threads``.
     """
     name = name or keras_backend()
     check_backend(name)

@@ -41,7 +41,7 @@ from daskdist.plugins.keras3 import exchange as exchange_module
 if TYPE_CHECKING:
     from daskdist.strategy.training_contract import GradientExchange
 
-__all__ = ["JaxSteps", "from_numpy", "limit_threads", "no_grad", "steps", "to_batch", "to_numpy"]
+__all__ = ["JaxSteps", "from_numpy", "limit_threads", "no_grad", "steps", "to_batch", "to_numpy", "views"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,11 @@ def from_numpy(arrays: Sequence[Any]) -> list[Any]:
     import jax.numpy as jnp
 
     return [jnp.asarray(a) for a in arrays]
+
+
+def views(variables: Sequence[Any]) -> list[Any]:
+    """The variables' values as numpy arrays (on CPU without a copy where JAX allows it)."""
+    return [np.asarray(v.value) for v in variables]
 
 
 def no_grad() -> contextlib.AbstractContextManager[Any]:
@@ -147,7 +152,7 @@ class JaxSteps:
             self._built = True
 
     def parameters(self) -> list[Any]:
-        return [np.asarray(v.value) for v in self.model.trainable_variables]
+        return views(self.model.trainable_variables)
 
     def train_step(self, batch: Any, exchange: GradientExchange, rows: int) -> None:
         model = self.model

@@ -21,7 +21,7 @@ from daskdist.plugins.keras3 import exchange as exchange_module
 if TYPE_CHECKING:
     from daskdist.strategy.training_contract import GradientExchange
 
-__all__ = ["TorchSteps", "from_numpy", "limit_threads", "no_grad", "steps", "to_batch", "to_numpy"]
+__all__ = ["TorchSteps", "from_numpy", "limit_threads", "no_grad", "steps", "to_batch", "to_numpy", "views"]
 
 
 def to_batch(batch: Any) -> Any:
@@ -42,12 +42,12 @@ def to_numpy(grads: Sequence[Any], variables: Sequence[Any]) -> list[np.ndarray]
     """The gradients as numpy views (zeros for a variable without a gradient)."""
     import torch
 
-    views = []
+    arrays = []
     for grad, variable in zip(grads, variables):
         if grad is None:
             grad = torch.zeros(tuple(variable.shape), dtype=variable.value.dtype)
-        views.append(grad.detach().contiguous().cpu().numpy())
-    return views
+        arrays.append(grad.detach().contiguous().cpu().numpy())
+    return arrays
 
 
 def from_numpy(arrays: Sequence[Any]) -> list[Any]:
@@ -55,6 +55,11 @@ def from_numpy(arrays: Sequence[Any]) -> list[Any]:
     import torch
 
     return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+
+
+def views(variables: Sequence[Any]) -> list[Any]:
+    """The variables' values without autograd and without a copy (numpy views them through DLPack)."""
+    return [v.value.detach() for v in variables]
 
 
 def no_grad() -> contextlib.AbstractContextManager[Any]:
@@ -78,7 +83,7 @@ class TorchSteps:
         self.model = model
 
     def parameters(self) -> list[Any]:
-        return [v.value.detach() for v in self.model.trainable_variables]  # views: no autograd, no copy
+        return views(self.model.trainable_variables)
 
     def train_step(self, batch: Any, exchange: GradientExchange, rows: int) -> None:
         with exchange_module.active(self.model.optimizer, exchange, rows):
@@ -92,7 +97,10 @@ class TorchSteps:
             self.model.optimizer.apply(from_numpy(gradients), list(self.model.trainable_variables))
 
     def test_step(self, batch: Any) -> None:
-        self.model.test_step(to_batch(batch))
+        import torch
+
+        with torch.no_grad():
+            self.model.test_step(to_batch(batch))
 
 
 def steps(model: Any) -> TorchSteps:

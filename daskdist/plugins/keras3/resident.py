@@ -32,7 +32,7 @@ from daskdist.plugins.keras3 import update_rule as update_rule_module
 from daskdist.plugins.keras3.backend import framework
 from daskdist.strategy.training_contract import GradientExchange, StepDriver
 
-__all__ = ["KerasTrainable", "SeedStates", "assign_state", "batch_rows", "split_variables"]
+__all__ = ["KerasTrainable", "SeedStates", "assign_state", "batch_rows", "split_variables", "state_variables"]
 
 _SEED_STRIDE = 1_000_003  # replica r's seed generators start at seed + r * stride
 
@@ -106,6 +106,18 @@ class KerasTrainable:
                 if value is not None:
                     variable.assign(np.asarray(value))
 
+    def held_state(self) -> list[Any]:
+        """The non-trainable float weights (moving statistics): held by assignment on parameter servers."""
+        result: list[Any] = self._ops.views(state_variables(self.model))
+        return result
+
+    def assign_held_state(self, values: Sequence[Any | None]) -> None:
+        """Copy ``values`` (numpy, in ``held_state()`` order; ``None``: keep that one) into the moving statistics."""
+        with self._ops.no_grad():
+            for variable, value in zip(state_variables(self.model), values):
+                if value is not None:
+                    variable.assign(np.asarray(value))
+
     def update_rule(self) -> Any:
         """The optimizer as a parameter store runs it (``update_rule.update_rule``), at the current learning rate."""
         optimizer = _optimizer(self.model)
@@ -114,7 +126,7 @@ class KerasTrainable:
             rule.set_state(update_rule_module.rule_state(optimizer, rule))  # a loaded model's optimizer state
             self._rule = (optimizer, rule)
         rule = self._rule[1]
-        rule.learning_rate = float(np.asarray(optimizer.learning_rate))
+        rule.learning_rate = update_rule_module.learning_rate(optimizer)  # None: a schedule the store evaluates
         return rule
 
     def snapshot(self) -> dict[str, Any]:
@@ -214,9 +226,13 @@ class KerasTrainable:
             except StopIteration:
                 break
             if batch_rows(batch):
-                self._steps.test_step(batch)
+                self.test_step(batch)
             done += 1
         return done
+
+    def test_step(self, batch: Any) -> None:
+        """Keras' ``test_step`` on a local batch of numpy arrays (the metrics updated; no autograd)."""
+        self._steps.test_step(batch)
 
     def end_train(self) -> dict[str, float]:
         """Close the training loop: moving statistics averaged over the replicas; the epoch's global logs."""
@@ -310,6 +326,14 @@ class SeedStates:
 
     def digest_bytes(self) -> bytes:
         return b""
+
+
+def state_variables(model: Any) -> list[Any]:
+    """The model's non-trainable float weights (moving statistics, frozen layers' weights), in a fixed order.
+
+    Keras' ``non_trainable_weights``: metric variables and random seed states are not among them.
+    """
+    return [v for v in model.non_trainable_weights if np.dtype(_numpy_dtype(v)).kind == "f"]
 
 
 def split_variables(model: Any) -> tuple[list[Any], list[Any]]:
