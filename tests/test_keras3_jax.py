@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -96,6 +97,23 @@ def test_jax_elastic_fit_survives_a_worker_killed_mid_epoch_with_the_uninterrupt
     # the same weights, logs and Adam step count as plain Keras-JAX on the same global batches
     assert out["weights"] <= RTOL and out["loss"] <= RTOL and out["accuracy"] <= RTOL, out
     assert out["iterations"] == 20
+
+
+@pytest.mark.slow
+def test_the_keras3_tutorial_runs_unchanged_on_jax(tmp_path):
+    """examples/keras3_mnist.py (TensorBoard, ModelCheckpoint, LearningRateScheduler, a custom callback, save and
+    reload) with only KERAS_BACKEND changed."""
+    env = {**os.environ, "KERAS_BACKEND": "jax", "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "keras3_mnist.py"), "--epochs", "3", "--replicas",
+                           "2", "--target", "0.8", "--workdir", str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=850)
+    out = done.stdout
+    assert done.returncode == 0, out[-3000:] + done.stderr[-3000:]
+    assert "Number of devices: 2 (Keras backend: jax)" in out
+    evaluated = float(re.search(r"Eval accuracy: (0\.\d+)", out).group(1))
+    reloaded = [float(a) for a in re.findall(r"eval accuracy (0\.\d+)", out)]
+    assert evaluated >= 0.8 and reloaded == [evaluated, evaluated], out[-2000:]
+    assert (tmp_path / "model.keras").exists() and os.listdir(tmp_path / "training_checkpoints")
 
 
 def test_a_backend_neither_torch_nor_jax_is_refused_naming_both():
