@@ -10,6 +10,7 @@ batches.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -19,10 +20,12 @@ import sys
 
 import pytest
 
-pytest.importorskip("jax")
-pytest.importorskip("keras")
+from daskdist.plugins import keras3
 
-from daskdist.plugins import keras3  # noqa: E402
+# neither is imported here: Keras would fix this process's backend (TensorFlow where KERAS_BACKEND is unset)
+# for the other Keras 3 modules collected after this one
+if importlib.util.find_spec("jax") is None or importlib.util.find_spec("keras") is None:
+    pytest.skip("needs jax and keras (the jax extra)", allow_module_level=True)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RTOL = 1e-5
@@ -125,3 +128,16 @@ def test_a_backend_neither_torch_nor_jax_is_refused_naming_both():
     keras3.check_backend("torch")
     keras3.check_backend("jax")
     assert keras3.SUPPORTED_BACKENDS == ("torch", "jax")
+
+
+def test_a_find_spec_of_keras_before_its_import_leaves_the_wrapping_to_that_import():
+    """daskdist imported first, then ``importlib.util.find_spec("keras")`` (an availability check that imports
+    nothing), then ``import keras``: Keras' classes are wrapped (the one-shot hook was once used up by the check,
+    and this test module's own check left the torch modules collected after it with Keras unwrapped)."""
+    script = ("import importlib.util, daskdist; from daskdist.plugins import keras3; "
+              "assert importlib.util.find_spec('keras') is not None and not keras3.installed(); "
+              "import keras; print(keras3.installed(), keras.backend.backend())")
+    env = {**os.environ, "KERAS_BACKEND": "jax", "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-2:] == ["True", "jax"]

@@ -129,15 +129,26 @@ def install() -> None:
 
 
 class _AfterKerasImport:
-    """A one-shot import hook: ``install()`` right after ``import keras`` finishes."""
+    """A one-shot import hook: ``install()`` right after ``import keras`` finishes.
+
+    It leaves ``sys.meta_path`` when Keras has been executed, not when asked
+    for a spec: ``importlib.util.find_spec("keras")`` (a check that Keras is
+    installed, which imports nothing) must not use it up.
+    """
+
+    def __init__(self) -> None:
+        self._looking = False
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name != "keras":
+        if name != "keras" or self._looking:
             return None
         import importlib.util
 
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
+        self._looking = True  # the finders after this one find Keras' own spec
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self._looking = False
         if spec is None or spec.loader is None:
             return spec
         loader = spec.loader
@@ -145,6 +156,8 @@ class _AfterKerasImport:
 
         def exec_module(module: Any) -> None:
             original_exec(module)
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
             try:
                 install()
             except Exception:  # a Keras without a backend here: model.fit stays Keras' own
