@@ -190,6 +190,20 @@ def netns_tls_hosts(_netns_tls_hosts_of_module):
     return _netns_tls_hosts_of_module.healthy()
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With ``DASKDIST_TEST_CPU_LOG`` set, each test's wall and CPU seconds go to that file (support.cpu_profile)."""
+    from tests.support import cpu_profile
+
+    path = os.environ.get(cpu_profile.LOG_ENV)
+    sample = cpu_profile.Sample() if path else None
+    try:
+        return (yield)
+    finally:
+        if sample is not None:
+            sample.record(path, item.nodeid)
+
+
 @pytest.fixture(autouse=True)
 def _fault_points_disarmed():
     """A test that armed a fault point in this process leaves it disarmed for the next one."""
