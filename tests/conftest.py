@@ -219,6 +219,16 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 @pytest.fixture(autouse=True)
+def _fake_groups_closed():
+    """The in-memory groups a test made are closed after it: their stall watches are threads."""
+    yield
+    from tests import fakes
+
+    for group in list(fakes.OPEN):
+        group.close()
+
+
+@pytest.fixture(autouse=True)
 def _fault_points_disarmed():
     """A test that armed a fault point in this process leaves it disarmed for the next one."""
     yield
