@@ -265,3 +265,47 @@ def test_the_stall_watch_ends_with_a_communicator_dropped_without_close():
     while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(t.is_alive() for t in threads)
+
+
+def _record_sends(group: InMemoryGroup) -> list[list[tuple[str, int, list[str]]]]:
+    """Per rank: ``(how, dst, message names)`` of every send, ``how`` being ``send`` or ``send_many``."""
+    records: list[list[tuple[str, int, list[str]]]] = [[] for _ in range(group.size)]
+    for rank, comm in enumerate(group.comms):
+        transport = comm.transport
+        plain_send = transport.send
+
+        def send(dst, tag, payload, _log=records[rank], _send=plain_send):
+            _log.append(("send", dst, [tag[-1]]))
+            return _send(dst, tag, payload)
+
+        def send_many(dst, messages, _log=records[rank], _send=plain_send):
+            _log.append(("send_many", dst, [tag[-1] for tag, _ in messages]))
+            return [_send(dst, tag, payload) for tag, payload in messages]
+
+        transport.send, transport.send_many = send, send_many
+    return records
+
+
+def test_a_collectives_signature_rides_with_its_first_data_to_the_right_neighbour():
+    """One write for the signature and the data of a small all-reduce (a socket's ``sendmsg``), not two."""
+    group = InMemoryGroup(2, Algorithm("direct"))
+    records = _record_sends(group)
+    results = group.run_ranks(lambda c: c.all_reduce(ReduceOp.SUM, np.full(4, c.rank + 1.0)))
+    assert [r.tolist() for r in results] == [[3.0] * 4] * 2
+    for rank, record in enumerate(records):
+        assert [how for how, _, _ in record] == ["send_many"], record
+        how, dst, names = record[0]
+        assert dst == (rank + 1) % 2 and names[0] == "sig" and "d#" in names[1]
+
+
+def test_a_replica_whose_first_step_is_to_receive_sends_its_signature_before_it_blocks():
+    """Broadcast from rank 0 over 3: rank 1 never sends data to its right neighbour (rank 2), whose signature
+    check waits for it; rank 1 must send its signature alone before blocking, or rank 2 would time out."""
+    group = InMemoryGroup(3, Algorithm("direct"))
+    records = _record_sends(group)
+    results = group.run_ranks(lambda c: c.broadcast(np.arange(5.0) if c.rank == 0 else np.zeros(5), root=0),
+                              timeout=20)
+    assert all(np.array_equal(r, np.arange(5.0)) for r in results), results
+    assert ("send", 2, ["sig"]) in records[1]
+    mismatched = group.run_ranks(lambda c: c.broadcast(np.zeros(5 if c.rank != 1 else 6), root=0), timeout=20)
+    assert all(isinstance(r, CollectiveMismatchError) for r in mismatched), mismatched

@@ -2,7 +2,8 @@
 
 Small messages are written by the calling thread (no sender thread, one
 ``sendmsg``), large ones by a per-peer sender thread, and one thread's
-messages to a peer arrive in the order it sent them either way. A connection
+messages to a peer arrive in the order it sent them either way. A replica
+waiting for a peer's message reads that peer's connection itself. A connection
 must present the group's secret and generation (``daskdist.wire``).
 """
 
@@ -82,6 +83,55 @@ def test_many_small_frames_in_one_read_arrive_whole():
         for i, n in enumerate(sizes * 20):
             got = receiver.mailbox.take((2, i, 1, "x"), deadline)
             assert got.shape == (n,) and (n == 0 or got[0] == i % 251)
+    finally:
+        sender.close()
+        receiver.close()
+
+
+@pytest.mark.parametrize("on_caller", [True, False])
+def test_a_replica_waiting_for_a_peer_reads_its_connection_itself(on_caller):
+    """receive-on-caller: the waiting thread reads the frame it waits for (it never passes through the mailbox);
+    off, the reader thread delivers it to the mailbox and the waiting thread takes it from there."""
+    with dask.config.set({"daskdist.collective.socket.receive-on-caller": on_caller}):
+        receiver, sender = _pair()
+    try:
+        sender.send(0, (1, 0, 1, "warm"), np.ones(1))  # opens the connection: the receiver knows the peer
+        assert receiver.recv(1, (1, 0, 1, "warm"), time.monotonic() + 30).tolist() == [1.0]
+        for i in range(1, 20):
+            got: dict = {}
+
+            def wait_for(tag, into=got):
+                into["v"] = receiver.recv(1, tag, time.monotonic() + 30)
+
+            waiter = threading.Thread(target=wait_for, args=((1, i, 1, "a"),))
+            waiter.start()
+            time.sleep(0.01)  # the waiter is (most likely) blocked on the connection by now; either way it works
+            sender.send(0, (1, i, 1, "a"), np.full(4, float(i)))
+            waiter.join(30)
+            assert got["v"].tolist() == [float(i)] * 4
+        through_mailbox = [tag for tag in receiver.mailbox.order if tag[3] == "a"]
+        if on_caller:
+            assert len(through_mailbox) <= 2  # the reader thread may win a race now and then, not every time
+        else:
+            assert len(through_mailbox) == 19
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_frames_read_by_the_waiting_thread_for_other_tags_reach_the_mailbox_in_any_order_and_size():
+    """The waiting thread reads whatever comes first: frames of other tags (small ones several per recv, large
+    ones from the sender thread) go to the mailbox, and receiving them in reverse order still gets each whole."""
+    receiver, sender = _pair()
+    try:
+        deadline = time.monotonic() + 60
+        sizes = [0, 3, 100, 5000, sender.inline_bytes // 8 + 10, 7, 60_000, 1]
+        payloads = [np.full(n, i, np.float64) for i, n in enumerate(sizes * 6)]
+        handles = [sender.send(0, (3, i, 1, "x"), p) for i, p in enumerate(payloads)]
+        for i in reversed(range(len(payloads))):
+            np.testing.assert_array_equal(receiver.recv(1, (3, i, 1, "x"), deadline), payloads[i])
+        for handle in handles:
+            handle.wait(deadline)
     finally:
         sender.close()
         receiver.close()

@@ -97,7 +97,9 @@ class CollectiveCall:
         self._data_suffix = f"#{zlib.crc32(sig.encode()):08x}"
         self._sig_checked = False
         self._transport = comm.transport
-        self._sig_handle = self._transport.send(self._right, self._sig_tag(self.rank), sig)
+        # our signature goes to the right neighbour with the first data we send it (one write), or on its own
+        # before this replica first blocks (a receive, a wait), whichever comes first
+        self._sig_handle: SendHandle | None = None
 
     @property
     def _right(self) -> int:
@@ -115,7 +117,17 @@ class CollectiveCall:
 
     def send(self, dst: int, name: str, payload: Any) -> SendHandle:
         self.nbytes += getattr(payload, "nbytes", 0)
-        return self._transport.send(dst, self._tag(self.rank, self.part + name), payload)
+        tag = self._tag(self.rank, self.part + name)
+        if self._sig_handle is None and dst == self._right:
+            self._sig_handle, handle = self._transport.send_many(
+                dst, [(self._sig_tag(self.rank), self.sig), (tag, payload)])
+            return handle
+        return self._transport.send(dst, tag, payload)
+
+    def _send_signature(self) -> None:
+        """Send our signature to the right neighbour if no data took it along yet."""
+        if self._sig_handle is None:
+            self._sig_handle = self._transport.send(self._right, self._sig_tag(self.rank), self.sig)
 
     def recv(self, src: int, name: str, expect: int | None = None) -> Any:
         self.check_signature()
@@ -154,10 +166,12 @@ class CollectiveCall:
             raise CollectiveTimeoutError(self.comm.describe_timeout(self, src)) from None
 
     def wait(self, handle: SendHandle) -> None:
+        self._send_signature()
         handle.wait(self.deadline)
 
     def check_signature(self) -> None:
         """Compare the left neighbour's signature with ours (once); raise ``CollectiveMismatchError`` if they differ."""
+        self._send_signature()
         if self._sig_checked:
             return
         left_sig = self._take_tag(self._left, self._sig_tag(self._left))
@@ -184,6 +198,7 @@ class CollectiveCall:
     def finish(self) -> None:
         """Check the signature (if no data was received) and wait for our signature to be sent."""
         self.check_signature()
+        assert self._sig_handle is not None  # sent by check_signature at the latest
         self._sig_handle.wait(self.deadline)
 
 

@@ -62,6 +62,9 @@ class SubgroupTransport(Transport):
     def send(self, dst: int, tag: Tag, payload: Any) -> SendHandle:
         return self._root.send(self._members[dst], self._tag(tag), payload)
 
+    def send_many(self, dst: int, messages: Sequence[tuple[Tag, Any]]) -> list[SendHandle]:
+        return self._root.send_many(self._members[dst], [(self._tag(tag), payload) for tag, payload in messages])
+
     def recv(self, src: int, tag: Tag, deadline: float) -> Any:
         return self._root.recv(self._members[src], self._tag(tag), deadline)
 

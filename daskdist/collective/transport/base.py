@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any, Callable, ClassVar
 
 from daskdist.arrays import namespace
@@ -64,6 +65,14 @@ class Transport(ABC):
     @abstractmethod
     def send(self, dst: int, tag: Tag, payload: Any) -> SendHandle:
         """Start sending ``payload`` to rank ``dst`` under ``tag``; do not block on the peer."""
+
+    def send_many(self, dst: int, messages: Sequence[tuple[Tag, Any]]) -> list[SendHandle]:
+        """Send several ``(tag, payload)`` messages to ``dst``, in order: one handle each.
+
+        Transports that can write them together (one system call for a
+        collective's signature and its first data) override it.
+        """
+        return [self.send(dst, tag, payload) for tag, payload in messages]
 
     def recv(self, src: int, tag: Tag, deadline: float) -> Any:
         """Wait for the payload ``src`` sent under ``tag`` (``deadline``: ``time.monotonic()``).

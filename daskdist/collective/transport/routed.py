@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 from daskdist.collective.mailbox import Mailbox, Tag
@@ -34,6 +35,11 @@ class RoutedTransport(Transport):
         route = self.routes[dst]
         self.sent_bytes[route.name, dst] += getattr(payload, "nbytes", 0)
         return route.send(dst, tag, payload)
+
+    def send_many(self, dst: int, messages: Sequence[tuple[Tag, Any]]) -> list[SendHandle]:
+        route = self.routes[dst]
+        self.sent_bytes[route.name, dst] += sum(getattr(payload, "nbytes", 0) for _, payload in messages)
+        return route.send_many(dst, messages)
 
     def recv(self, src: int, tag: Tag, deadline: float) -> Any:
         return self.routes[src].recv(src, tag, deadline)

@@ -13,10 +13,18 @@ Small messages (up to ``daskdist.collective.socket.inline-bytes``) are
 written by the calling thread itself, header and payload in one ``sendmsg``:
 no hand-off to another thread on the critical path. Larger ones go to a
 per-peer sender thread so that sending and receiving overlap (the ring's
-step). A reader thread per incoming connection reads into a buffer of its
-own, so a small frame (header and payload) costs one ``recv``; larger
-payloads are received straight into fresh numpy buffers. It delivers to the
-replica's mailbox, where a waiting replica may spin
+step). Each incoming connection is read by whichever thread holds its read
+lock: a reader thread per connection, which waits for the connection to
+become readable without the lock, delivers what arrives to the replica's
+mailbox; with ``daskdist.collective.socket.receive-on-caller`` a replica
+waiting for a message from that peer reads the connection itself (the
+kernel wakes the waiting thread, no hand-off through another thread). That
+is off by default: inside a Dask worker process the reader thread, woken
+by the same data, competes for the GIL, and it measured no faster
+(BENCHMARKS section 6). Either reads into the
+connection's buffer, so a small frame (header and payload) costs one
+``recv``; larger payloads are received straight into fresh numpy buffers.
+A replica waiting on the mailbox may spin
 ``daskdist.collective.socket.busy-poll`` before it sleeps (``auto``: only
 when the host's cores are not oversubscribed).
 
@@ -34,12 +42,13 @@ from __future__ import annotations
 
 import logging
 import queue
+import select
 import socket
 import ssl
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -93,6 +102,10 @@ class _Send(SendHandle):
             ) from self.error
 
 
+#: One frame to write: its tag, payload kind, payload bytes, dtype and shape (``framing.encode``, ``describe_payload``).
+_Frame = tuple[Tag, int, np.ndarray, str, tuple[int, ...]]
+
+
 class _Peer:
     """One peer's outgoing connection: written by the calling thread (small) or the sender thread (large)."""
 
@@ -103,7 +116,69 @@ class _Peer:
         self.pending = 0  # messages queued to the sender thread, not yet written (keeps one thread's order)
         self.jobs: queue.Queue[tuple[Tag, int, np.ndarray, str, tuple[int, ...], _Send] | None] = queue.Queue()
         self.thread: threading.Thread | None = None
-        self.header = bytearray(HEADER.size)
+        self.headers: list[bytearray] = [bytearray(HEADER.size)]  # frame headers packed for one write
+
+
+class _Inbound:
+    """One peer's incoming connection and its read buffer; read only by the holder of ``lock``.
+
+    The reader thread waits for the connection to become readable without
+    the lock and then reads under it; a replica thread waiting for a message
+    from this peer takes the lock and reads the connection itself.
+    """
+
+    def __init__(self, conn: socket.socket, peer: int) -> None:
+        self.conn = conn
+        self.peer = peer
+        self.lock = threading.Lock()
+        self.buf = bytearray(_READ_BUFFER)
+        self.view = memoryview(self.buf)
+        self.start = self.end = 0
+        self.done = False  # the connection failed or ended (reported once, by the thread that saw it)
+        self._tls = isinstance(conn, ssl.SSLSocket)
+        self._poll = select.poll()  # used under ``lock`` only
+        self._poll.register(conn, select.POLLIN)
+
+    def buffered(self) -> bool:
+        """Whether bytes are already read (into this buffer, or decrypted inside TLS) but not yet consumed."""
+        return self.end > self.start or (self._tls and self.conn.pending() > 0)  # type: ignore[attr-defined]
+
+    def readable(self, timeout: float) -> bool:
+        """Whether a frame can be read now, waiting up to ``timeout`` seconds (hold ``lock``)."""
+        return self.buffered() or bool(self._poll.poll(max(0, int(timeout * 1000))))
+
+    def read_frame(self) -> tuple[Tag, Any]:
+        """Read one whole frame: ``(tag, decoded payload)`` (hold ``lock``)."""
+        conn, buf, view = self.conn, self.buf, self.view
+        start, end = self.start, self.end
+        if end - start < HEADER.size:  # too little for a header: move what is left to the front, read on
+            if start:
+                buf[: end - start] = buf[start:end]
+                end, start = end - start, 0
+            while end < HEADER.size:
+                n = conn.recv_into(view[end:])
+                if n == 0:
+                    self.start, self.end = start, end
+                    raise wire.PeerClosed("connection closed by the peer")
+                end += n
+        tag, kind, dtype, shape, total, _, _ = unpack_header(buf, start)
+        start += HEADER.size
+        data = np.empty(total, np.uint8)
+        have = min(total, end - start)
+        if have:
+            data[:have] = np.frombuffer(buf, np.uint8, have, start)
+            start += have
+        if start == end:
+            start = end = 0
+        self.start, self.end = start, end
+        if have < total:
+            wire.recv_into(conn, data[have:].data)
+        return tag, decode(kind, dtype, shape, data)
+
+
+_NOTHING = object()
+#: How long a replica reading its peer's connection waits in one ``poll`` before it checks for aborts.
+_POLL_SLICE = 0.05
 
 
 class SocketTransport(Transport):
@@ -142,6 +217,8 @@ class SocketTransport(Transport):
         self.heartbeat_timeout = config.get_seconds("collective.socket.heartbeat-timeout")
         self.inline_bytes = int(parse_bytes(config.get("collective.socket.inline-bytes", "64KiB")))
         self.busy_poll = busy_poll_seconds(local_replicas)
+        self.receive_on_caller = bool(config.get("collective.socket.receive-on-caller", False))
+        self._inbound: dict[int, _Inbound] = {}
         self.sent_bytes: dict[int, int] = {}
         self._on_peer_lost = on_peer_lost
         self._client_context = client_context
@@ -173,52 +250,61 @@ class SocketTransport(Transport):
     # -- receiving -----------------------------------------------------------------
 
     def _read_loop(self, conn: socket.socket, tail: bytes) -> None:
-        """Read frames from one greeted connection into the mailbox (on the acceptor's connection thread)."""
+        """Deliver frames of one greeted connection to the mailbox (on the acceptor's connection thread).
+
+        Waits for the connection to become readable without its read lock,
+        then reads every whole frame there is under the lock; a replica
+        waiting for this peer may have read them itself meanwhile.
+        """
         peer: int = _RANK.unpack(tail)[0]
-        buf = bytearray(_READ_BUFFER)
-        view = memoryview(buf)
-        start = end = 0
+        inbound = _Inbound(conn, peer)
+        self._inbound[peer] = inbound
+        waiting = select.poll()
+        waiting.register(conn, select.POLLIN)
         try:
-            while not self._closed:
-                if end - start < HEADER.size:  # too little for a header: move what is left to the front, read on
-                    if start:
-                        buf[: end - start] = buf[start:end]
-                        end, start = end - start, 0
-                    while end < HEADER.size:
-                        n = conn.recv_into(view[end:])
-                        if n == 0:
-                            raise wire.PeerClosed("connection closed by the peer")
-                        end += n
-                tag, kind, dtype, shape, total, _, _ = unpack_header(buf, start)
-                start += HEADER.size
-                data = np.empty(total, np.uint8)
-                have = min(total, end - start)
-                if have:
-                    data[:have] = np.frombuffer(buf, np.uint8, have, start)
-                    start += have
-                if have < total:
-                    wire.recv_into(conn, data[have:].data)
-                if start == end:
-                    start = end = 0
-                self.mailbox.put(tag, decode(kind, dtype, shape, data))
-        except wire.PeerClosed as e:
+            while not self._closed and not inbound.done:
+                if not inbound.buffered():
+                    waiting.poll()
+                with inbound.lock:
+                    while not self._closed and not inbound.done and inbound.readable(0):
+                        self.mailbox.put(*inbound.read_frame())
+        except Exception as e:
+            self._reading_failed(inbound, e)
+        finally:
+            if self._inbound.get(peer) is inbound:
+                del self._inbound[peer]
+
+    def _reading_failed(self, inbound: _Inbound, error: BaseException) -> None:
+        """Reading ``inbound`` raised ``error`` (either thread): report it once, as a lost peer where it is one."""
+        if inbound.done:
+            return
+        inbound.done = True
+        peer = inbound.peer
+        if isinstance(error, wire.PeerClosed):
             if self._closed:
                 pass
-            elif failed_without_close(conn):  # TLS reads a heartbeat-failed connection as end of stream
+            elif failed_without_close(inbound.conn):  # TLS reads a heartbeat-failed connection as end of stream
                 self._peer_lost(peer, "receiving from it failed: the TLS connection failed: no answer within the "
                                       "heartbeat timeout, or reset")
             else:
-                logger.debug("TCP reader of replica %d stopped: %s", self.rank, e)
-        except (OSError, ssl.SSLError) as e:
+                logger.debug("TCP reader of replica %d stopped: %s", self.rank, error)
+        elif isinstance(error, (OSError, ssl.SSLError)):
             if not self._closed:
-                self._peer_lost(peer, f"receiving from it failed: {e!r}")
-        except Exception as e:  # a frame we cannot decode: fail the run loudly instead of waiting forever
-            logger.exception("TCP reader of replica %d failed", self.rank)
+                self._peer_lost(peer, f"receiving from it failed: {error!r}")
+        else:  # a frame we cannot decode: fail the run loudly instead of waiting forever
+            logger.error("TCP reader of replica %d failed", self.rank, exc_info=error)
             self.mailbox.abort_run(
-                self.mailbox.current_run, Abort("aborted", f"replica {self.rank} could not read a TCP frame: {e!r}", self.rank)
+                self.mailbox.current_run,
+                Abort("aborted", f"replica {self.rank} could not read a TCP frame: {error!r}", self.rank),
             )
 
     def recv(self, src: int, tag: Tag, deadline: float) -> Any:
+        if self.receive_on_caller:
+            inbound = self._inbound.get(src)
+            if inbound is not None:
+                value = self._receive_on_caller(inbound, tag, deadline)
+                if value is not _NOTHING:
+                    return value
         if self.busy_poll:  # spin a little before sleeping on the mailbox: no wake-up when the message is close
             until = time.monotonic() + self.busy_poll
             while time.monotonic() < until:
@@ -227,6 +313,43 @@ class SocketTransport(Transport):
                 except MailboxTimeout:
                     pass
         return self.mailbox.take(tag, deadline)
+
+    def _receive_on_caller(self, inbound: _Inbound, tag: Tag, deadline: float) -> Any:
+        """Read ``src``'s connection on this thread until ``tag`` arrives; ``_NOTHING``: wait on the mailbox instead.
+
+        Frames with other tags go to the mailbox. Gives up (``_NOTHING``)
+        when the connection ended or failed (reported as the reader would),
+        when the deadline passed (the mailbox then raises the timeout), and
+        checks the mailbox, aborts included, between ``poll`` slices.
+        """
+        mailbox = self.mailbox
+        while True:
+            try:
+                return mailbox.take(tag, 0.0)
+            except MailboxTimeout:
+                pass
+            left = deadline - time.monotonic()
+            if inbound.done or left <= 0:
+                return _NOTHING
+            if not inbound.lock.acquire(timeout=min(left, _POLL_SLICE)):
+                continue  # the reader thread is reading a frame: it goes to the mailbox, checked above
+            try:
+                try:
+                    return mailbox.take(tag, 0.0)  # the reader may have delivered it before we took the lock
+                except MailboxTimeout:
+                    pass
+                if inbound.done:
+                    return _NOTHING
+                if inbound.readable(min(left, _POLL_SLICE)):
+                    got, value = inbound.read_frame()
+                    if got == tag:
+                        return value
+                    mailbox.put(got, value)
+            except Exception as e:
+                self._reading_failed(inbound, e)
+                return _NOTHING
+            finally:
+                inbound.lock.release()
 
     # -- sending -------------------------------------------------------------------
 
@@ -243,7 +366,28 @@ class SocketTransport(Transport):
             self._sender(dst, peer).put((tag, kind, data, dtype, shape, handle))
             return handle
         with peer.write_lock:  # the calling thread writes: nothing queued for this peer before it
-            error = self._write(dst, peer, tag, kind, data, dtype, shape)
+            error = self._write(dst, peer, [(tag, kind, data, dtype, shape)])
+        return self._written(dst, error)
+
+    def send_many(self, dst: int, messages: Sequence[tuple[Tag, Any]]) -> list[SendHandle]:
+        """Small messages together (up to ``inline-bytes`` in all): one ``sendmsg`` of every header and payload."""
+        frames = []
+        for tag, payload in messages:
+            kind, data = encode(payload)
+            dtype, shape = describe_payload(kind, payload)
+            frames.append((tag, kind, data, dtype, shape))
+        peer = self._peer(dst)
+        with peer.guard:
+            inline = sum(frame[2].nbytes for frame in frames) <= self.inline_bytes and peer.pending == 0
+        if not inline:
+            return super().send_many(dst, messages)
+        with peer.write_lock:
+            error = self._write(dst, peer, frames)
+        handle = self._written(dst, error)
+        return [handle] * len(frames)
+
+    def _written(self, dst: int, error: BaseException | None) -> SendHandle:
+        """The handle of a write the calling thread made: completed, or failed with ``error``."""
         if error is None:
             return CompletedSend()
         self._send_failed(dst, error)
@@ -275,17 +419,20 @@ class SocketTransport(Transport):
         return wire.connect(address, PROTOCOL, self._key, tail=_RANK.pack(self.rank), ssl_context=self._client_context,
                             heartbeat=self.heartbeat_timeout, timeout=self.heartbeat_timeout or None)
 
-    def _write(self, dst: int, peer: _Peer, tag: Tag, kind: int, data: np.ndarray, dtype: str,
-               shape: tuple[int, ...]) -> BaseException | None:
-        """Write one frame, header and payload in one ``sendmsg`` (the caller holds ``peer.write_lock``); the
+    def _write(self, dst: int, peer: _Peer, frames: list[_Frame]) -> BaseException | None:
+        """Write frames, every header and payload in one ``sendmsg`` (the caller holds ``peer.write_lock``); the
         error, if it failed."""
         try:
             if peer.sock is None:
                 peer.sock = self._connect(dst)
-            pack_header(peer.header, 0, tag, kind, dtype, shape, data.nbytes, 0, data.nbytes)
-            parts: list[Buffer] = [peer.header]
-            if data.nbytes:
-                parts.append(data.reshape(-1).view(np.uint8).data)
+            while len(peer.headers) < len(frames):
+                peer.headers.append(bytearray(HEADER.size))
+            parts: list[Buffer] = []
+            for header, (tag, kind, data, dtype, shape) in zip(peer.headers, frames):
+                pack_header(header, 0, tag, kind, dtype, shape, data.nbytes, 0, data.nbytes)
+                parts.append(header)
+                if data.nbytes:
+                    parts.append(data.reshape(-1).view(np.uint8).data)
             self.sent_bytes[dst] = self.sent_bytes.get(dst, 0) + wire.send_parts(peer.sock, parts)
         except BaseException as e:
             return e
@@ -304,7 +451,7 @@ class SocketTransport(Transport):
                 return
             tag, kind, data, dtype, shape, handle = job
             with peer.write_lock:
-                handle.error = self._write(dst, peer, tag, kind, data, dtype, shape)
+                handle.error = self._write(dst, peer, [(tag, kind, data, dtype, shape)])
                 with peer.guard:
                     peer.pending -= 1
             if handle.error is not None:

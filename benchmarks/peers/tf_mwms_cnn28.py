@@ -1,0 +1,75 @@
+"""One task of TensorFlow's MultiWorkerMirroredStrategy training the tutorial's CNN on 28x28x1 (a benchmark peer).
+
+The model and data of ``benchmarks/keras3_training.py`` (Conv2D(32, 3) -
+MaxPooling2D - Flatten - Dense(64) - Dense(10), Adam, sparse CE from logits,
+accuracy; synthetic 28x28x1 rows from seed 0) in tf-keras (Keras 2: Keras 3's
+``fit`` fails under TF's MWMS), built and compiled in ``strategy.scope()``,
+``from_tensor_slices(...).batch(global_batch)`` sharded by data over the tasks,
+``CommunicationOptions(implementation=RING)``, one intra-op thread per task
+(one CPU replica). ``benchmarks/keras3_vs_tf_mwms.py`` starts the tasks with
+``TF_CONFIG`` on localhost.
+
+Prints ``@@tf-mwms-result {"epoch_seconds": [...]}`` (this task's epoch wall times).
+
+    TF_CONFIG=... python benchmarks/peers/tf_mwms_cnn28.py --samples 4096 --global-batch 128 --epochs 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ["TF_USE_LEGACY_KERAS"] = "1"  # tf.keras is tf-keras (Keras 2)
+
+RESULT_MARKER = "@@tf-mwms-result "
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--samples", type=int, required=True)
+    parser.add_argument("--global-batch", type=int, required=True)
+    parser.add_argument("--epochs", type=int, required=True)
+    args = parser.parse_args()
+    import numpy as np
+    import tensorflow as tf
+    import tf_keras as keras
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    options = tf.distribute.experimental.CommunicationOptions(
+        implementation=tf.distribute.experimental.CommunicationImplementation.RING)
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    rng = np.random.default_rng(0)
+    x = rng.random((args.samples, 28, 28, 1), dtype=np.float32)
+    y = rng.integers(0, 10, args.samples).astype(np.int64)
+    data_options = tf.data.Options()
+    data_options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.global_batch).with_options(data_options)
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.layers.Conv2D(32, 3, activation="relu", input_shape=(28, 28, 1)),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Flatten(),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(10),
+        ])
+        model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      optimizer=keras.optimizers.Adam(), metrics=["accuracy"])
+    seconds: list[float] = []
+
+    class EpochTimes(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.start = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            seconds.append(time.perf_counter() - self.start)
+
+    model.fit(dataset, epochs=args.epochs, verbose=0, callbacks=[EpochTimes()])
+    print(RESULT_MARKER + json.dumps({"epoch_seconds": seconds}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
