@@ -51,13 +51,16 @@ def forkserver_settings() -> dict[str, str]:
             with dask.config.set(settings):
                 context = get_mp_context()  # distributed sets its own preload list once: ours replaces it
             context.set_forkserver_preload(PRELOAD)
-            saved = dict(os.environ)
-            os.environ.clear()
-            os.environ.update(_worker_environ())
+            # only the keys that differ change, for the moment of the start: other threads read os.environ too
+            wanted, saved = _worker_environ(), dict(os.environ)
+            for key in set(saved) - set(wanted):
+                del os.environ[key]
+            os.environ.update({k: v for k, v in wanted.items() if saved.get(k) != v})
             try:
                 multiprocessing.forkserver.ensure_running()
             finally:
-                os.environ.clear()
-                os.environ.update(saved)
+                for key in set(wanted) - set(saved):
+                    del os.environ[key]
+                os.environ.update({k: v for k, v in saved.items() if os.environ.get(k) != v})
             _started = True
     return settings
