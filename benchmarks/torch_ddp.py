@@ -12,20 +12,33 @@ as a parity check.
 Then ``dist.all_reduce`` through the backend against ``ReplicaContext.all_reduce``
 on the same replicas, 4 KiB and 64 MiB: the torch layer's cost per call.
 
-    python benchmarks/torch_ddp.py --rounds 3 [--parts ddp,overhead]
+    python benchmarks/torch_ddp.py --rounds 3 [--parts ddp,overhead] [--per-call-only] [--arm-timeout 240]
 
 The load average (1 minute) is printed before each arm of each round and
 goes into the tables, next to that arm's figures.
+
+Every arm is bounded (``--arm-timeout`` seconds): gloo's group and its store,
+and daskdist's collectives, get that timeout, so a stuck arm raises on the
+replicas instead of waiting out gloo's 30 minutes; each replica dumps its
+threads' stacks (``faulthandler``) to the worker's stderr when its arm runs
+past the bound; and a watchdog on the client ends the benchmark, naming the
+arm, if the arm has still not returned a minute later.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import faulthandler
 import os
 import re
+import signal
 import statistics
 import sys
+import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -64,22 +77,50 @@ def _batch(name: str, step: int) -> tuple[Any, Any]:
     return torch.from_numpy(x), torch.from_numpy(y)
 
 
-def ddp_arm(arm: str, name: str, steps: int, warmup: int, tag: str) -> dict[str, Any]:
-    """On a replica: ``steps`` DDP steps of ``name`` on backend ``arm``; step times and the last loss."""
+def ddp_arm(arm: str, name: str, steps: int, warmup: int, tag: str, bound: float) -> dict[str, Any]:
+    """On a replica: ``steps`` DDP steps of ``name`` on backend ``arm``; step times and the last loss.
+
+    ``bound``: the arm's timeout in seconds (gloo's and its store's; past it the replica dumps its stacks).
+    """
     import torch
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
 
     from daskdist import context
     from daskdist.plugins.torch.store import DaskdistStore
 
     torch.set_num_threads(1)
     runtime = context.current_runtime()
-    if arm == "gloo":
-        store = DaskdistStore(runtime.worker, f"{runtime.group_id}/bench-{tag}")
-        dist.init_process_group("gloo", store=store, rank=runtime.rank, world_size=runtime.size)
-    else:
-        dd.plugins.torch.init_process_group()
+    timeout = datetime.timedelta(seconds=bound)
+    faulthandler.dump_traceback_later(bound, exit=False)  # a stuck arm shows where, on the worker's stderr
+    try:
+        if arm == "gloo":
+            store = DaskdistStore(runtime.worker, f"{runtime.group_id}/bench-{tag}", timeout=timeout)
+            dist.init_process_group("gloo", store=store, rank=runtime.rank, world_size=runtime.size, timeout=timeout)
+        else:
+            dd.plugins.torch.init_process_group(timeout=timeout)
+        return _train(arm, name, steps, warmup)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def _train(arm: str, name: str, steps: int, warmup: int) -> dict[str, Any]:
+    """The DDP steps of one arm, then the group's teardown.
+
+    The final loss is averaged with daskdist's ``ReplicaContext.all_reduce``
+    in both arms, not with the arm's backend: a gloo all-reduce of a tensor
+    that Python holds, right before the gloo group is destroyed, deadlocked a
+    replica (round 3's hang). gloo's worker thread, dropping the finished
+    work, releases the tensor and waits for the GIL; the replica thread,
+    freeing the DDP model, runs ``~ProcessGroupGloo``, which joins that thread
+    while holding the GIL (py-spy --native on the stuck replica showed both).
+    The last gloo works are now DDP's own, whose bucket tensors Python never
+    sees, and the model is freed before the group is destroyed.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    model: Any = None
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         model = DistributedDataParallel(_model(name))
@@ -97,14 +138,46 @@ def ddp_arm(arm: str, name: str, steps: int, warmup: int, tag: str) -> dict[str,
             if s >= warmup:
                 times.append(time.perf_counter() - start)
             loss = float(out.detach())
-        final = torch.tensor([loss])
-        dist.all_reduce(final)
-        return {"times": times, "loss": float(final) / world}
+        final = dd.get_replica_context().all_reduce("SUM", np.array([loss]))
+        return {"times": times, "loss": float(final[0]) / world}
     finally:
+        model = optimizer = out = None  # DDP's reducer (and its hold on the group) goes first
         if arm == "gloo":
             dist.destroy_process_group()
         else:
             dd.plugins.torch.destroy_process_group()
+
+
+@contextmanager
+def bounded(what: str, seconds: float) -> Iterator[None]:
+    """End the benchmark with a message naming ``what`` if it has not returned within ``seconds``.
+
+    The replicas' own timeouts end a stuck arm first (``--arm-timeout``); this
+    is the last resort: SIGINT to this process, which closes the strategy and
+    the cluster on the way out.
+    """
+    def expire() -> None:
+        print(f"\n{what} did not return within {seconds:g} s: ending the benchmark (the replicas' stacks, "
+              "if they were stuck, are on the workers' stderr above)", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def run_arm(strategy: Any, what: str, bound: float, fn: Callable[..., Any], *args: Any) -> list[Any]:
+    """``strategy.run(fn, args)`` within ``bound`` seconds (+1 minute for the replicas' own timeouts to fire)."""
+    start = time.monotonic()
+    with bounded(what, bound + 60):
+        try:
+            return list(strategy.experimental_local_results(strategy.run(fn, args=args)))
+        except Exception as e:
+            raise SystemExit(f"{what} failed after {time.monotonic() - start:.1f} s: {type(e).__name__}: {e}") from e
 
 
 def overhead_arm(arm: str, nbytes: int, calls: int) -> float:
@@ -129,18 +202,24 @@ def overhead_arm(arm: str, nbytes: int, calls: int) -> float:
     return statistics.median(times)
 
 
-def main(rounds: int, cnn_steps: int, mlp_steps: int, parts: str = "ddp,overhead") -> None:
+def main(rounds: int, cnn_steps: int, mlp_steps: int, parts: str = "ddp,overhead", bound: float = 240.0) -> None:
+    import dask
+
     print_header("DDP on daskdist vs DDP on gloo (2 replicas, one host), and the torch layer's cost per call")
     print(_torch_line(), flush=True)
-    with local_cluster(2) as client, dd.MirroredStrategy(client=client) as strategy:
-        if "ddp" in parts:
-            ddp_figures(strategy, rounds, cnn_steps, mlp_steps)
-        if "overhead" in parts:
-            overhead_figures(strategy, rounds)
-        strategy.run(lambda: dd.plugins.torch.destroy_process_group())
+    # daskdist's collectives get the arm's bound as their deadline too (gloo gets it in ddp_arm)
+    with dask.config.set({"daskdist.collective.timeout": f"{bound:g}s"}):
+        with local_cluster(2) as client, dd.MirroredStrategy(client=client) as strategy:
+            print(f"replica processes: {sorted(client.run(os.getpid).values())} (py-spy dump --pid ... if stuck)",
+                  flush=True)
+            if "ddp" in parts:
+                ddp_figures(strategy, rounds, cnn_steps, mlp_steps, bound)
+            if "overhead" in parts:
+                overhead_figures(strategy, rounds, bound)
+            run_arm(strategy, "destroying the torch groups", bound, dd.plugins.torch.destroy_process_group)
 
 
-def ddp_figures(strategy: Any, rounds: int, cnn_steps: int, mlp_steps: int) -> None:
+def ddp_figures(strategy: Any, rounds: int, cnn_steps: int, mlp_steps: int, bound: float) -> None:
     """DDP on gloo and on daskdist, ``rounds`` rounds alternated: step times, samples/s, final losses."""
     rows, losses = [], {}
     results: dict[tuple[str, str], list[float]] = {}
@@ -148,9 +227,9 @@ def ddp_figures(strategy: Any, rounds: int, cnn_steps: int, mlp_steps: int) -> N
     for r in range(rounds):
         for name, steps in (("cnn", cnn_steps), ("mlp", mlp_steps)):
             for arm in (("gloo", "daskdist") if r % 2 == 0 else ("daskdist", "gloo")):
-                loads.setdefault((name, arm), []).append(_load(f"round {r + 1}, {name}, {arm}"))
-                out = strategy.experimental_local_results(
-                    strategy.run(ddp_arm, args=(arm, name, steps, 3, f"{r}-{name}-{arm}")))
+                what = f"round {r + 1}, {name}, {arm}"
+                loads.setdefault((name, arm), []).append(_load(what))
+                out = run_arm(strategy, what, bound, ddp_arm, arm, name, steps, 3, f"{r}-{name}-{arm}", bound)
                 step = max(statistics.median(o["times"]) for o in out)  # the slowest replica's median
                 results.setdefault((name, arm), []).append(step)
                 losses[(name, arm)] = out[0]["loss"]
@@ -168,7 +247,7 @@ def ddp_figures(strategy: Any, rounds: int, cnn_steps: int, mlp_steps: int) -> N
     print()
 
 
-def overhead_figures(strategy: Any, rounds: int) -> None:
+def overhead_figures(strategy: Any, rounds: int, bound: float) -> None:
     """``dist.all_reduce`` against ``ReplicaContext.all_reduce``, 4 KiB and 64 MiB."""
     rows = []
     for nbytes, calls in ((4096, 2000), (64 << 20, 10)):
@@ -176,8 +255,9 @@ def overhead_figures(strategy: Any, rounds: int) -> None:
         loads: dict[str, list[float]] = {"torch": [], "context": []}
         for r in range(rounds):
             for arm in (("torch", "context") if r % 2 == 0 else ("context", "torch")):
-                loads[arm].append(_load(f"round {r + 1}, {nbytes} bytes, {arm}"))
-                out = strategy.experimental_local_results(strategy.run(overhead_arm, args=(arm, nbytes, calls)))
+                what = f"round {r + 1}, {nbytes} bytes, {arm}"
+                loads[arm].append(_load(what))
+                out = run_arm(strategy, what, bound, overhead_arm, arm, nbytes, calls)
                 per[arm].append(max(out))
         added = [t - c for t, c in zip(per["torch"], per["context"])]
         rows.append([f"{nbytes // 1024} KiB" if nbytes < 1 << 20 else f"{nbytes >> 20} MiB",
@@ -213,5 +293,9 @@ if __name__ == "__main__":
     parser.add_argument("--cnn-steps", type=int, default=40)
     parser.add_argument("--mlp-steps", type=int, default=12)
     parser.add_argument("--parts", default="ddp,overhead", help="comma-separated: ddp, overhead")
+    parser.add_argument("--per-call-only", action="store_true", help="only the per-call part (--parts overhead)")
+    parser.add_argument("--arm-timeout", type=float, default=240.0,
+                        help="seconds an arm may take before its collectives and store time out (default 240)")
     args = parser.parse_args()
-    main(args.rounds, args.cnn_steps, args.mlp_steps, args.parts)
+    main(args.rounds, args.cnn_steps, args.mlp_steps, "overhead" if args.per_call_only else args.parts,
+         args.arm_timeout)

@@ -63,11 +63,19 @@ def test_parameter_server_fit_takes_tensorflows_inputs_only(threaded_client):
             with strategy.scope():
                 other = compile_model(sequential(), keras.optimizers.Adagrad(0.1))
             other.fit(lambda ctx: None, steps_per_epoch=2, verbose=0)
-        with strategy.scope():
-            normed = compile_model(keras.Sequential([keras.Input((8,)), keras.layers.BatchNormalization(),
-                                                     keras.layers.Dense(4)]))
-        with pytest.raises(NotImplementedError, match="BatchNormalization's moving statistics"):
-            normed.fit(lambda ctx: None, steps_per_epoch=2, verbose=0)
+        # evaluation of a dataset each worker reads needs its steps (TF's rule), refused before anything runs
+        before = model.get_weights()
+        with pytest.raises(ValueError, match="`validation_steps` must be specified"):
+            model.fit(lambda ctx: None, steps_per_epoch=2, verbose=0, validation_data=lambda ctx: None)
+        with pytest.raises(ValueError, match="`steps` must be specified"):
+            model.evaluate(lambda ctx: None, verbose=0)
+        for a, b in zip(before, model.get_weights()):
+            np.testing.assert_array_equal(a, b)
+        # a Keras model sent to the workers in a function: refused when it is sent
+        coordinator = dd.experimental.coordinator.ClusterCoordinator(strategy)
+        with pytest.raises(NotImplementedError, match="train it with model.fit"):
+            coordinator.schedule(lambda: model.get_weights())
+            coordinator.join()
 
 
 def test_weights_that_differ_across_replicas_at_the_start_raise_on_every_replica(threaded_client):

@@ -122,6 +122,37 @@ def test_async_work_runs_in_issue_order_and_a_sync_call_waits_for_it():
         assert objects == [0, 1, 2] and last == 2
 
 
+def test_an_in_place_all_reduce_reduces_into_the_callers_array_and_the_default_only_reads_it():
+    """``in_place=True`` (the torch backend's all-reduce): a contiguous array is reduced where it lies.
+
+    Shown failing with ``in_place`` ignored (the pack borrowed): the result is a pooled buffer, ``x`` unchanged.
+    """
+    fake, groups = _groups(3)
+    n = 1 << 16  # 512 KiB of float64: above small-message-bytes, so the ring takes it
+
+    def fn(g: ProcessGroup):
+        x = np.arange(n, dtype=np.float64) + g.rank
+        kept = x.copy()
+        plain = g.all_reduce("SUM", x)
+        untouched = np.array_equal(x, kept)
+        y = np.arange(n, dtype=np.float64) + g.rank
+        into = g.all_reduce("SUM", y, in_place=True)
+        z = np.arange(n, dtype=np.float64) + g.rank
+        work = g.all_reduce("SUM", z, async_op=True, in_place=True)
+        later = work.wait(timeout=30)
+        small = g.all_reduce("SUM", np.ones(3), in_place=True)  # a new array: the caller copies such back
+        return untouched, np.shares_memory(plain, x), np.shares_memory(into, y), np.array_equal(y, plain), \
+            np.shares_memory(later, z), np.array_equal(z, plain), small.tolist()
+
+    expected = 3 * np.arange(n, dtype=np.float64) + 3
+    for untouched, plain_shares, into_shares, y_summed, later_shares, z_summed, small in _run(fake, groups, fn):
+        assert untouched and not plain_shares
+        assert into_shares and y_summed and later_shares and z_summed
+        assert small == [3.0, 3.0, 3.0]
+    assert np.array_equal(_run(fake, groups, lambda g: g.all_reduce("SUM", np.arange(n, dtype=np.float64) + g.rank,
+                                                                    in_place=True))[0], expected)
+
+
 def test_collectives_from_other_threads_of_the_replica():
     fake, groups = _groups(2)
 

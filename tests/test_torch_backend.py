@@ -38,6 +38,19 @@ def _direct_ops():
     work = dist.all_reduce(t, async_op=True)
     work.wait()
     out["async"] = (t.tolist(), work.is_completed())
+    big = torch.arange(300_000, dtype=torch.float32) + r  # 1.2 MB: reduced where it lies (in place)
+    pointer = big.data_ptr()
+    dist.all_reduce(big)
+    bigger = torch.arange(300_000, dtype=torch.float32) + r
+    work = dist.all_reduce(bigger, async_op=True)
+    future_value = work.get_future().wait()[0]
+    work.wait()
+    expected = 2 * torch.arange(300_000, dtype=torch.float32) + 1
+    out["big"] = [bool(torch.equal(big, expected)), big.data_ptr() == pointer, bool(torch.equal(bigger, expected)),
+                  future_value.data_ptr() == bigger.data_ptr()]
+    kept = torch.arange(300_000, dtype=torch.float32) + r
+    dist.reduce(kept, dst=0)
+    out["big_reduce"] = bool(torch.equal(kept, expected if r == 0 else torch.arange(300_000, dtype=torch.float32) + r))
     ts = [torch.ones(2) * r, torch.ones(3) * (r + 1)]
     dist.all_reduce_coalesced(ts)
     out["coalesced"] = [x.tolist() for x in ts]
@@ -90,11 +103,15 @@ def _direct_ops():
     return json.dumps(out)  # one leaf: the replicas' results differ in structure (root-only keys)
 
 
-def test_every_supported_op_gives_the_right_values(process_client):
-    with dd.MirroredStrategy(client=process_client) as strategy:
-        results = [json.loads(r) for r in strategy.experimental_local_results(strategy.run(_direct_ops))]
+@pytest.mark.parametrize("comm_thread", [False, True])
+def test_every_supported_op_gives_the_right_values(process_client, comm_thread):
+    """Inline, and with a communication thread (where ``async_op=False`` calls still run in the caller)."""
+    with dask.config.set({"daskdist.torch.comm-thread": comm_thread}):
+        with dd.MirroredStrategy(client=process_client) as strategy:
+            results = [json.loads(r) for r in strategy.experimental_local_results(strategy.run(_direct_ops))]
     for r, out in enumerate(results):
         assert out["init"] == [True, r, 2, "daskdist"]
+        assert out["big"] == [True, True, True, True] and out["big_reduce"] is True
         assert out["sum"] == [5.0] * 4 and out["avg"] == [2.5] * 4 and out["prod"] == [6.0] * 4
         assert out["min"] == [2.0] * 4 and out["max"] == [3.0] * 4
         assert out["async"] == [[1.0, 1.0], True]

@@ -223,13 +223,17 @@ class Communicator:
 
     # -- collectives ------------------------------------------------------------
 
-    def all_reduce(self, op: ReduceOp | str, value: Any, options: CommunicationOptions | None = None) -> Any:
+    def all_reduce(self, op: ReduceOp | str, value: Any, options: CommunicationOptions | None = None,
+                   in_place: bool = False) -> Any:
         """Reduce ``value`` (a nested structure of arrays) across replicas; same structure back.
 
         Validate, shortcut one replica, choose an engine, run it. A bare numpy
         array the latency lane has a (cached, validated) plan for goes to it
         before anything else: that lookup is the whole dispatch of a small
-        all-reduce.
+        all-reduce. ``in_place``: the caller's arrays may receive the result
+        (a contiguous leaf that is a pack by itself is reduced where it lies,
+        and the result is a view of it: no result buffer, no copy back);
+        otherwise they are only read.
         """
         lane = self.lane
         bare = type(value) is np.ndarray
@@ -238,7 +242,7 @@ class Communicator:
             if lane_plan is not None:
                 return lane.run(lane_plan, value)
         plan = AllReducePlan(op, value, self.options.merge(options), options, self.algorithm.num_packs,
-                             self.buffers.empty)
+                             self.buffers.empty, in_place)
         if self.size == 1:
             return optree.tree_unflatten(plan.treedef, [back(copy_of(x)) for x, back in zip(plan.leaves, plan.restore)])
         plan.bare_array = bare

@@ -38,7 +38,7 @@ def flatten(value: Any) -> tuple[list[Any], Any, list[Callable[[Any], Any]]]:
     return arrays, treedef, restore
 
 
-_SIGNATURES: dict[tuple, str] = {}
+_SIGNATURES: dict[tuple[Any, ...], str] = {}
 _SIGNATURES_KEPT = 4096
 
 
@@ -95,8 +95,9 @@ class PackedStructure:
         return optree.tree_unflatten(self.treedef, leaves)
 
 
-def pack(leaves: list[Any], treedef: Any, restore: list, bytes_per_pack: int = 0, num_packs: int = 1,
-         borrow: bool = False, allocate: Callable[[int, Any], Any] | None = None) -> PackedStructure:
+def pack(leaves: list[Any], treedef: Any, restore: list[Any], bytes_per_pack: int = 0, num_packs: int = 1,
+         borrow: bool = False, allocate: Callable[[int, Any], Any] | None = None,
+         in_place: bool = False) -> PackedStructure:
     """Copy ``leaves`` into packs grouped by dtype and device.
 
     Parameters
@@ -111,6 +112,10 @@ def pack(leaves: list[Any], treedef: Any, restore: list, bytes_per_pack: int = 0
         A pack of one contiguous leaf is a flat view of the caller's array
         (``Pack.borrowed``) instead of a copy; the collective must then write
         its result elsewhere.
+    in_place
+        With ``borrow``: the caller lets the collective write its result
+        into that array (an in-place all-reduce), so the pack is not marked
+        borrowed and the engines reduce into the caller's memory.
     allocate
         ``allocate(size, dtype)`` gives the flat numpy buffer of a pack of
         several leaves (a ``BufferPool``); default: a new array.
@@ -131,7 +136,7 @@ def pack(leaves: list[Any], treedef: Any, restore: list, bytes_per_pack: int = 0
         for chunk in _split_by_bytes(indices, leaves, limit):
             leaf = leaves[chunk[0]]
             if borrow and len(chunk) == 1 and leaf.flags.c_contiguous:
-                packs.append(Pack(chunk, leaf.reshape(-1), borrowed=True))
+                packs.append(Pack(chunk, leaf.reshape(-1), borrowed=not in_place))
             else:
                 packs.append(Pack(chunk, _concatenate([leaves[i] for i in chunk], allocate)))
     return PackedStructure(treedef, [tuple(leaf.shape) for leaf in leaves], restore, packs)
@@ -140,7 +145,9 @@ def pack(leaves: list[Any], treedef: Any, restore: list, bytes_per_pack: int = 0
 def _split_by_bytes(indices: list[int], leaves: list[Any], limit: int) -> list[list[int]]:
     if not limit:
         return [indices]
-    chunks, current, size = [], [], 0
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    size = 0
     for i in indices:
         if current and size + leaves[i].nbytes > limit:
             chunks.append(current)

@@ -8,8 +8,9 @@ worker becomes a member with role ``ps`` of a strategy's store group
 that worker: a replica computing there keeps its own compute copy and reads
 the store like the others. Requests arrive through the worker handler
 ``daskdist_ps`` (Dask comms, worker to worker or client to worker; never
-through the scheduler) or, from a replica of the same process, as direct
-calls on the worker's event loop (``daskdist.ps.refs``).
+through the scheduler) or, from a replica on the same worker, as direct
+calls (``daskdist.ps.refs``: that replica finds the store in its own
+worker's extensions; no registry outside the worker).
 
 Every operation runs on the worker's event loop, one at a time, so an update
 is atomic and versions are totally ordered. Values are handed out without a
@@ -29,7 +30,7 @@ round ``r`` of a key; once all have, the round is finished once, e.g. an
 aggregated assign or a gradient step with an update rule, and every
 contributor gets the same result: the parameter holder's step driver);
 ``params_state`` / ``params_set`` for the parameters and update-rule state a
-trainable keeps here; ``params_init``, ``params_pull`` and ``params_push``
+trainable keeps here, ``params_drop`` / ``params_keys`` to release and list them; ``params_init``, ``params_pull`` and ``params_push``
 for the parameter-server step driver (each worker pushes its gradients on
 its own; the update rule runs here). The store knows no framework: a
 trainable's parameters are arrays, its update rule an object the adapter
@@ -44,7 +45,6 @@ import collections
 import functools
 import logging
 import threading
-import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -62,7 +62,7 @@ if TYPE_CHECKING:
 
     from daskdist.variables import VariableSpec
 
-__all__ = ["HANDLER", "STORE_EXTENSION", "ParameterStore", "register_in_process", "store_in_process", "unwrap"]
+__all__ = ["HANDLER", "STORE_EXTENSION", "ParameterStore", "unwrap"]
 
 logger = logging.getLogger(__name__)
 
@@ -427,7 +427,8 @@ class ParameterStore:
         stats = functools.reduce(np.add, [np.asarray(c["stats"], np.float64) for c in ordered])
         count = float(stats[0])
         if count > 0:
-            entry.rule.learning_rate = ordered[0]["lr"]
+            if ordered[0]["lr"] is not None:  # None: the rule's own (a schedule of its step count)
+                entry.rule.learning_rate = ordered[0]["lr"]
             scale = 1.0 / count
             entry.rule.apply(entry.params, [g * g.dtype.type(scale) for g in grads])
             entry.version += 1
@@ -457,6 +458,14 @@ class ParameterStore:
         entry.version += 1
         return True
 
+    def _op_params_drop(self, store_id: str, key: str) -> bool:
+        """Forget the parameters held as ``key`` and their update rule; whether any were held."""
+        return self._params.pop((store_id, key), None) is not None
+
+    def _op_params_keys(self, store_id: str) -> list[str]:
+        """The keys of the parameter sets held for ``store_id`` (one per trainable held here)."""
+        return sorted(k[1] for k in self._params if k[0] == store_id)
+
     # -- parameters pushed asynchronously (the parameter-server step driver) ---------------------
 
     def _op_params_init(self, store_id: str, key: str, params: list[Any], rule: Any) -> int:
@@ -485,7 +494,7 @@ class ParameterStore:
         self._count(store_id, sum(p.nbytes for p in params))
         return entry.version, params
 
-    def _op_params_push(self, store_id: str, key: str, grads: list[Any], lr: float,
+    def _op_params_push(self, store_id: str, key: str, grads: list[Any], lr: float | None,
                         dedupe: tuple[str, int] | None = None, read_version: int | None = None) -> tuple[int, Any]:
         """One worker's mean gradients, the update rule run here once; ``(version, new parameters)``.
 
@@ -498,26 +507,11 @@ class ParameterStore:
             self._staleness.setdefault(store_id, collections.deque(maxlen=_STALENESS_HISTORY)).append(
                 entry.version - int(read_version))
         if dedupe is None or not self._seen_before(store_id, f"params:{key}", dedupe):
-            entry.rule.learning_rate = lr
+            if lr is not None:  # None: the rule's own (a schedule of its step count)
+                entry.rule.learning_rate = lr
             entry.rule.apply(entry.params, [np.asarray(to_numpy(g)) for g in grads])
             entry.version += 1
         params = [copy_to_host(p) for p in entry.params]
         self._count(store_id, sum(p.nbytes for p in params))
         return entry.version, params
 
-
-#: The stores of this process by worker address (a threaded cluster's replicas call them directly).
-_IN_PROCESS: weakref.WeakValueDictionary[str, ParameterStore] = weakref.WeakValueDictionary()
-
-
-def register_in_process(address: str, store: ParameterStore) -> None:
-    """Make ``store`` (held by the worker at ``address``) callable directly by replicas of this process."""
-    _IN_PROCESS[address] = store
-
-
-def store_in_process(address: str) -> ParameterStore | None:
-    """The store held by the worker at ``address`` if that worker lives in this process (and still has it)."""
-    store = _IN_PROCESS.get(address)
-    if store is None or store.worker is None or store.worker.extensions.get(STORE_EXTENSION) is not store:
-        return None
-    return store

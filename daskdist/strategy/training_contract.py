@@ -11,7 +11,9 @@ that says what happens between backward and apply.
 How an adapter uses a driver
 ----------------------------
 Before each run of steps (an epoch on a replica, a closure on a
-parameter-server worker) the adapter calls ``driver.begin(trainable)``; for
+parameter-server worker) the adapter calls ``driver.begin(trainable)``, and
+``driver.end(trainable)`` after it when the driver has an ``end`` (the
+parameter-server driver: a ``StatefulTrainable`` assigns its state); for
 each local batch it calls ``totals = driver.step(trainable, batch, rows)``
 (``rows == 0``: this replica's share of the global batch is empty, it joins
 the step without data). The driver calls ``trainable.train_step(batch,
@@ -62,7 +64,7 @@ arrays in place, its slots in ``get_state``). They keep nothing of any
 framework on the stores: parameters are arrays, the update rule an opaque
 object the adapter supplies. From the client a ``ParameterHoldingDriver``
 reads and writes the stored copy (``stored_state``, ``set_stored``,
-``init_stored``: checkpoints, ``set_weights``); the same ``key`` (or driver)
+``init_stored``: checkpoints, ``set_weights``; ``release`` drops it); the same ``key`` (or driver)
 goes on training the same stored parameters.
 
 The protocol is stable: ``Trainable``, ``HeldTrainable``, ``GradientExchange``,
@@ -93,6 +95,7 @@ __all__ = [
     "HeldTrainable",
     "ParameterHoldingDriver",
     "SpmdStepDriver",
+    "StatefulTrainable",
     "StepDriver",
     "StepDriverBase",
     "StepTotals",
@@ -145,6 +148,7 @@ class UpdateRule(Protocol):
     """An optimizer as a parameter holder or server runs it: numpy arrays updated in place, slots in its state."""
 
     learning_rate: Any
+    """A float sent with every step, or ``None``: the rule keeps its own (a schedule of its step count)."""
 
     def apply(self, params: list[Any], grads: list[Any]) -> None:
         """Update ``params`` in place with the mean gradients ``grads`` (same order)."""
@@ -165,6 +169,23 @@ class HeldTrainable(Trainable, Protocol):
 
     def update_rule(self) -> UpdateRule:
         """The optimizer as a store runs it (the driver sends a copy once; ``learning_rate`` read every step)."""
+
+
+@runtime_checkable
+class StatefulTrainable(HeldTrainable, Protocol):
+    """A held trainable with state beside its parameters that no gradient updates (moving statistics).
+
+    Under the parameter-server driver the stores keep it by assignment, as
+    TensorFlow keeps such variables on the ps: a worker pulls it with the
+    parameters when a closure starts and assigns its own values when the
+    closure ends (``driver.end``); the last writer's values are kept.
+    """
+
+    def held_state(self) -> list[Any]:
+        """The state as arrays, in a fixed order (empty: nothing to hold)."""
+
+    def assign_held_state(self, values: Sequence[Any | None]) -> None:
+        """Copy ``values`` (numpy, in ``held_state()`` order; ``None``: leave that one) into the state."""
 
 
 @dataclasses.dataclass
@@ -202,6 +223,9 @@ class ParameterHoldingDriver(StepDriver, Protocol):
     def init_stored(self, client: Client, params: list[Any], rule: UpdateRule) -> None:
         """Hold ``params`` and a copy of ``rule`` unless held already (the holder: its first round does)."""
 
+    def release(self, client: Client) -> None:
+        """Drop the stored parameters and update rule of this ``key`` (nothing is held of it afterwards)."""
+
 
 class StepDriverBase:
     """What every driver does around the exchange: run the trainable's step, keep the step's totals."""
@@ -211,6 +235,9 @@ class StepDriverBase:
 
     def begin(self, trainable: Trainable) -> None:
         """Nothing to do before a run of steps (the parameter-server driver pulls)."""
+
+    def end(self, trainable: Trainable) -> None:
+        """Nothing to do after a run of steps (the parameter-server driver assigns a ``StatefulTrainable``'s state)."""
 
     def step(self, trainable: Trainable, batch: Any, rows: int) -> StepTotals:
         self._totals = StepTotals()

@@ -49,15 +49,19 @@ class AllReducePlan:
         Packs per dtype (the group's ``Algorithm.num_packs``).
     allocate
         How packs get their memory (the communicator's buffer pool).
+    in_place
+        The result may go into ``value``'s own memory (a contiguous array that
+        is a pack by itself is reduced where it lies; see ``packing.pack``).
     """
 
-    __slots__ = ("_packed", "_sig", "allocate", "bare_array", "call_options", "leaves", "nccl", "num_packs", "op",
-                 "options", "restore", "treedef")
+    __slots__ = ("_packed", "_sig", "allocate", "bare_array", "call_options", "in_place", "leaves", "nccl",
+                 "num_packs", "op", "options", "restore", "treedef")
 
     def __init__(self, op: ReduceOp | str, value: Any, options: CommunicationOptions,
                  call_options: CommunicationOptions | None, num_packs: int,
-                 allocate: Callable[..., Any] | None = None):
+                 allocate: Callable[..., Any] | None = None, in_place: bool = False):
         self.op = ReduceOp.from_any(op)
+        self.in_place = in_place
         self.options = options
         self.call_options = call_options
         self.num_packs = num_packs
@@ -86,7 +90,7 @@ class AllReducePlan:
         """The leaves fused into flat packs (a single leaf is borrowed, not copied; computed once)."""
         if self._packed is None:
             self._packed = pack(self.leaves, self.treedef, self.restore, self.options.bytes_per_pack,
-                                self.num_packs, borrow=True, allocate=self.allocate)
+                                self.num_packs, borrow=True, allocate=self.allocate, in_place=self.in_place)
         return self._packed
 
     def single_leaf(self) -> bool:

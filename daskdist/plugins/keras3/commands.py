@@ -63,16 +63,32 @@ def trainable(service: ReplicaService, model_id: str) -> KerasTrainable:
     return found
 
 
-def install_model(service: ReplicaService, model_id: str, payload: ModelPayload) -> str:
-    """Load the model of ``payload`` on this replica and keep it as ``(MODEL, model_id)``; its weight digest."""
+def install_model(service: ReplicaService, model_id: str, payload: ModelPayload, held: bool = False) -> str:
+    """Load the model of ``payload`` on this replica and keep it as ``(MODEL, model_id)``; its weight digest.
+
+    ``held``: a parameter holder keeps the optimizer's state, so the replica's optimizer, which never applies,
+    is replaced by an unbuilt copy (its step count kept): no slots on the replicas.
+    """
     prepare_replica(payload.backend)
     hooks.install()
     _limit_threads(service)
     with context.enter(_replica_frame(service)):
         model = unpack_model(payload)
+        if held:
+            _unbuilt_optimizer(model)
         resident = KerasTrainable(model, service.rank)
     service.objects.install(MODEL, model_id, resident)
     return resident.state_digest()
+
+
+def _unbuilt_optimizer(model: Any) -> None:
+    """Give ``model`` an unbuilt copy of its optimizer (same config and ``iterations``, no slot variables)."""
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or not optimizer.built:
+        return
+    fresh = type(optimizer).from_config(optimizer.get_config())
+    fresh.iterations.assign(optimizer.iterations)
+    model.optimizer = fresh
 
 
 def check_same_weights(service: ReplicaService, model_id: str) -> None:

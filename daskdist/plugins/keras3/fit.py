@@ -144,7 +144,8 @@ def ensure_installed(model: Any, record: registry.Record) -> None:
         return
     extended = record.strategy.extended
     payload = pack_model(model, keras_backend())
-    extended.run_on_replicas(commands.install_model, (record.object_id, payload))
+    held = isinstance(extended.step_driver(record.object_id), ParameterHoldingDriver)  # no slots on the replicas
+    extended.run_on_replicas(commands.install_model, (record.object_id, payload, held))
     extended.run_on_replicas(commands.check_same_weights, (record.object_id,))
     record.fingerprint = current
     record.dirty = False
@@ -158,14 +159,15 @@ def _take_state(model: Any, state: dict[str, Any]) -> None:
 
 
 def _give_stored(model: Any, record: registry.Record, driver: Any) -> None:
-    """The client's weights and optimizer state replace the held copy (if one is held: else the first step's)."""
+    """The client's weights and optimizer state replace the held copy, or are held first (``init_stored``)."""
     import keras
 
     variables = list(model.trainable_variables)
     rule = update_rule.update_rule(_optimizer(model))
-    driver.set_stored(record.strategy.client, len(variables),
-                      params=[np.array(keras.ops.convert_to_numpy(v.value), copy=True) for v in variables],
-                      rule_state=update_rule.rule_state(_optimizer(model), rule))
+    params = [np.array(keras.ops.convert_to_numpy(v.value), copy=True) for v in variables]
+    rule.set_state(update_rule.rule_state(_optimizer(model), rule))
+    if not driver.set_stored(record.strategy.client, len(variables), params=params, rule_state=rule.get_state()):
+        driver.init_stored(record.strategy.client, params, rule)  # the replicas' optimizers hold no slots
 
 
 def _pull(model: Any, record: registry.Record) -> None:
@@ -174,6 +176,13 @@ def _pull(model: Any, record: registry.Record) -> None:
         return
     state = record.strategy.extended.run_on_replica(0, commands.model_state, (record.object_id,))
     _take_state(model, state)
+    driver = record.strategy.extended.step_driver(record.object_id)
+    if isinstance(driver, ParameterHoldingDriver):  # a held copy (an earlier fit's) follows the loop's weights
+        import keras
+
+        variables = list(model.trainable_variables)
+        driver.set_stored(record.strategy.client, len(variables),
+                          params=[np.array(keras.ops.convert_to_numpy(v.value), copy=True) for v in variables])
     record.fingerprint = fingerprint(model)
     record.dirty = False
 
@@ -225,9 +234,7 @@ def _distribute(record: registry.Record, x: Any, y: Any, batch_size: int | None,
 def _learning_rate(model: Any) -> float | None:
     """The client's learning rate (``LearningRateScheduler`` sets it), or ``None`` for a schedule."""
     optimizer = _optimizer(model)
-    if optimizer is None or isinstance(optimizer.get_config().get("learning_rate"), dict):
-        return None
-    return float(np.asarray(optimizer.learning_rate))
+    return None if optimizer is None else update_rule.learning_rate(optimizer)
 
 
 # -- the wrapped methods -------------------------------------------------------------------
@@ -260,7 +267,8 @@ def fit(original: Callable[..., Any], model: Any, x: Any = None, y: Any = None, 
             raise NotImplementedError("fit under ParameterServerStrategy does not take validation_split, "
                                       "class_weight or sample_weight")
         return ps.fit(model, record, x, y, epochs, verbose, callbacks, validation_data, initial_epoch,
-                      steps_per_epoch, lambda: _learning_rate(model))
+                      steps_per_epoch, lambda: _learning_rate(model), validation_steps, validation_batch_size,
+                      validation_freq)
     unsupported = {"validation_split": validation_split != 0.0, "class_weight": class_weight is not None,
                    "sample_weight": sample_weight is not None, "validation_freq": validation_freq != 1}
     if any(unsupported.values()):
@@ -373,22 +381,23 @@ def evaluate(original: Callable[..., Any], model: Any, x: Any = None, y: Any = N
         return original(model, x, y, batch_size, verbose, sample_weight, steps, callbacks, return_dict, **kwargs)
     if sample_weight is not None:
         raise NotImplementedError("evaluate under a daskdist strategy takes sample weights in the dataset's elements")
-    from daskdist.plugins.keras3 import ps
-
-    if ps.schedules_closures(record.strategy.extended):  # the client's copy holds the stored parameters (fit took
-        return original(model, x, y, batch_size, verbose, sample_weight, steps, callbacks, return_dict, **kwargs)
     import keras
 
-    data = _distribute(record, x, y, batch_size, False, model)
-    _pull(model, record)
-    ensure_installed(model, record)
+    from daskdist.plugins.keras3 import ps
+
     verbose_level = 1 if verbose == "auto" else int(verbose)
     callback_list = callbacks if isinstance(callbacks, keras.callbacks.CallbackList) else keras.callbacks.CallbackList(
         callbacks, add_progbar=verbose_level != 0, verbose=verbose_level, epochs=1, steps=steps, model=model)
-    model.stop_evaluating = False
-    logs = loops.evaluate(record.strategy.extended, record.object_id, data, steps, callback_list,
-                          loops.needs_batch_hooks(callbacks, "test"), loops.execution_size(model),
-                          lambda: bool(getattr(model, "stop_evaluating", False)))
+    if ps.schedules_closures(record.strategy.extended):  # closures on the workers, as TF's inline evaluation
+        logs = ps.evaluate(model, record, x, y, batch_size, steps, callback_list)
+    else:
+        data = _distribute(record, x, y, batch_size, False, model)
+        _pull(model, record)
+        ensure_installed(model, record)
+        model.stop_evaluating = False
+        logs = loops.evaluate(record.strategy.extended, record.object_id, data, steps, callback_list,
+                              loops.needs_batch_hooks(callbacks, "test"), loops.execution_size(model),
+                              lambda: bool(getattr(model, "stop_evaluating", False)))
     if return_dict:
         return logs
     values = [logs[name] for name in logs]

@@ -11,28 +11,48 @@ on the parameter servers (parameter ``i`` on store ``i % num_ps``, the update
 rule ``update_rule.update_rule`` of the Keras optimizer). A closure runs
 ``steps_per_execution`` steps: it pulls the parameters changed on the stores,
 then per step runs Keras' forward and backward, pushes the gradients (the
-stores apply them once) and assigns the new parameters. The epoch's logs are
+stores apply them once) and assigns the new parameters. Non-trainable float
+weights (BatchNormalization's moving statistics) are held on the stores beside
+the parameters, as TF keeps them as ps variables the workers assign: a closure
+pulls them with the parameters and assigns its own at its end (the last
+writer's are kept; ``PsStepDriver.end``). The epoch's logs are
 Keras' metric variables summed over the closures. After every epoch the
-client's model takes the stored parameters and slots; ``evaluate`` and
-``predict`` run Keras' own loops on the client's copy, which then holds them.
+client's model takes the stored parameters and slots; ``predict`` runs
+Keras' own loop on the client's copy, which then holds them.
+
+``evaluate`` (and ``fit``'s ``validation_data``, every ``validation_freq``
+epochs) runs on the workers in closures, as TensorFlow's inline distributed
+evaluation does: each closure pulls the stored parameters and runs Keras'
+``test_step`` over its batches; the client sums the closures' metric
+variables. Arrays (numpy, or Dask arrays read on the client) are cut into
+batches that the closures carry, each row evaluated exactly once; a
+``DatasetCreator`` (or a ``daskdist.data.Dataset``, every worker reading all
+of it) is read by each worker from its own iterator, ``steps``
+(``validation_steps``) required, with TF's at-least-once visitation. A model
+never trained here, or whose client copy changed since (``set_weights``,
+``load_weights``), is held on the stores again first. Each hold replaces the
+previous one: its parameter sets are released from the stores.
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
+import optree
 
 from daskdist import context
 from daskdist.group.service import MODEL
 from daskdist.plugins.keras3 import hooks, registry, update_rule
 from daskdist.plugins.keras3.backend import keras_backend, prepare_replica
 from daskdist.plugins.keras3.payload import ModelPayload, pack_model, unpack_model
-from daskdist.plugins.keras3.resident import KerasTrainable
+from daskdist.plugins.keras3.resident import KerasTrainable, state_variables
 
-__all__ = ["KerasPsWorker", "fit", "schedules_closures"]
+__all__ = ["KerasPsWorker", "evaluate", "fit", "schedules_closures"]
 
 
 def schedules_closures(extended: Any) -> bool:
@@ -67,8 +87,30 @@ class KerasPsWorker:
         for _ in range(steps):
             batch = next(iterator)
             self.driver.step(self.trainable, batch, batch_rows(batch))
-        return {"metrics": [np.array(np.asarray(v.numpy()), copy=True) for v in model.metrics_variables],
-                "sample": None if batch is None else tuple(np.asarray(part)[:1] for part in batch[:2])}
+        self.driver.end(self.trainable)  # the moving statistics assigned on the stores
+        return _results(model, batch)
+
+    def evaluate(self, batches: Iterable[Any]) -> dict[str, Any]:
+        """Keras' ``test_step`` over ``batches`` with the parameters stored now; the metric variables (as ``train``)."""
+        import torch
+
+        from daskdist.plugins.keras3.resident import batch_rows, to_tensors
+
+        model = self.trainable.model
+        self.driver.pull(self.trainable)
+        model.reset_metrics()
+        batch: Any = None
+        with torch.no_grad():
+            for batch in batches:
+                if batch_rows(batch):
+                    model.test_step(to_tensors(batch))
+        return _results(model, batch)
+
+
+def _results(model: Any, batch: Any) -> dict[str, Any]:
+    """A closure's metric variables and one row of its last batch (the client builds its metrics with it)."""
+    return {"metrics": [np.array(np.asarray(v.numpy()), copy=True) for v in model.metrics_variables],
+            "sample": None if batch is None else tuple(np.asarray(part)[:1] for part in batch[:2])}
 
 
 def _install_worker(service: Any, model_id: str, payload: ModelPayload, driver: Any) -> None:
@@ -82,28 +124,74 @@ def _install_worker(service: Any, model_id: str, payload: ModelPayload, driver: 
 
 
 def _train_closure(model_id: str, iterator: Any, steps: int, learning_rate: float | None) -> dict[str, Any]:
+    return _worker(model_id).train(iterator, steps, learning_rate)
+
+
+def _evaluate_closure(model_id: str, iterator: Any, steps: int) -> dict[str, Any]:
+    """``steps`` evaluation batches of this worker's iterator (a per-worker dataset)."""
+    return _worker(model_id).evaluate(itertools.islice(iterator, steps))
+
+
+def _evaluate_rows(model_id: str, batches: list[Any]) -> dict[str, Any]:
+    """The evaluation batches this closure carries (arrays cut on the client: each row once)."""
+    return _worker(model_id).evaluate(batches)
+
+
+def _worker(model_id: str) -> KerasPsWorker:
     service = context.current_runtime()
     if service is None:
         raise RuntimeError("Keras 3 closures run on ParameterServerStrategy workers only")
     worker: KerasPsWorker = service.objects.get(MODEL, model_id)
-    return worker.train(iterator, steps, learning_rate)
+    return worker
 
 
 def _weights(model: Any) -> list[np.ndarray]:
+    return _arrays(model.trainable_variables)
+
+
+def _arrays(variables: list[Any]) -> list[np.ndarray]:
     import keras
 
-    return [np.array(keras.ops.convert_to_numpy(v.value), copy=True) for v in model.trainable_variables]
+    return [np.array(keras.ops.convert_to_numpy(v.value), copy=True) for v in variables]
+
+
+def _take_stored(model: Any, record: registry.Record, driver: Any) -> None:
+    """The client's model takes the stored parameters, optimizer slots and state (moving statistics)."""
+    update_rule.take_stored(model, record.strategy.client, driver)
+    variables = state_variables(model)
+    values = driver.stored_held_state(record.strategy.client, len(variables)) if variables else None
+    for variable, value in zip(variables, values or []):
+        variable.assign(np.asarray(value))
+    record.fingerprint = held_digest(model)
+
+
+def held_digest(model: Any) -> str:
+    """A digest of the model's weights (what the stores and workers hold after a ``fit`` or an install)."""
+    import keras
+
+    digest = hashlib.blake2b(digest_size=16)
+    for variable in model.weights:
+        digest.update(np.ascontiguousarray(keras.ops.convert_to_numpy(variable.value)).tobytes())
+    return digest.hexdigest()
 
 
 def _install(model: Any, record: registry.Record, coordinator: Any) -> Any:
-    """Hold the client's parameters on the stores and put the model on every worker (once per ``fit``)."""
+    """Hold the client's parameters on the stores and put the model on every worker (once per ``fit``).
+
+    The previous hold's parameter sets (an earlier ``fit``) are released from the stores first.
+    """
     extended = record.strategy.extended
+    if record.driver is not None:
+        record.driver.release(record.strategy.client)
+        record.driver = None
     driver = extended.step_driver(f"{record.object_id}:{uuid.uuid4().hex[:8]}")
     rule = update_rule.update_rule(model.optimizer)
     rule.set_state(update_rule.rule_state(model.optimizer, rule))
-    driver.init_stored(record.strategy.client, _weights(model), rule)
+    driver.init_stored(record.strategy.client, _weights(model), rule, state=_arrays(state_variables(model)))
     payload = pack_model(model, keras_backend())
     coordinator.run_on_each_worker(_install_worker, lambda _index: (record.object_id, payload, driver))
+    record.driver = driver
+    record.fingerprint = held_digest(model)
     return driver
 
 
@@ -116,9 +204,114 @@ def _build_metrics(model: Any, sample: Any) -> None:
     model.reset_metrics()
 
 
+def _sum_logs(model: Any, results: list[dict[str, Any]]) -> dict[str, float]:
+    """The closures' metric variables summed into the client's model: the logs over all their batches."""
+    _build_metrics(model, next((r["sample"] for r in results if r["sample"] is not None), None))
+    totals = [np.sum(parts, axis=0) for parts in zip(*(r["metrics"] for r in results))]
+    for variable, total in zip(model.metrics_variables, totals):
+        variable.assign(total)
+    return {k: float(np.asarray(v)) for k, v in model.get_metrics_result().items() if np.asarray(v).size == 1}
+
+
+def _chunks(steps: int, size: int) -> list[int]:
+    """``steps`` cut into closures of ``size`` steps (``steps_per_execution``), the last one shorter."""
+    return [min(size, steps - start) for start in range(0, steps, size)]
+
+
+def _host(data: Any) -> Any:
+    """Arrays (a structure of them) as numpy on the client; Dask collections read."""
+    return optree.tree_map(lambda a: np.asarray(a.compute()) if hasattr(a, "__dask_graph__") else np.asarray(a), data)
+
+
+def _evaluation(coordinator: Any, model_id: str, x: Any, y: Any, batch_size: int | None, steps: int | None,
+                size: int, steps_name: str) -> Callable[[], list[Any]]:
+    """What one evaluation schedules: a function returning its closures' ``RemoteValue``s (see the module)."""
+    from daskdist.data.dataset import Dataset
+    from daskdist.keras.dataset_creator import DatasetCreator
+
+    name = type(coordinator.strategy).__name__
+    if x is None:
+        raise ValueError("no data given (x is None)")
+    if isinstance(x, (DatasetCreator, Dataset)) or (callable(x) and not hasattr(x, "__dask_graph__")):
+        if y is not None:
+            raise ValueError("y must not be given with a DatasetCreator or a Dataset (it yields (x, y) pairs)")
+        if steps is None:
+            raise ValueError(f"`{steps_name}` must be specified with `{name}` when the data is a DatasetCreator or a "
+                             "Dataset: each worker reads its own (give arrays to evaluate every row once)")
+        if steps < 1:
+            raise ValueError(f"{steps_name} must be >= 1, got {steps}")
+        per_worker = coordinator.create_per_worker_dataset(
+            x if isinstance(x, (DatasetCreator, Dataset)) else DatasetCreator(x))
+
+        def on_workers() -> list[Any]:
+            iterator = iter(per_worker)  # each evaluation reads the workers' datasets from their start
+            return [coordinator.schedule(_evaluate_closure, args=(model_id, iterator, n)) for n in _chunks(steps, size)]
+
+        return on_workers
+    xs = _host(x)
+    ys = None if y is None else _host(y)
+    leaves = optree.tree_leaves(xs)
+    rows = len(leaves[0]) if leaves else 0
+    if ys is not None and len(optree.tree_leaves(ys)[0]) != rows:
+        raise ValueError(f"x and y have different lengths ({rows} and {len(optree.tree_leaves(ys)[0])})")
+    step = batch_size or 32
+    parts = (xs,) if ys is None else (xs, ys)
+
+    def batch_at(start: int) -> tuple[Any, ...]:
+        return tuple(optree.tree_map(lambda a: a[start:start + step], part) for part in parts)
+
+    batches = [batch_at(start) for start in list(range(0, rows, step))[:steps]]
+    groups = [batches[i:i + size] for i in range(0, len(batches), size)]
+    return lambda: [coordinator.schedule(_evaluate_rows, args=(model_id, group)) for group in groups]
+
+
+def _should_eval(epoch: int, freq: Any) -> bool:
+    """Keras' rule: every ``freq`` epochs (an int), or at the epochs (1-based) listed."""
+    if isinstance(freq, int):
+        return (epoch + 1) % freq == 0
+    return epoch + 1 in freq
+
+
+def _held(model: Any, record: registry.Record, coordinator: Any) -> None:
+    """Hold the client's copy on the stores and workers unless they hold it already (evaluate)."""
+    if record.driver is None or record.fingerprint != held_digest(model):
+        _check(model, type(record.strategy).__name__)
+        _install(model, record, coordinator)
+
+
+def _check(model: Any, name: str) -> None:
+    """What the stores and workers cannot hold: refused before anything runs."""
+    update_rule.check_optimizer(model.optimizer, name)
+    if not model.built:
+        raise ValueError(f"model {model.name!r} is not built: give it an Input (its workers build their datasets)")
+
+
+def evaluate(model: Any, record: registry.Record, x: Any, y: Any, batch_size: int | None, steps: int | None,
+             callbacks: Any) -> dict[str, float]:
+    """``model.evaluate`` under ParameterServerStrategy: closures on the workers (see the module); the logs."""
+    from daskdist.strategy.coordinator import ClusterCoordinator
+
+    if not model.compiled:
+        raise ValueError("You must call `compile()` before using the model (`model.compile(optimizer, loss)`).")
+    record.strategy.extended.check_open()
+    coordinator = ClusterCoordinator(record.strategy)
+    size = max(1, int(getattr(model, "steps_per_execution", 1) or 1))
+    evaluation = _evaluation(coordinator, record.object_id, x, y, batch_size, steps, size, "steps")
+    if not model.built and (hasattr(x, "shape") or isinstance(x, (tuple, list, dict))):  # arrays: one row builds it
+        model(optree.tree_map(lambda a: a[:1], _host(x)), training=False)
+    _held(model, record, coordinator)
+    callbacks.on_test_begin()
+    values = evaluation()
+    coordinator.join()
+    logs = _sum_logs(model, coordinator.fetch(values))
+    callbacks.on_test_end(logs)
+    return logs
+
+
 def fit(model: Any, record: registry.Record, x: Any, y: Any, epochs: int, verbose: Any, callbacks: list[Any] | None,
         validation_data: Any, initial_epoch: int, steps_per_epoch: int | None,
-        learning_rate: Callable[[], float | None]) -> Any:
+        learning_rate: Callable[[], float | None], validation_steps: int | None = None,
+        validation_batch_size: int | None = None, validation_freq: Any = 1) -> Any:
     """``model.fit`` under ParameterServerStrategy (see the module)."""
     import keras
 
@@ -138,24 +331,20 @@ def fit(model: Any, record: registry.Record, x: Any, y: Any, epochs: int, verbos
                           for hook in ("on_train_batch_begin", "on_train_batch_end"))]
     if batch_level:
         raise ValueError(f"Batch-level `Callback`s are not supported with `{name}`. Found: {batch_level}")
-    if validation_data is not None:
-        raise NotImplementedError(f"validation_data under {name}: call model.evaluate after fit")
-    update_rule.check_optimizer(model.optimizer, name)
-    stateful = [w.path for w in model.non_trainable_weights
-                if np.dtype(keras.backend.standardize_dtype(w.dtype)).kind == "f"]
-    if stateful:
-        raise NotImplementedError(f"non-trainable weights ({', '.join(stateful[:4])}: BatchNormalization's moving "
-                                  f"statistics, frozen layers) are not held under {name} yet: they would stay on "
-                                  "each worker")
-    if not model.built:
-        raise ValueError(f"model {model.name!r} is not built: give it an Input (its workers build their datasets)")
+    _check(model, name)
     record.strategy.extended.check_open()
     coordinator = ClusterCoordinator(record.strategy)
-    driver = record.driver = _install(model, record, coordinator)
+    size = max(1, int(getattr(model, "steps_per_execution", 1) or 1))
+    evaluation = None
+    if validation_data is not None:
+        vx, vy = (validation_data[0], validation_data[1]) if isinstance(validation_data, tuple) else (
+            validation_data, None)
+        evaluation = _evaluation(coordinator, record.object_id, vx, vy, validation_batch_size, validation_steps, size,
+                                 "validation_steps")
+    driver = _install(model, record, coordinator)
     creator = x if isinstance(x, DatasetCreator) else DatasetCreator(x)
     per_worker: Any = coordinator.create_per_worker_dataset(creator)
     iterator = iter(per_worker)  # per worker, an iterator over its own dataset
-    size = max(1, int(getattr(model, "steps_per_execution", 1) or 1))
     verbose_level = 1 if verbose == "auto" else int(verbose)
     callback_list = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose_level != 0,
                                                  verbose=verbose_level, epochs=epochs, steps=steps_per_epoch,
@@ -167,16 +356,18 @@ def fit(model: Any, record: registry.Record, x: Any, y: Any, epochs: int, verbos
         model.reset_metrics()
         callback_list.on_epoch_begin(epoch)
         lr = learning_rate()
-        sizes = [min(size, steps_per_epoch - start) for start in range(0, steps_per_epoch, size)]
-        values = [coordinator.schedule(_train_closure, args=(record.object_id, iterator, n, lr)) for n in sizes]
+        values = [coordinator.schedule(_train_closure, args=(record.object_id, iterator, n, lr))
+                  for n in _chunks(steps_per_epoch, size)]
         coordinator.join()
-        results = coordinator.fetch(values)
-        _build_metrics(model, results[0]["sample"])
-        totals = [np.sum(parts, axis=0) for parts in zip(*(r["metrics"] for r in results))]
-        for variable, total in zip(model.metrics_variables, totals):
-            variable.assign(total)
-        logs = {k: float(np.asarray(v)) for k, v in model.get_metrics_result().items() if np.asarray(v).size == 1}
-        update_rule.take_stored(model, record.strategy.client, driver)
+        logs = _sum_logs(model, coordinator.fetch(values))
+        _take_stored(model, record, driver)
+        if evaluation is not None and _should_eval(epoch, validation_freq):
+            callback_list.on_test_begin()
+            values = evaluation()
+            coordinator.join()
+            val_logs = _sum_logs(model, coordinator.fetch(values))
+            callback_list.on_test_end(val_logs)
+            logs.update({f"val_{k}": v for k, v in val_logs.items()})
         callback_list.on_epoch_end(epoch, logs)
         if model.stop_training:
             break

@@ -43,6 +43,13 @@ def reduce(obj: Any, record: registry.Record) -> tuple[Any, tuple[Any, ...]]:
     """The pickled form of a recorded model or optimizer (see the module's docstring)."""
     from keras.src.optimizers.base_optimizer import BaseOptimizer
 
+    from daskdist.plugins.keras3.ps import schedules_closures
+
+    if schedules_closures(record.strategy.extended):
+        raise NotImplementedError(
+            f"a Keras 3 {type(obj).__name__} created in {type(record.strategy).__name__}.scope() cannot be sent to "
+            "its workers in a function (ClusterCoordinator.schedule, strategy.run) yet: train it with model.fit, "
+            "or use the built-in layers (daskdist.keras) in a custom loop")
     token = record.strategy.extended.token
     if isinstance(obj, BaseOptimizer):
         return resolve_optimizer, (token, record.object_id, keras_backend(), type(obj), obj.get_config())

@@ -29,7 +29,8 @@ from daskdist.plugins.keras3 import exchange as exchange_module
 from daskdist.plugins.keras3 import update_rule as update_rule_module
 from daskdist.strategy.training_contract import GradientExchange, StepDriver
 
-__all__ = ["KerasTrainable", "SeedStates", "assign_state", "batch_rows", "split_variables", "to_tensors"]
+__all__ = ["KerasTrainable", "SeedStates", "assign_state", "batch_rows", "split_variables", "state_variables",
+           "to_tensors"]
 
 _SEED_STRIDE = 1_000_003  # replica r's seed generators start at seed + r * stride
 
@@ -120,6 +121,19 @@ class KerasTrainable:
                 if value is not None:
                     variable.assign(np.asarray(value))
 
+    def held_state(self) -> list[Any]:
+        """The non-trainable float weights (moving statistics): held by assignment on parameter servers."""
+        return [v.value.detach() for v in state_variables(self.model)]
+
+    def assign_held_state(self, values: Sequence[Any | None]) -> None:
+        """Copy ``values`` (numpy, in ``held_state()`` order; ``None``: keep that one) into the moving statistics."""
+        import torch
+
+        with torch.no_grad():
+            for variable, value in zip(state_variables(self.model), values):
+                if value is not None:
+                    variable.assign(np.asarray(value))
+
     def update_rule(self) -> Any:
         """The optimizer as a parameter store runs it (``update_rule.update_rule``), at the current learning rate."""
         optimizer = _optimizer(self.model)
@@ -128,7 +142,7 @@ class KerasTrainable:
             rule.set_state(update_rule_module.rule_state(optimizer, rule))  # a loaded model's optimizer state
             self._rule = (optimizer, rule)
         rule = self._rule[1]
-        rule.learning_rate = float(np.asarray(optimizer.learning_rate))
+        rule.learning_rate = update_rule_module.learning_rate(optimizer)  # None: a schedule the store evaluates
         return rule
 
     def snapshot(self) -> dict[str, Any]:
@@ -324,6 +338,14 @@ class SeedStates:
 
     def digest_bytes(self) -> bytes:
         return b""
+
+
+def state_variables(model: Any) -> list[Any]:
+    """The model's non-trainable float weights (moving statistics, frozen layers' weights), in a fixed order.
+
+    Keras' ``non_trainable_weights``: metric variables and random seed states are not among them.
+    """
+    return [v for v in model.non_trainable_weights if np.dtype(_numpy_dtype(v)).kind == "f"]
 
 
 def split_variables(model: Any) -> tuple[list[Any], list[Any]]:

@@ -9,6 +9,16 @@ epsilon)`` for Adam, ``g / sqrt(v + epsilon)`` for RMSprop), and
 ``rule_state`` / ``assign_rule_state`` translate its slots (``<slot>/<index>``
 in ``trainable_variables`` order) to and from the Keras optimizer's variables,
 so a checkpoint of the client's model holds the stored optimizer state.
+
+A ``keras.optimizers.schedules.LearningRateSchedule`` (any schedule Keras
+serialises: ``ExponentialDecay``, ``PiecewiseConstantDecay``, ``CosineDecay``,
+``InverseTimeDecay``, a registered one of the user's) becomes a
+``ScheduledRule``: the store evaluates Keras' own schedule at the rule's step
+count before each update, as Keras' optimizer does at its ``iterations``. The
+step count is the stored one: the holder's under CentralStorage, every
+worker's pushes counted under ParameterServerStrategy (TF's ``iterations``
+variable on the ps). A float learning rate (``LearningRateScheduler`` sets
+it) travels with each step instead.
 """
 
 from __future__ import annotations
@@ -20,8 +30,8 @@ import numpy as np
 
 from daskdist.keras.optimizers import Adam
 
-__all__ = ["SUPPORTED", "KerasAdam", "UnsupportedOptimizerError", "assign_rule_state", "check_optimizer", "rule_state",
-           "take_stored", "update_rule"]
+__all__ = ["SUPPORTED", "KerasAdam", "ScheduledRule", "UnsupportedOptimizerError", "assign_rule_state",
+           "check_optimizer", "learning_rate", "rule_state", "take_stored", "update_rule"]
 
 
 class UnsupportedOptimizerError(NotImplementedError):
@@ -94,10 +104,17 @@ def check_optimizer(optimizer: Any, strategy: str) -> None:
             f"{', '.join(SUPPORTED)} (no weight decay, clipping, EMA, loss scaling or gradient accumulation); "
             f"got {type(optimizer).__module__}.{name}: compile with one of those, or use MirroredStrategy")
     config = optimizer.get_config()
-    if isinstance(config.get("learning_rate"), dict):
-        raise UnsupportedOptimizerError(
-            f"{strategy}: a learning-rate schedule ({config['learning_rate'].get('class_name')}) is not run on the "
-            "parameter stores yet: give a float learning rate (keras.callbacks.LearningRateScheduler works)")
+    schedule = config.get("learning_rate")
+    if isinstance(schedule, dict):
+        import keras
+
+        try:
+            _schedule(keras, schedule)
+        except Exception as e:  # noqa: BLE001 - any failure to rebuild it is the user's schedule's
+            raise UnsupportedOptimizerError(
+                f"{strategy} evaluates the learning-rate schedule on its parameter stores from its config, and "
+                f"Keras cannot rebuild {schedule.get('class_name')!r} from it ({e}): register the class with "
+                "keras.saving.register_keras_serializable and give it get_config/from_config") from e
     wrong = {key: config.get(key) for key, value in {**_DEFAULTS, **_RULES[name][2]}.items()
              if config.get(key, value) != value}
     if wrong:
@@ -106,10 +123,109 @@ def check_optimizer(optimizer: Any, strategy: str) -> None:
             "compile without them, or use MirroredStrategy")
 
 
+class ScheduledRule:
+    """An update rule whose learning rate is a Keras ``LearningRateSchedule`` of its step count.
+
+    Before each ``apply`` the schedule (kept as Keras' serialised config,
+    rebuilt once where the rule runs) is evaluated at the rule's
+    ``iterations``, the step count before this update, as Keras' optimizer
+    evaluates it at its ``iterations``; ``learning_rate`` is ``None``: nothing
+    is sent with each step.
+
+    Parameters
+    ----------
+    rule
+        The built-in optimizer that applies the updates.
+    schedule
+        ``optimizer.get_config()["learning_rate"]``: the schedule as Keras serialises it.
+    backend
+        The Keras backend the schedule is evaluated on (the client's).
+    """
+
+    def __init__(self, rule: Any, schedule: dict[str, Any], backend: str):
+        self.rule = rule
+        self.schedule = schedule
+        self.backend = backend
+        self._evaluate: Any = None
+
+    @property
+    def learning_rate(self) -> None:
+        return None
+
+    @learning_rate.setter
+    def learning_rate(self, value: float | None) -> None:
+        if value is not None:
+            raise TypeError("the learning rate of an optimizer made with a LearningRateSchedule is not settable "
+                            "(Keras refuses it too)")
+
+    @property
+    def slot_names(self) -> Any:
+        return self.rule.slot_names
+
+    @property
+    def iterations(self) -> int:
+        return int(self.rule.iterations)
+
+    def current(self) -> float:
+        """The schedule's learning rate at the rule's step count (Keras' own computation, as a float)."""
+        if self._evaluate is None:
+            from daskdist.plugins.keras3.backend import prepare_replica
+
+            keras = prepare_replica(self.backend)
+            schedule = _schedule(keras, self.schedule)
+
+            def evaluate(step: int) -> float:
+                value = schedule(keras.ops.convert_to_tensor(np.int64(step), dtype="int64"))
+                return float(keras.ops.convert_to_numpy(value))
+
+            self._evaluate = evaluate
+        return float(self._evaluate(self.iterations))
+
+    def apply(self, params: list[Any], grads: list[Any]) -> None:
+        self.rule.learning_rate = self.current()
+        self.rule.apply(params, grads)
+
+    def get_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = self.rule.get_state()
+        return state
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.rule.set_state(state)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_evaluate": None}
+
+    def __repr__(self) -> str:
+        return f"ScheduledRule({self.rule!r}, {self.schedule.get('class_name')})"
+
+
+def _schedule(keras: Any, config: dict[str, Any]) -> Any:
+    """The ``LearningRateSchedule`` of a serialised one, as Keras' optimizer rebuilds it (``TypeError`` if it cannot)."""
+    schedule = keras.saving.deserialize_keras_object(config)
+    if not isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule):
+        raise TypeError(f"{config.get('class_name')!r} rebuilds as {type(schedule).__name__}, not a LearningRateSchedule")
+    return schedule
+
+
+def learning_rate(optimizer: Any) -> float | None:
+    """The Keras optimizer's float learning rate now, or ``None`` when a schedule gives it (the stores evaluate it)."""
+    if isinstance(optimizer.get_config().get("learning_rate"), dict):
+        return None
+    return float(np.asarray(optimizer.learning_rate))
+
+
 def update_rule(optimizer: Any) -> Any:
-    """The built-in optimizer that applies ``optimizer``'s updates on numpy arrays in place (a fresh one)."""
+    """The built-in optimizer that applies ``optimizer``'s updates on numpy arrays in place (a fresh one);
+    a ``ScheduledRule`` around it when the learning rate is a schedule."""
     check_optimizer(optimizer, "this strategy")
-    return _RULES[type(optimizer).__name__][0](optimizer.get_config())
+    config = optimizer.get_config()
+    schedule = config.get("learning_rate")
+    if not isinstance(schedule, dict):
+        return _RULES[type(optimizer).__name__][0](config)
+    from daskdist.plugins.keras3.backend import keras_backend
+
+    return ScheduledRule(_RULES[type(optimizer).__name__][0]({**config, "learning_rate": 0.0}), schedule,
+                         keras_backend())
 
 
 def _slot_lists(optimizer: Any, rule: Any) -> dict[str, list[Any]]:

@@ -81,6 +81,11 @@ class ReplicaComm:
             raise RuntimeError(f"replica {runtime.rank} of {runtime.group_id} is closed")
         return self._group if self._group is not None else runtime.process_group
 
+    @property
+    def all_reduce_now(self) -> Callable[..., Any]:
+        """The group's synchronous all-reduce in this thread (``ProcessGroup.inline_all_reduce``), checked as ``group``."""
+        return self.group.inline_all_reduce
+
     def subgroup(self, ranks: list[int], name: str | None) -> ReplicaComm | None:
         """``new_group(ranks)`` of the root group (every replica calls it); ``None`` on non-members."""
         sub = self.group.new_group(ranks, name=name)
@@ -107,9 +112,7 @@ class ReplicaComm:
         except BaseException as e:  # noqa: BLE001 - the torch call waiting on the future raises it
             logger.debug("daskdist torch collective failed: %s", e)
             return Outcome.failed(e)
-        future: torch.futures.Future = torch.futures.Future()
-        future.set_result(result)
-        return Outcome(future)
+        return Outcome.done(result)
 
     def call(self, call: Call) -> Any:
         """Run ``call`` on the group now, in this thread (after the async work issued before it)."""
@@ -125,14 +128,33 @@ class Outcome:
 
     ``future`` fails with a C++ error (raised in a ``then`` callback) whose
     message carries the collective's error; ``error`` keeps the exception
-    itself, for ``Work.wait`` in Python to raise as it was.
+    itself, for ``Work.wait`` in Python to raise as it was. A collective that
+    ran inline and succeeded has no future until one is asked for
+    (``torch_future``): a ``dist.all_reduce(async_op=True)`` followed by
+    ``wait()`` makes none.
     """
 
-    __slots__ = ("error", "future")
+    __slots__ = ("error", "future", "value")
 
     def __init__(self, future: Any):
         self.future = future
         self.error: BaseException | None = None
+        self.value: Any = None
+
+    @classmethod
+    def done(cls, value: Any) -> Outcome:
+        """An outcome that succeeded already, with ``value`` (its future is made when asked for)."""
+        outcome = cls(None)
+        outcome.value = value
+        return outcome
+
+    def torch_future(self) -> Any:
+        """The torch future (made now, completed, for an outcome that succeeded inline)."""
+        if self.future is None:
+            future: torch.futures.Future = torch.futures.Future()
+            future.set_result(self.value)
+            self.future = future
+        return self.future
 
     @classmethod
     def failed(cls, error: BaseException) -> Outcome:

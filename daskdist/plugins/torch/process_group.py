@@ -3,11 +3,19 @@
 A Python subclass of ``dist.ProcessGroup`` (torch's ``PyProcessGroup``
 trampoline): torch's C++ callers (DDP's reducer, ``SyncBatchNorm``, ZeRO) and
 ``torch.distributed``'s functions reach these methods. Tensors travel as numpy
-views of their memory (no copy for contiguous CPU tensors), results are
-copied back in place, and every method returns a ``Work`` made from a
-``torch.futures.Future`` that the adapter (``comm.ReplicaComm``) completes,
-inline or on the group's communication thread. CUDA tensors go to a torch
-NCCL process group made through the same store (``nccl_group``).
+views of their memory (no copy for contiguous CPU tensors); an all-reduce
+reduces a contiguous tensor where it lies (``in_place``: no result buffer, no
+copy back), other results are copied back in place.
+
+Two paths. A call of torch's Python API with ``async_op=False`` (``opts.asyncOp``
+false: torch waits for the work at once) runs in the calling thread, raises
+its own error there, and returns one shared completed work (``_DONE``): no
+per-call work, future or closure. Every other call (``async_op=True``, and
+torch's C++ callers: DDP's reducer, ``SyncBatchNorm``, ZeRO) returns a
+``DaskdistWork`` made from a ``torch.futures.Future`` that the adapter
+(``comm.ReplicaComm``) completes, inline or on the group's communication
+thread. CUDA tensors go to a torch NCCL process group made through the same
+store (``nccl_group``).
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ SUPPORTED = ("all_reduce (SUM, AVG, MIN, MAX, PRODUCT)", "all_reduce_coalesced",
              "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "reduce", "gather", "scatter",
              "all_to_all_single", "barrier", "send", "recv", "new_group")
 
+_SUM = dist.ReduceOp.SUM
 _OPS = ((dist.ReduceOp.SUM, ReduceOp.SUM), (dist.ReduceOp.AVG, ReduceOp.MEAN), (dist.ReduceOp.MIN, ReduceOp.MIN),
         (dist.ReduceOp.MAX, ReduceOp.MAX), (dist.ReduceOp.PRODUCT, ReduceOp.PRODUCT))
 
@@ -51,18 +60,20 @@ class DaskdistWork(dist._Work):  # type: ignore[misc]
     def __init__(self, outcome: Outcome):
         super().__init__()
         self._outcome = outcome
-        self._future = outcome.future
 
     def wait(self, timeout: Any = None) -> bool:
+        future = self._outcome.future
+        if future is None:  # ran inline and succeeded
+            return True
         seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout or 0)
         if seconds > 0:
             deadline = time.monotonic() + seconds
-            while not self._future.done():
+            while not future.done():
                 if time.monotonic() >= deadline:
                     raise RuntimeError(f"daskdist collective did not finish within {seconds:g} s")
                 time.sleep(0.0005)
         try:
-            self._future.wait()
+            future.wait()
         except Exception:
             if self._outcome.error is not None:
                 raise self._outcome.error from None
@@ -70,31 +81,35 @@ class DaskdistWork(dist._Work):  # type: ignore[misc]
         return True
 
     def get_future(self) -> torch.futures.Future:
-        return self._future
+        return self._outcome.torch_future()
 
     def is_completed(self) -> bool:
-        return bool(self._future.done())
+        future = self._outcome.future
+        return future is None or bool(future.done())
 
     def is_success(self) -> bool:
-        return bool(self._future.done()) and self.exception() is None
+        return self.is_completed() and self.exception() is None
 
     def exception(self) -> Any:
-        if not self._future.done():
+        future = self._outcome.future
+        if future is None or not future.done():
             return None
         if self._outcome.error is not None:
             return self._outcome.error
         try:
-            self._future.wait()
+            future.wait()
         except Exception as e:
             return e
         return None
 
     def result(self) -> Any:
         self.wait()
-        return self._future.value()
+        return self._outcome.torch_future().value()
 
 
 def _op_name(op: Any) -> ReduceOp:
+    if op == _SUM:  # the common case first
+        return ReduceOp.SUM
     for torch_op, name in _OPS:
         if op == torch_op:
             return name
@@ -103,16 +118,63 @@ def _op_name(op: Any) -> ReduceOp:
 
 def _view(tensor: torch.Tensor) -> np.ndarray:
     """The numpy view of a CPU tensor's memory (no copy; strided tensors keep their strides)."""
-    if tensor.dtype not in _CARRIED or tensor.device.type != "cpu":
-        if tensor.device.type != "cpu":
-            raise ValueError(f"the daskdist backend carries CPU tensors (CUDA ones go through NCCL, all of one call "
-                             f"on one device); got {tensor.device}")
-        raise TypeError(f"the daskdist backend carries float16/32/64, integer and bool tensors; got {tensor.dtype}")
-    return tensor.detach().numpy()
+    if tensor.is_cpu and tensor.dtype in _CARRIED:  # the common case first: a call costs microseconds
+        return (tensor.detach() if tensor.requires_grad else tensor).numpy()
+    if tensor.device.type != "cpu":
+        raise ValueError(f"the daskdist backend carries CPU tensors (CUDA ones go through NCCL, all of one call "
+                         f"on one device); got {tensor.device}")
+    raise TypeError(f"the daskdist backend carries float16/32/64, integer and bool tensors; got {tensor.dtype}")
 
 
 _CARRIED = frozenset({torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16, torch.int32,
                       torch.int64, torch.bool})
+
+
+def _results_into(views: list[np.ndarray], result: Any) -> None:
+    """Copy an all-reduce's results into the tensors' views, except those it reduced where they lie (in place)."""
+    for v, r in zip(views, (result,) if len(views) == 1 else result):
+        if not np.may_share_memory(v, r):
+            np.copyto(v, r, casting="no")  # the same shape and dtype: checked by the collective
+
+
+def _sync(opts: Any) -> bool:
+    """Whether torch's Python API made this call with ``async_op=False`` (it waits for the work at once).
+
+    Such a call runs here, in the calling thread (after the async work issued
+    before it), raises its own error here, and returns ``_DONE``. torch's C++
+    callers (DDP's reducer, ``_broadcast_coalesced``) leave ``asyncOp`` at its
+    default, ``True``, and get a work of their own.
+    """
+    return opts is not None and not opts.asyncOp
+
+
+class _DoneWork(dist._Work):  # type: ignore[misc]
+    """The completed work of every synchronous call: torch's wrapper only ``wait()``s it and drops it."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self) -> Any:
+        return None
+
+    def get_future(self) -> torch.futures.Future:
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(None)
+        return future
+
+
+def _done_work() -> Any:
+    """One completed work shared by every synchronous call (no work made per call)."""
+    return _DoneWork()
+
+
+_DONE = _done_work()
 
 
 def _copy_into(tensor: torch.Tensor, array: np.ndarray) -> None:
@@ -219,7 +281,12 @@ class ProcessGroupDaskdist(dist.ProcessGroup):  # type: ignore[misc]
 
     # -- machinery ----------------------------------------------------------------
 
-    def _work(self, call: Any, finish: Callable[[Any], Any]) -> DaskdistWork:
+    def _work(self, call: Any, finish: Callable[[Any], Any], opts: Any = None) -> Any:
+        """Run ``call`` (``(group, async_op) -> result``): at once when torch's Python API waits for it
+        (``_sync``), else as a ``DaskdistWork`` (on the communication thread, or inline)."""
+        if _sync(opts):
+            finish(self._comm.call(call))
+            return _DONE
         return DaskdistWork(self._comm.run(call, finish))
 
     def new_group(self, ranks: list[int], timeout: Any = None, pg_options: Any = None, group_name: str | None = None,
@@ -237,18 +304,29 @@ class ProcessGroupDaskdist(dist.ProcessGroup):  # type: ignore[misc]
     # -- collectives ----------------------------------------------------------------
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        if self._on_cuda(tensors):
+        """All-reduce in place: a contiguous tensor is reduced where it lies (no result buffer, no copy back)."""
+        if opts is not None and not opts.asyncOp and len(tensors) == 1:  # ``_sync``: the latency path, inlined
+            tensor = tensors[0]
+            if tensor.is_cpu and tensor.dtype in _CARRIED and not tensor.requires_grad:
+                view = tensor.numpy()
+                result = self._comm.all_reduce_now(_op_name(opts.reduceOp), view, None, True)
+                if not np.may_share_memory(view, result):
+                    np.copyto(view, result, casting="no")
+                return _DONE
+        if tensors and tensors[0].is_cuda:
             return self._nccl().allreduce(tensors, opts)
         op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         views = [_view(t) for t in tensors]
         value: Any = views[0] if len(views) == 1 else views
+        if _sync(opts):
+            _results_into(views, self._comm.group.all_reduce(op, value, in_place=True))
+            return _DONE
 
         def finish(result: Any) -> list[torch.Tensor]:
-            for v, r in zip(views, [result] if len(views) == 1 else result):
-                np.copyto(v, r, casting="no")  # the same shape and dtype: checked by the collective
+            _results_into(views, result)
             return tensors
 
-        return self._work(lambda g, a: g.all_reduce(op, value, async_op=a), finish)
+        return self._work(lambda g, a: g.all_reduce(op, value, async_op=a, in_place=True), finish)
 
     allreduce_coalesced = allreduce
 
@@ -264,7 +342,7 @@ class ProcessGroupDaskdist(dist.ProcessGroup):  # type: ignore[misc]
                     _copy_into(t, r)
             return tensors
 
-        return self._work(lambda g, a: g.broadcast(views, root, async_op=a), finish)
+        return self._work(lambda g, a: g.broadcast(views, root, async_op=a), finish, opts)
 
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
         if self._on_cuda(inputs):
@@ -277,7 +355,7 @@ class ProcessGroupDaskdist(dist.ProcessGroup):  # type: ignore[misc]
                     _copy_into(t, part)
             return output_lists
 
-        return self._work(lambda g, a: g.all_gather(views, 0, async_op=a), finish)
+        return self._work(lambda g, a: g.all_gather(views, 0, async_op=a), finish, opts)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:  # noqa: A002
         return self.allgather_into_tensor_coalesced([output], [input], opts)
@@ -295,7 +373,7 @@ class ProcessGroupDaskdist(dist.ProcessGroup):  # type: ignore[misc]
                 _copy_into(t, r)
             return outputs
 
-        return self._work(lambda g, a: g.all_gather(views, 0, async_op=a), finish)
+        return self._work(lambda g, a: g.all_gather(views, 0, async_op=a), finish, opts)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
@@ -310,7 +388,7 @@ class ProcessGroupDaskdist(dist.ProcessGroup):  # type: ignore[misc]
                 _copy_into(t, r)
             return outputs
 
-        return self._work(lambda g, a: g.reduce_scatter(op, stacked, 0, async_op=a), finish)
+        return self._work(lambda g, a: g.reduce_scatter(op, stacked, 0, async_op=a), finish, opts)
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Any:  # noqa: A002
         return self.reduce_scatter_tensor_coalesced([output], [input], opts)
@@ -331,7 +409,7 @@ class ProcessGroupDaskdist(dist.ProcessGroup):  # type: ignore[misc]
                 _copy_into(t, r)
             return outputs
 
-        return self._work(lambda g, a: g.reduce_scatter(op, views, 0, async_op=a), finish)
+        return self._work(lambda g, a: g.reduce_scatter(op, views, 0, async_op=a), finish, opts)
 
     reduce_scatter_single = _reduce_scatter_base
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
@@ -342,14 +420,15 @@ class ProcessGroupDaskdist(dist.ProcessGroup):  # type: ignore[misc]
         op = _op_name(opts.reduceOp)
         root = int(opts.rootRank)
         views = [_view(t) for t in tensors]
+        value: Any = views[0] if len(views) == 1 else views
+        mine = self._rank == root  # only the root's tensors change (in place there)
 
         def finish(result: Any) -> list[torch.Tensor]:
-            if self._rank == root:
-                for t, r in zip(tensors, result):
-                    _copy_into(t, r)
+            if mine:
+                _results_into(views, result)
             return tensors
 
-        return self._work(lambda g, a: g.all_reduce(op, views, async_op=a), finish)
+        return self._work(lambda g, a: g.all_reduce(op, value, async_op=a, in_place=mine), finish, opts)
 
     def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> Any:
         if self._on_cuda(inputs):
@@ -364,7 +443,7 @@ class ProcessGroupDaskdist(dist.ProcessGroup):  # type: ignore[misc]
                         _copy_into(t, part)
             return output_lists
 
-        return self._work(lambda g, a: g.all_gather(views, 0, async_op=a), finish)
+        return self._work(lambda g, a: g.all_gather(views, 0, async_op=a), finish, opts)
 
     def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any) -> Any:
         if self._on_cuda(outputs):
@@ -380,7 +459,7 @@ class ProcessGroupDaskdist(dist.ProcessGroup):  # type: ignore[misc]
                 _copy_into(t, r[self._rank])
             return outputs
 
-        return self._work(lambda g, a: g.broadcast(stacked, root, async_op=a), finish)
+        return self._work(lambda g, a: g.broadcast(stacked, root, async_op=a), finish, opts)
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],  # noqa: A002
                       input_split_sizes: list[int], opts: Any = None) -> Any:
@@ -400,12 +479,12 @@ class ProcessGroupDaskdist(dist.ProcessGroup):  # type: ignore[misc]
             _copy_into(output, np.concatenate([everyone[src][rank] for src in range(size)]))
             return [output]
 
-        return self._work(lambda g, a: g.all_gather_objects(chunks, async_op=a), finish)
+        return self._work(lambda g, a: g.all_gather_objects(chunks, async_op=a), finish, opts)
 
     all_to_all_single = alltoall_base
 
     def barrier(self, opts: Any = None) -> Any:
-        return self._work(lambda g, a: g.barrier(async_op=a), lambda _: [])
+        return self._work(lambda g, a: g.barrier(async_op=a), lambda _: [], opts)
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
         if self._on_cuda(tensors):
