@@ -34,7 +34,10 @@ has just committed for ``dd.elastic.State.commit`` (``commit_now``), before it
 answers, so a kill there loses the reply of a commit every replica made; its
 step is the commit's serial number in its ``State`` (the second field of its
 ``CommitKey``: 1 for the state's first commit), its rank the replica's
-(``state_committed``).
+(``state_committed``). ``install`` fires on a replica that has just been
+given a resident (a model ``fit`` installs: ``install_resident``), before it
+answers; its step is always 0 (``"install:0:1"``), its rank the replica's
+(``installed``).
 
 Zero cost when unset: a training command reads the key once (``arm``); the
 points on the hot paths test one module-level boolean, ``ARMED``, false
@@ -54,15 +57,15 @@ from dataclasses import dataclass
 
 from daskdist import config
 
-__all__ = ["ARMED", "PHASES", "STEP_PHASES", "PausePoint", "arm", "begin_step", "bound", "reached", "restoring",
-           "state_committed"]
+__all__ = ["ARMED", "PHASES", "STEP_PHASES", "PausePoint", "arm", "begin_step", "bound", "installed", "reached",
+           "restoring", "state_committed"]
 
 logger = logging.getLogger(__name__)
 
 #: The phases of a training step (``arm``, ``reached``, ``bound``).
 STEP_PHASES = ("input", "forward", "reduce-scatter", "all-gather", "apply", "commit")
 #: Every phase: those of a step, and ``restore`` (a replica going back to a commit in a recovery: ``restoring``).
-PHASES = (*STEP_PHASES, "restore", "state-commit")
+PHASES = (*STEP_PHASES, "restore", "state-commit", "install")
 
 #: Whether a fault point was armed in this process: the only thing hot paths look at.
 ARMED = False
@@ -185,6 +188,21 @@ def state_committed(rank: int, serial: int) -> None:
     if point.rank != rank or not point.matches("state-commit", serial) or not path:
         return
     _pause(point, "state-commit", serial, str(path), config.get_seconds("testing.pause-seconds"), _worker_address())()
+
+
+def installed(rank: int) -> None:
+    """Fault point ``install``: the replica of rank ``rank`` was given a resident (step 0).
+
+    Called by ``install_resident`` (rare: a model's install, an elastic newcomer's): costs a settings lookup.
+    """
+    spec = config.get("testing.pause-at")
+    if not spec:
+        return
+    point = PausePoint.parse(spec)
+    path = config.get("testing.pause-file")
+    if point.rank != rank or not point.matches("install", 0) or not path:
+        return
+    _pause(point, "install", 0, str(path), config.get_seconds("testing.pause-seconds"), _worker_address())()
 
 
 def _pause(point: PausePoint, phase: str, step: int, path: str, seconds: float,

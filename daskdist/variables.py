@@ -18,7 +18,7 @@ import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -112,9 +112,12 @@ class VariableSpec:
         return value, spec
 
 
-def _enum(enum_cls: type[enum.Enum], value: Any, what: str, variable_name: str | None) -> Any:
+_E = TypeVar("_E", bound=enum.Enum)
+
+
+def _enum(enum_cls: type[_E], value: Any, what: str, variable_name: str | None) -> _E:
     if value is None and enum_cls is VariableAggregation:
-        return VariableAggregation.NONE  # TF accepts aggregation=None
+        return enum_cls["NONE"]  # TF accepts aggregation=None
     if isinstance(value, enum_cls):
         return value
     try:
@@ -429,7 +432,10 @@ class MirroredVariable(DistributedVariable):
         return frame is not None and frame.replica_context is not None
 
     def _aggregate(self, array: Any) -> Any:
-        ctx = context.current_frame().replica_context
+        frame = context.current_frame()
+        ctx = frame.replica_context if frame is not None else None
+        if ctx is None:  # ``_needs_aggregation`` said this runs in replica context
+            raise RuntimeError(f"variable '{self.name}' aggregates an update in replica context only")
         aggregation = self.aggregation
         if ctx.num_replicas_in_sync == 1:
             return array

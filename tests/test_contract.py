@@ -396,20 +396,6 @@ PRIVATE_ACCESS_ALLOWED = {
     ("dashboard/bokeh_apps.py", "_applications"): "adds the daskdist page to the scheduler's running Bokeh server",
     ("dashboard/event_log.py", "_topics"): "bounds the scheduler's event log of the step topic",
     ("data/replica.py", "_get_client"): "the worker's client, made on demand (worker.client would start one)",
-    # review 3, problems 2 and 3: elastic runs Keras' step loop and drives the group handle; the Keras 3
-    # training contract (a Trainable and a step driver) and the group's membership verbs replace them
-    ("elastic/epochs.py", "_id"): "a DistributedDataset's id, to forget its shards",
-    ("elastic/fit.py", "_dist_train"): "Keras' distributed train step",
-    ("elastic/fit.py", "_evaluate_once"): "Keras' evaluation",
-    ("elastic/fit.py", "_model_id"): "the model's resident id",
-    ("elastic/fit.py", "_resident"): "the model's resident kind",
-    ("elastic/fit.py", "_strategy"): "the model's strategy",
-    ("elastic/fit.py", "_tag"): "the model's fit tag",
-    ("elastic/fit.py", "_train"): "Keras' training loop",
-    ("elastic/replica.py", "_ensure_built"): "Keras' build on a replica",
-    ("elastic/replica.py", "_require_built"): "Keras' build check on a replica",
-    ("elastic/state.py", "_model_id"): "the model's resident id",
-    ("elastic/state.py", "_resident"): "the model's resident kind",
     # the replica's strategy view reads its own variables' copies (replica and variables are one contract)
     ("replica/strategy_view.py", "_token"): "which strategy a variable belongs to",
     ("replica/strategy_view.py", "_value"): "the replica's copy of a variable",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 
+import dask
 import numpy as np
 import pytest
 
@@ -109,6 +110,42 @@ def test_a_worker_and_its_nanny_killed_mid_epoch_fit_finishes_with_the_uninterru
         assert any(m.get("action") == "restored" for _, m in workers.client.get_events("daskdist-elastic"))
 
 
+@pytest.mark.slow
+def test_a_worker_lost_while_fit_installs_the_model_is_recovered_and_fit_trains_on_the_others(
+        process_workers, tmp_path):
+    """Shown failing: with ``prepare_members`` calling ``prepare()`` once (no recovery), ``fit`` raises the
+    ``ReplicaLostError`` of the install ("... lost ... command channel") and nothing trains."""
+    workers = process_workers(3)
+    x, y = models.data(240)
+    train = Dataset.from_tensor_slices((x, y)).batch(24)  # 10 steps per epoch
+    weights = models.model().get_weights()
+    with dd.MirroredStrategy(client=workers.client) as strategy:  # the uninterrupted run
+        with strategy.scope():
+            model = models.model(weights)
+        model.fit(train, epochs=2, verbose=0)
+        expected = model.get_weights()
+
+    changes = []
+    options = dd.ElasticOptions(min_replicas=2, on_membership_change=lambda old, new: changes.append((old, new)))
+    with dd.MirroredStrategy(client=workers.client, elastic=options) as strategy:
+        with strategy.scope():
+            model = models.model(weights)
+        victim = strategy.extended.worker_addresses[1]
+        with killed_at(workers, tmp_path / "paused.json", "install", step=0, rank=1) as killer:
+            history = model.fit(train, epochs=2, verbose=0)  # the model's install is the fit's first command
+        assert (killer.join()["address"], killer.record["phase"]) == (victim, "install")
+        assert strategy.num_replicas_in_sync == 2 and victim not in strategy.extended.worker_addresses
+        (event,) = history.elastic.events
+        assert (event.action, event.lost, event.commit, event.generation) == ("reinstalled", [victim], (0, 0, 0), 1)
+        assert history.elastic.failures == 1 and changes == [(3, 2)]
+        assert history.elastic_events[0]["lost"] == [victim]
+        for e in (0, 1):
+            assert history.elastic.ledger.steps(e) == list(range(10))
+            assert sorted(history.elastic.ledger.positions(e, history.elastic.rows).tolist()) == list(range(240))
+        for got, want in zip(model.get_weights(), expected):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def ids_as_one_hot(ids, target):
     return np.eye(60, dtype=np.float32)[ids], target
 
@@ -184,8 +221,11 @@ def test_a_new_worker_is_admitted_when_the_group_is_below_min_replicas_and_gets_
         model.fit(in_memory, epochs=1, verbose=0)
         expected = model.get_weights()
 
-    with dd.MirroredStrategy(client=workers.client,
-                             elastic=dd.ElasticOptions(min_replicas=3, wait_timeout="90s")) as strategy:
+    # the kill -9 closes the victim's connections at once; a long heartbeat timeout keeps a loaded machine's late
+    # scheduler heartbeat from declaring another worker lost during the install (this test is not about stalls)
+    with dask.config.set({"daskdist.elastic.heartbeat-timeout": "60s"}), \
+            dd.MirroredStrategy(client=workers.client,
+                                elastic=dd.ElasticOptions(min_replicas=3, wait_timeout="90s")) as strategy:
         with strategy.scope():
             model = models.model(weights)
         before = set(strategy.extended.worker_addresses)

@@ -261,3 +261,78 @@ def test_the_direct_channel_refuses_a_wrong_secret_and_serves_only_variable_traf
             np.testing.assert_array_equal(reply["result"]["values"]["v"][1], [1, 1, 1])
     finally:
         server.close()
+
+
+@pytest.mark.timeout(180)
+def test_on_a_tls_cluster_workers_reach_the_ps_on_a_tls_direct_channel_that_refuses_plain_tcp_and_a_wrong_secret():
+    """The ps channel on ``tls://``: TLS with the cluster's certificates, the secret checked inside it.
+
+    Shown failing: with ``start_store_member`` opening the channel on ``tcp://`` only (as before), the stores
+    have no ``direct`` endpoint and the traffic goes through Dask's comms (the first assertion).
+    """
+    pytest.importorskip("cryptography")
+    import contextlib
+    import logging
+    import socket
+
+    from distributed import Client, LocalCluster
+    from distributed.security import Security
+
+    from daskdist import wire
+    from daskdist.ps.channel import PROTOCOL
+    from daskdist.ps.store import STORE_EXTENSION
+    from daskdist.wire.hello import greeting
+
+    security = Security.temporary()
+    with LocalCluster(n_workers=3, threads_per_worker=1, processes=False, dashboard_address=":0", protocol="tls://",
+                      security=security, silence_logs=logging.ERROR) as cluster, \
+            Client(cluster, security=security, set_as_default=False) as client, _strategy(client) as strategy:
+        stores = strategy.extended.stores
+        assert all(s.address.startswith("tls://") and s.direct is not None for s in stores)
+        workers = {w.address: w for w in cluster.workers.values()}
+        servers = [workers[s.address].extensions[STORE_EXTENSION].server for s in stores]
+        assert all(server.tls for server in servers)
+        coordinator = ClusterCoordinator(strategy)
+        with strategy.scope():
+            kernel = dd.Variable(np.zeros((8, 3), np.float32), name="kernel")  # ps 0
+            bias = dd.Variable(np.zeros(3, np.float32), name="bias")  # ps 1
+        step = _train_step(kernel, bias)
+        for _ in range(11):
+            coordinator.schedule(step)
+        coordinator.join()
+        served = _requests(strategy)
+        assert served[0] >= 11 and served[1] >= 11
+        assert [server.requests for server in servers] == served  # every request of the workers on the channel
+        np.testing.assert_allclose(kernel.numpy(), np.full((8, 3), -5.5, np.float32))
+
+        host, port, secret = stores[0].direct
+        before = servers[0].requests
+        with socket.create_connection((host, port), timeout=10) as plain:  # a plain TCP peer with the right secret
+            with contextlib.suppress(OSError):  # the server may have closed already
+                plain.sendall(greeting(PROTOCOL, secret))
+                wire.send_message(plain, ("read", {"store_id": stores[0].store_id, "var_id": kernel.var_id}))
+            _wait_closed(plain)  # the TLS handshake fails: closed, nothing served
+        context = security.get_connection_args("worker")["ssl_context"]
+        with wire.connect((host, port), PROTOCOL, "x" * len(secret), ssl_context=context) as wrong:
+            with contextlib.suppress(OSError):
+                wire.send_message(wrong, ("read", {"store_id": stores[0].store_id, "var_id": kernel.var_id}))
+            _wait_closed(wrong)  # TLS with the wrong secret: closed after the hello, nothing served
+        assert servers[0].requests == before
+        before = servers[0].requests
+        with wire.connect((host, port), PROTOCOL, secret, ssl_context=context) as right:  # the same over TLS: served
+            wire.send_message(right, ("read", {"store_id": stores[0].store_id, "var_id": kernel.var_id}))
+            reply = wire.recv_message(right)
+        assert reply["status"] == "OK" and servers[0].requests == before + 1
+        np.testing.assert_allclose(reply["result"][1], np.full((8, 3), -5.5, np.float32))
+
+
+def _wait_closed(sock):
+    """Read until the peer closes the connection (a TLS alert may come first); fails on a timeout."""
+    import ssl
+
+    sock.settimeout(10)
+    try:
+        while sock.recv(4096):
+            pass
+    except (ConnectionResetError, ssl.SSLError):
+        pass

@@ -48,20 +48,20 @@ class BufferPool:
         """An uninitialised 1-D or n-d array, reused from the pool when one of the right size is idle."""
         if isinstance(shape, int):
             shape = (shape,)
-        dtype = np.dtype(dtype)
-        nbytes = dtype.itemsize
+        kind: np.dtype[Any] = np.dtype(dtype)
+        nbytes = kind.itemsize
         for d in shape:
             nbytes *= d
         if nbytes < self.min_bytes:
-            return np.empty(shape, dtype)
+            return np.empty(shape, kind)
         for buffer in self._buffers:
             if buffer.nbytes == nbytes and sys.getrefcount(buffer) <= _IDLE_REFCOUNT:
-                return buffer.view(dtype).reshape(shape)
+                return buffer.view(kind).reshape(shape)
         buffer = np.empty(nbytes, np.uint8)
         self._buffers.append(buffer)
         if len(self._buffers) > self.max_buffers:
             self._drop_one_idle()
-        return buffer.view(dtype).reshape(shape)
+        return buffer.view(kind).reshape(shape)
 
     def empty_like(self, array: np.ndarray) -> np.ndarray:
         """``empty(array.shape, array.dtype)``."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Hashable
+from typing import Any
 
 from daskdist.exceptions import ERROR_KINDS, CollectiveAbortedError, DaskdistError
 
@@ -45,11 +45,11 @@ class Abort:
         self.message = message
         self.origin = origin
 
-    def to_msg(self) -> dict:
+    def to_msg(self) -> dict[str, Any]:
         return {"kind": self.kind, "message": self.message, "origin": self.origin}
 
     @classmethod
-    def from_msg(cls, msg: dict) -> Abort:
+    def from_msg(cls, msg: dict[str, Any]) -> Abort:
         return cls(msg["kind"], msg["message"], msg.get("origin"))
 
     def error(self) -> DaskdistError:
@@ -62,7 +62,7 @@ class Mailbox:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._messages: dict[Hashable, Any] = {}
+        self._messages: dict[Tag, Any] = {}
         self._run_aborts: dict[int, Abort] = {}
         self._group_abort: Abort | None = None
         self._current_run = -1

@@ -107,7 +107,7 @@ _CUDA_NOT_READY = 600
 _BROADCAST_CHUNK = (1 << 31) - 1
 
 
-def engine_for_group(rank: int, size: int, features: dict[int, dict | None], mailbox: Mailbox,
+def engine_for_group(rank: int, size: int, features: dict[int, dict[str, Any] | None], mailbox: Mailbox,
                      exchange: Callable[[str, Any, float, int], dict[int, Any]]) -> NcclEngine | None:
     """The engine of replica ``rank``, or ``None`` when the group does not use NCCL (the same on every replica)."""
     if size < 2 or not any(features.values()):
@@ -262,7 +262,7 @@ class NcclEngine:
 
     def accepts(self, array: Any) -> bool:
         """Whether ``array`` can go through NCCL (it is a GPU array)."""
-        return self.device.accepts(array)
+        return bool(self.device.accepts(array))
 
     def reduces(self, dtype: Any) -> bool:
         """Whether NCCL can reduce ``dtype`` (else the generic algorithms do)."""
@@ -304,8 +304,7 @@ class NcclEngine:
             for p in packs:
                 buf = p.buffer
                 out = self.device.xp.empty_like(buf) if p.borrowed else buf
-                plan.append((buf, out, getattr(nccl, nccl_dtype_name(buf.dtype, self.bfloat16)),
-                             getattr(nccl, nccl_op_name(op, buf.dtype))))
+                plan.append((buf, out, self._nccl_dtype(buf.dtype), getattr(nccl, nccl_op_name(op, buf.dtype))))
                 call.nbytes += buf.nbytes
 
             def launch(comm: Any, stream: int) -> None:
@@ -338,8 +337,8 @@ class NcclEngine:
                 send = xp.ascontiguousarray(moved).reshape(-1)
                 even = rows % size == 0
                 out = xp.empty(lengths[rank] * row if even else send.size, leaf.dtype)
-                plan.append((send, out, even, start, lengths[rank], rest, getattr(nccl, nccl_dtype_name(
-                    leaf.dtype, self.bfloat16)), getattr(nccl, nccl_op_name(op, leaf.dtype))))
+                plan.append((send, out, even, start, lengths[rank], rest, self._nccl_dtype(leaf.dtype),
+                             getattr(nccl, nccl_op_name(op, leaf.dtype))))
                 call.nbytes += send.nbytes
 
             def launch(comm: Any, stream: int) -> None:
@@ -431,8 +430,15 @@ class NcclEngine:
 
     # -- machinery -------------------------------------------------------------------
 
+    def _nccl_dtype(self, dtype: Any) -> Any:
+        """cupy's NCCL constant for ``dtype`` (``reduces`` says which dtypes have one)."""
+        name = nccl_dtype_name(dtype, self.bfloat16)
+        if name is None:
+            raise TypeError(f"replica {self.rank}: NCCL cannot reduce dtype {dtype}")
+        return getattr(self.nccl, name)
+
     def _device_of(self, arrays: Sequence[Any]) -> int:
-        devices = {self.device.device_of(a) for a in arrays}
+        devices: set[int] = {int(self.device.device_of(a)) for a in arrays}
         if len(devices) != 1:
             raise ValueError(f"replica {self.rank}: one collective's GPU arrays are on several GPUs {sorted(devices)}")
         device = devices.pop()
@@ -474,15 +480,15 @@ class NcclEngine:
                 "and dropped; the group must start a new command"
             )
         self._keys_used.add(key)
-        unique_id = list(self.nccl.get_unique_id()) if self.rank == 0 else None
+        mine = list(self.nccl.get_unique_id()) if self.rank == 0 else None
         try:
-            values = self.exchange(key, unique_id, call.deadline, call.epoch)
+            values = self.exchange(key, mine, call.deadline, call.epoch)
         except MailboxTimeout:
             raise CollectiveTimeoutError(call.comm.describe_timeout(call, 0)) from None
-        unique_id = values.get(0)
-        if not unique_id:
+        sent = values.get(0)
+        if not sent:
             raise CollectiveAbortedError(f"replica {self.rank}: replica 0 sent no NCCL unique id under {key}")
-        unique_id = tuple(int(b) for b in unique_id)  # msgpack made it a list; cupy wants a tuple
+        unique_id = tuple(int(b) for b in sent)  # msgpack made it a list; cupy wants a tuple
         comm = self._init(call, unique_id, device)
         if device not in self._streams:
             self._streams[device] = self.device.new_stream()
@@ -508,7 +514,7 @@ class NcclEngine:
                          self.rank)
         return keep
 
-    def _init(self, call: CollectiveCall, unique_id: tuple, device: int) -> Any:
+    def _init(self, call: CollectiveCall, unique_id: tuple[Any, ...], device: int) -> Any:
         """``NcclCommunicator(size, unique_id, rank)`` in a helper thread, waited for like a collective."""
         pending = _PendingInit()
 
@@ -554,7 +560,7 @@ class NcclEngine:
         except MailboxTimeout:
             raise CollectiveTimeoutError(call.comm.describe_timeout(call, (self.rank - 1) % self.size)) from None
         except _NcclFailure as failure:
-            cause = failure.__cause__
+            cause = failure.__cause__ or failure  # raised from the NCCL error
             self._await_abort(epoch, call.deadline)  # a lost peer: prefer the scheduler's ReplicaLostError
             raise CollectiveAbortedError(
                 f"{call.kind} #{call.seq} of run {run_id}: NCCL reported an error on replica {self.rank}: "

@@ -38,7 +38,7 @@ def flatten(value: Any) -> tuple[list[Any], Any, list[Callable[[Any], Any]]]:
     return arrays, treedef, restore
 
 
-_SIGNATURES: dict[tuple, str] = {}
+_SIGNATURES: dict[tuple[Any, ...], str] = {}
 _SIGNATURES_KEPT = 4096
 
 
@@ -95,7 +95,7 @@ class PackedStructure:
         return optree.tree_unflatten(self.treedef, leaves)
 
 
-def pack(leaves: list[Any], treedef: Any, restore: list, bytes_per_pack: int = 0, num_packs: int = 1,
+def pack(leaves: list[Any], treedef: Any, restore: list[Any], bytes_per_pack: int = 0, num_packs: int = 1,
          borrow: bool = False, allocate: Callable[[int, Any], Any] | None = None,
          in_place: bool = False) -> PackedStructure:
     """Copy ``leaves`` into packs grouped by dtype and device.
@@ -145,7 +145,9 @@ def pack(leaves: list[Any], treedef: Any, restore: list, bytes_per_pack: int = 0
 def _split_by_bytes(indices: list[int], leaves: list[Any], limit: int) -> list[list[int]]:
     if not limit:
         return [indices]
-    chunks, current, size = [], [], 0
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    size = 0
     for i in indices:
         if current and size + leaves[i].nbytes > limit:
             chunks.append(current)

@@ -147,7 +147,7 @@ class SingleCopyAllReduce:
         """Whether a ring all-reduce of ``nbytes`` should try this path (decided alike on every replica)."""
         if self.usable is None:
             return True  # the first candidate probes, on every replica alike
-        return self.usable and nbytes >= self.min_bytes
+        return self.usable and self.min_bytes is not None and nbytes >= self.min_bytes
 
     # -- probing -------------------------------------------------------------------
 
@@ -159,17 +159,18 @@ class SingleCopyAllReduce:
         mine = np.array([self.pid, self._token.ctypes.data, int(self._token[0]), int(self._token[1]),
                          self.min_bytes or 0], np.uint64)
         handles = [call.send(p, "cma-probe", mine) for p in peers]
-        readable = self.reader is not None
+        reader = self.reader
+        readable = reader is not None
         reason = "" if readable else "no process_vm_readv on this system"
         thresholds = [self.min_bytes or 0]
         for p in peers:
             theirs = call.recv(p, "cma-probe", expect=5)
             thresholds.append(int(theirs[4]))
-            if not readable:
+            if not readable or reader is None:
                 continue
             seen = np.empty(2, np.uint64)
             try:
-                self.reader.read(int(theirs[0]), int(theirs[1]), seen)
+                reader.read(int(theirs[0]), int(theirs[1]), seen)
             except OSError as e:
                 readable, reason = False, f"reading replica {p}: {e}"
                 continue
@@ -259,6 +260,8 @@ class SingleCopyAllReduce:
         return self._scratch[index][:nbytes].view(dtype)
 
     def _read(self, call: Call, peer: int, pid: int, address: int, out: np.ndarray) -> None:
+        if self.reader is None:  # the probe agrees on this path only where every replica has a reader
+            raise DaskdistError("single-copy all-reduce: this system has no process_vm_readv")
         try:
             self.reader.read(pid, address, out)
         except OSError as e:

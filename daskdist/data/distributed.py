@@ -116,6 +116,11 @@ class DistributedDataset:
         return self._plan
 
     @property
+    def dataset_id(self) -> str:
+        """The id the replicas keep this dataset's shards under (``daskdist.data.replica.forget_dataset``)."""
+        return self._id
+
+    @property
     def element_spec(self) -> Any:
         return self._element_spec
 

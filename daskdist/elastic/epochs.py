@@ -202,7 +202,7 @@ def release(strategy: Any, distributed: Any) -> None:
     """
     from daskdist.data.replica import forget_dataset
 
-    strategy.extended.run_on_replicas(forget_dataset, (distributed._id,))
+    strategy.extended.run_on_replicas(forget_dataset, (distributed.dataset_id,))
 
 
 class EpochPlans:

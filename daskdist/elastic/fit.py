@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -32,6 +33,7 @@ from daskdist.elastic.recovery import (
     leave,
     recover_within_budget,
     refill,
+    reform_before_commit,
     remember_members,
 )
 from daskdist.elastic.replica import CommitKey, commit_keys, commit_progress, elastic_train_epoch, take_commit
@@ -39,11 +41,26 @@ from daskdist.elastic.replica import CommitKey, commit_keys, commit_progress, el
 if TYPE_CHECKING:
     from daskdist.keras.models import Model
 
-__all__ = ["ElasticFit", "catch_up"]
+__all__ = ["ElasticFit", "EpochRunner", "catch_up", "prepare_members"]
 
 logger = logging.getLogger(__name__)
 
 _FITS = itertools.count(1)
+
+
+class EpochRunner(Protocol):
+    """What an elastic fit needs of the model's epoch runner (``daskdist.keras.models``)."""
+
+    model: Model
+    train: Dataset  # the fit's training data
+    dist_train: Any  # ``train`` distributed over the replicas (its ``element_spec``)
+    tag: str  # the fit's progress events carry it
+    recoveries: list[Recovery]  # the group re-formed while the model was installed (``prepare_members``)
+    failures: int  # the losses among them
+
+    def evaluate_once(self, data: Any, steps: int | None) -> dict: ...
+
+    def replan_validation(self) -> None: ...
 
 
 class ElasticFit:
@@ -52,22 +69,28 @@ class ElasticFit:
     Parameters
     ----------
     runner
-        The model's epoch runner (``keras.models._Runner``).
+        The model's epoch runner.
     options
         The strategy's ``ElasticOptions``.
     """
 
-    def __init__(self, runner: Any, options: ElasticOptions):
+    def __init__(self, runner: EpochRunner, options: ElasticOptions):
         self.runner = runner
         self.model: Model = runner.model
         self.options = options
-        self.strategy = self.model._strategy
-        self.group = self.strategy.extended.group
+        from daskdist.strategy.spmd import SpmdExtended
+
+        strategy = self.model.distribute_strategy
+        if strategy is None or not isinstance(strategy.extended, SpmdExtended):
+            raise ValueError(f"model {self.model.name!r} was not created in the scope of an elastic strategy")
+        self.strategy = strategy
+        self.extended = strategy.extended  # its group re-forms; it takes in the members (``membership_changed``)
+        self.group = self.extended.group
         self.fit_id = next(_FITS)
         self.ledger = DataLedger()
         self.events: list[Recovery] = []
-        self.failures = 0
-        self.train: Dataset = runner._train
+        self.failures = runner.failures  # the losses while the model was installed count against max_failures
+        self.train: Dataset = runner.train
         self.input = EpochInput(self.strategy, self.train, options)
         self.rows = self.input.rows
         logger.info("Elastic fit %d: epochs read %s", self.fit_id, self.input.describe_order())
@@ -77,12 +100,16 @@ class ElasticFit:
         self._untold: list[Recovery] = []  # changes before the first epoch (growth at the start): told then
         self.plans = EpochPlans(self.strategy, self.input)
         self._schedule = self.input.schedule(0)
+        self.events += runner.recoveries  # a loss while the model was installed: an event of this fit
+        self._untold += runner.recoveries  # its callbacks are told at the first epoch (the options were told)
 
     # -- epochs ---------------------------------------------------------------------
 
     def begin(self, epoch: int) -> None:
         """The commit every replica can go back to before the first step (the model built everywhere)."""
         self._first_epoch = epoch
+        if self.events and self.model.history is not None:
+            self.model.history.elastic_events = [e.to_msg() for e in self.events]
         remember_members(self.group)  # a member lost later is known by its Dask name (its cooldown)
         if self.group.size < self.options.min_replicas:
             # below min_replicas (an earlier run ended in that error, or the strategy started smaller): wait for
@@ -101,9 +128,9 @@ class ElasticFit:
     def _take_first_commit(self, epoch: int) -> None:
         while True:
             try:
-                shape, dtype = _input_shape(self.runner._dist_train.element_spec)
+                shape, dtype = _input_shape(self.runner.dist_train.element_spec)
                 key = (self.fit_id, epoch, 0)
-                self.group.call(take_commit, (self.model._model_id, key, shape, dtype))
+                self.group.call(take_commit, (self.model.model_id, key, shape, dtype))
                 self._committed = key
                 return
             except RECOVERABLE as error:
@@ -127,7 +154,7 @@ class ElasticFit:
                 dist, total = self.plans.rest(epoch, schedule, first, steps, self.group.size)  # a loss while planning: recover too
                 lr = float(self.model.optimizer.learning_rate)
                 room = self.options.max_replicas is None or self.group.size < self.options.max_replicas
-                args = (self.model._model_id, dist, total - first, lr, self.runner._tag, (self.fit_id, epoch), first,
+                args = (self.model.model_id, dist, total - first, lr, self.runner.tag, (self.fit_id, epoch), first,
                         self.options.commit_every, start, self.options.admit_seconds, room)
                 logs = self.group.call(elastic_train_epoch, args)[0]
                 if "stopped_at" in logs:  # members retire or free workers wait: at this commit, then go on
@@ -160,7 +187,7 @@ class ElasticFit:
         """Validation, run again on the new members if one is lost meanwhile (it changes no state)."""
         while True:
             try:
-                return self.runner._evaluate_once(data, steps)
+                return self.runner.evaluate_once(data, steps)
             except RECOVERABLE as error:
                 self._recover(error)
 
@@ -171,7 +198,7 @@ class ElasticFit:
             outcome, self.failures = recover_within_budget(self.group, self.options, error, self.failures,
                                                            install_newcomer=self._install_newcomer)
             try:
-                self.strategy.extended.membership_changed()
+                self.extended.membership_changed()
                 break
             except RECOVERABLE as again:
                 error = again
@@ -182,7 +209,7 @@ class ElasticFit:
             history.elastic_events = [e.to_msg() for e in self.events]
         # the rest of the epoch, later epochs and validation are planned over the new members
         self._forget_plan()
-        self.runner._dist_val = None
+        self.runner.replan_validation()
         progress = self.group.call(commit_progress, (outcome.commit,), member=0)[0]
         return outcome.commit, progress
 
@@ -199,7 +226,7 @@ class ElasticFit:
         if outcome is None:
             return None
         try:
-            self.strategy.extended.membership_changed()
+            self.extended.membership_changed()
         except RECOVERABLE as error:
             return self._recover(error)
         self.events.append(outcome)
@@ -207,7 +234,7 @@ class ElasticFit:
         if self.model.history is not None:
             self.model.history.elastic_events = [e.to_msg() for e in self.events]
         self._forget_plan()
-        self.runner._dist_val = None
+        self.runner.replan_validation()
         return None
 
     def _forget_plan(self) -> None:
@@ -236,8 +263,38 @@ class ElasticFit:
         from daskdist.group.service import MODEL
         from daskdist.strategy.replica_commands import install_resident
 
-        self.strategy.extended.run_on_replica(rank, install_resident, (MODEL, self.model._model_id,
-                                                                       self.model._resident()))
+        self.extended.run_on_replica(rank, install_resident, (MODEL, self.model.model_id,
+                                                                       self.model.resident()))
+
+
+def prepare_members(strategy: Any, options: ElasticOptions, prepare: Callable[[], None]) -> tuple[list[Recovery], int]:
+    """Before an elastic ``fit`` (or evaluate): ``prepare()`` (install the model, distribute the data) on the
+    members, run again on the members left after each loss; the changes (``Recovery``) and the losses counted.
+
+    Nothing is committed before the fit's first step, so nothing is restored: the group is re-formed on the
+    members left (``reform_before_commit``) and ``prepare`` installs the model again where it is not yet
+    installed. The fit's start then takes the first commit and admits workers up to ``min_replicas``.
+
+    Raises
+    ------
+    ElasticRecoveryError
+        ``max_failures`` is exhausted, or a failure the scheduler announced no new generation for.
+    """
+    catch_up(strategy)  # members that left while the group ran nothing (retired, lost)
+    group = strategy.extended.group
+    recoveries: list[Recovery] = []
+    failures = 0
+    while True:
+        before = group.membership
+        try:
+            if recoveries:  # the strategy takes in the members left (a loss meanwhile: recovered the same way)
+                strategy.extended.membership_changed()
+            prepare()
+            return recoveries, failures
+        except RECOVERABLE as error:
+            outcome, failures = reform_before_commit(group, options, error, failures, before)
+            recoveries.append(outcome)
+            notify_membership_change(options, outcome)
 
 
 def catch_up(strategy: Any) -> None:

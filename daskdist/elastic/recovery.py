@@ -32,8 +32,8 @@ from daskdist.exceptions import ElasticRecoveryError, ReplicaLostError, StaleGen
 from daskdist.group.handle import ReplicaGroup
 from daskdist.group.membership import Membership
 
-__all__ = ["ELASTIC_TOPIC", "RECOVERABLE", "Recovery", "admit", "free_workers", "grow", "is_final", "leave", "recover",
-           "recover_within_budget", "refill", "remember_members"]
+__all__ = ["ELASTIC_TOPIC", "NO_COMMIT", "RECOVERABLE", "Recovery", "admit", "free_workers", "grow", "is_final", "leave",
+           "recover", "recover_within_budget", "reform_before_commit", "refill", "remember_members"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,8 @@ ELASTIC_TOPIC = MEMBERSHIP_EVENTS
 #: What a lost member makes a command raise under the elastic policy (the handle turns broken connections
 #: into ``ReplicaLostError``; a user's own exception is never taken for a loss).
 RECOVERABLE = (ReplicaLostError, StaleGenerationError)
+#: A ``Recovery``'s commit when the loss came before the fit's first commit (nothing to go back to).
+NO_COMMIT: CommitKey = (0, 0, 0)
 
 
 def is_final(error: BaseException) -> bool:
@@ -58,7 +60,9 @@ class Recovery:
     members before the change; ``lost`` / ``left`` (retired gracefully) /
     ``admitted``: the difference;
     ``reason``: what started it (the loss's error, or the workers admitted);
-    ``commit``: the ``(fit, epoch, step)`` commit every member holds after it;
+    ``commit``: the ``(fit, epoch, step)`` commit every member holds after it
+    (``NO_COMMIT`` for a loss before the fit's first commit, action
+    ``"reinstalled"``: the members left were given the model again);
     ``seconds``: how long it took; ``time``: when training went on (wall
     clock, seconds since the epoch).
     """
@@ -70,7 +74,9 @@ class Recovery:
     commit: CommitKey
     seconds: float
     healed: bool = False
-    action: str = "restored"  # "restored" after a loss, "grew" when free workers joined, "left" after a retirement
+    # "restored" after a loss, "grew" when free workers joined, "left" after a retirement, "reinstalled" after a loss
+    # before the first commit
+    action: str = "restored"
     left: list[str] = dataclasses.field(default_factory=list)  # members retired (gracefully, no rollback)
     members_before: list[str] = dataclasses.field(default_factory=list)
     reason: str = ""
@@ -138,6 +144,48 @@ def recover(group: ReplicaGroup, options: ElasticOptions, error: BaseException,
                        left=left, members_before=previous, reason=f"{type(error).__name__}: {error}")
     _announce(group, outcome)
     return outcome
+
+
+def reform_before_commit(group: ReplicaGroup, options: ElasticOptions, error: BaseException, failures: int,
+                         before: Membership) -> tuple[Recovery, int]:
+    """After a loss before the fit's first commit (its model being installed): the group on the members left.
+
+    Waits for the scheduler's new generation; nothing is restored and no
+    worker admitted here: the caller gives the members left what it was
+    giving them (``install`` again replaces whatever half of it arrived), and
+    the fit's start (``ElasticFit.begin``) takes the first commit and admits
+    workers up to ``min_replicas``, as for a group that starts small. Returns
+    the outcome (action ``"reinstalled"``, commit ``NO_COMMIT``) and the new
+    failure count (the loss counts against ``max_failures``). ``before``:
+    the membership the failed call went to.
+
+    Raises
+    ------
+    ElasticRecoveryError
+        ``max_failures`` is exhausted, or no new generation came within
+        ``generation_timeout`` (the error was not a loss).
+    """
+    if is_final(error):
+        raise error
+    members_before = list(before.addresses)
+    failures += 1
+    if 0 <= options.max_failures < failures:
+        quarantine_of(group).failed(_failed_members(group, error, members_before))
+        raise ElasticRecoveryError(
+            f"{error} (the strategy's elastic max_failures={options.max_failures} is exhausted; workers lost: "
+            f"{quarantine_of(group).describe() or 'none known'})", worker=getattr(error, "worker", None)) from error
+    logger.warning("Elastic training: %s before the first commit; re-forming the group", error)
+    start = time.monotonic()
+    membership = _next_generation(group, before, options.generation_seconds, error)
+    retired = _retired(group)
+    gone = [a for a in members_before if a not in membership.addresses]
+    quarantine_of(group).failed([a for a in gone if a not in retired])
+    outcome = Recovery(int(membership.generation), list(membership.addresses), [a for a in gone if a not in retired],
+                       [], NO_COMMIT, time.monotonic() - start, action="reinstalled",
+                       left=[a for a in gone if a in retired], members_before=list(members_before),
+                       reason=f"{type(error).__name__}: {error}")
+    _announce(group, outcome)
+    return outcome, failures
 
 
 def grow(group: ReplicaGroup, options: ElasticOptions, install_newcomer: Any) -> Recovery | None:

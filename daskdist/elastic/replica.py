@@ -207,12 +207,7 @@ def take_commit(service: ReplicaService, model_id: str, key: CommitKey, input_sh
     commit of an unbuilt model could not be restored once it is built, so it
     is built here, the same way (``input_shape`` of ``x``, without the batch).
     """
-    model = service.objects.get(MODEL, model_id).model
-    if not model.built:
-        if input_shape is None:
-            model._require_built()  # raises with the reason when there is no declared input shape either
-        else:
-            model._ensure_built(np.empty((0, *input_shape), dtype=dtype or "float32"))
+    service.objects.get(MODEL, model_id).model.build_as_first_batch(input_shape, dtype)  # raises without a shape
     _ring(service).add(Commit(tuple(key), service.objects.snapshot(STATE_KINDS),  # type: ignore[arg-type]
                               {"loss_sum": 0.0, "count": 0.0, "metrics": {}}))
 

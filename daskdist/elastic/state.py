@@ -38,7 +38,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from daskdist.data.dataset import Dataset
 from daskdist.elastic.epochs import EpochInput, release
@@ -55,12 +55,26 @@ from daskdist.elastic.recovery import (
 )
 from daskdist.elastic.replica import CommitKey, commit_now, state_residents
 
-__all__ = ["State", "run"]
+__all__ = ["ReplicatedModel", "State", "run"]
 
 logger = logging.getLogger(__name__)
 
 _RUNS = itertools.count(1)
 _OWN = ("strategy", "epoch", "batch")
+
+
+@runtime_checkable
+class ReplicatedModel(Protocol):
+    """A model whose copies live on the replicas (a built-in ``Model``, ``dd.plugins.torch.TorchModel``).
+
+    Kept among a ``State``'s attributes, a newcomer is installed with its ``resident()`` (the replica's
+    copy; the weights then come with the commit), under ``model_id``.
+    """
+
+    @property
+    def model_id(self) -> str: ...
+
+    def resident(self) -> Any: ...
 
 
 class State:
@@ -260,17 +274,15 @@ class State:
 
     def _rebuildable(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """The state's models and distributed variables, by resident id (what a newcomer can be given)."""
-        from daskdist.keras.models import Model
         from daskdist.variables import DistributedVariable
 
-        models, variables = {}, {}
+        models: dict[str, Any] = {}
+        variables: dict[str, Any] = {}
         for value in vars(self).values():
-            if isinstance(value, Model):
-                models[value._model_id] = value
-            elif isinstance(value, DistributedVariable):
+            if isinstance(value, DistributedVariable):
                 variables[value.var_id] = value
-            elif hasattr(value, "_model_id") and hasattr(value, "_resident"):  # an adapter's (dd.plugins.torch)
-                models[value._model_id] = value
+            elif isinstance(value, ReplicatedModel):  # a built-in Model, an adapter's (dd.plugins.torch)
+                models[value.model_id] = value
         return models, variables
 
     def _unrebuildable(self, residents: list) -> list[tuple[str, str]]:
@@ -291,7 +303,7 @@ class State:
         extended = self.strategy.extended
         models, variables = self._rebuildable()
         for model_id, model in models.items():
-            extended.run_on_replica(rank, install_resident, (MODEL, model_id, model._resident()))
+            extended.run_on_replica(rank, install_resident, (MODEL, model_id, model.resident()))
         for var_id, variable in variables.items():
             spec = variable.spec
             extended.run_on_replica(rank, create_variable, (var_id, np.zeros(spec.shape, spec.dtype), spec))

@@ -94,6 +94,25 @@ class Model:
             synced = ctx.broadcast([a for _, a in names_arrays], root=0)  # replica 0's initial weights
             self._assign_weights([np.array(a, copy=True) for a in synced])
 
+    def build_as_first_batch(self, input_shape: tuple[int, ...] | None, dtype: str | None = None) -> None:
+        """Build the model as its first batch would, if it is not built (an elastic commit before the first step).
+
+        ``input_shape``: of ``x`` without the batch (``dtype`` its dtype);
+        inside a replica every replica then takes replica 0's initial
+        weights. ``None``: the model's declared input shape.
+
+        Raises
+        ------
+        ValueError
+            ``input_shape`` is ``None`` and the model declares none.
+        """
+        if self.built:
+            return
+        if input_shape is None:
+            self._require_built()
+        else:
+            self._ensure_built(np.empty((0, *input_shape), dtype=dtype or "float32"))
+
     # -- forward / backward ------------------------------------------------------------
 
     def _forward(self, x: Any, training: bool) -> Any:
@@ -159,8 +178,8 @@ class Model:
                 raise ValueError(f"weight {key}: shape {tuple(new.shape)} does not match {tuple(current.shape)}")
             index, name = key.split("/", 1)
             per_layer.setdefault(int(index), {})[name] = new.astype(current.dtype, copy=False)
-        for index, mapping in per_layer.items():
-            self.layers[index].set_weights_from(mapping)
+        for layer_index, mapping in per_layer.items():
+            self.layers[layer_index].set_weights_from(mapping)
 
     def get_weights(self) -> list[np.ndarray]:
         """The weights as numpy arrays: the trainable ones from where the strategy holds them (the parameter
@@ -202,14 +221,14 @@ class Model:
 
     def _stored_state(self) -> dict | None:
         driver = self._holding_driver()
-        if driver is None or not self.built:
+        if driver is None or self._strategy is None or not self.built:
             return None
         return driver.stored_state(self._strategy.client, len(self.trainable_variables))
 
     def _set_stored(self, params: list[Any] | None = None, rule_state: dict | None = None) -> None:
         """Overwrite the held copy (if any is held yet; else the next step's first offer carries these values)."""
         driver = self._holding_driver()
-        if driver is None or not self.built:
+        if driver is None or self._strategy is None or not self.built:
             return
         count = len(self.trainable_variables)
         if not driver.set_stored(self._strategy.client, count, params=params, rule_state=rule_state):
@@ -275,13 +294,27 @@ class Model:
         if self._strategy is None or self._installed:
             return
         self._strategy.extended.check_open()
-        if not self.built and self._declared_input_shape() is not None:
-            self.build(self._declared_input_shape())
-        self._strategy.extended.install_resident(MODEL, self._model_id, self._resident())
+        declared = self._declared_input_shape()
+        if not self.built and declared is not None:
+            self.build(declared)
+        self._strategy.extended.install_resident(MODEL, self._model_id, self.resident())
         self._installed = True
 
-    def _resident(self) -> BuiltinTrainable:
-        """What is installed on a replica: a copy without the client's strategy and history."""
+    @property
+    def model_id(self) -> str:
+        """The id of the model's copies on the replicas (resident kind ``model``)."""
+        return self._model_id
+
+    @property
+    def distribute_strategy(self) -> Strategy | None:
+        """The strategy whose scope the model was created in (Keras' name), or ``None``."""
+        return self._strategy
+
+    def resident(self) -> BuiltinTrainable:
+        """What is installed on a replica: a copy without the client's strategy and history.
+
+        Also what an elastic newcomer is installed with (its weights then come with the commit).
+        """
         payload = object.__new__(type(self))  # not copy.copy: that would call __reduce_ex__, which may refer
         payload.__dict__.update(self.__dict__)
         payload._strategy = None
@@ -392,9 +425,10 @@ class Model:
             check_model_input(x.element_spec_with(client), self._built_input_shape(), what)  # on the client, first
             return x
         x_array, _ = as_array(x)
-        structure = (x_array,) if y is None else (x_array, as_array(y)[0])
-        if y is not None and len(structure[1]) != len(x_array):
-            raise ValueError(f"x and y have different lengths ({len(x_array)} and {len(structure[1])})")
+        y_array = None if y is None else as_array(y)[0]
+        if y_array is not None and len(y_array) != len(x_array):
+            raise ValueError(f"x and y have different lengths ({len(x_array)} and {len(y_array)})")
+        structure: tuple[Any, ...] = (x_array,) if y_array is None else (x_array, y_array)
         specs = tuple(TensorSpec((None, *a.shape[1:]), a.dtype) for a in structure)
         check_model_input(specs if y is not None else specs[0], self._built_input_shape(), what)  # as for a Dataset
         dataset = Dataset.from_tensor_slices(structure if y is not None else x_array)
@@ -538,37 +572,63 @@ class _Runner:
     def __init__(self, model: Model):
         self.model = model
         self.distributed = model._strategy is not None
-        self._train: Any = None
+        self.train: Any = None  # the fit's training dataset
         self._val: Any = None
-        self._dist_train: Any = None
+        self.dist_train: Any = None  # the training dataset distributed over the replicas
         self._dist_val: Any = None
-        self._tag = uuid.uuid4().hex[:8]
+        self.tag = uuid.uuid4().hex[:8]  # the fit's progress events carry it
         self._subscribed = False
         self._elastic: Any = None  # ``daskdist.elastic.fit.ElasticFit`` during a fit on an elastic strategy
+        self.recoveries: list[Any] = []  # elastic: the group re-formed while the model was installed (``Recovery``)
+        self.failures = 0  # elastic: the losses among them (counted against ``max_failures``)
+
+    @property
+    def strategy(self) -> Strategy:
+        """The model's strategy (the runner of a distributed model; a local one has none)."""
+        strategy = self.model._strategy
+        if strategy is None:
+            raise RuntimeError(f"model {self.model.name!r} was created outside any strategy's scope: it trains here")
+        return strategy
 
     def begin_fit(self, x: Any, y: Any, batch_size: int | None, shuffle: bool, validation_data: Any,
                   callbacks: list[Any] | None, steps_per_epoch: int | None) -> None:
         """The fit's data, distributed over the replicas (the model installed there first)."""
         model = self.model
         train = model._as_dataset(x, y, batch_size, shuffle)
-        val = model._as_dataset(*validation_data, batch_size=batch_size, shuffle=False) if isinstance(
-            validation_data, tuple) else (model._as_dataset(validation_data, None, batch_size, False)
-                                          if validation_data is not None else None)
+        val = None
+        if isinstance(validation_data, tuple):
+            if len(validation_data) not in (1, 2):
+                raise ValueError(f"validation_data must be a Dataset, (x,) or (x, y) (no sample weights); got a "
+                                 f"tuple of {len(validation_data)}")
+            val_x, val_y = (*validation_data, None)[:2]
+            val = model._as_dataset(val_x, val_y, batch_size=batch_size, shuffle=False)
+        elif validation_data is not None:
+            val = model._as_dataset(validation_data, None, batch_size, False)
         self._prepare(train, val)
 
     def _prepare(self, train: Any, val: Any) -> None:
         model = self.model
-        self._train, self._val = train, val
+        self.train, self._val = train, val
         if not self.distributed:
             return
-        if _elastic_options(model) is not None:
-            from daskdist.elastic.fit import catch_up
+        options = _elastic_options(model)
+        if options is None:
+            self._distribute(train, val)
+            return
+        from daskdist.elastic.fit import prepare_members
 
-            catch_up(model._strategy)  # members that left while the group ran nothing (retired, lost)
+        # members that left while the group ran nothing are learnt first; a loss meanwhile re-forms the group
+        # and the members left get the model and the data again
+        self.recoveries, self.failures = prepare_members(self.strategy, options,
+                                                         lambda: self._distribute(train, val))
+
+    def _distribute(self, train: Any, val: Any) -> None:
+        """The model installed on the replicas (if it is not), the fit's data distributed over them."""
+        model = self.model
         model._ensure_installed()
-        strategy = model._strategy
+        strategy = self.strategy
         if train is not None:
-            self._dist_train = strategy.experimental_distribute_dataset(train)
+            self.dist_train = strategy.experimental_distribute_dataset(train)
         if val is not None:
             self._dist_val = val if val is train else strategy.experimental_distribute_dataset(val)
 
@@ -587,24 +647,24 @@ class _Runner:
     # -- the copies that compute (replica 0's; every replica's when set) ---------------------------
 
     def computed_weights(self) -> list[np.ndarray]:
-        return self.model._strategy.extended.run_on_replica(0, _replica_get_weights, (self.model._model_id,))
+        return self.strategy.extended.run_on_replica(0, _replica_get_weights, (self.model._model_id,))
 
     def set_computed_weights(self, weights: list[np.ndarray]) -> None:
-        self.model._strategy.extended.run_on_replicas(_replica_set_weights, (self.model._model_id, weights))
+        self.strategy.extended.run_on_replicas(_replica_set_weights, (self.model._model_id, weights))
 
     def computed_optimizer_state(self) -> dict:
-        return self.model._strategy.extended.run_on_replica(0, _replica_optimizer_state, (self.model._model_id,))
+        return self.strategy.extended.run_on_replica(0, _replica_optimizer_state, (self.model._model_id,))
 
     def set_computed_optimizer_state(self, state: dict) -> None:
-        self.model._strategy.extended.run_on_replicas(_replica_set_optimizer_state, (self.model._model_id, state))
+        self.strategy.extended.run_on_replicas(_replica_set_optimizer_state, (self.model._model_id, state))
 
     def driver(self) -> StepDriver:
         """The strategy's step driver for this model (its parameters named by the model's id)."""
-        return self.model._strategy.extended.step_driver(self.model._model_id)
+        return self.strategy.extended.step_driver(self.model._model_id)
 
     def steps(self) -> int | None:
-        if self._dist_train is not None:
-            steps = [s for s in self._dist_train.plan().steps_per_replica() if s is not None]
+        if self.dist_train is not None:
+            steps = [s for s in self.dist_train.plan().steps_per_replica() if s is not None]
             return max(steps) if steps else None
         return None
 
@@ -612,7 +672,7 @@ class _Runner:
         """The fit's first epoch is ``epoch``: on an elastic strategy (``ElasticOptions``), hand this fit's
         epochs to ``daskdist.elastic``."""
         options = _elastic_options(self.model)
-        if options is None or self._train is None:
+        if options is None or self.train is None:
             return
         from daskdist.elastic.fit import ElasticFit
 
@@ -625,34 +685,38 @@ class _Runner:
         model = self.model
         lr = float(model.optimizer.learning_rate)
         if not self.distributed:
-            return training.train_batches(model, iter(self._train), steps, cb.on_progress)
+            return training.train_batches(model, iter(self.train), steps, cb.on_progress)
         self._subscribe(cb)
         if self._elastic is not None:
             return self._elastic.train_epoch(epoch, steps, cb)
-        results = model._strategy.extended.run_on_replicas(
-            _replica_train_epoch, (model._model_id, self._dist_train, steps, lr, self._tag, epoch, self.driver()))
+        results = self.strategy.extended.run_on_replicas(
+            _replica_train_epoch, (model._model_id, self.dist_train, steps, lr, self.tag, epoch, self.driver()))
         return dict(results[0])
+
+    def replan_validation(self) -> None:
+        """Distribute the validation data again at its next use (the members changed)."""
+        self._dist_val = None
 
     def evaluate_dataset(self, data: Any, steps: int | None) -> dict:
         if self._elastic is not None:
             return self._elastic.evaluate(data, steps)
-        return self._evaluate_once(data, steps)
+        return self.evaluate_once(data, steps)
 
-    def _evaluate_once(self, data: Any, steps: int | None) -> dict:
+    def evaluate_once(self, data: Any, steps: int | None) -> dict:
         model = self.model
         if not self.distributed:
             return training.evaluate_batches(model, iter(data), steps)
         model._ensure_installed()
-        dist = self._dist_val if self._dist_val is not None else model._strategy.experimental_distribute_dataset(data)
+        dist = self._dist_val if self._dist_val is not None else self.strategy.experimental_distribute_dataset(data)
         self._dist_val = dist
-        results = model._strategy.extended.run_on_replicas(_replica_evaluate, (model._model_id, dist, steps))
+        results = self.strategy.extended.run_on_replicas(_replica_evaluate, (model._model_id, dist, steps))
         return dict(results[0])
 
     def _subscribe(self, cb: Any) -> None:
         if self._subscribed or not cb.wants_progress():
             return
-        client = self.model._strategy.client
-        tag = self._tag
+        client = self.strategy.client
+        tag = self.tag
 
         def handler(event: tuple) -> None:
             _, msg = event
@@ -665,7 +729,7 @@ class _Runner:
     def close(self) -> None:
         if self._subscribed:
             try:
-                self.model._strategy.client.unsubscribe_topic(PROGRESS_TOPIC)
+                self.strategy.client.unsubscribe_topic(PROGRESS_TOPIC)
             except Exception:  # pragma: no cover - the client may be closing
                 pass
 

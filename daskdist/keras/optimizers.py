@@ -129,7 +129,7 @@ class Optimizer:
         state["_strategy"] = None
         return state
 
-    def _resident(self) -> _InstalledOptimizer:
+    def resident(self) -> _InstalledOptimizer:
         payload = object.__new__(type(self))
         payload.__dict__.update(self.__getstate__())
         return _InstalledOptimizer(payload)

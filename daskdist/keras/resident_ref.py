@@ -22,7 +22,7 @@ def reduce_for_replicas(obj: Any, object_id: str) -> tuple[Any, ...] | None:
     """``__reduce_ex__``'s value when ``obj`` is being sent to its own strategy's replicas, else ``None``.
 
     ``obj`` has ``_strategy`` (or ``None``), ``_installed`` and
-    ``_resident()`` (what a replica keeps, with the object as ``.model`` or
+    ``resident()`` (what a replica keeps, with the object as ``.model`` or
     ``.optimizer``).
     """
     strategy = getattr(obj, "_strategy", None)
@@ -31,7 +31,7 @@ def reduce_for_replicas(obj: Any, object_id: str) -> tuple[Any, ...] | None:
         return None
     payload = None
     if not obj._installed:  # sent in full until a run has installed it on every replica
-        payload = obj._resident()
+        payload = obj.resident()
         shipment.sent_in_full.append(obj)
     return (_resolve, (strategy.extended.token, object_id, payload))
 

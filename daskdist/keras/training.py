@@ -192,6 +192,9 @@ def evaluate_batches(model: Model, batches: Iterable[Any], steps: int | None = N
                      progress: ProgressFn | None = None) -> dict:
     """Loss and metrics over ``batches``, aggregated over all replicas."""
     ctx = context.get_replica_context()
+    if ctx is None:
+        raise RuntimeError("evaluation runs in a replica, or outside any strategy's scope (a model made outside "
+                           "it is evaluated outside it), not in a strategy's cross-replica context")
     model.reset_metrics()
     loss_sum = 0.0
     count = 0.0

@@ -14,8 +14,12 @@ Messages are ``daskdist.wire`` messages (pickle protocol 5, numpy buffers
 out of band, each a part of one ``sendmsg``). A connection starts with the
 wire hello carrying the store's secret (made when the store was installed; it
 reaches workers inside the strategy's pickled ``StoreRef``s, as the group
-secret reaches replicas). Clusters on ``tls://`` do not get the channel (the
-stores are reached through Dask's comms, TLS included), nor does anything
+secret reaches replicas). On a ``tls://`` cluster the connection is TLS with
+the cluster's ``distributed.Security`` (``daskdist.wire.tls``: the ps
+worker's server context, the calling worker's client context), as the
+command channel and the socket transport are; the secret is checked inside
+it. Workers on other protocols (``inproc://`` of a threaded cluster) get no
+channel (their stores are reached through Dask's comms), nor does anything
 when ``daskdist.parameter-store.direct-channel`` is false.
 """
 
@@ -25,7 +29,9 @@ import logging
 import pickle
 import secrets
 import socket
+import ssl
 import threading
+from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 from daskdist import config, serialization, wire
@@ -76,13 +82,25 @@ class StoreServer:
         The worker's ``ParameterStore``.
     host
         The interface to listen on (the worker's host).
+    ssl_context
+        The server's TLS context on a ``tls://`` cluster (``daskdist.wire.tls.worker_contexts``):
+        every connection is TLS with the cluster's certificates, its hello still carries the secret.
+
+    Attributes
+    ----------
+    requests
+        How many requests the channel answered (a store's traffic that did not go through Dask's comms).
     """
 
-    def __init__(self, store: ServedStore, host: str):
+    def __init__(self, store: ServedStore, host: str, ssl_context: ssl.SSLContext | None = None):
         self._store = store
         self.secret = secrets.token_hex(16)
-        self._acceptor = wire.Acceptor(host, PROTOCOL, self.secret, self._serve, name="daskdist-ps-serve")
+        self.requests = 0
+        self._counting = threading.Lock()  # a thread per connection
+        self._acceptor = wire.Acceptor(host, PROTOCOL, self.secret, self._serve, ssl_context=ssl_context,
+                                       name="daskdist-ps-serve")
         self.endpoint = self._acceptor.endpoint
+        self.tls = ssl_context is not None
 
     def _serve(self, conn: socket.socket, _tail: bytes) -> None:
         try:
@@ -93,6 +111,8 @@ class StoreServer:
             pass  # the worker went, or the server closes
 
     def _answer(self, op: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+        with self._counting:
+            self.requests += 1
         try:
             if op not in DIRECT_OPS:
                 raise ValueError(f"the parameter store channel does not serve {op!r}")
@@ -109,14 +129,19 @@ class StoreServer:
 _local = threading.local()  # each replica thread's connections: {(host, port): socket}
 
 
-def _connection(store: DirectStore) -> socket.socket:
+def _no_tls() -> ssl.SSLContext | None:
+    return None
+
+
+def _connection(store: DirectStore, tls: Callable[[], ssl.SSLContext | None] = _no_tls) -> socket.socket:
     connections: dict[tuple[str, int], socket.socket] = getattr(_local, "connections", None) or {}
     _local.connections = connections
-    assert store.direct is not None
+    if store.direct is None:
+        raise ValueError(f"the parameter store on {store.address} has no direct channel")
     host, port, secret = store.direct
     sock = connections.get((host, port))
     if sock is None:
-        sock = wire.connect((host, port), PROTOCOL, secret,
+        sock = wire.connect((host, port), PROTOCOL, secret, ssl_context=tls(),
                             timeout=config.get_seconds("parameter-store.connect-timeout"))
         sock.settimeout(config.get_seconds("collective.timeout"))
         connections[(host, port)] = sock
@@ -131,8 +156,13 @@ def _drop(store: DirectStore) -> None:
             sock.close()
 
 
-def direct_exchange(requests: dict[_S, tuple[str, dict[str, Any]]]) -> dict[_S, Any]:
+def direct_exchange(requests: dict[_S, tuple[str, dict[str, Any]]],
+                    tls: Callable[[], ssl.SSLContext | None] = _no_tls) -> dict[_S, Any]:
     """Send every request first, then read the replies: the stores work on them at the same time.
+
+    ``tls`` makes the TLS context a new connection uses (on a ``tls://``
+    cluster the caller's worker's, ``daskdist.wire.tls``), called only when
+    this thread has no connection to a store yet.
 
     Raises
     ------
@@ -144,7 +174,7 @@ def direct_exchange(requests: dict[_S, tuple[str, dict[str, Any]]]) -> dict[_S, 
     first_error: BaseException | None = None
     for store, message in requests.items():
         try:
-            send_message(_connection(store), message)
+            send_message(_connection(store, tls), message)
             sent.append(store)
         except OSError as e:
             _drop(store)

@@ -32,7 +32,7 @@ from daskdist import config, serialization
 from daskdist.group.membership import Generation, GroupId, Member, Membership, Role
 from daskdist.group.scheduler_plugin import DaskdistSchedulerPlugin
 from daskdist.ps.refs import StoreRef
-from daskdist.ps.store import HANDLER, STORE_EXTENSION, ParameterStore, register_in_process
+from daskdist.ps.store import HANDLER, STORE_EXTENSION, ParameterStore
 
 if TYPE_CHECKING:
     from distributed import Client, Worker
@@ -81,22 +81,23 @@ def start_store_member(worker: Worker, store_id: str) -> StoreMember:
     """Make ``worker`` hold parameters for ``store_id``: its store installed once, its direct channel opened.
 
     Called on the worker by the worker plugin's ``daskdist_host_member``. The
-    direct channel is opened on ``tcp://`` workers only (on ``tls://`` the
-    stores are reached through Dask's comms).
+    direct channel is opened on ``tcp://`` workers, and on ``tls://`` workers
+    with the cluster's TLS (``daskdist.wire.tls``); workers of other protocols
+    (``inproc://``) are reached through Dask's comms.
     """
     store = worker.extensions.get(STORE_EXTENSION)
     if store is None:
         store = ParameterStore(worker)
         worker.extensions[STORE_EXTENSION] = store
-        register_in_process(worker.address, store)
         worker.handlers[HANDLER] = store.handle
         logger.debug("Parameter store installed on %s", worker.address)
-    if store.server is None and worker.address.startswith("tcp://"):
+    if store.server is None and worker.address.startswith(("tcp://", "tls://")):
         from distributed.comm import get_address_host
 
         from daskdist.ps.channel import StoreServer
+        from daskdist.wire.tls import worker_contexts
 
-        store.server = StoreServer(store, get_address_host(worker.address))
+        store.server = StoreServer(store, get_address_host(worker.address), ssl_context=worker_contexts(worker)[0])
     return StoreMember(store, store_id)
 
 

@@ -1,16 +1,18 @@
 """Reaching a parameter store (``daskdist.ps.store``) from a replica thread or from the client.
 
 A ``StoreRef`` names one store (the worker that holds it and the strategy's
-store id) and pickles as those two strings. From a replica thread, a store in
-the same worker process is called directly on the worker's event loop (no
-serialization; the store copies what it hands out); any other store is called
-through the worker's Dask comms, worker to worker. From the client, through
+store id) and pickles as those strings. From a replica thread, the store of
+the replica's own worker (found in that worker's extensions, so nothing is
+shared between workers or clusters of one process) is called directly (no
+serialization; the store copies what it hands out); any other store over its
+direct channel when it has one, else through the worker's Dask comms, worker
+to worker. From the client, through
 the client's connection pool. Requests and replies are Dask-serialized
 objects (``ToPickle``: pickle protocol 5, each numpy buffer a frame of its
 own, written to the socket without being copied into one pickle).
 ``exchange_from_replica`` (a parameter-server worker's batch) sends one
-request to each of several stores at once: a store of this process is
-called directly (no copy), one with a direct channel gets it there
+request to each of several stores at once: the replica's own worker's
+store is called directly (no copy), one with a direct channel gets it there
 (``daskdist.ps.channel``), any other through Dask's comms. A store that cannot be
 reached raises ``ReplicaLostError`` naming it.
 """
@@ -18,6 +20,8 @@ reached raises ``ReplicaLostError`` naming it.
 from __future__ import annotations
 
 import asyncio
+import functools
+import ssl
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -29,7 +33,8 @@ from distributed.utils import sync
 from daskdist import config, serialization
 from daskdist.exceptions import ReplicaLostError
 from daskdist.ps.channel import DIRECT_OPS, direct_exchange
-from daskdist.ps.store import HANDLER, STORE_EXTENSION, store_in_process, unwrap
+from daskdist.ps.store import HANDLER, STORE_EXTENSION, ParameterStore, unwrap
+from daskdist.wire.tls import worker_contexts
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -73,19 +78,20 @@ class StoreRef:
         """Run ``op`` on the store from a replica thread (``runtime``: the replica's runtime).
 
         A worker's variable and trainable-parameter traffic and synchronous
-        rounds (``daskdist.ps.channel.DIRECT_OPS``) go without the event loop: a store
-        of this process is called directly (a round's wait then blocks this
-        thread), one with a direct channel gets it there. The rest
+        rounds (``daskdist.ps.channel.DIRECT_OPS``) go without the event loop: the
+        store of the replica's own worker is called directly (a round's wait
+        then blocks this thread), one with a direct channel gets it there. The rest
         (functions, update rules, a round's contribution carrying the
         update rule) goes through the worker's event loop.
         """
         worker = runtime.worker
-        if op in DIRECT_OPS and not _carries_objects(op, kwargs):  # no event loop on the way: a store of this process, else the direct channel
-            held = store_in_process(self.address)
+        if op in DIRECT_OPS and not _carries_objects(op, kwargs):  # no event loop on the way: own worker, else the channel
+            held = _own_store(worker, self.address)
             if held is not None:
                 return held.run_sync(op, {**kwargs, "store_id": self.store_id})
             if self.direct is not None:
-                return direct_exchange({self: (op, {**kwargs, "store_id": self.store_id})})[self]
+                return direct_exchange({self: (op, {**kwargs, "store_id": self.store_id})},
+                                       tls=functools.partial(_client_context, worker))[self]
         return sync(worker.loop, self._call_on_loop, worker, op, kwargs)
 
     async def _call_on_loop(self, worker: Any, op: str, kwargs: dict[str, Any]) -> Any:
@@ -159,16 +165,15 @@ def exchange_from_replica(runtime: Any, requests: dict[StoreRef, dict[str, Any]]
     if not requests:
         return {}
     worker = runtime.worker
-    held = {s: store_in_process(s.address) for s in requests}  # this process's stores: called directly
-    local = [s for s in requests if held[s] is not None]
-    direct = [s for s in requests if held[s] is None and s.direct is not None]
-    through_dask = [s for s in requests if held[s] is None and s.direct is None]
+    held = {s: own for s in requests if (own := _own_store(worker, s.address)) is not None}  # called directly
+    direct = [s for s in requests if s not in held and s.direct is not None]
+    through_dask = [s for s in requests if s not in held and s.direct is None]
     replies: dict[StoreRef, Any] = {}
     errors: list[BaseException] = []
     if direct:
         try:  # sent first: the stores work while this thread serves the rest
             replies.update(direct_exchange({s: ("exchange", {**requests[s], "store_id": s.store_id})
-                                            for s in direct}))
+                                            for s in direct}, tls=functools.partial(_client_context, worker)))
         except Exception as e:  # noqa: BLE001 - raised after the others were answered
             errors.append(e)
     if through_dask:
@@ -183,15 +188,32 @@ def exchange_from_replica(runtime: Any, requests: dict[StoreRef, dict[str, Any]]
                 errors.append(result)
             else:
                 replies[store] = result
-    for store in local:  # a store of this process: called directly, no copy (it takes its own lock)
+    for ref, local in held.items():  # the replica's own worker's store: called directly, no copy (it takes its lock)
         try:
-            replies[store] = held[store].run_sync("exchange",  # type: ignore[union-attr]
-                                                  {**requests[store], "store_id": store.store_id})
+            replies[ref] = local.run_sync("exchange", {**requests[ref], "store_id": ref.store_id})
         except Exception as e:  # noqa: BLE001 - raised after the others were answered
             errors.append(e)
     if errors:
         raise errors[0]
     return replies
+
+
+def _client_context(worker: Any) -> ssl.SSLContext | None:
+    """The TLS context ``worker`` connects to other workers with (``None`` on ``tcp://``): made when a channel opens."""
+    return worker_contexts(worker)[1]
+
+
+def _own_store(worker: Any, address: str) -> ParameterStore | None:
+    """The store held by ``worker`` if ``address`` is that worker's (a replica's own worker), else ``None``.
+
+    Looked up in the worker's own extensions: a store of another worker, even
+    one in this process (a threaded cluster), is reached over its channel or
+    Dask's comms, so stores of two clusters in one process never mix.
+    """
+    if worker is None or worker.address != address:
+        return None
+    store = worker.extensions.get(STORE_EXTENSION)
+    return store if isinstance(store, ParameterStore) else None
 
 
 def _carries_objects(op: str, kwargs: dict[str, Any]) -> bool:

@@ -8,8 +8,9 @@ worker becomes a member with role ``ps`` of a strategy's store group
 that worker: a replica computing there keeps its own compute copy and reads
 the store like the others. Requests arrive through the worker handler
 ``daskdist_ps`` (Dask comms, worker to worker or client to worker; never
-through the scheduler) or, from a replica of the same process, as direct
-calls on the worker's event loop (``daskdist.ps.refs``).
+through the scheduler) or, from a replica on the same worker, as direct
+calls (``daskdist.ps.refs``: that replica finds the store in its own
+worker's extensions; no registry outside the worker).
 
 Every operation runs on the worker's event loop, one at a time, so an update
 is atomic and versions are totally ordered. Values are handed out without a
@@ -44,7 +45,6 @@ import collections
 import functools
 import logging
 import threading
-import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -62,7 +62,7 @@ if TYPE_CHECKING:
 
     from daskdist.variables import VariableSpec
 
-__all__ = ["HANDLER", "STORE_EXTENSION", "ParameterStore", "register_in_process", "store_in_process", "unwrap"]
+__all__ = ["HANDLER", "STORE_EXTENSION", "ParameterStore", "unwrap"]
 
 logger = logging.getLogger(__name__)
 
@@ -515,19 +515,3 @@ class ParameterStore:
         self._count(store_id, sum(p.nbytes for p in params))
         return entry.version, params
 
-
-#: The stores of this process by worker address (a threaded cluster's replicas call them directly).
-_IN_PROCESS: weakref.WeakValueDictionary[str, ParameterStore] = weakref.WeakValueDictionary()
-
-
-def register_in_process(address: str, store: ParameterStore) -> None:
-    """Make ``store`` (held by the worker at ``address``) callable directly by replicas of this process."""
-    _IN_PROCESS[address] = store
-
-
-def store_in_process(address: str) -> ParameterStore | None:
-    """The store held by the worker at ``address`` if that worker lives in this process (and still has it)."""
-    store = _IN_PROCESS.get(address)
-    if store is None or store.worker is None or store.worker.extensions.get(STORE_EXTENSION) is not store:
-        return None
-    return store

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from daskdist import context
+from daskdist import context, fault_points
 
 if TYPE_CHECKING:
     from daskdist.group.service import ReplicaService
@@ -23,6 +23,7 @@ __all__ = ["install_resident", "update_copy"]
 def install_resident(service: ReplicaService, kind: str, object_id: str, obj: Any) -> None:
     """Keep ``obj`` on this replica under ``(kind, object_id)``, replacing an earlier one."""
     service.objects.install(kind, object_id, obj)
+    fault_points.installed(service.rank)  # a test's fault point (``daskdist.testing.pause-at``): installed, unanswered
 
 
 def update_copy(service: ReplicaService, variable: DistributedVariable, fn: Callable[..., Any],

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from distributed.comm.core import CommClosedError
-from distributed.protocol import to_serialize
+from distributed.protocol.serialize import to_serialize
 
 from daskdist.collective.mailbox import Mailbox, Tag
 from daskdist.collective.transport.base import SendHandle, Transport, remaining
@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 
 class _FutureSend(SendHandle):
-    def __init__(self, future: concurrent.futures.Future, dst: int, address: str):
+    def __init__(self, future: concurrent.futures.Future[None], dst: int, address: str):
         self._future = future
         self._dst = dst
         self._address = address
@@ -85,6 +85,6 @@ class DaskTransport(Transport):
             generation=self._generation,
             rank=dst,
             tag=list(tag),
-            payload=to_serialize(payload),
+            payload=to_serialize(payload),  # type: ignore[no-untyped-call]  # distributed leaves Serialize untyped
             reply=False,
         )

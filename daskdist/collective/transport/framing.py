@@ -34,7 +34,7 @@ def encode(payload: Any) -> tuple[int, np.ndarray]:
     return OBJECT, np.frombuffer(pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
 
 
-def describe_payload(kind: int, payload: Any) -> tuple[str, tuple]:
+def describe_payload(kind: int, payload: Any) -> tuple[str, tuple[int, ...]]:
     """dtype text and shape for the header (a dtype name where ``str`` would be ambiguous, e.g. bfloat16)."""
     if kind != ARRAY:
         return "", ()
@@ -42,18 +42,19 @@ def describe_payload(kind: int, payload: Any) -> tuple[str, tuple]:
     return (dtype.name if dtype.kind == "V" else dtype.str), payload.shape
 
 
-def dtype_text(dtype: np.dtype) -> str:
-    return dtype.name if dtype.kind == "V" else dtype.str
+def dtype_text(dtype: np.dtype[Any]) -> str:
+    text: str = dtype.name if dtype.kind == "V" else dtype.str  # numpy's stubs type ``name`` loosely
+    return text
 
 
-def pack_header(buffer: Any, offset: int, tag: Tag, kind: int, dtype: str, shape: tuple, total: int,
+def pack_header(buffer: Any, offset: int, tag: Tag, kind: int, dtype: str, shape: tuple[int, ...], total: int,
                 piece_offset: int, nbytes: int) -> None:
     dims = tuple(shape) + (0,) * (MAX_NDIM - len(shape))
     HEADER.pack_into(buffer, offset, tag[0], tag[1], tag[2], tag[3].encode(), kind, total, piece_offset, nbytes,
                      len(shape), *dims, dtype.encode())
 
 
-def unpack_header(buffer: Any, offset: int = 0) -> tuple:
+def unpack_header(buffer: Any, offset: int = 0) -> tuple[Tag, int, str, tuple[int, ...], int, int, int]:
     """``(tag, kind, dtype, shape, total, offset, nbytes)``."""
     fields = HEADER.unpack_from(buffer, offset)
     run, seq, src, name, kind, total, piece_offset, nbytes, ndim = fields[:9]
@@ -62,14 +63,15 @@ def unpack_header(buffer: Any, offset: int = 0) -> tuple:
     return (run, seq, src, name.rstrip(b"\0").decode()), kind, dtype, shape, total, piece_offset, nbytes
 
 
-def to_dtype(text: str) -> np.dtype:
+def to_dtype(text: str) -> np.dtype[Any]:
     """The dtype written by ``dtype_text`` (``ml_dtypes`` names such as bfloat16 included)."""
     try:
         return np.dtype(text)
     except TypeError:
         import ml_dtypes
 
-        return np.dtype(getattr(ml_dtypes, text))
+        scalar_type: type[Any] = getattr(ml_dtypes, text)  # e.g. ml_dtypes.bfloat16
+        return np.dtype(scalar_type)
 
 
 def decode(kind: int, dtype: str, shape: Any, data: Any) -> Any:

@@ -112,7 +112,7 @@ class _Incoming:
         self.done = False
         self._checked = False
 
-    def take(self, header: tuple, data: np.ndarray) -> None:
+    def take(self, header: tuple[Any, ...], data: np.ndarray) -> None:
         """Use the piece ``(header, data)``, the channel's oldest, and free its slot."""
         _, kind, dtype, _shape, total, offset, nbytes = header
         out = self.out
@@ -194,7 +194,7 @@ class ShmTransport(Transport):
         self._sends.put((dst, tag, payload, handle, tag[0], extra))
         return handle
 
-    def try_send_lane(self, dst: int, header: bytes, run_id: int, seq: int, value: np.ndarray, key: tuple) -> bool:
+    def try_send_lane(self, dst: int, header: bytes, run_id: int, seq: int, value: np.ndarray, key: tuple[Any, ...]) -> bool:
         """Write a one-piece lane message now (``ShmChannel.write_lane``), if ``dst``'s channel has room.
 
         Returns ``False`` (nothing written) when the channel is full or earlier
@@ -248,12 +248,12 @@ class ShmTransport(Transport):
 
     # -- receiving -----------------------------------------------------------------
 
-    def _next_piece(self, src: int, deadline: float, run_id: int) -> tuple[tuple, np.ndarray]:
+    def _next_piece(self, src: int, deadline: float, run_id: int) -> tuple[tuple[Any, ...], np.ndarray]:
         channel = self._inbound[src]
         backoff_wait(channel.can_read, deadline, lambda: self.mailbox.check(run_id), self.spin_seconds)
         return channel.peek()
 
-    def _find(self, src: int, tag: Tag, deadline: float) -> tuple[tuple, np.ndarray]:
+    def _find(self, src: int, tag: Tag, deadline: float) -> tuple[tuple[Any, ...], np.ndarray]:
         """Advance channel ``src`` to the first piece of ``tag``, stashing or dropping others."""
         channel = self._inbound[src]
         while True:
@@ -283,7 +283,7 @@ class ShmTransport(Transport):
         """The out-of-order message kept from ``src`` under ``tag`` (removed), or ``None``."""
         return self._stash.pop((src, tag), None) if self._stash else None
 
-    def stash_message(self, src: int, header: tuple, data: np.ndarray) -> None:
+    def stash_message(self, src: int, header: tuple[Any, ...], data: np.ndarray) -> None:
         """Keep an out-of-order message (rare: only after a mismatch) as an owned copy."""
         channel = self._inbound[src]
         tag, kind, dtype, shape, total, offset, _ = header

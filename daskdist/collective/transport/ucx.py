@@ -62,7 +62,7 @@ from daskdist.collective.transport.framing import (
     to_dtype,
     unpack_header,
 )
-from daskdist.exceptions import CollectiveTimeoutError, ReplicaLostError
+from daskdist.exceptions import CollectiveTimeoutError, DaskdistError, ReplicaLostError
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -131,7 +131,7 @@ class _Send(SendHandle):
 
     __slots__ = ("buffers", "dst", "requests", "run_id", "transport")
 
-    def __init__(self, transport: UcxTransport, dst: int, run_id: int, requests: list, buffers: tuple):
+    def __init__(self, transport: UcxTransport, dst: int, run_id: int, requests: list[Any], buffers: tuple[Any, ...]):
         self.transport = transport
         self.dst = dst
         self.run_id = run_id
@@ -267,7 +267,7 @@ class UcxTransport(Transport):
 
     # -- waiting ------------------------------------------------------------------
 
-    def _wait(self, requests: list, deadline: float, peer: int, run_id: int) -> None:
+    def _wait(self, requests: list[Any], deadline: float, peer: int, run_id: int) -> None:
         """Wait until ``requests`` complete; raise on abort, peer loss (``ReplicaLostError``) or deadline."""
         if not all(r.completed for r in requests):
             waiter = _Waiter(deadline)
@@ -330,6 +330,8 @@ class UcxTransport(Transport):
                 self._Array(inbound.buffer), self._ucx.UCXXTag(ucx_tag(_HEADER_KIND, src, inbound.next_seq))
             )
         self._wait([inbound.request], deadline, src, run_id)  # on timeout the receive stays posted for next time
+        if inbound.buffer is None:  # posted with its buffer above, or by an earlier call that timed out
+            raise DaskdistError(f"replica {self.rank}: the header receive from replica {src} has no buffer")
         header = _Header(inbound.next_seq, inbound.buffer)
         inbound.request = inbound.buffer = None
         inbound.next_seq += 1

@@ -70,14 +70,14 @@ class TorchModel:
         self._strategy = strategy
         self._model_id = f"torch-{uuid.uuid4().hex[:12]}"
         self._build = build
-        strategy.extended.install_resident(MODEL, self._model_id, self._resident())
+        strategy.extended.install_resident(MODEL, self._model_id, self.resident())
 
     @property
     def model_id(self) -> str:
         """The resident's id on the replicas."""
         return self._model_id
 
-    def _resident(self) -> TorchReplicaModel:
+    def resident(self) -> TorchReplicaModel:
         """What a replica keeps (built there when unpickled): also what an elastic newcomer is given."""
         return TorchReplicaModel(self._build)
 
