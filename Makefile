@@ -28,8 +28,11 @@ run: $(STAMP)
 # (iproute2), which the network-namespace host tests need (they skip without it, or without root)
 # `make test` runs the tests one at a time (PYTEST_WORKERS=0): on 2 cores, two pytest-xdist workers each starting
 # real worker processes (load 15-20) made the kill/elastic tests time out in one run of three and took 26.9 min
-# against 19.5 serially (2026-11-25); each xdist worker also starts its own shared cluster and warm pool
-# (tests/conftest.py), so a second one doubles the process start-ups the serial run shares;
+# against 19.5 serially (2026-11-25, before the shared cluster, the warm pool and the forked make_cluster workers;
+# not re-measured since: it needs a quiet machine, BENCHMARKS.md section 18, "Test suite time"); each xdist worker also starts
+# its own shared cluster, warm pool and fork server (tests/conftest.py), so a second one doubles those start-ups;
+# where the suite's time goes: DASKDIST_TEST_CPU_LOG=<file> records each test's wall and CPU seconds, and
+# `python -m tests.support.cpu_profile <file>` sums them per module;
 # `make test PYTEST_WORKERS=2` runs two workers, --dist loadgroup keeping each module's tests on one worker (its
 # module-scoped clusters start once) and every netns test in one group (tests/conftest.py). Every test runs.
 PYTEST_WORKERS ?= 0

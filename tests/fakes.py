@@ -3,12 +3,16 @@
 ``InMemoryGroup(n)`` builds ``n`` communicators whose transports deliver
 straight into each other's mailboxes; ``run_ranks`` runs one function per
 rank in threads, as replicas would, and returns results or exceptions.
+Each communicator's stall watch is a thread (started at its first collective);
+``close`` stops them, and ``tests/conftest.py`` closes every group a test left
+open (``OPEN``), so that no test's threads outlive it.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -47,6 +51,10 @@ class InMemoryControl:
                 "collective": comm.seq}
 
 
+#: The groups not closed yet, closed after each test by tests/conftest.py.
+OPEN: weakref.WeakSet[InMemoryGroup] = weakref.WeakSet()
+
+
 class InMemoryGroup:
     def __init__(self, size: int, algorithm: Algorithm | None = None, options: CommunicationOptions | None = None,
                  hosts: list[str] | None = None):
@@ -59,6 +67,13 @@ class InMemoryGroup:
                          hosts=hosts)
             for r in range(size)
         ]
+        OPEN.add(self)
+
+    def close(self) -> None:
+        """Stop the communicators' stall watches (each a thread polling several times a second)."""
+        for comm in self.comms:
+            comm.close()
+        OPEN.discard(self)
 
     def run_ranks(self, fn: Callable[[Communicator], Any], run_id: int = 1, timeout: float = 30) -> list[Any]:
         """Run ``fn(comm)`` on every rank in its own thread; exceptions are returned, not raised.

@@ -1,4 +1,4 @@
-"""Small Keras 3 models and helpers shared by the tests/test_keras3_*.py files (torch backend)."""
+"""Small Keras 3 models and helpers shared by the tests/test_keras3_*.py files (torch backend; JAX in a subprocess)."""
 
 from __future__ import annotations
 
@@ -69,6 +69,31 @@ def sequence_data(rows: int = 64, vocab: int = 50, length: int = 6, classes: int
     rng = np.random.default_rng(seed)
     x = rng.integers(0, vocab, size=(rows, length)).astype(np.int32)
     return x, (x[:, 0] % classes).astype(np.int64)
+
+
+def tutorial_cnn():
+    """The TF distributed-training tutorial's model, on 28x28x1 input."""
+    return keras.Sequential([
+        keras.Input((28, 28, 1)),
+        keras.layers.Conv2D(32, 3, activation="relu"),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Flatten(),
+        keras.layers.Dense(64, activation="relu"),
+        keras.layers.Dense(10),
+    ])
+
+
+def mnist_shaped(rows=80, seed=3):
+    """MNIST-shaped random images and labels (0 or 3) that the CNN can learn."""
+    rng = np.random.default_rng(seed)
+    x = rng.random((rows, 28, 28, 1), dtype=np.float32)
+    return x, (x[:, :14].sum(axis=(1, 2, 3)) > x[:, 14:].sum(axis=(1, 2, 3))).astype(np.int64) * 3
+
+
+def bn_dropout(seed=7):
+    """BatchNormalization (moving statistics) and a seeded Dropout (a random stream per replica)."""
+    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.BatchNormalization(),
+                             keras.layers.Dropout(0.3, seed=seed), keras.layers.Dense(4)])
 
 
 def compile_model(model, optimizer=None, metrics=("accuracy",)):

@@ -170,6 +170,7 @@ class NetnsHosts:
                 proc.wait(10)
         _remove(self.tag, [h.namespace for h in self.hosts], [h.veth for h in self.hosts], self.bridge)
         self.state_file.unlink(missing_ok=True)
+        shutil.rmtree(self.log_dir, ignore_errors=True)  # the processes' logs and the TLS key (were left in /tmp)
 
 
 def _remove(tag: str, namespaces: list[str], veths: list[str], bridge: str) -> None:
@@ -200,6 +201,8 @@ def remove_stale() -> list[str]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pid), signal.SIGKILL)
         _remove(state["tag"], state["namespaces"], state["veths"], state["bridge"])
+        if state.get("log_dir"):
+            shutil.rmtree(state["log_dir"], ignore_errors=True)
         path.unlink(missing_ok=True)
         removed.append(state["tag"])
     return removed
@@ -252,7 +255,7 @@ def start_hosts(n_hosts: int = 2, workers_per_host: int | list[int] = 2, rate: s
     cluster = NetnsHosts(tag, subnet, f"{PREFIX}{tag}b", hosts, rate=rate)
     cluster.state_file.write_text(json.dumps({
         "tag": tag, "pid": os.getpid(), "namespaces": [h.namespace for h in hosts],
-        "veths": [h.veth for h in hosts], "bridge": cluster.bridge, "pids": []}))
+        "veths": [h.veth for h in hosts], "bridge": cluster.bridge, "pids": [], "log_dir": str(cluster.log_dir)}))
     try:
         if tls:
             _write_tls_files(cluster)

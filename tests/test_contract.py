@@ -402,6 +402,9 @@ PRIVATE_ACCESS_ALLOWED = {
     ("variables.py", "_broadcast"): "ReplicaContext's broadcast of a SyncOnRead variable's first copy",
     ("plugins/keras3/payload.py", "_flatten_layers"): "Keras 3's own walk of a model's layers (pinned keras==3.15.1)",
     ("plugins/keras3/resident.py", "_flatten_layers"): "Keras 3's own walk of a model's layers (pinned keras==3.15.1)",
+    ("plugins/keras3/backend_jax.py", "_symbolic_build"): "Keras 3's own build of a model's metrics, loss and "
+                                                            "optimizer before its JAX step is traced (as its fit "
+                                                            "does; pinned keras==3.15.1)",
     ("plugins/torch/backend.py", "_plugins"): "torch.distributed's registry of backends (is 'daskdist' registered)",
     ("plugins/torch/model.py", "_remove_autograd_hooks"): "DDP's own removal of its reducer's hooks (re-wrap per "
                                                           "generation; torch 2.13 has no public one)",

@@ -23,6 +23,7 @@ import numpy as np  # noqa: E402
 import daskdist as dd  # noqa: E402
 from tests.keras3_models import (  # noqa: E402
     assert_replicas_identical,
+    bn_dropout,
     compile_model,
     dense_data,
     functional,
@@ -85,11 +86,6 @@ def test_embedding_lstm_gru_attention_with_adam_equal_one_process(threaded_clien
         assert int(model.optimizer.iterations.numpy()) == int(plain.optimizer.iterations.numpy()) == 4
 
 
-def _bn_dropout(seed=7):
-    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.BatchNormalization(),
-                             keras.layers.Dropout(0.3, seed=seed), keras.layers.Dense(4)])
-
-
 def test_batchnorm_moving_statistics_and_dropout_streams(threaded_client):
     x, y = dense_data(rows=64)
     weights = []
@@ -97,7 +93,7 @@ def test_batchnorm_moving_statistics_and_dropout_streams(threaded_client):
         for _ in range(2):  # the same seed twice: the same run
             keras.utils.set_random_seed(3)
             with strategy.scope():
-                model = compile_model(_bn_dropout())
+                model = compile_model(bn_dropout())
             model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
             states = assert_replicas_identical(strategy, model)  # moving statistics averaged: identical copies
             weights.append(model.get_weights())

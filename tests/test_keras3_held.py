@@ -21,31 +21,21 @@ import numpy as np  # noqa: E402
 
 import daskdist as dd  # noqa: E402
 from daskdist.plugins.keras3 import UnsupportedOptimizerError, registry  # noqa: E402
-from tests.keras3_models import compile_model, dense_data, replica_states, sequential, twin  # noqa: E402
+from tests.keras3_models import (  # noqa: E402
+    compile_model,
+    dense_data,
+    mnist_shaped,
+    replica_states,
+    sequential,
+    tutorial_cnn,
+    twin,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
 RTOL = 1e-5
 ATOL = 1e-6
 TWO = ["/cpu:0", "/cpu:1"]
-
-
-def tutorial_cnn():
-    """The TF distributed-training tutorial's model, on 28x28x1 input."""
-    return keras.Sequential([
-        keras.Input((28, 28, 1)),
-        keras.layers.Conv2D(32, 3, activation="relu"),
-        keras.layers.MaxPooling2D(),
-        keras.layers.Flatten(),
-        keras.layers.Dense(64, activation="relu"),
-        keras.layers.Dense(10),
-    ])
-
-
-def mnist_shaped(rows=80, seed=3):
-    rng = np.random.default_rng(seed)
-    x = rng.random((rows, 28, 28, 1), dtype=np.float32)
-    return x, (x[:, :14].sum(axis=(1, 2, 3)) > x[:, 14:].sum(axis=(1, 2, 3))).astype(np.int64) * 3
 
 
 def _optimizer(kind):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -19,7 +20,8 @@ import json, sys, time
 from tests.netns import start_hosts
 hosts = start_hosts(2, 0)
 print(json.dumps({"tag": hosts.tag, "namespaces": [h.namespace for h in hosts.hosts], "bridge": hosts.bridge,
-                  "veths": [h.veth for h in hosts.hosts], "pids": [h.anchor.pid for h in hosts.hosts]}), flush=True)
+                  "veths": [h.veth for h in hosts.hosts], "pids": [h.anchor.pid for h in hosts.hosts],
+                  "log_dir": str(hosts.log_dir)}), flush=True)
 time.sleep(600)
 """
 
@@ -51,3 +53,4 @@ def test_a_run_killed_with_sigkill_is_cleaned_up_by_the_next_one():
     assert not any(_exists("netns", ns) for ns in made["namespaces"])
     assert not any(_exists("link", name) for name in [made["bridge"], *made["veths"]])
     assert not (netns.STATE_DIR / f"{made['tag']}.json").exists()
+    assert not os.path.exists(made["log_dir"])  # its logs and TLS files too

@@ -58,12 +58,16 @@ def test_committed_notebook_has_no_outputs():
 @pytest.mark.timeout(420)
 def test_tutorial_notebook_runs(tmp_path):
     nb = nbformat.read(NOTEBOOK, as_version=4)
+    km = _kernel_manager(tmp_path / "kernels")
     client = nbclient.NotebookClient(
-        nb, km=_kernel_manager(tmp_path / "kernels"), timeout=300, allow_errors=False,
+        nb, km=km, timeout=300, allow_errors=False,
         resources={"metadata": {"path": str(tmp_path)}},
     )
     try:
-        client.execute()  # raises CellExecutionError, with the cell and its traceback, if any cell fails
+        # raises CellExecutionError, with the cell and its traceback, if any cell fails; cleanup_kc: shut the
+        # kernel down at the end (nbclient keeps a kernel alive whose manager it was given)
+        client.execute(cleanup_kc=True)
+        assert not km.has_kernel, "the kernel outlived its notebook"
     finally:
         ARTIFACTS.mkdir(exist_ok=True)
         nbformat.write(nb, ARTIFACTS / "tutorial.ipynb")

@@ -27,10 +27,21 @@ from daskdist.exceptions import CollectiveAbortedError, CollectiveMismatchError,
 
 from .fakes import InMemoryGroup
 
+_MADE: list[ProcessGroup] = []  # closed after each test: each runs a FIFO thread once it has async work
+
+
+@pytest.fixture(autouse=True)
+def _groups_closed():
+    yield
+    while _MADE:
+        _MADE.pop().close()
+
 
 def _groups(size: int) -> tuple[InMemoryGroup, list[ProcessGroup]]:
     fake = InMemoryGroup(size)
-    return fake, [build_process_group(c, "test") for c in fake.comms]
+    groups = [build_process_group(c, "test") for c in fake.comms]
+    _MADE.extend(groups)
+    return fake, groups
 
 
 def _run(fake: InMemoryGroup, groups: list[ProcessGroup], fn, timeout: float = 60) -> list:

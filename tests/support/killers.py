@@ -50,12 +50,24 @@ class RunInBackground:
         return self.error
 
 
+def _record(path) -> dict | None:
+    """The JSON record at ``path``; ``None`` while it is missing or still being written (empty or cut short)."""
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
 def json_records(directory, ranks, wait: float) -> dict[int, dict]:
-    """The ``rank-<r>.json`` records the replicas wrote in ``directory``, waiting up to ``wait`` s for all of them."""
+    """The ``rank-<r>.json`` records the replicas wrote in ``directory``, waiting up to ``wait`` s for all of them.
+
+    A replica writes its record as it raises: one read while it writes finds the file empty (seen under load 30),
+    so a record counts once it parses.
+    """
     deadline = time.monotonic() + wait
     while True:
-        found = {r: json.loads((directory / f"rank-{r}.json").read_text())
-                 for r in ranks if (directory / f"rank-{r}.json").exists()}
+        records = {r: _record(directory / f"rank-{r}.json") for r in ranks}
+        found = {r: record for r, record in records.items() if record is not None}
         if len(found) == len(ranks) or time.monotonic() > deadline:
             return found
         time.sleep(0.1)

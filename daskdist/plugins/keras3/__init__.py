@@ -1,6 +1,6 @@
 """Keras 3 models under daskdist's strategies (the Keras 3 adapter of the training contract).
 
-With ``KERAS_BACKEND=torch``, the model of TensorFlow's Keras tutorial runs
+With ``KERAS_BACKEND=torch`` (or ``jax``), the model of TensorFlow's Keras tutorial runs
 with only ``tf.distribute.X`` -> ``daskdist.X`` changed::
 
     import keras

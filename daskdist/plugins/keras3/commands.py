@@ -46,15 +46,13 @@ def _replica_frame(service: ReplicaService) -> context.Frame:
                          owner=service)
 
 
-def _limit_threads(service: ReplicaService) -> None:
-    """One replica per process: torch's intra-op threads match the cores the process may use on its host."""
-    import torch
-
+def _threads(service: ReplicaService) -> int:
+    """One replica per process: the framework's intra-op threads are the cores the process may use on its host."""
     members = service.membership.members
     host = members[service.rank].host
     same_host = sum(1 for member in members if member.host == host)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    torch.set_num_threads(max(1, cores // same_host))
+    return max(1, cores // same_host)
 
 
 def trainable(service: ReplicaService, model_id: str) -> KerasTrainable:
@@ -69,9 +67,8 @@ def install_model(service: ReplicaService, model_id: str, payload: ModelPayload,
     ``held``: a parameter holder keeps the optimizer's state, so the replica's optimizer, which never applies,
     is replaced by an unbuilt copy (its step count kept): no slots on the replicas.
     """
-    prepare_replica(payload.backend)
+    prepare_replica(payload.backend, threads=_threads(service))
     hooks.install()
-    _limit_threads(service)
     with context.enter(_replica_frame(service)):
         model = unpack_model(payload)
         if held:

@@ -2,14 +2,21 @@
 
 Every Keras backend funnels its update through ``Optimizer.apply(grads,
 variables)`` (``Model.train_step`` of the torch backend calls it right after
-``loss.backward()``). ``apply_with_exchange`` is what the patched ``apply``
-does: when a step driver's exchange is active for this optimizer (``fit`` on
-the replicas), the gradients go through it; when the optimizer is a replica's
-copy of one created in ``strategy.scope()`` (a custom loop), they are summed
-over the replicas, as TensorFlow's optimizers do in replica context (the loss
-is then scaled by the global batch size, as in TF's custom-training
-tutorial). The gradients are viewed as numpy without a copy and the reduced
-ones come back as torch tensors viewing the reduced arrays.
+``loss.backward()``; ``stateless_apply``, which the JAX backend's
+``train_step`` calls, runs it in a stateless scope). ``apply_with_exchange``
+is what the patched ``apply`` does: when a step driver's exchange is active
+for this optimizer (``fit`` on the replicas, torch backend), the gradients go
+through it; when the optimizer is a replica's copy of one created in
+``strategy.scope()`` (a custom loop), they are summed over the replicas, as
+TensorFlow's optimizers do in replica context (the loss is then scaled by the
+global batch size, as in TF's custom-training tutorial). The gradients are
+viewed as numpy (``backend.framework().to_numpy``) and the reduced ones come
+back as the backend's tensors.
+
+On the JAX backend a step is split in two jitted halves (``backend_jax``):
+while its gradient half is traced, the patched ``stateless_apply`` of the
+optimizer being ``captured`` returns the gradients in place of the new
+parameters, so Keras' own ``train_step`` (or a user's) hands them out.
 """
 
 from __future__ import annotations
@@ -19,15 +26,15 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from daskdist import context
 from daskdist.ops import ReduceOp
+from daskdist.plugins.keras3.backend import framework
 
 if TYPE_CHECKING:
     from daskdist.strategy.training_contract import GradientExchange
 
-__all__ = ["active", "apply_with_exchange", "count_step", "mark_replica_optimizer"]
+__all__ = ["active", "apply_with_exchange", "captured", "count_step", "mark_replica_optimizer",
+           "stateless_apply_with_capture"]
 
 _local = threading.local()
 _replica_optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -55,15 +62,30 @@ def mark_replica_optimizer(optimizer: Any) -> None:
     _replica_optimizers.add(optimizer)
 
 
-def _numpy_views(grads: Sequence[Any], variables: Sequence[Any]) -> list[np.ndarray]:
-    import torch
+class captured:
+    """``with captured(optimizer):`` its ``stateless_apply`` returns ``(grads, optimizer_variables)`` unchanged.
 
-    views = []
-    for grad, variable in zip(grads, variables):
-        if grad is None:
-            grad = torch.zeros(tuple(variable.shape), dtype=variable.value.dtype)
-        views.append(grad.detach().contiguous().cpu().numpy())
-    return views
+    Set around the call of a JAX step's jitted gradient half: when it is
+    traced, the new parameters Keras' ``train_step`` returns are the gradients.
+    """
+
+    def __init__(self, optimizer: Any):
+        self._key = id(optimizer)
+
+    def __enter__(self) -> None:
+        self._before = getattr(_local, "captured", None)
+        _local.captured = self._key
+
+    def __exit__(self, *exc_info: Any) -> None:
+        _local.captured = self._before
+
+
+def stateless_apply_with_capture(optimizer: Any, optimizer_variables: Any, grads: Any, trainable_variables: Any,
+                                 original: Callable[..., Any]) -> Any:
+    """``optimizer.stateless_apply``: Keras' own, or the gradients handed out while ``captured``."""
+    if getattr(_local, "captured", None) == id(optimizer):
+        return list(grads), list(optimizer_variables)
+    return original(optimizer, optimizer_variables, grads, trainable_variables)
 
 
 def count_step(optimizer: Any) -> None:
@@ -78,13 +100,12 @@ def apply_with_exchange(optimizer: Any, grads: Sequence[Any], variables: Sequenc
     entry = table.get(id(optimizer)) if table else None
     if entry is None and optimizer not in _replica_optimizers:
         return original(optimizer, grads, variables)
-    import torch
-
+    ops = framework()
     grads = list(grads)
     targets = list(variables) if variables is not None else list(optimizer.trainable_variables)
     if entry is not None:
         exchange, rows = entry
-        reduced = exchange(_numpy_views(grads, targets), rows)
+        reduced = exchange(ops.to_numpy(grads, targets), rows)
         if reduced is None:  # the driver assigned the new parameters (held off the replicas): nothing to apply
             count_step(optimizer)
             return None
@@ -92,6 +113,5 @@ def apply_with_exchange(optimizer: Any, grads: Sequence[Any], variables: Sequenc
         ctx = context.get_replica_context()
         if ctx is None or ctx.num_replicas_in_sync == 1:
             return original(optimizer, grads, variables)
-        reduced = ctx.all_reduce(ReduceOp.SUM, _numpy_views(grads, targets))
-    tensors = [torch.from_numpy(np.ascontiguousarray(g)) for g in reduced]
-    return original(optimizer, tensors, variables)
+        reduced = ctx.all_reduce(ReduceOp.SUM, ops.to_numpy(grads, targets))
+    return original(optimizer, ops.from_numpy(reduced), variables)

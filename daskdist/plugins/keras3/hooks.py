@@ -15,7 +15,9 @@ Installed once, when ``keras`` is imported in a process that imported
   bound on that model only: ``fit.created``): a recorded model first takes its
   replicas' weights when a custom loop may have changed them.
 * ``Optimizer.__init__`` records optimizers created in a scope;
-  ``Optimizer.apply`` exchanges gradients on the replicas (``exchange.py``).
+  ``Optimizer.apply`` exchanges gradients on the replicas (``exchange.py``);
+  ``Optimizer.stateless_apply`` hands out the gradients of a JAX step's
+  first half (``exchange.captured``, ``backend_jax``).
 * ``TensorBoard`` writes through ``tensorboardX`` where TensorFlow is not installed (``tensorboard.py``).
 * ``__reduce_ex__`` of recorded models and optimizers: inside
   ``strategy.run(fn)`` a captured model or optimizer travels as a reference to
@@ -66,6 +68,7 @@ def install() -> None:
         from keras.src.models.functional import Functional
         from keras.src.models.model import Model
         from keras.src.optimizers.base_optimizer import BaseOptimizer
+        from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 
         from daskdist.plugins.keras3 import exchange, fit, tensorboard
 
@@ -111,21 +114,41 @@ def install() -> None:
             return apply
 
         _wrap(BaseOptimizer, "apply", make_apply)
+
+        def make_stateless_apply(original: Callable[..., Any]) -> Callable[..., Any]:
+            def stateless_apply(self: Any, optimizer_variables: Any, grads: Any, trainable_variables: Any) -> Any:
+                return exchange.stateless_apply_with_capture(self, optimizer_variables, grads, trainable_variables,
+                                                             original)
+            return stateless_apply
+
+        _wrap(BaseOptimizer, "stateless_apply", make_stateless_apply)
+        _wrap(LossScaleOptimizer, "stateless_apply", make_stateless_apply)
         tensorboard.install()
         _installed = True
         logger.debug("daskdist: Keras 3 Model and Optimizer methods wrapped")
 
 
 class _AfterKerasImport:
-    """A one-shot import hook: ``install()`` right after ``import keras`` finishes."""
+    """A one-shot import hook: ``install()`` right after ``import keras`` finishes.
+
+    It leaves ``sys.meta_path`` when Keras has been executed, not when asked
+    for a spec: ``importlib.util.find_spec("keras")`` (a check that Keras is
+    installed, which imports nothing) must not use it up.
+    """
+
+    def __init__(self) -> None:
+        self._looking = False
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name != "keras":
+        if name != "keras" or self._looking:
             return None
         import importlib.util
 
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
+        self._looking = True  # the finders after this one find Keras' own spec
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self._looking = False
         if spec is None or spec.loader is None:
             return spec
         loader = spec.loader
@@ -133,6 +156,8 @@ class _AfterKerasImport:
 
         def exec_module(module: Any) -> None:
             original_exec(module)
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
             try:
                 install()
             except Exception:  # a Keras without a backend here: model.fit stays Keras' own

@@ -92,18 +92,15 @@ class KerasPsWorker:
 
     def evaluate(self, batches: Iterable[Any]) -> dict[str, Any]:
         """Keras' ``test_step`` over ``batches`` with the parameters stored now; the metric variables (as ``train``)."""
-        import torch
-
-        from daskdist.plugins.keras3.resident import batch_rows, to_tensors
+        from daskdist.plugins.keras3.resident import batch_rows
 
         model = self.trainable.model
         self.driver.pull(self.trainable)
         model.reset_metrics()
         batch: Any = None
-        with torch.no_grad():
-            for batch in batches:
-                if batch_rows(batch):
-                    model.test_step(to_tensors(batch))
+        for batch in batches:
+            if batch_rows(batch):
+                self.trainable.test_step(batch)
         return _results(model, batch)
 
 

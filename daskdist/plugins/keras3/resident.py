@@ -2,8 +2,10 @@
 
 ``train_step`` runs Keras' own ``Model.train_step`` (forward, loss,
 backward, ``optimizer.apply``, metrics; a user's overridden ``train_step``
-too) with the step driver's exchange active between backward and apply
-(``exchange.py``). Metrics are kept per replica and summed over the replicas
+too) with the step driver's exchange between backward and apply: on the
+torch backend inside the wrapped ``optimizer.apply`` (``exchange.py``), on
+the JAX backend between the two jitted halves of Keras' stateless step
+(``backend_jax``); what differs per backend is in ``backend_<name>.py``. Metrics are kept per replica and summed over the replicas
 when read (TensorFlow's sync-on-read SUM metric variables); non-trainable
 float weights (BatchNormalization's moving statistics) are kept per replica
 during an epoch and averaged at its end (TensorFlow's sync-on-read MEAN), so
@@ -27,10 +29,10 @@ from daskdist import context
 from daskdist.ops import ReduceOp
 from daskdist.plugins.keras3 import exchange as exchange_module
 from daskdist.plugins.keras3 import update_rule as update_rule_module
+from daskdist.plugins.keras3.backend import framework
 from daskdist.strategy.training_contract import GradientExchange, StepDriver
 
-__all__ = ["KerasTrainable", "SeedStates", "assign_state", "batch_rows", "split_variables", "state_variables",
-           "to_tensors"]
+__all__ = ["KerasTrainable", "SeedStates", "assign_state", "batch_rows", "split_variables", "state_variables"]
 
 _SEED_STRIDE = 1_000_003  # replica r's seed generators start at seed + r * stride
 
@@ -47,20 +49,6 @@ def batch_rows(batch: Any) -> int:
     """Rows of a batch: the first dimension of its first array (0 for an empty share of a global batch)."""
     leaves = [leaf for leaf in optree.tree_leaves(batch) if getattr(leaf, "ndim", 0)]
     return int(leaves[0].shape[0]) if leaves else 0
-
-
-def to_tensors(batch: Any) -> Any:
-    """A batch of numpy arrays as torch tensors (CPU: views, no copy), the structure kept."""
-    import torch
-
-    def convert(leaf: Any) -> Any:
-        if isinstance(leaf, np.ndarray):
-            return torch.from_numpy(np.ascontiguousarray(leaf))
-        return leaf
-
-    if isinstance(batch, list):
-        batch = tuple(batch)
-    return optree.tree_map(convert, batch, none_is_leaf=True)
 
 
 def _variable_arrays(variables: list[Any]) -> list[np.ndarray]:
@@ -83,6 +71,8 @@ class KerasTrainable:
     def __init__(self, model: Any, rank: int = 0):
         self.model = model
         self.rank = rank
+        self._ops = framework()
+        self._steps = self._ops.steps(model)  # the backend's training and evaluation steps
         self._loops: dict[str, Any] = {}  # the open train/test loop's iterator over this replica's shard
         self._trained = 0  # steps of the open training loop (the step timer's numbering)
         self._origin = uuid.uuid4().hex  # names this copy's random states in its snapshots
@@ -94,42 +84,36 @@ class KerasTrainable:
     # -- the training contract ---------------------------------------------------------
 
     def parameters(self) -> list[Any]:
-        return [v.value.detach() for v in self.model.trainable_variables]  # views: no autograd, no copy
+        result: list[Any] = self._steps.parameters()  # torch: views, no autograd, no copy
+        return result
 
     def train_step(self, batch: Any, exchange: GradientExchange) -> None:
-        with exchange_module.active(_optimizer(self.model), exchange, batch_rows(batch)):
-            self.model.train_step(to_tensors(batch))
+        self._steps.train_step(batch, exchange, batch_rows(batch))
 
     def join_step(self, exchange: GradientExchange) -> None:
-        import torch
-
         variables = list(self.model.trainable_variables)
         zeros = [np.zeros(tuple(v.shape), dtype=_numpy_dtype(v)) for v in variables]
         reduced = exchange(zeros, 0)
         if reduced is None:  # the driver assigned the new parameters
             exchange_module.count_step(_optimizer(self.model))
             return
-        with torch.no_grad():
-            _optimizer(self.model).apply([torch.from_numpy(g) for g in reduced], variables)
+        self._steps.apply(reduced)
 
     def assign(self, values: Sequence[Any | None]) -> None:
         """Copy ``values`` (numpy, in ``parameters()`` order; ``None``: keep that one) into the trainable weights."""
-        import torch
-
-        with torch.no_grad():
+        with self._ops.no_grad():
             for variable, value in zip(self.model.trainable_variables, values):
                 if value is not None:
                     variable.assign(np.asarray(value))
 
     def held_state(self) -> list[Any]:
         """The non-trainable float weights (moving statistics): held by assignment on parameter servers."""
-        return [v.value.detach() for v in state_variables(self.model)]
+        result: list[Any] = self._ops.views(state_variables(self.model))
+        return result
 
     def assign_held_state(self, values: Sequence[Any | None]) -> None:
         """Copy ``values`` (numpy, in ``held_state()`` order; ``None``: keep that one) into the moving statistics."""
-        import torch
-
-        with torch.no_grad():
+        with self._ops.no_grad():
             for variable, value in zip(state_variables(self.model), values):
                 if value is not None:
                     variable.assign(np.asarray(value))
@@ -242,9 +226,13 @@ class KerasTrainable:
             except StopIteration:
                 break
             if batch_rows(batch):
-                self.model.test_step(to_tensors(batch))
+                self.test_step(batch)
             done += 1
         return done
+
+    def test_step(self, batch: Any) -> None:
+        """Keras' ``test_step`` on a local batch of numpy arrays (the metrics updated; no autograd)."""
+        self._steps.test_step(batch)
 
     def end_train(self) -> dict[str, float]:
         """Close the training loop: moving statistics averaged over the replicas; the epoch's global logs."""

@@ -45,8 +45,12 @@ def _sgd(config: dict[str, Any]) -> Any:
 
 
 def _adam(config: dict[str, Any]) -> Any:
-    return KerasAdam(config["learning_rate"], beta_1=config["beta_1"], beta_2=config["beta_2"],
-                     epsilon=config["epsilon"])
+    import keras
+
+    # KerasAdam repeats the torch backend's operations; the JAX backend's Adam (XLA's own fused arithmetic) is
+    # not repeated bit for bit by either, and the built-in Adam needs no torch
+    cls = KerasAdam if keras.backend.backend() == "torch" else Adam
+    return cls(config["learning_rate"], beta_1=config["beta_1"], beta_2=config["beta_2"], epsilon=config["epsilon"])
 
 
 class KerasAdam(Adam):

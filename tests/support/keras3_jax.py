@@ -1,0 +1,293 @@
+"""Keras 3 on its JAX backend under daskdist, run as a user runs it: ``KERAS_BACKEND=jax python -m ...``.
+
+Keras fixes its backend per process when it is imported, and the pytest
+process runs the other Keras 3 modules on torch: ``tests/test_keras3_jax.py``
+runs this script in a subprocess with ``KERAS_BACKEND=jax`` and reads the
+JSON line it prints last. Each scenario compares daskdist with plain
+Keras-JAX in this process on the same global batches and reports the largest
+differences (the test asserts them), so a failure shows by how much.
+
+    python -m tests.support.keras3_jax spmd --workdir DIR
+    python -m tests.support.keras3_jax held --workdir DIR
+    python -m tests.support.keras3_jax elastic --workdir DIR    (its own ``dask worker`` processes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+from distributed import Client, LocalCluster  # noqa: E402
+
+import daskdist as dd  # noqa: E402
+from tests.keras3_models import (  # noqa: E402
+    assert_replicas_identical,
+    bn_dropout,
+    compile_model,
+    dense_data,
+    mnist_shaped,
+    replica_states,
+    sequential,
+    tutorial_cnn,
+    twin,
+)
+
+TWO = ["/cpu:0", "/cpu:1"]
+GLOBAL_BATCH_SIZE = 16
+
+
+def max_rel(a_list, b_list, atol=1e-6) -> float:
+    """The smallest rtol at which ``np.testing.assert_allclose(a, b, rtol, atol)`` passes for every pair."""
+    worst = 0.0
+    for a, b in zip(a_list, b_list):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        over = np.maximum(np.abs(a - b) - atol, 0.0)
+        if over.size and np.any(over > 0):
+            with np.errstate(divide="ignore", invalid="ignore"):
+                worst = max(worst, float(np.max(np.where(over > 0, over / np.abs(b), 0.0))))
+    return worst
+
+
+def same(a_list, b_list) -> bool:
+    """Whether paired arrays are equal bit for bit."""
+    return all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(a_list, b_list))
+
+
+def _fit_case(strategy, build, x, y, epochs=2):
+    with strategy.scope():
+        model = compile_model(build())
+    plain = twin(model, build)
+    history = model.fit(x, y, batch_size=32, epochs=epochs, shuffle=False, verbose=0)
+    expected = plain.fit(x, y, batch_size=32, epochs=epochs, shuffle=False, verbose=0)
+    assert_replicas_identical(strategy, model)
+    return model, plain, {
+        "weights": max_rel(model.get_weights(), plain.get_weights()),
+        "loss": max_rel(history.history["loss"], expected.history["loss"]),
+        "accuracy": max_rel(history.history["accuracy"], expected.history["accuracy"]),
+        "evaluate": max_rel(model.evaluate(x, y, batch_size=32, verbose=0), plain.evaluate(x, y, batch_size=32,
+                                                                                             verbose=0)),
+        "predict": max_rel([model.predict(x, verbose=0)], [plain.predict(x, verbose=0)], atol=1e-5),
+        "iterations": int(model.optimizer.iterations.numpy()),
+    }
+
+
+def _custom_loop(strategy, x, y):
+    """TF's custom-training tutorial with Keras-JAX: gradients with jax.grad of stateless_call, optimizer.apply."""
+    import jax
+
+    def objects():
+        model = sequential()
+        optimizer = keras.optimizers.SGD(0.1)
+        loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+
+        def train_step(inputs):
+            images, labels = inputs
+            non_trainable = [v.value for v in model.non_trainable_variables]
+
+            def loss_fn(trainable):
+                predictions, _ = model.stateless_call(trainable, non_trainable, images, training=True)
+                return keras.ops.sum(loss_object(labels, predictions)) / GLOBAL_BATCH_SIZE
+
+            loss, gradients = jax.value_and_grad(loss_fn)([v.value for v in model.trainable_variables])
+            optimizer.apply(gradients, model.trainable_variables)  # in a replica: summed over the replicas
+            return float(loss)
+
+        return model, train_step
+
+    with strategy.scope():
+        model, train_step = objects()
+    plain, plain_step = objects()
+    plain.set_weights(model.get_weights())
+    dist = strategy.experimental_distribute_dataset(dd.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH_SIZE))
+    losses, plain_losses = [], []
+    for _ in range(2):
+        for batch in dist:
+            per_replica = strategy.run(train_step, args=(batch,))
+            losses.append(float(strategy.reduce(dd.ReduceOp.SUM, per_replica, axis=None)))
+        for start in range(0, len(x), GLOBAL_BATCH_SIZE):
+            plain_losses.append(plain_step((x[start:start + GLOBAL_BATCH_SIZE], y[start:start + GLOBAL_BATCH_SIZE])))
+    assert_replicas_identical(strategy, model)
+    return {"weights": max_rel(model.get_weights(), plain.get_weights()), "loss": max_rel(losses, plain_losses),
+            "steps": len(losses)}
+
+
+def spmd(client, workdir):
+    """Mirrored (2 replicas) and MultiWorkerMirrored (3: uneven shares) fit, evaluate, predict, save; a custom loop."""
+    out = {}
+    x, y = mnist_shaped()  # 3 global batches of 32, 32, 16
+    with dd.MirroredStrategy(devices=TWO, client=client) as strategy:
+        model, plain, out["cnn"] = _fit_case(strategy, tutorial_cnn, x, y)
+        path = os.path.join(workdir, "model.keras")
+        model.save(path)
+        np.save(os.path.join(workdir, "x.npy"), x)
+        np.save(os.path.join(workdir, "expected.npy"), model.predict(x, verbose=0))  # what the file must predict
+        with strategy.scope():  # load_model in the scope: a model of the strategy that trains on
+            loaded = keras.models.load_model(path)
+        loaded.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+        plain.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+        out["loaded_trains_on"] = max_rel(loaded.get_weights(), plain.get_weights())
+        out["replicas"] = strategy.num_replicas_in_sync
+
+        xs, ys = dense_data(rows=96)
+        keras.utils.set_random_seed(3)
+        with strategy.scope():
+            model = compile_model(bn_dropout())
+        model.fit(xs, ys, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        states = assert_replicas_identical(strategy, model)  # moving statistics averaged: identical copies
+        seeds = [s["rng"].states for s in states]
+        mean = model.layers[1].moving_mean.numpy()
+        out["bn_dropout"] = {"moving_mean_changed": bool(np.all(np.isfinite(mean)) and np.any(mean != 0)),
+                             "replicas_equal": all(same(states[0]["variables"], s["variables"]) for s in states[1:]),
+                             "own_streams": not np.array_equal(seeds[0][0], seeds[1][0])}
+
+        xl, yl = dense_data(rows=40)  # batches of 16, 16, 8: split 8/8, 8/8, 4/4
+        out["custom_loop"] = _custom_loop(strategy, xl, yl)
+    xs, ys = dense_data(rows=80)
+    with dd.MultiWorkerMirroredStrategy(client=client) as strategy:  # 3 replicas: a global batch of 32 splits 11/11/10
+        out["mwms_replicas"] = strategy.num_replicas_in_sync
+        _, _, out["mwms_mlp"] = _fit_case(strategy, sequential, xs, ys)
+    # the saved file, in a process with plain Keras on JAX and no daskdist imported
+    script = ("import sys, numpy as np, keras; assert 'daskdist' not in sys.modules; "
+              f"m = keras.models.load_model({path!r}); x = np.load({os.path.join(workdir, 'x.npy')!r}); "
+              f"e = np.load({os.path.join(workdir, 'expected.npy')!r}); p = m.predict(x, verbose=0); "
+              "print(float(np.max(np.abs(p - e))), keras.backend.backend())")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "KERAS_BACKEND": "jax"})
+    if done.returncode:
+        raise RuntimeError(done.stderr[-2000:])
+    value, backend = done.stdout.split()[-2:]
+    out["plain_load"] = {"predict_abs_diff": float(value), "backend": backend}
+    return out
+
+
+def held(client, workdir):
+    """CentralStorage (the parameters held once, the update rule on the holder) and ParameterServer with SGD."""
+    out = {}
+    x, y = mnist_shaped()
+
+    def sgd():
+        return keras.optimizers.SGD(0.05, momentum=0.9)
+
+    with dd.experimental.CentralStorageStrategy(TWO, client=client) as strategy:
+        with strategy.scope():
+            model = compile_model(tutorial_cnn(), sgd())
+        plain = twin(model, tutorial_cnn, sgd())
+        history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        expected = plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        states = replica_states(strategy, model)
+        out["central_storage"] = {
+            "weights": max_rel(model.get_weights(), plain.get_weights()),
+            "loss": max_rel(history.history["loss"], expected.history["loss"]),
+            "iterations": int(model.optimizer.iterations.numpy()),
+            "replica_iterations": [int(s["optimizer"][0]) for s in states],
+            "replicas_hold_the_stored": all(same(s["variables"], model.get_weights()) for s in states),
+        }
+    xd, yd = dense_data(rows=512, seed=5)
+    x_test, y_test = dense_data(rows=256, seed=6)
+    resolver = dd.cluster_resolver.DaskClusterResolver(client, num_ps=1)  # 1 ps, 2 workers
+    with dd.ParameterServerStrategy(resolver) as strategy:
+        with strategy.scope():
+            model = compile_model(sequential(), keras.optimizers.SGD(0.1, momentum=0.9))
+
+        def dataset_fn(ctx):
+            return (dd.data.Dataset.from_tensor_slices((xd, yd)).shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+                    .shuffle(512, seed=ctx.input_pipeline_id).batch(32).repeat())
+
+        history = model.fit(dd.experimental.DatasetCreator(dataset_fn), epochs=4, steps_per_epoch=20, verbose=0)
+        _, accuracy = model.evaluate(x_test, y_test, batch_size=64, verbose=0)
+        from daskdist.plugins.keras3 import registry
+
+        stored = registry.lookup(model).driver.stored_state(client, len(model.trainable_variables))
+        out["parameter_server"] = {
+            "losses": history.history["loss"], "accuracy": float(accuracy),
+            "stored_iterations": int(stored["rule_state"]["iterations"]),
+            "client_holds_the_stored": same(stored["params"], model.get_weights()),
+        }
+    return out
+
+
+def elastic(_client, workdir):
+    """kill -9 of a ``dask worker`` (and its nanny) at step 5 of 10 of an elastic fit over 3 worker processes.
+
+    The test harness's own worker set (``tests.support.processes.ProcessWorkers``: the workers inherit
+    ``KERAS_BACKEND=jax``) and kill (``tests.support.killers.kill_at_step``), as in test_keras3_elastic.
+    """
+    from daskdist.plugins.keras3.backend import prepare_replica
+    from tests.support.killers import kill_at_step
+    from tests.support.models import slow_batch
+    from tests.support.processes import ProcessWorkers
+
+    workers = ProcessWorkers(3)
+    try:
+        # Keras and JAX imported on the workers before the elastic group starts (an import holding a loaded
+        # worker's GIL for seconds would miss the group's heartbeats)
+        backends = workers.client.run(lambda: prepare_replica("jax").backend.backend())
+        x, y = dense_data(rows=240)
+        train = dd.data.Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)  # 10 steps per epoch
+        options = dd.ElasticOptions(min_replicas=2, commit_every=2)
+
+        def adam():
+            return keras.optimizers.Adam(1e-2)
+
+        with dd.MirroredStrategy(client=workers.client, elastic=options) as strategy:
+            replicas_before = strategy.num_replicas_in_sync
+            with strategy.scope():
+                model = compile_model(sequential(), adam())
+            plain = twin(model, sequential, adam())
+            model.evaluate(x[:24], y[:24], verbose=0)  # the model on the replicas before the kill watcher starts
+            plain.evaluate(x[:24], y[:24], verbose=0)
+            victim = strategy.extended.worker_addresses[1]
+            thread, record = kill_at_step(workers, victim, step=5)
+            history = model.fit(train, epochs=2, verbose=0)
+            thread.join(5)
+            expected = plain.fit(x, y, batch_size=24, epochs=2, shuffle=False, verbose=0)
+            assert_replicas_identical(strategy, model)
+            events = history.elastic.events
+            ledger = history.elastic.ledger
+            return {
+                "worker_backends": sorted(set(backends.values())),
+                "killed": "killed" in record,
+                "replicas": [replicas_before, strategy.num_replicas_in_sync],
+                "victim_gone": victim not in strategy.extended.worker_addresses,
+                "events": [{"lost": e.lost == [victim], "members": len(e.members), "commit": list(e.commit)}
+                           for e in events],
+                "steps": [ledger.steps(e) for e in (0, 1)],
+                "rows": [sorted(ledger.positions(e).tolist()) == list(range(240)) for e in (0, 1)],
+                "weights": max_rel(model.get_weights(), plain.get_weights()),
+                "loss": max_rel(history.history["loss"], expected.history["loss"]),
+                "accuracy": max_rel(history.history["accuracy"], expected.history["accuracy"]),
+                "iterations": int(model.optimizer.iterations.numpy()),
+            }
+    finally:
+        workers.close()
+
+
+SCENARIOS = {"spmd": spmd, "held": held, "elastic": elastic}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenario", choices=sorted(SCENARIOS))
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--workers", type=int, default=3)
+    args = parser.parse_args(argv)
+    if args.scenario == "elastic":  # its own worker processes
+        result = elastic(None, args.workdir)
+    else:
+        with LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=False, dashboard_address=":0",
+                          silence_logs=logging.ERROR) as cluster, Client(cluster, set_as_default=False) as client:
+            result = SCENARIOS[args.scenario](client, args.workdir)
+    result["backend"] = keras.backend.backend()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
