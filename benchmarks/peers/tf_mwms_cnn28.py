@@ -19,10 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ["TF_USE_LEGACY_KERAS"] = "1"  # tf.keras is tf-keras (Keras 2)
+
+from tf_mwms_training import epoch_timer, tutorial_cnn  # noqa: E402  (this folder is on sys.path when run)
 
 RESULT_MARKER = "@@tf-mwms-result "
 
@@ -49,25 +50,9 @@ def main() -> None:
     data_options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.global_batch).with_options(data_options)
     with strategy.scope():
-        model = keras.Sequential([
-            keras.layers.Conv2D(32, 3, activation="relu", input_shape=(28, 28, 1)),
-            keras.layers.MaxPooling2D(),
-            keras.layers.Flatten(),
-            keras.layers.Dense(64, activation="relu"),
-            keras.layers.Dense(10),
-        ])
-        model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      optimizer=keras.optimizers.Adam(), metrics=["accuracy"])
+        model = tutorial_cnn(keras, (28, 28, 1))
     seconds: list[float] = []
-
-    class EpochTimes(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            self.start = time.perf_counter()
-
-        def on_epoch_end(self, epoch, logs=None):
-            seconds.append(time.perf_counter() - self.start)
-
-    model.fit(dataset, epochs=args.epochs, verbose=0, callbacks=[EpochTimes()])
+    model.fit(dataset, epochs=args.epochs, verbose=0, callbacks=[epoch_timer(keras, seconds)])
     print(RESULT_MARKER + json.dumps({"epoch_seconds": seconds}), flush=True)
 
 

@@ -25,6 +25,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ["TF_USE_LEGACY_KERAS"] = "1"  # tf.keras is tf-keras (Keras 2)
@@ -33,6 +34,33 @@ REPO = Path(__file__).resolve().parents[2]
 RESULT_MARKER = "@@allreduce-result "
 
 __all__ = ["main"]
+
+
+def tutorial_cnn(keras: Any, input_shape: tuple[int, ...]) -> Any:
+    """The tutorial's CNN in tf-keras, compiled as ``examples/mnist_mirrored.py`` compiles it (call in a scope)."""
+    model = keras.Sequential([
+        keras.layers.Conv2D(32, 3, activation="relu", input_shape=input_shape),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Flatten(),
+        keras.layers.Dense(64, activation="relu"),
+        keras.layers.Dense(10),
+    ])
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.Adam(), metrics=["accuracy"])
+    return model
+
+
+def epoch_timer(keras: Any, seconds: list[float]) -> Any:
+    """A tf-keras callback appending each epoch's wall time (``on_epoch_begin`` to ``on_epoch_end``) to ``seconds``."""
+
+    class EpochTimer(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.start = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            seconds.append(time.perf_counter() - self.start)
+
+    return EpochTimer()
 
 
 def main() -> None:
@@ -59,26 +87,9 @@ def main() -> None:
     dataset = (tf.data.Dataset.from_tensor_slices((images, labels)).map(scale).cache()
                .shuffle(10_000, seed=0).batch(args.global_batch).with_options(data_options))
     with strategy.scope():
-        model = keras.Sequential([
-            keras.layers.Conv2D(32, 3, activation="relu", input_shape=images.shape[1:]),
-            keras.layers.MaxPooling2D(),
-            keras.layers.Flatten(),
-            keras.layers.Dense(64, activation="relu"),
-            keras.layers.Dense(10),
-        ])
-        model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      optimizer=keras.optimizers.Adam(), metrics=["accuracy"])
-
+        model = tutorial_cnn(keras, images.shape[1:])
     seconds: list[float] = []
-
-    class EpochTimer(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            self.start = time.perf_counter()
-
-        def on_epoch_end(self, epoch, logs=None):
-            seconds.append(time.perf_counter() - self.start)
-
-    history = model.fit(dataset, epochs=args.epochs, verbose=0, callbacks=[EpochTimer()])
+    history = model.fit(dataset, epochs=args.epochs, verbose=0, callbacks=[epoch_timer(keras, seconds)])
     from threadpoolctl import threadpool_info
 
     blas = ", ".join(f"{i['internal_api']} {i.get('architecture', '?')} x{i['num_threads']}"
