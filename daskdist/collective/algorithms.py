@@ -8,7 +8,8 @@ the ring) and then copied.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from daskdist import fault_points
 from daskdist.arrays import namespace

@@ -352,7 +352,7 @@ class NcclEngine:
 
             self._run(call, device, launch)
             results = []
-            for send, out, even, start, length, rest, _, _ in plan:
+            for _send, out, even, start, length, rest, _, _ in plan:
                 row = math.prod(rest)
                 mine = out if even else out[start * row:(start + length) * row].copy()
                 finalize(op, mine, size)

@@ -10,8 +10,9 @@ caller's data; results are views into the reduced packs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import optree

@@ -6,7 +6,8 @@ variable references resolve to the replica's copies) and calls it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from daskdist import context
 from daskdist.group.service import VARIABLE

@@ -5,8 +5,9 @@ from __future__ import annotations
 import contextlib
 import html
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from daskdist import context, registry
 from daskdist.exceptions import StrategyClosedError

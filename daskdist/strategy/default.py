@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from daskdist.ops import CommunicationOptions, ReduceOp
 from daskdist.values import gather_values, local_results, reduce_values

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from typing import Any, Callable, ClassVar
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
 
 from daskdist.arrays import namespace
 from daskdist.collective.mailbox import Mailbox, Tag
