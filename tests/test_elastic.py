@@ -119,11 +119,7 @@ def test_a_worker_lost_while_fit_installs_the_model_is_recovered_and_fit_trains_
     x, y = models.data(240)
     train = Dataset.from_tensor_slices((x, y)).batch(24)  # 10 steps per epoch
     weights = models.model().get_weights()
-    with dd.MirroredStrategy(client=workers.client) as strategy:  # the uninterrupted run
-        with strategy.scope():
-            model = models.model(weights)
-        model.fit(train, epochs=2, verbose=0)
-        expected = model.get_weights()
+    expected = models.uninterrupted_weights(workers.client, weights, train, epochs=2)
 
     changes = []
     options = dd.ElasticOptions(min_replicas=2, on_membership_change=lambda old, new: changes.append((old, new)))
@@ -215,11 +211,7 @@ def test_a_new_worker_is_admitted_when_the_group_is_below_min_replicas_and_gets_
     # the uninterrupted run on the same global batches: elastic epochs split them as TF does ("global"), the
     # split of in-memory rows (Dask data alone defaults to "balanced", which keeps rows where they live)
     in_memory = Dataset.from_tensor_slices((x, y)).batch(24)
-    with dd.MirroredStrategy(client=workers.client) as strategy:
-        with strategy.scope():
-            model = models.model(weights)
-        model.fit(in_memory, epochs=1, verbose=0)
-        expected = model.get_weights()
+    expected = models.uninterrupted_weights(workers.client, weights, in_memory, epochs=1)
 
     # the kill -9 closes the victim's connections at once; a long heartbeat timeout keeps a loaded machine's late
     # scheduler heartbeat from declaring another worker lost during the install (this test is not about stalls)
@@ -442,11 +434,7 @@ def test_a_retired_member_leaves_at_a_commit_with_no_rollback_and_the_strategy_t
     plain = Dataset.from_tensor_slices((x, y)).batch(24)
     train = plain.map(slow_batch)  # slowed until the member has left
     weights = models.model().get_weights()
-    with dd.MirroredStrategy(client=workers.client) as strategy:  # the uninterrupted run
-        with strategy.scope():
-            model = models.model(weights)
-        model.fit(plain, epochs=1, verbose=0)
-        expected = model.get_weights()
+    expected = models.uninterrupted_weights(workers.client, weights, plain, epochs=1)
     strategy = dd.MirroredStrategy(client=workers.client, elastic=dd.ElasticOptions(min_replicas=2))
     with strategy.scope():
         model = models.model(weights)

@@ -55,3 +55,15 @@ def resolver_view(service):
     """(task type, task id) and the selected workers of a replica's cluster resolver (``group.call``)."""
     resolver = service.strategy_view.cluster_resolver
     return (resolver.task_type, resolver.task_id), list(resolver.selector)
+
+
+def uninterrupted_weights(client, weights, dataset, epochs: int) -> list:
+    """The reference of a kill test: ``model(weights)`` fit ``epochs`` on ``dataset`` under a plain (not elastic)
+    ``MirroredStrategy`` over every worker of ``client``; its weights after."""
+    import daskdist as dd
+
+    with dd.MirroredStrategy(client=client) as strategy:
+        with strategy.scope():
+            reference = model(weights)
+        reference.fit(dataset, epochs=epochs, verbose=0)
+        return reference.get_weights()
