@@ -252,16 +252,22 @@ class SocketTransport(Transport):
     def _read_loop(self, conn: socket.socket, tail: bytes) -> None:
         """Deliver frames of one greeted connection to the mailbox (on the acceptor's connection thread).
 
-        Waits for the connection to become readable without its read lock,
-        then reads every whole frame there is under the lock; a replica
-        waiting for this peer may have read them itself meanwhile.
+        The only reader (``receive-on-caller`` off): blocks in ``recv``, no
+        ``poll`` or lock per frame. Otherwise it waits for the connection to
+        become readable without its read lock, then reads every whole frame
+        there is under the lock; a replica waiting for this peer may have
+        read them itself meanwhile.
         """
         peer: int = _RANK.unpack(tail)[0]
         inbound = _Inbound(conn, peer)
-        self._inbound[peer] = inbound
-        waiting = select.poll()
-        waiting.register(conn, select.POLLIN)
         try:
+            if not self.receive_on_caller:
+                while not self._closed:
+                    self.mailbox.put(*inbound.read_frame())
+                return
+            self._inbound[peer] = inbound
+            waiting = select.poll()
+            waiting.register(conn, select.POLLIN)
             while not self._closed and not inbound.done:
                 if not inbound.buffered():
                     waiting.poll()
