@@ -75,6 +75,7 @@ import numpy as np
 from _common import alternating_rounds, format_table, local_cluster, percentile_ms, print_header
 
 import daskdist as dd
+from daskdist.cluster.identity import scheduler_workers
 
 TF_PEER = Path(__file__).resolve().parent / "peers" / "tf_parameter_server.py"
 TF_MARKER = "@@ps-result "
@@ -87,7 +88,7 @@ class Roles:
         self.client, self.num_ps = client, num_ps
 
     def cluster_spec(self) -> dict:
-        info = self.client.scheduler_info(n_workers=-1)["workers"]
+        info = scheduler_workers(self.client)  # asked now (the client's cached copy can read empty)
         ordered = sorted(info, key=lambda a: info[a]["name"])
         return {"ps": ordered[:self.num_ps], "worker": ordered[self.num_ps:]}
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from daskdist.cluster.identity import scheduler_workers
 from daskdist.data.sources import DaskSource, Partition
 from daskdist.data.split import GlobalBatchRows, SelectedRows
 from daskdist.exceptions import ReplicaLostError
@@ -161,7 +162,7 @@ def _wait_while_alive(client: Client, futures: list[Future], workers: set[str], 
                 future.exception(timeout=poll)
                 break
             except TimeoutError:
-                alive = set(client.scheduler_info(n_workers=-1)["workers"])
+                alive = set(scheduler_workers(client))
                 gone = sorted(workers - alive)
                 if gone:
                     raise ReplicaLostError(
