@@ -142,16 +142,14 @@ def commit_cost(epochs: int, steps: int, profile: bool = False) -> None:
                 start = time.perf_counter()
                 models[name].fit(train, epochs=1, verbose=0)
                 times[name].append((time.perf_counter() - start) / steps)
-        for strategy in strategies.values():
-            strategy.close()
+        plain = statistics.median(times["plain"])
+        rows = [[name, f"{statistics.median(t) * 1e3:.2f}", f"{statistics.median(t) / plain:.3f}",
+                 f"{min(t) * 1e3:.2f}-{max(t) * 1e3:.2f}"] for name, t in times.items()]
+        print(format_table(["strategy", "ms per step (median)", "ratio to plain", "range (ms)"], rows), flush=True)
         if profile:
             parts = commit_profile(client, models, train, steps)
         for strategy in strategies.values():
             strategy.close()
-    plain = statistics.median(times["plain"])
-    rows = [[name, f"{statistics.median(t) * 1e3:.2f}", f"{statistics.median(t) / plain:.3f}",
-             f"{min(t) * 1e3:.2f}-{max(t) * 1e3:.2f}"] for name, t in times.items()]
-    print(format_table(["strategy", "ms per step (median)", "ratio to plain", "range (ms)"], rows))
     if profile:
         print("\nWhere a step's time goes on the replicas (one more epoch each, mean ms per step over the replicas; "
               "Keras 3's resident timed by wrappers installed on the workers):\n")

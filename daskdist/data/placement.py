@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from daskdist.cluster.identity import scheduler_workers
 from daskdist.data.sources import DaskSource, Partition
 from daskdist.data.split import GlobalBatchRows, SelectedRows
 from daskdist.exceptions import ReplicaLostError
@@ -162,7 +161,9 @@ def _wait_while_alive(client: Client, futures: list[Future], workers: set[str], 
                 future.exception(timeout=poll)
                 break
             except TimeoutError:
-                alive = set(scheduler_workers(client))
+                # the identity call's own reply, not client.scheduler_info()'s cache (which the client's refresh
+                # empties: daskdist.cluster.identity, which data may not import)
+                alive = set(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
                 gone = sorted(workers - alive)
                 if gone:
                     raise ReplicaLostError(
