@@ -138,6 +138,7 @@ def commit_cost(epochs: int, steps: int, profile: bool = False) -> None:
             models[name].fit(train, epochs=1, verbose=0)  # warm-up
         order = list(kinds)
         for epoch in range(epochs):
+            print(f"round {epoch + 1}: load before {os.getloadavg()[0]:.2f}", flush=True)
             for name in (order if epoch % 2 == 0 else order[::-1]):
                 start = time.perf_counter()
                 models[name].fit(train, epochs=1, verbose=0)
@@ -405,6 +406,7 @@ def recovery(trials: int, steps: int, how: int = signal.SIGKILL) -> None:
     dask = os.path.join(os.path.dirname(sys.executable), "dask")
     results = []
     for _ in range(trials):
+        print(f"trial: load before {os.getloadavg()[0]:.2f}", flush=True)
         cluster = LocalCluster(n_workers=0, processes=True, dashboard_address=":0", silence_logs=40)
         client = Client(cluster, set_as_default=False)
         nannies = [subprocess.Popen([dask, "worker", cluster.scheduler_address, "--nthreads", "1",
@@ -441,6 +443,35 @@ def recovery(trials: int, steps: int, how: int = signal.SIGKILL) -> None:
     print("(the first step is seen through replica 0's progress events, sent at most every 0.25 s)")
 
 
+def snapshot_cost(steps: int) -> None:
+    """In this process, no cluster: Keras 3's training step on one replica's batch against the snapshot a commit
+    takes of it (``KerasTrainable.snapshot``: weights, optimizer slots, seeds, metric totals, copied), alternated."""
+    import torch
+
+    from daskdist.plugins.keras3.resident import KerasTrainable
+
+    torch.set_num_threads(1)  # one replica's share of the 2 cores
+    model = build_model()
+    rng = np.random.default_rng(0)
+    x = torch.from_numpy(rng.random((BATCH // 2, 28, 28, 1), dtype=np.float32))
+    y = torch.from_numpy(rng.integers(0, 10, BATCH // 2).astype(np.int64))
+    model.train_step((x, y))  # the optimizer's slots built
+    resident = KerasTrainable(model)
+    step_s, snap_s = [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        model.train_step((x, y))
+        step_s.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        state = resident.snapshot()
+        snap_s.append(time.perf_counter() - start)
+    nbytes = sum(a.nbytes for a in state["variables"] + state["optimizer"])
+    step, snap = statistics.median(step_s), statistics.median(snap_s)
+    print(f"load before: {os.getloadavg()[0]:.2f}; torch threads 1; {steps} alternations")
+    print(format_table(["Keras train_step (32 rows) ms", "snapshot ms", "snapshot / step", "bytes copied"],
+                       [[f"{step * 1e3:.2f}", f"{snap * 1e3:.2f}", f"{snap / step:.3f}", f"{nbytes:,}"]]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--epochs", type=int, default=6, help="measured epochs per strategy (commit cost)")
@@ -451,7 +482,8 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=3, help="kills (recovery) and stops (stop), one cluster each")
     parser.add_argument("--parts", default="commit,goodput,stop",
                         help="which parts, comma-separated: commit, goodput (a kill -9 per epoch, with kill -> "
-                             "first step per kill), recovery (kill -9, one per cluster), stop (SIGSTOP)")
+                             "first step per kill), recovery (kill -9, one per cluster), stop (SIGSTOP), snapshot "
+                             "(--model keras3: a commit's snapshot against Keras' step, in this process)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 2 epochs, 16 steps, 3 goodput epochs, 1 trial")
     parser.add_argument("--model", choices=["builtin", "keras3"], default="builtin",
@@ -463,7 +495,7 @@ def main() -> None:
     MODEL["name"] = args.model
     if args.model == "keras3":
         if "goodput" in parts:
-            parser.error("--model keras3 measures commit, recovery and stop (goodput needs growth at commits)")
+            parser.error("--model keras3 measures commit, recovery, stop and snapshot (goodput needs growth at commits)")
         os.environ["KERAS_BACKEND"] = "torch"  # before Keras is imported, here and in the workers started
     print_header("Elastic training")
     if args.model == "keras3":
@@ -478,6 +510,9 @@ def main() -> None:
     if "goodput" in parts:
         print(f"\n## Goodput of {args.goodput_epochs} epochs of {args.steps} steps, a kill -9 per epoch\n")
         goodput(args.goodput_epochs, args.steps, args.min_replicas)
+    if "snapshot" in parts:
+        print("\n## A commit's snapshot against Keras' own step, in one process (--model keras3)\n")
+        snapshot_cost(args.steps * 2)
     if "recovery" in parts:
         print("\n## Recovery after kill -9 of a worker and its nanny\n")
         recovery(args.trials, args.steps)
