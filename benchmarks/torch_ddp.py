@@ -164,7 +164,17 @@ def _train(arm: str, name: str, steps: int, warmup: int) -> dict[str, Any]:
                 times.append(time.perf_counter() - start)
             loss = float(out.detach())
         final = dd.get_replica_context().all_reduce("SUM", np.array([loss]))
-        return {"times": times, "loss": float(final[0]) / world}
+        compute = []  # the same steps without communication (DDP's no_sync): what the step costs with a free network
+        for x, y in batches[warmup:]:
+            xs, ys = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
+            start = time.perf_counter()
+            optimizer.zero_grad()
+            with model.no_sync():
+                out = torch.nn.functional.cross_entropy(model(xs), ys)
+                out.backward()
+            optimizer.step()
+            compute.append(time.perf_counter() - start)
+        return {"times": times, "compute": compute, "loss": float(final[0]) / world}
     finally:
         model = optimizer = out = None  # DDP's reducer (and its hold on the group) goes first
         if arm == "gloo":
@@ -287,6 +297,7 @@ def ddp_figures(strategy: Any, rounds: int, cnn_steps: int, mlp_steps: int, boun
     """
     rows, losses = [], {}
     results: dict[tuple[str, str], list[float]] = {}
+    computes: dict[tuple[str, str], list[float]] = {}
     loads: dict[tuple[str, str], list[float]] = {}
     for r in range(rounds):
         for name, steps in (("cnn", cnn_steps), ("mlp", mlp_steps)):
@@ -298,19 +309,26 @@ def ddp_figures(strategy: Any, rounds: int, cnn_steps: int, mlp_steps: int, boun
                               bound, port)
                 step = max(statistics.median(o["times"]) for o in out)  # the slowest replica's median
                 results.setdefault((name, arm), []).append(step)
+                computes.setdefault((name, arm), []).append(max(statistics.median(o["compute"]) for o in out))
                 losses[(name, arm)] = out[0]["loss"]
     for name in ("cnn", "mlp"):
         gloo, ours = results[(name, "gloo")], results[(name, "daskdist")]
         ratios = [g / d for g, d in zip(gloo, ours)]
-        rows.append([where, name, ", ".join(f"{1e3 * t:.1f}" for t in gloo), ", ".join(f"{1e3 * t:.1f}" for t in ours),
+        rows.append([where, name, _ms(gloo), _ms(ours), _ms(computes[(name, "gloo")]),
+                     _ms(computes[(name, "daskdist")]),
                      f"{GLOBAL_BATCH / statistics.median(gloo):.0f}", f"{GLOBAL_BATCH / statistics.median(ours):.0f}",
                      ", ".join(f"{x:.2f}" for x in ratios),
                      f"{losses[(name, 'gloo')]:.6f} / {losses[(name, 'daskdist')]:.6f}",
                      _loads(loads[(name, "gloo")]), _loads(loads[(name, "daskdist")])])
-    print(format_table(["where", "model", "gloo step ms (rounds)", "daskdist step ms (rounds)", "gloo samples/s",
+    print(format_table(["where", "model", "gloo step ms (rounds)", "daskdist step ms (rounds)",
+                        "no_sync step ms gloo arm", "no_sync step ms daskdist arm", "gloo samples/s",
                         "daskdist samples/s", "daskdist/gloo", "final loss gloo / daskdist", "load gloo (rounds)",
                         "load daskdist (rounds)"], rows))
     print()
+
+
+def _ms(seconds: list[float]) -> str:
+    return ", ".join(f"{1e3 * t:.1f}" for t in seconds)
 
 
 def overhead_figures(strategy: Any, rounds: int, bound: float) -> None:
