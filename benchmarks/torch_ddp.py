@@ -7,7 +7,11 @@ differ only in the process group: gloo (rendezvoused through daskdist's store,
 so no port either) or ``daskdist``. Rounds alternate the arms. Models: the
 tutorial CNN on 28x28 input (about 1.4 MB of gradients) and a gradient-heavy
 MLP (3 Linear 2048x2048, about 50 MB). The final loss of each arm is printed
-as a parity check.
+as a parity check. Per arm: the step time (wall), the CPU time of the replica's
+process per step (every thread: the backend's and gloo's too) and, after the
+timed steps, the same steps under DDP's ``no_sync`` (no communication: what a
+step costs on a free network). Step minus no_sync step is the communication
+that the step did not hide.
 
 Then ``dist.all_reduce`` through the backend against ``ReplicaContext.all_reduce``
 on the same replicas, 4 KiB and 64 MiB: the torch layer's cost per call.
@@ -152,16 +156,17 @@ def _train(arm: str, name: str, steps: int, warmup: int) -> dict[str, Any]:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         local = GLOBAL_BATCH // world
         batches = [_batch(name, s) for s in range(steps + warmup)]
-        times, loss = [], 0.0
+        times, cpu, loss = [], [], 0.0
         for s, (x, y) in enumerate(batches):
             xs, ys = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             optimizer.zero_grad()
             out = torch.nn.functional.cross_entropy(model(xs), ys)
             out.backward()
             optimizer.step()
             if s >= warmup:
                 times.append(time.perf_counter() - start)
+                cpu.append(time.process_time() - start_cpu)  # every thread of the process: the backend's too
             loss = float(out.detach())
         final = dd.get_replica_context().all_reduce("SUM", np.array([loss]))
         compute = []  # the same steps without communication (DDP's no_sync): what the step costs with a free network
@@ -174,7 +179,7 @@ def _train(arm: str, name: str, steps: int, warmup: int) -> dict[str, Any]:
                 out.backward()
             optimizer.step()
             compute.append(time.perf_counter() - start)
-        return {"times": times, "compute": compute, "loss": float(final[0]) / world}
+        return {"times": times, "cpu": cpu, "compute": compute, "loss": float(final[0]) / world}
     finally:
         model = optimizer = out = None  # DDP's reducer (and its hold on the group) goes first
         if arm == "gloo":
@@ -298,6 +303,7 @@ def ddp_figures(strategy: Any, rounds: int, cnn_steps: int, mlp_steps: int, boun
     rows, losses = [], {}
     results: dict[tuple[str, str], list[float]] = {}
     computes: dict[tuple[str, str], list[float]] = {}
+    cpus: dict[tuple[str, str], list[float]] = {}
     loads: dict[tuple[str, str], list[float]] = {}
     for r in range(rounds):
         for name, steps in (("cnn", cnn_steps), ("mlp", mlp_steps)):
@@ -310,18 +316,20 @@ def ddp_figures(strategy: Any, rounds: int, cnn_steps: int, mlp_steps: int, boun
                 step = max(statistics.median(o["times"]) for o in out)  # the slowest replica's median
                 results.setdefault((name, arm), []).append(step)
                 computes.setdefault((name, arm), []).append(max(statistics.median(o["compute"]) for o in out))
+                cpus.setdefault((name, arm), []).append(max(statistics.median(o["cpu"]) for o in out))
                 losses[(name, arm)] = out[0]["loss"]
     for name in ("cnn", "mlp"):
         gloo, ours = results[(name, "gloo")], results[(name, "daskdist")]
         ratios = [g / d for g, d in zip(gloo, ours)]
         rows.append([where, name, _ms(gloo), _ms(ours), _ms(computes[(name, "gloo")]),
-                     _ms(computes[(name, "daskdist")]),
+                     _ms(computes[(name, "daskdist")]), _ms(cpus[(name, "gloo")]), _ms(cpus[(name, "daskdist")]),
                      f"{GLOBAL_BATCH / statistics.median(gloo):.0f}", f"{GLOBAL_BATCH / statistics.median(ours):.0f}",
                      ", ".join(f"{x:.2f}" for x in ratios),
                      f"{losses[(name, 'gloo')]:.6f} / {losses[(name, 'daskdist')]:.6f}",
                      _loads(loads[(name, "gloo")]), _loads(loads[(name, "daskdist")])])
     print(format_table(["where", "model", "gloo step ms (rounds)", "daskdist step ms (rounds)",
-                        "no_sync step ms gloo arm", "no_sync step ms daskdist arm", "gloo samples/s",
+                        "no_sync step ms gloo arm", "no_sync step ms daskdist arm", "CPU ms/step gloo",
+                        "CPU ms/step daskdist", "gloo samples/s",
                         "daskdist samples/s", "daskdist/gloo", "final loss gloo / daskdist", "load gloo (rounds)",
                         "load daskdist (rounds)"], rows))
     print()
