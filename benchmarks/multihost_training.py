@@ -49,6 +49,14 @@ def _log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')} load {os.getloadavg()[0]:.2f}] {message}", file=sys.stderr, flush=True)
 
 
+def _worker_blas() -> str:
+    """``blas_in_use`` on a worker (whose path has the repository, not ``benchmarks/``: ``_common`` is not importable
+    there, so this script's function travels by value)."""
+    from benchmarks._common import blas_in_use as on_worker
+
+    return on_worker()
+
+
 def _daskdist(client, epochs: int, batch_per_replica: int) -> tuple[list[float], int, int, list[float]]:
     """daskdist's MWMS ``fit`` of the tutorial; (epoch seconds, training samples, replicas, epoch losses)."""
     import dask.array as da
@@ -109,7 +117,7 @@ def main() -> None:
     results: dict[str, tuple[list[float], int, str, list[float]] | str] = {}
     loads = []
     with namespace_cluster(2, per_host, rate=args.rate) as (hosts, client):
-        blas = set(client.run(blas_in_use).values())
+        blas = set(client.run(_worker_blas).values())
         for system in args.systems:
             loads.append(os.getloadavg()[0])
             start = time.monotonic()
