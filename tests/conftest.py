@@ -47,9 +47,11 @@ class _SharedCluster:
         self.client: Client | None = None
 
     def healthy(self) -> Client:
+        from daskdist.cluster.identity import scheduler_workers
+
         if self.client is not None:
             try:
-                workers = self.client.scheduler_info(n_workers=-1)["workers"].values()
+                workers = scheduler_workers(self.client).values()
                 if len(workers) == self.n_workers and all(w.get("status") == "running" for w in workers):
                     return self.client
             except OSError:
@@ -147,11 +149,12 @@ class _NetnsHostsOfModule:
     def healthy(self):
         import signal
 
+        from daskdist.cluster.identity import scheduler_workers
         from tests.netns import start_hosts, unavailable_reason
 
         if self.client is not None:
             try:
-                if len(self.client.scheduler_info()["workers"]) == 4:
+                if len(scheduler_workers(self.client)) == 4:
                     return self.hosts, self.client
             except OSError:
                 pass

@@ -36,6 +36,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from daskdist.cluster.identity import scheduler_workers
+
 __all__ = ["NetnsHost", "NetnsHosts", "remove_stale", "start_hosts", "unavailable_reason"]
 
 STATE_DIR = Path(tempfile.gettempdir()) / "daskdist-netns"
@@ -348,7 +350,7 @@ def can_connect(address: str) -> bool:
 
 def wait_until_hosts_reach_each_other(client, hosts: NetnsHosts, timeout: float = 20) -> None:
     """Block until a worker of each host connects to every worker of the others (after a link came back up)."""
-    workers = list(client.scheduler_info()["workers"])
+    workers = list(scheduler_workers(client))
     deadline = time.monotonic() + timeout
     for src in hosts.hosts:
         mine = [w for w in workers if f"//{src.address}:" in w]

@@ -7,6 +7,7 @@ import pytest
 
 import daskdist as dd
 from daskdist import keras
+from daskdist.cluster.identity import scheduler_workers
 from daskdist.ps.store import STORE_EXTENSION
 
 Dataset = dd.data.Dataset
@@ -137,7 +138,7 @@ def test_parameter_device_must_be_a_cpu_or_a_worker(threaded_client):
 
 def test_parameters_on_another_worker_over_process_workers(make_cluster):
     client = make_cluster(3, processes=True)
-    workers = client.scheduler_info()["workers"]
+    workers = scheduler_workers(client)
     holder = max(workers, key=lambda a: workers[a]["name"])  # replicas go to the first workers by name
     strategy = dd.experimental.CentralStorageStrategy(
         TWO, parameter_device=holder, client=client)

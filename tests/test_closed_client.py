@@ -12,6 +12,7 @@ import pytest
 from distributed import Client, LocalCluster
 
 import daskdist as dd
+from daskdist.cluster.identity import scheduler_workers
 
 TWO = ["/cpu:0", "/cpu:1"]
 
@@ -26,7 +27,7 @@ def cluster():
 @pytest.fixture
 def closed_client(cluster):
     client = Client(cluster, set_as_default=False)
-    workers = sorted(client.scheduler_info()["workers"])
+    workers = sorted(scheduler_workers(client))
     client.close()
     return client, workers
 

@@ -15,6 +15,7 @@ import time
 import pytest
 
 import daskdist as dd
+from daskdist.cluster.identity import scheduler_workers
 from daskdist.cluster_resolver import (
     ClusterResolver,
     ClusterSpec,
@@ -221,11 +222,11 @@ def test_dask_cluster_resolver_reads_the_live_cluster_on_every_call():
         assert resolver.master("worker", 0) == f"inproc://{host}"
         assert resolver.num_accelerators() == {} and resolver.environment == ""
         assert [len(h.workers) for h in resolver.hosts()] == [2]
-        one = DaskClusterResolver(client, workers=[next(iter(client.scheduler_info()["workers"]))])
+        one = DaskClusterResolver(client, workers=[next(iter(scheduler_workers(client)))])
         assert len(one.hosts()[0].workers) == 1
         cluster.scale(0)
         for _ in range(100):
-            if not client.scheduler_info()["workers"]:
+            if not scheduler_workers(client):
                 break
             time.sleep(0.05)
         assert resolver.cluster_spec() == {} and not resolver.cluster_spec()  # live, nothing cached
@@ -269,7 +270,7 @@ def test_dask_cluster_resolver_with_num_ps_lists_ps_and_workers_and_refuses_bad_
 
     with LocalCluster(n_workers=3, threads_per_worker=1, processes=False, dashboard_address=":0",
                       silence_logs=logging.ERROR) as cluster, Client(cluster, set_as_default=False) as client:
-        info = client.scheduler_info()["workers"]
+        info = scheduler_workers(client)
         ordered = sorted(info, key=lambda a: info[a]["name"])
         resolver = DaskClusterResolver(client, num_ps=1)
         spec = resolver.cluster_spec()

@@ -13,6 +13,7 @@ import pytest
 from distributed import futures_of
 
 import daskdist as dd
+from daskdist.cluster.identity import scheduler_workers
 
 Dataset = dd.data.Dataset
 
@@ -51,7 +52,7 @@ def _block(i: int) -> np.ndarray:
 
 
 def test_an_epoch_moves_no_data_when_partitions_are_spread_evenly(process_client):
-    workers = sorted(process_client.scheduler_info()["workers"])
+    workers = sorted(scheduler_workers(process_client))
     for _ in range(3):  # Dask usually computes each partition where its block is; retry the rare time it did not
         blocks = [process_client.submit(_block, i, workers=[workers[i % 2]], pure=False) for i in range(8)]
         rows = da.concatenate([da.from_delayed(b, shape=(250, 4), dtype=float) for b in blocks])
@@ -292,7 +293,7 @@ def test_dataframe_partitions(threaded_client):
 
 def _pinned_blocks(client, layout):
     """A persisted (rows, 2) array whose partition ``i`` has ``layout[i][0]`` rows on worker ``layout[i][1]``."""
-    workers = sorted(client.scheduler_info()["workers"])
+    workers = sorted(scheduler_workers(client))
     starts = np.cumsum([0] + [rows for rows, _ in layout])
     blocks = [client.submit(lambda a, b: np.column_stack([np.arange(a, b), np.zeros(b - a)]), int(starts[i]),
                             int(starts[i + 1]), workers=[workers[w]], pure=False) for i, (_, w) in enumerate(layout)]
@@ -310,7 +311,7 @@ def test_balanced_and_local_splits_of_uneven_partitions(threaded_client):
         assert rows == [[4, 4, 4]] * 20 + [[4, 4, 2]]  # 250 rows: TF's sizes, the undistributed number of steps
         plan = balanced.plan()
         # workers hold 55, 100 and 95 rows; the replicas need 84, 84 and 82: only the short one's rows move
-        short = plan.workers.index(min(threaded_client.scheduler_info()["workers"]))
+        short = plan.workers.index(min(scheduler_workers(threaded_client)))
         moved_rows = sum(p.rows for p in plan.reads if p.moved)
         assert moved_rows == [84, 84, 82][short] - 55
         assert plan.bytes_to_move == moved_rows * 16  # slices of a neighbour's partitions, not whole partitions
@@ -334,7 +335,7 @@ def test_distributions_of_the_same_data_survive_the_memory_manager(make_cluster)
     # the memory manager runs only where the test says, so the copies are there when the plans are made
     with dask.config.set({"distributed.scheduler.active-memory-manager.start": False}):
         client = make_cluster(2, processes=True)
-    workers = sorted(client.scheduler_info()["workers"])
+    workers = sorted(scheduler_workers(client))
     blocks = [client.submit(_block, i, workers=[workers[0]], pure=False) for i in range(8)]
     rows = client.persist(da.concatenate([da.from_delayed(b, shape=(250, 4), dtype=float) for b in blocks]))
     del blocks

@@ -16,6 +16,7 @@ import pytest
 
 import daskdist as dd
 from daskdist import keras
+from daskdist.cluster.identity import scheduler_workers
 from daskdist.keras.models import PROGRESS_TOPIC
 from tests.support import models
 from tests.support.killers import FreeAtStep, killed_at
@@ -317,7 +318,7 @@ def test_a_free_worker_is_admitted_at_the_start_of_fit_and_trains_with_the_same_
         expected = model.get_weights()
     with dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=workers.client,
                              elastic=dd.ElasticOptions(min_replicas=2, max_replicas=3)) as strategy:
-        (free,) = set(workers.client.scheduler_info()["workers"]) - set(strategy.extended.worker_addresses)
+        (free,) = set(scheduler_workers(workers.client)) - set(strategy.extended.worker_addresses)
         with strategy.scope():
             model = models.model(weights)
         changes = []
@@ -451,7 +452,7 @@ def test_a_retired_member_leaves_at_a_commit_with_no_rollback_and_the_strategy_t
             workers.client.run(_close_gracefully, workers=[victim], wait=False)
             retired["answer"] = "asked"
         deadline = time.monotonic() + 60
-        while victim in workers.client.scheduler_info()["workers"] and time.monotonic() < deadline:
+        while victim in scheduler_workers(workers.client) and time.monotonic() < deadline:
             time.sleep(0.05)
         workers.slow_steps(False)  # it has left: the rest of the epoch needs no slowing
 
@@ -475,9 +476,9 @@ def test_a_retired_member_leaves_at_a_commit_with_no_rollback_and_the_strategy_t
     for got, want in zip(model.get_weights(), expected):  # the same arithmetic: the global batch is kept
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     deadline = time.monotonic() + 30
-    while victim in workers.client.scheduler_info()["workers"] and time.monotonic() < deadline:
+    while victim in scheduler_workers(workers.client) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert victim not in workers.client.scheduler_info()["workers"]  # and then Dask's retirement went on
+    assert victim not in scheduler_workers(workers.client)  # and then Dask's retirement went on
     assert any(m.get("action") == "left" and list(m.get("workers", ())) == [victim]
                for _, m in workers.client.get_events("daskdist"))
     start = time.monotonic()
@@ -501,7 +502,7 @@ def test_a_free_worker_is_admitted_mid_epoch_at_a_commit_boundary(process_worker
         expected = model.get_weights()
     options = dd.ElasticOptions(min_replicas=2, max_replicas=3, commit_every=2, admit_every="0.3s")
     with dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=workers.client, elastic=options) as strategy:
-        (free,) = set(workers.client.scheduler_info()["workers"]) - set(strategy.extended.worker_addresses)
+        (free,) = set(scheduler_workers(workers.client)) - set(strategy.extended.worker_addresses)
         with strategy.scope():
             model = models.model(weights)
         arrival = FreeAtStep(workers.client, free, step=1, since=time.time())  # free only once the epoch runs

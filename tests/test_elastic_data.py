@@ -14,6 +14,7 @@ import pytest
 
 import daskdist as dd
 from daskdist import keras
+from daskdist.cluster.identity import scheduler_workers
 from daskdist.data import ops
 from daskdist.data.split import replica_split
 from tests.support import models
@@ -500,7 +501,7 @@ def test_keep_per_replica_grows_the_global_batch_when_a_worker_is_admitted_mid_e
     options = dd.ElasticOptions(min_replicas=2, max_replicas=3, commit_every=2, admit_every="0.3s",
                                 keep="per_replica", on_membership_change=lambda old, new: changes.append((old, new)))
     with dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=workers.client, elastic=options) as strategy:
-        (free,) = set(workers.client.scheduler_info()["workers"]) - set(strategy.extended.worker_addresses)
+        (free,) = set(scheduler_workers(workers.client)) - set(strategy.extended.worker_addresses)
         with strategy.scope():
             model = _small_model()
         arrival = FreeAtStep(workers.client, free, step=1, since=time.time())  # free only once the epoch runs

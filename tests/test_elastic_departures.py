@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import daskdist as dd
+from daskdist.cluster.identity import scheduler_workers
 from daskdist.elastic.quarantine import Quarantine
 from daskdist.elastic.replica import STATE_KINDS, Commit, CommitRing, state_digest
 from daskdist.group.service import ResidentStore
@@ -62,7 +63,7 @@ def test_a_stopped_worker_and_its_nanny_are_declared_lost_within_seconds_and_fit
             print(f"stopped worker declared lost after {detection:.1f} s (silent {stalled[1]['silent']:.1f} s)")
             assert stalled[1]["worker"] == victim
             assert detection < 20  # 6 s deadline + a heartbeat; generous for a loaded machine
-            assert victim not in workers.client.scheduler_info()["workers"]  # fenced out of the cluster
+            assert victim not in scheduler_workers(workers.client)  # fenced out of the cluster
             assert sorted(history.elastic.ledger.positions(0, history.elastic.rows).tolist()) == list(range(240))
             assert strategy.num_replicas_in_sync == 2
     finally:
@@ -79,7 +80,7 @@ def _kill_worker_only(workers, address):
 def _wait_for_name(client, name, old_address, timeout=90):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for address, info in client.scheduler_info(n_workers=-1)["workers"].items():
+        for address, info in scheduler_workers(client).items():
             if info.get("name") == name and address != old_address:
                 return address
         time.sleep(0.2)
@@ -96,7 +97,7 @@ def test_a_failed_worker_restarted_by_its_nanny_is_not_admitted_during_its_coold
         with strategy.scope():
             model = models.model()
         victim = strategy.extended.worker_addresses[1]
-        name = workers.client.scheduler_info()["workers"][victim]["name"]
+        name = scheduler_workers(workers.client)[victim]["name"]
         since = time.time()
         thread = threading.Thread(target=lambda: (wait_for_step(workers.client, 3, since),
                                                   _kill_worker_only(workers, victim)), daemon=True)
@@ -108,7 +109,7 @@ def test_a_failed_worker_restarted_by_its_nanny_is_not_admitted_during_its_coold
         history = model.fit(train, epochs=2, verbose=0)  # free workers are looked for at every epoch and 0.3 s
         assert history.elastic.events == []  # it was not admitted: it failed less than the cooldown ago
         assert strategy.num_replicas_in_sync == 2 and back not in strategy.extended.worker_addresses
-        assert back in workers.client.scheduler_info()["workers"]
+        assert back in scheduler_workers(workers.client)
 
 
 @pytest.mark.slow
@@ -121,7 +122,7 @@ def test_a_worker_that_keeps_failing_is_named_in_the_error_once_max_failures_is_
         with strategy.scope():
             model = models.model()
         victim = strategy.extended.worker_addresses[2]
-        name = workers.client.scheduler_info()["workers"][victim]["name"]
+        name = scheduler_workers(workers.client)[victim]["name"]
         since = time.time()
         record = {}
 
@@ -333,7 +334,7 @@ def test_a_custom_loop_admits_a_worker_started_mid_epoch_at_a_commit_and_every_r
                                                                strategy.num_replicas_in_sync))])
         train(state)
         (event,) = state.events
-        newcomer = [a for a in workers.client.scheduler_info()["workers"] if a not in members_before]
+        newcomer = [a for a in scheduler_workers(workers.client) if a not in members_before]
         assert event.action == "grew" and event.admitted == newcomer and event.lost == [] and event.left == []
         (joined,) = resets
         assert joined[0] == 0 and 3 <= joined[1] < 10 and joined[2] == 3  # at a commit inside epoch 0
@@ -413,7 +414,7 @@ def test_a_member_retired_between_two_fits_leaves_at_once_and_is_no_failure(proc
         start = time.monotonic()
         workers.client.retire_workers(workers=[victim], close_workers=True)  # the group runs nothing meanwhile
         assert time.monotonic() - start < 30  # not the 60 s leave-timeout: the scheduler re-formed the idle group
-        assert victim not in workers.client.scheduler_info()["workers"]
+        assert victim not in scheduler_workers(workers.client)
         assert any(m.get("action") == "left" and list(m.get("workers", ())) == [victim]
                    for _, m in workers.client.get_events("daskdist"))
         history = model.fit(train, epochs=1, verbose=0)  # the group moved on while idle: nothing to restore

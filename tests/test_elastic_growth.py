@@ -14,6 +14,7 @@ import pytest
 
 import daskdist as dd
 from daskdist import keras
+from daskdist.cluster.identity import scheduler_workers
 from tests.support import models
 from tests.support.killers import Killer
 
@@ -31,7 +32,7 @@ def _every_row_once(history, epochs: int) -> None:
 def _wait_for_workers(client, n: int) -> None:
     """Until ``n`` workers run (a worker that just joined is in ``init`` a moment, and is not admitted then)."""
     deadline = time.monotonic() + 120
-    while sum(info.get("status") == "running" for info in client.scheduler_info(n_workers=-1)["workers"].values()) < n:
+    while sum(info.get("status") == "running" for info in scheduler_workers(client).values()) < n:
         assert time.monotonic() < deadline, "the new worker did not join"
         time.sleep(0.1)
 

@@ -19,6 +19,7 @@ import pytest
 
 import daskdist as dd
 from daskdist import fault_points
+from daskdist.cluster.identity import scheduler_workers
 from tests.support import models
 from tests.support.killers import Killer, kill_at_step
 from tests.support.models import slow_batch
@@ -208,7 +209,7 @@ def _weights_digest(service):
 def test_a_strategy_started_below_min_replicas_admits_a_free_worker_before_its_first_step(
         uninterrupted_mwms, threaded_client):
     weights, expected, reference = uninterrupted_mwms
-    (chosen, *free) = sorted(threaded_client.scheduler_info()["workers"])
+    (chosen, *free) = sorted(scheduler_workers(threaded_client))
     resolver = dd.cluster_resolver.DaskClusterResolver(workers=[chosen])
     options = dd.ElasticOptions(min_replicas=2, max_replicas=2, wait_timeout="60s")
     with dd.MultiWorkerMirroredStrategy(resolver, communication_options=models.RING, client=threaded_client,

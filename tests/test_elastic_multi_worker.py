@@ -21,6 +21,7 @@ import pytest
 
 import daskdist as dd
 from daskdist import config, fault_points, keras
+from daskdist.cluster.identity import scheduler_workers
 from tests.support import models
 from tests.support.killers import Killer
 
@@ -267,13 +268,13 @@ def test_an_elastic_custom_loop_under_mwms_survives_a_killed_worker_and_counts_e
 @pytest.mark.slow
 def test_a_free_worker_joins_an_elastic_mwms_at_the_next_epoch_with_a_resolver_of_the_grown_group(process_workers):
     workers = process_workers(3)
-    chosen = sorted(workers.client.scheduler_info()["workers"])[:2]
+    chosen = sorted(scheduler_workers(workers.client))[:2]
     resolver = dd.cluster_resolver.DaskClusterResolver(workers=chosen)
     weights = models.model().get_weights()
     options = dd.ElasticOptions(min_replicas=2, max_replicas=3)
     with dd.MultiWorkerMirroredStrategy(resolver, client=workers.client, elastic=options) as strategy:
         assert list(strategy.extended.worker_addresses) == chosen
-        (free,) = set(workers.client.scheduler_info()["workers"]) - set(chosen)
+        (free,) = set(scheduler_workers(workers.client)) - set(chosen)
         with strategy.scope():
             model = models.model(weights)
         history = model.fit(models.train_set(), epochs=2, verbose=0)
@@ -338,7 +339,7 @@ def _uninterrupted_on(client, weights):
 
 
 def _host_workers(client, host) -> list[str]:
-    return sorted(a for a in client.scheduler_info()["workers"] if f"//{host.address}:" in a)
+    return sorted(a for a in scheduler_workers(client) if f"//{host.address}:" in a)
 
 
 def _check_finished_on_h1(strategy, history, hosts, client, expected, reference):

@@ -10,6 +10,7 @@ import pytest
 from distributed import Client, LocalCluster
 
 import daskdist as dd
+from daskdist.cluster.identity import scheduler_workers
 
 
 def _sum_of_ranks(strategy):
@@ -101,7 +102,7 @@ def test_replica_threads_are_bound_to_their_own_cores_and_released(process_clien
         assert all("," not in p for p in pinned) and len(set(pinned)) == len(pinned), pinned
     # the worker threads that served the replicas go back to the pool unbound
     after = process_client.gather([process_client.submit(_affinity, pure=False, workers=[w])
-                                   for w in process_client.scheduler_info()["workers"] for _ in range(2)])
+                                   for w in scheduler_workers(process_client) for _ in range(2)])
     assert all(a == cores for a in after), after
     with dask.config.set({"daskdist.replica.pin-cores": False}), dd.MirroredStrategy(client=process_client) as strategy:
         assert all(p == cores for p in strategy.experimental_local_results(strategy.run(_affinity)))

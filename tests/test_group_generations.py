@@ -14,6 +14,7 @@ import pytest
 
 import daskdist as dd
 from daskdist import keras, serialization
+from daskdist.cluster.identity import scheduler_workers
 from daskdist.group.membership import Member, Membership
 
 Dataset = dd.data.Dataset
@@ -270,7 +271,7 @@ def test_workers_of_a_group_are_protected_from_downscaling(make_cluster):
     client = make_cluster(3, processes=False)
     with dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=client) as strategy:
         members = set(strategy.extended.worker_addresses)
-        everyone = set(client.scheduler_info()["workers"])
+        everyone = set(scheduler_workers(client))
         (outsider,) = everyone - members
         assert client.run_on_scheduler(_downscaling_candidates) == [outsider]
         # Dask's own downscaling (retire_workers with a count) takes the outsider only, though asked for two
@@ -314,7 +315,7 @@ def test_an_elastic_group_re_forms_on_the_survivors_of_a_killed_worker(make_clus
 def test_a_new_generation_keeps_drops_or_reorders_members_but_cannot_admit_a_newcomer_yet(threaded_client):
     with dask.config.set(ELASTIC), dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=threaded_client) as strategy:
         group = strategy.extended.group
-        (outsider,) = set(threaded_client.scheduler_info()["workers"]) - set(group.addresses)
+        (outsider,) = set(scheduler_workers(threaded_client)) - set(group.addresses)
         answer = _change_membership(threaded_client, group.group_id, [*group.addresses, outsider])
         assert answer["status"] == "error" and "host no replica" in answer["message"]
         answer = _change_membership(threaded_client, group.group_id, [])

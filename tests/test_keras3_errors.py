@@ -14,6 +14,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import daskdist as dd  # noqa: E402
+from daskdist.cluster.identity import scheduler_workers  # noqa: E402
 from daskdist.plugins import keras3  # noqa: E402
 from tests.keras3_models import NoisyRestore, compile_model, dense_data, sequential  # noqa: E402
 
@@ -51,7 +52,7 @@ def test_model_created_outside_the_scope_is_refused_inside_it(threaded_client):
 
 def test_parameter_server_fit_takes_tensorflows_inputs_only(threaded_client):
     x, y = dense_data(rows=32)
-    workers = sorted(threaded_client.scheduler_info()["workers"])
+    workers = sorted(scheduler_workers(threaded_client))
     resolver = dd.cluster_resolver.SimpleClusterResolver(
         dd.cluster_resolver.ClusterSpec({"ps": workers[:1], "worker": workers[1:]}))
     with dd.ParameterServerStrategy(resolver, client=threaded_client) as strategy:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import daskdist as dd
+from daskdist.cluster.identity import scheduler_workers
 
 Dataset = dd.data.Dataset
 
@@ -18,7 +19,7 @@ LAYOUT = [(25, 0), (30, 0), (40, 1), (60, 1), (45, 2), (50, 2)]
 
 
 def _pinned_table(client):
-    workers = sorted(client.scheduler_info()["workers"])
+    workers = sorted(scheduler_workers(client))
     starts = np.cumsum([0] + [rows for rows, _ in LAYOUT])
     blocks = [client.submit(lambda a, b: np.column_stack([np.arange(a, b), np.zeros(b - a)]), int(starts[i]),
                             int(starts[i + 1]), workers=[workers[w]], pure=False) for i, (_, w) in enumerate(LAYOUT)]

@@ -22,6 +22,7 @@ import pytest
 
 import daskdist as dd
 from daskdist import context, distribute
+from daskdist.cluster.identity import scheduler_workers
 from daskdist.cluster_resolver import ClusterSpec, SimpleClusterResolver, TFConfigClusterResolver
 from daskdist.replica import commands
 from daskdist.strategy.multi_worker_mirrored import MultiWorkerMirroredStrategyExperimental
@@ -262,7 +263,7 @@ def test_tf_config_selects_and_orders_hosts_and_names_what_it_cannot_match(netns
         seen = _each_replica(strategy, _identity)
     assert [(s["host"], s["task"][1]) for s in seen] == [("h2", 0), ("h2", 0), ("h1", 1), ("h1", 1)]
     assert [s["chief_writer"] for s in seen] == [True, False, False, False]  # the chief is host h2 now
-    one_of_h2 = next(a for a in client.scheduler_info()["workers"] if h2.address in a)
+    one_of_h2 = next(a for a in scheduler_workers(client) if h2.address in a)
     spec = ClusterSpec({"chief": [one_of_h2], "worker": ["h1"]})  # an exact Dask address: that worker only
     with pytest.warns(UserWarning, match="hosts hold different numbers of replicas"):
         strategy = dd.MultiWorkerMirroredStrategy(SimpleClusterResolver(spec, task_type="chief", task_id=0),
@@ -335,7 +336,7 @@ def test_a_link_down_without_fin_or_rst_is_detected_within_10_seconds(netns_host
         closing = time.monotonic()
         strategy.close()
         assert time.monotonic() - closing < 30
-    assert len(client.scheduler_info()["workers"]) == 4  # Dask kept the workers: only the group failed
+    assert len(scheduler_workers(client)) == 4  # Dask kept the workers: only the group failed
     wait_until_hosts_reach_each_other(client, hosts)
 
 

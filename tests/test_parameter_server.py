@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import daskdist as dd
+from daskdist.cluster.identity import scheduler_workers
 from daskdist.strategy.partitioners import shard_sizes
 from tests.support.killers import wait_for_files, worker_pid
 
@@ -26,7 +27,7 @@ def SpecResolver(spec):  # noqa: N802 - reads as the resolver it builds
 
 def _roles(client, num_ps):
     """Dask workers by name: the first ``num_ps`` as ps, the rest as workers."""
-    info = client.scheduler_info()["workers"]
+    info = scheduler_workers(client)
     ordered = sorted(info, key=lambda a: info[a]["name"])
     return {"ps": ordered[:num_ps], "worker": ordered[num_ps:]}
 
@@ -332,10 +333,10 @@ def test_a_dask_worker_that_joins_is_admitted_and_takes_closures(make_cluster):
             time.sleep(0.05)
             return get_worker().address, int(next(it))
 
-        before = set(client.scheduler_info()["workers"])
+        before = set(scheduler_workers(client))
         client.cluster.scale(3)
         client.wait_for_workers(3)
-        (newcomer,) = set(client.scheduler_info()["workers"]) - before  # maybe admitted already (its announcement)
+        (newcomer,) = set(scheduler_workers(client)) - before  # maybe admitted already (its announcement)
         deadline = time.monotonic() + 30
         while newcomer not in coordinator._live and time.monotonic() < deadline:
             time.sleep(0.1)

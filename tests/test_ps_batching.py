@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import daskdist as dd
+from daskdist.cluster.identity import scheduler_workers
 from daskdist.ps.store import ParameterStore
 from daskdist.variables import VariableSpec
 
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _strategy(client, partitioner=None):
-    info = client.scheduler_info()["workers"]
+    info = scheduler_workers(client)
     ordered = sorted(info, key=lambda a: info[a]["name"])
     spec = dd.cluster_resolver.ClusterSpec({"ps": ordered[:2], "worker": ordered[2:]})
     return dd.ParameterServerStrategy(dd.cluster_resolver.SimpleClusterResolver(spec),

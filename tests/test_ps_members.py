@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import daskdist as dd
+from daskdist.cluster.identity import scheduler_workers
 
 ClusterCoordinator = dd.experimental.coordinator.ClusterCoordinator
 
@@ -19,7 +20,7 @@ def _resolver(ps, workers):
 
 
 def _ordered(client):
-    info = client.scheduler_info(n_workers=-1)["workers"]
+    info = scheduler_workers(client)
     return sorted(info, key=lambda a: info[a]["name"])
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import daskdist as dd
+from daskdist.cluster.identity import scheduler_workers
 from daskdist.collective.single_copy import CrossMemory, chunk_bounds, cross_memory
 
 pytestmark = pytest.mark.skipif(cross_memory() is None, reason="needs Linux process_vm_readv")
@@ -127,7 +128,7 @@ def _no_cross_memory():
 
 def test_a_replica_that_cannot_read_its_peers_makes_every_replica_use_the_ring(make_cluster):
     client = make_cluster(2, processes=True)
-    client.run(_no_cross_memory, workers=[min(client.scheduler_info()["workers"])])
+    client.run(_no_cross_memory, workers=[min(scheduler_workers(client))])
     with dd.MirroredStrategy(client=client) as strategy:
 
         def fn():

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import daskdist as dd
+from daskdist.cluster.identity import scheduler_workers
 
 
 def step(x, v):
@@ -24,7 +25,7 @@ def step(x, v):
 @pytest.mark.parametrize("client_name", ["threaded_client", "process_client"])
 def test_the_issue_user_story(request, client_name):
     client = request.getfixturevalue(client_name)
-    n = len(client.scheduler_info()["workers"])
+    n = len(scheduler_workers(client))
     with dd.MirroredStrategy(client=client) as strategy:
         assert strategy.num_replicas_in_sync == n
         with strategy.scope():
@@ -175,7 +176,7 @@ def test_one_device_strategy(threaded_client):
 
 
 def test_devices_select_workers_of_an_existing_cluster(threaded_client):
-    workers = sorted(threaded_client.scheduler_info()["workers"].items(), key=lambda kv: str(kv[1]["name"]))
+    workers = sorted(scheduler_workers(threaded_client).items(), key=lambda kv: str(kv[1]["name"]))
     with dd.MirroredStrategy(devices=["CPU:2", "/job:localhost/replica:0/task:0/device:CPU:0"],
                              client=threaded_client) as strategy:
         assert strategy.num_replicas_in_sync == 2

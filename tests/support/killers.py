@@ -19,6 +19,7 @@ import time
 
 import dask
 
+from daskdist.cluster.identity import scheduler_workers
 from daskdist.keras.models import PROGRESS_TOPIC
 
 
@@ -239,7 +240,7 @@ class FreeAtStep(_Watcher):
         self.client, self.worker, self.step, self.since, self.epoch = client, worker, step, since, epoch
         client.run(_set_status, "paused", workers=[worker])
         deadline = time.monotonic() + 30
-        while client.scheduler_info(n_workers=-1)["workers"][worker].get("status") != "paused":
+        while scheduler_workers(client)[worker].get("status") != "paused":
             if time.monotonic() > deadline:
                 raise AssertionError(f"{worker} was never seen paused by the scheduler")
             time.sleep(0.02)

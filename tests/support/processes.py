@@ -27,6 +27,8 @@ import threading
 
 from distributed import Client, LocalCluster
 
+from daskdist.cluster.identity import scheduler_workers
+
 logger = logging.getLogger(__name__)
 
 #: The environment variable naming a worker set's slow-steps switch (a file: on while it exists).
@@ -130,7 +132,7 @@ class WarmPool:
     @staticmethod
     def _alive(workers: ProcessWorkers) -> bool:
         return (all(p.poll() is None for p in workers.nannies)
-                and len(workers.client.scheduler_info()["workers"]) == workers.n)
+                and len(scheduler_workers(workers.client)) == workers.n)
 
     def _build_ahead(self, n: int) -> None:
         if not self.enabled:

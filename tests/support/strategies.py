@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import daskdist as dd
+from daskdist.cluster.identity import scheduler_workers
 
 TWO = ["/cpu:0", "/cpu:1"]
 
@@ -41,7 +42,7 @@ class Combination:
 
 
 def _parameter_servers(client):
-    info = client.scheduler_info()["workers"]
+    info = scheduler_workers(client)
     ordered = sorted(info, key=lambda a: info[a]["name"])
     spec = dd.cluster_resolver.ClusterSpec({"ps": ordered[:1], "worker": ordered[1:]})
     return dd.ParameterServerStrategy(dd.cluster_resolver.SimpleClusterResolver(spec), client=client)
