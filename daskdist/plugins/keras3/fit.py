@@ -307,13 +307,21 @@ def fit(original: Callable[..., Any], model: Any, x: Any = None, y: Any = None, 
             planned_val[generation] = _distribute(record, vx, vy, validation_batch_size or batch_size, False, model)
         return planned_val[generation]
 
-    if validation_data is not None:
-        val_data()
-    _pull(model, record)
-    installed = record.fingerprint
-    ensure_installed(model, record)
-    if holding and record.fingerprint != installed:
-        _give_stored(model, record, driver)
+    def prepare() -> None:
+        """The model on the replicas (if it changed), the validation data distributed over them."""
+        _pull(model, record)
+        installed = record.fingerprint
+        ensure_installed(model, record)
+        if holding and record.fingerprint != installed:
+            _give_stored(model, record, driver)
+        if validation_data is not None:
+            planned_val.clear()  # planned again over the members left (a loss while installing)
+            val_data()
+
+    if elastic is None:
+        prepare()
+    else:  # a loss while installing: the group re-formed on the members left, the model installed there again
+        elastic.prepare(prepare)
     steps = steps_per_epoch
     if steps is None and elastic is not None:
         steps = elastic.input.steps_from(0, extended.num_replicas)
@@ -331,12 +339,12 @@ def fit(original: Callable[..., Any], model: Any, x: Any = None, y: Any = None, 
     model.stop_training = False
     callback_list.on_train_begin()
     if elastic is not None:
-        elastic.callbacks = callback_list
         for callback in callback_list.callbacks:  # the History fit returns: its ledger, rows and events, as
             if isinstance(callback, keras.callbacks.History):  # the built-in layers' fit keeps them
                 elastic.history = callback
                 callback.elastic = elastic
-                callback.elastic_events = []
+                callback.elastic_events = [e.to_msg() for e in elastic.events]
+        elastic.set_callbacks(callback_list)  # told of a loss while installing, then of each change
         elastic.begin(initial_epoch)
     logs: dict[str, Any] = {}
     for epoch in range(initial_epoch, epochs):
