@@ -70,7 +70,10 @@ def created(model: Any) -> None:
     from daskdist.plugins.keras3 import ps, references
 
     if ps.schedules_closures(strategy.extended):
-        return  # each worker gets its copy when fit installs it (ClusterCoordinator.run_on_each_worker)
+        # each worker gets its copy when fit installs it (ClusterCoordinator.run_on_each_worker), or before a
+        # function that may use it is scheduled (a custom loop)
+        strategy.extended.provide_residents("keras3", functools.partial(ps.place_models, strategy))
+        return
     # before strategy.run ships a function, the built models created in this scope go to the replicas
     strategy.extended.provide_residents("keras3", functools.partial(references.place_models, strategy.extended))
 
@@ -174,6 +177,11 @@ def _pull(model: Any, record: registry.Record) -> None:
     """After a custom loop (``strategy.run``) changed the replicas' copy: take replica 0's state."""
     if not record.dirty or record.fingerprint is None:
         return
+    from daskdist.plugins.keras3 import ps
+
+    if ps.schedules_closures(record.strategy.extended):  # a custom loop's closures: the stores hold the state
+        ps.take_loop_state(model, record)
+        return
     state = record.strategy.extended.run_on_replica(0, commands.model_state, (record.object_id,))
     _take_state(model, state)
     driver = record.strategy.extended.step_driver(record.object_id)
@@ -263,6 +271,7 @@ def fit(original: Callable[..., Any], model: Any, x: Any = None, y: Any = None, 
     from daskdist.plugins.keras3 import ps
 
     if ps.schedules_closures(record.strategy.extended):
+        _pull(model, record)  # a custom loop's closures trained it: fit goes on from the stored state
         if any(v for v in (validation_split, class_weight is not None, sample_weight is not None)):
             raise NotImplementedError("fit under ParameterServerStrategy does not take validation_split, "
                                       "class_weight or sample_weight")
@@ -397,6 +406,7 @@ def evaluate(original: Callable[..., Any], model: Any, x: Any = None, y: Any = N
     callback_list = callbacks if isinstance(callbacks, keras.callbacks.CallbackList) else keras.callbacks.CallbackList(
         callbacks, add_progbar=verbose_level != 0, verbose=verbose_level, epochs=1, steps=steps, model=model)
     if ps.schedules_closures(record.strategy.extended):  # closures on the workers, as TF's inline evaluation
+        _pull(model, record)
         logs = ps.evaluate(model, record, x, y, batch_size, steps, callback_list)
     else:
         data = _distribute(record, x, y, batch_size, False, model)
