@@ -72,12 +72,11 @@ def test_a_ps_custom_loop_with_a_keras3_model_equals_one_process_on_the_same_bat
         plain.set_weights(model.get_weights())
         plain_step = _replica_step(plain, keras.optimizers.Adam(1e-2))
         replica_fn = _replica_step(model, optimizer)
-        iterator = iter(coordinator.create_per_worker_dataset(_dataset_fn(x, y)))
 
         def step_fn(it):
             return strategy.run(replica_fn, args=(next(it),))
 
-        for epoch in range(2):
+        for _ in range(2):  # epochs: each worker's dataset read from its start
             iterator = iter(coordinator.create_per_worker_dataset(_dataset_fn(x, y)))
             values = [coordinator.schedule(step_fn, args=(iterator,)) for _ in range(len(x) // BATCH)]
             coordinator.join()
@@ -117,8 +116,9 @@ def _linear_model():
 def test_two_workers_pull_what_the_other_pushed_before_each_closure_and_every_push_applies_once(threaded_client):
     """Two workers take the closures as they come; each closure carries its batch, so every row is used once per
     epoch whichever worker runs it. Row ``i`` in the second epoch needs the weight its first-epoch push left, which
-    the other worker may have pushed: only a pull at the closure's start gives it. Shown failing: without
-    ``closure_began``'s pull, the second epoch's rows taken by the other worker start from a stale weight.
+    the other worker may have pushed: only a pull at the closure's start gives it; closures that only read the
+    model see what the stores hold. Shown failing: without ``closure_began``'s pull, the read closures of the
+    worker that did not push last see its stale copy (predictions of the other's last rows differ).
     """
     ids = np.arange(60)
     x, y = np.eye(60, dtype=np.float32), np.ones((60, 1), np.float32)
@@ -142,15 +142,48 @@ def test_two_workers_pull_what_the_other_pushed_before_each_closure_and_every_pu
             values = [coordinator.schedule(step_fn, args=(batch,)) for batch in batches]
             coordinator.join()
             ran_on |= {address for _, address in coordinator.fetch(values)}
-        assert ran_on == set(coordinator.workers)  # both workers took closures
         plain = _linear_model()
         plain_step = _linear_step(plain, keras.optimizers.SGD(0.3))
         for _ in range(3):
             for batch in batches:
                 plain_step(batch)
+
+        def read_fn():  # reads the weights only: what the stores hold now, whichever worker pushed last
+            from distributed import get_worker
+
+            return keras.ops.convert_to_numpy(model(x, training=False)), get_worker().address
+
+        values = [coordinator.schedule(read_fn) for _ in range(10)]
+        coordinator.join()
+        for predictions, address in coordinator.fetch(values):
+            ran_on.add(address)
+            np.testing.assert_allclose(predictions, plain.predict(x, verbose=0), rtol=1e-6)
+        assert ran_on == set(coordinator.workers)  # both workers took closures
         np.testing.assert_allclose(model.get_weights()[0], plain.get_weights()[0], rtol=1e-6)
         w = 0.0
         for _ in range(3):  # one MSE step of one row per epoch: w -= 0.3 * 2 (w - 1) / 6
             w -= 0.3 * 2 * (w - 1) / 6
         np.testing.assert_allclose(model.get_weights()[0][ids, 0], np.full(60, w, np.float32), rtol=1e-6)
         assert int(optimizer.iterations.numpy()) == 30  # every push applied once
+
+
+def test_a_model_with_no_optimizer_to_pair_is_refused_naming_what_works_and_nothing_is_held(threaded_client):
+    resolver = dd.cluster_resolver.DaskClusterResolver(threaded_client, num_ps=1)
+    with dd.ParameterServerStrategy(resolver) as strategy:
+        coordinator = ClusterCoordinator(strategy)
+        with strategy.scope():
+            model = sequential()
+            other = keras.optimizers.Adam(1e-2)  # noqa: F841 (kept: a recorded optimizer lives as long as its object)
+            optimizer = keras.optimizers.SGD(0.1)  # two free optimizers: which one the loop applies is unknown
+        replica_fn = _replica_step(model, optimizer)
+        x, y = dense_data(rows=16)
+        before = model.get_weights()
+        value = coordinator.schedule(lambda: strategy.run(replica_fn, args=((x, y),)))
+        with pytest.raises(ValueError, match=r"2 optimizers .* compile model .* with the optimizer its loop applies"):
+            coordinator.join()
+        with pytest.raises(ValueError, match="2 optimizers"):
+            value.fetch()
+        assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), before))
+        from daskdist.plugins.keras3 import registry
+
+        assert registry.lookup(model).driver is None  # nothing held on the stores
