@@ -256,15 +256,13 @@ def _evaluation(coordinator: Any, model_id: str, x: Any, y: Any, batch_size: int
     from daskdist.data.dataset import Dataset
     from daskdist.keras.dataset_creator import DatasetCreator
 
-    name = type(coordinator.strategy).__name__
     if x is None:
         raise ValueError("no data given (x is None)")
     if isinstance(x, (DatasetCreator, Dataset)) or (callable(x) and not hasattr(x, "__dask_graph__")):
         if y is not None:
             raise ValueError("y must not be given with a DatasetCreator or a Dataset (it yields (x, y) pairs)")
-        if steps is None:
-            raise ValueError(f"`{steps_name}` must be specified with `{name}` when the data is a DatasetCreator or a "
-                             "Dataset: each worker reads its own (give arrays to evaluate every row once)")
+        if steps is None:  # every row once: the data cut by batch into shards, one closure each
+            return _exact_evaluation(coordinator, model_id, x, steps_name)
         if steps < 1:
             raise ValueError(f"{steps_name} must be >= 1, got {steps}")
         per_worker = coordinator.create_per_worker_dataset(
@@ -505,3 +503,56 @@ def take_loop_state(model: Any, record: registry.Record) -> None:
         return
     _take_stored(model, record, record.driver)
     record.dirty = False
+
+
+# -- exactly-once evaluation of a DatasetCreator ---------------------------------------------------
+
+
+def _exact_evaluation(coordinator: Any, model_id: str, data: Any, steps_name: str) -> Callable[[], list[Any]]:
+    """Evaluation of a ``DatasetCreator`` (or ``Dataset``, ``dataset_fn``) without steps: each row once.
+
+    The dataset is what ``dataset_fn`` builds for one input pipeline (``InputContext(1, 0)``: its own
+    ``shard`` keeps everything), cut by batch into ``parameter-store.evaluation-shards`` shards
+    (``Dataset.shard(n, k)`` after the batch); closure ``k`` builds it on its worker and evaluates shard ``k``
+    to its end. A closure run again after its worker was lost builds its shard again, and only its last
+    run's metrics count, so every batch is evaluated exactly once (TF's ``pss_evaluation_shards``).
+
+    Raises
+    ------
+    ValueError
+        The dataset never ends (``repeat()``) or changes between two builds (a ``shuffle`` without a seed):
+        refused before anything runs, naming ``steps_name`` as the other way.
+    """
+    from daskdist import config
+    from daskdist.data import ops
+
+    built = _pipeline(data)
+    for op in built.transformations:
+        if isinstance(op, ops.Repeat):
+            raise ValueError(f"evaluating every row once reads the dataset to its end, and it repeats: drop repeat() "
+                             f"from the evaluation data, or give `{steps_name}` (each worker then reads its own)")
+        if isinstance(op, ops.Shuffle) and op.seed is None:
+            raise ValueError("evaluating every row once needs the same rows in the same batches in every closure: "
+                             f"give the evaluation data's shuffle() a seed (or none), or give `{steps_name}`")
+    setting = config.get("parameter-store.evaluation-shards", "auto")
+    shards = 4 * max(1, len(coordinator.live_workers)) if setting in (None, "auto") else int(setting)
+    if shards < 1:
+        raise ValueError(f"daskdist.parameter-store.evaluation-shards must be >= 1 or 'auto', got {setting!r}")
+    return lambda: [coordinator.schedule(_evaluate_shard, args=(model_id, data, shards, k)) for k in range(shards)]
+
+
+def _pipeline(data: Any) -> Any:
+    """The evaluation dataset for one input pipeline (every row): ``dataset_fn(InputContext(1, 0))``."""
+    from daskdist.data.dataset import Dataset
+    from daskdist.data.options import InputContext
+    from daskdist.keras.dataset_creator import DatasetCreator
+
+    if isinstance(data, Dataset):
+        return data
+    creator = data if isinstance(data, DatasetCreator) else DatasetCreator(data)
+    return creator(InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1))
+
+
+def _evaluate_shard(model_id: str, data: Any, shards: int, index: int) -> dict[str, Any]:
+    """Closure: shard ``index`` of ``shards`` of the evaluation data (by batch), read to its end."""
+    return _worker(model_id).evaluate(iter(_pipeline(data).shard(shards, index)))
