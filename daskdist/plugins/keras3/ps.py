@@ -27,11 +27,21 @@ evaluation does: each closure pulls the stored parameters and runs Keras'
 variables. Arrays (numpy, or Dask arrays read on the client) are cut into
 batches that the closures carry, each row evaluated exactly once; a
 ``DatasetCreator`` (or a ``daskdist.data.Dataset``, every worker reading all
-of it) is read by each worker from its own iterator, ``steps``
-(``validation_steps``) required, with TF's at-least-once visitation. A model
+of it) with ``steps`` (``validation_steps``) is read by each worker from its
+own iterator, with TF's at-least-once visitation, and without ``steps``
+exactly once, cut by batch into shards (``_exact_evaluation``). A model
 never trained here, or whose client copy changed since (``set_weights``,
 ``load_weights``), is held on the stores again first. Each hold replaces the
 previous one: its parameter sets are released from the stores.
+
+Custom loops (TF's parameter-server custom training): before
+``ClusterCoordinator.schedule`` ships a function, ``place_models`` holds the
+built models of the scope on the stores with their loop's optimizer and puts
+them on the workers; pickled in the function, the model becomes the worker's
+copy (``resolve_model``: the stored parameters pulled as the closure starts)
+and the optimizer the copy's optimizer, whose ``apply`` pushes the gradients
+(``KerasPsWorker.push``: the stores apply them once). The client takes the
+stored state before it reads the weights (``take_loop_state``).
 """
 
 from __future__ import annotations
