@@ -32,6 +32,19 @@ def _adam():
     return keras.optimizers.Adam(1e-2)
 
 
+def _assert_as_uninterrupted(strategy, model, history, plain, expected, steps=10, rows=240):
+    """Two epochs of ``steps`` steps over ``rows`` rows trained as the uninterrupted one-process run ``plain``."""
+    for e in (0, 1):  # every row of each epoch in exactly one committed step
+        assert history.elastic.ledger.steps(e) == list(range(steps))
+        assert sorted(history.elastic.ledger.positions(e).tolist()) == list(range(rows))
+    for got, want in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-6)
+    assert int(model.optimizer.iterations.numpy()) == 2 * steps  # Adam's step count: the replayed steps once
+    assert history.history["loss"] == pytest.approx(expected.history["loss"], rel=RTOL)
+    assert history.history["accuracy"] == pytest.approx(expected.history["accuracy"], rel=RTOL)
+    assert_replicas_identical(strategy, model)
+
+
 def test_an_elastic_keras3_fit_without_failures_trains_as_one_process(threaded_client):
     x, y = dense_data(rows=96)
     train = dd.data.Dataset.from_tensor_slices((x, y)).batch(24)
@@ -79,15 +92,7 @@ def test_a_worker_killed_mid_epoch_keras3_fit_finishes_with_the_uninterrupted_we
         _, epoch, step = event.commit
         assert epoch == 0 and 0 < step < 10 and step % 2 == 0  # back to a commit mid-epoch
         assert history.elastic_events[0]["lost"] == [victim]
-        for e in (0, 1):  # every row of each epoch in exactly one committed step
-            assert history.elastic.ledger.steps(e) == list(range(10))
-            assert sorted(history.elastic.ledger.positions(e).tolist()) == list(range(240))
-        for got, want in zip(model.get_weights(), plain.get_weights()):
-            np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-6)
-        assert int(model.optimizer.iterations.numpy()) == 20  # Adam's step count: the replayed steps once
-        assert history.history["loss"] == pytest.approx(expected.history["loss"], rel=RTOL)
-        assert history.history["accuracy"] == pytest.approx(expected.history["accuracy"], rel=RTOL)
-        assert_replicas_identical(strategy, model)
+        _assert_as_uninterrupted(strategy, model, history, plain, expected)
 
 
 @pytest.mark.slow
@@ -127,11 +132,4 @@ def test_a_worker_lost_while_keras3_fit_installs_the_model_is_recovered_and_fit_
         assert (event.action, event.lost, event.commit, event.generation) == ("reinstalled", [victim], (0, 0, 0), 1)
         assert history.elastic.failures == 1 and changes == [(3, 2)] and told == ["reinstalled"]
         assert history.elastic_events[0]["lost"] == [victim]
-        for e in (0, 1):  # every row of each epoch in exactly one committed step
-            assert history.elastic.ledger.steps(e) == list(range(10))
-            assert sorted(history.elastic.ledger.positions(e).tolist()) == list(range(240))
-        for got, want in zip(model.get_weights(), plain.get_weights()):
-            np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-6)
-        assert int(model.optimizer.iterations.numpy()) == 20
-        assert history.history["loss"] == pytest.approx(expected.history["loss"], rel=RTOL)
-        assert_replicas_identical(strategy, model)
+        _assert_as_uninterrupted(strategy, model, history, plain, expected)

@@ -20,7 +20,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import daskdist as dd  # noqa: E402
-from tests.keras3_models import dense_data, sequential  # noqa: E402
+from tests.keras3_models import average_loss, dense_data, sequential, torch_train_step  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -30,26 +30,8 @@ RTOL = 1e-5
 
 
 def _replica_step(model, optimizer):
-    """TF's ``replica_fn``: Keras' forward, torch's backward, ``optimizer.apply`` (on the ps: a push)."""
-    loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
-
-    def compute_loss(labels, predictions):  # tf.nn.compute_average_loss: the sum over the global batch size
-        return keras.ops.sum(loss_object(labels, predictions)) / BATCH
-
-    # (``keras.ops`` and ``torch`` in one function's code make cloudpickle take ``torch.ops`` for a submodule of
-    # ``torch`` that the function uses, which it cannot pickle: the loss is computed in its own function)
-    def replica_fn(batch):
-        features, labels = batch
-        predictions = model(features, training=True)
-        loss = compute_loss(labels, predictions)
-        model.zero_grad()
-        loss.backward()
-        gradients = [v.value.grad for v in model.trainable_variables]
-        with torch.no_grad():
-            optimizer.apply(gradients, model.trainable_variables)
-        return float(loss)
-
-    return replica_fn
+    """TF's ``replica_fn``: Keras' forward, torch's backward, ``optimizer.apply`` (on a ps worker: a push)."""
+    return torch_train_step(model, optimizer, average_loss(BATCH))
 
 
 def _dataset_fn(x, y):
@@ -90,22 +72,8 @@ def test_a_ps_custom_loop_with_a_keras3_model_equals_one_process_on_the_same_bat
 
 def _linear_step(model, optimizer):
     """One-hot rows, a linear model without bias, MSE: row ``i`` moves only weight ``i``, by its own gradient."""
-
     mse = keras.losses.MeanSquaredError()
-
-    def compute_loss(targets, predictions):
-        return mse(targets, predictions)
-
-    def replica_fn(batch):
-        features, targets = batch
-        loss = compute_loss(targets, model(features, training=True))
-        model.zero_grad()
-        loss.backward()
-        with torch.no_grad():
-            optimizer.apply([v.value.grad for v in model.trainable_variables], model.trainable_variables)
-        return float(loss)
-
-    return replica_fn
+    return torch_train_step(model, optimizer, lambda targets, predictions: mse(targets, predictions))
 
 
 def _linear_model():
