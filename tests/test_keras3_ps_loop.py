@@ -155,3 +155,17 @@ def test_a_model_with_no_optimizer_to_pair_is_refused_naming_what_works_and_noth
         from daskdist.plugins.keras3 import registry
 
         assert registry.lookup(model).driver is None  # nothing held on the stores
+
+        # compiled with the loop's optimizer it is held and trains; a model whose optimizer the ps cannot run
+        # (Adagrad) is left out, refused only where a scheduled function uses it
+        with strategy.scope():
+            odd = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+            odd.compile(optimizer=keras.optimizers.Adagrad(0.1), loss="mse")
+        model.compile(optimizer=optimizer, loss="mse")
+        value = coordinator.schedule(lambda: strategy.run(replica_fn, args=((x, y),)))
+        coordinator.join()
+        assert np.isfinite(value.fetch())
+        assert not all(np.array_equal(a, b) for a, b in zip(model.get_weights(), before))  # the stored, trained ones
+        coordinator.schedule(lambda: odd(x))
+        with pytest.raises(ValueError, match=r"model 'sequential_\d+' cannot be used .*keras.optimizers.SGD"):
+            coordinator.join()

@@ -450,19 +450,31 @@ def place_models(strategy: Any) -> None:
     """Before ``ClusterCoordinator.schedule`` ships a function: the built models created in this strategy's scope
     that the stores do not hold yet are held there with their loop's optimizer, and put on every worker.
 
-    A model ``fit`` trained is held already (its driver goes on serving closures); a model that cannot be paired
-    with an optimizer is left out, and a function using it is refused when it is pickled (``reference``).
+    A model ``fit`` trained is held already (its driver goes on serving closures); a model that cannot be held
+    (``_unplaceable``) is left out, and a function using it is refused when it is pickled (``reference``).
     """
     import keras
 
     from daskdist.strategy.coordinator import ClusterCoordinator
 
     for obj, record in registry.items():
-        if (record.strategy is not strategy or record.driver is not None or not isinstance(obj, keras.Model)
-                or not obj.built or _pair(obj, record) is not None):
-            continue
-        update_rule.check_optimizer(_optimizer_of(obj, record), type(strategy).__name__)
-        _install(obj, record, ClusterCoordinator(strategy))
+        if (record.strategy is strategy and record.driver is None and isinstance(obj, keras.Model)
+                and _unplaceable(obj, record) is None):
+            _install(obj, record, ClusterCoordinator(strategy))
+
+
+def _unplaceable(model: Any, record: registry.Record) -> str | None:
+    """Why ``model`` cannot be held for custom loops (not built, no optimizer, one the stores cannot run)."""
+    if not model.built:
+        return "it is not built: give it an Input (or call it on one batch) before scheduling"
+    why = _pair(model, record)
+    if why is not None:
+        return why
+    try:
+        update_rule.check_optimizer(_optimizer_of(model, record), type(record.strategy).__name__)
+    except NotImplementedError as error:
+        return str(error)
+    return None
 
 
 def reference(obj: Any, record: registry.Record) -> tuple[Any, tuple[Any, ...]]:
@@ -478,9 +490,8 @@ def reference(obj: Any, record: registry.Record) -> tuple[Any, tuple[Any, ...]]:
     name = type(record.strategy).__name__
     if isinstance(obj, keras.Model):
         if record.driver is None:
-            why = ("it is not built: give it an Input (or call it on one batch) before scheduling" if not obj.built
-                   else _pair(obj, record))
-            raise ValueError(f"model {obj.name!r} cannot be used in a function scheduled under {name}: {why}")
+            raise ValueError(f"model {obj.name!r} cannot be used in a function scheduled under {name}: "
+                             f"{_unplaceable(obj, record)}")
         record.dirty = True  # the client takes the stored state before it reads the weights
         return resolve_model, (record.object_id,)
     if record.model_id is None:
