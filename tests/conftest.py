@@ -1,7 +1,8 @@
 """Shared real clusters for the tests.
 
 ``threaded_client``: a LocalCluster whose 3 workers are threads of this
-process (fast; real Dask workers, comms and scheduler). ``process_client``: 2
+process (fast; real Dask workers, comms and scheduler). ``forked_process_client``: 3 worker
+processes forked from one server, for one module. ``process_client``: 2
 workers in their own processes, as users run them, started once per session
 (pytest process) and shared by the modules, started again for the next module
 if a test left it with fewer workers. Crash tests build their own clusters.
@@ -88,6 +89,19 @@ def process_client(request, _shared_process_cluster):
     yield _shared_process_cluster.healthy()
     if request.session.testsfailed != failed:
         _shared_process_cluster.close()
+
+
+@pytest.fixture(scope="module")
+def forked_process_client():
+    """3 worker processes forked from the session's server (``make_cluster``'s), shared by one module's tests.
+
+    For a framework's real models, whose replicas each hold a whole framework runtime: one replica per
+    process, as users run them (``threaded_client`` puts three in this process beside the test's own model).
+    """
+    with dask.config.set(forkserver_settings()):
+        cluster = _cluster(3, processes=True)
+        with cluster, Client(cluster, set_as_default=False) as client:
+            yield client
 
 
 @pytest.fixture

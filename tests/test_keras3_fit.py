@@ -2,6 +2,12 @@
 
 Every test compares with plain Keras in this process on the same global
 batches, or checks what only the distributed run shows (identical replicas).
+The replicas are worker processes, one each, as users run them: with three
+replicas as threads of the pytest process beside the plain model, this module
+hung twice in whole-suite runs (once in CI, at the tutorial-callbacks test, for
+90 minutes: pytest's timeout never ran, so the main thread was stuck in C; once
+with every thread waiting on the GIL), and neither hang came back in 45 runs of
+its tests alone; threaded clusters stay covered by the other Keras 3 modules.
 """
 
 from __future__ import annotations
@@ -55,9 +61,9 @@ def _strategy(kind, client):
 
 @pytest.mark.parametrize("kind", ["mirrored", "one_device", "multi_worker"])
 @pytest.mark.parametrize("build", [sequential, functional, subclassed], ids=["sequential", "functional", "subclassed"])
-def test_fit_equals_one_process_on_the_same_global_batches(threaded_client, kind, build):
+def test_fit_equals_one_process_on_the_same_global_batches(forked_process_client, kind, build):
     x, y = dense_data(rows=80)  # 3 global batches of 32, 32, 16
-    with _strategy(kind, threaded_client) as strategy:
+    with _strategy(kind, forked_process_client) as strategy:
         with strategy.scope():
             model = compile_model(build())
         plain = twin(model, build)
@@ -72,9 +78,9 @@ def test_fit_equals_one_process_on_the_same_global_batches(threaded_client, kind
         np.testing.assert_allclose(model.predict(x, verbose=0), plain.predict(x, verbose=0), rtol=RTOL, atol=ATOL)
 
 
-def test_embedding_lstm_gru_attention_with_adam_equal_one_process(threaded_client):
+def test_embedding_lstm_gru_attention_with_adam_equal_one_process(forked_process_client):
     x, y = sequence_data()
-    with _strategy("mirrored", threaded_client) as strategy:
+    with _strategy("mirrored", forked_process_client) as strategy:
         with strategy.scope():
             model = compile_model(sequence_model(), keras.optimizers.Adam(1e-2))
         plain = twin(model, sequence_model, keras.optimizers.Adam(1e-2))
@@ -86,10 +92,10 @@ def test_embedding_lstm_gru_attention_with_adam_equal_one_process(threaded_clien
         assert int(model.optimizer.iterations.numpy()) == int(plain.optimizer.iterations.numpy()) == 4
 
 
-def test_batchnorm_moving_statistics_and_dropout_streams(threaded_client):
+def test_batchnorm_moving_statistics_and_dropout_streams(forked_process_client):
     x, y = dense_data(rows=64)
     weights = []
-    with _strategy("mirrored", threaded_client) as strategy:
+    with _strategy("mirrored", forked_process_client) as strategy:
         for _ in range(2):  # the same seed twice: the same run
             keras.utils.set_random_seed(3)
             with strategy.scope():
@@ -106,7 +112,7 @@ def test_batchnorm_moving_statistics_and_dropout_streams(threaded_client):
     assert np.all(np.isfinite(mean)) and np.any(mean != 0)  # the statistics moved
 
 
-def test_tutorial_callbacks_run_on_the_client_with_global_logs(threaded_client, tmp_path):
+def test_tutorial_callbacks_run_on_the_client_with_global_logs(forked_process_client, tmp_path):
     x, y = dense_data(rows=64)
 
     def decay(epoch):
@@ -120,7 +126,7 @@ def test_tutorial_callbacks_run_on_the_client_with_global_logs(threaded_client, 
         def on_epoch_end(self, epoch, logs=None):
             self.logs.append((epoch, dict(logs), float(self.model.optimizer.learning_rate)))
 
-    with _strategy("mirrored", threaded_client) as strategy:
+    with _strategy("mirrored", forked_process_client) as strategy:
         with strategy.scope():
             model = compile_model(sequential())
         plain = twin(model, sequential)
@@ -157,10 +163,10 @@ def test_tutorial_callbacks_run_on_the_client_with_global_logs(threaded_client, 
         np.testing.assert_allclose(logged, [r[1]["loss"] for r in recorder.logs], rtol=1e-6)
 
 
-def test_save_loads_in_plain_keras_and_load_model_in_scope_trains_on(threaded_client, tmp_path):
+def test_save_loads_in_plain_keras_and_load_model_in_scope_trains_on(forked_process_client, tmp_path):
     x, y = dense_data(rows=64)
     path = str(tmp_path / "model.keras")
-    with _strategy("mirrored", threaded_client) as strategy:
+    with _strategy("mirrored", forked_process_client) as strategy:
         with strategy.scope():
             model = compile_model(functional())
         model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
@@ -183,9 +189,9 @@ def test_save_loads_in_plain_keras_and_load_model_in_scope_trains_on(threaded_cl
         assert_replicas_identical(strategy, loaded)
 
 
-def test_dask_arrays_and_daskdist_datasets_as_input(threaded_client):
+def test_dask_arrays_and_daskdist_datasets_as_input(forked_process_client):
     x, y = dense_data(rows=64)
-    with _strategy("mirrored", threaded_client) as strategy:
+    with _strategy("mirrored", forked_process_client) as strategy:
         with strategy.scope():
             model = compile_model(sequential())
         plain = twin(model, sequential)
