@@ -3,7 +3,8 @@ scheduled with ``ClusterCoordinator.schedule`` runs ``strategy.run`` of a step u
 in the scope, on per-worker datasets; the parameter servers hold the parameters and apply each push once.
 
 With one worker the closures run one after another, so the run is compared with one process on the same
-batches; with two, what is exact is the count of pushes applied.
+batches; with two, rows that move only their own weight make the result exact too. The workers and ps are
+processes (``forked_process_client``): one Keras runtime per process, as users run it.
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ def _dataset_fn(x, y):
     return dataset_fn
 
 
-def test_a_ps_custom_loop_with_a_keras3_model_equals_one_process_on_the_same_batches(threaded_client):
+def test_a_ps_custom_loop_with_a_keras3_model_equals_one_process_on_the_same_batches(forked_process_client):
     x, y = dense_data(rows=96, seed=3)  # six batches of 16
-    resolver = dd.cluster_resolver.DaskClusterResolver(threaded_client, num_ps=2)  # 2 ps, 1 worker: in order
+    resolver = dd.cluster_resolver.DaskClusterResolver(forked_process_client, num_ps=2)  # 2 ps, 1 worker: in order
     with dd.ParameterServerStrategy(resolver) as strategy:
         coordinator = ClusterCoordinator(strategy)
         with strategy.scope():
@@ -81,7 +82,7 @@ def _linear_model():
                              keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")])
 
 
-def test_two_workers_pull_what_the_other_pushed_before_each_closure_and_every_push_applies_once(threaded_client):
+def test_two_workers_pull_what_the_other_pushed_before_each_closure_and_every_push_applies_once(forked_process_client):
     """Two workers take the closures as they come; each closure carries its batch, so every row is used once per
     epoch whichever worker runs it. Row ``i`` in the second epoch needs the weight its first-epoch push left, which
     the other worker may have pushed: only a pull at the closure's start gives it; closures that only read the
@@ -91,7 +92,7 @@ def test_two_workers_pull_what_the_other_pushed_before_each_closure_and_every_pu
     ids = np.arange(60)
     x, y = np.eye(60, dtype=np.float32), np.ones((60, 1), np.float32)
     batches = [(x[k:k + 6], y[k:k + 6]) for k in range(0, 60, 6)]
-    resolver = dd.cluster_resolver.DaskClusterResolver(threaded_client, num_ps=1)  # 1 ps, 2 workers
+    resolver = dd.cluster_resolver.DaskClusterResolver(forked_process_client, num_ps=1)  # 1 ps, 2 workers
     with dd.ParameterServerStrategy(resolver) as strategy:
         coordinator = ClusterCoordinator(strategy)
         assert len(coordinator.workers) == 2
@@ -135,8 +136,8 @@ def test_two_workers_pull_what_the_other_pushed_before_each_closure_and_every_pu
         assert int(optimizer.iterations.numpy()) == 30  # every push applied once
 
 
-def test_a_model_with_no_optimizer_to_pair_is_refused_naming_what_works_and_nothing_is_held(threaded_client):
-    resolver = dd.cluster_resolver.DaskClusterResolver(threaded_client, num_ps=1)
+def test_a_model_with_no_optimizer_to_pair_is_refused_naming_what_works_and_nothing_is_held(forked_process_client):
+    resolver = dd.cluster_resolver.DaskClusterResolver(forked_process_client, num_ps=1)
     with dd.ParameterServerStrategy(resolver) as strategy:
         coordinator = ClusterCoordinator(strategy)
         with strategy.scope():

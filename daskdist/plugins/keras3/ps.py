@@ -138,20 +138,20 @@ def _results(model: Any, batch: Any) -> dict[str, Any]:
 
 
 def _install_worker(service: Any, model_id: str, payload: ModelPayload, driver: Any,
-                    optimizer: tuple[Any, dict[str, Any]] | None = None) -> None:
+                    optimizer: dict[str, Any] | None = None) -> None:
     """Worker command: load the model and keep it with its driver as ``(MODEL, model_id)``.
 
-    ``optimizer``: the class and configuration of a custom loop's optimizer for a model not compiled with it
-    (the worker's copy takes it as its ``optimizer``).
+    ``optimizer``: a custom loop's optimizer for a model not compiled with it, as Keras serializes it (plain
+    data: unpickling a Keras class would import Keras before ``prepare_replica`` chose its backend); the
+    worker's copy takes it as its ``optimizer``.
     """
-    prepare_replica(payload.backend)
+    keras = prepare_replica(payload.backend)
     hooks.install()
     with context.enter(context.Frame(strategy=service.strategy_view, replica_context=service.context,
                                      variable_creator=None, owner=service)):
         model = unpack_model(payload)
         if optimizer is not None:
-            cls, config = optimizer
-            model.optimizer = cls.from_config(config)
+            model.optimizer = keras.optimizers.deserialize(optimizer)
     service.objects.install(MODEL, model_id, KerasPsWorker(KerasTrainable(model), driver))
 
 
@@ -225,7 +225,9 @@ def _install(model: Any, record: registry.Record, coordinator: Any) -> Any:
     rule.set_state(update_rule.rule_state(optimizer, rule))
     driver.init_stored(record.strategy.client, _weights(model), rule, state=_arrays(state_variables(model)))
     payload = pack_model(model, keras_backend())
-    spec = None if getattr(model, "optimizer", None) is optimizer else (type(optimizer), optimizer.get_config())
+    import keras
+
+    spec = None if getattr(model, "optimizer", None) is optimizer else keras.optimizers.serialize(optimizer)
     coordinator.run_on_each_worker(_install_worker, lambda _index: (record.object_id, payload, driver, spec))
     record.driver = driver
     record.fingerprint = held_digest(model)
