@@ -11,7 +11,7 @@ import shlex
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -25,6 +25,7 @@ __all__ = [
     "environment_lines",
     "format_table",
     "local_cluster",
+    "namespace_cluster",
     "percentile_ms",
     "print_header",
     "settings",
@@ -193,6 +194,34 @@ def local_cluster(n_workers: int) -> Iterator[object]:
             client.close()
     finally:
         cluster.close()
+
+
+@contextlib.contextmanager
+def namespace_cluster(n_hosts: int, per_host: int, rate: str = "10gbit") -> Iterator[tuple[Any, Any]]:
+    """Namespace hosts with their Dask workers (``tests/netns.py``) and a ``Client``: ``(hosts, client)``.
+
+    ``n_hosts`` hosts, ``per_host`` single-threaded workers each, every link
+    shaped to ``rate``; the hosts are printed, and everything (processes,
+    namespaces, links) is removed on exit, also on an error or Ctrl-C. Ends
+    the program with the reason when namespace hosts cannot be made here
+    (they need Linux, root and iproute2).
+    """
+    from distributed import Client
+
+    from tests.netns import start_hosts, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        sys.exit(f"cannot make namespace hosts here: {reason}")
+    hosts = start_hosts(n_hosts, per_host, rate=rate)
+    try:
+        print(f"namespace hosts: {', '.join(f'{h.hostname} {h.address} ({h.namespace})' for h in hosts.hosts)}, "
+              f"bridge {hosts.bridge}, links {rate}", flush=True)
+        with Client(hosts.scheduler_address, set_as_default=False) as client:
+            client.wait_for_workers(n_hosts * per_host, timeout=120)
+            yield hosts, client
+    finally:
+        hosts.close()
 
 
 def alternating_rounds(arms: Sequence[str], rounds: int, block: Callable[[str], T],

@@ -46,9 +46,20 @@ epoch, a plain strategy into per-replica buffers):
    seconds from the signal to the recovery event and to the first step of the
    new generation (replica 0's first progress event after it).
 
+``--model keras3`` (issue 21): the same parts with the tutorial's CNN in real
+Keras 3 on its torch backend (``keras3_training.keras3_cnn``: Conv2D(32, 3) -
+MaxPooling2D - Flatten - Dense(64) - Dense(10), Adam, accuracy) built in the
+strategy's scope, ``fit`` as ``tests/test_keras3_elastic.py`` runs it (Keras and
+torch imported on the workers before the group starts); a commit snapshots the
+``KerasTrainable`` (weights, Adam's slots, the epoch's metric totals).
+``commit``, ``recovery`` and ``stop`` only: ``goodput`` needs growth into the
+replacement workers at commits and ``BackupAndRestore`` for the restart arm,
+which the Keras 3 elastic ``fit`` does not have yet.
+
 Run: ``python benchmarks/elastic.py [--min-replicas 1|2] [--parts commit,goodput,stop]``
 (commit and goodput: 330 s on 2 cores at load 15-20); ``--quick`` (2 measured
-epochs, 16 steps, 3 goodput epochs, 1 trial) is a smoke run.
+epochs, 16 steps, 3 goodput epochs, 1 trial) is a smoke run;
+``python benchmarks/elastic.py --model keras3 --parts commit,recovery`` the Keras 3 figures.
 """
 
 from __future__ import annotations
@@ -83,6 +94,25 @@ from daskdist.elastic.recovery import ELASTIC_TOPIC  # noqa: E402
 from daskdist.keras.models import PROGRESS_TOPIC  # noqa: E402
 
 BATCH = 64
+MODEL = {"name": "builtin"}  # --model: builtin (daskdist.keras) or keras3 (Keras 3, torch backend)
+
+
+def build_model():
+    """The tutorial's CNN of ``--model``, compiled (call in a strategy's scope)."""
+    if MODEL["name"] == "keras3":
+        from keras3_training import keras3_cnn
+
+        return keras3_cnn()
+    return build_cnn()
+
+
+def prepare_workers(client) -> None:
+    """Keras 3: Keras and torch imported on the workers before a group starts (a long import under load would
+    miss the group's heartbeats), as ``tests/test_keras3_elastic.py`` does."""
+    if MODEL["name"] == "keras3":
+        from daskdist.plugins.keras3.backend import prepare_replica
+
+        client.run(prepare_replica, "torch")
 
 
 def dataset(steps: int):
@@ -93,30 +123,98 @@ def dataset(steps: int):
     return dd.data.Dataset.from_tensor_slices((images, labels)).map(scale).cache().batch(BATCH)
 
 
-def commit_cost(epochs: int, steps: int) -> None:
+def commit_cost(epochs: int, steps: int, profile: bool = False) -> None:
     kinds = {"plain": None, "commit_every=1": dd.ElasticOptions(1, commit_every=1),
              "commit_every=10": dd.ElasticOptions(1, commit_every=10)}
     times: dict[str, list[float]] = {k: [] for k in kinds}
     train = dataset(steps)
     with local_cluster(2) as client:
+        prepare_workers(client)
         strategies = {k: dd.MirroredStrategy(client=client, elastic=o) for k, o in kinds.items()}
         models = {}
         for name, strategy in strategies.items():
             with strategy.scope():
-                models[name] = build_cnn()
+                models[name] = build_model()
             models[name].fit(train, epochs=1, verbose=0)  # warm-up
         order = list(kinds)
         for epoch in range(epochs):
+            print(f"round {epoch + 1}: load before {os.getloadavg()[0]:.2f}", flush=True)
             for name in (order if epoch % 2 == 0 else order[::-1]):
                 start = time.perf_counter()
                 models[name].fit(train, epochs=1, verbose=0)
                 times[name].append((time.perf_counter() - start) / steps)
+        plain = statistics.median(times["plain"])
+        rows = [[name, f"{statistics.median(t) * 1e3:.2f}", f"{statistics.median(t) / plain:.3f}",
+                 f"{min(t) * 1e3:.2f}-{max(t) * 1e3:.2f}"] for name, t in times.items()]
+        print(format_table(["strategy", "ms per step (median)", "ratio to plain", "range (ms)"], rows), flush=True)
+        if profile:
+            parts = commit_profile(client, models, train, steps)
         for strategy in strategies.values():
             strategy.close()
-    plain = statistics.median(times["plain"])
-    rows = [[name, f"{statistics.median(t) * 1e3:.2f}", f"{statistics.median(t) / plain:.3f}",
-             f"{min(t) * 1e3:.2f}-{max(t) * 1e3:.2f}"] for name, t in times.items()]
-    print(format_table(["strategy", "ms per step (median)", "ratio to plain", "range (ms)"], rows))
+    if profile:
+        print("\nWhere a step's time goes on the replicas (one more epoch each, mean ms per step over the replicas; "
+              "Keras 3's resident timed by wrappers installed on the workers):\n")
+        print(format_table(["strategy", "train step", "commit_metrics (all-reduce)", "commit_now (snapshot)",
+                            "fit wall per step"], parts))
+
+
+_PARTS = ("train_steps", "commit_metrics", "commit_now")
+
+
+def _install_timers() -> None:
+    """On a worker: time ``KerasTrainable.train_steps``/``commit_metrics`` and ``commit_now`` (sums and counts)."""
+    import types
+
+    from daskdist.elastic import replica
+    from daskdist.plugins.keras3.resident import KerasTrainable
+
+    if "k3bench_timers" in sys.modules:
+        return
+    timers = types.ModuleType("k3bench_timers")
+    timers.totals = {name: [0.0, 0] for name in _PARTS}  # type: ignore[attr-defined]
+    sys.modules["k3bench_timers"] = timers
+
+    def timed(name: str, fn: Callable) -> Callable:
+        def wrapper(*args: object, **kwargs: object) -> object:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                total = timers.totals[name]  # type: ignore[attr-defined]
+                total[0] += time.perf_counter() - start
+                total[1] += 1
+        return wrapper
+
+    KerasTrainable.train_steps = timed("train_steps", KerasTrainable.train_steps)  # type: ignore[method-assign]
+    KerasTrainable.commit_metrics = timed("commit_metrics", KerasTrainable.commit_metrics)  # type: ignore[method-assign]
+    replica.commit_now = timed("commit_now", replica.commit_now)
+
+
+def _take_timers() -> dict:
+    """On a worker: the sums and counts since the last call, reset."""
+    timers = sys.modules["k3bench_timers"]
+    taken = {name: tuple(total) for name, total in timers.totals.items()}  # type: ignore[attr-defined]
+    timers.totals = {name: [0.0, 0] for name in _PARTS}  # type: ignore[attr-defined]
+    return taken
+
+
+def commit_profile(client, models: dict, train, steps: int) -> list[list[str]]:
+    """One epoch of the plain and the ``commit_every=1`` model with the parts timed on the replicas."""
+    client.run(_install_timers)
+    rows = []
+    for name in ("plain", "commit_every=1"):
+        client.run(_take_timers)
+        start = time.perf_counter()
+        models[name].fit(train, epochs=1, verbose=0)
+        wall = (time.perf_counter() - start) / steps
+        taken = list(client.run(_take_timers).values())
+
+        def per_step(part: str, taken: list = taken) -> str:
+            return f"{statistics.mean(t[part][0] for t in taken) / steps * 1e3:.2f}"
+
+        rows.append([name, per_step("train_steps"), per_step("commit_metrics"), per_step("commit_now"),
+                     f"{wall * 1e3:.2f}"])
+    return rows
 
 
 class ProcessWorkers:
@@ -197,7 +295,7 @@ def _run_uninterrupted(epochs: int, steps: int) -> tuple[float, str]:
     try:
         with dd.MirroredStrategy(client=workers.client) as strategy:
             with strategy.scope():
-                model = build_cnn()
+                model = build_model()
             start = time.perf_counter()
             model.fit(dataset(steps), epochs=epochs, verbose=0)
             return time.perf_counter() - start, "-"
@@ -213,7 +311,7 @@ def _run_elastic(epochs: int, steps: int, min_replicas: int
         options = dd.ElasticOptions(min_replicas=min_replicas, max_replicas=3, admit_every="1s")
         with dd.MirroredStrategy(client=workers.client, elastic=options) as strategy:
             with strategy.scope():
-                model = build_cnn()
+                model = build_model()
             killer = KillEveryEpoch(workers, lambda: list(strategy.extended.worker_addresses), steps // 2, epochs)
             killer.start()
             start = time.perf_counter()
@@ -256,7 +354,7 @@ def _run_restarts(epochs: int, steps: int) -> tuple[float, str]:
                 with dd.MirroredStrategy(client=workers.client) as strategy:
                     current["members"] = list(strategy.extended.worker_addresses)
                     with strategy.scope():
-                        model = build_cnn()
+                        model = build_model()
                     model.fit(dataset(steps), epochs=epochs, verbose=0,
                               callbacks=[keras.callbacks.BackupAndRestore(backup)])
                 break
@@ -308,6 +406,7 @@ def recovery(trials: int, steps: int, how: int = signal.SIGKILL) -> None:
     dask = os.path.join(os.path.dirname(sys.executable), "dask")
     results = []
     for _ in range(trials):
+        print(f"trial: load before {os.getloadavg()[0]:.2f}", flush=True)
         cluster = LocalCluster(n_workers=0, processes=True, dashboard_address=":0", silence_logs=40)
         client = Client(cluster, set_as_default=False)
         nannies = [subprocess.Popen([dask, "worker", cluster.scheduler_address, "--nthreads", "1",
@@ -315,9 +414,10 @@ def recovery(trials: int, steps: int, how: int = signal.SIGKILL) -> None:
                    for _ in range(3)]
         try:
             client.wait_for_workers(3, timeout=120)
+            prepare_workers(client)
             with dd.MirroredStrategy(client=client, elastic=dd.ElasticOptions(min_replicas=2)) as strategy:
                 with strategy.scope():
-                    model = build_cnn()
+                    model = build_model()
                 victim = strategy.extended.worker_addresses[1]
                 worker, nanny = client.run(lambda: (os.getpid(), os.getppid()), workers=[victim])[victim]
                 killed: dict[str, float] = {}
@@ -343,6 +443,35 @@ def recovery(trials: int, steps: int, how: int = signal.SIGKILL) -> None:
     print("(the first step is seen through replica 0's progress events, sent at most every 0.25 s)")
 
 
+def snapshot_cost(steps: int) -> None:
+    """In this process, no cluster: Keras 3's training step on one replica's batch against the snapshot a commit
+    takes of it (``KerasTrainable.snapshot``: weights, optimizer slots, seeds, metric totals, copied), alternated."""
+    import torch
+
+    from daskdist.plugins.keras3.resident import KerasTrainable
+
+    torch.set_num_threads(1)  # one replica's share of the 2 cores
+    model = build_model()
+    rng = np.random.default_rng(0)
+    x = torch.from_numpy(rng.random((BATCH // 2, 28, 28, 1), dtype=np.float32))
+    y = torch.from_numpy(rng.integers(0, 10, BATCH // 2).astype(np.int64))
+    model.train_step((x, y))  # the optimizer's slots built
+    resident = KerasTrainable(model)
+    step_s, snap_s = [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        model.train_step((x, y))
+        step_s.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        state = resident.snapshot()
+        snap_s.append(time.perf_counter() - start)
+    nbytes = sum(a.nbytes for a in state["variables"] + state["optimizer"])
+    step, snap = statistics.median(step_s), statistics.median(snap_s)
+    print(f"load before: {os.getloadavg()[0]:.2f}; torch threads 1; {steps} alternations")
+    print(format_table(["Keras train_step (32 rows) ms", "snapshot ms", "snapshot / step", "bytes copied"],
+                       [[f"{step * 1e3:.2f}", f"{snap * 1e3:.2f}", f"{snap / step:.3f}", f"{nbytes:,}"]]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--epochs", type=int, default=6, help="measured epochs per strategy (commit cost)")
@@ -353,21 +482,37 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=3, help="kills (recovery) and stops (stop), one cluster each")
     parser.add_argument("--parts", default="commit,goodput,stop",
                         help="which parts, comma-separated: commit, goodput (a kill -9 per epoch, with kill -> "
-                             "first step per kill), recovery (kill -9, one per cluster), stop (SIGSTOP)")
+                             "first step per kill), recovery (kill -9, one per cluster), stop (SIGSTOP), snapshot "
+                             "(--model keras3: a commit's snapshot against Keras' step, in this process)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 2 epochs, 16 steps, 3 goodput epochs, 1 trial")
+    parser.add_argument("--model", choices=["builtin", "keras3"], default="builtin",
+                        help="the tutorial's CNN in daskdist's built-in layers or in Keras 3 (torch backend)")
     args = parser.parse_args()
     if args.quick:
         args.epochs, args.steps, args.goodput_epochs, args.trials = 2, 16, 3, 1
     parts = set(args.parts.split(","))
+    MODEL["name"] = args.model
+    if args.model == "keras3":
+        if "goodput" in parts:
+            parser.error("--model keras3 measures commit, recovery, stop and snapshot (goodput needs growth at commits)")
+        os.environ["KERAS_BACKEND"] = "torch"  # before Keras is imported, here and in the workers started
     print_header("Elastic training")
+    if args.model == "keras3":
+        import keras
+        import torch
+
+        print(f"Keras {keras.__version__} backend {keras.backend.backend()}, torch {torch.__version__}")
     begin = time.perf_counter()
     if "commit" in parts:
         print("\n## Commit cost per step\n")
-        commit_cost(args.epochs, args.steps)
+        commit_cost(args.epochs, args.steps, profile=args.model == "keras3")
     if "goodput" in parts:
         print(f"\n## Goodput of {args.goodput_epochs} epochs of {args.steps} steps, a kill -9 per epoch\n")
         goodput(args.goodput_epochs, args.steps, args.min_replicas)
+    if "snapshot" in parts:
+        print("\n## A commit's snapshot against Keras' own step, in one process (--model keras3)\n")
+        snapshot_cost(args.steps * 2)
     if "recovery" in parts:
         print("\n## Recovery after kill -9 of a worker and its nanny\n")
         recovery(args.trials, args.steps)

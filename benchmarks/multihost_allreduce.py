@@ -71,7 +71,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 
-from _common import format_table, print_header  # noqa: E402
+from _common import format_table, namespace_cluster, print_header  # noqa: E402
 from peers import gloo_allreduce, mpi_allreduce  # noqa: E402
 from peers._base import PeerUnavailable, SizePlan, format_size, parse_result, parse_size  # noqa: E402
 
@@ -320,66 +320,52 @@ def main() -> None:
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}  numpy BLAS: {_blas()}  "
           f"iterations: {dict(zip(map(format_size, args.sizes), iterations))}", flush=True)
 
-    from distributed import Client
-
-    from tests.netns import start_hosts, unavailable_reason
-
-    reason = unavailable_reason()
-    if reason is not None:
-        sys.exit(f"cannot make namespace hosts here: {reason}")
     plan = _plan(args.sizes, iterations)
     gloo_port = GLOO_PORT
     loads = []
-    hosts = start_hosts(2, max(args.layouts))
-    print(f"namespace hosts: {', '.join(f'{h.hostname} {h.address} ({h.namespace})' for h in hosts.hosts)}, "
-          f"bridge {hosts.bridge}", flush=True)
-    try:
-        with Client(hosts.scheduler_address, set_as_default=False) as client:
-            client.wait_for_workers(2 * max(args.layouts), timeout=120)
-            first_of_each = [next(a for a in client.scheduler_info()["workers"] if f"//{h.address}:" in a)
-                             for h in hosts.hosts]
-            for rate in args.rates:
-                hosts.shape(rate)
-                rows, notes = [], []
-                for per_host in args.layouts:
-                    layout = f"2x{per_host}"
-                    results: dict[str, Result] = {}
-                    walls: dict[str, Walls] = {}
-                    for system in args.systems:
-                        loads.append(os.getloadavg()[0])
-                        start = time.monotonic()
-                        info = ""
-                        _log(f"{rate} {layout} {system} ...")
-                        if system in OURS:
-                            results[system], walls[system] = _daskdist(
-                                client, first_of_each if per_host == 1 else None, args.sizes, iterations,
-                                "ucx" if system == "ucx" else None)
-                        elif system == "tf":
-                            results[system], walls[system] = _tf_mwms(hosts, per_host, args.sizes, iterations)
-                        elif system == "gloo":
-                            results[system], walls[system], info = _gloo(hosts, per_host, plan, gloo_port)
-                            gloo_port += 1
-                        else:
-                            results[system], walls[system], info = _mpi(hosts, per_host, plan)
-                        _log(f"{rate} {layout} {system}: {time.monotonic() - start:.0f} s")
-                        if isinstance(results[system], str):
-                            notes.append(f"{layout} {COLUMNS[system]}: {results[system]}")
-                        elif info and rate == args.rates[0]:
-                            notes.append(f"{layout} {COLUMNS[system]}: {info}")
-                    for n in args.sizes:
-                        bound = n * 8 / _rate_bits(rate) * 1e3
-                        rows.append([rate, layout, format_size(n), f"{bound:.3g}",
-                                     *[_cell(results.get(s, "not run"), walls.get(s, {}), n) for s in SYSTEMS],
-                                     _versus_best_peer(results, n)])
-                print(f"link {rate}, 2 hosts (median ms per call, slowest rank, and in brackets the wall time per call "
-                      "over the timed loop, untimed calls included; last column: daskdist / fastest peer)")
-                for note in notes:
-                    print(f"  {note}")
-                print(format_table(["link", "hosts x replicas", "size", "bound",
-                                    *[COLUMNS[s] for s in SYSTEMS], "daskdist / best peer"], rows))
-                print(flush=True)
-    finally:
-        hosts.close()
+    with namespace_cluster(2, max(args.layouts), rate=args.rates[0]) as (hosts, client):
+        first_of_each = [next(a for a in client.scheduler_info()["workers"] if f"//{h.address}:" in a)
+                         for h in hosts.hosts]
+        for rate in args.rates:
+            hosts.shape(rate)
+            rows, notes = [], []
+            for per_host in args.layouts:
+                layout = f"2x{per_host}"
+                results: dict[str, Result] = {}
+                walls: dict[str, Walls] = {}
+                for system in args.systems:
+                    loads.append(os.getloadavg()[0])
+                    start = time.monotonic()
+                    info = ""
+                    _log(f"{rate} {layout} {system} ...")
+                    if system in OURS:
+                        results[system], walls[system] = _daskdist(
+                            client, first_of_each if per_host == 1 else None, args.sizes, iterations,
+                            "ucx" if system == "ucx" else None)
+                    elif system == "tf":
+                        results[system], walls[system] = _tf_mwms(hosts, per_host, args.sizes, iterations)
+                    elif system == "gloo":
+                        results[system], walls[system], info = _gloo(hosts, per_host, plan, gloo_port)
+                        gloo_port += 1
+                    else:
+                        results[system], walls[system], info = _mpi(hosts, per_host, plan)
+                    _log(f"{rate} {layout} {system}: {time.monotonic() - start:.0f} s")
+                    if isinstance(results[system], str):
+                        notes.append(f"{layout} {COLUMNS[system]}: {results[system]}")
+                    elif info and rate == args.rates[0]:
+                        notes.append(f"{layout} {COLUMNS[system]}: {info}")
+                for n in args.sizes:
+                    bound = n * 8 / _rate_bits(rate) * 1e3
+                    rows.append([rate, layout, format_size(n), f"{bound:.3g}",
+                                 *[_cell(results.get(s, "not run"), walls.get(s, {}), n) for s in SYSTEMS],
+                                 _versus_best_peer(results, n)])
+            print(f"link {rate}, 2 hosts (median ms per call, slowest rank, and in brackets the wall time per call "
+                  "over the timed loop, untimed calls included; last column: daskdist / fastest peer)")
+            for note in notes:
+                print(f"  {note}")
+            print(format_table(["link", "hosts x replicas", "size", "bound",
+                                *[COLUMNS[s] for s in SYSTEMS], "daskdist / best peer"], rows))
+            print(flush=True)
     loads.append(os.getloadavg()[0])
     print(f"load average (1 min) before each system: min {min(loads):.2f}  median {statistics.median(loads):.2f}  "
           f"max {max(loads):.2f}")

@@ -39,7 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks"), str(REPO / "examples")]
 
-from _common import format_table, print_header  # noqa: E402
+from _common import blas_in_use, format_table, namespace_cluster, print_header  # noqa: E402
 from multihost_allreduce import run_tf_tasks  # noqa: E402
 
 __all__ = ["main"]
@@ -49,14 +49,12 @@ def _log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')} load {os.getloadavg()[0]:.2f}] {message}", file=sys.stderr, flush=True)
 
 
-def blas_in_use() -> str:
-    """The BLAS libraries loaded in this process, their kernel (architecture) and threads (threadpoolctl)."""
-    import numpy  # noqa: F401  (loads numpy's BLAS)
-    from threadpoolctl import threadpool_info
+def _worker_blas() -> str:
+    """``blas_in_use`` on a worker (whose path has the repository, not ``benchmarks/``: ``_common`` is not importable
+    there, so this script's function travels by value)."""
+    from benchmarks._common import blas_in_use as on_worker
 
-    found = [f"{i['internal_api']} {i.get('version', '')} {i.get('architecture', '?')} x{i['num_threads']}"
-             for i in threadpool_info() if i["user_api"] == "blas"]
-    return ", ".join(found) or "none loaded"
+    return on_worker()
 
 
 def _daskdist(client, epochs: int, batch_per_replica: int) -> tuple[list[float], int, int, list[float]]:
@@ -115,35 +113,21 @@ def main() -> None:
           f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')} "
           f"OPENBLAS_L2_SIZE={os.environ.get('OPENBLAS_L2_SIZE', '(unset)')}", flush=True)
 
-    from distributed import Client
-
-    from tests.netns import start_hosts, unavailable_reason
-
-    reason = unavailable_reason()
-    if reason is not None:
-        sys.exit(f"cannot make namespace hosts here: {reason}")
     per_host = 2
-    hosts = start_hosts(2, per_host, rate=args.rate)
-    print(f"namespace hosts: {', '.join(f'{h.hostname} {h.address} ({h.namespace})' for h in hosts.hosts)}, "
-          f"bridge {hosts.bridge}, links {args.rate}", flush=True)
     results: dict[str, tuple[list[float], int, str, list[float]] | str] = {}
     loads = []
-    try:
-        with Client(hosts.scheduler_address, set_as_default=False) as client:
-            client.wait_for_workers(2 * per_host, timeout=120)
-            blas = set(client.run(blas_in_use).values())
-            for system in args.systems:
-                loads.append(os.getloadavg()[0])
-                start = time.monotonic()
-                if system == "daskdist":
-                    seconds, samples, replicas, losses = _daskdist(client, args.epochs, args.batch_per_replica)
-                    results[system] = (seconds, samples, f"{replicas} replicas (Dask workers), BLAS {' / '.join(blas)}",
-                                       losses)
-                else:
-                    results[system] = _tf(hosts, per_host, args.epochs, args.batch_per_replica)
-                _log(f"{system}: {time.monotonic() - start:.0f} s, {results[system]}")
-    finally:
-        hosts.close()
+    with namespace_cluster(2, per_host, rate=args.rate) as (hosts, client):
+        blas = set(client.run(_worker_blas).values())
+        for system in args.systems:
+            loads.append(os.getloadavg()[0])
+            start = time.monotonic()
+            if system == "daskdist":
+                seconds, samples, replicas, losses = _daskdist(client, args.epochs, args.batch_per_replica)
+                results[system] = (seconds, samples, f"{replicas} replicas (Dask workers), BLAS {' / '.join(blas)}",
+                                   losses)
+            else:
+                results[system] = _tf(hosts, per_host, args.epochs, args.batch_per_replica)
+            _log(f"{system}: {time.monotonic() - start:.0f} s, {results[system]}")
     loads.append(os.getloadavg()[0])
     rows, speed = [], {}
     names = {"daskdist": "daskdist dd.MultiWorkerMirroredStrategy", "tf": "TF MultiWorkerMirroredStrategy (tf-keras)"}

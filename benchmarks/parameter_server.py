@@ -37,9 +37,22 @@ step time (median over epochs) on the tutorial's MLP at the same global
 batch, and the optimizer memory held in the cluster (Adam: the replicas'
 optimizer states, plus the store's for CentralStorage).
 
+And per worker count N (the ``keras3`` part, issue 21): **closures/s of a
+Keras 3 model's** ``fit``: the tutorial's MLP (Dense(64, relu) - Dense(10),
+Adam, sparse CE from logits, accuracy) in real Keras 3 on its torch backend,
+built in ``dd.ParameterServerStrategy``'s scope, ``model.fit(DatasetCreator(
+dataset_fn), steps_per_epoch=...)`` (each worker its own digits shard,
+per-worker batch ``--batch``; one step per closure, the parameters and Adam's
+slots on the ps) against the same model in tf-keras under TensorFlow's
+``ParameterServerStrategy`` (its ``fit`` and ``ClusterCoordinator``; the peer's
+``--model mlp``). One warm-up epoch each, then ``--rounds`` rounds alternated
+(ABBA), the load average printed before each; closures/s = timed steps /
+the epochs' wall time (``on_epoch_begin`` to ``on_epoch_end``), goal >= 1.0x TF.
+
 Usage::
 
     .venv/bin/python benchmarks/parameter_server.py [--quick] [--workers 1 2 4] [--ps 2] [--closures 400]
+    .venv/bin/python benchmarks/parameter_server.py --parts keras3 [--rounds 3]   # the Keras 3 figure only
 
 ``--quick``: N = 1 and 2, 100 closures, one timed epoch (a smoke run,
 about a minute). Figures belong in BENCHMARKS.md only when measured on a
@@ -50,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -58,9 +72,10 @@ from pathlib import Path
 
 import dask
 import numpy as np
-from _common import format_table, local_cluster, percentile_ms, print_header
+from _common import alternating_rounds, format_table, local_cluster, percentile_ms, print_header
 
 import daskdist as dd
+from daskdist.cluster.identity import scheduler_workers
 
 TF_PEER = Path(__file__).resolve().parent / "peers" / "tf_parameter_server.py"
 TF_MARKER = "@@ps-result "
@@ -73,7 +88,7 @@ class Roles:
         self.client, self.num_ps = client, num_ps
 
     def cluster_spec(self) -> dict:
-        info = self.client.scheduler_info(n_workers=-1)["workers"]
+        info = scheduler_workers(self.client)  # asked now (the client's cached copy can read empty)
         ordered = sorted(info, key=lambda a: info[a]["name"])
         return {"ps": ordered[:self.num_ps], "worker": ordered[self.num_ps:]}
 
@@ -162,10 +177,11 @@ def bytes_served(client: object, num_ps: int, partitioned: bool, closures: int) 
         return [s.call_from_client(client, "bytes_served") for s in strategy.extended.stores]
 
 
-def tensorflow_peer(workers: int, args: argparse.Namespace) -> dict | str:
+def tensorflow_peer(workers: int, args: argparse.Namespace, model: str = "softmax") -> dict | str:
     """TF's PS + ClusterCoordinator on the same closure, in a subprocess; its figures, or why it did not run."""
     command = [sys.executable, str(TF_PEER), "--workers", str(workers), "--ps", str(args.ps),
-               "--closures", str(args.closures), "--warmup", str(args.warmup), "--batch", str(args.batch)]
+               "--closures", str(args.closures), "--warmup", str(args.warmup), "--batch", str(args.batch),
+               "--model", model, "--steps-per-epoch", str(args.steps_per_epoch)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
     except subprocess.TimeoutExpired:
@@ -294,6 +310,99 @@ def central_vs_mirrored(replicas: int, epochs: int) -> dict[str, dict[str, float
     return results
 
 
+# -- a Keras 3 model under the PS strategy against tf-keras under TF's ------------------------------------------
+
+
+def keras3_mlp():
+    """The tutorial's MLP on digits in Keras 3, compiled as the TF peer's ``tutorial_mlp`` (call in a scope)."""
+    import keras
+
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10)])
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.Adam(), metrics=["accuracy"])
+    return model
+
+
+class Keras3Fit:
+    """Keras 3 ``fit`` of the tutorial's MLP under ``dd.ParameterServerStrategy`` on an open cluster."""
+
+    def __init__(self, client: object, num_ps: int, args: argparse.Namespace):
+        import keras
+
+        self.args = args
+        self.strategy = dd.ParameterServerStrategy(Roles(client, num_ps), client=client)
+        with self.strategy.scope():
+            self.model = keras3_mlp()
+        x_all, y_all = _digits()
+        self.x, self.y = x_all, y_all
+        batch = args.batch
+
+        def dataset_fn(ctx: object) -> object:
+            return dd.data.Dataset.from_tensor_slices((x_all, y_all)).shard(
+                ctx.num_input_pipelines, ctx.input_pipeline_id).batch(batch).repeat()
+
+        self.creator = dd.experimental.DatasetCreator(dataset_fn)
+        self.timer_type = keras.callbacks.Callback
+        self.model.fit(self.creator, epochs=1, steps_per_epoch=max(1, args.warmup), verbose=0)  # warm-up
+
+    def rate(self) -> float:
+        """One timed ``fit``: closures (steps) per second over its epochs."""
+        seconds: list[float] = []
+
+        class EpochTimer(self.timer_type):  # type: ignore[misc,name-defined]
+            def on_epoch_begin(self, epoch: int, logs: object = None) -> None:
+                self.start = time.perf_counter()
+
+            def on_epoch_end(self, epoch: int, logs: object = None) -> None:
+                seconds.append(time.perf_counter() - self.start)
+
+        epochs = max(1, self.args.closures // self.args.steps_per_epoch)
+        self.model.fit(self.creator, epochs=epochs, steps_per_epoch=self.args.steps_per_epoch, verbose=0,
+                       callbacks=[EpochTimer()])
+        return epochs * self.args.steps_per_epoch / sum(seconds)
+
+    def accuracy(self) -> float:
+        return float(np.mean(np.argmax(self.model.predict(self.x, verbose=0), axis=1) == self.y))
+
+    def close(self) -> None:
+        self.strategy.close()
+
+
+def keras3_figures(args: argparse.Namespace) -> None:
+    """Per N: Keras 3 ``fit`` closures/s under daskdist's PS against tf-keras ``fit`` under TF's, rounds alternated."""
+    import keras
+    import torch
+
+    print(f"Keras {keras.__version__} backend {keras.backend.backend()}, torch {torch.__version__}; the tutorial's "
+          f"MLP on digits, Adam, per-worker batch {args.batch}, {args.ps} ps, {args.closures} timed closures "
+          f"per arm and round in epochs of {args.steps_per_epoch} steps, {args.rounds} rounds alternated\n",
+          flush=True)
+    rows = []
+    for n in args.workers:
+        with local_cluster(args.ps + n) as client:
+            run = Keras3Fit(client, args.ps, args)
+
+            def block(arm: str, run: Keras3Fit = run, n: int = n) -> float | str:
+                if arm == "daskdist-keras3":
+                    return round(run.rate(), 1)
+                tf = tensorflow_peer(n, args, model="mlp")
+                return round(tf["rate"], 1) if isinstance(tf, dict) else tf
+
+            print(f"N = {n} workers:", flush=True)
+            results = alternating_rounds(["daskdist-keras3", "tf-keras"], args.rounds, block, show_load=True)
+            accuracy = run.accuracy()
+            run.close()
+        ours = [r for r in results["daskdist-keras3"] if isinstance(r, float)]
+        theirs = [r for r in results["tf-keras"] if isinstance(r, float)]
+        ratio = (f"{statistics.median(ours) / statistics.median(theirs):.2f}" if ours and theirs else "-")
+        rows.append([n, f"{statistics.median(ours):.0f} ({min(ours):.0f}-{max(ours):.0f})" if ours else "-",
+                     f"{statistics.median(theirs):.0f} ({min(theirs):.0f}-{max(theirs):.0f})" if theirs
+                     else str(results["tf-keras"]), ratio, f"{accuracy:.3f}"])
+    print(format_table(["workers", "Keras 3 (torch) under daskdist PS closures/s (median, range)",
+                        "tf-keras under TF PS closures/s", "daskdist/TF", "daskdist model's accuracy (train)"],
+                       rows))
+
+
 # -- the run ---------------------------------------------------------------------------------------------
 
 
@@ -312,19 +421,41 @@ def _options() -> argparse.Namespace:
     parser.add_argument("--max-steps", type=int, default=1000, help="steps per worker before giving up")
     parser.add_argument("--accuracy-workers", type=int, default=None, help="N for time to accuracy (default: max)")
     parser.add_argument("--no-tf", action="store_true", help="skip TensorFlow's PS peer")
+    parser.add_argument("--parts", default="closures,accuracy,central,keras3",
+                        help="comma-separated: closures (softmax closures, bytes, TF's PS), accuracy (time to "
+                             "accuracy), central (CentralStorage vs Mirrored), keras3 (Keras 3 fit vs tf-keras)")
+    parser.add_argument("--rounds", type=int, default=3, help="keras3: rounds alternated per N")
+    parser.add_argument("--steps-per-epoch", type=int, default=100, help="keras3: fit's steps_per_epoch")
     args = parser.parse_args()
     args.workers = args.workers or ([1, 2] if args.quick else [1, 2, 4])
     args.closures = args.closures or (100 if args.quick else 400)
     args.warmup = min(args.warmup, 10) if args.quick else args.warmup
     args.epochs = args.epochs or (1 if args.quick else 5)
     args.accuracy_workers = args.accuracy_workers or max(args.workers)
+    args.steps_per_epoch = min(args.steps_per_epoch, args.closures)
+    args.rounds = 1 if args.quick else args.rounds
+    args.parts = set(args.parts.split(","))
     return args
 
 
 def main() -> None:
     args = _options()
+    if "keras3" in args.parts:
+        os.environ.setdefault("KERAS_BACKEND", "torch")  # before Keras is imported, here and in the workers
     print_header("ParameterServerStrategy: closures/s, staleness, bytes per ps, TF's PS; "
-                 "time to accuracy; CentralStorage vs Mirrored")
+                 "time to accuracy; CentralStorage vs Mirrored; a Keras 3 model's fit vs tf-keras under TF's PS")
+    if "closures" in args.parts:
+        closure_table(args)
+    if "accuracy" in args.parts:
+        accuracy_table(args)
+    if "central" in args.parts:
+        central_table(args)
+    if "keras3" in args.parts:
+        keras3_figures(args)
+
+
+def closure_table(args: argparse.Namespace) -> None:
+    print(f"load before: {os.getloadavg()[0]:.2f}", flush=True)
     rows, base = [], None
     for n in args.workers:
         with local_cluster(args.ps + n) as client:
@@ -350,6 +481,10 @@ def main() -> None:
                         "empty closures/s", "schedule->fetch ms", "KiB/closure busiest ps whole (max/mean)",
                         "sharded (max/mean)", "TF PS closures/s", "daskdist/TF"], rows))
     print()
+
+
+def accuracy_table(args: argparse.Namespace) -> None:
+    print(f"load before: {os.getloadavg()[0]:.2f}", flush=True)
     n = args.accuracy_workers
     with local_cluster(args.ps + n) as client:
         ps = ps_time_to_accuracy(client, args.ps, args)
@@ -362,6 +497,10 @@ def main() -> None:
     print(format_table(["strategy", "workers/replicas", "training s", "steps (closures)", "samples", "accuracy"],
                        accuracy_rows))
     print()
+
+
+def central_table(args: argparse.Namespace) -> None:
+    print(f"load before: {os.getloadavg()[0]:.2f}", flush=True)
     css_rows = []
     for replicas in (2, 4):
         r = central_vs_mirrored(replicas, args.epochs)

@@ -7,12 +7,28 @@ differ only in the process group: gloo (rendezvoused through daskdist's store,
 so no port either) or ``daskdist``. Rounds alternate the arms. Models: the
 tutorial CNN on 28x28 input (about 1.4 MB of gradients) and a gradient-heavy
 MLP (3 Linear 2048x2048, about 50 MB). The final loss of each arm is printed
-as a parity check.
+as a parity check. Per arm: the step time (wall), the CPU time of the replica's
+process per step (every thread: the backend's and gloo's too) and, after the
+timed steps, the same steps under DDP's ``no_sync`` (no communication: what a
+step costs on a free network). Step minus no_sync step is the communication
+that the step did not hide.
 
 Then ``dist.all_reduce`` through the backend against ``ReplicaContext.all_reduce``
 on the same replicas, 4 KiB and 64 MiB: the torch layer's cost per call.
 
     python benchmarks/torch_ddp.py --rounds 3 [--parts ddp,overhead] [--per-call-only] [--arm-timeout 240]
+
+Across hosts (``--hosts netns``, as root): two network-namespace hosts
+(``tests/netns.py``: own network, host name and ``/dev/shm`` each) with one
+single-threaded Dask worker each, a ``dd.MultiWorkerMirroredStrategy`` over
+them (one replica per host), and for each of ``--rates`` (default 1gbit and
+10gbit: every host's link shaped with ``tc ... tbf``) the same rounds. The
+gloo arm there is plain ``torch.distributed``: ``env://`` rendezvous with
+``MASTER_ADDR`` on rank 0's namespace address, a fresh ``MASTER_PORT`` per
+arm, ``GLOO_SOCKET_IFNAME=eth0``; the daskdist arm rendezvouses through the
+scheduler as on one host. Its default parts: ``ddp``.
+
+    python benchmarks/torch_ddp.py --hosts netns --rates 1gbit,10gbit --rounds 3
 
 The load average (1 minute) is printed before each arm of each round and
 goes into the tables, next to that arm's figures.
@@ -30,6 +46,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import faulthandler
+import itertools
 import os
 import re
 import signal
@@ -41,15 +58,18 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import daskdist as dd  # noqa: E402
-from benchmarks._common import format_table, local_cluster, print_header  # noqa: E402
+from benchmarks._common import blas_in_use, format_table, local_cluster, namespace_cluster, print_header  # noqa: E402
 
 GLOBAL_BATCH = 64
+#: gloo's first ``MASTER_PORT`` across namespace hosts (each arm takes the next: no wait for a closed store's port)
+GLOO_PORT = 29500
 
 
 def _model(name: str) -> Any:
@@ -77,10 +97,14 @@ def _batch(name: str, step: int) -> tuple[Any, Any]:
     return torch.from_numpy(x), torch.from_numpy(y)
 
 
-def ddp_arm(arm: str, name: str, steps: int, warmup: int, tag: str, bound: float) -> dict[str, Any]:
+def ddp_arm(arm: str, name: str, steps: int, warmup: int, tag: str, bound: float,
+            master_port: int | None = None) -> dict[str, Any]:
     """On a replica: ``steps`` DDP steps of ``name`` on backend ``arm``; step times and the last loss.
 
     ``bound``: the arm's timeout in seconds (gloo's and its store's; past it the replica dumps its stacks).
+    ``master_port``: gloo rendezvouses as plain ``torch.distributed`` does across hosts (``env://``,
+    ``MASTER_ADDR`` = rank 0's worker address, this port, ``GLOO_SOCKET_IFNAME=eth0``) instead of through
+    daskdist's store.
     """
     import torch
     import torch.distributed as dist
@@ -93,7 +117,12 @@ def ddp_arm(arm: str, name: str, steps: int, warmup: int, tag: str, bound: float
     timeout = datetime.timedelta(seconds=bound)
     faulthandler.dump_traceback_later(bound, exit=False)  # a stuck arm shows where, on the worker's stderr
     try:
-        if arm == "gloo":
+        if arm == "gloo" and master_port is not None:
+            os.environ.update(MASTER_ADDR=urlsplit(runtime.spec.addresses[0]).hostname or "",
+                              MASTER_PORT=str(master_port), GLOO_SOCKET_IFNAME="eth0")
+            dist.init_process_group("gloo", init_method="env://", rank=runtime.rank, world_size=runtime.size,
+                                    timeout=timeout)
+        elif arm == "gloo":
             store = DaskdistStore(runtime.worker, f"{runtime.group_id}/bench-{tag}", timeout=timeout)
             dist.init_process_group("gloo", store=store, rank=runtime.rank, world_size=runtime.size, timeout=timeout)
         else:
@@ -127,19 +156,30 @@ def _train(arm: str, name: str, steps: int, warmup: int) -> dict[str, Any]:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         local = GLOBAL_BATCH // world
         batches = [_batch(name, s) for s in range(steps + warmup)]
-        times, loss = [], 0.0
+        times, cpu, loss = [], [], 0.0
         for s, (x, y) in enumerate(batches):
             xs, ys = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             optimizer.zero_grad()
             out = torch.nn.functional.cross_entropy(model(xs), ys)
             out.backward()
             optimizer.step()
             if s >= warmup:
                 times.append(time.perf_counter() - start)
+                cpu.append(time.process_time() - start_cpu)  # every thread of the process: the backend's too
             loss = float(out.detach())
         final = dd.get_replica_context().all_reduce("SUM", np.array([loss]))
-        return {"times": times, "loss": float(final[0]) / world}
+        compute = []  # the same steps without communication (DDP's no_sync): what the step costs with a free network
+        for x, y in batches[warmup:]:
+            xs, ys = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
+            start = time.perf_counter()
+            optimizer.zero_grad()
+            with model.no_sync():
+                out = torch.nn.functional.cross_entropy(model(xs), ys)
+                out.backward()
+            optimizer.step()
+            compute.append(time.perf_counter() - start)
+        return {"times": times, "cpu": cpu, "compute": compute, "loss": float(final[0]) / world}
     finally:
         model = optimizer = out = None  # DDP's reducer (and its hold on the group) goes first
         if arm == "gloo":
@@ -202,49 +242,101 @@ def overhead_arm(arm: str, nbytes: int, calls: int) -> float:
     return statistics.median(times)
 
 
-def main(rounds: int, cnn_steps: int, mlp_steps: int, parts: str = "ddp,overhead", bound: float = 240.0) -> None:
+def main(rounds: int, cnn_steps: int, mlp_steps: int, parts: str = "ddp,overhead", bound: float = 240.0,
+         hosts: str = "local", rates: tuple[str, ...] = ("1gbit", "10gbit")) -> None:
+    """Run the ``parts`` on one host (``hosts="local"``) or on two namespace hosts at each of ``rates``."""
     import dask
 
-    print_header("DDP on daskdist vs DDP on gloo (2 replicas, one host), and the torch layer's cost per call")
+    if hosts == "local":
+        print_header("DDP on daskdist vs DDP on gloo (2 replicas, one host), and the torch layer's cost per call")
+    else:
+        print_header(f"DDP on daskdist vs DDP on gloo across 2 network-namespace hosts (1 replica each), "
+                     f"links {', '.join(rates)}")
     print(_torch_line(), flush=True)
     # daskdist's collectives get the arm's bound as their deadline too (gloo gets it in ddp_arm)
     with dask.config.set({"daskdist.collective.timeout": f"{bound:g}s"}):
-        with local_cluster(2) as client, dd.MirroredStrategy(client=client) as strategy:
-            print(f"replica processes: {sorted(client.run(os.getpid).values())} (py-spy dump --pid ... if stuck)",
-                  flush=True)
-            if "ddp" in parts:
-                ddp_figures(strategy, rounds, cnn_steps, mlp_steps, bound)
-            if "overhead" in parts:
-                overhead_figures(strategy, rounds, bound)
-            run_arm(strategy, "destroying the torch groups", bound, dd.plugins.torch.destroy_process_group)
+        if hosts == "local":
+            with local_cluster(2) as client, dd.MirroredStrategy(client=client) as strategy:
+                _announce(client)
+                run_parts(strategy, parts, rounds, cnn_steps, mlp_steps, bound)
+            return
+        with namespace_cluster(2, 1, rate=rates[0]) as (netns, client), \
+                dd.MultiWorkerMirroredStrategy(client=client) as strategy:
+            _announce(client)
+            ports = itertools.count(GLOO_PORT)
+            for rate in rates:
+                netns.shape(rate)
+                print(f"\n--- links shaped to {rate} (tc tbf on each host's eth0) ---", flush=True)
+                run_parts(strategy, parts, rounds, cnn_steps, mlp_steps, bound, where=f"2 hosts, {rate}", ports=ports)
 
 
-def ddp_figures(strategy: Any, rounds: int, cnn_steps: int, mlp_steps: int, bound: float) -> None:
-    """DDP on gloo and on daskdist, ``rounds`` rounds alternated: step times, samples/s, final losses."""
+def _announce(client: Any) -> None:
+    """Print the replica processes (for py-spy) and the BLAS each loaded with torch (threadpoolctl)."""
+    print(f"replica processes: {sorted(client.run(os.getpid).values())} (py-spy dump --pid ... if stuck)", flush=True)
+    print(f"BLAS in the workers (threadpoolctl, torch imported): {sorted(set(client.run(_worker_blas).values()))}",
+          flush=True)
+
+
+def _worker_blas() -> str:
+    import torch  # noqa: F401  (loads torch's BLAS next to numpy's)
+
+    return blas_in_use()
+
+
+def run_parts(strategy: Any, parts: str, rounds: int, cnn_steps: int, mlp_steps: int, bound: float,
+              where: str = "one host", ports: Iterator[int] | None = None) -> None:
+    """The DDP and per-call tables on ``strategy``'s replicas, then their torch groups destroyed."""
+    if "ddp" in parts:
+        ddp_figures(strategy, rounds, cnn_steps, mlp_steps, bound, where, ports)
+    if "overhead" in parts:
+        overhead_figures(strategy, rounds, bound)
+    run_arm(strategy, "destroying the torch groups", bound, dd.plugins.torch.destroy_process_group)
+
+
+def ddp_figures(strategy: Any, rounds: int, cnn_steps: int, mlp_steps: int, bound: float, where: str = "one host",
+                ports: Iterator[int] | None = None) -> None:
+    """DDP on gloo and on daskdist, ``rounds`` rounds alternated: step times, samples/s, final losses.
+
+    ``ports``: gloo's ``MASTER_PORT`` for each arm (``env://`` rendezvous across hosts); ``None``: through
+    daskdist's store. ``where`` heads the table's rows.
+    """
     rows, losses = [], {}
     results: dict[tuple[str, str], list[float]] = {}
+    computes: dict[tuple[str, str], list[float]] = {}
+    cpus: dict[tuple[str, str], list[float]] = {}
     loads: dict[tuple[str, str], list[float]] = {}
     for r in range(rounds):
         for name, steps in (("cnn", cnn_steps), ("mlp", mlp_steps)):
             for arm in (("gloo", "daskdist") if r % 2 == 0 else ("daskdist", "gloo")):
                 what = f"round {r + 1}, {name}, {arm}"
-                loads.setdefault((name, arm), []).append(_load(what))
-                out = run_arm(strategy, what, bound, ddp_arm, arm, name, steps, 3, f"{r}-{name}-{arm}", bound)
+                loads.setdefault((name, arm), []).append(_load(f"{where}: {what}"))
+                port = next(ports) if ports is not None and arm == "gloo" else None
+                out = run_arm(strategy, f"{where}: {what}", bound, ddp_arm, arm, name, steps, 3, f"{r}-{name}-{arm}",
+                              bound, port)
                 step = max(statistics.median(o["times"]) for o in out)  # the slowest replica's median
                 results.setdefault((name, arm), []).append(step)
+                computes.setdefault((name, arm), []).append(max(statistics.median(o["compute"]) for o in out))
+                cpus.setdefault((name, arm), []).append(max(statistics.median(o["cpu"]) for o in out))
                 losses[(name, arm)] = out[0]["loss"]
     for name in ("cnn", "mlp"):
         gloo, ours = results[(name, "gloo")], results[(name, "daskdist")]
         ratios = [g / d for g, d in zip(gloo, ours)]
-        rows.append([name, ", ".join(f"{1e3 * t:.1f}" for t in gloo), ", ".join(f"{1e3 * t:.1f}" for t in ours),
+        rows.append([where, name, _ms(gloo), _ms(ours), _ms(computes[(name, "gloo")]),
+                     _ms(computes[(name, "daskdist")]), _ms(cpus[(name, "gloo")]), _ms(cpus[(name, "daskdist")]),
                      f"{GLOBAL_BATCH / statistics.median(gloo):.0f}", f"{GLOBAL_BATCH / statistics.median(ours):.0f}",
                      ", ".join(f"{x:.2f}" for x in ratios),
                      f"{losses[(name, 'gloo')]:.6f} / {losses[(name, 'daskdist')]:.6f}",
                      _loads(loads[(name, "gloo")]), _loads(loads[(name, "daskdist")])])
-    print(format_table(["model", "gloo step ms (rounds)", "daskdist step ms (rounds)", "gloo samples/s",
+    print(format_table(["where", "model", "gloo step ms (rounds)", "daskdist step ms (rounds)",
+                        "no_sync step ms gloo arm", "no_sync step ms daskdist arm", "CPU ms/step gloo",
+                        "CPU ms/step daskdist", "gloo samples/s",
                         "daskdist samples/s", "daskdist/gloo", "final loss gloo / daskdist", "load gloo (rounds)",
                         "load daskdist (rounds)"], rows))
     print()
+
+
+def _ms(seconds: list[float]) -> str:
+    return ", ".join(f"{1e3 * t:.1f}" for t in seconds)
 
 
 def overhead_figures(strategy: Any, rounds: int, bound: float) -> None:
@@ -292,10 +384,16 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cnn-steps", type=int, default=40)
     parser.add_argument("--mlp-steps", type=int, default=12)
-    parser.add_argument("--parts", default="ddp,overhead", help="comma-separated: ddp, overhead")
+    parser.add_argument("--parts", default=None,
+                        help="comma-separated: ddp, overhead (default: both on one host, ddp across hosts)")
     parser.add_argument("--per-call-only", action="store_true", help="only the per-call part (--parts overhead)")
     parser.add_argument("--arm-timeout", type=float, default=240.0,
                         help="seconds an arm may take before its collectives and store time out (default 240)")
+    parser.add_argument("--hosts", choices=["local", "netns"], default="local",
+                        help="local: 2 worker processes of one host; netns: 2 network-namespace hosts (needs root)")
+    parser.add_argument("--rates", default="1gbit,10gbit",
+                        help="with --hosts netns: comma-separated link rates, measured in this order")
     args = parser.parse_args()
-    main(args.rounds, args.cnn_steps, args.mlp_steps, "overhead" if args.per_call_only else args.parts,
-         args.arm_timeout)
+    parts = "overhead" if args.per_call_only else args.parts or ("ddp,overhead" if args.hosts == "local" else "ddp")
+    main(args.rounds, args.cnn_steps, args.mlp_steps, parts, args.arm_timeout, args.hosts,
+         tuple(r.strip() for r in args.rates.split(",") if r.strip()))

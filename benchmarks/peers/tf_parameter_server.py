@@ -12,9 +12,23 @@ variables, computes the softmax gradient by hand and ``assign_sub``s it.
 After ``--warmup`` closures, ``--closures`` closures are scheduled and
 joined: committed closures per second. Also the empty closure's rate.
 
-Prints ``RESULT_MARKER`` and ``{"rate": ..., "empty_rate": ..., "accuracy": ...}``.
+``--model mlp``: instead of the hand-written closure, the tutorial's MLP in
+tf-keras (Keras 2; Dense(64, relu) - Dense(10), Adam, sparse CE from logits,
+accuracy), built and compiled in ``strategy.scope()`` and trained with
+``model.fit(DatasetCreator(dataset_fn), steps_per_epoch=...)`` as TF's
+parameter-server tutorial does (``fit`` makes its own ``ClusterCoordinator``,
+one step per closure: ``steps_per_execution`` 1). One warm-up epoch of
+``--warmup`` steps is not timed; then ``--closures`` steps in epochs of
+``--steps-per-epoch``, timed from ``on_epoch_begin`` to ``on_epoch_end``
+(``peers/tf_mwms_training.epoch_timer``): closures/s of ``fit``.
+``benchmarks/parameter_server.py --parts keras3`` runs the same model in
+Keras 3 under daskdist's ParameterServerStrategy against it.
+
+Prints ``RESULT_MARKER`` and ``{"rate": ..., "empty_rate": ..., "accuracy": ...}`` (``--model mlp``:
+``{"rate": ..., "epoch_seconds": [...], "accuracy": ...}``).
 
     python benchmarks/peers/tf_parameter_server.py --workers 2 --ps 2 --closures 400 --batch 32
+    python benchmarks/peers/tf_parameter_server.py --workers 2 --ps 2 --closures 400 --batch 32 --model mlp
 """
 
 from __future__ import annotations
@@ -24,8 +38,10 @@ import json
 import os
 import socket
 import time
+from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ["TF_USE_LEGACY_KERAS"] = "1"  # tf.keras is tf-keras (Keras 2)
 
 RESULT_MARKER = "@@ps-result "
 
@@ -53,6 +69,33 @@ def _in_process_cluster(tf: object, num_workers: int, num_ps: int) -> object:
     return tf.distribute.cluster_resolver.SimpleClusterResolver(spec, rpc_layer="grpc")  # type: ignore[attr-defined]
 
 
+def tutorial_mlp(keras: Any) -> Any:
+    """The tutorial's MLP on digits in tf-keras, compiled (call in the strategy's scope)."""
+    model = keras.Sequential([keras.layers.Dense(64, activation="relu", input_shape=(64,)),
+                              keras.layers.Dense(10)])
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.Adam(), metrics=["accuracy"])
+    return model
+
+
+def keras_fit_rate(strategy: Any, dataset_fn: Any, args: argparse.Namespace) -> dict:
+    """tf-keras ``fit`` of the tutorial's MLP under TF's PS: closures (steps) per second, epoch times, accuracy."""
+    import numpy as np
+    import tf_keras as keras
+    from tf_mwms_training import epoch_timer  # this folder is on sys.path when run
+
+    with strategy.scope():
+        model = tutorial_mlp(keras)
+    creator = keras.utils.experimental.DatasetCreator(dataset_fn)
+    model.fit(creator, epochs=1, steps_per_epoch=max(1, args.warmup), verbose=0)  # warm-up: traced, placed
+    seconds: list[float] = []
+    epochs = max(1, args.closures // args.steps_per_epoch)
+    model.fit(creator, epochs=epochs, steps_per_epoch=args.steps_per_epoch, verbose=0,
+              callbacks=[epoch_timer(keras, seconds)])
+    return {"rate": epochs * args.steps_per_epoch / sum(seconds), "epoch_seconds": seconds,
+            "accuracy": float(np.mean(np.argmax(model.predict(args.x, verbose=0), axis=1) == args.y))}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--workers", type=int, required=True)
@@ -60,6 +103,9 @@ def main() -> None:
     parser.add_argument("--closures", type=int, default=400)
     parser.add_argument("--warmup", type=int, default=40)
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--model", choices=["softmax", "mlp"], default="softmax",
+                        help="softmax: the hand-written closure; mlp: tf-keras fit of the tutorial's MLP")
+    parser.add_argument("--steps-per-epoch", type=int, default=100, help="--model mlp: fit's steps_per_epoch")
     args = parser.parse_args()
 
     import numpy as np
@@ -81,6 +127,10 @@ def main() -> None:
     def per_worker_dataset_fn() -> object:  # TF's tutorial: the input context comes from the strategy
         return strategy.distribute_datasets_from_function(dataset_fn)
 
+    if args.model == "mlp":
+        args.x, args.y = x_all, y_all
+        print(RESULT_MARKER + json.dumps(keras_fit_rate(strategy, dataset_fn, args)), flush=True)
+        return
     iterator = iter(coordinator.create_per_worker_dataset(per_worker_dataset_fn))
 
     @tf.function

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from daskdist.cluster.identity import scheduler_identity
 from daskdist.cluster_resolver.base import ClusterResolver, format_master_url
 from daskdist.cluster_resolver.cluster_spec import ClusterSpec
 from daskdist.cluster_resolver.selection import (
@@ -120,7 +121,7 @@ class DaskClusterResolver(ClusterResolver):
     def _identity(self) -> dict[str, Any]:
         """The scheduler's identity (address and workers), asked now."""
         if self._client is not None:
-            return self._client.scheduler_info(n_workers=-1)
+            return scheduler_identity(self._client)
         try:
             from distributed import get_worker
 
@@ -133,7 +134,7 @@ class DaskClusterResolver(ClusterResolver):
             return sync(worker.loop, worker.scheduler.identity, n_workers=-1)
         from distributed import default_client
 
-        return default_client().scheduler_info(n_workers=-1)
+        return scheduler_identity(default_client())
 
     def _records(self, identity: dict[str, Any]) -> list[WorkerRecord]:
         workers = identity.get("workers", {})

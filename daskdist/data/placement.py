@@ -161,12 +161,18 @@ def _wait_while_alive(client: Client, futures: list[Future], workers: set[str], 
                 future.exception(timeout=poll)
                 break
             except TimeoutError:
-                alive = set(client.scheduler_info(n_workers=-1)["workers"])
+                alive = _scheduler_workers(client)
                 gone = sorted(workers - alive)
                 if gone:
                     raise ReplicaLostError(
                         f"worker {gone[0]} left the cluster while the input was placed on it", worker=gone[0]
                     ) from None
+
+
+def _scheduler_workers(client: Any) -> set[str]:
+    """The workers the scheduler knows now: its ``identity`` call's own reply, not ``client.scheduler_info()``'s
+    cache, which the client's refresh empties (``daskdist.cluster.identity``, which data may not import)."""
+    return set(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
 
 
 def _partition_futures(collection: Any, futures: list[Future]) -> list[Future]:

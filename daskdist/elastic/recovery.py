@@ -17,6 +17,7 @@ import logging
 import time
 from typing import Any
 
+from daskdist.cluster.identity import scheduler_workers
 from daskdist.dashboard.membership import ELASTIC_TOPIC as MEMBERSHIP_EVENTS
 from daskdist.elastic.options import ElasticOptions
 from daskdist.elastic.quarantine import quarantine_of
@@ -331,13 +332,13 @@ def _wait_for_members(group: ReplicaGroup, options: ElasticOptions, lost: list[s
 
 def remember_members(group: ReplicaGroup) -> None:
     """Note the Dask names of the cluster's workers, so that a member lost later is known by its name."""
-    quarantine_of(group).remember(group.client.scheduler_info(n_workers=-1)["workers"])
+    quarantine_of(group).remember(scheduler_workers(group.client))
 
 
 def free_workers(group: ReplicaGroup, options: ElasticOptions) -> list[str]:
     """Workers of the cluster that host no member of the group, oldest first, but those in their cooldown and
     those leaving (retired from the group, or closing)."""
-    workers = group.client.scheduler_info(n_workers=-1)["workers"]
+    workers = scheduler_workers(group.client)
     quarantine = quarantine_of(group)
     quarantine.remember(workers)
     members = set(group.addresses)

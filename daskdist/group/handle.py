@@ -31,6 +31,7 @@ from distributed.comm.core import CommClosedError
 
 from daskdist import config, serialization
 from daskdist.cluster.client_state import check_client_open, client_is_closed
+from daskdist.cluster.identity import scheduler_workers
 from daskdist.cluster.interrupts import abort_interrupted_run
 from daskdist.cluster.placement import Placement
 from daskdist.collective.nccl_support import parse_setting as parse_nccl_setting
@@ -243,7 +244,7 @@ class ReplicaGroup:
                 workers=[address], allow_other_workers=False, pure=False))
         deadline = time.monotonic() + 60
         while not all(self._hosts_replica(a) for a in newcomers):
-            present = self.client.scheduler_info(n_workers=-1)["workers"]
+            present = scheduler_workers(self.client)
             gone = [a for a in newcomers if a not in present]
             if gone:  # lost while starting: a loss like any other (the scheduler re-forms the group without it)
                 raise ReplicaLostError(f"the worker {gone[0]} admitted into {self.group_id} left the cluster "
@@ -402,7 +403,7 @@ class ReplicaGroup:
 
     def _ranks_alive(self, ranks: Any) -> list[int]:
         """Those of ``ranks`` whose worker is still in the cluster."""
-        alive = set(self.client.scheduler_info(n_workers=-1)["workers"])
+        alive = set(scheduler_workers(self.client))
         return [r for r in ranks if self.addresses[r] in alive]
 
     def _channels_close(self) -> None:

@@ -29,6 +29,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from daskdist import config, serialization
+from daskdist.cluster.identity import scheduler_workers
 from daskdist.group.membership import Generation, GroupId, Member, Membership, Role
 from daskdist.group.scheduler_plugin import DaskdistSchedulerPlugin
 from daskdist.ps.refs import StoreRef
@@ -176,7 +177,7 @@ class StoreGroup:
             return
         self._closed = True
         try:
-            workers = self.client.scheduler_info(n_workers=-1)["workers"]
+            workers = scheduler_workers(self.client)
         except Exception:  # noqa: BLE001 - the client is closing: try them all
             workers = dict.fromkeys(self.addresses)
         for rank, address in enumerate(self.addresses):

@@ -14,6 +14,7 @@ from typing import Any
 from distributed import Client
 
 from daskdist.cluster.devices import parse_device
+from daskdist.cluster.identity import scheduler_workers
 from daskdist.strategy.base import Strategy
 from daskdist.strategy.parameter_holder import ParameterHolderExtended
 
@@ -56,7 +57,7 @@ class CentralStorageExtended(ParameterHolderExtended):
     def _parameter_holder(self, parameter_device: str | None, device_name: str | None) -> tuple[str, str]:
         """The worker holding the parameters and the device name variables report."""
         if parameter_device is not None and device_name is None:  # a worker address
-            workers = self.client.scheduler_info(n_workers=-1)["workers"]
+            workers = scheduler_workers(self.client)
             if parameter_device not in workers:
                 raise ValueError(f"parameter_device {parameter_device!r} is not a worker of this cluster; "
                                  f"workers: {sorted(workers)}")

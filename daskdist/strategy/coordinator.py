@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import optree
 
+from daskdist.cluster.identity import scheduler_workers
 from daskdist.exceptions import ParameterServerLostError, ReplicaLostError, StrategyClosedError
 from daskdist.group.announcements import announcements_of
 from daskdist.group.scheduler_plugin import EVENT_TOPIC
@@ -176,7 +177,7 @@ class ClusterCoordinator:
         self._prefix = uuid.uuid4().hex[:8]
         self._workers = list(self._extended.worker_groups)
         self._live: set[str] = set(self._workers)
-        self._seen = set(self._extended.client.scheduler_info(n_workers=-1)["workers"])  # newcomers come later
+        self._seen = set(scheduler_workers(self._extended.client))  # newcomers come later
         self._resources: list[tuple[Callable[..., Any], Callable[[int], tuple[Any, ...]]]] = []  # re-made on newcomers
         #: The partitions of Dask collections each committed closure's per-worker pipeline loaded.
         self.data_ledger = ClosureDataLedger()
@@ -373,7 +374,7 @@ class ClusterCoordinator:
             seen = announcements.wait_past(seen, _WATCH_RECHECK_SECONDS)
             try:
                 status, reason = group.status() if group is not None else ("running", "")
-                workers = client.scheduler_info(n_workers=-1)["workers"]
+                workers = scheduler_workers(client)
             except Exception as e:  # noqa: BLE001 - the client is closing
                 logger.debug("Coordinator could not ask the scheduler for workers: %s", e)
                 continue
@@ -448,6 +449,9 @@ class PerWorkerDataset:
         self._coordinator = coordinator
         self._key = f"ps-dataset:{uuid.uuid4().hex[:12]}"
         live = list(coordinator.live_workers)
+        if not live:  # nothing to build it on (the planning below needs one worker at least)
+            raise ReplicaLostError("every worker of the ParameterServerStrategy is lost: no worker to build a "
+                                   "per-worker dataset on")
         self.locality = plan_by_locality(coordinator.strategy.extended.client, live, dataset_fn, self._key)
         if self.locality is not None:
             plan, count = self.locality, len(live)

@@ -38,6 +38,7 @@ from daskdist import config, context, registry
 from daskdist.cluster.client_state import check_client_open
 from daskdist.cluster.devices import DeviceSpec
 from daskdist.cluster.embedded import describe_worker
+from daskdist.cluster.identity import scheduler_workers
 from daskdist.cluster.placement import Placement
 from daskdist.cross_device_ops import CrossDeviceOps
 from daskdist.exceptions import StrategyClosedError
@@ -140,7 +141,7 @@ class ParameterServerExtended(ParameterHolderExtended):
         if not isinstance(client, Client):
             raise TypeError(f"client must be a distributed.Client, got {type(client).__name__}")
         check_client_open(client, type(strategy).__name__)
-        known = client.scheduler_info(n_workers=-1)["workers"]
+        known = scheduler_workers(client)
         ps, workers = _match_workers(ps, known), _match_workers(workers, known)
         self.strategy = strategy
         self._client = client

@@ -25,6 +25,7 @@ from daskdist.arrays import as_array
 from daskdist.cluster.client_state import check_client_open
 from daskdist.cluster.devices import DeviceSpec, parse_devices
 from daskdist.cluster.embedded import describe_worker, start_embedded_cluster
+from daskdist.cluster.identity import scheduler_workers
 from daskdist.cluster.interrupts import EmbeddedShutdown
 from daskdist.cluster.placement import Placement, WorkerInfo, place_replicas
 from daskdist.cross_device_ops import CrossDeviceOps
@@ -147,7 +148,7 @@ class SpmdExtended(StrategyExtended):
     def _discover_workers(self) -> list[WorkerInfo]:
         """The workers that answer, with their host and GPUs, named as the scheduler names them."""
         described = self.client.run(describe_worker)  # the workers that answer are the ones to place on
-        info = self.client.scheduler_info(n_workers=-1)["workers"]  # for their names (the placement order)
+        info = scheduler_workers(self.client)  # for their names (the placement order)
         return [
             WorkerInfo(address=a, name=str(info.get(a, {}).get("name", a)), host=d["host"], gpus=d["gpus"])
             for a, d in described.items()
