@@ -132,3 +132,35 @@ class NoisyRestore(keras.layers.Dense):
         super().load_own_variables(store)
         self.kernel.assign(self.kernel.numpy() + np.random.default_rng().normal(size=self.kernel.shape)
                            .astype(np.float32))
+
+
+def average_loss(global_batch: int, loss_object=None):
+    """TF's ``compute_average_loss`` for its custom-training tutorial: the per-example losses summed over the
+    global batch size (sparse categorical cross-entropy on logits unless ``loss_object`` is given)."""
+    if loss_object is None:
+        loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+
+    def compute_loss(labels, predictions):
+        return keras.ops.sum(loss_object(labels, predictions)) / global_batch
+
+    return compute_loss
+
+
+def torch_train_step(model, optimizer, compute_loss):
+    """TF's custom-training step on the torch backend: Keras' forward, torch's backward, ``optimizer.apply``.
+
+    The loss is computed in ``compute_loss``, not here: ``keras.ops`` and ``torch`` in one function's code make
+    cloudpickle take ``torch.ops`` for a submodule of ``torch`` the function uses, which it cannot pickle.
+    """
+    import torch
+
+    def train_step(inputs):
+        features, labels = inputs
+        loss = compute_loss(labels, model(features, training=True))
+        model.zero_grad()
+        loss.backward()
+        with torch.no_grad():  # in a replica: summed over the replicas; on a ps worker: pushed to the ps
+            optimizer.apply([v.value.grad for v in model.trainable_variables], model.trainable_variables)
+        return float(loss)
+
+    return train_step

@@ -14,7 +14,13 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import daskdist as dd  # noqa: E402
-from tests.keras3_models import assert_replicas_identical, dense_data, sequential  # noqa: E402
+from tests.keras3_models import (  # noqa: E402
+    assert_replicas_identical,
+    average_loss,
+    dense_data,
+    sequential,
+    torch_train_step,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -24,22 +30,7 @@ GLOBAL_BATCH_SIZE = 16
 def _tutorial_objects():
     model = sequential()
     optimizer = keras.optimizers.SGD(0.1)
-    loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
-
-    def compute_loss(labels, predictions):  # tf.nn.compute_average_loss: the sum over the global batch size
-        return keras.ops.sum(loss_object(labels, predictions)) / GLOBAL_BATCH_SIZE
-
-    def train_step(inputs):
-        images, labels = inputs
-        predictions = model(images, training=True)
-        loss = compute_loss(labels, predictions)
-        model.zero_grad()
-        loss.backward()
-        gradients = [v.value.grad for v in model.trainable_variables]
-        with torch.no_grad():
-            optimizer.apply(gradients, model.trainable_variables)  # in a replica: summed over the replicas
-        return float(loss)
-
+    train_step = torch_train_step(model, optimizer, average_loss(GLOBAL_BATCH_SIZE))
     return model, train_step
 
 

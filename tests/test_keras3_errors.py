@@ -64,19 +64,19 @@ def test_parameter_server_fit_takes_tensorflows_inputs_only(threaded_client):
             with strategy.scope():
                 other = compile_model(sequential(), keras.optimizers.Adagrad(0.1))
             other.fit(lambda ctx: None, steps_per_epoch=2, verbose=0)
-        # evaluation of a dataset each worker reads needs its steps (TF's rule), refused before anything runs
+        # evaluation without steps reads the dataset_fn's dataset once (every row once): one that is not a dataset,
+        # or never ends, is refused before anything runs
         before = model.get_weights()
-        with pytest.raises(ValueError, match="`validation_steps` must be specified"):
+        with pytest.raises(TypeError, match="must return a Dataset"):
             model.fit(lambda ctx: None, steps_per_epoch=2, verbose=0, validation_data=lambda ctx: None)
-        with pytest.raises(ValueError, match="`steps` must be specified"):
+        with pytest.raises(TypeError, match="must return a Dataset"):
             model.evaluate(lambda ctx: None, verbose=0)
+        with pytest.raises(ValueError, match=r"it repeats: drop repeat\(\) .* or give `steps`"):
+            model.evaluate(lambda ctx: dd.data.Dataset.range(4).batch(2).repeat(), verbose=0)
+        with pytest.raises(ValueError, match=r"give the evaluation data's shuffle\(\) a seed"):
+            model.evaluate(lambda ctx: dd.data.Dataset.range(4).shuffle(4).batch(2), verbose=0)
         for a, b in zip(before, model.get_weights()):
             np.testing.assert_array_equal(a, b)
-        # a Keras model sent to the workers in a function: refused when it is sent
-        coordinator = dd.experimental.coordinator.ClusterCoordinator(strategy)
-        with pytest.raises(NotImplementedError, match="train it with model.fit"):
-            coordinator.schedule(lambda: model.get_weights())
-            coordinator.join()
 
 
 def test_weights_that_differ_across_replicas_at_the_start_raise_on_every_replica(threaded_client):

@@ -22,11 +22,13 @@ import numpy as np  # noqa: E402
 import daskdist as dd  # noqa: E402
 from daskdist.plugins.keras3 import UnsupportedOptimizerError, registry  # noqa: E402
 from tests.keras3_models import (  # noqa: E402
+    average_loss,
     compile_model,
     dense_data,
     mnist_shaped,
     replica_states,
     sequential,
+    torch_train_step,
     tutorial_cnn,
     twin,
 )
@@ -165,21 +167,7 @@ def test_central_storage_custom_loop_then_fit_equal_one_process(threaded_client)
     def tutorial():
         model = sequential()
         optimizer = keras.optimizers.SGD(0.1)
-        loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
-
-        def compute_loss(labels, predictions):  # tf.nn.compute_average_loss: the sum over the global batch size
-            return keras.ops.sum(loss_object(labels, predictions)) / global_batch
-
-        def train_step(inputs):  # (keras.ops and torch in one function: cloudpickle would send torch.ops by value)
-            features, labels = inputs
-            loss = compute_loss(labels, model(features, training=True))
-            model.zero_grad()
-            loss.backward()
-            with torch.no_grad():
-                optimizer.apply([v.value.grad for v in model.trainable_variables], model.trainable_variables)
-            return float(loss)
-
-        return model, train_step
+        return model, torch_train_step(model, optimizer, average_loss(global_batch))
 
     with dd.experimental.CentralStorageStrategy(TWO, client=threaded_client) as strategy:
         with strategy.scope():

@@ -131,8 +131,9 @@ def test_batchnorm_statistics_are_held_on_the_ps_and_evaluation_runs_on_the_work
         np.testing.assert_allclose(logs["loss"], halved["loss"], rtol=RTOL)
         assert registry.lookup(model).driver.key != driver.key
 
-        # a dataset creator is read by every worker for `steps` batches (TF's rule: steps required)
-        with pytest.raises(ValueError, match="`steps` must be specified"):
+        # a dataset creator is read by every worker for `steps` batches; without steps it is read once, to its end,
+        # which a repeated dataset never reaches
+        with pytest.raises(ValueError, match="it repeats"):
             model.evaluate(_creator(x_test, y_test), verbose=0)
         logs = model.evaluate(_creator(x_test, y_test), steps=4, verbose=0, return_dict=True)
         assert set(logs) == {"loss", "accuracy"} and np.isfinite(logs["loss"])
@@ -143,3 +144,37 @@ def test_batchnorm_statistics_are_held_on_the_ps_and_evaluation_runs_on_the_work
         keys = _stored_keys(strategy, threaded_client, driver)
         held_keys = sorted(k for part in keys for k in part if k.startswith(record.object_id))
         assert held_keys == sorted([driver.key, driver.key, driver.state_key, driver.state_key])
+
+
+def test_evaluate_of_a_dataset_creator_without_steps_counts_every_row_once(threaded_client):
+    """TF's exactly-once evaluation (``pss_evaluation_shards``): the data cut by batch into shards, one closure
+    each, over two workers; the logs are plain Keras' on the same rows and the loss counted 100 rows, no more.
+    Shown failing: with each closure reading the whole dataset (no ``shard``), the count is 3 x 100."""
+    import dask
+
+    x, y = dense_data(rows=100, seed=8)
+    x_train, y_train = dense_data(rows=256, seed=9)
+
+    def dataset_fn(ctx):  # TF's pattern: shard by the input context (a no-op here: one pipeline), a seeded shuffle
+        return (dd.data.Dataset.from_tensor_slices((x, y)).shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+                .shuffle(100, seed=3).batch(16))  # 7 batches, the last of 4 rows
+
+    resolver = dd.cluster_resolver.DaskClusterResolver(threaded_client, num_ps=1)  # 1 ps, 2 workers
+    with dd.ParameterServerStrategy(resolver) as strategy:
+        with strategy.scope():
+            model = compile_model(sequential(), keras.optimizers.SGD(0.1))
+        model.fit(_creator(x_train, y_train), epochs=1, steps_per_epoch=4, verbose=0,
+                  validation_data=dd.experimental.DatasetCreator(dataset_fn))
+        val_loss = model.history.history["val_loss"][0]
+        plain = sequential()
+        plain.compile(optimizer="sgd", loss=model.loss, metrics=["accuracy"])
+        plain.set_weights(model.get_weights())
+        expected = plain.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+        np.testing.assert_allclose(val_loss, expected["loss"], rtol=RTOL)
+        loss_tracker = next(m for m in model.metrics if m.name == "loss")
+        for shards in (3, "auto"):  # 7 batches over 3 shards (3, 2, 2), or 4 per worker (8: one shard empty)
+            with dask.config.set({"daskdist.parameter-store.evaluation-shards": shards}):
+                logs = model.evaluate(dd.experimental.DatasetCreator(dataset_fn), verbose=0, return_dict=True)
+            assert float(np.asarray(loss_tracker.count.numpy())) == 100  # every row once
+            np.testing.assert_allclose([logs["loss"], logs["accuracy"]], [expected["loss"], expected["accuracy"]],
+                                       rtol=RTOL)

@@ -2,9 +2,9 @@
 
 ``options`` (``ElasticOptions``), ``replica`` (the commit ring and the
 replica-side commands), ``ledger`` (which rows each committed step
-consumed), ``epochs`` (each epoch's row order and global batch), ``recovery`` (re-formed group, enough members, one commit) and
-``fit`` (``keras.Model.fit`` on an elastic strategy), ``state`` (``State`` and
-``run``, for custom loops). See ``docs/elastic.md``.
+consumed), ``epochs`` (each epoch's row order and global batch), ``recovery`` (re-formed group, enough members, one commit),
+``session`` (one elastic run of epochs: what every trainer's elastic ``fit`` shares), ``fit`` (the built-in
+layers' ``Model.fit`` on an elastic strategy), ``state`` (``State`` and ``run``, for custom loops). See ``docs/elastic.md``.
 """
 
 from __future__ import annotations

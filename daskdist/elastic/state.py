@@ -50,10 +50,10 @@ from daskdist.elastic.recovery import (
     free_workers,
     grow,
     leave,
-    recover_within_budget,
     remember_members,
 )
 from daskdist.elastic.replica import CommitKey, commit_now, state_residents
+from daskdist.elastic.session import recover_and_take_in
 
 __all__ = ["ReplicatedModel", "State", "run"]
 
@@ -309,14 +309,7 @@ class State:
             extended.run_on_replica(rank, create_variable, (var_id, np.zeros(spec.shape, spec.dtype), spec))
 
     def _recover(self, error: BaseException) -> None:
-        group = self.strategy.extended.group
-        while True:  # a loss while the strategy takes in the new members is recovered from like any other
-            outcome, self.failures = recover_within_budget(group, self.options, error, self.failures)
-            try:
-                self.strategy.extended.membership_changed()
-                break
-            except RECOVERABLE as again:
-                error = again
+        outcome, self.failures = recover_and_take_in(self.strategy.extended, self.options, error, self.failures)
         self.events.append(outcome)
         committing, self._committing = self._committing, None
         if committing is not None and committing[0] == outcome.commit:  # every member made it; the reply was lost

@@ -615,7 +615,7 @@ class _Runner:
         if options is None:
             self._distribute(train, val)
             return
-        from daskdist.elastic.fit import prepare_members
+        from daskdist.elastic.session import prepare_members
 
         # members that left while the group ran nothing are learnt first; a loss meanwhile re-forms the group
         # and the members left get the model and the data again

@@ -212,6 +212,7 @@ class ClusterCoordinator:
         if any(isinstance(leaf, RemoteValue) for leaf in leaves):
             raise ValueError("Remote values cannot be passed as arguments to scheduled functions; fetch them first")
         self._raise_if_failed()
+        self._extended.place_residents()  # what the function may capture (a framework adapter's models) on the workers
         closure = _Closure(f"{self._prefix}-{next(self._ids)}", fn, args, kwargs)
         with self._cond:
             self._queue.append(closure)

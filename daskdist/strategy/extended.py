@@ -153,8 +153,7 @@ class StrategyExtended(abc.ABC):
         self.check_open()
         args, kwargs = tuple(args), dict(kwargs or {})
         check_num_components((args, kwargs), self.num_replicas)
-        for provide in list((self._resident_providers or {}).values()):
-            provide()
+        self.place_residents()
         return self._call_for_each_replica(fn, args, kwargs)
 
     @abc.abstractmethod
@@ -211,7 +210,7 @@ class StrategyExtended(abc.ABC):
     _resident_providers: dict[str, Callable[[], None]] | None = None
 
     def provide_residents(self, key: str, provide: Callable[[], None]) -> None:
-        """Call ``provide()`` before every ``call_for_each_replica`` ships a function to the replicas.
+        """Call ``provide()`` before every function shipped to the replicas (``place_residents``).
 
         A framework adapter installs there (``install_resident``) what a replica
         function may capture, e.g. ``daskdist.plugins.keras3`` the built Keras
@@ -222,6 +221,12 @@ class StrategyExtended(abc.ABC):
         if self._resident_providers is None:
             self._resident_providers = {}
         self._resident_providers[key] = provide
+
+    def place_residents(self) -> None:
+        """Call every ``provide_residents`` provider: before a function that may capture residents is shipped
+        (``call_for_each_replica``; ``ClusterCoordinator.schedule`` under ParameterServerStrategy)."""
+        for provide in list((self._resident_providers or {}).values()):
+            provide()
 
     @abc.abstractmethod
     def _run_on(self, command: Command, args: Args | list[Args], ranks: list[int] | None) -> list[Any]:

@@ -206,6 +206,13 @@ class PsStepDriver(StepDriverBase):
                 versions[s] = version
         return values
 
+    def apply_gradients(self, trainable: Trainable, gradients: Sequence[Any]) -> None:
+        """A custom loop's ``optimizer.apply``: push ``gradients`` as they are (the stores apply them once, with
+        the update rule) and assign the parameters the stores then hold; pulls first if this worker never did."""
+        if self._versions is None:
+            self.pull(trainable)
+        self._exchange_for(trainable)(gradients, 1)
+
     def _exchange_for(self, trainable: Trainable) -> GradientExchange:
         holder = held(trainable, self)
 

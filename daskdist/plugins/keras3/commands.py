@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from daskdist import context
+from daskdist import context, fault_points
 from daskdist.group.service import MODEL
 from daskdist.plugins.keras3 import hooks
 from daskdist.plugins.keras3.backend import prepare_replica
@@ -75,6 +75,7 @@ def install_model(service: ReplicaService, model_id: str, payload: ModelPayload,
             _unbuilt_optimizer(model)
         resident = KerasTrainable(model, service.rank)
     service.objects.install(MODEL, model_id, resident)
+    fault_points.installed(service.rank)  # a test's fault point (``daskdist.testing.pause-at``): installed, unanswered
     return resident.state_digest()
 
 

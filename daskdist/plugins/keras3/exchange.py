@@ -33,11 +33,12 @@ from daskdist.plugins.keras3.backend import framework
 if TYPE_CHECKING:
     from daskdist.strategy.training_contract import GradientExchange
 
-__all__ = ["active", "apply_with_exchange", "captured", "count_step", "mark_replica_optimizer",
+__all__ = ["active", "apply_with_exchange", "captured", "count_step", "mark_ps_optimizer", "mark_replica_optimizer",
            "stateless_apply_with_capture"]
 
 _local = threading.local()
 _replica_optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
+_ps_optimizers: weakref.WeakKeyDictionary[Any, Callable[[list[Any], list[Any]], None]] = weakref.WeakKeyDictionary()
 
 
 class active:
@@ -60,6 +61,12 @@ class active:
 def mark_replica_optimizer(optimizer: Any) -> None:
     """Mark a replica's copy of an optimizer created in ``strategy.scope()`` (its ``apply`` sums gradients)."""
     _replica_optimizers.add(optimizer)
+
+
+def mark_ps_optimizer(optimizer: Any, push: Callable[[list[Any], list[Any]], None]) -> None:
+    """Mark a parameter-server worker's optimizer of a custom loop: its ``apply`` gives the gradients (numpy) and
+    the variables to ``push``, which applies them on the stores and assigns the new parameters."""
+    _ps_optimizers[optimizer] = push
 
 
 class captured:
@@ -98,11 +105,16 @@ def apply_with_exchange(optimizer: Any, grads: Sequence[Any], variables: Sequenc
     """``optimizer.apply(grads, variables)`` with the gradients exchanged first where a driver asks for it."""
     table = getattr(_local, "table", None)
     entry = table.get(id(optimizer)) if table else None
-    if entry is None and optimizer not in _replica_optimizers:
+    push = _ps_optimizers.get(optimizer) if entry is None else None
+    if entry is None and push is None and optimizer not in _replica_optimizers:
         return original(optimizer, grads, variables)
     ops = framework()
     grads = list(grads)
     targets = list(variables) if variables is not None else list(optimizer.trainable_variables)
+    if push is not None:  # a custom loop's closure on a parameter-server worker: the stores apply
+        push(ops.to_numpy(grads, targets), targets)
+        count_step(optimizer)
+        return None
     if entry is not None:
         exchange, rows = entry
         reduced = exchange(ops.to_numpy(grads, targets), rows)

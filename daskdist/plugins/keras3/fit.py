@@ -70,7 +70,10 @@ def created(model: Any) -> None:
     from daskdist.plugins.keras3 import ps, references
 
     if ps.schedules_closures(strategy.extended):
-        return  # each worker gets its copy when fit installs it (ClusterCoordinator.run_on_each_worker)
+        # each worker gets its copy when fit installs it (ClusterCoordinator.run_on_each_worker), or before a
+        # function that may use it is scheduled (a custom loop)
+        strategy.extended.provide_residents("keras3", functools.partial(ps.place_models, strategy))
+        return
     # before strategy.run ships a function, the built models created in this scope go to the replicas
     strategy.extended.provide_residents("keras3", functools.partial(references.place_models, strategy.extended))
 
@@ -174,6 +177,11 @@ def _pull(model: Any, record: registry.Record) -> None:
     """After a custom loop (``strategy.run``) changed the replicas' copy: take replica 0's state."""
     if not record.dirty or record.fingerprint is None:
         return
+    from daskdist.plugins.keras3 import ps
+
+    if ps.schedules_closures(record.strategy.extended):  # a custom loop's closures: the stores hold the state
+        ps.take_loop_state(model, record)
+        return
     state = record.strategy.extended.run_on_replica(0, commands.model_state, (record.object_id,))
     _take_state(model, state)
     driver = record.strategy.extended.step_driver(record.object_id)
@@ -263,6 +271,7 @@ def fit(original: Callable[..., Any], model: Any, x: Any = None, y: Any = None, 
     from daskdist.plugins.keras3 import ps
 
     if ps.schedules_closures(record.strategy.extended):
+        _pull(model, record)  # a custom loop's closures trained it: fit goes on from the stored state
         if any(v for v in (validation_split, class_weight is not None, sample_weight is not None)):
             raise NotImplementedError("fit under ParameterServerStrategy does not take validation_split, "
                                       "class_weight or sample_weight")
@@ -307,13 +316,21 @@ def fit(original: Callable[..., Any], model: Any, x: Any = None, y: Any = None, 
             planned_val[generation] = _distribute(record, vx, vy, validation_batch_size or batch_size, False, model)
         return planned_val[generation]
 
-    if validation_data is not None:
-        val_data()
-    _pull(model, record)
-    installed = record.fingerprint
-    ensure_installed(model, record)
-    if holding and record.fingerprint != installed:
-        _give_stored(model, record, driver)
+    def prepare() -> None:
+        """The model on the replicas (if it changed), the validation data distributed over them."""
+        _pull(model, record)
+        installed = record.fingerprint
+        ensure_installed(model, record)
+        if holding and record.fingerprint != installed:
+            _give_stored(model, record, driver)
+        if validation_data is not None:
+            planned_val.clear()  # planned again over the members left (a loss while installing)
+            val_data()
+
+    if elastic is None:
+        prepare()
+    else:  # a loss while installing: the group re-formed on the members left, the model installed there again
+        elastic.prepare(prepare)
     steps = steps_per_epoch
     if steps is None and elastic is not None:
         steps = elastic.input.steps_from(0, extended.num_replicas)
@@ -331,12 +348,12 @@ def fit(original: Callable[..., Any], model: Any, x: Any = None, y: Any = None, 
     model.stop_training = False
     callback_list.on_train_begin()
     if elastic is not None:
-        elastic.callbacks = callback_list
         for callback in callback_list.callbacks:  # the History fit returns: its ledger, rows and events, as
             if isinstance(callback, keras.callbacks.History):  # the built-in layers' fit keeps them
                 elastic.history = callback
                 callback.elastic = elastic
-                callback.elastic_events = []
+                callback.elastic_events = [e.to_msg() for e in elastic.events]
+        elastic.set_callbacks(callback_list)  # told of a loss while installing, then of each change
         elastic.begin(initial_epoch)
     logs: dict[str, Any] = {}
     for epoch in range(initial_epoch, epochs):
@@ -389,6 +406,7 @@ def evaluate(original: Callable[..., Any], model: Any, x: Any = None, y: Any = N
     callback_list = callbacks if isinstance(callbacks, keras.callbacks.CallbackList) else keras.callbacks.CallbackList(
         callbacks, add_progbar=verbose_level != 0, verbose=verbose_level, epochs=1, steps=steps, model=model)
     if ps.schedules_closures(record.strategy.extended):  # closures on the workers, as TF's inline evaluation
+        _pull(model, record)
         logs = ps.evaluate(model, record, x, y, batch_size, steps, callback_list)
     else:
         data = _distribute(record, x, y, batch_size, False, model)

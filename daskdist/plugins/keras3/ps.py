@@ -27,11 +27,21 @@ evaluation does: each closure pulls the stored parameters and runs Keras'
 variables. Arrays (numpy, or Dask arrays read on the client) are cut into
 batches that the closures carry, each row evaluated exactly once; a
 ``DatasetCreator`` (or a ``daskdist.data.Dataset``, every worker reading all
-of it) is read by each worker from its own iterator, ``steps``
-(``validation_steps``) required, with TF's at-least-once visitation. A model
+of it) with ``steps`` (``validation_steps``) is read by each worker from its
+own iterator, with TF's at-least-once visitation, and without ``steps``
+exactly once, cut by batch into shards (``_exact_evaluation``). A model
 never trained here, or whose client copy changed since (``set_weights``,
 ``load_weights``), is held on the stores again first. Each hold replaces the
 previous one: its parameter sets are released from the stores.
+
+Custom loops (TF's parameter-server custom training): before
+``ClusterCoordinator.schedule`` ships a function, ``place_models`` holds the
+built models of the scope on the stores with their loop's optimizer and puts
+them on the workers; pickled in the function, the model becomes the worker's
+copy (``resolve_model``: the stored parameters pulled as the closure starts)
+and the optimizer the copy's optimizer, whose ``apply`` pushes the gradients
+(``KerasPsWorker.push``: the stores apply them once). The client takes the
+stored state before it reads the weights (``take_loop_state``).
 """
 
 from __future__ import annotations
@@ -52,7 +62,8 @@ from daskdist.plugins.keras3.backend import keras_backend, prepare_replica
 from daskdist.plugins.keras3.payload import ModelPayload, pack_model, unpack_model
 from daskdist.plugins.keras3.resident import KerasTrainable, state_variables
 
-__all__ = ["KerasPsWorker", "evaluate", "fit", "schedules_closures"]
+__all__ = ["KerasPsWorker", "evaluate", "fit", "place_models", "reference", "resolve_model", "resolve_optimizer",
+           "schedules_closures", "take_loop_state"]
 
 
 def schedules_closures(extended: Any) -> bool:
@@ -90,6 +101,22 @@ class KerasPsWorker:
         self.driver.end(self.trainable)  # the moving statistics assigned on the stores
         return _results(model, batch)
 
+    def closure_began(self) -> None:
+        """A custom loop's closure unpickled a reference to this model: pull what the others pushed meanwhile."""
+        self.driver.begin(self.trainable)
+        self.driver.pull(self.trainable)
+
+    def push(self, gradients: list[Any], variables: list[Any]) -> None:
+        """A custom loop's ``optimizer.apply(gradients, variables)``: applied once on the stores, then assigned."""
+        model = self.trainable.model
+        trainable = list(model.trainable_variables)
+        if len(variables) != len(trainable) or any(a is not b for a, b in zip(variables, trainable)):
+            raise ValueError(
+                f"under ParameterServerStrategy a custom loop's optimizer.apply takes the gradients of all of "
+                f"model {model.name!r}'s trainable_variables, in their order (the parameter servers hold them as "
+                f"one set); got {len(variables)} variables for its {len(trainable)}")
+        self.driver.apply_gradients(self.trainable, gradients)
+
     def evaluate(self, batches: Iterable[Any]) -> dict[str, Any]:
         """Keras' ``test_step`` over ``batches`` with the parameters stored now; the metric variables (as ``train``)."""
         from daskdist.plugins.keras3.resident import batch_rows
@@ -110,13 +137,21 @@ def _results(model: Any, batch: Any) -> dict[str, Any]:
             "sample": None if batch is None else tuple(np.asarray(part)[:1] for part in batch[:2])}
 
 
-def _install_worker(service: Any, model_id: str, payload: ModelPayload, driver: Any) -> None:
-    """Worker command: load the model and keep it with its driver as ``(MODEL, model_id)``."""
-    prepare_replica(payload.backend)
+def _install_worker(service: Any, model_id: str, payload: ModelPayload, driver: Any,
+                    optimizer: dict[str, Any] | None = None) -> None:
+    """Worker command: load the model and keep it with its driver as ``(MODEL, model_id)``.
+
+    ``optimizer``: a custom loop's optimizer for a model not compiled with it, as Keras serializes it (plain
+    data: unpickling a Keras class would import Keras before ``prepare_replica`` chose its backend); the
+    worker's copy takes it as its ``optimizer``.
+    """
+    keras = prepare_replica(payload.backend)
     hooks.install()
     with context.enter(context.Frame(strategy=service.strategy_view, replica_context=service.context,
                                      variable_creator=None, owner=service)):
         model = unpack_model(payload)
+        if optimizer is not None:
+            model.optimizer = keras.optimizers.deserialize(optimizer)
     service.objects.install(MODEL, model_id, KerasPsWorker(KerasTrainable(model), driver))
 
 
@@ -154,7 +189,7 @@ def _arrays(variables: list[Any]) -> list[np.ndarray]:
 
 def _take_stored(model: Any, record: registry.Record, driver: Any) -> None:
     """The client's model takes the stored parameters, optimizer slots and state (moving statistics)."""
-    update_rule.take_stored(model, record.strategy.client, driver)
+    update_rule.take_stored(model, record.strategy.client, driver, _optimizer_of(model, record))
     variables = state_variables(model)
     values = driver.stored_held_state(record.strategy.client, len(variables)) if variables else None
     for variable, value in zip(variables, values or []):
@@ -182,11 +217,18 @@ def _install(model: Any, record: registry.Record, coordinator: Any) -> Any:
         record.driver.release(record.strategy.client)
         record.driver = None
     driver = extended.step_driver(f"{record.object_id}:{uuid.uuid4().hex[:8]}")
-    rule = update_rule.update_rule(model.optimizer)
-    rule.set_state(update_rule.rule_state(model.optimizer, rule))
+    optimizer = _optimizer_of(model, record)
+    paired = registry.lookup(optimizer)
+    if paired is not None:  # a scheduled function may apply it (``reference``)
+        paired.model_id = record.object_id
+    rule = update_rule.update_rule(optimizer)
+    rule.set_state(update_rule.rule_state(optimizer, rule))
     driver.init_stored(record.strategy.client, _weights(model), rule, state=_arrays(state_variables(model)))
     payload = pack_model(model, keras_backend())
-    coordinator.run_on_each_worker(_install_worker, lambda _index: (record.object_id, payload, driver))
+    import keras
+
+    spec = None if getattr(model, "optimizer", None) is optimizer else keras.optimizers.serialize(optimizer)
+    coordinator.run_on_each_worker(_install_worker, lambda _index: (record.object_id, payload, driver, spec))
     record.driver = driver
     record.fingerprint = held_digest(model)
     return driver
@@ -226,15 +268,13 @@ def _evaluation(coordinator: Any, model_id: str, x: Any, y: Any, batch_size: int
     from daskdist.data.dataset import Dataset
     from daskdist.keras.dataset_creator import DatasetCreator
 
-    name = type(coordinator.strategy).__name__
     if x is None:
         raise ValueError("no data given (x is None)")
     if isinstance(x, (DatasetCreator, Dataset)) or (callable(x) and not hasattr(x, "__dask_graph__")):
         if y is not None:
             raise ValueError("y must not be given with a DatasetCreator or a Dataset (it yields (x, y) pairs)")
-        if steps is None:
-            raise ValueError(f"`{steps_name}` must be specified with `{name}` when the data is a DatasetCreator or a "
-                             "Dataset: each worker reads its own (give arrays to evaluate every row once)")
+        if steps is None:  # every row once: the data cut by batch into shards, one closure each
+            return _exact_evaluation(coordinator, model_id, x, steps_name)
         if steps < 1:
             raise ValueError(f"{steps_name} must be >= 1, got {steps}")
         per_worker = coordinator.create_per_worker_dataset(
@@ -370,3 +410,172 @@ def fit(model: Any, record: registry.Record, x: Any, y: Any, epochs: int, verbos
             break
     callback_list.on_train_end(logs)
     return model.history
+
+
+# -- custom loops: ClusterCoordinator.schedule of a function using the model and optimizer -------------------
+
+
+def _optimizer_of(model: Any, record: registry.Record) -> Any:
+    """The optimizer whose rule the stores run for ``model``: its compiled one, else its custom loop's."""
+    compiled = getattr(model, "optimizer", None)
+    return compiled if compiled is not None else record.optimizer
+
+
+def _pair(model: Any, record: registry.Record) -> str | None:
+    """Pair an uncompiled ``model`` with the optimizer of its custom loop; why it cannot be, or ``None``.
+
+    The optimizer is the one created in the same scope and not compiled into another model, as in TensorFlow's
+    custom-training pattern (one model, one optimizer). With several, compile the model with the loop's.
+    """
+    import keras
+
+    if getattr(model, "optimizer", None) is not None:
+        return None
+    compiled = {id(getattr(obj, "optimizer", None)) for obj, _ in registry.items() if isinstance(obj, keras.Model)}
+    free = [obj for obj, other in registry.items()
+            if isinstance(obj, keras.optimizers.Optimizer) and other.strategy is record.strategy
+            and id(obj) not in compiled and other.model_id in (None, record.object_id)]
+    if len(free) != 1:
+        return (f"{len(free)} optimizers created in the scope are free to pair with it" if free else
+                "no optimizer was created in the scope") + (
+                   f": compile model {model.name!r} with the optimizer its loop applies (model.compile(optimizer=...))"
+                   if free else ": create the loop's optimizer inside strategy.scope()")
+    optimizer = free[0]
+    record.optimizer = optimizer
+    found = registry.lookup(optimizer)
+    assert found is not None
+    found.model_id = record.object_id
+    return None
+
+
+def place_models(strategy: Any) -> None:
+    """Before ``ClusterCoordinator.schedule`` ships a function: the built models created in this strategy's scope
+    that the stores do not hold yet are held there with their loop's optimizer, and put on every worker.
+
+    A model ``fit`` trained is held already (its driver goes on serving closures); a model that cannot be held
+    (``_unplaceable``) is left out, and a function using it is refused when it is pickled (``reference``).
+    """
+    import keras
+
+    from daskdist.strategy.coordinator import ClusterCoordinator
+
+    for obj, record in registry.items():
+        if (record.strategy is strategy and record.driver is None and isinstance(obj, keras.Model)
+                and _unplaceable(obj, record) is None):
+            _install(obj, record, ClusterCoordinator(strategy))
+
+
+def _unplaceable(model: Any, record: registry.Record) -> str | None:
+    """Why ``model`` cannot be held for custom loops (not built, no optimizer, one the stores cannot run)."""
+    if not model.built:
+        return "it is not built: give it an Input (or call it on one batch) before scheduling"
+    why = _pair(model, record)
+    if why is not None:
+        return why
+    try:
+        update_rule.check_optimizer(_optimizer_of(model, record), type(record.strategy).__name__)
+    except NotImplementedError as error:
+        return str(error)
+    return None
+
+
+def reference(obj: Any, record: registry.Record) -> tuple[Any, tuple[Any, ...]]:
+    """The pickled form of a recorded model or optimizer in a scheduled function: the worker's copy.
+
+    Raises
+    ------
+    ValueError
+        The model is not built, or has no optimizer to pair with; the optimizer's model is not held.
+    """
+    import keras
+
+    name = type(record.strategy).__name__
+    if isinstance(obj, keras.Model):
+        if record.driver is None:
+            raise ValueError(f"model {obj.name!r} cannot be used in a function scheduled under {name}: "
+                             f"{_unplaceable(obj, record)}")
+        record.dirty = True  # the client takes the stored state before it reads the weights
+        return resolve_model, (record.object_id,)
+    if record.model_id is None:
+        raise ValueError(f"the {type(obj).__name__} created in {name}.scope() applies to no model on the workers: "
+                         "create (and build) the model in the same scope; a scheduled function applies it to that "
+                         "model's trainable_variables")
+    return resolve_optimizer, (record.model_id,)
+
+
+def resolve_model(model_id: str) -> Any:
+    """On a worker running a closure: its copy of the model, the parameters pulled from the stores."""
+    worker = _worker(model_id)
+    worker.closure_began()
+    return worker.trainable.model
+
+
+def resolve_optimizer(model_id: str) -> Any:
+    """On a worker running a closure: its copy of the model's optimizer, whose ``apply`` pushes to the stores."""
+    from daskdist.plugins.keras3 import exchange
+
+    worker = _worker(model_id)
+    optimizer = worker.trainable.model.optimizer
+    exchange.mark_ps_optimizer(optimizer, worker.push)
+    return optimizer
+
+
+def take_loop_state(model: Any, record: registry.Record) -> None:
+    """After a custom loop's closures: the client's model (and optimizer) take the stored state."""
+    if record.driver is None or not record.dirty:
+        return
+    _take_stored(model, record, record.driver)
+    record.dirty = False
+
+
+# -- exactly-once evaluation of a DatasetCreator ---------------------------------------------------
+
+
+def _exact_evaluation(coordinator: Any, model_id: str, data: Any, steps_name: str) -> Callable[[], list[Any]]:
+    """Evaluation of a ``DatasetCreator`` (or ``Dataset``, ``dataset_fn``) without steps: each row once.
+
+    The dataset is what ``dataset_fn`` builds for one input pipeline (``InputContext(1, 0)``: its own
+    ``shard`` keeps everything), cut by batch into ``parameter-store.evaluation-shards`` shards
+    (``Dataset.shard(n, k)`` after the batch); closure ``k`` builds it on its worker and evaluates shard ``k``
+    to its end. A closure run again after its worker was lost builds its shard again, and only its last
+    run's metrics count, so every batch is evaluated exactly once (TF's ``pss_evaluation_shards``).
+
+    Raises
+    ------
+    ValueError
+        The dataset never ends (``repeat()``) or changes between two builds (a ``shuffle`` without a seed):
+        refused before anything runs, naming ``steps_name`` as the other way.
+    """
+    from daskdist import config
+    from daskdist.data import ops
+
+    built = _pipeline(data)
+    for op in built.transformations:
+        if isinstance(op, ops.Repeat):
+            raise ValueError(f"evaluating every row once reads the dataset to its end, and it repeats: drop repeat() "
+                             f"from the evaluation data, or give `{steps_name}` (each worker then reads its own)")
+        if isinstance(op, ops.Shuffle) and op.seed is None:
+            raise ValueError("evaluating every row once needs the same rows in the same batches in every closure: "
+                             f"give the evaluation data's shuffle() a seed (or none), or give `{steps_name}`")
+    setting = config.get("parameter-store.evaluation-shards", "auto")
+    shards = 4 * max(1, len(coordinator.live_workers)) if setting in (None, "auto") else int(setting)
+    if shards < 1:
+        raise ValueError(f"daskdist.parameter-store.evaluation-shards must be >= 1 or 'auto', got {setting!r}")
+    return lambda: [coordinator.schedule(_evaluate_shard, args=(model_id, data, shards, k)) for k in range(shards)]
+
+
+def _pipeline(data: Any) -> Any:
+    """The evaluation dataset for one input pipeline (every row): ``dataset_fn(InputContext(1, 0))``."""
+    from daskdist.data.dataset import Dataset
+    from daskdist.data.options import InputContext
+    from daskdist.keras.dataset_creator import DatasetCreator
+
+    if isinstance(data, Dataset):
+        return data
+    creator = data if isinstance(data, DatasetCreator) else DatasetCreator(data)
+    return creator(InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1))
+
+
+def _evaluate_shard(model_id: str, data: Any, shards: int, index: int) -> dict[str, Any]:
+    """Closure: shard ``index`` of ``shards`` of the evaluation data (by batch), read to its end."""
+    return _worker(model_id).evaluate(iter(_pipeline(data).shard(shards, index)))

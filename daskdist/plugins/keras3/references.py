@@ -45,11 +45,10 @@ def reduce(obj: Any, record: registry.Record) -> tuple[Any, tuple[Any, ...]]:
 
     from daskdist.plugins.keras3.ps import schedules_closures
 
-    if schedules_closures(record.strategy.extended):
-        raise NotImplementedError(
-            f"a Keras 3 {type(obj).__name__} created in {type(record.strategy).__name__}.scope() cannot be sent to "
-            "its workers in a function (ClusterCoordinator.schedule, strategy.run) yet: train it with model.fit, "
-            "or use the built-in layers (daskdist.keras) in a custom loop")
+    if schedules_closures(record.strategy.extended):  # a function scheduled on a parameter-server worker
+        from daskdist.plugins.keras3 import ps
+
+        return ps.reference(obj, record)
     token = record.strategy.extended.token
     if isinstance(obj, BaseOptimizer):
         return resolve_optimizer, (token, record.object_id, keras_backend(), type(obj), obj.get_config())

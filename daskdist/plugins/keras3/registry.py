@@ -39,6 +39,10 @@ class Record:
     dirty: bool = False
     """The replicas' copy may have changed since the client took its state (a custom loop ran)."""
     driver: Any = None
+    optimizer: Any = None
+    """Under ParameterServerStrategy, a model's: the optimizer its custom loops apply with (its rule on the ps)."""
+    model_id: str | None = None
+    """Under ParameterServerStrategy, an optimizer's: the model it was paired with for custom loops."""
 
 
 _records: weakref.WeakKeyDictionary[Any, Record] = weakref.WeakKeyDictionary()

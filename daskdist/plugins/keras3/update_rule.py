@@ -264,11 +264,12 @@ def assign_rule_state(optimizer: Any, variables: list[Any], rule: Any, state: di
                 target.assign(np.asarray(value))
 
 
-def take_stored(model: Any, client: Any, driver: Any) -> None:
+def take_stored(model: Any, client: Any, driver: Any, optimizer: Any = None) -> None:
     """Give the client's ``model`` the parameters and optimizer slots its driver's stores hold (``None``: none yet).
 
     After each epoch under a parameter holder or parameter servers, so that
-    ``get_weights``, ``save`` and checkpoints see the stored state.
+    ``get_weights``, ``save`` and checkpoints see the stored state. The slots
+    go to ``optimizer`` (default: the model's, from ``compile``).
     """
     variables = list(model.trainable_variables)
     stored = driver.stored_state(client, len(variables))
@@ -276,4 +277,5 @@ def take_stored(model: Any, client: Any, driver: Any) -> None:
         return
     for variable, value in zip(variables, stored["params"]):
         variable.assign(np.asarray(value))
-    assign_rule_state(model.optimizer, variables, update_rule(model.optimizer), stored["rule_state"])
+    optimizer = optimizer if optimizer is not None else model.optimizer
+    assign_rule_state(optimizer, variables, update_rule(optimizer), stored["rule_state"])

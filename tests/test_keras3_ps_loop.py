@@ -1,0 +1,172 @@
+"""TensorFlow's parameter-server custom-training pattern with a Keras 3 model (torch backend): a function
+scheduled with ``ClusterCoordinator.schedule`` runs ``strategy.run`` of a step using the model and optimizer made
+in the scope, on per-worker datasets; the parameter servers hold the parameters and apply each push once.
+
+With one worker the closures run one after another, so the run is compared with one process on the same
+batches; with two, rows that move only their own weight make the result exact too. The workers and ps are
+processes (``forked_process_client``): one Keras runtime per process, as users run it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("KERAS_BACKEND", "torch")  # before keras is imported, here and in the workers
+torch = pytest.importorskip("torch")
+pytest.importorskip("keras")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import daskdist as dd  # noqa: E402
+from tests.keras3_models import average_loss, dense_data, sequential, torch_train_step  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+
+ClusterCoordinator = dd.experimental.coordinator.ClusterCoordinator
+BATCH = 16
+RTOL = 1e-5
+
+
+def _replica_step(model, optimizer):
+    """TF's ``replica_fn``: Keras' forward, torch's backward, ``optimizer.apply`` (on a ps worker: a push)."""
+    return torch_train_step(model, optimizer, average_loss(BATCH))
+
+
+def _dataset_fn(x, y):
+    def dataset_fn(ctx):
+        return (dd.data.Dataset.from_tensor_slices((x, y)).shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+                .batch(BATCH))
+
+    return dataset_fn
+
+
+def test_a_ps_custom_loop_with_a_keras3_model_equals_one_process_on_the_same_batches(forked_process_client):
+    x, y = dense_data(rows=96, seed=3)  # six batches of 16
+    resolver = dd.cluster_resolver.DaskClusterResolver(forked_process_client, num_ps=2)  # 2 ps, 1 worker: in order
+    with dd.ParameterServerStrategy(resolver) as strategy:
+        coordinator = ClusterCoordinator(strategy)
+        with strategy.scope():
+            model = sequential()
+            optimizer = keras.optimizers.Adam(1e-2)  # slots held on the ps
+        plain = sequential()
+        plain.set_weights(model.get_weights())
+        plain_step = _replica_step(plain, keras.optimizers.Adam(1e-2))
+        replica_fn = _replica_step(model, optimizer)
+
+        def step_fn(it):
+            return strategy.run(replica_fn, args=(next(it),))
+
+        for _ in range(2):  # epochs: each worker's dataset read from its start
+            iterator = iter(coordinator.create_per_worker_dataset(_dataset_fn(x, y)))
+            values = [coordinator.schedule(step_fn, args=(iterator,)) for _ in range(len(x) // BATCH)]
+            coordinator.join()
+            losses = [float(v) for v in coordinator.fetch(values)]
+            expected = [plain_step((x[k:k + BATCH], y[k:k + BATCH])) for k in range(0, len(x), BATCH)]
+            np.testing.assert_allclose(losses, expected, rtol=RTOL)
+            for got, want in zip(model.get_weights(), plain.get_weights()):  # the client takes the stored state
+                np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-6)
+        assert int(optimizer.iterations.numpy()) == 12  # the stores' step count: each push applied once
+
+
+def _linear_step(model, optimizer):
+    """One-hot rows, a linear model without bias, MSE: row ``i`` moves only weight ``i``, by its own gradient."""
+    mse = keras.losses.MeanSquaredError()
+    return torch_train_step(model, optimizer, lambda targets, predictions: mse(targets, predictions))
+
+
+def _linear_model():
+    return keras.Sequential([keras.Input((60,)),
+                             keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")])
+
+
+def test_two_workers_pull_what_the_other_pushed_before_each_closure_and_every_push_applies_once(forked_process_client):
+    """Two workers take the closures as they come; each closure carries its batch, so every row is used once per
+    epoch whichever worker runs it. Row ``i`` in the second epoch needs the weight its first-epoch push left, which
+    the other worker may have pushed: only a pull at the closure's start gives it; closures that only read the
+    model see what the stores hold. Shown failing: without ``closure_began``'s pull, the read closures of the
+    worker that did not push last see its stale copy (predictions of the other's last rows differ).
+    """
+    ids = np.arange(60)
+    x, y = np.eye(60, dtype=np.float32), np.ones((60, 1), np.float32)
+    batches = [(x[k:k + 6], y[k:k + 6]) for k in range(0, 60, 6)]
+    resolver = dd.cluster_resolver.DaskClusterResolver(forked_process_client, num_ps=1)  # 1 ps, 2 workers
+    with dd.ParameterServerStrategy(resolver) as strategy:
+        coordinator = ClusterCoordinator(strategy)
+        assert len(coordinator.workers) == 2
+        with strategy.scope():
+            model = _linear_model()
+            optimizer = keras.optimizers.SGD(0.3)
+        replica_fn = _linear_step(model, optimizer)
+
+        def step_fn(batch):
+            from distributed import get_worker
+
+            return strategy.run(replica_fn, args=(batch,)), get_worker().address
+
+        ran_on = set()
+        for _ in range(3):  # epochs: each row's update of the epoch before must be seen by whichever worker runs it
+            values = [coordinator.schedule(step_fn, args=(batch,)) for batch in batches]
+            coordinator.join()
+            ran_on |= {address for _, address in coordinator.fetch(values)}
+        plain = _linear_model()
+        plain_step = _linear_step(plain, keras.optimizers.SGD(0.3))
+        for _ in range(3):
+            for batch in batches:
+                plain_step(batch)
+
+        def read_fn():  # reads the weights only: what the stores hold now, whichever worker pushed last
+            from distributed import get_worker
+
+            return keras.ops.convert_to_numpy(model(x, training=False)), get_worker().address
+
+        values = [coordinator.schedule(read_fn) for _ in range(10)]
+        coordinator.join()
+        for predictions, address in coordinator.fetch(values):
+            ran_on.add(address)
+            np.testing.assert_allclose(predictions, plain.predict(x, verbose=0), rtol=1e-6)
+        assert ran_on == set(coordinator.workers)  # both workers took closures
+        np.testing.assert_allclose(model.get_weights()[0], plain.get_weights()[0], rtol=1e-6)
+        w = 0.0
+        for _ in range(3):  # one MSE step of one row per epoch: w -= 0.3 * 2 (w - 1) / 6
+            w -= 0.3 * 2 * (w - 1) / 6
+        np.testing.assert_allclose(model.get_weights()[0][ids, 0], np.full(60, w, np.float32), rtol=1e-6)
+        assert int(optimizer.iterations.numpy()) == 30  # every push applied once
+
+
+def test_a_model_with_no_optimizer_to_pair_is_refused_naming_what_works_and_nothing_is_held(forked_process_client):
+    resolver = dd.cluster_resolver.DaskClusterResolver(forked_process_client, num_ps=1)
+    with dd.ParameterServerStrategy(resolver) as strategy:
+        coordinator = ClusterCoordinator(strategy)
+        with strategy.scope():
+            model = sequential()
+            other = keras.optimizers.Adam(1e-2)  # noqa: F841 (kept: a recorded optimizer lives as long as its object)
+            optimizer = keras.optimizers.SGD(0.1)  # two free optimizers: which one the loop applies is unknown
+        replica_fn = _replica_step(model, optimizer)
+        x, y = dense_data(rows=16)
+        before = model.get_weights()
+        value = coordinator.schedule(lambda: strategy.run(replica_fn, args=((x, y),)))
+        with pytest.raises(ValueError, match=r"2 optimizers .* compile model .* with the optimizer its loop applies"):
+            coordinator.join()
+        with pytest.raises(ValueError, match="2 optimizers"):
+            value.fetch()
+        assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), before))
+        from daskdist.plugins.keras3 import registry
+
+        assert registry.lookup(model).driver is None  # nothing held on the stores
+
+        # compiled with the loop's optimizer it is held and trains; a model whose optimizer the ps cannot run
+        # (Adagrad) is left out, refused only where a scheduled function uses it
+        with strategy.scope():
+            odd = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+            odd.compile(optimizer=keras.optimizers.Adagrad(0.1), loss="mse")
+        model.compile(optimizer=optimizer, loss="mse")
+        value = coordinator.schedule(lambda: strategy.run(replica_fn, args=((x, y),)))
+        coordinator.join()
+        assert np.isfinite(value.fetch())
+        assert not all(np.array_equal(a, b) for a, b in zip(model.get_weights(), before))  # the stored, trained ones
+        coordinator.schedule(lambda: odd(x))
+        with pytest.raises(ValueError, match=r"model 'sequential_\d+' cannot be used .*keras.optimizers.SGD"):
+            coordinator.join()
