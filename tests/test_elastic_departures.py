@@ -170,12 +170,12 @@ def test_a_worker_killed_while_it_copies_a_commit_is_recovered_with_the_uninterr
 
             original, calls = replica._copy_state, [0]
 
-            def copy(objects):
+            def copy(objects, *prepared):
                 calls[0] += 1
                 if calls[0] == 5:
                     open(marker, "w").close()
                     time.sleep(3)
-                return original(objects)
+                return original(objects, *prepared)
 
             replica._copy_state = copy
 

@@ -24,7 +24,8 @@ import optree
 
 from daskdist import fault_points
 from daskdist.arrays import to_numpy
-from daskdist.group.service import COMMIT, MODEL, VARIABLE, ReplicaService
+from daskdist.elastic.boundary import FreeWorkerWatch, StopAtCommit, boundary_flags, retiring, stop_reply
+from daskdist.group.service import COMMIT, MODEL, VARIABLE, ReplicaService, Resident
 from daskdist.keras import training
 from daskdist.ops import ReduceOp
 
@@ -33,6 +34,7 @@ __all__ = [
     "CommitKey",
     "CommitRing",
     "commit_keys",
+    "commit_ring",
     "state_residents",
     "commit_now",
     "commit_progress",
@@ -65,26 +67,33 @@ class Commit:
     def __init__(self, key: CommitKey, state: dict, progress: dict):
         self.key = key
         self.progress = progress
+        self.lent = False  # handed to another replica (or taken from one): its arrays are never reused
         self._state: dict | None = state
         self._copy: concurrent.futures.Future[dict] | None = None
 
     @classmethod
     def copying(cls, key: CommitKey, objects: Any, progress: dict,
-                before_copy: Callable[[], None] | None = None) -> Commit:
+                before_copy: Callable[[], None] | None = None, reuse: dict | None = None) -> Commit:
         """A commit whose state ``objects`` (a ``ResidentStore``) is copied by a thread started now.
 
         ``before_copy``: called first in that thread (a test's fault point, ``fault_points.bound``).
+        What the next step's forward changes before its apply is taken here, on the step path: the models'
+        random states (``snapshot_random``), or all of it for a model resident with ``begin_snapshot(into)``
+        (random states and moving statistics), which returns the function the thread copies the rest with,
+        into the arrays of ``into`` (``reuse``'s state of that resident: a commit the ring let go) where they fit.
         """
         commit = cls(key, {}, progress)
         commit._state = None
         future: concurrent.futures.Future[dict] = concurrent.futures.Future()
         random = _random_states_now(objects)  # the next step's forward draws from them while the copy runs
+        prepared = _prepare_copies(objects, reuse or {})
 
         def copy() -> None:
             try:
                 if before_copy is not None:
                     before_copy()
-                future.set_result(_with_random_states(_copy_state(objects), random))
+                state = _copy_state(objects, prepared) if prepared else _copy_state(objects)
+                future.set_result(_with_random_states(state, random))
             except BaseException as e:  # the replica raises it at its next settle or restore
                 future.set_exception(e)
 
@@ -130,9 +139,31 @@ def _random_states_now(objects: Any) -> dict:
     return out
 
 
-def _copy_state(objects: Any) -> dict:
-    """The copy a commit keeps: the replica's variables and models (``ResidentStore.snapshot``)."""
-    state: dict = objects.snapshot(STATE_KINDS)
+def _prepare_copies(objects: Any, reuse: dict) -> dict[tuple[str, str], Callable[[], Any]]:
+    """The model residents' ``begin_snapshot(into)``, called on the step path: the functions that end their copies."""
+    out = {}
+    for model_id in objects.ids(MODEL):
+        resident = objects.get(MODEL, model_id)
+        if hasattr(resident, "begin_snapshot"):
+            out[(MODEL, model_id)] = resident.begin_snapshot(reuse.get((MODEL, model_id)))
+    return out
+
+
+def _copy_state(objects: Any, prepared: dict[tuple[str, str], Callable[[], Any]] | None = None) -> dict:
+    """The copy a commit keeps: the replica's variables and models (``ResidentStore.snapshot``); the residents
+    in ``prepared`` copied by the function their ``begin_snapshot`` returned."""
+    if not prepared:
+        state: dict = objects.snapshot(STATE_KINDS)
+        return state
+    state = {}
+    for kind in STATE_KINDS:
+        for object_id in objects.ids(kind):
+            key = (kind, object_id)
+            resident = objects.get(kind, object_id)
+            if key in prepared:
+                state[key] = prepared[key]()
+            elif isinstance(resident, Resident):
+                state[key] = resident.snapshot()
     return state
 
 
@@ -150,11 +181,19 @@ class CommitRing:
     def __init__(self, keep: int = 2):
         self.keep = keep
         self.commits: OrderedDict[CommitKey, Commit] = OrderedDict()
+        self._spare: Commit | None = None  # the commit let go last: its arrays take the next copy
 
     def add(self, commit: Commit) -> None:
         self.commits[commit.key] = commit
         while len(self.commits) > self.keep:
-            self.commits.popitem(last=False)
+            _, old = self.commits.popitem(last=False)
+            if old.copied and not old.lent:
+                self._spare = old
+
+    def take_spare(self) -> dict | None:
+        """The state of the commit the ring let go last (nothing else holds it), for the next copy's arrays; once."""
+        spare, self._spare = self._spare, None
+        return spare.state if spare is not None else None
 
     def get(self, key: CommitKey) -> Commit:
         try:
@@ -173,7 +212,8 @@ class CommitRing:
             del self.commits[newer]
 
 
-def _ring(service: ReplicaService) -> CommitRing:
+def commit_ring(service: ReplicaService) -> CommitRing:
+    """The replica's ``CommitRing`` (made at its first use)."""
     ring = service.objects.find(COMMIT, _RING_ID)
     if ring is None:
         ring = CommitRing()
@@ -208,7 +248,7 @@ def take_commit(service: ReplicaService, model_id: str, key: CommitKey, input_sh
     is built here, the same way (``input_shape`` of ``x``, without the batch).
     """
     service.objects.get(MODEL, model_id).model.build_as_first_batch(input_shape, dtype)  # raises without a shape
-    _ring(service).add(Commit(tuple(key), service.objects.snapshot(STATE_KINDS),  # type: ignore[arg-type]
+    commit_ring(service).add(Commit(tuple(key), service.objects.snapshot(STATE_KINDS),  # type: ignore[arg-type]
                               {"loss_sum": 0.0, "count": 0.0, "metrics": {}}))
 
 
@@ -217,10 +257,10 @@ def commit_now(service: ReplicaService, key: CommitKey) -> bool:
 
     Returns whether the scheduler said members are retiring (the loop lets them leave at this commit).
     """
-    _ring(service).add(Commit(tuple(key), service.objects.snapshot(STATE_KINDS),  # type: ignore[arg-type]
+    commit_ring(service).add(Commit(tuple(key), service.objects.snapshot(STATE_KINDS),  # type: ignore[arg-type]
                               {"loss_sum": 0.0, "count": 0.0, "metrics": {}}))
     fault_points.state_committed(service.rank, key[1])  # a test's fault point: committed, not yet answered
-    return _retiring(service)
+    return retiring(service)
 
 
 def state_residents(service: ReplicaService) -> list[tuple[str, str]]:
@@ -230,17 +270,17 @@ def state_residents(service: ReplicaService) -> list[tuple[str, str]]:
 
 def commit_progress(service: ReplicaService, key: CommitKey) -> dict:
     """The epoch's progress at commit ``key`` (global loss sum and examples, metric totals)."""
-    return _ring(service).get(key).progress
+    return commit_ring(service).get(key).progress
 
 
 def commit_keys(service: ReplicaService) -> list[CommitKey]:
     """The commits this replica holds, oldest first."""
-    return list(_ring(service).commits)
+    return list(commit_ring(service).commits)
 
 
 def restore_commit(service: ReplicaService, key: CommitKey, rank0_metrics: bool = True) -> str:
     """Go back to commit ``key``: restore its state, forget newer commits; returns the state's digest."""
-    ring = _ring(service)
+    ring = commit_ring(service)
     ring.settle()  # no copy may read what the restore writes
     commit = ring.get(key)
     service.objects.restore(commit.state)
@@ -253,22 +293,25 @@ def restore_commit(service: ReplicaService, key: CommitKey, rank0_metrics: bool 
 
 def missing_residents(service: ReplicaService, key: CommitKey) -> list[tuple[str, str]]:
     """The residents commit ``key`` restores that this replica does not hold (it cannot restore it then)."""
-    return [k for k in _ring(service).get(key).state if service.objects.find(*k) is None]
+    return [k for k in commit_ring(service).get(key).state if service.objects.find(*k) is None]
 
 
 def commit_state(service: ReplicaService, key: CommitKey) -> Commit:
     """This replica's commit ``key`` (to heal a replica whose copy differs, or a newcomer)."""
-    return _ring(service).get(key)
+    commit = commit_ring(service).get(key)
+    commit.lent = True  # another replica may hold this very object (replicas in one process)
+    return commit
 
 
 def install_commit(service: ReplicaService, commit: Commit) -> str:
     """Take ``commit`` from another replica: restore it and keep it as this replica's newest commit."""
-    ring = _ring(service)
+    ring = commit_ring(service)
     ring.settle()
     service.objects.restore(commit.state)
     if fault_points.ARMED:
         fault_points.restoring(service.rank, commit.key[2])
     ring.drop_after(commit.key)
+    commit.lent = True
     ring.add(commit)
     _restore_metrics(service, commit.progress)
     return state_digest(commit.state)
@@ -284,56 +327,6 @@ def _restore_metrics(service: ReplicaService, progress: dict) -> None:
         for metric, total in zip(model.compiled_metrics, totals):
             total = np.asarray(total, np.float64)
             metric.set_totals(total if service.rank == 0 else np.zeros_like(total))
-
-
-class _StopAtCommit(Exception):
-    """Raised at a commit to end an epoch's command there: free workers wait to be admitted, or members retire."""
-
-    def __init__(self, step: int, leave: bool):
-        super().__init__(step)
-        self.step = step
-        self.leave = leave
-
-
-def _retiring(service: ReplicaService) -> bool:
-    """Whether the scheduler said members of this replica's group are retiring (``group.departures``)."""
-    worker = getattr(service, "worker", None)
-    extension = getattr(worker, "extensions", {}).get("daskdist") if worker is not None else None
-    retiring = getattr(extension, "retiring", None)
-    return bool(retiring(getattr(service, "group_id", None))) if retiring is not None else False
-
-
-class _FreeWorkerWatch:
-    """Replica 0's look at the cluster for workers outside the group, at most once per ``every`` seconds."""
-
-    def __init__(self, service: ReplicaService, every: float | None, room: bool):
-        self.service, self.every, self.room = service, every, room
-        self.last = time.monotonic()
-
-    @property
-    def active(self) -> bool:
-        """Whether this epoch looks for free workers at all (every replica knows the same)."""
-        return self.every is not None and self.room
-
-    def due(self) -> bool:
-        """Whether free workers wait (replica 0 only; the others answer False and learn it from the all-reduce)."""
-        if self.every is None or not self.room or self.service.rank != 0:
-            return False
-        now = time.monotonic()
-        if now - self.last < self.every:
-            return False
-        self.last = now
-        from distributed.utils import sync
-
-        worker = getattr(self.service, "worker", None)
-        if worker is None:
-            return False
-        try:
-            everyone = sync(worker.loop, worker.scheduler.ncores, callback_timeout=10)
-        except Exception as e:  # a slow scheduler must not fail the step: look again later
-            logger.debug("Could not ask the scheduler for its workers: %s", e)
-            return False
-        return bool(set(everyone) - set(self.service.membership.addresses))
 
 
 def elastic_train_epoch(service: ReplicaService, model_id: str, batches: Any, steps: int, lr: float, tag: str,
@@ -356,11 +349,11 @@ def elastic_train_epoch(service: ReplicaService, model_id: str, batches: Any, st
     trainable = service.objects.get(MODEL, model_id)  # the model's Trainable: what each commit snapshots
     model = trainable.model
     model.optimizer.learning_rate = lr
-    ring = _ring(service)
+    ring = commit_ring(service)
     fit, epoch = key
     last = first_step + steps
     ctx = service.context
-    watch = _FreeWorkerWatch(service, admit_every, room)
+    watch = FreeWorkerWatch(service, admit_every, room)
 
     def on_step(done: int, loss_sum: float, count: float) -> None:
         step = first_step + done
@@ -369,7 +362,7 @@ def elastic_train_epoch(service: ReplicaService, model_id: str, batches: Any, st
         totals = [np.asarray(m.totals(), np.float64) for m in model.compiled_metrics]
         # one all-reduce: the epoch's metrics so far (so a lost replica's share is not lost), replica 0's "free
         # workers wait" flag and any replica's "members retire" flag (every replica takes part, so all stop here)
-        flags = np.array([float(watch.due()), float(_retiring(service))])
+        flags = boundary_flags(service, watch)
         reduced = ctx.all_reduce(ReduceOp.SUM, [*totals, flags])
         totals = [np.asarray(t, np.float64) for t in reduced[:len(totals)]]
         grow, leave = (float(f) > 0 for f in reduced[-1])
@@ -378,7 +371,7 @@ def elastic_train_epoch(service: ReplicaService, model_id: str, batches: Any, st
         pause = fault_points.bound("commit") if fault_points.ARMED else None
         ring.add(Commit.copying((fit, epoch, step), service.objects, progress, pause))  # copied off the step path
         if (grow or leave) and step != last:
-            raise _StopAtCommit(step, leave)
+            raise StopAtCommit(step, leave)
 
     sent = [0.0]
 
@@ -391,9 +384,9 @@ def elastic_train_epoch(service: ReplicaService, model_id: str, batches: Any, st
     try:
         logs = training.train_batches(model, batches, steps, progress, start=start, on_step=on_step,
                                       before_apply=ring.settle, trainable=trainable)
-    except _StopAtCommit as stop:
+    except StopAtCommit as stop:
         service.flush_step_events()
-        return {"stopped_at": stop.step, "leave": stop.leave}
+        return stop_reply(stop)
     finally:
         ring.settle()  # the client may change the state next (a restore, set_weights): the last copy ends first
     service.flush_step_events()

@@ -186,44 +186,56 @@ _PROGRESS_INTERVAL = 0.25  # seconds between replica 0's progress events
 
 def elastic_train_epoch(service: ReplicaService, model_id: str, batches: Any, steps: int, driver: StepDriver,
                         learning_rate: float | None, key: tuple[int, int], first_step: int, commit_every: int,
-                        tag: str) -> dict[str, Any]:
+                        tag: str, admit_every: float | None = None, room: bool = False) -> dict[str, Any]:
     """Steps ``first_step`` ... of an elastic epoch, committing every ``commit_every`` steps and at the end.
 
     ``batches`` holds the epoch's global batches from ``first_step`` on
     (planned over this generation's members); ``steps`` is their count;
-    ``key`` is ``(fit, epoch)``. A commit (``daskdist.elastic.replica.commit_now``)
-    keeps every resident's state, this model's with the epoch's metric totals
-    so far (summed over the replicas, so a replica lost later still counts).
+    ``key`` is ``(fit, epoch)``. A commit keeps every resident's state, this
+    model's with the epoch's metric totals so far (summed over the replicas,
+    so a replica lost later still counts); how a commit stays off the step's
+    path: ``KerasCommits``. With ``admit_every`` (seconds) and ``room`` (the
+    group may grow) replica 0 looks for free workers; when some wait, or the
+    scheduler said members retire, every replica stops at that commit and
+    answers ``{"stopped_at": step, "leave": ...}`` (``elastic.boundary``).
     Replica 0 reports its progress as the built-in layers' ``fit`` does (the
     ``PROGRESS_TOPIC`` event: tag, epoch, step). Returns the epoch's global
     logs and, from replica 0, the model's state.
     """
     import time
 
+    from daskdist.elastic.boundary import FreeWorkerWatch, StopAtCommit, stop_reply
     from daskdist.elastic.replica import commit_now
     from daskdist.keras.models import PROGRESS_TOPIC
+    from daskdist.plugins.keras3.commits import KerasCommits
 
     set_learning_rate(service, model_id, learning_rate)
     resident = trainable(service, model_id)
     fit, epoch = key
+    commits = KerasCommits(service, model_id, resident, driver, FreeWorkerWatch(service, admit_every, room))
     resident.begin("train", batches)
-    if first_step:
-        resident.resume_metrics(service.rank)
+    if first_step:  # the epoch's metric totals at the commit it goes on from: all on replica 0, zeros elsewhere
+        resident.resume_metrics(service.rank, commits.totals_at((fit, epoch, first_step)))
     timer = _RecordingTimer(service)
     step, last, sent = first_step, first_step + steps, 0.0
+    resident.exchange_hook = commits.exchange
     try:
         while step < last:
+            commits.before_step(at_commit=(step + 1) % commit_every == 0 and step + 1 != last)
             if not resident.train_steps(1, driver, timer):
                 break
             step += 1
             if service.rank == 0 and time.monotonic() - sent >= _PROGRESS_INTERVAL:
                 sent = time.monotonic()
                 service.log_event(PROGRESS_TOPIC, {"tag": tag, "epoch": epoch, "step": step})
-            if step % commit_every == 0 and step != last:
-                resident.commit_metrics()
-                commit_now(service, (fit, epoch, step))
+            commits.after_step((fit, epoch, step))
+    except StopAtCommit as stop:
+        service.flush_step_events()
+        return stop_reply(stop)
     finally:
+        resident.exchange_hook = None
         resident.close("train")
+        commits.finish()  # a commit whose totals no step carried is summed now; its copy ends
     if step > first_step:  # the epoch's end: moving statistics averaged, then committed as they now are
         resident.average_non_trainable()
         resident.commit_metrics()

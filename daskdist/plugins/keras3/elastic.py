@@ -15,10 +15,16 @@ holds every row of every epoch once. A loss while ``fit`` installs the model
 (before anything is committed) re-forms the group and installs it again on
 the members left (``ElasticSession.prepare``).
 
-Workers are admitted only where a recovery needs them (below
-``min_replicas``); growing into free workers at commits and graceful
-retirements mid-epoch are the built-in layers' for now (a retiring member
-is recovered from as a lost one).
+Membership changes at commits, as for the built-in layers
+(``ElasticSession.change``): a group below ``min_replicas`` is refilled
+at the start; free workers join at the start of each ``fit``, at each epoch
+boundary and at a commit mid-epoch (replica 0 looks every ``admit_every``),
+up to ``max_replicas``; members the scheduler retires (``retire_workers``,
+a worker's lifetime) leave at the next commit, nothing rolled back and no
+failure counted. The replicas stop at that commit
+(``commands.elastic_train_epoch`` answers ``{"stopped_at": step}``), the
+group changes, and the epoch goes on from that step over the new members. A
+newcomer is given the model (``install_newcomer``), then the commit.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from typing import Any
 
 from daskdist.data.dataset import Dataset
 from daskdist.elastic.options import ElasticOptions
-from daskdist.elastic.recovery import RECOVERABLE, remember_members
+from daskdist.elastic.recovery import RECOVERABLE, grow, leave, refill, remember_members
 from daskdist.elastic.replica import commit_keys, commit_now
 from daskdist.elastic.session import ElasticSession
 from daskdist.plugins.keras3 import commands
@@ -60,12 +66,24 @@ class KerasElasticFit(ElasticSession):
         self.model = model
         self.record = record
         self.fit_id = 0
+        self.first_epoch = 0
 
     # -- epochs ---------------------------------------------------------------------
 
     def begin(self, epoch: int) -> None:
-        """Before the first epoch: a commit every member can go back to (newer than any commit they hold)."""
+        """Before the first epoch: a commit every member can go back to (newer than any commit they hold); a
+        group below ``min_replicas`` refilled, free workers admitted (they get that commit)."""
+        self.first_epoch = epoch
         remember_members(self.group)
+        if self.group.size < self.options.min_replicas:
+            if not all(self.group.call(commit_keys)):  # the newcomers need a commit of the members left
+                self._take_first_commit(epoch)
+            self.change(refill)
+        self._take_first_commit(epoch)
+        if self.change(grow) is not None:  # a loss while admitting: a fresh first commit on the members
+            self._take_first_commit(epoch)
+
+    def _take_first_commit(self, epoch: int) -> None:
         while True:
             try:
                 held = self.group.call(commit_keys)
@@ -77,15 +95,29 @@ class KerasElasticFit(ElasticSession):
 
     def train_epoch(self, epoch: int, limit: int | None, driver: Any, learning_rate: float | None,
                     tag: str) -> dict[str, Any]:
-        """One epoch, resumed from the newest common commit after each loss; ``{"logs", "state"}``."""
+        """One epoch, resumed from the newest common commit after each loss and going on after each change at a
+        commit (retiring members leave, free workers join); ``{"logs", "state"}``."""
         schedule = self.input.schedule(epoch)
         first = 0
+        if epoch > self.first_epoch:  # an epoch boundary is a commit: retiring members leave, free workers join
+            recovered = self.change(leave) or self.change(grow)
+            if recovered is not None:
+                first = self.resumed_step(epoch, first, recovered, schedule)
         while True:
             try:
                 batches, total = self.plans.rest(epoch, schedule, first, limit, self.group.size)
+                room = self.options.max_replicas is None or self.group.size < self.options.max_replicas
                 args = (self.record.object_id, batches, total - first, driver, learning_rate,
-                        (self.fit_id, epoch), first, self.options.commit_every, tag)
+                        (self.fit_id, epoch), first, self.options.commit_every, tag, self.options.admit_seconds, room)
                 result: dict[str, Any] = self.group.call(commands.elastic_train_epoch, args)[0]
+                if "stopped_at" in result:  # members retire or free workers wait: at this commit, then go on
+                    stop = int(result["stopped_at"])
+                    self.ledger.record(epoch, range(first, stop), schedule)
+                    first = stop
+                    recovered = (self.change(leave) if result.get("leave") else None) or self.change(grow)
+                    if recovered is not None:  # a loss while changing: back to the commit all members hold
+                        first = self.resumed_step(epoch, first, recovered, schedule)
+                    continue
             except RECOVERABLE as error:
                 first = self.resumed_step(epoch, first, self.recover(error), schedule)
                 continue

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -30,7 +30,7 @@ from daskdist.ops import ReduceOp
 from daskdist.plugins.keras3 import exchange as exchange_module
 from daskdist.plugins.keras3 import update_rule as update_rule_module
 from daskdist.plugins.keras3.backend import framework
-from daskdist.strategy.training_contract import GradientExchange, StepDriver
+from daskdist.strategy.training_contract import GradientExchange, StepDriver, StepTotals, as_array
 
 __all__ = ["KerasTrainable", "SeedStates", "assign_state", "batch_rows", "split_variables", "state_variables"]
 
@@ -51,10 +51,35 @@ def batch_rows(batch: Any) -> int:
     return int(leaves[0].shape[0]) if leaves else 0
 
 
-def _variable_arrays(variables: list[Any]) -> list[np.ndarray]:
+def keras_numpy(variable: Any) -> np.ndarray:
+    """A variable's value as numpy (Keras' own conversion: it may be a view of the variable)."""
     import keras
 
-    return [np.array(keras.ops.convert_to_numpy(v.value), copy=True) for v in variables]
+    return np.asarray(keras.ops.convert_to_numpy(variable.value))
+
+
+def _variable_arrays(variables: list[Any]) -> list[np.ndarray]:
+    return [np.array(keras_numpy(v), copy=True) for v in variables]
+
+
+def _copy_into(values: Sequence[Any], into: Sequence[np.ndarray] | None = None,
+               positions: Sequence[int] | None = None) -> list[np.ndarray]:
+    """Copies of ``values`` (the backend's views of variables): into ``into``'s arrays (at ``positions``, by
+    default in order) where shape and dtype match, else fresh ones."""
+    out = []
+    for n, value in enumerate(values):
+        try:
+            source = as_array(value)
+        except (TypeError, BufferError, ValueError):  # a dtype numpy cannot view (bfloat16): Keras converts
+            source = np.asarray(value.numpy() if hasattr(value, "numpy") else value)
+        k = positions[n] if positions is not None else n
+        target = into[k] if into is not None and k < len(into) else None
+        if isinstance(target, np.ndarray) and target.shape == source.shape and target.dtype == source.dtype:
+            np.copyto(target, source)
+            out.append(target)
+        else:
+            out.append(np.array(source, copy=True))
+    return out
 
 
 class KerasTrainable:
@@ -79,6 +104,9 @@ class KerasTrainable:
         self._metric_totals: list[np.ndarray] = []  # the epoch's metrics at the newest elastic commit
         self._resumed = False  # restored: resume_metrics puts the totals back at the next elastic epoch
         self._rule: tuple[Any, Any] | None = None  # (the optimizer, its update rule) for held parameters
+        # an elastic epoch's commits wrap the driver's exchange (``commits.KerasCommits.exchange``)
+        self.exchange_hook: Callable[[GradientExchange], GradientExchange] | None = None
+        self.step_totals = StepTotals()  # what the last step's exchange summed (``driver.step``)
         self._offset_seeds(rank)
 
     # -- the training contract ---------------------------------------------------------
@@ -88,9 +116,13 @@ class KerasTrainable:
         return result
 
     def train_step(self, batch: Any, exchange: GradientExchange) -> None:
-        self._steps.train_step(batch, exchange, batch_rows(batch))
+        self._steps.train_step(batch, self._hooked(exchange), batch_rows(batch))
+
+    def _hooked(self, exchange: GradientExchange) -> GradientExchange:
+        return self.exchange_hook(exchange) if self.exchange_hook is not None else exchange
 
     def join_step(self, exchange: GradientExchange) -> None:
+        exchange = self._hooked(exchange)
         variables = list(self.model.trainable_variables)
         zeros = [np.zeros(tuple(v.shape), dtype=_numpy_dtype(v)) for v in variables]
         reduced = exchange(zeros, 0)
@@ -132,12 +164,36 @@ class KerasTrainable:
     def snapshot(self) -> dict[str, Any]:
         """The model's weights, its optimizer's variables, its random generators' states (``SeedStates``) and
         the epoch's metric totals at the newest elastic commit (``commit_metrics``), all copied."""
+        return self.begin_snapshot()()
+
+    def begin_snapshot(self, into: dict[str, Any] | None = None) -> Callable[[], dict[str, Any]]:
+        """A ``snapshot`` in two parts: what a step's forward changes before its apply, copied now (the random
+        generators' states and the non-trainable weights: moving statistics), and the function that copies
+        the rest (the trainable weights and the optimizer's variables, which only ``optimizer.apply`` changes),
+        which an elastic commit calls in a thread while the next step's forward and backward run.
+
+        ``into``: a snapshot nothing holds any more (the commit the ring let go); its arrays take the copy
+        where shapes and dtypes match (fresh arrays of a few MB page-fault on every commit). Only on torch,
+        whose ``assign`` copies: on JAX a restored variable may view the snapshot's array.
+        """
         optimizer = _optimizer(self.model)
         weights, seeds = split_variables(self.model)
-        return {"variables": _variable_arrays(weights),
-                "optimizer": _variable_arrays(list(optimizer.variables)) if optimizer is not None else [],
-                "rng": SeedStates(self._origin, _variable_arrays(seeds)),
-                "metrics": [np.array(t, copy=True) for t in self._metric_totals]}
+        rng = SeedStates(self._origin, _variable_arrays(seeds))
+        moving = {i: np.array(keras_numpy(v), copy=True) for i, v in enumerate(weights) if not v.trainable}
+        metrics = [np.array(t, copy=True) for t in self._metric_totals]
+        optimizer_variables = list(optimizer.variables) if optimizer is not None else []
+        reuse = into if into is not None and getattr(self._ops, "ASSIGN_COPIES", False) else None
+        views = self._ops.views
+
+        def rest() -> dict[str, Any]:
+            trainable = [v for v in weights if v.trainable]
+            copied = iter(_copy_into(views(trainable), reuse["variables"] if reuse else None,
+                                     [i for i, v in enumerate(weights) if v.trainable]))
+            return {"variables": [moving[i] if i in moving else next(copied) for i in range(len(weights))],
+                    "optimizer": _copy_into(views(optimizer_variables), reuse["optimizer"] if reuse else None),
+                    "rng": rng, "metrics": metrics}
+
+        return rest
 
     def restore(self, state: dict[str, Any]) -> None:
         """Put back a ``snapshot`` (this replica's, or a twin's: then its own random streams are kept)."""
@@ -161,14 +217,25 @@ class KerasTrainable:
             own = [np.asarray(t) for t in ctx.all_reduce(ReduceOp.SUM, own)]
         self._metric_totals = own
 
-    def resume_metrics(self, rank: int) -> None:
-        """After a restore, mid-epoch: replica 0 holds the committed metric totals, the others zeros."""
+    def local_metric_totals(self) -> list[np.ndarray]:
+        """This replica's metric variables as they are (copied): an elastic commit sums them over the replicas."""
+        return _variable_arrays(list(self.model.metrics_variables))
+
+    def keep_metric_totals(self, totals: list[np.ndarray]) -> None:
+        """The epoch's metric totals summed over the replicas at the newest commit (``snapshot`` keeps them)."""
+        self._metric_totals = totals
+
+    def resume_metrics(self, rank: int, totals: list[np.ndarray] | None = None) -> None:
+        """Mid-epoch, from a commit: replica 0 holds the committed metric totals (``totals``, or those restored
+        last), the others zeros."""
         variables = list(self.model.metrics_variables)
-        if not self._resumed or len(self._metric_totals) != len(variables):
-            return
-        for variable, total in zip(variables, self._metric_totals):
-            variable.assign(total if rank == 0 else np.zeros_like(total))
+        if totals is None and self._resumed:
+            totals = self._metric_totals
         self._resumed = False
+        if totals is None or len(totals) != len(variables):
+            return
+        for variable, total in zip(variables, totals):
+            variable.assign(total if rank == 0 else np.zeros_like(total))
 
     # -- epochs ---------------------------------------------------------------------
     #
@@ -208,7 +275,7 @@ class KerasTrainable:
             except StopIteration:
                 break
             rows = batch_rows(batch)
-            driver.step(self, batch, rows)
+            self.step_totals = driver.step(self, batch, rows)
             if timer is not None:
                 timer.add_samples(rows)
                 timer.end()
