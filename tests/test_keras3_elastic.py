@@ -8,6 +8,8 @@ batches: the SPMD driver's gradient is the global batch's whatever its split ove
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import pytest
 
@@ -21,7 +23,9 @@ import numpy as np  # noqa: E402
 import daskdist as dd  # noqa: E402
 from daskdist.plugins.keras3.backend import prepare_replica  # noqa: E402
 from tests.keras3_models import assert_replicas_identical, compile_model, dense_data, sequential, twin  # noqa: E402
-from tests.support.killers import kill_at_step, killed_at  # noqa: E402
+from daskdist.cluster.identity import scheduler_workers  # noqa: E402
+from daskdist.keras.models import PROGRESS_TOPIC  # noqa: E402
+from tests.support.killers import FreeAtStep, kill_at_step, killed_at, reported_step  # noqa: E402
 from tests.support.models import slow_batch  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
@@ -134,3 +138,91 @@ def test_a_worker_lost_while_keras3_fit_installs_the_model_is_recovered_and_fit_
         assert history.elastic.failures == 1 and changes == [(3, 2)] and told == ["reinstalled"]
         assert history.elastic_events[0]["lost"] == [victim]
         _assert_as_uninterrupted(strategy, model, history, plain, expected)
+
+
+@pytest.mark.slow
+def test_a_free_worker_joins_a_keras3_fit_mid_epoch_at_a_commit_and_the_weights_are_the_uninterrupted_ones(
+        process_workers):
+    """A third worker, busy (Dask's ``paused``) until replica 0 reported step 1, joins at the next commit: it is
+    given the model, then the commit; the epoch goes on from there over 3 replicas with the same global batches.
+
+    Shown failing: with ``KerasElasticFit.train_epoch`` sending ``room=False`` (no look for free workers
+    mid-epoch) no ``grew`` event comes mid-epoch (the worker joins at the epoch boundary).
+    """
+    workers = process_workers(3)
+    workers.client.run(prepare_replica, "torch")  # Keras imported everywhere before the group starts (see above)
+    x, y = dense_data(rows=240)
+    train = dd.data.Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)  # 10 steps per epoch
+    options = dd.ElasticOptions(min_replicas=2, max_replicas=3, commit_every=2, admit_every="0.3s", max_failures=0)
+    with dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=workers.client, elastic=options) as strategy:
+        (free,) = set(scheduler_workers(workers.client)) - set(strategy.extended.worker_addresses)
+        with strategy.scope():
+            model = compile_model(sequential(), _adam())
+        plain = twin(model, sequential, _adam())
+        arrival = FreeAtStep(workers.client, free, step=1, since=time.time())  # free only once the epoch runs
+        workers.watch(arrival)
+        history = model.fit(train, epochs=2, verbose=0)
+        assert arrival.released
+        expected = plain.fit(x, y, batch_size=24, epochs=2, shuffle=False, verbose=0)
+        (event,) = history.elastic.events
+        assert (event.action, event.admitted, event.lost) == ("grew", [free], [])
+        assert 0 < event.commit[2] < 10 and event.commit[2] % 2 == 0  # at a commit mid-epoch
+        assert strategy.num_replicas_in_sync == 3 and free in strategy.extended.worker_addresses
+        assert history.elastic.failures == 0
+        _assert_as_uninterrupted(strategy, model, history, plain, expected)
+
+
+@pytest.mark.slow
+def test_a_retired_member_leaves_a_keras3_fit_at_a_commit_with_nothing_replayed_and_no_failure_counted(
+        process_workers):
+    """``retire_workers`` of rank 0 once replica 0 reported step 3: the replicas stop at the next commit, the
+    group re-forms without it (event ``left``, no rollback: no ``restored`` event, replica 0's steps only go up),
+    and ``max_failures=0`` is not spent.
+
+    Shown failing: with the retiring flag left out of the commit's sums (``boundary_flags`` reporting 0 for it
+    in ``KerasCommits``) nothing stops at a commit: the fit ends with no event while Dask's retirement waits.
+    """
+    workers = process_workers(3)
+    workers.client.run(prepare_replica, "torch")
+    rows = 960  # 40 steps: a retirement asked at step 3 lands within the epoch under load
+    x, y = dense_data(rows=rows)
+    train = dd.data.Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)  # slowed until it has left
+    options = dd.ElasticOptions(min_replicas=2, commit_every=2, max_failures=0)
+    with dd.MirroredStrategy(client=workers.client, elastic=options) as strategy:
+        assert strategy.num_replicas_in_sync == 3
+        with strategy.scope():
+            model = compile_model(sequential(), _adam())
+        plain = twin(model, sequential, _adam())
+        model.evaluate(x[:24], y[:24], verbose=0)  # the model on the replicas before the retirement's clock
+        plain.evaluate(x[:24], y[:24], verbose=0)
+        victim = strategy.extended.worker_addresses[0]  # rank 0: the new rank 0 goes on from the same commit
+        since = time.time()
+        retired = {}
+
+        def retire():
+            deadline = time.monotonic() + 120
+            while not reported_step(workers.client, since, 3) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            retired["answer"] = workers.client.retire_workers(workers=[victim], close_workers=True)
+            deadline = time.monotonic() + 60
+            while victim in scheduler_workers(workers.client) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            workers.slow_steps(False)  # it has left: the rest needs no slowing
+
+        thread = threading.Thread(target=retire, daemon=True)
+        thread.start()
+        history = model.fit(train, epochs=2, verbose=0)
+        thread.join(60)
+        assert "answer" in retired, "the member was never retired"
+        expected = plain.fit(x, y, batch_size=24, epochs=2, shuffle=False, verbose=0)
+        (event,) = history.elastic.events
+        assert (event.action, event.left, event.lost, len(event.members)) == ("left", [victim], [], 2)
+        assert event.commit[1] == 0 and 3 <= event.commit[2] < rows // 24 and event.commit[2] % 2 == 0
+        assert history.elastic.failures == 0
+        assert strategy.num_replicas_in_sync == 2 and victim not in strategy.extended.worker_addresses
+        elastic_events = [m for t, m in workers.client.get_events("daskdist-elastic") if t > since]
+        assert [m["action"] for m in elastic_events] == ["left"]  # no rollback ("restored") at all
+        steps = [m["step"] for t, m in workers.client.get_events(PROGRESS_TOPIC)
+                 if t > since and m.get("epoch") == 0 and m.get("step", -1) >= 0]
+        assert steps and steps == sorted(steps)  # replica 0's step never went back: nothing replayed
+        _assert_as_uninterrupted(strategy, model, history, plain, expected, steps=rows // 24, rows=rows)
