@@ -147,7 +147,7 @@ def test_a_free_worker_joins_a_keras3_fit_mid_epoch_at_a_commit_and_the_weights_
     given the model, then the commit; the epoch goes on from there over 3 replicas with the same global batches.
 
     Shown failing: with ``KerasElasticFit.train_epoch`` sending ``room=False`` (no look for free workers
-    mid-epoch) no ``grew`` event comes mid-epoch (the worker joins at the epoch boundary).
+    mid-epoch) the worker joins only at the epoch boundary (commit step 10): ``assert 10 < 10`` fails.
     """
     workers = process_workers(3)
     workers.client.run(prepare_replica, "torch")  # Keras imported everywhere before the group starts (see above)
@@ -180,7 +180,7 @@ def test_a_retired_member_leaves_a_keras3_fit_at_a_commit_with_nothing_replayed_
     and ``max_failures=0`` is not spent.
 
     Shown failing: with the retiring flag left out of the commit's sums (``boundary_flags`` reporting 0 for it
-    in ``KerasCommits``) nothing stops at a commit: the fit ends with no event while Dask's retirement waits.
+    in ``KerasCommits``) nothing stops mid-epoch: the member leaves only at the epoch's end (commit step 40).
     """
     workers = process_workers(3)
     workers.client.run(prepare_replica, "torch")
