@@ -21,10 +21,10 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import daskdist as dd  # noqa: E402
-from daskdist.plugins.keras3.backend import prepare_replica  # noqa: E402
-from tests.keras3_models import assert_replicas_identical, compile_model, dense_data, sequential, twin  # noqa: E402
 from daskdist.cluster.identity import scheduler_workers  # noqa: E402
 from daskdist.keras.models import PROGRESS_TOPIC  # noqa: E402
+from daskdist.plugins.keras3.backend import prepare_replica  # noqa: E402
+from tests.keras3_models import assert_replicas_identical, compile_model, dense_data, sequential, twin  # noqa: E402
 from tests.support.killers import FreeAtStep, kill_at_step, killed_at, reported_step  # noqa: E402
 from tests.support.models import slow_batch  # noqa: E402
 

@@ -118,6 +118,10 @@ class Commit:
         """Wait until the state is copied (raises what the copy raised)."""
         self.state  # noqa: B018 (waits for the copy)
 
+    def resident_keys(self) -> list[tuple[str, str]]:
+        """The ``(kind, id)`` of the residents this commit restores."""
+        return list(self.state)
+
     def __getstate__(self) -> dict:
         return {"key": self.key, "state": self.state, "progress": self.progress}
 
@@ -293,7 +297,7 @@ def restore_commit(service: ReplicaService, key: CommitKey, rank0_metrics: bool 
 
 def missing_residents(service: ReplicaService, key: CommitKey) -> list[tuple[str, str]]:
     """The residents commit ``key`` restores that this replica does not hold (it cannot restore it then)."""
-    return [k for k in commit_ring(service).get(key).state if service.objects.find(*k) is None]
+    return [k for k in commit_ring(service).get(key).resident_keys() if service.objects.find(*k) is None]
 
 
 def commit_state(service: ReplicaService, key: CommitKey) -> Commit:

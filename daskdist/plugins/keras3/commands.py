@@ -212,7 +212,8 @@ def elastic_train_epoch(service: ReplicaService, model_id: str, batches: Any, st
     set_learning_rate(service, model_id, learning_rate)
     resident = trainable(service, model_id)
     fit, epoch = key
-    commits = KerasCommits(service, model_id, resident, driver, FreeWorkerWatch(service, admit_every, room))
+    commits = KerasCommits(service, model_id, resident, driver, FreeWorkerWatch(service, admit_every, room),
+                           (fit, epoch, first_step), learning_rate)
     resident.begin("train", batches)
     if first_step:  # the epoch's metric totals at the commit it goes on from: all on replica 0, zeros elsewhere
         resident.resume_metrics(service.rank, commits.totals_at((fit, epoch, first_step)))

@@ -19,6 +19,19 @@ are summed: a replica lost in the next step's exchange leaves every survivor
 at the commit before (the ring holds two), and "the newest commit all
 survivors hold" stays right. When the flags stop the epoch at a commit, its
 totals are summed there and then (one all-reduce, at a membership change).
+
+Even off the step's path, a copy of the weights and Adam's slots costs the
+next step its memory traffic (measured: 1-2 ms of a 21 ms step for the
+tutorial's CNN, whichever thread copies). So only one commit in
+``daskdist.elastic.replayed-commits`` copies the state; the commits between
+are ``ReplayedCommit``: the full commit before them and the reduced
+gradients of the steps since (the all-reduce's own output arrays, kept, not
+copied), with what each step's forward changed (random states, moving
+statistics) and the metric totals. Gone back to (a restore, a newcomer's
+copy), such a commit is rebuilt: the full commit restored, its steps'
+gradients applied again by the optimizer (the same arithmetic on the same
+arrays, so every replica rebuilds the same bits), the forward's state put
+back.
 """
 
 from __future__ import annotations
@@ -28,14 +41,74 @@ from typing import Any
 
 import numpy as np
 
-from daskdist import context, fault_points
+from daskdist import config, context, fault_points
 from daskdist.elastic.boundary import FreeWorkerWatch, StopAtCommit, boundary_flags
 from daskdist.elastic.replica import Commit, CommitKey, commit_ring
 from daskdist.group.service import MODEL, ReplicaService
 from daskdist.ops import ReduceOp
 from daskdist.strategy.training_contract import GradientExchange, SpmdStepDriver, StepDriver
 
-__all__ = ["KerasCommits"]
+__all__ = ["KerasCommits", "ReplayedCommit"]
+
+
+class ReplayedCommit(Commit):
+    """A commit kept as the full commit before it and the reduced gradients of the steps since (see module).
+
+    Parameters
+    ----------
+    key
+        Its ``(fit, epoch, step)``.
+    base
+        The full commit (``Commit``) its steps start from; never reused for another copy while this lives.
+    gradients
+        The reduced gradients of each step since ``base``, in order (arrays nothing writes any more).
+    forward
+        ``KerasTrainable.step_state()`` at this commit (random states, moving statistics).
+    objects, model_key, learning_rate
+        The replica's residents, the model's key among them, the learning rate its steps applied with.
+    """
+
+    def __init__(self, key: CommitKey, base: Commit, gradients: list[list[np.ndarray]], forward: dict[str, Any],
+                 objects: Any, model_key: tuple[str, str], learning_rate: float | None):
+        super().__init__(key, {}, {})
+        self._state = None
+        self.base, self.gradients, self.forward = base, gradients, forward
+        self.objects, self.model_key, self.learning_rate = objects, model_key, learning_rate
+        self.metrics: list[np.ndarray] = []
+        self.lent = True  # its arrays are the base's and the all-reduce's: never taken for a copy
+
+    @property
+    def state(self) -> dict:
+        """The full state, rebuilt once (it leaves this replica's residents at this commit: only read it where
+        they go back to it next, as every caller does: a restore, a newcomer's copy from a restored member)."""
+        if self._state is None:
+            self._state = self._rebuild()
+        return self._state
+
+    @property
+    def copied(self) -> bool:
+        return self.base.copied
+
+    def settle(self) -> None:
+        self.base.settle()
+
+    def resident_keys(self) -> list[tuple[str, str]]:
+        return self.base.resident_keys()
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return Commit, (self.key, self.state, self.progress)  # another replica gets the full state
+
+    def _rebuild(self) -> dict:
+        base = self.base.state
+        self.objects.restore(base)
+        resident = self.objects.get(*self.model_key)
+        resident.replay(self.gradients, self.learning_rate)
+        model = resident.snapshot()
+        model["variables"] = [self.forward["moving"].get(i, v) for i, v in enumerate(model["variables"])]
+        model["rng"], model["metrics"] = self.forward["rng"], self.metrics
+        state = {**base, self.model_key: model}
+        self.objects.restore({self.model_key: model})  # the residents at this commit, forward's state included
+        return state
 
 
 class KerasCommits:
@@ -57,10 +130,28 @@ class KerasCommits:
     """
 
     def __init__(self, service: ReplicaService, model_id: str, resident: Any, driver: StepDriver,
-                 watch: FreeWorkerWatch):
+                 watch: FreeWorkerWatch, start: CommitKey, learning_rate: float | None):
         self.service, self.key, self.resident, self.watch = service, (MODEL, model_id), resident, watch
         self.ring = commit_ring(service)
         self.carrying = isinstance(driver, SpmdStepDriver)
+        self.learning_rate = learning_rate
+        self.every = max(1, int(config.get("elastic.replayed-commits", 16)))
+        # the full commit the coming commits are replayed from, and the reduced gradients of the steps since it
+        self.base: Commit | None = None
+        self.log: list[list[np.ndarray]] = []
+        self.logging = True  # every step's reduced gradients came back (a driver that assigns: copy every commit)
+        self.since = 0  # commits since the base
+        # the commit the command starts from: its state is the residents' now (an epoch goes on from the newest
+        # commit; a new epoch from the last one's end)
+        newest = next(reversed(self.ring.commits.values()), None)
+        begun = None
+        if newest is not None and (newest.key == tuple(start) or (
+                start[2] == 0 and newest.key[0] == start[0] and newest.key[1] == start[1] - 1)):
+            begun = newest
+        if isinstance(begun, ReplayedCommit) and begun._state is None:
+            self.base, self.log = begun.base, list(begun.gradients)
+        elif begun is not None:
+            self.base = begun
         self.pending: tuple[Commit, list[np.ndarray]] | None = None  # copied, its totals not yet summed
         self.carry: list[float] = []  # what this step's exchange adds to the driver's sums
         self.at_commit = False
@@ -70,9 +161,12 @@ class KerasCommits:
     def totals_at(self, key: CommitKey) -> list[np.ndarray] | None:
         """The metric totals commit ``key`` holds (``None``: this replica holds no such commit)."""
         try:
-            state = self.ring.get(key).state.get(self.key, {})
+            commit = self.ring.get(key)
         except KeyError:
             return None
+        if isinstance(commit, ReplayedCommit) and commit._state is None:
+            return list(commit.metrics)
+        state = commit.state.get(self.key, {})
         metrics = state.get("metrics")
         return list(metrics) if metrics is not None else None
 
@@ -98,6 +192,12 @@ class KerasCommits:
             carried = (*sums, *self.carry) if self.carrying else tuple(sums)
             reduced = inner(gradients, rows, carried, summed)
             self.exchanged = True
+            if reduced is None:
+                self.logging = False
+            elif self.base is not None:
+                ctx = context.get_replica_context()
+                alone = ctx is None or ctx.num_replicas_in_sync == 1  # then they are the local gradients: copied
+                self.log.append([np.array(g, copy=True) for g in reduced] if alone else list(reduced))
             self.ring.settle()  # the optimizer's apply changes what the copy reads
             return reduced
 
@@ -118,12 +218,21 @@ class KerasCommits:
             return
         grow, leave = (float(f) > 0 for f in summed[-2:])
         own = self.resident.local_metric_totals()
-        pause = fault_points.bound("commit") if fault_points.ARMED else None  # a test's fault point, in the copy
-        commit = Commit.copying((key[0], key[1], key[2]), self.service.objects, {}, pause, reuse=self.ring.take_spare())
+        key = (key[0], key[1], key[2])
+        self.since += 1
+        taken: Commit
+        if self.base is not None and self.logging and self.since < self.every:
+            taken = ReplayedCommit(key, self.base, list(self.log), self.resident.step_state(), self.service.objects,
+                                    self.key, self.learning_rate)
+        else:
+            pause = fault_points.bound("commit") if fault_points.ARMED else None  # a test's fault point, in the copy
+            taken = Commit.copying(key, self.service.objects, {}, pause, reuse=self.ring.take_spare())
+            taken.lent = True  # the base of the commits after it: its arrays are never taken for another copy
+            self.base, self.log, self.since = taken, [], 0
         if grow or leave:  # a membership change at this commit: its totals summed now, then every replica stops
-            self._enter(commit, _all_reduce(own))
+            self._enter(taken, _all_reduce(own))
             raise StopAtCommit(key[2], leave)
-        self.pending = (commit, own)
+        self.pending = (taken, own)
 
     def finish(self) -> None:
         """At the command's end (or a loss): a commit whose totals no step carried is dropped (a newer one, the
@@ -147,9 +256,12 @@ class KerasCommits:
     def _enter(self, commit: Commit, totals: list[np.ndarray]) -> None:
         """``commit`` with its summed metric totals, into the ring (its copy done first)."""
         commit.settle()
-        state = commit.state.get(self.key)
-        if state is not None:
-            state["metrics"] = totals
+        if isinstance(commit, ReplayedCommit):
+            commit.metrics = totals
+        else:
+            state = commit.state.get(self.key)
+            if state is not None:
+                state["metrics"] = totals
         self.resident.keep_metric_totals(totals)
         self.ring.add(commit)
 

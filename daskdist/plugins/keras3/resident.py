@@ -177,9 +177,9 @@ class KerasTrainable:
         whose ``assign`` copies: on JAX a restored variable may view the snapshot's array.
         """
         optimizer = _optimizer(self.model)
-        weights, seeds = split_variables(self.model)
-        rng = SeedStates(self._origin, _variable_arrays(seeds))
-        moving = {i: np.array(keras_numpy(v), copy=True) for i, v in enumerate(weights) if not v.trainable}
+        weights = split_variables(self.model)[0]
+        now = self.step_state()
+        rng, moving = now["rng"], now["moving"]
         metrics = [np.array(t, copy=True) for t in self._metric_totals]
         optimizer_variables = list(optimizer.variables) if optimizer is not None else []
         reuse = into if into is not None and getattr(self._ops, "ASSIGN_COPIES", False) else None
@@ -194,6 +194,22 @@ class KerasTrainable:
                     "rng": rng, "metrics": metrics}
 
         return rest
+
+    def step_state(self) -> dict[str, Any]:
+        """What a step's forward changes before its apply, copied: ``{"rng": SeedStates, "moving": {position in
+        the snapshot's "variables": array}}`` (the random generators' states, the non-trainable weights)."""
+        weights, seeds = split_variables(self.model)
+        return {"rng": SeedStates(self._origin, _variable_arrays(seeds)),
+                "moving": {i: np.array(keras_numpy(v), copy=True) for i, v in enumerate(weights) if not v.trainable}}
+
+    def replay(self, gradients: Sequence[Sequence[np.ndarray]], learning_rate: float | None) -> None:
+        """Apply the reduced ``gradients`` of steps, in order, with the optimizer (at ``learning_rate``): the
+        updates those steps made (an elastic commit rebuilt from the full one before it)."""
+        optimizer = _optimizer(self.model)
+        if learning_rate is not None:
+            optimizer.learning_rate = learning_rate
+        for reduced in gradients:
+            self._steps.apply(list(reduced))
 
     def restore(self, state: dict[str, Any]) -> None:
         """Put back a ``snapshot`` (this replica's, or a twin's: then its own random streams are kept)."""
