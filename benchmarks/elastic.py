@@ -449,8 +449,14 @@ def recovery(trials: int, steps: int, how: int = signal.SIGKILL) -> None:
 
 
 def snapshot_cost(steps: int) -> None:
-    """In this process, no cluster: Keras 3's training step on one replica's batch against the snapshot a commit
-    takes of it (``KerasTrainable.snapshot``: weights, optimizer slots, seeds, metric totals, copied), alternated."""
+    """In this process, no cluster: Keras 3's training step on one replica's batch, alone and followed by what a
+    commit costs the step (alternated, 4 steps per sample, so that the next steps' cache misses count):
+
+    * *full copy*: the snapshot of every commit before (``KerasTrainable.snapshot``: weights, optimizer slots,
+      seeds, metric totals, copied), which a full commit still takes once per ``elastic.replayed-commits``;
+    * *replayed commit*: what a commit between two full ones takes on the step path
+      (``KerasTrainable.step_state`` and ``local_metric_totals``; its steps' reduced gradients are kept, not copied).
+    """
     import torch
 
     from daskdist.plugins.keras3.resident import KerasTrainable
@@ -462,19 +468,32 @@ def snapshot_cost(steps: int) -> None:
     y = torch.from_numpy(rng.integers(0, 10, BATCH // 2).astype(np.int64))
     model.train_step((x, y))  # the optimizer's slots built
     resident = KerasTrainable(model)
-    step_s, snap_s = [], []
-    for _ in range(steps):
-        start = time.perf_counter()
-        model.train_step((x, y))
-        step_s.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        state = resident.snapshot()
-        snap_s.append(time.perf_counter() - start)
+    state = resident.snapshot()
+    arms = {
+        "plain step": lambda: model.train_step((x, y)),
+        "plain step (again: the noise)": lambda: model.train_step((x, y)),
+        "step + full copy": lambda: (model.train_step((x, y)), resident.snapshot()),
+        "step + replayed commit": lambda: (model.train_step((x, y)), resident.step_state(),
+                                           resident.local_metric_totals()),
+    }
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    order = list(arms)
+    for arm in arms.values():  # warm-up
+        for _ in range(8):
+            arm()
+    for n in range(steps):
+        for name in (order if n % 2 == 0 else order[::-1]):
+            start = time.perf_counter()
+            for _ in range(4):
+                arms[name]()
+            times[name].append((time.perf_counter() - start) / 4)
     nbytes = sum(a.nbytes for a in state["variables"] + state["optimizer"])
-    step, snap = statistics.median(step_s), statistics.median(snap_s)
-    print(f"load before: {os.getloadavg()[0]:.2f}; torch threads 1; {steps} alternations")
-    print(format_table(["Keras train_step (32 rows) ms", "snapshot ms", "snapshot / step", "bytes copied"],
-                       [[f"{step * 1e3:.2f}", f"{snap * 1e3:.2f}", f"{snap / step:.3f}", f"{nbytes:,}"]]))
+    plain = statistics.median(times["plain step"])
+    print(f"load before: {os.getloadavg()[0]:.2f}; torch threads 1; {steps} alternations of 4 steps; "
+          f"a full copy is {nbytes:,} bytes (weights + Adam's slots)")
+    print(format_table(["arm", "ms per step (median)", "ratio to the plain step"],
+                       [[name, f"{statistics.median(t) * 1e3:.2f}", f"{statistics.median(t) / plain:.3f}"]
+                        for name, t in times.items()]))
 
 
 def main() -> None:
