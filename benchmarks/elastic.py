@@ -52,9 +52,9 @@ MaxPooling2D - Flatten - Dense(64) - Dense(10), Adam, accuracy) built in the
 strategy's scope, ``fit`` as ``tests/test_keras3_elastic.py`` runs it (Keras and
 torch imported on the workers before the group starts); a commit snapshots the
 ``KerasTrainable`` (weights, Adam's slots, the epoch's metric totals).
-``commit``, ``recovery`` and ``stop`` only: ``goodput`` needs growth into the
-replacement workers at commits and ``BackupAndRestore`` for the restart arm,
-which the Keras 3 elastic ``fit`` does not have yet.
+``commit``, ``recovery``, ``stop`` and ``snapshot`` only: ``goodput``'s restart
+arm (``BackupAndRestore`` under a plain strategy) is not written for Keras 3
+(its elastic arm would now grow into the replacement workers at commits).
 
 Run: ``python benchmarks/elastic.py [--min-replicas 1|2] [--parts commit,goodput,stop]``
 (commit and goodput: 330 s on 2 cores at load 15-20); ``--quick`` (2 measured
@@ -519,7 +519,8 @@ def main() -> None:
     MODEL["name"] = args.model
     if args.model == "keras3":
         if "goodput" in parts:
-            parser.error("--model keras3 measures commit, recovery, stop and snapshot (goodput needs growth at commits)")
+            parser.error("--model keras3 measures commit, recovery, stop and snapshot (goodput's restart arm, "
+                         "BackupAndRestore, is not written for Keras 3)")
         os.environ["KERAS_BACKEND"] = "torch"  # before Keras is imported, here and in the workers started
     print_header("Elastic training")
     if args.model == "keras3":
