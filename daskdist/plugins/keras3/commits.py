@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from dask.utils import parse_bytes
 
 from daskdist import config, context, fault_points
 from daskdist.elastic.boundary import FreeWorkerWatch, StopAtCommit, boundary_flags
@@ -89,6 +90,11 @@ class ReplayedCommit(Commit):
     def copied(self) -> bool:
         return self.base.copied
 
+    @property
+    def rebuilt(self) -> bool:
+        """Whether the full state was rebuilt (``state`` then costs nothing and changes nothing)."""
+        return self._state is not None
+
     def settle(self) -> None:
         self.base.settle()
 
@@ -136,6 +142,8 @@ class KerasCommits:
         self.carrying = isinstance(driver, SpmdStepDriver)
         self.learning_rate = learning_rate
         self.every = max(1, int(config.get("elastic.replayed-commits", 16)))
+        self.most_bytes = parse_bytes(str(config.get("elastic.replayed-bytes", "256MiB")))
+        self.log_bytes = 0  # the kept gradients' bytes: a full copy is taken before they pass ``most_bytes``
         # the full commit the coming commits are replayed from, and the reduced gradients of the steps since it
         self.base: Commit | None = None
         self.log: list[list[np.ndarray]] = []
@@ -148,8 +156,9 @@ class KerasCommits:
         if newest is not None and (newest.key == tuple(start) or (
                 start[2] == 0 and newest.key[0] == start[0] and newest.key[1] == start[1] - 1)):
             begun = newest
-        if isinstance(begun, ReplayedCommit) and begun._state is None:
+        if isinstance(begun, ReplayedCommit) and not begun.rebuilt:
             self.base, self.log = begun.base, list(begun.gradients)
+            self.log_bytes = sum(int(getattr(g, "nbytes", 0)) for step in self.log for g in step)
         elif begun is not None:
             self.base = begun
         self.pending: tuple[Commit, list[np.ndarray]] | None = None  # copied, its totals not yet summed
@@ -164,7 +173,7 @@ class KerasCommits:
             commit = self.ring.get(key)
         except KeyError:
             return None
-        if isinstance(commit, ReplayedCommit) and commit._state is None:
+        if isinstance(commit, ReplayedCommit) and not commit.rebuilt:
             return list(commit.metrics)
         state = commit.state.get(self.key, {})
         metrics = state.get("metrics")
@@ -197,7 +206,9 @@ class KerasCommits:
             elif self.base is not None:
                 ctx = context.get_replica_context()
                 alone = ctx is None or ctx.num_replicas_in_sync == 1  # then they are the local gradients: copied
-                self.log.append([np.array(g, copy=True) for g in reduced] if alone else list(reduced))
+                kept = [np.array(g, copy=True) for g in reduced] if alone else list(reduced)
+                self.log.append(kept)
+                self.log_bytes += sum(int(getattr(g, "nbytes", 0)) for g in kept)
             self.ring.settle()  # the optimizer's apply changes what the copy reads
             return reduced
 
@@ -221,14 +232,14 @@ class KerasCommits:
         key = (key[0], key[1], key[2])
         self.since += 1
         taken: Commit
-        if self.base is not None and self.logging and self.since < self.every:
+        if self.base is not None and self.logging and self.since < self.every and self.log_bytes <= self.most_bytes:
             taken = ReplayedCommit(key, self.base, list(self.log), self.resident.step_state(), self.service.objects,
                                     self.key, self.learning_rate)
         else:
             pause = fault_points.bound("commit") if fault_points.ARMED else None  # a test's fault point, in the copy
             taken = Commit.copying(key, self.service.objects, {}, pause, reuse=self.ring.take_spare())
             taken.lent = True  # the base of the commits after it: its arrays are never taken for another copy
-            self.base, self.log, self.since = taken, [], 0
+            self.base, self.log, self.since, self.log_bytes = taken, [], 0, 0
         if grow or leave:  # a membership change at this commit: its totals summed now, then every replica stops
             self._enter(taken, _all_reduce(own))
             raise StopAtCommit(key[2], leave)
