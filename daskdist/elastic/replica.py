@@ -67,26 +67,24 @@ class Commit:
     def __init__(self, key: CommitKey, state: dict, progress: dict):
         self.key = key
         self.progress = progress
-        self.lent = False  # handed to another replica (or taken from one): its arrays are never reused
         self._state: dict | None = state
         self._copy: concurrent.futures.Future[dict] | None = None
 
     @classmethod
     def copying(cls, key: CommitKey, objects: Any, progress: dict,
-                before_copy: Callable[[], None] | None = None, reuse: dict | None = None) -> Commit:
+                before_copy: Callable[[], None] | None = None) -> Commit:
         """A commit whose state ``objects`` (a ``ResidentStore``) is copied by a thread started now.
 
         ``before_copy``: called first in that thread (a test's fault point, ``fault_points.bound``).
         What the next step's forward changes before its apply is taken here, on the step path: the models'
         random states (``snapshot_random``), or all of it for a model resident with ``begin_snapshot(into)``
-        (random states and moving statistics), which returns the function the thread copies the rest with,
-        into the arrays of ``into`` (``reuse``'s state of that resident: a commit the ring let go) where they fit.
+        (random states and moving statistics), which returns the function the thread copies the rest with.
         """
         commit = cls(key, {}, progress)
         commit._state = None
         future: concurrent.futures.Future[dict] = concurrent.futures.Future()
         random = _random_states_now(objects)  # the next step's forward draws from them while the copy runs
-        prepared = _prepare_copies(objects, reuse or {})
+        prepared = _prepare_copies(objects)
 
         def copy() -> None:
             try:
@@ -143,13 +141,13 @@ def _random_states_now(objects: Any) -> dict:
     return out
 
 
-def _prepare_copies(objects: Any, reuse: dict) -> dict[tuple[str, str], Callable[[], Any]]:
-    """The model residents' ``begin_snapshot(into)``, called on the step path: the functions that end their copies."""
+def _prepare_copies(objects: Any) -> dict[tuple[str, str], Callable[[], Any]]:
+    """The model residents' ``begin_snapshot()``, called on the step path: the functions that end their copies."""
     out = {}
     for model_id in objects.ids(MODEL):
         resident = objects.get(MODEL, model_id)
         if hasattr(resident, "begin_snapshot"):
-            out[(MODEL, model_id)] = resident.begin_snapshot(reuse.get((MODEL, model_id)))
+            out[(MODEL, model_id)] = resident.begin_snapshot()
     return out
 
 
@@ -185,19 +183,11 @@ class CommitRing:
     def __init__(self, keep: int = 2):
         self.keep = keep
         self.commits: OrderedDict[CommitKey, Commit] = OrderedDict()
-        self._spare: Commit | None = None  # the commit let go last: its arrays take the next copy
 
     def add(self, commit: Commit) -> None:
         self.commits[commit.key] = commit
         while len(self.commits) > self.keep:
-            _, old = self.commits.popitem(last=False)
-            if old.copied and not old.lent:
-                self._spare = old
-
-    def take_spare(self) -> dict | None:
-        """The state of the commit the ring let go last (nothing else holds it), for the next copy's arrays; once."""
-        spare, self._spare = self._spare, None
-        return spare.state if spare is not None else None
+            self.commits.popitem(last=False)
 
     def get(self, key: CommitKey) -> Commit:
         try:
@@ -302,9 +292,7 @@ def missing_residents(service: ReplicaService, key: CommitKey) -> list[tuple[str
 
 def commit_state(service: ReplicaService, key: CommitKey) -> Commit:
     """This replica's commit ``key`` (to heal a replica whose copy differs, or a newcomer)."""
-    commit = commit_ring(service).get(key)
-    commit.lent = True  # another replica may hold this very object (replicas in one process)
-    return commit
+    return commit_ring(service).get(key)
 
 
 def install_commit(service: ReplicaService, commit: Commit) -> str:
@@ -315,7 +303,6 @@ def install_commit(service: ReplicaService, commit: Commit) -> str:
     if fault_points.ARMED:
         fault_points.restoring(service.rank, commit.key[2])
     ring.drop_after(commit.key)
-    commit.lent = True
     ring.add(commit)
     _restore_metrics(service, commit.progress)
     return state_digest(commit.state)

@@ -21,10 +21,7 @@ from daskdist.plugins.keras3 import exchange as exchange_module
 if TYPE_CHECKING:
     from daskdist.strategy.training_contract import GradientExchange
 
-__all__ = ["ASSIGN_COPIES", "TorchSteps", "from_numpy", "limit_threads", "no_grad", "steps", "to_batch", "to_numpy", "views"]
-
-#: ``variable.assign(array)`` copies into the torch parameter: a snapshot's arrays may be reused after a restore
-ASSIGN_COPIES = True
+__all__ = ["TorchSteps", "from_numpy", "limit_threads", "no_grad", "steps", "to_batch", "to_numpy", "views"]
 
 
 def to_batch(batch: Any) -> Any:

@@ -3,11 +3,12 @@
 At a commit (every ``commit_every`` steps) the replica takes on the step's
 path only what the next step's forward changes before its apply (the random
 generators' states, the moving statistics, the local metric variables: a few
-small arrays, ``KerasTrainable.begin_snapshot``); a thread copies the rest
-(weights and the optimizer's slots, into the arrays of the commit the ring
-let go, ``Commit.copying``) while the next step's input, forward and backward
-run, and the replica waits for it just before that step's apply (the
-exchange returns only once the copy is done: ``CommitRing.settle``).
+small arrays, ``KerasTrainable.step_state``). Where a commit copies the
+state, a thread copies the rest (weights and the optimizer's slots,
+``Commit.copying`` with ``KerasTrainable.begin_snapshot``) while the next
+step's input, forward and backward run, and the replica waits for it just
+before that step's apply (the exchange returns only once the copy is done:
+``CommitRing.settle``).
 
 The commit's metric totals (each metric variable summed over the replicas,
 so a replica lost later still counts) and the two flags of a commit boundary
@@ -60,7 +61,7 @@ class ReplayedCommit(Commit):
     key
         Its ``(fit, epoch, step)``.
     base
-        The full commit (``Commit``) its steps start from; never reused for another copy while this lives.
+        The full commit (``Commit``) its steps start from.
     gradients
         The reduced gradients of each step since ``base``, in order (arrays nothing writes any more).
     forward
@@ -76,7 +77,6 @@ class ReplayedCommit(Commit):
         self.base, self.gradients, self.forward = base, gradients, forward
         self.objects, self.model_key, self.learning_rate = objects, model_key, learning_rate
         self.metrics: list[np.ndarray] = []
-        self.lent = True  # its arrays are the base's and the all-reduce's: never taken for a copy
 
     @property
     def state(self) -> dict:
@@ -237,8 +237,7 @@ class KerasCommits:
                                     self.key, self.learning_rate)
         else:
             pause = fault_points.bound("commit") if fault_points.ARMED else None  # a test's fault point, in the copy
-            taken = Commit.copying(key, self.service.objects, {}, pause, reuse=self.ring.take_spare())
-            taken.lent = True  # the base of the commits after it: its arrays are never taken for another copy
+            taken = Commit.copying(key, self.service.objects, {}, pause)
             self.base, self.log, self.since, self.log_bytes = taken, [], 0, 0
         if grow or leave:  # a membership change at this commit: its totals summed now, then every replica stops
             self._enter(taken, _all_reduce(own))

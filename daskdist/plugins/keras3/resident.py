@@ -62,23 +62,15 @@ def _variable_arrays(variables: list[Any]) -> list[np.ndarray]:
     return [np.array(keras_numpy(v), copy=True) for v in variables]
 
 
-def _copy_into(values: Sequence[Any], into: Sequence[np.ndarray] | None = None,
-               positions: Sequence[int] | None = None) -> list[np.ndarray]:
-    """Copies of ``values`` (the backend's views of variables): into ``into``'s arrays (at ``positions``, by
-    default in order) where shape and dtype match, else fresh ones."""
+def _copies(values: Sequence[Any]) -> list[np.ndarray]:
+    """Copies of ``values`` (the backend's views of variables: one copy each, no conversion in between)."""
     out = []
-    for n, value in enumerate(values):
+    for value in values:
         try:
             source = as_array(value)
         except (TypeError, BufferError, ValueError):  # a dtype numpy cannot view (bfloat16): Keras converts
             source = np.asarray(value.numpy() if hasattr(value, "numpy") else value)
-        k = positions[n] if positions is not None else n
-        target = into[k] if into is not None and k < len(into) else None
-        if isinstance(target, np.ndarray) and target.shape == source.shape and target.dtype == source.dtype:
-            np.copyto(target, source)
-            out.append(target)
-        else:
-            out.append(np.array(source, copy=True))
+        out.append(np.array(source, copy=True))
     return out
 
 
@@ -166,15 +158,12 @@ class KerasTrainable:
         the epoch's metric totals at the newest elastic commit (``commit_metrics``), all copied."""
         return self.begin_snapshot()()
 
-    def begin_snapshot(self, into: dict[str, Any] | None = None) -> Callable[[], dict[str, Any]]:
+    def begin_snapshot(self) -> Callable[[], dict[str, Any]]:
         """A ``snapshot`` in two parts: what a step's forward changes before its apply, copied now (the random
-        generators' states and the non-trainable weights: moving statistics), and the function that copies
-        the rest (the trainable weights and the optimizer's variables, which only ``optimizer.apply`` changes),
-        which an elastic commit calls in a thread while the next step's forward and backward run.
-
-        ``into``: a snapshot nothing holds any more (the commit the ring let go); its arrays take the copy
-        where shapes and dtypes match (fresh arrays of a few MB page-fault on every commit). Only on torch,
-        whose ``assign`` copies: on JAX a restored variable may view the snapshot's array.
+        generators' states and the non-trainable weights: moving statistics, ``step_state``), and the function
+        that copies the rest (the trainable weights and the optimizer's variables, which only
+        ``optimizer.apply`` changes), which an elastic commit calls in a thread while the next step's forward
+        and backward run.
         """
         optimizer = _optimizer(self.model)
         weights = split_variables(self.model)[0]
@@ -182,16 +171,12 @@ class KerasTrainable:
         rng, moving = now["rng"], now["moving"]
         metrics = [np.array(t, copy=True) for t in self._metric_totals]
         optimizer_variables = list(optimizer.variables) if optimizer is not None else []
-        reuse = into if into is not None and getattr(self._ops, "ASSIGN_COPIES", False) else None
         views = self._ops.views
 
         def rest() -> dict[str, Any]:
-            trainable = [v for v in weights if v.trainable]
-            copied = iter(_copy_into(views(trainable), reuse["variables"] if reuse else None,
-                                     [i for i, v in enumerate(weights) if v.trainable]))
+            copied = iter(_copies(views([v for v in weights if v.trainable])))
             return {"variables": [moving[i] if i in moving else next(copied) for i in range(len(weights))],
-                    "optimizer": _copy_into(views(optimizer_variables), reuse["optimizer"] if reuse else None),
-                    "rng": rng, "metrics": metrics}
+                    "optimizer": _copies(views(optimizer_variables)), "rng": rng, "metrics": metrics}
 
         return rest
 
