@@ -170,3 +170,100 @@ def test_a_model_with_no_optimizer_to_pair_is_refused_naming_what_works_and_noth
         coordinator.schedule(lambda: odd(x))
         with pytest.raises(ValueError, match=r"model 'sequential_\d+' cannot be used .*keras.optimizers.SGD"):
             coordinator.join()
+
+
+def _metered_step(model, optimizer, accuracy, mean_loss):
+    """``_replica_step`` that also updates two Keras metrics created in the scope, as TF's PS tutorial does."""
+    import torch
+
+    compute_loss = average_loss(BATCH)
+
+    def train_step(inputs):
+        features, labels = inputs
+        predictions = model(features, training=True)
+        loss = compute_loss(labels, predictions)
+        model.zero_grad()
+        loss.backward()
+        with torch.no_grad():
+            optimizer.apply([v.value.grad for v in model.trainable_variables], model.trainable_variables)
+            accuracy.update_state(labels, predictions)
+            mean_loss.update_state(loss)
+        return float(loss)
+
+    return train_step
+
+
+def test_keras_metrics_updated_in_closures_read_on_the_client_as_one_process_on_the_same_batches(
+        forked_process_client):
+    """TF's PS custom loop: metrics created in the scope, ``update_state`` in the closures, ``result()`` on the
+    coordinator after ``join``. One worker (closures in order): the results equal one process's on the same batches,
+    each epoch after ``reset_state()``; then two workers evaluate read-only closures, each batch counted once.
+    Shown failing: with the client's commit of a closure's change left out, every result stays 0."""
+    x, y = dense_data(rows=96, seed=3)
+    resolver = dd.cluster_resolver.DaskClusterResolver(forked_process_client, num_ps=2)  # 2 ps, 1 worker
+    with dd.ParameterServerStrategy(resolver) as strategy:
+        coordinator = ClusterCoordinator(strategy)
+        with strategy.scope():
+            model = sequential()
+            optimizer = keras.optimizers.Adam(1e-2)
+            accuracy = keras.metrics.SparseCategoricalAccuracy()
+            mean_loss = keras.metrics.Mean()
+        plain = sequential()
+        plain.set_weights(model.get_weights())
+        plain_accuracy, plain_loss = keras.metrics.SparseCategoricalAccuracy(), keras.metrics.Mean()
+        plain_step = _metered_step(plain, keras.optimizers.Adam(1e-2), plain_accuracy, plain_loss)
+        replica_fn = _metered_step(model, optimizer, accuracy, mean_loss)
+
+        def step_fn(it):
+            return strategy.run(replica_fn, args=(next(it),))
+
+        for _ in range(2):
+            for metric in (accuracy, mean_loss, plain_accuracy, plain_loss):
+                metric.reset_state()
+            iterator = iter(coordinator.create_per_worker_dataset(_dataset_fn(x, y)))
+            values = [coordinator.schedule(step_fn, args=(iterator,)) for _ in range(len(x) // BATCH)]
+            coordinator.join()
+            for k in range(0, len(x), BATCH):
+                plain_step((x[k:k + BATCH], y[k:k + BATCH]))
+            np.testing.assert_allclose(float(mean_loss.result()), float(plain_loss.result()), rtol=RTOL)
+            np.testing.assert_allclose(float(accuracy.result()), float(plain_accuracy.result()), rtol=RTOL)
+            assert float(mean_loss.count.numpy()) == len(x) // BATCH  # each closure's update once
+            assert float(accuracy.count.numpy()) == len(x)
+            np.testing.assert_allclose(np.mean(coordinator.fetch(values)), float(mean_loss.result()), rtol=RTOL)
+
+
+def test_two_workers_evaluate_into_a_scope_metric_each_batch_once(forked_process_client, tmp_path):
+    """TF's inline evaluation in a custom loop: ``eval_accuracy`` created in the scope, read-only closures on two
+    workers; the result is plain Keras' on the same weights and the count is every row once. A closure waits until
+    both workers began one (a file each), so both take closures however loaded the machine is."""
+    x, y = dense_data(rows=200, seed=5)
+    batches = [(x[k:k + 20], y[k:k + 20]) for k in range(0, 200, 20)]
+    resolver = dd.cluster_resolver.DaskClusterResolver(forked_process_client, num_ps=1)  # 1 ps, 2 workers
+    with dd.ParameterServerStrategy(resolver) as strategy:
+        coordinator = ClusterCoordinator(strategy)
+        with strategy.scope():
+            model = sequential()
+            optimizer = keras.optimizers.SGD(0.1)  # noqa: F841 (the model's loop optimizer: placing it needs one)
+            eval_accuracy = keras.metrics.SparseCategoricalAccuracy()
+
+        def eval_fn(batch):
+            import time
+
+            from distributed import get_worker
+
+            (tmp_path / str(os.getpid())).touch()
+            deadline = time.monotonic() + 60
+            while len(list(tmp_path.iterdir())) < 2 and time.monotonic() < deadline:  # both workers are in one
+                time.sleep(0.01)
+            features, labels = batch
+            eval_accuracy.update_state(labels, model(features, training=False))
+            return get_worker().address
+
+        addresses = coordinator.fetch([coordinator.schedule(eval_fn, args=(batch,)) for batch in batches])
+        assert len(set(addresses)) == 2  # both workers took closures
+        plain = sequential()
+        plain.set_weights(model.get_weights())
+        expected = keras.metrics.SparseCategoricalAccuracy()
+        expected.update_state(y, plain.predict(x, verbose=0))
+        assert float(eval_accuracy.count.numpy()) == 200  # every row once
+        np.testing.assert_allclose(float(eval_accuracy.result()), float(expected.result()), rtol=RTOL)

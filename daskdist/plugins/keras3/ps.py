@@ -77,6 +77,7 @@ class KerasPsWorker:
     def __init__(self, trainable: KerasTrainable, driver: Any):
         self.trainable = trainable
         self.driver = driver
+        self._pulled_state: list[np.ndarray] = []  # the moving statistics as a custom loop's closure pulled them
 
     def snapshot(self) -> dict[str, Any]:
         return self.trainable.snapshot()
@@ -101,10 +102,24 @@ class KerasPsWorker:
         self.driver.end(self.trainable)  # the moving statistics assigned on the stores
         return _results(model, batch)
 
-    def closure_began(self) -> None:
-        """A custom loop's closure unpickled a reference to this model: pull what the others pushed meanwhile."""
+    def closure_began(self, runtime: Any) -> None:
+        """A custom loop's closure unpickled a reference to this model: pull what the others pushed meanwhile, and
+        write the moving statistics back when it returns (``closure_ended``)."""
+        from daskdist.ps.closures import at_closure_end
+
         self.driver.begin(self.trainable)
         self.driver.pull(self.trainable)
+        self._pulled_state = [np.array(v, copy=True) for v in _arrays(state_variables(self.trainable.model))]
+        at_closure_end(runtime, f"keras3/moving-statistics/{id(self)}", self.closure_ended)
+
+    def closure_ended(self) -> None:
+        """A custom loop's closure returned: the moving statistics it changed (a forward pass with
+        ``training=True``) are assigned on the stores, as ``fit``'s closures do (``PsStepDriver.end``: the last
+        writer's kept); a closure that changed none (it only read the model) writes nothing, so it cannot undo
+        another worker's newer statistics."""
+        now = _arrays(state_variables(self.trainable.model))
+        if any(not np.array_equal(a, b) for a, b in zip(now, self._pulled_state)):
+            self.driver.end(self.trainable)
 
     def push(self, gradients: list[Any], variables: list[Any]) -> None:
         """A custom loop's ``optimizer.apply(gradients, variables)``: applied once on the stores, then assigned."""
@@ -490,6 +505,10 @@ def reference(obj: Any, record: registry.Record) -> tuple[Any, tuple[Any, ...]]:
     import keras
 
     name = type(record.strategy).__name__
+    if isinstance(obj, keras.metrics.Metric):
+        from daskdist.plugins.keras3 import ps_metrics
+
+        return ps_metrics.reference(obj, record)
     if isinstance(obj, keras.Model):
         if record.driver is None:
             raise ValueError(f"model {obj.name!r} cannot be used in a function scheduled under {name}: "
@@ -506,7 +525,7 @@ def reference(obj: Any, record: registry.Record) -> tuple[Any, tuple[Any, ...]]:
 def resolve_model(model_id: str) -> Any:
     """On a worker running a closure: its copy of the model, the parameters pulled from the stores."""
     worker = _worker(model_id)
-    worker.closure_began()
+    worker.closure_began(context.current_runtime())
     return worker.trainable.model
 
 
