@@ -267,3 +267,81 @@ def test_two_workers_evaluate_into_a_scope_metric_each_batch_once(forked_process
         expected.update_state(y, plain.predict(x, verbose=0))
         assert float(eval_accuracy.count.numpy()) == 200  # every row once
         np.testing.assert_allclose(float(eval_accuracy.result()), float(expected.result()), rtol=RTOL)
+
+
+def _batchnorm_model():
+    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.BatchNormalization(),
+                             keras.layers.ReLU(), keras.layers.Dense(4)])
+
+
+def _moving_statistics(model):
+    """The client's moving mean and variance, after its ``get_weights`` took the stored state."""
+    model.get_weights()
+    return [np.asarray(v.numpy()) for v in model.layers[1].non_trainable_variables]
+
+
+def test_batchnorm_moving_statistics_a_closure_updates_are_written_back_to_the_ps(forked_process_client):
+    """A custom loop's forward passes with ``training=True`` update BatchNormalization's moving statistics on the
+    worker; they are assigned on the ps when the closure returns, as ``fit``'s closures assign them. One worker:
+    every weight and statistic equals one process's on the same batches. Shown failing: without the write-back
+    (``KerasPsWorker.closure_ended``), the client reads the initial statistics (mean 0, variance 1)."""
+    x, y = dense_data(rows=96, seed=3)
+    resolver = dd.cluster_resolver.DaskClusterResolver(forked_process_client, num_ps=2)  # 2 ps, 1 worker: in order
+    with dd.ParameterServerStrategy(resolver) as strategy:
+        coordinator = ClusterCoordinator(strategy)
+        with strategy.scope():
+            model = _batchnorm_model()
+            optimizer = keras.optimizers.Adam(1e-2)
+        plain = _batchnorm_model()
+        plain.set_weights(model.get_weights())
+        plain_step = _replica_step(plain, keras.optimizers.Adam(1e-2))
+        replica_fn = _replica_step(model, optimizer)
+
+        def step_fn(it):
+            return strategy.run(replica_fn, args=(next(it),))
+
+        for _ in range(2):
+            iterator = iter(coordinator.create_per_worker_dataset(_dataset_fn(x, y)))
+            values = [coordinator.schedule(step_fn, args=(iterator,)) for _ in range(len(x) // BATCH)]
+            coordinator.join()
+            expected = [plain_step((x[k:k + BATCH], y[k:k + BATCH])) for k in range(0, len(x), BATCH)]
+            np.testing.assert_allclose([float(v) for v in coordinator.fetch(values)], expected, rtol=RTOL)
+            for got, want in zip(model.get_weights(), plain.get_weights()):  # moving statistics included
+                np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-6)
+        mean, variance = _moving_statistics(model)
+        assert not np.allclose(mean, 0.0) and not np.allclose(variance, 1.0)
+
+
+def test_two_workers_write_their_batchnorm_statistics_back_and_reading_closures_leave_them(forked_process_client):
+    """Two asynchronous workers: the statistics on the client are the stores' (the last closure's), updated and
+    sane; closures that only read the model (``training=False``) write nothing back, so the stores keep them."""
+    from daskdist.plugins.keras3 import registry
+
+    x, y = dense_data(rows=192, seed=4)
+    batches = [(x[k:k + BATCH], y[k:k + BATCH]) for k in range(0, len(x), BATCH)]
+    resolver = dd.cluster_resolver.DaskClusterResolver(forked_process_client, num_ps=1)  # 1 ps, 2 workers
+    with dd.ParameterServerStrategy(resolver) as strategy:
+        coordinator = ClusterCoordinator(strategy)
+        with strategy.scope():
+            model = _batchnorm_model()
+            optimizer = keras.optimizers.SGD(0.05)
+        replica_fn = _replica_step(model, optimizer)
+        values = [coordinator.schedule(lambda batch: strategy.run(replica_fn, args=(batch,)), args=(b,))
+                  for b in batches]
+        coordinator.join()
+        assert all(np.isfinite(coordinator.fetch(values)))
+        mean, variance = _moving_statistics(model)
+        assert np.all(np.isfinite(mean)) and np.all(variance > 0)
+        assert not np.allclose(mean, 0.0) and not np.allclose(variance, 1.0)  # the workers' statistics came back
+        driver = registry.lookup(model).driver
+        held = driver.stored_held_state(forked_process_client, 2)
+        np.testing.assert_array_equal(held[0], mean)
+        np.testing.assert_array_equal(held[1], variance)
+
+        def read_fn(batch):
+            return keras.ops.convert_to_numpy(model(batch[0], training=False))
+
+        coordinator.fetch([coordinator.schedule(read_fn, args=(b,)) for b in batches])
+        held = driver.stored_held_state(forked_process_client, 2)
+        np.testing.assert_array_equal(held[0], mean)
+        np.testing.assert_array_equal(held[1], variance)
