@@ -61,7 +61,8 @@ def test_a_worker_killed_mid_shard_of_an_exactly_once_evaluation_the_evaluation_
     """``model.evaluate(DatasetCreator)`` without ``steps``: 10 batches cut into 4 shards, one closure each. The
     victim is killed (with its nanny) inside a shard, after it evaluated one of its batches at least; its closure
     runs again on the other worker, which builds the shard again. The logs are plain Keras' over the 160 rows, and
-    the loss counted 160 rows: the lost run's batches count nowhere, the re-run's once."""
+    the loss counted 160 rows: the lost run's batches count nowhere, the re-run's once. Shown failing: with the
+    coordinator not queueing a closure lost with its worker again, ``evaluate`` raises ``CancelledError``."""
     workers = process_workers(3)
     x, y = dense_data(rows=160, seed=8)
     marker = tmp_path / "paused.json"
