@@ -40,8 +40,13 @@ built models of the scope on the stores with their loop's optimizer and puts
 them on the workers; pickled in the function, the model becomes the worker's
 copy (``resolve_model``: the stored parameters pulled as the closure starts)
 and the optimizer the copy's optimizer, whose ``apply`` pushes the gradients
-(``KerasPsWorker.push``: the stores apply them once). The client takes the
-stored state before it reads the weights (``take_loop_state``).
+(``KerasPsWorker.push``: the stores apply them once). The moving statistics
+a closure changed are assigned on the stores when it returns
+(``KerasPsWorker.closure_ended``, through ``daskdist.ps.closures.at_closure_end``),
+as ``fit``'s closures assign them. The client takes the stored state before
+it reads the weights (``take_loop_state``). A metric created in the scope
+travels as the worker's copy whose change the client adds up when the
+closure commits (``ps_metrics``).
 """
 
 from __future__ import annotations
@@ -495,12 +500,13 @@ def _unplaceable(model: Any, record: registry.Record) -> str | None:
 
 
 def reference(obj: Any, record: registry.Record) -> tuple[Any, tuple[Any, ...]]:
-    """The pickled form of a recorded model or optimizer in a scheduled function: the worker's copy.
+    """The pickled form of a recorded model, optimizer or metric in a scheduled function: the worker's copy.
 
     Raises
     ------
     ValueError
-        The model is not built, or has no optimizer to pair with; the optimizer's model is not held.
+        The model is not built, or has no optimizer to pair with; the optimizer's model is not held; the metric
+        keeps a variable that is not a sum.
     """
     import keras
 
