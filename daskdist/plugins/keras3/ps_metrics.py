@@ -43,7 +43,8 @@ from daskdist.plugins.keras3.backend import keras_backend, prepare_replica
 
 __all__ = ["MetricCopy", "created", "reference", "resolve_metric"]
 
-_PREFIX = "metric/"
+_PREFIX = "metric/"  # the worker's copy: resident ``(MODEL, "metric/<id>")``
+_PART = "keras3/metric/"  # a closure's change of the metric: its part ``keras3/metric/<id>``
 _lock = threading.Lock()  # the client's metric values: read for a closure's reference, added to at its commit
 
 
@@ -77,8 +78,8 @@ def reference(metric: Any, record: registry.Record) -> tuple[Any, tuple[Any, ...
         raise ValueError(f"metric {metric.name!r} cannot be updated in a function scheduled under "
                          f"{type(record.strategy).__name__}: its variables {odd} are not sums (aggregation='sum'), "
                          "so the closures' updates cannot be added up; return the values from the function instead")
-    key = _PREFIX + record.object_id
-    record.strategy.extended.on_closure_commit(key, functools.partial(_commit, weakref.ref(metric)))
+    record.strategy.extended.on_closure_commit(_PART + record.object_id,
+                                               functools.partial(_commit, weakref.ref(metric)))
     with _lock:
         values = _values(metric)
     spec = serialization.dumps((type(metric), metric.get_config()))
@@ -151,5 +152,5 @@ def resolve_metric(metric_id: str, backend: str, spec: bytes, values: list[np.nd
         copy = MetricCopy(cls.from_config(config))
         runtime.objects.install(MODEL, _PREFIX + metric_id, copy)
     copy.begin(values)
-    at_closure_end(runtime, _PREFIX + metric_id, copy.finish)
+    at_closure_end(runtime, _PART + metric_id, copy.finish)
     return copy.metric
