@@ -345,3 +345,47 @@ def test_two_workers_write_their_batchnorm_statistics_back_and_reading_closures_
         held = driver.stored_held_state(forked_process_client, 2)
         np.testing.assert_array_equal(held[0], mean)
         np.testing.assert_array_equal(held[1], variance)
+
+
+class _MeanAggregated(keras.metrics.Metric):
+    """A metric whose variable is averaged, not summed, over replicas: closures' changes cannot be added up."""
+
+    def __init__(self, name="mean_aggregated", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.value = self.add_variable(shape=(), initializer="zeros", aggregation="mean", name="value")
+
+    def update_state(self, values):
+        self.value.assign(keras.ops.mean(values))
+
+    def result(self):
+        return self.value
+
+
+def test_metrics_whose_changes_cannot_be_added_are_refused_naming_the_way_and_count_nothing(forked_process_client):
+    """A metric variable that is not a sum is refused when the function is pickled; a metric that builds its
+    variables on its first update (F1Score) raises in the closure until it is built on the client. Neither
+    changes the client's metric, and a built one then counts."""
+    x, y = dense_data(rows=16, seed=2)
+    onehot = np.eye(4, dtype=np.float32)[y]
+    resolver = dd.cluster_resolver.DaskClusterResolver(forked_process_client, num_ps=1)
+    with dd.ParameterServerStrategy(resolver) as strategy:
+        coordinator = ClusterCoordinator(strategy)
+        with strategy.scope():
+            averaged = _MeanAggregated()
+            f1 = keras.metrics.F1Score(average="macro")
+        coordinator.schedule(lambda: averaged.update_state(x))
+        with pytest.raises(ValueError, match=r"\['value'\] are not sums .* return the values from the function"):
+            coordinator.join()
+        assert float(averaged.value.numpy()) == 0.0
+        assert not f1.variables  # F1Score creates its variables on its first update_state
+        coordinator.schedule(lambda: f1.update_state(onehot, onehot))
+        with pytest.raises(ValueError, match=r"build it on the client before scheduling"):
+            coordinator.join()
+        assert not f1.variables
+        f1.update_state(onehot[:1], onehot[:1])
+        f1.reset_state()
+        coordinator.fetch(coordinator.schedule(lambda: f1.update_state(onehot, onehot)))
+        coordinator.join()
+        expected = keras.metrics.F1Score(average="macro")
+        expected.update_state(onehot, onehot)
+        np.testing.assert_allclose(float(f1.result()), float(expected.result()), rtol=RTOL)
