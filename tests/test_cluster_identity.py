@@ -81,3 +81,15 @@ def test_a_per_worker_dataset_with_every_worker_lost_says_so():
             with pytest.raises(ReplicaLostError, match="every worker of the ParameterServerStrategy is lost"):
                 coordinator.create_per_worker_dataset(
                     lambda ctx: dd.data.Dataset.range(8).shard(ctx.num_input_pipelines, ctx.input_pipeline_id))
+
+
+def test_only_the_identity_module_asks_the_scheduler_for_its_identity():
+    # one place reads the workers (a second copy drifts: data/placement.py had one until the contract let data
+    # import daskdist.cluster.identity)
+    asks = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr == "identity" and \
+                    isinstance(node.value, ast.Attribute) and node.value.attr == "scheduler":
+                asks.append(str(path.relative_to(PACKAGE)))
+    assert sorted(set(asks)) == ["cluster/identity.py"]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["scheduler_identity", "scheduler_workers"]
+__all__ = ["scheduler_identity", "scheduler_identity_from_worker", "scheduler_workers"]
 
 
 def scheduler_identity(client: Any) -> dict[str, Any]:
@@ -28,6 +28,13 @@ def scheduler_identity(client: Any) -> dict[str, Any]:
         A synchronous ``distributed.Client``.
     """
     return dict(client.sync(client.scheduler.identity, n_workers=-1))
+
+
+def scheduler_identity_from_worker(worker: Any) -> dict[str, Any]:
+    """The scheduler's identity with every worker, asked now from inside a Dask ``worker`` (its scheduler rpc)."""
+    from distributed.utils import sync
+
+    return dict(sync(worker.loop, worker.scheduler.identity, n_workers=-1))
 
 
 def scheduler_workers(client: Any) -> dict[str, Any]:

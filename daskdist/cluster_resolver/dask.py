@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from daskdist.cluster.identity import scheduler_identity
+from daskdist.cluster.identity import scheduler_identity, scheduler_identity_from_worker
 from daskdist.cluster_resolver.base import ClusterResolver, format_master_url
 from daskdist.cluster_resolver.cluster_spec import ClusterSpec
 from daskdist.cluster_resolver.selection import (
@@ -129,9 +129,7 @@ class DaskClusterResolver(ClusterResolver):
         except ValueError:
             worker = None
         if worker is not None:
-            from distributed.utils import sync
-
-            return sync(worker.loop, worker.scheduler.identity, n_workers=-1)
+            return scheduler_identity_from_worker(worker)
         from distributed import default_client
 
         return scheduler_identity(default_client())

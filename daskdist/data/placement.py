@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from daskdist.cluster.identity import scheduler_workers
 from daskdist.data.sources import DaskSource, Partition
 from daskdist.data.split import GlobalBatchRows, SelectedRows
 from daskdist.exceptions import ReplicaLostError
@@ -161,18 +162,12 @@ def _wait_while_alive(client: Client, futures: list[Future], workers: set[str], 
                 future.exception(timeout=poll)
                 break
             except TimeoutError:
-                alive = _scheduler_workers(client)
+                alive = set(scheduler_workers(client))
                 gone = sorted(workers - alive)
                 if gone:
                     raise ReplicaLostError(
                         f"worker {gone[0]} left the cluster while the input was placed on it", worker=gone[0]
                     ) from None
-
-
-def _scheduler_workers(client: Any) -> set[str]:
-    """The workers the scheduler knows now: its ``identity`` call's own reply, not ``client.scheduler_info()``'s
-    cache, which the client's refresh empties (``daskdist.cluster.identity``, which data may not import)."""
-    return set(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
 
 
 def _partition_futures(collection: Any, futures: list[Future]) -> list[Future]:
