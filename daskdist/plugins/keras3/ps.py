@@ -441,31 +441,35 @@ def _optimizer_of(model: Any, record: registry.Record) -> Any:
     return compiled if compiled is not None else record.optimizer
 
 
-def _pair(model: Any, record: registry.Record) -> str | None:
-    """Pair an uncompiled ``model`` with the optimizer of its custom loop; why it cannot be, or ``None``.
+def _loop_optimizer(model: Any, record: registry.Record) -> tuple[Any, str | None]:
+    """The optimizer an uncompiled ``model``'s custom loop applies, or why there is none: ``(optimizer, why)``.
 
     The optimizer is the one created in the same scope and not compiled into another model, as in TensorFlow's
-    custom-training pattern (one model, one optimizer). With several, compile the model with the loop's.
+    custom-training pattern (one model, one optimizer). With several, compile the model with the loop's. A
+    compiled model, or one paired already, gives ``(None, None)``: nothing to pair. Changes nothing.
     """
     import keras
 
-    if getattr(model, "optimizer", None) is not None:
-        return None
+    if getattr(model, "optimizer", None) is not None or record.optimizer is not None:
+        return None, None
     compiled = {id(getattr(obj, "optimizer", None)) for obj, _ in registry.items() if isinstance(obj, keras.Model)}
     free = [obj for obj, other in registry.items()
             if isinstance(obj, keras.optimizers.Optimizer) and other.strategy is record.strategy
             and id(obj) not in compiled and other.model_id in (None, record.object_id)]
-    if len(free) != 1:
-        return (f"{len(free)} optimizers created in the scope are free to pair with it" if free else
-                "no optimizer was created in the scope") + (
-                   f": compile model {model.name!r} with the optimizer its loop applies (model.compile(optimizer=...))"
-                   if free else ": create the loop's optimizer inside strategy.scope()")
-    optimizer = free[0]
+    if len(free) == 1:
+        return free[0], None
+    return None, (f"{len(free)} optimizers created in the scope are free to pair with it" if free else
+                  "no optimizer was created in the scope") + (
+        f": compile model {model.name!r} with the optimizer its loop applies (model.compile(optimizer=...))"
+        if free else ": create the loop's optimizer inside strategy.scope()")
+
+
+def _pair(record: registry.Record, optimizer: Any) -> None:
+    """Pair a model's record with its custom loop's ``optimizer`` (the optimizer's record names the model)."""
     record.optimizer = optimizer
     found = registry.lookup(optimizer)
     assert found is not None
     found.model_id = record.object_id
-    return None
 
 
 def place_models(strategy: Any) -> None:
@@ -482,18 +486,23 @@ def place_models(strategy: Any) -> None:
     for obj, record in registry.items():
         if (record.strategy is strategy and record.driver is None and isinstance(obj, keras.Model)
                 and _unplaceable(obj, record) is None):
+            optimizer, _ = _loop_optimizer(obj, record)
+            if optimizer is not None:
+                _pair(record, optimizer)
             _install(obj, record, ClusterCoordinator(strategy))
 
 
 def _unplaceable(model: Any, record: registry.Record) -> str | None:
-    """Why ``model`` cannot be held for custom loops (not built, no optimizer, one the stores cannot run)."""
+    """Why ``model`` cannot be held for custom loops (not built, no optimizer, one the stores cannot run), or
+    ``None``. A question only: the pairing with the loop's optimizer is ``place_models``'."""
     if not model.built:
         return "it is not built: give it an Input (or call it on one batch) before scheduling"
-    why = _pair(model, record)
+    optimizer, why = _loop_optimizer(model, record)
     if why is not None:
         return why
     try:
-        update_rule.check_optimizer(_optimizer_of(model, record), type(record.strategy).__name__)
+        update_rule.check_optimizer(optimizer if optimizer is not None else _optimizer_of(model, record),
+                                    type(record.strategy).__name__)
     except NotImplementedError as error:
         return str(error)
     return None
