@@ -10,7 +10,12 @@ and the bytes this host's ``eth0`` sent and received per step
 (``/proc/self/net/dev`` inside the namespace: every byte on the wire, TCP/IP
 headers and ACKs included).
 
-    python benchmarks/torch_ddp_timeline.py --rates 1gbit --models mlp --steps 8 --rounds 2
+    python benchmarks/torch_ddp_timeline.py --rates 1gbit --models mlp --steps 8 --rounds 2 \
+        [--arms gloo,daskdist:8MiB/1/1MiB,daskdist:8MiB/4/1MiB]
+
+An arm ``daskdist:<max>/<pieces>/<min>`` sets the pipelined ring's piece rule
+on the replicas first (``collective.pipeline-bytes``, ``-pieces``,
+``-min-bytes``), so piece rules compare in one sitting.
 """
 
 from __future__ import annotations
@@ -43,15 +48,18 @@ def _net_bytes() -> tuple[int, int]:
     return 0, 0
 
 
-def set_piece(nbytes: int) -> int:
-    """On a replica: the pipelined ring's piece size in this generation's engines (what
-    ``collective.pipeline-bytes`` sets when the group is made); returns the previous one."""
+def set_pieces(spec: str) -> str:
+    """On a replica: the pipelined ring's piece rule in this generation's engines, ``max/pieces/min`` (what
+    ``collective.pipeline-bytes``, ``-pieces`` and ``-min-bytes`` set when the group is made); the previous one."""
+    from daskdist.collective.engines.pipeline import PieceSize
     from daskdist.collective.engines.ring import RingEngine
 
-    before = 0
+    before = ""
+    most, pieces, least = spec.split("/")
     for engine in dd.context.current_runtime().communicator.packed.engines:
-        if isinstance(engine, RingEngine) and engine.pipeline_bytes is not None:
-            before, engine.pipeline_bytes = engine.pipeline_bytes, nbytes
+        if isinstance(engine, RingEngine) and engine.pieces is not None:
+            before = repr(engine.pieces)
+            engine.pieces = PieceSize(parse_bytes(most), int(pieces), parse_bytes(least))
     return before
 
 
@@ -159,7 +167,7 @@ def main(rates: list[str], models: list[str], steps: int, rounds: int, arms: lis
                               flush=True)
                         port = next(ports) if arm == "gloo" else None
                         if arm.startswith("daskdist:"):
-                            strategy.run(set_piece, args=(parse_bytes(arm.split(":", 1)[1]),))
+                            strategy.run(set_pieces, args=(arm.split(":", 1)[1],))
                         out = list(strategy.experimental_local_results(
                             strategy.run(timeline_arm, args=(arm, name, steps, 2, port, 240.0))))
                         results[arm].append(show(arm, out))
