@@ -8,7 +8,7 @@ call, during backward), when its all-reduce was issued and when its future
 completed, relative to the step's start; backward's end and the step's end;
 and the bytes this host's ``eth0`` sent and received per step
 (``/proc/self/net/dev`` inside the namespace: every byte on the wire, TCP/IP
-headers and ACKs included).
+headers and ACKs included), and the process's minor page faults per step.
 
     python benchmarks/torch_ddp_timeline.py --rates 1gbit --models mlp --steps 8 --rounds 2 \
         [--arms gloo,daskdist:8MiB/1/1MiB,daskdist:8MiB/4/1MiB]
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import resource
 import statistics
 import sys
 import time
@@ -113,6 +114,7 @@ def timeline_arm(arm: str, name: str, steps: int, warmup: int, master_port: int 
             xs, ys = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
             events.clear()
             rx0, tx0 = _net_bytes()
+            faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0[0] = start = time.perf_counter()
             optimizer.zero_grad()
             out = torch.nn.functional.cross_entropy(model(xs), ys)
@@ -122,9 +124,10 @@ def timeline_arm(arm: str, name: str, steps: int, warmup: int, master_port: int 
             optimizer.step()
             total = time.perf_counter() - start
             rx1, tx1 = _net_bytes()
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0
             if s >= warmup:
                 per_step.append({"forward": forward, "backward": backward, "total": total, "events": list(events),
-                                 "rx": rx1 - rx0, "tx": tx1 - tx0})
+                                 "rx": rx1 - rx0, "tx": tx1 - tx0, "faults": faults})
         return {"rank": rank, "steps": per_step}
     finally:
         model = None
@@ -147,7 +150,8 @@ def show(arm: str, out: list[dict[str, Any]]) -> float:
               f"{1e3 * typical['forward']:.1f}, backward end {1e3 * typical['backward']:.1f}, {marks}, "
               f"end {1e3 * typical['total']:.1f} ms; eth0 per step tx "
               f"{statistics.median(s['tx'] for s in steps) / 1e6:.2f} MB, rx "
-              f"{statistics.median(s['rx'] for s in steps) / 1e6:.2f} MB", flush=True)
+              f"{statistics.median(s['rx'] for s in steps) / 1e6:.2f} MB; minor page faults per step "
+              f"{statistics.median(s['faults'] for s in steps):.0f}", flush=True)
     return max(medians)
 
 
