@@ -170,3 +170,222 @@ def test_a_model_with_no_optimizer_to_pair_is_refused_naming_what_works_and_noth
         coordinator.schedule(lambda: odd(x))
         with pytest.raises(ValueError, match=r"model 'sequential_\d+' cannot be used .*keras.optimizers.SGD"):
             coordinator.join()
+
+
+def _metered_step(model, optimizer, accuracy, mean_loss):
+    """``_replica_step`` that also updates two Keras metrics created in the scope, as TF's PS tutorial does."""
+    import torch
+
+    compute_loss = average_loss(BATCH)
+
+    def train_step(inputs):
+        features, labels = inputs
+        predictions = model(features, training=True)
+        loss = compute_loss(labels, predictions)
+        model.zero_grad()
+        loss.backward()
+        with torch.no_grad():
+            optimizer.apply([v.value.grad for v in model.trainable_variables], model.trainable_variables)
+            accuracy.update_state(labels, predictions)
+            mean_loss.update_state(loss)
+        return float(loss)
+
+    return train_step
+
+
+def test_keras_metrics_updated_in_closures_read_on_the_client_as_one_process_on_the_same_batches(
+        forked_process_client):
+    """TF's PS custom loop: metrics created in the scope, ``update_state`` in the closures, ``result()`` on the
+    coordinator after ``join``. One worker (closures in order): the results equal one process's on the same batches,
+    each epoch after ``reset_state()``; then two workers evaluate read-only closures, each batch counted once.
+    Shown failing: with the client's commit of a closure's change left out, every result stays 0."""
+    x, y = dense_data(rows=96, seed=3)
+    resolver = dd.cluster_resolver.DaskClusterResolver(forked_process_client, num_ps=2)  # 2 ps, 1 worker
+    with dd.ParameterServerStrategy(resolver) as strategy:
+        coordinator = ClusterCoordinator(strategy)
+        with strategy.scope():
+            model = sequential()
+            optimizer = keras.optimizers.Adam(1e-2)
+            accuracy = keras.metrics.SparseCategoricalAccuracy()
+            mean_loss = keras.metrics.Mean()
+        plain = sequential()
+        plain.set_weights(model.get_weights())
+        plain_accuracy, plain_loss = keras.metrics.SparseCategoricalAccuracy(), keras.metrics.Mean()
+        plain_step = _metered_step(plain, keras.optimizers.Adam(1e-2), plain_accuracy, plain_loss)
+        replica_fn = _metered_step(model, optimizer, accuracy, mean_loss)
+
+        def step_fn(it):
+            return strategy.run(replica_fn, args=(next(it),))
+
+        for _ in range(2):
+            for metric in (accuracy, mean_loss, plain_accuracy, plain_loss):
+                metric.reset_state()
+            iterator = iter(coordinator.create_per_worker_dataset(_dataset_fn(x, y)))
+            values = [coordinator.schedule(step_fn, args=(iterator,)) for _ in range(len(x) // BATCH)]
+            coordinator.join()
+            for k in range(0, len(x), BATCH):
+                plain_step((x[k:k + BATCH], y[k:k + BATCH]))
+            np.testing.assert_allclose(float(mean_loss.result()), float(plain_loss.result()), rtol=RTOL)
+            np.testing.assert_allclose(float(accuracy.result()), float(plain_accuracy.result()), rtol=RTOL)
+            assert float(mean_loss.count.numpy()) == len(x) // BATCH  # each closure's update once
+            assert float(accuracy.count.numpy()) == len(x)
+            np.testing.assert_allclose(np.mean(coordinator.fetch(values)), float(mean_loss.result()), rtol=RTOL)
+
+
+def test_two_workers_evaluate_into_a_scope_metric_each_batch_once(forked_process_client, tmp_path):
+    """TF's inline evaluation in a custom loop: ``eval_accuracy`` created in the scope, read-only closures on two
+    workers; the result is plain Keras' on the same weights and the count is every row once. A closure waits until
+    both workers began one (a file each), so both take closures however loaded the machine is."""
+    x, y = dense_data(rows=200, seed=5)
+    batches = [(x[k:k + 20], y[k:k + 20]) for k in range(0, 200, 20)]
+    resolver = dd.cluster_resolver.DaskClusterResolver(forked_process_client, num_ps=1)  # 1 ps, 2 workers
+    with dd.ParameterServerStrategy(resolver) as strategy:
+        coordinator = ClusterCoordinator(strategy)
+        with strategy.scope():
+            model = sequential()
+            optimizer = keras.optimizers.SGD(0.1)  # noqa: F841 (the model's loop optimizer: placing it needs one)
+            eval_accuracy = keras.metrics.SparseCategoricalAccuracy()
+
+        def eval_fn(batch):
+            import time
+
+            from distributed import get_worker
+
+            (tmp_path / str(os.getpid())).touch()
+            deadline = time.monotonic() + 60
+            while len(list(tmp_path.iterdir())) < 2 and time.monotonic() < deadline:  # both workers are in one
+                time.sleep(0.01)
+            features, labels = batch
+            eval_accuracy.update_state(labels, model(features, training=False))
+            return get_worker().address
+
+        addresses = coordinator.fetch([coordinator.schedule(eval_fn, args=(batch,)) for batch in batches])
+        assert len(set(addresses)) == 2  # both workers took closures
+        plain = sequential()
+        plain.set_weights(model.get_weights())
+        expected = keras.metrics.SparseCategoricalAccuracy()
+        expected.update_state(y, plain.predict(x, verbose=0))
+        assert float(eval_accuracy.count.numpy()) == 200  # every row once
+        np.testing.assert_allclose(float(eval_accuracy.result()), float(expected.result()), rtol=RTOL)
+
+
+def _batchnorm_model():
+    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.BatchNormalization(),
+                             keras.layers.ReLU(), keras.layers.Dense(4)])
+
+
+def _moving_statistics(model):
+    """The client's moving mean and variance, after its ``get_weights`` took the stored state."""
+    model.get_weights()
+    return [np.asarray(v.numpy()) for v in model.layers[1].non_trainable_variables]
+
+
+def test_batchnorm_moving_statistics_a_closure_updates_are_written_back_to_the_ps(forked_process_client):
+    """A custom loop's forward passes with ``training=True`` update BatchNormalization's moving statistics on the
+    worker; they are assigned on the ps when the closure returns, as ``fit``'s closures assign them. One worker:
+    every weight and statistic equals one process's on the same batches. Shown failing: without the write-back
+    (``KerasPsWorker.closure_ended``), the client reads the initial statistics (mean 0, variance 1)."""
+    x, y = dense_data(rows=96, seed=3)
+    resolver = dd.cluster_resolver.DaskClusterResolver(forked_process_client, num_ps=2)  # 2 ps, 1 worker: in order
+    with dd.ParameterServerStrategy(resolver) as strategy:
+        coordinator = ClusterCoordinator(strategy)
+        with strategy.scope():
+            model = _batchnorm_model()
+            optimizer = keras.optimizers.Adam(1e-2)
+        plain = _batchnorm_model()
+        plain.set_weights(model.get_weights())
+        plain_step = _replica_step(plain, keras.optimizers.Adam(1e-2))
+        replica_fn = _replica_step(model, optimizer)
+
+        def step_fn(it):
+            return strategy.run(replica_fn, args=(next(it),))
+
+        for _ in range(2):
+            iterator = iter(coordinator.create_per_worker_dataset(_dataset_fn(x, y)))
+            values = [coordinator.schedule(step_fn, args=(iterator,)) for _ in range(len(x) // BATCH)]
+            coordinator.join()
+            expected = [plain_step((x[k:k + BATCH], y[k:k + BATCH])) for k in range(0, len(x), BATCH)]
+            np.testing.assert_allclose([float(v) for v in coordinator.fetch(values)], expected, rtol=RTOL)
+            for got, want in zip(model.get_weights(), plain.get_weights()):  # moving statistics included
+                np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-6)
+        mean, variance = _moving_statistics(model)
+        assert not np.allclose(mean, 0.0) and not np.allclose(variance, 1.0)
+
+
+def test_two_workers_write_their_batchnorm_statistics_back_and_reading_closures_leave_them(forked_process_client):
+    """Two asynchronous workers: the statistics on the client are the stores' (the last closure's), updated and
+    sane; closures that only read the model (``training=False``) write nothing back, so the stores keep them."""
+    from daskdist.plugins.keras3 import registry
+
+    x, y = dense_data(rows=192, seed=4)
+    batches = [(x[k:k + BATCH], y[k:k + BATCH]) for k in range(0, len(x), BATCH)]
+    resolver = dd.cluster_resolver.DaskClusterResolver(forked_process_client, num_ps=1)  # 1 ps, 2 workers
+    with dd.ParameterServerStrategy(resolver) as strategy:
+        coordinator = ClusterCoordinator(strategy)
+        with strategy.scope():
+            model = _batchnorm_model()
+            optimizer = keras.optimizers.SGD(0.05)
+        replica_fn = _replica_step(model, optimizer)
+        values = [coordinator.schedule(lambda batch: strategy.run(replica_fn, args=(batch,)), args=(b,))
+                  for b in batches]
+        coordinator.join()
+        assert all(np.isfinite(coordinator.fetch(values)))
+        mean, variance = _moving_statistics(model)
+        assert np.all(np.isfinite(mean)) and np.all(variance > 0)
+        assert not np.allclose(mean, 0.0) and not np.allclose(variance, 1.0)  # the workers' statistics came back
+        driver = registry.lookup(model).driver
+        held = driver.stored_held_state(forked_process_client, 2)
+        np.testing.assert_array_equal(held[0], mean)
+        np.testing.assert_array_equal(held[1], variance)
+
+        def read_fn(batch):
+            return keras.ops.convert_to_numpy(model(batch[0], training=False))
+
+        coordinator.fetch([coordinator.schedule(read_fn, args=(b,)) for b in batches])
+        held = driver.stored_held_state(forked_process_client, 2)
+        np.testing.assert_array_equal(held[0], mean)
+        np.testing.assert_array_equal(held[1], variance)
+
+
+class _MeanAggregated(keras.metrics.Metric):
+    """A metric whose variable is averaged, not summed, over replicas: closures' changes cannot be added up."""
+
+    def __init__(self, name="mean_aggregated", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.value = self.add_variable(shape=(), initializer="zeros", aggregation="mean", name="value")
+
+    def update_state(self, values):
+        self.value.assign(keras.ops.mean(values))
+
+    def result(self):
+        return self.value
+
+
+def test_metrics_whose_changes_cannot_be_added_are_refused_naming_the_way_and_count_nothing(forked_process_client):
+    """A metric variable that is not a sum is refused when the function is pickled; a metric that builds its
+    variables on its first update (F1Score) raises in the closure until it is built on the client. Neither
+    changes the client's metric, and a built one then counts."""
+    x, y = dense_data(rows=16, seed=2)
+    onehot = np.eye(4, dtype=np.float32)[y]
+    resolver = dd.cluster_resolver.DaskClusterResolver(forked_process_client, num_ps=1)
+    with dd.ParameterServerStrategy(resolver) as strategy:
+        coordinator = ClusterCoordinator(strategy)
+        with strategy.scope():
+            averaged = _MeanAggregated()
+            f1 = keras.metrics.F1Score(average="macro")
+        coordinator.schedule(lambda: averaged.update_state(x))
+        with pytest.raises(ValueError, match=r"\['value'\] are not sums .* return the values from the function"):
+            coordinator.join()
+        assert float(averaged.value.numpy()) == 0.0
+        assert not f1.variables  # F1Score creates its variables on its first update_state
+        coordinator.schedule(lambda: f1.update_state(onehot, onehot))
+        with pytest.raises(ValueError, match=r"build it on the client before scheduling"):
+            coordinator.join()
+        assert not f1.variables
+        f1.update_state(onehot[:1], onehot[:1])
+        f1.reset_state()
+        coordinator.fetch(coordinator.schedule(lambda: f1.update_state(onehot, onehot)))
+        coordinator.join()
+        expected = keras.metrics.F1Score(average="macro")
+        expected.update_state(onehot, onehot)
+        np.testing.assert_allclose(float(f1.result()), float(expected.result()), rtol=RTOL)

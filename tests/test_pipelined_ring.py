@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from daskdist.collective.communicator import Algorithm
-from daskdist.collective.engines.pipeline import RingSchedule
+from daskdist.collective.engines.pipeline import PieceSize, RingSchedule
 from daskdist.ops import CommunicationImplementation, CommunicationOptions
 
 from .fakes import InMemoryGroup
@@ -108,3 +108,38 @@ def test_the_schedule_covers_every_element_once_in_the_rings_orders():
                 assert all(0 < hi - lo <= piece for lo, hi in order)
             assert s.needed() == [p for k in range(size) for p in s.pieces[(rank - k) % size]]
             assert s.finished() == [p for k in range(size) for p in s.pieces[(rank + 1 - k) % size]]
+
+
+def test_a_chunk_under_pipeline_bytes_still_goes_in_pipeline_pieces_messages():
+    """A 16.8 MB DDP bucket over two hosts was one 8.4 MB message per ring step with 8 MiB pieces: the link
+    idled until all of it had arrived (BENCHMARKS 14, across hosts). Now each chunk goes in at least
+    ``pipeline-pieces`` messages, unless they would be under ``pipeline-min-bytes``."""
+    log: dict[int, list] = {}
+    settings = {"daskdist.collective.pipeline-bytes": "8MiB", "daskdist.collective.pipeline-pieces": 4,
+                "daskdist.collective.pipeline-min-bytes": 1024}
+    with dask.config.set(settings):
+        group = InMemoryGroup(2, Algorithm("auto"), hosts=["a", "b"])
+    _logged(group, log)
+    n = 2 * 40_000 + 3  # two chunks of ~160 KB, far under 8 MiB: one message each before
+    xs = random_inputs(2, (n,), "float32", seed=7)
+    results = group.run_ranks(lambda c: c.all_reduce("SUM", xs[c.rank]))
+    assert all(np.array_equal(r, xs[0] + xs[1]) for r in results)
+    for rank in (0, 1):
+        sent = [name.split("/")[1] for kind, _, name in log[rank] if kind == "send" and name.startswith("p0/")]
+        assert sorted(sent) == sorted(f"{step}.{k}" for step in ("rs0", "ag0") for k in range(4)), sent
+    # the same bits as the plain ring
+    plain = _run(2, ["a", "a"], "SUM", xs, options=RING)
+    assert all(np.array_equal(r, p) for r, p in zip(results, plain))
+
+
+def test_the_piece_size_rule():
+    pieces = PieceSize(8 << 20, 4, 1 << 20)
+    bucket = 16_785_408 // 4  # DDP's first bucket of the MLP (a 2048x2048 Linear's weight and bias), float32
+    chunk = -(-bucket // 2)
+    assert pieces.elements(bucket, 2, 4) == -(-chunk // 4)  # a quarter of the chunk: 4 messages per ring step
+    assert len(RingSchedule(bucket, 2, 0, pieces.elements(bucket, 2, 4)).chunk(0)) == 4
+    assert pieces.elements(64 << 18, 2, 4) * 4 == 8 << 20  # 64 MiB: chunks of 32 MiB in 8 MiB pieces, as before
+    assert pieces.elements(350_000, 2, 4) * 4 == 1 << 20  # the CNN's 1.4 MB: the floor, so one 0.7 MB message
+    assert PieceSize(4096, 4, 1 << 20).elements(1 << 20, 2, 4) * 4 == 4096  # pipeline-bytes stays the largest
+    assert PieceSize(8 << 20).elements(bucket, 2, 4) * 4 == 8 << 20  # pieces=1: the old rule
+    assert PieceSize(8 << 20, 4, 1 << 20).elements(3, 2, 8) == 1 << 17  # never below one element's worth

@@ -5,6 +5,14 @@ functions as commands to each worker's one-replica group. A closure's reads
 and updates are batched per store (``daskdist.ps.session``); per-worker
 datasets and iterators are residents of the worker's replica, named by a
 ``WorkerResource`` the client passes in a closure's arguments.
+
+An object a closure's function brought with it (a framework adapter's
+reference, resolved as the function is unpickled) may ask to be called when
+the closure returns (``at_closure_end``): what it returns travels back with
+the closure's result as the closure's *part* ``key``, which the client hands
+to the handler registered under ``key`` only for the run of the closure that
+it keeps (``ParameterServerExtended.on_closure_commit``): a run lost with its
+worker commits nothing.
 """
 
 from __future__ import annotations
@@ -15,14 +23,16 @@ from typing import Any
 
 import optree
 
-from daskdist.group.service import DATASET, ITERATOR
+from daskdist.group.service import DATASET, ITERATOR, STRATEGY
 from daskdist.ps.input import drain_consumed
 from daskdist.ps.session import begin_closure, end_closure
 
 __all__ = [
+    "ClosureEnds",
     "PerWorkerIterator",
     "PerWorkerValues",
     "WorkerResource",
+    "at_closure_end",
     "make_dataset",
     "make_iterator",
     "run_closure",
@@ -66,6 +76,46 @@ class WorkerResource:
         return f"<worker resource {self.key}>"
 
 
+#: The resident under which a worker keeps what to call when its closure returns (``at_closure_end``).
+CLOSURE_ENDS_KEY = (STRATEGY, "ps-closure-ends")
+
+
+class ClosureEnds:
+    """The calls ``at_closure_end`` asked for during one command (run id) of a worker: the closure it runs."""
+
+    def __init__(self, run_id: Any):
+        self.run_id = run_id
+        self.calls: dict[str, Callable[[], Any]] = {}
+
+
+def at_closure_end(runtime: Any, key: str, finish: Callable[[], Any]) -> None:
+    """Call ``finish()`` when the closure this worker is unpickling or running returns (not when it raises).
+
+    Made for what a closure's function brings with it (it is unpickled before
+    the closure starts, in the same command): ``finish``'s value, unless
+    ``None``, goes back with the closure's result as its part ``key``; the
+    client commits it (``on_closure_commit``) for the run it keeps only. A
+    second call with the same ``key`` in one closure replaces the first.
+    """
+    ends = runtime.objects.find(*CLOSURE_ENDS_KEY)
+    if not isinstance(ends, ClosureEnds) or ends.run_id != runtime.run_id:
+        ends = ClosureEnds(runtime.run_id)
+        runtime.objects.install(*CLOSURE_ENDS_KEY, ends)
+    ends.calls[key] = finish
+
+
+def _finish(runtime: Any) -> dict[str, Any]:
+    """Call what ``at_closure_end`` asked for in this command (calls of an earlier one, which failed, are dropped)."""
+    ends = runtime.objects.find(*CLOSURE_ENDS_KEY)
+    if not isinstance(ends, ClosureEnds):
+        return {}
+    runtime.objects.discard(*CLOSURE_ENDS_KEY)
+    if ends.run_id != runtime.run_id:
+        return {}
+    parts = {key: finish() for key, finish in ends.calls.items()}
+    return {key: value for key, value in parts.items() if value is not None}
+
+
 def run_closure(service: Any, closure_id: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                 client_writes: int = 0) -> Any:
     """Worker command: run one closure, its updates keyed by ``closure_id`` (deduplicated at the stores).
@@ -74,8 +124,15 @@ def run_closure(service: Any, closure_id: str, fn: Callable[..., Any], args: tup
     the queued updates are pushed before the closure's result returns.
     ``client_writes``: the client's count of variable writes (values pulled
     ahead at the end of this worker's previous closure are used only if it
-    did not change).
+    did not change). Parts (``at_closure_end``) are dropped: the v1 facade's
+    calls commit none.
     """
+    return _run_closure(service, closure_id, fn, args, kwargs, client_writes)[0]
+
+
+def _run_closure(service: Any, closure_id: str, fn: Callable[..., Any], args: tuple[Any, ...],
+                 kwargs: dict[str, Any], client_writes: int) -> tuple[Any, dict[str, Any]]:
+    """``run_closure``: the closure's result and its parts (``at_closure_end``)."""
     structure: Any = (args, kwargs)
     resolved: Any = optree.tree_map(
         lambda x: service.objects.get(ITERATOR, x.key) if isinstance(x, WorkerResource) else x,
@@ -85,24 +142,29 @@ def run_closure(service: Any, closure_id: str, fn: Callable[..., Any], args: tup
     failed = True
     try:
         result = service.run_step(fn, args, kwargs)
+        parts = _finish(service)
         failed = False
-        return result
+        return result, parts
     finally:
+        if failed:
+            service.objects.discard(*CLOSURE_ENDS_KEY)
         end_closure(service, session, failed)
 
 
 def run_recorded_closure(service: Any, closure_id: str, fn: Callable[..., Any], args: tuple[Any, ...],
-                         kwargs: dict[str, Any], client_writes: int = 0) -> tuple[Any, list[tuple[str, int, int, int]]]:
-    """Worker command: ``run_closure``, and the partition loads its pipelines made (for the data ledger).
+                         kwargs: dict[str, Any], client_writes: int = 0
+                         ) -> tuple[Any, list[tuple[str, int, int, int]], dict[str, Any]]:
+    """Worker command: ``run_closure``; the partition loads its pipelines made (for the data ledger) and its
+    parts (``at_closure_end``), which the client commits when it keeps this run.
 
     The loads of a closure that raised are dropped: it commits nothing.
     """
     try:
-        result = run_closure(service, closure_id, fn, args, kwargs, client_writes)
+        result, parts = _run_closure(service, closure_id, fn, args, kwargs, client_writes)
     except BaseException:
         drain_consumed(service)
         raise
-    return result, drain_consumed(service)
+    return result, drain_consumed(service), parts
 
 
 def make_dataset(service: Any, key: str, dataset_fn: Any, index: int, workers: int) -> None:

@@ -308,8 +308,9 @@ class ClusterCoordinator:
             closure.remote_value._set_not_ready()
             try:
                 args, kwargs = _for_worker(closure.args, closure.kwargs, self._workers.index(address))
-                result, consumed = group.call(run_recorded_closure, (closure.closure_id, closure.fn, args, kwargs,
-                                                                     self._extended.client_writes))[0]
+                result, consumed, parts = group.call(run_recorded_closure, (
+                    closure.closure_id, closure.fn, args, kwargs, self._extended.client_writes))[0]
+                self._extended.commit_closure(parts)  # the run kept: what its function's objects counted
             except BaseException as e:  # noqa: BLE001 - sorted below: lost worker, lost ps, the closure's own
                 if self._worker_lost(e, address):
                     logger.warning("Worker %s was lost running closure %s; it goes to another worker: %s",

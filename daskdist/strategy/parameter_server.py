@@ -179,6 +179,34 @@ class ParameterServerExtended(ParameterHolderExtended):
         with self._lock:
             self._worker_groups[address] = group
 
+    _closure_part_handlers: dict[str, Callable[[Any], None]] | None = None
+
+    def on_closure_commit(self, key: str, handler: Callable[[Any], None]) -> None:
+        """Call ``handler(part)`` with a closure's part ``key`` when the coordinator commits the closure.
+
+        A part is what an object the closure's function brought with it
+        returned when the closure ended on its worker (``at_closure_end`` in
+        ``daskdist.ps.closures``: a framework adapter's metric, say). Only
+        the run the coordinator keeps commits: a run lost with its worker
+        never does, so a re-run closure counts once. Called in the
+        coordinator's driver threads, before the closure's ``RemoteValue`` is
+        ready (one closure at a time per worker; handlers of several workers
+        may run at once). One handler per ``key``: a second replaces the first.
+        """
+        if self._closure_part_handlers is None:
+            self._closure_part_handlers = {}
+        self._closure_part_handlers[key] = handler
+
+    def commit_closure(self, parts: dict[str, Any]) -> None:
+        """Hand a committed closure's parts to their handlers (``on_closure_commit``); a part without one is dropped."""
+        handlers = self._closure_part_handlers or {}
+        for key, part in parts.items():
+            handler = handlers.get(key)
+            if handler is None:
+                logger.debug("No handler for closure part %s: dropped", key)
+                continue
+            handler(part)
+
     def _launch_worker(self, address: str, host: str) -> ReplicaGroup:
         """A one-replica group on ``address``: the long-lived process that runs this worker's closures."""
         placement = Placement(0, address, host, DeviceSpec("CPU", 0))

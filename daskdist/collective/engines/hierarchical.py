@@ -20,7 +20,7 @@ from daskdist.collective.buffers import BufferPool
 from daskdist.collective.call import Call
 from daskdist.collective.engines.base import PackPlan
 from daskdist.collective.engines.direct import copy_of
-from daskdist.collective.engines.pipeline import allreduce_hierarchical_pipelined
+from daskdist.collective.engines.pipeline import PieceSize, allreduce_hierarchical_pipelined
 
 __all__ = ["HierarchicalEngine"]
 
@@ -37,16 +37,18 @@ class HierarchicalEngine:
         ``False``: the group asked for it, every pack.
     buffers
         Where results of borrowed numpy packs go.
-    pipeline_bytes
-        Bytes per piece (``collective.pipeline-bytes``).
+    pieces
+        The piece size (``PieceSize``: ``collective.pipeline-bytes``, ``-pieces``, ``-min-bytes``);
+        ``None``: pieces of 8 MiB.
     """
 
     def __init__(self, hosts: Sequence[str], automatic: bool = False, buffers: BufferPool | None = None,
-                 pipeline_bytes: int = 8 << 20):
+                 pieces: PieceSize | None = None):
         self.hosts = list(hosts)
         self.automatic = automatic
         self.buffers = buffers or BufferPool()
-        self.pipeline_bytes = pipeline_bytes
+        self.pieces = pieces or PieceSize(8 << 20)
+        self.ring_size = len(set(self.hosts))  # the cross-host ring: one member per host
 
     def accepts(self, plan: PackPlan) -> bool:
         return not (self.automatic and plan.forced_ring)
@@ -55,7 +57,7 @@ class HierarchicalEngine:
         buf = plan.buffer
         if isinstance(buf, np.ndarray):
             out = self.buffers.empty_like(buf) if plan.borrowed else None
-            piece = max(1, self.pipeline_bytes // buf.itemsize)
+            piece = self.pieces.elements(len(buf), self.ring_size, buf.itemsize)
             return allreduce_hierarchical_pipelined(call, buf, plan.op, self.hosts, piece, out)
         buf = copy_of(buf) if plan.borrowed else buf
         return algorithms.allreduce_hierarchical(call, buf, plan.op, self.hosts)

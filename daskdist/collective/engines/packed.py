@@ -25,43 +25,50 @@ from daskdist.collective.call import CollectiveCall
 from daskdist.collective.engines.base import AllReducePlan, Engine, PackPlan
 from daskdist.collective.engines.direct import DirectEngine, EmptyEngine
 from daskdist.collective.engines.hierarchical import HierarchicalEngine
+from daskdist.collective.engines.pipeline import PieceSize
 from daskdist.collective.engines.reduce_to_one import ReduceToOneEngine
 from daskdist.collective.engines.ring import RingEngine
 from daskdist.collective.engines.single_copy import SingleCopyEngine
 from daskdist.collective.single_copy import SingleCopyAllReduce
 
-__all__ = ["PackedAllReduce", "pack_engines"]
+__all__ = ["PackedAllReduce", "pack_engines", "pipeline_pieces"]
 
 
 def pack_engines(algorithm: Any, buffers: BufferPool, hosts: Sequence[str], multi_host: bool,
                  small_message_bytes: int, single_copy: SingleCopyAllReduce | None,
-                 pipeline_bytes: int | None = None) -> list[Engine]:
+                 pieces: PieceSize | None = None) -> list[Engine]:
     """The pack engines of a group's ``algorithm`` (an ``Algorithm``), in the order they are asked.
 
-    ``pipeline_bytes``: the piece size of the pipelined ring and hierarchical
-    all-reduce (``collective.pipeline-bytes``; ``None``: read from the
-    config). The ring pipelines only when the ranks span several hosts.
+    ``pieces``: the piece size of the pipelined ring and hierarchical
+    all-reduce (``None``: ``pipeline_pieces()``, from the config). The ring
+    pipelines only when the ranks span several hosts.
     """
     name = algorithm.name
-    if pipeline_bytes is None:
-        pipeline_bytes = parse_bytes(config.get("collective.pipeline-bytes"))
+    if pieces is None:
+        pieces = pipeline_pieces()
     spans_hosts = len(set(hosts)) > 1
-    ring = RingEngine(buffers, pipeline_bytes if spans_hosts else None)
+    ring = RingEngine(buffers, pieces if spans_hosts else None)
     if name == "reduce_to_one":
         return [ReduceToOneEngine(algorithm.root, algorithm.accumulation_fn)]
     if name == "direct":
         return [EmptyEngine(), DirectEngine()]
     if name == "hierarchical":
-        return [EmptyEngine(), HierarchicalEngine(hosts, False, buffers, pipeline_bytes)]
+        return [EmptyEngine(), HierarchicalEngine(hosts, False, buffers, pieces)]
     if name == "ring":
         return [EmptyEngine(), ring]
     engines: list[Engine] = [EmptyEngine(), DirectEngine(small_message_bytes)]
     if multi_host:
-        engines.append(HierarchicalEngine(hosts, True, buffers, pipeline_bytes))
+        engines.append(HierarchicalEngine(hosts, True, buffers, pieces))
     if single_copy is not None:
         engines.append(SingleCopyEngine(single_copy, ring))
     engines.append(ring)
     return engines
+
+
+def pipeline_pieces() -> PieceSize:
+    """The pipelined all-reduces' piece size from ``collective.pipeline-bytes``, ``-pieces`` and ``-min-bytes``."""
+    return PieceSize(parse_bytes(config.get("collective.pipeline-bytes")), int(config.get("collective.pipeline-pieces")),
+                     parse_bytes(config.get("collective.pipeline-min-bytes")))
 
 
 class PackedAllReduce:

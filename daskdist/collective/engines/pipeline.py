@@ -34,9 +34,46 @@ from daskdist.collective.call import Call
 from daskdist.collective.reduction import finalize
 from daskdist.ops import ReduceOp
 
-__all__ = ["RingSchedule", "allreduce_hierarchical_pipelined", "allreduce_ring_pipelined"]
+__all__ = ["PieceSize", "RingSchedule", "allreduce_hierarchical_pipelined", "allreduce_ring_pipelined"]
 
 Span = tuple[int, int]
+
+
+class PieceSize:
+    """How many elements each message of a pipelined all-reduce carries.
+
+    At most ``max_bytes`` (``collective.pipeline-bytes``), and small enough
+    that each chunk of the ring goes in at least ``pieces`` messages
+    (``collective.pipeline-pieces``), but not below ``min_bytes``
+    (``collective.pipeline-min-bytes``). A chunk sent as one message stalls
+    both directions of a link: nothing can be reduced and sent back until the
+    whole chunk has arrived. A DDP bucket of 16.8 MB across two hosts is one
+    chunk of 8.4 MB, so with 8 MiB pieces every step waited for it whole
+    (BENCHMARKS section 14, "Across hosts").
+
+    Parameters
+    ----------
+    max_bytes
+        The largest piece.
+    pieces
+        The fewest pieces per chunk (1: the chunk is cut only by ``max_bytes``).
+    min_bytes
+        The smallest piece that ``pieces`` may ask for (one message costs a hand-off on each side).
+    """
+
+    def __init__(self, max_bytes: int, pieces: int = 1, min_bytes: int = 0):
+        self.max_bytes = max(1, int(max_bytes))
+        self.pieces = max(1, int(pieces))
+        self.min_bytes = max(1, int(min_bytes))
+
+    def elements(self, n: int, size: int, itemsize: int) -> int:
+        """Elements per piece for a flat buffer of ``n`` elements of ``itemsize`` bytes around a ring of ``size``."""
+        chunk = -(-n // max(1, size))  # the largest chunk's elements
+        wanted = max(-(-chunk // self.pieces), self.min_bytes // itemsize)
+        return max(1, min(wanted, self.max_bytes // itemsize))
+
+    def __repr__(self) -> str:
+        return f"PieceSize(max_bytes={self.max_bytes}, pieces={self.pieces}, min_bytes={self.min_bytes})"
 
 
 class RingSchedule:

@@ -4,8 +4,9 @@ Each replica sends ``2 (size - 1) / size`` of the pack: bandwidth-optimal, and
 the engine that takes every pack no other engine took. A borrowed pack (the
 caller's array) is only read; the result goes to a buffer of the
 communicator's pool. In a group that spans hosts the ring is pipelined
-(``engines.pipeline``): chunks move in pieces of ``pipeline-bytes``, each
-reduced and forwarded while the next is on the wire.
+(``engines.pipeline``): chunks move in pieces (at most ``pipeline-bytes``,
+at least ``pipeline-pieces`` per chunk), each reduced and forwarded while the
+next is on the wire.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from daskdist.collective import algorithms
 from daskdist.collective.buffers import BufferPool
 from daskdist.collective.call import Call
 from daskdist.collective.engines.base import PackPlan
-from daskdist.collective.engines.pipeline import allreduce_ring_pipelined
+from daskdist.collective.engines.pipeline import PieceSize, allreduce_ring_pipelined
 
 __all__ = ["RingEngine"]
 
@@ -31,14 +32,15 @@ class RingEngine:
     ----------
     buffers
         Where results of borrowed numpy packs go (reused once the caller drops them).
-    pipeline_bytes
-        Bytes per piece of the pipelined ring, used for numpy packs when the
-        group spans hosts; ``None``: the plain ring (one message per step).
+    pieces
+        The piece size of the pipelined ring (``PieceSize``), used for numpy
+        packs when the group spans hosts; ``None``: the plain ring (one
+        message per step).
     """
 
-    def __init__(self, buffers: BufferPool, pipeline_bytes: int | None = None):
+    def __init__(self, buffers: BufferPool, pieces: PieceSize | None = None):
         self.buffers = buffers
-        self.pipeline_bytes = pipeline_bytes
+        self.pieces = pieces
 
     def accepts(self, plan: PackPlan) -> bool:
         return True
@@ -53,7 +55,7 @@ class RingEngine:
     def run(self, call: Call, plan: PackPlan) -> Any:
         out = self.output_for(plan)
         buf = plan.buffer
-        if self.pipeline_bytes is not None and isinstance(buf, np.ndarray):
-            piece = max(1, self.pipeline_bytes // buf.itemsize)
+        if self.pieces is not None and isinstance(buf, np.ndarray):
+            piece = self.pieces.elements(len(buf), call.size, buf.itemsize)
             return allreduce_ring_pipelined(call, buf, buf if out is None else out, plan.op, piece)
         return algorithms.allreduce_ring(call, buf, plan.op, out)

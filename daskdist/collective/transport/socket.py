@@ -215,7 +215,7 @@ class SocketTransport(Transport):
         super().__init__(rank, addresses, mailbox)
         self.group_id = group_id
         self.heartbeat_timeout = config.get_seconds("collective.socket.heartbeat-timeout")
-        self.inline_bytes = int(parse_bytes(config.get("collective.socket.inline-bytes", "64KiB")))
+        self.inline_bytes = int(parse_bytes(config.get("collective.socket.inline-bytes", "1MiB")))
         self.busy_poll = busy_poll_seconds(local_replicas)
         self.receive_on_caller = bool(config.get("collective.socket.receive-on-caller", False))
         self._inbound: dict[int, _Inbound] = {}

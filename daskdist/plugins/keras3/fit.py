@@ -479,7 +479,7 @@ save_weights = save
 
 
 def reference(obj: Any) -> Any:
-    """``__reduce_ex__`` of a recorded model or optimizer: a reference to the replica's copy, or ``None``."""
+    """``__reduce_ex__`` of a recorded model, optimizer or metric: a reference to the replica's copy, or ``None``."""
     record = registry.lookup(obj)
     if record is None or not registry.is_open(record):
         return None

@@ -22,6 +22,9 @@ Installed once, when ``keras`` is imported in a process that imported
 * ``__reduce_ex__`` of recorded models and optimizers: inside
   ``strategy.run(fn)`` a captured model or optimizer travels as a reference to
   the replica's own copy (as distributed variables do).
+* ``Metric.__init__`` records metrics created in a ``ParameterServerStrategy``'s
+  scope, and their ``__reduce_ex__`` makes them references in scheduled
+  functions whose updates count on the client's metric (``ps_metrics.py``).
 """
 
 from __future__ import annotations
@@ -65,12 +68,13 @@ def install() -> None:
     with _lock:
         if _installed:
             return
+        from keras.src.metrics.metric import Metric
         from keras.src.models.functional import Functional
         from keras.src.models.model import Model
         from keras.src.optimizers.base_optimizer import BaseOptimizer
         from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 
-        from daskdist.plugins.keras3 import exchange, fit, tensorboard
+        from daskdist.plugins.keras3 import exchange, fit, ps_metrics, tensorboard
 
         def make_init(original: Callable[..., Any]) -> Callable[..., Any]:
             def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -99,6 +103,15 @@ def install() -> None:
 
         _wrap(Model, "__reduce_ex__", make_reduce)
         _wrap(BaseOptimizer, "__reduce_ex__", make_reduce)
+        _wrap(Metric, "__reduce_ex__", make_reduce)
+
+        def make_metric_init(original: Callable[..., Any]) -> Callable[..., Any]:
+            def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+                original(self, *args, **kwargs)
+                ps_metrics.created(self)
+            return __init__
+
+        _wrap(Metric, "__init__", make_metric_init)
 
         def make_optimizer_init(original: Callable[..., Any]) -> Callable[..., Any]:
             def __init__(self: Any, *args: Any, **kwargs: Any) -> None:

@@ -40,8 +40,13 @@ built models of the scope on the stores with their loop's optimizer and puts
 them on the workers; pickled in the function, the model becomes the worker's
 copy (``resolve_model``: the stored parameters pulled as the closure starts)
 and the optimizer the copy's optimizer, whose ``apply`` pushes the gradients
-(``KerasPsWorker.push``: the stores apply them once). The client takes the
-stored state before it reads the weights (``take_loop_state``).
+(``KerasPsWorker.push``: the stores apply them once). The moving statistics
+a closure changed are assigned on the stores when it returns
+(``KerasPsWorker.closure_ended``, through ``daskdist.ps.closures.at_closure_end``),
+as ``fit``'s closures assign them. The client takes the stored state before
+it reads the weights (``take_loop_state``). A metric created in the scope
+travels as the worker's copy whose change the client adds up when the
+closure commits (``ps_metrics``).
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ class KerasPsWorker:
     def __init__(self, trainable: KerasTrainable, driver: Any):
         self.trainable = trainable
         self.driver = driver
+        self._pulled_state: list[np.ndarray] = []  # the moving statistics as a custom loop's closure pulled them
 
     def snapshot(self) -> dict[str, Any]:
         return self.trainable.snapshot()
@@ -101,10 +107,24 @@ class KerasPsWorker:
         self.driver.end(self.trainable)  # the moving statistics assigned on the stores
         return _results(model, batch)
 
-    def closure_began(self) -> None:
-        """A custom loop's closure unpickled a reference to this model: pull what the others pushed meanwhile."""
+    def closure_began(self, runtime: Any) -> None:
+        """A custom loop's closure unpickled a reference to this model: pull what the others pushed meanwhile, and
+        write the moving statistics back when it returns (``closure_ended``)."""
+        from daskdist.ps.closures import at_closure_end
+
         self.driver.begin(self.trainable)
         self.driver.pull(self.trainable)
+        self._pulled_state = [np.array(v, copy=True) for v in _arrays(state_variables(self.trainable.model))]
+        at_closure_end(runtime, f"keras3/moving-statistics/{id(self)}", self.closure_ended)
+
+    def closure_ended(self) -> None:
+        """A custom loop's closure returned: the moving statistics it changed (a forward pass with
+        ``training=True``) are assigned on the stores, as ``fit``'s closures do (``PsStepDriver.end``: the last
+        writer's kept); a closure that changed none (it only read the model) writes nothing, so it cannot undo
+        another worker's newer statistics."""
+        now = _arrays(state_variables(self.trainable.model))
+        if any(not np.array_equal(a, b) for a, b in zip(now, self._pulled_state)):
+            self.driver.end(self.trainable)
 
     def push(self, gradients: list[Any], variables: list[Any]) -> None:
         """A custom loop's ``optimizer.apply(gradients, variables)``: applied once on the stores, then assigned."""
@@ -421,31 +441,35 @@ def _optimizer_of(model: Any, record: registry.Record) -> Any:
     return compiled if compiled is not None else record.optimizer
 
 
-def _pair(model: Any, record: registry.Record) -> str | None:
-    """Pair an uncompiled ``model`` with the optimizer of its custom loop; why it cannot be, or ``None``.
+def _loop_optimizer(model: Any, record: registry.Record) -> tuple[Any, str | None]:
+    """The optimizer an uncompiled ``model``'s custom loop applies, or why there is none: ``(optimizer, why)``.
 
     The optimizer is the one created in the same scope and not compiled into another model, as in TensorFlow's
-    custom-training pattern (one model, one optimizer). With several, compile the model with the loop's.
+    custom-training pattern (one model, one optimizer). With several, compile the model with the loop's. A
+    compiled model, or one paired already, gives ``(None, None)``: nothing to pair. Changes nothing.
     """
     import keras
 
-    if getattr(model, "optimizer", None) is not None:
-        return None
+    if getattr(model, "optimizer", None) is not None or record.optimizer is not None:
+        return None, None
     compiled = {id(getattr(obj, "optimizer", None)) for obj, _ in registry.items() if isinstance(obj, keras.Model)}
     free = [obj for obj, other in registry.items()
             if isinstance(obj, keras.optimizers.Optimizer) and other.strategy is record.strategy
             and id(obj) not in compiled and other.model_id in (None, record.object_id)]
-    if len(free) != 1:
-        return (f"{len(free)} optimizers created in the scope are free to pair with it" if free else
-                "no optimizer was created in the scope") + (
-                   f": compile model {model.name!r} with the optimizer its loop applies (model.compile(optimizer=...))"
-                   if free else ": create the loop's optimizer inside strategy.scope()")
-    optimizer = free[0]
+    if len(free) == 1:
+        return free[0], None
+    return None, (f"{len(free)} optimizers created in the scope are free to pair with it" if free else
+                  "no optimizer was created in the scope") + (
+        f": compile model {model.name!r} with the optimizer its loop applies (model.compile(optimizer=...))"
+        if free else ": create the loop's optimizer inside strategy.scope()")
+
+
+def _pair(record: registry.Record, optimizer: Any) -> None:
+    """Pair a model's record with its custom loop's ``optimizer`` (the optimizer's record names the model)."""
     record.optimizer = optimizer
     found = registry.lookup(optimizer)
     assert found is not None
     found.model_id = record.object_id
-    return None
 
 
 def place_models(strategy: Any) -> None:
@@ -462,34 +486,44 @@ def place_models(strategy: Any) -> None:
     for obj, record in registry.items():
         if (record.strategy is strategy and record.driver is None and isinstance(obj, keras.Model)
                 and _unplaceable(obj, record) is None):
+            optimizer, _ = _loop_optimizer(obj, record)
+            if optimizer is not None:
+                _pair(record, optimizer)
             _install(obj, record, ClusterCoordinator(strategy))
 
 
 def _unplaceable(model: Any, record: registry.Record) -> str | None:
-    """Why ``model`` cannot be held for custom loops (not built, no optimizer, one the stores cannot run)."""
+    """Why ``model`` cannot be held for custom loops (not built, no optimizer, one the stores cannot run), or
+    ``None``. A question only: the pairing with the loop's optimizer is ``place_models``'."""
     if not model.built:
         return "it is not built: give it an Input (or call it on one batch) before scheduling"
-    why = _pair(model, record)
+    optimizer, why = _loop_optimizer(model, record)
     if why is not None:
         return why
     try:
-        update_rule.check_optimizer(_optimizer_of(model, record), type(record.strategy).__name__)
+        update_rule.check_optimizer(optimizer if optimizer is not None else _optimizer_of(model, record),
+                                    type(record.strategy).__name__)
     except NotImplementedError as error:
         return str(error)
     return None
 
 
 def reference(obj: Any, record: registry.Record) -> tuple[Any, tuple[Any, ...]]:
-    """The pickled form of a recorded model or optimizer in a scheduled function: the worker's copy.
+    """The pickled form of a recorded model, optimizer or metric in a scheduled function: the worker's copy.
 
     Raises
     ------
     ValueError
-        The model is not built, or has no optimizer to pair with; the optimizer's model is not held.
+        The model is not built, or has no optimizer to pair with; the optimizer's model is not held; the metric
+        keeps a variable that is not a sum.
     """
     import keras
 
     name = type(record.strategy).__name__
+    if isinstance(obj, keras.metrics.Metric):
+        from daskdist.plugins.keras3 import ps_metrics
+
+        return ps_metrics.reference(obj, record)
     if isinstance(obj, keras.Model):
         if record.driver is None:
             raise ValueError(f"model {obj.name!r} cannot be used in a function scheduled under {name}: "
@@ -506,7 +540,7 @@ def reference(obj: Any, record: registry.Record) -> tuple[Any, tuple[Any, ...]]:
 def resolve_model(model_id: str) -> Any:
     """On a worker running a closure: its copy of the model, the parameters pulled from the stores."""
     worker = _worker(model_id)
-    worker.closure_began()
+    worker.closure_began(context.current_runtime())
     return worker.trainable.model
 
 

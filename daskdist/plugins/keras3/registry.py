@@ -1,6 +1,7 @@
 """Which Keras objects were created inside a strategy's scope, and what the replicas hold of them.
 
-Models and optimizers created in ``strategy.scope()`` on the client are
+Models and optimizers created in ``strategy.scope()`` on the client, and
+metrics created in a ``ParameterServerStrategy``'s scope (``ps_metrics``), are
 recorded here (a weak mapping: the record goes with the object); TensorFlow
 keeps the same link as ``model._distribution_strategy``.
 """
