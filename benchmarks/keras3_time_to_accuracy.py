@@ -34,10 +34,8 @@ one warm-up ``fit`` first (imports, first-touch allocations).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,7 +49,7 @@ sys.path.insert(0, str(HERE))
 import numpy as np  # noqa: E402
 from _common import alternating_rounds, format_table, local_cluster, print_header  # noqa: E402
 from keras3_training import builtin_cnn, keras3_cnn  # noqa: E402
-from keras3_vs_tf_mwms import MARKER, _free_ports  # noqa: E402
+from keras3_vs_tf_mwms import run_tf_tasks  # noqa: E402
 
 import daskdist as dd  # noqa: E402
 
@@ -95,23 +93,9 @@ def until_callback(base: type, target: float, reached: dict[str, list[float]]) -
 
 def tf_mwms_to_target(path: str, batch: int, epochs: int, target: float) -> dict[str, list[float]]:
     """2 TF tasks on the data at ``path`` until ``target``: task 0's seconds and accuracies per epoch."""
-    ports = _free_ports(2)
-    workers = [f"127.0.0.1:{p}" for p in ports]
-    procs = []
-    for index in range(2):
-        env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": {"worker": workers},
-                                                     "task": {"type": "worker", "index": index}}))
-        env.pop("KERAS_BACKEND", None)
-        procs.append(subprocess.Popen(
-            [sys.executable, str(HERE / "peers" / "tf_mwms_cnn28.py"), "--data", path, "--target", str(target),
-             "--global-batch", str(batch), "--epochs", str(epochs)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
-    results = []
-    for proc in procs:
-        out, _ = proc.communicate(timeout=900)
-        line = next(x for x in out.splitlines() if x.startswith(MARKER))
-        results.append(json.loads(line[len(MARKER):]))
-    return {"seconds": results[0]["seconds"], "val_accuracy": results[0]["val_accuracy"]}
+    first = run_tf_tasks(["--data", path, "--target", str(target), "--global-batch", str(batch),
+                          "--epochs", str(epochs)])[0]
+    return {"seconds": first["seconds"], "val_accuracy": first["val_accuracy"]}
 
 
 def _summary(reached: dict[str, list[float]], target: float) -> dict[str, Any]:

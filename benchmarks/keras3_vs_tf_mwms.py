@@ -55,8 +55,8 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
-def tf_mwms_samples_per_second(samples: int, batch: int) -> float:
-    """Start 2 TF tasks, train 2 epochs, return samples/s of the second epoch (the slower task)."""
+def run_tf_tasks(args: list[str]) -> list[dict]:
+    """Start 2 TF tasks of ``peers/tf_mwms_cnn28.py`` with ``args`` on localhost; each task's result."""
     ports = _free_ports(2)
     workers = [f"127.0.0.1:{p}" for p in ports]
     procs = []
@@ -64,16 +64,20 @@ def tf_mwms_samples_per_second(samples: int, batch: int) -> float:
         env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": {"worker": workers},
                                                      "task": {"type": "worker", "index": index}}))
         env.pop("KERAS_BACKEND", None)
-        procs.append(subprocess.Popen(
-            [sys.executable, str(HERE / "peers" / "tf_mwms_cnn28.py"), "--samples", str(samples),
-             "--global-batch", str(batch), "--epochs", "2"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
-    seconds = []
+        procs.append(subprocess.Popen([sys.executable, str(HERE / "peers" / "tf_mwms_cnn28.py"), *args],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
+    results = []
     for proc in procs:
-        out, _ = proc.communicate(timeout=600)
+        out, _ = proc.communicate(timeout=900)
         line = next(x for x in out.splitlines() if x.startswith(MARKER))
-        seconds.append(json.loads(line[len(MARKER):])["epoch_seconds"][-1])
-    return round(samples / max(seconds), 1)
+        results.append(json.loads(line[len(MARKER):]))
+    return results
+
+
+def tf_mwms_samples_per_second(samples: int, batch: int) -> float:
+    """Start 2 TF tasks, train 2 epochs, return samples/s of the second epoch (the slower task)."""
+    results = run_tf_tasks(["--samples", str(samples), "--global-batch", str(batch), "--epochs", "2"])
+    return round(samples / max(r["epoch_seconds"][-1] for r in results), 1)
 
 
 def main(args: argparse.Namespace) -> None:
