@@ -23,8 +23,8 @@ import numpy as np
 
 from daskdist.data.dataset import Dataset
 from daskdist.elastic.options import ElasticOptions
-from daskdist.elastic.recovery import RECOVERABLE, Recovery, grow, leave, refill, remember_members
-from daskdist.elastic.replica import CommitKey, commit_keys, commit_progress, elastic_train_epoch, take_commit
+from daskdist.elastic.recovery import RECOVERABLE, Recovery
+from daskdist.elastic.replica import CommitKey, commit_progress, elastic_train_epoch, take_commit
 from daskdist.elastic.session import ElasticSession
 
 if TYPE_CHECKING:
@@ -78,7 +78,6 @@ class ElasticFit(ElasticSession):
         self.train: Dataset = runner.train
         logger.info("Elastic fit %d: epochs read %s", self.fit_id, self.input.describe_order())
         self._committed: CommitKey | None = None
-        self._first_epoch = 0
         self._schedule = self.input.schedule(0)
 
     def history_of_fit(self) -> Any:
@@ -89,26 +88,8 @@ class ElasticFit(ElasticSession):
 
     # -- epochs ---------------------------------------------------------------------
 
-    def begin(self, epoch: int) -> None:
+    def take_first_commit(self, epoch: int) -> None:
         """The commit every replica can go back to before the first step (the model built everywhere)."""
-        self._first_epoch = epoch
-        self._record_events()
-        remember_members(self.group)  # a member lost later is known by its Dask name (its cooldown)
-        if self.group.size < self.options.min_replicas:
-            # below min_replicas (an earlier run ended in that error, or the strategy started smaller): wait for
-            # workers (they get the survivors' newest commit: a group that never committed commits first), or
-            # raise again; never train below min_replicas
-            if not all(self.group.call(commit_keys)):
-                self._take_first_commit(epoch)
-            self.change(refill)
-        self._take_first_commit(epoch)
-        # free workers (the cluster scaled back after a loss, say) join at the start of every fit, up to
-        # max_replicas, not only below min_replicas: they get the commit just taken (a loss meanwhile goes back
-        # to it, or to an older one every member holds, and the first epoch starts from its step 0 anyway)
-        if self.change(grow) is not None:
-            self._take_first_commit(epoch)
-
-    def _take_first_commit(self, epoch: int) -> None:
         while True:
             try:
                 shape, dtype = _input_shape(self.runner.dist_train.element_spec)
@@ -124,25 +105,22 @@ class ElasticFit(ElasticSession):
         self.set_callbacks(cb)  # a growth at the start of the fit, before the callbacks were known: told now
         schedule = self._schedule = self.input.schedule(epoch)
         first, start = 0, None
-        if epoch > self._first_epoch:
-            # an epoch boundary is a commit boundary: retiring members leave and free workers join here
-            recovered = self.change(leave) or self.change(grow)
-            if recovered is not None:
-                first, start = self._resume(epoch, first, recovered)
+        recovered = self.change_at_epoch_start(epoch)
+        if recovered is not None:
+            first, start = self._resume(epoch, first, recovered)
         while True:
             try:
                 dist, total = self.plans.rest(epoch, schedule, first, steps, self.group.size)  # a loss while planning: recover too
                 lr = float(self.model.optimizer.learning_rate)
-                room = self.options.max_replicas is None or self.group.size < self.options.max_replicas
                 args = (self.model.model_id, dist, total - first, lr, self.runner.tag, (self.fit_id, epoch), first,
-                        self.options.commit_every, start, self.options.admit_seconds, room)
+                        self.options.commit_every, start, self.options.admit_seconds, self.room)
                 logs = self.group.call(elastic_train_epoch, args)[0]
                 if "stopped_at" in logs:  # members retire or free workers wait: at this commit, then go on
                     stop = int(logs["stopped_at"])
                     self.ledger.record(epoch, range(first, stop), schedule)
                     progress = self.group.call(commit_progress, ((self.fit_id, epoch, stop),), member=0)[0]
                     first, start = stop, (progress["loss_sum"], progress["count"])
-                    recovered = (self.change(leave) if logs.get("leave") else None) or self.change(grow)
+                    recovered = self.change_at_commit(logs)
                     if recovered is not None:  # a loss while admitting: back to the commit all members hold
                         first, start = self._resume(epoch, first, recovered)
                     continue

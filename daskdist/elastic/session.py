@@ -13,9 +13,13 @@ while the model is installed, before anything is committed, re-forms the
 group and installs again (``prepare_members``). ``dd.elastic.State`` (custom
 loops) recovers through the same ``recover_and_take_in``.
 
-The trainers add what is theirs: the built-in layers' ``ElasticFit``
-(``elastic/fit.py``: growth and retirement at commits, the epoch's loss
-totals in the commits) and the Keras 3 adapter's
+A fit's start (``begin``: a group below ``min_replicas`` refilled, the first
+commit, free workers admitted) and its commit boundaries (``change_at_epoch_start``,
+``change_at_commit``: retiring members leave, free workers join) are the
+session's too. The trainers add what is theirs: how the first commit is
+taken (``take_first_commit``), their epoch command and what its commits
+hold: the built-in layers' ``ElasticFit`` (``elastic/fit.py``: the epoch's
+loss totals in the commits) and the Keras 3 adapter's
 (``daskdist/plugins/keras3/elastic.py``).
 """
 
@@ -29,8 +33,17 @@ from daskdist.data.dataset import Dataset
 from daskdist.elastic.epochs import EpochInput, EpochPlans
 from daskdist.elastic.ledger import DataLedger, EpochSchedule
 from daskdist.elastic.options import ElasticOptions, notify_membership_change
-from daskdist.elastic.recovery import RECOVERABLE, Recovery, recover_within_budget, reform_before_commit
-from daskdist.elastic.replica import CommitKey
+from daskdist.elastic.recovery import (
+    RECOVERABLE,
+    Recovery,
+    grow,
+    leave,
+    recover_within_budget,
+    refill,
+    reform_before_commit,
+    remember_members,
+)
+from daskdist.elastic.replica import CommitKey, commit_keys
 
 __all__ = ["ElasticSession", "catch_up", "prepare_members", "recover_and_take_in"]
 
@@ -144,9 +157,56 @@ class ElasticSession:
         self.failures = failures
         self.generation = 0
         self.history: Any = None  # the fit's History: its ``elastic_events``
+        self.first_epoch = 0  # the fit's first epoch (``begin``): later epochs start at a commit boundary
         self._callbacks: Any = None  # the fit's CallbackList, told of membership changes
         self._untold: list[Recovery] = []  # changes before the callbacks were known: told when they are
         self.take_prepared(list(recoveries), failures)
+
+    # -- a fit's start and its commit boundaries ---------------------------------------------
+
+    def begin(self, epoch: int) -> None:
+        """Before the fit's first epoch: the commit every member can go back to (``take_first_commit``); a group
+        below ``min_replicas`` refilled first, free workers admitted after (they get that commit).
+
+        Below ``min_replicas`` (an earlier run ended in that error, or the strategy started smaller) the session
+        waits for workers, which get the survivors' newest commit (a group that never committed commits
+        first), or raises again: it never trains below ``min_replicas``. Free workers (the cluster scaled back
+        after a loss, say) join at the start of every fit, up to ``max_replicas``; a loss meanwhile goes back
+        to an older commit every member holds, so the first commit is taken again.
+        """
+        self.first_epoch = epoch
+        self._record_events()
+        remember_members(self.group)  # a member lost later is known by its Dask name (its cooldown)
+        if self.group.size < self.options.min_replicas:
+            if not all(self.group.call(commit_keys)):
+                self.take_first_commit(epoch)
+            self.change(refill)
+        self.take_first_commit(epoch)
+        if self.change(grow) is not None:
+            self.take_first_commit(epoch)
+
+    def take_first_commit(self, epoch: int) -> None:
+        """Commit the members' state before the first step of ``epoch`` (recovering from a loss meanwhile)."""
+        raise NotImplementedError(f"{type(self).__name__} takes no first commit")
+
+    @property
+    def room(self) -> bool:
+        """Whether the group may grow (below ``max_replicas``): the replicas then look for free workers."""
+        return self.options.max_replicas is None or self.group.size < self.options.max_replicas
+
+    def change_at_epoch_start(self, epoch: int) -> CommitKey | None:
+        """An epoch boundary after the first is a commit boundary: retiring members leave, free workers join.
+
+        Returns the commit a loss meanwhile sent the group back to, else ``None``.
+        """
+        if epoch <= self.first_epoch:
+            return None
+        return self.change(leave) or self.change(grow)
+
+    def change_at_commit(self, reply: dict[str, Any]) -> CommitKey | None:
+        """The replicas stopped at a commit (``{"stopped_at": step, "leave": ...}``): retiring members leave
+        there, free workers join. Returns the commit a loss meanwhile sent the group back to, else ``None``."""
+        return (self.change(leave) if reply.get("leave") else None) or self.change(grow)
 
     # -- the model's install ------------------------------------------------------------
 

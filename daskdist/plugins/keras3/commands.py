@@ -236,7 +236,7 @@ def elastic_train_epoch(service: ReplicaService, model_id: str, batches: Any, st
     finally:
         resident.exchange_hook = None
         resident.close("train")
-        commits.finish()  # a commit whose totals no step carried is summed now; its copy ends
+        commits.finish()  # a commit whose totals no step carried is dropped (the epoch's end follows); its copy ends
     if step > first_step:  # the epoch's end: moving statistics averaged, then committed as they now are
         resident.average_non_trainable()
         resident.commit_metrics()

@@ -34,7 +34,7 @@ from typing import Any
 
 from daskdist.data.dataset import Dataset
 from daskdist.elastic.options import ElasticOptions
-from daskdist.elastic.recovery import RECOVERABLE, grow, leave, refill, remember_members
+from daskdist.elastic.recovery import RECOVERABLE
 from daskdist.elastic.replica import commit_keys, commit_now
 from daskdist.elastic.session import ElasticSession
 from daskdist.plugins.keras3 import commands
@@ -66,24 +66,11 @@ class KerasElasticFit(ElasticSession):
         self.model = model
         self.record = record
         self.fit_id = 0
-        self.first_epoch = 0
 
     # -- epochs ---------------------------------------------------------------------
 
-    def begin(self, epoch: int) -> None:
-        """Before the first epoch: a commit every member can go back to (newer than any commit they hold); a
-        group below ``min_replicas`` refilled, free workers admitted (they get that commit)."""
-        self.first_epoch = epoch
-        remember_members(self.group)
-        if self.group.size < self.options.min_replicas:
-            if not all(self.group.call(commit_keys)):  # the newcomers need a commit of the members left
-                self._take_first_commit(epoch)
-            self.change(refill)
-        self._take_first_commit(epoch)
-        if self.change(grow) is not None:  # a loss while admitting: a fresh first commit on the members
-            self._take_first_commit(epoch)
-
-    def _take_first_commit(self, epoch: int) -> None:
+    def take_first_commit(self, epoch: int) -> None:
+        """A commit every member can go back to before the first step, newer than any commit they hold."""
         while True:
             try:
                 held = self.group.call(commit_keys)
@@ -99,22 +86,21 @@ class KerasElasticFit(ElasticSession):
         commit (retiring members leave, free workers join); ``{"logs", "state"}``."""
         schedule = self.input.schedule(epoch)
         first = 0
-        if epoch > self.first_epoch:  # an epoch boundary is a commit: retiring members leave, free workers join
-            recovered = self.change(leave) or self.change(grow)
-            if recovered is not None:
-                first = self.resumed_step(epoch, first, recovered, schedule)
+        recovered = self.change_at_epoch_start(epoch)
+        if recovered is not None:
+            first = self.resumed_step(epoch, first, recovered, schedule)
         while True:
             try:
                 batches, total = self.plans.rest(epoch, schedule, first, limit, self.group.size)
-                room = self.options.max_replicas is None or self.group.size < self.options.max_replicas
                 args = (self.record.object_id, batches, total - first, driver, learning_rate,
-                        (self.fit_id, epoch), first, self.options.commit_every, tag, self.options.admit_seconds, room)
+                        (self.fit_id, epoch), first, self.options.commit_every, tag, self.options.admit_seconds,
+                        self.room)
                 result: dict[str, Any] = self.group.call(commands.elastic_train_epoch, args)[0]
                 if "stopped_at" in result:  # members retire or free workers wait: at this commit, then go on
                     stop = int(result["stopped_at"])
                     self.ledger.record(epoch, range(first, stop), schedule)
                     first = stop
-                    recovered = (self.change(leave) if result.get("leave") else None) or self.change(grow)
+                    recovered = self.change_at_commit(result)
                     if recovered is not None:  # a loss while changing: back to the commit all members hold
                         first = self.resumed_step(epoch, first, recovered, schedule)
                     continue
