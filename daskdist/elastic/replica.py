@@ -25,7 +25,7 @@ import optree
 from daskdist import fault_points
 from daskdist.arrays import to_numpy
 from daskdist.elastic.boundary import FreeWorkerWatch, StopAtCommit, boundary_flags, retiring, stop_reply
-from daskdist.group.service import COMMIT, MODEL, VARIABLE, ReplicaService, Resident
+from daskdist.group.service import COMMIT, MODEL, VARIABLE, ReplicaService
 from daskdist.keras import training
 from daskdist.ops import ReduceOp
 
@@ -90,7 +90,7 @@ class Commit:
             try:
                 if before_copy is not None:
                     before_copy()
-                state = _copy_state(objects, prepared) if prepared else _copy_state(objects)
+                state = _copy_state(objects, prepared)
                 future.set_result(_with_random_states(state, random))
             except BaseException as e:  # the replica raises it at its next settle or restore
                 future.set_exception(e)
@@ -154,18 +154,7 @@ def _prepare_copies(objects: Any) -> dict[tuple[str, str], Callable[[], Any]]:
 def _copy_state(objects: Any, prepared: dict[tuple[str, str], Callable[[], Any]] | None = None) -> dict:
     """The copy a commit keeps: the replica's variables and models (``ResidentStore.snapshot``); the residents
     in ``prepared`` copied by the function their ``begin_snapshot`` returned."""
-    if not prepared:
-        state: dict = objects.snapshot(STATE_KINDS)
-        return state
-    state = {}
-    for kind in STATE_KINDS:
-        for object_id in objects.ids(kind):
-            key = (kind, object_id)
-            resident = objects.get(kind, object_id)
-            if key in prepared:
-                state[key] = prepared[key]()
-            elif isinstance(resident, Resident):
-                state[key] = resident.snapshot()
+    state: dict = objects.snapshot(STATE_KINDS, prepared)
     return state
 
 

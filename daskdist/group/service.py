@@ -13,7 +13,7 @@ wires (transports, the communicator) does not.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from daskdist.group.membership import Generation, Membership, Rank
@@ -115,13 +115,19 @@ class ResidentStore:
     def clear(self) -> None:
         self._objects.clear()
 
-    def snapshot(self, kinds: Iterable[str] = SNAPSHOT_KINDS) -> dict[tuple[str, str], Any]:
-        """The state of every resident of ``kinds`` that implements ``Resident``, keyed like the store."""
+    def snapshot(self, kinds: Iterable[str] = SNAPSHOT_KINDS,
+                 begun: Mapping[tuple[str, str], Callable[[], Any]] | None = None) -> dict[tuple[str, str], Any]:
+        """The state of every resident of ``kinds`` that implements ``Resident``, keyed like the store.
+
+        ``begun``: for these keys, the function that ends a copy the resident began earlier (an elastic commit's
+        ``begin_snapshot``, started on the step path) in place of its ``snapshot()``.
+        """
         wanted = tuple(kinds)
+        begun = begun or {}
         return {
-            (kind, object_id): obj.snapshot()
-            for (kind, object_id), obj in self._objects.items()
-            if kind in wanted and isinstance(obj, Resident)
+            key: begun[key]() if key in begun else obj.snapshot()
+            for key, obj in self._objects.items()
+            if key[0] in wanted and isinstance(obj, Resident)
         }
 
     def restore(self, states: dict[tuple[str, str], Any]) -> None:
