@@ -1,27 +1,48 @@
 # Two commands do all set-up on a fresh machine:
-#   make run    installs into .venv and runs the main job: the MirroredStrategy Keras tutorial
-#               (examples/mnist_mirrored.py) on an embedded local Dask cluster
-#   make test   installs into .venv (with test extras) and runs the test suite
-#   (make check runs ruff, mypy and the import-direction check; .ci/run runs both)
+#   make run    installs daskdist[keras,examples] into .venv (Keras 3, torch's CPU build, scikit-learn, Dask
+#               dataframes) and runs the main job: TensorFlow's Keras MirroredStrategy tutorial with real Keras 3
+#               (torch backend; examples/keras3_mnist.py) on an embedded local Dask cluster
+#   make test   installs daskdist[test,examples] into .venv and runs the test suite
+#   (make run-builtin: the same tutorial on the built-in tf.keras-like layers, daskdist[examples] only, no framework;
+#   make check runs ruff, mypy and the import-direction check; make test-install runs every install route the README
+#   names in a fresh venv; .ci/run runs test, test-ucx, test-install and check)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast test-random check test-ucx bench install clean
+.PHONY: run run-builtin test test-fast test-random test-install check test-ucx bench install clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
+# each target installs what it needs, no more; the stamps let a later target add its extras to the same venv
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[test,examples]"
 	touch $(STAMP)
 
+$(VENV)/.installed-keras: $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install --quiet -e ".[keras,examples]"
+	touch $@
+
+$(VENV)/.installed-builtin: $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install --quiet -e ".[examples]"
+	touch $@
+
 install: $(STAMP)
 
-run: $(STAMP)
+run: $(VENV)/.installed-keras
+	KERAS_BACKEND=torch $(BIN)/python examples/keras3_mnist.py $(ARGS)
+
+run-builtin: $(VENV)/.installed-builtin
 	$(BIN)/python examples/mnist_mirrored.py $(ARGS)
+
+# every install route the README and docs name, each in a fresh venv (about 30-40 s of pip each, then its examples);
+# the route list is tests/install_routes/routes.py, and tests/test_install_routes_documented.py (in `make test`)
+# fails when a doc names a route that is not in it
+test-install: $(STAMP)
+	$(BIN)/python -m pytest tests/install_routes/routes_check.py -q --durations=0
 
 # scripts/ensure_chromium.sh installs Debian's chromium for the dashboard browser test when it is missing
 # (best effort, never fails; the test skips without it); scripts/ensure_iproute2.sh does the same for `ip`/`tc`

@@ -32,7 +32,7 @@ def _run(name: str, *args: str, cwd=None) -> str:
 def test_every_example_has_a_test():
     tested = {"quickstart.py", "mnist_mirrored.py", "parameter_server.py", "pytorch_plugin.py",  # here
               "elastic_mnist.py", "dataframe_regression.py", "multi_worker.py", "tutorial.ipynb",  # their own files
-              "keras3_mnist.py", "torch_ddp.py"}  # test_keras3_example.py, test_torch_example.py
+              "keras3_mnist.py", "torch_ddp.py"}  # tests/install_routes/routes.py (keras route), test_torch_example.py
     assert {p.name for p in EXAMPLES.iterdir() if p.suffix in (".py", ".ipynb") and not p.name.startswith("_")} == tested
     # the examples' shared modules: the tutorial's data (mnist_mirrored.py, keras3_mnist.py)
     assert {p.name for p in EXAMPLES.glob("_*.py")} == {"_digits.py"}
