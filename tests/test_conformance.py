@@ -1113,3 +1113,210 @@ def test_cross_device_ops_docstrings(process_client, make_ops):
         out = strategy.run(lambda: distribute.get_replica_context().all_reduce(
             "sum", np.full(4, replica_id() + 1.0, np.float32)))
         assert local(strategy, out) == [[3.0] * 4] * 2
+
+
+# ---------------------------------------------------------------------------------------------
+# distribute_lib_test.py, DefaultDistributionStrategyTest (and TestStrategyTest on a one-replica strategy)
+# ---------------------------------------------------------------------------------------------
+
+
+def _assert_in_default_state():
+    """distribute_lib_test.py, ``_assert_in_default_state``."""
+    from daskdist.strategy.default import default_replica_context, default_strategy
+
+    assert distribute.get_replica_context() is default_replica_context()
+    assert not distribute.in_cross_replica_context()
+    assert distribute.get_strategy() is default_strategy() and not distribute.has_strategy()
+
+
+def test_default_strategy_merge_call_runs_in_cross_replica_context():
+    """distribute_lib_test.py, ``DefaultDistributionStrategyTest.testMergeCall``: ``"foo_bar"``.
+
+    Inside ``merge_fn``: the default strategy, no replica context, cross-replica
+    context, ``get_strategy()`` the default strategy, ``has_strategy()`` False.
+    """
+    _assert_in_default_state()
+    seen = {}
+
+    def merge_fn(dist, s):
+        seen.update(dist=dist, replica_context=distribute.get_replica_context(),
+                    cross_replica=distribute.in_cross_replica_context(), strategy=distribute.get_strategy(),
+                    has_strategy=distribute.has_strategy())
+        return "foo_" + s
+
+    replica_ctx = distribute.get_replica_context()
+    assert replica_ctx.merge_call(merge_fn, args=("bar",)) == "foo_bar"
+    default = distribute.get_strategy()
+    assert seen == {"dist": default, "replica_context": None, "cross_replica": True, "strategy": default,
+                    "has_strategy": False}
+    _assert_in_default_state()
+
+
+@pytest.mark.parametrize("op", ["mean", "MEAN", "sum", "SUM"])
+def test_default_strategy_reductions_accept_string_ops(op):
+    """distribute_lib_test.py, ``testReductions_acceptStringOps`` (``reduce``, ``reduce_to``, ``batch_reduce_to``).
+
+    One replica: every reduction gives its input back.
+    """
+    dist = distribute.get_strategy()
+    x, y = np.float32(1.0), np.float32(2.0)
+    assert dist.reduce(op, x, axis=None) == x
+    assert dist.extended.reduce_to(op, x, "/CPU:0") == x
+    x_r, y_r = dist.extended.batch_reduce_to(op, ((x, "/CPU:0"), (y, "/CPU:0")))
+    assert (x_r, y_r) == (x, y)
+
+
+def test_default_strategy_reduce_along_axes():
+    """distribute_lib_test.py, ``testReduceMeanAxis`` / ``testReduceSumAxis`` (one replica).
+
+    MEAN: ``x``, ``[2, 3]``, ``2.5``; SUM: ``x``, ``[4, 6]``, ``10``.
+    """
+    dist = distribute.get_strategy()
+    x = np.array([[1.0, 2.0], [3.0, 4.0]], np.float32)
+    assert np.asarray(dist.reduce(ReduceOp.MEAN, x, axis=None)).tolist() == [[1.0, 2.0], [3.0, 4.0]]
+    assert np.asarray(dist.reduce(ReduceOp.MEAN, x, axis=0)).tolist() == [2.0, 3.0]
+    assert float(dist.reduce(ReduceOp.MEAN, x, axis=(0, 1))) == 2.5
+    assert np.asarray(dist.reduce(ReduceOp.SUM, x, axis=None)).tolist() == [[1.0, 2.0], [3.0, 4.0]]
+    assert np.asarray(dist.reduce(ReduceOp.SUM, x, axis=0)).tolist() == [4.0, 6.0]
+    assert float(dist.reduce(ReduceOp.SUM, x, axis=(0, 1))) == 10.0
+
+
+# ---------------------------------------------------------------------------------------------
+# values.py, DistributedValues docstring; values_test.py, DistributedDelegateTest (TF's Mirrored is a delegate)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_distributed_values_docstring_reduce_a_dataset_element(strategy):
+    """values.py, ``DistributedValues`` docstring, example 4: the first element of ``[5., 6., 7., 8.]`` by 2 sums to 11."""
+    dataset = Dataset.from_tensor_slices(np.array([5.0, 6.0, 7.0, 8.0], np.float32)).batch(2)
+    dataset_iterator = iter(strategy.experimental_distribute_dataset(dataset))
+    distributed_values = next(dataset_iterator)
+    reduced_value = strategy.reduce(ReduceOp.SUM, distributed_values, axis=0)
+    assert float(reduced_value) == 11.0
+
+
+def test_distributed_values_docstring_local_results_of_a_dataset_element(strategy):
+    """values.py, ``DistributedValues`` docstring, example 5: ``([5.], [6.])``."""
+    dataset = Dataset.from_tensor_slices(np.array([5.0, 6.0, 7.0, 8.0], np.float32)).batch(2)
+    distributed_values = next(iter(strategy.experimental_distribute_dataset(dataset)))
+    per_replica_values = strategy.experimental_local_results(distributed_values)
+    assert [np.asarray(v).tolist() for v in per_replica_values] == [[5.0], [6.0]]
+
+
+def test_distributed_delegate_get_attr():
+    """values_test.py, ``DistributedDelegateTest.testGetAttr``: ``v.x`` is 7; ``v.y`` raises ``AttributeError``."""
+    from daskdist.values import Mirrored
+
+    class Foo:
+        def __init__(self, x):
+            self.x = x
+
+    v = Mirrored((Foo(7), Foo(8)))
+    assert v.x == 7
+    with pytest.raises(AttributeError):
+        _ = v.y
+
+
+def test_distributed_delegate_operator_override():
+    """values_test.py, ``DistributedDelegateTest.testOperatorOverride``: ``Mirrored((7, 8))`` acts like ``int(7)``."""
+    from daskdist.values import Mirrored
+
+    v = Mirrored((7, 8))
+    assert (v + 1, 3 + v, v + v, v - 2, 13 - v, v - v) == (8, 10, 14, 5, 6, 0)
+    assert (v * 2, 3 * v, v * v, v / 2, 10.5 / v, v // 2, 15 // v, v % 2, 16 % v) == (14, 21, 49, 3.5, 1.5, 3, 2, 1, 2)
+    assert (v < 12, v <= 12, v > 12, v >= 12, 12 < v, 12 <= v, 12 > v, 12 >= v) == (
+        True, True, False, False, False, False, True, True)
+    assert (v & 3, 11 & v, v | 8, 16 | v, v ^ 3, 11 ^ v) == (3, 3, 15, 23, 4, 12)
+    assert (pow(v, 3), pow(v, 3, 10), pow(2, v), -v, ~v, abs(v)) == (343, 3, 128, -7, ~7, 7)
+    with pytest.raises(TypeError):
+        _ = v[2]
+
+
+def test_distributed_delegate_copy():
+    """values_test.py, ``DistributedDelegateTest.testCopy``: shallow and deep copies keep ``x``."""
+    import copy
+
+    from daskdist.values import Mirrored
+
+    class Foo:
+        def __init__(self, x):
+            self.x = x
+
+    v = Mirrored((Foo(7), Foo(8)))
+    assert copy.copy(v).x == v.x == copy.deepcopy(v).x == 7
+
+
+def test_mirrored_acts_like_its_value_and_per_replica_refuses():
+    """values.py, ``Mirrored`` / ``DistributedDelegate``: a ``Mirrored`` of ``[1, 2]`` plus 1 is ``[2, 3]`` (TF 2.21).
+
+    Negation, comparison and ``np.asarray`` go to the value too; a ``PerReplica``
+    is no delegate and keeps refusing arithmetic (``TypeError``), as in TF.
+    """
+    from daskdist.values import Mirrored, PerReplica
+
+    mirrored = Mirrored([np.array([1, 2]), np.array([1, 2])])
+    assert (mirrored + 1).tolist() == [2, 3]
+    assert (-mirrored).tolist() == [-1, -2]
+    assert (mirrored > 1).tolist() == [False, True]
+    assert np.asarray(mirrored).tolist() == [1, 2] and mirrored.shape == (2,)
+    with pytest.raises(TypeError):
+        _ = PerReplica([np.array([1, 2]), np.array([3, 4])]) + 1
+
+
+def test_mirrored_inside_a_replica_is_that_replicas_component(strategy):
+    """values.py, ``DistributedValues._get``: in replica context a ``Mirrored`` is the current replica's component."""
+    from daskdist.values import Mirrored
+
+    mirrored = Mirrored([np.float32(10.0), np.float32(20.0)])
+    out = strategy.run(lambda: float(mirrored + replica_id()))
+    assert local(strategy, out) == [10.0, 21.0]
+
+
+# ---------------------------------------------------------------------------------------------
+# cross_device_ops.py: CrossDeviceOps.reduce / batch_reduce / broadcast (cross_device_ops_test.py)
+# ---------------------------------------------------------------------------------------------
+
+
+_CROSS_DEVICE_OPS = pytest.mark.parametrize(
+    "make_ops", [distribute.ReductionToOneDevice, distribute.NcclAllReduce, distribute.HierarchicalCopyAllReduce],
+    ids=["ReductionToOneDevice", "NcclAllReduce", "HierarchicalCopyAllReduce"])
+
+
+@_CROSS_DEVICE_OPS
+def test_cross_device_ops_reduce_to_per_replica_destinations_is_mirrored(make_ops):
+    """cross_device_ops.py, ``CrossDeviceOps.reduce``: onto two devices a ``Mirrored`` of the sum (TF 2.21: ``[3., 3.]``).
+
+    cross_device_ops_test.py ``testReduce``: SUM and MEAN onto each destination device.
+    """
+    from daskdist.values import Mirrored, PerReplica
+
+    per_replica = PerReplica([np.float32(1.0), np.float32(2.0)])
+    ops = make_ops()
+    reduced = ops.reduce(ReduceOp.SUM, per_replica, destinations=per_replica)
+    assert isinstance(reduced, Mirrored) and [float(v) for v in reduced.values] == [3.0, 3.0]
+    mean = ops.reduce("MEAN", per_replica, destinations=per_replica)
+    assert isinstance(mean, Mirrored) and [float(v) for v in mean.values] == [1.5, 1.5]
+    assert float(ops.reduce(ReduceOp.SUM, per_replica, destinations="/cpu:0")) == 3.0  # one device: the value
+
+
+@_CROSS_DEVICE_OPS
+def test_cross_device_ops_batch_reduce_and_broadcast(make_ops):
+    """cross_device_ops.py, ``batch_reduce`` (a list of ``Mirrored``) and ``broadcast`` (always a ``Mirrored``).
+
+    cross_device_ops_test.py ``testBatchReduce`` / ``testBroadcast``; TF's
+    ``validate_destinations`` refuses ``None`` with ``ValueError``.
+    """
+    from daskdist.values import Mirrored, PerReplica
+
+    a = PerReplica([np.float32(1.0), np.float32(2.0)])
+    b = PerReplica([np.float32(10.0), np.float32(20.0)])
+    ops = make_ops()
+    results = ops.batch_reduce(ReduceOp.SUM, [(a, a), (b, b)])
+    assert isinstance(results, list) and all(isinstance(r, Mirrored) for r in results)
+    assert [[float(v) for v in r.values] for r in results] == [[3.0, 3.0], [30.0, 30.0]]
+    broadcast = ops.broadcast(np.float32(5.0), a)
+    assert isinstance(broadcast, Mirrored) and [float(v) for v in broadcast.values] == [5.0, 5.0]
+    one = ops.broadcast(np.float32(5.0), "/cpu:0")
+    assert isinstance(one, Mirrored) and [float(v) for v in one.values] == [5.0]
+    with pytest.raises(ValueError, match="destinations must be one of"):
+        ops.reduce(ReduceOp.SUM, a, destinations=None)

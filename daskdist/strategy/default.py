@@ -7,6 +7,7 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from daskdist import context
 from daskdist.ops import CommunicationOptions, ReduceOp
 from daskdist.values import gather_values, local_results, reduce_values
 
@@ -18,6 +19,9 @@ class _DefaultStrategy:
 
     num_replicas_in_sync = 1
     cluster_resolver = None
+    #: ``context.has_strategy()`` is ``False`` while only this strategy is in effect (inside the default
+    #: replica context's ``merge_call``), as in TensorFlow.
+    is_default_strategy = True
 
     @property
     def extended(self) -> _DefaultStrategy:
@@ -59,7 +63,14 @@ class _DefaultStrategy:
         return dataset_fn(InputContext())
 
     def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any = None, options: Any = None) -> Any:
+        """``value`` itself: one replica (TF's ``_DefaultDistributionExtended._reduce_to``); ``reduce_op`` is checked."""
+        ReduceOp.from_any(reduce_op)
         return value
+
+    def batch_reduce_to(self, reduce_op: ReduceOp | str, value_destination_pairs: Any, options: Any = None) -> list[Any]:
+        """``reduce_to`` of each ``(value, destinations)`` pair: the values themselves, in order."""
+        ReduceOp.from_any(reduce_op)
+        return [self.reduce_to(reduce_op, value, destinations, options) for value, destinations in value_destination_pairs]
 
     def update(self, var: Any, fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
                group: bool = True) -> Any:
@@ -99,7 +110,15 @@ class _DefaultReplicaContext:
         return None
 
     def merge_call(self, merge_fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
-        return merge_fn(default_strategy(), *args, **(kwargs or {}))
+        """``merge_fn(default strategy, *args, **kwargs)`` in cross-replica context (TF's default replica context).
+
+        Inside ``merge_fn`` there is no replica context (``get_replica_context()``
+        is ``None``, ``in_cross_replica_context()`` is ``True``), the strategy is
+        the default one and ``has_strategy()`` stays ``False``.
+        """
+        strategy = default_strategy()
+        with context.enter(context.Frame(strategy=strategy, replica_context=None, variable_creator=None)):
+            return merge_fn(strategy, *args, **(kwargs or {}))
 
 
 @functools.cache
