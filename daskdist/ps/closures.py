@@ -23,6 +23,7 @@ from typing import Any
 
 import optree
 
+from daskdist import context
 from daskdist.group.service import DATASET, ITERATOR, STRATEGY
 from daskdist.ps.input import drain_consumed
 from daskdist.ps.session import begin_closure, end_closure
@@ -140,8 +141,14 @@ def _run_closure(service: Any, closure_id: str, fn: Callable[..., Any], args: tu
     args, kwargs = resolved
     session = begin_closure(service, closure_id, client_writes)
     failed = True
+    outer = context.current_frame()
+    # TF runs a scheduled function in cross-replica context (traced in the strategy's scope): strategy.run
+    # enters the worker's replica, strategy.reduce works on what it returns
+    scheduled = context.Frame(strategy=service.strategy_view, replica_context=None,
+                              variable_creator=outer.variable_creator if outer is not None else None, owner=service)
     try:
-        result = service.run_step(fn, args, kwargs)
+        with context.enter(scheduled):
+            result = service.run_step(fn, args, kwargs)
         parts = _finish(service)
         failed = False
         return result, parts

@@ -57,6 +57,15 @@ logger = logging.getLogger(__name__)
 
 _TASK_TYPES = ("chief", "ps", "worker")
 
+#: TensorFlow's warning (``parameter_server_strategy_v2.py``) when ``run`` is called on the coordinator.
+_RUN_WITHOUT_SCHEDULE = (
+    "A `tf.distribute.experimental.ParameterServerStrategy` method is invoked without using "
+    "`ClusterCoordinator.schedule`. If you are not tracing a tf.function, this method is possibly executed on the "
+    "coordinator, which can be slow. To properly dispatch functions to run on workers, methods like `run` or "
+    "`reduce` should be used within a function passed to "
+    "`tf.distribute.experimental.coordinator.ClusterCoordinator.schedule`."
+)
+
 #: The resident a parameter-server worker keeps: the token of the strategy it works for.
 PS_STRATEGY_KEY = (STRATEGY, "parameter-server")
 
@@ -258,7 +267,8 @@ class ParameterServerExtended(ParameterHolderExtended):
     # -- running: closures go through the coordinator ----------------------------------------
 
     def _call_for_each_replica(self, fn: Callable[..., Any], args: Args, kwargs: Kwargs) -> Any:
-        """On the client (TF's coordinator), ``run`` calls ``fn`` here; on workers it runs inside closures."""
+        """On the client (TF's coordinator), ``run`` calls ``fn`` here, with TF's warning; on workers it runs in closures."""
+        logger.warning(_RUN_WITHOUT_SCHEDULE)
         frame = context.Frame(strategy=self.strategy, replica_context=None, variable_creator=None)
         with context.enter(frame):
             return fn(*args, **kwargs)
@@ -299,16 +309,14 @@ class ParameterServerExtended(ParameterHolderExtended):
         return [g.call(commands.step_timings, (last,))[0] for g in list(self._worker_groups.values())]
 
     def distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
-        raise NotImplementedError(
-            "ParameterServerStrategy distributes input per worker: use "
-            "ClusterCoordinator.create_per_worker_dataset(dataset_fn)"
-        )
+        """A dataset each worker reads whole: pass it to ``ClusterCoordinator.create_per_worker_dataset``."""
+        return DatasetForEachWorker(dataset=dataset)
 
     def distribute_datasets_from_function(self, dataset_fn: Callable[[Any], Any], options: Any = None) -> Any:
-        raise NotImplementedError(
-            "ParameterServerStrategy distributes input per worker: use "
-            "ClusterCoordinator.create_per_worker_dataset(dataset_fn)"
-        )
+        """``dataset_fn`` for each worker: pass the result to ``ClusterCoordinator.create_per_worker_dataset``."""
+        if not callable(dataset_fn):
+            raise TypeError(f"dataset_fn must be callable, got {type(dataset_fn).__name__}")
+        return DatasetForEachWorker(dataset_fn=dataset_fn)
 
     # -- closing -------------------------------------------------------------------------------
 
@@ -369,6 +377,33 @@ class ParameterServerStrategy(Strategy):
 
     def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         return (_resolve_ps_strategy, (self._extended.token,))
+
+
+class DatasetForEachWorker:
+    """A distributed dataset of ``ParameterServerStrategy`` made on the coordinator (TF's, from the client).
+
+    Workers are asynchronous, each with one replica in sync: each worker
+    builds it for itself when it is given to
+    ``ClusterCoordinator.create_per_worker_dataset`` (``dataset_fn`` with
+    TF's worker input context: one pipeline, id 0, one replica), and its
+    batches are not split. It is not iterated on the client.
+    """
+
+    def __init__(self, dataset_fn: Callable[[Any], Any] | None = None, dataset: Any = None):
+        self._dataset_fn = dataset_fn
+        self._dataset = dataset
+
+    def __call__(self) -> Any:
+        """The dataset on this worker (``create_per_worker_dataset`` calls it on each worker)."""
+        if self._dataset_fn is None:
+            return self._dataset
+        from daskdist.data.options import InputContext
+
+        return self._dataset_fn(InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1))
+
+    def __repr__(self) -> str:
+        what = "dataset_fn" if self._dataset_fn is not None else "a dataset"
+        return f"<ParameterServerStrategy distributed dataset from {what}: for create_per_worker_dataset>"
 
 
 def _resolve_ps_strategy(token: str) -> Any:
