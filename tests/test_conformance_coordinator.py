@@ -343,3 +343,189 @@ def test_pass_distributed_dataset_to_create_per_worker_dataset(coordinator, from
     result = coordinator.schedule(worker_fn, args=(iter(per_worker_dataset),)).fetch()
     expected_result = np.array_split(np.arange(1.0, 5.0), strategy.num_replicas_in_sync, axis=0)
     assert [np.asarray(r).tolist() for r in result] == [e.tolist() for e in expected_result]
+
+
+# ---------------------------------------------------------------------------------------------
+# parameter_server_strategy_v2_test.py, ParameterServerStrategyV2Test and VariablePartitioningTest
+# ---------------------------------------------------------------------------------------------
+
+_USAGE_WARNING = ("A `tf.distribute.experimental.ParameterServerStrategy` method is invoked without using "
+                  "`ClusterCoordinator.schedule`.")
+
+
+def test_run_and_reduce_not_used_with_cluster_coordinator_warn(coordinator, caplog):
+    """``testRunNotUsedWithClusterCoordinator`` / ``testReduceNotUsedWithClusterCoordinator``: both log TF's warning."""
+    import logging
+
+    strategy = coordinator.strategy
+    dataset = Dataset.range(8)
+    with strategy.scope():
+        v = dd.Variable(1, dtype=np.int64)
+
+    def step_fn(iterator):
+        return next(iterator) + v
+
+    with caplog.at_level(logging.WARNING):
+        assert strategy.run(step_fn, args=(iter(dataset),)) == 1
+    assert any(m.startswith(_USAGE_WARNING) for m in caplog.messages)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        strategy.reduce("SUM", None, axis=None)
+    assert any(m.startswith(_USAGE_WARNING) for m in caplog.messages)
+
+
+def test_distribute_dataset_used_directly(coordinator):
+    """``testDistributeDatasetUsedDirectly``: iterating a distributed dataset on the coordinator raises ``ValueError``."""
+    strategy = coordinator.strategy
+    dataset = Dataset.range(3)
+    distributed_dataset = strategy.experimental_distribute_dataset(dataset)
+    with pytest.raises(ValueError):
+        iter(distributed_dataset)
+    distributed_dataset = strategy.distribute_datasets_from_function(lambda: dataset)
+    with pytest.raises(ValueError):
+        iter(distributed_dataset)
+
+
+def test_basic_variable_with_aggregation(coordinator):
+    """``VariablePartitioningTest.testBasicVariableWithAggregation``: ``run`` on the coordinator (one replica) assigns
+    ``[10, 1, 2, ..., 7]`` to a SUM variable; the function runs in replica context there."""
+    strategy = coordinator.strategy
+    with strategy.scope():
+        v = dd.Variable(initial_value=[0, 0, 0, 0, 0, 0, 0, 0], dtype=np.float32,
+                        aggregation=VariableAggregation.SUM)
+
+    def replica_fn():
+        replica_id = distribute.get_replica_context().replica_id_in_sync_group
+        val = np.reshape(np.asarray(replica_id + 10, dtype=v.dtype), [1])
+        v.assign(np.concatenate([val, np.array([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0], np.float32)], 0))
+
+    strategy.run(replica_fn)
+    expected_result = np.arange(8.0) * strategy.num_replicas_in_sync
+    for i in range(strategy.num_replicas_in_sync):
+        expected_result[0] = expected_result[0] + i + 10
+    assert _value(v) == expected_result.tolist()
+
+
+@pytest.fixture(scope="module")
+def two_ps(threaded_client):
+    """A ``make(partitioner)`` of strategies with two ps and one worker (TF's VariablePartitioningTest: two ps)."""
+    info = scheduler_workers(threaded_client)
+    ordered = sorted(info, key=lambda a: info[a]["name"])
+    resolver = dd.cluster_resolver.SimpleClusterResolver(
+        dd.cluster_resolver.ClusterSpec({"ps": ordered[:2], "worker": ordered[2:]}))
+    made = []
+
+    def make(partitioner=None):
+        strategy = dd.ParameterServerStrategy(resolver, partitioner, client=threaded_client)
+        made.append(strategy)
+        return strategy
+
+    yield make
+    for strategy in made:
+        strategy.close()
+
+
+def _shards(v):
+    return [np.asarray(s.numpy()).tolist() for s in v.variables]
+
+
+def _tasks(v):
+    return [s.device.split("/")[3] for s in v.variables]
+
+
+def test_partitioned_non_callable_initial_value(two_ps):
+    """``testNonCallableInitialValue``: 10 values in 4 shards ``[0, 1, 2] [3, 4, 5] [6, 7] [8, 9]`` on ps 0, 1, 0, 1."""
+    strategy = two_ps(dd.experimental.partitioners.FixedShardsPartitioner(4))
+    with strategy.scope():
+        v = dd.Variable([0, 1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert isinstance(v, dd.experimental.ShardedVariable) and len(v.variables) == 4
+    assert _tasks(v) == ["task:0", "task:1", "task:0", "task:1"]
+    assert _shards(v) == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+
+
+def test_num_partitions_larger_than_size(two_ps):
+    """``testNumPartitionsLargerThanSize``: 4 shards asked for 3 values: ``[0] [1] [2]`` on ps 0, 1, 0."""
+    strategy = two_ps(dd.experimental.partitioners.FixedShardsPartitioner(4))
+    with strategy.scope():
+        v = dd.Variable([0, 1, 2])
+    assert isinstance(v, dd.experimental.ShardedVariable) and len(v.variables) == 3
+    assert _tasks(v) == ["task:0", "task:1", "task:0"]
+    assert _shards(v) == [[0], [1], [2]]
+
+
+def test_partition_to_one(two_ps):
+    """``testPartitionToOne``: small variables stay whole, round-robin on ps 0 then ps 1."""
+    strategy = two_ps(dd.experimental.partitioners.MinSizePartitioner(min_shard_bytes=64 << 20, max_shards=2))
+    with strategy.scope():
+        v1 = dd.Variable(np.zeros(10, np.int64))
+        v2 = dd.Variable([0, 1, 2, 3, 4, 5, 6, 7, 8, 9])
+    for v in (v1, v2):
+        assert isinstance(v, dd.Variable) and not isinstance(v, dd.experimental.ShardedVariable)
+    assert "/job:ps/replica:0/task:0" in v1.device and "/job:ps/replica:0/task:1" in v2.device
+    assert np.asarray(v1.numpy()).tolist() == [0] * 10 and np.asarray(v2.numpy()).tolist() == list(range(10))
+
+
+def test_colocate_with(two_ps):
+    """``testColocateWith``: a variable made in ``colocate_vars_with(shard 0)`` is whole and on that shard's ps."""
+    strategy = two_ps(dd.experimental.partitioners.FixedShardsPartitioner(2))
+    with strategy.scope():
+        v1 = dd.Variable([0, 1, 2, 3])
+        with strategy.extended.colocate_vars_with(v1.variables[0]):
+            v2 = dd.Variable([4, 5])
+    assert isinstance(v1, dd.experimental.ShardedVariable)
+    assert isinstance(v2, dd.Variable) and not isinstance(v2, dd.experimental.ShardedVariable)
+    assert v2.device == v1.variables[0].device and np.asarray(v2.numpy()).tolist() == [4, 5]
+
+
+@pytest.mark.parametrize("returns", [None, [], [0, 1, 1], [2, 2, 1]], ids=["None", "empty", "zero", "not_first_axis"])
+def test_invalid_partitioner(two_ps, returns):
+    """``testInvalidPartitioner``: a partitioner returning ``None``, ``[]``, ``[0, 1, 1]`` or ``[2, 2, 1]`` raises
+    ``ValueError`` naming ``variable_partitioner``."""
+    strategy = two_ps(lambda shape, dtype: returns)
+    with pytest.raises(ValueError, match="variable_partitioner"), strategy.scope():
+        dd.Variable([[[0, 1], [2, 3]], [[0, 1], [2, 3]]])
+
+
+def test_basic_sharded_variable_with_aggregation(two_ps):
+    """``testBasicShardedVariableWithAggregation``: ``[10, 1, 2, 3]`` and ``[4, 5, 6, 7]`` in the two shards."""
+    strategy = two_ps(dd.experimental.partitioners.FixedShardsPartitioner(2))
+    with strategy.scope():
+        v = dd.Variable(initial_value=[0, 0, 0, 0, 0, 0, 0, 0], dtype=np.float32,
+                        aggregation=VariableAggregation.SUM)
+    assert isinstance(v, dd.experimental.ShardedVariable) and len(v.variables) == 2
+
+    def replica_fn():
+        replica_id = distribute.get_replica_context().replica_id_in_sync_group
+        val = np.reshape(np.asarray(replica_id + 10, dtype=v.dtype), [1])
+        v.assign(np.concatenate([val, np.array([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0], np.float32)], 0))
+
+    strategy.run(replica_fn)
+    expected_result = np.arange(8.0) * strategy.num_replicas_in_sync
+    for i in range(strategy.num_replicas_in_sync):
+        expected_result[0] = expected_result[0] + i + 10
+    assert _shards(v) == [part.tolist() for part in np.array_split(expected_result, 2)]
+
+
+def test_cluster_type_names(threaded_client):
+    """``ClusterTypeNameTest``: an arbitrary job name, an unknown current task type, two chiefs, no worker, no ps."""
+    info = scheduler_workers(threaded_client)
+    ordered = sorted(info, key=lambda a: info[a]["name"])
+
+    def resolver(spec, **kwargs):
+        return dd.cluster_resolver.SimpleClusterResolver(dd.cluster_resolver.ClusterSpec(spec), **kwargs)
+
+    with pytest.raises(ValueError, match="Disallowed task type found in"):
+        dd.ParameterServerStrategy(resolver({"ps": ordered[:1], "worker": ordered[1:2],
+                                             "some_arbitrary_name": ordered[2:]}), client=threaded_client)
+    with pytest.raises(ValueError, match="Unrecognized task_type: foobar"):
+        dd.ParameterServerStrategy(resolver({"ps": ordered[:1], "worker": ordered[1:]}, task_type="foobar"),
+                                   client=threaded_client)
+    with pytest.raises(ValueError, match="There must be at most one 'chief' job."):
+        dd.ParameterServerStrategy(resolver({"ps": ordered[:1], "worker": ordered[1:2], "chief": ["a:1", "b:2"]},
+                                            task_type="chief", task_id=1), client=threaded_client)
+    with pytest.raises(ValueError, match="There must be at least one worker."):
+        dd.ParameterServerStrategy(resolver({"ps": ordered[:1], "chief": ["a:1"]}, task_type="ps", task_id=0),
+                                   client=threaded_client)
+    with pytest.raises(ValueError, match="There must be at least one ps."):
+        dd.ParameterServerStrategy(resolver({"worker": ordered[1:], "chief": ["a:1"]}, task_type="worker", task_id=0),
+                                   client=threaded_client)

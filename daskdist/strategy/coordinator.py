@@ -44,7 +44,7 @@ from daskdist.ps.client import (
     plan_by_locality,
     run_recorded_closure,
 )
-from daskdist.strategy.parameter_server import ParameterServerExtended, ParameterServerStrategy
+from daskdist.strategy.parameter_server import DatasetForEachWorker, ParameterServerExtended, ParameterServerStrategy
 
 __all__ = [
     "ClusterCoordinator",
@@ -447,6 +447,8 @@ class PerWorkerDataset:
     """
 
     def __init__(self, coordinator: ClusterCoordinator, dataset_fn: Any):
+        if isinstance(dataset_fn, DatasetForEachWorker):  # made by the strategy on the coordinator
+            dataset_fn = dataset_fn.build_on_worker
         self._coordinator = coordinator
         self._key = f"ps-dataset:{uuid.uuid4().hex[:12]}"
         live = list(coordinator.live_workers)

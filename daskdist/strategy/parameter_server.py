@@ -29,7 +29,7 @@ import threading
 import uuid
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from dask.utils import parse_bytes
 from distributed import Client, default_client
@@ -46,6 +46,7 @@ from daskdist.group.handle import ReplicaGroup
 from daskdist.group.service import STRATEGY
 from daskdist.ops import CommunicationOptions
 from daskdist.strategy.base import Strategy
+from daskdist.strategy.default import OneReplicaContext
 from daskdist.strategy.extended import Args, Command, Kwargs
 from daskdist.strategy.held_drivers import PsStepDriver
 from daskdist.strategy.parameter_holder import ParameterHolderExtended
@@ -77,7 +78,8 @@ def cluster_members(cluster_resolver: Any) -> tuple[list[str], list[str]]:
     ------
     ValueError
         An empty spec, a task type other than chief/ps/worker, no ps or no
-        worker, or more than one chief.
+        worker, more than one chief, or a resolver whose own ``task_type``
+        is none of TF's.
     """
     if not hasattr(cluster_resolver, "cluster_spec"):
         raise TypeError(f"cluster_resolver must be a ClusterResolver (with cluster_spec()), "
@@ -90,13 +92,17 @@ def cluster_members(cluster_resolver: Any) -> tuple[list[str], list[str]]:
         if job not in _TASK_TYPES:
             raise ValueError(f"Disallowed task type found in cluster spec. Allowed types are {list(_TASK_TYPES)} "
                              f"and the cluster spec is {jobs}.")
+    task_type = getattr(cluster_resolver, "task_type", None)
+    if task_type not in (*_TASK_TYPES, "evaluator", None):  # TF's multi_worker_util._validate_cluster_spec
+        raise ValueError(f"Unrecognized task_type: {task_type}, valid task types are: "
+                         f"{(*_TASK_TYPES, 'evaluator', None)}")
+    if len(_addresses(jobs.get("chief"))) > 1:
+        raise ValueError("There must be at most one 'chief' job.")
     ps, workers = _addresses(jobs.get("ps")), _addresses(jobs.get("worker"))
     if not ps:
         raise ValueError("There must be at least one ps.")
     if not workers:
         raise ValueError("There must be at least one worker.")
-    if len(_addresses(jobs.get("chief"))) > 1:
-        raise ValueError("There must be at most one chief.")
     if set(ps) & set(workers):
         raise ValueError(f"a Dask worker cannot be both a ps and a worker: {sorted(set(ps) & set(workers))}")
     return ps, workers
@@ -267,9 +273,13 @@ class ParameterServerExtended(ParameterHolderExtended):
     # -- running: closures go through the coordinator ----------------------------------------
 
     def _call_for_each_replica(self, fn: Callable[..., Any], args: Args, kwargs: Kwargs) -> Any:
-        """On the client (TF's coordinator), ``run`` calls ``fn`` here, with TF's warning; on workers it runs in closures."""
+        """On the client (TF's coordinator) ``run`` calls ``fn`` here as one replica, with TF's warning.
+
+        On workers, ``run`` inside a scheduled function enters the worker's replica.
+        """
         logger.warning(_RUN_WITHOUT_SCHEDULE)
-        frame = context.Frame(strategy=self.strategy, replica_context=None, variable_creator=None)
+        frame = context.Frame(strategy=self.strategy, replica_context=cast(Any, OneReplicaContext(self.strategy)),
+                              variable_creator=None)
         with context.enter(frame):
             return fn(*args, **kwargs)
 
@@ -375,6 +385,11 @@ class ParameterServerStrategy(Strategy):
         assert isinstance(extended, ParameterServerExtended)
         return extended
 
+    def reduce(self, reduce_op: Any, value: Any, axis: int | None = None) -> Any:
+        """``Strategy.reduce`` on the coordinator, with TF's warning (inside scheduled functions it is the worker's)."""
+        logger.warning(_RUN_WITHOUT_SCHEDULE)
+        return super().reduce(reduce_op, value, axis)
+
     def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         return (_resolve_ps_strategy, (self._extended.token,))
 
@@ -386,20 +401,25 @@ class DatasetForEachWorker:
     builds it for itself when it is given to
     ``ClusterCoordinator.create_per_worker_dataset`` (``dataset_fn`` with
     TF's worker input context: one pipeline, id 0, one replica), and its
-    batches are not split. It is not iterated on the client.
+    batches are not split. Iterating it on the client raises ``ValueError``,
+    as in TensorFlow.
     """
 
     def __init__(self, dataset_fn: Callable[[Any], Any] | None = None, dataset: Any = None):
         self._dataset_fn = dataset_fn
         self._dataset = dataset
 
-    def __call__(self) -> Any:
+    def build_on_worker(self) -> Any:
         """The dataset on this worker (``create_per_worker_dataset`` calls it on each worker)."""
         if self._dataset_fn is None:
             return self._dataset
         from daskdist.data.options import InputContext
 
         return self._dataset_fn(InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1))
+
+    def __iter__(self) -> Any:
+        raise ValueError("a ParameterServerStrategy distributed dataset is not iterated on the coordinator: pass it to "
+                         "ClusterCoordinator.create_per_worker_dataset and iterate that (TF's rule)")
 
     def __repr__(self) -> str:
         what = "dataset_fn" if self._dataset_fn is not None else "a dataset"
