@@ -65,12 +65,13 @@ def destination_count(destinations: Any) -> int:
     return 1
 
 
-def _on_destinations(value: Any, destinations: Any, always_mirrored: bool = False) -> Any:
-    """``value`` copied to every device of ``destinations``: a ``Mirrored`` over several (TF's ``simple_broadcast``)."""
+def _on_destinations(value: Any, destinations: Any) -> Any:
+    """``value`` on every device of ``destinations``: a ``Mirrored`` over several, the value on one.
+
+    TF's ``simple_broadcast`` then ``regroup``, which unwraps a single copy.
+    """
     count = destination_count(destinations)
-    if count == 1 and not always_mirrored:
-        return value
-    return Mirrored([value] * count)
+    return value if count == 1 else Mirrored([value] * count)
 
 
 class CrossDeviceOps:
@@ -119,10 +120,14 @@ class CrossDeviceOps:
             validate_destinations(destinations)
         return [self.reduce(reduce_op, v, d, options) for v, d in pairs]
 
-    def broadcast(self, tensor: Any, destinations: Any) -> Mirrored:
-        """``tensor`` on every device of ``destinations``: always a ``Mirrored`` (TF's ``CrossDeviceOps.broadcast``)."""
+    def broadcast(self, tensor: Any, destinations: Any) -> Any:
+        """``tensor`` on every device of ``destinations`` (TF's ``CrossDeviceOps.broadcast``).
+
+        A ``Mirrored`` over several devices; on one device, ``tensor`` itself
+        (TF's regroup unwraps a single copy).
+        """
         validate_destinations(destinations)
-        return _on_destinations(tensor, destinations, always_mirrored=True)
+        return _on_destinations(tensor, destinations)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -145,6 +150,28 @@ class ReductionToOneDevice(CrossDeviceOps):
         self.reduce_to_device = reduce_to_device
         self.accumulation_fn = accumulation_fn
         self._target = parse_device(reduce_to_device) if reduce_to_device is not None else None
+
+    def reduce(self, reduce_op: ReduceOp | str, per_replica_value: Any, destinations: Any,
+               options: CommunicationOptions | None = None) -> Any:
+        """``CrossDeviceOps.reduce`` with ``accumulation_fn`` summing the components, when given (TF's ``_simple_reduce``).
+
+        Raises
+        ------
+        ValueError
+            With ``accumulation_fn``, a ``reduce_op`` other than SUM or MEAN.
+        """
+        if self.accumulation_fn is None:
+            return super().reduce(reduce_op, per_replica_value, destinations, options)
+        validate_destinations(destinations)
+        op = ReduceOp.from_any(reduce_op)
+        if op not in (ReduceOp.SUM, ReduceOp.MEAN):
+            raise ValueError("`reduce_op` must be Reduce.SUM or Reduce.MEAN.")
+        components = list(per_replica_value.values if isinstance(per_replica_value, DistributedValues)
+                          else (per_replica_value,))
+        reduced = self.accumulation_fn(components)
+        if op is ReduceOp.MEAN:
+            reduced = reduced / len(components)
+        return _on_destinations(reduced, destinations)
 
     def algorithm(self, devices: Sequence[DeviceSpec]) -> Algorithm:
         root = 0

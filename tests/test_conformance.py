@@ -22,6 +22,7 @@ import pytest
 
 import daskdist as dd
 from daskdist import distribute, keras
+from daskdist.cross_device_ops import AllReduceCrossDeviceOps  # TF's class, not exported in tf.distribute
 from daskdist.data import Dataset
 
 ReduceOp = distribute.ReduceOp
@@ -1299,24 +1300,65 @@ def test_cross_device_ops_reduce_to_per_replica_destinations_is_mirrored(make_op
     assert float(ops.reduce(ReduceOp.SUM, per_replica, destinations="/cpu:0")) == 3.0  # one device: the value
 
 
-@_CROSS_DEVICE_OPS
-def test_cross_device_ops_batch_reduce_and_broadcast(make_ops):
-    """cross_device_ops.py, ``batch_reduce`` (a list of ``Mirrored``) and ``broadcast`` (always a ``Mirrored``).
+@pytest.mark.parametrize("make_ops", [
+    distribute.ReductionToOneDevice,
+    lambda: distribute.ReductionToOneDevice(reduce_to_device="/cpu:0"),
+    lambda: distribute.ReductionToOneDevice(accumulation_fn=lambda values: np.sum(values, axis=0)),
+    lambda: AllReduceCrossDeviceOps("nccl", 1),
+    lambda: AllReduceCrossDeviceOps("nccl", 0),
+    distribute.NcclAllReduce,
+    lambda: distribute.HierarchicalCopyAllReduce(8),
+], ids=["DefaultReductionToOneDevice", "ReductionToCPUDeviceCrossDeviceOps", "AccumulateNCrossDeviceOp", "AllReduce",
+        "AllReduceNoGradientRepacking", "NcclAllReduce", "HierarchicalCopy"])
+def test_cross_device_ops_reduction_and_broadcast(make_ops):
+    """cross_device_ops_test.py, ``SingleWorkerCrossDeviceOpsTest.testReductionAndBroadcast`` on two devices.
 
-    cross_device_ops_test.py ``testBatchReduce`` / ``testBroadcast``; TF's
-    ``validate_destinations`` refuses ``None`` with ``ValueError``.
+    ``reduce`` / ``batch_reduce`` of ``[0., 1.]`` and ``[1., 2.]`` (MEAN 0.5 and 1.5, SUM 1 and 3) and
+    ``broadcast(1.)`` onto a ``Mirrored`` over both devices (a ``Mirrored`` result), an array on one device
+    and a device string (the value itself: TF's regroup unwraps one copy). ``validate_destinations``
+    refuses ``None`` with ``ValueError``.
     """
+    import itertools
+
     from daskdist.values import Mirrored, PerReplica
 
-    a = PerReplica([np.float32(1.0), np.float32(2.0)])
-    b = PerReplica([np.float32(10.0), np.float32(20.0)])
-    ops = make_ops()
-    results = ops.batch_reduce(ReduceOp.SUM, [(a, a), (b, b)])
-    assert isinstance(results, list) and all(isinstance(r, Mirrored) for r in results)
-    assert [[float(v) for v in r.values] for r in results] == [[3.0, 3.0], [30.0, 30.0]]
-    broadcast = ops.broadcast(np.float32(5.0), a)
-    assert isinstance(broadcast, Mirrored) and [float(v) for v in broadcast.values] == [5.0, 5.0]
-    one = ops.broadcast(np.float32(5.0), "/cpu:0")
-    assert isinstance(one, Mirrored) and [float(v) for v in one.values] == [5.0]
+    cross_device_ops = make_ops()
+    devices = ["/cpu:0", "/cpu:1"]
+    per_replica = PerReplica([np.float32(d) for d in range(len(devices))])
+    mean = (len(devices) - 1.0) / 2.0
+    per_replica_2 = PerReplica([np.float32(d + 1.0) for d in range(len(devices))])
+    mean_2 = mean + 1.0
+    destination_mirrored = Mirrored([np.float32(1.0)] * len(devices))
+    destination_different = np.float32(1.0)  # TF's _fake_mirrored on one device: the value itself
+    destination_str = "/device:CPU:0"
+    all_destinations = [destination_mirrored, destination_different, destination_str]
+
+    def fake_mirrored(value, destinations):
+        return [value] * len(destinations) if isinstance(destinations, Mirrored) else value
+
+    def plain(result):
+        if isinstance(result, Mirrored):
+            return [float(v) for v in result.values]
+        assert not isinstance(result, PerReplica)
+        return float(result)
+
+    for destinations in all_destinations:
+        assert plain(cross_device_ops.reduce(ReduceOp.MEAN, per_replica, destinations=destinations)) == fake_mirrored(
+            mean, destinations)
+        assert plain(cross_device_ops.reduce(ReduceOp.MEAN, per_replica_2, destinations=destinations)) == \
+            fake_mirrored(mean_2, destinations)
+        assert plain(cross_device_ops.reduce(ReduceOp.SUM, per_replica, destinations=destinations)) == fake_mirrored(
+            mean * len(devices), destinations)
+        assert plain(cross_device_ops.reduce(ReduceOp.SUM, per_replica_2, destinations=destinations)) == \
+            fake_mirrored(mean_2 * len(devices), destinations)
+    for d1, d2 in itertools.product(all_destinations, all_destinations):
+        results = cross_device_ops.batch_reduce(ReduceOp.MEAN, [(per_replica, d1), (per_replica_2, d2)])
+        assert isinstance(results, list)
+        assert [plain(r) for r in results] == [fake_mirrored(mean, d1), fake_mirrored(mean_2, d2)]
+        results = cross_device_ops.batch_reduce(ReduceOp.SUM, [(per_replica, d1), (per_replica_2, d2)])
+        assert [plain(r) for r in results] == [fake_mirrored(mean * len(devices), d1),
+                                               fake_mirrored(mean_2 * len(devices), d2)]
+    for destinations in all_destinations:
+        assert plain(cross_device_ops.broadcast(np.float32(1.0), destinations)) == fake_mirrored(1.0, destinations)
     with pytest.raises(ValueError, match="destinations must be one of"):
-        ops.reduce(ReduceOp.SUM, a, destinations=None)
+        cross_device_ops.reduce(ReduceOp.SUM, per_replica, destinations=None)
