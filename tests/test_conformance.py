@@ -949,6 +949,47 @@ def test_batch_splitting(strategy):
     assert got == expected
 
 
+@pytest.mark.parametrize("drop_remainder", [True, False])
+def test_uneven_dataset_batches(strategy, drop_remainder):
+    """input_lib_test.py, ``testUnevenDatasetBatches``: ``[[0, 1], [2, 3]], [[4, 5], [6, 7]]`` then ``[[8], []]``
+    unless ``drop_remainder``.
+
+    TF's test feeds the two replicas batches of 2 from one pipeline; through
+    ``experimental_distribute_dataset`` the same values are the halves of
+    global batches of 4.
+    """
+    dataset = Dataset.range(9).batch(4, drop_remainder=drop_remainder)
+    expected_values = [[[0, 1], [2, 3]], [[4, 5], [6, 7]]] + ([] if drop_remainder else [[[8], []]])
+    got = [local(strategy, strategy.run(lambda x: x, args=(batch,)))
+           for batch in strategy.experimental_distribute_dataset(dataset)]
+    assert got == expected_values
+
+
+@pytest.mark.parametrize("drop_remainder", [False, True])
+def test_dense_part_of_ragged_sparse(strategy, drop_remainder):
+    """input_lib_test.py, ``DistributedIteratorTensorTypeTest.testRaggedSparse``, its dense tensors.
+
+    Global batch 8 of 20 rows ``i`` repeated ``i % 4`` times (padded): replica 0's first batch is rows 0-3,
+    replica 1's rows 4-7; the sum over every batch is 310, 200 with ``drop_remainder`` (16 rows).
+    """
+    global_batch_size = 8
+    row_lengths = np.mod(np.arange(20), 4)
+    dense = np.zeros((20, 3), np.float32)
+    for i, length in enumerate(row_lengths):
+        dense[i, :length] = i
+    dataset = Dataset.from_tensor_slices({"dense": dense}).batch(global_batch_size, drop_remainder=drop_remainder)
+    dist_dataset = strategy.experimental_distribute_dataset(dataset)
+    per_replica_batch = next(iter(dist_dataset))
+    first = strategy.experimental_local_results(per_replica_batch["dense"])
+    assert np.asarray(first[0]).tolist() == [[0.0, 0.0, 0.0], [1.0, 0.0, 0.0], [2.0, 2.0, 0.0], [3.0, 3.0, 3.0]]
+    assert np.asarray(first[1]).tolist() == [[0.0, 0.0, 0.0], [5.0, 0.0, 0.0], [6.0, 6.0, 0.0], [7.0, 7.0, 7.0]]
+    total = 0.0
+    for batch in dist_dataset:
+        per_replica_sums = strategy.run(lambda x: np.float32(np.sum(x["dense"])), args=(batch,))
+        total += float(strategy.reduce(ReduceOp.SUM, per_replica_sums, axis=None))
+    assert total == (200.0 if drop_remainder else 310.0)
+
+
 def test_iterable_iterator_on_one_device(process_client):
     """input_lib_test.py, ``testIterableIterator``: OneDeviceStrategy over ``range(10)`` yields 0 .. 9 in order."""
     with distribute.OneDeviceStrategy("/cpu:0", client=process_client) as strategy:

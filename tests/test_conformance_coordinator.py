@@ -529,3 +529,19 @@ def test_cluster_type_names(threaded_client):
     with pytest.raises(ValueError, match="There must be at least one ps."):
         dd.ParameterServerStrategy(resolver({"worker": ordered[1:], "chief": ["a:1"]}, task_type="worker", task_id=0),
                                    client=threaded_client)
+
+
+def test_input_function_create_variables(coordinator):
+    """``ClusterCoordinatorTest.testInputFunctionCreateVariables``: a per-worker dataset function that creates a
+    variable raises ``ValueError``."""
+
+    def input_fn():
+        v = dd.Variable(initial_value=0.0)
+        return v.read_value()
+
+    with pytest.raises(ValueError, match="Creating variables in `dataset_fn` is not allowed"):
+        coordinator.create_per_worker_dataset(input_fn)
+    assert all(command.__name__ != "make_dataset" or args(0)[1] is not input_fn
+               for command, args in coordinator._resources)  # a newcomer would not run it again
+    per_worker = coordinator.create_per_worker_dataset(lambda: Dataset.range(1, 2))  # the coordinator still works
+    assert coordinator.schedule(lambda it: next(it), args=(iter(per_worker),)).fetch() == 1

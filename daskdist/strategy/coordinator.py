@@ -263,12 +263,18 @@ class ClusterCoordinator:
 
         ``command`` runs as a replica command of each worker's group with
         ``args_for(index)`` (``index``: the worker's position in ``workers``);
-        a worker admitted later runs it too, before it takes closures.
+        a worker admitted later runs it too, before it takes closures. If it
+        raises on a worker, the error is raised here and newcomers do not run it.
         """
-        self._resources.append((command, args_for))
-        for index, address in enumerate(self.workers):
-            if self.is_live(address):
-                self._extended.worker_groups[address].call(command, args_for(index))
+        resource = (command, args_for)
+        self._resources.append(resource)
+        try:
+            for index, address in enumerate(self.workers):
+                if self.is_live(address):
+                    self._extended.worker_groups[address].call(command, args_for(index))
+        except BaseException:
+            self._resources.remove(resource)  # a newcomer must not run what failed here
+            raise
 
     @property
     def workers(self) -> tuple[str, ...]:
