@@ -116,8 +116,9 @@ def get_strategy() -> Any:
 
 
 def has_strategy() -> bool:
-    """True when a non-default strategy is in effect in this thread."""
-    return current_frame() is not None
+    """True when a non-default strategy is in effect in this thread (not inside the default one's ``merge_call``)."""
+    frame = current_frame()
+    return frame is not None and not getattr(frame.strategy, "is_default_strategy", False)
 
 
 def experimental_set_strategy(strategy: Any) -> None:

@@ -24,7 +24,8 @@ from typing import Any
 
 from daskdist.cluster.devices import DeviceSpec, parse_device
 from daskdist.ops import Algorithm, CommunicationOptions, ReduceOp
-from daskdist.values import reduce_values
+from daskdist.values import DistributedValues, Mirrored, PerReplica, local_results, reduce_values
+from daskdist.variables import Variable
 
 __all__ = [
     "AllReduceCrossDeviceOps",
@@ -32,7 +33,45 @@ __all__ = [
     "HierarchicalCopyAllReduce",
     "NcclAllReduce",
     "ReductionToOneDevice",
+    "destination_count",
+    "validate_destinations",
 ]
+
+
+def validate_destinations(destinations: Any) -> None:
+    """Raise ``ValueError`` unless ``destinations`` names where a reduced value goes (TF's ``validate_destinations``).
+
+    Accepted: a ``DistributedValues`` or a variable (every device it lives
+    on), a non-empty device string, or an array (the process holding it).
+    """
+    if isinstance(destinations, str):
+        if not destinations:
+            raise ValueError("destinations can not be empty")
+        return
+    if isinstance(destinations, (DistributedValues, Variable)) or hasattr(destinations, "__array__") or hasattr(
+        destinations, "__dlpack__"
+    ):
+        return
+    raise ValueError("destinations must be one of a `DistributedValues` object, a tf.Variable object, or a "
+                     f"device string (got {type(destinations).__name__})")
+
+
+def destination_count(destinations: Any) -> int:
+    """On how many devices ``destinations`` lives: its components (a distributed value or variable), else one."""
+    if isinstance(destinations, DistributedValues):
+        return len(destinations)
+    if isinstance(destinations, Variable):
+        return len(local_results(destinations))
+    return 1
+
+
+def _on_destinations(value: Any, destinations: Any) -> Any:
+    """``value`` on every device of ``destinations``: a ``Mirrored`` over several, the value on one.
+
+    TF's ``simple_broadcast`` then ``regroup``, which unwraps a single copy.
+    """
+    count = destination_count(destinations)
+    return value if count == 1 else Mirrored([value] * count)
 
 
 class CrossDeviceOps:
@@ -42,15 +81,53 @@ class CrossDeviceOps:
         """The all-reduce algorithm for a group on ``devices`` (rank order)."""
         return Algorithm()
 
-    def reduce(self, reduce_op: ReduceOp | str, per_replica_value: Any, destinations: Any = None,
+    def reduce(self, reduce_op: ReduceOp | str, per_replica_value: Any, destinations: Any,
                options: CommunicationOptions | None = None) -> Any:
-        """Reduce a ``PerReplica`` value held by the client (cross-replica context)."""
-        num = len(getattr(per_replica_value, "values", (per_replica_value,)))
-        return reduce_values(reduce_op, per_replica_value, None, num)
+        """Reduce a ``PerReplica`` value the client holds onto ``destinations`` (TF's ``CrossDeviceOps.reduce``).
+
+        Parameters
+        ----------
+        reduce_op
+            ``ReduceOp`` or its name.
+        per_replica_value
+            A ``PerReplica`` (or ``Mirrored``); any other value counts as one
+            replica's.
+        destinations
+            A ``DistributedValues`` or variable (the result goes to each of its
+            devices), a device string or an array (one device).
+
+        Returns
+        -------
+        A ``Mirrored`` with one copy of the reduced value per destination
+        device when there are several, else the reduced value.
+
+        Raises
+        ------
+        ValueError
+            ``destinations`` is none of those (TF's ``validate_destinations``).
+        """
+        validate_destinations(destinations)
+        if not isinstance(per_replica_value, DistributedValues):
+            per_replica_value = PerReplica((per_replica_value,))
+        reduced = reduce_values(reduce_op, per_replica_value, None, len(per_replica_value))
+        return _on_destinations(reduced, destinations)
 
     def batch_reduce(self, reduce_op: ReduceOp | str, value_destination_pairs: Any,
                      options: CommunicationOptions | None = None) -> list[Any]:
-        return [self.reduce(reduce_op, v, d, options) for v, d in value_destination_pairs]
+        """``reduce`` of each ``(per_replica_value, destinations)`` pair, in order (TF's ``batch_reduce``)."""
+        pairs = list(value_destination_pairs)
+        for _, destinations in pairs:
+            validate_destinations(destinations)
+        return [self.reduce(reduce_op, v, d, options) for v, d in pairs]
+
+    def broadcast(self, tensor: Any, destinations: Any) -> Any:
+        """``tensor`` on every device of ``destinations`` (TF's ``CrossDeviceOps.broadcast``).
+
+        A ``Mirrored`` over several devices; on one device, ``tensor`` itself
+        (TF's regroup unwraps a single copy).
+        """
+        validate_destinations(destinations)
+        return _on_destinations(tensor, destinations)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -73,6 +150,28 @@ class ReductionToOneDevice(CrossDeviceOps):
         self.reduce_to_device = reduce_to_device
         self.accumulation_fn = accumulation_fn
         self._target = parse_device(reduce_to_device) if reduce_to_device is not None else None
+
+    def reduce(self, reduce_op: ReduceOp | str, per_replica_value: Any, destinations: Any,
+               options: CommunicationOptions | None = None) -> Any:
+        """``CrossDeviceOps.reduce`` with ``accumulation_fn`` summing the components, when given (TF's ``_simple_reduce``).
+
+        Raises
+        ------
+        ValueError
+            With ``accumulation_fn``, a ``reduce_op`` other than SUM or MEAN.
+        """
+        if self.accumulation_fn is None:
+            return super().reduce(reduce_op, per_replica_value, destinations, options)
+        validate_destinations(destinations)
+        op = ReduceOp.from_any(reduce_op)
+        if op not in (ReduceOp.SUM, ReduceOp.MEAN):
+            raise ValueError("`reduce_op` must be Reduce.SUM or Reduce.MEAN.")
+        components = list(per_replica_value.values if isinstance(per_replica_value, DistributedValues)
+                          else (per_replica_value,))
+        reduced = self.accumulation_fn(components)
+        if op is ReduceOp.MEAN:
+            reduced = reduced / len(components)
+        return _on_destinations(reduced, destinations)
 
     def algorithm(self, devices: Sequence[DeviceSpec]) -> Algorithm:
         root = 0

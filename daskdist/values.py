@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import optree
 
+from daskdist import context
 from daskdist.arrays import as_array, namespace
 from daskdist.collective.reduction import check_dtype, finalize
 from daskdist.ops import ReduceOp
@@ -58,9 +60,64 @@ class PerReplica(DistributedValues):
 
 
 class Mirrored(DistributedValues):
-    """Values that are identical on every replica."""
+    """Values that are identical on every replica; it acts as its value (TF's ``DistributedDelegate``).
+
+    In cross-replica context (the client, ``merge_call``) the value is the
+    first component; inside a replica, that replica's component. Arithmetic,
+    comparisons, indexing, ``np.asarray`` and public attributes (``shape``,
+    ``dtype``...) go to that value, so ``Mirrored([a, a]) + 1`` is ``a + 1``.
+    ``PerReplica`` values do none of this: they must be reduced first, as in
+    TensorFlow.
+    """
 
     __slots__ = ()
+
+    def _get(self) -> Any:
+        """The component for the current replica, or the first one in cross-replica context (TF's ``_get``)."""
+        frame = context.current_frame()
+        replica = frame.replica_context if frame is not None else None
+        if replica is not None and replica.num_replicas_in_sync == len(self._values):
+            return self._values[replica.replica_id_in_sync_group]
+        return self._values[0]
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # private and special names are the container's (pickling and copying look them up)
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(self._get(), name)
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> Any:
+        return np.asarray(self._get(), dtype=dtype)
+
+    def __add__(self, o: Any) -> Any: return self._get() + o
+    def __radd__(self, o: Any) -> Any: return o + self._get()
+    def __sub__(self, o: Any) -> Any: return self._get() - o
+    def __rsub__(self, o: Any) -> Any: return o - self._get()
+    def __mul__(self, o: Any) -> Any: return self._get() * o
+    def __rmul__(self, o: Any) -> Any: return o * self._get()
+    def __truediv__(self, o: Any) -> Any: return self._get() / o
+    def __rtruediv__(self, o: Any) -> Any: return o / self._get()
+    def __floordiv__(self, o: Any) -> Any: return self._get() // o
+    def __rfloordiv__(self, o: Any) -> Any: return o // self._get()
+    def __mod__(self, o: Any) -> Any: return self._get() % o
+    def __rmod__(self, o: Any) -> Any: return o % self._get()
+    def __matmul__(self, o: Any) -> Any: return self._get() @ o
+    def __rmatmul__(self, o: Any) -> Any: return o @ self._get()
+    def __lt__(self, o: Any) -> Any: return self._get() < o
+    def __le__(self, o: Any) -> Any: return self._get() <= o
+    def __gt__(self, o: Any) -> Any: return self._get() > o
+    def __ge__(self, o: Any) -> Any: return self._get() >= o
+    def __and__(self, o: Any) -> Any: return self._get() & o
+    def __rand__(self, o: Any) -> Any: return o & self._get()
+    def __or__(self, o: Any) -> Any: return self._get() | o
+    def __ror__(self, o: Any) -> Any: return o | self._get()
+    def __xor__(self, o: Any) -> Any: return self._get() ^ o
+    def __rxor__(self, o: Any) -> Any: return o ^ self._get()
+    def __getitem__(self, o: Any) -> Any: return self._get()[o]
+    def __pow__(self, o: Any, modulo: Any = None) -> Any: return pow(self._get(), o, modulo)
+    def __rpow__(self, o: Any) -> Any: return pow(o, self._get())
+    def __invert__(self) -> Any: return ~self._get()
+    def __neg__(self) -> Any: return -self._get()
+    def __abs__(self) -> Any: return abs(self._get())
 
 
 def _is_distributed(x: Any) -> bool:
@@ -183,7 +240,7 @@ def local_results(value: Any) -> tuple[Any, ...]:
     )
 
 
-def reduce_values(op: ReduceOp | str, value: Any, axis: int | None, num_replicas: int) -> Any:
+def reduce_values(op: ReduceOp | str, value: Any, axis: int | tuple[int, ...] | None, num_replicas: int) -> Any:
     """Reduce across replicas (and along ``axis`` within each), as ``Strategy.reduce`` does.
 
     Parameters
@@ -194,7 +251,8 @@ def reduce_values(op: ReduceOp | str, value: Any, axis: int | None, num_replicas
     axis
         ``None``: reduce across replicas only. An int: also reduce along that
         axis of each component; ``MEAN`` is then the mean over all elements of
-        all replicas (TF's semantics for uneven per-replica batches).
+        all replicas (TF's semantics for uneven per-replica batches). A tuple
+        of ints: along all those axes.
     """
     op = ReduceOp.from_any(op)
 
@@ -212,6 +270,12 @@ def reduce_values(op: ReduceOp | str, value: Any, axis: int | None, num_replicas
         if axis is None:
             stacked = xp.stack(parts)
             return _reduce_stack(xp, op, stacked, 0, count=len(parts))
+        if isinstance(axis, (tuple, list)):  # several axes: moved to the front, flattened into one
+            axes = tuple(axis)
+            parts = [xp.moveaxis(p, axes, tuple(range(len(axes)))) for p in parts]
+            parts = [p.reshape((-1, *p.shape[len(axes):])) for p in parts]
+            concatenated = xp.concatenate(parts, axis=0)
+            return _reduce_stack(xp, op, concatenated, 0, count=concatenated.shape[0])
         concatenated = xp.concatenate([xp.atleast_1d(p) for p in parts], axis=axis)
         return _reduce_stack(xp, op, concatenated, axis, count=concatenated.shape[axis])
 

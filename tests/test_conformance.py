@@ -22,6 +22,7 @@ import pytest
 
 import daskdist as dd
 from daskdist import distribute, keras
+from daskdist.cross_device_ops import AllReduceCrossDeviceOps  # TF's class, not exported in tf.distribute
 from daskdist.data import Dataset
 
 ReduceOp = distribute.ReduceOp
@@ -948,6 +949,47 @@ def test_batch_splitting(strategy):
     assert got == expected
 
 
+@pytest.mark.parametrize("drop_remainder", [True, False])
+def test_uneven_dataset_batches(strategy, drop_remainder):
+    """input_lib_test.py, ``testUnevenDatasetBatches``: ``[[0, 1], [2, 3]], [[4, 5], [6, 7]]`` then ``[[8], []]``
+    unless ``drop_remainder``.
+
+    TF's test feeds the two replicas batches of 2 from one pipeline; through
+    ``experimental_distribute_dataset`` the same values are the halves of
+    global batches of 4.
+    """
+    dataset = Dataset.range(9).batch(4, drop_remainder=drop_remainder)
+    expected_values = [[[0, 1], [2, 3]], [[4, 5], [6, 7]]] + ([] if drop_remainder else [[[8], []]])
+    got = [local(strategy, strategy.run(lambda x: x, args=(batch,)))
+           for batch in strategy.experimental_distribute_dataset(dataset)]
+    assert got == expected_values
+
+
+@pytest.mark.parametrize("drop_remainder", [False, True])
+def test_dense_part_of_ragged_sparse(strategy, drop_remainder):
+    """input_lib_test.py, ``DistributedIteratorTensorTypeTest.testRaggedSparse``, its dense tensors.
+
+    Global batch 8 of 20 rows ``i`` repeated ``i % 4`` times (padded): replica 0's first batch is rows 0-3,
+    replica 1's rows 4-7; the sum over every batch is 310, 200 with ``drop_remainder`` (16 rows).
+    """
+    global_batch_size = 8
+    row_lengths = np.mod(np.arange(20), 4)
+    dense = np.zeros((20, 3), np.float32)
+    for i, length in enumerate(row_lengths):
+        dense[i, :length] = i
+    dataset = Dataset.from_tensor_slices({"dense": dense}).batch(global_batch_size, drop_remainder=drop_remainder)
+    dist_dataset = strategy.experimental_distribute_dataset(dataset)
+    per_replica_batch = next(iter(dist_dataset))
+    first = strategy.experimental_local_results(per_replica_batch["dense"])
+    assert np.asarray(first[0]).tolist() == [[0.0, 0.0, 0.0], [1.0, 0.0, 0.0], [2.0, 2.0, 0.0], [3.0, 3.0, 3.0]]
+    assert np.asarray(first[1]).tolist() == [[0.0, 0.0, 0.0], [5.0, 0.0, 0.0], [6.0, 6.0, 0.0], [7.0, 7.0, 7.0]]
+    total = 0.0
+    for batch in dist_dataset:
+        per_replica_sums = strategy.run(lambda x: np.float32(np.sum(x["dense"])), args=(batch,))
+        total += float(strategy.reduce(ReduceOp.SUM, per_replica_sums, axis=None))
+    assert total == (200.0 if drop_remainder else 310.0)
+
+
 def test_iterable_iterator_on_one_device(process_client):
     """input_lib_test.py, ``testIterableIterator``: OneDeviceStrategy over ``range(10)`` yields 0 .. 9 in order."""
     with distribute.OneDeviceStrategy("/cpu:0", client=process_client) as strategy:
@@ -1113,3 +1155,251 @@ def test_cross_device_ops_docstrings(process_client, make_ops):
         out = strategy.run(lambda: distribute.get_replica_context().all_reduce(
             "sum", np.full(4, replica_id() + 1.0, np.float32)))
         assert local(strategy, out) == [[3.0] * 4] * 2
+
+
+# ---------------------------------------------------------------------------------------------
+# distribute_lib_test.py, DefaultDistributionStrategyTest (and TestStrategyTest on a one-replica strategy)
+# ---------------------------------------------------------------------------------------------
+
+
+def _assert_in_default_state():
+    """distribute_lib_test.py, ``_assert_in_default_state``."""
+    from daskdist.strategy.default import default_replica_context, default_strategy
+
+    assert distribute.get_replica_context() is default_replica_context()
+    assert not distribute.in_cross_replica_context()
+    assert distribute.get_strategy() is default_strategy() and not distribute.has_strategy()
+
+
+def test_default_strategy_merge_call_runs_in_cross_replica_context():
+    """distribute_lib_test.py, ``DefaultDistributionStrategyTest.testMergeCall``: ``"foo_bar"``.
+
+    Inside ``merge_fn``: the default strategy, no replica context, cross-replica
+    context, ``get_strategy()`` the default strategy, ``has_strategy()`` False.
+    """
+    _assert_in_default_state()
+    seen = {}
+
+    def merge_fn(dist, s):
+        seen.update(dist=dist, replica_context=distribute.get_replica_context(),
+                    cross_replica=distribute.in_cross_replica_context(), strategy=distribute.get_strategy(),
+                    has_strategy=distribute.has_strategy())
+        return "foo_" + s
+
+    replica_ctx = distribute.get_replica_context()
+    assert replica_ctx.merge_call(merge_fn, args=("bar",)) == "foo_bar"
+    default = distribute.get_strategy()
+    assert seen == {"dist": default, "replica_context": None, "cross_replica": True, "strategy": default,
+                    "has_strategy": False}
+    _assert_in_default_state()
+
+
+@pytest.mark.parametrize("op", ["mean", "MEAN", "sum", "SUM"])
+def test_default_strategy_reductions_accept_string_ops(op):
+    """distribute_lib_test.py, ``testReductions_acceptStringOps`` (``reduce``, ``reduce_to``, ``batch_reduce_to``).
+
+    One replica: every reduction gives its input back.
+    """
+    dist = distribute.get_strategy()
+    x, y = np.float32(1.0), np.float32(2.0)
+    assert dist.reduce(op, x, axis=None) == x
+    assert dist.extended.reduce_to(op, x, "/CPU:0") == x
+    x_r, y_r = dist.extended.batch_reduce_to(op, ((x, "/CPU:0"), (y, "/CPU:0")))
+    assert (x_r, y_r) == (x, y)
+
+
+def test_default_strategy_reduce_along_axes():
+    """distribute_lib_test.py, ``testReduceMeanAxis`` / ``testReduceSumAxis`` (one replica).
+
+    MEAN: ``x``, ``[2, 3]``, ``2.5``; SUM: ``x``, ``[4, 6]``, ``10``.
+    """
+    dist = distribute.get_strategy()
+    x = np.array([[1.0, 2.0], [3.0, 4.0]], np.float32)
+    assert np.asarray(dist.reduce(ReduceOp.MEAN, x, axis=None)).tolist() == [[1.0, 2.0], [3.0, 4.0]]
+    assert np.asarray(dist.reduce(ReduceOp.MEAN, x, axis=0)).tolist() == [2.0, 3.0]
+    assert float(dist.reduce(ReduceOp.MEAN, x, axis=(0, 1))) == 2.5
+    assert np.asarray(dist.reduce(ReduceOp.SUM, x, axis=None)).tolist() == [[1.0, 2.0], [3.0, 4.0]]
+    assert np.asarray(dist.reduce(ReduceOp.SUM, x, axis=0)).tolist() == [4.0, 6.0]
+    assert float(dist.reduce(ReduceOp.SUM, x, axis=(0, 1))) == 10.0
+
+
+# ---------------------------------------------------------------------------------------------
+# values.py, DistributedValues docstring; values_test.py, DistributedDelegateTest (TF's Mirrored is a delegate)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_distributed_values_docstring_reduce_a_dataset_element(strategy):
+    """values.py, ``DistributedValues`` docstring, example 4: the first element of ``[5., 6., 7., 8.]`` by 2 sums to 11."""
+    dataset = Dataset.from_tensor_slices(np.array([5.0, 6.0, 7.0, 8.0], np.float32)).batch(2)
+    dataset_iterator = iter(strategy.experimental_distribute_dataset(dataset))
+    distributed_values = next(dataset_iterator)
+    reduced_value = strategy.reduce(ReduceOp.SUM, distributed_values, axis=0)
+    assert float(reduced_value) == 11.0
+
+
+def test_distributed_values_docstring_local_results_of_a_dataset_element(strategy):
+    """values.py, ``DistributedValues`` docstring, example 5: ``([5.], [6.])``."""
+    dataset = Dataset.from_tensor_slices(np.array([5.0, 6.0, 7.0, 8.0], np.float32)).batch(2)
+    distributed_values = next(iter(strategy.experimental_distribute_dataset(dataset)))
+    per_replica_values = strategy.experimental_local_results(distributed_values)
+    assert [np.asarray(v).tolist() for v in per_replica_values] == [[5.0], [6.0]]
+
+
+def test_distributed_delegate_get_attr():
+    """values_test.py, ``DistributedDelegateTest.testGetAttr``: ``v.x`` is 7; ``v.y`` raises ``AttributeError``."""
+    from daskdist.values import Mirrored
+
+    class Foo:
+        def __init__(self, x):
+            self.x = x
+
+    v = Mirrored((Foo(7), Foo(8)))
+    assert v.x == 7
+    with pytest.raises(AttributeError):
+        _ = v.y
+
+
+def test_distributed_delegate_operator_override():
+    """values_test.py, ``DistributedDelegateTest.testOperatorOverride``: ``Mirrored((7, 8))`` acts like ``int(7)``."""
+    from daskdist.values import Mirrored
+
+    v = Mirrored((7, 8))
+    assert (v + 1, 3 + v, v + v, v - 2, 13 - v, v - v) == (8, 10, 14, 5, 6, 0)
+    assert (v * 2, 3 * v, v * v, v / 2, 10.5 / v, v // 2, 15 // v, v % 2, 16 % v) == (14, 21, 49, 3.5, 1.5, 3, 2, 1, 2)
+    assert (v < 12, v <= 12, v > 12, v >= 12, 12 < v, 12 <= v, 12 > v, 12 >= v) == (
+        True, True, False, False, False, False, True, True)
+    assert (v & 3, 11 & v, v | 8, 16 | v, v ^ 3, 11 ^ v) == (3, 3, 15, 23, 4, 12)
+    assert (pow(v, 3), pow(v, 3, 10), pow(2, v), -v, ~v, abs(v)) == (343, 3, 128, -7, ~7, 7)
+    with pytest.raises(TypeError):
+        _ = v[2]
+
+
+def test_distributed_delegate_copy():
+    """values_test.py, ``DistributedDelegateTest.testCopy``: shallow and deep copies keep ``x``."""
+    import copy
+
+    from daskdist.values import Mirrored
+
+    class Foo:
+        def __init__(self, x):
+            self.x = x
+
+    v = Mirrored((Foo(7), Foo(8)))
+    assert copy.copy(v).x == v.x == copy.deepcopy(v).x == 7
+
+
+def test_mirrored_acts_like_its_value_and_per_replica_refuses():
+    """values.py, ``Mirrored`` / ``DistributedDelegate``: a ``Mirrored`` of ``[1, 2]`` plus 1 is ``[2, 3]`` (TF 2.21).
+
+    Negation, comparison and ``np.asarray`` go to the value too; a ``PerReplica``
+    is no delegate and keeps refusing arithmetic (``TypeError``), as in TF.
+    """
+    from daskdist.values import Mirrored, PerReplica
+
+    mirrored = Mirrored([np.array([1, 2]), np.array([1, 2])])
+    assert (mirrored + 1).tolist() == [2, 3]
+    assert (-mirrored).tolist() == [-1, -2]
+    assert (mirrored > 1).tolist() == [False, True]
+    assert np.asarray(mirrored).tolist() == [1, 2] and mirrored.shape == (2,)
+    with pytest.raises(TypeError):
+        _ = PerReplica([np.array([1, 2]), np.array([3, 4])]) + 1
+
+
+def test_mirrored_inside_a_replica_is_that_replicas_component(strategy):
+    """values.py, ``DistributedValues._get``: in replica context a ``Mirrored`` is the current replica's component."""
+    from daskdist.values import Mirrored
+
+    mirrored = Mirrored([np.float32(10.0), np.float32(20.0)])
+    out = strategy.run(lambda: float(mirrored + replica_id()))
+    assert local(strategy, out) == [10.0, 21.0]
+
+
+# ---------------------------------------------------------------------------------------------
+# cross_device_ops.py: CrossDeviceOps.reduce / batch_reduce / broadcast (cross_device_ops_test.py)
+# ---------------------------------------------------------------------------------------------
+
+
+_CROSS_DEVICE_OPS = pytest.mark.parametrize(
+    "make_ops", [distribute.ReductionToOneDevice, distribute.NcclAllReduce, distribute.HierarchicalCopyAllReduce],
+    ids=["ReductionToOneDevice", "NcclAllReduce", "HierarchicalCopyAllReduce"])
+
+
+@_CROSS_DEVICE_OPS
+def test_cross_device_ops_reduce_to_per_replica_destinations_is_mirrored(make_ops):
+    """cross_device_ops.py, ``CrossDeviceOps.reduce``: onto two devices a ``Mirrored`` of the sum (TF 2.21: ``[3., 3.]``).
+
+    cross_device_ops_test.py ``testReduce``: SUM and MEAN onto each destination device.
+    """
+    from daskdist.values import Mirrored, PerReplica
+
+    per_replica = PerReplica([np.float32(1.0), np.float32(2.0)])
+    ops = make_ops()
+    reduced = ops.reduce(ReduceOp.SUM, per_replica, destinations=per_replica)
+    assert isinstance(reduced, Mirrored) and [float(v) for v in reduced.values] == [3.0, 3.0]
+    mean = ops.reduce("MEAN", per_replica, destinations=per_replica)
+    assert isinstance(mean, Mirrored) and [float(v) for v in mean.values] == [1.5, 1.5]
+    assert float(ops.reduce(ReduceOp.SUM, per_replica, destinations="/cpu:0")) == 3.0  # one device: the value
+
+
+@pytest.mark.parametrize("make_ops", [
+    distribute.ReductionToOneDevice,
+    lambda: distribute.ReductionToOneDevice(reduce_to_device="/cpu:0"),
+    lambda: distribute.ReductionToOneDevice(accumulation_fn=lambda values: np.sum(values, axis=0)),
+    lambda: AllReduceCrossDeviceOps("nccl", 1),
+    lambda: AllReduceCrossDeviceOps("nccl", 0),
+    distribute.NcclAllReduce,
+    lambda: distribute.HierarchicalCopyAllReduce(8),
+], ids=["DefaultReductionToOneDevice", "ReductionToCPUDeviceCrossDeviceOps", "AccumulateNCrossDeviceOp", "AllReduce",
+        "AllReduceNoGradientRepacking", "NcclAllReduce", "HierarchicalCopy"])
+def test_cross_device_ops_reduction_and_broadcast(make_ops):
+    """cross_device_ops_test.py, ``SingleWorkerCrossDeviceOpsTest.testReductionAndBroadcast`` on two devices.
+
+    ``reduce`` / ``batch_reduce`` of ``[0., 1.]`` and ``[1., 2.]`` (MEAN 0.5 and 1.5, SUM 1 and 3) and
+    ``broadcast(1.)`` onto a ``Mirrored`` over both devices (a ``Mirrored`` result), an array on one device
+    and a device string (the value itself: TF's regroup unwraps one copy). ``validate_destinations``
+    refuses ``None`` with ``ValueError``.
+    """
+    import itertools
+
+    from daskdist.values import Mirrored, PerReplica
+
+    cross_device_ops = make_ops()
+    devices = ["/cpu:0", "/cpu:1"]
+    per_replica = PerReplica([np.float32(d) for d in range(len(devices))])
+    mean = (len(devices) - 1.0) / 2.0
+    per_replica_2 = PerReplica([np.float32(d + 1.0) for d in range(len(devices))])
+    mean_2 = mean + 1.0
+    destination_mirrored = Mirrored([np.float32(1.0)] * len(devices))
+    destination_different = np.float32(1.0)  # TF's _fake_mirrored on one device: the value itself
+    destination_str = "/device:CPU:0"
+    all_destinations = [destination_mirrored, destination_different, destination_str]
+
+    def fake_mirrored(value, destinations):
+        return [value] * len(destinations) if isinstance(destinations, Mirrored) else value
+
+    def plain(result):
+        if isinstance(result, Mirrored):
+            return [float(v) for v in result.values]
+        assert not isinstance(result, PerReplica)
+        return float(result)
+
+    for destinations in all_destinations:
+        assert plain(cross_device_ops.reduce(ReduceOp.MEAN, per_replica, destinations=destinations)) == fake_mirrored(
+            mean, destinations)
+        assert plain(cross_device_ops.reduce(ReduceOp.MEAN, per_replica_2, destinations=destinations)) == \
+            fake_mirrored(mean_2, destinations)
+        assert plain(cross_device_ops.reduce(ReduceOp.SUM, per_replica, destinations=destinations)) == fake_mirrored(
+            mean * len(devices), destinations)
+        assert plain(cross_device_ops.reduce(ReduceOp.SUM, per_replica_2, destinations=destinations)) == \
+            fake_mirrored(mean_2 * len(devices), destinations)
+    for d1, d2 in itertools.product(all_destinations, all_destinations):
+        results = cross_device_ops.batch_reduce(ReduceOp.MEAN, [(per_replica, d1), (per_replica_2, d2)])
+        assert isinstance(results, list)
+        assert [plain(r) for r in results] == [fake_mirrored(mean, d1), fake_mirrored(mean_2, d2)]
+        results = cross_device_ops.batch_reduce(ReduceOp.SUM, [(per_replica, d1), (per_replica_2, d2)])
+        assert [plain(r) for r in results] == [fake_mirrored(mean * len(devices), d1),
+                                               fake_mirrored(mean_2 * len(devices), d2)]
+    for destinations in all_destinations:
+        assert plain(cross_device_ops.broadcast(np.float32(1.0), destinations)) == fake_mirrored(1.0, destinations)
+    with pytest.raises(ValueError, match="destinations must be one of"):
+        cross_device_ops.reduce(ReduceOp.SUM, per_replica, destinations=None)

@@ -378,10 +378,12 @@ def _trainer(model_id: str) -> tuple[Any, PsTrainer]:
 def _train_closure(model_id: str, iterator: Any, steps: int, lr: float) -> dict[str, Any]:
     """The function each ``fit`` closure runs: ``steps`` steps on this worker's iterator."""
     service, trainer = _trainer(model_id)
-    return trainer.train(service, iterator, steps, lr)
+    # a scheduled function runs in cross-replica context; the steps run in the worker's replica (TF's
+    # Keras calls strategy.run inside the function it schedules)
+    return service.strategy_view.run(trainer.train, args=(service, iterator, steps, lr))
 
 
 def _evaluate_closure(model_id: str, data: Any, steps: int | None) -> dict[str, Any]:
     """The function each ``evaluate`` closure runs: a per-worker iterator's ``steps`` batches, or one shard."""
     service, trainer = _trainer(model_id)
-    return trainer.evaluate(service, data, steps)
+    return service.strategy_view.run(trainer.evaluate, args=(service, data, steps))

@@ -23,6 +23,7 @@ from typing import Any
 
 import optree
 
+from daskdist import context
 from daskdist.group.service import DATASET, ITERATOR, STRATEGY
 from daskdist.ps.input import drain_consumed
 from daskdist.ps.session import begin_closure, end_closure
@@ -140,8 +141,14 @@ def _run_closure(service: Any, closure_id: str, fn: Callable[..., Any], args: tu
     args, kwargs = resolved
     session = begin_closure(service, closure_id, client_writes)
     failed = True
+    outer = context.current_frame()
+    # TF runs a scheduled function in cross-replica context (traced in the strategy's scope): strategy.run
+    # enters the worker's replica, strategy.reduce works on what it returns
+    scheduled = context.Frame(strategy=service.strategy_view, replica_context=None,
+                              variable_creator=outer.variable_creator if outer is not None else None, owner=service)
     try:
-        result = service.run_step(fn, args, kwargs)
+        with context.enter(scheduled):
+            result = service.run_step(fn, args, kwargs)
         parts = _finish(service)
         failed = False
         return result, parts
@@ -174,13 +181,23 @@ def make_dataset(service: Any, key: str, dataset_fn: Any, index: int, workers: i
     if callable(dataset_fn) and not hasattr(dataset_fn, "__iter__"):
         takes_context = len(inspect.signature(dataset_fn).parameters) >= 1
         ctx = InputContext(num_input_pipelines=workers, input_pipeline_id=index, num_replicas_in_sync=1)
-        dataset = dataset_fn(ctx) if takes_context else dataset_fn()
+        outer = context.current_frame()
+        no_variables = context.Frame(strategy=outer.strategy if outer is not None else None,
+                                     replica_context=outer.replica_context if outer is not None else None,
+                                     variable_creator=_refuse_variable, owner=service)
+        with context.enter(no_variables):
+            dataset = dataset_fn(ctx) if takes_context else dataset_fn()
     else:
         dataset = dataset_fn
     bind = getattr(getattr(dataset, "source", None), "bind", None)
     if bind is not None:  # partitions read from this worker's memory, loads logged for the ledger
         bind(service)
     service.objects.install(DATASET, key, dataset)
+
+
+def _refuse_variable(*args: Any, **kwargs: Any) -> Any:
+    """A per-worker dataset function may not create variables (TF's ``PerWorkerDatasetFromDatasetFunction``)."""
+    raise ValueError("Creating variables in `dataset_fn` is not allowed.")
 
 
 def make_iterator(service: Any, dataset_key: str, key: str) -> None:

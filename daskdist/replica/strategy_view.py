@@ -131,8 +131,19 @@ class ReplicaStrategyView:
         yield self
 
     def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, options: Any = None) -> Any:
-        """Inside a replica, ``run`` just calls ``fn`` on this replica."""
-        return fn(*args, **(kwargs or {}))
+        """Inside a replica, ``run`` calls ``fn`` on this replica, in replica context.
+
+        From cross-replica context on the replica (a function scheduled on a
+        parameter-server worker, as TensorFlow runs it) ``fn`` enters this
+        replica's context; in replica context it is just called.
+        """
+        frame = context.current_frame()
+        if frame is None or frame.replica_context is not None:
+            return fn(*args, **(kwargs or {}))
+        replica = context.Frame(strategy=self, replica_context=self._runtime.context,
+                                variable_creator=frame.variable_creator, owner=self._runtime)
+        with context.enter(replica):
+            return fn(*args, **(kwargs or {}))
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
         _require_cross_replica("reduce")
@@ -144,6 +155,30 @@ class ReplicaStrategyView:
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
         return local_results(value)
+
+    def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
+        """On a one-replica worker (a parameter-server worker's dataset function), the dataset itself.
+
+        TensorFlow's ``ParameterServerStrategy`` builds a worker's distributed
+        dataset for its one replica; batches stay whole. With several
+        replicas in sync, datasets are distributed from the client.
+        """
+        self._require_one_replica("experimental_distribute_dataset")
+        return dataset
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable[[Any], Any], options: Any = None) -> Any:
+        """On a one-replica worker, ``dataset_fn(InputContext())``: one pipeline, one replica in sync (TF's PS worker)."""
+        from daskdist.data.options import InputContext
+
+        self._require_one_replica("distribute_datasets_from_function")
+        return dataset_fn(InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1))
+
+    def _require_one_replica(self, api: str) -> None:
+        if self._runtime.size != 1:
+            raise RuntimeError(
+                f"strategy.{api} inside a replica of {self._runtime.size} replicas in sync: distribute datasets "
+                "on the client (the strategy's own method), and pass them to strategy.run"
+            )
 
     def __repr__(self) -> str:
         return f"<replica {self._runtime.rank} of {self._runtime.size} in {self._runtime.token}>"

@@ -9,10 +9,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import optree
+
 from daskdist import context, registry
+from daskdist.data.replica import BatchRef
 from daskdist.exceptions import StrategyClosedError
 from daskdist.ops import ReduceOp
-from daskdist.values import gather_values, local_results, reduce_values, regroup
+from daskdist.values import DistributedValues, gather_values, local_results, reduce_values, regroup
 
 if TYPE_CHECKING:
     from daskdist.strategy.extended import StrategyExtended
@@ -135,16 +138,31 @@ class Strategy:
             )
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
-        """Reduce ``value`` (results of ``run``) across replicas, and along ``axis`` if given."""
-        return reduce_values(reduce_op, value, axis, self.num_replicas_in_sync)
+        """Reduce ``value`` across replicas, and along ``axis`` if given.
+
+        ``value``: results of ``run``, or an element of a distributed dataset
+        (its batches, held by the replicas, are brought to the client first).
+        """
+        return reduce_values(reduce_op, self._batches_fetched(value), axis, self.num_replicas_in_sync)
 
     def gather(self, value: Any, axis: int) -> Any:
         """Concatenate the replicas' components of ``value`` along ``axis``."""
-        return gather_values(value, axis)
+        return gather_values(self._batches_fetched(value), axis)
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
-        """The components of ``value`` as a tuple, one per replica."""
-        return local_results(value)
+        """The components of ``value`` as a tuple, one per replica (the arrays of a distributed dataset's element)."""
+        return local_results(self._batches_fetched(value))
+
+    def _batches_fetched(self, value: Any) -> Any:
+        """``value`` with the replica-held batches of a distributed dataset's element (``BatchRef``) as arrays.
+
+        TensorFlow's element holds the tensors themselves; here each replica
+        holds its batch, and one ``run`` brings them to the client.
+        """
+        leaves = optree.tree_leaves(value, is_leaf=_is_distributed_or_batch, none_is_leaf=True)
+        if not any(_holds_batch(leaf) for leaf in leaves):
+            return value
+        return self.run(_same, args=(value,))
 
     def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
         """``value_fn(ValueContext(i, n))`` for each replica ``i``, regrouped: a ``PerReplica`` at each leaf.
@@ -208,6 +226,21 @@ class Strategy:
             f"<div><b>{type(self).__name__}</b> with {self.num_replicas_in_sync} replicas{dash}"
             f"<table><tr><th>replica</th><th>device</th><th>worker</th></tr>{rows}</table></div>"
         )
+
+
+def _is_distributed_or_batch(x: Any) -> bool:
+    return isinstance(x, (DistributedValues, BatchRef))
+
+
+def _holds_batch(leaf: Any) -> bool:
+    if isinstance(leaf, DistributedValues):
+        return any(isinstance(component, BatchRef) for component in leaf.values)
+    return isinstance(leaf, BatchRef)
+
+
+def _same(value: Any) -> Any:
+    """What a replica returns to hand its batch to the client: the batch itself."""
+    return value
 
 
 def _resolve_strategy(token: str) -> Any:

@@ -44,7 +44,7 @@ from daskdist.ps.client import (
     plan_by_locality,
     run_recorded_closure,
 )
-from daskdist.strategy.parameter_server import ParameterServerExtended, ParameterServerStrategy
+from daskdist.strategy.parameter_server import DatasetForEachWorker, ParameterServerExtended, ParameterServerStrategy
 
 __all__ = [
     "ClusterCoordinator",
@@ -263,12 +263,18 @@ class ClusterCoordinator:
 
         ``command`` runs as a replica command of each worker's group with
         ``args_for(index)`` (``index``: the worker's position in ``workers``);
-        a worker admitted later runs it too, before it takes closures.
+        a worker admitted later runs it too, before it takes closures. If it
+        raises on a worker, the error is raised here and newcomers do not run it.
         """
-        self._resources.append((command, args_for))
-        for index, address in enumerate(self.workers):
-            if self.is_live(address):
-                self._extended.worker_groups[address].call(command, args_for(index))
+        resource = (command, args_for)
+        self._resources.append(resource)
+        try:
+            for index, address in enumerate(self.workers):
+                if self.is_live(address):
+                    self._extended.worker_groups[address].call(command, args_for(index))
+        except BaseException:
+            self._resources.remove(resource)  # a newcomer must not run what failed here
+            raise
 
     @property
     def workers(self) -> tuple[str, ...]:
@@ -447,6 +453,8 @@ class PerWorkerDataset:
     """
 
     def __init__(self, coordinator: ClusterCoordinator, dataset_fn: Any):
+        if isinstance(dataset_fn, DatasetForEachWorker):  # made by the strategy on the coordinator
+            dataset_fn = dataset_fn.build_on_worker
         self._coordinator = coordinator
         self._key = f"ps-dataset:{uuid.uuid4().hex[:12]}"
         live = list(coordinator.live_workers)

@@ -7,10 +7,11 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from daskdist import context
 from daskdist.ops import CommunicationOptions, ReduceOp
 from daskdist.values import gather_values, local_results, reduce_values
 
-__all__ = ["default_replica_context", "default_strategy"]
+__all__ = ["OneReplicaContext", "default_replica_context", "default_strategy"]
 
 
 class _DefaultStrategy:
@@ -18,6 +19,9 @@ class _DefaultStrategy:
 
     num_replicas_in_sync = 1
     cluster_resolver = None
+    #: ``context.has_strategy()`` is ``False`` while only this strategy is in effect (inside the default
+    #: replica context's ``merge_call``), as in TensorFlow.
+    is_default_strategy = True
 
     @property
     def extended(self) -> _DefaultStrategy:
@@ -59,7 +63,14 @@ class _DefaultStrategy:
         return dataset_fn(InputContext())
 
     def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any = None, options: Any = None) -> Any:
+        """``value`` itself: one replica (TF's ``_DefaultDistributionExtended._reduce_to``); ``reduce_op`` is checked."""
+        ReduceOp.from_any(reduce_op)
         return value
+
+    def batch_reduce_to(self, reduce_op: ReduceOp | str, value_destination_pairs: Any, options: Any = None) -> list[Any]:
+        """``reduce_to`` of each ``(value, destinations)`` pair: the values themselves, in order."""
+        ReduceOp.from_any(reduce_op)
+        return [self.reduce_to(reduce_op, value, destinations, options) for value, destinations in value_destination_pairs]
 
     def update(self, var: Any, fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
                group: bool = True) -> Any:
@@ -69,16 +80,25 @@ class _DefaultStrategy:
         return "<default strategy (one local replica)>"
 
 
-class _DefaultReplicaContext:
-    """One replica: collectives return their input."""
+class OneReplicaContext:
+    """One replica in this thread: collectives return their input.
+
+    Outside any strategy it is TF's default replica context (of the default
+    strategy); a strategy that runs a function on the client as its one
+    replica (``ParameterServerStrategy.run`` on the coordinator) passes
+    itself as ``strategy``.
+    """
 
     replica_id_in_sync_group = 0
     num_replicas_in_sync = 1
     devices = ("/job:localhost/replica:0/task:0/device:CPU:0",)
 
+    def __init__(self, strategy: Any = None):
+        self._strategy = strategy
+
     @property
-    def strategy(self) -> _DefaultStrategy:
-        return default_strategy()
+    def strategy(self) -> Any:
+        return self._strategy if self._strategy is not None else default_strategy()
 
     def all_reduce(self, reduce_op: ReduceOp | str, value: Any, options: CommunicationOptions | None = None) -> Any:
         ReduceOp.from_any(reduce_op)
@@ -99,7 +119,16 @@ class _DefaultReplicaContext:
         return None
 
     def merge_call(self, merge_fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
-        return merge_fn(default_strategy(), *args, **(kwargs or {}))
+        """``merge_fn(strategy, *args, **kwargs)`` in cross-replica context (TF's default replica context).
+
+        Inside ``merge_fn`` there is no replica context (``get_replica_context()``
+        is ``None``, ``in_cross_replica_context()`` is ``True``); outside any
+        strategy, the strategy is the default one and ``has_strategy()`` stays
+        ``False``.
+        """
+        strategy = self.strategy
+        with context.enter(context.Frame(strategy=strategy, replica_context=None, variable_creator=None)):
+            return merge_fn(strategy, *args, **(kwargs or {}))
 
 
 @functools.cache
@@ -108,5 +137,5 @@ def default_strategy() -> _DefaultStrategy:
 
 
 @functools.cache
-def default_replica_context() -> _DefaultReplicaContext:
-    return _DefaultReplicaContext()
+def default_replica_context() -> OneReplicaContext:
+    return OneReplicaContext()

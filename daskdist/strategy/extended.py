@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import optree
 
 from daskdist import context
+from daskdist.cross_device_ops import validate_destinations
 from daskdist.ops import CommunicationOptions, ReduceOp
 from daskdist.values import DistributedValues, Mirrored, PerReplica, check_num_components, local_results
 from daskdist.variables import (
@@ -390,7 +391,7 @@ class StrategyExtended(abc.ABC):
                 leaf = PerReplica(leaf.local_results())
             if not isinstance(leaf, DistributedValues):
                 return self._reduce_non_distributed(op, leaf, destinations)
-            _validate_destinations(destinations)
+            validate_destinations(destinations)
             check_num_components(leaf, self.num_replicas)
             reduced = reduce_values(op, leaf, None, len(leaf))
             return self._to_destinations(reduced, destinations)
@@ -406,7 +407,7 @@ class StrategyExtended(abc.ABC):
         if self.num_replicas != 1:
             raise ValueError(f"A non-DistributedValues value {value!r} cannot be reduced with the given "
                              f"reduce op {op}.")
-        _validate_destinations(destinations)
+        validate_destinations(destinations)
         return self._to_destinations(value, destinations)
 
     def _to_destinations(self, value: Any, destinations: Any) -> Any:
@@ -536,20 +537,6 @@ def _is_zero(value: Any) -> bool:
         except (TypeError, ValueError):
             return False
     return False
-
-
-def _validate_destinations(destinations: Any) -> None:
-    # TF: cross_device_ops.validate_destinations
-    if isinstance(destinations, str):
-        if not destinations:
-            raise ValueError("destinations can not be empty")
-        return
-    if isinstance(destinations, (DistributedValues, Variable)) or hasattr(destinations, "__array__") or hasattr(
-        destinations, "__dlpack__"
-    ):
-        return
-    raise ValueError("destinations must be one of a `DistributedValues` object, a tf.Variable object, or a "
-                     f"device string (got {type(destinations).__name__})")
 
 
 def _destination_count(destinations: Any, extended: StrategyExtended) -> int:

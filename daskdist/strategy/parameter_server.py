@@ -29,7 +29,7 @@ import threading
 import uuid
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from dask.utils import parse_bytes
 from distributed import Client, default_client
@@ -46,6 +46,7 @@ from daskdist.group.handle import ReplicaGroup
 from daskdist.group.service import STRATEGY
 from daskdist.ops import CommunicationOptions
 from daskdist.strategy.base import Strategy
+from daskdist.strategy.default import OneReplicaContext
 from daskdist.strategy.extended import Args, Command, Kwargs
 from daskdist.strategy.held_drivers import PsStepDriver
 from daskdist.strategy.parameter_holder import ParameterHolderExtended
@@ -56,6 +57,15 @@ __all__ = ["ParameterServerExtended", "ParameterServerStrategy", "cluster_member
 logger = logging.getLogger(__name__)
 
 _TASK_TYPES = ("chief", "ps", "worker")
+
+#: TensorFlow's warning (``parameter_server_strategy_v2.py``) when ``run`` is called on the coordinator.
+_RUN_WITHOUT_SCHEDULE = (
+    "A `tf.distribute.experimental.ParameterServerStrategy` method is invoked without using "
+    "`ClusterCoordinator.schedule`. If you are not tracing a tf.function, this method is possibly executed on the "
+    "coordinator, which can be slow. To properly dispatch functions to run on workers, methods like `run` or "
+    "`reduce` should be used within a function passed to "
+    "`tf.distribute.experimental.coordinator.ClusterCoordinator.schedule`."
+)
 
 #: The resident a parameter-server worker keeps: the token of the strategy it works for.
 PS_STRATEGY_KEY = (STRATEGY, "parameter-server")
@@ -68,7 +78,8 @@ def cluster_members(cluster_resolver: Any) -> tuple[list[str], list[str]]:
     ------
     ValueError
         An empty spec, a task type other than chief/ps/worker, no ps or no
-        worker, or more than one chief.
+        worker, more than one chief, or a resolver whose own ``task_type``
+        is none of TF's.
     """
     if not hasattr(cluster_resolver, "cluster_spec"):
         raise TypeError(f"cluster_resolver must be a ClusterResolver (with cluster_spec()), "
@@ -81,13 +92,17 @@ def cluster_members(cluster_resolver: Any) -> tuple[list[str], list[str]]:
         if job not in _TASK_TYPES:
             raise ValueError(f"Disallowed task type found in cluster spec. Allowed types are {list(_TASK_TYPES)} "
                              f"and the cluster spec is {jobs}.")
+    task_type = getattr(cluster_resolver, "task_type", None)
+    if task_type not in (*_TASK_TYPES, "evaluator", None):  # TF's multi_worker_util._validate_cluster_spec
+        raise ValueError(f"Unrecognized task_type: {task_type}, valid task types are: "
+                         f"{(*_TASK_TYPES, 'evaluator', None)}")
+    if len(_addresses(jobs.get("chief"))) > 1:
+        raise ValueError("There must be at most one 'chief' job.")
     ps, workers = _addresses(jobs.get("ps")), _addresses(jobs.get("worker"))
     if not ps:
         raise ValueError("There must be at least one ps.")
     if not workers:
         raise ValueError("There must be at least one worker.")
-    if len(_addresses(jobs.get("chief"))) > 1:
-        raise ValueError("There must be at most one chief.")
     if set(ps) & set(workers):
         raise ValueError(f"a Dask worker cannot be both a ps and a worker: {sorted(set(ps) & set(workers))}")
     return ps, workers
@@ -258,8 +273,13 @@ class ParameterServerExtended(ParameterHolderExtended):
     # -- running: closures go through the coordinator ----------------------------------------
 
     def _call_for_each_replica(self, fn: Callable[..., Any], args: Args, kwargs: Kwargs) -> Any:
-        """On the client (TF's coordinator), ``run`` calls ``fn`` here; on workers it runs inside closures."""
-        frame = context.Frame(strategy=self.strategy, replica_context=None, variable_creator=None)
+        """On the client (TF's coordinator) ``run`` calls ``fn`` here as one replica, with TF's warning.
+
+        On workers, ``run`` inside a scheduled function enters the worker's replica.
+        """
+        logger.warning(_RUN_WITHOUT_SCHEDULE)
+        frame = context.Frame(strategy=self.strategy, replica_context=cast(Any, OneReplicaContext(self.strategy)),
+                              variable_creator=None)
         with context.enter(frame):
             return fn(*args, **kwargs)
 
@@ -299,16 +319,14 @@ class ParameterServerExtended(ParameterHolderExtended):
         return [g.call(commands.step_timings, (last,))[0] for g in list(self._worker_groups.values())]
 
     def distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
-        raise NotImplementedError(
-            "ParameterServerStrategy distributes input per worker: use "
-            "ClusterCoordinator.create_per_worker_dataset(dataset_fn)"
-        )
+        """A dataset each worker reads whole: pass it to ``ClusterCoordinator.create_per_worker_dataset``."""
+        return DatasetForEachWorker(dataset=dataset)
 
     def distribute_datasets_from_function(self, dataset_fn: Callable[[Any], Any], options: Any = None) -> Any:
-        raise NotImplementedError(
-            "ParameterServerStrategy distributes input per worker: use "
-            "ClusterCoordinator.create_per_worker_dataset(dataset_fn)"
-        )
+        """``dataset_fn`` for each worker: pass the result to ``ClusterCoordinator.create_per_worker_dataset``."""
+        if not callable(dataset_fn):
+            raise TypeError(f"dataset_fn must be callable, got {type(dataset_fn).__name__}")
+        return DatasetForEachWorker(dataset_fn=dataset_fn)
 
     # -- closing -------------------------------------------------------------------------------
 
@@ -367,8 +385,45 @@ class ParameterServerStrategy(Strategy):
         assert isinstance(extended, ParameterServerExtended)
         return extended
 
+    def reduce(self, reduce_op: Any, value: Any, axis: int | None = None) -> Any:
+        """``Strategy.reduce`` on the coordinator, with TF's warning (inside scheduled functions it is the worker's)."""
+        logger.warning(_RUN_WITHOUT_SCHEDULE)
+        return super().reduce(reduce_op, value, axis)
+
     def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         return (_resolve_ps_strategy, (self._extended.token,))
+
+
+class DatasetForEachWorker:
+    """A distributed dataset of ``ParameterServerStrategy`` made on the coordinator (TF's, from the client).
+
+    Workers are asynchronous, each with one replica in sync: each worker
+    builds it for itself when it is given to
+    ``ClusterCoordinator.create_per_worker_dataset`` (``dataset_fn`` with
+    TF's worker input context: one pipeline, id 0, one replica), and its
+    batches are not split. Iterating it on the client raises ``ValueError``,
+    as in TensorFlow.
+    """
+
+    def __init__(self, dataset_fn: Callable[[Any], Any] | None = None, dataset: Any = None):
+        self._dataset_fn = dataset_fn
+        self._dataset = dataset
+
+    def build_on_worker(self) -> Any:
+        """The dataset on this worker (``create_per_worker_dataset`` calls it on each worker)."""
+        if self._dataset_fn is None:
+            return self._dataset
+        from daskdist.data.options import InputContext
+
+        return self._dataset_fn(InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1))
+
+    def __iter__(self) -> Any:
+        raise ValueError("a ParameterServerStrategy distributed dataset is not iterated on the coordinator: pass it to "
+                         "ClusterCoordinator.create_per_worker_dataset and iterate that (TF's rule)")
+
+    def __repr__(self) -> str:
+        what = "dataset_fn" if self._dataset_fn is not None else "a dataset"
+        return f"<ParameterServerStrategy distributed dataset from {what}: for create_per_worker_dataset>"
 
 
 def _resolve_ps_strategy(token: str) -> Any:
