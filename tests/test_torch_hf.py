@@ -11,15 +11,13 @@ parameters must be equal on every rank and between the backends.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import os
-import socket
 
 import numpy as np
 import pytest
 
 import daskdist as dd
+from tests.support.torch_libraries import gloo_torchrun_environment
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
@@ -55,29 +53,6 @@ def _rows() -> list[dict]:
 
 def _parameters(model) -> list[np.ndarray]:
     return [p.detach().numpy().copy() for p in model.parameters()]
-
-
-@contextlib.contextmanager
-def _gloo_torchrun_environment():
-    """torchrun's variables for this replica with a real ``MASTER_ADDR``/``MASTER_PORT``: the library meets on gloo."""
-    from daskdist import context
-    from daskdist.plugins.torch import environment
-
-    ctx = dd.get_replica_context()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    port = int(ctx.broadcast(np.array([port]), root=0)[0])  # rank 0's free port
-    members = context.current_runtime().membership
-    variables = environment.torchrun_environment(ctx.replica_id_in_sync_group, members.hosts, members.addresses)
-    environment.export({**variables, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    try:
-        yield
-    finally:
-        gc.collect()  # the DDP model goes before its gloo group (~ProcessGroupGloo joins threads holding the GIL)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        environment.restore()
 
 
 def _hf_trainer(output_dir: str):
@@ -123,7 +98,7 @@ def _both_backends(library: str, output_dir: str):
     on_daskdist = train()
     dd.plugins.torch.destroy_process_group()
     assert "WORLD_SIZE" not in os.environ  # put back as it was
-    with _gloo_torchrun_environment():
+    with gloo_torchrun_environment():
         on_gloo = train()
     return on_daskdist, on_gloo
 
