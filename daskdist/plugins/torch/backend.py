@@ -32,7 +32,7 @@ from daskdist.plugins.torch.comm import ReplicaComm, comm_thread_wanted
 from daskdist.plugins.torch.process_group import BACKEND_NAME, ProcessGroupDaskdist
 from daskdist.plugins.torch.store import DaskdistStore
 
-__all__ = ["destroy_process_group", "init_process_group", "is_current", "register_backend"]
+__all__ = ["attach", "destroy_process_group", "init_process_group", "is_current", "register_backend"]
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +141,20 @@ def init_process_group(timeout: datetime.timedelta | float | None = None) -> Non
     logger.info("torch.distributed initialised on daskdist: rank %d of %d (%s, generation %d, %s)", runtime.rank,
                 runtime.size, runtime.group_id, runtime.generation,
                 "communication thread" if comm.threaded else "inline")
+
+
+def attach(runtime: Any) -> None:
+    """Let torch's own ``init_process_group("daskdist", ...)`` make the group of ``runtime``'s generation.
+
+    For scripts that initialise ``torch.distributed`` themselves (``python -m
+    daskdist.torchrun``): the backend is registered and its communicator made,
+    so torch's creator finds them; torch's rendezvous store (``env://``) is the
+    group's store. The replica's close destroys what torch made.
+    """
+    register_backend()
+    comm = ReplicaComm(runtime, threaded=comm_thread_wanted(config.get("torch.comm-thread", "auto")))
+    _current.comm, _current.runtime, _current.generation, _current.store = comm, runtime, runtime.generation, None
+    runtime.add_close_callback(lambda: _destroy_if_made_by(runtime))
 
 
 def is_current(runtime: Any = None) -> bool:
