@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -74,3 +76,35 @@ def test_bad_options_are_refused_clearly():
                                 "0.1"])
     assert (args.min_workers, args.max_workers, args.max_restarts) == (2, 4, 1)
     assert args.script == "s.py" and args.script_args == ["--lr", "0.1"] and args.output == [0]
+
+
+def test_a_failure_is_run_again_up_to_max_restarts(process_client, tmp_path, capsys):
+    """torchrun's --max-restarts: rank 1 fails on the first attempt only (TORCHELASTIC_RESTART_COUNT 0)."""
+    out = tmp_path / "params"
+    code = torchrun.main(["--scheduler", _scheduler(process_client), "--max-restarts", "1", SCRIPT, "--out", str(out),
+                          "--fail-rank", "1", "--fail-once"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "ValueError: rank 1 fails on purpose" in err and "restarting (1 of 1)" in err, err
+    for a, b in zip(_parameters(out, 0), _parameters(out, 1)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_ctrl_c_stops_every_rank(process_client, tmp_path):
+    out = tmp_path / "held"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    launcher = subprocess.Popen([sys.executable, "-m", "daskdist.torchrun", "--scheduler", _scheduler(process_client),
+                                 SCRIPT, "--out", str(out), "--hold", "300"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 90
+        while not all(Path(f"{out}.ready.{r}").exists() for r in (0, 1)):
+            assert time.monotonic() < deadline and launcher.poll() is None, launcher.communicate()
+            time.sleep(0.1)
+        launcher.send_signal(signal.SIGINT)
+        stdout, stderr = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 130, stderr
+    assert "interrupted, stopping every rank" in stderr
+    assert all(Path(f"{out}.interrupted.{r}").exists() for r in (0, 1))  # KeyboardInterrupt in each rank's script

@@ -7,11 +7,24 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+
+def hold(args, rank):
+    """Wait (Ctrl-C ends it), then say how it ended."""
+    open(f"{args.out}.ready.{rank}", "w").close()
+    try:
+        deadline = time.monotonic() + args.hold
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        open(f"{args.out}.interrupted.{rank}", "w").close()
+        raise
 
 
 def main():
@@ -20,6 +33,8 @@ def main():
     parser.add_argument("--out", required=True, help="each rank writes its parameters to OUT.RANK")
     parser.add_argument("--fail-rank", type=int, default=-1, help="this rank raises after training")
     parser.add_argument("--exit-code", type=int, default=0)
+    parser.add_argument("--fail-once", action="store_true", help="--fail-rank fails on torchrun's first attempt only")
+    parser.add_argument("--hold", type=float, default=0, help="after init, write OUT.ready.RANK and wait this long")
     args = parser.parse_args()
     if args.backend is None:
         dist.init_process_group()  # env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from torchrun
@@ -27,6 +42,8 @@ def main():
         dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     assert (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) == (rank, world)
+    if args.hold:
+        hold(args, rank)
     torch.set_num_threads(1)
     torch.manual_seed(rank)  # different starting weights: DDP broadcasts rank 0's
     model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)))
@@ -47,7 +64,7 @@ def main():
     print(f"rank {rank} of {world} trained on {carrier}")
     del model, optimizer  # before the group: torch's ~ProcessGroupGloo joins its threads holding the GIL
     dist.destroy_process_group()
-    if rank == args.fail_rank:
+    if rank == args.fail_rank and not (args.fail_once and os.environ["TORCHELASTIC_RESTART_COUNT"] != "0"):
         raise ValueError(f"rank {rank} fails on purpose")
     sys.exit(args.exit_code)
 
