@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import daskdist as dd
-from tests.support.torch_libraries import gloo_torchrun_environment
+from tests.support.torch_libraries import gloo_torchrun_environment, library_settings
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
@@ -25,12 +25,6 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 ROWS, SEQ, STEPS, BATCH = 32, 8, 3, 4
-
-
-def _offline() -> None:
-    os.environ["HF_HUB_OFFLINE"] = "1"  # nothing is downloaded: the model is made from a config
-    os.environ["TRANSFORMERS_VERBOSITY"] = "error"
-    torch.set_num_threads(1)
 
 
 def _tiny_bert():
@@ -92,14 +86,15 @@ def _accelerate_loop():
 
 
 def _both_backends(library: str, output_dir: str):
-    _offline()
     train = (lambda: _hf_trainer(output_dir)) if library == "trainer" else _accelerate_loop
-    dd.plugins.torch.init_process_group()
-    on_daskdist = train()
-    dd.plugins.torch.destroy_process_group()
-    assert "WORLD_SIZE" not in os.environ  # put back as it was
-    with gloo_torchrun_environment():
-        on_gloo = train()
+    # nothing is downloaded (the model is made from a config)
+    with library_settings(HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error"):
+        dd.plugins.torch.init_process_group()
+        on_daskdist = train()
+        dd.plugins.torch.destroy_process_group()
+        assert "WORLD_SIZE" not in os.environ  # put back as it was
+        with gloo_torchrun_environment():
+            on_gloo = train()
     return on_daskdist, on_gloo
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import daskdist as dd
-from tests.support.torch_libraries import gloo_torchrun_environment
+from tests.support.torch_libraries import gloo_torchrun_environment, library_settings
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
@@ -65,14 +65,15 @@ def _both_backends():
 
     from daskdist.plugins.lightning import DaskdistEnvironment
 
-    torch.set_num_threads(1)
-    environment = DaskdistEnvironment()
-    ranks = (environment.global_rank(), environment.local_rank(), environment.node_rank(), environment.world_size())
-    on_daskdist = _fit(DDPStrategy(process_group_backend="daskdist", cluster_environment=environment),
-                       environment.local_world_size(), environment.num_nodes())
-    dd.plugins.torch.destroy_process_group()
-    with gloo_torchrun_environment():
-        on_gloo = _fit(DDPStrategy(process_group_backend="gloo"), 2, 1)
+    with library_settings():
+        environment = DaskdistEnvironment()
+        ranks = (environment.global_rank(), environment.local_rank(), environment.node_rank(),
+                 environment.world_size())
+        on_daskdist = _fit(DDPStrategy(process_group_backend="daskdist", cluster_environment=environment),
+                           environment.local_world_size(), environment.num_nodes())
+        dd.plugins.torch.destroy_process_group()
+        with gloo_torchrun_environment():
+            on_gloo = _fit(DDPStrategy(process_group_backend="gloo"), 2, 1)
     return ranks, on_daskdist, on_gloo
 
 

@@ -38,3 +38,28 @@ def gloo_torchrun_environment():
         if dist.is_initialized():
             dist.destroy_process_group()
         environment.restore()
+
+
+@contextlib.contextmanager
+def library_settings(**variables: str):
+    """One torch thread and ``variables`` in the environment while a library trains; both put back afterwards.
+
+    The shared cluster's workers are left as they were found (later modules use them too).
+    """
+    import os
+
+    import torch
+
+    threads = torch.get_num_threads()
+    saved = {name: os.environ.get(name) for name in variables}
+    torch.set_num_threads(1)
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
