@@ -11,7 +11,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run run-builtin test test-fast test-random test-install check test-ucx bench install clean
+.PHONY: run run-builtin test test-fast test-random test-install check test-ucx bench install clean gpu-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -90,6 +90,11 @@ bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet --no-deps "tf-keras==$$($(BIN)/python -c 'import importlib.metadata as m; v = m.version("tensorflow-cpu").split("."); print(".".join(v[:2]) + ".*")')"
 	$(BIN)/python benchmarks/run_overhead.py
 	$(BIN)/python benchmarks/allreduce.py
+
+# every GPU test and a short NCCL all-reduce benchmark against torch's NCCL, one table, <= 8 minutes from a fresh
+# clone (installs the gpu, torch and keras extras into .venv); without an NVIDIA GPU it says so and exits 0 (docs/gpu.md)
+gpu-check:
+	$(PYTHON) scripts/gpu_check.py --venv $(VENV)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -7,7 +7,10 @@ default group with rank = the replica's id in sync and world size = the
 replicas in sync, meeting through ``DaskdistStore`` (the scheduler: no
 ``MASTER_ADDR``, no port). The group belongs to one membership generation:
 called again after the group re-formed (elastic), it destroys the old one and
-builds the next. It is destroyed when its replica closes (the strategy
+builds the next. While it lives, the process holds the environment torchrun
+would give it (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ...: ``environment``),
+so Hugging Face's ``Trainer``, ``accelerate`` and ``DistributedSampler`` see
+the group; its destruction puts the variables back. It is destroyed when its replica closes (the strategy
 closed, or the worker left the group: a close callback of the replica
 runtime, ``add_close_callback``), or by ``destroy_process_group()``.
 """
@@ -24,11 +27,12 @@ from typing import Any
 import torch.distributed as dist
 
 from daskdist import config, context
+from daskdist.plugins.torch import environment
 from daskdist.plugins.torch.comm import ReplicaComm, comm_thread_wanted
 from daskdist.plugins.torch.process_group import BACKEND_NAME, ProcessGroupDaskdist
 from daskdist.plugins.torch.store import DaskdistStore
 
-__all__ = ["destroy_process_group", "init_process_group", "is_current", "register_backend"]
+__all__ = ["attach", "destroy_process_group", "init_process_group", "is_current", "register_backend"]
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +129,8 @@ def init_process_group(timeout: datetime.timedelta | float | None = None) -> Non
             timeout = datetime.timedelta(seconds=float(timeout))
         dist.init_process_group(BACKEND_NAME, store=store, rank=int(runtime.rank), world_size=int(runtime.size),
                                 timeout=timeout)
+        members = runtime.membership
+        environment.export(environment.torchrun_environment(int(runtime.rank), members.hosts, members.addresses))
         # the replica's close destroys the group it made (a callback per generation: one call each, few)
         runtime.add_close_callback(lambda: _destroy_if_made_by(runtime))
     except BaseException:
@@ -135,6 +141,20 @@ def init_process_group(timeout: datetime.timedelta | float | None = None) -> Non
     logger.info("torch.distributed initialised on daskdist: rank %d of %d (%s, generation %d, %s)", runtime.rank,
                 runtime.size, runtime.group_id, runtime.generation,
                 "communication thread" if comm.threaded else "inline")
+
+
+def attach(runtime: Any) -> None:
+    """Let torch's own ``init_process_group("daskdist", ...)`` make the group of ``runtime``'s generation.
+
+    For scripts that initialise ``torch.distributed`` themselves (``python -m
+    daskdist.torchrun``): the backend is registered and its communicator made,
+    so torch's creator finds them; torch's rendezvous store (``env://``) is the
+    group's store. The replica's close destroys what torch made.
+    """
+    register_backend()
+    comm = ReplicaComm(runtime, threaded=comm_thread_wanted(config.get("torch.comm-thread", "auto")))
+    _current.comm, _current.runtime, _current.generation, _current.store = comm, runtime, runtime.generation, None
+    runtime.add_close_callback(lambda: _destroy_if_made_by(runtime))
 
 
 def is_current(runtime: Any = None) -> bool:
@@ -164,5 +184,6 @@ def destroy_process_group() -> None:
             dist.destroy_process_group()
     finally:
         comm.close()
+        environment.restore()
         _current.comm = _current.runtime = _current.store = None
         _current.generation = -1
