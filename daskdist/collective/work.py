@@ -1,36 +1,47 @@
 """``Work``: the handle of a collective started with ``async_op=True`` (as ``torch.distributed.Work``).
 
-A ``Work`` wraps the ``concurrent.futures.Future`` the group's FIFO thread
-completes. ``wait`` returns the collective's result (or raises its error),
-``exception`` gives the error of a failed collective without raising it,
-``get_future`` hands the future itself to code that chains callbacks (a
-torch backend wraps it into a ``torch.futures.Future``).
+A ``Work`` wraps a ``concurrent.futures.Future`` that the group completes
+(its FIFO thread, or the caller for a collective that ran inline). ``wait``
+returns the collective's result (or raises its error), ``exception`` gives
+the error of a failed collective without raising it, ``get_future`` hands
+the future itself to code that chains callbacks, ``then`` makes the work of
+what a function makes of the result (a torch backend copies results back
+into its tensors so), and ``abort`` fails it on every member of the group
+(the group's ``abort``). ``Work.completed`` and ``Work.failed`` make works
+that are over already (a collective that ran inline); ``DONE`` is the one
+completed work of every synchronous call whose result nobody reads.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Work"]
+__all__ = ["DONE", "Work"]
 
 
 class Work:
-    """A collective in flight on a ``ProcessGroup``.
+    """A collective in flight on a ``ProcessGroup`` (or over already).
 
     Parameters
     ----------
     future
         Completed by the group with the collective's result or exception.
     kind
-        The collective (``"all_reduce"``, ``"send"``, ...), named in ``repr``.
+        The collective (``"all_reduce"``, ``"send"``, ...), named in ``repr`` and errors.
+    abort
+        Called with an exception by ``abort``: aborts the group's collectives
+        in flight and queued on every member (``None``: the work cannot be aborted).
     """
 
-    __slots__ = ("_future", "kind")
+    __slots__ = ("_abort", "_future", "kind")
 
-    def __init__(self, future: concurrent.futures.Future[Any], kind: str):
+    def __init__(self, future: concurrent.futures.Future[Any], kind: str,
+                 abort: Callable[[BaseException], None] | None = None):
         self._future = future
         self.kind = kind
+        self._abort = abort
 
     @classmethod
     def completed(cls, result: Any, kind: str) -> Work:
@@ -39,6 +50,33 @@ class Work:
         future.set_result(result)
         return cls(future, kind)
 
+    @classmethod
+    def failed(cls, error: BaseException, kind: str) -> Work:
+        """A ``Work`` that already failed with ``error``."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        future.set_exception(error)
+        return cls(future, kind)
+
+    def then(self, fn: Callable[[Any], Any]) -> Work:
+        """The work of ``fn(result)``: done when this one is and ``fn`` ran (in the thread that completed it).
+
+        It fails with this work's error, or with what ``fn`` raised.
+        """
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def chain(done: concurrent.futures.Future[Any]) -> None:
+            try:
+                error = done.exception()
+                if error is None:
+                    future.set_result(fn(done.result()))
+                    return
+            except BaseException as e:  # noqa: BLE001 - the waiter raises it
+                error = e
+            future.set_exception(error)
+
+        self._future.add_done_callback(chain)
+        return Work(future, self.kind, self._abort)
+
     def wait(self, timeout: float | None = None) -> Any:
         """Block until the collective finished (at most ``timeout`` seconds); return its result.
 
@@ -46,7 +84,7 @@ class Work:
         ------
         TimeoutError
             ``timeout`` passed first; the collective goes on (its own
-            deadline, ``CommunicationOptions.timeout_seconds``, still holds).
+            deadline, the group's timeout, still holds).
         Exception
             The collective's own error (``CollectiveMismatchError``,
             ``ReplicaLostError``, ...), on every replica.
@@ -78,6 +116,19 @@ class Work:
         """The future the group completes (add callbacks to it; do not set it)."""
         return self._future
 
+    def abort(self, error: BaseException | None = None) -> None:
+        """Abort this collective and the group's others in flight or queued, on every member: they raise.
+
+        Nothing happens to a work that is over already.
+        """
+        if self._future.done() or self._abort is None:
+            return
+        self._abort(error or RuntimeError(f"{self.kind} was aborted"))
+
     def __repr__(self) -> str:
         state = "running" if not self._future.done() else ("failed" if self._future.exception() else "done")
         return f"<Work {self.kind} {state}>"
+
+
+#: The completed work of every synchronous call whose result nobody reads (no work made per call).
+DONE = Work.completed(None, "done")
