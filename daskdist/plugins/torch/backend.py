@@ -100,7 +100,8 @@ def _create(options: Any, backend_options: Any) -> ProcessGroupDaskdist:
     else:  # torch's new_group passes its own default timeout unless given one: the root's holds then
         given = options.timeout if options.timeout != dist.constants.default_pg_timeout else None
         group = root.member_group(ranks, str(options.group_id), timeout=_seconds(given))
-    return ProcessGroupDaskdist(group, _current.threaded, options.store)
+    threaded = _current.threaded if not ranks else comm_thread_wanted(config.get("torch.comm-thread", "auto"))
+    return ProcessGroupDaskdist(group, threaded, options.store)
 
 
 def init_process_group(timeout: datetime.timedelta | float | None = None) -> Any:

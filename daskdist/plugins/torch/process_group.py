@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from daskdist.collective.work import DONE, Work
-from daskdist.ops import CommunicationOptions, ReduceOp
+from daskdist.ops import ReduceOp
 
 __all__ = ["BACKEND_NAME", "NCCL_FORWARDED", "SUPPORTED", "DaskdistWork", "ProcessGroupDaskdist",  # noqa: RUF022
            "torch_future_of"]
@@ -53,7 +53,7 @@ BACKEND_NAME = "daskdist"
 SUPPORTED = ("all_reduce (SUM, AVG, MIN, MAX, PRODUCT, BAND, BOR, BXOR)", "all_reduce_coalesced", "broadcast",
              "all_gather", "all_gather_into_tensor", "all_gather_coalesced", "reduce_scatter",
              "reduce_scatter_tensor", "reduce", "gather", "scatter", "all_to_all", "all_to_all_single", "barrier",
-             "monitored_barrier", "send", "recv", "new_group")
+             "send", "recv", "new_group")
 
 #: torch reduce op -> daskdist's (the bitwise ops reduce a gathered stack with the numpy ufunc)
 _OPS: dict[Any, ReduceOp | np.ufunc] = {
@@ -573,12 +573,6 @@ class ProcessGroupDaskdist(dist.ProcessGroup):  # type: ignore[misc]
 
     def barrier(self, opts: Any = None) -> Any:
         return self._run("barrier", lambda g, a: g.barrier(async_op=a), lambda _: [], opts)
-
-    def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
-        """A barrier under ``timeout``: every member raises, naming the members that did not reach it."""
-        seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
-        options = CommunicationOptions(timeout_seconds=float(seconds)) if seconds else None
-        self._check_open().barrier(options)
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
         views = [np.ascontiguousarray(_view(t)) for t in tensors]
