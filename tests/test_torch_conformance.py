@@ -475,7 +475,7 @@ def test_object_collectives_p2p_batch_p2p_and_async_work(strategy):
 
 
 def _subgroup_checks():
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     names = {"gloo": "gloo/sub", "daskdist": "daskdist/sub"}
 
     def subgroup(group, backend):
@@ -620,7 +620,7 @@ def _ddp_checks():
 
 def test_ddp_variants_and_zero_train_as_on_gloo(strategy):
     results = _assert_agree(strategy, _ddp_checks, at_least=len(DDP_VARIANTS))
-    for name, gloo, ours, _ in results[0]:  # and the replicas end equal
+    for name, _, ours, _ in results[0]:  # and the replicas end equal
         for rank_rows in results[1:]:
             other = next(row for row in rank_rows if row[0] == name)
             assert other[2] == ours, name  # bit for bit
@@ -653,7 +653,7 @@ def test_a_skipped_collective_raises_on_every_member_within_the_timeout(strategy
     for backend in BACKENDS:
         results = _run(strategy, _skipped, backend, 2.0)
         assert [r[0] for r in results] == ["raised"] * world, (backend, results)
-        for outcome, seconds, message in results[:-1]:
+        for _, seconds, message in results[:-1]:
             assert 1.5 < seconds < 6, (backend, seconds, message)
         if backend == "daskdist":
             for _, _, message in results[:-1]:

@@ -184,8 +184,8 @@ class Communicator:
         if seconds is not None and not seconds > 0:
             raise ValueError(f"a collective's timeout must be a positive number of seconds; got {seconds!r}")
         self.timeout_override = None if seconds is None else float(seconds)
-        self.default_timeout = self.timeout_override if seconds is not None else config.get_seconds(
-            "collective.timeout")
+        self.default_timeout = (self.timeout_override if self.timeout_override is not None
+                                else config.get_seconds("collective.timeout"))
 
     def begin_epoch(self, epoch: int) -> None:
         """Move to ``epoch`` (how many of the group's commands had failed): numbering restarts, stale messages go.

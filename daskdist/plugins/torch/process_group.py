@@ -403,12 +403,13 @@ class ProcessGroupDaskdist(dist.ProcessGroup):  # type: ignore[misc]
                     return _DONE
         op = _reduce_op(opts.reduceOp if opts is not None else _SUM)
         views = [_view(t) for t in tensors]
-        if type(op) is not ReduceOp:  # a bitwise op: reduce the gathered stack here
+        if not isinstance(op, ReduceOp):  # a bitwise op: reduce the gathered stack here
+            ufunc = op
             stacked = [v[None] for v in views]
 
             def finish_bitwise(gathered: Any) -> list[torch.Tensor]:
                 for v, g in zip(views, gathered):
-                    np.copyto(v, op.reduce(g, axis=0), casting="no")
+                    np.copyto(v, ufunc.reduce(g, axis=0), casting="no")
                 return tensors
 
             return self._run("all_reduce", lambda g, a: g.all_gather(stacked, 0, async_op=a), finish_bitwise, opts)
