@@ -35,20 +35,22 @@ class Work:
         in flight and queued on every member (``None``: the work cannot be aborted).
     """
 
-    __slots__ = ("_abort", "_future", "kind")
+    __slots__ = ("_abort", "_future", "_value", "kind")
 
-    def __init__(self, future: concurrent.futures.Future[Any], kind: str,
+    def __init__(self, future: concurrent.futures.Future[Any] | None, kind: str,
                  abort: Callable[[BaseException], None] | None = None):
-        self._future = future
+        self._future = future  # None: completed with ``_value`` (its future is made when asked for)
+        self._value: Any = None
         self.kind = kind
         self._abort = abort
 
     @classmethod
     def completed(cls, result: Any, kind: str) -> Work:
-        """A ``Work`` that is already done with ``result``."""
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        future.set_result(result)
-        return cls(future, kind)
+        """A ``Work`` that is already done with ``result`` (no future made unless asked for: a collective
+        that ran inline costs no lock and no condition)."""
+        work = cls(None, kind)
+        work._value = result
+        return work
 
     @classmethod
     def failed(cls, error: BaseException, kind: str) -> Work:
@@ -62,6 +64,11 @@ class Work:
 
         It fails with this work's error, or with what ``fn`` raised.
         """
+        if self._future is None:
+            try:
+                return Work.completed(fn(self._value), self.kind)
+            except BaseException as e:  # noqa: BLE001 - the waiter raises it
+                return Work.failed(e, self.kind)
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
         def chain(done: concurrent.futures.Future[Any]) -> None:
@@ -89,6 +96,8 @@ class Work:
             The collective's own error (``CollectiveMismatchError``,
             ``ReplicaLostError``, ...), on every replica.
         """
+        if self._future is None:
+            return self._value
         try:
             return self._future.result(timeout)
         except concurrent.futures.TimeoutError:
@@ -96,24 +105,29 @@ class Work:
 
     def result(self) -> Any:
         """The collective's result, once finished (waits for it)."""
-        return self._future.result()
+        return self._value if self._future is None else self._future.result()
 
     def is_completed(self) -> bool:
         """Whether the collective finished (successfully or not)."""
-        return self._future.done()
+        return self._future is None or self._future.done()
 
     def is_success(self) -> bool:
         """Whether the collective finished without an error."""
-        return self._future.done() and not self._future.cancelled() and self._future.exception() is None
+        future = self._future
+        return future is None or (future.done() and not future.cancelled() and future.exception() is None)
 
     def exception(self) -> BaseException | None:
         """The error of a finished, failed collective; ``None`` if it succeeded or is still running."""
-        if not self._future.done():
+        if self._future is None or not self._future.done():
             return None
         return self._future.exception()
 
     def get_future(self) -> concurrent.futures.Future[Any]:
         """The future the group completes (add callbacks to it; do not set it)."""
+        if self._future is None:
+            future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            future.set_result(self._value)
+            self._future = future
         return self._future
 
     def abort(self, error: BaseException | None = None) -> None:
@@ -121,12 +135,12 @@ class Work:
 
         Nothing happens to a work that is over already.
         """
-        if self._future.done() or self._abort is None:
+        if self.is_completed() or self._abort is None:
             return
         self._abort(error or RuntimeError(f"{self.kind} was aborted"))
 
     def __repr__(self) -> str:
-        state = "running" if not self._future.done() else ("failed" if self._future.exception() else "done")
+        state = "running" if not self.is_completed() else ("failed" if self.exception() else "done")
         return f"<Work {self.kind} {state}>"
 
 
