@@ -532,3 +532,15 @@ def test_abort_of_an_async_work_fails_it_and_the_queued_ones_on_every_member():
 
     out = _run(fake, groups, fn)
     assert out[0] == ["CollectiveAbortedError"] * 3 and out[1] == "raised", out
+
+
+def test_a_fence_waits_for_what_is_chained_on_async_work():
+    """``shutdown`` of a torch group drains: the copy back into the tensors (a ``Work.then``) is over too."""
+    fake, groups = _groups(2)
+
+    def fn(g: ProcessGroup):
+        work = g.all_reduce("SUM", np.ones(2), async_op=True).then(lambda v: (time.sleep(0.3), v.tolist())[1])
+        g.fence()
+        return work.is_completed(), work.wait(timeout=5)
+
+    assert _run(fake, groups, fn) == [(True, [2.0, 2.0])] * 2

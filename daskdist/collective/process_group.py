@@ -96,6 +96,9 @@ class _Shared:
         self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self.submit_lock = threading.Lock()  # keeps ``last`` the newest job of the queue
         self.last: concurrent.futures.Future[Any] | None = None  # the newest async job (all before it are older)
+        self.issued = 0  # async jobs submitted, and finished with their future's callbacks run (``drain``)
+        self.done = 0
+        self.settled = threading.Condition(threading.Lock())
         self.thread: threading.Thread | None = None
         self.groups: dict[int, ProcessGroup] = {}  # code -> group (the root is 0)
         self.settings = config.current_snapshot()
@@ -133,15 +136,21 @@ class _Shared:
                 self.thread = threading.Thread(target=self._run, name=f"daskdist-pg-{self.name}", daemon=True)
                 self.thread.start()
             self.last = future
+            self.issued += 1
             self.jobs.put((future, fn, args, settings))
         return Work(future, kind, abort)
 
     def drain(self) -> None:
-        """Wait until every async job issued so far has finished (never raises)."""
+        """Wait until every async job issued so far has finished, its future's callbacks included (a
+        ``Work.then`` chained on it is complete too); never raises."""
         last = self.last
         if last is None:
             return
+        issued = self.issued
         concurrent.futures.wait([last])
+        with self.settled:
+            while self.done < issued and not (self.closed and (self.thread is None or not self.thread.is_alive())):
+                self.settled.wait(0.1)
         with self.submit_lock:
             if self.last is last:
                 self.last = None
@@ -153,15 +162,17 @@ class _Shared:
             if job is None:
                 return
             future, fn, args, settings = job
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                with config.use_snapshot(settings), self.lock:
-                    result = fn(*args)
-            except BaseException as e:
-                future.set_exception(e)
-            else:
-                future.set_result(result)
+            if future.set_running_or_notify_cancel():
+                try:
+                    with config.use_snapshot(settings), self.lock:
+                        result = fn(*args)
+                except BaseException as e:
+                    future.set_exception(e)  # runs the future's callbacks here
+                else:
+                    future.set_result(result)
+            with self.settled:
+                self.done += 1
+                self.settled.notify_all()
             del job, future, args
 
     def close(self) -> None:
