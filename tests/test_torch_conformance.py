@@ -524,7 +524,7 @@ def _store_checks():
     if tcp is None:
         tcp = dist.TCPStore("127.0.0.1", ports[0], world, is_master=False)
     # the group's own store (torch's PrefixStore over a Python store lacks delete_key: torch's trampoline)
-    stores = {"gloo": tcp, "daskdist": dd.plugins.torch.backend._current.store}
+    stores = {"gloo": tcp, "daskdist": dd.plugins.torch.backend.daskdist_store()}
 
     def store_ops(_, backend):
         store = stores[backend]

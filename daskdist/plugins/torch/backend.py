@@ -32,7 +32,8 @@ from daskdist import config, context
 from daskdist.plugins.torch.process_group import BACKEND_NAME, ProcessGroupDaskdist
 from daskdist.plugins.torch.store import DaskdistStore
 
-__all__ = ["comm_thread_wanted", "destroy_process_group", "init_process_group", "is_current", "register_backend"]
+__all__ = ["comm_thread_wanted", "daskdist_store", "destroy_process_group", "init_process_group", "is_current",
+           "register_backend"]
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +194,12 @@ def is_current(runtime: Any = None) -> bool:
     runtime = context.current_runtime() if runtime is None else runtime
     return (runtime is not None and _current.group is not None and _current.runtime is runtime
             and _current.generation == runtime.generation and dist.is_initialized())
+
+
+def daskdist_store() -> DaskdistStore | None:
+    """The default group's ``DaskdistStore`` itself (torch's default store is a ``PrefixStore`` over it, which
+    cannot ``delete_key`` or ``num_keys``: torch's trampoline for stores written in Python lacks them)."""
+    return _current.store if _current.group is not None else None
 
 
 def _destroy_if_made_by(runtime: Any) -> None:

@@ -224,16 +224,18 @@ def _on_cuda(tensors: Any) -> bool:
 def _forwarding_cuda(cls: type) -> type:
     """Wrap each method of ``NCCL_FORWARDED``: CUDA tensors go to the group's NCCL process group."""
     for name, at in NCCL_FORWARDED.items():
-        cpu = getattr(cls, name)
-
-        def method(self: Any, *args: Any, _cpu: Callable[..., Any] = cpu, _name: str = name, _at: int = at) -> Any:
-            if len(args) > _at and _on_cuda(args[_at]):
-                return getattr(self._nccl(), _name)(*args)
-            return _cpu(self, *args)
-
-        functools.update_wrapper(method, cpu)
-        setattr(cls, name, method)
+        setattr(cls, name, _forwarding(getattr(cls, name), name, at))
     return cls
+
+
+def _forwarding(cpu: Callable[..., Any], name: str, at: int) -> Callable[..., Any]:
+    @functools.wraps(cpu)
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if len(args) > at and _on_cuda(args[at]):
+            return getattr(self._nccl(), name)(*args, **kwargs)
+        return cpu(self, *args, **kwargs)
+
+    return method
 
 
 @_forwarding_cuda
