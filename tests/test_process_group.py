@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import daskdist as dd
+from daskdist import config
 from daskdist.collective.communicator import Communicator
 from daskdist.collective.mailbox import Abort, Mailbox
 from daskdist.collective.process_group import ProcessGroup, build_process_group
@@ -447,3 +448,99 @@ def test_a_replica_that_finishes_without_joining_fails_the_run_at_once(process_c
         ok = strategy.experimental_local_results(strategy.run(lambda: dd.get_replica_context().all_reduce(
             "SUM", np.ones(2))))
         assert [v.tolist() for v in ok] == [[2.0, 2.0]] * 2
+
+
+# -- c10d's contract: the group's timeout, member-made subgroups, sequence numbers, Work ----------------
+
+
+def test_the_groups_timeout_is_the_deadline_of_its_collectives_and_outlives_commands():
+    fake, groups = _groups(2)
+    for g in groups:
+        g.set_timeout(0.5)
+        g.start_command(7, g.epoch)  # a new client command does not reset it
+    assert [g.timeout for g in groups] == [0.5, 0.5]
+
+    def fn(g: ProcessGroup):
+        if g.rank == 1:
+            time.sleep(2.0)  # skips the all-reduce
+            return "skipped"
+        start = time.monotonic()
+        with pytest.raises(CollectiveTimeoutError, match="all_reduce"):
+            g.all_reduce("SUM", np.ones(1))
+        return time.monotonic() - start
+
+    waited, skipped = _run(fake, groups, fn)
+    assert skipped == "skipped" and 0.4 < waited < 1.9, waited
+    for g in groups:
+        g.set_timeout(None)
+    assert groups[0].timeout == config.get_seconds("collective.timeout")
+
+
+def test_member_group_is_made_by_its_members_only_with_its_own_timeout_and_numbering():
+    fake, groups = _groups(3)
+
+    def fn(g: ProcessGroup):
+        if g.rank == 1:
+            return None  # not a member: takes no part
+        sub = g.member_group([0, 2], "pair", timeout=5.0)
+        before = sub.sequence_number
+        total = sub.all_reduce("SUM", np.full(2, g.rank))
+        again = g.member_group([0, 2], "pair")  # made under this key before: the same group
+        return total.tolist(), sub.sequence_number - before, sub.timeout, again is sub, sub.rank, sub.size
+
+    out = _run(fake, groups, fn)
+    assert out[1] is None
+    assert out[0] == ([2, 2], 1, 5.0, True, 0, 2) and out[2] == ([2, 2], 1, 5.0, True, 1, 2)
+
+
+def test_work_then_failed_completed_and_abort():
+    done = Work.completed(3, "all_reduce")
+    assert done.is_completed() and done.is_success() and done.wait() == 3 and done.get_future().result() == 3
+    assert done.then(lambda v: v + 1).wait() == 4
+    broken = done.then(lambda v: 1 / 0)
+    assert isinstance(broken.exception(), ZeroDivisionError) and not broken.is_success()
+    failed = Work.failed(ValueError("bad"), "broadcast")
+    with pytest.raises(ValueError, match="bad"):
+        failed.then(lambda v: v).wait()
+
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    aborted = []
+    pending = Work(future, "barrier", abort=aborted.append)
+    chained = pending.then(lambda v: v * 2)
+    assert not chained.is_completed()
+    chained.abort(RuntimeError("stop"))
+    assert [str(e) for e in aborted] == ["stop"]
+    future.set_result(21)
+    assert chained.wait(timeout=5) == 42
+    chained.abort()  # over already: nothing
+    assert len(aborted) == 1
+
+
+def test_abort_of_an_async_work_fails_it_and_the_queued_ones_on_every_member():
+    fake, groups = _groups(2)
+
+    def fn(g: ProcessGroup):
+        if g.rank == 0:
+            works = [g.all_reduce("SUM", np.ones(2), async_op=True) for _ in range(3)]
+            time.sleep(0.3)  # rank 1 never joins: the first is in flight, the others queued
+            works[0].abort(RuntimeError("given up"))
+            return [type(w.get_future().exception(timeout=30)).__name__ for w in works]
+        with pytest.raises(CollectiveAbortedError, match="given up"):
+            time.sleep(0.6)
+            g.all_reduce("SUM", np.ones(2), dd.CommunicationOptions(timeout_seconds=30))
+        return "raised"
+
+    out = _run(fake, groups, fn)
+    assert out[0] == ["CollectiveAbortedError"] * 3 and out[1] == "raised", out
+
+
+def test_a_fence_waits_for_what_is_chained_on_async_work():
+    """``shutdown`` of a torch group drains: the copy back into the tensors (a ``Work.then``) is over too."""
+    fake, groups = _groups(2)
+
+    def fn(g: ProcessGroup):
+        work = g.all_reduce("SUM", np.ones(2), async_op=True).then(lambda v: (time.sleep(0.3), v.tolist())[1])
+        g.fence()
+        return work.is_completed(), work.wait(timeout=5)
+
+    assert _run(fake, groups, fn) == [(True, [2.0, 2.0])] * 2

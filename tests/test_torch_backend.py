@@ -275,16 +275,26 @@ def test_sync_batch_norm_on_cpu_is_refused_by_torch_itself(process_client):
 
 
 def _init_twice():
-    dd.plugins.torch.init_process_group()
-    dd.plugins.torch.init_process_group()
+    first = dd.plugins.torch.init_process_group(timeout=60)
+    again = dd.plugins.torch.init_process_group()  # a notebook re-runs the cell: the same group
+    same_timeout = dd.plugins.torch.init_process_group(timeout=60)
+    try:
+        dd.plugins.torch.init_process_group(timeout=5)
+    except ValueError as e:
+        changed = str(e)
+    else:
+        changed = "accepted"
+    return first is again is same_timeout is dist.group.WORLD, changed
 
 
-def test_init_twice_or_outside_a_replica_raises(process_client):
+def test_init_again_returns_the_group_and_outside_a_replica_raises(process_client):
     with pytest.raises(RuntimeError, match="inside a function run on the replicas"):
         dd.plugins.torch.init_process_group()
     with dd.MirroredStrategy(client=process_client) as strategy:
-        with pytest.raises(RuntimeError, match="already called in this replica"):
-            strategy.run(_init_twice)
+        results = strategy.experimental_local_results(strategy.run(_init_twice))
+    for same, changed in results:
+        assert same is True
+        assert "timeout=5 s" in changed and "timeout=60.0 s" in changed, changed
 
 
 def _initialised():

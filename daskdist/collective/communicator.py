@@ -136,6 +136,7 @@ class Communicator:
         self.run_id = 0  # the client command in progress (named in errors and probes; not in tags)
         self.seq = 0
         self.default_timeout = config.get_seconds("collective.timeout")
+        self.timeout_override: float | None = None  # the group's own deadline (``set_timeout``), kept over commands
         self.current_kind: str | None = None
         self.small_message_bytes = int(config.get("collective.small-message-bytes"))
         self.on_stall = on_stall
@@ -175,7 +176,16 @@ class Communicator:
     def begin_command(self, run_id: int) -> None:
         """A client command starts: name it in errors and probes, and re-read the default timeout (no renumbering)."""
         self.run_id = run_id
-        self.default_timeout = config.get_seconds("collective.timeout")  # read once per command, not per collective
+        if self.timeout_override is None:  # read once per command, not per collective
+            self.default_timeout = config.get_seconds("collective.timeout")
+
+    def set_timeout(self, seconds: float | None) -> None:
+        """The deadline of every collective from now on, kept over commands (``None``: ``collective.timeout``)."""
+        if seconds is not None and not seconds > 0:
+            raise ValueError(f"a collective's timeout must be a positive number of seconds; got {seconds!r}")
+        self.timeout_override = None if seconds is None else float(seconds)
+        self.default_timeout = (self.timeout_override if self.timeout_override is not None
+                                else config.get_seconds("collective.timeout"))
 
     def begin_epoch(self, epoch: int) -> None:
         """Move to ``epoch`` (how many of the group's commands had failed): numbering restarts, stale messages go.

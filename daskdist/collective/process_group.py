@@ -36,9 +36,18 @@ Aborts
     new epoch, and the group works again; a group lost with its generation
     (a replica lost) stays failed.
 
+Timeout
+    Every collective of a group has a deadline: the group's ``timeout``
+    (``set_timeout``; default ``daskdist.collective.timeout``, read at each
+    client command), unless its ``CommunicationOptions`` give one. A member
+    that skips a collective makes it time out on the others, whose error
+    names the member and the collective, and the abort reaches every member.
+
 Subgroups
     ``new_group(ranks)`` is called by every member, with the same ranks; it
-    returns a group for members and ``None`` for the others. A subgroup has
+    returns a group for members and ``None`` for the others.
+    ``member_group(ranks, key)`` is called by the members only, under a key
+    they share (a torch group name). A subgroup has
     its own numbering and tag space over the root's transport (no
     shared-memory lane, single-copy or NCCL engine: the generic engines).
 """
@@ -50,6 +59,7 @@ import logging
 import queue
 import threading
 import time
+import zlib
 from _thread import get_ident
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -86,6 +96,9 @@ class _Shared:
         self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self.submit_lock = threading.Lock()  # keeps ``last`` the newest job of the queue
         self.last: concurrent.futures.Future[Any] | None = None  # the newest async job (all before it are older)
+        self.issued = 0  # async jobs submitted, and finished with their future's callbacks run (``drain``)
+        self.done = 0
+        self.settled = threading.Condition(threading.Lock())
         self.thread: threading.Thread | None = None
         self.groups: dict[int, ProcessGroup] = {}  # code -> group (the root is 0)
         self.settings = config.current_snapshot()
@@ -112,7 +125,8 @@ class _Shared:
         with self.lock:
             return fn(*args)
 
-    def submit(self, kind: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> Work:
+    def submit(self, kind: str, fn: Callable[..., Any], args: tuple[Any, ...],
+               abort: Callable[[BaseException], None] | None = None) -> Work:
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         settings = config.current_snapshot() or self.settings
         with self.submit_lock:
@@ -122,15 +136,21 @@ class _Shared:
                 self.thread = threading.Thread(target=self._run, name=f"daskdist-pg-{self.name}", daemon=True)
                 self.thread.start()
             self.last = future
+            self.issued += 1
             self.jobs.put((future, fn, args, settings))
-        return Work(future, kind)
+        return Work(future, kind, abort)
 
     def drain(self) -> None:
-        """Wait until every async job issued so far has finished (never raises)."""
+        """Wait until every async job issued so far has finished, its future's callbacks included (a
+        ``Work.then`` chained on it is complete too); never raises."""
         last = self.last
         if last is None:
             return
+        issued = self.issued
         concurrent.futures.wait([last])
+        with self.settled:
+            while self.done < issued and not (self.closed and (self.thread is None or not self.thread.is_alive())):
+                self.settled.wait(0.1)
         with self.submit_lock:
             if self.last is last:
                 self.last = None
@@ -142,15 +162,17 @@ class _Shared:
             if job is None:
                 return
             future, fn, args, settings = job
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                with config.use_snapshot(settings), self.lock:
-                    result = fn(*args)
-            except BaseException as e:
-                future.set_exception(e)
-            else:
-                future.set_result(result)
+            if future.set_running_or_notify_cancel():
+                try:
+                    with config.use_snapshot(settings), self.lock:
+                        result = fn(*args)
+                except BaseException as e:
+                    future.set_exception(e)  # runs the future's callbacks here
+                else:
+                    future.set_result(result)
+            with self.settled:
+                self.done += 1
+                self.settled.notify_all()
             del job, future, args
 
     def close(self) -> None:
@@ -220,6 +242,35 @@ class ProcessGroup:
         """The current epoch: how many of the client's commands had failed when the current one started."""
         return self._comm.epoch
 
+    @property
+    def closed(self) -> bool:
+        """Whether the group's generation closed (its replica closed, or the group moved to a newer generation)."""
+        return self._shared.closed
+
+    def check_open(self) -> None:
+        """Raise ``RuntimeError`` if the group's generation closed (``closed``)."""
+        if self._shared.closed:
+            raise RuntimeError(f"process group {self.name} (generation {self.generation}) is closed: its replica "
+                               "closed or the group moved to a newer membership generation")
+
+    @property
+    def timeout(self) -> float:
+        """The deadline of each collective of this group, in seconds (see ``set_timeout``)."""
+        return float(self._comm.default_timeout)
+
+    def set_timeout(self, seconds: float | None) -> None:
+        """Make ``seconds`` this group's deadline for every collective (``None``: ``daskdist.collective.timeout``).
+
+        It holds until changed (client commands do not reset it) for this
+        group only: the root group's timeout is not its subgroups'.
+        """
+        self._comm.set_timeout(seconds)
+
+    @property
+    def sequence_number(self) -> int:
+        """The number of this group's collectives begun in the current epoch (the number of the last one)."""
+        return int(self._comm.seq)
+
     # -- collectives -------------------------------------------------------------
 
     def all_reduce(self, op: ReduceOp | str, value: Any, options: CommunicationOptions | None = None, *,
@@ -232,9 +283,11 @@ class ProcessGroup:
         hold new arrays (small values, leaves fused into packs), so a caller
         that needs its arrays updated copies those back.
         """
-        if async_op:
-            return self._shared.submit("all_reduce", self._comm.all_reduce, (op, value, options, in_place))
         shared = self._shared
+        if async_op:
+            return shared.submit("all_reduce", self._comm.all_reduce, (op, value, options, in_place), self.abort)
+        if shared.closed:
+            self.check_open()
         if shared.last is not None:
             shared.drain()
         return shared.call(self._comm.all_reduce, (op, value, options, in_place))
@@ -283,12 +336,14 @@ class ProcessGroup:
 
     # -- groups and lifecycle ------------------------------------------------------------
 
-    def new_group(self, ranks: Sequence[int], name: str | None = None) -> ProcessGroup | None:
+    def new_group(self, ranks: Sequence[int], name: str | None = None, *,
+                  timeout: float | None = None) -> ProcessGroup | None:
         """A subgroup of the members ``ranks`` (ranks of this group); ``None`` on the other members.
 
         Every member of this group must call it, with the same ranks (a
         collective of this group: members that disagree all raise
-        ``CollectiveMismatchError``).
+        ``CollectiveMismatchError``). ``timeout``: the subgroup's deadline
+        (``set_timeout``); default: this group's.
         """
         wanted = sorted({int(r) for r in ranks})
         if not wanted or any(not 0 <= r < self.size for r in wanted) or len(wanted) != len(list(ranks)):
@@ -303,7 +358,38 @@ class ProcessGroup:
                     f"but member {rank} asked for {proposal[2]} (subgroup #{proposal[1]})")
         if self.rank not in wanted:
             return None
-        path = self._path + (index,)
+        return self._subgroup(wanted, self._path + (index,), name or f"{self.name}/{index}", timeout)
+
+    def member_group(self, ranks: Sequence[int], key: str, name: str | None = None, *,
+                     timeout: float | None = None) -> ProcessGroup:
+        """A subgroup of the members ``ranks`` (ranks of this group), made by those members only.
+
+        Every member calls it with the same ranks and the same ``key``, which
+        names the subgroup in this generation (torch's group name); members
+        that disagree on the ranks raise ``CollectiveMismatchError``. The
+        other members of this group take no part (as torch's ``new_group``
+        of a backend made per member).
+        """
+        wanted = sorted({int(r) for r in ranks})
+        if self.rank not in wanted or any(not 0 <= r < self.size for r in wanted) or len(wanted) != len(list(ranks)):
+            raise ValueError(f"member_group needs distinct ranks of {self.name} (0..{self.size - 1}) including "
+                             f"this member ({self.rank}); got {list(ranks)!r}")
+        path = (*self._path, -1 - zlib.crc32(key.encode()))
+        made = self._shared.groups.get(subgroup_code(path))
+        if made is not None and made._root_members == [self._root_members[r] for r in wanted]:
+            if timeout is not None:
+                made.set_timeout(timeout)
+            return made  # made under this key before (a torch world made again in the same generation)
+        group = self._subgroup(wanted, path, name or key, timeout)
+        everyone = group.all_gather_objects((key, wanted))
+        for rank, proposal in enumerate(everyone):
+            if proposal != everyone[0]:
+                raise CollectiveMismatchError(
+                    f"member_group on {self.name}: member 0 asked for ranks {everyone[0][1]} under {everyone[0][0]!r} "
+                    f"but member {rank} asked for {proposal[1]} under {proposal[0]!r}")
+        return group
+
+    def _subgroup(self, wanted: list[int], path: tuple[int, ...], name: str, timeout: float | None) -> ProcessGroup:
         code = subgroup_code(path)
         root = self._shared.groups[0]._comm
         members = [self._root_members[r] for r in wanted]
@@ -314,10 +400,10 @@ class ProcessGroup:
             on_collective=parent.on_collective, hosts=[parent.hosts[r] for r in wanted], on_stall=parent.on_stall,
             single_copy_bytes=None,
         )
-        comm.epoch, comm.run_id, comm.default_timeout = root.epoch, root.run_id, root.default_timeout
-        return ProcessGroup(comm, name or f"{self.name}/{index}", self.generation,
-                            [self.ranks[r] for r in wanted], _shared=self._shared, _path=path,
-                            _root_members=members)
+        comm.epoch, comm.run_id = root.epoch, root.run_id
+        comm.set_timeout(parent.timeout_override if timeout is None else timeout)
+        return ProcessGroup(comm, name, self.generation, [self.ranks[r] for r in wanted], _shared=self._shared,
+                            _path=path, _root_members=members)
 
     def fence(self) -> None:
         """A command boundary: wait for every async collective issued so far (their errors stay in their ``Work``)."""
@@ -364,9 +450,12 @@ class ProcessGroup:
         lock = shared.lock
         owner = shared.owner
         all_reduce = self._comm.all_reduce
+        check_open = self.check_open
 
         def inline_all_reduce(reduce_op: ReduceOp | str, value: Any, options: CommunicationOptions | None = None,
                               in_place: bool = False) -> Any:
+            if shared.closed:
+                check_open()
             if shared.last is not None:
                 shared.drain()
             if not shared.shared_by_threads and get_ident() == owner:  # as ``_Shared.call``, inlined
@@ -386,7 +475,9 @@ class ProcessGroup:
     def _call(self, kind: str, fn: Callable[..., Any], args: tuple[Any, ...], async_op: bool) -> Any:
         shared = self._shared
         if async_op:
-            return shared.submit(kind, fn, args)
+            return shared.submit(kind, fn, args, self.abort)
+        if shared.closed:
+            self.check_open()
         if shared.last is not None:
             shared.drain()
         return shared.call(fn, args)

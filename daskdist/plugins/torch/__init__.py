@@ -38,11 +38,11 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'daskdist.plugins.torch' has no attribute {name!r}")
 
 
-def init_process_group(*args: Any, **kwargs: Any) -> None:
-    """Initialise ``torch.distributed`` on the ``daskdist`` backend in this replica (see ``backend``)."""
+def init_process_group(*args: Any, **kwargs: Any) -> Any:
+    """Initialise ``torch.distributed`` on the ``daskdist`` backend in this replica; its default group (see ``backend``)."""
     from daskdist.plugins.torch import backend
 
-    backend.init_process_group(*args, **kwargs)
+    return backend.init_process_group(*args, **kwargs)
 
 
 def destroy_process_group() -> None:
