@@ -248,9 +248,11 @@ def _forget() -> None:
 def destroy_process_group() -> None:
     """Destroy the default group made by ``init_process_group`` (and its subgroups), if there is one.
 
-    torch shuts each group down first (its work issued so far finishes).
+    torch shuts each group down first (its work issued so far finishes). After
+    ``attach`` (a torchrun script in the replica), whatever default group the
+    script made (``"daskdist"``, ``"gloo"``) is destroyed.
     """
-    if _current.group is None:
+    if _current.group is None and _current.runtime is None:
         return
     try:
         if dist.is_initialized():
