@@ -181,7 +181,7 @@ def init_process_group(timeout: datetime.timedelta | float | None = None) -> Any
             store.set_timeout(datetime.timedelta(seconds=seconds))
         dist.init_process_group(BACKEND_NAME, store=store, rank=int(runtime.rank), world_size=int(runtime.size),
                                 timeout=datetime.timedelta(seconds=root.timeout))
-        _current.group = dist.distributed_c10d._get_default_group()
+        _current.group = dist.group.WORLD  # the default group torch made through _create
         members = runtime.membership
         environment.export(environment.torchrun_environment(int(runtime.rank), members.hosts, members.addresses))
         # the replica's close destroys the group it made (a callback per generation: one call each, few)
