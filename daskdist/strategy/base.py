@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from daskdist import context, registry
-from daskdist.exceptions import StrategyClosedError
 from daskdist.ops import ReduceOp
 from daskdist.values import gather_values, local_results, reduce_values, regroup
 
@@ -189,7 +188,7 @@ class Strategy:
     # -- pickling and display ----------------------------------------------------------
 
     def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-        return (_resolve_strategy, (self._extended.token,))
+        return (registry.resolve_strategy, (self._extended.token,))
 
     def __repr__(self) -> str:
         return (
@@ -209,13 +208,3 @@ class Strategy:
             f"<table><tr><th>replica</th><th>device</th><th>worker</th></tr>{rows}</table></div>"
         )
 
-
-def _resolve_strategy(token: str) -> Any:
-    """Unpickle a strategy reference: the replica's view inside a replica, else the live strategy."""
-    runtime = context.current_runtime()
-    if runtime is not None and runtime.token == token:
-        return runtime.strategy_view
-    owner = registry.lookup(token)
-    if owner is None or owner.strategy is None:
-        raise StrategyClosedError(f"strategy {token} is closed or lives in another process")
-    return owner.strategy

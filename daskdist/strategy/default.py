@@ -1,4 +1,9 @@
-"""The default strategy and replica context in effect outside any strategy (one replica, local)."""
+"""The default strategy and replica context in effect outside any strategy (one replica, local).
+
+Importing this module installs them in ``daskdist.context``
+(``context.install_defaults``), which sits below the strategies and never
+imports them; ``daskdist/__init__`` imports it.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from daskdist import context
 from daskdist.ops import CommunicationOptions, ReduceOp
 from daskdist.values import gather_values, local_results, reduce_values
 
@@ -110,3 +116,6 @@ def default_strategy() -> _DefaultStrategy:
 @functools.cache
 def default_replica_context() -> _DefaultReplicaContext:
     return _DefaultReplicaContext()
+
+
+context.install_defaults(default_strategy, default_replica_context)
