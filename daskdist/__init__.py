@@ -31,6 +31,7 @@ from daskdist.exceptions import (
 )
 from daskdist.ops import CommunicationImplementation, CommunicationOptions, ReduceOp
 from daskdist.replica.context import ReplicaContext
+from daskdist.strategy import default as _default  # noqa: F401  (installs the default strategy daskdist.context falls back to)
 from daskdist.strategy.base import Strategy, ValueContext
 from daskdist.strategy.mirrored import MirroredStrategy
 from daskdist.strategy.multi_worker_mirrored import MultiWorkerMirroredStrategy

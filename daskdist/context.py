@@ -4,6 +4,11 @@ The state is a per-thread stack of frames, as in TensorFlow: ``strategy.scope()`
 pushes a cross-replica frame on the client; the replica runtime pushes a
 replica frame around each function it runs in a replica thread. Threads are
 the unit because several replicas can share one process (threaded workers).
+
+This module sits below the strategies and the replica runtime: it imports
+neither. Outside any strategy it falls back to the default one-replica
+strategy and replica context that ``daskdist.strategy.default`` installs
+(:func:`install_defaults`) when ``daskdist`` is imported.
 """
 
 from __future__ import annotations
@@ -12,10 +17,10 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from daskdist.replica.context import ReplicaContext
+    from daskdist.ops import CommunicationOptions, ReduceOp
 
 __all__ = [
     "describe_strategy",
@@ -25,6 +30,40 @@ __all__ = [
     "has_strategy",
     "in_cross_replica_context",
 ]
+
+
+class ReplicaContextAPI(Protocol):
+    """What a function running on a replica may ask of its replica context (TF's ``ReplicaContext`` API).
+
+    ``daskdist.ReplicaContext`` (a replica's context) and the default
+    one-replica context both implement it.
+    """
+
+    @property
+    def strategy(self) -> Any: ...
+
+    @property
+    def replica_id_in_sync_group(self) -> int: ...
+
+    @property
+    def num_replicas_in_sync(self) -> int: ...
+
+    @property
+    def devices(self) -> tuple[str, ...]: ...
+
+    def all_reduce(self, reduce_op: ReduceOp | str, value: Any, options: CommunicationOptions | None = None) -> Any: ...
+
+    def all_gather(self, value: Any, axis: int, options: CommunicationOptions | None = None) -> Any: ...
+
+    def broadcast(self, value: Any, root: int = 0, options: CommunicationOptions | None = None) -> Any: ...
+
+    def reduce_scatter(self, reduce_op: ReduceOp | str, value: Any, axis: int = 0,
+                       options: CommunicationOptions | None = None) -> Any: ...
+
+    def barrier(self, options: CommunicationOptions | None = None) -> None: ...
+
+    def merge_call(self, merge_fn: Callable[..., Any], args: tuple[Any, ...] = (),
+                   kwargs: dict[str, Any] | None = None) -> Any: ...
 
 
 @dataclass
@@ -44,12 +83,37 @@ class Frame:
     """
 
     strategy: Any
-    replica_context: ReplicaContext | None
+    replica_context: ReplicaContextAPI | None
     variable_creator: Callable[..., Any] | None
     owner: Any = None
 
 
 _local = threading.local()
+
+
+@dataclass(frozen=True)
+class _Defaults:
+    strategy: Callable[[], Any]
+    replica_context: Callable[[], ReplicaContextAPI]
+
+
+_defaults: _Defaults | None = None
+
+
+def install_defaults(strategy: Callable[[], Any], replica_context: Callable[[], ReplicaContextAPI]) -> None:
+    """Set what :func:`get_strategy` and :func:`get_replica_context` return outside any strategy.
+
+    ``daskdist.strategy.default`` installs TF's default strategy (one local
+    replica) when ``daskdist`` is imported; this module never imports it.
+    """
+    global _defaults
+    _defaults = _Defaults(strategy, replica_context)
+
+
+def _installed_defaults() -> _Defaults:
+    if _defaults is None:
+        raise RuntimeError("no default strategy is installed: import daskdist (daskdist.strategy.default installs it)")
+    return _defaults
 
 
 def _stack() -> list[Frame]:
@@ -84,7 +148,7 @@ def current_runtime() -> Any:
     return None
 
 
-def get_replica_context() -> ReplicaContext | None:
+def get_replica_context() -> ReplicaContextAPI | None:
     """The current ``ReplicaContext``.
 
     Inside a function run by ``strategy.run`` this is the replica's context;
@@ -93,9 +157,7 @@ def get_replica_context() -> ReplicaContext | None:
     """
     frame = current_frame()
     if frame is None:
-        from daskdist.strategy.default import default_replica_context
-
-        return cast("ReplicaContext", default_replica_context())  # duck-typed: ReplicaContext's API, one replica
+        return _installed_defaults().replica_context()
     return frame.replica_context
 
 
@@ -109,9 +171,7 @@ def get_strategy() -> Any:
     """The strategy in effect: the scope's, the replica's, or the default one-replica strategy."""
     frame = current_frame()
     if frame is None:
-        from daskdist.strategy.default import default_strategy
-
-        return default_strategy()
+        return _installed_defaults().strategy()
     return frame.strategy
 
 

@@ -290,7 +290,7 @@ class DistributedVariable(Variable):
 
     def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         target = context.shipping_target()
-        if target is not None and getattr(target.extended, "token", self._token) != self._token:
+        if target is not None and target.extended.token != self._token:  # a Strategy (only its run ships)
             owner = self._owner or registry.lookup(self._token)
             mine = context.describe_strategy(owner.strategy) if owner is not None else f"strategy {self._token}"
             raise ValueError(
@@ -447,7 +447,7 @@ class MirroredVariable(DistributedVariable):
                 "context: from the client, inside merge_call or strategy.extended.update"
             )
         if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
-            return ctx._broadcast(array, root=0)
+            return ctx.broadcast(array, root=0)
         return ctx.all_reduce(_AGGREGATION_OPS[aggregation], array)
 
 

@@ -379,13 +379,13 @@ def test_the_heartbeat_watch_names_silent_members_of_elastic_groups_once_the_sch
     from types import SimpleNamespace
 
     from daskdist.group.departures import Departures
-    from daskdist.group.scheduler_plugin import GroupState
+    from daskdist.group.group_state import GroupState
 
     now = 1000.0
     workers = {a: SimpleNamespace(last_seen=now - silent) for a, silent in (("a", 1), ("b", 7), ("c", 30))}
     elastic = GroupState("g1", ["a", "b"], None, status="running", policy="elastic", heartbeat_timeout=6.0)
     fixed = GroupState("g2", ["c"], None, status="running", policy="fixed", heartbeat_timeout=6.0)
-    plugin = SimpleNamespace(groups={"g1": elastic, "g2": fixed}, _scheduler=SimpleNamespace(workers=workers))
+    plugin = SimpleNamespace(groups={"g1": elastic, "g2": fixed}, running_scheduler=SimpleNamespace(workers=workers))
     watch = Departures(plugin)  # type: ignore[arg-type]
     watch.responsive_since = now - 100
     assert [(g.group_id, w) for g, w, _ in watch.stalled(now)] == [("g1", "b")]  # fixed groups: Dask's worker-ttl

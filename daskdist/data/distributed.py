@@ -20,7 +20,7 @@ from daskdist.exceptions import OutOfRangeError
 from daskdist.values import PerReplica
 
 if TYPE_CHECKING:
-    from daskdist.strategy.extended import StrategyExtended
+    from daskdist.data.host import DatasetHost
 
 __all__ = ["DistributedDataset", "DistributedIterator", "OutOfRangeError", "Optional"]
 
@@ -52,7 +52,7 @@ class DistributedDataset:
     replica's own shard.
     """
 
-    def __init__(self, extended: StrategyExtended, dataset_id: str, plan: Plan | None, element_spec: Any,
+    def __init__(self, extended: DatasetHost, dataset_id: str, plan: Plan | None, element_spec: Any,
                  futures: list[Any] | None = None):
         self._extended = extended
         self._id = dataset_id
@@ -66,7 +66,7 @@ class DistributedDataset:
     # -- building -------------------------------------------------------------------
 
     @classmethod
-    def from_dataset(cls, extended: StrategyExtended, dataset: Any, options: InputOptions | None) -> DistributedDataset:
+    def from_dataset(cls, extended: DatasetHost, dataset: Any, options: InputOptions | None) -> DistributedDataset:
         options = options or InputOptions()
         if not isinstance(dataset, Dataset):
             raise TypeError(
@@ -93,7 +93,7 @@ class DistributedDataset:
         return distributed
 
     @classmethod
-    def from_function(cls, extended: StrategyExtended, dataset_fn: Callable[[InputContext], Any],
+    def from_function(cls, extended: DatasetHost, dataset_fn: Callable[[InputContext], Any],
                       options: InputOptions | None) -> DistributedDataset:
         if not callable(dataset_fn):
             raise TypeError(f"dataset_fn must be callable, got {type(dataset_fn).__name__}")
@@ -145,7 +145,7 @@ class DistributedIterator:
     empty batch (TF's partial-batch behaviour).
     """
 
-    def __init__(self, extended: StrategyExtended, dataset_id: str, iterator_id: str, element_spec: Any):
+    def __init__(self, extended: DatasetHost, dataset_id: str, iterator_id: str, element_spec: Any):
         self._extended = extended
         self._iterator_id = iterator_id
         self._element_spec = element_spec

@@ -43,7 +43,7 @@ from typing import Any, Protocol, runtime_checkable
 from daskdist.data.dataset import Dataset
 from daskdist.elastic.epochs import EpochInput, release
 from daskdist.elastic.ledger import DataLedger, EpochSchedule, RowMap
-from daskdist.elastic.options import ElasticOptions, notify_membership_change
+from daskdist.elastic.options import notify_membership_change
 from daskdist.elastic.recovery import (
     RECOVERABLE,
     Recovery,
@@ -54,6 +54,7 @@ from daskdist.elastic.recovery import (
 )
 from daskdist.elastic.replica import CommitKey, commit_now, state_residents
 from daskdist.elastic.session import recover_and_take_in
+from daskdist.strategy.base import Strategy
 
 __all__ = ["ReplicatedModel", "State", "run"]
 
@@ -102,8 +103,8 @@ class State:
     """
 
     def __init__(self, strategy: Any, epoch: int = 0, **attributes: Any):
-        options = getattr(strategy.extended, "elastic", None)
-        if not isinstance(options, ElasticOptions):
+        options = strategy.extended.elastic if isinstance(strategy, Strategy) else None
+        if options is None:
             raise ValueError("dd.elastic.State needs an elastic strategy: "
                              "dd.MirroredStrategy(..., elastic=dd.ElasticOptions(min_replicas=...))")
         self.strategy = strategy
@@ -340,7 +341,7 @@ def _lives_on_replicas(value: Any) -> bool:
     from daskdist.keras.models import Model
     from daskdist.variables import DistributedVariable
 
-    return isinstance(value, (Model, DistributedVariable)) or hasattr(value, "_extended")
+    return isinstance(value, (Model, DistributedVariable, Strategy))
 
 
 def run(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -26,16 +26,16 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from distributed.scheduler import heartbeat_interval
+
+from daskdist.group.group_state import GroupState
 
 if TYPE_CHECKING:
     from distributed import Scheduler
 
-    from daskdist.group.scheduler_plugin import DaskdistSchedulerPlugin, GroupState
-
-__all__ = ["Departures"]
+__all__ = ["Departures", "GroupsOwner"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,16 +45,33 @@ _WATCH_INTERVAL = 0.25
 _LEAVE_POLL = 0.05
 
 
+class GroupsOwner(Protocol):
+    """What departures need of the scheduler plugin that owns the groups (``DaskdistSchedulerPlugin``)."""
+
+    groups: dict[str, GroupState]
+
+    @property
+    def running_scheduler(self) -> Scheduler:
+        """The scheduler the plugin runs on."""
+
+    def send_to_worker(self, address: str, msg: dict[str, Any]) -> None:
+        """Send ``msg`` to the worker at ``address`` on its stream."""
+
+    def change_membership(self, group_id: str, workers: list[str], reason: str = "", *,
+                          admit: bool = False) -> Any:
+        """Move ``group_id`` to a new generation whose members are on ``workers``."""
+
+
 class Departures:
     """The scheduler plugin's part that fences stalled members out and turns retirements into graceful leaves.
 
     Parameters
     ----------
     plugin
-        The daskdist scheduler plugin (its ``groups`` and ``change_membership``).
+        The daskdist scheduler plugin (its ``groups``, ``change_membership`` and scheduler).
     """
 
-    def __init__(self, plugin: DaskdistSchedulerPlugin):
+    def __init__(self, plugin: GroupsOwner):
         self.plugin = plugin
         self._watch: asyncio.Task[None] | None = None
         self._retire: Callable[..., Awaitable[dict[str, Any]]] | None = None
@@ -80,7 +97,7 @@ class Departures:
 
     def stalled(self, now: float | None = None) -> list[tuple[GroupState, str, float]]:
         """``(group, worker, seconds silent)`` for every member of an elastic group silent past its deadline."""
-        scheduler = self.plugin._scheduler
+        scheduler = self.plugin.running_scheduler
         now = time.time() if now is None else now
         # never stricter than Dask itself: ten of the heartbeats the scheduler asks for (5 s with <= 10 workers)
         floor = 10 * heartbeat_interval(len(scheduler.workers))
@@ -113,7 +130,7 @@ class Departures:
                 logger.exception("daskdist's heartbeat watch failed: %s", e)
 
     async def _fence_out(self, group: GroupState, address: str, silent: float) -> None:
-        scheduler = self.plugin._scheduler
+        scheduler = self.plugin.running_scheduler
         if address not in scheduler.workers:
             return
         logger.warning("Worker %s, a member of the elastic group %s, sent no heartbeat for %.1f s (deadline %g s): "
@@ -131,7 +148,7 @@ class Departures:
                              **kwargs: Any) -> dict[str, Any]:
         """Dask's ``retire_workers`` handler, after members of elastic groups among ``workers`` have left them."""
         assert self._retire is not None
-        scheduler = self.plugin._scheduler
+        scheduler = self.plugin.running_scheduler
         if workers is not None:
             leaving = [w for w in workers if w in scheduler.workers]
         elif names is not None:
@@ -158,10 +175,10 @@ class Departures:
             group.leaving.update(ours)
             logger.info("Members %s of %s are retiring: the group leaves them at its next commit", ours,
                         group.group_id)
-            self.plugin._scheduler.log_event("daskdist", {"action": "leaving", "group": group.group_id,
-                                                          "workers": ours, "generation": group.generation})
+            self.plugin.running_scheduler.log_event("daskdist", {"action": "leaving", "group": group.group_id,
+                                                                 "workers": ours, "generation": group.generation})
             for address in group.workers:
-                self.plugin._send(address, {"op": "daskdist_leave", "group_id": group.group_id, "workers": ours})
+                self.plugin.send_to_worker(address, {"op": "daskdist_leave", "group_id": group.group_id, "workers": ours})
         for group in groups:
             await self._wait_left(group)
 
@@ -185,7 +202,7 @@ class Departures:
 
     async def _idle(self, group: GroupState) -> bool:
         """Whether no member of ``group`` is running a command (each asked for its replica's state)."""
-        scheduler = self.plugin._scheduler
+        scheduler = self.plugin.running_scheduler
         try:
             states = await asyncio.gather(*(
                 scheduler.rpc(address).daskdist_status(group_id=group.group_id, rank=rank)
@@ -213,6 +230,6 @@ class Departures:
             self.plugin.change_membership(group_id, survivors, why)
         except ValueError as e:
             return {"status": "error", "message": str(e)}
-        self.plugin._scheduler.log_event("daskdist", {"action": "left", "group": group_id, "workers": left,
-                                                      "generation": group.generation})
+        self.plugin.running_scheduler.log_event("daskdist", {"action": "left", "group": group_id, "workers": left,
+                                                             "generation": group.generation})
         return {"status": "OK", "left": left}

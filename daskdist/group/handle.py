@@ -9,8 +9,9 @@ command carries the group's membership generation as the client knows it
 ``StaleGenerationError``. ``refresh_membership`` learns the scheduler's
 current generation and tells the ``on_membership`` callbacks.
 
-This is client code: it imports no worker-side module (the replica task is
-``daskdist.group.launch.run_replica``, which imports the runtime on the worker).
+This is client code: it imports no worker-side module. The replica task is
+the strategy's (``replica_task``: ``daskdist.replica.launch.run_replica``,
+which imports the runtime on the worker).
 """
 
 from __future__ import annotations
@@ -39,15 +40,17 @@ from daskdist.collective.settings import parse_single_copy_bytes
 from daskdist.exceptions import RendezvousError, ReplicaLostError, StrategyClosedError
 from daskdist.group.announcements import announcements_of
 from daskdist.group.channel import WAIT_ENDING_KINDS, CommandChannels, client_ssl_context
-from daskdist.group.launch import run_replica
 from daskdist.group.membership import GroupId, Member, Membership, MembershipPolicy, SchedulerView
 from daskdist.group.scheduler_plugin import EVENT_TOPIC, DaskdistSchedulerPlugin
 from daskdist.group.service import restore_residents, snapshot_residents
 from daskdist.group.spec import GroupSpec
 
-__all__ = ["ReplicaGroup"]
+__all__ = ["ReplicaGroup", "ReplicaTask"]
 
 logger = logging.getLogger(__name__)
+
+#: The long-lived task each member's worker runs: ``task(spec, rank)`` (``daskdist.replica.launch.run_replica``).
+ReplicaTask = Callable[[GroupSpec, int], str]
 
 #: When several replicas fail, the error the client raises is the first kind in this order.
 _ERROR_PRIORITY = ("lost", "stale", "user", "mismatch", "timeout", "aborted")
@@ -62,6 +65,9 @@ class ReplicaGroup:
         A synchronous ``distributed.Client`` connected to the cluster.
     placements
         Rank -> worker, from ``place_replicas``.
+    replica_task
+        The task started pinned on each member's worker, ``replica_task(spec, rank)``:
+        ``daskdist.replica.launch.run_replica`` (it imports the replica runtime there).
     strategy_token
         The identity of the owning strategy (what its handles pickle); a new one if not given.
     hosts
@@ -75,12 +81,14 @@ class ReplicaGroup:
         settings the replicas use.
     """
 
-    def __init__(self, client: Client, placements: list[Placement], strategy_token: str | None = None,
-                 hosts: list[str] | None = None, policy: MembershipPolicy | None = None, **spec_options: Any):
+    def __init__(self, client: Client, placements: list[Placement], replica_task: ReplicaTask,
+                 strategy_token: str | None = None, hosts: list[str] | None = None,
+                 policy: MembershipPolicy | None = None, **spec_options: Any):
         if getattr(client, "asynchronous", False):
             raise TypeError("daskdist strategies need a synchronous Client (asynchronous=False)")
         self.client = client
         self.placements = placements
+        self.replica_task = replica_task
         self.group_id = GroupId(f"daskdist-{uuid.uuid4().hex[:12]}")
         self.strategy_token = strategy_token or f"strategy-{uuid.uuid4().hex[:12]}"
         spec_options.setdefault("nccl", config.get("collective.nccl", "auto"))
@@ -240,7 +248,7 @@ class ReplicaGroup:
             rank = membership.rank_of(address)
             self.task_workers.append(address)
             self.futures.append(self.client.submit(
-                run_replica, spec, rank, key=f"{self.group_id}-replica-g{membership.generation}-{rank}",
+                self.replica_task, spec, rank, key=f"{self.group_id}-replica-g{membership.generation}-{rank}",
                 workers=[address], allow_other_workers=False, pure=False))
         deadline = time.monotonic() + 60
         while not all(self._hosts_replica(a) for a in newcomers):
@@ -305,7 +313,7 @@ class ReplicaGroup:
             self.task_workers.append(address)
             self.futures.append(
                 self.client.submit(
-                    run_replica,
+                    self.replica_task,
                     self.spec,
                     rank,
                     key=f"{self.group_id}-replica-{rank}",

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
@@ -32,10 +31,10 @@ from daskdist import config
 from daskdist.dashboard import page, prometheus
 from daskdist.dashboard.event_log import bound_topic
 from daskdist.dashboard.store import STEP_TOPIC, MetricsStore
-from daskdist.exceptions import StaleGenerationError
 from daskdist.group.departures import Departures
+from daskdist.group.group_state import GroupState, Meeting
 from daskdist.group.kv_store import KeyValueStore
-from daskdist.group.membership import Member, Membership, MembershipPolicy, check_generation
+from daskdist.group.membership import Member, Membership, MembershipPolicy
 from daskdist.group.worker_plugin import DaskdistWorkerPlugin
 
 if TYPE_CHECKING:
@@ -47,58 +46,6 @@ __all__ = ["EVENT_TOPIC", "DaskdistSchedulerPlugin", "GroupState", "Meeting"]
 logger = logging.getLogger(__name__)
 
 EVENT_TOPIC = "daskdist"
-
-
-@dataclass
-class Meeting:
-    """A later meeting of a running group's replicas under one key (``exchange``)."""
-
-    values: dict[int, Any] = field(default_factory=dict)
-    fetched: set[int] = field(default_factory=set)
-    ready: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-@dataclass
-class GroupState:
-    """What the scheduler knows of one replica group, in its current generation.
-
-    ``workers`` are the members' addresses in rank order; ``membership``
-    (when the client sent one) names their devices, hosts and roles.
-    """
-
-    group_id: str
-    workers: list[str]
-    client: str | None
-    status: str = "starting"  # starting -> running -> failed | closed (a new generation: starting again)
-    reason: str = ""
-    membership: Membership | None = None
-    policy: MembershipPolicy = "fixed"
-    generation: int = 0
-    strategy_token: str | None = None  # the key of the group's metrics in the store (the dashboard's unit)
-    arrived: dict[int, str] = field(default_factory=dict)
-    info: dict[int, dict[str, Any]] = field(default_factory=dict)
-    ready: asyncio.Event = field(default_factory=asyncio.Event)
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-    meetings: dict[str, Meeting] = field(default_factory=dict)
-    heartbeat_timeout: float = 0.0  # elastic: a member silent this long is declared lost (0: Dask's worker-ttl)
-    leave_timeout: float = 60.0  # elastic: how long a retirement waits for the member to leave at a commit
-    leaving: set[str] = field(default_factory=set)  # members retiring, to leave at the next commit
-    retired: set[str] = field(default_factory=set)  # members that left gracefully (not a loss)
-
-    def wake_meetings(self) -> None:
-        """The group failed, closed or moved on: every replica waiting in ``exchange`` gets an answer now."""
-        for meeting in self.meetings.values():
-            meeting.ready.set()
-
-    def stale(self, generation: int | None, what: str) -> dict[str, Any] | None:
-        """An error message if ``generation`` is older than the group's (``None``: a pre-generation caller)."""
-        if generation is None:
-            return None
-        try:
-            check_generation(self.group_id, self.generation, int(generation), what)
-        except StaleGenerationError as e:
-            return {"status": "error", "kind": "stale", "message": str(e)}
-        return None
 
 
 class DaskdistSchedulerPlugin(SchedulerPlugin):
@@ -117,7 +64,8 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
         self.kv = KeyValueStore()  # torch.distributed's Store of each group (plugins.torch)
 
     @property
-    def _scheduler(self) -> Scheduler:
+    def running_scheduler(self) -> Scheduler:
+        """The scheduler this plugin was started on."""
         if self.scheduler is None:
             raise RuntimeError("the daskdist scheduler plugin has not been started")
         return self.scheduler
@@ -157,7 +105,7 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
 
         ``heartbeat_timeout`` and ``leave_timeout`` (seconds, elastic groups): see ``group.departures``.
         """
-        missing = [w for w in workers if w not in self._scheduler.workers]
+        missing = [w for w in workers if w not in self.running_scheduler.workers]
         if missing:
             return {"status": "error", "message": f"workers {missing} are not part of the cluster"}
         if policy not in ("fixed", "elastic"):
@@ -168,7 +116,7 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
             strategy_token=strategy_token, heartbeat_timeout=float(heartbeat_timeout),
             leave_timeout=float(leave_timeout),
         )
-        self._scheduler.log_event(EVENT_TOPIC, {"action": "register", "group": group_id, "workers": workers,
+        self.running_scheduler.log_event(EVENT_TOPIC, {"action": "register", "group": group_id, "workers": workers,
                                                "generation": 0})
         self.store.membership_changed(strategy_token or group_id, 0, list(workers), [], "started", group_id)
         return {"status": "OK"}
@@ -281,7 +229,7 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
             group.reason = group.reason or f"group {group_id} was closed"
             group.ready.set()
             group.wake_meetings()
-            self._scheduler.log_event(EVENT_TOPIC, {"action": "close", "group": group_id})
+            self.running_scheduler.log_event(EVENT_TOPIC, {"action": "close", "group": group_id})
         self.kv.drop(f"{group_id}/")
         self.store.close_group(group.strategy_token or group_id if group is not None else group_id)
         return {"status": "OK"}
@@ -332,7 +280,7 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
             raise ValueError(f"unknown replica group {group_id}")
         if group.status in ("failed", "closed"):
             raise ValueError(f"replica group {group_id} is {group.status}: {group.reason}")
-        missing = [w for w in workers if w not in self._scheduler.workers]
+        missing = [w for w in workers if w not in self.running_scheduler.workers]
         if missing:
             raise ValueError(f"workers {missing} are not part of the cluster")
         known = {m.address: m for m in group.membership.members}
@@ -348,7 +296,7 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
         group.membership, group.generation, group.workers = new, int(new.generation), list(workers)
         change = self.store.membership_changed(group.strategy_token or group_id, int(new.generation), list(workers),
                                                previous, reason, group_id, sorted(group.retired))
-        self._scheduler.log_event(EVENT_TOPIC, {"action": "generation", "group": group_id,
+        self.running_scheduler.log_event(EVENT_TOPIC, {"action": "generation", "group": group_id,
                                                "strategy": group.strategy_token, **change.to_msg(),
                                                "workers": list(workers)})
         logger.log(logging.WARNING if change.lost else logging.INFO,
@@ -363,12 +311,12 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
         if group.policy == "fixed":
             group.reason = (f"{reason or 'its membership changed'}: replica group {group_id} moved to generation "
                             f"{new.generation} and its membership policy is fixed, so it fails")
-            gone = set(self._scheduler.workers)
+            gone = set(self.running_scheduler.workers)
             self._fail(group, lost_worker=next((w for w in previous if w not in gone), None), addresses=previous)
             return new
         group.status = "starting"
         for address in sorted(set(previous) | set(workers)):
-            self._send(address, {"op": "daskdist_new_generation", "group_id": group_id,
+            self.send_to_worker(address, {"op": "daskdist_new_generation", "group_id": group_id,
                                  "membership": new.to_msg(), "message": reason})
         return new
 
@@ -422,7 +370,7 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
                 group.reason = reason
                 for address in group.workers:  # the run in flight fails everywhere, as under ``fixed``
                     if address != worker:
-                        self._send(address, {"op": "daskdist_abort_group", "group_id": group.group_id,
+                        self.send_to_worker(address, {"op": "daskdist_abort_group", "group_id": group.group_id,
                                              "message": reason, "worker": worker,
                                              "generation": group.generation})
                 self.change_membership(group.group_id, survivors, reason)
@@ -434,7 +382,7 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
         for group in list(self.groups.values()):
             if group.client == client:
                 for address in group.workers:
-                    self._send(address, {"op": "daskdist_close_group", "group_id": group.group_id,
+                    self.send_to_worker(address, {"op": "daskdist_close_group", "group_id": group.group_id,
                                          "message": f"the client {client} of {group.group_id} disconnected"})
                 self.groups.pop(group.group_id, None)
 
@@ -444,17 +392,18 @@ class DaskdistSchedulerPlugin(SchedulerPlugin):
         group.status = "failed"
         group.ready.set()
         group.wake_meetings()
-        self._scheduler.log_event(
+        self.running_scheduler.log_event(
             EVENT_TOPIC, {"action": "failed", "group": group.group_id, "reason": group.reason, "worker": lost_worker}
         )
         for address in group.workers if addresses is None else addresses:
             if address != lost_worker:
                 # no generation: a failed group is dead in every generation
-                self._send(address, {"op": "daskdist_abort_group", "group_id": group.group_id,
+                self.send_to_worker(address, {"op": "daskdist_abort_group", "group_id": group.group_id,
                                      "message": group.reason, "worker": lost_worker})
 
-    def _send(self, address: str, msg: dict[str, Any]) -> None:
-        stream = self._scheduler.stream_comms.get(address)
+    def send_to_worker(self, address: str, msg: dict[str, Any]) -> None:
+        """Send ``msg`` to the worker at ``address`` on its stream (dropped if it is gone or closing)."""
+        stream = self.running_scheduler.stream_comms.get(address)
         if stream is not None:
             try:
                 stream.send(msg)

@@ -14,12 +14,9 @@ wires (transports, the communicator) does not.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from daskdist.group.membership import Generation, Membership, Rank
-
-if TYPE_CHECKING:
-    from daskdist.replica.timing import StepTimer
 
 __all__ = [
     "BATCH",
@@ -34,6 +31,7 @@ __all__ = [
     "ReplicaService",
     "Resident",
     "ResidentStore",
+    "StepClock",
     "restore_residents",
     "snapshot_residents",
 ]
@@ -146,6 +144,39 @@ class ResidentStore:
             self._objects[key].restore(states[key])
 
 
+class StepClock(Protocol):
+    """The replica's step timer as code on the replica uses it (``daskdist.replica.timing.StepTimer`` implements it).
+
+    The runtime opens a step around each function it runs; input iterators,
+    collectives and variable updates add their time to the open step.
+    """
+
+    @property
+    def history(self) -> Iterable[Any]:
+        """The last finished steps' timings (``StepTiming``), oldest first."""
+
+    def begin(self, run_id: int) -> None:
+        """Open a step of run (or training step) ``run_id``."""
+
+    def end(self, samples: int | None = None) -> Any:
+        """Close the open step; its ``StepTiming`` (``samples``: the rows it processed, when known)."""
+
+    def add_pending_input(self, seconds: float) -> None:
+        """Input read before the step opened (a prefetch the step then waits on no longer)."""
+
+    def add_input_wait(self, seconds: float) -> None:
+        """Time the open step waited for its input."""
+
+    def add_collective(self, kind: str, seconds: float, nbytes: int, key: tuple[int, int] | None = None) -> None:
+        """One collective of the open step: its kind, duration, payload and identity in its group."""
+
+    def add_apply(self, seconds: float) -> None:
+        """Time the open step spent applying updates to variables."""
+
+    def add_samples(self, samples: int) -> None:
+        """Rows the open step processed."""
+
+
 class ReplicaService(Protocol):
     """What commands, keras, data and variables may use of the replica they run on."""
 
@@ -156,11 +187,14 @@ class ReplicaService(Protocol):
     strategy_token: str
     devices: list[str]
     objects: ResidentStore
-    timer: StepTimer
     #: The Dask worker hosting the replica (its data: a shard reads its partitions from it).
     worker: Any
     #: The ``tf.distribute.Strategy`` seen from inside the replica (``ReplicaStrategyView``).
     strategy_view: Any
+
+    @property
+    def timer(self) -> StepClock:
+        """The replica's step timer: the open step's input waits, collectives and updates go to it."""
 
     @property
     def token(self) -> str:

@@ -25,9 +25,9 @@ from daskdist.group.service import MODEL, ReplicaService
 from daskdist.keras import callbacks as callbacks_module
 from daskdist.keras import ps_fit, resident_ref, saving, training
 from daskdist.keras.trainable import BuiltinTrainable, RandomStates
+from daskdist.strategy.base import Strategy
 
 if TYPE_CHECKING:
-    from daskdist.strategy.base import Strategy
     from daskdist.strategy.training_contract import ParameterHoldingDriver, StepDriver
 
 __all__ = ["Model", "RandomStates", "Sequential", "load_model"]
@@ -40,7 +40,7 @@ _PROGRESS_INTERVAL = 0.25
 
 def _current_strategy() -> Any:
     frame = context.current_frame()
-    if frame is not None and frame.replica_context is None and hasattr(frame.strategy, "_extended"):
+    if frame is not None and frame.replica_context is None and isinstance(frame.strategy, Strategy):
         return frame.strategy
     return None
 
@@ -736,7 +736,7 @@ class _Runner:
 
 def _elastic_options(model: Model) -> Any:
     """The strategy's ``ElasticOptions``, or ``None`` (no strategy, or not elastic)."""
-    return getattr(model._strategy.extended, "elastic", None) if model._strategy is not None else None
+    return model._strategy.extended.elastic if model._strategy is not None else None
 
 
 # -- commands that run on the replicas ---------------------------------------------------

@@ -22,6 +22,7 @@ import numpy as np
 
 from daskdist import context, fault_points
 from daskdist.keras.backend import move_like, to_numpy, xp_of
+from daskdist.strategy.base import Strategy
 
 __all__ = ["SGD", "Adam", "LearningRate", "Optimizer", "RMSprop", "get", "serialize"]
 
@@ -37,7 +38,7 @@ class LearningRate(float):
 
 def _current_strategy() -> Any:
     frame = context.current_frame()
-    if frame is not None and frame.replica_context is None and hasattr(frame.strategy, "_extended"):
+    if frame is not None and frame.replica_context is None and isinstance(frame.strategy, Strategy):
         return frame.strategy
     return None
 

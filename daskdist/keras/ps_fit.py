@@ -50,6 +50,7 @@ from daskdist.keras.trainable import BuiltinTrainable
 
 if TYPE_CHECKING:
     from daskdist.keras.models import Model
+    from daskdist.strategy.base import Strategy
 
 __all__ = ["ClosureRunner", "PsTrainer", "evaluate", "local_weights", "uses_coordinator"]
 
@@ -57,10 +58,9 @@ __all__ = ["ClosureRunner", "PsTrainer", "evaluate", "local_weights", "uses_coor
 AUTO_SHARDS_PER_WORKER = 4
 
 
-def uses_coordinator(strategy: Any) -> bool:
+def uses_coordinator(strategy: Strategy) -> bool:
     """Whether ``strategy`` runs Keras steps as coordinator closures (ParameterServerStrategy)."""
-    extended = getattr(strategy, "extended", None)
-    return bool(getattr(extended, "schedules_closures", False))
+    return strategy.extended.schedules_closures
 
 
 # -- the client ------------------------------------------------------------------------------------

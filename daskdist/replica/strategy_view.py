@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from daskdist import context
+from daskdist import context, registry
 from daskdist.group.service import STRATEGY
 from daskdist.ops import CommunicationOptions, ReduceOp
 from daskdist.values import gather_values, local_results, reduce_values
@@ -113,9 +113,7 @@ class ReplicaStrategyView:
         self.extended = ReplicaExtendedView(runtime)
 
     def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-        from daskdist.strategy.base import _resolve_strategy
-
-        return (_resolve_strategy, (self._runtime.token,))
+        return (registry.resolve_strategy, (self._runtime.token,))
 
     @property
     def num_replicas_in_sync(self) -> int:

@@ -13,7 +13,6 @@ import optree
 
 from daskdist import context, registry
 from daskdist.data.replica import BatchRef
-from daskdist.exceptions import StrategyClosedError
 from daskdist.ops import ReduceOp
 from daskdist.values import DistributedValues, gather_values, local_results, reduce_values, regroup
 
@@ -207,7 +206,7 @@ class Strategy:
     # -- pickling and display ----------------------------------------------------------
 
     def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-        return (_resolve_strategy, (self._extended.token,))
+        return (registry.resolve_strategy, (self._extended.token,))
 
     def __repr__(self) -> str:
         return (
@@ -242,13 +241,3 @@ def _same(value: Any) -> Any:
     """What a replica returns to hand its batch to the client: the batch itself."""
     return value
 
-
-def _resolve_strategy(token: str) -> Any:
-    """Unpickle a strategy reference: the replica's view inside a replica, else the live strategy."""
-    runtime = context.current_runtime()
-    if runtime is not None and runtime.token == token:
-        return runtime.strategy_view
-    owner = registry.lookup(token)
-    if owner is None or owner.strategy is None:
-        raise StrategyClosedError(f"strategy {token} is closed or lives in another process")
-    return owner.strategy

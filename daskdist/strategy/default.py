@@ -1,4 +1,9 @@
-"""The default strategy and replica context in effect outside any strategy (one replica, local)."""
+"""The default strategy and replica context in effect outside any strategy (one replica, local).
+
+Importing this module installs them in ``daskdist.context``
+(``context.install_defaults``), which sits below the strategies and never
+imports them; ``daskdist/__init__`` imports it.
+"""
 
 from __future__ import annotations
 
@@ -139,3 +144,6 @@ def default_strategy() -> _DefaultStrategy:
 @functools.cache
 def default_replica_context() -> OneReplicaContext:
     return OneReplicaContext()
+
+
+context.install_defaults(default_strategy, default_replica_context)

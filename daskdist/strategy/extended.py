@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 
     from daskdist.cross_device_ops import CrossDeviceOps
     from daskdist.data.distributed import DistributedDataset
+    from daskdist.strategy.elastic_options import ElasticOptions
     from daskdist.strategy.training_contract import StepDriver
     from daskdist.variables import VariableSpec
 
@@ -110,6 +111,18 @@ class StrategyExtended(abc.ABC):
     @property
     def cross_device_ops(self) -> CrossDeviceOps | None:
         return None
+
+    # -- what the trainers ask of a strategy (capabilities, not attributes probed for) --------
+
+    @property
+    def elastic(self) -> ElasticOptions | None:
+        """``ElasticOptions`` when the strategy is elastic (its group re-forms after a loss), else ``None``."""
+        return None
+
+    @property
+    def schedules_closures(self) -> bool:
+        """Whether ``fit``/``evaluate`` run as coordinator closures (parameter servers) rather than replica commands."""
+        return False
 
     # One client drives every replica, so it is the single place that initialises, checkpoints and
     # writes summaries (TF's between-graph strategies answer these per worker process).

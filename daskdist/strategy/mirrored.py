@@ -13,8 +13,8 @@ from distributed import Client
 from daskdist.cluster.devices import DeviceSpec
 from daskdist.cluster.placement import Placement, WorkerInfo
 from daskdist.cross_device_ops import CrossDeviceOps
-from daskdist.elastic.options import ElasticOptions
 from daskdist.strategy.base import Strategy
+from daskdist.strategy.elastic_options import ElasticOptions
 from daskdist.strategy.spmd import SpmdExtended
 
 __all__ = ["MirroredExtended", "MirroredStrategy"]

@@ -38,11 +38,11 @@ from daskdist.cluster_resolver.selection import (
     placement_key,
     select_hosts,
 )
-from daskdist.elastic.options import ElasticOptions
 from daskdist.group.service import STRATEGY
 from daskdist.ops import CommunicationImplementation, CommunicationOptions
 from daskdist.replica.strategy_view import CLUSTER_RESOLVER_KEY
 from daskdist.strategy.base import Strategy
+from daskdist.strategy.elastic_options import ElasticOptions
 from daskdist.strategy.mirrored import MirroredExtended
 
 __all__ = ["MultiWorkerMirroredExtended", "MultiWorkerMirroredStrategy", "MultiWorkerMirroredStrategyExperimental",

@@ -45,6 +45,7 @@ from daskdist.exceptions import StrategyClosedError
 from daskdist.group.handle import ReplicaGroup
 from daskdist.group.service import STRATEGY
 from daskdist.ops import CommunicationOptions
+from daskdist.replica.launch import run_replica
 from daskdist.strategy.base import Strategy
 from daskdist.strategy.default import OneReplicaContext
 from daskdist.strategy.extended import Args, Command, Kwargs
@@ -226,7 +227,7 @@ class ParameterServerExtended(ParameterHolderExtended):
         """A one-replica group on ``address``: the long-lived process that runs this worker's closures."""
         placement = Placement(0, address, host, DeviceSpec("CPU", 0))
         group = ReplicaGroup(
-            self.client, [placement], strategy_token=self._token, hosts=[host],
+            self.client, [placement], run_replica, strategy_token=self._token, hosts=[host],
             algorithm=CrossDeviceOps().algorithm([placement.device]), options=self._options,
             transport=config.get("collective.transport"),
             shm_slot_bytes=parse_bytes(config.get("collective.shm.slot-bytes")),
@@ -292,8 +293,10 @@ class ParameterServerExtended(ParameterHolderExtended):
             results.append(self._worker_groups[addresses[index]].call(command, tuple(worker_args))[0])
         return results
 
-    #: ``fit``/``evaluate`` run as coordinator closures (the step driver's ``PsStepDriver``), not as replica commands.
-    schedules_closures = True
+    @property
+    def schedules_closures(self) -> bool:
+        """``fit``/``evaluate`` run as coordinator closures (the step driver's ``PsStepDriver``), not replica commands."""
+        return True
 
     def step_driver(self, key: str | None = None) -> StepDriver:
         """A closure's steps: pull, compute, push to the stores (``training_contract.PsStepDriver``)."""

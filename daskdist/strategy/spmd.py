@@ -29,13 +29,14 @@ from daskdist.cluster.identity import scheduler_workers
 from daskdist.cluster.interrupts import EmbeddedShutdown
 from daskdist.cluster.placement import Placement, WorkerInfo, place_replicas
 from daskdist.cross_device_ops import CrossDeviceOps
-from daskdist.elastic.options import ElasticOptions
 from daskdist.exceptions import ReplicaLostError, StrategyClosedError
 from daskdist.group.handle import ReplicaGroup
 from daskdist.group.spec import TRANSPORTS
 from daskdist.ops import CommunicationOptions
 from daskdist.replica import commands
+from daskdist.replica.launch import run_replica
 from daskdist.strategy import replica_commands
+from daskdist.strategy.elastic_options import ElasticOptions
 from daskdist.strategy.extended import Args, Command, Kwargs, StrategyExtended
 from daskdist.strategy.training_contract import SpmdStepDriver, StepDriver
 from daskdist.values import DistributedValues, regroup, select_replica
@@ -90,8 +91,7 @@ class SpmdExtended(StrategyExtended):
         if elastic is not None and not isinstance(elastic, ElasticOptions):
             raise TypeError(f"elastic must be a dd.ElasticOptions or None, got {type(elastic).__name__}")
         self.strategy = strategy
-        #: ``ElasticOptions`` when the strategy is elastic (its group's membership policy is then ``elastic``).
-        self.elastic = elastic
+        self._elastic = elastic
         self._cross_device_ops = cross_device_ops
         self._options = options or CommunicationOptions()
         self._cluster: Any = None
@@ -170,6 +170,7 @@ class SpmdExtended(StrategyExtended):
         group = ReplicaGroup(
             self.client,
             placements,
+            run_replica,
             hosts=_replica_hosts(placements),
             algorithm=algorithm,
             options=self._options,
@@ -177,12 +178,17 @@ class SpmdExtended(StrategyExtended):
             shm_slot_bytes=parse_bytes(config.get("collective.shm.slot-bytes")),
             pin_cores=config.get("replica.pin-cores"),
             malloc=config.get("replica.malloc"),
-            policy="elastic" if self.elastic is not None else None,  # None: daskdist.group.membership-policy
+            policy="elastic" if self._elastic is not None else None,  # None: daskdist.group.membership-policy
         )
         group.launch()
         return group
 
     # -- properties ----------------------------------------------------------------
+
+    @property
+    def elastic(self) -> ElasticOptions | None:
+        """``ElasticOptions`` when the strategy is elastic (its group's membership policy is then ``elastic``)."""
+        return self._elastic
 
     @property
     def token(self) -> str:

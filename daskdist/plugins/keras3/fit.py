@@ -284,7 +284,7 @@ def fit(original: Callable[..., Any], model: Any, x: Any = None, y: Any = None, 
         raise NotImplementedError(f"fit under a daskdist strategy does not take {[k for k, v in unsupported.items() if v]}"
                                   " yet: put the weights in the dataset's (x, y, weight) elements, split it yourself")
     extended = record.strategy.extended
-    options = getattr(extended, "elastic", None)
+    options = extended.elastic
     per_batch = loops.needs_batch_hooks(callbacks, "train")
     per_test = loops.needs_batch_hooks(callbacks, "test")
     if options is not None and (per_batch or per_test):

@@ -55,7 +55,7 @@ import hashlib
 import itertools
 import uuid
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import optree
@@ -67,13 +67,16 @@ from daskdist.plugins.keras3.backend import keras_backend, prepare_replica
 from daskdist.plugins.keras3.payload import ModelPayload, pack_model, unpack_model
 from daskdist.plugins.keras3.resident import KerasTrainable, state_variables
 
+if TYPE_CHECKING:
+    from daskdist.strategy.extended import StrategyExtended
+
 __all__ = ["KerasPsWorker", "evaluate", "fit", "place_models", "reference", "resolve_model", "resolve_optimizer",
            "schedules_closures", "take_loop_state"]
 
 
-def schedules_closures(extended: Any) -> bool:
+def schedules_closures(extended: StrategyExtended) -> bool:
     """Whether the Extended runs steps as coordinator closures (ParameterServerStrategy)."""
-    return bool(getattr(extended, "schedules_closures", False))
+    return extended.schedules_closures
 
 
 class KerasPsWorker:

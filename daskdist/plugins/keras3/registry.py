@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from daskdist import context
+from daskdist.strategy.base import Strategy
 
 __all__ = ["Record", "current_client_strategy", "is_open", "items", "lookup", "register"]
 
@@ -55,7 +56,7 @@ def current_client_strategy() -> Any:
     if frame is None or frame.replica_context is not None or frame.owner is not None:
         return None
     strategy = frame.strategy
-    return strategy if hasattr(strategy, "extended") and hasattr(strategy.extended, "step_driver") else None
+    return strategy if isinstance(strategy, Strategy) else None
 
 
 def register(obj: Any, strategy: Any) -> Record:

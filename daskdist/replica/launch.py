@@ -1,7 +1,9 @@
 """The replica task's entry point, importable by the client without importing the worker side.
 
-``ReplicaGroup.launch`` submits ``run_replica`` pinned to each member's
-worker; it imports the replica runtime only there, when the task runs.
+The strategies hand ``run_replica`` to their ``ReplicaGroup``
+(``replica_task``), which submits it pinned to each member's worker; it
+imports the replica runtime only there, when the task runs. The group handle
+never names it: ``daskdist.group`` sits below the replica runtime.
 """
 
 from __future__ import annotations
