@@ -175,7 +175,7 @@ def _batch(step):
 
 def _reference(variant):
     """One process on the global batch: what every replica must end with."""
-    model = _model(batch_norm=variant == "syncbn")
+    model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for step in range(STEPS):
         optimizer.zero_grad()
@@ -198,13 +198,11 @@ def _ddp_train(variant):
     dd.plugins.torch.init_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(rank)
-    model = _model(batch_norm=variant == "syncbn")
+    model = _model()
     if rank == 1:  # DDP's construction broadcasts rank 0's weights
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(1.0)
-    if variant == "syncbn":
-        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.001)  # a few small buckets
     hook_calls = []
     if variant == "hook":
@@ -234,12 +232,11 @@ def _ddp_train(variant):
     return [p.detach().numpy().copy() for p in model.parameters()], len(hook_calls)
 
 
+# SyncBatchNorm runs on CUDA modules only (DDP refuses it on CPU): tests/test_gpu_torch.py, on a GPU machine
 @pytest.mark.parametrize("variant,comm_thread", [("plain", False), ("plain", True), ("no_sync", True),
-                                                 ("hook", False), ("syncbn", True), ("zero", False)])
+                                                 ("hook", False), ("zero", False)])
 def test_ddp_matches_one_process_on_the_global_batch(process_client, variant, comm_thread):
     """Stock DDP over daskdist: equal parameters everywhere, equal to one process on the global batch."""
-    if variant == "syncbn" and not torch.cuda.is_available():
-        pytest.skip("torch's SyncBatchNorm runs on CUDA (or privateuse1) modules only; DDP refuses it on CPU")
     with dask.config.set({"daskdist.torch.comm-thread": comm_thread}):
         with dd.MirroredStrategy(client=process_client) as strategy:
             results = strategy.experimental_local_results(strategy.run(_ddp_train, args=(variant,)))
