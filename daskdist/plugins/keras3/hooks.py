@@ -127,6 +127,9 @@ def install() -> None:
             return apply
 
         _wrap(BaseOptimizer, "apply", make_apply)
+        # a mixed_float16 model's optimizer (Keras' compile wraps it): its own apply exchanges the scaled gradients
+        # before it unscales them and applies with the inner optimizer (whose apply is then Keras' own)
+        _wrap(LossScaleOptimizer, "apply", make_apply)
 
         def make_stateless_apply(original: Callable[..., Any]) -> Callable[..., Any]:
             def stateless_apply(self: Any, optimizer_variables: Any, grads: Any, trainable_variables: Any) -> Any:

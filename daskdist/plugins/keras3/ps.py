@@ -64,6 +64,7 @@ from daskdist import context
 from daskdist.group.service import MODEL
 from daskdist.plugins.keras3 import hooks, registry, update_rule
 from daskdist.plugins.keras3.backend import keras_backend, prepare_replica
+from daskdist.plugins.keras3.fit_semantics import finalize_optimizer, refuse_batch_callbacks, resumed_epoch
 from daskdist.plugins.keras3.payload import ModelPayload, pack_model, unpack_model
 from daskdist.plugins.keras3.resident import KerasTrainable, state_variables
 
@@ -383,11 +384,7 @@ def fit(model: Any, record: registry.Record, x: Any, y: Any, epochs: int, verbos
     if y is not None or not (isinstance(x, DatasetCreator) or callable(x)):
         raise ValueError(f"fit under {name} takes a `DatasetCreator` (or a `dataset_fn(input_context)`) as x, "
                          "and no y: each worker builds its own dataset")
-    batch_level = [type(cb).__name__ for cb in callbacks or []
-                   if any(getattr(type(cb), hook) is not getattr(keras.callbacks.Callback, hook)
-                          for hook in ("on_train_batch_begin", "on_train_batch_end"))]
-    if batch_level:
-        raise ValueError(f"Batch-level `Callback`s are not supported with `{name}`. Found: {batch_level}")
+    refuse_batch_callbacks(callbacks, name)
     _check(model, name)
     record.strategy.extended.check_open()
     coordinator = ClusterCoordinator(record.strategy)
@@ -407,7 +404,11 @@ def fit(model: Any, record: registry.Record, x: Any, y: Any, epochs: int, verbos
                                                  verbose=verbose_level, epochs=epochs, steps=steps_per_epoch,
                                                  model=model)
     model.stop_training = False
+    model._initial_epoch = None
     callback_list.on_train_begin()
+    initial_epoch = resumed_epoch(model, initial_epoch)
+    if record.fingerprint != held_digest(model):  # a callback loaded weights (BackupAndRestore): hold them
+        driver = _install(model, record, coordinator)
     logs: dict[str, Any] = {}
     for epoch in range(initial_epoch, epochs):
         model.reset_metrics()
@@ -428,6 +429,7 @@ def fit(model: Any, record: registry.Record, x: Any, y: Any, epochs: int, verbos
         callback_list.on_epoch_end(epoch, logs)
         if model.stop_training:
             break
+    finalize_optimizer(model, epochs)
     callback_list.on_train_end(logs)
     return model.history
 

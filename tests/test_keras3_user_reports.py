@@ -1,0 +1,170 @@
+"""What a new user tries with real Keras 3 models (torch backend), each compared with plain Keras 3.
+
+Mixed precision, ``BackupAndRestore``, custom-loop metrics, structured
+inputs, ``predict`` with ``steps_per_execution``, ``use_ema``, a train step
+mixing ``keras.ops`` and ``torch``, a model that cannot be installed,
+per-batch callbacks and a lost parameter server under parameter servers,
+and elastic growth after a scale-back. The replicas are worker processes
+(``forked_process_client``), one replica each, as users run them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("KERAS_BACKEND", "torch")  # before keras is imported, here and in the workers
+pytest.importorskip("torch")
+pytest.importorskip("keras")
+
+import dask.array as da  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import daskdist as dd  # noqa: E402
+from tests.keras3_models import (  # noqa: E402
+    assert_replicas_identical,
+    compile_model,
+    dense_data,
+    sequential,
+    twin,
+)
+
+pytestmark = pytest.mark.timeout(600)
+
+RTOL = 1e-5
+ATOL = 1e-6
+
+
+def _assert_same_weights(a, b, rtol=RTOL, atol=ATOL):
+    for x, y in zip(a.get_weights(), b.get_weights()):
+        np.testing.assert_allclose(x, y, rtol=rtol, atol=atol)
+
+
+def _mirrored(client):
+    return dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=client)
+
+
+@pytest.fixture(scope="module")
+def strategy(forked_process_client):
+    with _mirrored(forked_process_client) as mirrored:
+        yield mirrored
+
+
+def test_mixed_float16_fit_exchanges_the_scaled_gradients_and_takes_the_loss_scale_optimizer_state(strategy):
+    x, y = dense_data(rows=64)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        with strategy.scope():
+            model = compile_model(sequential(), keras.optimizers.Adam(1e-2))
+        plain = twin(model, sequential, keras.optimizers.Adam(1e-2))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert type(model.optimizer).__name__ == "LossScaleOptimizer"
+    history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    expected = plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    _assert_same_weights(model, plain, rtol=1e-2, atol=1e-3)
+    np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-2)
+    assert_replicas_identical(strategy, model)
+    for mine, theirs in zip(model.optimizer.variables, plain.optimizer.variables):  # the loss scale, its counter
+        np.testing.assert_allclose(np.asarray(mine.numpy(), dtype=np.float64),
+                                   np.asarray(theirs.numpy(), dtype=np.float64), rtol=1e-2, atol=1e-3)
+
+
+class _Interrupt(keras.callbacks.Callback):
+    """Raises when ``epoch`` begins, once."""
+
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch, self.armed, self.begun = epoch, True, []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.begun.append(epoch)
+        if self.armed and epoch == self.epoch:
+            self.armed = False
+            raise RuntimeError("interrupted")
+
+
+def _interrupted_twice(model, x, y, backup_dir):
+    """``fit`` of 4 epochs interrupted as epoch 2 begins, then run again with a ``BackupAndRestore``."""
+    interrupt = _Interrupt(2)
+    callbacks = [keras.callbacks.BackupAndRestore(str(backup_dir)), interrupt]
+    with pytest.raises(RuntimeError, match="interrupted"):
+        model.fit(x, y, batch_size=16, epochs=4, shuffle=False, verbose=0, callbacks=callbacks)
+    history = model.fit(x, y, batch_size=16, epochs=4, shuffle=False, verbose=0, callbacks=callbacks)
+    return interrupt.begun, history
+
+
+def test_backup_and_restore_resumes_at_the_epoch_it_saved_with_its_weights(strategy, tmp_path):
+    x, y = dense_data(rows=32)
+    with strategy.scope():
+        model = compile_model(sequential())
+    plain = twin(model, sequential)
+    begun, history = _interrupted_twice(model, x, y, tmp_path / "daskdist")
+    plain_begun, expected = _interrupted_twice(plain, x, y, tmp_path / "plain")
+    assert begun == plain_begun == [0, 1, 2, 2, 3]
+    np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=RTOL)
+    _assert_same_weights(model, plain)
+    assert_replicas_identical(strategy, model)
+
+
+def _two_inputs(kind):
+    a, b = keras.Input((4,), name="a"), keras.Input((4,), name="b")
+    joined = keras.layers.Concatenate()([keras.layers.Dense(8, activation="relu")(a), b])
+    outputs = keras.layers.Dense(4)(joined)
+    if kind == "dict":
+        return keras.Model({"a": a, "b": b}, outputs)
+    return keras.Model([a, b], outputs)
+
+
+@pytest.mark.parametrize("form", ["dict", "list", "dask dict"])
+def test_fit_takes_inputs_as_dicts_lists_and_dask_arrays_as_keras_does(strategy, form):
+    x, y = dense_data(rows=48)
+    kind = "dict" if "dict" in form else "list"
+    inputs = {"a": x[:, :4], "b": x[:, 4:]} if kind == "dict" else [x[:, :4], x[:, 4:]]
+    given = {k: da.from_array(v, chunks=16) for k, v in inputs.items()} if form == "dask dict" else inputs
+    with strategy.scope():
+        model = compile_model(_two_inputs(kind))
+    plain = twin(model, lambda: _two_inputs(kind))
+    history = model.fit(given, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    if form == "dask dict":  # partitions read where they live: not numpy's batches, but every row once
+        assert history.history["loss"][-1] < history.history["loss"][0]
+        assert_replicas_identical(strategy, model)
+        plain.set_weights(model.get_weights())
+    else:
+        expected = plain.fit(inputs, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=RTOL)
+        _assert_same_weights(model, plain)
+    assert model.evaluate(given, y, batch_size=16, verbose=0) == pytest.approx(
+        plain.evaluate(inputs, y, batch_size=16, verbose=0), rel=RTOL)
+
+
+def test_predict_with_steps_per_execution_as_fit_and_evaluate_take_it(strategy):
+    x, y = dense_data(rows=40)
+    with strategy.scope():
+        model = sequential()
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", steps_per_execution=2)
+    plain = sequential()
+    plain.set_weights(model.get_weights())
+    plain.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    y_onehot = np.eye(4, dtype=np.float32)[y]
+    model.fit(x, y_onehot, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    plain.fit(x, y_onehot, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    np.testing.assert_allclose(model.predict(x, batch_size=8, verbose=0), plain.predict(x, batch_size=8, verbose=0),
+                               rtol=RTOL, atol=ATOL)
+    assert model.steps_per_execution == 2
+
+
+def test_adam_with_ema_ends_fit_with_the_moving_averages_as_keras_does(strategy):
+    x, y = dense_data(rows=32)
+    with strategy.scope():
+        model = compile_model(sequential(), keras.optimizers.Adam(1e-2, use_ema=True))
+    plain = twin(model, sequential, keras.optimizers.Adam(1e-2, use_ema=True))
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    plain.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    _assert_same_weights(model, plain)
+    # the next fit starts from the averages on the replicas too
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    plain.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    _assert_same_weights(model, plain)
