@@ -168,3 +168,98 @@ def test_adam_with_ema_ends_fit_with_the_moving_averages_as_keras_does(strategy)
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     plain.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     _assert_same_weights(model, plain)
+
+
+GLOBAL_BATCH = 16
+
+
+def _loss(labels, logits):  # TF's compute_average_loss over the global batch
+    per_row = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+    return keras.ops.sum(per_row) / GLOBAL_BATCH
+
+
+def _custom_loop_objects():
+    model = sequential()
+    optimizer = keras.optimizers.SGD(0.1)
+    accuracy = keras.metrics.SparseCategoricalAccuracy()
+    mean_loss = keras.metrics.Mean()
+    return model, optimizer, accuracy, mean_loss
+
+
+def _tutorial_step(model, optimizer, accuracy, mean_loss):
+    """The TF custom-training tutorial's step, metrics updated in it; ``keras.ops`` and ``torch`` in one function."""
+    import torch
+
+    def train_step(inputs):
+        features, labels = inputs
+        logits = model(features, training=True)
+        loss = keras.ops.sum(keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True))
+        loss = loss / GLOBAL_BATCH
+        model.zero_grad()
+        loss.backward()
+        with torch.no_grad():
+            optimizer.apply([v.value.grad for v in model.trainable_variables], model.trainable_variables)
+        accuracy.update_state(labels, logits)
+        mean_loss.update_state(loss * GLOBAL_BATCH / keras.ops.shape(labels)[0], sample_weight=len(labels))
+        return float(loss)
+
+    return train_step
+
+
+def test_custom_loop_metrics_updated_in_strategy_run_are_summed_over_the_replicas_on_the_client(strategy):
+    x, y = dense_data(rows=48)
+    with strategy.scope():
+        model, optimizer, accuracy, mean_loss = _custom_loop_objects()
+    plain, plain_optimizer, plain_accuracy, plain_mean = _custom_loop_objects()
+    plain.set_weights(model.get_weights())
+    step = _tutorial_step(model, optimizer, accuracy, mean_loss)  # keras.ops and torch: shipped by reference
+    plain_step = _tutorial_step(plain, plain_optimizer, plain_accuracy, plain_mean)
+    dist = strategy.experimental_distribute_dataset(dd.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH))
+    for _epoch in range(2):
+        for batch in dist:
+            strategy.run(step, args=(batch,))
+        for k in range(0, len(x), GLOBAL_BATCH):
+            plain_step((x[k:k + GLOBAL_BATCH], y[k:k + GLOBAL_BATCH]))
+        assert float(accuracy.result()) > 0
+        np.testing.assert_allclose(float(accuracy.result()), float(plain_accuracy.result()), rtol=RTOL)
+        np.testing.assert_allclose(float(mean_loss.result()), float(plain_mean.result()), rtol=RTOL)
+        for metric in (accuracy, mean_loss, plain_accuracy, plain_mean):  # TF's tutorial resets them each epoch
+            metric.reset_state()
+    assert float(accuracy.result()) == 0.0
+    _assert_same_weights(model, plain)
+
+
+def test_a_function_using_an_unpicklable_global_names_it(strategy):
+    import threading
+
+    lock = threading.Lock()
+
+    def step():
+        with lock:
+            return 1
+
+    with pytest.raises(TypeError, match=r"function .*step.* uses 'lock' .*cannot be pickled.*Import it inside"):
+        strategy.run(step)
+
+
+@keras.saving.register_keras_serializable(package="daskdist_tests")
+class UnloadableDense(keras.layers.Dense):
+    """A layer whose ``get_config`` leaves out an argument of its ``__init__``: saved, it cannot be loaded."""
+
+    def __init__(self, units, extra, **kwargs):
+        super().__init__(units, **kwargs)
+        self.extra = extra
+
+
+def test_a_model_that_cannot_be_installed_fails_only_the_calls_that_use_it(strategy):
+    with strategy.scope():
+        broken = keras.Sequential([keras.Input((8,)), UnloadableDense(4, extra=3)])
+        working = sequential()
+    rows = np.ones((2, 8), np.float32)
+    with pytest.raises(RuntimeError, match="could not be installed on the replicas"):
+        strategy.run(lambda: broken(rows))
+    assert set(strategy.experimental_local_results(strategy.run(lambda: 1))) == {1}
+    outputs = strategy.experimental_local_results(strategy.run(lambda: np.asarray(working(rows).detach())))
+    np.testing.assert_allclose(outputs[0], np.asarray(working(rows).detach()), rtol=RTOL, atol=ATOL)
+    with pytest.raises(RuntimeError, match="could not be installed on the replicas"):  # still that call alone
+        strategy.run(lambda: broken(rows))
