@@ -263,3 +263,75 @@ def test_a_model_that_cannot_be_installed_fails_only_the_calls_that_use_it(strat
     np.testing.assert_allclose(outputs[0], np.asarray(working(rows).detach()), rtol=RTOL, atol=ATOL)
     with pytest.raises(RuntimeError, match="could not be installed on the replicas"):  # still that call alone
         strategy.run(lambda: broken(rows))
+
+
+
+class _BatchCounter(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        pass
+
+
+@pytest.mark.parametrize("form", ["subclass", "lambda", "lambda on_batch_end"])
+def test_parameter_servers_refuse_every_form_of_per_batch_callback_before_training(threaded_client, form):
+    from daskdist.cluster.identity import scheduler_workers
+
+    calls = []
+    callback = {"subclass": lambda: _BatchCounter(),
+                "lambda": lambda: keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: calls.append(b)),
+                "lambda on_batch_end": lambda: keras.callbacks.LambdaCallback(
+                    on_batch_end=lambda b, logs: calls.append(b))}[form]()
+    workers = sorted(scheduler_workers(threaded_client))
+    resolver = dd.cluster_resolver.SimpleClusterResolver(
+        dd.cluster_resolver.ClusterSpec({"ps": workers[:1], "worker": workers[1:]}))
+    with dd.ParameterServerStrategy(resolver, client=threaded_client) as ps:
+        with ps.scope():
+            model = compile_model(sequential())
+        before = model.get_weights()
+        epochs = keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: calls.append(epoch))  # allowed
+        with pytest.raises(ValueError, match=r"Batch-level `Callback`s are not supported with "
+                                             r"`ParameterServerStrategy`. Found: \['(_BatchCounter|LambdaCallback)'\]"):
+            model.fit(lambda ctx: dd.data.Dataset.range(8).batch(2).repeat(), steps_per_epoch=2, verbose=0,
+                      callbacks=[epochs, callback])
+        assert calls == []
+        for a, b in zip(before, model.get_weights()):
+            np.testing.assert_array_equal(a, b)
+
+@pytest.mark.slow
+def test_a_worker_added_after_a_loss_joins_the_next_fit_with_the_model_installed_before_any_restore(
+        process_workers):
+    """A fit loses a worker (kill -9 with its nanny) and finishes on 2; the cluster is scaled back to 3 (a new
+    worker process); the next ``fit`` of the same model with ``initial_epoch`` admits the newcomer at its start:
+    it gets the model, then the commit, and trains as one process."""
+    from daskdist.cluster.identity import scheduler_workers
+    from daskdist.plugins.keras3.backend import prepare_replica
+    from tests.support.killers import kill_at_step
+    from tests.support.models import slow_batch
+
+    workers = process_workers(3)
+    workers.client.run(prepare_replica, "torch")
+    x, y = dense_data(rows=240)
+    train = dd.data.Dataset.from_tensor_slices((x, y)).batch(24).map(slow_batch)  # 10 steps per epoch
+    options = dd.ElasticOptions(min_replicas=2, commit_every=2, cooldown=0)
+    with dd.MirroredStrategy(client=workers.client, elastic=options) as elastic:
+        with elastic.scope():
+            model = compile_model(sequential(), keras.optimizers.Adam(1e-2))
+        plain = twin(model, sequential, keras.optimizers.Adam(1e-2))
+        model.evaluate(x[:24], y[:24], verbose=0)  # installed before the kill watcher's clock starts
+        victim = elastic.extended.worker_addresses[1]
+        name = scheduler_workers(workers.client)[victim]["name"]
+        thread, record = kill_at_step(workers, victim, step=5)
+        model.fit(train, epochs=1, verbose=0)
+        thread.join(5)
+        assert "killed" in record, "the worker was never killed"
+        assert elastic.num_replicas_in_sync == 2
+        workers.add(name)  # the cluster scaled back to 3: the new worker has the lost one's name, as scale names it
+        workers.client.wait_for_workers(3, timeout=120)
+        workers.client.run(prepare_replica, "torch")
+        history = model.fit(train, epochs=2, initial_epoch=1, verbose=0)
+        plain.fit(x, y, batch_size=24, epochs=1, shuffle=False, verbose=0)
+        expected = plain.fit(x, y, batch_size=24, epochs=2, initial_epoch=1, shuffle=False, verbose=0)
+        assert elastic.num_replicas_in_sync == 3
+        assert [len(event.admitted) for event in history.elastic.events] == [1]
+        assert history.history["loss"] == pytest.approx(expected.history["loss"], rel=RTOL)
+        _assert_same_weights(model, plain)
+        assert_replicas_identical(elastic, model)
