@@ -170,6 +170,24 @@ def test_adam_with_ema_ends_fit_with_the_moving_averages_as_keras_does(strategy)
     _assert_same_weights(model, plain)
 
 
+
+def test_validation_freq_as_keras_and_each_refused_argument_says_what_to_do_instead(strategy):
+    x, y = dense_data(rows=32)
+    with strategy.scope():
+        model = compile_model(sequential())
+    plain = twin(model, sequential)
+    history = model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0, validation_data=(x, y),
+                        validation_freq=2)
+    expected = plain.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0, validation_data=(x, y),
+                         validation_freq=2)
+    assert len(history.history["val_loss"]) == len(expected.history["val_loss"]) == 1
+    np.testing.assert_allclose(history.history["val_loss"], expected.history["val_loss"], rtol=RTOL)
+    with pytest.raises(NotImplementedError, match=r"class_weight: give each row its class's weight as a sample "
+                                                  r"weight in the dataset's \(x, y, weight\) elements"):
+        model.fit(x, y, class_weight={0: 1.0, 1: 2.0, 2: 1.0, 3: 1.0}, verbose=0)
+    with pytest.raises(NotImplementedError, match=r"validation_split: split the data yourself"):
+        model.fit(x, y, validation_split=0.25, verbose=0)
+
 GLOBAL_BATCH = 16
 
 
@@ -315,7 +333,9 @@ def test_a_worker_added_after_a_loss_joins_the_next_fit_with_the_model_installed
     with dd.MirroredStrategy(client=workers.client, elastic=options) as elastic:
         with elastic.scope():
             model = compile_model(sequential(), keras.optimizers.Adam(1e-2))
+            other = compile_model(sequential())  # another model of the scope, on the replicas too
         plain = twin(model, sequential, keras.optimizers.Adam(1e-2))
+        other.evaluate(x[:24], y[:24], verbose=0)
         model.evaluate(x[:24], y[:24], verbose=0)  # installed before the kill watcher's clock starts
         victim = elastic.extended.worker_addresses[1]
         name = scheduler_workers(workers.client)[victim]["name"]
@@ -335,3 +355,5 @@ def test_a_worker_added_after_a_loss_joins_the_next_fit_with_the_model_installed
         assert history.history["loss"] == pytest.approx(expected.history["loss"], rel=RTOL)
         _assert_same_weights(model, plain)
         assert_replicas_identical(elastic, model)
+        assert other.evaluate(x, y, verbose=0) == pytest.approx(  # the other model reaches the newcomer when used
+            twin(other, sequential).evaluate(x, y, verbose=0), rel=RTOL)

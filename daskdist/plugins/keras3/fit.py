@@ -30,7 +30,13 @@ import optree
 
 from daskdist.plugins.keras3 import commands, loops, registry, update_rule
 from daskdist.plugins.keras3.backend import check_backend, check_model, keras_backend
-from daskdist.plugins.keras3.fit_semantics import finalize_optimizer, one_step_per_execution, resumed_epoch
+from daskdist.plugins.keras3.fit_semantics import (
+    finalize_optimizer,
+    one_step_per_execution,
+    resumed_epoch,
+    should_evaluate,
+    unsupported_fit_arguments,
+)
 from daskdist.plugins.keras3.payload import pack_model
 from daskdist.strategy.training_contract import ParameterHoldingDriver
 
@@ -215,8 +221,8 @@ def _as_dataset(record: registry.Record, x: Any, y: Any, batch_size: int | None,
             raise ValueError("y must not be given when x is a Dataset (it yields (x, y) pairs)")
         return x, None
     x, y = _as_arrays(x), None if y is None else _as_arrays(y)
-    structure = x if y is None else (x, y)
-    leaves = optree.tree_leaves(structure)
+    structure: Any = x if y is None else (x, y)
+    leaves: list[Any] = optree.tree_leaves(structure)
     if any(hasattr(leaf, "__dask_graph__") for leaf in leaves):
         import dask.array as da
 
@@ -244,11 +250,12 @@ def _as_arrays(data: Any) -> Any:
         return leaf if hasattr(leaf, "__dask_graph__") else np.asarray(leaf)
 
     if isinstance(data, (dict, list, tuple)):
-        leaves = optree.tree_leaves(data)
+        tree: Any = data
+        leaves: list[Any] = optree.tree_leaves(tree)
         if leaves and all(np.ndim(leaf) == 0 and not hasattr(leaf, "__dask_graph__") for leaf in leaves):
             return np.asarray(data)  # rows of numbers written as lists
         # lists become tuples: a dataset's element takes a list for one array (Keras reads both as inputs)
-        return _tuples(optree.tree_map(array, data))
+        return _tuples(optree.tree_map(array, tree))
     return array(data)
 
 
@@ -320,11 +327,7 @@ def fit(original: Callable[..., Any], model: Any, x: Any = None, y: Any = None, 
         return ps.fit(model, record, x, y, epochs, verbose, callbacks, validation_data, initial_epoch,
                       steps_per_epoch, lambda: _learning_rate(model), validation_steps, validation_batch_size,
                       validation_freq)
-    unsupported = {"validation_split": validation_split != 0.0, "class_weight": class_weight is not None,
-                   "sample_weight": sample_weight is not None, "validation_freq": validation_freq != 1}
-    if any(unsupported.values()):
-        raise NotImplementedError(f"fit under a daskdist strategy does not take {[k for k, v in unsupported.items() if v]}"
-                                  " yet: put the weights in the dataset's (x, y, weight) elements, split it yourself")
+    unsupported_fit_arguments(validation_split, class_weight, sample_weight)
     extended = record.strategy.extended
     options = getattr(extended, "elastic", None)
     per_batch = loops.needs_batch_hooks(callbacks, "train")
@@ -418,7 +421,7 @@ def fit(original: Callable[..., Any], model: Any, x: Any = None, y: Any = None, 
             update_rule.take_stored(model, record.strategy.client, driver)
         record.fingerprint = fingerprint(model)
         record.dirty = False
-        if validation_data is not None:
+        if validation_data is not None and should_evaluate(epoch, validation_freq):
             model.stop_evaluating = False
             if elastic is not None:
                 callback_list.on_test_begin()

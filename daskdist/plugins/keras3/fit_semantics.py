@@ -5,7 +5,9 @@ SPMD loop in ``fit.py``, the parameter-server loop in ``ps.py``):
 ``resumed_epoch`` after ``on_train_begin`` (``BackupAndRestore``),
 ``finalize_optimizer`` after the last epoch (``use_ema=True``),
 ``refuse_batch_callbacks`` where per-batch hooks cannot run,
-``one_step_per_execution`` around ``predict`` on the client's copy.
+``one_step_per_execution`` around ``predict`` on the client's copy,
+``should_evaluate`` (``validation_freq``) after each epoch, and
+``unsupported_fit_arguments`` before anything runs.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["TRAIN_BATCH_HOOKS", "finalize_optimizer", "one_step_per_execution", "refuse_batch_callbacks", "resumed_epoch"]
+__all__ = ["TRAIN_BATCH_HOOKS", "finalize_optimizer", "one_step_per_execution", "refuse_batch_callbacks", "resumed_epoch",
+           "should_evaluate", "unsupported_fit_arguments"]
 
 
 def resumed_epoch(model: Any, initial_epoch: int) -> int:
@@ -77,3 +80,34 @@ def refuse_batch_callbacks(callbacks: Any, strategy_name: str) -> None:
         raise ValueError(f"Batch-level `Callback`s are not supported with `{strategy_name}`. Found: {found}. Their "
                          "per-batch hooks (on_train_batch_begin/end, on_batch_begin/end) would not run: use "
                          "epoch-level hooks (on_epoch_begin/end)")
+
+
+def should_evaluate(epoch: int, freq: Any) -> bool:
+    """Keras' ``validation_freq`` rule: every ``freq`` epochs (an int), or at the epochs (1-based) listed."""
+    if isinstance(freq, int):
+        return (epoch + 1) % freq == 0
+    return epoch + 1 in freq
+
+
+#: What to do instead of each ``fit`` argument the SPMD strategies do not take yet.
+_INSTEAD = {
+    "validation_split": "split the data yourself and pass the held-out part as validation_data",
+    "class_weight": "give each row its class's weight as a sample weight in the dataset's (x, y, weight) elements",
+    "sample_weight": "put the weights in the dataset's (x, y, weight) elements",
+}
+
+
+def unsupported_fit_arguments(validation_split: float, class_weight: Any, sample_weight: Any) -> None:
+    """Refuse the ``fit`` arguments daskdist's SPMD fit does not take yet, each with what to do instead.
+
+    Raises
+    ------
+    NotImplementedError
+        One of them is given.
+    """
+    given = {"validation_split": validation_split != 0.0, "class_weight": class_weight is not None,
+             "sample_weight": sample_weight is not None}
+    refused = [name for name, on in given.items() if on]
+    if refused:
+        advice = "; ".join(f"{name}: {_INSTEAD[name]}" for name in refused)
+        raise NotImplementedError(f"fit under a daskdist strategy does not take {refused} yet ({advice})")
