@@ -1,11 +1,12 @@
 """What a new user tries with real Keras 3 models (torch backend), each compared with plain Keras 3.
 
 Mixed precision, ``BackupAndRestore``, custom-loop metrics, structured
-inputs, ``predict`` with ``steps_per_execution``, ``use_ema``, a train step
-mixing ``keras.ops`` and ``torch``, a model that cannot be installed,
-per-batch callbacks and a lost parameter server under parameter servers,
-and elastic growth after a scale-back. The replicas are worker processes
-(``forked_process_client``), one replica each, as users run them.
+inputs, ``predict`` with ``steps_per_execution``, ``use_ema``,
+``validation_freq``, a train step mixing ``keras.ops`` and ``torch``, a
+model that cannot be installed, per-batch callbacks under parameter servers,
+and elastic growth after a kill and a scale-back. The replicas are worker
+processes (``forked_process_client``; ``process_workers`` where a worker is
+killed), one replica each, as users run them.
 """
 
 from __future__ import annotations
