@@ -432,10 +432,14 @@ def assign_state(model: Any, state: dict[str, Any], seeds: bool = True) -> None:
 
 
 def _check_same_layout(variables: Sequence[Any], values: Sequence[Any], owner: str) -> None:
-    """Refuse values that are not the variables' own, one for one (another optimizer's layout)."""
+    """Refuse values that are not the variables' own, position by position (another optimizer's layout).
+
+    Fewer values than variables is a copy whose optimizer holds no slots (parameters held off the replicas):
+    the leading ones (step count, learning rate) are taken.
+    """
     shapes = [tuple(v.shape) for v in variables]
     given = [tuple(np.shape(value)) for value in values]
-    if shapes != given:
+    if any(a != b for a, b in zip(shapes, given)):
         raise ValueError(f"the {owner}'s {len(shapes)} variables (shapes {shapes}) do not match the {len(given)} "
                          f"values given (shapes {given}): the copy that took them holds another optimizer")
 
