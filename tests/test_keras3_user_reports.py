@@ -358,3 +358,43 @@ def test_a_worker_added_after_a_loss_joins_the_next_fit_with_the_model_installed
         assert_replicas_identical(elastic, model)
         assert other.evaluate(x, y, verbose=0) == pytest.approx(  # the other model reaches the newcomer when used
             twin(other, sequential).evaluate(x, y, verbose=0), rel=RTOL)
+
+
+@pytest.mark.slow
+def test_a_parameter_server_lost_during_keras_fit_raises_parameter_server_lost_error_at_once(process_workers):
+    """The ps worker and its nanny killed (kill -9) mid-epoch, while the workers' closures push to it."""
+    import threading
+    import time
+
+    from daskdist.plugins.keras3.backend import prepare_replica
+    from tests.support.models import slow_batch
+
+    workers = process_workers(3)
+    workers.client.run(prepare_replica, "torch")
+    x, y = dense_data(rows=64)
+
+    def dataset_fn(ctx):
+        return (dd.data.Dataset.from_tensor_slices((x, y)).shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+                .batch(8).map(slow_batch).repeat())
+
+    resolver = dd.cluster_resolver.DaskClusterResolver(workers.client, num_ps=1)  # 1 ps, 2 workers
+    with dd.ParameterServerStrategy(resolver) as ps:
+        with ps.scope():
+            model = compile_model(sequential())
+        (ps_address,) = ps.extended.ps_addresses
+        killed = []
+
+        def kill_soon():
+            time.sleep(1.0)  # a few slow steps into epoch 1
+            workers.kill(ps_address)
+            killed.append(time.monotonic())
+
+        def at_epoch(epoch, logs):
+            if epoch == 1:
+                threading.Thread(target=kill_soon, daemon=True).start()
+
+        with pytest.raises(dd.ParameterServerLostError):
+            model.fit(dd.experimental.DatasetCreator(dataset_fn), epochs=3, steps_per_epoch=20, verbose=0,
+                      callbacks=[keras.callbacks.LambdaCallback(on_epoch_begin=at_epoch)])
+        assert killed, "the parameter server was never killed"
+        assert time.monotonic() - killed[0] < 4  # the coordinator's promise: within about a second
