@@ -9,8 +9,13 @@ unpickled), with the replica's traceback attached as a note.
 
 from __future__ import annotations
 
+import functools
+import importlib
+import io
 import pickle
+import sys
 import traceback
+import types
 from typing import Any
 
 import cloudpickle
@@ -29,9 +34,89 @@ def add_note(error: BaseException, note: str) -> None:
         error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]
 
 
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle's pickler that also ships module objects of a ``ModuleType`` subclass by reference.
+
+    cloudpickle pickles modules by name (or by value, for a dynamic one),
+    but it picks that reducer by exact type: a package's submodule object of
+    its own module class (``torch.ops``, a ``torch._ops._Ops``, which a
+    function using ``keras.ops`` and ``torch`` makes cloudpickle ship) would
+    otherwise be pickled as a plain object, which fails.
+    """
+
+    def reducer_override(self, obj: Any) -> Any:
+        if (isinstance(obj, types.ModuleType) and type(obj) is not types.ModuleType
+                and sys.modules.get(getattr(obj, "__name__", "")) is obj):
+            return importlib.import_module, (obj.__name__,)
+        return super().reducer_override(obj)
+
+
 def dumps(obj: Any) -> bytes:
-    """Pickle ``obj`` (functions by value where needed)."""
-    return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    """Pickle ``obj`` (functions by value where needed; importable modules by name).
+
+    Raises
+    ------
+    TypeError
+        ``obj`` holds something that cannot be pickled; for a function, the message names the global or
+        captured variable that cannot, and how to ship it.
+    """
+    buffer = io.BytesIO()
+    try:
+        _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    except (TypeError, pickle.PicklingError, AttributeError) as error:
+        culprit = _unpicklable_reference(obj)
+        if culprit is None:
+            raise
+        raise TypeError(f"{culprit}: {error}. Import it inside the function (or pass it as an argument), or "
+                        "define it in a module the workers can import") from error
+    return buffer.getvalue()
+
+
+def _unpicklable_reference(obj: Any, depth: int = 0, seen: set[int] | None = None) -> str | None:
+    """Which global or captured variable of a function in ``obj`` cannot be pickled (``None``: none found)."""
+    seen = set() if seen is None else seen
+    if depth > 4 or id(obj) in seen:
+        return None
+    seen.add(id(obj))
+    if isinstance(obj, functools.partial):
+        return _unpicklable_reference((obj.func, obj.args, obj.keywords), depth + 1, seen)
+    if isinstance(obj, (tuple, list)):
+        items: list[Any] = list(obj)
+    elif isinstance(obj, dict):
+        items = list(obj.values())
+    elif isinstance(obj, types.FunctionType):
+        code = obj.__code__
+        referenced = {name: obj.__globals__[name] for name in code.co_names if name in obj.__globals__}
+        referenced.update({name: cell.cell_contents for name, cell in zip(code.co_freevars, obj.__closure__ or ())
+                           if _has_contents(cell)})
+        for name, value in referenced.items():
+            if isinstance(value, types.FunctionType):
+                found = _unpicklable_reference(value, depth + 1, seen)
+                if found is not None:
+                    return found
+                continue
+            try:
+                _Pickler(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+            except Exception:
+                return (f"function {obj.__qualname__!r} (module {obj.__module__!r}) cannot be shipped to the "
+                        f"replicas: it uses {name!r} ({type(value).__module__}.{type(value).__qualname__}), "
+                        "which cannot be pickled")
+        return None
+    else:
+        return None
+    for item in items:
+        found = _unpicklable_reference(item, depth + 1, seen)
+        if found is not None:
+            return found
+    return None
+
+
+def _has_contents(cell: Any) -> bool:
+    try:
+        _ = cell.cell_contents
+    except ValueError:  # an empty cell
+        return False
+    return True
 
 
 def loads(data: bytes | bytearray | memoryview) -> Any:

@@ -26,6 +26,7 @@ from daskdist.elastic.replica import (
     commit_keys,
     commit_state,
     install_commit,
+    lacking_residents,
     missing_residents,
     restore_commit,
 )
@@ -394,16 +395,31 @@ def _restore_common_commit(group: ReplicaGroup, admitted: list[str], install_new
         commit = group.call(commit_state, (key,), member=source)[0]
         for rank in newcomers:
             install_newcomer(rank)
+        skips = _not_given(group, newcomers, commit)
         targets = [r for r, d in zip(old, digests) if d != digests[0]] + newcomers
         healed = len(set(digests)) > 1
         if healed:
             logger.warning("Replicas %s of %s held a different state at commit %s: healed from replica %d",
                            targets, group.group_id, key, source)
-        fixed = group.call(install_commit, (commit,), ranks=targets)
+        fixed = group.call(install_commit, [(commit, skips.get(r, [])) for r in range(group.size)], ranks=targets)
         digests = [digests[0]] + list(fixed)
     if len(set(digests)) != 1:
         raise ElasticRecoveryError(f"the members of {group.group_id} hold different states after restoring {key}")
     return key, healed
+
+
+def _not_given(group: ReplicaGroup, newcomers: list[int], commit: Any) -> dict[int, list[tuple[str, str]]]:
+    """The residents of ``commit`` each newcomer was not given (``install_newcomer`` gives what the trainer
+    trains; a custom loop's optimizer or metric copy is made again where it is next used): left out of its
+    restore, so the newcomer gets the commit of what it holds instead of failing the restore."""
+    if not newcomers:
+        return {}
+    lacking = group.call(lacking_residents, (commit.resident_keys(),), ranks=newcomers)
+    skips = {rank: [tuple(k) for k in keys] for rank, keys in zip(newcomers, lacking) if keys}
+    if skips:
+        logger.warning("Newcomers of %s were not given residents of commit %s (%s): not restored there", group.group_id,
+                       commit.key, skips)
+    return skips  # type: ignore[return-value]
 
 
 def recover_within_budget(group: ReplicaGroup, options: ElasticOptions, error: BaseException, failures: int,

@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -41,6 +41,7 @@ __all__ = [
     "commit_state",
     "elastic_train_epoch",
     "install_commit",
+    "lacking_residents",
     "restore_commit",
     "state_digest",
     "take_commit",
@@ -284,11 +285,21 @@ def commit_state(service: ReplicaService, key: CommitKey) -> Commit:
     return commit_ring(service).get(key)
 
 
-def install_commit(service: ReplicaService, commit: Commit) -> str:
-    """Take ``commit`` from another replica: restore it and keep it as this replica's newest commit."""
+def lacking_residents(service: ReplicaService, keys: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Which of the residents ``keys`` (a commit's) this replica does not hold."""
+    return [(kind, object_id) for kind, object_id in keys if (kind, object_id) not in service.objects]
+
+
+def install_commit(service: ReplicaService, commit: Commit, skip: Sequence[tuple[str, str]] = ()) -> str:
+    """Take ``commit`` from another replica: restore it and keep it as this replica's newest commit.
+
+    ``skip``: residents of the commit a newcomer was not given (its trainer installs only what it trains);
+    they are left out of the restore (the digest returned is the whole commit's).
+    """
     ring = commit_ring(service)
     ring.settle()
-    service.objects.restore(commit.state)
+    skipped = {tuple(key) for key in skip}
+    service.objects.restore({key: value for key, value in commit.state.items() if key not in skipped})
     if fault_points.ARMED:
         fault_points.restoring(service.rank, commit.key[2])
     ring.drop_after(commit.key)

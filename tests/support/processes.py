@@ -64,9 +64,10 @@ class ProcessWorkers:
         return subprocess.Popen(self._command + ["--name", name], env=self._env, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
 
-    def add(self) -> None:
-        """Start one more worker (with its nanny)."""
-        self.nannies.append(self._start(f"w{len(self.nannies)}"))
+    def add(self, name: str | None = None) -> None:
+        """Start one more worker (with its nanny), named ``name`` (a lost worker's: as ``LocalCluster.scale``
+        names the worker it starts in place of a lost one), else a new name."""
+        self.nannies.append(self._start(name or f"w{len(self.nannies)}"))
 
     def pids(self, address: str) -> tuple[int, int]:
         """(worker pid, nanny pid) of the worker at ``address``."""

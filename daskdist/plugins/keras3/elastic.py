@@ -117,6 +117,16 @@ class KerasElasticFit(ElasticSession):
         return logs
 
     def install_newcomer(self, rank: int) -> None:
-        """Give a newcomer the model (its weights and optimizer state then come with the commit)."""
-        payload = pack_model(self.model, keras_backend())
-        self.extended.run_on_replica(rank, commands.install_model, (self.record.object_id, payload))
+        """Give a newcomer the model, and every other model of the scope the members hold (a commit restores
+        them all: their weights and optimizer states then come with it)."""
+        import keras
+
+        from daskdist.plugins.keras3 import registry
+
+        models = [(self.model, self.record)] + [
+            (obj, record) for obj, record in registry.items()
+            if obj is not self.model and isinstance(obj, keras.Model) and record.fingerprint is not None
+            and record.strategy is self.record.strategy]
+        for model, record in models:
+            payload = pack_model(model, keras_backend())
+            self.extended.run_on_replica(rank, commands.install_model, (record.object_id, payload))

@@ -26,9 +26,17 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import optree
 
 from daskdist.plugins.keras3 import commands, loops, registry, update_rule
 from daskdist.plugins.keras3.backend import check_backend, check_model, keras_backend
+from daskdist.plugins.keras3.fit_semantics import (
+    finalize_optimizer,
+    one_step_per_execution,
+    resumed_epoch,
+    should_evaluate,
+    unsupported_fit_arguments,
+)
 from daskdist.plugins.keras3.payload import pack_model
 from daskdist.strategy.training_contract import ParameterHoldingDriver
 
@@ -199,7 +207,11 @@ def _pull(model: Any, record: registry.Record) -> None:
 
 
 def _as_dataset(record: registry.Record, x: Any, y: Any, batch_size: int | None, shuffle: bool) -> tuple[Any, Any]:
-    """The data as a batched ``daskdist.data.Dataset`` and one input row (to build the model)."""
+    """The data as a batched ``daskdist.data.Dataset`` and one input row (to build the model).
+
+    ``x`` (and ``y``) may be arrays or any structure of them Keras' own ``fit`` takes: a dict of named inputs,
+    a list or tuple of inputs, nested; numpy (or array-likes) or Dask arrays.
+    """
     from daskdist.data.dataset import Dataset
 
     if x is None:
@@ -208,27 +220,64 @@ def _as_dataset(record: registry.Record, x: Any, y: Any, batch_size: int | None,
         if y is not None:
             raise ValueError("y must not be given when x is a Dataset (it yields (x, y) pairs)")
         return x, None
-    if hasattr(x, "__dask_graph__"):
-        structure = x if y is None else (x, y)
+    x, y = _as_arrays(x), None if y is None else _as_arrays(y)
+    structure: Any = x if y is None else (x, y)
+    leaves: list[Any] = optree.tree_leaves(structure)
+    if any(hasattr(leaf, "__dask_graph__") for leaf in leaves):
+        import dask.array as da
+
+        structure = optree.tree_map(lambda a: a if hasattr(a, "__dask_graph__") else da.from_array(a), structure)
         dataset = Dataset.from_dask(structure)
-        sample = np.asarray(x[:1].compute())
+        sample = optree.tree_map(lambda a: np.asarray(a[:1].compute() if hasattr(a, "__dask_graph__") else a[:1]), x)
     else:
-        x_array = np.asarray(x)
-        if y is not None and len(np.asarray(y)) != len(x_array):
-            raise ValueError(f"x and y have different lengths ({len(x_array)} and {len(np.asarray(y))})")
-        dataset = Dataset.from_tensor_slices(x_array if y is None else (x_array, np.asarray(y)))
-        sample = x_array[:1]
-        if shuffle:
-            dataset = dataset.shuffle(len(x_array))
+        lengths = {len(leaf) for leaf in leaves}
+        if len(lengths) > 1:
+            raise ValueError("x and y have different lengths: every array of x (and y) must have the same number "
+                             f"of rows, got {optree.tree_map(len, structure)}")
+        dataset = Dataset.from_tensor_slices(structure)
+        sample = optree.tree_map(lambda a: a[:1], x)
+        if shuffle and lengths:
+            dataset = dataset.shuffle(lengths.pop())
     return dataset.batch(batch_size or 32), sample
+
+
+def _as_arrays(data: Any) -> Any:
+    """``data`` as Keras' ``fit`` reads it: an array, or a structure (dict, list, tuple, nested) of arrays.
+
+    Dask arrays stay Dask arrays; anything else becomes numpy. A list (or tuple) of numbers is one array.
+    """
+    def array(leaf: Any) -> Any:
+        return leaf if hasattr(leaf, "__dask_graph__") else np.asarray(leaf)
+
+    if isinstance(data, (dict, list, tuple)):
+        tree: Any = data
+        leaves: list[Any] = optree.tree_leaves(tree)
+        if leaves and all(np.ndim(leaf) == 0 and not hasattr(leaf, "__dask_graph__") for leaf in leaves):
+            return np.asarray(data)  # rows of numbers written as lists
+        # lists become tuples: a dataset's element takes a list for one array (Keras reads both as inputs)
+        return _tuples(optree.tree_map(array, tree))
+    return array(data)
+
+
+def _tuples(data: Any) -> Any:
+    """``data`` with every list a tuple."""
+    if isinstance(data, dict):
+        return {key: _tuples(value) for key, value in data.items()}
+    if isinstance(data, (list, tuple)) and not hasattr(data, "_fields"):
+        return tuple(_tuples(value) for value in data)
+    return data
 
 
 def _dataset_sample(record: registry.Record, dataset: Any) -> Any:
     """One input row of zeros shaped as the dataset's elements (to build an unbuilt model)."""
     spec = dataset.element_spec_with(record.strategy.client)
     first = spec[0] if isinstance(spec, (tuple, list)) else spec
-    shape = tuple(1 if d is None else int(d) for d in getattr(first, "shape", ()))
-    return np.zeros(shape, dtype=np.dtype(getattr(first, "dtype", "float32")))
+
+    def zeros(leaf: Any) -> np.ndarray:
+        shape = tuple(1 if d is None else int(d) for d in getattr(leaf, "shape", ()))
+        return np.zeros(shape, dtype=np.dtype(getattr(leaf, "dtype", "float32")))
+
+    return optree.tree_map(zeros, first)
 
 
 def _distribute(record: registry.Record, x: Any, y: Any, batch_size: int | None, shuffle: bool,
@@ -278,11 +327,7 @@ def fit(original: Callable[..., Any], model: Any, x: Any = None, y: Any = None, 
         return ps.fit(model, record, x, y, epochs, verbose, callbacks, validation_data, initial_epoch,
                       steps_per_epoch, lambda: _learning_rate(model), validation_steps, validation_batch_size,
                       validation_freq)
-    unsupported = {"validation_split": validation_split != 0.0, "class_weight": class_weight is not None,
-                   "sample_weight": sample_weight is not None, "validation_freq": validation_freq != 1}
-    if any(unsupported.values()):
-        raise NotImplementedError(f"fit under a daskdist strategy does not take {[k for k, v in unsupported.items() if v]}"
-                                  " yet: put the weights in the dataset's (x, y, weight) elements, split it yourself")
+    unsupported_fit_arguments(validation_split, class_weight, sample_weight)
     extended = record.strategy.extended
     options = extended.elastic
     per_batch = loops.needs_batch_hooks(callbacks, "train")
@@ -346,7 +391,11 @@ def fit(original: Callable[..., Any], model: Any, x: Any = None, y: Any = None, 
         record.dirty = True  # get_weights, save: the replicas' weights first
 
     model.stop_training = False
+    model._initial_epoch = None
     callback_list.on_train_begin()
+    initial_epoch = resumed_epoch(model, initial_epoch)
+    if record.fingerprint != fingerprint(model):  # a callback loaded weights (BackupAndRestore): install them
+        prepare() if elastic is None else elastic.prepare(prepare)
     if elastic is not None:
         for callback in callback_list.callbacks:  # the History fit returns: its ledger, rows and events, as
             if isinstance(callback, keras.callbacks.History):  # the built-in layers' fit keeps them
@@ -372,7 +421,7 @@ def fit(original: Callable[..., Any], model: Any, x: Any = None, y: Any = None, 
             update_rule.take_stored(model, record.strategy.client, driver)
         record.fingerprint = fingerprint(model)
         record.dirty = False
-        if validation_data is not None:
+        if validation_data is not None and should_evaluate(epoch, validation_freq):
             model.stop_evaluating = False
             if elastic is not None:
                 callback_list.on_test_begin()
@@ -385,6 +434,7 @@ def fit(original: Callable[..., Any], model: Any, x: Any = None, y: Any = None, 
         callback_list.on_epoch_end(epoch, logs)
         if model.stop_training:
             break
+    finalize_optimizer(model, epochs)
     callback_list.on_train_end(logs)
     return model.history
 
@@ -430,10 +480,12 @@ def predict(original: Callable[..., Any], model: Any, x: Any, batch_size: int | 
         _pull(model, record)
         from daskdist.data.dataset import Dataset
 
-        if isinstance(x, Dataset):
-            return _predict_dataset(model, x, steps, callbacks)
-        if hasattr(x, "__dask_graph__"):
-            x = np.asarray(x.compute())
+        with one_step_per_execution(model):
+            if isinstance(x, Dataset):
+                return _predict_dataset(model, x, steps, callbacks)
+            if hasattr(x, "__dask_graph__"):
+                x = np.asarray(x.compute())
+            return original(model, x, batch_size, verbose, steps, callbacks)
     return original(model, x, batch_size, verbose, steps, callbacks)
 
 

@@ -22,9 +22,10 @@ Installed once, when ``keras`` is imported in a process that imported
 * ``__reduce_ex__`` of recorded models and optimizers: inside
   ``strategy.run(fn)`` a captured model or optimizer travels as a reference to
   the replica's own copy (as distributed variables do).
-* ``Metric.__init__`` records metrics created in a ``ParameterServerStrategy``'s
-  scope, and their ``__reduce_ex__`` makes them references in scheduled
-  functions whose updates count on the client's metric (``ps_metrics.py``).
+* ``Metric.__init__`` records metrics created in a strategy's scope, and their
+  ``__reduce_ex__`` makes them references in scheduled functions
+  (``ParameterServerStrategy``: ``ps_metrics.py``) or in ``strategy.run``
+  (``replica_metrics.py``) whose updates count on the client's metric.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def install() -> None:
         from keras.src.optimizers.base_optimizer import BaseOptimizer
         from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 
-        from daskdist.plugins.keras3 import exchange, fit, ps_metrics, tensorboard
+        from daskdist.plugins.keras3 import exchange, fit, ps_metrics, replica_metrics, tensorboard
 
         def make_init(original: Callable[..., Any]) -> Callable[..., Any]:
             def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -109,6 +110,7 @@ def install() -> None:
             def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
                 original(self, *args, **kwargs)
                 ps_metrics.created(self)
+                replica_metrics.created(self)
             return __init__
 
         _wrap(Metric, "__init__", make_metric_init)
@@ -127,6 +129,9 @@ def install() -> None:
             return apply
 
         _wrap(BaseOptimizer, "apply", make_apply)
+        # a mixed_float16 model's optimizer (Keras' compile wraps it): its own apply exchanges the scaled gradients
+        # before it unscales them and applies with the inner optimizer (whose apply is then Keras' own)
+        _wrap(LossScaleOptimizer, "apply", make_apply)
 
         def make_stateless_apply(original: Callable[..., Any]) -> Callable[..., Any]:
             def stateless_apply(self: Any, optimizer_variables: Any, grads: Any, trainable_variables: Any) -> Any:

@@ -5,14 +5,20 @@ settings, weights, optimizer state) and loaded on each replica with
 ``keras.saving.load_model``. Classes that are not Keras' own (a subclassed
 model, a custom layer or loss) travel with it as ``custom_objects``: Dask
 pickles them by reference when the workers can import their module, by value
-when they live in ``__main__`` (a script or a notebook).
+when they live in ``__main__`` (a script or a notebook). The model's dtype
+policy travels too: Keras' ``compile`` wraps the optimizer of a
+``mixed_float16`` model in a ``LossScaleOptimizer``, so the replica loads the
+model under that policy (its global one, meanwhile) to hold the same optimizer
+(and the same optimizer variables, in the same order) as the client.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,11 +27,13 @@ __all__ = ["ModelPayload", "custom_objects", "pack_model", "unpack_model"]
 
 @dataclass
 class ModelPayload:
-    """What a replica needs to rebuild a model: the backend, the ``.keras`` bytes, the custom classes."""
+    """What a replica needs to rebuild a model: the backend, the ``.keras`` bytes, the custom classes, and the
+    model's dtype policy (``None``: the replica's global one)."""
 
     backend: str
     keras_bytes: bytes
     custom: dict[str, Any] = field(default_factory=dict)
+    dtype_policy: str | None = None
 
 
 def _is_custom(obj: Any) -> bool:
@@ -59,7 +67,8 @@ def pack_model(model: Any, backend: str) -> ModelPayload:
         model.save(path)
         with open(path, "rb") as f:
             data = f.read()
-    return ModelPayload(backend, data, custom_objects(model))
+    policy = getattr(model, "dtype_policy", None)
+    return ModelPayload(backend, data, custom_objects(model), getattr(policy, "name", None))
 
 
 def unpack_model(payload: ModelPayload) -> Any:
@@ -70,7 +79,23 @@ def unpack_model(payload: ModelPayload) -> Any:
         path = os.path.join(directory, "model.keras")
         with open(path, "wb") as f:
             f.write(payload.keras_bytes)
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _global_dtype_policy(payload.dtype_policy):
             # an optimizer that has not taken a step yet is saved without its slots: Keras warns on load
             warnings.filterwarnings("ignore", message="Skipping variable loading for optimizer")
             return keras.saving.load_model(path, custom_objects=payload.custom, compile=True, safe_mode=True)
+
+
+@contextlib.contextmanager
+def _global_dtype_policy(name: str | None) -> Iterator[None]:
+    """Keras' global dtype policy set to ``name`` meanwhile (Keras keeps it per thread: this replica's alone)."""
+    import keras
+
+    before = keras.config.dtype_policy()
+    if name is None or name == before.name:
+        yield
+        return
+    keras.config.set_dtype_policy(name)
+    try:
+        yield
+    finally:
+        keras.config.set_dtype_policy(before)

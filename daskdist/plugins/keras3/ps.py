@@ -51,10 +51,11 @@ closure commits (``ps_metrics``).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -64,6 +65,12 @@ from daskdist import context
 from daskdist.group.service import MODEL
 from daskdist.plugins.keras3 import hooks, registry, update_rule
 from daskdist.plugins.keras3.backend import keras_backend, prepare_replica
+from daskdist.plugins.keras3.fit_semantics import (
+    finalize_optimizer,
+    refuse_batch_callbacks,
+    resumed_epoch,
+    should_evaluate,
+)
 from daskdist.plugins.keras3.payload import ModelPayload, pack_model, unpack_model
 from daskdist.plugins.keras3.resident import KerasTrainable, state_variables
 
@@ -325,13 +332,6 @@ def _evaluation(coordinator: Any, model_id: str, x: Any, y: Any, batch_size: int
     return lambda: [coordinator.schedule(_evaluate_rows, args=(model_id, group)) for group in groups]
 
 
-def _should_eval(epoch: int, freq: Any) -> bool:
-    """Keras' rule: every ``freq`` epochs (an int), or at the epochs (1-based) listed."""
-    if isinstance(freq, int):
-        return (epoch + 1) % freq == 0
-    return epoch + 1 in freq
-
-
 def _held(model: Any, record: registry.Record, coordinator: Any) -> None:
     """Hold the client's copy on the stores and workers unless they hold it already (evaluate)."""
     if record.driver is None or record.fingerprint != held_digest(model):
@@ -386,11 +386,7 @@ def fit(model: Any, record: registry.Record, x: Any, y: Any, epochs: int, verbos
     if y is not None or not (isinstance(x, DatasetCreator) or callable(x)):
         raise ValueError(f"fit under {name} takes a `DatasetCreator` (or a `dataset_fn(input_context)`) as x, "
                          "and no y: each worker builds its own dataset")
-    batch_level = [type(cb).__name__ for cb in callbacks or []
-                   if any(getattr(type(cb), hook) is not getattr(keras.callbacks.Callback, hook)
-                          for hook in ("on_train_batch_begin", "on_train_batch_end"))]
-    if batch_level:
-        raise ValueError(f"Batch-level `Callback`s are not supported with `{name}`. Found: {batch_level}")
+    refuse_batch_callbacks(callbacks, name)
     _check(model, name)
     record.strategy.extended.check_open()
     coordinator = ClusterCoordinator(record.strategy)
@@ -410,18 +406,24 @@ def fit(model: Any, record: registry.Record, x: Any, y: Any, epochs: int, verbos
                                                  verbose=verbose_level, epochs=epochs, steps=steps_per_epoch,
                                                  model=model)
     model.stop_training = False
+    model._initial_epoch = None
     callback_list.on_train_begin()
+    initial_epoch = resumed_epoch(model, initial_epoch)
+    if record.fingerprint != held_digest(model):  # a callback loaded weights (BackupAndRestore): hold them
+        driver = _install(model, record, coordinator)
     logs: dict[str, Any] = {}
     for epoch in range(initial_epoch, epochs):
         model.reset_metrics()
         callback_list.on_epoch_begin(epoch)
         lr = learning_rate()
-        values = [coordinator.schedule(_train_closure, args=(record.object_id, iterator, n, lr))
-                  for n in _chunks(steps_per_epoch, size)]
-        coordinator.join()
-        logs = _sum_logs(model, coordinator.fetch(values))
-        _take_stored(model, record, driver)
-        if evaluation is not None and _should_eval(epoch, validation_freq):
+        with parameter_servers_lost_as_such(record):
+            values = [coordinator.schedule(_train_closure, args=(record.object_id, iterator, n, lr))
+                      for n in _chunks(steps_per_epoch, size)]
+            coordinator.join()
+            logs = _sum_logs(model, coordinator.fetch(values))
+            coordinator.done()  # a parameter server's loss the coordinator already knows: raised now
+            _take_stored(model, record, driver)
+        if evaluation is not None and should_evaluate(epoch, validation_freq):
             callback_list.on_test_begin()
             values = evaluation()
             coordinator.join()
@@ -431,8 +433,38 @@ def fit(model: Any, record: registry.Record, x: Any, y: Any, epochs: int, verbos
         callback_list.on_epoch_end(epoch, logs)
         if model.stop_training:
             break
+    finalize_optimizer(model, epochs)
     callback_list.on_train_end(logs)
     return model.history
+
+
+@contextlib.contextmanager
+def parameter_servers_lost_as_such(record: registry.Record) -> Iterator[None]:
+    """A ``ReplicaLostError`` of a lost parameter server (one named by the error, or the stores' group failed)
+    raised as ``ParameterServerLostError``, the coordinator's error for it, whichever call met the loss first
+    (a closure, or the client reading the stores)."""
+    from daskdist.exceptions import ParameterServerLostError, ReplicaLostError
+
+    try:
+        yield
+    except ParameterServerLostError:
+        raise
+    except ReplicaLostError as error:
+        extended = record.strategy.extended
+        worker = getattr(error, "worker", None)
+        if worker not in extended.ps_addresses and not _stores_failed(extended):
+            raise
+        raise ParameterServerLostError(f"a parameter server is lost; training cannot continue (restart from a "
+                                       f"checkpoint with a new strategy): {error}", worker=worker) from error
+
+
+def _stores_failed(extended: Any) -> bool:
+    """Whether the scheduler failed the parameter servers' group (a ps left the cluster)."""
+    group = getattr(extended, "store_group", None)
+    try:
+        return group is not None and group.status()[0] == "failed"
+    except Exception:  # noqa: BLE001 - the client is closing: not known
+        return False
 
 
 # -- custom loops: ClusterCoordinator.schedule of a function using the model and optimizer -------------------

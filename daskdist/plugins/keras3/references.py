@@ -11,6 +11,7 @@ optimizer becomes its class and configuration, built once per replica, whose
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from daskdist import context
@@ -18,7 +19,9 @@ from daskdist.group.service import MODEL
 from daskdist.plugins.keras3 import registry
 from daskdist.plugins.keras3.backend import keras_backend, prepare_replica
 
-__all__ = ["OptimizerResident", "place_models", "reduce", "resolve_model", "resolve_optimizer"]
+__all__ = ["OptimizerResident", "install_or_keep_error", "place_models", "reduce", "resolve_model", "resolve_optimizer"]
+
+logger = logging.getLogger(__name__)
 
 _OPTIMIZER_PREFIX = "optimizer/"
 
@@ -49,9 +52,18 @@ def reduce(obj: Any, record: registry.Record) -> tuple[Any, tuple[Any, ...]]:
         from daskdist.plugins.keras3 import ps
 
         return ps.reference(obj, record)
+    from keras.src.metrics.metric import Metric
+
+    if isinstance(obj, Metric):
+        from daskdist.plugins.keras3 import replica_metrics
+
+        return replica_metrics.reference(obj, record)
     token = record.strategy.extended.token
     if isinstance(obj, BaseOptimizer):
         return resolve_optimizer, (token, record.object_id, keras_backend(), type(obj), obj.get_config())
+    if record.fingerprint is None and record.install_error is not None:
+        raise RuntimeError(f"model {obj.name!r} could not be installed on the replicas, so a function using it cannot "
+                           f"run there: {record.install_error[1]}") from record.install_error[1]
     if record.fingerprint is None:
         raise RuntimeError(f"model {obj.name!r} is not on the replicas yet: build it (give it an Input, or call it on "
                            "one batch) before strategy.run uses it")
@@ -68,7 +80,31 @@ def place_models(extended: Any) -> None:
     for obj, record in registry.items():
         if (record.strategy.extended is extended and record.fingerprint is None and isinstance(obj, keras.Model)
                 and obj.built):
-            fit.ensure_installed(obj, record)
+            install_or_keep_error(obj, record, fit.ensure_installed)
+
+
+def install_or_keep_error(model: Any, record: registry.Record, install: Any) -> None:
+    """``install(model, record)``; if it fails, keep the error on the record instead of raising it.
+
+    Every built model of the scope is placed before any ``strategy.run``:
+    one that cannot be installed must fail only the calls whose function uses
+    it (``reduce`` raises the kept error), not every later call. Its install
+    is tried again once the model changed (compile, new weights).
+    """
+    from daskdist.plugins.keras3.fit import fingerprint
+
+    current = fingerprint(model)
+    if record.install_error is not None and record.install_error[0] == current:
+        return
+    try:
+        install(model, record)
+    except Exception as error:
+        if not registry.is_open(record):
+            raise
+        logger.warning("model %r could not be installed on the replicas: %s", model.name, error)
+        record.install_error = (current, error)
+    else:
+        record.install_error = None
 
 
 def _runtime(token: str, what: str) -> Any:

@@ -45,6 +45,8 @@ class Record:
     """Under ParameterServerStrategy, a model's: the optimizer its custom loops apply with (its rule on the ps)."""
     model_id: str | None = None
     """Under ParameterServerStrategy, an optimizer's: the model it was paired with for custom loops."""
+    install_error: tuple[Any, BaseException] | None = None
+    """A model's failed install before a ``strategy.run``: (the model's fingerprint then, the error)."""
 
 
 _records: weakref.WeakKeyDictionary[Any, Record] = weakref.WeakKeyDictionary()

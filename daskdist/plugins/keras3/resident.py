@@ -426,8 +426,22 @@ def assign_state(model: Any, state: dict[str, Any], seeds: bool = True) -> None:
     if optimizer is not None and state["optimizer"]:
         if not optimizer.built:
             optimizer.build(model.trainable_variables)
+        _check_same_layout(optimizer.variables, state["optimizer"], type(optimizer).__name__)
         for variable, value in zip(optimizer.variables, state["optimizer"]):
             variable.assign(value)
+
+
+def _check_same_layout(variables: Sequence[Any], values: Sequence[Any], owner: str) -> None:
+    """Refuse values that are not the variables' own, position by position (another optimizer's layout).
+
+    Fewer values than variables is a copy whose optimizer holds no slots (parameters held off the replicas):
+    the leading ones (step count, learning rate) are taken.
+    """
+    shapes = [tuple(v.shape) for v in variables]
+    given = [tuple(np.shape(value)) for value in values]
+    if any(a != b for a, b in zip(shapes, given)):
+        raise ValueError(f"the {owner}'s {len(shapes)} variables (shapes {shapes}) do not match the {len(given)} "
+                         f"values given (shapes {given}): the copy that took them holds another optimizer")
 
 
 def _numpy_dtype(variable: Any) -> Any:

@@ -1,0 +1,113 @@
+"""What Keras' own ``fit`` and ``predict`` do around their loops, which daskdist's fit loops do the same way.
+
+Small functions each fit loop calls at the same point Keras' does (the
+SPMD loop in ``fit.py``, the parameter-server loop in ``ps.py``):
+``resumed_epoch`` after ``on_train_begin`` (``BackupAndRestore``),
+``finalize_optimizer`` after the last epoch (``use_ema=True``),
+``refuse_batch_callbacks`` where per-batch hooks cannot run,
+``one_step_per_execution`` around ``predict`` on the client's copy,
+``should_evaluate`` (``validation_freq``) after each epoch, and
+``unsupported_fit_arguments`` before anything runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["TRAIN_BATCH_HOOKS", "finalize_optimizer", "one_step_per_execution", "refuse_batch_callbacks", "resumed_epoch",
+           "should_evaluate", "unsupported_fit_arguments"]
+
+
+def resumed_epoch(model: Any, initial_epoch: int) -> int:
+    """The epoch ``fit`` starts at once ``on_train_begin`` ran: the one a callback set (``BackupAndRestore`` sets
+    ``model._initial_epoch`` from its backup, as Keras' own ``fit`` reads it), else ``initial_epoch``."""
+    return int(getattr(model, "_initial_epoch", None) or initial_epoch)
+
+
+def finalize_optimizer(model: Any, epochs: int) -> None:
+    """What Keras' ``fit`` does after its last epoch: ``optimizer.finalize_variable_values`` on the client's model
+    (``use_ema=True``: the weights become their moving averages). The replicas' copy then differs from the
+    client's, which the next command installs again (its fingerprint changed)."""
+    import keras
+
+    optimizer = getattr(model, "optimizer", None)
+    if isinstance(optimizer, keras.optimizers.Optimizer) and epochs > 0:
+        optimizer.finalize_variable_values(model.trainable_weights)
+
+
+@contextlib.contextmanager
+def one_step_per_execution(model: Any) -> Iterator[None]:
+    """``model.steps_per_execution`` 1 meanwhile: ``predict`` on the client's copy runs Keras' own loop, which on
+    the torch backend takes no other (the predictions do not depend on it; ``fit`` and ``evaluate`` run it on the
+    replicas, which take any)."""
+    size = getattr(model, "steps_per_execution", 1)
+    if size == 1:
+        yield
+        return
+    model.steps_per_execution = 1
+    model.predict_function = None
+    try:
+        yield
+    finally:
+        model.steps_per_execution = size
+        model.predict_function = None
+
+
+#: The per-batch hooks of a training loop (``on_batch_*`` are Keras' aliases of the training ones).
+TRAIN_BATCH_HOOKS = ("on_train_batch_begin", "on_train_batch_end", "on_batch_begin", "on_batch_end")
+
+
+def refuse_batch_callbacks(callbacks: Any, strategy_name: str) -> None:
+    """Refuse callbacks with per-batch training hooks, TensorFlow's error under parameter servers.
+
+    Every form counts the same: a ``Callback`` subclass overriding a hook, a
+    ``LambdaCallback`` given one (Keras sets it on the instance), a hook set
+    on an instance by hand; Keras' own defaults (marked by Keras) do not.
+
+    Raises
+    ------
+    ValueError
+        One of ``callbacks`` has a per-batch training hook.
+    """
+    from keras.src.utils.python_utils import is_default
+
+    listed = getattr(callbacks, "callbacks", callbacks) or []
+    found = [type(callback).__name__ for callback in listed
+             if any(not is_default(getattr(callback, hook)) for hook in TRAIN_BATCH_HOOKS if hasattr(callback, hook))]
+    if found:
+        raise ValueError(f"Batch-level `Callback`s are not supported with `{strategy_name}`. Found: {found}. Their "
+                         "per-batch hooks (on_train_batch_begin/end, on_batch_begin/end) would not run: use "
+                         "epoch-level hooks (on_epoch_begin/end)")
+
+
+def should_evaluate(epoch: int, freq: Any) -> bool:
+    """Keras' ``validation_freq`` rule: every ``freq`` epochs (an int), or at the epochs (1-based) listed."""
+    if isinstance(freq, int):
+        return (epoch + 1) % freq == 0
+    return epoch + 1 in freq
+
+
+#: What to do instead of each ``fit`` argument the SPMD strategies do not take yet.
+_INSTEAD = {
+    "validation_split": "split the data yourself and pass the held-out part as validation_data",
+    "class_weight": "give each row its class's weight as a sample weight in the dataset's (x, y, weight) elements",
+    "sample_weight": "put the weights in the dataset's (x, y, weight) elements",
+}
+
+
+def unsupported_fit_arguments(validation_split: float, class_weight: Any, sample_weight: Any) -> None:
+    """Refuse the ``fit`` arguments daskdist's SPMD fit does not take yet, each with what to do instead.
+
+    Raises
+    ------
+    NotImplementedError
+        One of them is given.
+    """
+    given = {"validation_split": validation_split != 0.0, "class_weight": class_weight is not None,
+             "sample_weight": sample_weight is not None}
+    refused = [name for name, on in given.items() if on]
+    if refused:
+        advice = "; ".join(f"{name}: {_INSTEAD[name]}" for name in refused)
+        raise NotImplementedError(f"fit under a daskdist strategy does not take {refused} yet ({advice})")
