@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from daskdist.exceptions import OutsideScopeError
 from daskdist.plugins.keras3 import commands, loops, registry, update_rule
 from daskdist.plugins.keras3.backend import check_backend, check_model, keras_backend
 from daskdist.plugins.keras3.payload import pack_model
@@ -47,10 +48,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-class OutsideScopeError(ValueError):
-    """A Keras object created outside a strategy's scope is compiled or trained inside it (TF refuses it too)."""
 
 
 # -- creation -------------------------------------------------------------------------
