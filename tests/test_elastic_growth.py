@@ -57,6 +57,15 @@ def test_free_workers_join_at_each_fit_and_losses_during_and_after_growth_are_re
             dd.MirroredStrategy(client=workers.client, elastic=options) as strategy:
         with strategy.scope():
             model = models.model()
+        # the reference: the same fits in this process, no strategy (each step applied once, in order)
+        reference = models.model(model.get_weights())
+
+        def assert_weights_equal_one_process(epochs):
+            models.assert_replicas_hold_the_same_weights(strategy)  # a newcomer too
+            reference.fit(models.train_set(), epochs=epochs, verbose=0)
+            for got, want in zip(model.get_weights(), reference.get_weights(), strict=True):
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
         # 1. a worker lost mid-fit: the fit ends on the 2 survivors
         with dask.config.set({"daskdist.testing.pause-at": "forward:4:1", "daskdist.testing.pause-file": str(marks[0])}):
             killer = Killer(marks[0])
@@ -64,6 +73,7 @@ def test_free_workers_join_at_each_fit_and_losses_during_and_after_growth_are_re
             killer.join()
         assert strategy.num_replicas_in_sync == 2
         _every_row_once(history, 1)
+        assert_weights_equal_one_process(1)
 
         # 2. the cluster is scaled back to 3: the next fit admits the new worker before its first step, and a
         # member killed while the group restores its first commit for the newcomer (rank 1, at the commit's
@@ -79,6 +89,7 @@ def test_free_workers_join_at_each_fit_and_losses_during_and_after_growth_are_re
         (restored,) = [e for e in history.elastic.events if e.action == "restored"]
         assert restored.lost == [record["address"]] and record["address"] not in strategy.extended.worker_addresses
         _every_row_once(history, 1)
+        assert_weights_equal_one_process(1)  # the newcomer given the state restored nothing stale
 
         assert int(model._optimizer_state()["iterations"]) == 20  # each step applied once
 
@@ -100,6 +111,7 @@ def test_free_workers_join_at_each_fit_and_losses_during_and_after_growth_are_re
         assert grew.admitted[0] in strategy.extended.worker_addresses
         _every_row_once(history, 2)
         assert int(model._optimizer_state()["iterations"]) == 10 + 10 + 20  # each step applied once
+        assert_weights_equal_one_process(2)  # the newcomer trained from the state it was given
 
 
 def test_a_commit_every_member_made_whose_reply_is_lost_is_recovered_to_without_a_row_dropped_or_repeated(

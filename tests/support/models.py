@@ -67,3 +67,21 @@ def uninterrupted_weights(client, weights, dataset, epochs: int) -> list:
             reference = model(weights)
         reference.fit(dataset, epochs=epochs, verbose=0)
         return reference.get_weights()
+
+
+def _replica_weights(service) -> list[list[np.ndarray]]:
+    from daskdist.group.service import MODEL
+
+    return [[np.array(w) for w in service.objects.get(MODEL, model_id).model.get_weights()]
+            for model_id in sorted(service.objects.ids(MODEL))]
+
+
+def assert_replicas_hold_the_same_weights(strategy) -> None:
+    """Every replica's copy of every model the strategy's replicas hold equals replica 0's, bit for bit."""
+    held = strategy.extended.run_on_replicas(_replica_weights)
+    assert held[0], "the replicas hold no model"
+    for rank, models_of_rank in enumerate(held[1:], start=1):
+        assert len(models_of_rank) == len(held[0]), rank
+        for mine, first in zip(models_of_rank, held[0], strict=True):
+            for a, b in zip(mine, first, strict=True):
+                assert np.array_equal(a, b), f"replica {rank} holds other weights than replica 0"
