@@ -34,11 +34,16 @@ def data(n=240, features=4, seed=0):
     return rng.random((n, features)).astype(np.float32), rng.integers(0, 3, n).astype(np.int64)
 
 
-def model(weights=None):
-    """A 4 -> 8 -> 3 classifier with Adam(0.01), built, with ``weights`` if given."""
+def model(weights=None, optimizer: str = "adam"):
+    """A 4 -> 8 -> 3 classifier with Adam(0.01) (``optimizer="sgd"``: SGD(0.5)), built, with ``weights`` if given.
+
+    Adam divides a gradient by its running scale, so a gradient off by a factor moves its weights only a
+    little; under SGD the same bug moves them by that factor.
+    """
     made = keras.Sequential([keras.layers.Dense(8, activation="relu", input_shape=(4,)), keras.layers.Dense(3)])
+    chosen = keras.optimizers.Adam(0.01) if optimizer == "adam" else keras.optimizers.SGD(0.5)
     made.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                 optimizer=keras.optimizers.Adam(0.01), metrics=["accuracy"])
+                 optimizer=chosen, metrics=["accuracy"])
     made.build((4,))
     if weights is not None:
         made.set_weights(weights)
