@@ -12,13 +12,29 @@
     ├── StaleGenerationError             a message of an older membership generation was rejected
     ├── OutOfRangeError                  (StopIteration) get_next after the end of the data
     ├── CheckpointError                  (ValueError) a checkpoint is missing, damaged or does not fit
-    └── CollectiveError                  a collective could not complete
-        ├── CollectiveMismatchError      (ValueError) replicas passed different shapes, dtypes or structures
-        ├── CollectiveTimeoutError       (TimeoutError) a replica did not join within the deadline
-        └── CollectiveAbortedError       another replica failed during the same run
+    ├── CollectiveError                  a collective could not complete
+    │   ├── CollectiveMismatchError      (ValueError) replicas passed different shapes, dtypes or structures
+    │   ├── CollectiveTimeoutError       (TimeoutError) a replica did not join within the deadline
+    │   └── CollectiveAbortedError       another replica failed during the same run
+    ├── OutsideScopeError                (ValueError) a Keras 3 model made outside a scope is trained inside it
+    ├── UnsupportedBackendError          (ValueError) Keras 3 runs on a backend daskdist cannot train with
+    ├── UnsupportedOptimizerError        (NotImplementedError) an optimizer the parameter stores cannot run
+    ├── WeightsDifferError               (ValueError) the replicas' copies of a Keras 3 model differ
+    └── internal signals, caught inside daskdist (never raised to users):
+        ├── MailboxTimeout               a tagged message did not arrive before its deadline
+        ├── PayloadMismatch              a received array does not have the size the receiver expected
+        ├── LaneMismatch                 a peer's message of the same collective has another signature
+        └── StopAtCommit                 an elastic epoch's command ends at a commit (workers join or leave)
 
 A builtin in parentheses is a second base: code that catches it (``except
 ValueError``, a ``for`` loop ending on ``StopIteration``) keeps working.
+The Keras 3 adapter's errors are also importable from ``daskdist.plugins.keras3``,
+and each internal signal from the module that raises it.
+
+The wire (``daskdist.wire``) sits below everything and imports nothing of
+daskdist, so its two errors are ``ConnectionError`` subclasses defined there:
+``PeerClosed`` (the peer closed the connection) and ``WireRejected`` (a
+greeting of another protocol or with a wrong secret).
 
 ``ReplicaLostError`` is the recoverable error: an elastic strategy
 (``elastic=dd.ElasticOptions(...)``) recovers from it by itself, on the
@@ -42,12 +58,20 @@ __all__ = [
     "CollectiveTimeoutError",
     "DaskdistError",
     "ElasticRecoveryError",
+    "LaneMismatch",
+    "MailboxTimeout",
     "OutOfRangeError",
+    "OutsideScopeError",
     "ParameterServerLostError",
+    "PayloadMismatch",
     "RendezvousError",
     "ReplicaLostError",
     "StaleGenerationError",
+    "StopAtCommit",
     "StrategyClosedError",
+    "UnsupportedBackendError",
+    "UnsupportedOptimizerError",
+    "WeightsDifferError",
 ]
 
 
@@ -152,6 +176,58 @@ class CollectiveTimeoutError(CollectiveError, TimeoutError):
 
 class CollectiveAbortedError(CollectiveError):
     """The collective was aborted because another replica of the same run failed."""
+
+
+# -- the Keras 3 adapter's errors -------------------------------------------------------
+
+
+class OutsideScopeError(DaskdistError, ValueError):
+    """A Keras object created outside a strategy's scope is compiled or trained inside it (TF refuses it too)."""
+
+
+class UnsupportedBackendError(DaskdistError, ValueError):
+    """Keras runs on a backend daskdist cannot train with (TensorFlow's is bound to TF's own strategies)."""
+
+
+class UnsupportedOptimizerError(DaskdistError, NotImplementedError):
+    """A Keras optimizer (or option) that the parameter stores cannot run."""
+
+
+class WeightsDifferError(DaskdistError, ValueError):
+    """The replicas' copies of a model do not hold the same weights at the start of training."""
+
+
+# -- internal signals: raised and caught inside daskdist ----------------------------------
+
+
+class MailboxTimeout(DaskdistError):
+    """Internal: the deadline passed before the tagged message arrived."""
+
+
+class PayloadMismatch(DaskdistError):
+    """Internal: a received array does not have the size the receiver expected."""
+
+    def __init__(self, got: object, expected: object):
+        super().__init__(f"got {got} elements, expected {expected}")
+        self.got = got
+        self.expected = expected
+
+
+class LaneMismatch(DaskdistError):
+    """A peer's message of the same collective has another signature; ``peer_signature`` says what it passed."""
+
+    def __init__(self, peer_signature: str):
+        super().__init__(peer_signature)
+        self.peer_signature = peer_signature
+
+
+class StopAtCommit(DaskdistError):
+    """Raised at a commit to end an epoch's command there: free workers wait to be admitted, or members retire."""
+
+    def __init__(self, step: int, leave: bool):
+        super().__init__(step)
+        self.step = step
+        self.leave = leave
 
 
 #: Error kinds carried in abort messages, mapped to the class each replica raises.

@@ -2,10 +2,10 @@
 
 ``threaded_client``: a LocalCluster whose 3 workers are threads of this
 process (fast; real Dask workers, comms and scheduler). ``forked_process_client``: 3 worker
-processes forked from one server, for one module. ``process_client``: 2
-workers in their own processes, as users run them, started once per session
-(pytest process) and shared by the modules, started again for the next module
-if a test left it with fewer workers. Crash tests build their own clusters.
+processes, and ``process_client``: 2, each with its nanny, forked from the session's server
+(``tests/support/forkserver.py``, which imported daskdist, torch and Keras), started once per session
+(pytest process) and shared by the modules, started again for the next module if a test left one with
+fewer workers or failed. Crash tests build their own clusters (``make_cluster``, ``process_workers``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import dask
 import pytest
 from distributed import Client, LocalCluster
 
-from tests.support.forkserver import forkserver_settings  # imported first: its snapshot of the environment
+from tests.support import cpu_profile
+from tests.support.forkserver import forkserver_settings  # imported before any test: its snapshot of the environment
 
 
 def _cluster(n_workers: int, processes: bool, **kwargs) -> LocalCluster:
@@ -41,8 +42,8 @@ def threaded_client():
 class _SharedCluster:
     """A cluster of ``n`` workers shared by the session's modules; built again where one is missing or stuck."""
 
-    def __init__(self, n_workers: int, processes: bool):
-        self.n_workers, self.processes = n_workers, processes
+    def __init__(self, n_workers: int, processes: bool, forked: bool = False):
+        self.n_workers, self.processes, self.forked = n_workers, processes, forked
         self.cluster: LocalCluster | None = None
         self.client: Client | None = None
 
@@ -57,12 +58,15 @@ class _SharedCluster:
             except OSError:
                 pass
             self.close()
-        self.cluster = _cluster(self.n_workers, self.processes)
+        with dask.config.set(forkserver_settings() if self.forked else {}):
+            self.cluster = _cluster(self.n_workers, self.processes)
         self.client = Client(self.cluster, set_as_default=False)
         return self.client
 
     def close(self) -> None:
         if self.client is not None:
+            if self.forked:
+                cpu_profile.note_cluster_cpu(self.client)
             self.client.close()
             self.client = None
         if self.cluster is not None:
@@ -72,7 +76,14 @@ class _SharedCluster:
 
 @pytest.fixture(scope="session")
 def _shared_process_cluster():
-    shared = _SharedCluster(2, processes=True)
+    shared = _SharedCluster(2, processes=True, forked=True)
+    yield shared
+    shared.close()
+
+
+@pytest.fixture(scope="session")
+def _shared_forked_cluster():
+    shared = _SharedCluster(3, processes=True, forked=True)
     yield shared
     shared.close()
 
@@ -81,8 +92,8 @@ def _shared_process_cluster():
 def process_client(request, _shared_process_cluster):
     """2 worker processes (with nannies) and a client, shared with the session's other modules.
 
-    Starting them costs seconds on a loaded machine (two interpreters per worker importing dask and
-    daskdist), once per session instead of once per module. Tests must leave both workers running and
+    Forked from the session's server (``tests/support/forkserver.py``: daskdist, torch and Keras imported
+    already), once per session instead of once per module. Tests must leave both workers running and
     unconfigured; a module that needs processes nobody used before defines its own ``process_client``.
     After a module in which a test failed (a timeout may leave replicas running there) the next module
     gets new processes.
@@ -94,16 +105,18 @@ def process_client(request, _shared_process_cluster):
 
 
 @pytest.fixture(scope="module")
-def forked_process_client():
-    """3 worker processes forked from the session's server (``make_cluster``'s), shared by one module's tests.
+def forked_process_client(request, _shared_forked_cluster):
+    """3 worker processes forked from the session's server (``make_cluster``'s), shared by the session's modules.
 
     For a framework's real models, whose replicas each hold a whole framework runtime: one replica per
     process, as users run them (``threaded_client`` puts three in this process beside the test's own model).
+    The server imported torch and Keras (on torch) already. As with ``process_client``: tests leave the three
+    workers running and unconfigured, and a module in which a test failed hands the next one new processes.
     """
-    with dask.config.set(forkserver_settings()):
-        cluster = _cluster(3, processes=True)
-        with cluster, Client(cluster, set_as_default=False) as client:
-            yield client
+    failed = request.session.testsfailed
+    yield _shared_forked_cluster.healthy()
+    if request.session.testsfailed != failed:
+        _shared_forked_cluster.close()
 
 
 @pytest.fixture
@@ -129,6 +142,7 @@ def make_cluster():
     with settings:
         yield make
         for cluster, client in made:
+            cpu_profile.note_cluster_cpu(client)
             client.close()
             cluster.close()
 
@@ -224,8 +238,6 @@ def netns_tls_hosts(_netns_tls_hosts_of_module):
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """With ``DASKDIST_TEST_CPU_LOG`` set, each test's wall and CPU seconds go to that file (support.cpu_profile)."""
-    from tests.support import cpu_profile
-
     path = os.environ.get(cpu_profile.LOG_ENV)
     sample = cpu_profile.Sample() if path else None
     try:
@@ -269,7 +281,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def warm_pool():
-    """The session's pool of fresh ``dask worker`` sets, built ahead in the background."""
+    """The session's pool of fresh ``dask worker`` sets with nannies, built ahead in the background."""
     from tests.support.processes import WarmPool, warm_pool_enabled
 
     pool = WarmPool(enabled=warm_pool_enabled())
@@ -279,17 +291,19 @@ def warm_pool():
 
 @pytest.fixture
 def process_workers(warm_pool):
-    """``make(n)``: ``n`` fresh ``dask worker`` processes (with nannies) and a client; all closed afterwards.
+    """``make(n, nanny=False)``: ``n`` fresh worker processes and a client; all closed afterwards.
 
-    Closing stops the test's kill watchers first, then sweeps the shared-memory segments of the replicas
-    killed here (only those whose creator is gone).
+    Forked from the session's fork server without nannies (``nanny=True``: ``dask worker`` processes with
+    their nannies, for a test of a restart; ``tests/support/processes.py``). Closing stops the test's kill
+    watchers first, then sweeps the shared-memory segments of the replicas killed here (only those whose
+    creator is gone).
     """
     from daskdist.collective.transport.shm_orphans import sweep_orphans
 
     made = []
 
-    def make(n: int):
-        made.append(warm_pool.take(n))
+    def make(n: int, nanny: bool = False):
+        made.append(warm_pool.take(n, nanny=nanny))
         return made[-1]
 
     yield make

@@ -47,7 +47,17 @@ def main():
         model = keras.Sequential([keras.layers.Dense(64, input_shape=(32,)), keras.layers.Dense(2)])
         model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), optimizer="sgd")
     print("fitting", flush=True)
-    model.fit(dd.data.Dataset.from_tensor_slices((x, y)).batch(16), epochs=10_000, verbose=0)
+
+    class Training(keras.callbacks.Callback):  # says once that steps are done (the test then stops the script)
+        said = False
+
+        def on_train_batch_end(self, batch, logs=None):
+            if batch >= 3 and not self.said:
+                self.said = True
+                print("training", flush=True)
+
+    model.fit(dd.data.Dataset.from_tensor_slices((x, y)).batch(16), epochs=10_000, verbose=0,
+              callbacks=[Training()])
 
 if __name__ == "__main__":
     main()
@@ -132,7 +142,7 @@ def test_a_client_killed_mid_fit_leaves_no_segment_and_the_workers_train_on(make
 def test_stopping_a_script_with_an_embedded_cluster_mid_fit_cleans_up(tmp_path, sig):
     process, (_, group_id), worker_pids = _start_fit(tmp_path, "embedded")
     try:
-        time.sleep(1.0)  # a few steps in
+        assert process.stdout.readline().strip() == "training"  # a few steps in (the script says so)
         process.send_signal(sig)
         _, stderr = process.communicate(timeout=60)
     finally:

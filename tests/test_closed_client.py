@@ -61,7 +61,8 @@ def test_run_after_client_close_says_the_client_is_closed_and_close_stays_quiet(
     strategy = STRATEGIES[name](client, None)
     with strategy.scope():
         v = dd.Variable(np.zeros(2, np.float32), aggregation="MEAN")
-    assert strategy.run(lambda: 1) is not None
+    ids = strategy.run(lambda: dd.get_replica_context().replica_id_in_sync_group)
+    assert strategy.experimental_local_results(ids) == tuple(range(strategy.num_replicas_in_sync))
     client.close()
     with pytest.raises(dd.ClientClosedError, match=r"This strategy needs an open Dask client.*a new strategy"):
         strategy.run(lambda: 1)

@@ -13,6 +13,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -222,18 +223,41 @@ def _stall_events(client, token: str) -> list[dict]:
     return [e for _, e in client.get_events("daskdist-stall") if e.get("group") == token]
 
 
+#: Set once a stall warning naming replica 1 was logged (the threaded replicas log in this process).
+_STALL_WARNED = threading.Event()
+
+
+class _Warned(logging.Handler):
+    def emit(self, record):
+        if "replica 1 has not joined" in record.getMessage():
+            _STALL_WARNED.set()
+
+
+def _late_until_warned() -> None:
+    """Replica 1's delay: until the others warned about it (no sleep guessing when the threshold passes)."""
+    _STALL_WARNED.wait(60)
+
+
 def test_stall_warning_names_the_late_replica(threaded_client, caplog):
+    _STALL_WARNED.clear()
+
     def step():
         ctx = dd.get_replica_context()
         if ctx.replica_id_in_sync_group == 1:
-            time.sleep(1.2)
+            _late_until_warned()
         return ctx.all_reduce("SUM", np.ones(8))
 
-    with (dask.config.set({"daskdist.collective.stall-warning": "0.3s"}),
-          dd.MirroredStrategy(client=threaded_client) as strategy, caplog.at_level(logging.WARNING)):
-        token = strategy.extended.token
-        strategy.run(step)
-        events = _wait(lambda: _stall_events(threaded_client, token))
+    handler = _Warned(logging.WARNING)
+    logging.getLogger().addHandler(handler)
+    try:
+        with (dask.config.set({"daskdist.collective.stall-warning": "0.3s"}),
+              dd.MirroredStrategy(client=threaded_client) as strategy, caplog.at_level(logging.WARNING)):
+            token = strategy.extended.token
+            strategy.run(step)
+            events = _wait(lambda: _stall_events(threaded_client, token))
+    finally:
+        logging.getLogger().removeHandler(handler)
+    assert _STALL_WARNED.is_set()
     assert {e["replica"] for e in events} <= {0, 2}
     assert all(e["missing"] == [1] and e["kind"] == "all_reduce" and e["waited"] >= 0.3 for e in events)
     assert "replica 1 has not joined it" in events[0]["message"]
@@ -247,7 +271,7 @@ def test_no_stall_warning_in_a_normal_run(threaded_client):
           dd.MirroredStrategy(client=threaded_client) as strategy):
         token = strategy.extended.token
         _train_steps(strategy, 5)
-        time.sleep(2.5)
+        time.sleep(4.0)  # twice the threshold: a warning that fires late is still seen
     assert _stall_events(threaded_client, token) == []
 
 

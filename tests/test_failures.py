@@ -31,7 +31,7 @@ def test_a_replica_function_raises(threaded_client, tmp_path):
         start = time.monotonic()
         with pytest.raises(KeyError, match="missing feature 'age'") as info:
             strategy.run(fn)
-        assert time.monotonic() - start < 5  # the others aborted at once, not after 60 s
+        assert time.monotonic() - start < 30  # the others aborted at once, not after 60 s
         assert "replica 1" in "".join(getattr(info.value, "__notes__", []))
         assert "replica 1 raised KeyError" in marker.read_text()
         # the group is still usable after a user error
@@ -61,7 +61,7 @@ def test_mismatched_values_raise_everywhere(threaded_client, make, fragment):
 
         start = time.monotonic()
         out = strategy.run(fn)
-        assert time.monotonic() - start < 5
+        assert time.monotonic() - start < 30  # at once, not after the 60 s deadline
         kinds = set(strategy.experimental_local_results(out))
         assert kinds <= {"CollectiveMismatchError", "CollectiveAbortedError"}
         assert "CollectiveMismatchError" in kinds
@@ -83,7 +83,7 @@ def test_a_collective_one_replica_never_joins_times_out(threaded_client):
         start = time.monotonic()
         with pytest.raises(dd.CollectiveTimeoutError, match="replica 2") as info:
             strategy.run(fn)
-        assert time.monotonic() - start < 6
+        assert time.monotonic() - start < 20  # the 1 s deadline, not a hang
         assert "without joining this one" in str(info.value)
 
         # the configured default applies when options give no timeout
@@ -91,7 +91,7 @@ def test_a_collective_one_replica_never_joins_times_out(threaded_client):
             start = time.monotonic()
             with pytest.raises(dd.CollectiveTimeoutError, match="replica 2"):
                 strategy.run(lambda: fn.__wrapped__() if hasattr(fn, "__wrapped__") else _skip_on_two())
-            assert time.monotonic() - start < 6
+            assert time.monotonic() - start < 20
 
 
 def _skip_on_two():

@@ -57,9 +57,9 @@ def _assert_same_calls(got, want):
         np.testing.assert_allclose(a[2:], b[2:], rtol=RTOL)
 
 
-def test_per_batch_hooks_see_the_batches_and_running_global_logs_of_one_process(threaded_client):
+def test_per_batch_hooks_see_the_batches_and_running_global_logs_of_one_process(forked_process_client):
     x, y = dense_data(rows=80)  # 5 global batches of 16
-    with dd.MirroredStrategy(devices=TWO, client=threaded_client) as strategy:
+    with dd.MirroredStrategy(devices=TWO, client=forked_process_client) as strategy:
         with strategy.scope():
             model = compile_model(sequential())
         plain = twin(model, sequential)
@@ -85,9 +85,9 @@ def test_per_batch_hooks_see_the_batches_and_running_global_logs_of_one_process(
         assert got.calls == want.calls == [("predict_end", 0, 32), ("predict_end", 1, 32), ("predict_end", 2, 16)]
 
 
-def test_steps_per_execution_runs_the_hooks_every_n_steps_as_tensorflow(threaded_client):
+def test_steps_per_execution_runs_the_hooks_every_n_steps_as_tensorflow(forked_process_client):
     x, y = dense_data(rows=80)
-    with dd.MirroredStrategy(devices=TWO, client=threaded_client) as strategy:
+    with dd.MirroredStrategy(devices=TWO, client=forked_process_client) as strategy:
         with strategy.scope():
             model = sequential()
             model.compile(optimizer=keras.optimizers.SGD(0.1), steps_per_execution=2, metrics=["accuracy"],
@@ -108,9 +108,9 @@ def test_steps_per_execution_runs_the_hooks_every_n_steps_as_tensorflow(threaded
 
 
 def test_stop_training_in_a_batch_hook_and_checkpoints_every_n_batches_hold_the_current_weights(
-        threaded_client, tmp_path):
+        forked_process_client, tmp_path):
     x, y = dense_data(rows=80)
-    with dd.MirroredStrategy(devices=TWO, client=threaded_client) as strategy:
+    with dd.MirroredStrategy(devices=TWO, client=forked_process_client) as strategy:
         with strategy.scope():
             model = compile_model(sequential())
         plain = twin(model, sequential)

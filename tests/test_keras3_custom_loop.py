@@ -35,9 +35,9 @@ def _tutorial_objects():
 
 
 @pytest.mark.parametrize("devices", [["/cpu:0", "/cpu:1"], ["/cpu:0", "/cpu:1", "/cpu:2"]], ids=["2", "3"])
-def test_custom_loop_with_strategy_run_equals_one_process(threaded_client, devices):
+def test_custom_loop_with_strategy_run_equals_one_process(forked_process_client, devices):
     x, y = dense_data(rows=40)  # batches of 16, 16, 8: split 8/8, or 6/5/5 and 3/3/2 over three replicas
-    with dd.MirroredStrategy(devices=devices, client=threaded_client) as strategy:
+    with dd.MirroredStrategy(devices=devices, client=forked_process_client) as strategy:
         with strategy.scope():
             model, train_step = _tutorial_objects()
         plain, plain_step = _tutorial_objects()
@@ -57,14 +57,14 @@ def test_custom_loop_with_strategy_run_equals_one_process(threaded_client, devic
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_the_adapter_reaches_keras_only_through_recorded_models_and_the_extended(threaded_client):
+def test_the_adapter_reaches_keras_only_through_recorded_models_and_the_extended(forked_process_client):
     import daskdist.strategy.extended as extended_module
 
     assert not hasattr(extended_module, "BEFORE_CALL_HOOKS")  # a verb of the Extended, not a module-level list
     assert not hasattr(keras.layers.Layer.get_weights, "__daskdist_original__")  # every layer: Keras' own
     plain = sequential()
     assert "get_weights" not in vars(plain)
-    with dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=threaded_client) as strategy:
+    with dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=forked_process_client) as strategy:
         with strategy.scope():
             model, train_step = _tutorial_objects()
         assert "get_weights" in vars(model)  # bound on the recorded model alone

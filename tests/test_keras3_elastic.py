@@ -49,12 +49,12 @@ def _assert_as_uninterrupted(strategy, model, history, plain, expected, steps=10
     assert_replicas_identical(strategy, model)
 
 
-def test_an_elastic_keras3_fit_without_failures_trains_as_one_process(threaded_client):
+def test_an_elastic_keras3_fit_without_failures_trains_as_one_process(forked_process_client):
     x, y = dense_data(rows=96)
     train = dd.data.Dataset.from_tensor_slices((x, y)).batch(24)
     # the client's third worker is free: max_replicas keeps it out (free workers join at the start of fit)
     options = dd.ElasticOptions(min_replicas=1, max_replicas=2, commit_every=2)
-    with dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=threaded_client, elastic=options) as strategy:
+    with dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=forked_process_client, elastic=options) as strategy:
         with strategy.scope():
             model = compile_model(sequential(), _adam())
         plain = twin(model, sequential, _adam())

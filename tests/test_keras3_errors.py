@@ -38,10 +38,10 @@ def test_unsupported_backends_are_refused_naming_the_one_that_works():
         keras3.check_backend("numpy")
 
 
-def test_model_created_outside_the_scope_is_refused_inside_it(threaded_client):
+def test_model_created_outside_the_scope_is_refused_inside_it(forked_process_client):
     x, y = dense_data(rows=32)
     model = sequential()
-    with dd.MirroredStrategy(devices=TWO, client=threaded_client) as strategy:
+    with dd.MirroredStrategy(devices=TWO, client=forked_process_client) as strategy:
         with strategy.scope(), pytest.raises(keras3.OutsideScopeError, match="created outside it"):
             compile_model(model)
         compile_model(model)  # outside any scope: plain Keras, in this process
@@ -50,12 +50,12 @@ def test_model_created_outside_the_scope_is_refused_inside_it(threaded_client):
         model.fit(x, y, verbose=0, epochs=1)  # plain Keras still works
 
 
-def test_parameter_server_fit_takes_tensorflows_inputs_only(threaded_client):
+def test_parameter_server_fit_takes_tensorflows_inputs_only(forked_process_client):
     x, y = dense_data(rows=32)
-    workers = sorted(scheduler_workers(threaded_client))
+    workers = sorted(scheduler_workers(forked_process_client))
     resolver = dd.cluster_resolver.SimpleClusterResolver(
         dd.cluster_resolver.ClusterSpec({"ps": workers[:1], "worker": workers[1:]}))
-    with dd.ParameterServerStrategy(resolver, client=threaded_client) as strategy:
+    with dd.ParameterServerStrategy(resolver, client=forked_process_client) as strategy:
         with strategy.scope():
             model = compile_model(sequential())
         with pytest.raises(ValueError, match="takes a `DatasetCreator`"):
@@ -79,9 +79,9 @@ def test_parameter_server_fit_takes_tensorflows_inputs_only(threaded_client):
             np.testing.assert_array_equal(a, b)
 
 
-def test_weights_that_differ_across_replicas_at_the_start_raise_on_every_replica(threaded_client):
+def test_weights_that_differ_across_replicas_at_the_start_raise_on_every_replica(forked_process_client):
     x, y = dense_data(rows=32)
-    with dd.MirroredStrategy(devices=TWO, client=threaded_client) as strategy:
+    with dd.MirroredStrategy(devices=TWO, client=forked_process_client) as strategy:
         with strategy.scope():
             model = compile_model(keras.Sequential([keras.Input((8,)), NoisyRestore(4)]))
         with pytest.raises(keras3.WeightsDifferError, match=r"replicas \[1\] differ from replica 0"):

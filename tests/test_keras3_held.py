@@ -50,9 +50,9 @@ def _assert_same_weights(a, b):
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adam"])
-def test_central_storage_fit_evaluate_predict_equal_one_process(threaded_client, kind):
+def test_central_storage_fit_evaluate_predict_equal_one_process(forked_process_client, kind):
     x, y = mnist_shaped()  # 3 global batches of 32, 32, 16: each replica 16, 16, 8
-    with dd.experimental.CentralStorageStrategy(TWO, client=threaded_client) as strategy:
+    with dd.experimental.CentralStorageStrategy(TWO, client=forked_process_client) as strategy:
         with strategy.scope():
             model = compile_model(tutorial_cnn(), _optimizer(kind))
         plain = twin(model, tutorial_cnn, _optimizer(kind))
@@ -70,7 +70,7 @@ def test_central_storage_fit_evaluate_predict_equal_one_process(threaded_client,
         # copies: no slots)
         record = registry.lookup(model)
         driver = strategy.extended.step_driver(record.object_id)
-        stored = driver.stored_state(threaded_client, len(model.trainable_variables))
+        stored = driver.stored_state(forked_process_client, len(model.trainable_variables))
         for held, weight in zip(stored["params"], model.trainable_variables):
             np.testing.assert_array_equal(held, np.asarray(weight.numpy()))
         slots = [name for name in stored["rule_state"] if "/" in name]
@@ -109,7 +109,7 @@ def _schedules():
 
 
 @pytest.mark.parametrize("name", ["exponential", "piecewise", "cosine", "inverse_time", "callback"])
-def test_central_storage_learning_rate_schedules_equal_one_process(threaded_client, name):
+def test_central_storage_learning_rate_schedules_equal_one_process(forked_process_client, name):
     """A LearningRateSchedule evaluated on the holder at its step count, and LearningRateScheduler's rate reaching
     it, give plain Keras' weights in one process on the same global batches (5 steps an epoch, 3 epochs)."""
     x, y = dense_data(rows=80, seed=4)
@@ -124,7 +124,7 @@ def test_central_storage_learning_rate_schedules_equal_one_process(threaded_clie
             return []
         return [keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.05 * 0.3 ** epoch)]
 
-    with dd.experimental.CentralStorageStrategy(TWO, client=threaded_client) as strategy:
+    with dd.experimental.CentralStorageStrategy(TWO, client=forked_process_client) as strategy:
         with strategy.scope():
             model = compile_model(sequential(), optimizer())
         plain = twin(model, sequential, optimizer())
@@ -138,7 +138,7 @@ def test_central_storage_learning_rate_schedules_equal_one_process(threaded_clie
             assert float(model.optimizer.learning_rate) == pytest.approx(0.0045)
 
 
-def test_a_schedule_keras_cannot_rebuild_is_refused_before_anything_runs(threaded_client):
+def test_a_schedule_keras_cannot_rebuild_is_refused_before_anything_runs(forked_process_client):
     class Halving(keras.optimizers.schedules.LearningRateSchedule):  # not registered: no from_config by name
         def __call__(self, step):
             return 0.1 * 0.5 ** keras.ops.cast(step, "float32")
@@ -147,7 +147,7 @@ def test_a_schedule_keras_cannot_rebuild_is_refused_before_anything_runs(threade
             return {}
 
     x, y = dense_data(rows=32)
-    with dd.experimental.CentralStorageStrategy(TWO, client=threaded_client) as strategy:
+    with dd.experimental.CentralStorageStrategy(TWO, client=forked_process_client) as strategy:
         with strategy.scope():
             model = compile_model(sequential(), keras.optimizers.SGD(Halving()))
         before = model.get_weights()
@@ -157,7 +157,7 @@ def test_a_schedule_keras_cannot_rebuild_is_refused_before_anything_runs(threade
             np.testing.assert_array_equal(a, b)
 
 
-def test_central_storage_custom_loop_then_fit_equal_one_process(threaded_client):
+def test_central_storage_custom_loop_then_fit_equal_one_process(forked_process_client):
     """TF's custom-training tutorial under CentralStorage (the optimizer made in the scope sums the replicas'
     gradients, every replica applies the same update), then a `fit` that goes on from the loop's weights; the
     replicas' optimizers, which never apply under the holder, carry no slots."""
@@ -169,7 +169,7 @@ def test_central_storage_custom_loop_then_fit_equal_one_process(threaded_client)
         optimizer = keras.optimizers.SGD(0.1)
         return model, torch_train_step(model, optimizer, average_loss(global_batch))
 
-    with dd.experimental.CentralStorageStrategy(TWO, client=threaded_client) as strategy:
+    with dd.experimental.CentralStorageStrategy(TWO, client=forked_process_client) as strategy:
         with strategy.scope():
             model, train_step = tutorial()
             compile_model(model, keras.optimizers.Adam(0.01))
@@ -191,9 +191,9 @@ def test_central_storage_custom_loop_then_fit_equal_one_process(threaded_client)
             assert int(state["optimizer"][0]) == 3
 
 
-def test_unsupported_optimizers_are_refused_naming_the_supported_ones(threaded_client):
+def test_unsupported_optimizers_are_refused_naming_the_supported_ones(forked_process_client):
     x, y = dense_data(rows=32)
-    with dd.experimental.CentralStorageStrategy(TWO, client=threaded_client) as strategy:
+    with dd.experimental.CentralStorageStrategy(TWO, client=forked_process_client) as strategy:
         for optimizer, match in [(keras.optimizers.Adagrad(0.1), "run keras.optimizers.SGD, keras.optimizers.Adam, "
                                   "keras.optimizers.RMSprop .*got keras.*Adagrad"),
                                  (keras.optimizers.Adam(0.1, clipnorm=1.0), r"without \['clipnorm'\]"),
@@ -213,10 +213,10 @@ def test_unsupported_optimizers_are_refused_naming_the_supported_ones(threaded_c
         _assert_same_weights(model, plain)
 
 
-def test_parameter_server_fit_with_a_dataset_creator_trains_with_the_parameters_on_the_ps(threaded_client):
+def test_parameter_server_fit_with_a_dataset_creator_trains_with_the_parameters_on_the_ps(forked_process_client):
     x, y = dense_data(rows=512, seed=5)
     x_test, y_test = dense_data(rows=256, seed=6)
-    resolver = dd.cluster_resolver.DaskClusterResolver(threaded_client, num_ps=1)  # 1 ps, 2 workers
+    resolver = dd.cluster_resolver.DaskClusterResolver(forked_process_client, num_ps=1)  # 1 ps, 2 workers
     with dd.ParameterServerStrategy(resolver) as strategy:
         with strategy.scope():
             model = compile_model(sequential(), keras.optimizers.Adam(0.01))
@@ -233,7 +233,7 @@ def test_parameter_server_fit_with_a_dataset_creator_trains_with_the_parameters_
         assert accuracy >= 0.9
         # the parameters and Adam's slots are held on the ps, applied once per step (6 x 20 pushes)
         driver = registry.lookup(model).driver
-        stored = driver.stored_state(threaded_client, len(model.trainable_variables))
+        stored = driver.stored_state(forked_process_client, len(model.trainable_variables))
         assert int(stored["rule_state"]["iterations"]) == 120
         assert len([name for name in stored["rule_state"] if "/" in name]) == 2 * len(model.trainable_variables)
         for held, weight in zip(stored["params"], model.get_weights()):

@@ -61,10 +61,10 @@ def _stored_keys(strategy, client, driver):
     return [store.call_from_client(client, "params_keys") for store in driver.stores]
 
 
-def test_a_schedule_is_evaluated_on_the_ps_at_the_global_step_and_learning_rate_scheduler_reaches_it(threaded_client):
+def test_a_schedule_is_evaluated_on_the_ps_at_the_global_step_and_learning_rate_scheduler_reaches_it(forked_process_client):
     x, y = dense_data(rows=512, seed=5)
     x_test, y_test = dense_data(rows=256, seed=6)
-    resolver = dd.cluster_resolver.DaskClusterResolver(threaded_client, num_ps=1)  # 1 ps, 2 workers
+    resolver = dd.cluster_resolver.DaskClusterResolver(forked_process_client, num_ps=1)  # 1 ps, 2 workers
     with dd.ParameterServerStrategy(resolver) as strategy:
         # the rate drops to 0 after step 79 (the ps' count of pushes from both workers): the weights after epoch 4
         # (80 pushes) are the final ones; a schedule read at each worker's own count (about 40 after epoch 4)
@@ -77,7 +77,7 @@ def test_a_schedule_is_evaluated_on_the_ps_at_the_global_step_and_learning_rate_
         assert not _same(epochs.weights[2], epochs.weights[3])
         assert _same(epochs.weights[3], epochs.weights[5])
         driver = registry.lookup(model).driver
-        stored = driver.stored_state(threaded_client, len(model.trainable_variables))
+        stored = driver.stored_state(forked_process_client, len(model.trainable_variables))
         assert int(stored["rule_state"]["iterations"]) == 120
         _, accuracy = model.evaluate(x_test, y_test, batch_size=64, verbose=0)
         assert accuracy >= 0.85  # 80 asynchronous Adam steps at 0.01 (0.9 after 120 in test_keras3_held)
@@ -94,10 +94,10 @@ def test_a_schedule_is_evaluated_on_the_ps_at_the_global_step_and_learning_rate_
         assert _same(epochs.weights[0], epochs.weights[2])
 
 
-def test_batchnorm_statistics_are_held_on_the_ps_and_evaluation_runs_on_the_workers(threaded_client):
+def test_batchnorm_statistics_are_held_on_the_ps_and_evaluation_runs_on_the_workers(forked_process_client):
     x, y = dense_data(rows=512, seed=7)
     x_test, y_test = dense_data(rows=200, seed=8)  # 7 batches of 32 (the last 8 rows): each row once
-    resolver = dd.cluster_resolver.DaskClusterResolver(threaded_client, num_ps=2)  # 2 ps, 1 worker
+    resolver = dd.cluster_resolver.DaskClusterResolver(forked_process_client, num_ps=2)  # 2 ps, 1 worker
     with dd.ParameterServerStrategy(resolver) as strategy:
         with strategy.scope():
             model = compile_model(batchnorm_model(), keras.optimizers.Adam(0.01))
@@ -108,7 +108,7 @@ def test_batchnorm_statistics_are_held_on_the_ps_and_evaluation_runs_on_the_work
         driver = record.driver
         mean, variance = (np.asarray(v.numpy()) for v in model.layers[1].non_trainable_variables)
         assert not np.allclose(mean, 0.0) and not np.allclose(variance, 1.0)  # the workers' statistics came back
-        held = driver.stored_held_state(threaded_client, 2)
+        held = driver.stored_held_state(forked_process_client, 2)
         np.testing.assert_array_equal(held[0], mean)
         np.testing.assert_array_equal(held[1], variance)
 
@@ -141,12 +141,12 @@ def test_batchnorm_statistics_are_held_on_the_ps_and_evaluation_runs_on_the_work
         # a second fit holds the client's copy under a new key and releases the old one: one copy on the stores
         model.fit(_creator(x, y), epochs=1, steps_per_epoch=5, verbose=0)
         driver = registry.lookup(model).driver
-        keys = _stored_keys(strategy, threaded_client, driver)
+        keys = _stored_keys(strategy, forked_process_client, driver)
         held_keys = sorted(k for part in keys for k in part if k.startswith(record.object_id))
         assert held_keys == sorted([driver.key, driver.key, driver.state_key, driver.state_key])
 
 
-def test_evaluate_of_a_dataset_creator_without_steps_counts_every_row_once(threaded_client):
+def test_evaluate_of_a_dataset_creator_without_steps_counts_every_row_once(forked_process_client):
     """TF's exactly-once evaluation (``pss_evaluation_shards``): the data cut by batch into shards, one closure
     each, over two workers; the logs are plain Keras' on the same rows and the loss counted 100 rows, no more.
     Shown failing: with each closure reading the whole dataset (no ``shard``), the count is 3 x 100."""
@@ -159,7 +159,7 @@ def test_evaluate_of_a_dataset_creator_without_steps_counts_every_row_once(threa
         return (dd.data.Dataset.from_tensor_slices((x, y)).shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
                 .shuffle(100, seed=3).batch(16))  # 7 batches, the last of 4 rows
 
-    resolver = dd.cluster_resolver.DaskClusterResolver(threaded_client, num_ps=1)  # 1 ps, 2 workers
+    resolver = dd.cluster_resolver.DaskClusterResolver(forked_process_client, num_ps=1)  # 1 ps, 2 workers
     with dd.ParameterServerStrategy(resolver) as strategy:
         with strategy.scope():
             model = compile_model(sequential(), keras.optimizers.SGD(0.1))

@@ -384,8 +384,14 @@ def test_metrics_whose_changes_cannot_be_added_are_refused_naming_the_way_and_co
         assert not f1.variables
         f1.update_state(onehot[:1], onehot[:1])
         f1.reset_state()
-        coordinator.fetch(coordinator.schedule(lambda: f1.update_state(onehot, onehot)))
+        # imperfect predictions (each row's class shifted by one for every third row), so the counts show:
+        # a commit counted twice or lost changes the true/false positives, which are compared as counts
+        guessed = np.eye(4, dtype=np.float32)[np.where(np.arange(len(y)) % 3 == 0, (y + 1) % 4, y)]
+        coordinator.fetch(coordinator.schedule(lambda: f1.update_state(onehot, guessed)))
         coordinator.join()
         expected = keras.metrics.F1Score(average="macro")
-        expected.update_state(onehot, onehot)
+        expected.update_state(onehot, guessed)
+        for name in ("true_positives", "false_positives", "false_negatives"):
+            np.testing.assert_array_equal(getattr(f1, name).numpy(), getattr(expected, name).numpy())
         np.testing.assert_allclose(float(f1.result()), float(expected.result()), rtol=RTOL)
+        assert float(expected.result()) < 0.9  # not the 1.0 of perfect predictions, whatever the counts

@@ -69,5 +69,9 @@ def test_in_memory_rows_keep_tensorflows_exact_split_by_default(threaded_client)
 
 
 @pytest.mark.parametrize("split", [None, "global", "balanced", "local"])
-def test_the_split_option_accepts_none_and_the_three_rules(split):
-    assert dd.InputOptions(experimental_split=split).experimental_split == split
+def test_the_split_option_accepts_none_and_the_three_rules_and_the_plan_follows_it(threaded_client, split):
+    x = np.arange(40.0).reshape(20, 2)
+    with dd.MirroredStrategy(client=threaded_client) as strategy:
+        dist = strategy.experimental_distribute_dataset(Dataset.from_tensor_slices((x, np.arange(20))).batch(8),
+                                                        dd.InputOptions(experimental_split=split))
+        assert dist.plan().split == (split or "global")  # None: the source chooses (in-memory rows: TF's exact)

@@ -72,8 +72,30 @@ LOSS_CLASSES = ["BinaryCrossentropy", "CategoricalCrossentropy", "CategoricalHin
                 "SquaredHinge"]
 
 
+#: tf_keras' lower-case loss names and aliases, each with the class it names (a class name names itself)
+LOSS_ALIASES = {
+    "binary_crossentropy": "BinaryCrossentropy", "bce": "BinaryCrossentropy",
+    "categorical_crossentropy": "CategoricalCrossentropy",
+    "sparse_categorical_crossentropy": "SparseCategoricalCrossentropy", "categorical_hinge": "CategoricalHinge",
+    "hinge": "Hinge", "squared_hinge": "SquaredHinge", "cosine_similarity": "CosineSimilarity", "huber": "Huber",
+    "huber_loss": "Huber", "kl_divergence": "KLDivergence", "kld": "KLDivergence", "KLD": "KLDivergence",
+    "kullback_leibler_divergence": "KLDivergence", "log_cosh": "LogCosh", "logcosh": "LogCosh",
+    "mean_absolute_error": "MeanAbsoluteError", "mae": "MeanAbsoluteError", "MAE": "MeanAbsoluteError",
+    "mean_absolute_percentage_error": "MeanAbsolutePercentageError", "mape": "MeanAbsolutePercentageError",
+    "MAPE": "MeanAbsolutePercentageError", "mean_squared_error": "MeanSquaredError", "mse": "MeanSquaredError",
+    "MSE": "MeanSquaredError", "mean_squared_logarithmic_error": "MeanSquaredLogarithmicError",
+    "msle": "MeanSquaredLogarithmicError", "MSLE": "MeanSquaredLogarithmicError", "poisson": "Poisson",
+}
+
+
 def test_the_loss_classes_cover_every_keras_name():
     assert sorted({type(losses.get(n)).__name__ for n in TF_KERAS_LOSS_NAMES}) == LOSS_CLASSES
+
+
+@pytest.mark.parametrize("name", TF_KERAS_LOSS_NAMES)
+def test_each_loss_name_gives_the_class_it_names(name):
+    """Name by name (a swapped alias, say "MSE" giving MeanAbsoluteError, keeps the set of classes the same)."""
+    assert type(losses.get(name)).__name__ == LOSS_ALIASES.get(name, name)
 
 
 @pytest.mark.parametrize("name", LOSS_CLASSES)

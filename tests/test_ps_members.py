@@ -85,10 +85,10 @@ def test_a_killed_ps_is_announced_as_a_lost_member_and_the_coordinator_raises_pr
         os.kill(client.run(os.getpid, workers=[ps])[ps], signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(dd.ParameterServerLostError, match="parameter server") as raised:
-            while time.monotonic() - start < 30:
+            while time.monotonic() - start < 60:
                 coordinator.done()
                 time.sleep(0.05)
-        assert time.monotonic() - start < 10
+        assert time.monotonic() - start < 20  # announced within about a second: 20 s is load's margin
         assert raised.value.worker == ps
         assert isinstance(raised.value, dd.ReplicaLostError)
         assert strategy.extended.store_group.status()[0] == "failed"

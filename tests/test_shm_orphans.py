@@ -83,5 +83,6 @@ def test_a_cluster_killed_at_once_leaves_nothing_behind_for_long(make_cluster):
             break
         time.sleep(0.3)
     with dd.MirroredStrategy(client=client) as strategy:
-        assert strategy.run(lambda: 1) is not None
+        ids = strategy.run(lambda: dd.get_replica_context().replica_id_in_sync_group)
+        assert strategy.experimental_local_results(ids) == tuple(range(strategy.num_replicas_in_sync))
         assert glob.glob(f"/dev/shm/daskdist-{token}g*-*") == []

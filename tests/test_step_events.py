@@ -111,7 +111,9 @@ def test_three_steps_reach_events_metrics_and_page_without_a_further_step(proces
         unit, factor = time_unit(max(s["total"] for s in strategy.step_timings()[0]))
         assert page["label"] == f"time per step ({unit})" and page["formatter"] == "CustomJSTickFormatter"
         assert page["scale"] == factor
-        assert strategy.run(lambda: 1) is not None  # the strategy is still open: nothing waited for its close
+        # the strategy is still open: nothing waited for its close
+        ids = strategy.run(lambda: dd.get_replica_context().replica_id_in_sync_group)
+        assert strategy.experimental_local_results(ids) == tuple(range(strategy.num_replicas_in_sync))
     finally:
         strategy.close()
 

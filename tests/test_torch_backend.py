@@ -232,11 +232,17 @@ def _ddp_train(variant):
     return [p.detach().numpy().copy() for p in model.parameters()], len(hook_calls)
 
 
-# SyncBatchNorm runs on CUDA modules only (DDP refuses it on CPU): tests/test_gpu_torch.py, on a GPU machine
 @pytest.mark.parametrize("variant,comm_thread", [("plain", False), ("plain", True), ("no_sync", True),
-                                                 ("hook", False), ("zero", False)])
+                                                 ("hook", False), ("syncbn", True), ("zero", False)])
 def test_ddp_matches_one_process_on_the_global_batch(process_client, variant, comm_thread):
     """Stock DDP over daskdist: equal parameters everywhere, equal to one process on the global batch."""
+    if variant == "syncbn":  # a CPU model: DDP refuses it (on CUDA: tests/test_gpu_torch.py)
+        # what docs/torch.md says: torch's SyncBatchNorm runs on CUDA (or privateuse1) modules only, and DDP
+        # refuses it in a CPU module whatever the backend
+        with dd.MirroredStrategy(client=process_client) as strategy:
+            refusals = strategy.experimental_local_results(strategy.run(_sync_batch_norm_on_cpu))
+        assert all("SyncBatchNorm layers only work with GPU modules" in r for r in refusals), refusals
+        return
     with dask.config.set({"daskdist.torch.comm-thread": comm_thread}):
         with dd.MirroredStrategy(client=process_client) as strategy:
             results = strategy.experimental_local_results(strategy.run(_ddp_train, args=(variant,)))
@@ -259,13 +265,6 @@ def _sync_batch_norm_on_cpu():
     except ValueError as e:
         return str(e)
     return "accepted"
-
-
-def test_sync_batch_norm_on_cpu_is_refused_by_torch_itself(process_client):
-    """What docs/torch.md says: torch's DDP refuses SyncBatchNorm in a CPU module, whatever the backend."""
-    with dd.MirroredStrategy(client=process_client) as strategy:
-        results = strategy.experimental_local_results(strategy.run(_sync_batch_norm_on_cpu))
-    assert all("SyncBatchNorm layers only work with GPU modules" in r for r in results), results
 
 
 # -- bad input and failures ------------------------------------------------------------------
@@ -350,7 +349,8 @@ def test_threaded_replicas_get_a_clear_error(threaded_client):
 @pytest.mark.slow
 def test_a_killed_worker_fails_the_pending_torch_call_everywhere(make_cluster, tmp_path):
     client = make_cluster(3, processes=True)
-    strategy = dd.MirroredStrategy(client=client)
+    with dask.config.set({"daskdist.torch.comm-thread": True}):  # travels to the replicas with the group
+        strategy = dd.MirroredStrategy(client=client)
     victim = strategy.extended.worker_addresses[1]
     pid = worker_pid(client, victim)
     log = tmp_path / "lost"
@@ -358,28 +358,32 @@ def test_a_killed_worker_fails_the_pending_torch_call_everywhere(make_cluster, t
     def fn():
         dd.plugins.torch.init_process_group()
         rank = dist.get_rank()
-        (tmp_path / f"ready{rank}").write_text("")
         if rank == 1:
+            (tmp_path / f"ready{rank}").write_text("")
             time.sleep(60)  # killed while the others wait in the all-reduce
         start = time.monotonic()
         try:
-            dist.all_reduce(torch.ones(1_000_000))
+            # issued on the communication thread: once the call returns, the all-reduce is pending (rank 1
+            # never joins it), and the ready file says so
+            work = dist.all_reduce(torch.ones(1_000_000), async_op=True)
+            (tmp_path / f"ready{rank}").write_text("")
+            work.wait()
         except Exception as e:
             with open(log, "a") as f:
                 f.write(f"{rank} {time.monotonic() - start:.2f} {type(e).__name__} {e}\n".replace("\n", " ") + "\n")
             raise
 
     run = RunInBackground(strategy, fn)
-    wait_for_files(tmp_path, "ready*", 3)  # worker processes import torch first: slow on a loaded machine
-    time.sleep(0.5)  # replicas 0 and 2 are inside the all-reduce now
+    wait_for_files(tmp_path, "ready*", 3)
     killed_at = time.monotonic()
     os.kill(pid, signal.SIGKILL)
-    error = run.join(30)
+    error = run.join(60)
     assert isinstance(error, dd.ReplicaLostError), repr(error)
-    assert run.at - killed_at < 10
+    # the kill closes the victim's connections: found at once, not at a deadline; 20 s is load's margin
+    assert run.at - killed_at < 20
     lines = lines_of(log, 2)
     assert sorted(line.split()[0] for line in lines) == ["0", "2"]  # every survivor's torch call raised
-    assert all(float(line.split()[1]) < 12 for line in lines)
+    assert all(float(line.split()[1]) < 30 for line in lines)  # issued before the kill, raised after it
     assert all(victim in line for line in lines), lines
     strategy.close()
 

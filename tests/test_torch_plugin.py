@@ -56,7 +56,7 @@ def _one_replica_fails(fail_rank):
     model(torch.ones(3, 4)).sum().backward()
     if ctx.replica_id_in_sync_group == fail_rank:
         raise ValueError("backward failed on this replica")
-    dd.plugins.torch.allreduce_gradients(model, options=dd.CommunicationOptions(timeout_seconds=30))
+    dd.plugins.torch.allreduce_gradients(model, options=dd.CommunicationOptions(timeout_seconds=120))
     return 0
 
 
@@ -67,7 +67,7 @@ def test_a_replica_that_fails_before_the_allreduce_fails_the_run_without_a_hang(
         start = time.monotonic()
         with pytest.raises(ValueError, match="backward failed on this replica"):
             strategy.run(_one_replica_fails, args=(1,))
-        assert time.monotonic() - start < 20  # the waiting replica is aborted, not left to its 30 s deadline
+        assert time.monotonic() - start < 60  # the waiting replica is aborted, not left to its 120 s deadline
         assert strategy.run(_one_replica_fails, args=(-1,)) == 0  # the group still works (0 on both: TF's regroup)
 
 
@@ -85,9 +85,17 @@ def test_replicas_with_different_models_raise_a_mismatch(threaded_client):
 
 
 def _page_faults_per_step(steps):
+    threads = torch.get_num_threads()  # the session's shared workers get theirs back
+    torch.set_num_threads(1)
+    try:
+        return _faults_on_one_thread(steps)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _faults_on_one_thread(steps):
     import resource
 
-    torch.set_num_threads(1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(1, 32, 3), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
                                 torch.nn.Flatten(), torch.nn.Linear(32 * 13 * 13, 10))

@@ -25,6 +25,8 @@ from daskdist.strategy.training_contract import (
 )
 
 TWO = ["/cpu:0", "/cpu:1"]
+#: 2 replicas split a global batch of 8 rows 4/4; 3 replicas 3/3/2, where only weighting by rows is right
+DEVICES = {2: TWO, 3: ["/cpu:0", "/cpu:1", "/cpu:2"]}
 FEATURES = 5
 STEPS = 6
 GLOBAL_BATCH = 8
@@ -176,14 +178,16 @@ def test_the_spmd_driver_alone_is_one_process_training():
 
 
 @pytest.mark.timeout(120)
-def test_spmd_driver_on_two_replicas_applies_the_global_gradient_everywhere(threaded_client):
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_spmd_driver_applies_the_global_gradient_everywhere(threaded_client, replicas):
     batches = _global_batches()
     reference, losses = _reference(batches)
-    with dd.MirroredStrategy(devices=TWO, client=threaded_client) as strategy:
+    with dd.MirroredStrategy(devices=DEVICES[replicas], client=threaded_client) as strategy:
         driver = strategy.extended.step_driver()
         assert isinstance(driver, SpmdStepDriver)
         results = strategy.extended.run_on_replicas(
-            _train_on_replica, ("linear", _per_replica(batches, 2), driver, LinearTrainable))
+            _train_on_replica, ("linear", _per_replica(batches, replicas), driver, LinearTrainable))
+    assert len(results) == replicas
     for params, totals, iterations in results:
         for a, b in zip(params, reference.parameters()):
             np.testing.assert_allclose(a, b, rtol=1e-10)
@@ -193,15 +197,17 @@ def test_spmd_driver_on_two_replicas_applies_the_global_gradient_everywhere(thre
 
 
 @pytest.mark.timeout(120)
-def test_holder_driver_reduces_to_the_store_applies_once_and_every_replica_assigns(threaded_client):
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_holder_driver_reduces_to_the_store_applies_once_and_every_replica_assigns(threaded_client, replicas):
     batches = _global_batches()
     reference, losses = _reference(batches)
-    with dd.experimental.CentralStorageStrategy(TWO, client=threaded_client) as strategy:
+    with dd.experimental.CentralStorageStrategy(DEVICES[replicas], client=threaded_client) as strategy:
         driver = strategy.extended.step_driver("linear")
         assert isinstance(driver, HolderStepDriver) and isinstance(driver, ParameterHoldingDriver)
         assert driver.stored_state(threaded_client, 2) is None  # nothing held before the first step
         results = strategy.extended.run_on_replicas(
-            _train_on_replica, ("linear", _per_replica(batches, 2), driver, LinearTrainable))
+            _train_on_replica, ("linear", _per_replica(batches, replicas), driver, LinearTrainable))
+        assert len(results) == replicas
         for params, totals, iterations in results:
             for a, b in zip(params, reference.parameters()):
                 np.testing.assert_allclose(a, b, rtol=1e-10)
@@ -226,9 +232,14 @@ def test_holder_driver_refuses_a_trainable_without_assign_on_every_replica(threa
             strategy.extended.run_on_replicas(
                 _train_on_replica, ("spmd-only", _per_replica(_global_batches(), 2), driver, SpmdOnly))
         # the strategy is still usable: the SPMD-only trainable trains under Mirrored, the holder trains a held one
+        batches = _global_batches()[:1]
         results = strategy.extended.run_on_replicas(
-            _train_on_replica, ("linear", _per_replica(_global_batches()[:1], 2), driver, LinearTrainable))
+            _train_on_replica, ("linear", _per_replica(batches, 2), driver, LinearTrainable))
+        reference, _ = _reference(batches)
         assert len(results) == 2
+        for params, _, _ in results:
+            for a, b in zip(params, reference.parameters()):
+                np.testing.assert_allclose(a, b, rtol=1e-10)
 
 
 class _WorkerCopy:

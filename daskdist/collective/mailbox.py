@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Any
 
-from daskdist.exceptions import ERROR_KINDS, CollectiveAbortedError, DaskdistError
+from daskdist.exceptions import ERROR_KINDS, CollectiveAbortedError, DaskdistError, MailboxTimeout
 
 __all__ = ["Abort", "Mailbox", "MailboxTimeout"]
 
@@ -19,10 +19,6 @@ Tag = tuple[Any, ...]  # (run_id, collective_seq, src_rank, name)
 
 #: Aborted runs remembered, so an abort that arrives before the run starts still counts.
 _ABORTED_RUNS_KEPT = 64
-
-
-class MailboxTimeout(Exception):
-    """Internal: the deadline passed before the tagged message arrived."""
 
 
 class Abort:

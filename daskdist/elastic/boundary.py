@@ -18,20 +18,12 @@ from typing import Any
 
 import numpy as np
 
+from daskdist.exceptions import StopAtCommit
 from daskdist.group.service import ReplicaService
 
 __all__ = ["FreeWorkerWatch", "StopAtCommit", "boundary_flags", "retiring", "stop_reply"]
 
 logger = logging.getLogger(__name__)
-
-
-class StopAtCommit(Exception):
-    """Raised at a commit to end an epoch's command there: free workers wait to be admitted, or members retire."""
-
-    def __init__(self, step: int, leave: bool):
-        super().__init__(step)
-        self.step = step
-        self.leave = leave
 
 
 def stop_reply(stop: StopAtCommit) -> dict[str, Any]:

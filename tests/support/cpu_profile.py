@@ -4,7 +4,9 @@ With ``DASKDIST_TEST_CPU_LOG=<file>`` set, ``tests/conftest.py`` appends one JSO
 wall seconds of its set-up, call and tear-down together, and the CPU seconds the pytest process spent in them
 (``self``) and those of the child processes it reaped meanwhile (``children``: worker processes, nannies and
 their own children, examples run as scripts). A module-scoped cluster's processes are counted in the test
-whose tear-down closes them; the session's shared cluster in the last test's.
+whose tear-down closes them; the session's shared cluster in the last test's. Workers forked from the
+session's fork server are that server's children, never reaped here: ``ProcessWorkers.close`` asks each
+for its own CPU seconds before it closes them and notes them here (``workers``; a killed one's are lost).
 
 ``python -m tests.support.cpu_profile <file> [N]`` prints the totals and the ``N`` modules that cost most.
 """
@@ -22,6 +24,29 @@ import time
 LOG_ENV = "DASKDIST_TEST_CPU_LOG"
 
 
+_noted = [0.0]
+
+
+def note_worker_cpu(seconds: float) -> None:
+    """Add CPU seconds that worker processes reported themselves (forked ones are not this process's children)."""
+    _noted[0] += seconds
+
+
+def process_cpu() -> float:
+    """This process's own CPU seconds (what a worker reports to ``note_worker_cpu``)."""
+    return _cpu(resource.RUSAGE_SELF)
+
+
+def note_cluster_cpu(client) -> None:
+    """Note the CPU seconds of ``client``'s worker processes, when a log is kept (call before closing them)."""
+    if not os.environ.get(LOG_ENV):
+        return
+    try:
+        note_worker_cpu(sum(client.run(process_cpu, on_error="ignore").values()))
+    except Exception:  # noqa: BLE001 (a profile without these seconds, never a failed close)
+        pass
+
+
 def _cpu(who: int) -> float:
     usage = resource.getrusage(who)
     return usage.ru_utime + usage.ru_stime
@@ -34,12 +59,14 @@ class Sample:
         self.wall = time.monotonic()
         self.self_cpu = _cpu(resource.RUSAGE_SELF)
         self.children_cpu = _cpu(resource.RUSAGE_CHILDREN)
+        self.workers_cpu = _noted[0]
 
     def record(self, path: str, nodeid: str) -> None:
         """Append ``nodeid``'s line: the clocks' advance since this sample."""
         line = {"id": nodeid, "wall": round(time.monotonic() - self.wall, 3),
                 "self": round(_cpu(resource.RUSAGE_SELF) - self.self_cpu, 3),
                 "children": round(_cpu(resource.RUSAGE_CHILDREN) - self.children_cpu, 3),
+                "workers": round(_noted[0] - self.workers_cpu, 3),
                 "load": os.getloadavg()[0]}
         with open(path, "a") as f:
             f.write(json.dumps(line) + "\n")
@@ -56,7 +83,7 @@ def summary(path: str, top: int = 25) -> str:
             line = json.loads(raw)
             module = line["id"].split("::")[0]
             wall[module] += line["wall"]
-            cpu[module] += line["self"] + line["children"]
+            cpu[module] += line["self"] + line["children"] + line.get("workers", 0.0)
             tests[module] += 1
             loads.append(line["load"])
     total_wall, total_cpu = sum(wall.values()), sum(cpu.values())

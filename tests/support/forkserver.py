@@ -21,8 +21,14 @@ import threading
 
 import dask
 
-#: What the server imports before it forks workers: what every replica imports.
-PRELOAD = ["distributed", "numpy", "daskdist", "daskdist.keras"]
+#: What the server imports before it forks workers: what every replica imports, and the frameworks the tests'
+#: replicas run (torch, and Keras 3 on torch: 4-5 CPU seconds a worker otherwise). Not JAX: it starts threads
+#: at import, which a fork does not carry (its tests run in subprocesses of their own).
+PRELOAD = ["distributed", "numpy", "daskdist", "daskdist.keras", "torch", "keras"]
+
+#: The Keras backend of the forked workers (the tests' Keras 3 modules run on torch): set before the server
+#: imports keras, since Keras fixes its backend at import.
+KERAS_BACKEND = "torch"
 
 _SESSION_ENVIRON = dict(os.environ)  # this module is imported by conftest, before any test runs
 _lock = threading.Lock()
@@ -35,6 +41,7 @@ def _worker_environ() -> dict[str, str]:
     for key, value in (dask.config.get("distributed.nanny.pre-spawn-environ") or {}).items():
         if value is not None:
             environ.setdefault(key, str(value))
+    environ.setdefault("KERAS_BACKEND", KERAS_BACKEND)
     if environ.get("PYTHONHASHSEED") in (None, "0"):
         environ["PYTHONHASHSEED"] = "6640"  # as the nanny does: the same hashes in every worker
     return environ

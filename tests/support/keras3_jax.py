@@ -39,26 +39,10 @@ from tests.keras3_models import (  # noqa: E402
     tutorial_cnn,
     twin,
 )
+from tests.support.closeness import max_rel, same  # noqa: E402
 
 TWO = ["/cpu:0", "/cpu:1"]
 GLOBAL_BATCH_SIZE = 16
-
-
-def max_rel(a_list, b_list, atol=1e-6) -> float:
-    """The smallest rtol at which ``np.testing.assert_allclose(a, b, rtol, atol)`` passes for every pair."""
-    worst = 0.0
-    for a, b in zip(a_list, b_list):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        over = np.maximum(np.abs(a - b) - atol, 0.0)
-        if over.size and np.any(over > 0):
-            with np.errstate(divide="ignore", invalid="ignore"):
-                worst = max(worst, float(np.max(np.where(over > 0, over / np.abs(b), 0.0))))
-    return worst
-
-
-def same(a_list, b_list) -> bool:
-    """Whether paired arrays are equal bit for bit."""
-    return all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(a_list, b_list))
 
 
 def _fit_case(strategy, build, x, y, epochs=2):

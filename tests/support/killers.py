@@ -117,8 +117,27 @@ class _Watcher:
         self.thread.join(10)
 
 
+def is_cli_nanny(pid: int) -> bool:
+    """Whether ``pid`` is a ``dask worker`` CLI process (a nanny), not this process nor the fork server.
+
+    A worker forked from the session's fork server (``tests/support/processes.py``) has that server as its
+    parent, and a ``make_cluster`` worker this process: neither may be killed as a nanny.
+    """
+    if pid == os.getpid():
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return False
+    return any(os.path.basename(a) == b"dask" for a in argv) and b"worker" in argv
+
+
 class Killer(_Watcher):
-    """Waits for the paused replica's file (``daskdist.testing.pause-file``), then kills -9 it and its nanny."""
+    """Waits for the paused replica's file (``daskdist.testing.pause-file``), then kills -9 it and its nanny.
+
+    The nanny only where it has one (``is_cli_nanny``): a forked worker's parent is the session's fork server.
+    """
 
     def __init__(self, marker, nanny: bool = True, workers=None):
         super().__init__(interval=0.01)
@@ -135,7 +154,7 @@ class Killer(_Watcher):
             paused = json.loads(self.marker.read_text())
         except json.JSONDecodeError:  # caught mid-write: read it again
             return False
-        if self.nanny:
+        if self.nanny and is_cli_nanny(paused["ppid"]):
             os.kill(paused["ppid"], signal.SIGKILL)  # the nanny first: nothing restarts the worker
         os.kill(paused["pid"], signal.SIGKILL)
         self.record.update(paused, killed=time.time())

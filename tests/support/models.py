@@ -34,11 +34,16 @@ def data(n=240, features=4, seed=0):
     return rng.random((n, features)).astype(np.float32), rng.integers(0, 3, n).astype(np.int64)
 
 
-def model(weights=None):
-    """A 4 -> 8 -> 3 classifier with Adam(0.01), built, with ``weights`` if given."""
+def model(weights=None, optimizer: str = "adam"):
+    """A 4 -> 8 -> 3 classifier with Adam(0.01) (``optimizer="sgd"``: SGD(0.5)), built, with ``weights`` if given.
+
+    Adam divides a gradient by its running scale, so a gradient off by a factor moves its weights only a
+    little; under SGD the same bug moves them by that factor.
+    """
     made = keras.Sequential([keras.layers.Dense(8, activation="relu", input_shape=(4,)), keras.layers.Dense(3)])
+    chosen = keras.optimizers.Adam(0.01) if optimizer == "adam" else keras.optimizers.SGD(0.5)
     made.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                 optimizer=keras.optimizers.Adam(0.01), metrics=["accuracy"])
+                 optimizer=chosen, metrics=["accuracy"])
     made.build((4,))
     if weights is not None:
         made.set_weights(weights)
@@ -67,3 +72,21 @@ def uninterrupted_weights(client, weights, dataset, epochs: int) -> list:
             reference = model(weights)
         reference.fit(dataset, epochs=epochs, verbose=0)
         return reference.get_weights()
+
+
+def _replica_weights(service) -> list[list[np.ndarray]]:
+    from daskdist.group.service import MODEL
+
+    return [[np.array(w) for w in service.objects.get(MODEL, model_id).model.get_weights()]
+            for model_id in sorted(service.objects.ids(MODEL))]
+
+
+def assert_replicas_hold_the_same_weights(strategy) -> None:
+    """Every replica's copy of every model the strategy's replicas hold equals replica 0's, bit for bit."""
+    held = strategy.extended.run_on_replicas(_replica_weights)
+    assert held[0], "the replicas hold no model"
+    for rank, models_of_rank in enumerate(held[1:], start=1):
+        assert len(models_of_rank) == len(held[0]), rank
+        for mine, first in zip(models_of_rank, held[0], strict=True):
+            for a, b in zip(mine, first, strict=True):
+                assert np.array_equal(a, b), f"replica {rank} holds other weights than replica 0"

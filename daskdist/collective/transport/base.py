@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 from daskdist.arrays import namespace
 from daskdist.collective.mailbox import Mailbox, Tag
+from daskdist.exceptions import PayloadMismatch
 
 #: ``combine(out_part, incoming_part, base_part)``: ``out_part = (base_part or out_part) op incoming_part``.
 Combine = Callable[[Any, Any, Any], None]
@@ -131,15 +132,6 @@ class Transport(ABC):
 
     def close(self) -> None:
         """Release what the transport holds (connections, segments)."""
-
-
-class PayloadMismatch(Exception):
-    """Internal: a received array does not have the size the receiver expected."""
-
-    def __init__(self, got: Any, expected: Any):
-        super().__init__(f"got {got} elements, expected {expected}")
-        self.got = got
-        self.expected = expected
 
 
 def apply_payload(payload: Any, out: Any, combine: Combine | None, base: Any = None) -> None:

@@ -19,16 +19,9 @@ from daskdist.collective.mailbox import Mailbox, Tag
 from daskdist.collective.transport.base import SendHandle
 from daskdist.collective.transport.framing import TEXT, decode
 from daskdist.collective.transport.shm_channel import ShmChannel, backoff_wait
+from daskdist.exceptions import LaneMismatch
 
 __all__ = ["LaneMismatch", "ShmLane"]
-
-
-class LaneMismatch(Exception):
-    """A peer's message of the same collective has another signature; ``peer_signature`` says what it passed."""
-
-    def __init__(self, peer_signature: str):
-        super().__init__(peer_signature)
-        self.peer_signature = peer_signature
 
 
 class _Source(Protocol):

@@ -15,6 +15,8 @@ import sys
 import types
 from typing import Any
 
+from daskdist.exceptions import UnsupportedBackendError
+
 __all__ = ["SUPPORTED_BACKENDS", "UnsupportedBackendError", "check_backend", "check_model", "framework",
            "keras_backend", "prepare_replica"]
 
@@ -22,10 +24,6 @@ __all__ = ["SUPPORTED_BACKENDS", "UnsupportedBackendError", "check_backend", "ch
 #: apply (torch: ``optimizer.apply`` after ``loss.backward()``; JAX: Keras' stateless calls, the gradients of
 #: ``model.train_step`` taken before ``optimizer.stateless_apply``).
 SUPPORTED_BACKENDS = ("torch", "jax")
-
-
-class UnsupportedBackendError(ValueError):
-    """Keras runs on a backend daskdist cannot train with (TensorFlow's is bound to TF's own strategies)."""
 
 
 def keras_backend() -> str:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from daskdist import context, fault_points
+from daskdist.exceptions import WeightsDifferError
 from daskdist.group.service import MODEL
 from daskdist.plugins.keras3 import hooks
 from daskdist.plugins.keras3.backend import prepare_replica
@@ -35,10 +36,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-
-
-class WeightsDifferError(ValueError):
-    """The replicas' copies of a model do not hold the same weights at the start of training."""
 
 
 def _replica_frame(service: ReplicaService) -> context.Frame:

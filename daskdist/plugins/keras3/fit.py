@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import optree
 
+from daskdist.exceptions import OutsideScopeError
 from daskdist.plugins.keras3 import commands, loops, registry, update_rule
 from daskdist.plugins.keras3.backend import check_backend, check_model, keras_backend
 from daskdist.plugins.keras3.fit_semantics import (
@@ -55,10 +56,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-class OutsideScopeError(ValueError):
-    """A Keras object created outside a strategy's scope is compiled or trained inside it (TF refuses it too)."""
 
 
 # -- creation -------------------------------------------------------------------------

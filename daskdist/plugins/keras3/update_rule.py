@@ -28,14 +28,11 @@ from typing import Any
 
 import numpy as np
 
+from daskdist.exceptions import UnsupportedOptimizerError
 from daskdist.keras.optimizers import Adam
 
 __all__ = ["SUPPORTED", "KerasAdam", "ScheduledRule", "UnsupportedOptimizerError", "assign_rule_state",
            "check_optimizer", "learning_rate", "rule_state", "take_stored", "update_rule"]
-
-
-class UnsupportedOptimizerError(NotImplementedError):
-    """A Keras optimizer (or option) that the parameter stores cannot run."""
 
 
 def _sgd(config: dict[str, Any]) -> Any:
