@@ -20,6 +20,7 @@
     ├── UnsupportedBackendError          (ValueError) Keras 3 runs on a backend daskdist cannot train with
     ├── UnsupportedOptimizerError        (NotImplementedError) an optimizer the parameter stores cannot run
     ├── WeightsDifferError               (ValueError) the replicas' copies of a Keras 3 model differ
+    ├── ScriptFailed                     a rank of ``python -m daskdist.torchrun`` exited non-zero or raised
     └── internal signals, caught inside daskdist (never raised to users):
         ├── MailboxTimeout               a tagged message did not arrive before its deadline
         ├── PayloadMismatch              a received array does not have the size the receiver expected
@@ -66,6 +67,7 @@ __all__ = [
     "PayloadMismatch",
     "RendezvousError",
     "ReplicaLostError",
+    "ScriptFailed",
     "StaleGenerationError",
     "StopAtCommit",
     "StrategyClosedError",
@@ -228,6 +230,18 @@ class StopAtCommit(DaskdistError):
         super().__init__(step)
         self.step = step
         self.leave = leave
+
+
+class ScriptFailed(DaskdistError):
+    """A rank of ``python -m daskdist.torchrun`` exited non-zero or raised: its rank, exit code and traceback
+    (or its last output lines)."""
+
+    def __init__(self, rank: int, code: int, report: str):
+        super().__init__(rank, code, report)
+        self.rank, self.code, self.report = rank, code, report
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} exited with code {self.code}:\n{self.report}"
 
 
 #: Error kinds carried in abort messages, mapped to the class each replica raises.

@@ -39,6 +39,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from daskdist import context
+from daskdist.exceptions import ScriptFailed
 
 __all__ = ["ScriptFailed", "interrupt", "output_topic", "run_script"]
 
@@ -47,17 +48,6 @@ logger = logging.getLogger(__name__)
 _TAIL_LINES = 40
 _running: dict[str, int] = {}  # run id -> the thread running its script in this process
 _running_lock = threading.Lock()
-
-
-class ScriptFailed(Exception):
-    """A rank's script exited non-zero or raised: its rank, exit code and traceback (or last output lines)."""
-
-    def __init__(self, rank: int, code: int, report: str):
-        super().__init__(rank, code, report)
-        self.rank, self.code, self.report = rank, code, report
-
-    def __str__(self) -> str:
-        return f"rank {self.rank} exited with code {self.code}:\n{self.report}"
 
 
 def output_topic(run: str) -> str:
