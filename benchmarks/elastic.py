@@ -159,18 +159,19 @@ def commit_cost(epochs: int, steps: int, profile: bool = False) -> None:
                             "fit wall per step"], parts))
 
 
-_PARTS = ("train_steps", "settle", "after_step", "commit_now")
+_PARTS = ("train_batch", "settle", "after_step", "commit_now")
 
 
 def _install_timers() -> None:
-    """On a worker: time ``KerasTrainable.train_steps``, the wait for a commit's copy before the apply
-    (``CommitRing.settle``), what a commit costs on the step path (``KerasCommits.after_step``: the metric
+    """On a worker: time ``KerasTrainable.train_batch`` (a step), the wait for a commit's copy before the apply
+    (``CommitRing.settle``), what a commit costs on the step path (``Commits.after_step``: the metric
     variables read, the copy's thread started) and the epoch's last commit (``commit_now``); sums and counts."""
     import types
 
     from daskdist.elastic import replica
-    from daskdist.plugins.keras3.commits import KerasCommits
     from daskdist.plugins.keras3.resident import KerasTrainable
+    from daskdist.training import elastic as trainer_elastic
+    from daskdist.training.commits import Commits
 
     if "k3bench_timers" in sys.modules:
         return
@@ -189,10 +190,10 @@ def _install_timers() -> None:
                 total[1] += 1
         return wrapper
 
-    KerasTrainable.train_steps = timed("train_steps", KerasTrainable.train_steps)  # type: ignore[method-assign]
+    KerasTrainable.train_batch = timed("train_batch", KerasTrainable.train_batch)  # type: ignore[method-assign]
     replica.CommitRing.settle = timed("settle", replica.CommitRing.settle)  # type: ignore[method-assign]
-    KerasCommits.after_step = timed("after_step", KerasCommits.after_step)  # type: ignore[method-assign]
-    replica.commit_now = timed("commit_now", replica.commit_now)
+    Commits.after_step = timed("after_step", Commits.after_step)  # type: ignore[method-assign]
+    trainer_elastic.commit_now = timed("commit_now", trainer_elastic.commit_now)
 
 
 def _take_timers() -> dict:
@@ -217,7 +218,7 @@ def commit_profile(client, models: dict, train, steps: int) -> list[list[str]]:
         def per_step(part: str, taken: list = taken) -> str:
             return f"{statistics.mean(t[part][0] for t in taken) / steps * 1e3:.2f}"
 
-        rows.append([name, per_step("train_steps"), per_step("settle"), per_step("after_step"),
+        rows.append([name, per_step("train_batch"), per_step("settle"), per_step("after_step"),
                      per_step("commit_now"), f"{wall * 1e3:.2f}"])
     return rows
 

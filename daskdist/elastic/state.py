@@ -337,10 +337,9 @@ class _MembersRetiring(Exception):
 
 
 def _lives_on_replicas(value: Any) -> bool:
-    from daskdist.keras.models import Model
     from daskdist.variables import DistributedVariable
 
-    return isinstance(value, (Model, DistributedVariable)) or hasattr(value, "_extended")
+    return isinstance(value, (ReplicatedModel, DistributedVariable)) or hasattr(value, "_extended")
 
 
 def run(fn: Callable[..., Any]) -> Callable[..., Any]:
