@@ -296,8 +296,16 @@ class BuiltinTrainable:
     # replica 0 only, so that the sum over the replicas is the global value) and each metric's totals.
 
     def step_state(self) -> dict[str, Any]:
-        """What a step's forward changes before its apply: the layers' random states (no moving statistics)."""
-        return {"rng": self.snapshot_random(), "moving": {}}
+        """What a step's forward changes before its apply, copied: ``{"rng": the layers' random states,
+        "moving": {position in the snapshot's "weights": array}}`` (the layers' ``state``: moving statistics)."""
+        moving = {}
+        position = 0
+        for layer in self.model.layers:
+            for name, array in layer.weights_list():
+                if name in layer.state:
+                    moving[position] = np.array(to_numpy(array), copy=True)
+                position += 1
+        return {"rng": self.snapshot_random(), "moving": moving}
 
     def replay(self, gradients: Sequence[Sequence[Any]], learning_rate: float | None) -> None:
         """Apply the reduced ``gradients`` of steps again, in order, with the optimizer (a replayed commit)."""
@@ -311,6 +319,7 @@ class BuiltinTrainable:
     def replayed_snapshot(self, forward: dict[str, Any], metrics: list[np.ndarray]) -> dict[str, Any]:
         """The ``snapshot`` after a ``replay``, with a commit's random states and totals."""
         state = self.snapshot()
+        state["weights"] = [forward["moving"].get(i, w) for i, w in enumerate(state["weights"])]
         state["rng"], state["metrics"] = forward["rng"], list(metrics)
         return state
 
