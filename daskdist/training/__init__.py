@@ -11,12 +11,20 @@ Modules
 -------
 update_rules
     The parameter stores' framework-free update rules (SGD, Adam, RMSprop).
-timer
-    The replica's step timer whose finished steps reach the scheduler.
-progress
-    Replica 0's live progress events (the dashboard's ``fit`` progress).
+replica
+    ``ReplicaModel``: what an adapter's resident gives the trainer.
 loop
-    One replica step loop over a shard: begin, steps, end.
-stepwise
-    The client's side of a loop run in several commands (per-batch callbacks between).
+    ``ReplicaLoop``: the one replica step loop over a shard (begin, steps, end).
+commands
+    The replica commands: a whole epoch, a loop in several commands, an evaluation, the model's state.
+runners
+    ``ReplicaRunner``: the client's side of an epoch or evaluation on the replicas, per-batch callbacks
+    between ``steps_per_execution`` commands when asked.
+elastic, commits
+    Elastic epochs: ``ElasticRunner`` (client) and ``elastic_train_epoch`` (replica); commits copied off
+    the step's path and replayed.
+fit
+    ``run_epochs``: the client's epoch loop every adapter's ``fit`` runs.
+timer, progress
+    The replica's step timer that reports each step; replica 0's live progress events.
 """
