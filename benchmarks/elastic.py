@@ -75,6 +75,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -159,18 +160,19 @@ def commit_cost(epochs: int, steps: int, profile: bool = False) -> None:
                             "fit wall per step"], parts))
 
 
-_PARTS = ("train_steps", "settle", "after_step", "commit_now")
+_PARTS = ("train_batch", "settle", "after_step", "commit_now")
 
 
 def _install_timers() -> None:
-    """On a worker: time ``KerasTrainable.train_steps``, the wait for a commit's copy before the apply
-    (``CommitRing.settle``), what a commit costs on the step path (``KerasCommits.after_step``: the metric
+    """On a worker: time ``KerasTrainable.train_batch`` (a step), the wait for a commit's copy before the apply
+    (``CommitRing.settle``), what a commit costs on the step path (``Commits.after_step``: the metric
     variables read, the copy's thread started) and the epoch's last commit (``commit_now``); sums and counts."""
     import types
 
     from daskdist.elastic import replica
-    from daskdist.plugins.keras3.commits import KerasCommits
     from daskdist.plugins.keras3.resident import KerasTrainable
+    from daskdist.training import elastic as trainer_elastic
+    from daskdist.training.commits import Commits
 
     if "k3bench_timers" in sys.modules:
         return
@@ -189,10 +191,10 @@ def _install_timers() -> None:
                 total[1] += 1
         return wrapper
 
-    KerasTrainable.train_steps = timed("train_steps", KerasTrainable.train_steps)  # type: ignore[method-assign]
+    KerasTrainable.train_batch = timed("train_batch", KerasTrainable.train_batch)  # type: ignore[method-assign]
     replica.CommitRing.settle = timed("settle", replica.CommitRing.settle)  # type: ignore[method-assign]
-    KerasCommits.after_step = timed("after_step", KerasCommits.after_step)  # type: ignore[method-assign]
-    replica.commit_now = timed("commit_now", replica.commit_now)
+    Commits.after_step = timed("after_step", Commits.after_step)  # type: ignore[method-assign]
+    trainer_elastic.commit_now = timed("commit_now", trainer_elastic.commit_now)
 
 
 def _take_timers() -> dict:
@@ -217,7 +219,7 @@ def commit_profile(client, models: dict, train, steps: int) -> list[list[str]]:
         def per_step(part: str, taken: list = taken) -> str:
             return f"{statistics.mean(t[part][0] for t in taken) / steps * 1e3:.2f}"
 
-        rows.append([name, per_step("train_steps"), per_step("settle"), per_step("after_step"),
+        rows.append([name, per_step("train_batch"), per_step("settle"), per_step("after_step"),
                      per_step("commit_now"), f"{wall * 1e3:.2f}"])
     return rows
 
@@ -449,7 +451,7 @@ def recovery(trials: int, steps: int, how: int = signal.SIGKILL) -> None:
 
 
 def snapshot_cost(steps: int) -> None:
-    """In this process, no cluster: Keras 3's training step on one replica's batch, alone and followed by what a
+    """In this process, no cluster: the model's training step (Keras 3's, or the built-in layers') on one replica's batch, alone and followed by what a
     commit costs the step (alternated, 4 steps per sample, so that the next steps' cache misses count):
 
     * *full copy*: the snapshot of every commit before (``KerasTrainable.snapshot``: weights, optimizer slots,
@@ -457,24 +459,38 @@ def snapshot_cost(steps: int) -> None:
     * *replayed commit*: what a commit between two full ones takes on the step path
       (``KerasTrainable.step_state`` and ``local_metric_totals``; its steps' reduced gradients are kept, not copied).
     """
-    import torch
-
-    from daskdist.plugins.keras3.resident import KerasTrainable
-
-    torch.set_num_threads(1)  # one replica's share of the 2 cores
-    model = build_model()
     rng = np.random.default_rng(0)
-    x = torch.from_numpy(rng.random((BATCH // 2, 28, 28, 1), dtype=np.float32))
-    y = torch.from_numpy(rng.integers(0, 10, BATCH // 2).astype(np.int64))
-    model.train_step((x, y))  # the optimizer's slots built
-    resident = KerasTrainable(model)
+    if MODEL["name"] == "keras3":
+        import torch
+
+        from daskdist.plugins.keras3.resident import KerasTrainable
+
+        torch.set_num_threads(1)  # one replica's share of the 2 cores
+        model = build_model()
+        x = torch.from_numpy(rng.random((BATCH // 2, 28, 28, 1), dtype=np.float32))
+        y = torch.from_numpy(rng.integers(0, 10, BATCH // 2).astype(np.int64))
+        model.train_step((x, y))  # the optimizer's slots built
+        resident: Any = KerasTrainable(model)
+        step = lambda: model.train_step((x, y))  # noqa: E731
+        weights = "variables"
+    else:  # the built-in layers: the trainer's step (``BuiltinTrainable.train_batch``) with the SPMD driver
+        from daskdist.keras.trainable import BuiltinTrainable
+        from daskdist.strategy.training_contract import SpmdStepDriver
+
+        model = build_model()
+        x = rng.random((BATCH // 2, 28, 28, 1), dtype=np.float32)
+        y = rng.integers(0, 10, BATCH // 2).astype(np.int64)
+        resident = BuiltinTrainable(model)
+        driver = SpmdStepDriver()
+        resident.train_batch((x, y), driver)  # built, the optimizer's slots made
+        step = lambda: resident.train_batch((x, y), driver)  # noqa: E731
+        weights = "weights"
     state = resident.snapshot()
     arms = {
-        "plain step": lambda: model.train_step((x, y)),
-        "plain step (again: the noise)": lambda: model.train_step((x, y)),
-        "step + full copy": lambda: (model.train_step((x, y)), resident.snapshot()),
-        "step + replayed commit": lambda: (model.train_step((x, y)), resident.step_state(),
-                                           resident.local_metric_totals()),
+        "plain step": step,
+        "plain step (again: the noise)": step,
+        "step + full copy": lambda: (step(), resident.snapshot()),
+        "step + replayed commit": lambda: (step(), resident.step_state(), resident.local_metric_totals()),
     }
     times: dict[str, list[float]] = {name: [] for name in arms}
     order = list(arms)
@@ -487,9 +503,11 @@ def snapshot_cost(steps: int) -> None:
             for _ in range(4):
                 arms[name]()
             times[name].append((time.perf_counter() - start) / 4)
-    nbytes = sum(a.nbytes for a in state["variables"] + state["optimizer"])
+    optimizer = state["optimizer"]
+    slots = list(optimizer.values()) if isinstance(optimizer, dict) else list(optimizer)
+    nbytes = sum(np.asarray(a).nbytes for a in list(state[weights]) + slots)
     plain = statistics.median(times["plain step"])
-    print(f"load before: {os.getloadavg()[0]:.2f}; torch threads 1; {steps} alternations of 4 steps; "
+    print(f"load before: {os.getloadavg()[0]:.2f}; {MODEL['name']}; {steps} alternations of 4 steps; "
           f"a full copy is {nbytes:,} bytes (weights + Adam's slots)")
     print(format_table(["arm", "ms per step (median)", "ratio to the plain step"],
                        [[name, f"{statistics.median(t) * 1e3:.2f}", f"{statistics.median(t) / plain:.3f}"]
@@ -507,7 +525,7 @@ def main() -> None:
     parser.add_argument("--parts", default="commit,goodput,stop",
                         help="which parts, comma-separated: commit, goodput (a kill -9 per epoch, with kill -> "
                              "first step per kill), recovery (kill -9, one per cluster), stop (SIGSTOP), snapshot "
-                             "(--model keras3: a commit's snapshot against Keras' step, in this process)")
+                             "(a commit's snapshot against the model's step, in this process)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 2 epochs, 16 steps, 3 goodput epochs, 1 trial")
     parser.add_argument("--model", choices=["builtin", "keras3"], default="builtin",
@@ -536,7 +554,7 @@ def main() -> None:
         print(f"\n## Goodput of {args.goodput_epochs} epochs of {args.steps} steps, a kill -9 per epoch\n")
         goodput(args.goodput_epochs, args.steps, args.min_replicas)
     if "snapshot" in parts:
-        print("\n## A commit's snapshot against Keras' own step, in one process (--model keras3)\n")
+        print(f"\n## A commit's snapshot against the model's own step, in one process (--model {args.model})\n")
         snapshot_cost(args.steps * 2)
     if "recovery" in parts:
         print("\n## Recovery after kill -9 of a worker and its nanny\n")

@@ -9,7 +9,8 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-from daskdist.plugins.keras3 import commands, registry  # noqa: E402
+from daskdist.plugins.keras3 import registry  # noqa: E402
+from daskdist.training import commands  # noqa: E402
 
 
 @keras.saving.register_keras_serializable(package="daskdist_tests")

@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 
+import dask
 import numpy as np
 import pytest
 
@@ -160,7 +161,9 @@ def test_a_worker_killed_while_it_copies_a_commit_is_recovered_with_the_uninterr
         model.fit(plain, epochs=1, verbose=0)
         expected = model.get_weights()
     marker = str(tmp_path / "copying")
-    with dd.MirroredStrategy(client=workers.client, elastic=dd.ElasticOptions(min_replicas=2)) as strategy:
+    # every commit copies the state (most commits of a fit are replayed otherwise: no copy to be killed in)
+    with (dask.config.set({"daskdist.elastic.replayed-commits": 1}),
+          dd.MirroredStrategy(client=workers.client, elastic=dd.ElasticOptions(min_replicas=2)) as strategy):
         with strategy.scope():
             model = models.model(weights)
         victim = strategy.extended.worker_addresses[1]

@@ -126,7 +126,8 @@ def test_kill_9_of_one_of_3_workers_at_each_phase_of_a_step_fit_finishes_with_th
     workers = process_workers(3)
     marker = tmp_path / "paused.json"
     settings = {"daskdist.testing.pause-at": f"{phase}:{PAUSE_STEP}:{VICTIM_RANK}",
-                "daskdist.testing.pause-file": str(marker)}
+                "daskdist.testing.pause-file": str(marker),
+                "daskdist.elastic.replayed-commits": 1}  # every commit copied: the "commit" phase is the copy
     with dask.config.set(settings), dd.MultiWorkerMirroredStrategy(
             communication_options=models.RING, client=workers.client,
             elastic=dd.ElasticOptions(min_replicas=2)) as strategy:
@@ -143,8 +144,13 @@ def test_kill_9_of_one_of_3_workers_at_each_phase_of_a_step_fit_finishes_with_th
         (event,) = history.elastic.events
         assert event.lost == [victim] and event.action == "restored" and len(event.members) == 2
         _, epoch, step = event.commit
-        # back to the commit before the step the victim died in (after it, for a death while committing it)
-        assert (epoch, step) == (0, PAUSE_STEP + 1 if phase == "commit" else PAUSE_STEP)
+        # back to the newest commit a step's all-reduce carried the totals of: a commit enters the ring with the
+        # next step's exchange, so a death before step PAUSE_STEP's exchange ended leaves the commit before it
+        # (PAUSE_STEP - 1), a death in its apply the commit it carried (PAUSE_STEP); a death in the thread that
+        # copies the commit after it (PAUSE_STEP + 1) leaves that one if the next step's exchange carried it
+        # before the kill landed (the step path goes on while the copy is paused), else the one before
+        want = {"apply": (PAUSE_STEP,), "commit": (PAUSE_STEP, PAUSE_STEP + 1)}.get(phase, (PAUSE_STEP - 1,))
+        assert epoch == 0 and step in want
         restored = [t for t, m in workers.client.get_events("daskdist-elastic") if m.get("action") == "restored"]
         assert len(restored) == 1 and restored[0] - record["killed"] < 15  # detected and re-formed in seconds
         for e in (0, 1):  # every row of each epoch in exactly one committed update
@@ -221,7 +227,8 @@ def test_a_kill_inside_the_all_reduce_leaves_the_digits_test_accuracy_within_hal
             if killer is not None:
                 assert killer.join()["phase"] == "all-gather"
                 (event,) = history.elastic.events
-                assert event.commit[1:] == (1, 10)  # step 40 is the eleventh of the second epoch
+                # step 40 is the eleventh of the second epoch: back to the commit before it whose totals a step carried
+                assert event.commit[1:] == (1, 9)
             accuracy[interrupted] = model.evaluate(Dataset.from_tensor_slices((x_test, y_test)).batch(90),
                                                    verbose=0, return_dict=True)["accuracy"]
     assert accuracy[False] > 0.9, accuracy  # it learned
@@ -419,7 +426,7 @@ def test_h2s_leader_killed_inside_the_cross_host_ring_training_finishes_on_three
         record = killer.join()
         assert (record["host"], record["address"], record["phase"]) == ("h2", victim, "reduce-scatter")
         (event,) = history.elastic.events
-        assert event.lost == [victim] and event.commit[1:] == (0, PAUSE_STEP)
+        assert event.lost == [victim] and event.commit[1:] == (0, PAUSE_STEP - 1)  # the commit a step carried last
         assert strategy.num_replicas_in_sync == 3 and strategy.extended.num_hosts == 2
         # h2's other worker is its host's only replica now: task 1, the spec still naming both hosts
         seen = strategy.extended.group.call(models.resolver_view)

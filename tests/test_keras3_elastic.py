@@ -237,9 +237,9 @@ def test_a_replayed_commit_rebuilds_bit_for_bit_the_state_a_full_copy_holds():
     from daskdist.elastic.replica import Commit
     from daskdist.group.service import MODEL, ResidentStore
     from daskdist.plugins.keras3 import hooks
-    from daskdist.plugins.keras3.commits import ReplayedCommit
     from daskdist.plugins.keras3.resident import KerasTrainable
     from daskdist.strategy.training_contract import SpmdStepDriver
+    from daskdist.training.commits import ReplayedCommit
 
     hooks.install()
     x, y = dense_data(rows=96)
@@ -260,9 +260,9 @@ def test_a_replayed_commit_rebuilds_bit_for_bit_the_state_a_full_copy_holds():
         return exchanged
 
     resident.exchange_hook = keep
-    resident.begin("train", [(x[i:i + 24], y[i:i + 24]) for i in range(0, 72, 24)])
-    assert resident.train_steps(None, SpmdStepDriver()) == 3
-    resident.close("train")
+    driver = SpmdStepDriver()
+    for i in range(0, 72, 24):
+        assert resident.train_batch((x[i:i + 24], y[i:i + 24]), driver) == 24
     full = store.snapshot((MODEL,))[(MODEL, "m")]  # the state after the 3 steps
     replayed = ReplayedCommit((1, 0, 3), base, list(log), resident.step_state(), store, (MODEL, "m"), None)
     resident.train_step((x[72:], y[72:]), lambda g, rows, sums=(), summed=False: g)  # the live model moves on

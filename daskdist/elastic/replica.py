@@ -14,7 +14,6 @@ import concurrent.futures
 import hashlib
 import logging
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,10 +23,8 @@ import optree
 
 from daskdist import fault_points
 from daskdist.arrays import to_numpy
-from daskdist.elastic.boundary import FreeWorkerWatch, StopAtCommit, boundary_flags, retiring, stop_reply
+from daskdist.elastic.boundary import retiring
 from daskdist.group.service import COMMIT, MODEL, VARIABLE, ReplicaService
-from daskdist.keras import training
-from daskdist.ops import ReduceOp
 
 __all__ = [
     "Commit",
@@ -39,7 +36,6 @@ __all__ = [
     "commit_now",
     "commit_progress",
     "commit_state",
-    "elastic_train_epoch",
     "install_commit",
     "lacking_residents",
     "restore_commit",
@@ -52,7 +48,6 @@ logger = logging.getLogger(__name__)
 #: ``(fit, epoch, step)``: the ``fit`` call of the strategy, the epoch, the global batches of the epoch done.
 CommitKey = tuple[int, int, int]
 _RING_ID = "ring"
-_PROGRESS_INTERVAL = 0.25
 STATE_KINDS = (VARIABLE, MODEL)
 
 
@@ -320,65 +315,3 @@ def _restore_metrics(service: ReplicaService, progress: dict) -> None:
             metric.set_totals(total if service.rank == 0 else np.zeros_like(total))
 
 
-def elastic_train_epoch(service: ReplicaService, model_id: str, batches: Any, steps: int, lr: float, tag: str,
-                        key: tuple[int, int], first_step: int, commit_every: int,
-                        start: tuple[float, float] | None, admit_every: float | None = None,
-                        room: bool = False) -> dict:
-    """Train steps ``first_step`` ... of an epoch, committing every ``commit_every`` steps and at the end.
-
-    ``batches`` holds the epoch's global batches from ``first_step`` on (re-planned over this generation);
-    ``steps`` is their count. ``start``: the epoch's global loss sum and count at ``first_step``. With
-    ``admit_every`` (seconds) and ``room`` (the group may grow), replica 0 looks for free workers; when
-    there are some, every replica stops at the next commit and answers ``{"stopped_at": step}``; so it does,
-    with ``"leave": True``, when the scheduler said members are retiring (they leave at that commit).
-
-    Each commit's copy is taken by a background thread while the next step's input, forward, backward
-    and all-reduce run; the replica waits for it just before the next optimizer apply.
-    """
-    from daskdist.keras.models import PROGRESS_TOPIC
-
-    trainable = service.objects.get(MODEL, model_id)  # the model's Trainable: what each commit snapshots
-    model = trainable.model
-    model.optimizer.learning_rate = lr
-    ring = commit_ring(service)
-    fit, epoch = key
-    last = first_step + steps
-    ctx = service.context
-    watch = FreeWorkerWatch(service, admit_every, room)
-
-    def on_step(done: int, loss_sum: float, count: float) -> None:
-        step = first_step + done
-        if step % commit_every and step != last:
-            return
-        totals = [np.asarray(m.totals(), np.float64) for m in model.compiled_metrics]
-        # one all-reduce: the epoch's metrics so far (so a lost replica's share is not lost), replica 0's "free
-        # workers wait" flag and any replica's "members retire" flag (every replica takes part, so all stop here)
-        flags = boundary_flags(service, watch)
-        reduced = ctx.all_reduce(ReduceOp.SUM, [*totals, flags])
-        totals = [np.asarray(t, np.float64) for t in reduced[:len(totals)]]
-        grow, leave = (float(f) > 0 for f in reduced[-1])
-        progress = {"loss_sum": loss_sum, "count": count, "metrics": {model_id: totals}}
-        # a test's fault point (``daskdist.testing.pause-at``): in the commit's copy, wherever that runs
-        pause = fault_points.bound("commit") if fault_points.ARMED else None
-        ring.add(Commit.copying((fit, epoch, step), service.objects, progress, pause))  # copied off the step path
-        if (grow or leave) and step != last:
-            raise StopAtCommit(step, leave)
-
-    sent = [0.0]
-
-    def progress(done: int, logs: dict) -> None:
-        now = time.monotonic()
-        if service.rank == 0 and now - sent[0] >= _PROGRESS_INTERVAL:
-            sent[0] = now
-            service.log_event(PROGRESS_TOPIC, {"tag": tag, "epoch": epoch, "step": first_step + done, "logs": logs})
-
-    try:
-        logs = training.train_batches(model, batches, steps, progress, start=start, on_step=on_step,
-                                      before_apply=ring.settle, trainable=trainable)
-    except StopAtCommit as stop:
-        service.flush_step_events()
-        return stop_reply(stop)
-    finally:
-        ring.settle()  # the client may change the state next (a restore, set_weights): the last copy ends first
-    service.flush_step_events()
-    return logs

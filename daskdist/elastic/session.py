@@ -17,9 +17,10 @@ A fit's start (``begin``: a group below ``min_replicas`` refilled, the first
 commit, free workers admitted) and its commit boundaries (``change_at_epoch_start``,
 ``change_at_commit``: retiring members leave, free workers join) are the
 session's too. The trainers add what is theirs: how the first commit is
-taken (``take_first_commit``), their epoch command and what its commits
-hold: the built-in layers' ``ElasticFit`` (``elastic/fit.py``: the epoch's
-loss totals in the commits) and the Keras 3 adapter's
+taken (``take_first_commit``) and how a newcomer gets the model; the
+epochs themselves are the trainer's (``daskdist.training.elastic.ElasticRunner``),
+whose adapters are the built-in layers' ``ElasticFit``
+(``daskdist/keras/elastic_fit.py``) and the Keras 3 adapter's
 (``daskdist/plugins/keras3/elastic.py``).
 """
 

@@ -338,10 +338,9 @@ class _MembersRetiring(Exception):
 
 
 def _lives_on_replicas(value: Any) -> bool:
-    from daskdist.keras.models import Model
     from daskdist.variables import DistributedVariable
 
-    return isinstance(value, (Model, DistributedVariable, Strategy))
+    return isinstance(value, (ReplicatedModel, DistributedVariable, Strategy))
 
 
 def run(fn: Callable[..., Any]) -> Callable[..., Any]:

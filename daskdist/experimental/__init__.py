@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from daskdist.data.dataset_creator import DatasetCreator
 from daskdist.experimental import coordinator, partitioners
-from daskdist.keras.dataset_creator import DatasetCreator
 from daskdist.strategy.central_storage import CentralStorageStrategy
 from daskdist.strategy.parameter_server import ParameterServerStrategy
 from daskdist.strategy.sharded_variable import ShardedVariable

@@ -66,7 +66,7 @@ class History(Callback):
         super().__init__()
         self.history: dict[str, list] = {}
         self.epoch: list[int] = []
-        #: On an elastic strategy: the fit's ``daskdist.elastic.fit.ElasticFit`` (its ``ledger``, its ``events``).
+        #: On an elastic strategy: the fit's ``daskdist.keras.elastic_fit.ElasticFit`` (its ``ledger``, its ``events``).
         self.elastic: Any = None
         #: On an elastic strategy: every membership change the fit survived (lost, admitted, commit, seconds).
         self.elastic_events: list[dict] = []
@@ -115,6 +115,11 @@ class ProgbarLogger(Callback):
             tqdm.write(f"Epoch {epoch + 1}/{self.params.get('epochs')} - {text}")
 
 
+def is_default(method: Any) -> bool:
+    """Whether a callback's bound hook is ``Callback``'s own no-op (not overridden)."""
+    return getattr(method, "__func__", None) is getattr(Callback, getattr(method, "__name__", ""), None)
+
+
 class CallbackList:
     """Calls every callback's hook in order; owns the progress bar."""
 
@@ -128,6 +133,14 @@ class CallbackList:
         for cb in self.callbacks:
             cb.set_model(model)
             cb.set_params(params)
+
+    def needs_batch_hooks(self, loop: str) -> bool:
+        """Whether one of the user's callbacks (not the progress bar) overrides a per-batch hook of ``loop``:
+        then the loop runs ``steps_per_execution`` steps per command, the hooks called between."""
+        from daskdist.training.runners import overrides_batch_hooks
+
+        users = [cb for cb in self.callbacks if not isinstance(cb, ProgbarLogger)]
+        return overrides_batch_hooks(users, loop, is_default)
 
     def wants_progress(self) -> bool:
         overridden = [cb for cb in self.callbacks

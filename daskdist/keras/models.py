@@ -26,6 +26,9 @@ from daskdist.keras import callbacks as callbacks_module
 from daskdist.keras import ps_fit, resident_ref, saving, training
 from daskdist.keras.trainable import BuiltinTrainable, RandomStates
 from daskdist.strategy.base import Strategy
+from daskdist.training.fit import run_epochs
+from daskdist.training.progress import PROGRESS_TOPIC
+from daskdist.training.runners import ReplicaRunner
 
 if TYPE_CHECKING:
     from daskdist.strategy.training_contract import ParameterHoldingDriver, StepDriver
@@ -34,8 +37,6 @@ __all__ = ["Model", "RandomStates", "Sequential", "load_model"]
 
 logger = logging.getLogger(__name__)
 
-PROGRESS_TOPIC = "daskdist-progress"
-_PROGRESS_INTERVAL = 0.25
 
 
 def _current_strategy() -> Any:
@@ -360,15 +361,8 @@ class Model:
             cb.on_train_begin()
             start_epoch = max(initial_epoch, cb.resume_epoch())
             runner.begin(start_epoch)
-            for epoch in range(start_epoch, epochs):
-                cb.on_epoch_begin(epoch)
-                logs = runner.train_epoch(epoch, steps_per_epoch, cb)
-                val_logs = runner.validate(batch_size, validation_steps)
-                if val_logs is not None:
-                    logs.update({f"val_{k}": v for k, v in val_logs.items()})
-                cb.on_epoch_end(epoch, logs)
-                if self.stop_training:
-                    break
+            run_epochs(cb, start_epoch, epochs, lambda epoch: runner.train_epoch(epoch, steps_per_epoch, cb),
+                       lambda epoch: runner.validate(batch_size, validation_steps), lambda: self.stop_training)
         finally:
             runner.close()
         cb.on_train_end()
@@ -578,7 +572,7 @@ class _Runner:
         self._dist_val: Any = None
         self.tag = uuid.uuid4().hex[:8]  # the fit's progress events carry it
         self._subscribed = False
-        self._elastic: Any = None  # ``daskdist.elastic.fit.ElasticFit`` during a fit on an elastic strategy
+        self._elastic: Any = None  # ``keras.elastic_fit.ElasticFit`` during a fit on an elastic strategy
         self.recoveries: list[Any] = []  # elastic: the group re-formed while the model was installed (``Recovery``)
         self.failures = 0  # elastic: the losses among them (counted against ``max_failures``)
 
@@ -669,12 +663,12 @@ class _Runner:
         return None
 
     def begin(self, epoch: int) -> None:
-        """The fit's first epoch is ``epoch``: on an elastic strategy (``ElasticOptions``), hand this fit's
-        epochs to ``daskdist.elastic``."""
+        """The fit's first epoch is ``epoch``: on an elastic strategy (``ElasticOptions``), this fit's epochs
+        run as the trainer's elastic epochs (``keras.elastic_fit.ElasticFit``)."""
         options = _elastic_options(self.model)
         if options is None or self.train is None:
             return
-        from daskdist.elastic.fit import ElasticFit
+        from daskdist.keras.elastic_fit import ElasticFit
 
         self._elastic = ElasticFit(self, options)
         if self.model.history is not None:
@@ -683,15 +677,24 @@ class _Runner:
 
     def train_epoch(self, epoch: int, steps: int | None, cb: Any) -> dict:
         model = self.model
-        lr = float(model.optimizer.learning_rate)
         if not self.distributed:
             return training.train_batches(model, iter(self.train), steps, cb.on_progress)
         self._subscribe(cb)
         if self._elastic is not None:
-            return self._elastic.train_epoch(epoch, steps, cb)
-        results = self.strategy.extended.run_on_replicas(
-            _replica_train_epoch, (model._model_id, self.dist_train, steps, lr, self.tag, epoch, self.driver()))
-        return dict(results[0])
+            self._elastic.set_callbacks(cb)  # a growth at the fit's start, before the callbacks were known: told now
+            results = self._elastic.train_epoch(epoch, steps, self.driver(), float(model.optimizer.learning_rate),
+                                                self.tag)
+            return dict(results["logs"])
+        per_batch = cb.needs_batch_hooks("train")
+        results = self._replicas().train_epoch(
+            self.dist_train, steps, self.driver(), lambda: float(model.optimizer.learning_rate), tag=self.tag,
+            epoch=epoch, callbacks=cb, per_batch=per_batch, steps=steps if steps is not None else self.steps(),
+            size=model._steps_per_execution, stopped=lambda: bool(model.stop_training))
+        return dict(results["logs"])
+
+    def _replicas(self) -> ReplicaRunner:
+        """The trainer's runner of this model's epochs and evaluations on the replicas."""
+        return ReplicaRunner(self.strategy.extended, self.model._model_id, with_state=False)
 
     def replan_validation(self) -> None:
         """Distribute the validation data again at its next use (the members changed)."""
@@ -709,8 +712,7 @@ class _Runner:
         model._ensure_installed()
         dist = self._dist_val if self._dist_val is not None else self.strategy.experimental_distribute_dataset(data)
         self._dist_val = dist
-        results = self.strategy.extended.run_on_replicas(_replica_evaluate, (model._model_id, dist, steps))
-        return dict(results[0])
+        return self._replicas().evaluate(dist, steps)
 
     def _subscribe(self, cb: Any) -> None:
         if self._subscribed or not cb.wants_progress():
@@ -749,31 +751,6 @@ def _replica_trainable(service: ReplicaService, model_id: str) -> BuiltinTrainab
 
 def _replica_model(service: ReplicaService, model_id: str) -> Model:
     return _replica_trainable(service, model_id).model
-
-
-def _replica_train_epoch(service: ReplicaService, model_id: str, batches: Any, steps: int | None, lr: float, tag: str,
-                         epoch: int, driver: StepDriver) -> dict:
-    trainable = _replica_trainable(service, model_id)
-    model = trainable.model
-    model.optimizer.learning_rate = lr
-    last = [0.0]
-    import time
-
-    def progress(step: int, logs: dict) -> None:
-        now = time.monotonic()
-        if service.rank == 0 and now - last[0] >= _PROGRESS_INTERVAL:
-            last[0] = now
-            service.log_event(PROGRESS_TOPIC, {"tag": tag, "epoch": epoch, "step": step, "logs": logs})
-
-    logs = training.train_batches(model, batches, steps, progress, driver=driver, trainable=trainable)
-    if service.rank == 0:
-        service.log_event(PROGRESS_TOPIC, {"tag": tag, "epoch": epoch, "step": -1, "logs": logs})
-    service.flush_step_events()
-    return logs
-
-
-def _replica_evaluate(service: ReplicaService, model_id: str, batches: Any, steps: int | None) -> dict:
-    return training.evaluate_batches(_replica_model(service, model_id), batches, steps)
 
 
 def _replica_get_weights(service: ReplicaService, model_id: str) -> list[np.ndarray]:

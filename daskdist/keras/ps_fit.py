@@ -42,11 +42,11 @@ import numpy as np
 from daskdist import context
 from daskdist.arrays import as_array, namespace, to_numpy
 from daskdist.data import ops
+from daskdist.data.dataset_creator import DatasetCreator
 from daskdist.group.service import MODEL
 from daskdist.keras import callbacks as callbacks_module
 from daskdist.keras import training
-from daskdist.keras.dataset_creator import DatasetCreator
-from daskdist.keras.trainable import BuiltinTrainable
+from daskdist.keras.trainable import BuiltinTrainable, rows_of
 
 if TYPE_CHECKING:
     from daskdist.keras.models import Model
@@ -343,14 +343,14 @@ class PsTrainer:
                 self.driver.begin(self.trainable)
                 self.driver.pull(self.trainable)
                 pulled = True
-            if not training._rows(x):
+            if not rows_of(x):
                 continue
             y_pred = model._forward(x, training=False)
             per_example = model.loss.per_example(y, y_pred)
             if sample_weight is not None:
                 per_example = per_example * as_array(sample_weight)[0]
             loss_sum += float(namespace(per_example).sum(per_example))
-            count += training._rows(x)
+            count += rows_of(x)
             for metric in model.compiled_metrics:
                 metric.update_state(y, y_pred, sample_weight)
         return self._sums(loss_sum, count)

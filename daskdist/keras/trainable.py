@@ -23,14 +23,49 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from daskdist import fault_points
+from daskdist import context, fault_points
 from daskdist.arrays import as_array, namespace, to_numpy
+from daskdist.ops import ReduceOp
 
 if TYPE_CHECKING:
     from daskdist.keras.models import Model
-    from daskdist.strategy.training_contract import GradientExchange
+    from daskdist.strategy.training_contract import GradientExchange, StepDriver
 
-__all__ = ["BuiltinTrainable", "RandomStates"]
+__all__ = ["BuiltinTrainable", "RandomStates", "global_metric_results", "rows_of", "split_batch"]
+
+
+def split_batch(batch: Any) -> tuple[Any, Any, Any]:
+    """``(x, y)``, ``(x, y, sample_weight)``, a dict with ``"x"``/``"y"``, or ``x`` alone."""
+    if isinstance(batch, (tuple, list)):
+        if len(batch) == 2:
+            return batch[0], batch[1], None
+        if len(batch) == 3:
+            return batch[0], batch[1], batch[2]
+        raise ValueError(f"a batch must be (x, y) or (x, y, sample_weight), got {len(batch)} parts")
+    if isinstance(batch, dict) and "x" in batch:
+        return batch["x"], batch.get("y"), batch.get("sample_weight")
+    return batch, None, None
+
+
+def rows_of(x: Any) -> int:
+    """Rows of an input array (0 for a scalar)."""
+    return int(x.shape[0]) if getattr(x, "ndim", 0) else 0
+
+
+def global_metric_results(model: Model, ctx: Any) -> dict:
+    """The compiled metrics over every replica's rows so far (each replica's own totals kept, so a loop can go on)."""
+    metrics = model.compiled_metrics
+    if not metrics:
+        return {}
+    own = [np.asarray(m.totals(), np.float64) for m in metrics]
+    totals = ctx.all_reduce(ReduceOp.SUM, [o.copy() for o in own])
+    results = {}
+    for metric, total in zip(metrics, totals):
+        metric.set_totals(total)
+        results[metric.name] = float(metric.result())
+    for metric, mine in zip(metrics, own):
+        metric.set_totals(mine)
+    return results
 
 
 class RandomStates:
@@ -75,6 +110,16 @@ class BuiltinTrainable:
         self.timer: Any = None
         self.before_change: Callable[[], None] | None = None
         self._changing = False
+        # the open loop's totals: the training loss over every replica's rows (the driver's sums), the
+        # evaluation loss over this replica's rows
+        self.loss_sum, self.count = 0.0, 0.0
+        self._test_loss, self._test_count = 0.0, 0.0
+        # elastic commits (``daskdist.training.commits``): the hook that wraps the driver's exchange, what the
+        # last step's exchange summed, the epoch's totals at the newest commit, and whether a restore set them
+        self.exchange_hook: Callable[[GradientExchange], GradientExchange] | None = None
+        self.step_totals: Any = None
+        self._metric_totals: list[np.ndarray] = []
+        self._resumed = False
 
     def unwrap(self) -> Model:
         return self.model
@@ -112,6 +157,8 @@ class BuiltinTrainable:
 
     def _exchange_and_apply(self, exchange: GradientExchange, params: list[Any], grads: list[Any], rows: int,
                             loss_sum: float) -> None:
+        if self.exchange_hook is not None:
+            exchange = self.exchange_hook(exchange)
         start = time.perf_counter()
         reduced = exchange(grads, rows, sums=(loss_sum,), summed=True)
         if reduced is None:  # the driver assigned the new parameters (held elsewhere): that was the apply
@@ -140,6 +187,83 @@ class BuiltinTrainable:
         """The model's optimizer (numpy/cupy arrays in place; slots ``<slot>/<index>`` in its state)."""
         return self.model.optimizer
 
+    # -- the trainer's replica model (``daskdist.training.replica.ReplicaModel``) ---------------
+
+    def set_learning_rate(self, learning_rate: float | None) -> None:
+        if learning_rate is not None and self.model.optimizer is not None:
+            self.model.optimizer.learning_rate = learning_rate
+
+    def begin_loop(self, loop: str, timer: Any = None) -> None:
+        """A loop begins: metrics and loss totals from zero; ``timer`` times each step's apply."""
+        self.model.reset_metrics()
+        self.loss_sum = self.count = self._test_loss = self._test_count = 0.0
+        if loop == "train":
+            self.timer = timer
+
+    def resume(self, loss_sum: float, count: float, timer: Any = None) -> None:
+        """A training loop goes on part-way into an epoch (elastic): its global loss totals so far, metrics kept."""
+        self.loss_sum, self.count = float(loss_sum), float(count)
+        self.timer = timer
+
+    def end_loop(self, loop: str) -> None:
+        if loop == "train":
+            self.timer = self.before_change = None
+
+    def train_batch(self, batch: Any, driver: StepDriver) -> int:
+        """One step of ``driver`` over a local batch (the global loss totals kept); its rows."""
+        x, y, sample_weight = split_batch(batch)
+        x, _ = as_array(x)
+        y, _ = as_array(y)
+        self.model._ensure_built(x)
+        rows = rows_of(x)
+        totals = self.step_totals = driver.step(self, (x, y, sample_weight), rows)
+        self.loss_sum += totals.sums[0] if totals.sums else 0.0
+        self.count += totals.rows
+        return rows
+
+    def test_batch(self, batch: Any) -> int:
+        """The loss and metrics of a local batch (this replica's totals); its rows."""
+        model = self.model
+        x, y, sample_weight = split_batch(batch)
+        x, _ = as_array(x)
+        y, _ = as_array(y)
+        rows = rows_of(x)
+        if rows:
+            model._ensure_built(x)
+            y_pred = model._forward(x, training=False)
+            per_example = model.loss.per_example(y, y_pred)
+            if sample_weight is not None:
+                per_example = per_example * as_array(sample_weight)[0]
+            self._test_loss += float(namespace(per_example).sum(per_example))
+            self._test_count += rows
+            for metric in model.compiled_metrics:
+                metric.update_state(y, y_pred, sample_weight)
+        return rows
+
+    def global_logs(self, loop: str) -> dict[str, float]:
+        """The loop's loss and metrics over every replica's rows so far."""
+        ctx = context.get_replica_context()
+        if ctx is None:
+            raise RuntimeError("evaluation runs in a replica, or outside any strategy's scope (a model made outside "
+                               "it is evaluated outside it), not in a strategy's cross-replica context")
+        if loop == "train":
+            logs = {"loss": self.loss_sum / max(self.count, 1.0)}
+        else:
+            total = ctx.all_reduce(ReduceOp.SUM, np.array([self._test_loss, self._test_count], np.float64))
+            logs = {"loss": float(total[0] / max(total[1], 1.0))}
+        logs.update(global_metric_results(self.model, ctx))
+        return logs
+
+    def progress_logs(self) -> dict[str, float]:
+        """The epoch's global loss so far (the driver summed it with each step)."""
+        return {"loss": self.loss_sum / max(self.count, 1.0)}
+
+    def end_train(self) -> None:
+        """Nothing averaged at an epoch's end: the built-in layers keep no per-replica state."""
+
+    def step_count(self) -> int:
+        return int(self.model.optimizer.iterations) if self.model.optimizer is not None else 0
+
     # -- the resident -----------------------------------------------------------------------
 
     def snapshot(self) -> dict:
@@ -147,7 +271,8 @@ class BuiltinTrainable:
         optimizer = self.model.optimizer
         state = {} if optimizer is None else {k: np.array(to_numpy(v), copy=True)
                                               for k, v in optimizer.get_state().items()}
-        return {"weights": weights, "optimizer": state, "rng": self.snapshot_random()}
+        return {"weights": weights, "optimizer": state, "rng": self.snapshot_random(),
+                "metrics": [np.array(t, copy=True) for t in self._metric_totals]}
 
     def snapshot_random(self) -> RandomStates:
         """The layers' random generator states (a copy), under ``"rng"`` in ``snapshot``."""
@@ -162,3 +287,72 @@ class BuiltinTrainable:
             rng = state["rng"].states
             for layer in self.model.layers:
                 layer.set_rng_state(rng.get(layer.name, {}))
+        self._metric_totals = [np.array(t, copy=True) for t in state.get("metrics", [])]
+        self._resumed = True
+
+    # -- elastic commits (``daskdist.training.commits``) -----------------------------------------
+    #
+    # The epoch's totals a commit keeps: the global loss sum and rows (``[loss_sum, count]``, counted on
+    # replica 0 only, so that the sum over the replicas is the global value) and each metric's totals.
+
+    def step_state(self) -> dict[str, Any]:
+        """What a step's forward changes before its apply, copied: ``{"rng": the layers' random states,
+        "moving": {position in the snapshot's "weights": array}}`` (the layers' ``state``: moving statistics)."""
+        moving = {}
+        position = 0
+        for layer in self.model.layers:
+            for name, array in layer.weights_list():
+                if name in layer.state:
+                    moving[position] = np.array(to_numpy(array), copy=True)
+                position += 1
+        return {"rng": self.snapshot_random(), "moving": moving}
+
+    def replay(self, gradients: Sequence[Sequence[Any]], learning_rate: float | None) -> None:
+        """Apply the reduced ``gradients`` of steps again, in order, with the optimizer (a replayed commit)."""
+        optimizer = self.model.optimizer
+        if learning_rate is not None:
+            optimizer.learning_rate = learning_rate
+        params = self.model.trainable_variables
+        for reduced in gradients:
+            optimizer.apply(params, list(reduced))
+
+    def replayed_snapshot(self, forward: dict[str, Any], metrics: list[np.ndarray]) -> dict[str, Any]:
+        """The ``snapshot`` after a ``replay``, with a commit's random states and totals."""
+        state = self.snapshot()
+        state["weights"] = [forward["moving"].get(i, w) for i, w in enumerate(state["weights"])]
+        state["rng"], state["metrics"] = forward["rng"], list(metrics)
+        return state
+
+    def local_metric_totals(self) -> list[np.ndarray]:
+        """This replica's share of the epoch's totals (the loss on replica 0 only), copied."""
+        ctx = context.get_replica_context()
+        first = ctx is None or ctx.replica_id_in_sync_group == 0
+        loss = np.array([self.loss_sum, self.count] if first else [0.0, 0.0], np.float64)
+        return [loss, *(np.array(m.totals(), np.float64, copy=True) for m in self.model.compiled_metrics)]
+
+    def keep_metric_totals(self, totals: list[np.ndarray]) -> None:
+        """The epoch's totals summed over the replicas at the newest commit (``snapshot`` keeps them)."""
+        self._metric_totals = [np.asarray(t) for t in totals]
+
+    def resume_metrics(self, rank: int, totals: list[np.ndarray] | None = None) -> None:
+        """Mid-epoch, from a commit: the global loss totals on every replica, the metric totals on replica 0
+        (zeros elsewhere: they are summed when read)."""
+        if totals is None and self._resumed:
+            totals = self._metric_totals
+        self._resumed = False
+        metrics = self.model.compiled_metrics
+        if totals is None or len(totals) != len(metrics) + 1:
+            return
+        loss = np.asarray(totals[0], np.float64)
+        self.loss_sum, self.count = float(loss[0]), float(loss[1])
+        for metric, total in zip(metrics, totals[1:]):
+            total = np.asarray(total, np.float64)
+            metric.set_totals(total if rank == 0 else np.zeros_like(total))
+
+    def commit_metrics(self) -> None:
+        """Sum the epoch's totals over the replicas now and keep them for the next ``snapshot`` (the epoch's end)."""
+        own = self.local_metric_totals()
+        ctx = context.get_replica_context()
+        if ctx is not None and ctx.num_replicas_in_sync > 1:
+            own = [np.asarray(t) for t in ctx.all_reduce(ReduceOp.SUM, own)]
+        self._metric_totals = own

@@ -86,9 +86,8 @@ def check_model(obj: Any) -> None:
     keras = sys.modules.get("keras")
     if keras is not None and isinstance(obj, keras.Model):
         return
-    from daskdist.keras.models import Model as BuiltinModel
-
-    if isinstance(obj, BuiltinModel):
+    builtin = sys.modules.get("daskdist.keras.models")  # a built-in model exists only once that module is imported
+    if builtin is not None and isinstance(obj, builtin.Model):
         return
     raise TypeError(
         f"{type(obj).__module__}.{type(obj).__qualname__} is neither a Keras 3 model (keras.Model, with "

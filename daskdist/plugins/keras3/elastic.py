@@ -4,7 +4,7 @@ The client's side, an ``ElasticSession`` (``daskdist.elastic.session``) as
 the built-in layers' ``fit`` is: ``EpochInput`` fixes each epoch's row order
 and plans the rest of an epoch over whatever members are left, the replicas
 commit every ``commit_every`` steps and at the end of each epoch
-(``commands.elastic_train_epoch``: ``commit_now`` snapshots every resident,
+(``training.elastic.elastic_train_epoch``: ``commit_now`` snapshots every resident,
 the model's ``KerasTrainable`` with its optimizer state and the epoch's
 metric totals), and after a loss the session re-forms the group and puts
 every member back at the newest commit all of them hold. The epoch then goes
@@ -22,7 +22,7 @@ boundary and at a commit mid-epoch (replica 0 looks every ``admit_every``),
 up to ``max_replicas``; members the scheduler retires (``retire_workers``,
 a worker's lifetime) leave at the next commit, nothing rolled back and no
 failure counted. The replicas stop at that commit
-(``commands.elastic_train_epoch`` answers ``{"stopped_at": step}``), the
+(the epoch command answers ``{"stopped_at": step}``), the
 group changes, and the epoch goes on from that step over the new members. A
 newcomer is given the model (``install_newcomer``), then the commit.
 """
@@ -36,18 +36,19 @@ from daskdist.data.dataset import Dataset
 from daskdist.elastic.options import ElasticOptions
 from daskdist.elastic.recovery import RECOVERABLE
 from daskdist.elastic.replica import commit_keys, commit_now
-from daskdist.elastic.session import ElasticSession
 from daskdist.plugins.keras3 import commands
 from daskdist.plugins.keras3.backend import keras_backend
 from daskdist.plugins.keras3.payload import pack_model
+from daskdist.training.commands import evaluate
+from daskdist.training.elastic import ElasticRunner
 
 __all__ = ["KerasElasticFit"]
 
 logger = logging.getLogger(__name__)
 
 
-class KerasElasticFit(ElasticSession):
-    """One elastic ``fit`` of a Keras 3 model (``ElasticSession``: its ledger, recoveries and plans).
+class KerasElasticFit(ElasticRunner):
+    """One elastic ``fit`` of a Keras 3 model (the trainer's ``ElasticRunner``: its epochs, ledger, recoveries).
 
     Parameters
     ----------
@@ -66,6 +67,8 @@ class KerasElasticFit(ElasticSession):
         self.model = model
         self.record = record
         self.fit_id = 0
+        self.model_id = record.object_id
+        self.with_state = True  # the client's model takes replica 0's state after each epoch
 
     # -- epochs ---------------------------------------------------------------------
 
@@ -80,40 +83,10 @@ class KerasElasticFit(ElasticSession):
             except RECOVERABLE as error:
                 self.recover(error)
 
-    def train_epoch(self, epoch: int, limit: int | None, driver: Any, learning_rate: float | None,
-                    tag: str) -> dict[str, Any]:
-        """One epoch, resumed from the newest common commit after each loss and going on after each change at a
-        commit (retiring members leave, free workers join); ``{"logs", "state"}``."""
-        schedule = self.input.schedule(epoch)
-        first = 0
-        recovered = self.change_at_epoch_start(epoch)
-        if recovered is not None:
-            first = self.resumed_step(epoch, first, recovered, schedule)
-        while True:
-            try:
-                batches, total = self.plans.rest(epoch, schedule, first, limit, self.group.size)
-                args = (self.record.object_id, batches, total - first, driver, learning_rate,
-                        (self.fit_id, epoch), first, self.options.commit_every, tag, self.options.admit_seconds,
-                        self.room)
-                result: dict[str, Any] = self.group.call(commands.elastic_train_epoch, args)[0]
-                if "stopped_at" in result:  # members retire or free workers wait: at this commit, then go on
-                    stop = int(result["stopped_at"])
-                    self.ledger.record(epoch, range(first, stop), schedule)
-                    first = stop
-                    recovered = self.change_at_commit(result)
-                    if recovered is not None:  # a loss while changing: back to the commit all members hold
-                        first = self.resumed_step(epoch, first, recovered, schedule)
-                    continue
-            except RECOVERABLE as error:
-                first = self.resumed_step(epoch, first, self.recover(error), schedule)
-                continue
-            self.ledger.record(epoch, range(first, total), schedule)
-            return result
-
     def evaluate(self, make_data: Any, steps: int | None) -> dict[str, float]:
         """Validation (``make_data()``: its distributed dataset), run again on the new members after a loss."""
         logs: dict[str, float] = self.with_recovery(
-            lambda: self.group.call(commands.evaluate, (self.record.object_id, make_data(), steps))[0])
+            lambda: self.group.call(evaluate, (self.record.object_id, make_data(), steps))[0])
         return logs
 
     def install_newcomer(self, rank: int) -> None:

@@ -40,6 +40,9 @@ from daskdist.plugins.keras3.fit_semantics import (
 )
 from daskdist.plugins.keras3.payload import pack_model
 from daskdist.strategy.training_contract import ParameterHoldingDriver
+from daskdist.training.commands import model_state
+from daskdist.training.fit import run_epochs
+from daskdist.training.runners import ReplicaRunner, planned_steps
 
 __all__ = [
     "OutsideScopeError",
@@ -187,7 +190,7 @@ def _pull(model: Any, record: registry.Record) -> None:
     if ps.schedules_closures(record.strategy.extended):  # a custom loop's closures: the stores hold the state
         ps.take_loop_state(model, record)
         return
-    state = record.strategy.extended.run_on_replica(0, commands.model_state, (record.object_id,))
+    state = record.strategy.extended.run_on_replica(0, model_state, (record.object_id,))
     _take_state(model, state)
     driver = record.strategy.extended.step_driver(record.object_id)
     if isinstance(driver, ParameterHoldingDriver):  # a held copy (an earlier fit's) follows the loop's weights
@@ -377,12 +380,14 @@ def fit(original: Callable[..., Any], model: Any, x: Any = None, y: Any = None, 
     if steps is None and elastic is not None:
         steps = elastic.input.steps_from(0, extended.num_replicas)
     elif steps is None:
-        steps = loops.planned_steps(train)
+        steps = planned_steps(train)
     verbose_level = 1 if verbose == "auto" else int(verbose)
     callback_list = keras.callbacks.CallbackList(
         callbacks, add_history=True, add_progbar=verbose_level != 0, verbose=verbose_level, epochs=epochs,
         steps=steps, model=model)
     size = loops.execution_size(model)
+    runner = ReplicaRunner(extended, record.object_id, with_state=True)
+    tag = f"keras3-{record.object_id}"  # the fit's progress events carry it
 
     def moved() -> None:
         record.dirty = True  # get_weights, save: the replicas' weights first
@@ -401,36 +406,36 @@ def fit(original: Callable[..., Any], model: Any, x: Any = None, y: Any = None, 
                 callback.elastic_events = [e.to_msg() for e in elastic.events]
         elastic.set_callbacks(callback_list)  # told of a loss while installing, then of each change
         elastic.begin(initial_epoch)
-    logs: dict[str, Any] = {}
-    for epoch in range(initial_epoch, epochs):
+
+    def one_epoch(epoch: int) -> dict[str, Any]:
         model.reset_metrics()
-        callback_list.on_epoch_begin(epoch)
         if elastic is not None:
-            results = elastic.train_epoch(epoch, steps_per_epoch, driver, _learning_rate(model),
-                                          f"keras3-{record.object_id}")
+            results = elastic.train_epoch(epoch, steps_per_epoch, driver, _learning_rate(model), tag)
         else:
-            results = loops.train_epoch(extended, record.object_id, train, steps_per_epoch, steps, driver,
-                                        lambda: _learning_rate(model), callback_list, per_batch, size,
-                                        lambda: bool(model.stop_training), moved)
-        logs = dict(results["logs"])
+            results = runner.train_epoch(train, steps_per_epoch, driver, lambda: _learning_rate(model),
+                                         tag=tag, epoch=epoch, callbacks=callback_list, per_batch=per_batch,
+                                         steps=steps, size=size, stopped=lambda: bool(model.stop_training),
+                                         moved=moved)
         _take_state(model, results["state"])
         if holding:
             update_rule.take_stored(model, record.strategy.client, driver)
         record.fingerprint = fingerprint(model)
         record.dirty = False
-        if validation_data is not None and should_evaluate(epoch, validation_freq):
-            model.stop_evaluating = False
-            if elastic is not None:
-                callback_list.on_test_begin()
-                val_logs = elastic.evaluate(val_data, validation_steps)
-                callback_list.on_test_end(val_logs)
-            else:
-                val_logs = loops.evaluate(extended, record.object_id, val_data(), validation_steps, callback_list,
-                                          per_test, size, lambda: bool(getattr(model, "stop_evaluating", False)))
-            logs.update({f"val_{k}": v for k, v in val_logs.items()})
-        callback_list.on_epoch_end(epoch, logs)
-        if model.stop_training:
-            break
+        return dict(results["logs"])
+
+    def validate(epoch: int) -> dict[str, Any] | None:
+        if validation_data is None or not should_evaluate(epoch, validation_freq):
+            return None
+        model.stop_evaluating = False
+        if elastic is not None:
+            callback_list.on_test_begin()
+            val_logs: dict[str, Any] = elastic.evaluate(val_data, validation_steps)
+            callback_list.on_test_end(val_logs)
+            return val_logs
+        return runner.evaluate(val_data(), validation_steps, callback_list, per_test, size,
+                               lambda: bool(getattr(model, "stop_evaluating", False)))
+
+    logs = run_epochs(callback_list, initial_epoch, epochs, one_epoch, validate, lambda: bool(model.stop_training))
     finalize_optimizer(model, epochs)
     callback_list.on_train_end(logs)
     return model.history
@@ -460,9 +465,9 @@ def evaluate(original: Callable[..., Any], model: Any, x: Any = None, y: Any = N
         _pull(model, record)
         ensure_installed(model, record)
         model.stop_evaluating = False
-        logs = loops.evaluate(record.strategy.extended, record.object_id, data, steps, callback_list,
-                              loops.needs_batch_hooks(callbacks, "test"), loops.execution_size(model),
-                              lambda: bool(getattr(model, "stop_evaluating", False)))
+        logs = ReplicaRunner(record.strategy.extended, record.object_id, with_state=False).evaluate(
+            data, steps, callback_list, loops.needs_batch_hooks(callbacks, "test"), loops.execution_size(model),
+            lambda: bool(getattr(model, "stop_evaluating", False)))
     if return_dict:
         return logs
     values = [logs[name] for name in logs]

@@ -73,6 +73,7 @@ from daskdist.plugins.keras3.fit_semantics import (
 )
 from daskdist.plugins.keras3.payload import ModelPayload, pack_model, unpack_model
 from daskdist.plugins.keras3.resident import KerasTrainable, state_variables
+from daskdist.training.fit import run_epochs
 
 if TYPE_CHECKING:
     from daskdist.strategy.extended import StrategyExtended
@@ -296,7 +297,7 @@ def _evaluation(coordinator: Any, model_id: str, x: Any, y: Any, batch_size: int
                 size: int, steps_name: str) -> Callable[[], list[Any]]:
     """What one evaluation schedules: a function returning its closures' ``RemoteValue``s (see the module)."""
     from daskdist.data.dataset import Dataset
-    from daskdist.keras.dataset_creator import DatasetCreator
+    from daskdist.data.dataset_creator import DatasetCreator
 
     if x is None:
         raise ValueError("no data given (x is None)")
@@ -375,7 +376,7 @@ def fit(model: Any, record: registry.Record, x: Any, y: Any, epochs: int, verbos
     """``model.fit`` under ParameterServerStrategy (see the module)."""
     import keras
 
-    from daskdist.keras.dataset_creator import DatasetCreator
+    from daskdist.data.dataset_creator import DatasetCreator
     from daskdist.strategy.coordinator import ClusterCoordinator
 
     name = type(record.strategy).__name__
@@ -411,10 +412,9 @@ def fit(model: Any, record: registry.Record, x: Any, y: Any, epochs: int, verbos
     initial_epoch = resumed_epoch(model, initial_epoch)
     if record.fingerprint != held_digest(model):  # a callback loaded weights (BackupAndRestore): hold them
         driver = _install(model, record, coordinator)
-    logs: dict[str, Any] = {}
-    for epoch in range(initial_epoch, epochs):
+
+    def one_epoch(epoch: int) -> dict[str, Any]:
         model.reset_metrics()
-        callback_list.on_epoch_begin(epoch)
         lr = learning_rate()
         with parameter_servers_lost_as_such(record):
             values = [coordinator.schedule(_train_closure, args=(record.object_id, iterator, n, lr))
@@ -423,16 +423,19 @@ def fit(model: Any, record: registry.Record, x: Any, y: Any, epochs: int, verbos
             logs = _sum_logs(model, coordinator.fetch(values))
             coordinator.done()  # a parameter server's loss the coordinator already knows: raised now
             _take_stored(model, record, driver)
-        if evaluation is not None and should_evaluate(epoch, validation_freq):
-            callback_list.on_test_begin()
-            values = evaluation()
-            coordinator.join()
-            val_logs = _sum_logs(model, coordinator.fetch(values))
-            callback_list.on_test_end(val_logs)
-            logs.update({f"val_{k}": v for k, v in val_logs.items()})
-        callback_list.on_epoch_end(epoch, logs)
-        if model.stop_training:
-            break
+        return logs
+
+    def validate(epoch: int) -> dict[str, Any] | None:
+        if evaluation is None or not should_evaluate(epoch, validation_freq):
+            return None
+        callback_list.on_test_begin()
+        values = evaluation()
+        coordinator.join()
+        val_logs = _sum_logs(model, coordinator.fetch(values))
+        callback_list.on_test_end(val_logs)
+        return val_logs
+
+    logs = run_epochs(callback_list, initial_epoch, epochs, one_epoch, validate, lambda: bool(model.stop_training))
     finalize_optimizer(model, epochs)
     callback_list.on_train_end(logs)
     return model.history
@@ -636,8 +639,8 @@ def _exact_evaluation(coordinator: Any, model_id: str, data: Any, steps_name: st
 def _pipeline(data: Any) -> Any:
     """The evaluation dataset for one input pipeline (every row): ``dataset_fn(InputContext(1, 0))``."""
     from daskdist.data.dataset import Dataset
+    from daskdist.data.dataset_creator import DatasetCreator
     from daskdist.data.options import InputContext
-    from daskdist.keras.dataset_creator import DatasetCreator
 
     if isinstance(data, Dataset):
         return data

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import optree
@@ -35,14 +35,6 @@ from daskdist.strategy.training_contract import GradientExchange, StepDriver, St
 __all__ = ["KerasTrainable", "SeedStates", "assign_state", "batch_rows", "split_variables", "state_variables"]
 
 _SEED_STRIDE = 1_000_003  # replica r's seed generators start at seed + r * stride
-
-
-class StepTimerLike(Protocol):
-    """A replica's step timer as ``train_epoch`` uses it."""
-
-    def begin(self, step: int) -> None: ...
-    def add_samples(self, samples: int) -> None: ...
-    def end(self) -> None: ...
 
 
 def batch_rows(batch: Any) -> int:
@@ -90,13 +82,11 @@ class KerasTrainable:
         self.rank = rank
         self._ops = framework()
         self._steps = self._ops.steps(model)  # the backend's training and evaluation steps
-        self._loops: dict[str, Any] = {}  # the open train/test loop's iterator over this replica's shard
-        self._trained = 0  # steps of the open training loop (the step timer's numbering)
         self._origin = uuid.uuid4().hex  # names this copy's random states in its snapshots
         self._metric_totals: list[np.ndarray] = []  # the epoch's metrics at the newest elastic commit
         self._resumed = False  # restored: resume_metrics puts the totals back at the next elastic epoch
         self._rule: tuple[Any, Any] | None = None  # (the optimizer, its update rule) for held parameters
-        # an elastic epoch's commits wrap the driver's exchange (``commits.KerasCommits.exchange``)
+        # an elastic epoch's commits wrap the driver's exchange (``daskdist.training.commits.Commits.exchange``)
         self.exchange_hook: Callable[[GradientExchange], GradientExchange] | None = None
         self.step_totals = StepTotals()  # what the last step's exchange summed (``driver.step``)
         self._offset_seeds(rank)
@@ -196,6 +186,13 @@ class KerasTrainable:
         for reduced in gradients:
             self._steps.apply(list(reduced))
 
+    def replayed_snapshot(self, forward: dict[str, Any], metrics: list[np.ndarray]) -> dict[str, Any]:
+        """The ``snapshot`` after a ``replay``, with a commit's forward state (``step_state``) and metric totals."""
+        model = self.snapshot()
+        model["variables"] = [forward["moving"].get(i, v) for i, v in enumerate(model["variables"])]
+        model["rng"], model["metrics"] = forward["rng"], metrics
+        return model
+
     def restore(self, state: dict[str, Any]) -> None:
         """Put back a ``snapshot`` (this replica's, or a twin's: then its own random streams are kept)."""
         assign_state(self.model, state, seeds=getattr(state.get("rng"), "origin", None) == self._origin)
@@ -238,94 +235,56 @@ class KerasTrainable:
         for variable, total in zip(variables, totals):
             variable.assign(total if rank == 0 else np.zeros_like(total))
 
-    # -- epochs ---------------------------------------------------------------------
+    # -- the trainer's replica model (``daskdist.training.replica.ReplicaModel``) ---------------
     #
-    # An epoch (or an evaluation) is one loop over this replica's shard: ``begin`` opens it, ``steps`` runs
-    # some of its steps (all of them, or ``steps_per_execution`` between the client's per-batch callbacks),
-    # ``end`` closes it. ``train_epoch`` and ``evaluate`` are the three in one command.
+    # The trainer's commands open a loop over this replica's shard, run its steps through ``train_batch`` /
+    # ``test_batch`` and read the global logs (``daskdist.training.commands``).
 
-    def begin(self, loop: str, batches: Any) -> None:
-        """Open the ``loop`` (``"train"`` or ``"test"``) over ``batches``: metrics reset, its iterator made."""
-        self.close(loop)
+    def set_learning_rate(self, learning_rate: float | None) -> None:
+        """The client's learning rate (``LearningRateScheduler``); ``None``: a schedule, kept as it is."""
+        optimizer = self.model.optimizer
+        if learning_rate is not None and optimizer is not None:
+            optimizer.learning_rate = learning_rate
+
+    def begin_loop(self, loop: str, timer: Any = None) -> None:
+        """A loop begins: Keras' metrics reset (the step timer is the loop's: Keras' apply is not timed apart)."""
         self.model.reset_metrics()
-        self._loops[loop] = iter(batches)
-        if loop == "train":
-            self._trained = 0
 
-    def close(self, loop: str) -> None:
-        """Close the ``loop``'s iterator, if one is open."""
-        iterator = self._loops.pop(loop, None)
-        close = getattr(iterator, "close", None)
-        if close is not None:
-            close()
+    def end_loop(self, loop: str) -> None:
+        """Nothing kept per loop."""
 
-    def train_steps(self, count: int | None, driver: StepDriver, timer: StepTimerLike | None = None) -> int:
-        """Up to ``count`` (``None``: every remaining) training steps of the open loop; the steps run.
+    def train_batch(self, batch: Any, driver: StepDriver) -> int:
+        """One step of ``driver`` over a local batch; its rows (0: this replica joins the step without data)."""
+        rows = batch_rows(batch)
+        self.step_totals = driver.step(self, batch, rows)
+        return rows
 
-        ``timer``: the replica's step timer (``begin(step)``, ``add_samples``, ``end()``); a batch is taken
-        once its step's timer is open, so the input wait counts. Every replica runs the same steps (a
-        replica whose share of a global batch is empty joins the step's exchange).
-        """
-        iterator = self._loops["train"]
-        done = 0
-        while count is None or done < count:
-            if timer is not None:
-                timer.begin(self._trained)
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                break
-            rows = batch_rows(batch)
-            self.step_totals = driver.step(self, batch, rows)
-            if timer is not None:
-                timer.add_samples(rows)
-                timer.end()
-            self._trained += 1
-            done += 1
-        return done
-
-    def test_steps(self, count: int | None) -> int:
-        """Up to ``count`` (``None``: every remaining) evaluation steps of the open ``"test"`` loop."""
-        iterator = self._loops["test"]
-        done = 0
-        while count is None or done < count:
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                break
-            if batch_rows(batch):
-                self.test_step(batch)
-            done += 1
-        return done
+    def test_batch(self, batch: Any) -> int:
+        """Keras' ``test_step`` over a local batch (nothing for an empty share); its rows."""
+        rows = batch_rows(batch)
+        if rows:
+            self.test_step(batch)
+        return rows
 
     def test_step(self, batch: Any) -> None:
         """Keras' ``test_step`` on a local batch of numpy arrays (the metrics updated; no autograd)."""
         self._steps.test_step(batch)
 
-    def end_train(self) -> dict[str, float]:
-        """Close the training loop: moving statistics averaged over the replicas; the epoch's global logs."""
-        self.close("train")
+    def global_logs(self, loop: str) -> dict[str, float]:
+        """The loop's global logs: Keras' metrics (its loss among them) over every replica's rows so far."""
+        return self.global_metrics()
+
+    def progress_logs(self) -> dict[str, float] | None:
+        """None: the metrics are summed over the replicas only when read (a collective)."""
+        return None
+
+    def end_train(self) -> None:
+        """An epoch's steps are done: the moving statistics averaged over the replicas."""
         self.average_non_trainable()
-        return self.global_metrics()
 
-    def train_epoch(self, batches: Any, steps: int | None, driver: StepDriver,
-                    timer: StepTimerLike | None = None) -> dict[str, float]:
-        """One epoch over this replica's shard; the epoch's global logs (every replica returns the same)."""
-        self.begin("train", batches)
-        try:
-            self.train_steps(steps, driver, timer)
-        finally:
-            self.close("train")
-        return self.end_train()
-
-    def evaluate(self, batches: Any, steps: int | None) -> dict[str, float]:
-        """Loss and metrics over this replica's shard, summed over the replicas (every replica: the same logs)."""
-        self.begin("test", batches)
-        try:
-            self.test_steps(steps)
-        finally:
-            self.close("test")
-        return self.global_metrics()
+    def step_count(self) -> int:
+        optimizer = self.model.optimizer
+        return int(keras_numpy(optimizer.iterations)) if optimizer is not None else 0
 
     def global_metrics(self) -> dict[str, float]:
         """The metrics over every replica's rows so far (TF's SUM sync-on-read), this replica's own kept.

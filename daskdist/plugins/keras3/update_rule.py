@@ -1,9 +1,9 @@
-"""A Keras 3 optimizer as a parameter holder or server runs it: a built-in ``daskdist.keras`` optimizer.
+"""A Keras 3 optimizer as a parameter holder or server runs it: one of the trainer's update rules.
 
 Under ``CentralStorageStrategy`` and ``ParameterServerStrategy`` the
 parameters and the optimizer state live off the replicas, in parameter stores
 that know no framework (``training_contract.UpdateRule``). ``update_rule``
-builds the built-in optimizer of the same form from the Keras optimizer's
+builds the framework-free rule of the same form (``daskdist.training.update_rules``) from the Keras optimizer's
 config (Keras' update formulas, epsilon placement included: ``m / (sqrt(v) +
 epsilon)`` for Adam, ``g / sqrt(v + epsilon)`` for RMSprop), and
 ``rule_state`` / ``assign_rule_state`` translate its slots (``<slot>/<index>``
@@ -29,15 +29,13 @@ from typing import Any
 import numpy as np
 
 from daskdist.exceptions import UnsupportedOptimizerError
-from daskdist.keras.optimizers import Adam
+from daskdist.training.update_rules import SGD, Adam, RMSprop
 
 __all__ = ["SUPPORTED", "KerasAdam", "ScheduledRule", "UnsupportedOptimizerError", "assign_rule_state",
            "check_optimizer", "learning_rate", "rule_state", "take_stored", "update_rule"]
 
 
 def _sgd(config: dict[str, Any]) -> Any:
-    from daskdist.keras.optimizers import SGD
-
     return SGD(config["learning_rate"], momentum=config["momentum"], nesterov=config["nesterov"])
 
 
@@ -45,7 +43,7 @@ def _adam(config: dict[str, Any]) -> Any:
     import keras
 
     # KerasAdam repeats the torch backend's operations; the JAX backend's Adam (XLA's own fused arithmetic) is
-    # not repeated bit for bit by either, and the built-in Adam needs no torch
+    # not repeated bit for bit by either, and the framework-free Adam needs no torch
     cls = KerasAdam if keras.backend.backend() == "torch" else Adam
     return cls(config["learning_rate"], beta_1=config["beta_1"], beta_2=config["beta_2"], epsilon=config["epsilon"])
 
@@ -53,7 +51,7 @@ def _adam(config: dict[str, Any]) -> Any:
 class KerasAdam(Adam):
     """Adam as Keras' torch backend computes it, operation for operation (bit-equal updates).
 
-    The built-in ``Adam`` has Keras' formula (``m / (sqrt(v) + epsilon)``)
+    The framework-free ``Adam`` (``update_rules.Adam``) has Keras' formula (``m / (sqrt(v) + epsilon)``)
     but computes ``alpha`` in float64 and ``m`` as ``m += (g - m) * (1 -
     beta_1)``; Keras' torch optimizer (``torch_adam``) computes ``alpha`` in
     the parameters' dtype and ``m = m * beta_1 + (1 - beta_1) * g``. Adam
@@ -78,13 +76,11 @@ class KerasAdam(Adam):
 
 
 def _rmsprop(config: dict[str, Any]) -> Any:
-    from daskdist.keras.optimizers import RMSprop
-
     return RMSprop(config["learning_rate"], rho=config["rho"], momentum=config["momentum"],
                    epsilon=config["epsilon"])
 
 
-# Keras class name -> (the built-in rule's factory, {rule slot: the Keras optimizer's slot list attribute},
+# Keras class name -> (the framework-free rule's factory, {rule slot: the Keras optimizer's slot list attribute},
 # options that must keep these values)
 _RULES: dict[str, tuple[Callable[[dict[str, Any]], Any], dict[str, str], dict[str, Any]]] = {
     "SGD": (_sgd, {"momentum": "momentums"}, {}),
@@ -136,7 +132,7 @@ class ScheduledRule:
     Parameters
     ----------
     rule
-        The built-in optimizer that applies the updates.
+        The update rule (``daskdist.training.update_rules``) that applies the updates.
     schedule
         ``optimizer.get_config()["learning_rate"]``: the schedule as Keras serialises it.
     backend
@@ -216,7 +212,7 @@ def learning_rate(optimizer: Any) -> float | None:
 
 
 def update_rule(optimizer: Any) -> Any:
-    """The built-in optimizer that applies ``optimizer``'s updates on numpy arrays in place (a fresh one);
+    """The update rule that applies ``optimizer``'s updates on numpy arrays in place (a fresh one);
     a ``ScheduledRule`` around it when the learning rate is a schedule."""
     check_optimizer(optimizer, "this strategy")
     config = optimizer.get_config()

@@ -1,11 +1,11 @@
-"""A Keras 3 elastic epoch's commits on one replica, kept off the step's path.
+"""An elastic epoch's commits on one replica, kept off the step's path (every adapter's model).
 
 At a commit (every ``commit_every`` steps) the replica takes on the step's
 path only what the next step's forward changes before its apply (the random
 generators' states, the moving statistics, the local metric variables: a few
-small arrays, ``KerasTrainable.step_state``). Where a commit copies the
+small arrays, the resident's ``step_state``). Where a commit copies the
 state, a thread copies the rest (weights and the optimizer's slots,
-``Commit.copying`` with ``KerasTrainable.begin_snapshot``) while the next
+``Commit.copying``, with the resident's ``begin_snapshot`` if it has one) while the next
 step's input, forward and backward run, and the replica waits for it just
 before that step's apply (the exchange returns only once the copy is done:
 ``CommitRing.settle``).
@@ -50,7 +50,7 @@ from daskdist.group.service import MODEL, ReplicaService
 from daskdist.ops import ReduceOp
 from daskdist.strategy.training_contract import GradientExchange, SpmdStepDriver, StepDriver
 
-__all__ = ["KerasCommits", "ReplayedCommit"]
+__all__ = ["Commits", "ReplayedCommit"]
 
 
 class ReplayedCommit(Commit):
@@ -65,7 +65,7 @@ class ReplayedCommit(Commit):
     gradients
         The reduced gradients of each step since ``base``, in order (arrays nothing writes any more).
     forward
-        ``KerasTrainable.step_state()`` at this commit (random states, moving statistics).
+        The resident's ``step_state()`` at this commit (random states, moving statistics).
     objects, model_key, learning_rate
         The replica's residents, the model's key among them, the learning rate its steps applied with.
     """
@@ -109,16 +109,14 @@ class ReplayedCommit(Commit):
         self.objects.restore(base)
         resident = self.objects.get(*self.model_key)
         resident.replay(self.gradients, self.learning_rate)
-        model = resident.snapshot()
-        model["variables"] = [self.forward["moving"].get(i, v) for i, v in enumerate(model["variables"])]
-        model["rng"], model["metrics"] = self.forward["rng"], self.metrics
+        model = resident.replayed_snapshot(self.forward, self.metrics)
         state = {**base, self.model_key: model}
         self.objects.restore({self.model_key: model})  # the residents at this commit, forward's state included
         return state
 
 
-class KerasCommits:
-    """The commits of one elastic epoch command of one replica (``commands.elastic_train_epoch``).
+class Commits:
+    """The commits of one elastic epoch command of one replica (``training.elastic.elastic_train_epoch``).
 
     Parameters
     ----------
@@ -127,7 +125,7 @@ class KerasCommits:
     model_id
         The model's resident id.
     resident
-        Its ``KerasTrainable``.
+        Its resident (``training.elastic.ElasticReplicaModel``).
     driver
         The step driver: the SPMD driver carries the commit's sums in its all-reduce; with another (or a step
         that exchanged nothing) they are summed by an all-reduce of their own.
