@@ -158,10 +158,6 @@ def test_a_commit_every_member_made_whose_reply_is_lost_is_recovered_to_without_
             assert sorted(state.ledger.positions(epoch, state._rows).tolist()) == list(range(120))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="open bug (built-in layers): a newcomer is given only the fitted model; the restore now "
-                          "skips the other one with a warning (no KeyError), so the newcomer holds fewer models "
-                          "than the others (the Keras 3 adapter installs every model of the scope on a newcomer)")
 def test_two_models_on_one_strategy_survive_a_loss_and_a_growth(process_workers, tmp_path):
     """Two models on one elastic strategy: a worker lost in the first model's fit, the cluster scaled back to 3,
     then each model fits again, the newcomer given both (a new user's case: it raised ``KeyError`` there)."""

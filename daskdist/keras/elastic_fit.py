@@ -83,10 +83,13 @@ class ElasticFit(ElasticRunner):
         return result
 
     def install_newcomer(self, rank: int) -> None:
+        """Give a newcomer the model and every other model of the strategy the members hold (a commit restores
+        them all: their weights and optimizer states then come with it)."""
         from daskdist.group.service import MODEL
         from daskdist.strategy.replica_commands import install_resident
 
-        self.extended.run_on_replica(rank, install_resident, (MODEL, self.model.model_id, self.model.resident()))
+        for model in self.model.installed_beside():
+            self.extended.run_on_replica(rank, install_resident, (MODEL, model.model_id, model.resident()))
 
 
 def _input_shape(element_spec: Any) -> tuple[tuple[int, ...] | None, str | None]:

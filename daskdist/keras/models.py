@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import logging
 import uuid
+import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,9 @@ if TYPE_CHECKING:
 __all__ = ["Model", "RandomStates", "Sequential", "load_model"]
 
 logger = logging.getLogger(__name__)
+
+#: every model installed on its strategy's replicas (an elastic newcomer is given each one of its strategy)
+_INSTALLED: weakref.WeakSet[Model] = weakref.WeakSet()
 
 
 
@@ -300,6 +304,14 @@ class Model:
             self.build(declared)
         self._strategy.extended.install_resident(MODEL, self._model_id, self.resident())
         self._installed = True
+        _INSTALLED.add(self)
+
+    def installed_beside(self) -> list[Model]:
+        """This model and every other model installed on the replicas of its strategy (what a commit restores
+        on every member, and so what an elastic newcomer must be given first)."""
+        others = [m for m in list(_INSTALLED)
+                  if m is not self and m._installed and m._strategy is not None and m._strategy is self._strategy]
+        return [self, *others]
 
     @property
     def model_id(self) -> str:
