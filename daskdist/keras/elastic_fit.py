@@ -47,10 +47,8 @@ class ElasticFit(ElasticRunner):
     def __init__(self, runner: Any, options: ElasticOptions):
         self.runner = runner
         self.model: Model = runner.model
-        from daskdist.strategy.spmd import SpmdExtended
-
         strategy = self.model.distribute_strategy
-        if strategy is None or not isinstance(strategy.extended, SpmdExtended):
+        if strategy is None or strategy.extended.elastic is None:
             raise ValueError(f"model {self.model.name!r} was not created in the scope of an elastic strategy")
         # the losses while the model was installed are events of this fit and count against max_failures
         recoveries: list[Recovery] = runner.recoveries
@@ -72,7 +70,7 @@ class ElasticFit(ElasticRunner):
             try:
                 shape, dtype = _input_shape(self.runner.dist_train.element_spec)
                 key = (self.fit_id, epoch, 0)
-                self.group.call(take_commit, (self.model.model_id, key, shape, dtype))
+                self.call_members(take_commit, (self.model.model_id, key, shape, dtype))
                 return
             except RECOVERABLE as error:
                 self.recover(error)

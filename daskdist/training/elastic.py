@@ -140,6 +140,12 @@ class ElasticRunner(ElasticSession):
     with_state: bool = False
     fit_id: int = 0
 
+    def call_members(self, command: Callable[..., Any], args: tuple[Any, ...] = ()) -> list[Any]:
+        """``command(service, *args)`` on every member of the current generation: one reply per member (for an
+        adapter's own commands, e.g. the first commit; a loss raises the recoverable error)."""
+        replies: list[Any] = self.group.call(command, args)
+        return replies
+
     def train_epoch(self, epoch: int, limit: int | None, driver: Any, learning_rate: float | None,
                     tag: str) -> dict[str, Any]:
         """One epoch, resumed from the newest common commit after each loss and going on after each change at a
