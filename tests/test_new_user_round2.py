@@ -384,7 +384,7 @@ def test_readme_lists_every_example_and_says_what_an_existing_cluster_needs():
         if example.suffix in (".py", ".ipynb") and not example.name.startswith("_"):  # _digits.py: shared set-up
             assert f"examples/{example.name}" in readme, example.name
     assert "need daskdist installed" in readme
-    assert 'pip install -e ".[torch]"' in readme  # how torch gets installed for examples/pytorch_plugin.py
+    assert 'pip install -e ".[torch,examples]"' in readme  # how torch gets installed for examples/pytorch_plugin.py
     # the learning-rate claim says which schedule the digits run uses
     assert "3e-3 -> 1e-3 -> 3e-4" in readme and "3e-3 if epoch < 6 else (1e-3 if epoch < 10 else 3e-4)" in (
         ROOT / "examples" / "mnist_mirrored.py").read_text()
@@ -393,7 +393,9 @@ def test_readme_lists_every_example_and_says_what_an_existing_cluster_needs():
 def test_quickstart_does_not_call_itself_make_run():
     first_line = (ROOT / "examples" / "quickstart.py").read_text().split("\n", 1)[0]
     assert "make run" not in first_line
-    assert "mnist_mirrored.py" in (ROOT / "Makefile").read_text().split("\nrun:", 1)[1].split("\n\n", 1)[0]
+    makefile = (ROOT / "Makefile").read_text()
+    assert "keras3_mnist.py" in makefile.split("\nrun:", 1)[1].split("\n\n", 1)[0]  # the Keras 3 tutorial
+    assert "mnist_mirrored.py" in makefile.split("\nrun-builtin:", 1)[1].split("\n\n", 1)[0]
 
 
 def test_pyproject_license_is_an_spdx_string_with_a_setuptools_that_reads_it():
