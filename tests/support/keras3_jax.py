@@ -161,6 +161,7 @@ def held(client, workdir):
     """CentralStorage (the parameters held once, the update rule on the holder) and ParameterServer with SGD."""
     out = {}
     x, y = mnist_shaped()
+    keras.utils.set_random_seed(0)  # fixed initial weights, as in spmd
 
     def sgd():
         return keras.optimizers.SGD(0.05, momentum=0.9)
