@@ -72,10 +72,43 @@ GLOBAL_BATCH = 64
 GLOO_PORT = 29500
 
 
+#: further models measured after the CNN and the MLP: ``(name, steps)`` (``--resnet-steps N`` adds ResNet-18)
+EXTRA_MODELS: list[tuple[str, int]] = []
+
+
+def _resnet18() -> Any:
+    """ResNet-18 for 32x32 inputs (CIFAR's stem: one 3x3 convolution, no max-pool), written out: torchvision's
+    registry wheel does not import beside the CPU torch. 11.2 M parameters, ~45 MB of gradients."""
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, cin: int, cout: int, stride: int):
+            super().__init__()
+            self.body = nn.Sequential(
+                nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(),
+                nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout))
+            self.skip = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+                         if stride != 1 or cin != cout else nn.Identity())
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.body(x) + self.skip(x))
+
+    layers: list[nn.Module] = [nn.Conv2d(3, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU()]
+    cin = 64
+    for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        layers += [Block(cin, cout, stride), Block(cout, cout, 1)]
+        cin = cout
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, 10)]
+    return nn.Sequential(*layers)
+
+
 def _model(name: str) -> Any:
     import torch
 
     torch.manual_seed(0)
+    if name == "resnet18":
+        return _resnet18()
     if name == "cnn":
         return torch.nn.Sequential(
             torch.nn.Conv2d(1, 32, 3), torch.nn.ReLU(), torch.nn.MaxPool2d(2), torch.nn.Flatten(),
@@ -88,7 +121,10 @@ def _batch(name: str, step: int) -> tuple[Any, Any]:
     import torch
 
     rng = np.random.default_rng(step)
-    if name == "cnn":
+    if name == "resnet18":
+        x = rng.random((GLOBAL_BATCH, 3, 32, 32), dtype=np.float32)
+        y = rng.integers(0, 10, GLOBAL_BATCH)
+    elif name == "cnn":
         x = rng.random((GLOBAL_BATCH, 1, 28, 28), dtype=np.float32)
         y = rng.integers(0, 10, GLOBAL_BATCH)
     else:
@@ -306,7 +342,7 @@ def ddp_figures(strategy: Any, rounds: int, cnn_steps: int, mlp_steps: int, boun
     cpus: dict[tuple[str, str], list[float]] = {}
     loads: dict[tuple[str, str], list[float]] = {}
     for r in range(rounds):
-        for name, steps in (("cnn", cnn_steps), ("mlp", mlp_steps)):
+        for name, steps in (("cnn", cnn_steps), ("mlp", mlp_steps), *EXTRA_MODELS):
             for arm in (("gloo", "daskdist") if r % 2 == 0 else ("daskdist", "gloo")):
                 what = f"round {r + 1}, {name}, {arm}"
                 loads.setdefault((name, arm), []).append(_load(f"{where}: {what}"))
@@ -318,7 +354,7 @@ def ddp_figures(strategy: Any, rounds: int, cnn_steps: int, mlp_steps: int, boun
                 computes.setdefault((name, arm), []).append(max(statistics.median(o["compute"]) for o in out))
                 cpus.setdefault((name, arm), []).append(max(statistics.median(o["cpu"]) for o in out))
                 losses[(name, arm)] = out[0]["loss"]
-    for name in ("cnn", "mlp"):
+    for name in ("cnn", "mlp", *(extra for extra, _ in EXTRA_MODELS)):
         gloo, ours = results[(name, "gloo")], results[(name, "daskdist")]
         ratios = [g / d for g, d in zip(gloo, ours)]
         rows.append([where, name, _ms(gloo), _ms(ours), _ms(computes[(name, "gloo")]),
@@ -384,6 +420,8 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cnn-steps", type=int, default=40)
     parser.add_argument("--mlp-steps", type=int, default=12)
+    parser.add_argument("--resnet-steps", type=int, default=0,
+                        help="also ResNet-18 (32x32 inputs) for this many steps per arm (default 0: not measured)")
     parser.add_argument("--parts", default=None,
                         help="comma-separated: ddp, overhead (default: both on one host, ddp across hosts)")
     parser.add_argument("--per-call-only", action="store_true", help="only the per-call part (--parts overhead)")
@@ -394,6 +432,8 @@ if __name__ == "__main__":
     parser.add_argument("--rates", default="1gbit,10gbit",
                         help="with --hosts netns: comma-separated link rates, measured in this order")
     args = parser.parse_args()
+    if args.resnet_steps:
+        EXTRA_MODELS.append(("resnet18", args.resnet_steps))
     parts = "overhead" if args.per_call_only else args.parts or ("ddp,overhead" if args.hosts == "local" else "ddp")
     main(args.rounds, args.cnn_steps, args.mlp_steps, parts, args.arm_timeout, args.hosts,
          tuple(r.strip() for r in args.rates.split(",") if r.strip()))
