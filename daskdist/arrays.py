@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["as_array", "describe", "is_array", "namespace", "to_numpy"]
+__all__ = ["as_array", "describe", "is_array", "move_like", "namespace", "to_numpy"]
 
 
 def _is_cupy(x: Any) -> bool:
@@ -83,3 +83,12 @@ def describe(x: Any) -> str:
     shape = ",".join(str(d) for d in x.shape)
     prefix = "cupy:" if _is_cupy(x) else ""
     return f"{prefix}{x.dtype}[{shape}]"
+
+
+def move_like(value: Any, like: Any) -> Any:
+    """``value`` in the namespace of ``like`` (host <-> device), same dtype; no copy if already there."""
+    if namespace(value) is namespace(like):
+        return value
+    if namespace(like) is np:
+        return to_numpy(value)
+    return namespace(like).asarray(value)

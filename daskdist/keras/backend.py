@@ -18,7 +18,7 @@ from typing import Any, overload
 
 import numpy as np
 
-from daskdist.arrays import namespace, to_numpy
+from daskdist.arrays import move_like, namespace, to_numpy
 
 __all__ = [
     "clear_session",
@@ -79,14 +79,6 @@ def copy_as(value: Any, dtype: Any) -> Any:
         return xp.array(value, dtype=dtype, copy=True)
     return np.array(value, dtype=dtype, copy=True)
 
-
-def move_like(value: Any, like: Any) -> Any:
-    """``value`` in the namespace of ``like`` (host <-> device), same dtype; no copy if already there."""
-    if xp_of(value) is xp_of(like):
-        return value
-    if xp_of(like) is np:
-        return to_numpy(value)
-    return xp_of(like).asarray(value)
 
 
 def sum_rows(a: Any) -> Any:

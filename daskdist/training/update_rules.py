@@ -25,20 +25,12 @@ from typing import Any
 import numpy as np
 
 from daskdist import fault_points
-from daskdist.arrays import namespace, to_numpy
+from daskdist.arrays import move_like, namespace, to_numpy
 
 __all__ = ["RULES", "SGD", "Adam", "RMSprop", "UpdateRule", "move_like"]
 
 Array = Any
 
-
-def move_like(value: Any, like: Any) -> Any:
-    """``value`` in the namespace of ``like`` (host <-> device), same dtype; no copy if already there."""
-    if namespace(value) is namespace(like):
-        return value
-    if namespace(like) is np:
-        return to_numpy(value)
-    return namespace(like).asarray(value)
 
 
 class UpdateRule:

@@ -59,10 +59,16 @@ def created(metric: Any) -> None:
     registry.register(metric, strategy)
 
 
-def _values(metric: Any) -> list[np.ndarray]:
+def metric_values(metric: Any) -> list[np.ndarray]:
+    """A copy of each of ``metric``'s variables, as numpy."""
     import keras
 
     return [np.array(keras.ops.convert_to_numpy(v.value), copy=True) for v in metric.variables]
+
+
+def non_sum_variables(metric: Any) -> list[str]:
+    """The names of ``metric``'s variables that are not sums: updates of several copies cannot be added up."""
+    return [v.name for v in metric.variables if getattr(v, "aggregation", "sum") != "sum"]
 
 
 def reference(metric: Any, record: registry.Record) -> tuple[Any, tuple[Any, ...]]:
@@ -73,7 +79,7 @@ def reference(metric: Any, record: registry.Record) -> tuple[Any, tuple[Any, ...
     ValueError
         A variable of the metric is not a sum (its closures' changes could not be added up).
     """
-    odd = [v.name for v in metric.variables if getattr(v, "aggregation", "sum") != "sum"]
+    odd = non_sum_variables(metric)
     if odd:
         raise ValueError(f"metric {metric.name!r} cannot be updated in a function scheduled under "
                          f"{type(record.strategy).__name__}: its variables {odd} are not sums (aggregation='sum'), "
@@ -81,7 +87,7 @@ def reference(metric: Any, record: registry.Record) -> tuple[Any, tuple[Any, ...
     record.strategy.extended.on_closure_commit(_PART + record.object_id,
                                                functools.partial(_commit, weakref.ref(metric)))
     with _lock:
-        values = _values(metric)
+        values = metric_values(metric)
     spec = serialization.dumps((type(metric), metric.get_config()))
     return resolve_metric, (record.object_id, keras_backend(), spec, values)
 
@@ -113,7 +119,7 @@ class MetricCopy:
         if len(values) == len(variables):
             for variable, value in zip(variables, values):
                 variable.assign(np.asarray(value))
-        self.start = _values(self.metric)
+        self.start = metric_values(self.metric)
         self.client_variables = len(values)
 
     def finish(self) -> list[np.ndarray]:
@@ -124,7 +130,7 @@ class MetricCopy:
         ValueError
             The copy created variables the client's metric lacks (built on its first ``update_state``).
         """
-        end = _values(self.metric)
+        end = metric_values(self.metric)
         if len(end) != self.client_variables:
             raise ValueError(
                 f"metric {self.metric.name!r} creates its variables on its first update_state and the client's "

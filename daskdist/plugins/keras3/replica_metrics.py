@@ -34,6 +34,7 @@ from daskdist import context, serialization
 from daskdist.group.service import MODEL
 from daskdist.plugins.keras3 import registry
 from daskdist.plugins.keras3.backend import keras_backend, prepare_replica
+from daskdist.plugins.keras3.ps_metrics import metric_values, non_sum_variables
 
 if TYPE_CHECKING:
     from daskdist.group.service import ReplicaService
@@ -56,10 +57,6 @@ def created(metric: Any) -> None:
     vars(metric)["reset_state"] = types.MethodType(functools.partial(_after_sync, "reset_state"), metric)
 
 
-def _values(metric: Any) -> list[np.ndarray]:
-    import keras
-
-    return [np.array(keras.ops.convert_to_numpy(v.value), copy=True) for v in metric.variables]
 
 
 def reference(metric: Any, record: registry.Record) -> tuple[Any, tuple[Any, ...]]:
@@ -70,7 +67,7 @@ def reference(metric: Any, record: registry.Record) -> tuple[Any, tuple[Any, ...
     ValueError
         A variable of the metric is not a sum (the replicas' updates could not be added up).
     """
-    odd = [v.name for v in metric.variables if getattr(v, "aggregation", "sum") != "sum"]
+    odd = non_sum_variables(metric)
     if odd:
         raise ValueError(f"metric {metric.name!r} cannot be updated inside {type(record.strategy).__name__}.run: its "
                          f"variables {odd} are not sums (aggregation='sum'), so the replicas' updates cannot be "
@@ -106,22 +103,22 @@ class MetricCopy:
 
     def __init__(self, metric: Any):
         self.metric = metric
-        self.start = _values(metric)
+        self.start = metric_values(metric)
 
     def take_changes(self) -> list[np.ndarray]:
         """Each variable's change since the last take (the client adds it to its metric)."""
-        now = _values(self.metric)
+        now = metric_values(self.metric)
         start = self.start + [np.zeros_like(v) for v in now[len(self.start):]]
         self.start = now
         return [n - s for n, s in zip(now, start)]
 
     def snapshot(self) -> list[np.ndarray]:
-        return _values(self.metric)
+        return metric_values(self.metric)
 
     def restore(self, state: list[np.ndarray]) -> None:
         for variable, value in zip(self.metric.variables, state):
             variable.assign(np.asarray(value))
-        self.start = _values(self.metric)
+        self.start = metric_values(self.metric)
 
 
 def take_changes(service: ReplicaService, metric_id: str) -> list[np.ndarray] | None:
