@@ -7,6 +7,7 @@ small classifier, the same data, the same strategy, the same callbacks.
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -137,8 +138,13 @@ def test_replica_zero_sends_live_progress_and_each_epochs_end_to_the_dashboard(t
             model = adapter.model()
         since = threaded_client.run_on_scheduler(lambda: __import__("time").time())
         history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-        events = [m for t, m in threaded_client.get_events(PROGRESS_TOPIC) if t >= since]
-    ends = [m for m in events if m["step"] == -1]
+        deadline = time.monotonic() + 10  # events reach the scheduler asynchronously (Worker.log_event)
+        while True:
+            events = [m for t, m in threaded_client.get_events(PROGRESS_TOPIC) if t >= since]
+            ends = [m for m in events if m["step"] == -1]
+            if len(ends) >= 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
     assert [m["epoch"] for m in ends] == [0, 1]
     assert len({m["tag"] for m in ends}) == 1
     np.testing.assert_allclose([m["logs"]["loss"] for m in ends], adapter.history(history)["loss"], rtol=1e-5)
