@@ -259,9 +259,10 @@ def test_stall_warning_names_the_late_replica(threaded_client, caplog):
         logging.getLogger().removeHandler(handler)
     assert _STALL_WARNED.is_set()
     assert {e["replica"] for e in events} <= {0, 2}
-    # every warning names replica 1; a peer that did not answer the status probe in time (a loaded machine:
-    # collective.status-probe-timeout) is named beside it, so the check is "names 1", not "names only 1"
-    assert events and all(1 in e["missing"] and e["kind"] == "all_reduce" and e["waited"] >= 0.3 for e in events), events
+    # a warning names replica 1; once the first warning is logged replica 1 goes on, so the other waiting replica's
+    # probe may find everyone joined (missing []), and a peer that did not answer the probe in time is named too
+    assert any(1 in e["missing"] for e in events), events
+    assert all(set(e["missing"]) <= {1, 2} and e["kind"] == "all_reduce" and e["waited"] >= 0.3 for e in events), events
     assert "replica 1 has not joined it" in events[0]["message"]
     assert any("replica 1 has not joined" in r.getMessage() for r in caplog.records)
 
