@@ -475,7 +475,7 @@ def snapshot_cost(steps: int) -> None:
         weights = "variables"
     else:  # the built-in layers: the trainer's step (``BuiltinTrainable.train_batch``) with the SPMD driver
         from daskdist.keras.trainable import BuiltinTrainable
-        from daskdist.strategy.training_contract import SpmdStepDriver
+        from daskdist.strategy.drivers.contract import SpmdStepDriver
 
         model = build_model()
         x = rng.random((BATCH // 2, 28, 28, 1), dtype=np.float32)

@@ -102,7 +102,7 @@ def _bare_steps(model_id: str, x: np.ndarray, y: np.ndarray, steps: int) -> dict
     """On a replica: Keras' own train_step (no exchange) and the exchange alone, median seconds per step."""
     from daskdist import context
     from daskdist.plugins.keras3 import commands
-    from daskdist.strategy.training_contract import SpmdStepDriver
+    from daskdist.strategy.drivers.contract import SpmdStepDriver
 
     service = context.current_runtime()
     model = commands.trainable(service, model_id).model

@@ -130,7 +130,7 @@ def _train_step(model_id: str) -> float:
     """One training step of the resident model on the resident batch: what ``fit`` does per step."""
     from daskdist import context
     from daskdist.keras import training
-    from daskdist.strategy.training_contract import SpmdStepDriver
+    from daskdist.strategy.drivers.contract import SpmdStepDriver
 
     runtime = context.current_runtime()
     trainable = runtime.objects.get("model", model_id)
@@ -149,7 +149,7 @@ def _replica_loop(model_id: str, steps: int, ship: bool) -> np.ndarray:
     """
     from daskdist import context
     from daskdist.keras import training
-    from daskdist.strategy.training_contract import SpmdStepDriver
+    from daskdist.strategy.drivers.contract import SpmdStepDriver
 
     runtime = context.current_runtime()
     trainable = runtime.objects.get("model", model_id)

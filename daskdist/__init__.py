@@ -31,21 +31,22 @@ from daskdist.exceptions import (
 )
 from daskdist.ops import CommunicationImplementation, CommunicationOptions, ReduceOp
 from daskdist.replica.context import ReplicaContext
-from daskdist.strategy import default as _default  # noqa: F401  (installs the default strategy daskdist.context falls back to)
-from daskdist.strategy.base import Strategy, ValueContext
+from daskdist.strategy.base import Strategy
+from daskdist.strategy.extended import default as _default  # noqa: F401  (installs the default strategy daskdist.context falls back to)
+from daskdist.strategy.extended.options import ValueContext
 from daskdist.strategy.mirrored import MirroredStrategy
 from daskdist.strategy.multi_worker_mirrored import MultiWorkerMirroredStrategy
 from daskdist.strategy.one_device import OneDeviceStrategy
 from daskdist.strategy.parameter_server import ParameterServerStrategy
-from daskdist.strategy.sharded_variable import IndexedSlices
 from daskdist.values import DistributedValues, Mirrored, PerReplica
-from daskdist.variables import (
+from daskdist.variables.distributed import (
     MirroredVariable,
     SyncOnReadVariable,
     Variable,
     VariableAggregation,
     VariableSynchronization,
 )
+from daskdist.variables.sharded import IndexedSlices
 
 __version__ = "0.1.0"
 

@@ -7,7 +7,7 @@ the unit because several replicas can share one process (threaded workers).
 
 This module sits below the strategies and the replica runtime: it imports
 neither. Outside any strategy it falls back to the default one-replica
-strategy and replica context that ``daskdist.strategy.default`` installs
+strategy and replica context that ``daskdist.strategy.extended.default`` installs
 (:func:`install_defaults`) when ``daskdist`` is imported.
 """
 
@@ -103,7 +103,7 @@ _defaults: _Defaults | None = None
 def install_defaults(strategy: Callable[[], Any], replica_context: Callable[[], ReplicaContextAPI]) -> None:
     """Set what :func:`get_strategy` and :func:`get_replica_context` return outside any strategy.
 
-    ``daskdist.strategy.default`` installs TF's default strategy (one local
+    ``daskdist.strategy.extended.default`` installs TF's default strategy (one local
     replica) when ``daskdist`` is imported; this module never imports it.
     """
     global _defaults
@@ -112,7 +112,7 @@ def install_defaults(strategy: Callable[[], Any], replica_context: Callable[[], 
 
 def _installed_defaults() -> _Defaults:
     if _defaults is None:
-        raise RuntimeError("no default strategy is installed: import daskdist (daskdist.strategy.default installs it)")
+        raise RuntimeError("no default strategy is installed: import daskdist (daskdist.strategy.extended.default installs it)")
     return _defaults
 
 

@@ -25,7 +25,7 @@ from typing import Any
 from daskdist.cluster.devices import DeviceSpec, parse_device
 from daskdist.ops import Algorithm, CommunicationOptions, ReduceOp
 from daskdist.values import DistributedValues, Mirrored, PerReplica, local_results, reduce_values
-from daskdist.variables import Variable
+from daskdist.variables.distributed import Variable
 
 __all__ = [
     "AllReduceCrossDeviceOps",

@@ -6,7 +6,7 @@ from typing import Any
 
 from daskdist import context
 from daskdist.arrays import as_array, namespace
-from daskdist.strategy.sharded_variable import embedding_lookup
+from daskdist.variables.sharded import embedding_lookup
 
 __all__ = ["compute_average_loss", "embedding_lookup"]
 

@@ -213,8 +213,8 @@ def local_results(value: Any) -> tuple[Any, ...]:
     """
     if isinstance(value, DistributedValues):
         return value.values
-    read = getattr(value, "_local_results", None)
-    if read is not None and not isinstance(value, type):
+    read = _local_results_method(value)
+    if read is not None:
         return read()
     leaves, treedef = optree.tree_flatten(value, is_leaf=_is_distributed, none_is_leaf=True)
     per_leaf: list[tuple[Any, ...] | None] = []
@@ -223,8 +223,8 @@ def local_results(value: Any) -> tuple[Any, ...]:
         components = None
         if isinstance(leaf, DistributedValues):
             components = leaf.values
-        elif getattr(leaf, "_local_results", None) is not None and not isinstance(leaf, type):
-            components = tuple(leaf._local_results())
+        elif (read_leaf := _local_results_method(leaf)) is not None:
+            components = tuple(read_leaf())
         if components is not None:
             if num_replicas is not None and len(components) != num_replicas:
                 raise ValueError(
@@ -309,3 +309,14 @@ def gather_values(value: Any, axis: int) -> Any:
     return optree.tree_map(gather_leaf, value, is_leaf=_is_distributed)
 
 
+
+
+def _local_results_method(value: Any) -> Any:
+    """The ``local_results`` method of a distributed variable (its copies; TF's ``_local_results``), else ``None``.
+
+    Duck-typed, as in TensorFlow: the variables sit above this module.
+    """
+    if isinstance(value, type):
+        return None
+    read = getattr(value, "local_results", None)
+    return read if callable(read) and getattr(read, "__self__", None) is value else None

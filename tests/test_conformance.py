@@ -1062,7 +1062,7 @@ def test_regroup_same_id_is_a_documented_difference():
 
 def test_default_strategy_outside_any_scope():
     """distribute_lib.py, ``_DefaultDistributionStrategy`` (TF 2.21): one replica; values and datasets as they are."""
-    from daskdist.strategy.base import ValueContext
+    from daskdist.strategy.extended.options import ValueContext
 
     strategy = distribute.get_strategy()
     assert strategy.num_replicas_in_sync == 1 and not distribute.has_strategy()
@@ -1164,7 +1164,7 @@ def test_cross_device_ops_docstrings(process_client, make_ops):
 
 def _assert_in_default_state():
     """distribute_lib_test.py, ``_assert_in_default_state``."""
-    from daskdist.strategy.default import default_replica_context, default_strategy
+    from daskdist.strategy.extended.default import default_replica_context, default_strategy
 
     assert distribute.get_replica_context() is default_replica_context()
     assert not distribute.in_cross_replica_context()

@@ -16,8 +16,8 @@ import pytest
 import daskdist as dd
 from daskdist.group.service import MODEL, VARIABLE
 from daskdist.strategy.base import Strategy
-from daskdist.strategy.extended import StrategyExtended
-from daskdist.strategy.mirrored import MirroredExtended
+from daskdist.strategy.extended.contract import StrategyExtended
+from daskdist.strategy.extended.mirrored import MirroredExtended
 
 TWO_DEVICES = ["/cpu:0", "/cpu:1"]
 
@@ -79,7 +79,7 @@ def test_update_unwraps_distributed_arguments_per_copy_and_group_false_gives_one
                               args=(per,), kwargs={"scale": 10.0}, group=False)
     assert isinstance(out, tuple) and len(out) == 2
     assert [x.tolist() for x in out] == [[10.0, 10.0], [20.0, 20.0]]
-    assert [x.tolist() for x in v._local_results()] == [[10.0, 10.0], [20.0, 20.0]]
+    assert [x.tolist() for x in v.local_results()] == [[10.0, 10.0], [20.0, 20.0]]
     with pytest.raises(ValueError, match="2 replicas"):
         two.extended.update(v, lambda c, d: c.assign(d), args=(dd.PerReplica([1.0, 2.0, 3.0]),))
 
@@ -279,7 +279,7 @@ def test_minimize_loss_with_read_var_reduce_to_and_update_lowers_the_error(two):
     assert error_after < error_before
     # with SUM over 2 replicas each step multiplies the error by 1 - 0.05 * 2 * 2 = 0.8
     assert error_after == pytest.approx(2.0 * 0.8**10, rel=1e-5)
-    assert [x.tolist() for x in kernel._local_results()] == [after.tolist()] * 2
+    assert [x.tolist() for x in kernel.local_results()] == [after.tolist()] * 2
 
 
 # -- colocate_vars_with and placement ---------------------------------------------------
@@ -314,7 +314,7 @@ def test_create_variable_places_copies_where_the_strategy_says(threaded_client):
         assert strategy.extended.parameter_devices == (strategy.extended.worker_devices[0],)
         with strategy.scope():
             v = dd.Variable(np.ones(2))
-        assert len(v._local_results()) == 1
+        assert len(v.local_results()) == 1
         v.assign_add(np.ones(2))
         assert v.numpy().tolist() == [2.0, 2.0]
         out = strategy.extended.update(v, lambda c: c.assign(c.value() * 3).read_value())
@@ -368,7 +368,7 @@ def test_keras_and_data_never_reach_past_the_contract():
                     offenders.append(f"{path.name}:{node.lineno}")
                 module = node.module or "" if isinstance(node, ast.ImportFrom) else ""
                 reaches_past = module.startswith(
-                    ("daskdist.cluster", "daskdist.group", "daskdist.strategy.spmd", "daskdist.strategy.mirrored")
+                    ("daskdist.cluster", "daskdist.group", "daskdist.strategy.extended.spmd", "daskdist.strategy.mirrored")
                 )
                 # allowed: the replica service protocol, and the scheduler's view of its workers asked now
                 if reaches_past and module not in ("daskdist.group.service", "daskdist.cluster.identity"):

@@ -101,7 +101,7 @@ def test_a_pause_point_fires_once_on_its_rank_and_step_and_writes_who_paused(tmp
 
 def test_after_a_re_formation_hosts_left_are_renumbered_and_newcomers_join_their_host():
     from daskdist.cluster_resolver.selection import HostGroup
-    from daskdist.strategy.multi_worker_mirrored import renumber_hosts
+    from daskdist.strategy.extended.multi_worker_mirrored import renumber_hosts
 
     a = [f"tcp://10.0.0.{h}:{p}" for h in (1, 2, 3) for p in (1, 2)]  # hosts .1, .2, .3 with two workers each
     hosts = [HostGroup("h1", (a[0], a[1])), HostGroup("h2", (a[2], a[3])), HostGroup("h3", (a[4], a[5]))]

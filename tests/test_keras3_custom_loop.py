@@ -58,7 +58,7 @@ def test_custom_loop_with_strategy_run_equals_one_process(forked_process_client,
 
 
 def test_the_adapter_reaches_keras_only_through_recorded_models_and_the_extended(forked_process_client):
-    import daskdist.strategy.extended as extended_module
+    import daskdist.strategy.extended.contract as extended_module
 
     assert not hasattr(extended_module, "BEFORE_CALL_HOOKS")  # a verb of the Extended, not a module-level list
     assert not hasattr(keras.layers.Layer.get_weights, "__daskdist_original__")  # every layer: Keras' own

@@ -238,7 +238,7 @@ def test_a_replayed_commit_rebuilds_bit_for_bit_the_state_a_full_copy_holds():
     from daskdist.group.service import MODEL, ResidentStore
     from daskdist.plugins.keras3 import hooks
     from daskdist.plugins.keras3.resident import KerasTrainable
-    from daskdist.strategy.training_contract import SpmdStepDriver
+    from daskdist.strategy.drivers.contract import SpmdStepDriver
     from daskdist.training.commits import ReplayedCommit
 
     hooks.install()

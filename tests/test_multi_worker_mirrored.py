@@ -216,7 +216,7 @@ def _train(strategy) -> list[float]:
 @netns
 def test_training_under_mwms_gives_the_losses_of_mirrored_on_one_host(netns_hosts, caplog):
     hosts, client = netns_hosts
-    with caplog.at_level(logging.WARNING, logger="daskdist.strategy.extended"), \
+    with caplog.at_level(logging.WARNING, logger="daskdist.strategy.extended.contract"), \
             dd.MirroredStrategy(client=client) as mirrored:  # TF's meaning: one machine
         assert mirrored.num_replicas_in_sync == 2
         assert {a.split("//")[1].split(":")[0] for a in mirrored.extended.worker_addresses} == {hosts.hosts[0].address}

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import daskdist as dd
-from daskdist.strategy.partitioners import shard_sizes
+from daskdist.variables.partitioners import shard_sizes
 
 partitioners = dd.experimental.partitioners
 ShardedVariable = dd.experimental.ShardedVariable

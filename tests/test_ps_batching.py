@@ -16,7 +16,7 @@ import pytest
 import daskdist as dd
 from daskdist.cluster.identity import scheduler_workers
 from daskdist.ps.store import ParameterStore
-from daskdist.variables import VariableSpec
+from daskdist.variables.distributed import VariableSpec
 
 ClusterCoordinator = dd.experimental.coordinator.ClusterCoordinator
 

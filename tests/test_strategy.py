@@ -157,7 +157,7 @@ def test_merge_call(threaded_client):
             assert part.tolist() == [2.0, 2.0]
         assert v.numpy().tolist() == [6.0, 6.0]
         # every copy was updated identically
-        assert [x.tolist() for x in v._local_results()] == [[6.0, 6.0]] * 3
+        assert [x.tolist() for x in v.local_results()] == [[6.0, 6.0]] * 3
 
 
 def test_one_device_strategy(threaded_client):
@@ -219,7 +219,7 @@ class TestVariables:
             assert total.numpy().tolist() == [6.0, 6.0]
             assert first.numpy().tolist() == [-5.0, -5.0]
             for name, var in (("mean", mean), ("total", total), ("first", first)):
-                copies = {tuple(c.tolist()) for c in var._local_results()}
+                copies = {tuple(c.tolist()) for c in var.local_results()}
                 assert len(copies) == 1, name
             assert all(p.tolist() == [1.0, 1.0] for p in strategy.experimental_local_results(out))
 
@@ -228,7 +228,7 @@ class TestVariables:
             # from the client (cross-replica context) an update needs no aggregation
             plain.assign(np.array([1.0, 2.0]))
             plain.assign_add(np.array([1.0, 1.0]))
-            assert {tuple(c.tolist()) for c in plain._local_results()} == {(2.0, 3.0)}
+            assert {tuple(c.tolist()) for c in plain.local_results()} == {(2.0, 3.0)}
             assert plain.shape == (2,) and plain.dtype == np.float64 and plain.trainable
 
     def test_sync_on_read(self, threaded_client):

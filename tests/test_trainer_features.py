@@ -166,7 +166,7 @@ def test_a_replayed_commit_rebuilds_bit_for_bit_what_a_full_copy_holds(adapter):
     BatchNormalization moving mean is the full commit's, not the step's."""
     from daskdist.elastic.replica import Commit
     from daskdist.group.service import MODEL, ResidentStore
-    from daskdist.strategy.training_contract import SpmdStepDriver
+    from daskdist.strategy.drivers.contract import SpmdStepDriver
     from daskdist.training.commits import ReplayedCommit
 
     x, y = _data(96)

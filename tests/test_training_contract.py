@@ -15,14 +15,14 @@ import pytest
 import daskdist as dd
 from daskdist import context
 from daskdist.group.service import MODEL
-from daskdist.strategy.held_drivers import HolderStepDriver, PsStepDriver
-from daskdist.strategy.training_contract import (
+from daskdist.strategy.drivers.contract import (
     HeldTrainable,
     ParameterHoldingDriver,
     SpmdStepDriver,
     StepDriver,
     Trainable,
 )
+from daskdist.strategy.drivers.held import HolderStepDriver, PsStepDriver
 
 TWO = ["/cpu:0", "/cpu:1"]
 #: 2 replicas split a global batch of 8 rows 4/4; 3 replicas 3/3/2, where only weighting by rows is right

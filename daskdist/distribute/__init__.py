@@ -30,8 +30,9 @@ from daskdist.distribute import experimental
 from daskdist.experimental import coordinator
 from daskdist.ops import ReduceOp
 from daskdist.replica.context import ReplicaContext
-from daskdist.strategy.base import RunOptions, Strategy
-from daskdist.strategy.extended import StrategyExtended
+from daskdist.strategy.base import Strategy
+from daskdist.strategy.extended.contract import StrategyExtended
+from daskdist.strategy.extended.options import RunOptions
 from daskdist.strategy.mirrored import MirroredStrategy
 from daskdist.strategy.multi_worker_mirrored import MultiWorkerMirroredStrategy
 from daskdist.strategy.one_device import OneDeviceStrategy

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from daskdist.experimental import coordinator, partitioners
 from daskdist.ops import CommunicationImplementation, CommunicationOptions
-from daskdist.strategy.base import ValueContext
 from daskdist.strategy.central_storage import CentralStorageStrategy
+from daskdist.strategy.extended.options import ValueContext
 from daskdist.strategy.multi_worker_mirrored import (
     MultiWorkerMirroredStrategyExperimental as MultiWorkerMirroredStrategy,
 )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from daskdist.strategy.elastic_options import ElasticOptions
+from daskdist.strategy.extended.elastic_options import ElasticOptions
 
 __all__ = ["ElasticOptions", "notify_membership_change"]
 

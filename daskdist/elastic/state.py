@@ -275,7 +275,7 @@ class State:
 
     def _rebuildable(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """The state's models and distributed variables, by resident id (what a newcomer can be given)."""
-        from daskdist.variables import DistributedVariable
+        from daskdist.variables.distributed import DistributedVariable
 
         models: dict[str, Any] = {}
         variables: dict[str, Any] = {}
@@ -299,7 +299,7 @@ class State:
 
         from daskdist.group.service import MODEL
         from daskdist.replica.commands import create_variable
-        from daskdist.strategy.replica_commands import install_resident
+        from daskdist.strategy.extended.replica_commands import install_resident
 
         extended = self.strategy.extended
         models, variables = self._rebuildable()
@@ -338,7 +338,7 @@ class _MembersRetiring(Exception):
 
 
 def _lives_on_replicas(value: Any) -> bool:
-    from daskdist.variables import DistributedVariable
+    from daskdist.variables.distributed import DistributedVariable
 
     return isinstance(value, (ReplicatedModel, DistributedVariable, Strategy))
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from daskdist.strategy.coordinator import (
+from daskdist.coordinator.cluster_coordinator import (
     ClusterCoordinator,
     ParameterServerLostError,
     PerWorkerValues,

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
-from daskdist.strategy.partitioners import FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner, Partitioner
+from daskdist.variables.partitioners import (
+    FixedShardsPartitioner,
+    MaxSizePartitioner,
+    MinSizePartitioner,
+    Partitioner,
+)
 
 __all__ = ["FixedShardsPartitioner", "MaxSizePartitioner", "MinSizePartitioner", "Partitioner"]

@@ -84,7 +84,7 @@ class ElasticFit(ElasticRunner):
         """Give a newcomer the model and every other model of the strategy the members hold (a commit restores
         them all: their weights and optimizer states then come with it)."""
         from daskdist.group.service import MODEL
-        from daskdist.strategy.replica_commands import install_resident
+        from daskdist.strategy.extended.replica_commands import install_resident
 
         for model in self.model.installed_beside():
             self.extended.run_on_replica(rank, install_resident, (MODEL, model.model_id, model.resident()))

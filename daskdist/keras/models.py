@@ -32,7 +32,7 @@ from daskdist.training.progress import PROGRESS_TOPIC
 from daskdist.training.runners import ReplicaRunner
 
 if TYPE_CHECKING:
-    from daskdist.strategy.training_contract import ParameterHoldingDriver, StepDriver
+    from daskdist.strategy.drivers.contract import ParameterHoldingDriver, StepDriver
 
 __all__ = ["Model", "RandomStates", "Sequential", "load_model"]
 
@@ -217,7 +217,7 @@ class Model:
 
     def _holding_driver(self) -> ParameterHoldingDriver | None:
         """The strategy's step driver when it holds the parameters off the replicas, else ``None``."""
-        from daskdist.strategy.training_contract import ParameterHoldingDriver
+        from daskdist.strategy.drivers.contract import ParameterHoldingDriver
 
         if self._strategy is None:
             return None

@@ -67,7 +67,7 @@ def uses_coordinator(strategy: Strategy) -> bool:
 
 
 def _coordinator(model: Model) -> Any:
-    from daskdist.strategy.coordinator import ClusterCoordinator
+    from daskdist.coordinator.cluster_coordinator import ClusterCoordinator
 
     return ClusterCoordinator(_strategy(model))
 

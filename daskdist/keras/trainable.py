@@ -2,7 +2,7 @@
 
 A built-in ``Model`` on a replica (or a parameter-server worker, or the
 client for a model without a strategy) is a
-``daskdist.strategy.training_contract.HeldTrainable``: ``train_step`` runs
+``daskdist.strategy.drivers.contract.HeldTrainable``: ``train_step`` runs
 forward, the per-example loss, its gradient and backward (gradients of the
 loss *sum* over the local rows), hands them to the step driver's exchange
 with the loss sum (``sums=(loss_sum,)``, ``summed=True``: one message per
@@ -29,7 +29,7 @@ from daskdist.ops import ReduceOp
 
 if TYPE_CHECKING:
     from daskdist.keras.models import Model
-    from daskdist.strategy.training_contract import GradientExchange, StepDriver
+    from daskdist.strategy.drivers.contract import GradientExchange, StepDriver
 
 __all__ = ["BuiltinTrainable", "RandomStates", "global_metric_results", "rows_of", "split_batch"]
 

@@ -25,13 +25,13 @@ import numpy as np
 from daskdist import context, fault_points
 from daskdist.arrays import as_array, namespace
 from daskdist.keras.trainable import BuiltinTrainable, rows_of, split_batch
-from daskdist.strategy.training_contract import SpmdStepDriver
+from daskdist.strategy.drivers.contract import SpmdStepDriver
 from daskdist.training.loop import ReplicaLoop
 from daskdist.training.timer import replica_timer
 
 if TYPE_CHECKING:
     from daskdist.keras.models import Model
-    from daskdist.strategy.training_contract import StepDriver
+    from daskdist.strategy.drivers.contract import StepDriver
 
 __all__ = ["evaluate_batches", "predict_batches", "split_batch", "train_batches", "train_step"]
 

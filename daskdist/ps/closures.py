@@ -1,6 +1,6 @@
 """The worker half of ``ClusterCoordinator``: closures and per-worker resources, run on a worker's replica.
 
-The client's queue and drivers (``daskdist.strategy.coordinator``) send these
+The client's queue and drivers (``daskdist.coordinator.cluster_coordinator``) send these
 functions as commands to each worker's one-replica group. A closure's reads
 and updates are batched per store (``daskdist.ps.session``); per-worker
 datasets and iterators are residents of the worker's replica, named by a

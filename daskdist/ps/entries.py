@@ -17,7 +17,7 @@ import numpy as np
 from daskdist.arrays import as_array, to_numpy
 
 if TYPE_CHECKING:
-    from daskdist.variables import VariableSpec
+    from daskdist.variables.distributed import VariableSpec
 
 __all__ = ["Entry", "StoredVariable", "apply_method", "copy_to_host", "hand_out", "writable"]
 
@@ -84,7 +84,7 @@ class StoredVariable:
 
     @staticmethod
     def wrap(entry: Entry) -> Any:
-        from daskdist.variables import Variable
+        from daskdist.variables.distributed import Variable
 
         variable = Variable.__new__(Variable)  # no copy: writes go to the stored array
         variable._value = entry.value

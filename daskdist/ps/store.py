@@ -34,7 +34,7 @@ trainable keeps here, ``params_drop`` / ``params_keys`` to release and list them
 for the parameter-server step driver (each worker pushes its gradients on
 its own; the update rule runs here). The store knows no framework: a
 trainable's parameters are arrays, its update rule an object the adapter
-sends (``daskdist.strategy.training_contract.UpdateRule``: ``apply``,
+sends (``daskdist.strategy.drivers.contract.UpdateRule``: ``apply``,
 ``learning_rate``, ``get_state``/``set_state`` of its slots).
 """
 
@@ -60,7 +60,7 @@ from daskdist.ps.rounds import SynchronousRounds
 if TYPE_CHECKING:
     from distributed import Worker
 
-    from daskdist.variables import VariableSpec
+    from daskdist.variables.distributed import VariableSpec
 
 __all__ = ["HANDLER", "STORE_EXTENSION", "ParameterStore", "unwrap"]
 
@@ -313,7 +313,7 @@ class ParameterStore:
 
     def _op_apply_fn(self, store_id: str, var_id: str, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``fn(variable, *args, **kwargs)`` on the stored variable, once (TF's ``extended.update``)."""
-        from daskdist.variables import Variable
+        from daskdist.variables.distributed import Variable
 
         entry = self._entry(store_id, var_id)
         writable(entry)

@@ -25,7 +25,7 @@ from daskdist.arrays import as_array, namespace, to_numpy
 from daskdist.group.service import VARIABLE
 from daskdist.ps.refs import RoundCounter
 from daskdist.ps.session import CLOSURE_KEY, ClosureSession, current_session
-from daskdist.variables import DistributedVariable, VariableAggregation, VariableSpec
+from daskdist.variables.distributed import DistributedVariable, VariableAggregation, VariableSpec
 
 if TYPE_CHECKING:
     from daskdist.ps.refs import StoreRef

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from daskdist import context
 from daskdist.group.service import VARIABLE
-from daskdist.variables import VariableSpec, distributed_variable_class
+from daskdist.variables.distributed import VariableSpec, distributed_variable_class
 
 if TYPE_CHECKING:
     from daskdist.group.service import ReplicaService

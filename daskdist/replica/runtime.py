@@ -53,7 +53,7 @@ from daskdist.replica.events import StepEventShipper
 from daskdist.replica.strategy_view import ReplicaStrategyView
 from daskdist.replica.timing import StepTimer
 from daskdist.replica.wiring import Wiring, wire
-from daskdist.variables import VariableSpec, check_same_spec_on_every_replica, distributed_variable_class
+from daskdist.variables.distributed import VariableSpec, check_same_spec_on_every_replica, distributed_variable_class
 from daskdist.wire.tls import worker_contexts
 
 if TYPE_CHECKING:

@@ -74,7 +74,12 @@ class ReplicaExtendedView:
         ``merge_fn`` runs on every replica, so the aggregate is one collective
         that every replica joins (``ONLY_FIRST_REPLICA``: replica 0's copy).
         """
-        from daskdist.variables import _AGGREGATION_OPS, DistributedVariable, SyncOnReadVariable, VariableAggregation
+        from daskdist.variables.distributed import (
+            _AGGREGATION_OPS,
+            DistributedVariable,
+            SyncOnReadVariable,
+            VariableAggregation,
+        )
 
         _require_cross_replica("extended.read_var")
         if not isinstance(v, DistributedVariable) or v._token != self._runtime.token:
@@ -90,7 +95,7 @@ class ReplicaExtendedView:
 
     def variable_created_in_scope(self, v: Any) -> bool:
         """Whether ``v`` belongs to this strategy (created in its scope or by its replicas)."""
-        from daskdist.variables import DistributedVariable, Variable
+        from daskdist.variables.distributed import DistributedVariable, Variable
 
         if not isinstance(v, Variable):
             raise TypeError(f"variable_created_in_scope takes a variable, got {type(v).__name__}")

@@ -6,7 +6,6 @@ import contextlib
 import html
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import optree
@@ -14,33 +13,13 @@ import optree
 from daskdist import context, registry
 from daskdist.data.replica import BatchRef
 from daskdist.ops import ReduceOp
+from daskdist.strategy.extended.options import RunOptions, ValueContext
 from daskdist.values import DistributedValues, gather_values, local_results, reduce_values, regroup
 
 if TYPE_CHECKING:
-    from daskdist.strategy.extended import StrategyExtended
+    from daskdist.strategy.extended.contract import StrategyExtended
 
-__all__ = ["RunOptions", "Strategy", "ValueContext"]
-
-
-@dataclass(frozen=True)
-class ValueContext:
-    """Passed to ``experimental_distribute_values_from_function``'s function (TF's ``ValueContext``)."""
-
-    replica_id_in_sync_group: int = 0
-    num_replicas_in_sync: int = 1
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    """Options for ``strategy.run`` (TF's ``tf.distribute.RunOptions``).
-
-    TensorFlow's fields tune TPU compilation (dynamic batch sizes, XLA);
-    there is no compilation here, so they are accepted and have no effect.
-    """
-
-    experimental_enable_dynamic_batch_size: bool = True
-    experimental_bucketizing_dynamic_shape: bool = False
-    experimental_xla_options: Any = None
+__all__ = ["Strategy"]
 
 
 class Strategy:

@@ -29,7 +29,7 @@ from daskdist.training.timer import RecordingTimer
 
 if TYPE_CHECKING:
     from daskdist.group.service import ReplicaService
-    from daskdist.strategy.training_contract import StepDriver
+    from daskdist.strategy.drivers.contract import StepDriver
 
 __all__ = ["begin_loop", "end_loop", "evaluate", "model_state", "replica_model", "test_steps", "train_epoch",
            "train_steps"]

@@ -48,7 +48,7 @@ from daskdist.elastic.boundary import FreeWorkerWatch, StopAtCommit, boundary_fl
 from daskdist.elastic.replica import Commit, CommitKey, commit_ring
 from daskdist.group.service import MODEL, ReplicaService
 from daskdist.ops import ReduceOp
-from daskdist.strategy.training_contract import GradientExchange, SpmdStepDriver, StepDriver
+from daskdist.strategy.drivers.contract import GradientExchange, SpmdStepDriver, StepDriver
 
 __all__ = ["Commits", "ReplayedCommit"]
 

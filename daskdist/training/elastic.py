@@ -33,7 +33,7 @@ from daskdist.training.timer import RecordingTimer
 
 if TYPE_CHECKING:
     from daskdist.group.service import ReplicaService
-    from daskdist.strategy.training_contract import StepDriver
+    from daskdist.strategy.drivers.contract import StepDriver
 
 __all__ = ["ElasticReplicaModel", "ElasticRunner", "elastic_train_epoch"]
 

@@ -39,7 +39,7 @@ import numpy as np
 from daskdist.plugins.keras3 import exchange as exchange_module
 
 if TYPE_CHECKING:
-    from daskdist.strategy.training_contract import GradientExchange
+    from daskdist.strategy.drivers.contract import GradientExchange
 
 __all__ = ["JaxSteps", "from_numpy", "limit_threads", "no_grad", "steps", "to_batch", "to_numpy", "views"]
 

@@ -31,7 +31,7 @@ from daskdist.ops import ReduceOp
 from daskdist.plugins.keras3.backend import framework
 
 if TYPE_CHECKING:
-    from daskdist.strategy.training_contract import GradientExchange
+    from daskdist.strategy.drivers.contract import GradientExchange
 
 __all__ = ["active", "apply_with_exchange", "captured", "count_step", "mark_ps_optimizer", "mark_replica_optimizer",
            "stateless_apply_with_capture"]

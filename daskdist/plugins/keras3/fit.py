@@ -39,7 +39,7 @@ from daskdist.plugins.keras3.fit_semantics import (
     unsupported_fit_arguments,
 )
 from daskdist.plugins.keras3.payload import pack_model
-from daskdist.strategy.training_contract import ParameterHoldingDriver
+from daskdist.strategy.drivers.contract import ParameterHoldingDriver
 from daskdist.training.commands import model_state
 from daskdist.training.fit import run_epochs
 from daskdist.training.runners import ReplicaRunner, planned_steps
@@ -88,8 +88,8 @@ def created(model: Any) -> None:
 
 def _check_driver(strategy: Any) -> None:
     """Refuse strategies whose step driver this adapter cannot use yet (ParameterServer: its closures)."""
-    from daskdist.strategy.held_drivers import HolderStepDriver, PsStepDriver
-    from daskdist.strategy.training_contract import SpmdStepDriver
+    from daskdist.strategy.drivers.contract import SpmdStepDriver
+    from daskdist.strategy.drivers.held import HolderStepDriver, PsStepDriver
 
     if not isinstance(strategy.extended.step_driver(), (SpmdStepDriver, HolderStepDriver, PsStepDriver)):
         raise NotImplementedError(

@@ -76,7 +76,7 @@ from daskdist.plugins.keras3.resident import KerasTrainable, state_variables
 from daskdist.training.fit import run_epochs
 
 if TYPE_CHECKING:
-    from daskdist.strategy.extended import StrategyExtended
+    from daskdist.strategy.extended.contract import StrategyExtended
 
 __all__ = ["KerasPsWorker", "evaluate", "fit", "place_models", "reference", "resolve_model", "resolve_optimizer",
            "schedules_closures", "take_loop_state"]
@@ -350,7 +350,7 @@ def _check(model: Any, name: str) -> None:
 def evaluate(model: Any, record: registry.Record, x: Any, y: Any, batch_size: int | None, steps: int | None,
              callbacks: Any) -> dict[str, float]:
     """``model.evaluate`` under ParameterServerStrategy: closures on the workers (see the module); the logs."""
-    from daskdist.strategy.coordinator import ClusterCoordinator
+    from daskdist.coordinator.cluster_coordinator import ClusterCoordinator
 
     if not model.compiled:
         raise ValueError("You must call `compile()` before using the model (`model.compile(optimizer, loss)`).")
@@ -376,8 +376,8 @@ def fit(model: Any, record: registry.Record, x: Any, y: Any, epochs: int, verbos
     """``model.fit`` under ParameterServerStrategy (see the module)."""
     import keras
 
+    from daskdist.coordinator.cluster_coordinator import ClusterCoordinator
     from daskdist.data.dataset_creator import DatasetCreator
-    from daskdist.strategy.coordinator import ClusterCoordinator
 
     name = type(record.strategy).__name__
     if steps_per_epoch is None:
@@ -519,7 +519,7 @@ def place_models(strategy: Any) -> None:
     """
     import keras
 
-    from daskdist.strategy.coordinator import ClusterCoordinator
+    from daskdist.coordinator.cluster_coordinator import ClusterCoordinator
 
     for obj, record in registry.items():
         if (record.strategy is strategy and record.driver is None and isinstance(obj, keras.Model)

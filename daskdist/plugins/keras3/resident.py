@@ -30,7 +30,7 @@ from daskdist.ops import ReduceOp
 from daskdist.plugins.keras3 import exchange as exchange_module
 from daskdist.plugins.keras3 import update_rule as update_rule_module
 from daskdist.plugins.keras3.backend import framework
-from daskdist.strategy.training_contract import GradientExchange, StepDriver, StepTotals, as_array
+from daskdist.strategy.drivers.contract import GradientExchange, StepDriver, StepTotals, as_array
 
 __all__ = ["KerasTrainable", "SeedStates", "assign_state", "batch_rows", "split_variables", "state_variables"]
 

@@ -15,7 +15,7 @@ from daskdist import context, fault_points
 
 if TYPE_CHECKING:
     from daskdist.group.service import ReplicaService
-    from daskdist.variables import DistributedVariable
+    from daskdist.variables.distributed import DistributedVariable
 
 __all__ = ["install_resident", "update_copy"]
 

@@ -53,7 +53,7 @@ class _DefaultStrategy:
 
     def experimental_distribute_values_from_function(self, value_fn: Callable[[Any], Any]) -> Any:
         """``value_fn(ValueContext())``: one replica, so the value itself (as TensorFlow's default strategy)."""
-        from daskdist.strategy.base import ValueContext
+        from daskdist.strategy.extended.options import ValueContext
 
         return value_fn(ValueContext())
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from daskdist.arrays import as_array, namespace, to_numpy
-from daskdist.variables import Variable
+from daskdist.variables.distributed import Variable
 
 __all__ = ["IndexedSlices", "ShardedVariable", "embedding_lookup"]
 

@@ -27,12 +27,12 @@ import optree
 
 from daskdist.group.service import VARIABLE
 from daskdist.ps.client import AggregatingVariable, StoreGroup, StoreRef
-from daskdist.strategy.extended import Args, Kwargs
-from daskdist.strategy.held_drivers import HolderStepDriver
-from daskdist.strategy.spmd import SpmdExtended
-from daskdist.strategy.training_contract import StepDriver
+from daskdist.strategy.drivers.contract import StepDriver
+from daskdist.strategy.drivers.held import HolderStepDriver
+from daskdist.strategy.extended.contract import Args, Kwargs
+from daskdist.strategy.extended.spmd import SpmdExtended
 from daskdist.values import Mirrored, PerReplica
-from daskdist.variables import DistributedVariable, VariableAggregation, VariableSpec
+from daskdist.variables.distributed import DistributedVariable, VariableAggregation, VariableSpec
 
 __all__ = ["ParameterHolderExtended", "select_single_value"]
 
@@ -120,8 +120,8 @@ class ParameterHolderExtended(SpmdExtended):
         if self._partitioner is not None and len(spec.shape) > 0 and self._colocation is None:
             shards = self._partition(spec)
             if shards > 1:
-                from daskdist.strategy.partitioners import shard_sizes
-                from daskdist.strategy.sharded_variable import ShardedVariable
+                from daskdist.variables.partitioners import shard_sizes
+                from daskdist.variables.sharded import ShardedVariable
 
                 variables, start = [], 0
                 for i, rows in enumerate(shard_sizes(spec.shape[0], shards)):

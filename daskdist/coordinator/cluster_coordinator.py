@@ -44,7 +44,8 @@ from daskdist.ps.client import (
     plan_by_locality,
     run_recorded_closure,
 )
-from daskdist.strategy.parameter_server import DatasetForEachWorker, ParameterServerExtended, ParameterServerStrategy
+from daskdist.strategy.extended.parameter_server import DatasetForEachWorker, ParameterServerExtended
+from daskdist.strategy.parameter_server import ParameterServerStrategy
 
 __all__ = [
     "ClusterCoordinator",

@@ -21,7 +21,7 @@ The public methods do TensorFlow's checks (cross-replica context, argument
 types) and then call an implementation hook, as TF's ``reduce_to`` calls
 ``_reduce_to``. The semantics on the client follow TF's ``MirroredExtended``
 (``mirrored_strategy.py``); the SPMD implementation is in
-``daskdist.strategy.spmd``.
+``daskdist.strategy.extended.spmd``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from daskdist import context
 from daskdist.cross_device_ops import validate_destinations
 from daskdist.ops import CommunicationOptions, ReduceOp
 from daskdist.values import DistributedValues, Mirrored, PerReplica, check_num_components, local_results
-from daskdist.variables import (
+from daskdist.variables.distributed import (
     DistributedVariable,
     MirroredVariable,
     SyncOnReadVariable,
@@ -50,9 +50,9 @@ if TYPE_CHECKING:
 
     from daskdist.cross_device_ops import CrossDeviceOps
     from daskdist.data.distributed import DistributedDataset
-    from daskdist.strategy.elastic_options import ElasticOptions
-    from daskdist.strategy.training_contract import StepDriver
-    from daskdist.variables import VariableSpec
+    from daskdist.strategy.drivers.contract import StepDriver
+    from daskdist.strategy.extended.elastic_options import ElasticOptions
+    from daskdist.variables.distributed import VariableSpec
 
 __all__ = ["Args", "Command", "Kwargs", "StrategyExtended"]
 
@@ -217,7 +217,7 @@ class StrategyExtended(abc.ABC):
         ``service.objects.get(kind, object_id)`` returns it; an object with
         ``snapshot()``/``restore(state)`` takes part in resident snapshots.
         """
-        from daskdist.strategy import replica_commands
+        from daskdist.strategy.extended import replica_commands
 
         self.run_on_replicas(replica_commands.install_resident, (kind, object_id, obj))
 

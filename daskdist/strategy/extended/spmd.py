@@ -35,12 +35,12 @@ from daskdist.group.spec import TRANSPORTS
 from daskdist.ops import CommunicationOptions
 from daskdist.replica import commands
 from daskdist.replica.launch import run_replica
-from daskdist.strategy import replica_commands
-from daskdist.strategy.elastic_options import ElasticOptions
-from daskdist.strategy.extended import Args, Command, Kwargs, StrategyExtended
-from daskdist.strategy.training_contract import SpmdStepDriver, StepDriver
+from daskdist.strategy.drivers.contract import SpmdStepDriver, StepDriver
+from daskdist.strategy.extended import replica_commands
+from daskdist.strategy.extended.contract import Args, Command, Kwargs, StrategyExtended
+from daskdist.strategy.extended.elastic_options import ElasticOptions
 from daskdist.values import DistributedValues, regroup, select_replica
-from daskdist.variables import (
+from daskdist.variables.distributed import (
     DistributedVariable,
     VariableAggregation,
     VariableSpec,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from daskdist.ps.client import RoundCounter, StoreRef, dedupe_key
-from daskdist.strategy.training_contract import (
+from daskdist.strategy.drivers.contract import (
     GradientExchange,
     StatefulTrainable,
     StepDriverBase,
