@@ -7,7 +7,7 @@ SPMD loop in ``fit.py``, the parameter-server loop in ``ps.py``):
 ``refuse_batch_callbacks`` where per-batch hooks cannot run,
 ``one_step_per_execution`` around ``predict`` on the client's copy,
 ``should_evaluate`` (``validation_freq``) after each epoch, and
-``unsupported_fit_arguments`` before anything runs.
+``weighted_inputs`` (``validation_split``, ``class_weight``, ``sample_weight``) before anything runs.
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+from daskdist.training.fit_inputs import FitInputs, fit_inputs
+
 __all__ = ["TRAIN_BATCH_HOOKS", "finalize_optimizer", "one_step_per_execution", "refuse_batch_callbacks", "resumed_epoch",
-           "should_evaluate", "unsupported_fit_arguments"]
+           "should_evaluate", "weighted_inputs"]
 
 
 def resumed_epoch(model: Any, initial_epoch: int) -> int:
@@ -89,25 +91,19 @@ def should_evaluate(epoch: int, freq: Any) -> bool:
     return epoch + 1 in freq
 
 
-#: What to do instead of each ``fit`` argument the SPMD strategies do not take yet.
-_INSTEAD = {
-    "validation_split": "split the data yourself and pass the held-out part as validation_data",
-    "class_weight": "give each row its class's weight as a sample weight in the dataset's (x, y, weight) elements",
-    "sample_weight": "put the weights in the dataset's (x, y, weight) elements",
-}
+def weighted_inputs(client: Any, x: Any, y: Any, sample_weight: Any = None, class_weight: Any = None,
+                    validation_split: float = 0.0, validation_data: Any = None) -> FitInputs:
+    """``fit``'s (or ``evaluate``'s) data with ``validation_split``, ``class_weight`` and ``sample_weight`` read as
+    Keras' ``fit`` reads them (``daskdist.training.fit_inputs``), before anything runs.
 
-
-def unsupported_fit_arguments(validation_split: float, class_weight: Any, sample_weight: Any) -> None:
-    """Refuse the ``fit`` arguments daskdist's SPMD fit does not take yet, each with what to do instead.
+    ``client`` reads a dataset's element spec (to check ``class_weight`` against its elements).
 
     Raises
     ------
-    NotImplementedError
-        One of them is given.
+    ValueError
+        Keras' errors for these arguments (``fit_inputs``).
     """
-    given = {"validation_split": validation_split != 0.0, "class_weight": class_weight is not None,
-             "sample_weight": sample_weight is not None}
-    refused = [name for name, on in given.items() if on]
-    if refused:
-        advice = "; ".join(f"{name}: {_INSTEAD[name]}" for name in refused)
-        raise NotImplementedError(f"fit under a daskdist strategy does not take {refused} yet ({advice})")
+    from daskdist.data.dataset import Dataset
+
+    spec = x.element_spec_with(client) if isinstance(x, Dataset) and class_weight is not None else None
+    return fit_inputs(x, y, sample_weight, class_weight, validation_split, validation_data, spec)
