@@ -27,6 +27,7 @@ import numpy as np  # noqa: E402
 
 import daskdist as dd  # noqa: E402
 from daskdist import keras as builtin  # noqa: E402
+from daskdist.cluster.identity import scheduler_workers  # noqa: E402
 from tests.keras3_models import assert_replicas_identical, dense_data, sequential  # noqa: E402
 from tests.support.closeness import max_rel  # noqa: E402
 
@@ -36,6 +37,14 @@ RTOL = 1e-5  # float32 weights after a few steps, the summation order of the rep
 ROWS, BATCH = 80, 32  # global batches of 32, 32, 16: two replicas take 16/16 then 8/8, three 11/11/10 then 6/5/5
 CLASS_WEIGHT = {0: 0.5, 1: 3.0, 2: 1.0, 3: 7.0}
 KINDS = ["mirrored", "multi_worker"]
+
+
+def _one_worker_parameter_server(client):
+    """One ps and one worker (the workers' steps then run in order, as one process runs them)."""
+    info = scheduler_workers(client)
+    ordered = sorted(info, key=lambda a: info[a]["name"])
+    spec = dd.cluster_resolver.ClusterSpec({"ps": ordered[:1], "worker": ordered[1:2]})
+    return dd.ParameterServerStrategy(dd.cluster_resolver.SimpleClusterResolver(spec), client=client)
 
 
 def _strategy(kind, client):
@@ -160,11 +169,32 @@ def test_keras3_refusals_raise_on_the_client_and_the_strategy_trains_on(forked_p
                 model.fit(batch_size=BATCH, epochs=1, verbose=0, **arguments)
         for want, got in zip(before, model.get_weights()):
             np.testing.assert_array_equal(want, got)
+        with strategy.scope():  # a loss divided by the weights' sum: each replica would divide by its own
+            divided = sequential()
+            divided.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(
+                from_logits=True, reduction="mean_with_sample_weight"))
+        for data_arguments in (dict(x=x, y=y, sample_weight=w), dict(x=weighted)):
+            with pytest.raises(NotImplementedError, match="reduction='mean_with_sample_weight'"):
+                divided.fit(batch_size=BATCH, epochs=1, verbose=0, **data_arguments)
         history = model.fit(x, y, sample_weight=w, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
         expected = plain.fit(x, y, sample_weight=w, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
         _assert_keras3_same(model, plain, history, expected, strategy)
     with pytest.raises(ValueError, match="`validation_split` is only supported for tensors or NumPy arrays"):
         plain.fit(keras.utils.PyDataset(), validation_split=0.2, verbose=0)  # Keras' own refusal, the same words
+
+
+def test_keras3_parameter_servers_refuse_what_their_fit_does_not_take(forked_process_client):
+    x, y = dense_data(rows=ROWS)
+    with _one_worker_parameter_server(forked_process_client) as strategy:
+        with strategy.scope():
+            model = _compiled(sequential())
+        for arguments, error, message in [
+            (dict(validation_split=0.2), ValueError, "`validation_split` is only supported for tensors or NumPy"),
+            (dict(sample_weight=uneven_weights()), ValueError, r"elements carry the sample weights as \(x, y, sample"),
+            (dict(class_weight=CLASS_WEIGHT), NotImplementedError, "class_weight is not taken under Parameter"),
+        ]:
+            with pytest.raises(error, match=message):
+                model.fit(x, y, batch_size=BATCH, steps_per_epoch=3, epochs=1, verbose=0, **arguments)
 
 
 # -- the built-in layers -------------------------------------------------------------------------------
@@ -214,6 +244,17 @@ def test_builtin_sample_weight_class_weight_and_validation_split_equal_one_proce
             plain.evaluate(x, y, sample_weight=w, batch_size=BATCH, verbose=0), rel=RTOL)
 
 
+def test_builtin_weights_under_parameter_servers_equal_one_process(forked_process_client):
+    x, y = dense_data(rows=ROWS)  # steps_per_epoch 3: every epoch one pass over the (repeated) rows
+    with _one_worker_parameter_server(forked_process_client) as strategy:
+        for arguments in (dict(sample_weight=uneven_weights()), dict(class_weight=CLASS_WEIGHT)):
+            model, plain = _builtin_pair(strategy)
+            history = model.fit(x, y, batch_size=BATCH, steps_per_epoch=3, epochs=2, shuffle=False, verbose=0,
+                                **arguments)
+            expected = plain.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, **arguments)
+            _assert_builtin_same(model, plain, history, expected)
+
+
 def test_builtin_refusals_raise_on_the_client_and_the_strategy_trains_on(forked_process_client):
     x, y = dense_data(rows=ROWS)
     w = uneven_weights()
@@ -233,3 +274,26 @@ def test_builtin_refusals_raise_on_the_client_and_the_strategy_trains_on(forked_
         history = model.fit(data, class_weight=CLASS_WEIGHT, epochs=1, verbose=0)
         expected = plain.fit(x, y, class_weight=CLASS_WEIGHT, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
         _assert_builtin_same(model, plain, history, expected)
+
+
+# -- the arguments read once for both adapters (no cluster) ----------------------------------------------
+
+
+def test_dask_arrays_are_split_and_weighted_lazily_as_numpy_arrays_are():
+    import dask.array as da
+    from keras.src.trainers.data_adapters.data_adapter_utils import class_weight_to_sample_weights
+
+    from daskdist.training.fit_inputs import class_weights, fit_inputs
+
+    x, y = dense_data(rows=ROWS)
+    for labels in (y, y[:, None], np.eye(4, dtype=np.float32)[y]):  # sparse, (rows, 1), one-hot: as Keras reads them
+        np.testing.assert_array_equal(class_weights(labels, CLASS_WEIGHT),
+                                      class_weight_to_sample_weights(labels, CLASS_WEIGHT))
+    eager = fit_inputs(x, y, class_weight=CLASS_WEIGHT, validation_split=0.3)
+    lazy = fit_inputs(da.from_array(x, chunks=16), da.from_array(y, chunks=16), class_weight=CLASS_WEIGHT,
+                      validation_split=0.3)
+    assert all(hasattr(part, "__dask_graph__") for part in (lazy.x, lazy.y, lazy.sample_weight, *lazy.validation_data))
+    for want, got in zip((eager.x, eager.y, eager.sample_weight, *eager.validation_data),
+                         (lazy.x, lazy.y, lazy.sample_weight, *lazy.validation_data)):
+        np.testing.assert_array_equal(want, got.compute())
+    assert len(eager.x) == 56 and len(eager.validation_data[0]) == 24  # floor(80 * 0.7): the last 24 rows held out

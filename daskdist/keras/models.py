@@ -446,6 +446,8 @@ class Model:
         x, y, validation_data = inputs.x, inputs.y, inputs.validation_data
         if inputs.sample_weight is not None:
             x, y = self._as_dataset(x, y, batch_size, shuffle, sample_weight=inputs.sample_weight), None
+            if self._strategy is not None and ps_fit.uses_coordinator(self._strategy):
+                x = x.repeat()  # as the workers' datasets of arrays repeat (steps_per_epoch ends an epoch)
         if isinstance(validation_data, tuple) and len(validation_data) == 3 and validation_data[2] is not None:
             val_x, val_y, val_weight = validation_data
             validation_data = self._as_dataset(val_x, val_y, batch_size, False, sample_weight=val_weight)

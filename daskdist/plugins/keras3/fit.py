@@ -34,6 +34,8 @@ from daskdist.plugins.keras3.backend import check_backend, check_model, keras_ba
 from daskdist.plugins.keras3.fit_semantics import (
     finalize_optimizer,
     one_step_per_execution,
+    refuse_ps_weights,
+    refuse_weighted_mean_reduction,
     resumed_epoch,
     should_evaluate,
     weighted_inputs,
@@ -323,9 +325,7 @@ def fit(original: Callable[..., Any], model: Any, x: Any = None, y: Any = None, 
 
     if ps.schedules_closures(record.strategy.extended):
         _pull(model, record)  # a custom loop's closures trained it: fit goes on from the stored state
-        if any(v for v in (validation_split, class_weight is not None, sample_weight is not None)):
-            raise NotImplementedError("fit under ParameterServerStrategy does not take validation_split, "
-                                      "class_weight or sample_weight")
+        refuse_ps_weights(validation_split, class_weight, sample_weight)
         return ps.fit(model, record, x, y, epochs, verbose, callbacks, validation_data, initial_epoch,
                       steps_per_epoch, lambda: _learning_rate(model), validation_steps, validation_batch_size,
                       validation_freq)
@@ -333,6 +333,7 @@ def fit(original: Callable[..., Any], model: Any, x: Any = None, y: Any = None, 
                              validation_data)
     x, y, sample_weight, validation_data = inputs.x, inputs.y, inputs.sample_weight, inputs.validation_data
     extended = record.strategy.extended
+    refuse_weighted_mean_reduction(model, extended.num_replicas, inputs, record.strategy.client)
     options = extended.elastic
     per_batch = loops.needs_batch_hooks(callbacks, "train")
     per_test = loops.needs_batch_hooks(callbacks, "test")

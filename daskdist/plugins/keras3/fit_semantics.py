@@ -107,3 +107,56 @@ def weighted_inputs(client: Any, x: Any, y: Any, sample_weight: Any = None, clas
 
     spec = x.element_spec_with(client) if isinstance(x, Dataset) and class_weight is not None else None
     return fit_inputs(x, y, sample_weight, class_weight, validation_split, validation_data, spec)
+
+
+def refuse_ps_weights(validation_split: float, class_weight: Any, sample_weight: Any) -> None:
+    """Refuse what ``fit`` under ParameterServerStrategy does not take: its input is a ``DatasetCreator`` (TF's
+    rule), whose elements carry any sample weights.
+
+    Raises
+    ------
+    ValueError
+        ``validation_split`` (Keras' message: it splits arrays only) or ``sample_weight`` (Keras' rule for
+        datasets).
+    NotImplementedError
+        ``class_weight`` (not yet mapped over the workers' datasets).
+    """
+    if validation_split:
+        raise ValueError("Argument `validation_split` is only supported for tensors or NumPy arrays, and fit under "
+                         "ParameterServerStrategy takes a DatasetCreator: pass validation_data")
+    if sample_weight is not None:
+        raise ValueError("`sample_weight` is not supported when the data is a DatasetCreator: its dataset's "
+                         "elements carry the sample weights as (x, y, sample_weight)")
+    if class_weight is not None:
+        raise NotImplementedError("class_weight is not taken under ParameterServerStrategy yet: give each row its "
+                                  "class's weight as the third part of the DatasetCreator dataset's (x, y, weight) "
+                                  "elements")
+
+
+def refuse_weighted_mean_reduction(model: Any, replicas: int, inputs: FitInputs, client: Any) -> None:
+    """Refuse a loss reduced by the sum of the sample weights (``reduction="mean_with_sample_weight"``) over weighted
+    rows on several replicas: the replicas' gradients are weighted by their rows (Keras' ``sum_over_batch_size``),
+    so each replica's division by its own weights' sum would not be one process's division by the global sum.
+
+    Raises
+    ------
+    NotImplementedError
+        Such a loss, weighted data and more than one replica.
+    """
+    import keras
+
+    losses = [loss for loss in keras.tree.flatten(getattr(model, "loss", None))
+              if getattr(loss, "reduction", None) == "mean_with_sample_weight"]
+    if replicas < 2 or not losses:
+        return
+    from daskdist.data.dataset import Dataset
+
+    weighted = inputs.sample_weight is not None
+    if isinstance(inputs.x, Dataset):
+        spec = inputs.x.element_spec_with(client)
+        weighted = isinstance(spec, tuple) and len(spec) == 3
+    if weighted:
+        raise NotImplementedError(
+            f"a loss with reduction='mean_with_sample_weight' ({type(losses[0]).__name__}) over sample weights on "
+            f"{replicas} replicas: each replica would divide by its own weights' sum. Use the default "
+            "reduction ('sum_over_batch_size', the weighted losses over the global batch's rows)")
