@@ -14,7 +14,12 @@ before anything runs; the strategy then trains on.
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -50,6 +55,8 @@ def _one_worker_parameter_server(client):
 def _strategy(kind, client):
     if kind == "mirrored":
         return dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=client)
+    if kind == "central_storage":  # the holder sums the same row-weighted gradients
+        return dd.experimental.CentralStorageStrategy(["/cpu:0", "/cpu:1"], client=client)
     return dd.MultiWorkerMirroredStrategy(client=client)
 
 
@@ -84,7 +91,7 @@ def _assert_keras3_same(model, plain, history, expected, strategy):
     assert_replicas_identical(strategy, model)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [*KINDS, "central_storage"])
 def test_keras3_sample_weight_equals_one_process(forked_process_client, kind):
     x, y = dense_data(rows=ROWS)
     w = uneven_weights()
@@ -197,6 +204,25 @@ def test_keras3_parameter_servers_refuse_what_their_fit_does_not_take(forked_pro
                 model.fit(x, y, batch_size=BATCH, steps_per_epoch=3, epochs=1, verbose=0, **arguments)
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="needs jax (the jax extra)")
+def test_keras3_jax_weights_and_validation_split_equal_plain_keras_jax():
+    """The JAX backend's step (two jitted halves) under both strategies, in a subprocess (Keras' backend is per
+    process): every case's weights and history equal plain Keras-JAX's on the same global batches."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = {**os.environ, "KERAS_BACKEND": "jax", "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run([sys.executable, "-m", "tests.support.keras3_jax_weights"], capture_output=True, text=True,
+                          env=env, cwd=root, timeout=550)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result.pop("backend") == "jax"
+    assert sorted(result) == ["mirrored", "multi_worker"]
+    for kind, cases in result.items():
+        assert sorted(cases) == ["class_weight", "sample_weight", "validation_split"]
+        for case, got in cases.items():
+            assert got["keys"] and got["weights"] <= RTOL and got["history"] <= RTOL, (kind, case, got)
+
+
 # -- the built-in layers -------------------------------------------------------------------------------
 
 
@@ -225,7 +251,7 @@ def _assert_builtin_same(model, plain, history, expected):
         np.testing.assert_allclose(history.history[key], expected.history[key], rtol=RTOL, err_msg=key)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [*KINDS, "central_storage"])
 def test_builtin_sample_weight_class_weight_and_validation_split_equal_one_process(forked_process_client, kind):
     x, y = dense_data(rows=ROWS + 16)
     w = uneven_weights(ROWS + 16)
