@@ -57,6 +57,9 @@ def _strategy(kind, client):
         return dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=client)
     if kind == "central_storage":  # the holder sums the same row-weighted gradients
         return dd.experimental.CentralStorageStrategy(["/cpu:0", "/cpu:1"], client=client)
+    if kind == "elastic":  # epochs in committed steps (no failure here); the client's third worker kept out
+        options = dd.ElasticOptions(min_replicas=1, max_replicas=2, commit_every=2)
+        return dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=client, elastic=options)
     return dd.MultiWorkerMirroredStrategy(client=client)
 
 
@@ -91,7 +94,7 @@ def _assert_keras3_same(model, plain, history, expected, strategy):
     assert_replicas_identical(strategy, model)
 
 
-@pytest.mark.parametrize("kind", [*KINDS, "central_storage"])
+@pytest.mark.parametrize("kind", [*KINDS, "central_storage", "elastic"])
 def test_keras3_sample_weight_equals_one_process(forked_process_client, kind):
     x, y = dense_data(rows=ROWS)
     w = uneven_weights()
@@ -251,7 +254,7 @@ def _assert_builtin_same(model, plain, history, expected):
         np.testing.assert_allclose(history.history[key], expected.history[key], rtol=RTOL, err_msg=key)
 
 
-@pytest.mark.parametrize("kind", [*KINDS, "central_storage"])
+@pytest.mark.parametrize("kind", [*KINDS, "central_storage", "elastic"])
 def test_builtin_sample_weight_class_weight_and_validation_split_equal_one_process(forked_process_client, kind):
     x, y = dense_data(rows=ROWS + 16)
     w = uneven_weights(ROWS + 16)
