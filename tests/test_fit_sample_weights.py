@@ -268,7 +268,9 @@ def test_builtin_sample_weight_class_weight_and_validation_split_equal_one_proce
             unweighted = _builtin_model(model.get_weights())  # the loss of one process, unweighted, is another
             assert unweighted.evaluate(x, y, verbose=0) != pytest.approx(
                 unweighted.evaluate(x, y, sample_weight=w, verbose=0), rel=1e-3)
-        assert "val_loss" in history.history
+        # the last run held out the last 24 rows, with their weights: its last val_loss is their weighted loss
+        held_out = plain.evaluate(x[ROWS - 8:], y[ROWS - 8:], sample_weight=w[ROWS - 8:], batch_size=BATCH, verbose=0)
+        assert history.history["val_loss"][-1] == pytest.approx(held_out[0], rel=RTOL)  # [loss, accuracy]
         assert model.evaluate(x, y, sample_weight=w, batch_size=BATCH, verbose=0) == pytest.approx(
             plain.evaluate(x, y, sample_weight=w, batch_size=BATCH, verbose=0), rel=RTOL)
 
@@ -325,4 +327,5 @@ def test_dask_arrays_are_split_and_weighted_lazily_as_numpy_arrays_are():
     for want, got in zip((eager.x, eager.y, eager.sample_weight, *eager.validation_data),
                          (lazy.x, lazy.y, lazy.sample_weight, *lazy.validation_data)):
         np.testing.assert_array_equal(want, got.compute())
-    assert len(eager.x) == 56 and len(eager.validation_data[0]) == 24  # floor(80 * 0.7): the last 24 rows held out
+    np.testing.assert_array_equal(eager.validation_data[0], x[56:])  # floor(80 * 0.7): the last 24 rows held out
+    np.testing.assert_array_equal(eager.x, x[:56])
