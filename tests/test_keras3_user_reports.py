@@ -172,7 +172,7 @@ def test_adam_with_ema_ends_fit_with_the_moving_averages_as_keras_does(strategy)
 
 
 
-def test_validation_freq_as_keras_and_each_refused_argument_says_what_to_do_instead(strategy):
+def test_validation_freq_as_keras(strategy):  # validation_split, class_weight: tests/test_fit_sample_weights.py
     x, y = dense_data(rows=32)
     with strategy.scope():
         model = compile_model(sequential())
@@ -183,11 +183,6 @@ def test_validation_freq_as_keras_and_each_refused_argument_says_what_to_do_inst
                          validation_freq=2)
     assert len(history.history["val_loss"]) == len(expected.history["val_loss"]) == 1
     np.testing.assert_allclose(history.history["val_loss"], expected.history["val_loss"], rtol=RTOL)
-    with pytest.raises(NotImplementedError, match=r"class_weight: give each row its class's weight as a sample "
-                                                  r"weight in the dataset's \(x, y, weight\) elements"):
-        model.fit(x, y, class_weight={0: 1.0, 1: 2.0, 2: 1.0, 3: 1.0}, verbose=0)
-    with pytest.raises(NotImplementedError, match=r"validation_split: split the data yourself"):
-        model.fit(x, y, validation_split=0.25, verbose=0)
 
 GLOBAL_BATCH = 16
 

@@ -350,8 +350,17 @@ class Model:
 
     def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None, epochs: int = 1, verbose: int | str = "auto",
             callbacks: list[Any] | None = None, validation_data: Any = None, shuffle: bool = True,
-            initial_epoch: int = 0, steps_per_epoch: int | None = None, validation_steps: int | None = None) -> Any:
+            initial_epoch: int = 0, steps_per_epoch: int | None = None, validation_steps: int | None = None,
+            validation_split: float = 0.0, class_weight: dict[int, float] | None = None,
+            sample_weight: Any = None) -> Any:
         """Train for ``epochs`` (Keras' ``fit``): ``x`` is a ``Dataset`` (batched) or arrays with ``y``.
+
+        ``validation_split``, ``class_weight`` and ``sample_weight`` are read as
+        Keras 3 reads them (``daskdist.training.fit_inputs``): the last fraction
+        of array inputs held out before shuffling, a class's weight for each
+        row, one weight per row (a ``Dataset`` carries its weights in its
+        ``(x, y, sample_weight)`` elements); the loss of a global batch is
+        ``sum(weight * loss) / rows`` over every replica's rows.
 
         One loop for every strategy: the model's runner (``_runner``) runs each
         epoch where the strategy trains (replica commands with its step
@@ -360,6 +369,8 @@ class Model:
         this process); callbacks run here with the epoch's global logs.
         """
         self._require_compiled()
+        x, y, validation_data = self._weighted_inputs(x, y, batch_size, shuffle, validation_split, validation_data,
+                                                      class_weight, sample_weight)
         runner = self._runner()
         try:
             runner.begin_fit(x, y, batch_size, shuffle, validation_data, callbacks, steps_per_epoch)
@@ -381,9 +392,11 @@ class Model:
         return history
 
     def evaluate(self, x: Any = None, y: Any = None, batch_size: int | None = None, verbose: int | str = "auto",
-                 steps: int | None = None, return_dict: bool = False) -> Any:
-        """Loss and metrics over the data (Keras' ``evaluate``), where the strategy trains (as ``fit``)."""
+                 steps: int | None = None, return_dict: bool = False, sample_weight: Any = None) -> Any:
+        """Loss and metrics over the data (Keras' ``evaluate``), where the strategy trains (as ``fit``);
+        ``sample_weight``: one weight per row of array inputs."""
         self._require_compiled()
+        x, y, _ = self._weighted_inputs(x, y, batch_size, False, 0.0, None, None, sample_weight)
         runner = self._runner()
         try:
             logs = runner.evaluate(x, y, batch_size, steps)
@@ -417,8 +430,31 @@ class Model:
         clone._assign_weights(self.get_weights())
         return clone
 
+    def _weighted_inputs(self, x: Any, y: Any, batch_size: int | None, shuffle: bool, validation_split: float,
+                         validation_data: Any, class_weight: Any, sample_weight: Any) -> tuple[Any, Any, Any]:
+        """``(x, y, validation_data)`` with ``validation_split``, ``class_weight`` and ``sample_weight`` applied
+        (``fit_inputs``): weighted arrays become a batched ``Dataset`` of ``(x, y, sample_weight)``."""
+        from daskdist.data.dataset import Dataset
+        from daskdist.training.fit_inputs import fit_inputs
+
+        if validation_split == 0.0 and class_weight is None and sample_weight is None:
+            return x, y, validation_data
+        spec = None
+        if isinstance(x, Dataset) and class_weight is not None:
+            spec = x.element_spec_with(self._strategy.client if self._strategy is not None else None)
+        inputs = fit_inputs(x, y, sample_weight, class_weight, validation_split, validation_data, spec)
+        x, y, validation_data = inputs.x, inputs.y, inputs.validation_data
+        if inputs.sample_weight is not None:
+            x, y = self._as_dataset(x, y, batch_size, shuffle, sample_weight=inputs.sample_weight), None
+            if self._strategy is not None and ps_fit.uses_coordinator(self._strategy):
+                x = x.repeat()  # as the workers' datasets of arrays repeat (steps_per_epoch ends an epoch)
+        if isinstance(validation_data, tuple) and len(validation_data) == 3 and validation_data[2] is not None:
+            val_x, val_y, val_weight = validation_data
+            validation_data = self._as_dataset(val_x, val_y, batch_size, False, sample_weight=val_weight)
+        return x, y, validation_data
+
     def _as_dataset(self, x: Any, y: Any = None, batch_size: int | None = None, shuffle: bool = False,
-                    what: str = "fit") -> Any:
+                    what: str = "fit", sample_weight: Any = None) -> Any:
         from daskdist.data.dataset import Dataset, TensorSpec
         from daskdist.keras.input_check import check_model_input
 
@@ -435,6 +471,8 @@ class Model:
         if y_array is not None and len(y_array) != len(x_array):
             raise ValueError(f"x and y have different lengths ({len(x_array)} and {len(y_array)})")
         structure: tuple[Any, ...] = (x_array,) if y_array is None else (x_array, y_array)
+        if sample_weight is not None and y_array is not None:
+            structure = (x_array, y_array, as_array(sample_weight)[0])
         specs = tuple(TensorSpec((None, *a.shape[1:]), a.dtype) for a in structure)
         check_model_input(specs if y is not None else specs[0], self._built_input_shape(), what)  # as for a Dataset
         dataset = Dataset.from_tensor_slices(structure if y is not None else x_array)

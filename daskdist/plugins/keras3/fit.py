@@ -34,9 +34,11 @@ from daskdist.plugins.keras3.backend import check_backend, check_model, keras_ba
 from daskdist.plugins.keras3.fit_semantics import (
     finalize_optimizer,
     one_step_per_execution,
+    refuse_ps_weights,
+    refuse_weighted_mean_reduction,
     resumed_epoch,
     should_evaluate,
-    unsupported_fit_arguments,
+    weighted_inputs,
 )
 from daskdist.plugins.keras3.payload import pack_model
 from daskdist.strategy.drivers.contract import ParameterHoldingDriver
@@ -206,11 +208,13 @@ def _pull(model: Any, record: registry.Record) -> None:
 # -- input -------------------------------------------------------------------------------
 
 
-def _as_dataset(record: registry.Record, x: Any, y: Any, batch_size: int | None, shuffle: bool) -> tuple[Any, Any]:
+def _as_dataset(record: registry.Record, x: Any, y: Any, batch_size: int | None, shuffle: bool,
+                sample_weight: Any = None) -> tuple[Any, Any]:
     """The data as a batched ``daskdist.data.Dataset`` and one input row (to build the model).
 
     ``x`` (and ``y``) may be arrays or any structure of them Keras' own ``fit`` takes: a dict of named inputs,
-    a list or tuple of inputs, nested; numpy (or array-likes) or Dask arrays.
+    a list or tuple of inputs, nested; numpy (or array-likes) or Dask arrays. ``sample_weight`` (one per row,
+    or ``None``) becomes the third part of the elements.
     """
     from daskdist.data.dataset import Dataset
 
@@ -221,7 +225,7 @@ def _as_dataset(record: registry.Record, x: Any, y: Any, batch_size: int | None,
             raise ValueError("y must not be given when x is a Dataset (it yields (x, y) pairs)")
         return x, None
     x, y = _as_arrays(x), None if y is None else _as_arrays(y)
-    structure: Any = x if y is None else (x, y)
+    structure: Any = x if y is None else (x, y) if sample_weight is None else (x, y, _as_arrays(sample_weight))
     leaves: list[Any] = optree.tree_leaves(structure)
     if any(hasattr(leaf, "__dask_graph__") for leaf in leaves):
         import dask.array as da
@@ -281,8 +285,8 @@ def _dataset_sample(record: registry.Record, dataset: Any) -> Any:
 
 
 def _distribute(record: registry.Record, x: Any, y: Any, batch_size: int | None, shuffle: bool,
-                model: Any) -> Any:
-    dataset, sample = _as_dataset(record, x, y, batch_size, shuffle)
+                model: Any, sample_weight: Any = None) -> Any:
+    dataset, sample = _as_dataset(record, x, y, batch_size, shuffle, sample_weight)
     if not model.built or sample is None:
         _ensure_built(model, sample if sample is not None else _dataset_sample(record, dataset))
     return record.strategy.experimental_distribute_dataset(dataset)
@@ -321,14 +325,15 @@ def fit(original: Callable[..., Any], model: Any, x: Any = None, y: Any = None, 
 
     if ps.schedules_closures(record.strategy.extended):
         _pull(model, record)  # a custom loop's closures trained it: fit goes on from the stored state
-        if any(v for v in (validation_split, class_weight is not None, sample_weight is not None)):
-            raise NotImplementedError("fit under ParameterServerStrategy does not take validation_split, "
-                                      "class_weight or sample_weight")
+        refuse_ps_weights(validation_split, class_weight, sample_weight)
         return ps.fit(model, record, x, y, epochs, verbose, callbacks, validation_data, initial_epoch,
                       steps_per_epoch, lambda: _learning_rate(model), validation_steps, validation_batch_size,
                       validation_freq)
-    unsupported_fit_arguments(validation_split, class_weight, sample_weight)
+    inputs = weighted_inputs(record.strategy.client, x, y, sample_weight, class_weight, validation_split,
+                             validation_data)
+    x, y, sample_weight, validation_data = inputs.x, inputs.y, inputs.sample_weight, inputs.validation_data
     extended = record.strategy.extended
+    refuse_weighted_mean_reduction(model, extended.num_replicas, inputs, record.strategy.client)
     options = extended.elastic
     per_batch = loops.needs_batch_hooks(callbacks, "train")
     per_test = loops.needs_batch_hooks(callbacks, "test")
@@ -341,11 +346,11 @@ def fit(original: Callable[..., Any], model: Any, x: Any = None, y: Any = None, 
         update_rule.check_optimizer(_optimizer(model), type(record.strategy).__name__)
     elastic = None
     if options is None:
-        train = _distribute(record, x, y, batch_size, shuffle, model)
+        train = _distribute(record, x, y, batch_size, shuffle, model, sample_weight)
     else:
         from daskdist.plugins.keras3.elastic import KerasElasticFit
 
-        dataset, sample = _as_dataset(record, x, y, batch_size, shuffle)
+        dataset, sample = _as_dataset(record, x, y, batch_size, shuffle, sample_weight)
         if not model.built or sample is None:
             _ensure_built(model, sample if sample is not None else _dataset_sample(record, dataset))
         elastic = KerasElasticFit(model, record, dataset, options)
@@ -355,10 +360,11 @@ def fit(original: Callable[..., Any], model: Any, x: Any = None, y: Any = None, 
         """The validation data distributed over the current members (planned again after a change)."""
         generation = elastic.generation if elastic is not None else 0
         if generation not in planned_val:
-            vx, vy = (validation_data[0], validation_data[1]) if isinstance(validation_data, tuple) else (
-                validation_data, None)
+            vx, vy, vw = (*validation_data, None)[:3] if isinstance(validation_data, tuple) else (
+                validation_data, None, None)
             planned_val.clear()
-            planned_val[generation] = _distribute(record, vx, vy, validation_batch_size or batch_size, False, model)
+            planned_val[generation] = _distribute(record, vx, vy, validation_batch_size or batch_size, False, model,
+                                                  vw)
         return planned_val[generation]
 
     def prepare() -> None:
@@ -448,8 +454,6 @@ def evaluate(original: Callable[..., Any], model: Any, x: Any = None, y: Any = N
     record = _distributed(model, "evaluate")
     if record is None:
         return original(model, x, y, batch_size, verbose, sample_weight, steps, callbacks, return_dict, **kwargs)
-    if sample_weight is not None:
-        raise NotImplementedError("evaluate under a daskdist strategy takes sample weights in the dataset's elements")
     import keras
 
     from daskdist.plugins.keras3 import ps
@@ -458,10 +462,14 @@ def evaluate(original: Callable[..., Any], model: Any, x: Any = None, y: Any = N
     callback_list = callbacks if isinstance(callbacks, keras.callbacks.CallbackList) else keras.callbacks.CallbackList(
         callbacks, add_progbar=verbose_level != 0, verbose=verbose_level, epochs=1, steps=steps, model=model)
     if ps.schedules_closures(record.strategy.extended):  # closures on the workers, as TF's inline evaluation
+        if sample_weight is not None:
+            raise NotImplementedError("evaluate under ParameterServerStrategy takes sample weights in the "
+                                      "dataset's (x, y, sample_weight) elements")
         _pull(model, record)
         logs = ps.evaluate(model, record, x, y, batch_size, steps, callback_list)
     else:
-        data = _distribute(record, x, y, batch_size, False, model)
+        data = _distribute(record, x, y, batch_size, False, model,
+                           weighted_inputs(record.strategy.client, x, y, sample_weight).sample_weight)
         _pull(model, record)
         ensure_installed(model, record)
         model.stop_evaluating = False

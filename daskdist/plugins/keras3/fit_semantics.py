@@ -7,7 +7,7 @@ SPMD loop in ``fit.py``, the parameter-server loop in ``ps.py``):
 ``refuse_batch_callbacks`` where per-batch hooks cannot run,
 ``one_step_per_execution`` around ``predict`` on the client's copy,
 ``should_evaluate`` (``validation_freq``) after each epoch, and
-``unsupported_fit_arguments`` before anything runs.
+``weighted_inputs`` (``validation_split``, ``class_weight``, ``sample_weight``) before anything runs.
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+from daskdist.training.fit_inputs import FitInputs, fit_inputs
+
 __all__ = ["TRAIN_BATCH_HOOKS", "finalize_optimizer", "one_step_per_execution", "refuse_batch_callbacks", "resumed_epoch",
-           "should_evaluate", "unsupported_fit_arguments"]
+           "should_evaluate", "weighted_inputs"]
 
 
 def resumed_epoch(model: Any, initial_epoch: int) -> int:
@@ -89,25 +91,72 @@ def should_evaluate(epoch: int, freq: Any) -> bool:
     return epoch + 1 in freq
 
 
-#: What to do instead of each ``fit`` argument the SPMD strategies do not take yet.
-_INSTEAD = {
-    "validation_split": "split the data yourself and pass the held-out part as validation_data",
-    "class_weight": "give each row its class's weight as a sample weight in the dataset's (x, y, weight) elements",
-    "sample_weight": "put the weights in the dataset's (x, y, weight) elements",
-}
+def weighted_inputs(client: Any, x: Any, y: Any, sample_weight: Any = None, class_weight: Any = None,
+                    validation_split: float = 0.0, validation_data: Any = None) -> FitInputs:
+    """``fit``'s (or ``evaluate``'s) data with ``validation_split``, ``class_weight`` and ``sample_weight`` read as
+    Keras' ``fit`` reads them (``daskdist.training.fit_inputs``), before anything runs.
+
+    ``client`` reads a dataset's element spec (to check ``class_weight`` against its elements).
+
+    Raises
+    ------
+    ValueError
+        Keras' errors for these arguments (``fit_inputs``).
+    """
+    from daskdist.data.dataset import Dataset
+
+    spec = x.element_spec_with(client) if isinstance(x, Dataset) and class_weight is not None else None
+    return fit_inputs(x, y, sample_weight, class_weight, validation_split, validation_data, spec)
 
 
-def unsupported_fit_arguments(validation_split: float, class_weight: Any, sample_weight: Any) -> None:
-    """Refuse the ``fit`` arguments daskdist's SPMD fit does not take yet, each with what to do instead.
+def refuse_ps_weights(validation_split: float, class_weight: Any, sample_weight: Any) -> None:
+    """Refuse what ``fit`` under ParameterServerStrategy does not take: its input is a ``DatasetCreator`` (TF's
+    rule), whose elements carry any sample weights.
+
+    Raises
+    ------
+    ValueError
+        ``validation_split`` (Keras' message: it splits arrays only) or ``sample_weight`` (Keras' rule for
+        datasets).
+    NotImplementedError
+        ``class_weight`` (not yet mapped over the workers' datasets).
+    """
+    if validation_split:
+        raise ValueError("Argument `validation_split` is only supported for tensors or NumPy arrays, and fit under "
+                         "ParameterServerStrategy takes a DatasetCreator: pass validation_data")
+    if sample_weight is not None:
+        raise ValueError("`sample_weight` is not supported when the data is a DatasetCreator: its dataset's "
+                         "elements carry the sample weights as (x, y, sample_weight)")
+    if class_weight is not None:
+        raise NotImplementedError("class_weight is not taken under ParameterServerStrategy yet: give each row its "
+                                  "class's weight as the third part of the DatasetCreator dataset's (x, y, weight) "
+                                  "elements")
+
+
+def refuse_weighted_mean_reduction(model: Any, replicas: int, inputs: FitInputs, client: Any) -> None:
+    """Refuse a loss reduced by the sum of the sample weights (``reduction="mean_with_sample_weight"``) over weighted
+    rows on several replicas: the replicas' gradients are weighted by their rows (Keras' ``sum_over_batch_size``),
+    so each replica's division by its own weights' sum would not be one process's division by the global sum.
 
     Raises
     ------
     NotImplementedError
-        One of them is given.
+        Such a loss, weighted data and more than one replica.
     """
-    given = {"validation_split": validation_split != 0.0, "class_weight": class_weight is not None,
-             "sample_weight": sample_weight is not None}
-    refused = [name for name, on in given.items() if on]
-    if refused:
-        advice = "; ".join(f"{name}: {_INSTEAD[name]}" for name in refused)
-        raise NotImplementedError(f"fit under a daskdist strategy does not take {refused} yet ({advice})")
+    import keras
+
+    losses = [loss for loss in keras.tree.flatten(getattr(model, "loss", None))
+              if getattr(loss, "reduction", None) == "mean_with_sample_weight"]
+    if replicas < 2 or not losses:
+        return
+    from daskdist.data.dataset import Dataset
+
+    weighted = inputs.sample_weight is not None
+    if isinstance(inputs.x, Dataset):
+        spec = inputs.x.element_spec_with(client)
+        weighted = isinstance(spec, tuple) and len(spec) == 3
+    if weighted:
+        raise NotImplementedError(
+            f"a loss with reduction='mean_with_sample_weight' ({type(losses[0]).__name__}) over sample weights on "
+            f"{replicas} replicas: each replica would divide by its own weights' sum. Use the default "
+            "reduction ('sum_over_batch_size', the weighted losses over the global batch's rows)")
