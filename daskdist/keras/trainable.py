@@ -93,6 +93,22 @@ class RandomStates:
     __hash__ = None  # type: ignore[assignment]
 
 
+def held_state(model: Any) -> list[Any]:
+    """The layers' non-trainable state (moving statistics) in a fixed order: what the parameter servers hold
+    beside the parameters (``StatefulTrainable``)."""
+    if not model.built:
+        return []
+    return [layer.state[name] for layer in model.layers for name in sorted(getattr(layer, "state", {}))]
+
+
+def assign_held_state(model: Any, values: Sequence[Any | None]) -> None:
+    """Copy ``values`` (in ``held_state`` order; ``None``: leave that one) into the layers' state."""
+    for target, value in zip(held_state(model), values):
+        if value is not None:
+            xp = namespace(target)
+            xp.copyto(target, xp.asarray(np.asarray(value), dtype=target.dtype))
+
+
 class BuiltinTrainable:
     """A built-in model as the training contract trains it, and as a replica keeps it (resident ``"model"``).
 
@@ -182,6 +198,13 @@ class BuiltinTrainable:
             if value is not None:
                 xp = namespace(target)
                 xp.copyto(target, xp.asarray(value, dtype=target.dtype))
+
+    def held_state(self) -> list[Any]:
+        """The layers' moving statistics (``StatefulTrainable``: the parameter servers hold them by assignment)."""
+        return held_state(self.model)
+
+    def assign_held_state(self, values: Sequence[Any | None]) -> None:
+        assign_held_state(self.model, values)
 
     def update_rule(self) -> Any:
         """The model's optimizer (numpy/cupy arrays in place; slots ``<slot>/<index>`` in its state)."""

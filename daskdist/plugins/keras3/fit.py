@@ -476,10 +476,15 @@ def evaluate(original: Callable[..., Any], model: Any, x: Any = None, y: Any = N
 
 def predict(original: Callable[..., Any], model: Any, x: Any, batch_size: int | None = None, verbose: Any = "auto",
             steps: int | None = None, callbacks: Any = None) -> Any:
-    """Keras' ``predict`` on the client's copy (the replicas' current weights); Dask collections are read in order."""
+    """Keras' ``predict`` on the client's copy (the replicas' current weights), under ParameterServerStrategy on
+    the workers (``ps.predict``); Dask collections are read in order."""
     record = _distributed(model, "predict")
     if record is not None:
         _pull(model, record)
+        if record.strategy.extended.schedules_closures and getattr(model, "optimizer", None) is not None:
+            from daskdist.plugins.keras3 import ps
+
+            return ps.predict(model, record, x, batch_size, steps)  # closures on the workers
         from daskdist.data.dataset import Dataset
 
         with one_step_per_execution(model):
