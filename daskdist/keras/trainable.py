@@ -28,7 +28,6 @@ from daskdist.arrays import as_array, namespace, to_numpy
 from daskdist.ops import ReduceOp
 
 if TYPE_CHECKING:
-    from daskdist.keras.models import Model
     from daskdist.strategy.training_contract import GradientExchange, StepDriver
 
 __all__ = ["BuiltinTrainable", "RandomStates", "global_metric_results", "rows_of", "split_batch"]
@@ -52,7 +51,7 @@ def rows_of(x: Any) -> int:
     return int(x.shape[0]) if getattr(x, "ndim", 0) else 0
 
 
-def global_metric_results(model: Model, ctx: Any) -> dict:
+def global_metric_results(model: Any, ctx: Any) -> dict:
     """The compiled metrics over every replica's rows so far (each replica's own totals kept, so a loop can go on)."""
     metrics = model.compiled_metrics
     if not metrics:
@@ -121,7 +120,7 @@ class BuiltinTrainable:
         elastic commit's copy ends there), or ``None``; set by the loop.
     """
 
-    def __init__(self, model: Model):
+    def __init__(self, model: Any):
         self.model = model
         self.timer: Any = None
         self.before_change: Callable[[], None] | None = None
@@ -137,7 +136,7 @@ class BuiltinTrainable:
         self._metric_totals: list[np.ndarray] = []
         self._resumed = False
 
-    def unwrap(self) -> Model:
+    def unwrap(self) -> Any:
         return self.model
 
     # -- the training contract ------------------------------------------------------------

@@ -19,7 +19,6 @@ file. ``predict`` runs Keras' own ``predict`` on the client's (current) copy.
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import types
 from collections.abc import Callable
@@ -39,6 +38,7 @@ from daskdist.plugins.keras3.fit_semantics import (
     unsupported_fit_arguments,
 )
 from daskdist.plugins.keras3.payload import pack_model
+from daskdist.plugins.keras3.resident import fingerprint
 from daskdist.strategy.training_contract import ParameterHoldingDriver
 from daskdist.training.commands import model_state
 from daskdist.training.fit import run_epochs
@@ -83,7 +83,8 @@ def created(model: Any) -> None:
         strategy.extended.provide_residents("keras3", functools.partial(ps.place_models, strategy))
         return
     # before strategy.run ships a function, the built models created in this scope go to the replicas
-    strategy.extended.provide_residents("keras3", functools.partial(references.place_models, strategy.extended))
+    strategy.extended.provide_residents(
+        "keras3", functools.partial(references.place_models, strategy.extended, ensure_installed))
 
 
 def _check_driver(strategy: Any) -> None:
@@ -123,19 +124,6 @@ def _distributed(model: Any, api: str) -> registry.Record | None:
 
 
 # -- the replicas' copy ------------------------------------------------------------------
-
-
-def fingerprint(model: Any) -> str:
-    """What the replicas must hold: the compile settings and every weight and optimizer variable."""
-    import keras
-
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update(repr((id(_optimizer(model)), model.compiled, model.get_compile_config()
-                        if model.compiled else None)).encode())
-    variables = list(model.variables) + (list(_optimizer(model).variables) if _optimizer(model) is not None else [])
-    for variable in variables:
-        digest.update(np.ascontiguousarray(keras.ops.convert_to_numpy(variable.value)).tobytes())
-    return digest.hexdigest()
 
 
 def _ensure_built(model: Any, sample: Any) -> None:

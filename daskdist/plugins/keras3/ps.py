@@ -65,7 +65,7 @@ import optree
 
 from daskdist import context
 from daskdist.group.service import MODEL
-from daskdist.plugins.keras3 import hooks, registry, update_rule
+from daskdist.plugins.keras3 import registry, update_rule, wrapped
 from daskdist.plugins.keras3.backend import keras_backend, prepare_replica
 from daskdist.plugins.keras3.fit_semantics import (
     finalize_optimizer,
@@ -166,7 +166,7 @@ def _install_worker(service: Any, model_id: str, payload: ModelPayload, driver: 
     worker's copy takes it as its ``optimizer``.
     """
     keras = prepare_replica(payload.backend)
-    hooks.install()
+    wrapped.ensure()
     with context.enter(context.Frame(strategy=service.strategy_view, replica_context=service.context,
                                      variable_creator=None, owner=service)):
         model = unpack_model(payload)
