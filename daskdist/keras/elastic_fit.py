@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -21,9 +21,6 @@ from daskdist.elastic.options import ElasticOptions
 from daskdist.elastic.recovery import RECOVERABLE, Recovery
 from daskdist.elastic.replica import take_commit
 from daskdist.training.elastic import ElasticRunner
-
-if TYPE_CHECKING:
-    from daskdist.keras.models import Model
 
 __all__ = ["ElasticFit"]
 
@@ -38,7 +35,7 @@ class ElasticFit(ElasticRunner):
     Parameters
     ----------
     runner
-        The model's epoch runner (``keras.models._Runner``: its model, data, tag, and the recoveries while
+        The model's epoch runner (``keras.runner.ReplicaModelRunner``: its model, data, tag, and the recoveries while
         the model was installed).
     options
         The strategy's ``ElasticOptions``.
@@ -46,7 +43,7 @@ class ElasticFit(ElasticRunner):
 
     def __init__(self, runner: Any, options: ElasticOptions):
         self.runner = runner
-        self.model: Model = runner.model
+        self.model: Any = runner.model
         strategy = self.model.distribute_strategy
         if strategy is None or strategy.extended.elastic is None:
             raise ValueError(f"model {self.model.name!r} was not created in the scope of an elastic strategy")

@@ -22,17 +22,17 @@ import numpy as np
 
 from daskdist import context
 from daskdist.arrays import as_array, to_numpy
-from daskdist.group.service import MODEL, ReplicaService
+from daskdist.group.service import MODEL
 from daskdist.keras import callbacks as callbacks_module
-from daskdist.keras import ps_fit, resident_ref, saving, training
+from daskdist.keras import ps_fit, resident_ref, runner, saving
+from daskdist.keras.runner import _replica_get_weights, _replica_model  # noqa: F401 - their former home
 from daskdist.keras.trainable import BuiltinTrainable, RandomStates
 from daskdist.strategy.base import Strategy
 from daskdist.training.fit import run_epochs
-from daskdist.training.progress import PROGRESS_TOPIC
-from daskdist.training.runners import ReplicaRunner
+from daskdist.training.progress import PROGRESS_TOPIC  # noqa: F401 - tests import it from here
 
 if TYPE_CHECKING:
-    from daskdist.strategy.drivers.contract import ParameterHoldingDriver, StepDriver
+    from daskdist.strategy.drivers.contract import ParameterHoldingDriver
 
 __all__ = ["Model", "RandomStates", "Sequential", "load_model"]
 
@@ -384,7 +384,7 @@ class Model:
             cb.on_train_begin()
             start_epoch = max(initial_epoch, cb.resume_epoch())
             runner.begin(start_epoch)
-            run_epochs(cb, start_epoch, epochs, lambda epoch: runner.train_epoch(epoch, steps_per_epoch, cb),
+            run_epochs(cb, start_epoch, epochs, lambda epoch: runner.run_epoch(epoch, steps_per_epoch, cb),
                        lambda epoch: runner.validate(batch_size, validation_steps), lambda: self.stop_training)
         finally:
             runner.close()
@@ -408,17 +408,13 @@ class Model:
         return values[0] if len(values) == 1 else values
 
     def predict(self, x: Any, batch_size: int | None = None, verbose: int | str = "auto") -> np.ndarray:
-        """Outputs for ``x`` (arrays or a ``Dataset``), computed in this process with the current weights."""
-        self._runner().check_predict()
-        local = self._local_copy()
-        data = self._as_dataset(x, None, batch_size or 32, False, what="predict")
-        return to_numpy(training.predict_batches(local, iter(data)))
+        """Outputs for ``x`` (arrays or a ``Dataset``): on the parameter-server workers under
+        ParameterServerStrategy, else in this process with the current weights."""
+        return np.asarray(self._runner().predict(x, batch_size))
 
     def _runner(self) -> Any:
-        """How this model's epochs run: coordinator closures if the Extended schedules them, else ``_Runner``."""
-        if self._strategy is not None and ps_fit.uses_coordinator(self._strategy):
-            return ps_fit.ClosureRunner(self)
-        return _Runner(self)
+        """How this model's epochs run (``keras.runner.for_model``)."""
+        return runner.for_model(self)
 
     def _local_copy(self) -> Model:
         if not self._installed:
@@ -599,224 +595,3 @@ def load_model(filepath: str, compile: bool = True) -> Model:
         model.compile(optimizer=optimizer, loss=loss, metrics=compile_config.get("metrics") or None)
     model.load_weights(os.path.join(filepath, "weights"))
     return model
-
-
-# -- running epochs on the replicas or locally ------------------------------------------
-
-
-class _Runner:
-    """Runs epochs of a model: on the replicas (one command per epoch, the strategy's step driver) or here.
-
-    The runner interface ``Model.fit``/``evaluate``/``predict`` speak
-    (``ps_fit.ClosureRunner`` is the other one): ``begin_fit``, ``steps``,
-    ``begin``, ``train_epoch``, ``validate``, ``evaluate``, ``check_predict``,
-    ``close``.
-    """
-
-    def __init__(self, model: Model):
-        self.model = model
-        self.distributed = model._strategy is not None
-        self.train: Any = None  # the fit's training dataset
-        self._val: Any = None
-        self.dist_train: Any = None  # the training dataset distributed over the replicas
-        self._dist_val: Any = None
-        self.tag = uuid.uuid4().hex[:8]  # the fit's progress events carry it
-        self._subscribed = False
-        self._elastic: Any = None  # ``keras.elastic_fit.ElasticFit`` during a fit on an elastic strategy
-        self.recoveries: list[Any] = []  # elastic: the group re-formed while the model was installed (``Recovery``)
-        self.failures = 0  # elastic: the losses among them (counted against ``max_failures``)
-
-    @property
-    def strategy(self) -> Strategy:
-        """The model's strategy (the runner of a distributed model; a local one has none)."""
-        strategy = self.model._strategy
-        if strategy is None:
-            raise RuntimeError(f"model {self.model.name!r} was created outside any strategy's scope: it trains here")
-        return strategy
-
-    def begin_fit(self, x: Any, y: Any, batch_size: int | None, shuffle: bool, validation_data: Any,
-                  callbacks: list[Any] | None, steps_per_epoch: int | None) -> None:
-        """The fit's data, distributed over the replicas (the model installed there first)."""
-        model = self.model
-        train = model._as_dataset(x, y, batch_size, shuffle)
-        val = None
-        if isinstance(validation_data, tuple):
-            if len(validation_data) not in (1, 2):
-                raise ValueError(f"validation_data must be a Dataset, (x,) or (x, y) (no sample weights); got a "
-                                 f"tuple of {len(validation_data)}")
-            val_x, val_y = (*validation_data, None)[:2]
-            val = model._as_dataset(val_x, val_y, batch_size=batch_size, shuffle=False)
-        elif validation_data is not None:
-            val = model._as_dataset(validation_data, None, batch_size, False)
-        self._prepare(train, val)
-
-    def _prepare(self, train: Any, val: Any) -> None:
-        model = self.model
-        self.train, self._val = train, val
-        if not self.distributed:
-            return
-        options = _elastic_options(model)
-        if options is None:
-            self._distribute(train, val)
-            return
-        from daskdist.elastic.session import prepare_members
-
-        # members that left while the group ran nothing are learnt first; a loss meanwhile re-forms the group
-        # and the members left get the model and the data again
-        self.recoveries, self.failures = prepare_members(self.strategy, options,
-                                                         lambda: self._distribute(train, val))
-
-    def _distribute(self, train: Any, val: Any) -> None:
-        """The model installed on the replicas (if it is not), the fit's data distributed over them."""
-        model = self.model
-        model._ensure_installed()
-        strategy = self.strategy
-        if train is not None:
-            self.dist_train = strategy.experimental_distribute_dataset(train)
-        if val is not None:
-            self._dist_val = val if val is train else strategy.experimental_distribute_dataset(val)
-
-    def validate(self, batch_size: int | None, steps: int | None) -> dict | None:
-        """The validation logs of the epoch just trained, or ``None`` without validation data."""
-        return None if self._val is None else self.evaluate_dataset(self._val, steps)
-
-    def evaluate(self, x: Any, y: Any, batch_size: int | None, steps: int | None) -> dict:
-        data = self.model._as_dataset(x, y, batch_size, False, what="evaluate")
-        self._prepare(None, data)
-        return self.evaluate_dataset(data, steps)
-
-    def check_predict(self) -> None:
-        """``predict`` runs in this process with the current weights: always possible here."""
-
-    # -- the copies that compute (replica 0's; every replica's when set) ---------------------------
-
-    def computed_weights(self) -> list[np.ndarray]:
-        return self.strategy.extended.run_on_replica(0, _replica_get_weights, (self.model._model_id,))
-
-    def set_computed_weights(self, weights: list[np.ndarray]) -> None:
-        self.strategy.extended.run_on_replicas(_replica_set_weights, (self.model._model_id, weights))
-
-    def computed_optimizer_state(self) -> dict:
-        return self.strategy.extended.run_on_replica(0, _replica_optimizer_state, (self.model._model_id,))
-
-    def set_computed_optimizer_state(self, state: dict) -> None:
-        self.strategy.extended.run_on_replicas(_replica_set_optimizer_state, (self.model._model_id, state))
-
-    def driver(self) -> StepDriver:
-        """The strategy's step driver for this model (its parameters named by the model's id)."""
-        return self.strategy.extended.step_driver(self.model._model_id)
-
-    def steps(self) -> int | None:
-        if self.dist_train is not None:
-            steps = [s for s in self.dist_train.plan().steps_per_replica() if s is not None]
-            return max(steps) if steps else None
-        return None
-
-    def begin(self, epoch: int) -> None:
-        """The fit's first epoch is ``epoch``: on an elastic strategy (``ElasticOptions``), this fit's epochs
-        run as the trainer's elastic epochs (``keras.elastic_fit.ElasticFit``)."""
-        options = _elastic_options(self.model)
-        if options is None or self.train is None:
-            return
-        from daskdist.keras.elastic_fit import ElasticFit
-
-        self._elastic = ElasticFit(self, options)
-        if self.model.history is not None:
-            self.model.history.elastic = self._elastic
-        self._elastic.begin(epoch)
-
-    def train_epoch(self, epoch: int, steps: int | None, cb: Any) -> dict:
-        model = self.model
-        if not self.distributed:
-            return training.train_batches(model, iter(self.train), steps, cb.on_progress)
-        self._subscribe(cb)
-        if self._elastic is not None:
-            self._elastic.set_callbacks(cb)  # a growth at the fit's start, before the callbacks were known: told now
-            results = self._elastic.train_epoch(epoch, steps, self.driver(), float(model.optimizer.learning_rate),
-                                                self.tag)
-            return dict(results["logs"])
-        per_batch = cb.needs_batch_hooks("train")
-        results = self._replicas().train_epoch(
-            self.dist_train, steps, self.driver(), lambda: float(model.optimizer.learning_rate), tag=self.tag,
-            epoch=epoch, callbacks=cb, per_batch=per_batch, steps=steps if steps is not None else self.steps(),
-            size=model._steps_per_execution, stopped=lambda: bool(model.stop_training))
-        return dict(results["logs"])
-
-    def _replicas(self) -> ReplicaRunner:
-        """The trainer's runner of this model's epochs and evaluations on the replicas."""
-        return ReplicaRunner(self.strategy.extended, self.model._model_id, with_state=False)
-
-    def replan_validation(self) -> None:
-        """Distribute the validation data again at its next use (the members changed)."""
-        self._dist_val = None
-
-    def evaluate_dataset(self, data: Any, steps: int | None) -> dict:
-        if self._elastic is not None:
-            return self._elastic.evaluate(data, steps)
-        return self.evaluate_once(data, steps)
-
-    def evaluate_once(self, data: Any, steps: int | None) -> dict:
-        model = self.model
-        if not self.distributed:
-            return training.evaluate_batches(model, iter(data), steps)
-        model._ensure_installed()
-        dist = self._dist_val if self._dist_val is not None else self.strategy.experimental_distribute_dataset(data)
-        self._dist_val = dist
-        return self._replicas().evaluate(dist, steps)
-
-    def _subscribe(self, cb: Any) -> None:
-        if self._subscribed or not cb.wants_progress():
-            return
-        client = self.strategy.client
-        tag = self.tag
-
-        def handler(event: tuple) -> None:
-            _, msg = event
-            if msg.get("tag") == tag:
-                cb.on_progress(msg["step"], msg.get("logs", {}))
-
-        client.subscribe_topic(PROGRESS_TOPIC, handler)
-        self._subscribed = True
-
-    def close(self) -> None:
-        if self._subscribed:
-            try:
-                self.strategy.client.unsubscribe_topic(PROGRESS_TOPIC)
-            except Exception:  # pragma: no cover - the client may be closing
-                pass
-
-
-def _elastic_options(model: Model) -> Any:
-    """The strategy's ``ElasticOptions``, or ``None`` (no strategy, or not elastic)."""
-    return model._strategy.extended.elastic if model._strategy is not None else None
-
-
-# -- commands that run on the replicas ---------------------------------------------------
-
-
-def _replica_trainable(service: ReplicaService, model_id: str) -> BuiltinTrainable:
-    installed: BuiltinTrainable = service.objects.get(MODEL, model_id)
-    return installed
-
-
-def _replica_model(service: ReplicaService, model_id: str) -> Model:
-    return _replica_trainable(service, model_id).model
-
-
-def _replica_get_weights(service: ReplicaService, model_id: str) -> list[np.ndarray]:
-    model = _replica_model(service, model_id)
-    return [np.array(to_numpy(a), copy=True) for _, a in model._weight_items()]
-
-
-def _replica_set_weights(service: ReplicaService, model_id: str, weights: list[np.ndarray]) -> None:
-    model = _replica_model(service, model_id)
-    model._require_built()
-    model._assign_weights(weights)
-
-
-def _replica_optimizer_state(service: ReplicaService, model_id: str) -> dict:
-    return {k: to_numpy(v) for k, v in _replica_model(service, model_id).optimizer.get_state().items()}
-
-
-def _replica_set_optimizer_state(service: ReplicaService, model_id: str, state: dict) -> None:
-    _replica_model(service, model_id).optimizer.set_state(state)

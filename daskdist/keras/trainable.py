@@ -28,7 +28,6 @@ from daskdist.arrays import as_array, namespace, to_numpy
 from daskdist.ops import ReduceOp
 
 if TYPE_CHECKING:
-    from daskdist.keras.models import Model
     from daskdist.strategy.drivers.contract import GradientExchange, StepDriver
 
 __all__ = ["BuiltinTrainable", "RandomStates", "global_metric_results", "rows_of", "split_batch"]
@@ -52,7 +51,7 @@ def rows_of(x: Any) -> int:
     return int(x.shape[0]) if getattr(x, "ndim", 0) else 0
 
 
-def global_metric_results(model: Model, ctx: Any) -> dict:
+def global_metric_results(model: Any, ctx: Any) -> dict:
     """The compiled metrics over every replica's rows so far (each replica's own totals kept, so a loop can go on)."""
     metrics = model.compiled_metrics
     if not metrics:
@@ -93,6 +92,22 @@ class RandomStates:
     __hash__ = None  # type: ignore[assignment]
 
 
+def held_state(model: Any) -> list[Any]:
+    """The layers' non-trainable state (moving statistics) in a fixed order: what the parameter servers hold
+    beside the parameters (``StatefulTrainable``)."""
+    if not model.built:
+        return []
+    return [layer.state[name] for layer in model.layers for name in sorted(getattr(layer, "state", {}))]
+
+
+def assign_held_state(model: Any, values: Sequence[Any | None]) -> None:
+    """Copy ``values`` (in ``held_state`` order; ``None``: leave that one) into the layers' state."""
+    for target, value in zip(held_state(model), values):
+        if value is not None:
+            xp = namespace(target)
+            xp.copyto(target, xp.asarray(np.asarray(value), dtype=target.dtype))
+
+
 class BuiltinTrainable:
     """A built-in model as the training contract trains it, and as a replica keeps it (resident ``"model"``).
 
@@ -105,7 +120,7 @@ class BuiltinTrainable:
         elastic commit's copy ends there), or ``None``; set by the loop.
     """
 
-    def __init__(self, model: Model):
+    def __init__(self, model: Any):
         self.model = model
         self.timer: Any = None
         self.before_change: Callable[[], None] | None = None
@@ -121,7 +136,7 @@ class BuiltinTrainable:
         self._metric_totals: list[np.ndarray] = []
         self._resumed = False
 
-    def unwrap(self) -> Model:
+    def unwrap(self) -> Any:
         return self.model
 
     # -- the training contract ------------------------------------------------------------
@@ -182,6 +197,13 @@ class BuiltinTrainable:
             if value is not None:
                 xp = namespace(target)
                 xp.copyto(target, xp.asarray(value, dtype=target.dtype))
+
+    def held_state(self) -> list[Any]:
+        """The layers' moving statistics (``StatefulTrainable``: the parameter servers hold them by assignment)."""
+        return held_state(self.model)
+
+    def assign_held_state(self, values: Sequence[Any | None]) -> None:
+        assign_held_state(self.model, values)
 
     def update_rule(self) -> Any:
         """The model's optimizer (numpy/cupy arrays in place; slots ``<slot>/<index>`` in its state)."""

@@ -30,7 +30,6 @@ from daskdist.training.loop import ReplicaLoop
 from daskdist.training.timer import replica_timer
 
 if TYPE_CHECKING:
-    from daskdist.keras.models import Model
     from daskdist.strategy.drivers.contract import StepDriver
 
 __all__ = ["evaluate_batches", "predict_batches", "split_batch", "train_batches", "train_step"]
@@ -38,7 +37,7 @@ __all__ = ["evaluate_batches", "predict_batches", "split_batch", "train_batches"
 ProgressFn = Callable[[int, dict], None]
 
 
-def train_batches(model: Model, batches: Iterable[Any], steps: int | None, progress: ProgressFn | None, *,
+def train_batches(model: Any, batches: Iterable[Any], steps: int | None, progress: ProgressFn | None, *,
                   start: tuple[float, float] | None = None,
                   on_step: Callable[[int, float, float], None] | None = None,
                   before_apply: Callable[[], None] | None = None,
@@ -95,7 +94,7 @@ def train_step(trainable: BuiltinTrainable, driver: StepDriver, x: Any, y: Any, 
     return (totals.sums[0] if totals.sums else 0.0), totals.rows
 
 
-def evaluate_batches(model: Model, batches: Iterable[Any], steps: int | None = None,
+def evaluate_batches(model: Any, batches: Iterable[Any], steps: int | None = None,
                      progress: ProgressFn | None = None, trainable: BuiltinTrainable | None = None) -> dict:
     """Loss and metrics over ``batches``, aggregated over all replicas (the trainer's step loop)."""
     if context.get_replica_context() is None:
@@ -115,7 +114,7 @@ def evaluate_batches(model: Model, batches: Iterable[Any], steps: int | None = N
     return trainable.global_logs("test")
 
 
-def predict_batches(model: Model, batches: Iterable[Any]) -> Any:
+def predict_batches(model: Any, batches: Iterable[Any]) -> Any:
     """Concatenated outputs for the inputs of ``batches``, in order."""
     outputs = []
     for batch in batches:

@@ -23,6 +23,10 @@ runners
 elastic, commits
     Elastic epochs: ``ElasticRunner`` (client) and ``elastic_train_epoch`` (replica); commits copied off
     the step's path and replayed.
+ps
+    Parameter-server fit, evaluation and ``predict`` in coordinator closures: ``ClosureRunner`` (client),
+    ``PsWorker`` (the workers' resident, the adapter's hooks), exactly-once evaluation shards, a lost
+    parameter server raised as ``ParameterServerLostError``.
 fit
     ``run_epochs``: the client's epoch loop every adapter's ``fit`` runs.
 timer, progress

@@ -16,7 +16,7 @@ import numpy as np
 from daskdist import context, fault_points
 from daskdist.exceptions import WeightsDifferError
 from daskdist.group.service import MODEL
-from daskdist.plugins.keras3 import hooks
+from daskdist.plugins.keras3 import wrapped
 from daskdist.plugins.keras3.backend import prepare_replica
 from daskdist.plugins.keras3.payload import ModelPayload, unpack_model
 from daskdist.plugins.keras3.resident import KerasTrainable
@@ -57,7 +57,7 @@ def install_model(service: ReplicaService, model_id: str, payload: ModelPayload,
     is replaced by an unbuilt copy (its step count kept): no slots on the replicas.
     """
     prepare_replica(payload.backend, threads=_threads(service))
-    hooks.install()
+    wrapped.ensure()
     with context.enter(_replica_frame(service)):
         model = unpack_model(payload)
         if held:

@@ -19,7 +19,6 @@ file. ``predict`` runs Keras' own ``predict`` on the client's (current) copy.
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import types
 from collections.abc import Callable
@@ -41,6 +40,7 @@ from daskdist.plugins.keras3.fit_semantics import (
     weighted_inputs,
 )
 from daskdist.plugins.keras3.payload import pack_model
+from daskdist.plugins.keras3.resident import fingerprint
 from daskdist.strategy.drivers.contract import ParameterHoldingDriver
 from daskdist.training.commands import model_state
 from daskdist.training.fit import run_epochs
@@ -85,7 +85,8 @@ def created(model: Any) -> None:
         strategy.extended.provide_residents("keras3", functools.partial(ps.place_models, strategy))
         return
     # before strategy.run ships a function, the built models created in this scope go to the replicas
-    strategy.extended.provide_residents("keras3", functools.partial(references.place_models, strategy.extended))
+    strategy.extended.provide_residents(
+        "keras3", functools.partial(references.place_models, strategy.extended, ensure_installed))
 
 
 def _check_driver(strategy: Any) -> None:
@@ -125,19 +126,6 @@ def _distributed(model: Any, api: str) -> registry.Record | None:
 
 
 # -- the replicas' copy ------------------------------------------------------------------
-
-
-def fingerprint(model: Any) -> str:
-    """What the replicas must hold: the compile settings and every weight and optimizer variable."""
-    import keras
-
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update(repr((id(_optimizer(model)), model.compiled, model.get_compile_config()
-                        if model.compiled else None)).encode())
-    variables = list(model.variables) + (list(_optimizer(model).variables) if _optimizer(model) is not None else [])
-    for variable in variables:
-        digest.update(np.ascontiguousarray(keras.ops.convert_to_numpy(variable.value)).tobytes())
-    return digest.hexdigest()
 
 
 def _ensure_built(model: Any, sample: Any) -> None:
@@ -484,10 +472,15 @@ def evaluate(original: Callable[..., Any], model: Any, x: Any = None, y: Any = N
 
 def predict(original: Callable[..., Any], model: Any, x: Any, batch_size: int | None = None, verbose: Any = "auto",
             steps: int | None = None, callbacks: Any = None) -> Any:
-    """Keras' ``predict`` on the client's copy (the replicas' current weights); Dask collections are read in order."""
+    """Keras' ``predict`` on the client's copy (the replicas' current weights), under ParameterServerStrategy on
+    the workers (``ps.predict``); Dask collections are read in order."""
     record = _distributed(model, "predict")
     if record is not None:
         _pull(model, record)
+        if record.strategy.extended.schedules_closures and getattr(model, "optimizer", None) is not None:
+            from daskdist.plugins.keras3 import ps
+
+            return ps.predict(model, record, x, batch_size, steps)  # closures on the workers
         from daskdist.data.dataset import Dataset
 
         with one_step_per_execution(model):

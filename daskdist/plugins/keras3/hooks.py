@@ -37,6 +37,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from daskdist.plugins.keras3 import wrapped
+
 __all__ = ["install", "install_when_imported", "installed"]
 
 logger = logging.getLogger(__name__)
@@ -195,3 +197,6 @@ def install_when_imported() -> None:
         return
     if not any(isinstance(finder, _AfterKerasImport) for finder in sys.meta_path):
         sys.meta_path.insert(0, _AfterKerasImport())
+
+
+wrapped.set_installer(install)  # the modules below this one wrap Keras' classes on a worker through it

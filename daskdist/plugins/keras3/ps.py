@@ -17,8 +17,11 @@ the parameters, as TF keeps them as ps variables the workers assign: a closure
 pulls them with the parameters and assigns its own at its end (the last
 writer's are kept; ``PsStepDriver.end``). The epoch's logs are
 Keras' metric variables summed over the closures. After every epoch the
-client's model takes the stored parameters and slots; ``predict`` runs
-Keras' own loop on the client's copy, which then holds them.
+client's model takes the stored parameters and slots. ``predict`` of a
+compiled model runs on the workers: the input's batches cut into runs, one
+closure each with the parameters stored now, the outputs put back in order
+(an uncompiled model, which the stores cannot hold, predicts on the client).
+The closures and their scheduling are the trainer's (``training.ps``).
 
 ``evaluate`` (and ``fit``'s ``validation_data``, every ``validation_freq``
 epochs) runs on the workers in closures, as TensorFlow's inline distributed
@@ -29,7 +32,7 @@ batches that the closures carry, each row evaluated exactly once; a
 ``DatasetCreator`` (or a ``daskdist.data.Dataset``, every worker reading all
 of it) with ``steps`` (``validation_steps``) is read by each worker from its
 own iterator, with TF's at-least-once visitation, and without ``steps``
-exactly once, cut by batch into shards (``_exact_evaluation``). A model
+exactly once, cut by batch into shards (``training.ps.plan_evaluation``). A model
 never trained here, or whose client copy changed since (``set_weights``,
 ``load_weights``), is held on the stores again first. Each hold replaces the
 previous one: its parameter sets are released from the stores.
@@ -51,11 +54,10 @@ closure commits (``ps_metrics``).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import itertools
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -63,7 +65,7 @@ import optree
 
 from daskdist import context
 from daskdist.group.service import MODEL
-from daskdist.plugins.keras3 import hooks, registry, update_rule
+from daskdist.plugins.keras3 import registry, update_rule, wrapped
 from daskdist.plugins.keras3.backend import keras_backend, prepare_replica
 from daskdist.plugins.keras3.fit_semantics import (
     finalize_optimizer,
@@ -74,11 +76,20 @@ from daskdist.plugins.keras3.fit_semantics import (
 from daskdist.plugins.keras3.payload import ModelPayload, pack_model, unpack_model
 from daskdist.plugins.keras3.resident import KerasTrainable, state_variables
 from daskdist.training.fit import run_epochs
+from daskdist.training.ps import (
+    ClosureRunner,
+    PsWorker,
+    check_steps_per_epoch,
+    evaluation_shards,
+    plan_evaluation,
+    predict_pieces,
+    worker_model,
+)
 
 if TYPE_CHECKING:
     from daskdist.strategy.extended.contract import StrategyExtended
 
-__all__ = ["KerasPsWorker", "evaluate", "fit", "place_models", "reference", "resolve_model", "resolve_optimizer",
+__all__ = ["KerasPsWorker", "evaluate", "fit", "place_models", "predict", "reference", "resolve_model", "resolve_optimizer",
            "schedules_closures", "take_loop_state"]
 
 
@@ -87,36 +98,27 @@ def schedules_closures(extended: StrategyExtended) -> bool:
     return extended.schedules_closures
 
 
-class KerasPsWorker:
-    """A parameter-server worker's copy of a Keras 3 model and the ``PsStepDriver`` that trains it (resident)."""
+class KerasPsWorker(PsWorker):
+    """A parameter-server worker's copy of a Keras 3 model and the ``PsStepDriver`` that trains it (resident).
+
+    The trainer's ``PsWorker`` runs ``fit``'s, ``evaluate``'s and ``predict``'s closures; what is Keras' own:
+    a closure's results are Keras' metric variables (the client sums them) and one row of its last batch,
+    and the custom loops' closures (``closure_began``, ``push``).
+    """
 
     def __init__(self, trainable: KerasTrainable, driver: Any):
-        self.trainable = trainable
-        self.driver = driver
+        super().__init__(trainable, driver)
         self._pulled_state: list[np.ndarray] = []  # the moving statistics as a custom loop's closure pulled them
 
-    def snapshot(self) -> dict[str, Any]:
-        return self.trainable.snapshot()
+    def results(self, loop: str, batch: Any) -> dict[str, Any]:
+        """The metric variables over the closure's batches (the client sums them) and one row of the last batch
+        (``sample``: the client builds its compiled metrics with it)."""
+        return _results(self.trainable.model, batch)
 
-    def restore(self, state: dict[str, Any]) -> None:
-        self.trainable.restore(state)
-
-    def train(self, iterator: Any, steps: int, learning_rate: float | None) -> dict[str, Any]:
-        """``steps`` steps on this worker's iterator: the metric variables over them (the client sums them) and
-        one row of the last batch (``sample``: the client builds its compiled metrics with it)."""
-        from daskdist.plugins.keras3.resident import batch_rows
-
-        model = self.trainable.model
-        if learning_rate is not None:
-            model.optimizer.learning_rate = learning_rate
-        model.reset_metrics()
-        self.driver.begin(self.trainable)
-        batch: Any = None
-        for _ in range(steps):
-            batch = next(iterator)
-            self.driver.step(self.trainable, batch, batch_rows(batch))
-        self.driver.end(self.trainable)  # the moving statistics assigned on the stores
-        return _results(model, batch)
+    def predict_batch(self, batch: Any) -> Any:
+        """Keras' ``predict_on_batch`` of the batch's inputs, as numpy."""
+        x = batch[0] if isinstance(batch, tuple) else batch
+        return optree.tree_map(np.asarray, self.trainable.model.predict_on_batch(x))
 
     def closure_began(self, runtime: Any) -> None:
         """A custom loop's closure unpickled a reference to this model: pull what the others pushed meanwhile, and
@@ -148,19 +150,6 @@ class KerasPsWorker:
                 f"one set); got {len(variables)} variables for its {len(trainable)}")
         self.driver.apply_gradients(self.trainable, gradients)
 
-    def evaluate(self, batches: Iterable[Any]) -> dict[str, Any]:
-        """Keras' ``test_step`` over ``batches`` with the parameters stored now; the metric variables (as ``train``)."""
-        from daskdist.plugins.keras3.resident import batch_rows
-
-        model = self.trainable.model
-        self.driver.pull(self.trainable)
-        model.reset_metrics()
-        batch: Any = None
-        for batch in batches:
-            if batch_rows(batch):
-                self.trainable.test_step(batch)
-        return _results(model, batch)
-
 
 def _results(model: Any, batch: Any) -> dict[str, Any]:
     """A closure's metric variables and one row of its last batch (the client builds its metrics with it)."""
@@ -177,7 +166,7 @@ def _install_worker(service: Any, model_id: str, payload: ModelPayload, driver: 
     worker's copy takes it as its ``optimizer``.
     """
     keras = prepare_replica(payload.backend)
-    hooks.install()
+    wrapped.ensure()
     with context.enter(context.Frame(strategy=service.strategy_view, replica_context=service.context,
                                      variable_creator=None, owner=service)):
         model = unpack_model(payload)
@@ -186,25 +175,8 @@ def _install_worker(service: Any, model_id: str, payload: ModelPayload, driver: 
     service.objects.install(MODEL, model_id, KerasPsWorker(KerasTrainable(model), driver))
 
 
-def _train_closure(model_id: str, iterator: Any, steps: int, learning_rate: float | None) -> dict[str, Any]:
-    return _worker(model_id).train(iterator, steps, learning_rate)
-
-
-def _evaluate_closure(model_id: str, iterator: Any, steps: int) -> dict[str, Any]:
-    """``steps`` evaluation batches of this worker's iterator (a per-worker dataset)."""
-    return _worker(model_id).evaluate(itertools.islice(iterator, steps))
-
-
-def _evaluate_rows(model_id: str, batches: list[Any]) -> dict[str, Any]:
-    """The evaluation batches this closure carries (arrays cut on the client: each row once)."""
-    return _worker(model_id).evaluate(batches)
-
-
 def _worker(model_id: str) -> KerasPsWorker:
-    service = context.current_runtime()
-    if service is None:
-        raise RuntimeError("Keras 3 closures run on ParameterServerStrategy workers only")
-    worker: KerasPsWorker = service.objects.get(MODEL, model_id)
+    worker: KerasPsWorker = worker_model(model_id)
     return worker
 
 
@@ -283,11 +255,6 @@ def _sum_logs(model: Any, results: list[dict[str, Any]]) -> dict[str, float]:
     return {k: float(np.asarray(v)) for k, v in model.get_metrics_result().items() if np.asarray(v).size == 1}
 
 
-def _chunks(steps: int, size: int) -> list[int]:
-    """``steps`` cut into closures of ``size`` steps (``steps_per_execution``), the last one shorter."""
-    return [min(size, steps - start) for start in range(0, steps, size)]
-
-
 def _host(data: Any) -> Any:
     """Arrays (a structure of them) as numpy on the client; Dask collections read."""
     return optree.tree_map(lambda a: np.asarray(a.compute()) if hasattr(a, "__dask_graph__") else np.asarray(a), data)
@@ -295,27 +262,25 @@ def _host(data: Any) -> Any:
 
 def _evaluation(coordinator: Any, model_id: str, x: Any, y: Any, batch_size: int | None, steps: int | None,
                 size: int, steps_name: str) -> Callable[[], list[Any]]:
-    """What one evaluation schedules: a function returning its closures' ``RemoteValue``s (see the module)."""
+    """What one evaluation schedules (``training.ps.plan_evaluation``): arrays cut into batches here, each row
+    once; a ``DatasetCreator``, ``dataset_fn`` or ``Dataset`` read by the workers (see the module)."""
+    from daskdist import config
     from daskdist.data.dataset import Dataset
     from daskdist.data.dataset_creator import DatasetCreator
 
     if x is None:
         raise ValueError("no data given (x is None)")
+    shards = config.get("parameter-store.evaluation-shards", "auto")
     if isinstance(x, (DatasetCreator, Dataset)) or (callable(x) and not hasattr(x, "__dask_graph__")):
         if y is not None:
             raise ValueError("y must not be given with a DatasetCreator or a Dataset (it yields (x, y) pairs)")
-        if steps is None:  # every row once: the data cut by batch into shards, one closure each
-            return _exact_evaluation(coordinator, model_id, x, steps_name)
-        if steps < 1:
-            raise ValueError(f"{steps_name} must be >= 1, got {steps}")
-        per_worker = coordinator.create_per_worker_dataset(
-            x if isinstance(x, (DatasetCreator, Dataset)) else DatasetCreator(x))
+        return plan_evaluation(coordinator, model_id, x, steps, size, shards, steps_name)
+    return plan_evaluation(coordinator, model_id, _host_batches(x, y, batch_size, steps), None, size, shards,
+                           steps_name)
 
-        def on_workers() -> list[Any]:
-            iterator = iter(per_worker)  # each evaluation reads the workers' datasets from their start
-            return [coordinator.schedule(_evaluate_closure, args=(model_id, iterator, n)) for n in _chunks(steps, size)]
 
-        return on_workers
+def _host_batches(x: Any, y: Any, batch_size: int | None, steps: int | None) -> list[tuple[Any, ...]]:
+    """Arrays (numpy, or Dask arrays read here) cut into batches of ``batch_size`` rows (32), at most ``steps``."""
     xs = _host(x)
     ys = None if y is None else _host(y)
     leaves = optree.tree_leaves(xs)
@@ -328,9 +293,7 @@ def _evaluation(coordinator: Any, model_id: str, x: Any, y: Any, batch_size: int
     def batch_at(start: int) -> tuple[Any, ...]:
         return tuple(optree.tree_map(lambda a: a[start:start + step], part) for part in parts)
 
-    batches = [batch_at(start) for start in list(range(0, rows, step))[:steps]]
-    groups = [batches[i:i + size] for i in range(0, len(batches), size)]
-    return lambda: [coordinator.schedule(_evaluate_rows, args=(model_id, group)) for group in groups]
+    return [batch_at(start) for start in list(range(0, rows, step))[:steps]]
 
 
 def _held(model: Any, record: registry.Record, coordinator: Any) -> None:
@@ -362,11 +325,37 @@ def evaluate(model: Any, record: registry.Record, x: Any, y: Any, batch_size: in
         model(optree.tree_map(lambda a: a[:1], _host(x)), training=False)
     _held(model, record, coordinator)
     callbacks.on_test_begin()
-    values = evaluation()
-    coordinator.join()
-    logs = _sum_logs(model, coordinator.fetch(values))
+    logs = _runner(coordinator, record).evaluate(evaluation, lambda results: _sum_logs(model, results))
     callbacks.on_test_end(logs)
     return logs
+
+
+def predict(model: Any, record: registry.Record, x: Any, batch_size: int | None, steps: int | None) -> Any:
+    """``model.predict`` under ParameterServerStrategy: the input's batches cut into runs, each a closure on a worker
+    with the parameters stored now (``training.ps.ClosureRunner.predict``); the outputs in order."""
+    from daskdist import config
+    from daskdist.coordinator.cluster_coordinator import ClusterCoordinator
+    from daskdist.data.dataset import Dataset
+    from daskdist.plugins.keras3.resident import batch_rows
+
+    record.strategy.extended.check_open()
+    coordinator = ClusterCoordinator(record.strategy)
+    if isinstance(x, Dataset):
+        inputs = (b[0] if isinstance(b, (tuple, list)) else b for b in iter(x) if batch_rows(b))
+        batches: list[Any] = [(b,) for b in itertools.islice(inputs, steps)]
+    else:
+        batches = _host_batches(x, None, batch_size, steps)
+    _held(model, record, coordinator)
+    shards = evaluation_shards(config.get("parameter-store.evaluation-shards", "auto"), len(coordinator.live_workers))
+    outputs = _runner(coordinator, record).predict(predict_pieces(batches, shards))
+    if not outputs:
+        return np.empty((0,))
+    return optree.tree_map(lambda *parts: np.concatenate(parts), *outputs)
+
+
+def _runner(coordinator: Any, record: registry.Record) -> ClosureRunner:
+    """The trainer's closure runner of the model recorded as ``record``."""
+    return ClosureRunner(coordinator, record.object_id, record.strategy.extended)
 
 
 def fit(model: Any, record: registry.Record, x: Any, y: Any, epochs: int, verbose: Any, callbacks: list[Any] | None,
@@ -380,10 +369,7 @@ def fit(model: Any, record: registry.Record, x: Any, y: Any, epochs: int, verbos
     from daskdist.data.dataset_creator import DatasetCreator
 
     name = type(record.strategy).__name__
-    if steps_per_epoch is None:
-        raise ValueError(f"`steps_per_epoch` must be specified with `{name}`.")
-    if steps_per_epoch < 1:
-        raise ValueError(f"steps_per_epoch must be >= 1, got {steps_per_epoch}")
+    steps = check_steps_per_epoch(steps_per_epoch, name)
     if y is not None or not (isinstance(x, DatasetCreator) or callable(x)):
         raise ValueError(f"fit under {name} takes a `DatasetCreator` (or a `dataset_fn(input_context)`) as x, "
                          "and no y: each worker builds its own dataset")
@@ -413,25 +399,18 @@ def fit(model: Any, record: registry.Record, x: Any, y: Any, epochs: int, verbos
     if record.fingerprint != held_digest(model):  # a callback loaded weights (BackupAndRestore): hold them
         driver = _install(model, record, coordinator)
 
+    runner = _runner(coordinator, record)
+
     def one_epoch(epoch: int) -> dict[str, Any]:
         model.reset_metrics()
-        lr = learning_rate()
-        with parameter_servers_lost_as_such(record):
-            values = [coordinator.schedule(_train_closure, args=(record.object_id, iterator, n, lr))
-                      for n in _chunks(steps_per_epoch, size)]
-            coordinator.join()
-            logs = _sum_logs(model, coordinator.fetch(values))
-            coordinator.done()  # a parameter server's loss the coordinator already knows: raised now
-            _take_stored(model, record, driver)
-        return logs
+        return runner.train_epoch(iterator, steps, size, learning_rate(), lambda results: _sum_logs(model, results),
+                                  lambda: _take_stored(model, record, driver))
 
     def validate(epoch: int) -> dict[str, Any] | None:
         if evaluation is None or not should_evaluate(epoch, validation_freq):
             return None
         callback_list.on_test_begin()
-        values = evaluation()
-        coordinator.join()
-        val_logs = _sum_logs(model, coordinator.fetch(values))
+        val_logs = runner.evaluate(evaluation, lambda results: _sum_logs(model, results))
         callback_list.on_test_end(val_logs)
         return val_logs
 
@@ -439,35 +418,6 @@ def fit(model: Any, record: registry.Record, x: Any, y: Any, epochs: int, verbos
     finalize_optimizer(model, epochs)
     callback_list.on_train_end(logs)
     return model.history
-
-
-@contextlib.contextmanager
-def parameter_servers_lost_as_such(record: registry.Record) -> Iterator[None]:
-    """A ``ReplicaLostError`` of a lost parameter server (one named by the error, or the stores' group failed)
-    raised as ``ParameterServerLostError``, the coordinator's error for it, whichever call met the loss first
-    (a closure, or the client reading the stores)."""
-    from daskdist.exceptions import ParameterServerLostError, ReplicaLostError
-
-    try:
-        yield
-    except ParameterServerLostError:
-        raise
-    except ReplicaLostError as error:
-        extended = record.strategy.extended
-        worker = getattr(error, "worker", None)
-        if worker not in extended.ps_addresses and not _stores_failed(extended):
-            raise
-        raise ParameterServerLostError(f"a parameter server is lost; training cannot continue (restart from a "
-                                       f"checkpoint with a new strategy): {error}", worker=worker) from error
-
-
-def _stores_failed(extended: Any) -> bool:
-    """Whether the scheduler failed the parameter servers' group (a ps left the cluster)."""
-    group = getattr(extended, "store_group", None)
-    try:
-        return group is not None and group.status()[0] == "failed"
-    except Exception:  # noqa: BLE001 - the client is closing: not known
-        return False
 
 
 # -- custom loops: ClusterCoordinator.schedule of a function using the model and optimizer -------------------
@@ -598,56 +548,3 @@ def take_loop_state(model: Any, record: registry.Record) -> None:
         return
     _take_stored(model, record, record.driver)
     record.dirty = False
-
-
-# -- exactly-once evaluation of a DatasetCreator ---------------------------------------------------
-
-
-def _exact_evaluation(coordinator: Any, model_id: str, data: Any, steps_name: str) -> Callable[[], list[Any]]:
-    """Evaluation of a ``DatasetCreator`` (or ``Dataset``, ``dataset_fn``) without steps: each row once.
-
-    The dataset is what ``dataset_fn`` builds for one input pipeline (``InputContext(1, 0)``: its own
-    ``shard`` keeps everything), cut by batch into ``parameter-store.evaluation-shards`` shards
-    (``Dataset.shard(n, k)`` after the batch); closure ``k`` builds it on its worker and evaluates shard ``k``
-    to its end. A closure run again after its worker was lost builds its shard again, and only its last
-    run's metrics count, so every batch is evaluated exactly once (TF's ``pss_evaluation_shards``).
-
-    Raises
-    ------
-    ValueError
-        The dataset never ends (``repeat()``) or changes between two builds (a ``shuffle`` without a seed):
-        refused before anything runs, naming ``steps_name`` as the other way.
-    """
-    from daskdist import config
-    from daskdist.data import ops
-
-    built = _pipeline(data)
-    for op in built.transformations:
-        if isinstance(op, ops.Repeat):
-            raise ValueError(f"evaluating every row once reads the dataset to its end, and it repeats: drop repeat() "
-                             f"from the evaluation data, or give `{steps_name}` (each worker then reads its own)")
-        if isinstance(op, ops.Shuffle) and op.seed is None:
-            raise ValueError("evaluating every row once needs the same rows in the same batches in every closure: "
-                             f"give the evaluation data's shuffle() a seed (or none), or give `{steps_name}`")
-    setting = config.get("parameter-store.evaluation-shards", "auto")
-    shards = 4 * max(1, len(coordinator.live_workers)) if setting in (None, "auto") else int(setting)
-    if shards < 1:
-        raise ValueError(f"daskdist.parameter-store.evaluation-shards must be >= 1 or 'auto', got {setting!r}")
-    return lambda: [coordinator.schedule(_evaluate_shard, args=(model_id, data, shards, k)) for k in range(shards)]
-
-
-def _pipeline(data: Any) -> Any:
-    """The evaluation dataset for one input pipeline (every row): ``dataset_fn(InputContext(1, 0))``."""
-    from daskdist.data.dataset import Dataset
-    from daskdist.data.dataset_creator import DatasetCreator
-    from daskdist.data.options import InputContext
-
-    if isinstance(data, Dataset):
-        return data
-    creator = data if isinstance(data, DatasetCreator) else DatasetCreator(data)
-    return creator(InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1))
-
-
-def _evaluate_shard(model_id: str, data: Any, shards: int, index: int) -> dict[str, Any]:
-    """Closure: shard ``index`` of ``shards`` of the evaluation data (by batch), read to its end."""
-    return _worker(model_id).evaluate(iter(_pipeline(data).shard(shards, index)))

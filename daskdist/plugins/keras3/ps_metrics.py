@@ -51,10 +51,8 @@ _lock = threading.Lock()  # the client's metric values: read for a closure's ref
 def created(metric: Any) -> None:
     """Called at the end of every Keras metric's ``__init__``: record those created in a ParameterServerStrategy's
     scope on the client (their updates in scheduled functions then count on the client's metric)."""
-    from daskdist.plugins.keras3.ps import schedules_closures
-
     strategy = registry.current_client_strategy()
-    if strategy is None or not schedules_closures(strategy.extended) or registry.lookup(metric) is not None:
+    if strategy is None or not strategy.extended.schedules_closures or registry.lookup(metric) is not None:
         return
     registry.register(metric, strategy)
 
@@ -151,9 +149,9 @@ def resolve_metric(metric_id: str, backend: str, spec: bytes, values: list[np.nd
     copy = runtime.objects.find(MODEL, _PREFIX + metric_id)
     if copy is None:
         prepare_replica(backend)  # before the class is unpickled: it imports Keras
-        from daskdist.plugins.keras3 import hooks
+        from daskdist.plugins.keras3 import wrapped
 
-        hooks.install()
+        wrapped.ensure()
         cls, config = serialization.loads(spec)
         copy = MetricCopy(cls.from_config(config))
         runtime.objects.install(MODEL, _PREFIX + metric_id, copy)

@@ -12,12 +12,14 @@ optimizer becomes its class and configuration, built once per replica, whose
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from daskdist import context
 from daskdist.group.service import MODEL
 from daskdist.plugins.keras3 import registry
 from daskdist.plugins.keras3.backend import keras_backend, prepare_replica
+from daskdist.plugins.keras3.resident import fingerprint
 
 __all__ = ["OptimizerResident", "install_or_keep_error", "place_models", "reduce", "resolve_model", "resolve_optimizer"]
 
@@ -71,16 +73,15 @@ def reduce(obj: Any, record: registry.Record) -> tuple[Any, tuple[Any, ...]]:
     return resolve_model, (token, record.object_id)
 
 
-def place_models(extended: Any) -> None:
-    """Before ``strategy.run``: install the built models created in this strategy's scope not installed yet."""
+def place_models(extended: Any, install: Callable[[Any, registry.Record], None]) -> None:
+    """Before ``strategy.run``: install the built models created in this strategy's scope not installed yet
+    (``install(model, record)``: ``fit.ensure_installed``)."""
     import keras
-
-    from daskdist.plugins.keras3 import fit
 
     for obj, record in registry.items():
         if (record.strategy.extended is extended and record.fingerprint is None and isinstance(obj, keras.Model)
                 and obj.built):
-            install_or_keep_error(obj, record, fit.ensure_installed)
+            install_or_keep_error(obj, record, install)
 
 
 def install_or_keep_error(model: Any, record: registry.Record, install: Any) -> None:
@@ -91,8 +92,6 @@ def install_or_keep_error(model: Any, record: registry.Record, install: Any) -> 
     it (``reduce`` raises the kept error), not every later call. Its install
     is tried again once the model changed (compile, new weights).
     """
-    from daskdist.plugins.keras3.fit import fingerprint
-
     current = fingerprint(model)
     if record.install_error is not None and record.install_error[0] == current:
         return
@@ -131,9 +130,9 @@ def resolve_optimizer(token: str, optimizer_id: str, backend: str, cls: Any, con
     found = runtime.objects.find(MODEL, key)
     if found is None:
         prepare_replica(backend)
-        from daskdist.plugins.keras3 import exchange, hooks
+        from daskdist.plugins.keras3 import exchange, wrapped
 
-        hooks.install()
+        wrapped.ensure()
         optimizer = cls.from_config(config)
         exchange.mark_replica_optimizer(optimizer)
         found = OptimizerResident(optimizer)

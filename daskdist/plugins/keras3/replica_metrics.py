@@ -136,9 +136,9 @@ def resolve_metric(token: str, metric_id: str, backend: str, spec: bytes) -> Any
     copy = runtime.objects.find(MODEL, _PREFIX + metric_id)
     if copy is None:
         prepare_replica(backend)  # before the class is unpickled: it imports Keras
-        from daskdist.plugins.keras3 import hooks
+        from daskdist.plugins.keras3 import wrapped
 
-        hooks.install()
+        wrapped.ensure()
         cls, config = serialization.loads(spec)
         copy = MetricCopy(cls.from_config(config))
         runtime.objects.install(MODEL, _PREFIX + metric_id, copy)

@@ -338,6 +338,19 @@ class KerasTrainable:
             state.assign(value)
 
 
+def fingerprint(model: Any) -> str:
+    """What the replicas must hold: the compile settings and every weight and optimizer variable."""
+    import keras
+
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(repr((id(_optimizer(model)), model.compiled, model.get_compile_config()
+                        if model.compiled else None)).encode())
+    variables = list(model.variables) + (list(_optimizer(model).variables) if _optimizer(model) is not None else [])
+    for variable in variables:
+        digest.update(np.ascontiguousarray(keras.ops.convert_to_numpy(variable.value)).tobytes())
+    return digest.hexdigest()
+
+
 class SeedStates:
     """The random generators' states of a snapshot: one leaf, left out of elastic training's state digest.
 
