@@ -324,6 +324,12 @@ def test_create_variable_places_copies_where_the_strategy_says(threaded_client):
         assert strategy.extended.run_on_replicas(_holds, (v._var_id,)) == [True, False]
 
 
+def test_an_extended_with_its_own_placement_must_define_its_step_driver(threaded_client):
+    """The all-reduce driver cannot train parameters placed elsewhere: a developer error, said at once."""
+    with _OneHolderStrategy(threaded_client) as strategy, pytest.raises(TypeError, match="define step_driver"):
+        strategy.extended.step_driver()
+
+
 def _holds(service, var_id):
     return service.objects.find(VARIABLE, var_id) is not None
 

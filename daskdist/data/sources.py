@@ -9,7 +9,6 @@ the first axis, dataframes), which stay on the workers that hold them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -234,7 +233,3 @@ class DaskSource(Source):
 def _is_dask_dataframe_like(x: Any) -> bool:
     return hasattr(x, "npartitions") and hasattr(x, "to_delayed") and hasattr(x, "dtypes" if hasattr(x, "columns") else "dtype")
 
-
-def load_with(fetch: Callable[[Any], Any], source: DaskSource, partition: Partition) -> Any:
-    """Load a Dask partition given ``fetch(key) -> value``."""
-    return source.assemble([fetch(key) for key in partition.keys])

@@ -257,7 +257,7 @@ def commit_keys(service: ReplicaService) -> list[CommitKey]:
     return list(commit_ring(service).commits)
 
 
-def restore_commit(service: ReplicaService, key: CommitKey, rank0_metrics: bool = True) -> str:
+def restore_commit(service: ReplicaService, key: CommitKey) -> str:
     """Go back to commit ``key``: restore its state, forget newer commits; returns the state's digest."""
     ring = commit_ring(service)
     ring.settle()  # no copy may read what the restore writes

@@ -70,7 +70,6 @@ def created(model: Any) -> None:
     if strategy is None or registry.lookup(model) is not None:
         return
     check_backend(keras_backend())
-    _check_driver(strategy)
     registry.register(model, strategy)
     # this model's get_weights takes the replicas' weights first (bound on it alone: Keras' Layer.get_weights,
     # which every layer shares, stays Keras' own)
@@ -84,18 +83,6 @@ def created(model: Any) -> None:
         return
     # before strategy.run ships a function, the built models created in this scope go to the replicas
     strategy.extended.provide_residents("keras3", functools.partial(references.place_models, strategy.extended))
-
-
-def _check_driver(strategy: Any) -> None:
-    """Refuse strategies whose step driver this adapter cannot use yet (ParameterServer: its closures)."""
-    from daskdist.strategy.held_drivers import HolderStepDriver, PsStepDriver
-    from daskdist.strategy.training_contract import SpmdStepDriver
-
-    if not isinstance(strategy.extended.step_driver(), (SpmdStepDriver, HolderStepDriver, PsStepDriver)):
-        raise NotImplementedError(
-            f"{type(strategy).__name__} cannot train framework models (Keras 3) yet: use MirroredStrategy, "
-            "OneDeviceStrategy, MultiWorkerMirroredStrategy, CentralStorageStrategy or ParameterServerStrategy, "
-            "or the built-in layers (daskdist.keras)")
 
 
 def created_optimizer(optimizer: Any) -> None:

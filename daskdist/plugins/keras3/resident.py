@@ -326,9 +326,6 @@ class KerasTrainable:
             digest.update(np.ascontiguousarray(np.asarray(variable.numpy())).tobytes())
         return digest.hexdigest()
 
-    def weight_names(self) -> list[str]:
-        return [v.path for v in split_variables(self.model)[0]]
-
     def _offset_seeds(self, rank: int) -> None:
         if not rank:
             return
