@@ -241,3 +241,40 @@ def test_pyproject_license_is_an_spdx_string_with_a_setuptools_that_reads_it():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert project["project"]["license"] == "BSD-3-Clause"  # the table form is deprecated by setuptools >= 77
     assert "setuptools>=77" in project["build-system"]["requires"]  # PEP 639 strings need setuptools 77
+
+
+# -- anchors and sizes ----------------------------------------------------------------------------------------------
+
+LINK = re.compile(r"\]\(([^)\s]*?)(?:#([^)\s]+))?\)")
+
+
+def heading_anchors(page: pathlib.Path) -> set[str]:
+    """The anchors GitHub makes of ``page``'s headings: lower case, punctuation dropped, spaces as hyphens."""
+    anchors = set()
+    in_code = False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        elif not in_code and line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            anchors.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return anchors
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_link_to_a_section_finds_its_heading(page):
+    broken = []
+    for number, line in enumerate(page.read_text().splitlines(), 1):
+        for target, anchor in LINK.findall(line):
+            if not anchor or target.startswith("http"):
+                continue
+            linked = page if not target else (page.parent / target)
+            if linked.suffix == ".md" and linked.exists() and anchor not in heading_anchors(linked):
+                broken.append(f"{page.relative_to(ROOT)}:{number}: {target}#{anchor}")
+    assert broken == []
+
+
+def test_the_front_page_and_the_figures_stay_short():
+    """README is a front page (the rest lives in docs/); BENCHMARKS keeps the latest figures only."""
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 200
+    assert len((ROOT / "BENCHMARKS.md").read_text().splitlines()) <= 900
