@@ -45,7 +45,7 @@ class KeyedSource(Source):
         self.worker: Any = None  # bound on the replica (loads run in prefetch threads, not worker threads)
         self.fetch_wait = 0.0  # seconds to wait for a holder of a key no worker holds (Dask recomputing it)
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "worker": None}
 
     def load(self, partition: Partition) -> Any:
@@ -88,7 +88,7 @@ class ReplicaShard:
     prefetch: int = 2
     to_device: bool = False
     steps: int | None = None  # batches every replica yields per pass, when known in advance
-    caches: dict = field(default_factory=dict)
+    caches: dict[int, list[Any]] = field(default_factory=dict)
     epochs: int = 0
 
     def pipeline(self, replica: int, epoch: int | None = None) -> Iterator[Any]:
@@ -103,11 +103,11 @@ class ReplicaShard:
             elements = ops.PrefetchIterator(elements, self.prefetch)
         return elements
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         """The shard's plan and how many passes it started (``Resident``)."""
         return {"partitions": list(self.partitions), "epochs": self.epochs}
 
-    def restore(self, state: dict) -> None:
+    def restore(self, state: dict[str, Any]) -> None:
         self.partitions = list(state["partitions"])
         self.epochs = int(state["epochs"])
 
@@ -142,11 +142,11 @@ class ReplicaIterator:
         self.position += 1
         return element
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         """Which pass and how far into it (``Resident``)."""
         return {"epoch": self.epoch, "position": self.position, "exhausted": self.exhausted}
 
-    def restore(self, state: dict) -> None:
+    def restore(self, state: dict[str, Any]) -> None:
         """Replay pass ``epoch`` of the shard up to ``position`` (the elements are made again, not stored)."""
         self.close()
         self.epoch, self.position, self.exhausted = int(state["epoch"]), 0, False
@@ -268,7 +268,7 @@ class BatchRef:
         self.rows = rows
         self.leaf = leaf
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (_resolve_batch, (self.token, self.iterator_id, self.step, self.rows, self.leaf))
 
     def __repr__(self) -> str:

@@ -26,7 +26,7 @@ __all__ = [
 ]
 
 
-def run_function(runtime: ReplicaService, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+def run_function(runtime: ReplicaService, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run a user function in replica context, timed as one step."""
     return runtime.run_step(fn, args, kwargs)
 
@@ -51,7 +51,7 @@ def update_variable(runtime: ReplicaService, var_id: str, method: str, value: An
         getattr(variable, method)(value)
 
 
-def step_timings(runtime: ReplicaService, last: int | None = None) -> list[dict]:
+def step_timings(runtime: ReplicaService, last: int | None = None) -> list[dict[str, Any]]:
     """The replica's most recent step timings, oldest first."""
     history = list(runtime.timer.history)
     if last is not None:

@@ -117,7 +117,7 @@ class ReplicaContext:
         """Return once every replica has reached this barrier."""
         self.process_group.barrier(options)
 
-    def merge_call(self, merge_fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
+    def merge_call(self, merge_fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         """Call ``merge_fn(strategy, *args, **kwargs)`` once with every replica's arguments.
 
         The arguments of all replicas are gathered, so in ``merge_fn`` each

@@ -22,7 +22,7 @@ from daskdist.strategy.training_contract import (
     StepTotals,
     Trainable,
     UpdateRule,
-    as_array,
+    array_view,
     current_runtime,
     held,
     host,
@@ -57,13 +57,13 @@ class HolderStepDriver(StepDriverBase):
         def exchange(gradients: Sequence[Any], rows: int, sums: Sequence[float] = (),
                      summed: bool = False) -> None:
             runtime = current_runtime(self)
-            arrays = [as_array(g) for g in gradients]
+            arrays = [array_view(g) for g in gradients]
             weighted = [host(g if summed else g * g.dtype.type(rows)) for g in arrays]
             round_id = self._rounds.next(runtime.run_id)
             rule = holder.update_rule()
             init = None
             if runtime.rank == 0 and round_id & 0xFFFFFFFF == 1:  # the store keeps the first it gets
-                init = ([np.array(host(as_array(p)), copy=True) for p in holder.parameters()], copy.deepcopy(rule))
+                init = ([np.array(host(array_view(p)), copy=True) for p in holder.parameters()], copy.deepcopy(rule))
             payload = {"grads": weighted, "stats": np.array([float(rows), *(float(s) for s in sums)], np.float64),
                        "lr": _learning_rate(rule), "init": init}
             result = self.store.round_from_replica(runtime, "gradients", f"params:{self.key}", round_id, payload)
@@ -146,7 +146,7 @@ class PsStepDriver(StepDriverBase):
         for s, (store, indices) in enumerate(zip(self.stores, self.layout(len(state)))):
             if indices:
                 version, _ = store.call_from_replica(runtime, "params_push", key=self.state_key,
-                                                     grads=[host(as_array(state[i])) for i in indices], lr=None)
+                                                     grads=[host(array_view(state[i])) for i in indices], lr=None)
                 self._state_versions[s] = version
 
     def step(self, trainable: Trainable, batch: Any, rows: int) -> StepTotals:
@@ -164,14 +164,14 @@ class PsStepDriver(StepDriverBase):
         for store, indices in zip(self.stores, self.layout(len(params))):
             if indices:
                 store.call_from_replica(runtime, "params_init", key=self.key,
-                                        params=[host(as_array(params[i])) for i in indices],
+                                        params=[host(array_view(params[i])) for i in indices],
                                         rule=_rule_part(holder.update_rule(), indices))
         state = _state_of(trainable)
         if state is not None:
             for store, indices in zip(self.stores, self.layout(len(state))):
                 if indices:
                     store.call_from_replica(runtime, "params_init", key=self.state_key,
-                                            params=[host(as_array(state[i])) for i in indices], rule=AssignRule())
+                                            params=[host(array_view(state[i])) for i in indices], rule=AssignRule())
         self._versions = [-1] * len(self.stores)
         self._state_versions = [-1] * len(self.stores)
 
@@ -223,7 +223,7 @@ class PsStepDriver(StepDriverBase):
             if rows <= 0:
                 return None
             runtime = current_runtime(self)
-            arrays = [as_array(g) for g in gradients]
+            arrays = [array_view(g) for g in gradients]
             if summed:
                 arrays = [g * g.dtype.type(1.0 / rows) for g in arrays]
             lr = _learning_rate(holder.update_rule())
