@@ -162,8 +162,8 @@ class ReplicaIterator:
             close()
 
 
-def _to_device(element: Any, shard: ReplicaShard, runtime: ReplicaService) -> Any:
-    if not shard.to_device or not any("GPU" in d for d in runtime.devices):
+def _to_device(element: Any, shard: ReplicaShard, service: ReplicaService) -> Any:
+    if not shard.to_device or not any("GPU" in d for d in service.devices):
         return element
     import cupy
 
@@ -173,26 +173,26 @@ def _to_device(element: Any, shard: ReplicaShard, runtime: ReplicaService) -> An
 # -- commands (run on the replica thread) ------------------------------------------
 
 
-def register_shard(runtime: ReplicaService, dataset_id: str, shard: ReplicaShard) -> None:
+def register_shard(service: ReplicaService, dataset_id: str, shard: ReplicaShard) -> None:
     if isinstance(shard.dataset.source, KeyedSource):
-        shard.dataset.source.worker = runtime.worker
-    runtime.objects.install(DATASET, dataset_id, shard)
+        shard.dataset.source.worker = service.worker
+    service.objects.install(DATASET, dataset_id, shard)
 
 
-def register_from_function(runtime: ReplicaService, dataset_id: str, dataset_fn: Callable[[InputContext], Any],
+def register_from_function(service: ReplicaService, dataset_id: str, dataset_fn: Callable[[InputContext], Any],
                            prefetch: int) -> Any:
     """Build this replica's dataset with ``dataset_fn(InputContext)``; returns its ``element_spec``."""
-    ctx = InputContext(num_input_pipelines=runtime.size, input_pipeline_id=runtime.rank, num_replicas_in_sync=runtime.size)
+    ctx = InputContext(num_input_pipelines=service.size, input_pipeline_id=service.rank, num_replicas_in_sync=service.size)
     dataset = dataset_fn(ctx)
     if not isinstance(dataset, Dataset):
         raise TypeError(f"dataset_fn must return a daskdist.data.Dataset, got {type(dataset).__name__}")
     source = dataset.source
     partitions = list(source.partitions)
     if isinstance(source, DaskSource):  # collections built inside dataset_fn: computed on this worker
-        dataset = Dataset(_ComputedDaskSource(source, runtime.worker), dataset.transformations)
+        dataset = Dataset(_ComputedDaskSource(source, service.worker), dataset.transformations)
     element_spec = dataset.element_spec
     spec = optree.tree_map(lambda s: (s.shape, np.dtype(s.dtype)), element_spec)
-    runtime.objects.install(DATASET, dataset_id, ReplicaShard(dataset, partitions, spec, prefetch))
+    service.objects.install(DATASET, dataset_id, ReplicaShard(dataset, partitions, spec, prefetch))
     return element_spec
 
 
@@ -213,44 +213,44 @@ def _batch_id(iterator_id: str, step: int) -> str:
     return f"{iterator_id}:{step}"
 
 
-def make_iterator(runtime: ReplicaService, dataset_id: str, iterator_id: str) -> None:
-    shard = runtime.objects.get(DATASET, dataset_id)
-    runtime.objects.install(ITERATOR, iterator_id, ReplicaIterator(shard, runtime.rank))
+def make_iterator(service: ReplicaService, dataset_id: str, iterator_id: str) -> None:
+    shard = service.objects.get(DATASET, dataset_id)
+    service.objects.install(ITERATOR, iterator_id, ReplicaIterator(shard, service.rank))
 
 
-def next_batch(runtime: ReplicaService, iterator_id: str, step: int) -> int:
+def next_batch(service: ReplicaService, iterator_id: str, step: int) -> int:
     """Produce this replica's element for ``step``; returns its rows (-1 once the shard is exhausted)."""
-    iterator: ReplicaIterator = runtime.objects.get(ITERATOR, iterator_id)
+    iterator: ReplicaIterator = service.objects.get(ITERATOR, iterator_id)
     start = time.perf_counter()
     element = iterator.next_element()
-    runtime.timer.add_pending_input(time.perf_counter() - start)
+    service.timer.add_pending_input(time.perf_counter() - start)
     key = _batch_id(iterator_id, step)
     if element is None:
-        runtime.objects.install(BATCH, key, iterator.shard.empty_batch())
+        service.objects.install(BATCH, key, iterator.shard.empty_batch())
         rows = -1
     else:
-        element = _to_device(element, iterator.shard, runtime)
-        runtime.objects.install(BATCH, key, element)
+        element = _to_device(element, iterator.shard, service)
+        service.objects.install(BATCH, key, element)
         leaves: list[Any] = optree.tree_leaves(element)
         first: Any = leaves[0] if leaves else None
         rows = int(len(first)) if first is not None and getattr(first, "ndim", None) else 1
-    runtime.objects.discard(BATCH, _batch_id(iterator_id, step - _BATCHES_KEPT))
+    service.objects.discard(BATCH, _batch_id(iterator_id, step - _BATCHES_KEPT))
     return rows
 
 
-def close_iterator(runtime: ReplicaService, iterator_id: str, keep_batches: bool = False) -> None:
+def close_iterator(service: ReplicaService, iterator_id: str, keep_batches: bool = False) -> None:
     """Stop an iterator's pipeline; drop its batches too unless ``keep_batches`` (handles may still be used)."""
-    iterator = runtime.objects.pop(ITERATOR, iterator_id)
+    iterator = service.objects.pop(ITERATOR, iterator_id)
     if iterator is not None:
         iterator.close()
     if not keep_batches:
-        for key in runtime.objects.ids(BATCH):
+        for key in service.objects.ids(BATCH):
             if key.startswith(f"{iterator_id}:"):
-                runtime.objects.discard(BATCH, key)
+                service.objects.discard(BATCH, key)
 
 
-def forget_dataset(runtime: ReplicaService, dataset_id: str) -> None:
-    runtime.objects.discard(DATASET, dataset_id)
+def forget_dataset(service: ReplicaService, dataset_id: str) -> None:
+    service.objects.discard(DATASET, dataset_id)
 
 
 # -- references resolved inside replicas ---------------------------------------------

@@ -21,8 +21,8 @@ __all__ = ["CLUSTER_RESOLVER_KEY", "ReplicaExtendedView", "ReplicaStrategyView"]
 CLUSTER_RESOLVER_KEY = "cluster-resolver"
 
 
-def _cluster_resolver(runtime: ReplicaService) -> Any:
-    return runtime.objects.find(STRATEGY, CLUSTER_RESOLVER_KEY)
+def _cluster_resolver(service: ReplicaService) -> Any:
+    return service.objects.find(STRATEGY, CLUSTER_RESOLVER_KEY)
 
 
 def _require_cross_replica(api: str) -> None:

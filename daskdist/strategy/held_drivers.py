@@ -31,6 +31,8 @@ from daskdist.strategy.training_contract import (
 if TYPE_CHECKING:
     from distributed import Client
 
+    from daskdist.group.service import ReplicaService
+
 __all__ = ["AssignRule", "HolderStepDriver", "PsStepDriver"]
 
 
@@ -193,13 +195,13 @@ class PsStepDriver(StepDriverBase):
                 cast(StatefulTrainable, trainable).assign_held_state(values)
         self._pull_due = False
 
-    def _pulled(self, runtime: Any, key: str, count: int, versions: list[int]) -> list[Any]:
+    def _pulled(self, service: ReplicaService, key: str, count: int, versions: list[int]) -> list[Any]:
         """The ``count`` arrays held as ``key`` newer than ``versions`` (per store, updated): ``None`` for the rest."""
         values: list[Any] = [None] * count
         for s, (store, indices) in enumerate(zip(self.stores, self.layout(count))):
             if not indices:
                 continue
-            version, pulled = store.call_from_replica(runtime, "params_pull", key=key, newer_than=versions[s])
+            version, pulled = store.call_from_replica(service, "params_pull", key=key, newer_than=versions[s])
             if pulled is not None:
                 for i, value in zip(indices, pulled):
                     values[i] = value

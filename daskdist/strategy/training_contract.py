@@ -90,6 +90,8 @@ from daskdist.ops import ReduceOp
 if TYPE_CHECKING:
     from distributed import Client
 
+    from daskdist.group.service import ReplicaService
+
 __all__ = [
     "GradientExchange",
     "HeldTrainable",
@@ -310,8 +312,9 @@ def held(trainable: Trainable, driver: object) -> HeldTrainable:
     return trainable
 
 
-def current_runtime(driver: object) -> Any:
-    runtime = context.current_runtime()
+def current_runtime(driver: object) -> ReplicaService:
+    """The replica (or parameter-server worker) whose function this thread runs; refused elsewhere."""
+    runtime: ReplicaService | None = context.current_runtime()
     if runtime is None:
         raise RuntimeError(f"{type(driver).__name__} runs on a replica or a parameter-server worker only")
     return runtime

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from daskdist import context
-from daskdist.group.service import MODEL
+from daskdist.group.service import MODEL, ReplicaService
 from daskdist.plugins.torch import backend
 
 __all__ = ["TorchModel", "TorchReplicaModel"]
@@ -113,7 +113,7 @@ class TorchReplicaModel:
         self.optimizer: Any = None
         self._ddp: Any = None
         self._ddp_generation = -1
-        self._ddp_runtime: Any = None
+        self._ddp_runtime: ReplicaService | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {"build": self._build}
@@ -142,8 +142,8 @@ class TorchReplicaModel:
         if runtime is None:
             raise RuntimeError("TorchReplicaModel.ddp() is called inside a function run on the replicas")
         current = backend.is_current(runtime)
-        if self._ddp is not None and current and self._ddp_runtime is runtime \
-                and self._ddp_generation == runtime.generation:
+        if self._ddp is not None and current and self._ddp_generation == runtime.generation \
+                and self._ddp_runtime is runtime:
             return self._ddp
         self.drop_ddp()
         if not current:
@@ -237,7 +237,7 @@ def _resolve(token: str, model_id: str) -> TorchReplicaModel:
     return model
 
 
-def _module_state(service: Any, model_id: str) -> dict[str, Any]:
+def _module_state(service: ReplicaService, model_id: str) -> dict[str, Any]:
     """Command: the module's ``state_dict`` on this replica (tensors copied)."""
     module = service.objects.get(MODEL, model_id).module
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
