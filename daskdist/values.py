@@ -215,7 +215,8 @@ def local_results(value: Any) -> tuple[Any, ...]:
         return value.values
     read = getattr(value, "_local_results", None)
     if read is not None and not isinstance(value, type):
-        return read()
+        results: tuple[Any, ...] = read()
+        return results
     leaves, treedef = optree.tree_flatten(value, is_leaf=_is_distributed, none_is_leaf=True)
     per_leaf: list[tuple[Any, ...] | None] = []
     num_replicas = None

@@ -140,20 +140,20 @@ class _ArrayOps:
         array = to_numpy(self.value())
         return array.astype(dtype) if dtype is not None else np.array(array, copy=True)
 
-    def __add__(self, o): return self.value() + _v(o)
-    def __radd__(self, o): return _v(o) + self.value()
-    def __sub__(self, o): return self.value() - _v(o)
-    def __rsub__(self, o): return _v(o) - self.value()
-    def __mul__(self, o): return self.value() * _v(o)
-    def __rmul__(self, o): return _v(o) * self.value()
-    def __truediv__(self, o): return self.value() / _v(o)
-    def __rtruediv__(self, o): return _v(o) / self.value()
-    def __matmul__(self, o): return self.value() @ _v(o)
-    def __rmatmul__(self, o): return _v(o) @ self.value()
-    def __pow__(self, o): return self.value() ** _v(o)
-    def __neg__(self): return -self.value()
-    def __getitem__(self, index): return self.value()[index]
-    def __len__(self): return len(self.value())
+    def __add__(self, o: Any) -> Any: return self.value() + _v(o)
+    def __radd__(self, o: Any) -> Any: return _v(o) + self.value()
+    def __sub__(self, o: Any) -> Any: return self.value() - _v(o)
+    def __rsub__(self, o: Any) -> Any: return _v(o) - self.value()
+    def __mul__(self, o: Any) -> Any: return self.value() * _v(o)
+    def __rmul__(self, o: Any) -> Any: return _v(o) * self.value()
+    def __truediv__(self, o: Any) -> Any: return self.value() / _v(o)
+    def __rtruediv__(self, o: Any) -> Any: return _v(o) / self.value()
+    def __matmul__(self, o: Any) -> Any: return self.value() @ _v(o)
+    def __rmatmul__(self, o: Any) -> Any: return _v(o) @ self.value()
+    def __pow__(self, o: Any) -> Any: return self.value() ** _v(o)
+    def __neg__(self) -> Any: return -self.value()
+    def __getitem__(self, index: Any) -> Any: return self.value()[index]
+    def __len__(self) -> int: return len(self.value())
 
 
 def _v(x: Any) -> Any:
@@ -526,10 +526,12 @@ def _resolve_variable(token: str, var_id: str, spec: VariableSpec) -> Distribute
     """Unpickle a variable reference: the replica's own copy, or the client's handle."""
     runtime = context.current_runtime()
     if runtime is not None and runtime.token == token:
-        return runtime.objects.get(VARIABLE, var_id)
+        copy: DistributedVariable = runtime.objects.get(VARIABLE, var_id)
+        return copy
     owner = registry.lookup(token)
     if owner is not None:
-        return owner.variable_handle(var_id, spec)
+        handle: DistributedVariable = owner.variable_handle(var_id, spec)
+        return handle
     cls = SyncOnReadVariable if spec.synchronization is VariableSynchronization.ON_READ else MirroredVariable
     return cls(spec, token, var_id)
 

@@ -24,7 +24,7 @@ import optree
 from daskdist import fault_points
 from daskdist.arrays import to_numpy
 from daskdist.elastic.boundary import retiring
-from daskdist.group.service import COMMIT, MODEL, VARIABLE, ReplicaService
+from daskdist.group.service import COMMIT, MODEL, VARIABLE, ReplicaService, ResidentStore
 
 __all__ = [
     "Commit",
@@ -69,7 +69,7 @@ class Commit:
         self._copy: concurrent.futures.Future[ResidentStates] | None = None
 
     @classmethod
-    def copying(cls, key: CommitKey, objects: Any, progress: dict[str, Any],
+    def copying(cls, key: CommitKey, objects: ResidentStore, progress: dict[str, Any],
                 before_copy: Callable[[], None] | None = None) -> Commit:
         """A commit whose state ``objects`` (a ``ResidentStore``) is copied by a thread started now.
 
@@ -125,7 +125,7 @@ class Commit:
         self.__init__(state["key"], state["state"], state["progress"])  # type: ignore[misc]
 
 
-def _random_states_now(objects: Any) -> ResidentStates:
+def _random_states_now(objects: ResidentStore) -> ResidentStates:
     """The models' random generator states at the commit (``snapshot_random``), read on the step path.
 
     The weights cannot change before the next apply (which waits for the copy), but the next forward
@@ -139,7 +139,7 @@ def _random_states_now(objects: Any) -> ResidentStates:
     return out
 
 
-def _prepare_copies(objects: Any) -> dict[tuple[str, str], Callable[[], Any]]:
+def _prepare_copies(objects: ResidentStore) -> dict[tuple[str, str], Callable[[], Any]]:
     """The model residents' ``begin_snapshot()``, called on the step path: the functions that end their copies."""
     out = {}
     for model_id in objects.ids(MODEL):
@@ -149,7 +149,7 @@ def _prepare_copies(objects: Any) -> dict[tuple[str, str], Callable[[], Any]]:
     return out
 
 
-def _copy_state(objects: Any, prepared: dict[tuple[str, str], Callable[[], Any]] | None = None) -> ResidentStates:
+def _copy_state(objects: ResidentStore, prepared: dict[tuple[str, str], Callable[[], Any]] | None = None) -> ResidentStates:
     """The copy a commit keeps: the replica's variables and models (``ResidentStore.snapshot``); the residents
     in ``prepared`` copied by the function their ``begin_snapshot`` returned."""
     state: ResidentStates = objects.snapshot(STATE_KINDS, prepared)

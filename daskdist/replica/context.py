@@ -12,6 +12,7 @@ from daskdist.ops import CommunicationOptions, ReduceOp
 from daskdist.values import regroup, select_replica
 
 if TYPE_CHECKING:
+    from daskdist.collective.process_group import ProcessGroup
     from daskdist.group.service import ReplicaService
 
 __all__ = ["ReplicaContext"]
@@ -29,10 +30,10 @@ class ReplicaContext:
 
     def __init__(self, runtime: ReplicaService):
         self._runtime = runtime
-        self._group: Any = None
+        self._group: ProcessGroup | None = None
         self._all_reduce: Callable[..., Any] | None = None
 
-    def bind(self, group: Any) -> None:
+    def bind(self, group: ProcessGroup) -> None:
         """Bind the generation's process ``group`` (the runtime calls this at each rewiring).
 
         ``all_reduce`` is then the group's inline all-reduce itself, with no

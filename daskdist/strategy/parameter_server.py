@@ -29,7 +29,7 @@ import threading
 import uuid
 import weakref
 from collections.abc import Callable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from dask.utils import parse_bytes
 from distributed import Client, default_client
@@ -52,6 +52,10 @@ from daskdist.strategy.extended import Args, Command, Kwargs
 from daskdist.strategy.held_drivers import PsStepDriver
 from daskdist.strategy.parameter_holder import ParameterHolderExtended
 from daskdist.strategy.training_contract import StepDriver
+
+if TYPE_CHECKING:
+    from daskdist.ps.client import StoreRef
+    from daskdist.variables import VariableSpec
 
 __all__ = ["ParameterServerExtended", "ParameterServerStrategy", "cluster_members"]
 
@@ -313,7 +317,7 @@ class ParameterServerExtended(ParameterHolderExtended):
             )
         super().install_resident(kind, object_id, obj)
 
-    def _install_views(self, var_id: str, spec: Any, store: Any, device: str) -> None:
+    def _install_views(self, var_id: str, spec: VariableSpec, store: StoreRef, device: str) -> None:
         """Workers make their views of a variable when a closure first unpickles it."""
 
     def step_timings(self, last: int | None = None) -> list[list[Kwargs]]:
