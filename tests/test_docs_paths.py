@@ -278,3 +278,12 @@ def test_the_front_page_and_the_figures_stay_short():
     """README is a front page (the rest lives in docs/); BENCHMARKS keeps the latest figures only."""
     assert len((ROOT / "README.md").read_text().splitlines()) <= 200
     assert len((ROOT / "BENCHMARKS.md").read_text().splitlines()) <= 900
+
+
+def test_every_docs_page_is_in_both_indexes():
+    """docs/README.md and the front page's table list every page of docs/ (a new page is found from both)."""
+    pages = {p.name for p in (ROOT / "docs").glob("*.md")} - {"README.md"}
+    index = set(re.findall(r"\]\(([\w-]+\.md)", (ROOT / "docs" / "README.md").read_text()))
+    front = set(re.findall(r"\]\(docs/([\w-]+\.md)", (ROOT / "README.md").read_text()))
+    assert pages - index == set()
+    assert pages - front == set()
