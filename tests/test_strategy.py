@@ -1,4 +1,4 @@
-"""The MirroredStrategy user story on real Dask clusters (issue: foundation)."""
+"""The MirroredStrategy user story on real Dask clusters."""
 
 from __future__ import annotations
 
