@@ -1,6 +1,6 @@
 """The built-in layers' ``fit`` through each step driver: steps/s under ParameterServer, CentralStorage, Mirrored.
 
-Issue 21 item 1 (one training contract): the built-in model trains through
+One training contract: the built-in model trains through
 the strategy's step driver (``SpmdStepDriver``, ``HolderStepDriver``,
 ``PsStepDriver``). This script times what a user runs, ``model.fit``, on the
 digits MLP of ``tests/test_ps_keras_fit.py`` (64 -> 32 -> 10, Adam), on a

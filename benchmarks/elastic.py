@@ -46,7 +46,7 @@ epoch, a plain strategy into per-replica buffers):
    seconds from the signal to the recovery event and to the first step of the
    new generation (replica 0's first progress event after it).
 
-``--model keras3`` (issue 21): the same parts with the tutorial's CNN in real
+``--model keras3``: the same parts with the tutorial's CNN in real
 Keras 3 on its torch backend (``keras3_training.keras3_cnn``: Conv2D(32, 3) -
 MaxPooling2D - Flatten - Dense(64) - Dense(10), Adam, accuracy) built in the
 strategy's scope, ``fit`` as ``tests/test_keras3_elastic.py`` runs it (Keras and

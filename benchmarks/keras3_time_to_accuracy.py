@@ -1,7 +1,7 @@
 """Time to 97 % test accuracy: Keras 3 under ``dd.MirroredStrategy`` against plain Keras 3, daskdist's built-in
 layers and tf-keras under TensorFlow's MultiWorkerMirroredStrategy.
 
-Issue 21's second figure besides samples/s. MNIST itself cannot be downloaded
+The second figure besides samples/s. MNIST itself cannot be downloaded
 on the machines this project runs on, so the data are MNIST-shaped handwritten
 digits: scikit-learn's real digits (8x8, 1,797 images, the split and order of
 ``examples/_digits.py``), each pixel made a 3x3 block and framed to 28x28x1,

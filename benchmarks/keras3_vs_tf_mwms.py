@@ -1,6 +1,6 @@
 """Keras 3 ``fit`` under ``dd.MirroredStrategy`` against tf-keras under TensorFlow's MultiWorkerMirroredStrategy.
 
-Issue 21's second comparison: the tutorial's CNN of ``benchmarks/keras3_training.py``
+The second comparison: the tutorial's CNN of ``benchmarks/keras3_training.py``
 (Conv2D(32, 3) - MaxPooling2D - Flatten - Dense(64) - Dense(10), Adam) on the
 same synthetic 28x28x1 rows, the same global batch, 2 replicas on the same
 2 cores:

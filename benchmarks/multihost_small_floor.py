@@ -1,6 +1,6 @@
 """What a 4 KiB all-reduce between two namespace hosts costs in plain Python, by how the bytes are received.
 
-Issue 24 asks for 4 KiB at most 2x Open MPI across two hosts. daskdist's
+The goal: 4 KiB at most 2x Open MPI across two hosts. daskdist's
 socket transport receives on a reader thread per peer and hands each message
 to the replica thread through a mailbox (a condition variable), with a bounded
 busy-poll before sleeping. This benchmark measures the floor of each shape on

@@ -1,4 +1,4 @@
-"""ParameterServerStrategy and CentralStorageStrategy figures (issue 14, strategies.md section 6.1).
+"""ParameterServerStrategy and CentralStorageStrategy figures (strategies.md section 6.1).
 
 For each worker count N a fresh ``LocalCluster`` of single-threaded worker
 processes (``num_ps`` + N) is started, and on it:
@@ -37,7 +37,7 @@ step time (median over epochs) on the tutorial's MLP at the same global
 batch, and the optimizer memory held in the cluster (Adam: the replicas'
 optimizer states, plus the store's for CentralStorage).
 
-And per worker count N (the ``keras3`` part, issue 21): **closures/s of a
+And per worker count N (the ``keras3`` part): **closures/s of a
 Keras 3 model's** ``fit``: the tutorial's MLP (Dense(64, relu) - Dense(10),
 Adam, sparse CE from logits, accuracy) in real Keras 3 on its torch backend,
 built in ``dd.ParameterServerStrategy``'s scope, ``model.fit(DatasetCreator(

@@ -1,4 +1,4 @@
-"""What the process-group layer adds to an all-reduce, measured inside the same replicas (issue 20).
+"""What the process-group layer adds to an all-reduce, measured inside the same replicas.
 
 One ``MirroredStrategy`` of 2 worker processes; inside the replicas, blocks
 of all-reduces of one float32 array (4 KiB: the latency lane; 64 MiB: the

@@ -56,7 +56,7 @@ from _common import (
     settings_line,
 )
 
-#: TensorFlow's in-process ``MirroredStrategy.run`` of the 4 KiB all-reduce step on the reference machine (issue 12).
+#: TensorFlow's in-process ``MirroredStrategy.run`` of the 4 KiB all-reduce step on the reference machine.
 TF_IN_PROCESS_MS = 0.66
 
 

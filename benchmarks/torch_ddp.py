@@ -1,4 +1,4 @@
-"""Stock DDP on the daskdist torch backend against DDP on gloo, and the backend's per-call overhead (issue 20).
+"""Stock DDP on the daskdist torch backend against DDP on gloo, and the backend's per-call overhead.
 
 Both DDP arms run in the same worker processes (a LocalCluster of 2
 single-threaded processes, one replica each, pinned as daskdist pins them),
@@ -174,7 +174,7 @@ def _train(arm: str, name: str, steps: int, warmup: int) -> dict[str, Any]:
     The final loss is averaged with daskdist's ``ReplicaContext.all_reduce``
     in both arms, not with the arm's backend: a gloo all-reduce of a tensor
     that Python holds, right before the gloo group is destroyed, deadlocked a
-    replica (round 3's hang). gloo's worker thread, dropping the finished
+    replica (a hang seen once). gloo's worker thread, dropping the finished
     work, releases the tensor and waits for the GIL; the replica thread,
     freeing the DDP model, runs ``~ProcessGroupGloo``, which joins that thread
     while holding the GIL (py-spy --native on the stuck replica showed both).

@@ -1,4 +1,4 @@
-"""Where a DDP step's time goes across hosts, daskdist vs gloo (issue 20): bucket timelines and bytes on the wire.
+"""Where a DDP step's time goes across hosts, daskdist vs gloo: bucket timelines and bytes on the wire.
 
 The same two network-namespace hosts, models and arms as ``torch_ddp.py
 --hosts netns``. Per arm, on each replica: DDP with a comm hook that does what

@@ -74,7 +74,8 @@ def _identity(x: Any) -> Any:
 def to_numpy(x: Any) -> np.ndarray:
     """Copy ``x`` to host memory as a numpy array (cupy arrays via ``.get()``)."""
     if _is_cupy(x):
-        return x.get()
+        host: np.ndarray = x.get()
+        return host
     return np.asarray(x)
 
 

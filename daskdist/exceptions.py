@@ -50,6 +50,8 @@ workers, no common commit, the recovery budget spent).
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "CheckpointError",
     "ClientClosedError",
@@ -113,7 +115,7 @@ class ReplicaLostError(DaskdistError):
         super().__init__(message)
         self.worker = worker
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (str(self), self.worker))
 
 
@@ -160,7 +162,7 @@ class StaleGenerationError(DaskdistError):
         self.received = received
         self.current = current
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (str(self), self.group_id, self.received, self.current))
 
 

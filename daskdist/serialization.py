@@ -34,7 +34,7 @@ def add_note(error: BaseException, note: str) -> None:
         error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]
 
 
-class _Pickler(cloudpickle.Pickler):
+class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]  # cloudpickle is unannotated here
     """cloudpickle's pickler that also ships module objects of a ``ModuleType`` subclass by reference.
 
     cloudpickle pickles modules by name (or by value, for a dynamic one),
@@ -124,7 +124,7 @@ def loads(data: bytes | bytearray | memoryview) -> Any:
     return pickle.loads(data)
 
 
-def error_message(error: BaseException, rank: int, worker: str) -> dict:
+def error_message(error: BaseException, rank: int, worker: str) -> dict[str, Any]:
     """Describe ``error`` raised on replica ``rank`` as a msgpack-able message.
 
     ``kind`` is ``"user"`` for an exception from user code, else the
@@ -149,7 +149,7 @@ def error_message(error: BaseException, rank: int, worker: str) -> dict:
     }
 
 
-def exception_from_message(msg: dict) -> BaseException:
+def exception_from_message(msg: dict[str, Any]) -> BaseException:
     """Rebuild the exception described by ``error_message`` (with the remote traceback as a note)."""
     error: BaseException | None = None
     if msg.get("exception") is not None:

@@ -202,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="daskdist.torchrun: %(message)s")
-    with Client(args.scheduler, set_as_default=False) as client:
+    with Client(args.scheduler, set_as_default=False) as client:  # type: ignore[no-untyped-call]
         return launch(client, args)
 
 

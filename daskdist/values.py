@@ -215,7 +215,8 @@ def local_results(value: Any) -> tuple[Any, ...]:
         return value.values
     read = _local_results_method(value)
     if read is not None:
-        return read()
+        results: tuple[Any, ...] = read()
+        return results
     leaves, treedef = optree.tree_flatten(value, is_leaf=_is_distributed, none_is_leaf=True)
     per_leaf: list[tuple[Any, ...] | None] = []
     num_replicas = None

@@ -1,6 +1,6 @@
 """A closed Dask client: every strategy says so, at construction and at ``run``; ``close()`` stays quiet.
 
-Issue 23 item 3. Real Dask workers (threads of this process: the client, not a worker, is what closes).
+Real Dask workers (threads of this process: the client, not a worker, is what closes).
 """
 
 from __future__ import annotations

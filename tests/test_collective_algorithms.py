@@ -42,7 +42,7 @@ def test_every_op_and_dtype(op, dtype):
     group = InMemoryGroup(size)
     xs = random_inputs(size, (13,), dtype, seed=1)
     for options in (None, RING):
-        results = group.run_ranks(lambda c: c.all_reduce(op, xs[c.rank], options))
+        results = group.run_ranks(lambda c, options=options: c.all_reduce(op, xs[c.rank], options))
         expected = NUMPY_OPS[op](np.stack(xs))
         for r in results:
             assert r.dtype == np.dtype(dtype)
@@ -82,7 +82,7 @@ def test_nested_structures_and_packs():
 
     for bytes_per_pack in (0, 8, 1 << 20):
         options = CommunicationOptions(bytes_per_pack=bytes_per_pack)
-        results = group.run_ranks(lambda c: c.all_reduce("SUM", value(c.rank), options))
+        results = group.run_ranks(lambda c, options=options: c.all_reduce("SUM", value(c.rank), options))
         for r in results:
             assert set(r) == {"a", "b", "c"} and r["c"] is None
             np.testing.assert_array_equal(r["a"], np.full((2, 2), 3, np.float32))
@@ -230,7 +230,7 @@ def test_bfloat16_all_reduce():
     xs = [np.full(5, r + 0.5, ml_dtypes.bfloat16) for r in range(3)]
     for op, want in (("SUM", 4.5), ("MEAN", 1.5), ("MAX", 2.5)):
         for options in (None, RING):
-            results = group.run_ranks(lambda c: c.all_reduce(op, xs[c.rank], options))
+            results = group.run_ranks(lambda c, op=op, options=options: c.all_reduce(op, xs[c.rank], options))
             assert results[0].dtype == ml_dtypes.bfloat16
             assert results[0].astype("float32").tolist() == [want] * 5
 

@@ -8,7 +8,7 @@ TensorFlow 2.21 computes for the same code on two logical CPUs). Tensors
 become numpy arrays; ``tf.constant(c)`` becomes ``np.float32(c)`` or
 ``np.asarray(c)``; ``@tf.function`` is dropped (nothing is traced here);
 ``distribution.extended.call_for_each_replica(fn)`` is written
-``strategy.run(fn)``. Where daskdist keeps a deliberate difference (README,
+``strategy.run(fn)``. Where daskdist keeps a deliberate difference (docs/strategies.md,
 "Deliberate differences"), the test checks the documented behaviour and says so.
 
 The examples use TensorFlow's two devices ``["GPU:0", "GPU:1"]``; here they
@@ -348,7 +348,7 @@ def test_assign_mirrored_var_replica_context_without_aggregation_type(strategy):
     TensorFlow's documented rule (and this test in TF 2.0-2.3) raises "You must
     specify an aggregation method to update a MirroredVariable in Replica
     Context"; TF 2.21's code updates each replica's copy instead. The stated
-    rule wins (README, "Deliberate differences"): the copies cannot drift apart.
+    rule wins (docs/strategies.md, "Deliberate differences"): the copies cannot drift apart.
     """
     mirrored_var = _mirrored(strategy, 1.0)
     with pytest.raises(ValueError, match="You must specify an aggregation method to update a MirroredVariable in "
@@ -375,7 +375,7 @@ def test_assign_mirrored_var_replica_context_with_sum_is_a_documented_difference
     through merge_call (eager) and gives 5.0 inside ``tf.function``: it can
     tell that every replica passed the same Python object. Replicas here are
     processes, so the values are SUM-aggregated as any other per-replica value
-    (README, "Deliberate differences"): 5.0 on two replicas gives 10.0.
+    (docs/strategies.md, "Deliberate differences"): 5.0 on two replicas gives 10.0.
     """
     mirrored_var = _mirrored(strategy, 1.0, "SUM")
     strategy.run(lambda: mirrored_var.assign(5.0))
@@ -476,7 +476,7 @@ def test_single_variable_created_in_replicas_is_one_mirrored_variable(strategy):
     """mirrored_variable_test.py, ``testSingleVariable`` / ``testUnnamedVariable`` / ``testVarDistributeStrategy``.
 
     TensorFlow's names carry a graph output suffix (``foo:0``); daskdist has
-    no graph and keeps the name given (README, "Deliberate differences").
+    no graph and keeps the name given (docs/strategies.md, "Deliberate differences").
     """
     def model_fn():
         v = dd.Variable(1.0, name="foo")
@@ -1046,7 +1046,7 @@ def test_regroup_same_id_is_a_documented_difference():
 
     Replicas here are processes whose results arrive as copies, so daskdist
     unwraps only what CPython shares between copies (``None``, bools, small
-    ints) and distributed variables, whatever the cluster (README,
+    ints) and distributed variables, whatever the cluster (docs/strategies.md,
     "Deliberate differences"); an arbitrary object stays per replica.
     """
     from daskdist.values import PerReplica, regroup, select_replica

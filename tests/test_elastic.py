@@ -330,7 +330,7 @@ def test_a_free_worker_is_admitted_at_the_start_of_fit_and_trains_with_the_same_
         history = model.fit(train, epochs=2, verbose=0, callbacks=[Watch()])
         assert changes == [("grew", 3, 3)]  # told once the newcomer is in, before the epoch it trains in
         (event,) = history.elastic.events
-        # free workers join at the start of every fit (issue 23 item 10), at its first commit
+        # free workers join at the start of every fit, at its first commit
         assert event.admitted == [free] and event.lost == [] and event.commit[1:] == (0, 0)
         assert strategy.num_replicas_in_sync == 3
         assert history.elastic_events[0]["action"] == "grew" and history.elastic_events[0]["admitted"] == [free]

@@ -1,4 +1,4 @@
-"""Elastic input (issue 16): shuffled epochs re-planned after a loss, random state in commits, keep="per_replica".
+"""Elastic input: shuffled epochs re-planned after a loss, random state in commits, keep="per_replica".
 
 The slow tests run ``dask worker`` processes that are killed with their
 nannies (``ProcessWorkers`` of ``test_elastic.py``).

@@ -1,4 +1,4 @@
-"""Issue 23 item 10: elastic growth at the start of every ``fit``, and a loss after growth.
+"""Elastic growth at the start of every ``fit``, and a loss after growth.
 
 Real ``dask worker`` processes (each with its nanny) that the test kills with SIGKILL at a fault point
 (``daskdist.testing.pause-at``): never by sleeping. Each ``fit`` commits every row of its epochs exactly once.

@@ -1,4 +1,4 @@
-"""Custom training loops over the built-in layers: ``dd.GradientTape`` (issue 23, item 1).
+"""Custom training loops over the built-in layers: ``dd.GradientTape``.
 
 The gradients are checked against central finite differences of the same
 loss, and a distributed custom loop (``strategy.run`` + ``strategy.reduce``,

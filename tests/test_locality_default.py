@@ -1,4 +1,4 @@
-"""Issue 23 item 9: Dask data keeps its locality by default; in-memory rows keep TF's exact split.
+"""Dask data keeps its locality by default; in-memory rows keep TF's exact split.
 
 Real Dask workers (threads of this process; the layout of persisted partitions is pinned per worker).
 """

@@ -1,4 +1,4 @@
-"""Issue 23 item 7: a closed group's Prometheus series go (rates 0 at once, gone after the grace period), and
+"""A closed group's Prometheus series go (rates 0 at once, gone after the grace period), and
 the dashboard page shows only live groups unless asked for closed ones.
 
 The store and the collector directly, then a real LocalCluster whose /metrics and /daskdist are fetched over HTTP.

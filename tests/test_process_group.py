@@ -273,7 +273,7 @@ def test_work_wait_with_a_timeout_raises_timeout_error_and_the_work_goes_on():
     assert _run(fake, groups, fn) == [[2.0]] * 2
 
 
-# -- issue 23 item 2: a collective one replica never joins -----------------------------------------------
+# -- a collective one replica never joins --------------------------------------------------------------
 
 
 @pytest.mark.parametrize("path", ["lane", "general"])
@@ -434,7 +434,7 @@ def test_replicas_use_the_process_group_over_real_transports(process_client, tra
 
 
 def test_a_replica_that_finishes_without_joining_fails_the_run_at_once(process_client):
-    """Issue 23 item 2 on real workers: the client gets the error in seconds, not after the 300 s default."""
+    """On real workers: the client gets the error in seconds, not after the 300 s default."""
     with dd.MirroredStrategy(client=process_client) as strategy:
 
         def fn():

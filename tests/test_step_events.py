@@ -75,7 +75,7 @@ def _twenty_all_reduces():
 
 @pytest.fixture(scope="module")
 def process_cluster_client():
-    """The issue's cluster: two worker processes and a dashboard."""
+    """A cluster of two worker processes and a dashboard."""
     with (LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address="127.0.0.1:0",
                        silence_logs=logging.ERROR) as cluster,
           Client(cluster, set_as_default=False) as client):

@@ -1,4 +1,4 @@
-"""The MirroredStrategy user story on real Dask clusters (issue: foundation)."""
+"""The MirroredStrategy user story on real Dask clusters."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def step(x, v):
 
 
 @pytest.mark.parametrize("client_name", ["threaded_client", "process_client"])
-def test_the_issue_user_story(request, client_name):
+def test_run_all_reduces_structures_into_a_mean_mirrored_variable(request, client_name):
     client = request.getfixturevalue(client_name)
     n = len(scheduler_workers(client))
     with dd.MirroredStrategy(client=client) as strategy:

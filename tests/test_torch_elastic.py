@@ -1,5 +1,5 @@
 """Elastic torch: a ``dd.elastic.State`` holding a ``TorchModel`` trains with stock DDP on the daskdist backend
-and survives a kill -9 of a worker (and its nanny) mid-epoch (issue 20, item 4).
+and survives a kill -9 of a worker (and its nanny) mid-epoch.
 
 The kill is placed at a step: the replica of rank 1 in the first generation stops inside its step,
 either between forward and backward (the others wait in DDP's bucket all-reduce, which must raise

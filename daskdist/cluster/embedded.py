@@ -31,7 +31,7 @@ def local_gpu_count() -> int:
         return 0
 
 
-def describe_worker() -> dict:
+def describe_worker() -> dict[str, Any]:
     """Run on each worker (``client.run``): its host name and GPU count, for placement."""
     return {"host": socket.gethostname(), "gpus": local_gpu_count()}
 
@@ -86,7 +86,7 @@ def start_embedded_cluster(devices: list[DeviceSpec] | None) -> tuple[Any, list[
     from distributed import LocalCluster
 
     with dask.config.set(worker_environment_config()):
-        cluster = LocalCluster(
+        cluster = LocalCluster(  # type: ignore[no-untyped-call]
             n_workers=len(devices),
             threads_per_worker=1,
             processes=bool(config.get("embedded.processes")),

@@ -45,7 +45,7 @@ ABORT_TIMEOUT = 5.0  # seconds the client waits for the replicas to take an inte
 
 
 async def _abort_all(client: Client, addresses: list[str], group_id: str, ranks: list[int], run_id: int,
-                     abort: dict, generation: int) -> None:
+                     abort: dict[str, Any], generation: int) -> None:
     async def one(rank: int) -> None:
         try:
             await asyncio.wait_for(client.rpc(addresses[rank]).daskdist_abort(
@@ -67,7 +67,7 @@ def abort_interrupted_run(client: Client, addresses: list[str], group_id: str, r
     logger.info("Aborting run %d on the replicas of %s: the client was interrupted (%s)", run_id, group_id,
                 type(reason).__name__)
     try:
-        client.sync(_abort_all, client, addresses, group_id, ranks, run_id,
+        client.sync(_abort_all, client, addresses, group_id, ranks, run_id,  # type: ignore[no-untyped-call]
                     Abort("aborted", message, None).to_msg(), generation, callback_timeout=ABORT_TIMEOUT + 1)
     except Exception as e:  # the client's loop or the cluster may be closing
         logger.debug("Could not abort run %d of %s: %r", run_id, group_id, e)
@@ -82,7 +82,7 @@ class EmbeddedShutdown:
     """
 
     _lock: ClassVar[threading.Lock] = threading.Lock()
-    _open: ClassVar[weakref.WeakSet] = weakref.WeakSet()
+    _open: ClassVar[weakref.WeakSet[Any]] = weakref.WeakSet()
     _installed: ClassVar[bool] = False
     _atexit_registered: ClassVar[bool] = False
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from daskdist.cluster.devices import DeviceSpec
 
@@ -30,7 +31,7 @@ class Placement:
     device: DeviceSpec
 
 
-def _natural_key(worker: WorkerInfo) -> tuple:
+def _natural_key(worker: WorkerInfo) -> tuple[Any, ...]:
     parts = re.split(r"(\d+)", str(worker.name))
     return (tuple(int(p) if p.isdigit() else p for p in parts), worker.address)
 

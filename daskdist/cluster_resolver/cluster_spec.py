@@ -13,7 +13,7 @@ from typing import Any
 __all__ = ["ClusterSpec"]
 
 #: What a job may be given as: a dense list of addresses, or a sparse ``{index: address}`` mapping.
-JobTasks = list | tuple | dict
+JobTasks = list[Any] | tuple[Any, ...] | dict[str, Any]
 
 
 def _as_text(value: Any, what: str) -> str:

@@ -132,7 +132,7 @@ class DaskClusterResolver(ClusterResolver):
             return scheduler_identity_from_worker(worker)
         from distributed import default_client
 
-        return scheduler_identity(default_client())
+        return scheduler_identity(default_client())  # type: ignore[no-untyped-call]
 
     def _records(self, identity: dict[str, Any]) -> list[WorkerRecord]:
         workers = identity.get("workers", {})
@@ -218,7 +218,7 @@ class DaskClusterResolver(ClusterResolver):
         if task_type is not None and task_id is not None:
             return format_master_url(self.cluster_spec().task_address(task_type, task_id),
                                      rpc_layer or self.rpc_layer)
-        return self._identity()["address"]
+        return str(self._identity()["address"])
 
     @property
     def rpc_layer(self) -> str:
@@ -266,8 +266,9 @@ class DaskClusterResolver(ClusterResolver):
         if client is None:
             from distributed import default_client
 
-            client = default_client()
-        return client.run(local_gpu_count, workers=addresses)
+            client = default_client()  # type: ignore[no-untyped-call]
+        counts: dict[str, int] = client.run(local_gpu_count, workers=addresses)
+        return counts
 
     @property
     def environment(self) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from daskdist.cluster_resolver.cluster_spec import ClusterSpec
 
@@ -60,7 +61,7 @@ def address_host(address: str) -> str:
     return split_address(address)[0].split("/", 1)[0]
 
 
-def placement_key(worker: WorkerRecord) -> tuple:
+def placement_key(worker: WorkerRecord) -> tuple[Any, ...]:
     """Natural order of worker names (``w2`` before ``w10``), as ``place_replicas`` orders them."""
     parts = re.split(r"(\d+)", str(worker.name))
     return (tuple(int(p) if p.isdigit() else p for p in parts), worker.address)

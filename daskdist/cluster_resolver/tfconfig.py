@@ -97,7 +97,8 @@ class TFConfigClusterResolver(ClusterResolver):
     @property
     def rpc_layer(self) -> str | None:
         if self._rpc_layer is None:
-            return _value_in_tf_config("rpc_layer")
+            layer: str | None = _value_in_tf_config("rpc_layer")
+            return layer
         return self._rpc_layer
 
     @rpc_layer.setter
@@ -122,7 +123,7 @@ class TFConfigClusterResolver(ClusterResolver):
         """
         session_master = _value_in_tf_config("session_master")
         if session_master is not None:
-            return session_master
+            return str(session_master)
         spec = self.cluster_spec()
         if not spec.jobs or (len(spec.jobs) == 1 and len(spec.job_tasks(spec.jobs[0])) == 1):
             return ""

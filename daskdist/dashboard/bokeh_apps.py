@@ -78,7 +78,7 @@ def add_documents(scheduler: Scheduler, docs: dict[str, Callable[..., None]]) ->
     if not apps:
         return False
     primary = apps[0]
-    app = BokehApplication(docs, scheduler, prefix=primary.prefix, template_variables=template_variables(scheduler))
+    app = BokehApplication(docs, scheduler, prefix=primary.prefix, template_variables=template_variables(scheduler))  # type: ignore[no-untyped-call]
     try:
         _adopt(primary, app)
     except (AttributeError, KeyError, TypeError, RuntimeError) as e:  # Bokeh internals differ: serve them apart

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from distributed import Scheduler
@@ -28,7 +28,7 @@ __all__ = ["bound_topic", "topic_events"]
 logger = logging.getLogger(__name__)
 
 
-def topic_events(scheduler: Scheduler, topic: str) -> collections.deque | None:
+def topic_events(scheduler: Scheduler, topic: str) -> collections.deque[Any] | None:
     """The deque in which ``scheduler`` keeps ``topic``'s events, or None if there is none (yet)."""
     broker = getattr(scheduler, "_broker", None)
     if broker is not None:

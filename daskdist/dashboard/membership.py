@@ -83,7 +83,7 @@ class MembershipChange:
 class MembershipHistory:
     """The generations of one group, oldest first (at most ``MAX_CHANGES``)."""
 
-    changes: collections.deque = field(default_factory=lambda: collections.deque(maxlen=MAX_CHANGES))
+    changes: collections.deque[Any] = field(default_factory=lambda: collections.deque[Any](maxlen=MAX_CHANGES))
     #: Per replica group of the strategy, its members in its newest generation.
     current: dict[str, list[str]] = field(default_factory=dict)
 
@@ -115,13 +115,13 @@ class MembershipHistory:
         """Every change but the group's start (generation 0): what the step chart marks."""
         return [c for c in self.changes if c.generation > 0]
 
-    def series(self, now: float | None = None) -> dict[str, list]:
+    def series(self, now: float | None = None) -> dict[str, list[Any]]:
         """The replica count over time: one point per generation, and one at ``now`` (the count still holds).
 
         Columns: ``time`` (ms since the epoch, as Bokeh's datetime axes take it),
         ``replicas``, ``generation``, ``lost``, ``admitted``, ``reason`` (text).
         """
-        out: dict[str, list] = {k: [] for k in ("time", "replicas", "generation", "lost", "admitted", "reason")}
+        out: dict[str, list[Any]] = {k: [] for k in ("time", "replicas", "generation", "lost", "admitted", "reason")}
         points = list(self.changes)
         for change in points:
             out["time"].append(change.time * 1000)

@@ -172,9 +172,9 @@ class StepPhases:
         self.root = column(self.summary, self.phases, self.throughput, self.replicas, sizing_mode=sizing_mode)
         self._group: str | None = None
 
-    def data(self) -> tuple[dict[str, list], str, float, float | None]:
+    def data(self) -> tuple[dict[str, list[Any]], str, float, float | None]:
         """Bar data of the latest group, its summary (HTML), its steps/s and samples/s (None: unknown)."""
-        data: dict[str, list] = {k: [] for k in self.source.data}
+        data: dict[str, list[Any]] = {k: [] for k in self.source.data}
         store = _store(self.scheduler)
         group = store.latest_group(include_closed=_show_closed()) if store is not None else None
         if group is None or store is None:
@@ -215,9 +215,9 @@ class StepPhases:
             text += f"<br><b>fit</b> epoch {progress['epoch']}, step {fit_step}: {html.escape(logs)}"
         return data, text, rate, samples_rate
 
-    def membership_data(self) -> tuple[dict[str, list], dict[str, list]]:
+    def membership_data(self) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
         """The step chart's markers (one per membership change in view) and the replica count over time."""
-        markers: dict[str, list] = {k: [] for k in MARKER_COLUMNS}
+        markers: dict[str, list[Any]] = {k: [] for k in MARKER_COLUMNS}
         group = _latest_group(self.scheduler)
         if group is None:
             return markers, {k: [] for k in COUNT_COLUMNS}
@@ -261,7 +261,7 @@ class StepPhases:
                              rollover=600)
 
 
-def _set_table_data(source: Any, data: dict[str, list]) -> None:
+def _set_table_data(source: Any, data: dict[str, list[Any]]) -> None:
     """Replace the data of a ``DataTable``'s source so that the browser redraws the table.
 
     BokehJS redraws a ``DataTable`` when its view's row indices change, which
@@ -311,10 +311,10 @@ class Stragglers:
         self.root = column(self.title, row(summary_table, collective_table, sizing_mode=sizing_mode),
                            sizing_mode=sizing_mode)
 
-    def data(self) -> tuple[dict[str, list], dict[str, list], str]:
+    def data(self) -> tuple[dict[str, list[Any]], dict[str, list[Any]], str]:
         """The per-replica summary, the per-collective rows (newest first) and the title (HTML)."""
-        summary: dict[str, list] = {k: [] for k in self.summary.data}
-        rows: dict[str, list] = {k: [] for k in self.collectives.data}
+        summary: dict[str, list[Any]] = {k: [] for k in self.summary.data}
+        rows: dict[str, list[Any]] = {k: [] for k in self.collectives.data}
         group = _latest_group(self.scheduler)
         title = f"<b>Stragglers (last {self.steps} steps)</b>"
         if group is None or group.size < 2:
@@ -364,10 +364,10 @@ def _periodic(doc: Any, component: Any) -> None:
     from distributed.dashboard.components import add_periodic_callback
 
     component.update()
-    add_periodic_callback(doc, component, UPDATE_MS)
+    add_periodic_callback(doc, component, UPDATE_MS)  # type: ignore[no-untyped-call]
 
 
-def daskdist_doc(scheduler: Scheduler, extra: dict, doc: Any) -> None:
+def daskdist_doc(scheduler: Scheduler, extra: dict[str, Any], doc: Any) -> None:
     """The full ``/daskdist`` page, in the dashboard's template (menus included)."""
     from distributed.dashboard.components.scheduler import BOKEH_THEME, env
 
@@ -380,7 +380,7 @@ def daskdist_doc(scheduler: Scheduler, extra: dict, doc: Any) -> None:
     doc.theme = BOKEH_THEME
 
 
-def individual_steps_doc(scheduler: Scheduler, extra: dict, doc: Any) -> None:
+def individual_steps_doc(scheduler: Scheduler, extra: dict[str, Any], doc: Any) -> None:
     """The phase bars alone (an individual plot, as dask-labextension embeds them)."""
     from distributed.dashboard.components.scheduler import BOKEH_THEME
 

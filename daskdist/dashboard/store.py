@@ -60,14 +60,14 @@ class Histogram:
 class ReplicaMetrics:
     """One replica's recent steps and running totals."""
 
-    history: collections.deque
+    history: collections.deque[Any]
     steps_total: int = 0
     samples_total: int = 0
     collectives_total: int = 0
     bytes_total: int = 0
     phases: dict[str, Histogram] = field(default_factory=lambda: {p: Histogram() for p in PHASES})
 
-    def add(self, step: dict) -> None:
+    def add(self, step: dict[str, Any]) -> None:
         self.history.append(step)
         self.steps_total += 1
         self.samples_total += int(step.get("samples") or 0)
@@ -89,7 +89,7 @@ class ReplicaMetrics:
         known = [s["samples"] for s in self.history if s.get("samples") is not None]
         if not known:
             return None
-        return self.throughput() * sum(known) / len(known)
+        return float(self.throughput() * sum(known) / len(known))
 
 
 @dataclass
@@ -110,7 +110,7 @@ class GroupMetrics:
         """Replicas in the group (as they report it; 0 before the first report)."""
         return self.stragglers.size
 
-    def add_steps(self, rank: int, steps: list[dict], size: int | None = None) -> None:
+    def add_steps(self, rank: int, steps: list[dict[str, Any]], size: int | None = None) -> None:
         """Take a batch of one replica's steps (``size``: the group's replicas, from the event)."""
         if size:
             self.stragglers.size = max(self.stragglers.size, int(size))
@@ -140,7 +140,7 @@ class GroupMetrics:
         rates = [rate for r in self.replicas.values() if (rate := r.samples_per_second()) is not None]
         return sum(rates) if rates else None
 
-    def recent_collectives(self, last: int | None = None) -> list[dict]:
+    def recent_collectives(self, last: int | None = None) -> list[dict[str, Any]]:
         """The attributed collectives of the replicas' most recent ``last`` steps, oldest first.
 
         Each: ``{"run_id", "seq", "kind", "replica"`` (the one the others waited
@@ -155,7 +155,7 @@ class GroupMetrics:
         """Per replica, how often the collectives of the last ``last`` steps waited for it, and the wait."""
         return self.stragglers.summary(self.recent_collectives(last))
 
-    def steps(self, last: int | None = None) -> dict[int, list[dict]]:
+    def steps(self, last: int | None = None) -> dict[int, list[dict[str, Any]]]:
         """Per replica (rank order), its most recent ``last`` steps, oldest first.
 
         Once the group's membership is known, only the ranks of its newest
@@ -189,7 +189,7 @@ class MetricsStore:
         self.history = int(history)
         self.straggler_min_wait = float(straggler_min_wait)
         self.groups: dict[str, GroupMetrics] = {}
-        self.progress: dict[str, dict] = {}  # fit tag -> {"epoch", "step", "logs", "time"}
+        self.progress: dict[str, dict[str, Any]] = {}  # fit tag -> {"epoch", "step", "logs", "time"}
 
     def record(self, topic: str, msg: Any) -> None:
         """Take one event (the scheduler plugin's ``log_event`` hook); other topics are ignored."""
@@ -252,7 +252,7 @@ class MetricsStore:
         candidates = [g for g in list(self.groups.values()) if include_closed or not g.closed]
         return max(candidates, key=lambda g: g.updated, default=None)
 
-    def latest_progress(self) -> dict | None:
+    def latest_progress(self) -> dict[str, Any] | None:
         """The most recent ``fit`` progress (with its ``tag``), if any."""
         if not self.progress:
             return None

@@ -16,11 +16,12 @@ from __future__ import annotations
 import collections
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["StragglerTotals", "StragglerTracker", "collective_ranges"]
 
 
-def collective_ranges(collective_times: Iterable[list]) -> list[list[int]]:
+def collective_ranges(collective_times: Iterable[list[Any]]) -> list[list[int]]:
     """``[run_id, first seq, last seq]`` per run of a step's ``collective_times`` (a compact record of them)."""
     ranges: dict[int, list[int]] = {}
     for run_id, seq, _kind, _seconds in collective_times:
@@ -61,14 +62,14 @@ class StragglerTracker:
     history: int = 1000
     min_wait: float = 0.001
     size: int = 0
-    pending: dict[tuple[int, int], dict] = field(default_factory=dict)
-    recent: collections.deque = field(default_factory=collections.deque)
+    pending: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
+    recent: collections.deque[Any] = field(default_factory=collections.deque)
     totals: dict[int, StragglerTotals] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.recent = collections.deque(self.recent, maxlen=self.history)
 
-    def add(self, rank: int, collective_times: Iterable[list]) -> None:
+    def add(self, rank: int, collective_times: Iterable[list[Any]]) -> None:
         """Take one replica's ``collective_times`` of one step."""
         if self.size < 2:
             return
@@ -93,7 +94,7 @@ class StragglerTracker:
             totals.count += 1
             totals.wait += wait
 
-    def collectives(self, ranges: Iterable[list[int]] | None = None) -> list[dict]:
+    def collectives(self, ranges: Iterable[list[int]] | None = None) -> list[dict[str, Any]]:
         """Attributed collectives, oldest first; with ``ranges`` (``[run_id, first, last]`` seqs), those in them."""
         if ranges is None:
             return list(self.recent)
@@ -103,7 +104,7 @@ class StragglerTracker:
         return [c for c in self.recent
                 if any(first <= c["seq"] <= last for first, last in by_run.get(c["run_id"], ()))]
 
-    def summary(self, collectives: Iterable[dict]) -> dict[int, StragglerTotals]:
+    def summary(self, collectives: Iterable[dict[str, Any]]) -> dict[int, StragglerTotals]:
         """Per replica (rank order), how often ``collectives`` waited for it and the wait it caused."""
         out: dict[int, StragglerTotals] = {}
         for c in collectives:

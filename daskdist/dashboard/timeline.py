@@ -15,12 +15,12 @@ from typing import Any
 __all__ = ["chrome_trace", "write_chrome_trace"]
 
 
-def _event(name: str, cat: str, rank: int, start: float, duration: float, args: dict) -> dict:
+def _event(name: str, cat: str, rank: int, start: float, duration: float, args: dict[str, Any]) -> dict[str, Any]:
     return {"name": name, "cat": cat, "ph": "X", "pid": rank, "tid": 0,
             "ts": round(start * 1e6, 3), "dur": round(max(duration, 0.0) * 1e6, 3), "args": args}
 
 
-def _step_events(rank: int, step: dict) -> list[dict]:
+def _step_events(rank: int, step: dict[str, Any]) -> list[dict[str, Any]]:
     start, total = step["start"], step["total"]
     spans = sorted(step.get("spans", ()), key=lambda s: s[1])
     first = min([0.0, *(s[1] for s in spans)])  # input made before the step is charged to it
@@ -42,7 +42,7 @@ def _step_events(rank: int, step: dict) -> list[dict]:
     return events
 
 
-def chrome_trace(timings: Sequence[Sequence[dict]], workers: Sequence[str] | None = None) -> dict:
+def chrome_trace(timings: Sequence[Sequence[dict[str, Any]]], workers: Sequence[str] | None = None) -> dict[str, Any]:
     """A Chrome trace (``{"traceEvents": [...]}``) of per-replica step timings (rank order)."""
     events: list[dict[str, Any]] = []
     for rank, steps in enumerate(timings):
@@ -55,7 +55,7 @@ def chrome_trace(timings: Sequence[Sequence[dict]], workers: Sequence[str] | Non
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def write_chrome_trace(path: str | os.PathLike, timings: Sequence[Sequence[dict]],
+def write_chrome_trace(path: str | os.PathLike[str], timings: Sequence[Sequence[dict[str, Any]]],
                        workers: Sequence[str] | None = None) -> str:
     """Write ``chrome_trace(timings, workers)`` as JSON to ``path``; return the path."""
     with open(path, "w") as f:

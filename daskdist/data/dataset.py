@@ -27,7 +27,7 @@ _SAMPLE_BATCH = 2  # rows of the batches that element_spec builds from one sampl
 class TensorSpec:
     """Shape (``None`` for unknown sizes) and dtype of one component of an element."""
 
-    shape: tuple
+    shape: tuple[Any, ...]
     dtype: np.dtype
 
     def __repr__(self) -> str:
@@ -44,7 +44,7 @@ class Dataset:
     def __init__(self, source: Source, transformations: tuple[ops.Op, ...] = ()):
         self._source = source
         self._ops = tuple(transformations)
-        self._caches: dict[int, list] = {}  # cache() contents, kept across iterations as in tf.data
+        self._caches: dict[int, list[Any]] = {}  # cache() contents, kept across iterations as in tf.data
         self._epochs = 0
 
     # -- sources -------------------------------------------------------------------
@@ -225,7 +225,7 @@ class Dataset:
         self._epochs += 1
         return self._iterate(self._source.partitions, state, load=self._load_locally)
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_caches": {}, "_epochs": 0}  # caches stay where they were filled
 
 

@@ -130,7 +130,7 @@ class DistributedDataset:
         iterator._dataset = self  # the placed rows live as long as an iterator over them
         return iterator
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (replica_side.resolve_dataset, (self._extended.token, self._id))
 
     def _repr_html_(self) -> str:

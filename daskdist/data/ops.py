@@ -68,7 +68,7 @@ class PipelineState:
 
     epoch: int = 0
     replica: int = 0
-    caches: dict[int, list] = field(default_factory=dict)
+    caches: dict[int, list[Any]] = field(default_factory=dict)
 
 
 # -- blocks ----------------------------------------------------------------------------
@@ -139,12 +139,12 @@ class Map(Op):
             raise TypeError(f"map needs a callable, got {type(fn).__name__}")
         self.fn = fn
 
-    def apply_rows(self, upstream, state):
+    def apply_rows(self, upstream: Stream, state: PipelineState) -> Iterator[Any]:
         for block in upstream(state):
             if block_rows(block):
                 yield stack_elements([_call(self.fn, row) for row in rows_of_block(block)])
 
-    def apply_elements(self, upstream, state):
+    def apply_elements(self, upstream: Stream, state: PipelineState) -> Iterator[Any]:
         return (_call(self.fn, element) for element in upstream(state))
 
     def describe(self) -> str:
@@ -157,13 +157,13 @@ class Filter(Op):
             raise TypeError(f"filter needs a callable, got {type(predicate).__name__}")
         self.predicate = predicate
 
-    def apply_rows(self, upstream, state):
+    def apply_rows(self, upstream: Stream, state: PipelineState) -> Iterator[Any]:
         for block in upstream(state):
             keep = np.fromiter((bool(_call(self.predicate, row)) for row in rows_of_block(block)), dtype=bool)
             if keep.any():
                 yield slice_block(block, keep)
 
-    def apply_elements(self, upstream, state):
+    def apply_elements(self, upstream: Stream, state: PipelineState) -> Iterator[Any]:
         return (element for element in upstream(state) if bool(_call(self.predicate, element)))
 
 
@@ -174,7 +174,7 @@ class Batch(Op):
         self.batch_size = int(batch_size)
         self.drop_remainder = drop_remainder
 
-    def apply_rows(self, upstream, state):
+    def apply_rows(self, upstream: Stream, state: PipelineState) -> Iterator[Any]:
         """Blocks in, batches (elements) out: views into the blocks, copies only across block edges."""
         pieces: list[Any] = []  # parts of the batch being assembled
         have = 0
@@ -192,7 +192,7 @@ class Batch(Op):
         if have and not self.drop_remainder:
             yield concat_blocks(pieces)
 
-    def apply_elements(self, upstream, state):
+    def apply_elements(self, upstream: Stream, state: PipelineState) -> Iterator[Any]:
         pending: list[Any] = []
         for element in upstream(state):
             pending.append(element)
@@ -218,7 +218,7 @@ class SplitBatch(Batch):
         super().__init__(max(max(sizes, default=1), 1), drop_remainder)
         self.sizes = [int(s) for s in sizes]
 
-    def apply_rows(self, upstream, state):
+    def apply_rows(self, upstream: Stream, state: PipelineState) -> Iterator[Any]:
         blocks = iter(upstream(state))
         block, start, seen = None, 0, None
         for size in self.sizes:
@@ -242,7 +242,7 @@ class SplitBatch(Batch):
             else:
                 return  # no rows at all: the iterator hands out empty batches from the element spec
 
-    def apply_elements(self, upstream, state):
+    def apply_elements(self, upstream: Stream, state: PipelineState) -> Iterator[Any]:
         raise ValueError("a split batch needs rows, not batches")
 
     def describe(self) -> str:
@@ -250,13 +250,13 @@ class SplitBatch(Batch):
 
 
 class Unbatch(Op):
-    def apply_elements(self, upstream, state):
+    def apply_elements(self, upstream: Stream, state: PipelineState) -> Iterator[Any]:
         """Elements (batches) in, blocks out."""
         for batch in upstream(state):
             if block_rows(batch):
                 yield batch
 
-    def apply_rows(self, upstream, state):
+    def apply_rows(self, upstream: Stream, state: PipelineState) -> Iterator[Any]:
         raise ValueError("unbatch() needs a batched dataset")
 
 
@@ -279,7 +279,7 @@ class Shuffle(Op):
         epoch = state.epoch if self.reshuffle_each_iteration else 0
         return np.random.default_rng(None if self.seed is None else [self.seed, epoch, state.replica])
 
-    def apply_rows(self, upstream, state):
+    def apply_rows(self, upstream: Stream, state: PipelineState) -> Iterator[Any]:
         rng = self._rng(state)
         buffer = None
         for block in upstream(state):
@@ -295,7 +295,7 @@ class Shuffle(Op):
         if buffer is not None and block_rows(buffer):
             yield from _gather_in_chunks(buffer, rng.permutation(block_rows(buffer)))
 
-    def apply_elements(self, upstream, state):
+    def apply_elements(self, upstream: Stream, state: PipelineState) -> Iterator[Any]:
         rng = self._rng(state)
         buffer: list[Any] = []
         for element in upstream(state):
@@ -328,7 +328,7 @@ class Gather(Op):
             raise ValueError("gather needs a 1-d array of non-negative row indices")
         self.indices = indices.astype(np.int64, copy=False)
 
-    def apply_rows(self, upstream, state):
+    def apply_rows(self, upstream: Stream, state: PipelineState) -> Iterator[Any]:
         blocks = [block for block in upstream(state) if block_rows(block)]
         if not blocks:
             if len(self.indices):
@@ -339,7 +339,7 @@ class Gather(Op):
             raise IndexError(f"gather index {int(self.indices.max())} out of range for {block_rows(block)} rows")
         yield from _gather_in_chunks(block, self.indices)
 
-    def apply_elements(self, upstream, state):
+    def apply_elements(self, upstream: Stream, state: PipelineState) -> Iterator[Any]:
         raise ValueError("gather reorders rows: put it before the batch")
 
     def describe(self) -> str:
@@ -358,7 +358,7 @@ def _gather_in_chunks(block: Any, order: np.ndarray) -> Iterator[Any]:
 class Cache(Op):
     """Keep what the first complete pass produced (blocks or elements); later passes replay it."""
 
-    def _apply(self, upstream, state, consolidate: bool):
+    def _apply(self, upstream: Stream, state: PipelineState, consolidate: bool) -> Iterator[Any]:
         key = id(self)
         cached = state.caches.get(key)
         if cached is not None:
@@ -372,10 +372,10 @@ class Cache(Op):
             filling = [concat_blocks(filling)]
         state.caches[key] = filling  # only a complete pass is kept
 
-    def apply_rows(self, upstream, state):
+    def apply_rows(self, upstream: Stream, state: PipelineState) -> Iterator[Any]:
         return self._apply(upstream, state, consolidate=True)
 
-    def apply_elements(self, upstream, state):
+    def apply_elements(self, upstream: Stream, state: PipelineState) -> Iterator[Any]:
         return self._apply(upstream, state, consolidate=False)
 
 
@@ -385,7 +385,7 @@ class Repeat(Op):
             raise ValueError(f"repeat count must be None, -1 or >= 0, got {count}")
         self.count = None if count in (None, -1) else int(count)
 
-    def _apply(self, upstream, state):
+    def _apply(self, upstream: Stream, state: PipelineState) -> Iterator[Any]:
         done = 0
         while self.count is None or done < self.count:
             produced = False
@@ -410,7 +410,7 @@ class _Counted(Op):
     def done(self, position: int) -> bool:
         return False
 
-    def apply_rows(self, upstream, state):
+    def apply_rows(self, upstream: Stream, state: PipelineState) -> Iterator[Any]:
         position = 0
         for block in upstream(state):
             n = block_rows(block)
@@ -423,7 +423,7 @@ class _Counted(Op):
             if self.done(position):
                 return
 
-    def apply_elements(self, upstream, state):
+    def apply_elements(self, upstream: Stream, state: PipelineState) -> Iterator[Any]:
         for position, element in enumerate(upstream(state)):
             if self.keep(np.array([position]))[0]:
                 yield element
@@ -435,10 +435,10 @@ class Take(_Counted):
     def __init__(self, count: int):
         self.count = int(count)
 
-    def keep(self, index):
+    def keep(self, index: np.ndarray) -> np.ndarray:
         return index < self.count if self.count >= 0 else np.ones(len(index), bool)
 
-    def done(self, position):
+    def done(self, position: int) -> bool:
         return 0 <= self.count <= position
 
 
@@ -446,7 +446,7 @@ class Skip(_Counted):
     def __init__(self, count: int):
         self.count = int(count)
 
-    def keep(self, index):
+    def keep(self, index: np.ndarray) -> np.ndarray:
         return index >= self.count if self.count >= 0 else np.zeros(len(index), bool)
 
 
@@ -459,8 +459,9 @@ class Shard(_Counted):
         self.num_shards = int(num_shards)
         self.index = int(index)
 
-    def keep(self, index):
-        return index % self.num_shards == self.index
+    def keep(self, index: np.ndarray) -> np.ndarray:
+        mine: np.ndarray = index % self.num_shards == self.index
+        return mine
 
     def describe(self) -> str:
         return f"shard({self.num_shards}, {self.index})"
@@ -472,7 +473,7 @@ class Prefetch(Op):
     def __init__(self, buffer_size: int | None = None):
         self.buffer_size = max(1, int(buffer_size or 1))
 
-    def _apply(self, upstream, state):
+    def _apply(self, upstream: Stream, state: PipelineState) -> Iterator[Any]:
         return PrefetchIterator(upstream(state), self.buffer_size)
 
     apply_rows = _apply
@@ -486,7 +487,7 @@ class PrefetchIterator:
     """Runs ``source`` in a background thread, ``depth`` items ahead; ``close()`` stops it."""
 
     def __init__(self, source: Iterator[Any], depth: int):
-        self._queue: queue.Queue = queue.Queue(depth)
+        self._queue: queue.Queue[Any] = queue.Queue(depth)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._fill, args=(source,), daemon=True, name="daskdist-prefetch")
         self._thread.start()
@@ -500,7 +501,7 @@ class PrefetchIterator:
         except BaseException as e:  # raised again in the consumer
             self._put((_DONE, e))
 
-    def _put(self, item: tuple) -> bool:
+    def _put(self, item: tuple[Any, ...]) -> bool:
         while not self._stop.is_set():
             try:
                 self._queue.put(item, timeout=0.1)

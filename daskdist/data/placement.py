@@ -62,25 +62,26 @@ class DaskRows:
 
         self.client = client
         self.source = source
-        persisted = [client.persist(c) for c in source.collections]  # one by one: mixing expressions and graphs
-        self.leaf_futures: list[list[Future]] = []  # per partition, one future per leaf
+        # one by one: mixing expressions and graphs
+        persisted = [client.persist(c) for c in source.collections]  # type: ignore[no-untyped-call]
+        self.leaf_futures: list[list[Future[Any]]] = []  # per partition, one future per leaf
         per_leaf = []
         for collection in persisted:
-            per_leaf.append(_partition_futures(collection, futures_of(collection)))
+            per_leaf.append(_partition_futures(collection, futures_of(collection)))  # type: ignore[no-untyped-call]
         self.leaf_futures = [list(parts) for parts in zip(*per_leaf)]
         every = [f for parts in self.leaf_futures for f in parts]
         for future in every:  # wait without pulling data here
-            if future.exception() is not None:
-                raise future.exception()
-        self.who_has = client.who_has(every)
-        self.nbytes = client.nbytes([f.key for f in every], summary=False)
+            if future.exception() is not None:  # type: ignore[no-untyped-call]
+                raise future.exception()  # type: ignore[no-untyped-call]
+        self.who_has = client.who_has(every)  # type: ignore[no-untyped-call]
+        self.nbytes = client.nbytes([f.key for f in every], summary=False)  # type: ignore[no-untyped-call]
         self.rows = self._rows()
 
     def _rows(self) -> list[int]:
         known = [p.rows for p in self.source.partitions]
         if all(r >= 0 for r in known):
             return known
-        counts = self.client.gather(self.client.map(len, [parts[0] for parts in self.leaf_futures], pure=False))
+        counts = self.client.gather(self.client.map(len, [parts[0] for parts in self.leaf_futures], pure=False))  # type: ignore[no-untyped-call]
         return [int(c) for c in counts]
 
     def partition_bytes(self, index: int) -> int:
@@ -99,7 +100,7 @@ class DaskRows:
             out.append(held)
         return out
 
-    def place(self, reads: list[Read], worker: str) -> tuple[list[Partition], list[Future], list[int]]:
+    def place(self, reads: list[Read], worker: str) -> tuple[list[Partition], list[Future[Any]], list[int]]:
         """Put ``reads`` on ``worker``; returns the replica's partitions (by key), the futures, the bytes moved.
 
         ``self.pinned`` collects ``(worker, future)`` of every task holding a replica's rows.
@@ -108,7 +109,7 @@ class DaskRows:
         placed, kept, moved = [], [], []
         targets = {worker}  # the workers the tasks below are pinned to
         if not hasattr(self, "pinned"):
-            self.pinned: list[tuple[str, Future]] = []
+            self.pinned: list[tuple[str, Future[Any]]] = []
         for read in reads:
             full = read.start == 0 and read.stop == self.rows[read.partition] and read.rule is None
             keys, read_moved = [], 0
@@ -133,7 +134,7 @@ class DaskRows:
             moved.append(read_moved)
         _wait_while_alive(client, kept, targets)
         for future in kept:
-            error = future.exception()
+            error = future.exception()  # type: ignore[no-untyped-call]
             if error is not None:
                 raise error
         return placed, kept, moved
@@ -148,7 +149,7 @@ class DaskRows:
         return self._taken(read) / rows if rows else 0.0
 
 
-def _wait_while_alive(client: Client, futures: list[Future], workers: set[str], poll: float = 0.5) -> None:
+def _wait_while_alive(client: Client, futures: list[Future[Any]], workers: set[str], poll: float = 0.5) -> None:
     """Wait for ``futures``, pinned to ``workers``; a worker that leaves meanwhile raises ``ReplicaLostError``.
 
     A task pinned to a worker that left the cluster waits for it for ever
@@ -159,7 +160,7 @@ def _wait_while_alive(client: Client, futures: list[Future], workers: set[str], 
     for future in futures:
         while True:
             try:
-                future.exception(timeout=poll)
+                future.exception(timeout=poll)  # type: ignore[no-untyped-call]
                 break
             except TimeoutError:
                 alive = set(scheduler_workers(client))
@@ -170,7 +171,7 @@ def _wait_while_alive(client: Client, futures: list[Future], workers: set[str], 
                     ) from None
 
 
-def _partition_futures(collection: Any, futures: list[Future]) -> list[Future]:
+def _partition_futures(collection: Any, futures: list[Future[Any]]) -> list[Future[Any]]:
     """The futures of a persisted collection's partitions, in order.
 
     Persisted dataframes may expose aliased output keys (dask-expr wraps the

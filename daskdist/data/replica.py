@@ -45,7 +45,7 @@ class KeyedSource(Source):
         self.worker: Any = None  # bound on the replica (loads run in prefetch threads, not worker threads)
         self.fetch_wait = 0.0  # seconds to wait for a holder of a key no worker holds (Dask recomputing it)
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "worker": None}
 
     def load(self, partition: Partition) -> Any:
@@ -88,7 +88,7 @@ class ReplicaShard:
     prefetch: int = 2
     to_device: bool = False
     steps: int | None = None  # batches every replica yields per pass, when known in advance
-    caches: dict = field(default_factory=dict)
+    caches: dict[int, list[Any]] = field(default_factory=dict)
     epochs: int = 0
 
     def pipeline(self, replica: int, epoch: int | None = None) -> Iterator[Any]:
@@ -103,11 +103,11 @@ class ReplicaShard:
             elements = ops.PrefetchIterator(elements, self.prefetch)
         return elements
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         """The shard's plan and how many passes it started (``Resident``)."""
         return {"partitions": list(self.partitions), "epochs": self.epochs}
 
-    def restore(self, state: dict) -> None:
+    def restore(self, state: dict[str, Any]) -> None:
         self.partitions = list(state["partitions"])
         self.epochs = int(state["epochs"])
 
@@ -142,11 +142,11 @@ class ReplicaIterator:
         self.position += 1
         return element
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         """Which pass and how far into it (``Resident``)."""
         return {"epoch": self.epoch, "position": self.position, "exhausted": self.exhausted}
 
-    def restore(self, state: dict) -> None:
+    def restore(self, state: dict[str, Any]) -> None:
         """Replay pass ``epoch`` of the shard up to ``position`` (the elements are made again, not stored)."""
         self.close()
         self.epoch, self.position, self.exhausted = int(state["epoch"]), 0, False
@@ -162,8 +162,8 @@ class ReplicaIterator:
             close()
 
 
-def _to_device(element: Any, shard: ReplicaShard, runtime: ReplicaService) -> Any:
-    if not shard.to_device or not any("GPU" in d for d in runtime.devices):
+def _to_device(element: Any, shard: ReplicaShard, service: ReplicaService) -> Any:
+    if not shard.to_device or not any("GPU" in d for d in service.devices):
         return element
     import cupy
 
@@ -173,26 +173,26 @@ def _to_device(element: Any, shard: ReplicaShard, runtime: ReplicaService) -> An
 # -- commands (run on the replica thread) ------------------------------------------
 
 
-def register_shard(runtime: ReplicaService, dataset_id: str, shard: ReplicaShard) -> None:
+def register_shard(service: ReplicaService, dataset_id: str, shard: ReplicaShard) -> None:
     if isinstance(shard.dataset.source, KeyedSource):
-        shard.dataset.source.worker = runtime.worker
-    runtime.objects.install(DATASET, dataset_id, shard)
+        shard.dataset.source.worker = service.worker
+    service.objects.install(DATASET, dataset_id, shard)
 
 
-def register_from_function(runtime: ReplicaService, dataset_id: str, dataset_fn: Callable[[InputContext], Any],
+def register_from_function(service: ReplicaService, dataset_id: str, dataset_fn: Callable[[InputContext], Any],
                            prefetch: int) -> Any:
     """Build this replica's dataset with ``dataset_fn(InputContext)``; returns its ``element_spec``."""
-    ctx = InputContext(num_input_pipelines=runtime.size, input_pipeline_id=runtime.rank, num_replicas_in_sync=runtime.size)
+    ctx = InputContext(num_input_pipelines=service.size, input_pipeline_id=service.rank, num_replicas_in_sync=service.size)
     dataset = dataset_fn(ctx)
     if not isinstance(dataset, Dataset):
         raise TypeError(f"dataset_fn must return a daskdist.data.Dataset, got {type(dataset).__name__}")
     source = dataset.source
     partitions = list(source.partitions)
     if isinstance(source, DaskSource):  # collections built inside dataset_fn: computed on this worker
-        dataset = Dataset(_ComputedDaskSource(source, runtime.worker), dataset.transformations)
+        dataset = Dataset(_ComputedDaskSource(source, service.worker), dataset.transformations)
     element_spec = dataset.element_spec
     spec = optree.tree_map(lambda s: (s.shape, np.dtype(s.dtype)), element_spec)
-    runtime.objects.install(DATASET, dataset_id, ReplicaShard(dataset, partitions, spec, prefetch))
+    service.objects.install(DATASET, dataset_id, ReplicaShard(dataset, partitions, spec, prefetch))
     return element_spec
 
 
@@ -213,44 +213,44 @@ def _batch_id(iterator_id: str, step: int) -> str:
     return f"{iterator_id}:{step}"
 
 
-def make_iterator(runtime: ReplicaService, dataset_id: str, iterator_id: str) -> None:
-    shard = runtime.objects.get(DATASET, dataset_id)
-    runtime.objects.install(ITERATOR, iterator_id, ReplicaIterator(shard, runtime.rank))
+def make_iterator(service: ReplicaService, dataset_id: str, iterator_id: str) -> None:
+    shard = service.objects.get(DATASET, dataset_id)
+    service.objects.install(ITERATOR, iterator_id, ReplicaIterator(shard, service.rank))
 
 
-def next_batch(runtime: ReplicaService, iterator_id: str, step: int) -> int:
+def next_batch(service: ReplicaService, iterator_id: str, step: int) -> int:
     """Produce this replica's element for ``step``; returns its rows (-1 once the shard is exhausted)."""
-    iterator: ReplicaIterator = runtime.objects.get(ITERATOR, iterator_id)
+    iterator: ReplicaIterator = service.objects.get(ITERATOR, iterator_id)
     start = time.perf_counter()
     element = iterator.next_element()
-    runtime.timer.add_pending_input(time.perf_counter() - start)
+    service.timer.add_pending_input(time.perf_counter() - start)
     key = _batch_id(iterator_id, step)
     if element is None:
-        runtime.objects.install(BATCH, key, iterator.shard.empty_batch())
+        service.objects.install(BATCH, key, iterator.shard.empty_batch())
         rows = -1
     else:
-        element = _to_device(element, iterator.shard, runtime)
-        runtime.objects.install(BATCH, key, element)
+        element = _to_device(element, iterator.shard, service)
+        service.objects.install(BATCH, key, element)
         leaves: list[Any] = optree.tree_leaves(element)
         first: Any = leaves[0] if leaves else None
         rows = int(len(first)) if first is not None and getattr(first, "ndim", None) else 1
-    runtime.objects.discard(BATCH, _batch_id(iterator_id, step - _BATCHES_KEPT))
+    service.objects.discard(BATCH, _batch_id(iterator_id, step - _BATCHES_KEPT))
     return rows
 
 
-def close_iterator(runtime: ReplicaService, iterator_id: str, keep_batches: bool = False) -> None:
+def close_iterator(service: ReplicaService, iterator_id: str, keep_batches: bool = False) -> None:
     """Stop an iterator's pipeline; drop its batches too unless ``keep_batches`` (handles may still be used)."""
-    iterator = runtime.objects.pop(ITERATOR, iterator_id)
+    iterator = service.objects.pop(ITERATOR, iterator_id)
     if iterator is not None:
         iterator.close()
     if not keep_batches:
-        for key in runtime.objects.ids(BATCH):
+        for key in service.objects.ids(BATCH):
             if key.startswith(f"{iterator_id}:"):
-                runtime.objects.discard(BATCH, key)
+                service.objects.discard(BATCH, key)
 
 
-def forget_dataset(runtime: ReplicaService, dataset_id: str) -> None:
-    runtime.objects.discard(DATASET, dataset_id)
+def forget_dataset(service: ReplicaService, dataset_id: str) -> None:
+    service.objects.discard(DATASET, dataset_id)
 
 
 # -- references resolved inside replicas ---------------------------------------------
@@ -268,7 +268,7 @@ class BatchRef:
         self.rows = rows
         self.leaf = leaf
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (_resolve_batch, (self.token, self.iterator_id, self.step, self.rows, self.leaf))
 
     def __repr__(self) -> str:

@@ -9,7 +9,6 @@ the first axis, dataframes), which stay on the workers that hold them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -33,7 +32,7 @@ class Partition:
     rows: int
     nbytes: int
     data: Any = None
-    keys: tuple = ()
+    keys: tuple[Any, ...] = ()
 
 
 class Source:
@@ -135,7 +134,7 @@ class DaskSource(Source):
                 if leaf.ndim == 0:
                     raise ValueError("from_dask: a 0-d dask array has no rows")
                 if any(len(c) > 1 for c in leaf.chunks[1:]):
-                    leaf = leaf.rechunk({i: -1 for i in range(1, leaf.ndim)})
+                    leaf = leaf.rechunk({i: -1 for i in range(1, leaf.ndim)})  # type: ignore[no-untyped-call]
             elif not _is_dask_dataframe_like(leaf):
                 raise TypeError(
                     f"from_dask takes dask arrays, dataframes or series (or a tuple/dict of them), "
@@ -156,7 +155,7 @@ class DaskSource(Source):
                         f"from_dask: components have different lengths ({first.shape[0]} and {leaf.shape[0]}); "
                         "they must match"
                     )
-                aligned.append(leaf if leaf.chunks[0] == bounds else leaf.rechunk({0: bounds}))
+                aligned.append(leaf if leaf.chunks[0] == bounds else leaf.rechunk({0: bounds}))  # type: ignore[no-untyped-call]
             self.collections = aligned
             rows: list[int | None] = [int(b) for b in bounds]
             block_bytes = [sum(int(np.prod((int(b), *leaf.shape[1:]))) * leaf.dtype.itemsize for leaf in aligned)
@@ -179,7 +178,7 @@ class DaskSource(Source):
 
     def delayed_partitions(self) -> list[list[Any]]:
         """Per partition, one ``Delayed`` per leaf collection."""
-        per_leaf = [list(np.asarray(c.to_delayed()).reshape(-1)) if hasattr(c, "chunks") else list(c.to_delayed())
+        per_leaf = [list(np.asarray(c.to_delayed()).reshape(-1)) if hasattr(c, "chunks") else list(c.to_delayed())  # type: ignore[no-untyped-call]
                     for c in self.collections]
         return [list(parts) for parts in zip(*per_leaf)]
 
@@ -188,7 +187,7 @@ class DaskSource(Source):
         from distributed import futures_of
 
         for collection in self.collections:
-            futures = futures_of(collection)
+            futures = futures_of(collection)  # type: ignore[no-untyped-call]
             if futures:
                 return futures[0].client
         return None
@@ -201,7 +200,7 @@ class DaskSource(Source):
             return self.assemble(client.compute(delayed, sync=True))
         import dask
 
-        return self.assemble(list(dask.compute(*delayed)))
+        return self.assemble(list(dask.compute(*delayed)))  # type: ignore[no-untyped-call]
 
     def sample(self, client: Any = None) -> Any:
         """The first row of the first partition as a one-row structure (only that row is computed)."""
@@ -215,7 +214,7 @@ class DaskSource(Source):
         else:
             import dask
 
-            values = [dask.compute(head)[0] for head in heads]
+            values = [dask.compute(head)[0] for head in heads]  # type: ignore[no-untyped-call]
         return self.assemble(values)
 
     def assemble(self, leaf_values: list[Any]) -> Any:
@@ -234,7 +233,3 @@ class DaskSource(Source):
 def _is_dask_dataframe_like(x: Any) -> bool:
     return hasattr(x, "npartitions") and hasattr(x, "to_delayed") and hasattr(x, "dtypes" if hasattr(x, "columns") else "dtype")
 
-
-def load_with(fetch: Callable[[Any], Any], source: DaskSource, partition: Partition) -> Any:
-    """Load a Dask partition given ``fetch(key) -> value``."""
-    return source.assemble([fetch(key) for key in partition.keys])

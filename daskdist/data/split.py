@@ -86,7 +86,8 @@ class GlobalBatchRows:
             rows_in_batch = np.where(batch < last, rows_in_batch, 0)
         each = -(-rows_in_batch // self.num_replicas)
         low = self.rank * each
-        return (positions < self.total_rows) & (offset >= low) & (offset < low + each) & (offset < rows_in_batch)
+        mask: np.ndarray = (positions < self.total_rows) & (offset >= low) & (offset < low + each) & (offset < rows_in_batch)
+        return mask
 
 
 @dataclass(frozen=True, eq=False)

@@ -84,7 +84,7 @@ class Recovery:
     reason: str = ""
     time: float = dataclasses.field(default_factory=time.time)
 
-    def to_msg(self) -> dict:
+    def to_msg(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "commit": list(self.commit)}
 
     def describe(self) -> str:
@@ -380,7 +380,7 @@ def _restore_common_commit(group: ReplicaGroup, admitted: list[str], install_new
     if not common:
         raise ElasticRecoveryError(f"the survivors of {group.group_id} hold no common commit (held: {held}); "
                                    "their state cannot be made consistent")
-    key: CommitKey = max(common)  # type: ignore[assignment]
+    key: CommitKey = max(common)
     missing = group.call(missing_residents, (key,), ranks=old)
     lacking = [r for r, m in zip(old, missing) if m]
     if lacking and len(lacking) < len(old):  # a member that lacks what the commit restores gets it as a newcomer
@@ -419,7 +419,7 @@ def _not_given(group: ReplicaGroup, newcomers: list[int], commit: Any) -> dict[i
     if skips:
         logger.warning("Newcomers of %s were not given residents of commit %s (%s): not restored there", group.group_id,
                        commit.key, skips)
-    return skips  # type: ignore[return-value]
+    return skips
 
 
 def recover_within_budget(group: ReplicaGroup, options: ElasticOptions, error: BaseException, failures: int,

@@ -24,7 +24,7 @@ import optree
 from daskdist import fault_points
 from daskdist.arrays import to_numpy
 from daskdist.elastic.boundary import retiring
-from daskdist.group.service import COMMIT, MODEL, VARIABLE, ReplicaService
+from daskdist.group.service import COMMIT, MODEL, VARIABLE, ReplicaService, ResidentStore
 
 __all__ = [
     "Commit",
@@ -47,6 +47,8 @@ logger = logging.getLogger(__name__)
 
 #: ``(fit, epoch, step)``: the ``fit`` call of the strategy, the epoch, the global batches of the epoch done.
 CommitKey = tuple[int, int, int]
+#: A snapshot of residents by ``(kind, id)`` (``ResidentStore.snapshot``).
+ResidentStates = dict[tuple[str, str], Any]
 _RING_ID = "ring"
 STATE_KINDS = (VARIABLE, MODEL)
 
@@ -60,14 +62,14 @@ class Commit:
     optimizer apply (``settle``), the only thing that changes what is being copied.
     """
 
-    def __init__(self, key: CommitKey, state: dict, progress: dict):
+    def __init__(self, key: CommitKey, state: ResidentStates, progress: dict[str, Any]):
         self.key = key
         self.progress = progress
-        self._state: dict | None = state
-        self._copy: concurrent.futures.Future[dict] | None = None
+        self._state: ResidentStates | None = state
+        self._copy: concurrent.futures.Future[ResidentStates] | None = None
 
     @classmethod
-    def copying(cls, key: CommitKey, objects: Any, progress: dict,
+    def copying(cls, key: CommitKey, objects: ResidentStore, progress: dict[str, Any],
                 before_copy: Callable[[], None] | None = None) -> Commit:
         """A commit whose state ``objects`` (a ``ResidentStore``) is copied by a thread started now.
 
@@ -78,7 +80,7 @@ class Commit:
         """
         commit = cls(key, {}, progress)
         commit._state = None
-        future: concurrent.futures.Future[dict] = concurrent.futures.Future()
+        future: concurrent.futures.Future[ResidentStates] = concurrent.futures.Future()
         random = _random_states_now(objects)  # the next step's forward draws from them while the copy runs
         prepared = _prepare_copies(objects)
 
@@ -96,7 +98,7 @@ class Commit:
         return commit
 
     @property
-    def state(self) -> dict:
+    def state(self) -> ResidentStates:
         if self._state is None:
             assert self._copy is not None
             self._state = self._copy.result()
@@ -116,20 +118,20 @@ class Commit:
         """The ``(kind, id)`` of the residents this commit restores."""
         return list(self.state)
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, Any]:
         return {"key": self.key, "state": self.state, "progress": self.progress}
 
-    def __setstate__(self, state: dict) -> None:
+    def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["key"], state["state"], state["progress"])  # type: ignore[misc]
 
 
-def _random_states_now(objects: Any) -> dict:
+def _random_states_now(objects: ResidentStore) -> ResidentStates:
     """The models' random generator states at the commit (``snapshot_random``), read on the step path.
 
     The weights cannot change before the next apply (which waits for the copy), but the next forward
     (a dropout) draws from the generators at once: their state is taken before the copy thread starts.
     """
-    out = {}
+    out: ResidentStates = {}
     for model_id in objects.ids(MODEL):
         resident = objects.get(MODEL, model_id)
         if hasattr(resident, "snapshot_random"):
@@ -137,7 +139,7 @@ def _random_states_now(objects: Any) -> dict:
     return out
 
 
-def _prepare_copies(objects: Any) -> dict[tuple[str, str], Callable[[], Any]]:
+def _prepare_copies(objects: ResidentStore) -> dict[tuple[str, str], Callable[[], Any]]:
     """The model residents' ``begin_snapshot()``, called on the step path: the functions that end their copies."""
     out = {}
     for model_id in objects.ids(MODEL):
@@ -147,14 +149,14 @@ def _prepare_copies(objects: Any) -> dict[tuple[str, str], Callable[[], Any]]:
     return out
 
 
-def _copy_state(objects: Any, prepared: dict[tuple[str, str], Callable[[], Any]] | None = None) -> dict:
+def _copy_state(objects: ResidentStore, prepared: dict[tuple[str, str], Callable[[], Any]] | None = None) -> ResidentStates:
     """The copy a commit keeps: the replica's variables and models (``ResidentStore.snapshot``); the residents
     in ``prepared`` copied by the function their ``begin_snapshot`` returned."""
-    state: dict = objects.snapshot(STATE_KINDS, prepared)
+    state: ResidentStates = objects.snapshot(STATE_KINDS, prepared)
     return state
 
 
-def _with_random_states(state: dict, random: dict) -> dict:
+def _with_random_states(state: ResidentStates, random: ResidentStates) -> ResidentStates:
     """``state`` with the models' random states taken at the commit (``random``) in place of those copied."""
     for key, states in random.items():
         if key in state:
@@ -200,7 +202,7 @@ def commit_ring(service: ReplicaService) -> CommitRing:
     return ring
 
 
-def state_digest(state: dict) -> str:
+def state_digest(state: ResidentStates) -> str:
     """A hash of a snapshot's bytes (keys, dtypes, shapes and values), to check replicas hold the same state."""
     digest = hashlib.sha256()
     for key in sorted(state, key=repr):
@@ -247,7 +249,7 @@ def state_residents(service: ReplicaService) -> list[tuple[str, str]]:
     return [(kind, object_id) for kind in STATE_KINDS for object_id in service.objects.ids(kind)]
 
 
-def commit_progress(service: ReplicaService, key: CommitKey) -> dict:
+def commit_progress(service: ReplicaService, key: CommitKey) -> dict[str, Any]:
     """The epoch's progress at commit ``key`` (global loss sum and examples, metric totals)."""
     return commit_ring(service).get(key).progress
 
@@ -257,7 +259,7 @@ def commit_keys(service: ReplicaService) -> list[CommitKey]:
     return list(commit_ring(service).commits)
 
 
-def restore_commit(service: ReplicaService, key: CommitKey, rank0_metrics: bool = True) -> str:
+def restore_commit(service: ReplicaService, key: CommitKey) -> str:
     """Go back to commit ``key``: restore its state, forget newer commits; returns the state's digest."""
     ring = commit_ring(service)
     ring.settle()  # no copy may read what the restore writes
@@ -303,7 +305,7 @@ def install_commit(service: ReplicaService, commit: Commit, skip: Sequence[tuple
     return state_digest(commit.state)
 
 
-def _restore_metrics(service: ReplicaService, progress: dict) -> None:
+def _restore_metrics(service: ReplicaService, progress: dict[str, Any]) -> None:
     """The epoch's metric totals at the commit: all of them on rank 0, zeros elsewhere (they are summed later)."""
     for model_id in service.objects.ids(MODEL):
         totals = progress.get("metrics", {}).get(model_id)

@@ -116,7 +116,7 @@ class State:
         self.failures = 0
         self._run_id = next(_RUNS)
         self._serial = itertools.count(1)
-        self._commits: OrderedDict[CommitKey, dict] = OrderedDict()
+        self._commits: OrderedDict[CommitKey, dict[str, Any]] = OrderedDict()
         self._reset_callbacks: list[Callable[[], None]] = []
         self._rows: RowMap | None = None  # the epoch positions of the last dataset's rows
         self._inputs: dict[int, tuple[Dataset, EpochInput]] = {}  # per dataset, its epochs' order
@@ -221,7 +221,7 @@ class State:
 
     # -- recovery ---------------------------------------------------------------------
 
-    def _plain_attributes(self) -> dict:
+    def _plain_attributes(self) -> dict[str, Any]:
         out = {}
         for name, value in vars(self).items():
             if name.startswith("_") or name in ("strategy", "options", "ledger", "events", "failures"):
@@ -286,12 +286,12 @@ class State:
                 models[value.model_id] = value
         return models, variables
 
-    def _unrebuildable(self, residents: list) -> list[tuple[str, str]]:
+    def _unrebuildable(self, residents: list[Any]) -> list[tuple[str, str]]:
         from daskdist.group.service import MODEL, VARIABLE
 
         models, variables = self._rebuildable()
         known = {(MODEL, i) for i in models} | {(VARIABLE, i) for i in variables}
-        return [tuple(r) for r in residents if tuple(r) not in known]  # type: ignore[misc]
+        return [tuple(r) for r in residents if tuple(r) not in known]
 
     def _install_newcomer(self, rank: int) -> None:
         """Give the newcomer at ``rank`` the state's models and variables (their values come with the commit)."""

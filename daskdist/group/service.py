@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
-from daskdist.group.membership import Generation, Membership, Rank
+from daskdist.group.membership import Generation, GroupId, Membership, Rank
 
 __all__ = [
     "BATCH",
@@ -183,6 +183,9 @@ class ReplicaService(Protocol):
     rank: Rank
     size: int
     generation: Generation
+    #: The group this replica belongs to, and the client command it runs (-1 before the first).
+    group_id: GroupId
+    run_id: int
     membership: Membership
     strategy_token: str
     devices: list[str]
@@ -207,6 +210,10 @@ class ReplicaService(Protocol):
     @property
     def communicator(self) -> Any:
         """This generation's communicator (collectives)."""
+
+    @property
+    def mailbox(self) -> Any:
+        """This generation's mailbox of tagged collective messages (its abort check)."""
 
     @property
     def process_group(self) -> Any:

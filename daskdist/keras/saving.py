@@ -16,7 +16,6 @@ import hashlib
 import json
 import os
 import tempfile
-from typing import Any
 
 import numpy as np
 
@@ -107,9 +106,3 @@ def latest_checkpoint(checkpoint_dir: str) -> str | None:
     prefix = os.path.join(checkpoint_dir, name)
     return prefix if os.path.exists(prefix + ".json") else None
 
-
-def tensors_for(model_weights: list[tuple[str, Any]]) -> dict[str, np.ndarray]:
-    """Named host arrays of a model's weights."""
-    from daskdist.arrays import to_numpy
-
-    return {name: to_numpy(array) for name, array in model_weights}

@@ -24,7 +24,7 @@ from typing import Any
 import optree
 
 from daskdist import context
-from daskdist.group.service import DATASET, ITERATOR, STRATEGY
+from daskdist.group.service import DATASET, ITERATOR, STRATEGY, ReplicaService
 from daskdist.ps.input import drain_consumed
 from daskdist.ps.session import begin_closure, end_closure
 
@@ -89,7 +89,7 @@ class ClosureEnds:
         self.calls: dict[str, Callable[[], Any]] = {}
 
 
-def at_closure_end(runtime: Any, key: str, finish: Callable[[], Any]) -> None:
+def at_closure_end(service: ReplicaService, key: str, finish: Callable[[], Any]) -> None:
     """Call ``finish()`` when the closure this worker is unpickling or running returns (not when it raises).
 
     Made for what a closure's function brings with it (it is unpickled before
@@ -98,26 +98,26 @@ def at_closure_end(runtime: Any, key: str, finish: Callable[[], Any]) -> None:
     client commits it (``on_closure_commit``) for the run it keeps only. A
     second call with the same ``key`` in one closure replaces the first.
     """
-    ends = runtime.objects.find(*CLOSURE_ENDS_KEY)
-    if not isinstance(ends, ClosureEnds) or ends.run_id != runtime.run_id:
-        ends = ClosureEnds(runtime.run_id)
-        runtime.objects.install(*CLOSURE_ENDS_KEY, ends)
+    ends = service.objects.find(*CLOSURE_ENDS_KEY)
+    if not isinstance(ends, ClosureEnds) or ends.run_id != service.run_id:
+        ends = ClosureEnds(service.run_id)
+        service.objects.install(*CLOSURE_ENDS_KEY, ends)
     ends.calls[key] = finish
 
 
-def _finish(runtime: Any) -> dict[str, Any]:
+def _finish(service: ReplicaService) -> dict[str, Any]:
     """Call what ``at_closure_end`` asked for in this command (calls of an earlier one, which failed, are dropped)."""
-    ends = runtime.objects.find(*CLOSURE_ENDS_KEY)
+    ends = service.objects.find(*CLOSURE_ENDS_KEY)
     if not isinstance(ends, ClosureEnds):
         return {}
-    runtime.objects.discard(*CLOSURE_ENDS_KEY)
-    if ends.run_id != runtime.run_id:
+    service.objects.discard(*CLOSURE_ENDS_KEY)
+    if ends.run_id != service.run_id:
         return {}
     parts = {key: finish() for key, finish in ends.calls.items()}
     return {key: value for key, value in parts.items() if value is not None}
 
 
-def run_closure(service: Any, closure_id: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+def run_closure(service: ReplicaService, closure_id: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                 client_writes: int = 0) -> Any:
     """Worker command: run one closure, its updates keyed by ``closure_id`` (deduplicated at the stores).
 
@@ -131,7 +131,7 @@ def run_closure(service: Any, closure_id: str, fn: Callable[..., Any], args: tup
     return _run_closure(service, closure_id, fn, args, kwargs, client_writes)[0]
 
 
-def _run_closure(service: Any, closure_id: str, fn: Callable[..., Any], args: tuple[Any, ...],
+def _run_closure(service: ReplicaService, closure_id: str, fn: Callable[..., Any], args: tuple[Any, ...],
                  kwargs: dict[str, Any], client_writes: int) -> tuple[Any, dict[str, Any]]:
     """``run_closure``: the closure's result and its parts (``at_closure_end``)."""
     structure: Any = (args, kwargs)
@@ -158,7 +158,7 @@ def _run_closure(service: Any, closure_id: str, fn: Callable[..., Any], args: tu
         end_closure(service, session, failed)
 
 
-def run_recorded_closure(service: Any, closure_id: str, fn: Callable[..., Any], args: tuple[Any, ...],
+def run_recorded_closure(service: ReplicaService, closure_id: str, fn: Callable[..., Any], args: tuple[Any, ...],
                          kwargs: dict[str, Any], client_writes: int = 0
                          ) -> tuple[Any, list[tuple[str, int, int, int]], dict[str, Any]]:
     """Worker command: ``run_closure``; the partition loads its pipelines made (for the data ledger) and its
@@ -174,7 +174,7 @@ def run_recorded_closure(service: Any, closure_id: str, fn: Callable[..., Any], 
     return result, drain_consumed(service), parts
 
 
-def make_dataset(service: Any, key: str, dataset_fn: Any, index: int, workers: int) -> None:
+def make_dataset(service: ReplicaService, key: str, dataset_fn: Any, index: int, workers: int) -> None:
     """Worker command: build this worker's dataset (input pipeline ``index`` of ``workers``) under ``key``."""
     from daskdist.data import InputContext
 
@@ -200,6 +200,6 @@ def _refuse_variable(*args: Any, **kwargs: Any) -> Any:
     raise ValueError("Creating variables in `dataset_fn` is not allowed.")
 
 
-def make_iterator(service: Any, dataset_key: str, key: str) -> None:
+def make_iterator(service: ReplicaService, dataset_key: str, key: str) -> None:
     """Worker command: an iterator over this worker's dataset ``dataset_key``, kept under ``key``."""
     service.objects.install(ITERATOR, key, iter(service.objects.get(DATASET, dataset_key)))

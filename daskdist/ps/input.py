@@ -47,7 +47,7 @@ from daskdist.data.placement import DaskRows, Read
 from daskdist.data.replica import KeyedSource
 from daskdist.data.sources import DaskSource, Partition
 from daskdist.data.split import homes
-from daskdist.group.service import STRATEGY
+from daskdist.group.service import STRATEGY, ReplicaService
 
 __all__ = ["CONSUMED_KEY", "ClosureDataLedger", "LedgerEntry", "LocalityPlan", "LoggedSource", "drain_consumed",
            "plan_by_locality"]
@@ -89,7 +89,7 @@ class LoggedSource(KeyedSource):
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "_log": None, "_loads": {}}
 
-    def bind(self, service: Any) -> None:
+    def bind(self, service: ReplicaService) -> None:
         """On the worker: read from its memory, log into its resident log of loads."""
         self.worker = service.worker
         self._loads = dict(self.start_loads)
@@ -110,7 +110,7 @@ class LoggedSource(KeyedSource):
         return value
 
 
-def drain_consumed(service: Any) -> list[tuple[str, int, int, int]]:
+def drain_consumed(service: ReplicaService) -> list[tuple[str, int, int, int]]:
     """The loads logged on this worker since the last drain: ``(dataset key, pass, partition, rows)``."""
     log = service.objects.find(*CONSUMED_KEY)
     drained = []

@@ -39,6 +39,8 @@ from daskdist.wire.tls import worker_contexts
 if TYPE_CHECKING:
     from distributed import Client
 
+    from daskdist.group.service import ReplicaService
+
 __all__ = ["RoundCounter", "StoreRef", "exchange_from_replica"]
 
 
@@ -74,8 +76,8 @@ class StoreRef:
 
     # -- from a replica thread ---------------------------------------------------------
 
-    def call_from_replica(self, runtime: Any, op: str, **kwargs: Any) -> Any:
-        """Run ``op`` on the store from a replica thread (``runtime``: the replica's runtime).
+    def call_from_replica(self, service: ReplicaService, op: str, **kwargs: Any) -> Any:
+        """Run ``op`` on the store from a replica thread (``service``: the replica it runs on).
 
         A worker's variable and trainable-parameter traffic and synchronous
         rounds (``daskdist.ps.channel.DIRECT_OPS``) go without the event loop: the
@@ -84,7 +86,7 @@ class StoreRef:
         (functions, update rules, a round's contribution carrying the
         update rule) goes through the worker's event loop.
         """
-        worker = runtime.worker
+        worker = service.worker
         if op in DIRECT_OPS and not _carries_objects(op, kwargs):  # no event loop on the way: own worker, else the channel
             held = _own_store(worker, self.address)
             if held is not None:
@@ -109,7 +111,7 @@ class StoreRef:
                                    worker=self.address) from e
         return _result(response)
 
-    def round_from_replica(self, runtime: Any, kind: str, key: str, round_id: int, payload: Any) -> Any:
+    def round_from_replica(self, runtime: ReplicaService, kind: str, key: str, round_id: int, payload: Any) -> Any:
         """Contribute ``payload`` to a synchronous round; the round's result once every replica has.
 
         Waits in slices of at most 0.5 s, checking the run's and the group's
@@ -154,7 +156,7 @@ class StoreRef:
         return _result(response)
 
 
-def exchange_from_replica(runtime: Any, requests: dict[StoreRef, dict[str, Any]]) -> dict[StoreRef, Any]:
+def exchange_from_replica(service: ReplicaService, requests: dict[StoreRef, dict[str, Any]]) -> dict[StoreRef, Any]:
     """One ``exchange`` per store, all sent at once from a replica thread; each store's reply.
 
     ``requests``: ``{store: exchange arguments}``. The requests go out
@@ -164,7 +166,7 @@ def exchange_from_replica(runtime: Any, requests: dict[StoreRef, dict[str, Any]]
     """
     if not requests:
         return {}
-    worker = runtime.worker
+    worker = service.worker
     held = {s: own for s in requests if (own := _own_store(worker, s.address)) is not None}  # called directly
     direct = [s for s in requests if s not in held and s.direct is not None]
     through_dask = [s for s in requests if s not in held and s.direct is None]

@@ -40,7 +40,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
 from daskdist import config
-from daskdist.group.service import STRATEGY
+from daskdist.group.service import STRATEGY, ReplicaService
 from daskdist.ps.refs import exchange_from_replica
 
 if TYPE_CHECKING:
@@ -81,12 +81,12 @@ class WorkingSet:
         self.ahead_of = -1
         self.ahead_client_writes = -1
 
-    def begin(self, runtime: Any, client_writes: int) -> None:
+    def begin(self, service: ReplicaService, client_writes: int) -> None:
         """A closure starts: the values pulled ahead by the previous one are fresh for it, if still valid."""
         self.closures += 1
         if self.ahead_of == self.closures - 1 and self.ahead_client_writes == client_writes:
             for view in self.ahead:
-                view.cached_run = runtime.run_id
+                view.cached_run = service.run_id
         self.ahead, self.ahead_of = [], -1
 
     def mark_read(self, view: StoredView) -> None:
@@ -102,8 +102,8 @@ class WorkingSet:
 class ClosureSession:
     """The reads and queued updates of the closure a worker runs (see the module's description)."""
 
-    def __init__(self, runtime: Any, closure_id: str, working_set: WorkingSet, client_writes: int = 0):
-        self.runtime = runtime
+    def __init__(self, service: ReplicaService, closure_id: str, working_set: WorkingSet, client_writes: int = 0):
+        self.runtime = service
         self.closure_id = closure_id
         self.working_set = working_set
         self.client_writes = client_writes
@@ -194,23 +194,23 @@ class ClosureSession:
         return replies
 
 
-def begin_closure(runtime: Any, closure_id: str, client_writes: int = 0) -> ClosureSession:
+def begin_closure(service: ReplicaService, closure_id: str, client_writes: int = 0) -> ClosureSession:
     """Install the session of closure ``closure_id`` on this worker (``run_closure`` calls it first).
 
     ``client_writes``: how many variable writes the client made so far (the
     values pulled ahead are used only if it made none since).
     """
-    working_set = runtime.objects.find(*WORKING_SET_KEY)
+    working_set = service.objects.find(*WORKING_SET_KEY)
     if working_set is None:
         working_set = WorkingSet()
-        runtime.objects.install(*WORKING_SET_KEY, working_set)
-    working_set.begin(runtime, client_writes)
-    session = ClosureSession(runtime, closure_id, working_set, client_writes)
-    runtime.objects.install(*CLOSURE_KEY, session)
+        service.objects.install(*WORKING_SET_KEY, working_set)
+    working_set.begin(service, client_writes)
+    session = ClosureSession(service, closure_id, working_set, client_writes)
+    service.objects.install(*CLOSURE_KEY, session)
     return session
 
 
-def end_closure(runtime: Any, session: ClosureSession, failed: bool) -> None:
+def end_closure(service: ReplicaService, session: ClosureSession, failed: bool) -> None:
     """Push the closure's queued updates and remove its session.
 
     Updates made before a closure's own error are applied too (as each op
@@ -225,10 +225,10 @@ def end_closure(runtime: Any, session: ClosureSession, failed: bool) -> None:
             raise
         logger.warning("Closure %s failed, and pushing its updates failed too: %s", session.closure_id, e)
     finally:
-        runtime.objects.discard(*CLOSURE_KEY)
+        service.objects.discard(*CLOSURE_KEY)
 
 
-def current_session(runtime: Any) -> ClosureSession | None:
+def current_session(service: ReplicaService) -> ClosureSession | None:
     """The session of the closure this worker runs, or ``None`` outside closures."""
-    session = runtime.objects.find(*CLOSURE_KEY)
+    session = service.objects.find(*CLOSURE_KEY)
     return session if isinstance(session, ClosureSession) else None

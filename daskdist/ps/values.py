@@ -28,6 +28,7 @@ from daskdist.ps.session import CLOSURE_KEY, ClosureSession, current_session
 from daskdist.variables.distributed import DistributedVariable, VariableAggregation, VariableSpec
 
 if TYPE_CHECKING:
+    from daskdist.group.service import ReplicaService
     from daskdist.ps.refs import StoreRef
 
 __all__ = ["CLOSURE_KEY", "AggregatingVariable", "aggregation_error_message", "dedupe_key"]
@@ -57,15 +58,15 @@ class AggregatingVariable(DistributedVariable):
     """
 
     def __init__(self, spec: VariableSpec, token: str, var_id: str, store: StoreRef, device: str,
-                 owner: Any = None, runtime: Any = None):
+                 owner: Any = None, runtime: ReplicaService | None = None):
         super().__init__(spec, token, var_id, owner=owner, runtime=runtime)
         self._store = store
         self._device = device
         self.cached_version = -1
-        self.cached_run = None
+        self.cached_run: int | None = None
         self._rounds = RoundCounter()
 
-    def replica_runtime(self) -> Any:
+    def replica_runtime(self) -> ReplicaService | None:
         """The replica runtime of a worker's view, or ``None`` for the client's handle."""
         return self._runtime if self._on_replica() else None
 
@@ -87,7 +88,7 @@ class AggregatingVariable(DistributedVariable):
     def value(self) -> Any:
         if not self._on_replica():
             return self._client_owner().read_variable(self._var_id)
-        runtime = self._runtime
+        runtime = self._service
         session = current_session(runtime)
         if session is not None:
             session.working_set.mark_read(self)
@@ -108,7 +109,7 @@ class AggregatingVariable(DistributedVariable):
         changed in place.
         """
         if value is not None:
-            value = _on_replica_device(value, self._runtime)
+            value = _on_replica_device(value, self._service)
             if isinstance(value, np.ndarray) and value.flags.writeable:
                 value.flags.writeable = False
             self._value, self.cached_version = value, version
@@ -122,14 +123,14 @@ class AggregatingVariable(DistributedVariable):
 
     def _fresh(self, session: ClosureSession | None) -> bool:
         """Whether the compute copy is the store's value for this command (nothing queued since)."""
-        return (self._value is not None and self.cached_run == self._runtime.run_id
+        return (self._value is not None and self.cached_run == self._service.run_id
                 and (session is None or not session.has_pending(self)))
 
     def _gather_rows(self, rows: Any) -> Any:
         """Rows ``rows`` of the stored value: from the compute copy if it is fresh, else only those rows."""
         if not self._on_replica():
             return self._client_owner().gather_rows(self._var_id, rows)
-        runtime = self._runtime
+        runtime = self._service
         session = current_session(runtime)
         if self._fresh(session):
             return self._value[rows]
@@ -144,7 +145,7 @@ class AggregatingVariable(DistributedVariable):
         views = [v for v, _ in requests]
         runtime = views[0].replica_runtime() if views else None
         session = current_session(runtime) if runtime is not None else None
-        if session is None or any(v.replica_runtime() is not runtime for v in views):
+        if runtime is None or session is None or any(v.replica_runtime() is not runtime for v in views):
             return [view._gather_rows(rows) for view, rows in requests]
         found: list[Any] = [None] * len(requests)
         remote = []
@@ -178,7 +179,7 @@ class AggregatingVariable(DistributedVariable):
         if not self._on_replica():
             self._client_owner().scatter_variable(self._var_id, method, indices, values)
             return self
-        runtime = self._runtime
+        runtime = self._service
         frame = context.current_frame()
         if frame is not None and frame.replica_context is not None and runtime.size > 1:
             raise NotImplementedError(
@@ -217,7 +218,7 @@ class AggregatingVariable(DistributedVariable):
             return
         frame = context.current_frame()
         ctx = frame.replica_context if frame is not None else None
-        runtime = self._runtime
+        runtime = self._service
         array = self._convert(value)
         if ctx is not None and runtime.size > 1 and self.aggregation is VariableAggregation.NONE:
             raise ValueError(aggregation_error_message("AggregatingVariable"))
@@ -243,19 +244,19 @@ class AggregatingVariable(DistributedVariable):
         self.cached_version, self.cached_run = version, runtime.run_id
 
 
-def _on_replica_device(value: Any, runtime: Any) -> Any:
+def _on_replica_device(value: Any, service: ReplicaService) -> Any:
     """A value from the store (host memory) on the replica's device: cupy for a GPU replica."""
-    devices = getattr(runtime, "devices", None)
-    if devices and "GPU" in str(devices[runtime.rank]):
+    devices = getattr(service, "devices", None)
+    if devices and "GPU" in str(devices[service.rank]):
         import importlib
 
         return importlib.import_module("cupy").asarray(value)  # a GPU replica has cupy
     return value
 
 
-def dedupe_key(runtime: Any) -> tuple[str, int] | None:
+def dedupe_key(service: ReplicaService) -> tuple[str, int] | None:
     """``(closure id, n)`` for the closure's next update (the parameter-server step driver's pushes too), or ``None`` outside closures."""
-    session = current_session(runtime)
+    session = current_session(service)
     return None if session is None else session.next_dedupe_key()
 
 

@@ -1,4 +1,4 @@
-"""What the client can ask a replica to do. Each command is ``command(runtime, *args)``.
+"""What the client can ask a replica to do. Each command is ``command(service, *args)``.
 
 The client pickles ``(command, args)``; the replica thread unpickles it (so
 variable references resolve to the replica's copies) and calls it.
@@ -26,40 +26,40 @@ __all__ = [
 ]
 
 
-def run_function(runtime: ReplicaService, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+def run_function(service: ReplicaService, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run a user function in replica context, timed as one step."""
-    return runtime.run_step(fn, args, kwargs)
+    return service.run_step(fn, args, kwargs)
 
 
-def create_variable(runtime: ReplicaService, var_id: str, value: Any, spec: VariableSpec) -> None:
+def create_variable(service: ReplicaService, var_id: str, value: Any, spec: VariableSpec) -> None:
     """Store this replica's copy of a variable created on the client under ``strategy.scope()``."""
     cls = distributed_variable_class(spec)
-    runtime.objects.install(VARIABLE, var_id, cls(spec, runtime.token, var_id, local_value=value, runtime=runtime))
+    service.objects.install(VARIABLE, var_id, cls(spec, service.token, var_id, local_value=value, runtime=service))
 
 
-def read_variable(runtime: ReplicaService, var_id: str) -> Any:
+def read_variable(service: ReplicaService, var_id: str) -> Any:
     """This replica's value of a variable."""
-    return runtime.objects.get(VARIABLE, var_id).value()
+    return service.objects.get(VARIABLE, var_id).value()
 
 
-def update_variable(runtime: ReplicaService, var_id: str, method: str, value: Any) -> None:
+def update_variable(service: ReplicaService, var_id: str, method: str, value: Any) -> None:
     """Apply a client-side (cross-replica) ``assign`` / ``assign_add`` / ``assign_sub`` to this copy."""
-    variable = runtime.objects.get(VARIABLE, var_id)
-    frame = context.Frame(strategy=runtime.strategy_view, replica_context=None, variable_creator=None,
-                          owner=runtime)
+    variable = service.objects.get(VARIABLE, var_id)
+    frame = context.Frame(strategy=service.strategy_view, replica_context=None, variable_creator=None,
+                          owner=service)
     with context.enter(frame):
         getattr(variable, method)(value)
 
 
-def step_timings(runtime: ReplicaService, last: int | None = None) -> list[dict]:
+def step_timings(service: ReplicaService, last: int | None = None) -> list[dict[str, Any]]:
     """The replica's most recent step timings, oldest first."""
-    history = list(runtime.timer.history)
+    history = list(service.timer.history)
     if last is not None:
         history = history[-last:]
     return [t.to_dict() for t in history]
 
 
-def ping(runtime: ReplicaService) -> int:
+def ping(service: ReplicaService) -> int:
     """Return the replica's rank (used to measure the command round trip)."""
-    return runtime.rank
+    return service.rank
 

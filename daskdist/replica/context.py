@@ -12,6 +12,7 @@ from daskdist.ops import CommunicationOptions, ReduceOp
 from daskdist.values import regroup, select_replica
 
 if TYPE_CHECKING:
+    from daskdist.collective.process_group import ProcessGroup
     from daskdist.group.service import ReplicaService
 
 __all__ = ["ReplicaContext"]
@@ -29,10 +30,10 @@ class ReplicaContext:
 
     def __init__(self, runtime: ReplicaService):
         self._runtime = runtime
-        self._group: Any = None
+        self._group: ProcessGroup | None = None
         self._all_reduce: Callable[..., Any] | None = None
 
-    def bind(self, group: Any) -> None:
+    def bind(self, group: ProcessGroup) -> None:
         """Bind the generation's process ``group`` (the runtime calls this at each rewiring).
 
         ``all_reduce`` is then the group's inline all-reduce itself, with no
@@ -117,7 +118,7 @@ class ReplicaContext:
         """Return once every replica has reached this barrier."""
         self.process_group.barrier(options)
 
-    def merge_call(self, merge_fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
+    def merge_call(self, merge_fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         """Call ``merge_fn(strategy, *args, **kwargs)`` once with every replica's arguments.
 
         The arguments of all replicas are gathered, so in ``merge_fn`` each

@@ -21,7 +21,7 @@ import asyncio
 import collections
 import logging
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -56,13 +56,13 @@ class StepEventShipper:
         self.interval = max(0.0, float(interval))
         self.max_steps = max(1, int(max_steps))
         self.loop: asyncio.AbstractEventLoop = worker.loop.asyncio_loop  # type: ignore[attr-defined]
-        self._steps: collections.deque[dict] = collections.deque()
+        self._steps: collections.deque[dict[str, Any]] = collections.deque()
         self._timer_armed = False  # a flush is scheduled on the event loop for the steps queued
         self._timer: asyncio.TimerHandle | None = None
         self._closed = False
         self._sending = threading.Lock()  # one flush at a time, so events leave in step order
 
-    def add(self, step: dict) -> None:
+    def add(self, step: dict[str, Any]) -> None:
         """Queue one step (replica thread); it is sent within ``interval`` seconds."""
         self._steps.append(step)
         if self.interval <= 0 or len(self._steps) >= self.max_steps:
@@ -90,7 +90,7 @@ class StepEventShipper:
         """Send every queued step now, in events of at most ``max_steps`` steps (any thread)."""
         with self._sending:
             while self._steps:
-                batch: list[dict] = []
+                batch: list[dict[str, Any]] = []
                 while self._steps and len(batch) < self.max_steps:
                     batch.append(self._steps.popleft())  # only this (locked) drain pops
                 try:

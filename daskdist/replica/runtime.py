@@ -98,9 +98,9 @@ class ReplicaRuntime:
         self.strategy_view = ReplicaStrategyView(self)
         self.state = "starting"
         self.run_id = -1
-        self._commands: queue.Queue[tuple[int, bytes, int, dict | None, asyncio.Future] | None] = queue.Queue()
+        self._commands: queue.Queue[tuple[int, bytes, int, dict[str, Any] | None, asyncio.Future[Any]] | None] = queue.Queue()
         self._announced: Membership | None = None  # a newer generation the scheduler told us of
-        self._early: dict[int, list[tuple[tuple, Any]]] = {}  # peers' messages of a generation not yet wired
+        self._early: dict[int, list[tuple[tuple[Any, ...], Any]]] = {}  # peers' messages of a generation not yet wired
         self._aborted_runs: dict[int, Abort] = {}  # client commands the client aborted (an interrupt), newest last
         self._generation_lock = threading.Lock()
         self._stopping = False  # the strategy is closing: connections ending now are expected
@@ -161,7 +161,7 @@ class ReplicaRuntime:
 
     # -- event-loop side ---------------------------------------------------------
 
-    def submit(self, run_id: int, payload: bytes, generation: int = 0, settings: dict | None = None) -> asyncio.Future:
+    def submit(self, run_id: int, payload: bytes, generation: int = 0, settings: dict[str, Any] | None = None) -> asyncio.Future[Any]:
         """Queue a command of ``generation`` (with the client's new settings, if they changed); the future
         resolves with the response message."""
         future = self.loop.create_future()
@@ -173,7 +173,7 @@ class ReplicaRuntime:
                 self._server.wake()
         return future
 
-    def deliver(self, generation: int, tag: tuple, payload: Any) -> None:
+    def deliver(self, generation: int, tag: tuple[Any, ...], payload: Any) -> None:
         """A peer's payload (Dask comms): into this generation's mailbox; kept for a newer one; dropped if stale."""
         with self._generation_lock:
             if generation == self.generation:
@@ -246,7 +246,7 @@ class ReplicaRuntime:
         if self._server is not None:
             self._server.wake()
 
-    def status(self) -> dict:
+    def status(self) -> dict[str, Any]:
         """Where this replica is, for peers' probes (``collective.stall``).
 
         The state is read first: a replica seen idle has finished its
@@ -284,12 +284,13 @@ class ReplicaRuntime:
         except Exception as e:  # the peer may be gone; the scheduler tells the others
             logger.debug("Could not send abort to replica %d on %s: %s", rank, address, e)
 
-    def probe(self, rank: int, timeout: float) -> dict | None:
+    def probe(self, rank: int, timeout: float) -> dict[str, Any] | None:
         address = self.membership.addresses[rank]
         coro = self.worker.rpc(address).daskdist_status(group_id=self.group_id, rank=rank)
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
-            return future.result(timeout)
+            status: dict[str, Any] | None = future.result(timeout)
+            return status
         except Exception:
             future.cancel()
             return None
@@ -455,11 +456,11 @@ class ReplicaRuntime:
         self.objects.clear()
         self.timer.history.clear()
 
-    def _closed_response(self) -> dict:
+    def _closed_response(self) -> dict[str, Any]:
         error = ReplicaLostError(f"replica {self.rank} of {self.group_id} is closed", worker=self.worker.address)
         return serialization.error_message(error, self.rank, self.worker.address)
 
-    def _execute(self, run_id: int, payload: bytes | memoryview, generation: int = 0, settings: dict | None = None) -> dict:
+    def _execute(self, run_id: int, payload: bytes | memoryview, generation: int = 0, settings: dict[str, Any] | None = None) -> dict[str, Any]:
         if settings is not None:  # the client's daskdist.* keys changed since its last command
             self.spec.config = settings
             config.install_snapshot(settings)
@@ -500,7 +501,7 @@ class ReplicaRuntime:
             group.fence()  # the command's async collectives end with it (after an abort: they fail at once)
             self.state = "idle"
 
-    def run_step(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    def run_step(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Call ``fn`` as one timed step (its samples: the rows of a distributed batch among its arguments)."""
         self.timer.begin(self.run_id)
         try:
@@ -508,7 +509,7 @@ class ReplicaRuntime:
         finally:
             self.record_step(self.timer.end(samples=self._batch_rows(args, kwargs)))
 
-    def _batch_rows(self, args: tuple, kwargs: dict) -> int | None:
+    def _batch_rows(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
         """Rows of the first argument that is a batch of a distributed dataset held here, if any."""
         if not args and not kwargs:
             return None
@@ -531,7 +532,7 @@ class ReplicaRuntime:
         if self._step_events is not None:
             self._step_events.add(timing.to_dict(spans=False))
 
-    def _report_stall(self, info: dict) -> None:
+    def _report_stall(self, info: dict[str, Any]) -> None:
         """A collective of this replica stalls (from the communicator's stall watch): tell the scheduler."""
         self.worker.log_event(STALL_EVENT_TOPIC, {"group": self.strategy_token, **info})
 
@@ -553,7 +554,7 @@ class ReplicaRuntime:
         return variable
 
 
-def _resolve(future: asyncio.Future, response: dict) -> None:
+def _resolve(future: asyncio.Future[Any], response: dict[str, Any]) -> None:
     if not future.done():
         future.set_result(response)
 
@@ -569,7 +570,7 @@ def _replica_main(spec: GroupSpec, rank: int) -> str:
     extension = worker.extensions.get("daskdist")
     if extension is None:
         raise RuntimeError(f"the daskdist worker plugin is not installed on worker {worker.address}")
-    secede()
+    secede()  # type: ignore[no-untyped-call]
     runtime = ReplicaRuntime(worker, spec, rank)
     extension.add_replica(runtime)
     thread = threading.current_thread()

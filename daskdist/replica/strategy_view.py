@@ -21,8 +21,8 @@ __all__ = ["CLUSTER_RESOLVER_KEY", "ReplicaExtendedView", "ReplicaStrategyView"]
 CLUSTER_RESOLVER_KEY = "cluster-resolver"
 
 
-def _cluster_resolver(runtime: ReplicaService) -> Any:
-    return runtime.objects.find(STRATEGY, CLUSTER_RESOLVER_KEY)
+def _cluster_resolver(service: ReplicaService) -> Any:
+    return service.objects.find(STRATEGY, CLUSTER_RESOLVER_KEY)
 
 
 def _require_cross_replica(api: str) -> None:
@@ -101,7 +101,7 @@ class ReplicaExtendedView:
             raise TypeError(f"variable_created_in_scope takes a variable, got {type(v).__name__}")
         return isinstance(v, DistributedVariable) and v._token == self._runtime.token
 
-    def update(self, var: Any, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
+    def update(self, var: Any, fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
                group: bool = True) -> Any:
         """Run ``fn(var, *args, **kwargs)`` in cross-replica context: updates apply to this copy as given."""
         frame = context.Frame(strategy=self._runtime.strategy_view, replica_context=None,
@@ -133,7 +133,7 @@ class ReplicaStrategyView:
     def scope(self) -> Iterator[Any]:
         yield self
 
-    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, options: Any = None) -> Any:
+    def run(self, fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None, options: Any = None) -> Any:
         """Inside a replica, ``run`` calls ``fn`` on this replica, in replica context.
 
         From cross-replica context on the replica (a function scheduled on a

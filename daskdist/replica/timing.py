@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 __all__ = ["MAX_SPANS", "StepTimer", "StepTiming"]
 
@@ -43,11 +44,11 @@ class StepTiming:
     collectives: int
     nbytes: int
     samples: int | None = None
-    collective_times: list[list] = field(default_factory=list)
+    collective_times: list[list[Any]] = field(default_factory=list)
     # [name, offset from start (s), duration (s), nbytes]: "input", "apply" or a collective's kind
-    spans: list[list] = field(default_factory=list)
+    spans: list[list[Any]] = field(default_factory=list)
 
-    def to_dict(self, spans: bool = True) -> dict:
+    def to_dict(self, spans: bool = True) -> dict[str, Any]:
         """The fields as a plain dict (``spans`` copied only when asked: the hot path ships without them)."""
         out = {name: getattr(self, name) for name in _SHIPPED_FIELDS}
         if spans:
@@ -77,8 +78,8 @@ class StepTimer:
         self._collectives = 0
         self._nbytes = 0
         self._samples: int | None = None
-        self._collective_times: list[list] = []
-        self._spans: list[list] = []
+        self._collective_times: list[list[Any]] = []
+        self._spans: list[list[Any]] = []
 
     def begin(self, run_id: int) -> None:
         self._reset(run_id)

@@ -103,7 +103,7 @@ def make_transport(rank: int, membership: Membership, spec: GroupSpec, mailbox: 
 
 
 def wire(rank: int, membership: Membership, spec: GroupSpec, worker: Worker, control: Any,
-         on_collective: Callable[[str, float, int], None], on_stall: Callable[[dict], None],
+         on_collective: Callable[[str, float, int], None], on_stall: Callable[[dict[str, Any]], None],
          on_peer_lost: Callable[[int | None, str], None] | None = None) -> Wiring:
     """Build a generation's mailbox, transport, communicator and process group (not yet connected: see
     ``Transport.connect``)."""

@@ -30,7 +30,7 @@ from daskdist.group.service import VARIABLE
 from daskdist.ops import ReduceOp
 
 if TYPE_CHECKING:
-    pass
+    from daskdist.group.service import ReplicaService
 
 __all__ = [
     "MirroredVariable",
@@ -280,7 +280,7 @@ class DistributedVariable(Variable):
     """
 
     def __init__(self, spec: VariableSpec, token: str, var_id: str, owner: Any = None, local_value: Any = None,
-                 runtime: Any = None):
+                 runtime: ReplicaService | None = None):
         self._spec = spec
         self._token = token
         self._var_id = var_id
@@ -314,13 +314,20 @@ class DistributedVariable(Variable):
     def distribute_strategy(self) -> Any:
         """The strategy this variable belongs to (inside a replica, that replica's view of it)."""
         if self._on_replica():
-            return self._runtime.strategy_view
+            return self._service.strategy_view
         return self._client_owner().strategy
 
     # -- where are we? -------------------------------------------------------------
 
     def _on_replica(self) -> bool:
         return self._runtime is not None
+
+    @property
+    def _service(self) -> ReplicaService:
+        """The replica a replica's copy lives on (only asked on replicas)."""
+        if self._runtime is None:
+            raise RuntimeError(f"variable {self._var_id} is the client's handle, not a replica's copy")
+        return self._runtime
 
     # -- resident state (replica copies: ``daskdist.group.service.Resident``) ---------------
 
@@ -377,7 +384,7 @@ class DistributedVariable(Variable):
         else:
             new_value = self._value - array
         Variable._write(self, new_value)
-        self._runtime.timer.add_apply(time.perf_counter() - start)
+        self._service.timer.add_apply(time.perf_counter() - start)
 
     def assign(self, value: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True) -> Any:
         self._update("assign", value)

@@ -72,7 +72,6 @@ def created(model: Any) -> None:
     if strategy is None or registry.lookup(model) is not None:
         return
     check_backend(keras_backend())
-    _check_driver(strategy)
     registry.register(model, strategy)
     # this model's get_weights takes the replicas' weights first (bound on it alone: Keras' Layer.get_weights,
     # which every layer shares, stays Keras' own)
@@ -87,18 +86,6 @@ def created(model: Any) -> None:
     # before strategy.run ships a function, the built models created in this scope go to the replicas
     strategy.extended.provide_residents(
         "keras3", functools.partial(references.place_models, strategy.extended, ensure_installed))
-
-
-def _check_driver(strategy: Any) -> None:
-    """Refuse strategies whose step driver this adapter cannot use yet (ParameterServer: its closures)."""
-    from daskdist.strategy.drivers.contract import SpmdStepDriver
-    from daskdist.strategy.drivers.held import HolderStepDriver, PsStepDriver
-
-    if not isinstance(strategy.extended.step_driver(), (SpmdStepDriver, HolderStepDriver, PsStepDriver)):
-        raise NotImplementedError(
-            f"{type(strategy).__name__} cannot train framework models (Keras 3) yet: use MirroredStrategy, "
-            "OneDeviceStrategy, MultiWorkerMirroredStrategy, CentralStorageStrategy or ParameterServerStrategy, "
-            "or the built-in layers (daskdist.keras)")
 
 
 def created_optimizer(optimizer: Any) -> None:

@@ -30,7 +30,7 @@ from daskdist.ops import ReduceOp
 from daskdist.plugins.keras3 import exchange as exchange_module
 from daskdist.plugins.keras3 import update_rule as update_rule_module
 from daskdist.plugins.keras3.backend import framework
-from daskdist.strategy.drivers.contract import GradientExchange, StepDriver, StepTotals, as_array
+from daskdist.strategy.drivers.contract import GradientExchange, StepDriver, StepTotals, array_view
 
 __all__ = ["KerasTrainable", "SeedStates", "assign_state", "batch_rows", "split_variables", "state_variables"]
 
@@ -59,7 +59,7 @@ def _copies(values: Sequence[Any]) -> list[np.ndarray]:
     out = []
     for value in values:
         try:
-            source = as_array(value)
+            source = array_view(value)
         except (TypeError, BufferError, ValueError):  # a dtype numpy cannot view (bfloat16): Keras converts
             source = np.asarray(value.numpy() if hasattr(value, "numpy") else value)
         out.append(np.array(source, copy=True))
@@ -325,9 +325,6 @@ class KerasTrainable:
             digest.update(variable.path.encode())
             digest.update(np.ascontiguousarray(np.asarray(variable.numpy())).tobytes())
         return digest.hexdigest()
-
-    def weight_names(self) -> list[str]:
-        return [v.path for v in split_variables(self.model)[0]]
 
     def _offset_seeds(self, rank: int) -> None:
         if not rank:

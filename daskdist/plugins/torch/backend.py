@@ -27,7 +27,7 @@ import logging
 import os
 import socket
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -35,6 +35,9 @@ from daskdist import config, context
 from daskdist.plugins.torch import environment
 from daskdist.plugins.torch.process_group import BACKEND_NAME, ProcessGroupDaskdist
 from daskdist.plugins.torch.store import DaskdistStore
+
+if TYPE_CHECKING:
+    from daskdist.group.service import ReplicaService
 
 __all__ = ["attach", "comm_thread_wanted", "daskdist_store", "destroy_process_group", "init_process_group",
            "is_current", "register_backend"]
@@ -49,7 +52,7 @@ class _Current:
     """What this process's default group is made of (one replica per process holds it)."""
 
     group: ProcessGroupDaskdist | None = None
-    runtime: Any = None
+    runtime: ReplicaService | None = None
     generation: int = -1
     store: DaskdistStore | None = None
     timeout: float | None = None  # the deadline given to init_process_group (None: daskdist's own)
@@ -195,8 +198,8 @@ def init_process_group(timeout: datetime.timedelta | float | None = None) -> Any
     return dist.group.WORLD
 
 
-def attach(runtime: Any) -> None:
-    """Let torch's own ``init_process_group("daskdist", ...)`` make the group of ``runtime``'s generation.
+def attach(service: ReplicaService) -> None:
+    """Let torch's own ``init_process_group("daskdist", ...)`` make the group of ``service``'s generation.
 
     For scripts that initialise ``torch.distributed`` themselves (``python -m
     daskdist.torchrun``): the backend is registered and bound to the replica,
@@ -204,19 +207,19 @@ def attach(runtime: Any) -> None:
     group's store. The replica's close destroys what torch made.
     """
     register_backend()
-    _current.runtime, _current.generation, _current.store = runtime, runtime.generation, None
+    _current.runtime, _current.generation, _current.store = service, service.generation, None
     _current.timeout, _current.threaded = None, comm_thread_wanted(config.get("torch.comm-thread", "auto"))
-    runtime.add_close_callback(lambda: _destroy_if_made_by(runtime))
+    service.add_close_callback(lambda: _destroy_if_made_by(service))
 
 
-def is_current(runtime: Any = None) -> bool:
-    """Whether this process's default group was made by ``init_process_group`` for ``runtime``'s generation.
+def is_current(service: ReplicaService | None = None) -> bool:
+    """Whether this process's default group was made by ``init_process_group`` for ``service``'s generation.
 
-    ``runtime``: a replica runtime (default: the one whose function runs in this thread).
+    ``service``: a replica service (default: the one whose function runs in this thread).
     """
-    runtime = context.current_runtime() if runtime is None else runtime
-    return (runtime is not None and _current.group is not None and _current.runtime is runtime
-            and _current.generation == runtime.generation and dist.is_initialized())
+    service = context.current_runtime() if service is None else service
+    return (service is not None and _current.group is not None and _current.generation == service.generation
+            and _current.runtime is service and dist.is_initialized())
 
 
 def daskdist_store() -> DaskdistStore | None:
@@ -225,10 +228,10 @@ def daskdist_store() -> DaskdistStore | None:
     return _current.store if _current.group is not None else None
 
 
-def _destroy_if_made_by(runtime: Any) -> None:
-    """The replica ``runtime`` closes: destroy the default group if that replica made it (not a later one's)."""
-    if _current.runtime is runtime:
-        logger.debug("Replica %s closes: destroying its torch process group", runtime.rank)
+def _destroy_if_made_by(service: ReplicaService) -> None:
+    """The replica ``service`` closes: destroy the default group if that replica made it (not a later one's)."""
+    if _current.runtime is service:
+        logger.debug("Replica %s closes: destroying its torch process group", service.rank)
         destroy_process_group()
 
 

@@ -36,10 +36,13 @@ import tempfile
 import threading
 import traceback
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from daskdist import context
 from daskdist.exceptions import ScriptFailed
+
+if TYPE_CHECKING:
+    from daskdist.group.service import ReplicaService
 
 __all__ = ["ScriptFailed", "interrupt", "output_topic", "run_script"]
 
@@ -58,8 +61,8 @@ def output_topic(run: str) -> str:
 class _Lines(io.TextIOBase):
     """A text stream that sends each complete line as an event (when ``forward``) and keeps the last ones."""
 
-    def __init__(self, runtime: Any, topic: str, rank: int, stream: str, forward: bool):
-        self._runtime, self._topic, self._rank, self._stream, self._forward = runtime, topic, rank, stream, forward
+    def __init__(self, service: ReplicaService, topic: str, rank: int, stream: str, forward: bool):
+        self._runtime, self._topic, self._rank, self._stream, self._forward = service, topic, rank, stream, forward
         self._partial = ""
         self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
 

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from daskdist import context
-from daskdist.group.service import MODEL
+from daskdist.group.service import MODEL, ReplicaService
 from daskdist.plugins.torch import backend
 
 __all__ = ["TorchModel", "TorchReplicaModel"]
@@ -89,7 +89,7 @@ class TorchModel:
         """A reference: on a replica of its strategy it resolves to that replica's ``TorchReplicaModel``."""
         return (_resolve, (self._strategy.extended.token, self._model_id))
 
-    def __deepcopy__(self, memo: dict) -> TorchModel:
+    def __deepcopy__(self, memo: dict[str, Any]) -> TorchModel:
         return self  # a reference to the replicas' copies (``dd.elastic.State`` copies its plain attributes)
 
     def __repr__(self) -> str:
@@ -113,12 +113,12 @@ class TorchReplicaModel:
         self.optimizer: Any = None
         self._ddp: Any = None
         self._ddp_generation = -1
-        self._ddp_runtime: Any = None
+        self._ddp_runtime: ReplicaService | None = None
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, Any]:
         return {"build": self._build}
 
-    def __setstate__(self, state: dict) -> None:
+    def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["build"])  # type: ignore[misc]
         built = self._build()
         module, optimizer = built if isinstance(built, tuple) else (built, None)
@@ -142,8 +142,8 @@ class TorchReplicaModel:
         if runtime is None:
             raise RuntimeError("TorchReplicaModel.ddp() is called inside a function run on the replicas")
         current = backend.is_current(runtime)
-        if self._ddp is not None and current and self._ddp_runtime is runtime \
-                and self._ddp_generation == runtime.generation:
+        if self._ddp is not None and current and self._ddp_generation == runtime.generation \
+                and self._ddp_runtime is runtime:
             return self._ddp
         self.drop_ddp()
         if not current:
@@ -191,7 +191,7 @@ class TorchState:
     replica must agree on), not the random state (each replica draws its own).
     """
 
-    def __init__(self, module: dict[str, Any], optimizer: dict | None, rng: Any):
+    def __init__(self, module: dict[str, Any], optimizer: dict[str, Any] | None, rng: Any):
         self.module = module
         self.optimizer = optimizer
         self.rng = rng
@@ -233,10 +233,11 @@ def _resolve(token: str, model_id: str) -> TorchReplicaModel:
     resident = runtime.objects.find(MODEL, model_id)
     if resident is None:
         raise RuntimeError(f"replica {runtime.rank} of {token} holds no TorchModel {model_id!r}")
-    return resident
+    model: TorchReplicaModel = resident
+    return model
 
 
-def _module_state(service: Any, model_id: str) -> dict[str, Any]:
+def _module_state(service: ReplicaService, model_id: str) -> dict[str, Any]:
     """Command: the module's ``state_dict`` on this replica (tensors copied)."""
     module = service.objects.get(MODEL, model_id).module
     return {k: v.detach().clone() for k, v in module.state_dict().items()}

@@ -32,7 +32,7 @@ import datetime
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ml_dtypes
 import numpy as np
@@ -41,6 +41,9 @@ import torch.distributed as dist
 
 from daskdist.collective.work import DONE, Work
 from daskdist.ops import ReduceOp
+
+if TYPE_CHECKING:
+    from daskdist.collective.process_group import ProcessGroup
 
 __all__ = ["BACKEND_NAME", "NCCL_FORWARDED", "SUPPORTED", "DaskdistWork", "ProcessGroupDaskdist",  # noqa: RUF022
            "torch_future_of"]
@@ -91,12 +94,14 @@ def _op_name(op: Any) -> str:
 def _view(tensor: torch.Tensor) -> np.ndarray:
     """The numpy view of a CPU tensor's memory (no copy; strided tensors keep their strides)."""
     if tensor.is_cpu and tensor.dtype in _CARRIED:  # the common case first: a call costs microseconds
-        return (tensor.detach() if tensor.requires_grad else tensor).numpy()
+        view: np.ndarray = (tensor.detach() if tensor.requires_grad else tensor).numpy()
+        return view
     if tensor.device.type != "cpu":
         raise ValueError(f"the daskdist backend carries CPU tensors (CUDA ones go through NCCL, all of one call "
                          f"on one device); got {tensor.device}")
     if tensor.dtype == torch.bfloat16:
-        return tensor.detach().view(torch.int16).numpy().view(_BFLOAT16)
+        bits: np.ndarray = tensor.detach().view(torch.int16).numpy().view(_BFLOAT16)
+        return bits
     raise TypeError(f"the daskdist backend carries float16/bfloat16/float32/float64, integer and bool tensors "
                     f"(complex ones as their real view); got {tensor.dtype}")
 
@@ -252,7 +257,7 @@ class ProcessGroupDaskdist(dist.ProcessGroup):  # type: ignore[misc]
         The group's torch ``Store`` (``DaskdistStore``): NCCL's rendezvous for CUDA tensors.
     """
 
-    def __init__(self, group: Any, threaded: bool, store: Any = None):
+    def __init__(self, group: ProcessGroup, threaded: bool, store: Any = None):
         super().__init__(group.rank, group.size)
         self._group = group
         self._threaded = threaded

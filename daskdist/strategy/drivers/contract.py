@@ -90,6 +90,8 @@ from daskdist.ops import ReduceOp
 if TYPE_CHECKING:
     from distributed import Client
 
+    from daskdist.group.service import ReplicaService
+
 __all__ = [
     "GradientExchange",
     "HeldTrainable",
@@ -101,7 +103,7 @@ __all__ = [
     "StepTotals",
     "Trainable",
     "UpdateRule",
-    "as_array",
+    "array_view",
     "current_runtime",
     "held",
     "host",
@@ -274,7 +276,7 @@ class SpmdStepDriver(StepDriverBase):
         travels. With no rows anywhere the gradients come back as zeros.
         """
         ctx = context.get_replica_context()
-        arrays = [as_array(g) for g in gradients]
+        arrays = [array_view(g) for g in gradients]
         stats_dtype = _stats_dtype(arrays)
         if ctx is None or ctx.num_replicas_in_sync == 1:
             self._totals = StepTotals(float(rows), tuple(float(s) for s in sums))
@@ -310,8 +312,9 @@ def held(trainable: Trainable, driver: object) -> HeldTrainable:
     return trainable
 
 
-def current_runtime(driver: object) -> Any:
-    runtime = context.current_runtime()
+def current_runtime(driver: object) -> ReplicaService:
+    """The replica (or parameter-server worker) whose function this thread runs; refused elsewhere."""
+    runtime: ReplicaService | None = context.current_runtime()
     if runtime is None:
         raise RuntimeError(f"{type(driver).__name__} runs on a replica or a parameter-server worker only")
     return runtime
@@ -338,7 +341,7 @@ def _stats_dtype(arrays: Sequence[Any]) -> Any:
     return np.dtype(np.float64)
 
 
-def as_array(array: Any) -> Any:
+def array_view(array: Any) -> Any:
     """numpy and cupy arrays as they are; other DLPack tensors viewed as numpy without a copy."""
     if isinstance(array, np.ndarray) or hasattr(array, "__cuda_array_interface__"):
         return array

@@ -22,7 +22,7 @@ from daskdist.strategy.drivers.contract import (
     StepTotals,
     Trainable,
     UpdateRule,
-    as_array,
+    array_view,
     current_runtime,
     held,
     host,
@@ -30,6 +30,8 @@ from daskdist.strategy.drivers.contract import (
 
 if TYPE_CHECKING:
     from distributed import Client
+
+    from daskdist.group.service import ReplicaService
 
 __all__ = ["AssignRule", "HolderStepDriver", "PsStepDriver"]
 
@@ -57,13 +59,13 @@ class HolderStepDriver(StepDriverBase):
         def exchange(gradients: Sequence[Any], rows: int, sums: Sequence[float] = (),
                      summed: bool = False) -> None:
             runtime = current_runtime(self)
-            arrays = [as_array(g) for g in gradients]
+            arrays = [array_view(g) for g in gradients]
             weighted = [host(g if summed else g * g.dtype.type(rows)) for g in arrays]
             round_id = self._rounds.next(runtime.run_id)
             rule = holder.update_rule()
             init = None
             if runtime.rank == 0 and round_id & 0xFFFFFFFF == 1:  # the store keeps the first it gets
-                init = ([np.array(host(as_array(p)), copy=True) for p in holder.parameters()], copy.deepcopy(rule))
+                init = ([np.array(host(array_view(p)), copy=True) for p in holder.parameters()], copy.deepcopy(rule))
             payload = {"grads": weighted, "stats": np.array([float(rows), *(float(s) for s in sums)], np.float64),
                        "lr": _learning_rate(rule), "init": init}
             result = self.store.round_from_replica(runtime, "gradients", f"params:{self.key}", round_id, payload)
@@ -146,7 +148,7 @@ class PsStepDriver(StepDriverBase):
         for s, (store, indices) in enumerate(zip(self.stores, self.layout(len(state)))):
             if indices:
                 version, _ = store.call_from_replica(runtime, "params_push", key=self.state_key,
-                                                     grads=[host(as_array(state[i])) for i in indices], lr=None)
+                                                     grads=[host(array_view(state[i])) for i in indices], lr=None)
                 self._state_versions[s] = version
 
     def step(self, trainable: Trainable, batch: Any, rows: int) -> StepTotals:
@@ -164,14 +166,14 @@ class PsStepDriver(StepDriverBase):
         for store, indices in zip(self.stores, self.layout(len(params))):
             if indices:
                 store.call_from_replica(runtime, "params_init", key=self.key,
-                                        params=[host(as_array(params[i])) for i in indices],
+                                        params=[host(array_view(params[i])) for i in indices],
                                         rule=_rule_part(holder.update_rule(), indices))
         state = _state_of(trainable)
         if state is not None:
             for store, indices in zip(self.stores, self.layout(len(state))):
                 if indices:
                     store.call_from_replica(runtime, "params_init", key=self.state_key,
-                                            params=[host(as_array(state[i])) for i in indices], rule=AssignRule())
+                                            params=[host(array_view(state[i])) for i in indices], rule=AssignRule())
         self._versions = [-1] * len(self.stores)
         self._state_versions = [-1] * len(self.stores)
 
@@ -193,13 +195,13 @@ class PsStepDriver(StepDriverBase):
                 cast(StatefulTrainable, trainable).assign_held_state(values)
         self._pull_due = False
 
-    def _pulled(self, runtime: Any, key: str, count: int, versions: list[int]) -> list[Any]:
+    def _pulled(self, service: ReplicaService, key: str, count: int, versions: list[int]) -> list[Any]:
         """The ``count`` arrays held as ``key`` newer than ``versions`` (per store, updated): ``None`` for the rest."""
         values: list[Any] = [None] * count
         for s, (store, indices) in enumerate(zip(self.stores, self.layout(count))):
             if not indices:
                 continue
-            version, pulled = store.call_from_replica(runtime, "params_pull", key=key, newer_than=versions[s])
+            version, pulled = store.call_from_replica(service, "params_pull", key=key, newer_than=versions[s])
             if pulled is not None:
                 for i, value in zip(indices, pulled):
                     values[i] = value
@@ -223,7 +225,7 @@ class PsStepDriver(StepDriverBase):
             if rows <= 0:
                 return None
             runtime = current_runtime(self)
-            arrays = [as_array(g) for g in gradients]
+            arrays = [array_view(g) for g in gradients]
             if summed:
                 arrays = [g * g.dtype.type(1.0 / rows) for g in arrays]
             lr = _learning_rate(holder.update_rule())

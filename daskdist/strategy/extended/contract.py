@@ -246,6 +246,7 @@ class StrategyExtended(abc.ABC):
     def _run_on(self, command: Command, args: Args | list[Args], ranks: list[int] | None) -> list[Any]:
         """Send ``command`` to ``ranks`` (``None``: all); ``args`` shared or one tuple per replica."""
 
+    @abc.abstractmethod
     def step_driver(self, key: str | None = None) -> StepDriver:
         """The step driver that trains a ``Trainable`` under this strategy (``training_contract``).
 
@@ -253,15 +254,7 @@ class StrategyExtended(abc.ABC):
         them off the replicas (parameter holder, parameter servers): reuse
         the key (or the driver) to go on training the same parameters;
         ``None``: a fresh one. The SPMD driver ignores it.
-
-        Raises
-        ------
-        NotImplementedError
-            This strategy has no driver for framework models yet (only the built-in layers train under it).
         """
-        raise NotImplementedError(
-            f"{type(self.strategy).__name__} cannot train framework models (Keras 3) yet: use MirroredStrategy, "
-            "OneDeviceStrategy or MultiWorkerMirroredStrategy, or the built-in layers (daskdist.keras)")
 
     # -- variables ------------------------------------------------------------------------
 

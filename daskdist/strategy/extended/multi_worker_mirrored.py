@@ -23,7 +23,7 @@ from daskdist.cluster_resolver.selection import (
     placement_key,
     select_hosts,
 )
-from daskdist.group.service import STRATEGY
+from daskdist.group.service import STRATEGY, ReplicaService
 from daskdist.ops import CommunicationOptions
 from daskdist.replica.strategy_view import CLUSTER_RESOLVER_KEY
 from daskdist.strategy.extended.elastic_options import ElasticOptions
@@ -99,9 +99,9 @@ def renumber_hosts(groups: list[HostGroup], members: list[str]) -> tuple[list[Ho
     return [live[old] for old in order], [renumber[task_of[a]] for a in members]
 
 
-def _install_resolver(runtime: Any, resolver: DaskClusterResolver) -> None:
+def _install_resolver(service: ReplicaService, resolver: DaskClusterResolver) -> None:
     """Replica command: leave this replica its resolver (``ctx.strategy.cluster_resolver``)."""
-    runtime.objects.install(STRATEGY, CLUSTER_RESOLVER_KEY, resolver)
+    service.objects.install(STRATEGY, CLUSTER_RESOLVER_KEY, resolver)
 
 
 class MultiWorkerMirroredExtended(MirroredExtended):

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import optree
 
-from daskdist.group.service import VARIABLE
+from daskdist.group.service import VARIABLE, ReplicaService
 from daskdist.ps.client import AggregatingVariable, StoreGroup, StoreRef
 from daskdist.strategy.drivers.contract import StepDriver
 from daskdist.strategy.drivers.held import HolderStepDriver
@@ -267,7 +267,7 @@ def select_single_value(structured: Any) -> Any:
                            none_is_leaf=True)
 
 
-def _install_view(service: Any, var_id: str, spec: VariableSpec, store: StoreRef, device: str) -> None:
+def _install_view(service: ReplicaService, var_id: str, spec: VariableSpec, store: StoreRef, device: str) -> None:
     """Replica command: this replica's view of a stored variable, found by ``var_id``."""
     service.objects.install(VARIABLE, var_id, AggregatingVariable(spec, service.token, var_id, store, device,
                                                                   runtime=service))

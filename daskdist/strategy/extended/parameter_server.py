@@ -8,7 +8,7 @@ import threading
 import uuid
 import weakref
 from collections.abc import Callable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from dask.utils import parse_bytes
 from distributed import Client, default_client
@@ -30,6 +30,10 @@ from daskdist.strategy.drivers.held import PsStepDriver
 from daskdist.strategy.extended.contract import Args, Command, Kwargs
 from daskdist.strategy.extended.default import OneReplicaContext
 from daskdist.strategy.extended.parameter_holder import ParameterHolderExtended
+
+if TYPE_CHECKING:
+    from daskdist.ps.client import StoreRef
+    from daskdist.variables.distributed import VariableSpec
 
 __all__ = ["PS_STRATEGY_KEY", "RUN_WITHOUT_SCHEDULE", "DatasetForEachWorker", "ParameterServerExtended", "cluster_members"]
 
@@ -292,7 +296,7 @@ class ParameterServerExtended(ParameterHolderExtended):
             )
         super().install_resident(kind, object_id, obj)
 
-    def _install_views(self, var_id: str, spec: Any, store: Any, device: str) -> None:
+    def _install_views(self, var_id: str, spec: VariableSpec, store: StoreRef, device: str) -> None:
         """Workers make their views of a variable when a closure first unpickles it."""
 
     def step_timings(self, last: int | None = None) -> list[list[Kwargs]]:

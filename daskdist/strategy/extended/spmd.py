@@ -249,10 +249,17 @@ class SpmdExtended(StrategyExtended):
     def step_driver(self, key: str | None = None) -> StepDriver:
         """All-reduce the gradients, apply on every replica (``training_contract.SpmdStepDriver``).
 
-        An Extended that places variables otherwise (a parameter holder) needs its own driver: refused.
+        An Extended that places variables otherwise (a parameter holder) must define its own driver.
+
+        Raises
+        ------
+        TypeError
+            This Extended overrides ``_variable_placement`` but not ``step_driver``.
         """
         if type(self)._variable_placement is not StrategyExtended._variable_placement:
-            return super().step_driver(key)
+            raise TypeError(
+                f"{type(self).__name__} places variables with its own _variable_placement, so the all-reduce "
+                "step driver cannot train its parameters: define step_driver too (see training_contract)")
         return SpmdStepDriver()
 
     def step_timings(self, last: int | None = None) -> list[list[Kwargs]]:
