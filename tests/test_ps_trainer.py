@@ -82,6 +82,14 @@ def test_builtin_batchnorm_under_ps_ends_with_the_moving_statistics_of_one_proce
         np.testing.assert_allclose([logs["loss"], logs["accuracy"]], [expected["loss"], expected["accuracy"]],
                                    rtol=1e-5)
 
+        # weights set on the client (the moving statistics among them) are what the workers evaluate with next
+        changed = [w * 0.5 + 0.25 for w in reference.get_weights()]
+        reference.set_weights(changed)
+        model.set_weights(changed)
+        logs = model.evaluate(x_test, y_test, batch_size=32, return_dict=True, verbose=0)
+        expected = reference.evaluate(x_test, y_test, batch_size=32, return_dict=True, verbose=0)
+        np.testing.assert_allclose(logs["loss"], expected["loss"], rtol=1e-5)
+
 
 def test_builtin_predict_under_ps_runs_on_the_workers_and_equals_the_clients_model(threaded_client):
     x, y = _data()

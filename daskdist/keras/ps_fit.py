@@ -215,8 +215,12 @@ class PsModelRunner:
         return local_weights(self.model)
 
     def set_computed_weights(self, weights: list[np.ndarray]) -> None:
-        """Nothing: the workers pull the stored parameters at their next closure (the moving statistics the
-        stores hold stay the workers' until a compile holds the model again)."""
+        """The layers' state (moving statistics) the weights carry held on the stores again; the workers pull it,
+        and the stored parameters (``Model.set_weights`` set those), at their next closure."""
+        driver = self.model._holding_driver()
+        state = [np.array(to_numpy(a), copy=True) for a in held_state(self.model)]
+        if driver is not None and state:
+            driver.set_stored_held_state(_strategy(self.model).client, state)
 
     def computed_optimizer_state(self) -> dict[str, Any]:
         return dict(self.model.optimizer.get_state())

@@ -375,7 +375,7 @@ def parameter_servers_lost_as_such(extended: Any) -> Iterator[None]:
 
 def _stores_failed(extended: Any) -> bool:
     """Whether the scheduler failed the parameter servers' group (a ps left the cluster)."""
-    group = getattr(extended, "store_group", None)
+    group = extended.store_group
     try:
         return group is not None and group.status()[0] == "failed"
     except Exception:  # noqa: BLE001 - the client is closing: not known

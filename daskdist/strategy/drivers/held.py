@@ -275,6 +275,16 @@ class PsStepDriver(StepDriverBase):
                 values[i] = value
         return values
 
+    def set_stored_held_state(self, client: Client, values: list[Any]) -> bool:
+        """Overwrite the state held beside the parameters (``init_stored``'s ``state``) with ``values``: the
+        workers pull it at their next closure; ``False`` if a store holds none yet."""
+        done = True
+        for store, indices in zip(self.stores, self.layout(len(values))):
+            if indices:
+                done = bool(store.call_from_client(client, "params_set", key=self.state_key,
+                                                   params=[values[i] for i in indices])) and done
+        return done
+
     def stored_state(self, client: Client, count: int) -> dict[str, Any] | None:
         """``{"params", "rule_state"}`` gathered from the stores (slots renumbered to the parameters' order)."""
         params: list[Any] = [None] * count
