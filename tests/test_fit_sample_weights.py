@@ -14,6 +14,7 @@ before anything runs; the strategy then trains on.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -193,18 +194,45 @@ def test_keras3_refusals_raise_on_the_client_and_the_strategy_trains_on(forked_p
         plain.fit(keras.utils.PyDataset(), validation_split=0.2, verbose=0)  # Keras' own refusal, the same words
 
 
+def _repeated_batches(x, y, input_context):
+    """Every worker's dataset: the rows in order, in global batches, repeated (one worker: one process's batches)."""
+    return dd.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).repeat()
+
+
+def test_keras3_parameter_servers_class_weight_equals_one_process(forked_process_client):
+    x, y = dense_data(rows=ROWS)  # steps_per_epoch 3: every epoch one pass over the (repeated) rows
+    creator = dd.experimental.DatasetCreator(functools.partial(_repeated_batches, x, y))
+    with _one_worker_parameter_server(forked_process_client) as strategy:
+        for data in (creator, functools.partial(_repeated_batches, x, y)):  # a DatasetCreator, or its dataset_fn
+            model, plain = _keras3_pair(strategy)
+            history = model.fit(data, class_weight=CLASS_WEIGHT, steps_per_epoch=3, epochs=2, verbose=0)
+            expected = plain.fit(x, y, class_weight=CLASS_WEIGHT, batch_size=BATCH, epochs=2, shuffle=False,
+                                 verbose=0)
+            assert max_rel(model.get_weights(), plain.get_weights()) <= RTOL
+            for key in ("loss", "accuracy", "weighted_accuracy"):
+                np.testing.assert_allclose(history.history[key], expected.history[key], rtol=RTOL, err_msg=key)
+            assert expected.history["accuracy"] != expected.history["weighted_accuracy"]  # the weights count
+
+
 def test_keras3_parameter_servers_refuse_what_their_fit_does_not_take(forked_process_client):
     x, y = dense_data(rows=ROWS)
+    w = uneven_weights()
     with _one_worker_parameter_server(forked_process_client) as strategy:
         with strategy.scope():
             model = _compiled(sequential())
-        for arguments, error, message in [
-            (dict(validation_split=0.2), ValueError, "`validation_split` is only supported for tensors or NumPy"),
-            (dict(sample_weight=uneven_weights()), ValueError, r"elements carry the sample weights as \(x, y, sample"),
-            (dict(class_weight=CLASS_WEIGHT), NotImplementedError, "class_weight is not taken under Parameter"),
+        before = model.get_weights()
+        weighted = dd.experimental.DatasetCreator(
+            lambda _context: dd.data.Dataset.from_tensor_slices((x, y, w)).batch(BATCH).repeat())
+        for arguments, message in [
+            (dict(x=x, y=y, validation_split=0.2), "`validation_split` is only supported for tensors or NumPy"),
+            (dict(x=x, y=y, sample_weight=w), r"elements carry the sample weights as \(x, y, sample"),
+            (dict(x=weighted, class_weight=CLASS_WEIGHT), "cannot `class_weight` and `sample_weight`"),
+            (dict(x=functools.partial(_repeated_batches, x, y), class_weight={"a": 1.0}), "keys must be class indices"),
         ]:
-            with pytest.raises(error, match=message):
-                model.fit(x, y, batch_size=BATCH, steps_per_epoch=3, epochs=1, verbose=0, **arguments)
+            with pytest.raises(ValueError, match=message):
+                model.fit(batch_size=BATCH, steps_per_epoch=3, epochs=1, verbose=0, **arguments)
+        for want, got in zip(before, model.get_weights()):
+            np.testing.assert_array_equal(want, got)
 
 
 @pytest.mark.slow
@@ -284,6 +312,11 @@ def test_builtin_weights_under_parameter_servers_equal_one_process(forked_proces
                                 **arguments)
             expected = plain.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, **arguments)
             _assert_builtin_same(model, plain, history, expected)
+        model, plain = _builtin_pair(strategy)  # the class weights mapped over the worker's own dataset
+        creator = dd.experimental.DatasetCreator(functools.partial(_repeated_batches, x, y))
+        history = model.fit(creator, class_weight=CLASS_WEIGHT, steps_per_epoch=3, epochs=2, verbose=0)
+        expected = plain.fit(x, y, class_weight=CLASS_WEIGHT, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        _assert_builtin_same(model, plain, history, expected)
 
 
 def test_builtin_refusals_raise_on_the_client_and_the_strategy_trains_on(forked_process_client):

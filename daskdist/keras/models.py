@@ -430,14 +430,13 @@ class Model:
                          validation_data: Any, class_weight: Any, sample_weight: Any) -> tuple[Any, Any, Any]:
         """``(x, y, validation_data)`` with ``validation_split``, ``class_weight`` and ``sample_weight`` applied
         (``fit_inputs``): weighted arrays become a batched ``Dataset`` of ``(x, y, sample_weight)``."""
-        from daskdist.data.dataset import Dataset
-        from daskdist.training.fit_inputs import fit_inputs
+        from daskdist.training.fit_inputs import element_spec_of, fit_inputs
 
         if validation_split == 0.0 and class_weight is None and sample_weight is None:
             return x, y, validation_data
         spec = None
-        if isinstance(x, Dataset) and class_weight is not None:
-            spec = x.element_spec_with(self._strategy.client if self._strategy is not None else None)
+        if class_weight is not None:  # of a Dataset, or of a DatasetCreator's dataset
+            spec = element_spec_of(x, self._strategy.client if self._strategy is not None else None)
         inputs = fit_inputs(x, y, sample_weight, class_weight, validation_split, validation_data, spec)
         x, y, validation_data = inputs.x, inputs.y, inputs.validation_data
         if inputs.sample_weight is not None:

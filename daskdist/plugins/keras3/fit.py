@@ -313,10 +313,10 @@ def fit(original: Callable[..., Any], model: Any, x: Any = None, y: Any = None, 
 
     if ps.schedules_closures(record.strategy.extended):
         _pull(model, record)  # a custom loop's closures trained it: fit goes on from the stored state
-        refuse_ps_weights(validation_split, class_weight, sample_weight)
+        refuse_ps_weights(validation_split, sample_weight)
         return ps.fit(model, record, x, y, epochs, verbose, callbacks, validation_data, initial_epoch,
                       steps_per_epoch, lambda: _learning_rate(model), validation_steps, validation_batch_size,
-                      validation_freq)
+                      validation_freq, class_weight)
     inputs = weighted_inputs(record.strategy.client, x, y, sample_weight, class_weight, validation_split,
                              validation_data)
     x, y, sample_weight, validation_data = inputs.x, inputs.y, inputs.sample_weight, inputs.validation_data

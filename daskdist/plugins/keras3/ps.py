@@ -72,6 +72,7 @@ from daskdist.plugins.keras3.fit_semantics import (
     refuse_batch_callbacks,
     resumed_epoch,
     should_evaluate,
+    weighted_inputs,
 )
 from daskdist.plugins.keras3.payload import ModelPayload, pack_model, unpack_model
 from daskdist.plugins.keras3.resident import KerasTrainable, state_variables
@@ -361,8 +362,9 @@ def _runner(coordinator: Any, record: registry.Record) -> ClosureRunner:
 def fit(model: Any, record: registry.Record, x: Any, y: Any, epochs: int, verbose: Any, callbacks: list[Any] | None,
         validation_data: Any, initial_epoch: int, steps_per_epoch: int | None,
         learning_rate: Callable[[], float | None], validation_steps: int | None = None,
-        validation_batch_size: int | None = None, validation_freq: Any = 1) -> Any:
-    """``model.fit`` under ParameterServerStrategy (see the module)."""
+        validation_batch_size: int | None = None, validation_freq: Any = 1, class_weight: Any = None) -> Any:
+    """``model.fit`` under ParameterServerStrategy (see the module); ``class_weight`` maps each worker's
+    ``(x, y)`` batches to ``(x, y, weight)`` (``fit_semantics.weighted_inputs``), checked here first."""
     import keras
 
     from daskdist.coordinator.cluster_coordinator import ClusterCoordinator
@@ -376,6 +378,8 @@ def fit(model: Any, record: registry.Record, x: Any, y: Any, epochs: int, verbos
     refuse_batch_callbacks(callbacks, name)
     _check(model, name)
     record.strategy.extended.check_open()
+    if class_weight is not None:
+        x = weighted_inputs(record.strategy.client, x, None, class_weight=class_weight).x
     coordinator = ClusterCoordinator(record.strategy)
     size = max(1, int(getattr(model, "steps_per_execution", 1) or 1))
     evaluation = None
