@@ -340,6 +340,79 @@ def test_builtin_refusals_raise_on_the_client_and_the_strategy_trains_on(forked_
         _assert_builtin_same(model, plain, history, expected)
 
 
+# -- metrics and weighted_metrics, both adapters against plain Keras 3 ------------------------------------
+
+
+def _weighted_batches(x, y, w, input_context):
+    return dd.data.Dataset.from_tensor_slices((x, y, w)).batch(BATCH).repeat()
+
+
+def _metrics_pair(adapter, strategy):
+    """The adapter's model made in ``strategy``'s scope and plain Keras 3's, the same initial weights, both
+    compiled with ``metrics=["accuracy"], weighted_metrics=["accuracy"]``."""
+    plain = _compiled(sequential())
+    if adapter == "keras3":
+        with strategy.scope():
+            model = _compiled(sequential())
+    else:
+        with strategy.scope():
+            model = builtin.Sequential([builtin.layers.Dense(16, activation="relu", input_shape=(8,)),
+                                        builtin.layers.Dense(4)])
+            model.compile(loss=builtin.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          optimizer=builtin.optimizers.SGD(0.1), metrics=["accuracy"], weighted_metrics=["accuracy"])
+            model.build((8,))
+    model.set_weights(plain.get_weights())
+    return model, plain
+
+
+@pytest.mark.parametrize("adapter", ["builtin", "keras3"])
+@pytest.mark.parametrize("kind", ["mirrored", "parameter_server"])
+def test_only_weighted_metrics_take_the_sample_weights_as_in_keras3(forked_process_client, adapter, kind):
+    """``metrics`` ignore the sample weights, ``weighted_metrics`` take them (``weighted_accuracy`` beside
+    ``accuracy``): fit's and evaluate's logs are plain Keras 3's in one process."""
+    x, y = dense_data(rows=ROWS)
+    w = uneven_weights()
+    held = kind == "parameter_server"
+    strategy = _one_worker_parameter_server(forked_process_client) if held else _strategy(kind, forked_process_client)
+    with strategy:
+        model, plain = _metrics_pair(adapter, strategy)
+        if held and adapter == "keras3":  # its workers read a DatasetCreator's (x, y, weight) batches
+            data = dict(x=dd.experimental.DatasetCreator(functools.partial(_weighted_batches, x, y, w)),
+                        steps_per_epoch=3)
+        else:
+            data = dict(x=x, y=y, sample_weight=w, batch_size=BATCH, shuffle=False, **(
+                dict(steps_per_epoch=3) if held else {}))
+        history = model.fit(epochs=2, verbose=0, **data)
+        expected = plain.fit(x, y, sample_weight=w, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        assert set(expected.history) == {"loss", "accuracy", "weighted_accuracy"}
+        assert set(history.history) == set(expected.history)
+        for key in expected.history:
+            np.testing.assert_allclose(history.history[key], expected.history[key], rtol=RTOL, err_msg=key)
+        assert expected.history["accuracy"] != pytest.approx(expected.history["weighted_accuracy"], rel=1e-3)
+        if held and adapter == "keras3":  # evaluate there takes the weights in the dataset's elements
+            got = model.evaluate(dd.data.Dataset.from_tensor_slices((x, y, w)).batch(BATCH), verbose=0,
+                                 return_dict=True)
+        else:
+            got = model.evaluate(x, y, sample_weight=w, batch_size=BATCH, verbose=0, return_dict=True)
+        want = plain.evaluate(x, y, sample_weight=w, batch_size=BATCH, verbose=0, return_dict=True)
+        assert set(got) == set(want)
+        for key in want:
+            assert got[key] == pytest.approx(want[key], rel=RTOL), key
+
+
+def test_builtin_metric_names_follow_keras3():
+    """Repeated names get ``_1``; a weighted metric whose name is taken is ``weighted_<name>``; the caller's
+    metric object is not renamed, and one object given twice keeps two totals."""
+    shared = builtin.metrics.SparseCategoricalAccuracy(name="acc")
+    made = builtin.Sequential([builtin.layers.Dense(4, input_shape=(8,))])
+    made.compile(loss="sparse_categorical_crossentropy", optimizer="sgd", metrics=[shared, "mae", "mae"],
+                 weighted_metrics=[shared, "mae", "mse"])
+    assert made.metrics_names == ["loss", "acc", "mae", "mae_1", "weighted_acc", "weighted_mae", "mse"]
+    assert shared.name == "acc" and made.compiled_metrics[3] is not shared
+    with pytest.raises(ValueError, match="`weighted_metrics` argument to be a list"):
+        made.compile(loss="sparse_categorical_crossentropy", optimizer="sgd", weighted_metrics="accuracy")
+
+
 # -- the arguments read once for both adapters (no cluster) ----------------------------------------------
 
 
