@@ -382,22 +382,24 @@ def test_only_weighted_metrics_take_the_sample_weights_as_in_keras3(forked_proce
         else:
             data = dict(x=x, y=y, sample_weight=w, batch_size=BATCH, shuffle=False, **(
                 dict(steps_per_epoch=3) if held else {}))
-        history = model.fit(epochs=2, verbose=0, **data)
-        expected = plain.fit(x, y, sample_weight=w, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-        assert set(expected.history) == {"loss", "accuracy", "weighted_accuracy"}
+        history = model.fit(epochs=2, verbose=0, validation_data=(x, y, w), **data)
+        expected = plain.fit(x, y, sample_weight=w, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                             validation_data=(x, y, w))
+        assert set(expected.history) == {f"{prefix}{name}" for prefix in ("", "val_")
+                                         for name in ("loss", "accuracy", "weighted_accuracy")}
         assert set(history.history) == set(expected.history)
         for key in expected.history:
             np.testing.assert_allclose(history.history[key], expected.history[key], rtol=RTOL, err_msg=key)
         assert expected.history["accuracy"] != pytest.approx(expected.history["weighted_accuracy"], rel=1e-3)
-        if held and adapter == "keras3":  # evaluate there takes the weights in the dataset's elements
-            got = model.evaluate(dd.data.Dataset.from_tensor_slices((x, y, w)).batch(BATCH), verbose=0,
-                                 return_dict=True)
-        else:
-            got = model.evaluate(x, y, sample_weight=w, batch_size=BATCH, verbose=0, return_dict=True)
         want = plain.evaluate(x, y, sample_weight=w, batch_size=BATCH, verbose=0, return_dict=True)
-        assert set(got) == set(want)
-        for key in want:
-            assert got[key] == pytest.approx(want[key], rel=RTOL), key
+        evaluations = [model.evaluate(x, y, sample_weight=w, batch_size=BATCH, verbose=0, return_dict=True)]
+        if adapter == "keras3":  # or the weights in a dataset's elements
+            evaluations.append(model.evaluate(dd.data.Dataset.from_tensor_slices((x, y, w)).batch(BATCH), verbose=0,
+                                              return_dict=True))
+        for got in evaluations:
+            assert set(got) == set(want)
+            for key in want:
+                assert got[key] == pytest.approx(want[key], rel=RTOL), key
 
 
 def test_builtin_metric_names_follow_keras3():

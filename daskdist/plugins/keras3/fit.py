@@ -450,11 +450,10 @@ def evaluate(original: Callable[..., Any], model: Any, x: Any = None, y: Any = N
     callback_list = callbacks if isinstance(callbacks, keras.callbacks.CallbackList) else keras.callbacks.CallbackList(
         callbacks, add_progbar=verbose_level != 0, verbose=verbose_level, epochs=1, steps=steps, model=model)
     if ps.schedules_closures(record.strategy.extended):  # closures on the workers, as TF's inline evaluation
-        if sample_weight is not None:
-            raise NotImplementedError("evaluate under ParameterServerStrategy takes sample weights in the "
-                                      "dataset's (x, y, sample_weight) elements")
+        if sample_weight is not None:  # Keras' checks (one per row; a dataset's elements carry them)
+            sample_weight = weighted_inputs(record.strategy.client, x, y, sample_weight).sample_weight
         _pull(model, record)
-        logs = ps.evaluate(model, record, x, y, batch_size, steps, callback_list)
+        logs = ps.evaluate(model, record, x, y, batch_size, steps, callback_list, sample_weight)
     else:
         data = _distribute(record, x, y, batch_size, False, model,
                            weighted_inputs(record.strategy.client, x, y, sample_weight).sample_weight)
