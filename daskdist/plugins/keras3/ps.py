@@ -295,7 +295,7 @@ def _host_batches(x: Any, y: Any, batch_size: int | None, steps: int | None,
     if ys is not None and len(optree.tree_leaves(ys)[0]) != rows:
         raise ValueError(f"x and y have different lengths ({rows} and {len(optree.tree_leaves(ys)[0])})")
     step = batch_size or 32
-    parts = (xs,) if ys is None else (xs, ys)
+    parts: tuple[Any, ...] = (xs,) if ys is None else (xs, ys)
     if sample_weight is not None:
         weights = _host(sample_weight)
         if ys is None or np.shape(weights)[:1] != (rows,):
