@@ -14,6 +14,7 @@ before anything runs; the strategy then trains on.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -193,18 +194,45 @@ def test_keras3_refusals_raise_on_the_client_and_the_strategy_trains_on(forked_p
         plain.fit(keras.utils.PyDataset(), validation_split=0.2, verbose=0)  # Keras' own refusal, the same words
 
 
+def _repeated_batches(x, y, input_context):
+    """Every worker's dataset: the rows in order, in global batches, repeated (one worker: one process's batches)."""
+    return dd.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).repeat()
+
+
+def test_keras3_parameter_servers_class_weight_equals_one_process(forked_process_client):
+    x, y = dense_data(rows=ROWS)  # steps_per_epoch 3: every epoch one pass over the (repeated) rows
+    creator = dd.experimental.DatasetCreator(functools.partial(_repeated_batches, x, y))
+    with _one_worker_parameter_server(forked_process_client) as strategy:
+        for data in (creator, functools.partial(_repeated_batches, x, y)):  # a DatasetCreator, or its dataset_fn
+            model, plain = _keras3_pair(strategy)
+            history = model.fit(data, class_weight=CLASS_WEIGHT, steps_per_epoch=3, epochs=2, verbose=0)
+            expected = plain.fit(x, y, class_weight=CLASS_WEIGHT, batch_size=BATCH, epochs=2, shuffle=False,
+                                 verbose=0)
+            assert max_rel(model.get_weights(), plain.get_weights()) <= RTOL
+            for key in ("loss", "accuracy", "weighted_accuracy"):
+                np.testing.assert_allclose(history.history[key], expected.history[key], rtol=RTOL, err_msg=key)
+            assert expected.history["accuracy"] != expected.history["weighted_accuracy"]  # the weights count
+
+
 def test_keras3_parameter_servers_refuse_what_their_fit_does_not_take(forked_process_client):
     x, y = dense_data(rows=ROWS)
+    w = uneven_weights()
     with _one_worker_parameter_server(forked_process_client) as strategy:
         with strategy.scope():
             model = _compiled(sequential())
-        for arguments, error, message in [
-            (dict(validation_split=0.2), ValueError, "`validation_split` is only supported for tensors or NumPy"),
-            (dict(sample_weight=uneven_weights()), ValueError, r"elements carry the sample weights as \(x, y, sample"),
-            (dict(class_weight=CLASS_WEIGHT), NotImplementedError, "class_weight is not taken under Parameter"),
+        before = model.get_weights()
+        weighted = dd.experimental.DatasetCreator(
+            lambda _context: dd.data.Dataset.from_tensor_slices((x, y, w)).batch(BATCH).repeat())
+        for arguments, message in [
+            (dict(x=x, y=y, validation_split=0.2), "`validation_split` is only supported for tensors or NumPy"),
+            (dict(x=x, y=y, sample_weight=w), r"elements carry the sample weights as \(x, y, sample"),
+            (dict(x=weighted, class_weight=CLASS_WEIGHT), "cannot `class_weight` and `sample_weight`"),
+            (dict(x=functools.partial(_repeated_batches, x, y), class_weight={"a": 1.0}), "keys must be class indices"),
         ]:
-            with pytest.raises(error, match=message):
-                model.fit(x, y, batch_size=BATCH, steps_per_epoch=3, epochs=1, verbose=0, **arguments)
+            with pytest.raises(ValueError, match=message):
+                model.fit(batch_size=BATCH, steps_per_epoch=3, epochs=1, verbose=0, **arguments)
+        for want, got in zip(before, model.get_weights()):
+            np.testing.assert_array_equal(want, got)
 
 
 @pytest.mark.slow
@@ -284,6 +312,11 @@ def test_builtin_weights_under_parameter_servers_equal_one_process(forked_proces
                                 **arguments)
             expected = plain.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, **arguments)
             _assert_builtin_same(model, plain, history, expected)
+        model, plain = _builtin_pair(strategy)  # the class weights mapped over the worker's own dataset
+        creator = dd.experimental.DatasetCreator(functools.partial(_repeated_batches, x, y))
+        history = model.fit(creator, class_weight=CLASS_WEIGHT, steps_per_epoch=3, epochs=2, verbose=0)
+        expected = plain.fit(x, y, class_weight=CLASS_WEIGHT, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        _assert_builtin_same(model, plain, history, expected)
 
 
 def test_builtin_refusals_raise_on_the_client_and_the_strategy_trains_on(forked_process_client):
@@ -305,6 +338,81 @@ def test_builtin_refusals_raise_on_the_client_and_the_strategy_trains_on(forked_
         history = model.fit(data, class_weight=CLASS_WEIGHT, epochs=1, verbose=0)
         expected = plain.fit(x, y, class_weight=CLASS_WEIGHT, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
         _assert_builtin_same(model, plain, history, expected)
+
+
+# -- metrics and weighted_metrics, both adapters against plain Keras 3 ------------------------------------
+
+
+def _weighted_batches(x, y, w, input_context):
+    return dd.data.Dataset.from_tensor_slices((x, y, w)).batch(BATCH).repeat()
+
+
+def _metrics_pair(adapter, strategy):
+    """The adapter's model made in ``strategy``'s scope and plain Keras 3's, the same initial weights, both
+    compiled with ``metrics=["accuracy"], weighted_metrics=["accuracy"]``."""
+    plain = _compiled(sequential())
+    if adapter == "keras3":
+        with strategy.scope():
+            model = _compiled(sequential())
+    else:
+        with strategy.scope():
+            model = builtin.Sequential([builtin.layers.Dense(16, activation="relu", input_shape=(8,)),
+                                        builtin.layers.Dense(4)])
+            model.compile(loss=builtin.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          optimizer=builtin.optimizers.SGD(0.1), metrics=["accuracy"], weighted_metrics=["accuracy"])
+            model.build((8,))
+    model.set_weights(plain.get_weights())
+    return model, plain
+
+
+@pytest.mark.parametrize("adapter", ["builtin", "keras3"])
+@pytest.mark.parametrize("kind", ["mirrored", "parameter_server"])
+def test_only_weighted_metrics_take_the_sample_weights_as_in_keras3(forked_process_client, adapter, kind):
+    """``metrics`` ignore the sample weights, ``weighted_metrics`` take them (``weighted_accuracy`` beside
+    ``accuracy``): fit's and evaluate's logs are plain Keras 3's in one process."""
+    x, y = dense_data(rows=ROWS)
+    w = uneven_weights()
+    held = kind == "parameter_server"
+    strategy = _one_worker_parameter_server(forked_process_client) if held else _strategy(kind, forked_process_client)
+    with strategy:
+        model, plain = _metrics_pair(adapter, strategy)
+        if held and adapter == "keras3":  # its workers read a DatasetCreator's (x, y, weight) batches
+            data = dict(x=dd.experimental.DatasetCreator(functools.partial(_weighted_batches, x, y, w)),
+                        steps_per_epoch=3)
+        else:
+            data = dict(x=x, y=y, sample_weight=w, batch_size=BATCH, shuffle=False, **(
+                dict(steps_per_epoch=3) if held else {}))
+        history = model.fit(epochs=2, verbose=0, validation_data=(x, y, w), **data)
+        expected = plain.fit(x, y, sample_weight=w, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                             validation_data=(x, y, w))
+        assert set(expected.history) == {f"{prefix}{name}" for prefix in ("", "val_")
+                                         for name in ("loss", "accuracy", "weighted_accuracy")}
+        assert set(history.history) == set(expected.history)
+        for key in expected.history:
+            np.testing.assert_allclose(history.history[key], expected.history[key], rtol=RTOL, err_msg=key)
+        assert expected.history["accuracy"] != pytest.approx(expected.history["weighted_accuracy"], rel=1e-3)
+        want = plain.evaluate(x, y, sample_weight=w, batch_size=BATCH, verbose=0, return_dict=True)
+        evaluations = [model.evaluate(x, y, sample_weight=w, batch_size=BATCH, verbose=0, return_dict=True)]
+        if adapter == "keras3":  # or the weights in a dataset's elements
+            evaluations.append(model.evaluate(dd.data.Dataset.from_tensor_slices((x, y, w)).batch(BATCH), verbose=0,
+                                              return_dict=True))
+        for got in evaluations:
+            assert set(got) == set(want)
+            for key in want:
+                assert got[key] == pytest.approx(want[key], rel=RTOL), key
+
+
+def test_builtin_metric_names_follow_keras3():
+    """Repeated names get ``_1``; a weighted metric whose name is taken is ``weighted_<name>``; the caller's
+    metric object is not renamed, and one object given twice keeps two totals."""
+    shared = builtin.metrics.SparseCategoricalAccuracy(name="acc")
+    made = builtin.Sequential([builtin.layers.Dense(4, input_shape=(8,))])
+    made.compile(loss="sparse_categorical_crossentropy", optimizer="sgd", metrics=[shared, "mae", "mae"],
+                 weighted_metrics=[shared, "mae", "mse"])
+    assert made.metrics_names == ["loss", "acc", "mae", "mae_1", "weighted_acc", "weighted_mae", "mse"]
+    assert shared.name == "acc" and made.compiled_metrics[3] is not shared
+    with pytest.raises(ValueError, match="`weighted_metrics` argument to be a list"):
+        made.compile(loss="sparse_categorical_crossentropy", optimizer="sgd", weighted_metrics="accuracy")
 
 
 # -- the arguments read once for both adapters (no cluster) ----------------------------------------------

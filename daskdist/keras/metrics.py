@@ -11,6 +11,7 @@ for these metrics, and refuses any other on the client, listing the known.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from daskdist.keras import losses as _losses
@@ -69,6 +70,7 @@ __all__ = [
     "get",
     "is_known",
     "known_names",
+    "metrics_with_names",
     "serialize",
 ]
 
@@ -342,3 +344,37 @@ def is_known(metric: Metric) -> bool:
 def serialize(metric: Metric) -> dict[str, Any]:
     """``{"class_name": ..., "config": ...}`` for :func:`get`."""
     return {"class_name": type(metric).__name__, "config": metric.get_config()}
+
+
+def _unique(name: str, seen: dict[str, int]) -> str:
+    """``name``, or ``name_<n>`` for its ``n``-th repeat (Keras' rule for the logs' keys)."""
+    if name not in seen:
+        seen[name] = 1
+        return name
+    index = seen[name]
+    seen[name] += 1
+    return f"{name}_{index}"
+
+
+def metrics_with_names(plain: list[Metric], weighted: list[Metric]) -> list[Metric]:
+    """``compile``'s ``metrics`` then ``weighted_metrics``, named as Keras 3 logs them.
+
+    A repeated name gets ``_1``, ``_2``...; a weighted metric whose name is
+    taken is ``weighted_<name>`` (then ``_1``...). A metric renamed, or given
+    twice (the same object in both lists), is a copy: each keeps its own
+    totals, and the caller's object keeps its name.
+    """
+    seen: dict[str, int] = {}
+    named: list[Metric] = []
+
+    def add(metric: Metric, name: str) -> None:
+        if name != metric.name or any(metric is other for other in named):
+            metric = copy.deepcopy(metric)
+            metric.name = name
+        named.append(metric)
+
+    for metric in plain:
+        add(metric, _unique(metric.name, seen))
+    for metric in weighted:
+        add(metric, _unique(metric.name, seen) if metric.name not in seen else _unique(f"weighted_{metric.name}", seen))
+    return named

@@ -59,6 +59,7 @@ class Model:
         self.optimizer: Any = None
         self.loss: Any = None
         self.compiled_metrics: list[Any] = []
+        self.weighted_metric_count = 0  # the last metrics of compiled_metrics are weighted_metrics
         self._compile_config: dict | None = None
         self.stop_training = False
         self.history: callbacks_module.History | None = None
@@ -256,9 +257,14 @@ class Model:
     # -- compile -------------------------------------------------------------------
 
     def compile(self, optimizer: Any = "rmsprop", loss: Any = None, metrics: list[Any] | None = None,
-                steps_per_execution: int = 1, pss_evaluation_shards: int | str = 0) -> None:
+                steps_per_execution: int = 1, pss_evaluation_shards: int | str = 0,
+                weighted_metrics: list[Any] | None = None) -> None:
         """Choose the optimizer, loss and metrics (objects or Keras names).
 
+        As in Keras 3, ``metrics`` ignore sample weights (``sample_weight``,
+        ``class_weight``, a dataset's third element) and ``weighted_metrics``
+        are weighted by them; a weighted metric whose name a plain one already
+        logs is logged as ``weighted_<name>`` (``metrics_with_names``).
         ``steps_per_execution`` and ``pss_evaluation_shards`` are used under ParameterServerStrategy only.
         """
         if type(steps_per_execution) is not int or steps_per_execution < 1:
@@ -268,14 +274,25 @@ class Model:
 
         if loss is None:
             raise ValueError("compile needs a loss")
+        for argument, given in (("metrics", metrics), ("weighted_metrics", weighted_metrics)):
+            if given is not None and not isinstance(given, (list, tuple)):
+                raise ValueError(f"Expected `{argument}` argument to be a list or tuple, got {given!r}")
         self.optimizer = optimizers.get(optimizer)
         self.loss = losses.get(loss)
-        self.compiled_metrics = [metrics_module.compiled(m, loss=self.loss) for m in (metrics or [])]
+        plain = [metrics_module.compiled(m, loss=self.loss) for m in (metrics or [])]
+        weighted = [metrics_module.compiled(m, loss=self.loss) for m in (weighted_metrics or [])]
+        self.compiled_metrics = metrics_module.metrics_with_names(plain, weighted)
+        self.weighted_metric_count = len(weighted)  # the last ones of compiled_metrics
+
+        def config(given: list[Any] | None, made: list[Any]) -> list[Any]:
+            return [m if isinstance(m, str) else metrics_module.serialize(c) for m, c in zip(given or [], made)
+                    if isinstance(m, str) or metrics_module.is_known(c)]
+
         self._compile_config = {
             "optimizer": {"class_name": type(self.optimizer).__name__, "config": self.optimizer.get_config()},
             "loss": {"class_name": type(self.loss).__name__, "config": self.loss.get_config()},
-            "metrics": [m if isinstance(m, str) else metrics_module.serialize(c) for m, c in
-                        zip(metrics or [], self.compiled_metrics) if isinstance(m, str) or metrics_module.is_known(c)],
+            "metrics": config(metrics, plain),
+            "weighted_metrics": config(weighted_metrics, weighted),
         }
         self._steps_per_execution = steps_per_execution
         self._pss_evaluation_shards = pss_evaluation_shards
@@ -370,7 +387,7 @@ class Model:
         """
         self._require_compiled()
         x, y, validation_data = self._weighted_inputs(x, y, batch_size, shuffle, validation_split, validation_data,
-                                                      class_weight, sample_weight)
+                                                      class_weight, sample_weight, repeat=True)
         runner = self._runner()
         try:
             runner.begin_fit(x, y, batch_size, shuffle, validation_data, callbacks, steps_per_epoch)
@@ -427,22 +444,23 @@ class Model:
         return clone
 
     def _weighted_inputs(self, x: Any, y: Any, batch_size: int | None, shuffle: bool, validation_split: float,
-                         validation_data: Any, class_weight: Any, sample_weight: Any) -> tuple[Any, Any, Any]:
+                         validation_data: Any, class_weight: Any, sample_weight: Any,
+                         repeat: bool = False) -> tuple[Any, Any, Any]:
         """``(x, y, validation_data)`` with ``validation_split``, ``class_weight`` and ``sample_weight`` applied
-        (``fit_inputs``): weighted arrays become a batched ``Dataset`` of ``(x, y, sample_weight)``."""
-        from daskdist.data.dataset import Dataset
-        from daskdist.training.fit_inputs import fit_inputs
+        (``fit_inputs``): weighted arrays become a batched ``Dataset`` of ``(x, y, sample_weight)``, repeated
+        under ParameterServerStrategy when ``repeat`` (fit's training data; an evaluation reads every row once)."""
+        from daskdist.training.fit_inputs import element_spec_of, fit_inputs
 
         if validation_split == 0.0 and class_weight is None and sample_weight is None:
             return x, y, validation_data
         spec = None
-        if isinstance(x, Dataset) and class_weight is not None:
-            spec = x.element_spec_with(self._strategy.client if self._strategy is not None else None)
+        if class_weight is not None:  # of a Dataset, or of a DatasetCreator's dataset
+            spec = element_spec_of(x, self._strategy.client if self._strategy is not None else None)
         inputs = fit_inputs(x, y, sample_weight, class_weight, validation_split, validation_data, spec)
         x, y, validation_data = inputs.x, inputs.y, inputs.validation_data
         if inputs.sample_weight is not None:
             x, y = self._as_dataset(x, y, batch_size, shuffle, sample_weight=inputs.sample_weight), None
-            if self._strategy is not None and ps_fit.uses_coordinator(self._strategy):
+            if repeat and self._strategy is not None and ps_fit.uses_coordinator(self._strategy):
                 x = x.repeat()  # as the workers' datasets of arrays repeat (steps_per_epoch ends an epoch)
         if isinstance(validation_data, tuple) and len(validation_data) == 3 and validation_data[2] is not None:
             val_x, val_y, val_weight = validation_data
@@ -592,6 +610,7 @@ def load_model(filepath: str, compile: bool = True) -> Model:
         optimizer = optimizers.get(compile_config["optimizer"]["class_name"].lower())
         optimizer = type(optimizer).from_config(compile_config["optimizer"]["config"])
         loss = losses.get(compile_config["loss"]["class_name"]).__class__.from_config(compile_config["loss"]["config"])
-        model.compile(optimizer=optimizer, loss=loss, metrics=compile_config.get("metrics") or None)
+        model.compile(optimizer=optimizer, loss=loss, metrics=compile_config.get("metrics") or None,
+                      weighted_metrics=compile_config.get("weighted_metrics") or None)
     model.load_weights(os.path.join(filepath, "weights"))
     return model

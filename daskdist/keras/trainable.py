@@ -30,7 +30,7 @@ from daskdist.ops import ReduceOp
 if TYPE_CHECKING:
     from daskdist.strategy.drivers.contract import GradientExchange, StepDriver
 
-__all__ = ["BuiltinTrainable", "RandomStates", "global_metric_results", "rows_of", "split_batch"]
+__all__ = ["BuiltinTrainable", "RandomStates", "global_metric_results", "rows_of", "split_batch", "update_metrics"]
 
 
 def split_batch(batch: Any) -> tuple[Any, Any, Any]:
@@ -49,6 +49,15 @@ def split_batch(batch: Any) -> tuple[Any, Any, Any]:
 def rows_of(x: Any) -> int:
     """Rows of an input array (0 for a scalar)."""
     return int(x.shape[0]) if getattr(x, "ndim", 0) else 0
+
+
+def update_metrics(model: Any, y: Any, y_pred: Any, sample_weight: Any) -> None:
+    """The compiled metrics take a batch as Keras 3's do: ``metrics`` unweighted, ``weighted_metrics`` (the last
+    ``weighted_metric_count`` of them) weighted by the rows' sample weights."""
+    metrics = model.compiled_metrics
+    plain = len(metrics) - getattr(model, "weighted_metric_count", 0)
+    for index, metric in enumerate(metrics):
+        metric.update_state(y, y_pred, sample_weight if index >= plain else None)
 
 
 def global_metric_results(model: Any, ctx: Any) -> dict:
@@ -162,8 +171,7 @@ class BuiltinTrainable:
         loss_sum = float(namespace(per_example).sum(per_example))
         params, grads = model._trainable_arrays()
         self._exchange_and_apply(exchange, params, grads, int(x.shape[0]), loss_sum)
-        for metric in model.compiled_metrics:
-            metric.update_state(y, y_pred, sample_weight)
+        update_metrics(model, y, y_pred, sample_weight)
 
     def join_step(self, exchange: GradientExchange) -> None:
         self._changing = False
@@ -258,8 +266,7 @@ class BuiltinTrainable:
                 per_example = per_example * as_array(sample_weight)[0]
             self._test_loss += float(namespace(per_example).sum(per_example))
             self._test_count += rows
-            for metric in model.compiled_metrics:
-                metric.update_state(y, y_pred, sample_weight)
+            update_metrics(model, y, y_pred, sample_weight)
         return rows
 
     def global_logs(self, loop: str) -> dict[str, float]:

@@ -13,10 +13,13 @@ elements are ``(x, y, sample_weight)`` and validation data.
   ``argmax``; classes not listed weigh 1), as Keras'
   ``class_weight_to_sample_weights``. Arrays get a weight array; a batched
   ``daskdist.data.Dataset`` of ``(x, y)`` elements gets a ``map`` adding the
-  weights to each batch (as Keras maps a ``tf.data.Dataset``). As in Keras,
-  it cannot be combined with sample weights, nor with several outputs.
-* ``sample_weight`` is one weight per row for array inputs; a dataset carries
-  its weights as the third part of its ``(x, y, sample_weight)`` elements.
+  weights to each batch (as Keras maps a ``tf.data.Dataset``), and a
+  ``DatasetCreator`` (each parameter-server worker's own dataset) the same
+  ``map`` on the dataset each worker builds. As in Keras, it cannot be
+  combined with sample weights, nor with several outputs.
+* ``sample_weight`` is one weight per row for array inputs; a dataset (or a
+  ``DatasetCreator``'s) carries its weights as the third part of its
+  ``(x, y, sample_weight)`` elements.
 
 The weights then enter each replica's loss and metrics as they do in one
 process; how the loss over a global batch is scaled is each adapter's step
@@ -35,8 +38,8 @@ from typing import Any
 import numpy as np
 import optree
 
-__all__ = ["FitInputs", "check_class_weight", "class_weights", "fit_inputs", "split_for_validation",
-           "weighted_dataset"]
+__all__ = ["FitInputs", "check_class_weight", "class_weights", "element_spec_of", "fit_inputs", "first_pipeline",
+           "split_for_validation", "weighted_creator", "weighted_dataset"]
 
 BOTH_WEIGHTS = "You cannot `class_weight` and `sample_weight` at the same time."
 ONE_OUTPUT = "`class_weight` is only supported for Models with a single output."
@@ -56,6 +59,33 @@ def _is_dataset(data: Any) -> bool:
     from daskdist.data.dataset import Dataset
 
     return isinstance(data, Dataset)
+
+
+def _is_creator(data: Any) -> bool:
+    """A ``DatasetCreator``, or a ``dataset_fn(input_context)`` that parameter-server ``fit`` takes as one."""
+    from daskdist.data.dataset_creator import DatasetCreator
+
+    return isinstance(data, DatasetCreator) or (callable(data) and not _is_dataset(data) and not _is_dask(data)
+                                                and not hasattr(data, "__array__"))
+
+
+def first_pipeline(data: Any) -> Any:
+    """The dataset of input pipeline 0 of 1 that a ``DatasetCreator`` (or ``dataset_fn``) builds: every row."""
+    from daskdist.data.dataset_creator import DatasetCreator
+    from daskdist.data.options import InputContext
+
+    creator = data if isinstance(data, DatasetCreator) else DatasetCreator(data)
+    return creator(InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1))
+
+
+def element_spec_of(data: Any, client: Any = None) -> Any:
+    """The element spec of a ``Dataset``, or of the dataset a ``DatasetCreator`` builds (``first_pipeline``), read
+    on the client (``client`` computes any Dask sample); ``None`` for arrays."""
+    if _is_dataset(data):
+        return data.element_spec_with(client)
+    if _is_creator(data):
+        return first_pipeline(data).element_spec_with(client)
+    return None
 
 
 def _is_dask(leaf: Any) -> bool:
@@ -167,13 +197,41 @@ def weighted_dataset(dataset: Any, class_weight: Any, element_spec: Any) -> Any:
         The elements already carry sample weights, or ``y`` is not one array (several outputs), or the
         elements are not ``(x, y)`` pairs, or ``class_weight`` is malformed (``check_class_weight``).
     """
+    return dataset.map(functools.partial(_with_class_weights, _checked_table(class_weight, element_spec)))
+
+
+def _checked_table(class_weight: Any, element_spec: Any) -> dict[int, float]:
     table = check_class_weight(class_weight)
     if not isinstance(element_spec, tuple) or len(element_spec) != 2:
         raise ValueError(BOTH_WEIGHTS if isinstance(element_spec, tuple) and len(element_spec) == 3 else
                          "`class_weight` needs a dataset of (x, y) elements")
     if _nested(element_spec[1]):
         raise ValueError(ONE_OUTPUT)
-    return dataset.map(functools.partial(_with_class_weights, table))
+    return table
+
+
+def _class_weighted_pipeline(creator: Any, table: dict[int, float], input_context: Any) -> Any:
+    """The dataset ``creator`` builds for ``input_context``, its ``(x, y)`` batches given their class weights."""
+    return creator(input_context).map(functools.partial(_with_class_weights, table))
+
+
+def weighted_creator(creator: Any, class_weight: Any, element_spec: Any) -> Any:
+    """A ``DatasetCreator`` whose every worker's dataset is the one ``creator`` (a ``DatasetCreator`` or a
+    ``dataset_fn``) builds, with its rows' class weights added to each ``(x, y)`` batch (``(x, y, weight)``).
+
+    ``element_spec`` is that of the dataset ``creator`` builds (``element_spec_of``): checked here, on the client.
+
+    Raises
+    ------
+    ValueError
+        As ``weighted_dataset``.
+    """
+    from daskdist.data.dataset_creator import DatasetCreator
+
+    table = _checked_table(class_weight, element_spec)
+    source = creator if isinstance(creator, DatasetCreator) else DatasetCreator(creator)
+    return DatasetCreator(functools.partial(_class_weighted_pipeline, source, table),
+                          input_options=source.input_options)
 
 
 def _array_class_weights(y: Any, class_weight: Any, sample_weight: Any) -> Any:
@@ -200,23 +258,23 @@ def fit_inputs(x: Any, y: Any, sample_weight: Any = None, class_weight: Any = No
                validation_data: Any = None, element_spec: Any = None) -> FitInputs:
     """What ``fit`` trains and validates on, from its arguments (Keras 3's order: split first, then weights).
 
-    ``element_spec``: of ``x`` when it is a dataset (``Dataset.element_spec_with``).
+    ``element_spec``: of ``x`` when it is a dataset or a ``DatasetCreator`` (``element_spec_of``).
 
     Raises
     ------
     ValueError
-        As Keras' ``fit``: ``validation_split`` of a dataset, or too few rows to split; ``sample_weight``
-        with a dataset (its elements carry the weights); ``class_weight`` with sample weights, several
+        As Keras' ``fit``: ``validation_split`` of a dataset (or ``DatasetCreator``), or too few rows to split;
+        ``sample_weight`` with a dataset (its elements carry the weights); ``class_weight`` with sample weights, several
         outputs, or malformed; ``sample_weight`` not one per row.
     """
-    if _is_dataset(x):
+    if _is_dataset(x) or _is_creator(x):
         if validation_split and validation_data is None:
             split_for_validation(x, validation_split)  # raises Keras' message
         if sample_weight is not None:
-            raise ValueError("`sample_weight` is not supported when the data is a Dataset: put the sample weights "
-                             "in the dataset's (x, y, sample_weight) elements")
+            raise ValueError("`sample_weight` is not supported when the data is a Dataset or a DatasetCreator: put "
+                             "the sample weights in the dataset's (x, y, sample_weight) elements")
         if class_weight is not None:
-            x = weighted_dataset(x, class_weight, element_spec)
+            x = (weighted_dataset if _is_dataset(x) else weighted_creator)(x, class_weight, element_spec)
         return FitInputs(x, y, None, validation_data)
     if sample_weight is not None:
         if _nested(sample_weight):

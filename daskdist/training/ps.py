@@ -345,13 +345,9 @@ def evaluation_pieces(data: Any, shards: int) -> list[Any]:
 def _pipeline(data: Any) -> Any:
     """The dataset for one input pipeline (every row): a ``Dataset`` itself, else ``dataset_fn(InputContext(1, 0))``."""
     from daskdist.data.dataset import Dataset
-    from daskdist.data.dataset_creator import DatasetCreator
-    from daskdist.data.options import InputContext
+    from daskdist.training.fit_inputs import first_pipeline
 
-    if isinstance(data, Dataset):
-        return data
-    creator = data if isinstance(data, DatasetCreator) else DatasetCreator(data)
-    return creator(InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1))
+    return data if isinstance(data, Dataset) else first_pipeline(data)
 
 
 @contextlib.contextmanager

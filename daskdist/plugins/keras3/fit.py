@@ -300,10 +300,10 @@ def fit(original: Callable[..., Any], model: Any, x: Any = None, y: Any = None, 
 
     if ps.schedules_closures(record.strategy.extended):
         _pull(model, record)  # a custom loop's closures trained it: fit goes on from the stored state
-        refuse_ps_weights(validation_split, class_weight, sample_weight)
+        refuse_ps_weights(validation_split, sample_weight)
         return ps.fit(model, record, x, y, epochs, verbose, callbacks, validation_data, initial_epoch,
                       steps_per_epoch, lambda: _learning_rate(model), validation_steps, validation_batch_size,
-                      validation_freq)
+                      validation_freq, class_weight)
     inputs = weighted_inputs(record.strategy.client, x, y, sample_weight, class_weight, validation_split,
                              validation_data)
     x, y, sample_weight, validation_data = inputs.x, inputs.y, inputs.sample_weight, inputs.validation_data
@@ -437,11 +437,10 @@ def evaluate(original: Callable[..., Any], model: Any, x: Any = None, y: Any = N
     callback_list = callbacks if isinstance(callbacks, keras.callbacks.CallbackList) else keras.callbacks.CallbackList(
         callbacks, add_progbar=verbose_level != 0, verbose=verbose_level, epochs=1, steps=steps, model=model)
     if ps.schedules_closures(record.strategy.extended):  # closures on the workers, as TF's inline evaluation
-        if sample_weight is not None:
-            raise NotImplementedError("evaluate under ParameterServerStrategy takes sample weights in the "
-                                      "dataset's (x, y, sample_weight) elements")
+        if sample_weight is not None:  # Keras' checks (one per row; a dataset's elements carry them)
+            sample_weight = weighted_inputs(record.strategy.client, x, y, sample_weight).sample_weight
         _pull(model, record)
-        logs = ps.evaluate(model, record, x, y, batch_size, steps, callback_list)
+        logs = ps.evaluate(model, record, x, y, batch_size, steps, callback_list, sample_weight)
     else:
         data = _distribute(record, x, y, batch_size, False, model,
                            weighted_inputs(record.strategy.client, x, y, sample_weight).sample_weight)

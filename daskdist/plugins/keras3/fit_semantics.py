@@ -16,7 +16,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from daskdist.training.fit_inputs import FitInputs, fit_inputs
+from daskdist.training.fit_inputs import FitInputs, element_spec_of, fit_inputs
 
 __all__ = ["TRAIN_BATCH_HOOKS", "finalize_optimizer", "one_step_per_execution", "refuse_batch_callbacks", "resumed_epoch",
            "should_evaluate", "weighted_inputs"]
@@ -96,30 +96,28 @@ def weighted_inputs(client: Any, x: Any, y: Any, sample_weight: Any = None, clas
     """``fit``'s (or ``evaluate``'s) data with ``validation_split``, ``class_weight`` and ``sample_weight`` read as
     Keras' ``fit`` reads them (``daskdist.training.fit_inputs``), before anything runs.
 
-    ``client`` reads a dataset's element spec (to check ``class_weight`` against its elements).
+    ``client`` reads the element spec of a dataset or of a ``DatasetCreator``'s dataset (to check
+    ``class_weight`` against its elements).
 
     Raises
     ------
     ValueError
         Keras' errors for these arguments (``fit_inputs``).
     """
-    from daskdist.data.dataset import Dataset
-
-    spec = x.element_spec_with(client) if isinstance(x, Dataset) and class_weight is not None else None
+    spec = element_spec_of(x, client) if class_weight is not None else None
     return fit_inputs(x, y, sample_weight, class_weight, validation_split, validation_data, spec)
 
 
-def refuse_ps_weights(validation_split: float, class_weight: Any, sample_weight: Any) -> None:
+def refuse_ps_weights(validation_split: float, sample_weight: Any) -> None:
     """Refuse what ``fit`` under ParameterServerStrategy does not take: its input is a ``DatasetCreator`` (TF's
-    rule), whose elements carry any sample weights.
+    rule), whose elements carry any sample weights (``class_weight`` is taken: ``weighted_inputs`` maps it over
+    each worker's dataset).
 
     Raises
     ------
     ValueError
         ``validation_split`` (Keras' message: it splits arrays only) or ``sample_weight`` (Keras' rule for
         datasets).
-    NotImplementedError
-        ``class_weight`` (not yet mapped over the workers' datasets).
     """
     if validation_split:
         raise ValueError("Argument `validation_split` is only supported for tensors or NumPy arrays, and fit under "
@@ -127,10 +125,6 @@ def refuse_ps_weights(validation_split: float, class_weight: Any, sample_weight:
     if sample_weight is not None:
         raise ValueError("`sample_weight` is not supported when the data is a DatasetCreator: its dataset's "
                          "elements carry the sample weights as (x, y, sample_weight)")
-    if class_weight is not None:
-        raise NotImplementedError("class_weight is not taken under ParameterServerStrategy yet: give each row its "
-                                  "class's weight as the third part of the DatasetCreator dataset's (x, y, weight) "
-                                  "elements")
 
 
 def refuse_weighted_mean_reduction(model: Any, replicas: int, inputs: FitInputs, client: Any) -> None:

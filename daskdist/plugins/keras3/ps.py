@@ -72,6 +72,7 @@ from daskdist.plugins.keras3.fit_semantics import (
     refuse_batch_callbacks,
     resumed_epoch,
     should_evaluate,
+    weighted_inputs,
 )
 from daskdist.plugins.keras3.payload import ModelPayload, pack_model, unpack_model
 from daskdist.plugins.keras3.resident import KerasTrainable, state_variables
@@ -261,9 +262,10 @@ def _host(data: Any) -> Any:
 
 
 def _evaluation(coordinator: Any, model_id: str, x: Any, y: Any, batch_size: int | None, steps: int | None,
-                size: int, steps_name: str) -> Callable[[], list[Any]]:
-    """What one evaluation schedules (``training.ps.plan_evaluation``): arrays cut into batches here, each row
-    once; a ``DatasetCreator``, ``dataset_fn`` or ``Dataset`` read by the workers (see the module)."""
+                size: int, steps_name: str, sample_weight: Any = None) -> Callable[[], list[Any]]:
+    """What one evaluation schedules (``training.ps.plan_evaluation``): arrays (with ``sample_weight``, one per
+    row) cut into batches here, each row once; a ``DatasetCreator``, ``dataset_fn`` or ``Dataset`` read by the
+    workers (see the module; its elements carry any sample weights)."""
     from daskdist import config
     from daskdist.data.dataset import Dataset
     from daskdist.data.dataset_creator import DatasetCreator
@@ -274,13 +276,18 @@ def _evaluation(coordinator: Any, model_id: str, x: Any, y: Any, batch_size: int
     if isinstance(x, (DatasetCreator, Dataset)) or (callable(x) and not hasattr(x, "__dask_graph__")):
         if y is not None:
             raise ValueError("y must not be given with a DatasetCreator or a Dataset (it yields (x, y) pairs)")
+        if sample_weight is not None:
+            raise ValueError("`sample_weight` is not supported when the data is a Dataset or a DatasetCreator: put "
+                             "the sample weights in the dataset's (x, y, sample_weight) elements")
         return plan_evaluation(coordinator, model_id, x, steps, size, shards, steps_name)
-    return plan_evaluation(coordinator, model_id, _host_batches(x, y, batch_size, steps), None, size, shards,
-                           steps_name)
+    return plan_evaluation(coordinator, model_id, _host_batches(x, y, batch_size, steps, sample_weight), None, size,
+                           shards, steps_name)
 
 
-def _host_batches(x: Any, y: Any, batch_size: int | None, steps: int | None) -> list[tuple[Any, ...]]:
-    """Arrays (numpy, or Dask arrays read here) cut into batches of ``batch_size`` rows (32), at most ``steps``."""
+def _host_batches(x: Any, y: Any, batch_size: int | None, steps: int | None,
+                  sample_weight: Any = None) -> list[tuple[Any, ...]]:
+    """Arrays (numpy, or Dask arrays read here) cut into batches of ``batch_size`` rows (32), at most ``steps``;
+    ``(x, y, sample_weight)`` batches with weights."""
     xs = _host(x)
     ys = None if y is None else _host(y)
     leaves = optree.tree_leaves(xs)
@@ -288,7 +295,13 @@ def _host_batches(x: Any, y: Any, batch_size: int | None, steps: int | None) -> 
     if ys is not None and len(optree.tree_leaves(ys)[0]) != rows:
         raise ValueError(f"x and y have different lengths ({rows} and {len(optree.tree_leaves(ys)[0])})")
     step = batch_size or 32
-    parts = (xs,) if ys is None else (xs, ys)
+    parts: tuple[Any, ...] = (xs,) if ys is None else (xs, ys)
+    if sample_weight is not None:
+        weights = _host(sample_weight)
+        if ys is None or np.shape(weights)[:1] != (rows,):
+            raise ValueError(f"`sample_weight` must have one weight per row of x ({rows}) and come with y, got "
+                             f"shape {np.shape(weights)}")
+        parts = (xs, ys, weights)
 
     def batch_at(start: int) -> tuple[Any, ...]:
         return tuple(optree.tree_map(lambda a: a[start:start + step], part) for part in parts)
@@ -311,8 +324,9 @@ def _check(model: Any, name: str) -> None:
 
 
 def evaluate(model: Any, record: registry.Record, x: Any, y: Any, batch_size: int | None, steps: int | None,
-             callbacks: Any) -> dict[str, float]:
-    """``model.evaluate`` under ParameterServerStrategy: closures on the workers (see the module); the logs."""
+             callbacks: Any, sample_weight: Any = None) -> dict[str, float]:
+    """``model.evaluate`` under ParameterServerStrategy: closures on the workers (see the module); the logs.
+    ``sample_weight``: one weight per row of array inputs."""
     from daskdist.coordinator.cluster_coordinator import ClusterCoordinator
 
     if not model.compiled:
@@ -320,7 +334,7 @@ def evaluate(model: Any, record: registry.Record, x: Any, y: Any, batch_size: in
     record.strategy.extended.check_open()
     coordinator = ClusterCoordinator(record.strategy)
     size = max(1, int(getattr(model, "steps_per_execution", 1) or 1))
-    evaluation = _evaluation(coordinator, record.object_id, x, y, batch_size, steps, size, "steps")
+    evaluation = _evaluation(coordinator, record.object_id, x, y, batch_size, steps, size, "steps", sample_weight)
     if not model.built and (hasattr(x, "shape") or isinstance(x, (tuple, list, dict))):  # arrays: one row builds it
         model(optree.tree_map(lambda a: a[:1], _host(x)), training=False)
     _held(model, record, coordinator)
@@ -361,8 +375,9 @@ def _runner(coordinator: Any, record: registry.Record) -> ClosureRunner:
 def fit(model: Any, record: registry.Record, x: Any, y: Any, epochs: int, verbose: Any, callbacks: list[Any] | None,
         validation_data: Any, initial_epoch: int, steps_per_epoch: int | None,
         learning_rate: Callable[[], float | None], validation_steps: int | None = None,
-        validation_batch_size: int | None = None, validation_freq: Any = 1) -> Any:
-    """``model.fit`` under ParameterServerStrategy (see the module)."""
+        validation_batch_size: int | None = None, validation_freq: Any = 1, class_weight: Any = None) -> Any:
+    """``model.fit`` under ParameterServerStrategy (see the module); ``class_weight`` maps each worker's
+    ``(x, y)`` batches to ``(x, y, weight)`` (``fit_semantics.weighted_inputs``), checked here first."""
     import keras
 
     from daskdist.coordinator.cluster_coordinator import ClusterCoordinator
@@ -376,14 +391,16 @@ def fit(model: Any, record: registry.Record, x: Any, y: Any, epochs: int, verbos
     refuse_batch_callbacks(callbacks, name)
     _check(model, name)
     record.strategy.extended.check_open()
+    if class_weight is not None:
+        x = weighted_inputs(record.strategy.client, x, None, class_weight=class_weight).x
     coordinator = ClusterCoordinator(record.strategy)
     size = max(1, int(getattr(model, "steps_per_execution", 1) or 1))
     evaluation = None
     if validation_data is not None:
-        vx, vy = (validation_data[0], validation_data[1]) if isinstance(validation_data, tuple) else (
-            validation_data, None)
+        vx, vy, vw = (*validation_data, None)[:3] if isinstance(validation_data, tuple) else (
+            validation_data, None, None)
         evaluation = _evaluation(coordinator, record.object_id, vx, vy, validation_batch_size, validation_steps, size,
-                                 "validation_steps")
+                                 "validation_steps", vw)
     driver = _install(model, record, coordinator)
     creator = x if isinstance(x, DatasetCreator) else DatasetCreator(x)
     per_worker: Any = coordinator.create_per_worker_dataset(creator)
