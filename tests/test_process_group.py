@@ -97,18 +97,18 @@ def test_sync_and_async_collectives_give_the_same_results():
         assert done[4] == [{"r": 0}, {"r": 1}, {"r": 2}]
 
 
-def test_numbering_goes_on_across_commands_and_restarts_only_in_a_new_epoch():
+def test_numbering_goes_on_across_commands_and_restarts_only_in_a_new_attempt():
     fake, groups = _groups(2)
     assert [g.rank for g in groups] == [0, 1] and groups[0].ranks == (0, 1) and groups[0].size == 2
     _run(fake, groups, lambda g: [g.all_reduce("SUM", np.ones(2)) for _ in range(3)])
     _run(fake, groups, lambda g: g.barrier())
     assert [g.communicator.seq for g in groups] == [4, 4]  # a command boundary is a fence, not a renumbering
-    assert [g.epoch for g in groups] == [0, 0]
+    assert [g.attempt for g in groups] == [0, 0]
 
     out = _run(fake, groups, lambda g: g.all_reduce("SUM", np.ones(2 + g.rank)))  # a mismatch: the command fails
     assert all(isinstance(e, CollectiveMismatchError | CollectiveAbortedError) for e in out), out
     out = _run(fake, groups, lambda g: g.all_reduce("SUM", np.ones(2)))
-    assert [g.epoch for g in groups] == [1, 1] and [g.communicator.seq for g in groups] == [1, 1]
+    assert [g.attempt for g in groups] == [1, 1] and [g.communicator.seq for g in groups] == [1, 1]
     assert [r.tolist() for r in out] == [[2.0, 2.0]] * 2
 
 
@@ -242,7 +242,7 @@ def test_a_failed_async_collective_is_in_its_work_on_every_member():
     assert set(out) <= {"CollectiveMismatchError", "CollectiveAbortedError"} and "CollectiveMismatchError" in out
 
 
-def test_abort_fails_the_epoch_on_every_member_and_the_next_epoch_works():
+def test_abort_fails_the_attempt_on_every_member_and_the_next_attempt_works():
     fake, groups = _groups(2)
 
     def fn(g: ProcessGroup):
@@ -351,15 +351,15 @@ class _Control:
         self.rank = rank
         self.mailboxes = mailboxes
 
-    def abort_peers(self, epoch: int, abort: Abort) -> None:
+    def abort_peers(self, attempt: int, abort: Abort) -> None:
         for r, mailbox in enumerate(self.mailboxes):
             if r != self.rank:
-                mailbox.abort_run(epoch, abort)
+                mailbox.abort_attempt(attempt, abort)
 
     def probe(self, rank: int, timeout: float) -> dict | None:
         return None
 
-    def exchange(self, key, value, deadline, epoch):
+    def exchange(self, key, value, deadline, attempt):
         raise NotImplementedError
 
 
@@ -448,7 +448,7 @@ def test_a_replica_that_finishes_without_joining_fails_the_run_at_once(process_c
             strategy.run(fn)
         assert time.monotonic() - start < 20
         assert "all_reduce #" in str(info.value)
-        # the group goes on with a new epoch
+        # the group goes on with a new attempt
         ok = strategy.experimental_local_results(strategy.run(lambda: dd.get_replica_context().all_reduce(
             "SUM", np.ones(2))))
         assert [v.tolist() for v in ok] == [[2.0, 2.0]] * 2
@@ -461,7 +461,7 @@ def test_the_groups_timeout_is_the_deadline_of_its_collectives_and_outlives_comm
     fake, groups = _groups(2)
     for g in groups:
         g.set_timeout(0.5)
-        g.start_command(7, g.epoch)  # a new client command does not reset it
+        g.start_command(7, g.attempt)  # a new client command does not reset it
     assert [g.timeout for g in groups] == [0.5, 0.5]
 
     def fn(g: ProcessGroup):

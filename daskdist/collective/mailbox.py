@@ -1,7 +1,7 @@
 """Where messages for one replica wait until its thread takes them.
 
 The worker's event loop puts messages in; the replica thread takes them out by
-tag with a deadline. Aborts (of one run, or of the whole group) wake the
+tag with a deadline. Aborts (of one attempt, or of the whole group) wake the
 waiting thread at once, so no replica stays blocked after a peer failed.
 """
 
@@ -15,14 +15,14 @@ from daskdist.exceptions import ERROR_KINDS, CollectiveAbortedError, DaskdistErr
 
 __all__ = ["Abort", "Mailbox", "MailboxTimeout"]
 
-Tag = tuple[Any, ...]  # (run_id, collective_seq, src_rank, name)
+Tag = tuple[Any, ...]  # (attempt, collective_seq, src_rank, name)
 
-#: Aborted runs remembered, so an abort that arrives before the run starts still counts.
-_ABORTED_RUNS_KEPT = 64
+#: Aborted attempts remembered, so an abort that arrives before the attempt starts still counts.
+_ABORTED_ATTEMPTS_KEPT = 64
 
 
 class Abort:
-    """Why a run (or the whole group) was aborted, as sent between replicas.
+    """Why an attempt (or the whole group) was aborted, as sent between replicas.
 
     Parameters
     ----------
@@ -54,27 +54,27 @@ class Abort:
 
 
 class Mailbox:
-    """Tagged messages for one replica, with per-run and group-wide aborts."""
+    """Tagged messages for one replica, with per-attempt and group-wide aborts."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._messages: dict[Tag, Any] = {}
-        self._run_aborts: dict[int, Abort] = {}
+        self._attempt_aborts: dict[int, Abort] = {}
         self._group_abort: Abort | None = None
-        self._current_run = -1
+        self._current_attempt = -1
 
-    def begin_run(self, run_id: int) -> None:
-        """Start ``run_id``: drop messages left over from earlier (aborted) runs."""
+    def begin_attempt(self, attempt: int) -> None:
+        """Start ``attempt`` (the count of failed commands): drop messages left over from earlier (aborted) attempts."""
         with self._cond:
-            self._current_run = run_id
-            stale = [tag for tag in self._messages if tag[0] < run_id]
+            self._current_attempt = attempt
+            stale = [tag for tag in self._messages if tag[0] < attempt]
             for tag in stale:
                 del self._messages[tag]
 
     def put(self, tag: Tag, value: Any) -> None:
         """Deliver a message (called from the worker's event loop)."""
         with self._cond:
-            if tag[0] < self._current_run or self._group_abort is not None:
+            if tag[0] < self._current_attempt or self._group_abort is not None:
                 return
             self._messages[tag] = value
             self._cond.notify_all()
@@ -85,14 +85,14 @@ class Mailbox:
         Raises
         ------
         DaskdistError
-            The run or group was aborted while waiting.
+            The attempt or group was aborted while waiting.
         MailboxTimeout
             ``deadline`` (a ``time.monotonic()`` value) passed first.
         """
-        run_id = tag[0]
+        attempt = tag[0]
         with self._cond:
             while True:
-                self.check(run_id)
+                self.check(attempt)
                 if tag in self._messages:
                     return self._messages.pop(tag)
                 remaining = deadline - time.monotonic()
@@ -100,21 +100,21 @@ class Mailbox:
                     raise MailboxTimeout(tag)
                 self._cond.wait(remaining)
 
-    def check(self, run_id: int) -> None:
-        """Raise the abort error of ``run_id`` or of the group, if there is one."""
-        abort = self._group_abort or self._run_aborts.get(run_id)
+    def check(self, attempt: int) -> None:
+        """Raise the abort error of ``attempt`` or of the group, if there is one."""
+        abort = self._group_abort or self._attempt_aborts.get(attempt)
         if abort is not None:
             raise abort.error()
 
-    def abort_run(self, run_id: int, abort: Abort) -> None:
-        """Abort ``run_id``: its waits raise, its messages are dropped. The first abort wins."""
+    def abort_attempt(self, attempt: int, abort: Abort) -> None:
+        """Abort ``attempt``: its waits raise, its messages are dropped. The first abort wins."""
         with self._cond:
-            if run_id in self._run_aborts:
+            if attempt in self._attempt_aborts:
                 return
-            self._run_aborts[run_id] = abort
-            while len(self._run_aborts) > _ABORTED_RUNS_KEPT:
-                del self._run_aborts[min(self._run_aborts)]
-            for stale in [t for t in self._messages if t[0] == run_id]:
+            self._attempt_aborts[attempt] = abort
+            while len(self._attempt_aborts) > _ABORTED_ATTEMPTS_KEPT:
+                del self._attempt_aborts[min(self._attempt_aborts)]
+            for stale in [t for t in self._messages if t[0] == attempt]:
                 del self._messages[stale]
             self._cond.notify_all()
 
@@ -127,16 +127,16 @@ class Mailbox:
             self._cond.notify_all()
 
     @property
-    def current_run(self) -> int:
-        return self._current_run
+    def current_attempt(self) -> int:
+        return self._current_attempt
 
     @property
     def group_abort(self) -> Abort | None:
         return self._group_abort
 
-    def run_abort(self, run_id: int) -> Abort | None:
+    def attempt_abort(self, attempt: int) -> Abort | None:
         with self._cond:
-            return self._run_aborts.get(run_id)
+            return self._attempt_aborts.get(attempt)
 
     def __len__(self) -> int:
         with self._cond:

@@ -6,10 +6,10 @@ and the Keras adapter all call it (``dd.get_replica_context().process_group``).
 It can also be built on its own from a ``Communicator`` over any transport
 (``build_process_group``), which is how it is tested.
 
-Numbering and epochs
+Numbering and attempts
     Collectives are numbered per group, not per client command: a command
     boundary is a fence (``fence``), not a renumbering. Messages are tagged
-    ``(epoch, number, src, name)``; the epoch (the client's count of failed
+    ``(attempt, number, src, name)``; the attempt (the client's count of failed
     commands) changes only after a failure, when numbering restarts on every
     replica together (``start_command``).
 
@@ -29,11 +29,11 @@ Ordering (decided here; torch's ``async_op`` semantics)
 
 Aborts
     A collective that fails (mismatch, timeout, lost peer, a skipped
-    collective) aborts the current epoch of the generation on every member,
+    collective) aborts the current attempt of the generation on every member,
     for the root group and all its subgroups: every pending and later
-    collective of the epoch raises. ``abort(error)`` does the same on
+    collective of the attempt raises. ``abort(error)`` does the same on
     purpose. In a replica, the next client command after a failure starts a
-    new epoch, and the group works again; a group lost with its generation
+    new attempt, and the group works again; a group lost with its generation
     (a replica lost) stays failed.
 
 Timeout
@@ -223,14 +223,14 @@ class ProcessGroup:
         self._code = subgroup_code(_path)
         self._root_members = list(_root_members) if _root_members is not None else list(range(self.size))
         self._children = 0  # new_group calls so far (every member counts them alike)
-        self._p2p: dict[tuple[str, int, int], int] = {}  # (direction, peer, tag) -> messages so far in this epoch
-        self._p2p_epoch = communicator.epoch
+        self._p2p: dict[tuple[str, int, int], int] = {}  # (direction, peer, tag) -> messages so far in this attempt
+        self._p2p_attempt = communicator.attempt
         self._shared.groups[self._code] = self
         self.inline_all_reduce = self._inline_all_reduce()
 
     def __repr__(self) -> str:
         return (f"<ProcessGroup {self.name} rank={self.rank}/{self.size} generation={self.generation} "
-                f"epoch={self._comm.epoch}>")
+                f"attempt={self._comm.attempt}>")
 
     @property
     def communicator(self) -> Communicator:
@@ -238,9 +238,9 @@ class ProcessGroup:
         return self._comm
 
     @property
-    def epoch(self) -> int:
-        """The current epoch: how many of the client's commands had failed when the current one started."""
-        return self._comm.epoch
+    def attempt(self) -> int:
+        """The current attempt: how many of the client's commands had failed when the current one started."""
+        return self._comm.attempt
 
     @property
     def closed(self) -> bool:
@@ -268,7 +268,7 @@ class ProcessGroup:
 
     @property
     def sequence_number(self) -> int:
-        """The number of this group's collectives begun in the current epoch (the number of the last one)."""
+        """The number of this group's collectives begun in the current attempt (the number of the last one)."""
         return int(self._comm.seq)
 
     # -- collectives -------------------------------------------------------------
@@ -323,7 +323,7 @@ class ProcessGroup:
         """Send ``value`` (an array or a nested structure of them) to member ``dst``.
 
         The k-th ``send`` to ``dst`` under ``tag`` meets the k-th ``recv``
-        from this member under ``tag`` there (within an epoch). Returns once
+        from this member under ``tag`` there (within an attempt). Returns once
         ``value`` may be reused (``async_op``: a ``Work``).
         """
         self._check_peer(dst, "send to")
@@ -400,7 +400,7 @@ class ProcessGroup:
             on_collective=parent.on_collective, hosts=[parent.hosts[r] for r in wanted], on_stall=parent.on_stall,
             single_copy_bytes=None,
         )
-        comm.epoch, comm.run_id = root.epoch, root.run_id
+        comm.attempt, comm.run_id = root.attempt, root.run_id
         comm.set_timeout(parent.timeout_override if timeout is None else timeout)
         return ProcessGroup(comm, name, self.generation, [self.ranks[r] for r in wanted], _shared=self._shared,
                             _path=path, _root_members=members)
@@ -409,23 +409,23 @@ class ProcessGroup:
         """A command boundary: wait for every async collective issued so far (their errors stay in their ``Work``)."""
         self._shared.drain()
 
-    def start_command(self, run_id: int, epoch: int) -> None:
-        """For the replica runtime: client command ``run_id`` starts in ``epoch`` (its count of failed commands).
+    def start_command(self, run_id: int, attempt: int) -> None:
+        """For the replica runtime: client command ``run_id`` starts in ``attempt`` (its count of failed commands).
 
-        A fence; when ``epoch`` is new, numbering restarts on the root group
-        and every subgroup, and what is left of earlier epochs is dropped.
+        A fence; when ``attempt`` is new, numbering restarts on the root group
+        and every subgroup, and what is left of earlier attempts is dropped.
         """
         self._shared.drain()
         if get_ident() != self._shared.owner:
             self._shared.join()
         with self._shared.lock:
             for group in self._shared.groups.values():
-                group._comm.begin_epoch(epoch)
+                group._comm.begin_attempt(attempt)
                 group._comm.begin_command(run_id)
 
     def abort(self, error: BaseException) -> None:
-        """Abort the current epoch of this generation on every member: its pending and later collectives raise."""
-        self._comm.abort_epoch(error)
+        """Abort the current attempt of this generation on every member: its pending and later collectives raise."""
+        self._comm.abort_attempt(error)
 
     def collective_numbers(self) -> dict[str, int]:
         """The number of the last collective of each subgroup of the generation (status probes)."""
@@ -493,13 +493,13 @@ class ProcessGroup:
 
     def _p2p_tag(self, direction: str, peer: int, tag: int, src: int) -> tuple[int, int, int, str]:
         comm = self._comm
-        if self._p2p_epoch != comm.epoch:
+        if self._p2p_attempt != comm.attempt:
             self._p2p.clear()
-            self._p2p_epoch = comm.epoch
+            self._p2p_attempt = comm.attempt
         key = (direction, peer, tag)
         n = self._p2p.get(key, 0)
         self._p2p[key] = n + 1
-        return (comm.epoch, P2P_SEQ, src, f"p2p/{tag}/{n}")
+        return (comm.attempt, P2P_SEQ, src, f"p2p/{tag}/{n}")
 
     def _send(self, value: Any, dst: int, tag: int) -> None:
         comm = self._comm
@@ -509,7 +509,7 @@ class ProcessGroup:
         try:
             comm.transport.send(dst, message_tag, value).wait(deadline)
         except Exception as e:
-            comm.abort_epoch(e)
+            comm.abort_attempt(e)
             raise
 
     def _recv(self, src: int, tag: int) -> Any:
@@ -527,7 +527,7 @@ class ProcessGroup:
                     f"timed out after {timeout:g}s on member {self.rank}"
                 ) from None
         except Exception as e:
-            comm.abort_epoch(e)
+            comm.abort_attempt(e)
             raise
         return value.copy() if isinstance(value, np.ndarray) else value
 

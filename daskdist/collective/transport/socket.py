@@ -299,8 +299,8 @@ class SocketTransport(Transport):
                 self._peer_lost(peer, f"receiving from it failed: {error!r}")
         else:  # a frame we cannot decode: fail the run loudly instead of waiting forever
             logger.error("TCP reader of replica %d failed", self.rank, exc_info=error)
-            self.mailbox.abort_run(
-                self.mailbox.current_run,
+            self.mailbox.abort_attempt(
+                self.mailbox.current_attempt,
                 Abort("aborted", f"replica {self.rank} could not read a TCP frame: {error!r}", self.rank),
             )
 
