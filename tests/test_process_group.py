@@ -10,6 +10,7 @@ and Dask transports between worker processes.
 from __future__ import annotations
 
 import concurrent.futures
+import random
 import threading
 import time
 
@@ -125,6 +126,56 @@ def test_async_work_runs_in_issue_order_and_a_sync_call_waits_for_it():
     for sums, objects, last in _run(fake, groups, fn):
         assert sums == [3.0 * i for i in range(20)]
         assert objects == [0, 1, 2] and last == 2
+
+
+def _slowed(groups: list[ProcessGroup], peak: dict[int, int]) -> None:
+    """Make each group's all-reduces start after a random pause of up to 10 ms; ``peak``: most at once, per rank."""
+    lock = threading.Lock()
+    in_flight = dict.fromkeys(range(len(groups)), 0)
+    peak.update(in_flight)
+    for g in groups:
+        original, rng, rank = g.communicator.all_reduce, random.Random(g.rank), g.rank
+
+        def all_reduce(*args, original=original, rng=rng, rank=rank, **kwargs):
+            with lock:
+                in_flight[rank] += 1
+                peak[rank] = max(peak[rank], in_flight[rank])
+            try:
+                time.sleep(rng.uniform(0, 0.01))  # each rank starts its collectives in its own order
+                return original(*args, **kwargs)
+            finally:
+                with lock:
+                    in_flight[rank] -= 1
+
+        g.communicator.all_reduce = all_reduce
+
+
+@pytest.mark.parametrize("window", [1, 4])
+def test_async_collectives_in_a_window_overlap_keep_their_numbers_and_complete_in_issue_order(window):
+    """With ``async-window`` 4 up to four async all-reduces run at once, each rank starting them in a random order:
+    each still meets its own peers (numbered at issue), the works complete in issue order (callbacks and ``wait``),
+    and a synchronous call after them sees every result. Failed with the numbers taken when a collective starts
+    (sums mixed up or a mismatch) and with completion as each finished (callbacks out of order)."""
+    with dask.config.set({"daskdist.collective.async-window": window}):
+        fake, groups = _groups(3)
+    peak: dict[int, int] = {}
+    _slowed(groups, peak)
+
+    def fn(g: ProcessGroup):
+        completed: list[int] = []
+        works = [g.all_reduce("SUM", np.full(3, float(i + g.rank)), async_op=True) for i in range(24)]
+        for i, w in enumerate(works):
+            w.get_future().add_done_callback(lambda _, i=i: completed.append(i))
+        middle = works[12].wait()
+        assert all(w.is_completed() for w in works[:12])  # an earlier work is done when a later one is
+        last = g.all_reduce("MAX", np.array([g.rank]))  # inline, after every async one
+        assert all(w.is_completed() for w in works)
+        return [w.result()[0] for w in works], completed, float(middle[0]), int(last[0])
+
+    for sums, completed, middle, last in _run(fake, groups, fn):
+        assert sums == [3.0 * i + 3 for i in range(24)]
+        assert completed == list(range(24)) and middle == 39.0 and last == 2
+    assert all(n == 1 for n in peak.values()) if window == 1 else all(n > 1 for n in peak.values())
 
 
 def test_an_in_place_all_reduce_reduces_into_the_callers_array_and_the_default_only_reads_it():

@@ -79,7 +79,8 @@ class CollectiveCall:
         When the call times out (monotonic) and the timeout it was given.
     """
 
-    def __init__(self, comm: CallHost, kind: str, sig: str, deadline: float, timeout: float):
+    def __init__(self, comm: CallHost, kind: str, sig: str, deadline: float, timeout: float,
+                 seq: int | None = None):
         self.comm = comm
         self.kind = kind
         self.sig = sig
@@ -87,7 +88,7 @@ class CollectiveCall:
         self.timeout = timeout
         self.rank = comm.rank
         self.size = comm.size
-        self.seq = comm.seq
+        self.seq = comm.seq if seq is None else seq  # the number it was given (at issue, for async work in a window)
         self.attempt = comm.attempt
         self.run_id = comm.run_id  # the client command, for messages only
         self.nbytes = 0

@@ -26,6 +26,7 @@ the aborted attempt is dropped. A successful command does not renumber.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -65,6 +66,10 @@ class ControlPlane(Protocol):
 
     def exchange(self, key: str, value: Any, deadline: float, attempt: int) -> dict[int, Any]:
         """Meet every replica under ``key`` and return each one's ``value`` (NCCL's unique id)."""
+
+
+class _Reserved(threading.local):
+    number: int | None = None
 
 
 class Communicator:
@@ -135,6 +140,8 @@ class Communicator:
         self.attempt = 0  # the first field of every tag: see the module docstring
         self.run_id = 0  # the client command in progress (named in errors and probes; not in tags)
         self.seq = 0
+        self._numbering = threading.Lock()  # numbers taken at issue (async work) and at run time
+        self._reserved = _Reserved()  # per thread: the number given at issue to the collective it runs next
         self.default_timeout = config.get_seconds("collective.timeout")
         self.timeout_override: float | None = None  # the group's own deadline (``set_timeout``), kept over commands
         self.current_kind: str | None = None
@@ -226,10 +233,35 @@ class Communicator:
         self._check_aborts(self.attempt)
 
     def next_collective(self) -> int:
-        """Number the next collective of the attempt (raising first if the attempt was aborted)."""
+        """Number the next collective of the attempt (raising first if the attempt was aborted).
+
+        A collective issued asynchronously into a window (``reserve_number``)
+        gets the number it was given at issue instead.
+        """
         self._check_aborts(self.attempt)
-        self.seq += 1
-        return self.seq
+        reserved = self._reserved.number
+        if reserved is not None:
+            self._reserved.number = None
+            return reserved
+        with self._numbering:
+            self.seq += 1
+            return self.seq
+
+    def reserve_number(self) -> int:
+        """Take the next collective number now, for a collective that runs later (async work in a window)."""
+        with self._numbering:
+            self.seq += 1
+            return self.seq
+
+    def use_number(self, number: int | None) -> None:
+        """The next collective this thread starts is ``number`` (``reserve_number``); ``None``: forget it."""
+        self._reserved.number = number
+
+    @property
+    def concurrent_safe(self) -> bool:
+        """Whether several collectives may run at once here: only the generic engines over a transport (no
+        shared-memory lane or single copy, whose segments hold one collective, and no NCCL communicator)."""
+        return self.lane is None and self.single_copy is None and self.nccl is None
 
     # -- collectives ------------------------------------------------------------
 
@@ -295,8 +327,8 @@ class Communicator:
                        body: Callable[[CollectiveCall], Any]) -> Any:
         """Run ``body`` as the next collective of the attempt: a ``CollectiveCall`` with its signature and deadline."""
         timeout = timeout_of(options.timeout_seconds, self.default_timeout)
-        self.next_collective()
-        call = CollectiveCall(self, kind, sig, time.monotonic() + timeout, timeout)
+        seq = self.next_collective()
+        call = CollectiveCall(self, kind, sig, time.monotonic() + timeout, timeout, seq)
 
         def run() -> Any:
             result = body(call)

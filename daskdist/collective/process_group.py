@@ -15,9 +15,16 @@ Numbering and attempts
 
 Ordering (decided here; torch's ``async_op`` semantics)
     * an async call (``async_op=True``) returns a ``Work`` at once; the
-      collective runs on the generation's one FIFO thread, in issue order
-      (the root group and its subgroups share that thread, so their async
-      work keeps the order it was issued in on this replica);
+      collective runs on the generation's async threads. With
+      ``daskdist.collective.async-window`` N above 1, up to N collectives of
+      the generation are in flight together: each takes its collective
+      number when it is issued (its messages are kept apart by their tags),
+      and runs beside the others where the group's engines allow it (the
+      generic engines over a transport; a group with a shared-memory lane,
+      single copy or NCCL, and point-to-point work, run one at a time in
+      issue order). Either way the works complete in issue order: when a
+      ``Work`` is done (its ``wait`` returns, its callbacks ran), every work
+      issued before it on this replica is done too. N = 1 is one FIFO thread;
     * a synchronous call first waits for the async work already issued,
       then runs inline on the caller's thread (no hand-off on the latency
       path);
@@ -55,6 +62,7 @@ Subgroups
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
@@ -78,7 +86,15 @@ __all__ = ["ProcessGroup", "Work"]
 
 logger = logging.getLogger(__name__)
 
-_Job = tuple["concurrent.futures.Future[Any]", Callable[..., Any], tuple[Any, ...], dict[str, Any] | None]
+#: An async job: its place in issue order, future, function and arguments, settings, the collective number given at
+#: issue (or ``None``), the communicator that number is of, and the last job issued before it that runs alone
+#: (``-1``: none); ``alone``: the job runs with nothing else in flight.
+_Job = tuple[int, "concurrent.futures.Future[Any]", Callable[..., Any], tuple[Any, ...], dict[str, Any] | None,
+             int | None, Communicator | None, int, bool]
+
+
+#: What a job that runs beside others holds instead of the group's lock.
+_NO_LOCK = contextlib.nullcontext()
 
 
 class _Shared:
@@ -99,7 +115,9 @@ class _Shared:
         self.issued = 0  # async jobs submitted, and finished with their future's callbacks run (``drain``)
         self.done = 0
         self.settled = threading.Condition(threading.Lock())
-        self.thread: threading.Thread | None = None
+        self.window = max(1, int(config.get("collective.async-window", 1)))
+        self.threads: list[threading.Thread] = []
+        self.last_alone = -1  # the newest job issued that runs alone
         self.groups: dict[int, ProcessGroup] = {}  # code -> group (the root is 0)
         self.settings = config.current_snapshot()
         self.closed = False
@@ -126,18 +144,30 @@ class _Shared:
             return fn(*args)
 
     def submit(self, kind: str, fn: Callable[..., Any], args: tuple[Any, ...],
-               abort: Callable[[BaseException], None] | None = None) -> Work:
+               abort: Callable[[BaseException], None] | None = None, comm: Communicator | None = None) -> Work:
+        """Issue ``fn(*args)`` as async work; ``comm``: it is a numbered collective of that communicator."""
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         settings = config.current_snapshot() or self.settings
         with self.submit_lock:
             if self.closed:
                 raise RuntimeError(f"process group {self.name} is closed")
-            if self.thread is None:
-                self.thread = threading.Thread(target=self._run, name=f"daskdist-pg-{self.name}", daemon=True)
-                self.thread.start()
+            if len(self.threads) < self.window and len(self.threads) < self.issued - self.done + 1:
+                thread = threading.Thread(target=self._run, name=f"daskdist-pg-{self.name}-{len(self.threads)}",
+                                          daemon=True)
+                self.threads.append(thread)
+                thread.start()
+            index = self.issued
+            number = None
+            alone = True
+            if self.window > 1 and comm is not None:  # numbered at issue: its place among the peers' is fixed
+                number = comm.reserve_number()
+                alone = not comm.concurrent_safe
+            if alone:
+                self.last_alone = index
             self.last = future
             self.issued += 1
-            self.jobs.put((future, fn, args, settings))
+            self.jobs.put((index, future, fn, args, settings, number, comm, self.last_alone if not alone else -1,
+                           alone))
         return Work(future, kind, abort)
 
     def drain(self) -> None:
@@ -149,7 +179,7 @@ class _Shared:
         issued = self.issued
         concurrent.futures.wait([last])
         with self.settled:
-            while self.done < issued and not (self.closed and (self.thread is None or not self.thread.is_alive())):
+            while self.done < issued and not (self.closed and not any(t.is_alive() for t in self.threads)):
                 self.settled.wait(0.1)
         with self.submit_lock:
             if self.last is last:
@@ -161,28 +191,53 @@ class _Shared:
             job = self.jobs.get()
             if job is None:
                 return
-            future, fn, args, settings = job
+            index, future, fn, args, settings, number, comm, after, alone = job
+            if self.window > 1:  # a job that runs alone waits for every earlier one; the others for those
+                self._wait_until_done(index if alone else after + 1)
+            error: BaseException | None = None
+            result: Any = None
             if future.set_running_or_notify_cancel():
                 try:
-                    with config.use_snapshot(settings), self.lock:
-                        result = fn(*args)
+                    with config.use_snapshot(settings), self.lock if alone else _NO_LOCK:
+                        if comm is not None and number is not None:
+                            comm.use_number(number)
+                        try:
+                            result = fn(*args)
+                        finally:
+                            if comm is not None and number is not None:
+                                comm.use_number(None)
                 except BaseException as e:
-                    future.set_exception(e)  # runs the future's callbacks here
+                    error = e
+                if self.window > 1:
+                    self._wait_until_done(index)  # complete in issue order
+                if error is not None:
+                    future.set_exception(error)  # runs the future's callbacks here
                 else:
                     future.set_result(result)
+            elif self.window > 1:
+                self._wait_until_done(index)
             with self.settled:
                 self.done += 1
                 self.settled.notify_all()
-            del job, future, args
+            del job, future, args, result, error
+
+    def _wait_until_done(self, count: int) -> None:
+        """Wait until the first ``count`` async jobs are done (jobs complete in issue order)."""
+        if self.done >= count:
+            return
+        with self.settled:
+            while self.done < count:
+                self.settled.wait()
 
     def close(self) -> None:
         with self.submit_lock:
             self.closed = True
-            thread = self.thread
-            if thread is not None:
+            threads = list(self.threads)
+            for _ in threads:
                 self.jobs.put(None)
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=5)  # the work queued finishes (or fails at once after an abort)
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=5)  # the work queued finishes (or fails at once after an abort)
 
 
 class ProcessGroup:
@@ -285,7 +340,8 @@ class ProcessGroup:
         """
         shared = self._shared
         if async_op:
-            return shared.submit("all_reduce", self._comm.all_reduce, (op, value, options, in_place), self.abort)
+            return shared.submit("all_reduce", self._comm.all_reduce, (op, value, options, in_place), self.abort,
+                                 self._comm)
         if shared.closed:
             self.check_open()
         if shared.last is not None:
@@ -475,7 +531,7 @@ class ProcessGroup:
     def _call(self, kind: str, fn: Callable[..., Any], args: tuple[Any, ...], async_op: bool) -> Any:
         shared = self._shared
         if async_op:
-            return shared.submit(kind, fn, args, self.abort)
+            return shared.submit(kind, fn, args, self.abort, None if kind in ("send", "recv") else self._comm)
         if shared.closed:
             self.check_open()
         if shared.last is not None:
