@@ -93,6 +93,11 @@ _Job = tuple[int, "concurrent.futures.Future[Any]", Callable[..., Any], tuple[An
              int | None, Communicator | None, int, bool]
 
 
+def async_window() -> int:
+    """``daskdist.collective.async-window``: how many async collectives of a generation may be in flight together."""
+    return max(1, int(config.get("collective.async-window", 1)))
+
+
 #: What a job that runs beside others holds instead of the group's lock.
 _NO_LOCK = contextlib.nullcontext()
 
@@ -115,7 +120,7 @@ class _Shared:
         self.issued = 0  # async jobs submitted, and finished with their future's callbacks run (``drain``)
         self.done = 0
         self.settled = threading.Condition(threading.Lock())
-        self.window = max(1, int(config.get("collective.async-window", 1)))
+        self.window = async_window()
         self.threads: list[threading.Thread] = []
         self.last_alone = -1  # the newest job issued that runs alone
         self.groups: dict[int, ProcessGroup] = {}  # code -> group (the root is 0)
@@ -192,8 +197,9 @@ class _Shared:
             if job is None:
                 return
             index, future, fn, args, settings, number, comm, after, alone = job
-            if self.window > 1:  # a job that runs alone waits for every earlier one; the others for those
-                self._wait_until_done(index if alone else after + 1)
+            # a job that runs alone waits for every earlier one, the others for the last of those (a window's
+            # threads outlive a smaller window set at a later command: the order holds whatever their number)
+            self._wait_until_done(index if alone else after + 1)
             error: BaseException | None = None
             result: Any = None
             if future.set_running_or_notify_cancel():
@@ -208,13 +214,12 @@ class _Shared:
                                 comm.use_number(None)
                 except BaseException as e:
                     error = e
-                if self.window > 1:
-                    self._wait_until_done(index)  # complete in issue order
+                self._wait_until_done(index)  # complete in issue order
                 if error is not None:
                     future.set_exception(error)  # runs the future's callbacks here
                 else:
                     future.set_result(result)
-            elif self.window > 1:
+            else:
                 self._wait_until_done(index)
             with self.settled:
                 self.done += 1
@@ -474,6 +479,7 @@ class ProcessGroup:
         self._shared.drain()
         if get_ident() != self._shared.owner:
             self._shared.join()
+        self._shared.window = async_window()  # the command's settings
         with self._shared.lock:
             for group in self._shared.groups.values():
                 group._comm.begin_attempt(attempt)
