@@ -32,7 +32,10 @@ scheduler as on one host. Its default parts: ``ddp``.
 
 ``--windows 1,4``: one daskdist arm per ``daskdist.collective.async-window``
 (async collectives in flight together), each against the same gloo arm;
-arms rotate round by round.
+arms rotate round by round. A window above 1 runs the backend's collectives
+on the communication thread (``daskdist.torch.comm-thread: true``), where
+DDP's buckets can be in flight together; window 1 keeps the configured
+setting (``auto``: inline on a replica pinned to one core).
 
 The load average (1 minute) is printed before each arm of each round and
 goes into the tables, next to that arm's figures.
@@ -358,7 +361,11 @@ def ddp_figures(strategy: Any, rounds: int, cnn_steps: int, mlp_steps: int, boun
                 what = f"round {r + 1}, {name}, {arm}"
                 loads.setdefault((name, arm), []).append(_load(f"{where}: {what}"))
                 port = next(ports) if ports is not None and arm == "gloo" else None
-                window = {"daskdist.collective.async-window": int(arm[10:])} if arm.startswith("daskdist w") else {}
+                window: dict[str, Any] = {}
+                if arm.startswith("daskdist w"):
+                    window["daskdist.collective.async-window"] = int(arm[10:])
+                    if int(arm[10:]) > 1:
+                        window["daskdist.torch.comm-thread"] = True
                 with dask.config.set(window):
                     out = run_arm(strategy, f"{where}: {what}", bound, ddp_arm, arm, name, steps, 3,
                                   f"{r}-{name}-{arm.replace(' ', '')}", bound, port)
