@@ -142,6 +142,7 @@ class Communicator:
         self.seq = 0
         self._numbering = threading.Lock()  # numbers taken at issue (async work) and at run time
         self._reserved = _Reserved()  # per thread: the number given at issue to the collective it runs next
+        self._windowed = False  # a number was taken at issue: numbering takes ``_numbering`` from then on
         self.default_timeout = config.get_seconds("collective.timeout")
         self.timeout_override: float | None = None  # the group's own deadline (``set_timeout``), kept over commands
         self.current_kind: str | None = None
@@ -239,6 +240,9 @@ class Communicator:
         gets the number it was given at issue instead.
         """
         self._check_aborts(self.attempt)
+        if not self._windowed:  # no number was ever taken at issue: the latency path stays lock-free
+            self.seq += 1
+            return self.seq
         reserved = self._reserved.number
         if reserved is not None:
             self._reserved.number = None
@@ -250,6 +254,7 @@ class Communicator:
     def reserve_number(self) -> int:
         """Take the next collective number now, for a collective that runs later (async work in a window)."""
         with self._numbering:
+            self._windowed = True
             self.seq += 1
             return self.seq
 
