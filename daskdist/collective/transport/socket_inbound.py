@@ -50,7 +50,7 @@ class Posted:
 class ScratchPool:
     """Reused receive buffers for receives that combine (a reduction reads the incoming bytes, then drops them)."""
 
-    def __init__(self, keep: int = 8) -> None:
+    def __init__(self, keep: int = 4) -> None:
         self._free: list[np.ndarray] = []
         self._lock = threading.Lock()
         self._keep = keep
