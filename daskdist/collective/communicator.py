@@ -357,7 +357,7 @@ class Communicator:
             self.abort_attempt(e)
             raise
         finally:
-            self.end_tracking()
+            self.end_tracking(call)
         if self.on_collective is not None:
             self.on_collective(kind, time.monotonic() - start, call.nbytes)
         return result
@@ -369,8 +369,12 @@ class Communicator:
             self.start_stall_watch()
         self.active = (call, since)
 
-    def end_tracking(self) -> None:
-        """The tracked collective is over (``begin_tracking``)."""
+    def end_tracking(self, call: Any = None) -> None:
+        """The tracked collective is over (``begin_tracking``); ``call``: only if it is still the one shown (async
+        collectives in a window begin and end in any order; the watch shows the latest begun)."""
+        active = self.active
+        if call is not None and active is not None and active[0] is not call:
+            return
         self.active = None
         self.current_kind = None
 
