@@ -178,6 +178,46 @@ def test_async_collectives_in_a_window_overlap_keep_their_numbers_and_complete_i
     assert all(n == 1 for n in peak.values()) if window == 1 else all(n > 1 for n in peak.values())
 
 
+def test_a_message_wakes_only_the_collective_waiting_for_it_and_an_abort_wakes_them_all(monkeypatch):
+    """Collectives of a window wait in the mailbox at once: a message wakes the thread waiting for its tag,
+    not every waiter (one wake-up per message). Failed with one condition notified to all (each message woke
+    the three other waiters too)."""
+    from daskdist.collective import mailbox as mailbox_module
+
+    wakes: dict[str, int] = {}
+
+    class CountingCondition(threading.Condition):  # what every wait sleeps on (an Event waits on one too)
+        def wait(self, timeout=None):
+            woke = super().wait(timeout)
+            name = threading.current_thread().name
+            wakes[name] = wakes.get(name, 0) + 1
+            return woke
+
+    monkeypatch.setattr(mailbox_module.threading, "Condition", CountingCondition)
+    box = Mailbox()
+    got: dict[str, object] = {}
+
+    def waiter(seq):
+        try:
+            got[f"w{seq}"] = box.take((0, seq, 1, "d"), time.monotonic() + 30)
+        except Exception as e:
+            got[f"w{seq}"] = e
+
+    threads = [threading.Thread(target=waiter, args=(seq,), name=f"w{seq}") for seq in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)  # all four wait
+    for seq in range(3):
+        box.put((0, seq, 1, "d"), seq)
+        threads[seq].join(30)
+        time.sleep(0.1)  # any other waiter woken by it is back asleep before the next message
+    assert [got[f"w{seq}"] for seq in range(3)] == [0, 1, 2]
+    assert [wakes.get(f"w{seq}", 0) for seq in range(4)] == [1, 1, 1, 0]  # the fourth slept through all three
+    box.abort_attempt(0, Abort("aborted", "stop", 1))
+    threads[3].join(30)
+    assert isinstance(got["w3"], CollectiveAbortedError) and wakes["w3"] == 1
+
+
 def test_an_in_place_all_reduce_reduces_into_the_callers_array_and_the_default_only_reads_it():
     """``in_place=True`` (the torch backend's all-reduce): a contiguous array is reduced where it lies.
 
