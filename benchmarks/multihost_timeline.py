@@ -10,6 +10,7 @@ hosts share one kernel, so CLOCK_MONOTONIC is one clock across them):
 * ``write`` / ``written``: ``sendmsg`` of the frames (signature and data) starts / returns;
 * ``read``: the peer's reader thread has a whole frame (``recv`` returned and the frame is decoded);
 * ``put``: the frame is in the mailbox (or handed to the posted receive);
+* ``wait``: the peer's replica thread asks its mailbox for the message (its wait begins);
 * ``woke``: the peer's replica thread has the message (its wait returned);
 * ``done``: ``all_reduce`` returns.
 
@@ -45,7 +46,7 @@ sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 
 from _common import format_table, namespace_cluster, print_header  # noqa: E402
 
-STEPS = ("call", "write", "written", "read", "put", "woke", "done")
+STEPS = ("call", "write", "written", "read", "put", "wait", "woke", "done")
 
 
 def _traced_all_reduces(size: int, calls: int) -> dict[str, Any]:
@@ -74,6 +75,7 @@ def _traced_all_reduces(size: int, calls: int) -> dict[str, Any]:
         return saved[1](self, tag, value)
 
     def take(self, tag, deadline):
+        stamps.append(("wait", tag[1], ident(), now()))
         value = saved[2](self, tag, deadline)
         stamps.append(("woke", tag[1], ident(), now()))
         return value
@@ -128,7 +130,7 @@ def _timeline(per_rank: list[dict]) -> tuple[list[list[str]], float]:
                 continue
             chain = [("call (sender)", _first(sender["stamps"], "call", seq)), ("write (sender)", write),
                      ("written (sender)", _first(sender["stamps"], "written", seq))]
-            chain += [(s, _first(receiver["stamps"], s, seq)) for s in ("read", "put", "woke", "done")]
+            chain += [(s, _first(receiver["stamps"], s, seq)) for s in ("read", "put", "wait", "woke", "done")]
             if any(v is None for _, v in chain):
                 continue
             for name, (_, ns) in chain:
