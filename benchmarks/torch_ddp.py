@@ -30,6 +30,13 @@ scheduler as on one host. Its default parts: ``ddp``.
 
     python benchmarks/torch_ddp.py --hosts netns --rates 1gbit,10gbit --rounds 3
 
+``--windows 1,4``: one daskdist arm per ``daskdist.collective.async-window``
+(async collectives in flight together), each against the same gloo arm;
+arms rotate round by round. A window above 1 runs the backend's collectives
+on the communication thread (``daskdist.torch.comm-thread: true``), where
+DDP's buckets can be in flight together; window 1 keeps the configured
+setting (``auto``: inline on a replica pinned to one core).
+
 The load average (1 minute) is printed before each arm of each round and
 goes into the tables, next to that arm's figures.
 
@@ -74,6 +81,8 @@ GLOO_PORT = 29500
 
 #: further models measured after the CNN and the MLP: ``(name, steps)`` (``--resnet-steps N`` adds ResNet-18)
 EXTRA_MODELS: list[tuple[str, int]] = []
+#: ``--windows``: one daskdist arm per async window (empty: one arm, the configured window)
+WINDOWS: list[int] = []
 
 
 def _resnet18() -> Any:
@@ -279,7 +288,7 @@ def overhead_arm(arm: str, nbytes: int, calls: int) -> float:
 
 
 def main(rounds: int, cnn_steps: int, mlp_steps: int, parts: str = "ddp,overhead", bound: float = 240.0,
-         hosts: str = "local", rates: tuple[str, ...] = ("1gbit", "10gbit")) -> None:
+         hosts: str = "local", rates: tuple[str, ...] = ("1gbit", "10gbit"), windows: tuple[int, ...] = ()) -> None:
     """Run the ``parts`` on one host (``hosts="local"``) or on two namespace hosts at each of ``rates``."""
     import dask
 
@@ -289,6 +298,7 @@ def main(rounds: int, cnn_steps: int, mlp_steps: int, parts: str = "ddp,overhead
         print_header(f"DDP on daskdist vs DDP on gloo across 2 network-namespace hosts (1 replica each), "
                      f"links {', '.join(rates)}")
     print(_torch_line(), flush=True)
+    WINDOWS[:] = windows
     # daskdist's collectives get the arm's bound as their deadline too (gloo gets it in ddp_arm)
     with dask.config.set({"daskdist.collective.timeout": f"{bound:g}s"}):
         if hosts == "local":
@@ -341,28 +351,41 @@ def ddp_figures(strategy: Any, rounds: int, cnn_steps: int, mlp_steps: int, boun
     computes: dict[tuple[str, str], list[float]] = {}
     cpus: dict[tuple[str, str], list[float]] = {}
     loads: dict[tuple[str, str], list[float]] = {}
+    import dask
+
+    ours_arms = [f"daskdist w{w}" for w in WINDOWS] or ["daskdist"]
+    arms = ["gloo", *ours_arms]
     for r in range(rounds):
         for name, steps in (("cnn", cnn_steps), ("mlp", mlp_steps), *EXTRA_MODELS):
-            for arm in (("gloo", "daskdist") if r % 2 == 0 else ("daskdist", "gloo")):
+            for arm in arms[r % len(arms):] + arms[:r % len(arms)]:  # rotated round by round
                 what = f"round {r + 1}, {name}, {arm}"
                 loads.setdefault((name, arm), []).append(_load(f"{where}: {what}"))
                 port = next(ports) if ports is not None and arm == "gloo" else None
-                out = run_arm(strategy, f"{where}: {what}", bound, ddp_arm, arm, name, steps, 3, f"{r}-{name}-{arm}",
-                              bound, port)
+                window: dict[str, Any] = {}
+                if arm.startswith("daskdist w"):
+                    window["daskdist.collective.async-window"] = int(arm[10:])
+                    if int(arm[10:]) > 1:
+                        window["daskdist.torch.comm-thread"] = True
+                with dask.config.set(window):
+                    out = run_arm(strategy, f"{where}: {what}", bound, ddp_arm, arm, name, steps, 3,
+                                  f"{r}-{name}-{arm.replace(' ', '')}", bound, port)
                 step = max(statistics.median(o["times"]) for o in out)  # the slowest replica's median
                 results.setdefault((name, arm), []).append(step)
                 computes.setdefault((name, arm), []).append(max(statistics.median(o["compute"]) for o in out))
                 cpus.setdefault((name, arm), []).append(max(statistics.median(o["cpu"]) for o in out))
                 losses[(name, arm)] = out[0]["loss"]
     for name in ("cnn", "mlp", *(extra for extra, _ in EXTRA_MODELS)):
-        gloo, ours = results[(name, "gloo")], results[(name, "daskdist")]
-        ratios = [g / d for g, d in zip(gloo, ours)]
-        rows.append([where, name, _ms(gloo), _ms(ours), _ms(computes[(name, "gloo")]),
-                     _ms(computes[(name, "daskdist")]), _ms(cpus[(name, "gloo")]), _ms(cpus[(name, "daskdist")]),
-                     f"{GLOBAL_BATCH / statistics.median(gloo):.0f}", f"{GLOBAL_BATCH / statistics.median(ours):.0f}",
-                     ", ".join(f"{x:.2f}" for x in ratios),
-                     f"{losses[(name, 'gloo')]:.6f} / {losses[(name, 'daskdist')]:.6f}",
-                     _loads(loads[(name, "gloo")]), _loads(loads[(name, "daskdist")])])
+        for arm in ours_arms:
+            gloo, ours = results[(name, "gloo")], results[(name, arm)]
+            ratios = [g / d for g, d in zip(gloo, ours)]
+            label = name if arm == "daskdist" else f"{name} ({arm})"
+            rows.append([where, label, _ms(gloo), _ms(ours), _ms(computes[(name, "gloo")]),
+                         _ms(computes[(name, arm)]), _ms(cpus[(name, "gloo")]), _ms(cpus[(name, arm)]),
+                         f"{GLOBAL_BATCH / statistics.median(gloo):.0f}",
+                         f"{GLOBAL_BATCH / statistics.median(ours):.0f}",
+                         ", ".join(f"{x:.2f}" for x in ratios),
+                         f"{losses[(name, 'gloo')]:.6f} / {losses[(name, arm)]:.6f}",
+                         _loads(loads[(name, "gloo")]), _loads(loads[(name, arm)])])
     print(format_table(["where", "model", "gloo step ms (rounds)", "daskdist step ms (rounds)",
                         "no_sync step ms gloo arm", "no_sync step ms daskdist arm", "CPU ms/step gloo",
                         "CPU ms/step daskdist", "gloo samples/s",
@@ -431,9 +454,13 @@ if __name__ == "__main__":
                         help="local: 2 worker processes of one host; netns: 2 network-namespace hosts (needs root)")
     parser.add_argument("--rates", default="1gbit,10gbit",
                         help="with --hosts netns: comma-separated link rates, measured in this order")
+    parser.add_argument("--windows", default="",
+                        help="comma-separated daskdist.collective.async-window values: one daskdist arm each "
+                             "(default: one arm with the configured window)")
     args = parser.parse_args()
     if args.resnet_steps:
         EXTRA_MODELS.append(("resnet18", args.resnet_steps))
     parts = "overhead" if args.per_call_only else args.parts or ("ddp,overhead" if args.hosts == "local" else "ddp")
     main(args.rounds, args.cnn_steps, args.mlp_steps, parts, args.arm_timeout, args.hosts,
-         tuple(r.strip() for r in args.rates.split(",") if r.strip()))
+         tuple(r.strip() for r in args.rates.split(",") if r.strip()),
+         tuple(int(w) for w in args.windows.split(",") if w.strip()))

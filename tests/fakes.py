@@ -40,14 +40,14 @@ class InMemoryControl:
         self.rank = rank
         self.group = group
 
-    def abort_peers(self, epoch: int, abort: Abort) -> None:
+    def abort_peers(self, attempt: int, abort: Abort) -> None:
         for r, mailbox in enumerate(self.group.mailboxes):
             if r != self.rank:
-                mailbox.abort_run(epoch, abort)
+                mailbox.abort_attempt(attempt, abort)
 
     def probe(self, rank: int, timeout: float) -> dict | None:
         comm = self.group.comms[rank]
-        return {"state": self.group.states[rank], "epoch": comm.epoch, "run_id": comm.run_id,
+        return {"state": self.group.states[rank], "attempt": comm.attempt, "run_id": comm.run_id,
                 "collective": comm.seq}
 
 
@@ -61,7 +61,7 @@ class InMemoryGroup:
         self.size = size
         self.mailboxes = [Mailbox() for _ in range(size)]
         self.states = ["idle"] * size
-        self.failed_runs = 0  # the epoch of the next run, as the client counts it
+        self.failed_runs = 0  # the attempt of the next run, as the client counts it
         self.comms = [
             Communicator(r, size, InMemoryTransport(r, self), InMemoryControl(r, self), algorithm, options,
                          hosts=hosts)
@@ -78,23 +78,23 @@ class InMemoryGroup:
     def run_ranks(self, fn: Callable[[Communicator], Any], run_id: int = 1, timeout: float = 30) -> list[Any]:
         """Run ``fn(comm)`` on every rank in its own thread; exceptions are returned, not raised.
 
-        As the replica runtime does with a client command: the epoch is the
+        As the replica runtime does with a client command: the attempt is the
         number of earlier runs that failed (numbering goes on across runs
         that succeed).
         """
         barrier = threading.Barrier(self.size)
-        epoch = self.failed_runs
+        attempt = self.failed_runs
 
         def body(rank: int) -> Any:
             comm = self.comms[rank]
             self.states[rank] = "running"
-            comm.begin_epoch(epoch)
+            comm.begin_attempt(attempt)
             comm.begin_command(run_id)
             barrier.wait()
             try:
                 return fn(comm)
             except Exception as e:
-                comm.abort_epoch(e)
+                comm.abort_attempt(e)
                 return e
             finally:
                 self.states[rank] = "idle"

@@ -95,7 +95,7 @@ def test_engines_that_work_in_place_never_write_the_callers_array():
 def _shm_pair(slot_bytes: int = 1 << 12) -> list[ShmTransport]:
     boxes = [Mailbox(), Mailbox()]
     for box in boxes:
-        box.begin_run(1)
+        box.begin_attempt(1)
     name = f"daskdist-e{os.getpid()}{int(time.monotonic() * 1e6) % 10**8}"
     return [ShmTransport(r, ["a", "b"], boxes[r], [1 - r], name, slot_bytes) for r in range(2)]
 

@@ -602,7 +602,7 @@ def test_a_replica_stuck_before_nccl_times_out_aborts_communicators_and_a_later_
     group.comms[1].nccl.device.inputs_ready = lambda: True
 
     def again(c):
-        c.begin_epoch(1)  # the fake group starts epoch 1 itself, as the client would
+        c.begin_attempt(1)  # the fake group starts attempt 1 itself, as the client would
         return c.all_reduce("SUM", x[c.rank])
 
     out = group.run_ranks(again, run_id=3)
@@ -620,7 +620,7 @@ def test_a_failed_command_that_never_reached_nccl_keeps_the_communicator():
     assert group.run_ranks(lambda c: c.all_reduce("SUM", x[c.rank]))[0].tolist() == [3.0] * 4
 
     def after_a_failure(c):
-        c.begin_epoch(1)  # a command failed outside NCCL (a user error): the client counts it
+        c.begin_attempt(1)  # a command failed outside NCCL (a user error): the client counts it
         return c.all_reduce("SUM", x[c.rank])
 
     out = group.run_ranks(after_a_failure, run_id=2)
@@ -628,7 +628,7 @@ def test_a_failed_command_that_never_reached_nccl_keeps_the_communicator():
     assert scheduler.keys == ["nccl/0", "nccl-keep/1"]  # one exchange, no new unique id
     assert len(world.comms) == 2 and not any(c.aborted for c in world.comms)
     assert [c.nccl.communicators_made for c in group.comms] == [1, 1]
-    out = group.run_ranks(lambda c: c.all_reduce("SUM", x[c.rank]), run_id=3)  # the same epoch: no exchange
+    out = group.run_ranks(lambda c: c.all_reduce("SUM", x[c.rank]), run_id=3)  # the same attempt: no exchange
     assert scheduler.keys == ["nccl/0", "nccl-keep/1"]
 
 

@@ -10,6 +10,7 @@ and Dask transports between worker processes.
 from __future__ import annotations
 
 import concurrent.futures
+import random
 import threading
 import time
 
@@ -97,18 +98,18 @@ def test_sync_and_async_collectives_give_the_same_results():
         assert done[4] == [{"r": 0}, {"r": 1}, {"r": 2}]
 
 
-def test_numbering_goes_on_across_commands_and_restarts_only_in_a_new_epoch():
+def test_numbering_goes_on_across_commands_and_restarts_only_in_a_new_attempt():
     fake, groups = _groups(2)
     assert [g.rank for g in groups] == [0, 1] and groups[0].ranks == (0, 1) and groups[0].size == 2
     _run(fake, groups, lambda g: [g.all_reduce("SUM", np.ones(2)) for _ in range(3)])
     _run(fake, groups, lambda g: g.barrier())
     assert [g.communicator.seq for g in groups] == [4, 4]  # a command boundary is a fence, not a renumbering
-    assert [g.epoch for g in groups] == [0, 0]
+    assert [g.attempt for g in groups] == [0, 0]
 
     out = _run(fake, groups, lambda g: g.all_reduce("SUM", np.ones(2 + g.rank)))  # a mismatch: the command fails
     assert all(isinstance(e, CollectiveMismatchError | CollectiveAbortedError) for e in out), out
     out = _run(fake, groups, lambda g: g.all_reduce("SUM", np.ones(2)))
-    assert [g.epoch for g in groups] == [1, 1] and [g.communicator.seq for g in groups] == [1, 1]
+    assert [g.attempt for g in groups] == [1, 1] and [g.communicator.seq for g in groups] == [1, 1]
     assert [r.tolist() for r in out] == [[2.0, 2.0]] * 2
 
 
@@ -125,6 +126,96 @@ def test_async_work_runs_in_issue_order_and_a_sync_call_waits_for_it():
     for sums, objects, last in _run(fake, groups, fn):
         assert sums == [3.0 * i for i in range(20)]
         assert objects == [0, 1, 2] and last == 2
+
+
+def _slowed(groups: list[ProcessGroup], peak: dict[int, int]) -> None:
+    """Make each group's all-reduces start after a random pause of up to 10 ms; ``peak``: most at once, per rank."""
+    lock = threading.Lock()
+    in_flight = dict.fromkeys(range(len(groups)), 0)
+    peak.update(in_flight)
+    for g in groups:
+        original, rng, rank = g.communicator.all_reduce, random.Random(g.rank), g.rank
+
+        def all_reduce(*args, original=original, rng=rng, rank=rank, **kwargs):
+            with lock:
+                in_flight[rank] += 1
+                peak[rank] = max(peak[rank], in_flight[rank])
+            try:
+                time.sleep(rng.uniform(0, 0.01))  # each rank starts its collectives in its own order
+                return original(*args, **kwargs)
+            finally:
+                with lock:
+                    in_flight[rank] -= 1
+
+        g.communicator.all_reduce = all_reduce
+
+
+@pytest.mark.parametrize("window", [1, 4])
+def test_async_collectives_in_a_window_overlap_keep_their_numbers_and_complete_in_issue_order(window):
+    """With ``async-window`` 4 up to four async all-reduces run at once, each rank starting them in a random order:
+    each still meets its own peers (numbered at issue), the works complete in issue order (callbacks and ``wait``),
+    and a synchronous call after them sees every result. Failed with the numbers taken when a collective starts
+    (sums mixed up or a mismatch) and with completion as each finished (callbacks out of order)."""
+    with dask.config.set({"daskdist.collective.async-window": window}):
+        fake, groups = _groups(3)
+    peak: dict[int, int] = {}
+    _slowed(groups, peak)
+
+    def fn(g: ProcessGroup):
+        completed: list[int] = []
+        works = [g.all_reduce("SUM", np.full(3, float(i + g.rank)), async_op=True) for i in range(24)]
+        for i, w in enumerate(works):
+            w.get_future().add_done_callback(lambda _, i=i: completed.append(i))
+        middle = works[12].wait()
+        assert all(w.is_completed() for w in works[:12])  # an earlier work is done when a later one is
+        last = g.all_reduce("MAX", np.array([g.rank]))  # inline, after every async one
+        assert all(w.is_completed() for w in works)
+        return [w.result()[0] for w in works], completed, float(middle[0]), int(last[0])
+
+    for sums, completed, middle, last in _run(fake, groups, fn):
+        assert sums == [3.0 * i + 3 for i in range(24)]
+        assert completed == list(range(24)) and middle == 39.0 and last == 2
+    assert all(n == 1 for n in peak.values()) if window == 1 else all(n > 1 for n in peak.values())
+
+
+def test_a_message_wakes_only_the_collective_waiting_for_it_and_an_abort_wakes_them_all(monkeypatch):
+    """Collectives of a window wait in the mailbox at once: a message wakes the thread waiting for its tag,
+    not every waiter (one wake-up per message). Failed with one condition notified to all (each message woke
+    the three other waiters too)."""
+    from daskdist.collective import mailbox as mailbox_module
+
+    wakes: dict[str, int] = {}
+
+    class CountingCondition(threading.Condition):  # what every wait sleeps on (an Event waits on one too)
+        def wait(self, timeout=None):
+            woke = super().wait(timeout)
+            name = threading.current_thread().name
+            wakes[name] = wakes.get(name, 0) + 1
+            return woke
+
+    monkeypatch.setattr(mailbox_module.threading, "Condition", CountingCondition)
+    box = Mailbox()
+    got: dict[str, object] = {}
+
+    def waiter(seq):
+        try:
+            got[f"w{seq}"] = box.take((0, seq, 1, "d"), time.monotonic() + 30)
+        except Exception as e:
+            got[f"w{seq}"] = e
+
+    threads = [threading.Thread(target=waiter, args=(seq,), name=f"w{seq}") for seq in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)  # all four wait
+    for seq in range(3):
+        box.put((0, seq, 1, "d"), seq)
+        threads[seq].join(30)
+        time.sleep(0.1)  # any other waiter woken by it is back asleep before the next message
+    assert [got[f"w{seq}"] for seq in range(3)] == [0, 1, 2]
+    assert [wakes.get(f"w{seq}", 0) for seq in range(4)] == [1, 1, 1, 0]  # the fourth slept through all three
+    box.abort_attempt(0, Abort("aborted", "stop", 1))
+    threads[3].join(30)
+    assert isinstance(got["w3"], CollectiveAbortedError) and wakes["w3"] == 1
 
 
 def test_an_in_place_all_reduce_reduces_into_the_callers_array_and_the_default_only_reads_it():
@@ -242,7 +333,7 @@ def test_a_failed_async_collective_is_in_its_work_on_every_member():
     assert set(out) <= {"CollectiveMismatchError", "CollectiveAbortedError"} and "CollectiveMismatchError" in out
 
 
-def test_abort_fails_the_epoch_on_every_member_and_the_next_epoch_works():
+def test_abort_fails_the_attempt_on_every_member_and_the_next_attempt_works():
     fake, groups = _groups(2)
 
     def fn(g: ProcessGroup):
@@ -351,15 +442,15 @@ class _Control:
         self.rank = rank
         self.mailboxes = mailboxes
 
-    def abort_peers(self, epoch: int, abort: Abort) -> None:
+    def abort_peers(self, attempt: int, abort: Abort) -> None:
         for r, mailbox in enumerate(self.mailboxes):
             if r != self.rank:
-                mailbox.abort_run(epoch, abort)
+                mailbox.abort_attempt(attempt, abort)
 
     def probe(self, rank: int, timeout: float) -> dict | None:
         return None
 
-    def exchange(self, key, value, deadline, epoch):
+    def exchange(self, key, value, deadline, attempt):
         raise NotImplementedError
 
 
@@ -448,7 +539,7 @@ def test_a_replica_that_finishes_without_joining_fails_the_run_at_once(process_c
             strategy.run(fn)
         assert time.monotonic() - start < 20
         assert "all_reduce #" in str(info.value)
-        # the group goes on with a new epoch
+        # the group goes on with a new attempt
         ok = strategy.experimental_local_results(strategy.run(lambda: dd.get_replica_context().all_reduce(
             "SUM", np.ones(2))))
         assert [v.tolist() for v in ok] == [[2.0, 2.0]] * 2
@@ -461,7 +552,7 @@ def test_the_groups_timeout_is_the_deadline_of_its_collectives_and_outlives_comm
     fake, groups = _groups(2)
     for g in groups:
         g.set_timeout(0.5)
-        g.start_command(7, g.epoch)  # a new client command does not reset it
+        g.start_command(7, g.attempt)  # a new client command does not reset it
     assert [g.timeout for g in groups] == [0.5, 0.5]
 
     def fn(g: ProcessGroup):

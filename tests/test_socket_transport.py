@@ -157,6 +157,83 @@ def test_frames_read_by_the_waiting_thread_for_other_tags_reach_the_mailbox_in_a
         receiver.close()
 
 
+def _posted_then_sent(receiver, sender, tag, payload, receive):
+    """Run ``receive()`` on a thread, send ``payload`` under ``tag`` once that receive is posted; its result."""
+    got: dict = {}
+
+    def run():
+        try:
+            got["v"] = receive()
+        except Exception as e:  # raised here, on the test's thread
+            got["error"] = e
+
+    waiter = threading.Thread(target=run)
+    waiter.start()
+    until = time.monotonic() + 2  # sent anyway after that: a receive that does not post still gets it
+    while receiver.posted_receives == 0 and time.monotonic() < until:
+        time.sleep(0.001)
+    sender.send(0, tag, payload)
+    waiter.join(30)
+    assert not waiter.is_alive()
+    if "error" in got:
+        raise got["error"]
+    return got.get("v")
+
+
+@pytest.mark.parametrize("n", [1024, 300_000, 2_000_000])  # in one read, larger than a read buffer, a sender thread
+def test_posted_receives_land_in_place_without_allocating(n):
+    """A copy (``combine`` None) lands in the collective's own output, a reduction in a reused scratch buffer:
+    after the first scratch buffer the receive path allocates nothing (``receive_allocations``). Failed with the
+    posted receive taken out of ``recv_into`` (every message in a fresh buffer: one allocation each)."""
+    receiver, sender = _pair()
+    try:
+        sender.send(0, (1, 0, 1, "warm"), np.ones(1))  # opens the connection (one fresh buffer: not posted)
+        receiver.recv(1, (1, 0, 1, "warm"), time.monotonic() + 30)
+        before = receiver.receive_allocations
+        out = np.zeros(n, np.float32)
+        acc = np.ones(n, np.float32)
+
+        def add(acc_part, incoming, base):
+            np.add(acc_part if base is None else base, incoming, out=acc_part)
+
+        for i in range(1, 9):
+            copy_tag, sum_tag = (1, i, 1, "copy"), (1, i, 1, "sum")
+            payload = np.full(n, float(i), np.float32)
+            _posted_then_sent(receiver, sender, copy_tag, payload,
+                              lambda t=copy_tag: receiver.recv_into(1, t, time.monotonic() + 30, out, None))
+            np.testing.assert_array_equal(out, payload)
+            _posted_then_sent(receiver, sender, sum_tag, payload,
+                              lambda t=sum_tag: receiver.recv_into(1, t, time.monotonic() + 30, acc, add))
+        np.testing.assert_array_equal(acc, np.full(n, 1 + sum(range(1, 9)), np.float32))
+        assert receiver.receive_allocations - before == 1  # the scratch buffer, made once and reused
+        assert receiver.posted_receives == 0 and len(receiver.mailbox) == 0
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_message_that_does_not_fit_its_posted_receive_raises_and_one_sent_early_still_arrives():
+    """A posted receive of another size or dtype is not written into: the receive raises ``PayloadMismatch``
+    and ``out`` keeps its bytes; a message that came before its receive was posted is copied from its buffer."""
+    from daskdist.collective.transport.base import PayloadMismatch
+
+    receiver, sender = _pair()
+    try:
+        out = np.arange(8, dtype=np.float32)
+        for i, wrong in enumerate([np.ones(9, np.float32), np.ones(8, np.float64)]):
+            with pytest.raises(PayloadMismatch):
+                _posted_then_sent(receiver, sender, (1, i, 1, "x"), wrong,
+                                  lambda t=(1, i, 1, "x"): receiver.recv_into(1, t, time.monotonic() + 30, out, None))
+            np.testing.assert_array_equal(out, np.arange(8, dtype=np.float32))
+        sender.send(0, (1, 5, 1, "early"), np.full(8, 3.0, np.float32))
+        time.sleep(0.05)
+        receiver.recv_into(1, (1, 5, 1, "early"), time.monotonic() + 30, out, None)
+        np.testing.assert_array_equal(out, np.full(8, 3.0, np.float32))
+    finally:
+        sender.close()
+        receiver.close()
+
+
 @pytest.mark.parametrize("secret, group", [("wrong", "g/0"), ("s", "g/1")])
 def test_a_connection_without_the_groups_secret_or_from_another_generation_is_rejected(secret, group, caplog):
     receiver, sender = _pair(sender_secret=secret, sender_group=group)

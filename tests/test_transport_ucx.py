@@ -89,7 +89,7 @@ class TestUcxPair:
 
         boxes = [Mailbox(), Mailbox()]
         for box in boxes:
-            box.begin_run(1)
+            box.begin_attempt(1)
         transports = [UcxTransport(r, ["a", "b"], boxes[r], "test") for r in range(2)]
         addresses = {r: t.address for r, t in enumerate(transports)}
         for t in transports:
@@ -155,14 +155,14 @@ class TestUcxPair:
         # a send from run 1 that nobody reads, then run 2 starts: the leftover is dropped
         t0.send(1, (1, 6, 0, "stale"), np.ones(100_000))
         for box in (t0.mailbox, t1.mailbox):
-            box.begin_run(2)
+            box.begin_attempt(2)
         handle = t0.send(1, (2, 1, 0, "fresh"), np.full(100_000, 3.0))
         assert t1.recv(0, (2, 1, 0, "fresh"), self._deadline())[0] == 3.0
         handle.wait(self._deadline())
         # an abort wakes a blocked receive at once
         from daskdist.collective.mailbox import Abort
 
-        threading.Timer(0.3, t1.mailbox.abort_run, args=(2, Abort("lost", "peer gone", 0))).start()
+        threading.Timer(0.3, t1.mailbox.abort_attempt, args=(2, Abort("lost", "peer gone", 0))).start()
         start = time.monotonic()
         with pytest.raises(dd.ReplicaLostError, match="peer gone"):
             t1.recv(0, (2, 2, 0, "blocked"), self._deadline(60))

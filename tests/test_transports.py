@@ -208,7 +208,7 @@ class TestShmChannels:
     def _pair(self, slot_bytes=1 << 12):
         boxes = [Mailbox(), Mailbox()]
         for box in boxes:
-            box.begin_run(1)
+            box.begin_attempt(1)
         name = f"daskdist-t{os.getpid()}{int(time.monotonic() * 1e6) % 10**8}"
         return [ShmTransport(r, ["a", "b"], boxes[r], [1 - r], name, slot_bytes) for r in range(2)]
 

@@ -17,6 +17,7 @@ pool's own references and it is not reused.
 from __future__ import annotations
 
 import sys
+import threading
 from typing import Any
 
 import numpy as np
@@ -43,6 +44,7 @@ class BufferPool:
         self.min_bytes = min_bytes
         self.max_buffers = max_buffers
         self._buffers: list[np.ndarray] = []
+        self._lock = threading.Lock()  # collectives in flight together (an async window) take buffers at once
 
     def empty(self, shape: tuple[int, ...] | int, dtype: Any) -> np.ndarray:
         """An uninitialised 1-D or n-d array, reused from the pool when one of the right size is idle."""
@@ -54,14 +56,15 @@ class BufferPool:
             nbytes *= d
         if nbytes < self.min_bytes:
             return np.empty(shape, kind)
-        for buffer in self._buffers:
-            if buffer.nbytes == nbytes and sys.getrefcount(buffer) <= _IDLE_REFCOUNT:
-                return buffer.view(kind).reshape(shape)
-        buffer = np.empty(nbytes, np.uint8)
-        self._buffers.append(buffer)
-        if len(self._buffers) > self.max_buffers:
-            self._drop_one_idle()
-        return buffer.view(kind).reshape(shape)
+        with self._lock:  # the view handed out holds the buffer before another thread looks at its count
+            for buffer in self._buffers:
+                if buffer.nbytes == nbytes and sys.getrefcount(buffer) <= _IDLE_REFCOUNT:
+                    return buffer.view(kind).reshape(shape)
+            buffer = np.empty(nbytes, np.uint8)
+            self._buffers.append(buffer)
+            if len(self._buffers) > self.max_buffers:
+                self._drop_one_idle()
+            return buffer.view(kind).reshape(shape)
 
     def empty_like(self, array: np.ndarray) -> np.ndarray:
         """``empty(array.shape, array.dtype)``."""

@@ -1,7 +1,7 @@
 """One collective in progress (``CollectiveCall``) and what the engines see of it.
 
-Every collective gets a number within its group's current epoch (see
-``communicator``); its messages are tagged ``(epoch, number, src, name)``. A call starts by sending a short signature
+Every collective gets a number within its group's current attempt (see
+``communicator``); its messages are tagged ``(attempt, number, src, name)``. A call starts by sending a short signature
 (kind, op, structure, shapes, dtypes) to the right neighbour and checks the
 left neighbour's before it uses any data, so replicas that disagree all raise
 ``CollectiveMismatchError`` instead of exchanging garbage or waiting forever.
@@ -52,7 +52,7 @@ class CallHost(Protocol):
 
     rank: int
     size: int
-    epoch: int
+    attempt: int
     run_id: int
     seq: int
     transport: Transport
@@ -70,7 +70,7 @@ class CollectiveCall:
     Parameters
     ----------
     comm
-        The communicator (its rank, size, epoch, command and collective number, transport).
+        The communicator (its rank, size, attempt, command and collective number, transport).
     kind
         ``"all_reduce"``, ``"broadcast"``, ...: named in errors and timings.
     sig
@@ -79,7 +79,8 @@ class CollectiveCall:
         When the call times out (monotonic) and the timeout it was given.
     """
 
-    def __init__(self, comm: CallHost, kind: str, sig: str, deadline: float, timeout: float):
+    def __init__(self, comm: CallHost, kind: str, sig: str, deadline: float, timeout: float,
+                 seq: int | None = None):
         self.comm = comm
         self.kind = kind
         self.sig = sig
@@ -87,13 +88,13 @@ class CollectiveCall:
         self.timeout = timeout
         self.rank = comm.rank
         self.size = comm.size
-        self.seq = comm.seq
-        self.epoch = comm.epoch
+        self.seq = comm.seq if seq is None else seq  # the number it was given (at issue, for async work in a window)
+        self.attempt = comm.attempt
         self.run_id = comm.run_id  # the client command, for messages only
         self.nbytes = 0
         self.part = ""  # distinguishes the messages of successive packs within one collective
         # Data tags carry a hash of the signature: a replica can never consume data from a peer
-        # that passed something else; it waits until the replica that saw the mismatch aborts the epoch.
+        # that passed something else; it waits until the replica that saw the mismatch aborts the attempt.
         self._data_suffix = f"#{zlib.crc32(sig.encode()):08x}"
         self._sig_checked = False
         self._transport = comm.transport
@@ -110,10 +111,10 @@ class CollectiveCall:
         return (self.rank - 1) % self.size
 
     def _tag(self, src: int, name: str) -> tuple[Any, ...]:
-        return (self.epoch, self.seq, src, name + self._data_suffix)
+        return (self.attempt, self.seq, src, name + self._data_suffix)
 
     def _sig_tag(self, src: int) -> tuple[Any, ...]:
-        return (self.epoch, self.seq, src, "sig")
+        return (self.attempt, self.seq, src, "sig")
 
     def send(self, dst: int, name: str, payload: Any) -> SendHandle:
         self.nbytes += getattr(payload, "nbytes", 0)

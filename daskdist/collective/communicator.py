@@ -3,29 +3,30 @@
 ``Communicator`` is the engine room of a ``ProcessGroup``
 (``collective.process_group``), which is what ``ReplicaContext.all_reduce``
 and friends call. Each collective is a ``CollectiveCall``
-(``collective.call``): numbered within the group's current epoch (not per
+(``collective.call``): numbered within the group's current attempt (not per
 client command), tagged, checked against the neighbours' signatures, bounded
 by a deadline. ``all_reduce`` follows TensorFlow's ``reduce`` →
 ``reduce_implementation`` shape: validate into an ``AllReducePlan``, return a
 copy when the group has one replica, then run the first engine that accepts
 the plan: the latency lane, NCCL, or the packed path with its pack engines
 (``collective.engines``). Any failure inside a collective aborts the run on
-every replica (the group's current epoch); a replica waiting longer than
+every replica (the group's current attempt); a replica waiting longer than
 ``daskdist.collective.stall-warning`` warns, naming the replicas that have
 not joined, and one that waits for a replica known to have finished the
 command without joining raises at once (``collective.stall``).
 
-Epochs: every message is tagged ``(epoch, seq, src, name)``. The epoch is the
+Attempts: every message is tagged ``(attempt, seq, src, name)``. The attempt is the
 number of the group's client commands that had failed when the current one
 started (the client counts them and sends the count with each command), so
-it is the same on every replica; a failed collective aborts the epoch, and
+it is the same on every replica; a failed collective aborts the attempt, and
 the next command starts a new one: numbering restarts and what is left of
-the aborted epoch is dropped. A successful command does not renumber.
+the aborted attempt is dropped. A successful command does not renumber.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -57,14 +58,18 @@ logger = logging.getLogger(__name__)
 class ControlPlane(Protocol):
     """What the communicator needs from the replica runtime besides moving data."""
 
-    def abort_peers(self, epoch: int, abort: Abort) -> None:
-        """Tell every other replica that the group's ``epoch`` was aborted."""
+    def abort_peers(self, attempt: int, abort: Abort) -> None:
+        """Tell every other replica that the group's ``attempt`` was aborted."""
 
     def probe(self, rank: int, timeout: float) -> dict[str, Any] | None:
         """Ask ``rank`` where it is (run, collective number, state); ``None`` if it does not answer."""
 
-    def exchange(self, key: str, value: Any, deadline: float, epoch: int) -> dict[int, Any]:
+    def exchange(self, key: str, value: Any, deadline: float, attempt: int) -> dict[int, Any]:
         """Meet every replica under ``key`` and return each one's ``value`` (NCCL's unique id)."""
+
+
+class _Reserved(threading.local):
+    number: int | None = None
 
 
 class Communicator:
@@ -132,9 +137,12 @@ class Communicator:
         self.hosts = list(hosts) if hosts else [str(r) for r in range(size)]
         groups = algorithms.host_groups(self.hosts)
         self.multi_host = 1 < len(groups) < size  # several hosts, and some host holds several replicas
-        self.epoch = 0  # the first field of every tag: see the module docstring
+        self.attempt = 0  # the first field of every tag: see the module docstring
         self.run_id = 0  # the client command in progress (named in errors and probes; not in tags)
         self.seq = 0
+        self._numbering = threading.Lock()  # numbers taken at issue (async work) and at run time
+        self._reserved = _Reserved()  # per thread: the number given at issue to the collective it runs next
+        self._windowed = False  # a number was taken at issue: numbering takes ``_numbering`` from then on
         self.default_timeout = config.get_seconds("collective.timeout")
         self.timeout_override: float | None = None  # the group's own deadline (``set_timeout``), kept over commands
         self.current_kind: str | None = None
@@ -171,7 +179,7 @@ class Communicator:
         if self.nccl is not None:
             self.nccl.close()
 
-    # -- commands and epochs ------------------------------------------------------
+    # -- commands and attempts ------------------------------------------------------
 
     def begin_command(self, run_id: int) -> None:
         """A client command starts: name it in errors and probes, and re-read the default timeout (no renumbering)."""
@@ -187,26 +195,26 @@ class Communicator:
         self.default_timeout = (self.timeout_override if self.timeout_override is not None
                                 else config.get_seconds("collective.timeout"))
 
-    def begin_epoch(self, epoch: int) -> None:
-        """Move to ``epoch`` (how many of the group's commands had failed): numbering restarts, stale messages go.
+    def begin_attempt(self, attempt: int) -> None:
+        """Move to ``attempt`` (how many of the group's commands had failed): numbering restarts, stale messages go.
 
-        Nothing happens when ``epoch`` is the current one. The NCCL engine,
+        Nothing happens when ``attempt`` is the current one. The NCCL engine,
         if any, checks at its next collective whether every replica still
         holds its communicator (a failed command may have aborted one in the
         middle of a collective) and re-makes it only if not.
         """
-        if epoch == self.epoch:
+        if attempt == self.attempt:
             return
-        self.epoch = epoch
+        self.attempt = attempt
         self.seq = 0
-        self.transport.mailbox.begin_run(epoch)
+        self.transport.mailbox.begin_attempt(attempt)
         if self.nccl is not None:
-            self.nccl.set_epoch(epoch)
+            self.nccl.set_attempt(attempt)
 
-    def abort_epoch(self, error: BaseException) -> None:
-        """Abort the current epoch on every replica because of ``error`` raised here."""
+    def abort_attempt(self, error: BaseException) -> None:
+        """Abort the current attempt on every replica because of ``error`` raised here."""
         mailbox = self.transport.mailbox
-        if isinstance(error, DaskdistError) and mailbox.run_abort(self.epoch) is not None:
+        if isinstance(error, DaskdistError) and mailbox.attempt_abort(self.attempt) is not None:
             return  # we are only echoing an abort that reached us
         if mailbox.group_abort is not None:
             return
@@ -217,19 +225,48 @@ class Communicator:
         self.abort_with(Abort(kind, message, self.rank))
 
     def abort_with(self, abort: Abort) -> None:
-        """Abort the current epoch here and on every other replica with ``abort`` (the first abort wins)."""
-        self.transport.mailbox.abort_run(self.epoch, abort)
-        self.control.abort_peers(self.epoch, abort)
+        """Abort the current attempt here and on every other replica with ``abort`` (the first abort wins)."""
+        self.transport.mailbox.abort_attempt(self.attempt, abort)
+        self.control.abort_peers(self.attempt, abort)
 
     def check_aborted(self) -> None:
-        """Raise the error of the current epoch's abort (or of the generation's), if there is one."""
-        self._check_aborts(self.epoch)
+        """Raise the error of the current attempt's abort (or of the generation's), if there is one."""
+        self._check_aborts(self.attempt)
 
     def next_collective(self) -> int:
-        """Number the next collective of the epoch (raising first if the epoch was aborted)."""
-        self._check_aborts(self.epoch)
-        self.seq += 1
-        return self.seq
+        """Number the next collective of the attempt (raising first if the attempt was aborted).
+
+        A collective issued asynchronously into a window (``reserve_number``)
+        gets the number it was given at issue instead.
+        """
+        self._check_aborts(self.attempt)
+        if not self._windowed:  # no number was ever taken at issue: the latency path stays lock-free
+            self.seq += 1
+            return self.seq
+        reserved = self._reserved.number
+        if reserved is not None:
+            self._reserved.number = None
+            return reserved
+        with self._numbering:
+            self.seq += 1
+            return self.seq
+
+    def reserve_number(self) -> int:
+        """Take the next collective number now, for a collective that runs later (async work in a window)."""
+        with self._numbering:
+            self._windowed = True
+            self.seq += 1
+            return self.seq
+
+    def use_number(self, number: int | None) -> None:
+        """The next collective this thread starts is ``number`` (``reserve_number``); ``None``: forget it."""
+        self._reserved.number = number
+
+    @property
+    def concurrent_safe(self) -> bool:
+        """Whether several collectives may run at once here: only the generic engines over a transport (no
+        shared-memory lane or single copy, whose segments hold one collective, and no NCCL communicator)."""
+        return self.lane is None and self.single_copy is None and self.nccl is None
 
     # -- collectives ------------------------------------------------------------
 
@@ -293,10 +330,10 @@ class Communicator:
 
     def run_collective(self, kind: str, sig: str, options: CommunicationOptions,
                        body: Callable[[CollectiveCall], Any]) -> Any:
-        """Run ``body`` as the next collective of the epoch: a ``CollectiveCall`` with its signature and deadline."""
+        """Run ``body`` as the next collective of the attempt: a ``CollectiveCall`` with its signature and deadline."""
         timeout = timeout_of(options.timeout_seconds, self.default_timeout)
-        self.next_collective()
-        call = CollectiveCall(self, kind, sig, time.monotonic() + timeout, timeout)
+        seq = self.next_collective()
+        call = CollectiveCall(self, kind, sig, time.monotonic() + timeout, timeout, seq)
 
         def run() -> Any:
             result = body(call)
@@ -308,7 +345,7 @@ class Communicator:
     def run_tracked(self, kind: str, call: Any, body: Callable[..., Any], *args: Any) -> Any:
         """Run ``body(*args)`` as the collective ``call`` in progress.
 
-        Marks it for status probes and the stall watch, aborts the epoch on every
+        Marks it for status probes and the stall watch, aborts the attempt on every
         replica if it fails (mismatch, timeout, lost peer, bad data) and reports
         its time and ``call.nbytes`` to ``on_collective`` when it succeeds.
         """
@@ -317,10 +354,10 @@ class Communicator:
         try:
             result = body(*args)
         except Exception as e:
-            self.abort_epoch(e)
+            self.abort_attempt(e)
             raise
         finally:
-            self.end_tracking()
+            self.end_tracking(call)
         if self.on_collective is not None:
             self.on_collective(kind, time.monotonic() - start, call.nbytes)
         return result
@@ -332,8 +369,12 @@ class Communicator:
             self.start_stall_watch()
         self.active = (call, since)
 
-    def end_tracking(self) -> None:
-        """The tracked collective is over (``begin_tracking``)."""
+    def end_tracking(self, call: Any = None) -> None:
+        """The tracked collective is over (``begin_tracking``); ``call``: only if it is still the one shown (async
+        collectives in a window begin and end in any order; the watch shows the latest begun)."""
+        active = self.active
+        if call is not None and active is not None and active[0] is not call:
+            return
         self.active = None
         self.current_kind = None
 

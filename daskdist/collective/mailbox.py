@@ -1,8 +1,10 @@
 """Where messages for one replica wait until its thread takes them.
 
 The worker's event loop puts messages in; the replica thread takes them out by
-tag with a deadline. Aborts (of one run, or of the whole group) wake the
+tag with a deadline. Aborts (of one attempt, or of the whole group) wake the
 waiting thread at once, so no replica stays blocked after a peer failed.
+A message wakes only the thread waiting for its tag (several collectives of
+an async window wait at once: one message is one wake-up, not one for each).
 """
 
 from __future__ import annotations
@@ -15,14 +17,14 @@ from daskdist.exceptions import ERROR_KINDS, CollectiveAbortedError, DaskdistErr
 
 __all__ = ["Abort", "Mailbox", "MailboxTimeout"]
 
-Tag = tuple[Any, ...]  # (run_id, collective_seq, src_rank, name)
+Tag = tuple[Any, ...]  # (attempt, collective_seq, src_rank, name)
 
-#: Aborted runs remembered, so an abort that arrives before the run starts still counts.
-_ABORTED_RUNS_KEPT = 64
+#: Aborted attempts remembered, so an abort that arrives before the attempt starts still counts.
+_ABORTED_ATTEMPTS_KEPT = 64
 
 
 class Abort:
-    """Why a run (or the whole group) was aborted, as sent between replicas.
+    """Why an attempt (or the whole group) was aborted, as sent between replicas.
 
     Parameters
     ----------
@@ -54,30 +56,34 @@ class Abort:
 
 
 class Mailbox:
-    """Tagged messages for one replica, with per-run and group-wide aborts."""
+    """Tagged messages for one replica, with per-attempt and group-wide aborts."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._messages: dict[Tag, Any] = {}
-        self._run_aborts: dict[int, Abort] = {}
+        self._waiters: dict[Tag, threading.Event] = {}  # tag -> the event of the thread waiting for it
+        self._local = threading.local()  # each thread's event, reused from wait to wait
+        self._attempt_aborts: dict[int, Abort] = {}
         self._group_abort: Abort | None = None
-        self._current_run = -1
+        self._current_attempt = -1
 
-    def begin_run(self, run_id: int) -> None:
-        """Start ``run_id``: drop messages left over from earlier (aborted) runs."""
-        with self._cond:
-            self._current_run = run_id
-            stale = [tag for tag in self._messages if tag[0] < run_id]
+    def begin_attempt(self, attempt: int) -> None:
+        """Start ``attempt`` (the count of failed commands): drop messages left over from earlier (aborted) attempts."""
+        with self._lock:
+            self._current_attempt = attempt
+            stale = [tag for tag in self._messages if tag[0] < attempt]
             for tag in stale:
                 del self._messages[tag]
 
     def put(self, tag: Tag, value: Any) -> None:
         """Deliver a message (called from the worker's event loop)."""
-        with self._cond:
-            if tag[0] < self._current_run or self._group_abort is not None:
+        with self._lock:
+            if tag[0] < self._current_attempt or self._group_abort is not None:
                 return
             self._messages[tag] = value
-            self._cond.notify_all()
+            waiter = self._waiters.get(tag)
+        if waiter is not None:
+            waiter.set()
 
     def take(self, tag: Tag, deadline: float) -> Any:
         """Remove and return the message with ``tag``.
@@ -85,59 +91,82 @@ class Mailbox:
         Raises
         ------
         DaskdistError
-            The run or group was aborted while waiting.
+            The attempt or group was aborted while waiting.
         MailboxTimeout
             ``deadline`` (a ``time.monotonic()`` value) passed first.
         """
-        run_id = tag[0]
-        with self._cond:
+        attempt = tag[0]
+        with self._lock:
+            self.check(attempt)
+            if tag in self._messages:
+                return self._messages.pop(tag)
+            if deadline <= time.monotonic():
+                raise MailboxTimeout(tag)
+            event: threading.Event | None = getattr(self._local, "event", None)
+            if event is None:
+                event = self._local.event = threading.Event()
+            event.clear()
+            self._waiters[tag] = event
+        try:
             while True:
-                self.check(run_id)
-                if tag in self._messages:
-                    return self._messages.pop(tag)
                 remaining = deadline - time.monotonic()
+                if remaining > 0:
+                    event.wait(remaining)
+                with self._lock:
+                    event.clear()
+                    self.check(attempt)
+                    if tag in self._messages:
+                        return self._messages.pop(tag)
                 if remaining <= 0:
                     raise MailboxTimeout(tag)
-                self._cond.wait(remaining)
+        finally:
+            with self._lock:
+                if self._waiters.get(tag) is event:
+                    del self._waiters[tag]
 
-    def check(self, run_id: int) -> None:
-        """Raise the abort error of ``run_id`` or of the group, if there is one."""
-        abort = self._group_abort or self._run_aborts.get(run_id)
+    def check(self, attempt: int) -> None:
+        """Raise the abort error of ``attempt`` or of the group, if there is one."""
+        abort = self._group_abort or self._attempt_aborts.get(attempt)
         if abort is not None:
             raise abort.error()
 
-    def abort_run(self, run_id: int, abort: Abort) -> None:
-        """Abort ``run_id``: its waits raise, its messages are dropped. The first abort wins."""
-        with self._cond:
-            if run_id in self._run_aborts:
+    def abort_attempt(self, attempt: int, abort: Abort) -> None:
+        """Abort ``attempt``: its waits raise, its messages are dropped. The first abort wins."""
+        with self._lock:
+            if attempt in self._attempt_aborts:
                 return
-            self._run_aborts[run_id] = abort
-            while len(self._run_aborts) > _ABORTED_RUNS_KEPT:
-                del self._run_aborts[min(self._run_aborts)]
-            for stale in [t for t in self._messages if t[0] == run_id]:
+            self._attempt_aborts[attempt] = abort
+            while len(self._attempt_aborts) > _ABORTED_ATTEMPTS_KEPT:
+                del self._attempt_aborts[min(self._attempt_aborts)]
+            for stale in [t for t in self._messages if t[0] == attempt]:
                 del self._messages[stale]
-            self._cond.notify_all()
+            self._wake_all()
 
     def abort_group(self, abort: Abort) -> None:
         """Abort everything, for good (a replica of the group was lost)."""
-        with self._cond:
+        with self._lock:
             if self._group_abort is None:
                 self._group_abort = abort
             self._messages.clear()
-            self._cond.notify_all()
+            self._wake_all()
+
+    def _wake_all(self) -> None:
+        """Wake every waiting thread (hold ``_lock``): each re-checks the aborts."""
+        for event in self._waiters.values():
+            event.set()
 
     @property
-    def current_run(self) -> int:
-        return self._current_run
+    def current_attempt(self) -> int:
+        return self._current_attempt
 
     @property
     def group_abort(self) -> Abort | None:
         return self._group_abort
 
-    def run_abort(self, run_id: int) -> Abort | None:
-        with self._cond:
-            return self._run_aborts.get(run_id)
+    def attempt_abort(self, attempt: int) -> Abort | None:
+        with self._lock:
+            return self._attempt_aborts.get(attempt)
 
     def __len__(self) -> int:
-        with self._cond:
+        with self._lock:
             return len(self._messages)

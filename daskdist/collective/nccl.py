@@ -13,26 +13,26 @@ How a communicator comes to be
     ``engine_for_group`` turns the reports into one decision the whole group
     shares: an engine on every replica, or none anywhere (a replica without
     NCCL, a version without ``ncclCommAbort``, two replicas on one GPU).
-    At the first collective of an *epoch* (see below) rank 0 calls
+    At the first collective of an *attempt* (see below) rank 0 calls
     ``get_unique_id()`` and every rank meets at the scheduler plugin's
-    keyed exchange (the rendezvous mechanism, under ``nccl/<epoch>``);
+    keyed exchange (the rendezvous mechanism, under ``nccl/<attempt>``);
     then each rank calls ``NcclCommunicator(size, unique_id, rank)`` in a
     helper thread (the call blocks until every rank has joined) while the
     replica thread polls for it with the collective's deadline and aborts.
 
-Epochs and generations
+Attempts and generations
     One engine per membership generation (``daskdist.replica.wiring`` builds
     it with the generation's communicator): a new generation always gets a
     new NCCL communicator. Within a generation, the client counts the commands
-    that failed and sends the count with every command: the group's epoch
-    (``Communicator.begin_epoch``). A failed command does not by itself
-    re-make the communicator: at the first NCCL collective of a later epoch
-    every rank says at the scheduler's keyed exchange (``nccl-keep/<epoch>``)
+    that failed and sends the count with every command: the group's attempt
+    (``Communicator.begin_attempt``). A failed command does not by itself
+    re-make the communicator: at the first NCCL collective of a later attempt
+    every rank says at the scheduler's keyed exchange (``nccl-keep/<attempt>``)
     whether it still holds its communicator. If all do (the failure never
     reached NCCL: a user error, a Python-level abort) they keep it; if any
     rank dropped its own (an abort or timeout inside NCCL leaves it unusable)
     every rank aborts its communicator and they make a new one under
-    ``nccl/<epoch>``, including those whose own communicator looked healthy.
+    ``nccl/<attempt>``, including those whose own communicator looked healthy.
 
 Waiting
     The engine never waits inside CUDA or NCCL. It waits on the host until the
@@ -224,7 +224,7 @@ class NcclEngine:
     mailbox
         The replica's mailbox: its run and group aborts end every wait.
     exchange
-        ``exchange(key, value, deadline, epoch)``: meet every replica at the
+        ``exchange(key, value, deadline, attempt)``: meet every replica at the
         scheduler under ``key``, return ``{rank: value}`` (the runtime's
         ``ReplicaRuntime.exchange``); raises ``MailboxTimeout`` at ``deadline``.
     device
@@ -246,16 +246,16 @@ class NcclEngine:
         self.nccl = device.nccl
         self.bfloat16 = bfloat16
         self.spin_seconds = spin_seconds
-        self.epoch = 0
+        self.attempt = 0
         self.communicators_made = 0
         self._comm: Any = None
         self._comm_device: int | None = None
-        self._comm_epoch = -1
+        self._comm_attempt = -1
         self._streams: dict[int, Any] = {}
         self._keys_used: set[str] = set()
 
     def __repr__(self) -> str:
-        state = "none" if self._comm is None else f"epoch {self._comm_epoch} on GPU {self._comm_device}"
+        state = "none" if self._comm is None else f"attempt {self._comm_attempt} on GPU {self._comm_device}"
         return f"<NcclEngine rank={self.rank}/{self.size} communicator: {state}>"
 
     # -- what takes this path ------------------------------------------------------
@@ -270,10 +270,10 @@ class NcclEngine:
 
     # -- lifecycle -----------------------------------------------------------------
 
-    def set_epoch(self, epoch: int) -> None:
-        """The group's ``epoch`` (failed commands so far) starts; the first NCCL collective asks whether to keep
+    def set_attempt(self, attempt: int) -> None:
+        """The group's ``attempt`` (failed commands so far) starts; the first NCCL collective asks whether to keep
         the communicator (see the module's docstring)."""
-        self.epoch = epoch
+        self.attempt = attempt
 
     def close(self) -> None:
         """Abort the communicator, if any (local; never waits for peers, which may be gone)."""
@@ -461,28 +461,28 @@ class NcclEngine:
             finished = self.device.record(stream)
             self._wait(call, lambda: self.device.done(finished), comm)
         except BaseException:
-            self._drop()  # peers may be inside the same NCCL call: abort it; the next epoch re-makes it
+            self._drop()  # peers may be inside the same NCCL call: abort it; the next attempt re-makes it
             raise
 
     def _communicator(self, call: CollectiveCall, device: int) -> Any:
-        """This epoch's communicator: the one held if every rank still holds one, else made now (unique id
+        """This attempt's communicator: the one held if every rank still holds one, else made now (unique id
         through the scheduler)."""
-        if self._comm is not None and self._comm_epoch == self.epoch:
+        if self._comm is not None and self._comm_attempt == self.attempt:
             return self._comm
-        if self.epoch > 0 and self._keeps(call):
-            self._comm_epoch = self.epoch
+        if self.attempt > 0 and self._keeps(call):
+            self._comm_attempt = self.attempt
             return self._comm
         self._drop()
-        key = f"nccl/{self.epoch}"
-        if key in self._keys_used:  # every drop happens in a failing command, which starts a new epoch
+        key = f"nccl/{self.attempt}"
+        if key in self._keys_used:  # every drop happens in a failing command, which starts a new attempt
             raise CollectiveAbortedError(
-                f"replica {self.rank}: the NCCL communicator of epoch {self.epoch} was already made "
+                f"replica {self.rank}: the NCCL communicator of attempt {self.attempt} was already made "
                 "and dropped; the group must start a new command"
             )
         self._keys_used.add(key)
         mine = list(self.nccl.get_unique_id()) if self.rank == 0 else None
         try:
-            values = self.exchange(key, mine, call.deadline, call.epoch)
+            values = self.exchange(key, mine, call.deadline, call.attempt)
         except MailboxTimeout:
             raise CollectiveTimeoutError(call.comm.describe_timeout(call, 0)) from None
         sent = values.get(0)
@@ -492,20 +492,20 @@ class NcclEngine:
         comm = self._init(call, unique_id, device)
         if device not in self._streams:
             self._streams[device] = self.device.new_stream()
-        self._comm, self._comm_device, self._comm_epoch = comm, device, self.epoch
+        self._comm, self._comm_device, self._comm_attempt = comm, device, self.attempt
         self.communicators_made += 1
-        logger.debug("Replica %d made its NCCL communicator (epoch %d, GPU %d)", self.rank,
-                     self.epoch, device)
+        logger.debug("Replica %d made its NCCL communicator (attempt %d, GPU %d)", self.rank,
+                     self.attempt, device)
         return comm
 
     def _keeps(self, call: CollectiveCall) -> bool:
-        """Whether every rank still holds its communicator after a failed command (one exchange per epoch)."""
-        key = f"nccl-keep/{self.epoch}"
+        """Whether every rank still holds its communicator after a failed command (one exchange per attempt)."""
+        key = f"nccl-keep/{self.attempt}"
         if key in self._keys_used:
             return False
         self._keys_used.add(key)
         try:
-            held = self.exchange(key, self._comm is not None, call.deadline, call.epoch)
+            held = self.exchange(key, self._comm is not None, call.deadline, call.attempt)
         except MailboxTimeout:
             raise CollectiveTimeoutError(call.comm.describe_timeout(call, 0)) from None
         keep = len(held) == self.size and all(held.values())
@@ -545,10 +545,10 @@ class NcclEngine:
 
     def _wait(self, call: CollectiveCall, ready: Callable[[], bool], comm: Any) -> None:
         """Poll ``ready`` until true, raising on an abort, an NCCL error of ``comm`` or the deadline."""
-        mailbox, epoch, run_id = self.mailbox, call.epoch, call.run_id
+        mailbox, attempt, run_id = self.mailbox, call.attempt, call.run_id
 
         def check() -> None:
-            mailbox.check(epoch)
+            mailbox.check(attempt)
             if comm is not None:
                 try:
                     comm.check_async_error()
@@ -561,15 +561,15 @@ class NcclEngine:
             raise CollectiveTimeoutError(call.comm.describe_timeout(call, (self.rank - 1) % self.size)) from None
         except _NcclFailure as failure:
             cause = failure.__cause__ or failure  # raised from the NCCL error
-            self._await_abort(epoch, call.deadline)  # a lost peer: prefer the scheduler's ReplicaLostError
+            self._await_abort(attempt, call.deadline)  # a lost peer: prefer the scheduler's ReplicaLostError
             raise CollectiveAbortedError(
                 f"{call.kind} #{call.seq} of run {run_id}: NCCL reported an error on replica {self.rank}: "
                 f"{describe_nccl_error(cause)}"
             ) from cause
 
-    def _await_abort(self, epoch: int, deadline: float, grace: float = 2.0) -> None:
+    def _await_abort(self, attempt: int, deadline: float, grace: float = 2.0) -> None:
         """After an NCCL error, give the group's own abort (which names the cause) a moment to arrive."""
         until = min(deadline, time.monotonic() + grace)
         while time.monotonic() < until:
-            self.mailbox.check(epoch)
+            self.mailbox.check(attempt)
             time.sleep(0.01)

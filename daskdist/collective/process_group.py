@@ -6,18 +6,25 @@ and the Keras adapter all call it (``dd.get_replica_context().process_group``).
 It can also be built on its own from a ``Communicator`` over any transport
 (``build_process_group``), which is how it is tested.
 
-Numbering and epochs
+Numbering and attempts
     Collectives are numbered per group, not per client command: a command
     boundary is a fence (``fence``), not a renumbering. Messages are tagged
-    ``(epoch, number, src, name)``; the epoch (the client's count of failed
+    ``(attempt, number, src, name)``; the attempt (the client's count of failed
     commands) changes only after a failure, when numbering restarts on every
     replica together (``start_command``).
 
 Ordering (decided here; torch's ``async_op`` semantics)
     * an async call (``async_op=True``) returns a ``Work`` at once; the
-      collective runs on the generation's one FIFO thread, in issue order
-      (the root group and its subgroups share that thread, so their async
-      work keeps the order it was issued in on this replica);
+      collective runs on the generation's async threads. With
+      ``daskdist.collective.async-window`` N above 1, up to N collectives of
+      the generation are in flight together: each takes its collective
+      number when it is issued (its messages are kept apart by their tags),
+      and runs beside the others where the group's engines allow it (the
+      generic engines over a transport; a group with a shared-memory lane,
+      single copy or NCCL, and point-to-point work, run one at a time in
+      issue order). Either way the works complete in issue order: when a
+      ``Work`` is done (its ``wait`` returns, its callbacks ran), every work
+      issued before it on this replica is done too. N = 1 is one FIFO thread;
     * a synchronous call first waits for the async work already issued,
       then runs inline on the caller's thread (no hand-off on the latency
       path);
@@ -29,11 +36,11 @@ Ordering (decided here; torch's ``async_op`` semantics)
 
 Aborts
     A collective that fails (mismatch, timeout, lost peer, a skipped
-    collective) aborts the current epoch of the generation on every member,
+    collective) aborts the current attempt of the generation on every member,
     for the root group and all its subgroups: every pending and later
-    collective of the epoch raises. ``abort(error)`` does the same on
+    collective of the attempt raises. ``abort(error)`` does the same on
     purpose. In a replica, the next client command after a failure starts a
-    new epoch, and the group works again; a group lost with its generation
+    new attempt, and the group works again; a group lost with its generation
     (a replica lost) stays failed.
 
 Timeout
@@ -55,6 +62,7 @@ Subgroups
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
@@ -78,7 +86,20 @@ __all__ = ["ProcessGroup", "Work"]
 
 logger = logging.getLogger(__name__)
 
-_Job = tuple["concurrent.futures.Future[Any]", Callable[..., Any], tuple[Any, ...], dict[str, Any] | None]
+#: An async job: its place in issue order, future, function and arguments, settings, the collective number given at
+#: issue (or ``None``), the communicator that number is of, and the last job issued before it that runs alone
+#: (``-1``: none); ``alone``: the job runs with nothing else in flight.
+_Job = tuple[int, "concurrent.futures.Future[Any]", Callable[..., Any], tuple[Any, ...], dict[str, Any] | None,
+             int | None, Communicator | None, int, bool]
+
+
+def async_window() -> int:
+    """``daskdist.collective.async-window``: how many async collectives of a generation may be in flight together."""
+    return max(1, int(config.get("collective.async-window", 1)))
+
+
+#: What a job that runs beside others holds instead of the group's lock.
+_NO_LOCK = contextlib.nullcontext()
 
 
 class _Shared:
@@ -99,7 +120,9 @@ class _Shared:
         self.issued = 0  # async jobs submitted, and finished with their future's callbacks run (``drain``)
         self.done = 0
         self.settled = threading.Condition(threading.Lock())
-        self.thread: threading.Thread | None = None
+        self.window = async_window()
+        self.threads: list[threading.Thread] = []
+        self.last_alone = -1  # the newest job issued that runs alone
         self.groups: dict[int, ProcessGroup] = {}  # code -> group (the root is 0)
         self.settings = config.current_snapshot()
         self.closed = False
@@ -126,18 +149,30 @@ class _Shared:
             return fn(*args)
 
     def submit(self, kind: str, fn: Callable[..., Any], args: tuple[Any, ...],
-               abort: Callable[[BaseException], None] | None = None) -> Work:
+               abort: Callable[[BaseException], None] | None = None, comm: Communicator | None = None) -> Work:
+        """Issue ``fn(*args)`` as async work; ``comm``: it is a numbered collective of that communicator."""
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         settings = config.current_snapshot() or self.settings
         with self.submit_lock:
             if self.closed:
                 raise RuntimeError(f"process group {self.name} is closed")
-            if self.thread is None:
-                self.thread = threading.Thread(target=self._run, name=f"daskdist-pg-{self.name}", daemon=True)
-                self.thread.start()
+            if len(self.threads) < self.window and len(self.threads) < self.issued - self.done + 1:
+                thread = threading.Thread(target=self._run, name=f"daskdist-pg-{self.name}-{len(self.threads)}",
+                                          daemon=True)
+                self.threads.append(thread)
+                thread.start()
+            index = self.issued
+            number = None
+            alone = True
+            if self.window > 1 and comm is not None:  # numbered at issue: its place among the peers' is fixed
+                number = comm.reserve_number()
+                alone = not comm.concurrent_safe
+            if alone:
+                self.last_alone = index
             self.last = future
             self.issued += 1
-            self.jobs.put((future, fn, args, settings))
+            self.jobs.put((index, future, fn, args, settings, number, comm, self.last_alone if not alone else -1,
+                           alone))
         return Work(future, kind, abort)
 
     def drain(self) -> None:
@@ -149,7 +184,7 @@ class _Shared:
         issued = self.issued
         concurrent.futures.wait([last])
         with self.settled:
-            while self.done < issued and not (self.closed and (self.thread is None or not self.thread.is_alive())):
+            while self.done < issued and not (self.closed and not any(t.is_alive() for t in self.threads)):
                 self.settled.wait(0.1)
         with self.submit_lock:
             if self.last is last:
@@ -161,28 +196,53 @@ class _Shared:
             job = self.jobs.get()
             if job is None:
                 return
-            future, fn, args, settings = job
+            index, future, fn, args, settings, number, comm, after, alone = job
+            # a job that runs alone waits for every earlier one, the others for the last of those (a window's
+            # threads outlive a smaller window set at a later command: the order holds whatever their number)
+            self._wait_until_done(index if alone else after + 1)
+            error: BaseException | None = None
+            result: Any = None
             if future.set_running_or_notify_cancel():
                 try:
-                    with config.use_snapshot(settings), self.lock:
-                        result = fn(*args)
+                    with config.use_snapshot(settings), self.lock if alone else _NO_LOCK:
+                        if comm is not None and number is not None:
+                            comm.use_number(number)
+                        try:
+                            result = fn(*args)
+                        finally:
+                            if comm is not None and number is not None:
+                                comm.use_number(None)
                 except BaseException as e:
-                    future.set_exception(e)  # runs the future's callbacks here
+                    error = e
+                self._wait_until_done(index)  # complete in issue order
+                if error is not None:
+                    future.set_exception(error)  # runs the future's callbacks here
                 else:
                     future.set_result(result)
+            else:
+                self._wait_until_done(index)
             with self.settled:
                 self.done += 1
                 self.settled.notify_all()
-            del job, future, args
+            del job, future, args, result, error
+
+    def _wait_until_done(self, count: int) -> None:
+        """Wait until the first ``count`` async jobs are done (jobs complete in issue order)."""
+        if self.done >= count:
+            return
+        with self.settled:
+            while self.done < count:
+                self.settled.wait()
 
     def close(self) -> None:
         with self.submit_lock:
             self.closed = True
-            thread = self.thread
-            if thread is not None:
+            threads = list(self.threads)
+            for _ in threads:
                 self.jobs.put(None)
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=5)  # the work queued finishes (or fails at once after an abort)
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=5)  # the work queued finishes (or fails at once after an abort)
 
 
 class ProcessGroup:
@@ -223,14 +283,14 @@ class ProcessGroup:
         self._code = subgroup_code(_path)
         self._root_members = list(_root_members) if _root_members is not None else list(range(self.size))
         self._children = 0  # new_group calls so far (every member counts them alike)
-        self._p2p: dict[tuple[str, int, int], int] = {}  # (direction, peer, tag) -> messages so far in this epoch
-        self._p2p_epoch = communicator.epoch
+        self._p2p: dict[tuple[str, int, int], int] = {}  # (direction, peer, tag) -> messages so far in this attempt
+        self._p2p_attempt = communicator.attempt
         self._shared.groups[self._code] = self
         self.inline_all_reduce = self._inline_all_reduce()
 
     def __repr__(self) -> str:
         return (f"<ProcessGroup {self.name} rank={self.rank}/{self.size} generation={self.generation} "
-                f"epoch={self._comm.epoch}>")
+                f"attempt={self._comm.attempt}>")
 
     @property
     def communicator(self) -> Communicator:
@@ -238,9 +298,9 @@ class ProcessGroup:
         return self._comm
 
     @property
-    def epoch(self) -> int:
-        """The current epoch: how many of the client's commands had failed when the current one started."""
-        return self._comm.epoch
+    def attempt(self) -> int:
+        """The current attempt: how many of the client's commands had failed when the current one started."""
+        return self._comm.attempt
 
     @property
     def closed(self) -> bool:
@@ -268,7 +328,7 @@ class ProcessGroup:
 
     @property
     def sequence_number(self) -> int:
-        """The number of this group's collectives begun in the current epoch (the number of the last one)."""
+        """The number of this group's collectives begun in the current attempt (the number of the last one)."""
         return int(self._comm.seq)
 
     # -- collectives -------------------------------------------------------------
@@ -285,7 +345,8 @@ class ProcessGroup:
         """
         shared = self._shared
         if async_op:
-            return shared.submit("all_reduce", self._comm.all_reduce, (op, value, options, in_place), self.abort)
+            return shared.submit("all_reduce", self._comm.all_reduce, (op, value, options, in_place), self.abort,
+                                 self._comm)
         if shared.closed:
             self.check_open()
         if shared.last is not None:
@@ -323,7 +384,7 @@ class ProcessGroup:
         """Send ``value`` (an array or a nested structure of them) to member ``dst``.
 
         The k-th ``send`` to ``dst`` under ``tag`` meets the k-th ``recv``
-        from this member under ``tag`` there (within an epoch). Returns once
+        from this member under ``tag`` there (within an attempt). Returns once
         ``value`` may be reused (``async_op``: a ``Work``).
         """
         self._check_peer(dst, "send to")
@@ -400,7 +461,7 @@ class ProcessGroup:
             on_collective=parent.on_collective, hosts=[parent.hosts[r] for r in wanted], on_stall=parent.on_stall,
             single_copy_bytes=None,
         )
-        comm.epoch, comm.run_id = root.epoch, root.run_id
+        comm.attempt, comm.run_id = root.attempt, root.run_id
         comm.set_timeout(parent.timeout_override if timeout is None else timeout)
         return ProcessGroup(comm, name, self.generation, [self.ranks[r] for r in wanted], _shared=self._shared,
                             _path=path, _root_members=members)
@@ -409,23 +470,24 @@ class ProcessGroup:
         """A command boundary: wait for every async collective issued so far (their errors stay in their ``Work``)."""
         self._shared.drain()
 
-    def start_command(self, run_id: int, epoch: int) -> None:
-        """For the replica runtime: client command ``run_id`` starts in ``epoch`` (its count of failed commands).
+    def start_command(self, run_id: int, attempt: int) -> None:
+        """For the replica runtime: client command ``run_id`` starts in ``attempt`` (its count of failed commands).
 
-        A fence; when ``epoch`` is new, numbering restarts on the root group
-        and every subgroup, and what is left of earlier epochs is dropped.
+        A fence; when ``attempt`` is new, numbering restarts on the root group
+        and every subgroup, and what is left of earlier attempts is dropped.
         """
         self._shared.drain()
         if get_ident() != self._shared.owner:
             self._shared.join()
+        self._shared.window = async_window()  # the command's settings
         with self._shared.lock:
             for group in self._shared.groups.values():
-                group._comm.begin_epoch(epoch)
+                group._comm.begin_attempt(attempt)
                 group._comm.begin_command(run_id)
 
     def abort(self, error: BaseException) -> None:
-        """Abort the current epoch of this generation on every member: its pending and later collectives raise."""
-        self._comm.abort_epoch(error)
+        """Abort the current attempt of this generation on every member: its pending and later collectives raise."""
+        self._comm.abort_attempt(error)
 
     def collective_numbers(self) -> dict[str, int]:
         """The number of the last collective of each subgroup of the generation (status probes)."""
@@ -475,7 +537,7 @@ class ProcessGroup:
     def _call(self, kind: str, fn: Callable[..., Any], args: tuple[Any, ...], async_op: bool) -> Any:
         shared = self._shared
         if async_op:
-            return shared.submit(kind, fn, args, self.abort)
+            return shared.submit(kind, fn, args, self.abort, None if kind in ("send", "recv") else self._comm)
         if shared.closed:
             self.check_open()
         if shared.last is not None:
@@ -493,13 +555,13 @@ class ProcessGroup:
 
     def _p2p_tag(self, direction: str, peer: int, tag: int, src: int) -> tuple[int, int, int, str]:
         comm = self._comm
-        if self._p2p_epoch != comm.epoch:
+        if self._p2p_attempt != comm.attempt:
             self._p2p.clear()
-            self._p2p_epoch = comm.epoch
+            self._p2p_attempt = comm.attempt
         key = (direction, peer, tag)
         n = self._p2p.get(key, 0)
         self._p2p[key] = n + 1
-        return (comm.epoch, P2P_SEQ, src, f"p2p/{tag}/{n}")
+        return (comm.attempt, P2P_SEQ, src, f"p2p/{tag}/{n}")
 
     def _send(self, value: Any, dst: int, tag: int) -> None:
         comm = self._comm
@@ -509,7 +571,7 @@ class ProcessGroup:
         try:
             comm.transport.send(dst, message_tag, value).wait(deadline)
         except Exception as e:
-            comm.abort_epoch(e)
+            comm.abort_attempt(e)
             raise
 
     def _recv(self, src: int, tag: int) -> Any:
@@ -527,7 +589,7 @@ class ProcessGroup:
                     f"timed out after {timeout:g}s on member {self.rank}"
                 ) from None
         except Exception as e:
-            comm.abort_epoch(e)
+            comm.abort_attempt(e)
             raise
         return value.copy() if isinstance(value, np.ndarray) else value
 

@@ -7,7 +7,7 @@ looks at collectives that already wait:
 * after ``daskdist.collective.skip-check`` (1 s) and then every as long: a
   peer that has finished the client command without joining this
   collective (it is idle, or in a later command, with fewer collectives of
-  the epoch) will never join it. The collective is aborted on every replica
+  the attempt) will never join it. The collective is aborted on every replica
   at once with a ``CollectiveMismatchError`` naming that replica and the
   collective it skipped (``check_skipped``). A peer still running the
   command (slow, in user code) is never judged: the collective waits its
@@ -155,7 +155,7 @@ class StallWatch:
             call, since = active
             now = time.monotonic()
             waited = now - since
-            identity = (call.epoch, call.seq, call.run_id)
+            identity = (call.attempt, call.seq, call.run_id)
             try:
                 if self.skip_check > 0 and waited >= self.skip_check and call.timeout > 2 * self.skip_check and (
                         self._checked is None or self._checked[0] != identity
@@ -178,7 +178,7 @@ def _skipped(status: dict[str, Any] | None, call: Any) -> bool:
     ``status`` is read state first (``ReplicaRuntime.status``): a peer seen
     idle has no collective of that command left to join.
     """
-    if status is None or status.get("epoch", call.epoch) != call.epoch:
+    if status is None or status.get("attempt", call.attempt) != call.attempt:
         return False
     run, seq = status.get("run_id", -1), status.get("collective", 0)
     if seq >= call.seq or run < call.run_id:
@@ -192,7 +192,7 @@ def _where(status: dict[str, Any] | None, call: Any) -> str | None:
         return "did not answer a status request (its worker may be busy or gone)"
     run, seq = status.get("run_id", -1), status.get("collective", 0)
     state = status.get("state")
-    if status.get("epoch", call.epoch) != call.epoch:
+    if status.get("attempt", call.attempt) != call.attempt:
         return None  # a command failed meanwhile: this collective is being aborted
     if run < call.run_id:
         return f"never started run {call.run_id} (it is {state}, last run {run})"

@@ -5,9 +5,9 @@ transport of the generation's root group, with its own tag space: the
 second tag field (the collective's number) carries the subgroup's code in
 its high bits (``SEQ_BITS``), so the root group's numbers, each subgroup's
 numbers and the point-to-point messages (``P2P_SEQ``) never meet. The
-first tag field stays the epoch, so aborts, stale-message drops and deadlines
+first tag field stays the attempt, so aborts, stale-message drops and deadlines
 work as in the root group: an abort in any group of a generation aborts the
-current epoch for every group of that generation.
+current attempt for every group of that generation.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class SubgroupTransport(Transport):
 class SubgroupControl:
     """The root group's control plane, seen by a subgroup.
 
-    Aborts go to every member of the root group (the epoch is the
+    Aborts go to every member of the root group (the attempt is the
     generation's); probes ask the member where it is and report its number
     in this subgroup (the ``groups`` of its status, keyed by code).
     """
@@ -95,8 +95,8 @@ class SubgroupControl:
         self._members = list(members)
         self._key = str(code)
 
-    def abort_peers(self, epoch: int, abort: Abort) -> None:
-        self._root.abort_peers(epoch, abort)
+    def abort_peers(self, attempt: int, abort: Abort) -> None:
+        self._root.abort_peers(attempt, abort)
 
     def probe(self, rank: int, timeout: float) -> dict[str, Any] | None:
         status: dict[str, Any] | None = self._root.probe(self._members[rank], timeout)
@@ -104,5 +104,5 @@ class SubgroupControl:
             return None
         return {**status, "collective": (status.get("groups") or {}).get(self._key, 0)}
 
-    def exchange(self, key: str, value: Any, deadline: float, epoch: int) -> dict[int, Any]:
+    def exchange(self, key: str, value: Any, deadline: float, attempt: int) -> dict[int, Any]:
         raise NotImplementedError("subgroups do not meet at the scheduler (no NCCL communicator of their own)")

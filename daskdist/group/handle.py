@@ -121,7 +121,7 @@ class ReplicaGroup:
         self._run_ids = itertools.count(1)
         self._lock = threading.Lock()
         #: Runs that failed so far (or whose collectives a replica aborted): sent with every run, it is the
-        #: replicas' process-group epoch, so they all renumber their collectives (and re-make NCCL) together
+        #: replicas' process-group attempt, so they all renumber their collectives (and re-make NCCL) together
         #: after a failure (``ProcessGroup.start_command``).
         self.failed_runs = 0
 
@@ -669,6 +669,6 @@ def _answer(responses: dict[int, dict[str, Any] | None], rank: int) -> dict[str,
 
 
 def _counts_as_failed(responses: dict[int, dict[str, Any] | None]) -> bool:
-    """Whether a run starts a new epoch of the replicas' process group: a replica failed, or aborted its
-    collectives (a collective error the user's function caught still leaves that epoch aborted)."""
-    return any(r is None or r.get("status") != "OK" or r.get("epoch_aborted") for r in responses.values())
+    """Whether a run starts a new attempt of the replicas' process group: a replica failed, or aborted its
+    collectives (a collective error the user's function caught still leaves that attempt aborted)."""
+    return any(r is None or r.get("status") != "OK" or r.get("attempt_aborted") for r in responses.values())

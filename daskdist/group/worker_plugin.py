@@ -47,7 +47,7 @@ class HostedReplica(Protocol):
     def deliver(self, generation: int, tag: tuple[Any, ...], payload: Any) -> None: ...
 
     def abort_run(self, generation: int, run_id: int | None, abort: dict[str, Any],
-                  epoch: int | None = None) -> None: ...
+                  attempt: int | None = None) -> None: ...
 
     def abort_group(self, message: str, generation: int | None = None) -> None: ...
 
@@ -162,15 +162,15 @@ class DaskdistWorkerPlugin(WorkerPlugin):
         runtime.deliver(generation, tuple(tag), payload)
 
     def abort_run(self, group_id: str, rank: int, run_id: int | None, abort: dict[str, Any],
-                  generation: int = 0, epoch: int | None = None) -> None:
-        """A peer failed in ``epoch`` of the process group, or the client aborted ``run_id``: fail those waits.
+                  generation: int = 0, attempt: int | None = None) -> None:
+        """A peer failed in ``attempt`` of the process group, or the client aborted ``run_id``: fail those waits.
 
-        ``epoch=None`` and ``run_id=None``: a peer's transport lost another
+        ``attempt=None`` and ``run_id=None``: a peer's transport lost another
         replica; the generation is lost here too.
         """
         runtime = self.replicas.get(group_id)
         if runtime is not None:
-            runtime.abort_run(generation, run_id, abort, epoch)
+            runtime.abort_run(generation, run_id, abort, attempt)
 
     def status(self, group_id: str, rank: int) -> dict[str, Any] | None:
         """Where the replica is (run, collective number, state, generation), for timeout diagnostics."""

@@ -128,7 +128,7 @@ class StoreRef:
         deadline = time.monotonic() + config.get_seconds("collective.timeout")
         has_payload = True
         while True:
-            runtime.mailbox.check(runtime.communicator.epoch)  # aborts are per process-group epoch
+            runtime.mailbox.check(runtime.communicator.attempt)  # aborts are per process-group attempt
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise CollectiveTimeoutError(

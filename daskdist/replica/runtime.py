@@ -15,7 +15,7 @@ knows the peers is one generation's ``Wiring`` (``replica/wiring.py``) with
 its ``ProcessGroup``, rebuilt when the group moves to a new generation; the
 residents stay. A client command is a fence of the process group, not a
 renumbering: its collectives go on numbering from the last command's, and a
-new epoch (numbering from zero) starts only after a command failed
+new attempt (numbering from zero) starts only after a command failed
 (the client sends its count of failed commands with every command). The
 replica thread reads settings only from the client's snapshot carried by the
 spec (``daskdist.config.use_snapshot``).
@@ -184,10 +184,10 @@ class ReplicaRuntime:
                 logger.debug("Replica %d of %s dropped a message %s of stale generation %d (now %d)",
                              self.rank, self.group_id, tag, generation, self.generation)
 
-    def abort_run(self, generation: int, run_id: int | None, abort: dict[str, Any], epoch: int | None = None) -> None:
-        """An abort for ``generation`` (not if stale): of a peer's epoch, of a client command, or of the generation.
+    def abort_run(self, generation: int, run_id: int | None, abort: dict[str, Any], attempt: int | None = None) -> None:
+        """An abort for ``generation`` (not if stale): of a peer's attempt, of a client command, or of the generation.
 
-        ``epoch`` given: a peer's collective failed in that epoch of the
+        ``attempt`` given: a peer's collective failed in that attempt of the
         process group; this replica's waits in it fail. Else ``run_id``: the
         client aborted that command (an interrupt); its collectives fail,
         now or when it starts. ``run_id=None``: a peer's transport lost
@@ -195,8 +195,8 @@ class ReplicaRuntime:
         """
         if generation != self.generation:
             return
-        if epoch is not None:
-            self.mailbox.abort_run(epoch, Abort.from_msg(abort))
+        if attempt is not None:
+            self.mailbox.abort_attempt(attempt, Abort.from_msg(abort))
         elif run_id is None:
             self.abort_group(str(abort.get("message", "a peer was lost")), generation)
         else:
@@ -204,7 +204,7 @@ class ReplicaRuntime:
             while len(self._aborted_runs) > 64:
                 del self._aborted_runs[min(self._aborted_runs)]
             if run_id == self.run_id and self.state == "running":
-                self.mailbox.abort_run(self.communicator.epoch, Abort.from_msg(abort))
+                self.mailbox.abort_attempt(self.communicator.attempt, Abort.from_msg(abort))
 
     def peer_lost(self, peer: int | None, message: str) -> None:
         """A transport lost ``peer`` for good (no heartbeat, or reset): fail the generation here and on every peer.
@@ -257,7 +257,7 @@ class ReplicaRuntime:
         communicator = wiring.communicator
         return {
             "state": state,
-            "epoch": communicator.epoch,
+            "attempt": communicator.attempt,
             "run_id": self.run_id,
             "collective": communicator.seq,
             "groups": wiring.group.collective_numbers(),
@@ -267,19 +267,19 @@ class ReplicaRuntime:
 
     # -- control plane used by the communicator (replica thread) ---------------
 
-    def abort_peers(self, epoch: int, abort: Abort) -> None:
+    def abort_peers(self, attempt: int, abort: Abort) -> None:
         for rank, address in enumerate(self.membership.addresses):
             if rank != self.rank:
-                asyncio.run_coroutine_threadsafe(self._send_abort(address, rank, self.run_id, abort, epoch),
+                asyncio.run_coroutine_threadsafe(self._send_abort(address, rank, self.run_id, abort, attempt),
                                                  self.loop)
 
     async def _send_abort(self, address: str, rank: int, run_id: int | None, abort: Abort,
-                          epoch: int | None = None) -> None:
-        """Send ``abort`` of ``epoch`` (``None``: for good, the whole generation) to replica ``rank``."""
+                          attempt: int | None = None) -> None:
+        """Send ``abort`` of ``attempt`` (``None``: for good, the whole generation) to replica ``rank``."""
         try:
             await self.worker.rpc(address).daskdist_abort(
                 group_id=self.group_id, generation=self.generation, rank=rank, run_id=run_id, abort=abort.to_msg(),
-                epoch=epoch, reply=False,
+                attempt=attempt, reply=False,
             )
         except Exception as e:  # the peer may be gone; the scheduler tells the others
             logger.debug("Could not send abort to replica %d on %s: %s", rank, address, e)
@@ -295,10 +295,10 @@ class ReplicaRuntime:
             future.cancel()
             return None
 
-    def exchange(self, key: str, value: Any, deadline: float, epoch: int) -> dict[int, Any]:
+    def exchange(self, key: str, value: Any, deadline: float, attempt: int) -> dict[int, Any]:
         """Meet every replica at the scheduler under ``key`` (after the rendezvous); ``{rank: value}`` back.
 
-        Polls in slices of at most 0.5 s, checking this epoch's and the group's
+        Polls in slices of at most 0.5 s, checking this attempt's and the group's
         aborts between them. Values travel as msgpack (tuples come back as lists).
 
         Raises
@@ -309,7 +309,7 @@ class ReplicaRuntime:
             The scheduler has failed or closed the group.
         """
         while True:
-            self.mailbox.check(epoch)
+            self.mailbox.check(attempt)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise MailboxTimeout(key)
@@ -321,7 +321,7 @@ class ReplicaRuntime:
             if status == "OK":
                 return {int(rank): v for rank, v in response["values"].items()}
             if status != "waiting":
-                self.mailbox.check(epoch)  # the group's own abort names the cause best
+                self.mailbox.check(attempt)  # the group's own abort names the cause best
                 raise ReplicaLostError(response.get("message", f"replica group {self.group_id} is gone"))
 
     # -- generations (replica thread) ---------------------------------------------
@@ -484,15 +484,15 @@ class ReplicaRuntime:
         try:
             with context.enter(frame):
                 command, args, failed_commands = serialization.loads(payload)
-                group.start_command(run_id, failed_commands)  # a fence; a new epoch after a failed command
+                group.start_command(run_id, failed_commands)  # a fence; a new attempt after a failed command
                 aborted = self._aborted_runs.pop(run_id, None)
                 if aborted is not None:  # the client aborted it before it started
-                    self.mailbox.abort_run(failed_commands, aborted)
+                    self.mailbox.abort_attempt(failed_commands, aborted)
                 result = command(self, *args)
                 response: dict[str, Any] = {"status": "OK", "result": serialization.dumps(result)}
                 group.fence()
-                if self.mailbox.run_abort(group.epoch) is not None:  # a collective error the function caught:
-                    response["epoch_aborted"] = True  # the client starts a new epoch for the next command
+                if self.mailbox.attempt_abort(group.attempt) is not None:  # a collective error the function caught:
+                    response["attempt_aborted"] = True  # the client starts a new attempt for the next command
                 return response
         except Exception as e:
             group.abort(e)

@@ -82,7 +82,7 @@ class LaneHost(Protocol):
 
     rank: int
     size: int
-    epoch: int
+    attempt: int
     run_id: int
     small_message_bytes: int
     default_timeout: float
@@ -97,7 +97,7 @@ class LaneHost(Protocol):
 
     def end_tracking(self) -> None: ...
 
-    def abort_epoch(self, error: BaseException) -> None: ...
+    def abort_attempt(self, error: BaseException) -> None: ...
 
     def describe_timeout(self, call: Any, waiting_for: int) -> str: ...
 
@@ -154,11 +154,11 @@ class _Plan:
 class _LaneCall:
     """What timeouts, stall warnings and status probes need to know about a collective in progress."""
 
-    __slots__ = ("epoch", "kind", "nbytes", "run_id", "seq", "timeout")
+    __slots__ = ("attempt", "kind", "nbytes", "run_id", "seq", "timeout")
 
-    def __init__(self, epoch: int, run_id: int, seq: int, timeout: float, nbytes: int):
+    def __init__(self, attempt: int, run_id: int, seq: int, timeout: float, nbytes: int):
         self.kind = "all_reduce"
-        self.epoch = epoch
+        self.attempt = attempt
         self.run_id = run_id
         self.seq = seq
         self.timeout = timeout
@@ -171,7 +171,7 @@ class LaneEngine:
     Parameters
     ----------
     comm
-        The replica's communicator (rank, size, epoch and collective numbers, aborts).
+        The replica's communicator (rank, size, attempt and collective numbers, aborts).
     lane
         The shared-memory transport's lane (``ShmTransport.lane()``) that reaches every peer.
     """
@@ -300,16 +300,16 @@ class LaneEngine:
         collective's signature only gets the new numbers), and the peers'
         arrays are combined from typed views of the slots. The collective is
         only registered for status probes and the stall watch once it has to
-        wait; any failure aborts the epoch on every replica, as on the general path.
+        wait; any failure aborts the attempt on every replica, as on the general path.
         """
         comm = self.comm
         seq = self._next_collective()
-        epoch = comm.epoch
+        attempt = comm.attempt
         start = _monotonic()
         try:
-            result = self._exchange(plan, value, epoch, seq, start)
+            result = self._exchange(plan, value, attempt, seq, start)
         except Exception as e:
-            comm.abort_epoch(e)
+            comm.abort_attempt(e)
             raise
         finally:
             if self._call is not None:
@@ -320,15 +320,15 @@ class LaneEngine:
             on_collective("all_reduce", _monotonic() - start, plan.sent_bytes)
         return result
 
-    def _slow(self, plan: _Plan, epoch: int, seq: int, start: float) -> tuple[_LaneCall, float]:
+    def _slow(self, plan: _Plan, attempt: int, seq: int, start: float) -> tuple[_LaneCall, float]:
         """The collective as timeouts and probes see it, registered with the communicator; and its deadline."""
         if self._call is None:
             timeout = timeout_of(plan.timeout, self.comm.default_timeout)
-            self._call = _LaneCall(epoch, self.comm.run_id, seq, timeout, plan.sent_bytes)
+            self._call = _LaneCall(attempt, self.comm.run_id, seq, timeout, plan.sent_bytes)
             self.comm.begin_tracking("all_reduce", self._call, start)
         return self._call, start + self._call.timeout
 
-    def _exchange(self, plan: _Plan, value: np.ndarray, epoch: int, seq: int, start: float) -> np.ndarray:
+    def _exchange(self, plan: _Plan, value: np.ndarray, attempt: int, seq: int, start: float) -> np.ndarray:
         senders = self._senders
         if senders is None:
             writers = self.lane.writers()
@@ -338,9 +338,9 @@ class LaneEngine:
         header, key = plan.header, plan.key
         for dst, can_write, write in senders:
             if not queued.get(dst) and can_write():
-                write(header, epoch, seq, value, key)
+                write(header, attempt, seq, value, key)
             else:
-                handles.append(self.lane.send_queued(dst, (epoch, seq, self._rank, plan.name), value,
+                handles.append(self.lane.send_queued(dst, (attempt, seq, self._rank, plan.name), value,
                                                      plan.sig_bytes))
         ufunc = plan.ufunc
         result: Any = None  # set when rank 1's array is combined with rank 0's
@@ -351,9 +351,9 @@ class LaneEngine:
             if peek is None:
                 incoming = value
             else:
-                incoming = peek((epoch, seq, r, plan.name_field), key)
+                incoming = peek((attempt, seq, r, plan.name_field), key)
                 if incoming is None:  # not there yet (or something else first): wait for it
-                    incoming, release = self._take(plan, r, epoch, seq, start)
+                    incoming, release = self._take(plan, r, attempt, seq, start)
             if r == 0:
                 first, first_release = incoming, release
                 continue
@@ -372,7 +372,7 @@ class LaneEngine:
         if plan.mean:
             finalize(plan.op, result, self._size)
         if handles:
-            _call, deadline = self._slow(plan, epoch, seq, start)
+            _call, deadline = self._slow(plan, attempt, seq, start)
             for handle in handles:
                 handle.wait(deadline)
         reduced: np.ndarray = result
@@ -383,14 +383,14 @@ class LaneEngine:
             return self.comm.buffers.empty(plan.shape, plan.dtype)
         return np.empty(plan.shape, plan.dtype)
 
-    def _take(self, plan: _Plan, src: int, epoch: int, seq: int, start: float) -> tuple[np.ndarray, Any]:
+    def _take(self, plan: _Plan, src: int, attempt: int, seq: int, start: float) -> tuple[np.ndarray, Any]:
         """``src``'s array (a view into its channel) and how to free the slot, once the first peek missed.
 
         Waits as long as it must.
         """
-        call, deadline = self._slow(plan, epoch, seq, start)
+        call, deadline = self._slow(plan, attempt, seq, start)
         try:
-            return self.lane.receive(src, epoch, seq, plan.name, plan.name_field, plan.nbytes, plan.dtype,
+            return self.lane.receive(src, attempt, seq, plan.name, plan.name_field, plan.nbytes, plan.dtype,
                                      plan.shape, deadline)
         except MailboxTimeout:
             raise CollectiveTimeoutError(self.comm.describe_timeout(call, src)) from None

@@ -21,7 +21,7 @@ __all__ = ["ARRAY", "HEADER", "MAX_NDIM", "OBJECT", "TEXT", "decode", "describe_
 ARRAY, OBJECT, TEXT = 0, 1, 2
 MAX_NDIM = 8
 
-#: run, seq, src, name, kind, total bytes, offset, piece bytes, ndim, shape[8], dtype
+#: attempt, seq, src, name, kind, total bytes, offset, piece bytes, ndim, shape[8], dtype
 HEADER = struct.Struct("<qqq40sbqqqb8q24s")
 
 
@@ -57,10 +57,10 @@ def pack_header(buffer: Any, offset: int, tag: Tag, kind: int, dtype: str, shape
 def unpack_header(buffer: Any, offset: int = 0) -> tuple[Tag, int, str, tuple[int, ...], int, int, int]:
     """``(tag, kind, dtype, shape, total, offset, nbytes)``."""
     fields = HEADER.unpack_from(buffer, offset)
-    run, seq, src, name, kind, total, piece_offset, nbytes, ndim = fields[:9]
+    attempt, seq, src, name, kind, total, piece_offset, nbytes, ndim = fields[:9]
     shape = fields[9 : 9 + ndim]
     dtype = fields[17].rstrip(b"\0").decode()
-    return (run, seq, src, name.rstrip(b"\0").decode()), kind, dtype, shape, total, piece_offset, nbytes
+    return (attempt, seq, src, name.rstrip(b"\0").decode()), kind, dtype, shape, total, piece_offset, nbytes
 
 
 def to_dtype(text: str) -> np.dtype[Any]:

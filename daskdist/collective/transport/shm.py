@@ -194,7 +194,7 @@ class ShmTransport(Transport):
         self._sends.put((dst, tag, payload, handle, tag[0], extra))
         return handle
 
-    def try_send_lane(self, dst: int, header: bytes, run_id: int, seq: int, value: np.ndarray, key: tuple[Any, ...]) -> bool:
+    def try_send_lane(self, dst: int, header: bytes, attempt: int, seq: int, value: np.ndarray, key: tuple[Any, ...]) -> bool:
         """Write a one-piece lane message now (``ShmChannel.write_lane``), if ``dst``'s channel has room.
 
         Returns ``False`` (nothing written) when the channel is full or earlier
@@ -203,7 +203,7 @@ class ShmTransport(Transport):
         channel = self._outbound.get(dst) or self._channel_to(dst)
         if self._queued.get(dst) or not channel.can_write():
             return False
-        channel.write_lane(header, run_id, seq, value, key)
+        channel.write_lane(header, attempt, seq, value, key)
         return True
 
     def lane(self) -> ShmLane:
@@ -215,9 +215,9 @@ class ShmTransport(Transport):
             item = self._sends.get()
             if item is None:
                 return
-            dst, tag, payload, handle, run_id, extra = item
+            dst, tag, payload, handle, attempt, extra = item
             try:
-                self._write_pieces(self._outbound[dst], tag, payload, run_id, extra)
+                self._write_pieces(self._outbound[dst], tag, payload, attempt, extra)
             except BaseException as e:
                 handle.error = e
             finally:
@@ -225,7 +225,7 @@ class ShmTransport(Transport):
                     self._queued[dst] -= 1
             handle.done.set()
 
-    def _write_pieces(self, channel: ShmChannel, tag: Tag, payload: Any, run_id: int, extra: bytes = b"") -> None:
+    def _write_pieces(self, channel: ShmChannel, tag: Tag, payload: Any, attempt: int, extra: bytes = b"") -> None:
         kind, data = encode(payload)
         total = data.nbytes
         flat = data.reshape(-1).view(np.uint8)
@@ -235,7 +235,7 @@ class ShmTransport(Transport):
         def check() -> None:
             if self._closed:
                 raise DaskdistError("transport closed")
-            self.mailbox.check(run_id)
+            self.mailbox.check(attempt)
 
         dtype, shape = describe_payload(kind, payload)
         while True:
@@ -248,9 +248,9 @@ class ShmTransport(Transport):
 
     # -- receiving -----------------------------------------------------------------
 
-    def _next_piece(self, src: int, deadline: float, run_id: int) -> tuple[tuple[Any, ...], np.ndarray]:
+    def _next_piece(self, src: int, deadline: float, attempt: int) -> tuple[tuple[Any, ...], np.ndarray]:
         channel = self._inbound[src]
-        backoff_wait(channel.can_read, deadline, lambda: self.mailbox.check(run_id), self.spin_seconds)
+        backoff_wait(channel.can_read, deadline, lambda: self.mailbox.check(attempt), self.spin_seconds)
         return channel.peek()
 
     def _find(self, src: int, tag: Tag, deadline: float) -> tuple[tuple[Any, ...], np.ndarray]:
@@ -261,8 +261,8 @@ class ShmTransport(Transport):
             piece_tag = tuple(header[0])
             if piece_tag == tag:
                 return header, data
-            if piece_tag[0] < self.mailbox.current_run:
-                channel.release()  # left over from an aborted run
+            if piece_tag[0] < self.mailbox.current_attempt:
+                channel.release()  # left over from an aborted attempt
                 continue
             self.stash_message(src, header, data)
 
@@ -345,8 +345,8 @@ class ShmTransport(Transport):
         flat, total = data.reshape(-1).view(np.uint8), data.nbytes
         sent, send_done = 0, False
         incoming: _Incoming | None = None
-        run_id = recv_tag[0]
-        spinner = _Spinner(deadline, lambda: self.mailbox.check(run_id), self.spin_seconds)
+        attempt = recv_tag[0]
+        spinner = _Spinner(deadline, lambda: self.mailbox.check(attempt), self.spin_seconds)
         while True:
             progressed = False
             if not send_done and out_channel.can_write():
@@ -362,8 +362,8 @@ class ShmTransport(Transport):
                 elif tuple(header[0]) == recv_tag:
                     incoming = _Incoming(self, src, recv_tag, out, combine, base)
                     incoming.take(header, piece_data)
-                elif header[0][0] < self.mailbox.current_run:
-                    in_channel.release()  # left over from an aborted run
+                elif header[0][0] < self.mailbox.current_attempt:
+                    in_channel.release()  # left over from an aborted attempt
                 else:
                     self.stash_message(src, header, piece_data)
                 progressed = True

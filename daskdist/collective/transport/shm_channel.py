@@ -43,8 +43,8 @@ _CONTROL_BYTES = 128  # write counter at 0, read counter at 64 (separate cache l
 _HEADER_BYTES = 1024
 _EXTRA_OFFSET = 256  # within a slot's header area: optional extra bytes (a signature), length-prefixed
 _EXTRA_MAX = _HEADER_BYTES - _EXTRA_OFFSET - 2
-_RUN_SEQ = struct.Struct("<qq")  # the first two HEADER fields
-_LANE_PREFIX = struct.Struct("<qqq40s")  # the first four HEADER fields: run, seq, src, name
+_ATTEMPT_SEQ = struct.Struct("<qq")  # the first two HEADER fields
+_LANE_PREFIX = struct.Struct("<qqq40s")  # the first four HEADER fields: attempt, seq, src, name
 _VIEWS_KEPT = 64  # typed views kept per slot (lane messages of different dtypes and shapes)
 
 def unlink_segment(name: str) -> None:
@@ -59,7 +59,7 @@ def unlink_segment(name: str) -> None:
 def lane_header(fields: tuple[Any, ...], extra: bytes) -> bytes:
     """The header area of a lane message, written once per slot (``ShmChannel.write_lane``).
 
-    ``fields`` are the ``HEADER`` fields after run and seq; ``extra`` is kept
+    ``fields`` are the ``HEADER`` fields after attempt and seq; ``extra`` is kept
     beside them (``ShmChannel.extra``).
     """
     extra = extra[:_EXTRA_MAX]
@@ -233,13 +233,13 @@ class ShmChannel:
             self._raw[start : start + piece.nbytes] = piece.reshape(-1).view(np.uint8).data
         self._counters[0] += 1  # published after the piece: in order on x86-64 (store_order_is_total)
 
-    def write_lane(self, header: bytes, run_id: int, seq: int, value: np.ndarray, key: tuple[Any, ...]) -> None:
+    def write_lane(self, header: bytes, attempt: int, seq: int, value: np.ndarray, key: tuple[Any, ...]) -> None:
         """Write a one-piece lane message (the small all-reduce): ``header`` from ``lane_header``, then ``value``.
 
         The caller waited for ``can_write``; ``value`` fits a slot and
         ``key`` is its ``(dtype, shape)``. A slot whose header area already
         holds ``header`` (the same collective signature as last time) only
-        gets the new run and sequence numbers.
+        gets the new attempt and sequence numbers.
         """
         written = self._counters[0]
         index = written % _SLOTS
@@ -247,7 +247,7 @@ class ShmChannel:
         if self._lane_headers[index] is not header:
             self._raw[base : base + len(header)] = header
             self._lane_headers[index] = header
-        _RUN_SEQ.pack_into(self._raw, base, run_id, seq)
+        _ATTEMPT_SEQ.pack_into(self._raw, base, attempt, seq)
         np.copyto(self.slot_view(index, key), value)
         self._counters[0] = written + 1  # published after the data: in order on x86-64 (store_order_is_total)
 
@@ -268,7 +268,7 @@ class ShmChannel:
     def peek_lane(self, prefix: tuple[Any, ...], key: tuple[Any, ...]) -> np.ndarray | None:
         """The oldest unread piece as an array of ``key = (dtype, shape)`` if its header starts with ``prefix``.
 
-        ``prefix`` is ``(run, seq, src, name)`` with the name as the header's
+        ``prefix`` is ``(attempt, seq, src, name)`` with the name as the header's
         40 bytes; the array is a view, valid until ``release``. ``None``
         (nothing consumed) when there is no piece yet or it is something else.
         """

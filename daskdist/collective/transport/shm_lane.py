@@ -34,7 +34,7 @@ class _Source(Protocol):
 
     def send(self, dst: int, tag: Tag, payload: Any, extra: bytes = b"") -> SendHandle: ...
 
-    def try_send_lane(self, dst: int, header: bytes, run_id: int, seq: int, value: np.ndarray,
+    def try_send_lane(self, dst: int, header: bytes, attempt: int, seq: int, value: np.ndarray,
                       key: tuple[Any, ...]) -> bool: ...
 
     def inbound(self, src: int) -> ShmChannel: ...
@@ -64,15 +64,15 @@ class ShmLane:
     peek
         Per source rank: ``peek(prefix, key)``, the oldest unread slot as an
         array of ``key = (dtype, shape)`` if its header starts with
-        ``prefix = (run, seq, src, name field)``, else ``None``; a view,
+        ``prefix = (attempt, seq, src, name field)``, else ``None``; a view,
         valid until that source's ``release``.
     release
         Per source rank: free the oldest unread slot.
     try_write
-        ``try_write(dst, header, run_id, seq, value, key)``: write ``value``
+        ``try_write(dst, header, attempt, seq, value, key)``: write ``value``
         (``key = (dtype, shape)``) into one slot of ``dst``'s channel now, with
         ``header`` from ``lane_header`` (a slot that already holds it only
-        gets the new run and sequence numbers); ``False`` (nothing written)
+        gets the new attempt and sequence numbers); ``False`` (nothing written)
         when the channel is full or earlier sends to ``dst`` are still queued:
         then ``send_queued``.
     queued
@@ -112,9 +112,9 @@ class ShmLane:
         """Send ``value`` to ``dst`` through the transport's queue, when ``try_write`` had no room."""
         return self._transport.send(dst, tag, value, extra)
 
-    def receive(self, src: int, run_id: int, seq: int, name: str, name_field: bytes, nbytes: int, dtype: Any,
+    def receive(self, src: int, attempt: int, seq: int, name: str, name_field: bytes, nbytes: int, dtype: Any,
                 shape: tuple[Any, ...], deadline: float) -> tuple[np.ndarray, Callable[[], None] | None]:
-        """``src``'s array of collective ``(run_id, seq)`` and how to free its slot (``None``: nothing to free).
+        """``src``'s array of collective ``(attempt, seq)`` and how to free its slot (``None``: nothing to free).
 
         Waits until it arrives (``MailboxTimeout`` at ``deadline``; aborts
         raise), keeping other messages aside and dropping those of aborted
@@ -122,7 +122,7 @@ class ShmLane:
         collective has another name (another signature).
         """
         transport = self._transport
-        stashed = transport.take_stashed(src, (run_id, seq, src, name))
+        stashed = transport.take_stashed(src, (attempt, seq, src, name))
         if stashed is not None:
             if getattr(stashed, "nbytes", None) != nbytes:
                 raise LaneMismatch("a different payload")
@@ -131,14 +131,14 @@ class ShmLane:
         mailbox = self.mailbox
         while True:
             if not channel.can_read():
-                backoff_wait(channel.can_read, deadline, lambda: mailbox.check(run_id), transport.spin_seconds)
+                backoff_wait(channel.can_read, deadline, lambda: mailbox.check(attempt), transport.spin_seconds)
             fields, start = channel.peek_fields()
-            if fields[0] == run_id and fields[1] == seq and fields[2] == src:
+            if fields[0] == attempt and fields[1] == seq and fields[2] == src:
                 if fields[3] == name_field:
                     return channel.data(start, nbytes).view(dtype).reshape(shape), channel.release
                 raise LaneMismatch(_peer_signature(channel, fields, start))
-            if fields[0] < mailbox.current_run:
-                channel.release()  # left over from an aborted run
+            if fields[0] < mailbox.current_attempt:
+                channel.release()  # left over from an aborted attempt
                 continue
             header, data = channel.peek()
             transport.stash_message(src, header, data)

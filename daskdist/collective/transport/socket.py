@@ -23,7 +23,18 @@ is off by default: inside a Dask worker process the reader thread, woken
 by the same data, competes for the GIL, and it measured no faster
 (BENCHMARKS section 6). Either reads into the
 connection's buffer, so a small frame (header and payload) costs one
-``recv``; larger payloads are received straight into fresh numpy buffers.
+``recv``.
+
+Receives into place: an engine's ``recv_into`` (and the ring's
+``sendrecv``) posts its destination before it waits: the collective's own
+output where the message is copied, else a scratch buffer the transport
+keeps and reuses (``ScratchPool``), which the engine then combines from.
+The reader that meets the posted tag reads the payload straight into it
+(``recv_into`` for what is not yet in the connection's buffer), so the
+receive path allocates nothing and copies a large payload once, from the
+kernel. A message that arrives before its receive is posted (or any plain
+``recv``) is received into a fresh buffer, as before; ``receive_allocations``
+counts those buffers.
 A replica waiting on the mailbox may spin
 ``daskdist.collective.socket.busy-poll`` before it sleeps (``auto``: only
 when the host's cores are not oversubscribed).
@@ -56,9 +67,23 @@ from dask.utils import parse_bytes
 
 from daskdist import config, wire
 from daskdist.collective.mailbox import Abort, Mailbox, MailboxTimeout, Tag
-from daskdist.collective.transport.base import CompletedSend, SendHandle, Transport, remaining
-from daskdist.collective.transport.framing import HEADER, decode, describe_payload, encode, pack_header, unpack_header
+from daskdist.collective.transport.base import (
+    Combine,
+    CompletedSend,
+    SendHandle,
+    Transport,
+    apply_payload,
+    remaining,
+)
+from daskdist.collective.transport.framing import (
+    HEADER,
+    describe_payload,
+    dtype_text,
+    encode,
+    pack_header,
+)
 from daskdist.collective.transport.shm_channel import usable_cores
+from daskdist.collective.transport.socket_inbound import Inbound, Posted, ScratchPool
 from daskdist.exceptions import CollectiveTimeoutError, ReplicaLostError
 from daskdist.wire.frames import Buffer
 from daskdist.wire.heartbeat import failed_without_close
@@ -70,7 +95,6 @@ logger = logging.getLogger(__name__)
 #: The transport's name in the wire hello (``daskdist.wire.hello``).
 PROTOCOL = "daskdist-socket-3"
 _RANK = struct.Struct("!i")  # the connecting replica's rank: the hello's tail
-_READ_BUFFER = 256 * 1024  # each reader's buffer: small frames arrive whole in one recv
 _AUTO_BUSY_POLL = 50e-6
 
 
@@ -119,63 +143,6 @@ class _Peer:
         self.headers: list[bytearray] = [bytearray(HEADER.size)]  # frame headers packed for one write
 
 
-class _Inbound:
-    """One peer's incoming connection and its read buffer; read only by the holder of ``lock``.
-
-    The reader thread waits for the connection to become readable without
-    the lock and then reads under it; a replica thread waiting for a message
-    from this peer takes the lock and reads the connection itself.
-    """
-
-    def __init__(self, conn: socket.socket, peer: int) -> None:
-        self.conn = conn
-        self.peer = peer
-        self.lock = threading.Lock()
-        self.buf = bytearray(_READ_BUFFER)
-        self.view = memoryview(self.buf)
-        self.start = self.end = 0
-        self.done = False  # the connection failed or ended (reported once, by the thread that saw it)
-        self._tls = isinstance(conn, ssl.SSLSocket)
-        self._poll = select.poll()  # used under ``lock`` only
-        self._poll.register(conn, select.POLLIN)
-
-    def buffered(self) -> bool:
-        """Whether bytes are already read (into this buffer, or decrypted inside TLS) but not yet consumed."""
-        return self.end > self.start or (self._tls and self.conn.pending() > 0)  # type: ignore[attr-defined]
-
-    def readable(self, timeout: float) -> bool:
-        """Whether a frame can be read now, waiting up to ``timeout`` seconds (hold ``lock``)."""
-        return self.buffered() or bool(self._poll.poll(max(0, int(timeout * 1000))))
-
-    def read_frame(self) -> tuple[Tag, Any]:
-        """Read one whole frame: ``(tag, decoded payload)`` (hold ``lock``)."""
-        conn, buf, view = self.conn, self.buf, self.view
-        start, end = self.start, self.end
-        if end - start < HEADER.size:  # too little for a header: move what is left to the front, read on
-            if start:
-                buf[: end - start] = buf[start:end]
-                end, start = end - start, 0
-            while end < HEADER.size:
-                n = conn.recv_into(view[end:])
-                if n == 0:
-                    self.start, self.end = start, end
-                    raise wire.PeerClosed("connection closed by the peer")
-                end += n
-        tag, kind, dtype, shape, total, _, _ = unpack_header(buf, start)
-        start += HEADER.size
-        data = np.empty(total, np.uint8)
-        have = min(total, end - start)
-        if have:
-            data[:have] = np.frombuffer(buf, np.uint8, have, start)
-            start += have
-        if start == end:
-            start = end = 0
-        self.start, self.end = start, end
-        if have < total:
-            wire.recv_into(conn, data[have:].data)
-        return tag, decode(kind, dtype, shape, data)
-
-
 _NOTHING = object()
 #: How long a replica reading its peer's connection waits in one ``poll`` before it checks for aborts.
 _POLL_SLICE = 0.05
@@ -204,6 +171,11 @@ class SocketTransport(Transport):
     ----------
     sent_bytes
         Bytes written to each peer's connection (frame headers included).
+    receive_allocations
+        Buffers allocated on the receive path: messages that arrived before
+        their receive was posted (or were received by plain ``recv``), and
+        scratch buffers made because none kept was free. Zero in the steady
+        state of a collective that posts its receives.
     """
 
     name = "socket"
@@ -218,8 +190,12 @@ class SocketTransport(Transport):
         self.inline_bytes = int(parse_bytes(config.get("collective.socket.inline-bytes", "1MiB")))
         self.busy_poll = busy_poll_seconds(local_replicas)
         self.receive_on_caller = bool(config.get("collective.socket.receive-on-caller", False))
-        self._inbound: dict[int, _Inbound] = {}
+        self._inbound: dict[int, Inbound] = {}
         self.sent_bytes: dict[int, int] = {}
+        self._posted: dict[Tag, Posted] = {}
+        self._posted_lock = threading.Lock()
+        self._scratch = ScratchPool()
+        self._fresh_buffers = 0
         self._on_peer_lost = on_peer_lost
         self._client_context = client_context
         self._key = f"{secret}/{group_id}"  # the hello's secret: this group and generation only
@@ -259,7 +235,7 @@ class SocketTransport(Transport):
         read them itself meanwhile.
         """
         peer: int = _RANK.unpack(tail)[0]
-        inbound = _Inbound(conn, peer)
+        inbound = Inbound(conn, peer, self._claim, self._allocated)
         try:
             if not self.receive_on_caller:
                 while not self._closed:
@@ -280,7 +256,7 @@ class SocketTransport(Transport):
             if self._inbound.get(peer) is inbound:
                 del self._inbound[peer]
 
-    def _reading_failed(self, inbound: _Inbound, error: BaseException) -> None:
+    def _reading_failed(self, inbound: Inbound, error: BaseException) -> None:
         """Reading ``inbound`` raised ``error`` (either thread): report it once, as a lost peer where it is one."""
         if inbound.done:
             return
@@ -299,10 +275,84 @@ class SocketTransport(Transport):
                 self._peer_lost(peer, f"receiving from it failed: {error!r}")
         else:  # a frame we cannot decode: fail the run loudly instead of waiting forever
             logger.error("TCP reader of replica %d failed", self.rank, exc_info=error)
-            self.mailbox.abort_run(
-                self.mailbox.current_run,
+            self.mailbox.abort_attempt(
+                self.mailbox.current_attempt,
                 Abort("aborted", f"replica {self.rank} could not read a TCP frame: {error!r}", self.rank),
             )
+
+    @property
+    def receive_allocations(self) -> int:
+        return self._fresh_buffers + self._scratch.allocations
+
+    @property
+    def posted_receives(self) -> int:
+        """Receives posted and not yet claimed by a reader (for tests and diagnostics)."""
+        with self._posted_lock:
+            return sum(1 for p in self._posted.values() if not p.claimed)
+
+    def _allocated(self) -> None:
+        self._fresh_buffers += 1  # only reader threads count, one per peer; a lost increment only under-counts
+
+    def _claim(self, tag: Tag) -> Posted | None:
+        """The receive posted for ``tag``, claimed by the calling reader (``None``: none is posted)."""
+        if not self._posted:
+            return None
+        with self._posted_lock:
+            posted = self._posted.get(tag)
+            if posted is None or posted.claimed:
+                return None
+            posted.claimed = True
+            return posted
+
+    def _post(self, tag: Tag, out: Any, combine: Combine | None) -> Posted | None:
+        """Post the receive of ``tag`` into ``out`` (``combine`` ``None``) or a scratch buffer; ``None``: not a numpy
+        array this transport can receive into (the message then arrives in a fresh buffer)."""
+        if self.receive_on_caller or not isinstance(out, np.ndarray) or out.dtype.kind == "O":
+            return None
+        in_place = combine is None and out.flags.c_contiguous
+        target = out.reshape(-1).view(np.uint8) if in_place else self._scratch.borrow(out.nbytes)
+        posted = Posted(target, dtype_text(out.dtype), in_place)
+        with self._posted_lock:
+            self._posted[tag] = posted
+        return posted
+
+    def _complete(self, posted: Posted | None, src: int, tag: Tag, deadline: float, out: Any,
+                  combine: Combine | None, base: Any) -> None:
+        """Wait for ``tag`` and combine or copy it into ``out``, in place where the receive was posted."""
+        into_scratch = posted is not None and not posted.in_place
+        done = False
+        try:
+            payload = self.recv(src, tag, deadline)
+            if payload is posted:
+                assert posted is not None
+                if into_scratch:
+                    incoming = posted.target.view(out.dtype).reshape(out.shape)
+                    if combine is None:
+                        np.copyto(out, incoming)
+                    else:
+                        combine(out, incoming, base)
+            else:
+                apply_payload(payload, out, combine, base)
+            done = True
+        finally:
+            if posted is not None:
+                with self._posted_lock:
+                    self._posted.pop(tag, None)
+                # a scratch buffer a reader still fills (the wait failed mid-frame) is left to it, not reused
+                if into_scratch and (done or not posted.claimed):
+                    self._scratch.give_back(posted.target)
+
+    def recv_into(self, src: int, tag: Tag, deadline: float, out: Any, combine: Combine | None,
+                  base: Any = None) -> None:
+        posted = self._post(tag, out, combine)
+        self._complete(posted, src, tag, deadline, out, combine, base)
+
+    def sendrecv(self, dst: int, send_tag: Tag, payload: Any, src: int, recv_tag: Tag, deadline: float, out: Any,
+                 combine: Combine | None, base: Any = None) -> None:
+        posted = self._post(recv_tag, out, combine)  # before sending: the peer's answer finds it posted
+        handle = self.send(dst, send_tag, payload)
+        self._complete(posted, src, recv_tag, deadline, out, combine, base)
+        handle.wait(deadline)
 
     def recv(self, src: int, tag: Tag, deadline: float) -> Any:
         if self.receive_on_caller:
@@ -320,7 +370,7 @@ class SocketTransport(Transport):
                     pass
         return self.mailbox.take(tag, deadline)
 
-    def _receive_on_caller(self, inbound: _Inbound, tag: Tag, deadline: float) -> Any:
+    def _receive_on_caller(self, inbound: Inbound, tag: Tag, deadline: float) -> Any:
         """Read ``src``'s connection on this thread until ``tag`` arrives; ``_NOTHING``: wait on the mailbox instead.
 
         Frames with other tags go to the mailbox. Gives up (``_NOTHING``)

@@ -129,12 +129,12 @@ class _Waiter:
 class _Send(SendHandle):
     """A UCX send in flight: its requests and the buffers they read from."""
 
-    __slots__ = ("buffers", "dst", "requests", "run_id", "transport")
+    __slots__ = ("buffers", "dst", "requests", "attempt", "transport")
 
-    def __init__(self, transport: UcxTransport, dst: int, run_id: int, requests: list[Any], buffers: tuple[Any, ...]):
+    def __init__(self, transport: UcxTransport, dst: int, attempt: int, requests: list[Any], buffers: tuple[Any, ...]):
         self.transport = transport
         self.dst = dst
-        self.run_id = run_id
+        self.attempt = attempt
         self.requests = requests
         self.buffers = buffers
 
@@ -144,7 +144,7 @@ class _Send(SendHandle):
 
     def wait(self, deadline: float) -> None:
         try:
-            self.transport._wait(self.requests, deadline, self.dst, self.run_id)
+            self.transport._wait(self.requests, deadline, self.dst, self.attempt)
         except MailboxTimeout:
             raise CollectiveTimeoutError(
                 f"sending to replica {self.dst} over UCX did not complete before the deadline"
@@ -267,27 +267,27 @@ class UcxTransport(Transport):
 
     # -- waiting ------------------------------------------------------------------
 
-    def _wait(self, requests: list[Any], deadline: float, peer: int, run_id: int) -> None:
+    def _wait(self, requests: list[Any], deadline: float, peer: int, attempt: int) -> None:
         """Wait until ``requests`` complete; raise on abort, peer loss (``ReplicaLostError``) or deadline."""
         if not all(r.completed for r in requests):
             waiter = _Waiter(deadline)
             while not all(r.completed for r in requests):
                 if waiter.idle():
-                    self._check(peer, run_id)
+                    self._check(peer, attempt)
                     if time.monotonic() > deadline:
                         raise MailboxTimeout()
         for request in requests:
             try:
                 request.check_error()
             except Exception as e:  # UCXError and its kinds (canceled, connection reset, unreachable ...)
-                self._check(peer, run_id)
+                self._check(peer, attempt)
                 raise ReplicaLostError(
                     f"UCX transfer between replica {self.rank} and replica {peer} ({self.addresses[peer]}) "
                     f"failed: {type(e).__name__}: {e}", worker=self.addresses[peer],
                 ) from e
 
-    def _check(self, peer: int, run_id: int) -> None:
-        self.mailbox.check(run_id)
+    def _check(self, peer: int, attempt: int) -> None:
+        self.mailbox.check(attempt)
         reason = self._lost.get(peer)
         if reason is not None:
             raise ReplicaLostError(f"lost replica {peer} ({self.addresses[peer]}): {reason}",
@@ -321,7 +321,7 @@ class UcxTransport(Transport):
 
     # -- receiving ----------------------------------------------------------------
 
-    def _next_header(self, src: int, deadline: float, run_id: int) -> _Header:
+    def _next_header(self, src: int, deadline: float, attempt: int) -> _Header:
         """The next header from ``src``, in sequence order."""
         inbound = self._inbound[src]
         if inbound.request is None:
@@ -329,7 +329,7 @@ class UcxTransport(Transport):
             inbound.request = self._endpoint(src).tag_recv(
                 self._Array(inbound.buffer), self._ucx.UCXXTag(ucx_tag(_HEADER_KIND, src, inbound.next_seq))
             )
-        self._wait([inbound.request], deadline, src, run_id)  # on timeout the receive stays posted for next time
+        self._wait([inbound.request], deadline, src, attempt)  # on timeout the receive stays posted for next time
         if inbound.buffer is None:  # posted with its buffer above, or by an earlier call that timed out
             raise DaskdistError(f"replica {self.rank}: the header receive from replica {src} has no buffer")
         header = _Header(inbound.next_seq, inbound.buffer)
@@ -347,7 +347,7 @@ class UcxTransport(Transport):
             header = self._next_header(src, deadline, tag[0])
             if header.tag == tag:
                 return header
-            if header.tag[0] < self.mailbox.current_run:  # left over from an aborted run
+            if header.tag[0] < self.mailbox.current_attempt:  # left over from an aborted attempt
                 self._discard(src, header)
             else:
                 inbound.kept[header.tag] = header
@@ -356,11 +356,11 @@ class UcxTransport(Transport):
         return self._endpoint(src).tag_recv(self._Array(buffer),
                                             self._ucx.UCXXTag(ucx_tag(_DATA_KIND, src, header.seq)))
 
-    def _receive_data(self, src: int, header: _Header, buffer: np.ndarray, deadline: float, run_id: int) -> None:
+    def _receive_data(self, src: int, header: _Header, buffer: np.ndarray, deadline: float, attempt: int) -> None:
         """Receive the bytes of ``header``'s message into ``buffer`` (a flat uint8 array of ``header.total``)."""
         request = self._post_data(src, header, buffer)
         try:
-            self._wait([request], deadline, src, run_id)
+            self._wait([request], deadline, src, attempt)
         except BaseException:
             self._orphans.append((request, buffer))  # UCX may still write into it: keep it alive
             if buffer is self._scratch:
@@ -377,12 +377,12 @@ class UcxTransport(Transport):
     def recv(self, src: int, tag: Tag, deadline: float) -> Any:
         return self._payload(src, self._find(src, tag, deadline), deadline, tag[0])
 
-    def _payload(self, src: int, header: _Header, deadline: float, run_id: int) -> Any:
+    def _payload(self, src: int, header: _Header, deadline: float, attempt: int) -> Any:
         """The payload of ``header``'s message (arrays in a buffer of their own)."""
         data = header.inline
         if data is None:
             data = np.empty(header.total, np.uint8)
-            self._receive_data(src, header, data, deadline, run_id)
+            self._receive_data(src, header, data, deadline, attempt)
         return decode(header.kind, header.dtype, header.shape, data)
 
     def recv_into(self, src: int, tag: Tag, deadline: float, out: Any, combine: Combine | None,

@@ -333,7 +333,7 @@ class ProcessGroupDaskdist(dist.ProcessGroup):  # type: ignore[misc]
         return options
 
     def _get_sequence_number_for_group(self) -> int:
-        """The group's own number of its last collective (in the current epoch): what desync reports compare."""
+        """The group's own number of its last collective (in the current attempt): what desync reports compare."""
         return self._group.sequence_number
 
     def _set_sequence_number_for_group(self) -> None:
