@@ -1,0 +1,208 @@
+"""The adapter axis of the test matrix: one fit behaviour, every model kind daskdist trains.
+
+An ``Adapter`` builds the same small classifier (8 features, ``Dense(16, relu)``, ``Dense(4)`` logits,
+``SGD``, sparse categorical cross-entropy on logits, accuracy) with one model kind's Keras: ``builtin`` is
+daskdist's own numpy Keras (``daskdist.keras``), ``keras3-torch`` real Keras 3 on its torch backend
+(``tests/keras3_models.py``; Keras 3 on JAX runs in its own process, ``tests/support/keras3_jax.py``). The
+matrix modules (``tests/test_matrix_*.py``) take the ``adapter`` fixture (``tests/conftest.py``) beside a
+strategy combination (``tests/support/strategies.py``).
+
+What every adapter is compared with is ``reference_fit``: the same network trained by numpy in float64 on the
+same global batches, the same arithmetic written out once more (forward, softmax cross-entropy, backward,
+SGD), so neither Keras is the other's reference and no strategy (the default one included) is its own.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+FEATURES, HIDDEN, CLASSES = 8, 16, 4
+
+
+def data(rows: int = 80, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """``rows`` float32 rows of 8 features and labels in 0..3 that a small network can learn."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(rows, FEATURES)).astype(np.float32)
+    return x, ((x[:, 0] > 0).astype(np.int64) + 2 * (x[:, 1] > 0).astype(np.int64)) % CLASSES
+
+
+# -- the one-process reference -------------------------------------------------------------------------------
+
+
+def _forward(weights: Sequence[np.ndarray], x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    kernel, bias, out_kernel, out_bias = weights
+    hidden = np.maximum(x @ kernel + bias, 0.0)
+    return hidden, hidden @ out_kernel + out_bias
+
+
+def _loss_and_softmax(logits: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    log_softmax = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    return -log_softmax[np.arange(len(y)), y], np.exp(log_softmax)
+
+
+def reference_predict(weights: Sequence[np.ndarray], x: np.ndarray) -> np.ndarray:
+    """The logits of ``x`` under ``weights`` (float64)."""
+    return _forward([np.asarray(w, np.float64) for w in weights], np.asarray(x, np.float64))[1]
+
+
+def reference_evaluate(weights: Sequence[np.ndarray], x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """(mean loss, accuracy) of every row."""
+    logits = reference_predict(weights, x)
+    losses, _ = _loss_and_softmax(logits, y)
+    return float(losses.mean()), float((logits.argmax(axis=1) == y).mean())
+
+
+@dataclass
+class ReferenceRun:
+    """What ``reference_fit`` trained: the weights after each epoch and the epoch logs as Keras reports them."""
+
+    weights: list[np.ndarray]
+    loss: list[float] = field(default_factory=list)
+    accuracy: list[float] = field(default_factory=list)
+    epoch_weights: list[list[np.ndarray]] = field(default_factory=list)
+    batch_logs: list[list[tuple[float, float]]] = field(default_factory=list)
+
+
+def reference_fit(weights: Sequence[np.ndarray], x: np.ndarray, y: np.ndarray, batch_size: int, epochs: int,
+                  learning_rate: float | Callable[[int], float] = 0.1) -> ReferenceRun:
+    """SGD over the global batches ``x[i:i + batch_size]`` in order, ``epochs`` times, in float64.
+
+    ``learning_rate`` is a rate or a schedule of the epoch (``LearningRateScheduler``'s). The epoch loss and
+    accuracy are the running means over the epoch's rows, which is what Keras' logs hold (each batch's mean
+    weighted by its rows); ``batch_logs`` holds those running means after each step.
+    """
+    w = [np.asarray(a, np.float64).copy() for a in weights]
+    run = ReferenceRun(weights=w)
+    for epoch in range(epochs):
+        rate = learning_rate(epoch) if callable(learning_rate) else learning_rate
+        loss_sum = correct = rows = 0.0
+        logs = []
+        for start in range(0, len(x), batch_size):
+            xb, yb = np.asarray(x[start:start + batch_size], np.float64), y[start:start + batch_size]
+            hidden, logits = _forward(w, xb)
+            losses, softmax = _loss_and_softmax(logits, yb)
+            loss_sum, correct, rows = (loss_sum + losses.sum(), correct + (logits.argmax(axis=1) == yb).sum(),
+                                       rows + len(yb))
+            logs.append((loss_sum / rows, correct / rows))
+            d_logits = softmax
+            d_logits[np.arange(len(yb)), yb] -= 1.0
+            d_logits /= len(yb)
+            d_hidden = (d_logits @ w[2].T) * (hidden > 0)
+            grads = [xb.T @ d_hidden, d_hidden.sum(axis=0), hidden.T @ d_logits, d_logits.sum(axis=0)]
+            w = [a - rate * g for a, g in zip(w, grads)]
+        run.loss.append(loss_sum / rows)
+        run.accuracy.append(correct / rows)
+        run.epoch_weights.append(w)
+        run.batch_logs.append(logs)
+    run.weights = w
+    return run
+
+
+def assert_weights(got: Sequence[np.ndarray], want: Sequence[np.ndarray], rtol: float = 1e-5,
+                   atol: float = 1e-6) -> None:
+    """Every weight of ``got`` (float32) within float32 rounding of ``want``, and as many of them."""
+    got, want = list(got), list(want)
+    assert len(got) == len(want), (len(got), len(want))
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=rtol, atol=atol)
+
+
+# -- the adapters --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """One model kind: its Keras module and what differs between them (checkpoint files, replica copies)."""
+
+    name: str
+    #: the module with ``Sequential``, ``layers``, ``optimizers``, ``losses`` and ``callbacks``
+    load_keras: Callable[[], object] = field(repr=False)
+    #: ``ModelCheckpoint``'s file pattern for weights (``{epoch}`` in it) and the files its epochs leave
+    checkpoint_pattern: str
+    checkpoint_files: Callable[[Sequence[int]], set[str]] = field(repr=False)
+    replica_weights: Callable[[object, object], list[list[np.ndarray]]] = field(repr=False)
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def keras(self):
+        return self.load_keras()
+
+    def model(self, weights: Sequence[np.ndarray] | None = None, learning_rate: float = 0.1):
+        """The classifier, compiled with ``SGD(learning_rate)``, built, with ``weights`` if given.
+
+        Made in a strategy's scope where one is entered (the caller's ``with strategy.scope()``).
+        """
+        keras = self.keras
+        first = ([keras.layers.Dense(HIDDEN, activation="relu", input_shape=(FEATURES,))] if self.name == "builtin"
+                 else [keras.Input((FEATURES,)), keras.layers.Dense(HIDDEN, activation="relu")])
+        made = keras.Sequential([*first, keras.layers.Dense(CLASSES)])
+        made.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                     optimizer=keras.optimizers.SGD(learning_rate), metrics=["accuracy"])
+        made.build((None, FEATURES) if self.name != "builtin" else (FEATURES,))
+        if weights is not None:
+            made.set_weights([np.asarray(w, np.float32) for w in weights])
+        return made
+
+    def assert_replicas_identical(self, strategy, model) -> None:
+        """Every replica's copy of ``model``'s weights equals replica 0's, bit for bit."""
+        copies = self.replica_weights(strategy, model)
+        assert copies, "no replica holds the model"
+        for rank, copy in enumerate(copies[1:], start=1):
+            assert len(copy) == len(copies[0])
+            for a, b in zip(copy, copies[0]):
+                assert np.array_equal(a, b), f"replica {rank} holds other weights than replica 0"
+
+
+def _builtin_keras():
+    from daskdist import keras
+
+    return keras
+
+
+def _keras3_torch():
+    os.environ.setdefault("KERAS_BACKEND", "torch")
+    import keras
+
+    if keras.backend.backend() != "torch":
+        import pytest
+
+        pytest.skip(f"this process runs Keras 3 on {keras.backend.backend()}")
+    return keras
+
+
+def _builtin_replica_weights(strategy, model) -> list[list[np.ndarray]]:
+    from daskdist.keras.models import _replica_get_weights
+
+    if not getattr(model, "_installed", False):  # the default strategy: the model trains here
+        return [model.get_weights()]
+    return strategy.extended.run_on_replicas(_replica_get_weights, (model._model_id,))
+
+
+def _keras3_replica_weights(strategy, model) -> list[list[np.ndarray]]:
+    from daskdist.plugins.keras3 import registry
+
+    if registry.lookup(model) is None:  # the default strategy: plain Keras in this process
+        return [model.get_weights()]
+    from tests.keras3_models import replica_states
+
+    return [[v for v in state["variables"] if v.dtype.kind == "f"] for state in replica_states(strategy, model)]
+
+
+def _builtin_checkpoint_files(epochs: Sequence[int]) -> set[str]:
+    """A verified tensor file and its metadata per epoch, and the ``checkpoint`` index of the newest."""
+    return {"checkpoint"} | {f"ckpt_{e}{ext}" for e in epochs for ext in (".safetensors", ".json")}
+
+
+BUILTIN = Adapter("builtin", _builtin_keras, "ckpt_{epoch}", _builtin_checkpoint_files, _builtin_replica_weights)
+KERAS3_TORCH = Adapter("keras3-torch", _keras3_torch, "ckpt_{epoch}.weights.h5",
+                       lambda epochs: {f"ckpt_{e}.weights.h5" for e in epochs}, _keras3_replica_weights)
+
+#: the adapters whose models train in the pytest process (Keras 3 on JAX needs a process of its own)
+ADAPTERS = [BUILTIN, KERAS3_TORCH]
