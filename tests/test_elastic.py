@@ -74,11 +74,8 @@ def test_a_worker_and_its_nanny_killed_mid_epoch_fit_finishes_with_the_uninterru
     train = Dataset.from_tensor_slices((x, y)).batch(24)  # 10 steps per epoch
     weights = models.model().get_weights()
 
-    with dd.MirroredStrategy(client=workers.client) as strategy:  # the uninterrupted run, today's strategy
-        with strategy.scope():
-            model = models.model(weights)
-        reference = model.fit(train, epochs=2, verbose=0)
-        expected = model.get_weights()
+    reference = models.one_process_fit(weights, train, epochs=2)  # the uninterrupted run
+    expected = reference.weights
 
     strategy = dd.MirroredStrategy(client=workers.client, elastic=dd.ElasticOptions(min_replicas=2))
     with strategy:
@@ -120,7 +117,7 @@ def test_a_worker_lost_while_fit_installs_the_model_is_recovered_and_fit_trains_
     x, y = models.data(240)
     train = Dataset.from_tensor_slices((x, y)).batch(24)  # 10 steps per epoch
     weights = models.model().get_weights()
-    expected = models.uninterrupted_weights(workers.client, weights, train, epochs=2)
+    expected = models.one_process_fit(weights, train, epochs=2).weights
 
     changes = []
     options = dd.ElasticOptions(min_replicas=2, on_membership_change=lambda old, new: changes.append((old, new)))
@@ -212,7 +209,7 @@ def test_a_new_worker_is_admitted_when_the_group_is_below_min_replicas_and_gets_
     # the uninterrupted run on the same global batches: elastic epochs split them as TF does ("global"), the
     # split of in-memory rows (Dask data alone defaults to "balanced", which keeps rows where they live)
     in_memory = Dataset.from_tensor_slices((x, y)).batch(24)
-    expected = models.uninterrupted_weights(workers.client, weights, in_memory, epochs=1)
+    expected = models.one_process_fit(weights, in_memory, epochs=1).weights
 
     # the kill -9 closes the victim's connections at once; a long heartbeat timeout keeps a loaded machine's late
     # scheduler heartbeat from declaring another worker lost during the install (this test is not about stalls)
@@ -311,11 +308,8 @@ def test_a_free_worker_is_admitted_at_the_start_of_fit_and_trains_with_the_same_
     x, y = models.data(240)
     train = Dataset.from_tensor_slices((x, y)).batch(24)
     weights = models.model().get_weights()
-    with dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=workers.client) as strategy:
-        with strategy.scope():
-            model = models.model(weights)
-        reference = model.fit(train, epochs=2, verbose=0)
-        expected = model.get_weights()
+    reference = models.one_process_fit(weights, train, epochs=2)
+    expected = reference.weights
     with dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=workers.client,
                              elastic=dd.ElasticOptions(min_replicas=2, max_replicas=3)) as strategy:
         (free,) = set(scheduler_workers(workers.client)) - set(strategy.extended.worker_addresses)
@@ -376,12 +370,9 @@ def test_two_workers_killed_at_once_fit_finishes_on_the_other_two(process_worker
         assert sorted(history.elastic.ledger.positions(0, history.elastic.rows).tolist()) == list(range(240))
         trained = model.get_weights()
 
-    with dd.MirroredStrategy(client=workers.client) as strategy:  # the uninterrupted run, on the two left
-        with strategy.scope():
-            reference = models.model(weights)
-        reference.fit(train, epochs=1, verbose=0)  # the switch is off since the kill: no slowing
-        for got, want in zip(trained, reference.get_weights()):
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # the uninterrupted run (the switch is off since the kill: no slowing)
+    for got, want in zip(trained, models.one_process_fit(weights, train, epochs=1).weights):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_the_row_map_cuts_global_batches_across_partitions_and_the_ledger_rolls_back():
@@ -435,7 +426,7 @@ def test_a_retired_member_leaves_at_a_commit_with_no_rollback_and_the_strategy_t
     plain = Dataset.from_tensor_slices((x, y)).batch(24)
     train = plain.map(slow_batch)  # slowed until the member has left
     weights = models.model().get_weights()
-    expected = models.uninterrupted_weights(workers.client, weights, plain, epochs=1)
+    expected = models.one_process_fit(weights, plain, epochs=1).weights
     strategy = dd.MirroredStrategy(client=workers.client, elastic=dd.ElasticOptions(min_replicas=2))
     with strategy.scope():
         model = models.model(weights)
@@ -495,11 +486,8 @@ def test_a_free_worker_is_admitted_mid_epoch_at_a_commit_boundary(process_worker
     plain = Dataset.from_tensor_slices((x, y)).batch(24)
     train = plain.map(slow_batch)  # 10 steps of about 0.12 s
     weights = models.model().get_weights()
-    with dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=workers.client) as strategy:
-        with strategy.scope():
-            model = models.model(weights)
-        reference = model.fit(plain, epochs=1, verbose=0)
-        expected = model.get_weights()
+    reference = models.one_process_fit(weights, plain, epochs=1)
+    expected = reference.weights
     options = dd.ElasticOptions(min_replicas=2, max_replicas=3, commit_every=2, admit_every="0.3s")
     with dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=workers.client, elastic=options) as strategy:
         (free,) = set(scheduler_workers(workers.client)) - set(strategy.extended.worker_addresses)

@@ -66,15 +66,19 @@ class ReferenceRun:
     accuracy: list[float] = field(default_factory=list)
     epoch_weights: list[list[np.ndarray]] = field(default_factory=list)
     batch_logs: list[list[tuple[float, float]]] = field(default_factory=list)
+    batch_losses: list[float] = field(default_factory=list)
 
 
 def reference_fit(weights: Sequence[np.ndarray], x: np.ndarray, y: np.ndarray, batch_size: int, epochs: int,
-                  learning_rate: float | Callable[[int], float] = 0.1) -> ReferenceRun:
+                  learning_rate: float | Callable[[int], float] = 0.1,
+                  divide_by: int | None = None) -> ReferenceRun:
     """SGD over the global batches ``x[i:i + batch_size]`` in order, ``epochs`` times, in float64.
 
     ``learning_rate`` is a rate or a schedule of the epoch (``LearningRateScheduler``'s). The epoch loss and
     accuracy are the running means over the epoch's rows, which is what Keras' logs hold (each batch's mean
-    weighted by its rows); ``batch_logs`` holds those running means after each step.
+    weighted by its rows); ``batch_logs`` holds those running means after each step. ``divide_by``: each step's
+    loss is its per-example losses summed over that many rows (TF's custom-training ``compute_average_loss`` with
+    a fixed global batch size, which a short last batch divides too) instead of their mean; ``batch_losses``.
     """
     w = [np.asarray(a, np.float64).copy() for a in weights]
     run = ReferenceRun(weights=w)
@@ -89,9 +93,11 @@ def reference_fit(weights: Sequence[np.ndarray], x: np.ndarray, y: np.ndarray, b
             loss_sum, correct, rows = (loss_sum + losses.sum(), correct + (logits.argmax(axis=1) == yb).sum(),
                                        rows + len(yb))
             logs.append((loss_sum / rows, correct / rows))
+            denominator = divide_by or len(yb)
+            run.batch_losses.append(float(losses.sum() / denominator))
             d_logits = softmax
             d_logits[np.arange(len(yb)), yb] -= 1.0
-            d_logits /= len(yb)
+            d_logits /= denominator
             d_hidden = (d_logits @ w[2].T) * (hidden > 0)
             grads = [xb.T @ d_hidden, d_hidden.sum(axis=0), hidden.T @ d_logits, d_logits.sum(axis=0)]
             w = [a - rate * g for a, g in zip(w, grads)]
@@ -126,6 +132,9 @@ class Adapter:
     checkpoint_pattern: str
     checkpoint_files: Callable[[Sequence[int]], set[str]] = field(repr=False)
     replica_weights: Callable[[object, object], list[list[np.ndarray]]] = field(repr=False)
+    #: ``(model, optimizer, global_batch) -> step``: TF's custom-training step for ``strategy.run``, its loss
+    #: each replica's summed per-example losses over the global batch size
+    custom_step: Callable[[object, object, int], Callable] = field(repr=False)
 
     def __str__(self) -> str:
         return self.name
@@ -200,9 +209,35 @@ def _builtin_checkpoint_files(epochs: Sequence[int]) -> set[str]:
     return {"checkpoint"} | {f"ckpt_{e}{ext}" for e in epochs for ext in (".safetensors", ".json")}
 
 
-BUILTIN = Adapter("builtin", _builtin_keras, "ckpt_{epoch}", _builtin_checkpoint_files, _builtin_replica_weights)
+def _builtin_custom_step(model, optimizer, global_batch: int) -> Callable:
+    """daskdist's ``GradientTape`` and ``compute_average_loss``, then ``apply_gradients`` (gradients summed)."""
+    import daskdist as dd
+    from daskdist import keras
+
+    loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+
+    def step(batch):
+        x, y = batch
+        with dd.GradientTape() as tape:
+            loss = dd.nn.compute_average_loss(loss_object(y, model(x, training=True)), global_batch_size=global_batch)
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        return float(loss)
+
+    return step
+
+
+def _keras3_custom_step(model, optimizer, global_batch: int) -> Callable:
+    """Keras' forward, torch's backward, ``optimizer.apply`` (``tests/keras3_models.py``)."""
+    from tests.keras3_models import average_loss, torch_train_step
+
+    return torch_train_step(model, optimizer, average_loss(global_batch))
+
+
+BUILTIN = Adapter("builtin", _builtin_keras, "ckpt_{epoch}", _builtin_checkpoint_files, _builtin_replica_weights,
+                  _builtin_custom_step)
 KERAS3_TORCH = Adapter("keras3-torch", _keras3_torch, "ckpt_{epoch}.weights.h5",
-                       lambda epochs: {f"ckpt_{e}.weights.h5" for e in epochs}, _keras3_replica_weights)
+                       lambda epochs: {f"ckpt_{e}.weights.h5" for e in epochs}, _keras3_replica_weights,
+                       _keras3_custom_step)
 
 #: the adapters whose models train in the pytest process (Keras 3 on JAX needs a process of its own)
 ADAPTERS = [BUILTIN, KERAS3_TORCH]
