@@ -135,6 +135,11 @@ class Adapter:
     #: ``(model, optimizer, global_batch) -> step``: TF's custom-training step for ``strategy.run``, its loss
     #: each replica's summed per-example losses over the global batch size
     custom_step: Callable[[object, object, int], Callable] = field(repr=False)
+    #: the optimizer's step count the client's model shows
+    iterations: Callable[[object], int] = field(repr=False)
+    #: run on fresh workers before an elastic group starts on them (an import that holds a loaded worker's GIL
+    #: for seconds would miss the group's heartbeats)
+    prepare_workers: Callable[[object], None] = field(repr=False)
 
     def __str__(self) -> str:
         return self.name
@@ -233,11 +238,19 @@ def _keras3_custom_step(model, optimizer, global_batch: int) -> Callable:
     return torch_train_step(model, optimizer, average_loss(global_batch))
 
 
+def _keras3_prepare_workers(client) -> None:
+    from daskdist.plugins.keras3.backend import prepare_replica
+
+    client.run(prepare_replica, "torch")
+
+
 BUILTIN = Adapter("builtin", _builtin_keras, "ckpt_{epoch}", _builtin_checkpoint_files, _builtin_replica_weights,
-                  _builtin_custom_step)
+                  _builtin_custom_step, lambda model: int(model._optimizer_state()["iterations"]),
+                  lambda client: None)
 KERAS3_TORCH = Adapter("keras3-torch", _keras3_torch, "ckpt_{epoch}.weights.h5",
                        lambda epochs: {f"ckpt_{e}.weights.h5" for e in epochs}, _keras3_replica_weights,
-                       _keras3_custom_step)
+                       _keras3_custom_step, lambda model: int(model.optimizer.iterations.numpy()),
+                       _keras3_prepare_workers)
 
 #: the adapters whose models train in the pytest process (Keras 3 on JAX needs a process of its own)
 ADAPTERS = [BUILTIN, KERAS3_TORCH]
