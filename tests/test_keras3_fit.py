@@ -107,9 +107,28 @@ def test_batchnorm_moving_statistics_and_dropout_streams(forked_process_client):
         assert not np.array_equal(seeds[0][0], seeds[1][0])  # each replica its own dropout stream
     for a, b in zip(*weights):
         np.testing.assert_array_equal(a, b)
-    bn = model.layers[1]
-    mean = bn.moving_mean.numpy()
-    assert np.all(np.isfinite(mean)) and np.any(mean != 0)  # the statistics moved
+
+
+def test_batchnorm_moving_mean_is_the_global_batchs_as_one_process(forked_process_client):
+    """Without dropout, one step over a global batch of 32 split 16/16: the replicas' moving means, averaged, are
+    the one-process moving mean of the whole batch exactly (the mean of two equal halves' means), not merely moved.
+    (The variance is not: the mean of the halves' variances is not the batch's.)"""
+    x, y = dense_data(rows=32)
+
+    def build():
+        return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.BatchNormalization(),
+                                 keras.layers.Dense(4)])
+
+    with _strategy("mirrored", forked_process_client) as strategy:
+        with strategy.scope():
+            model = compile_model(build())
+        plain = twin(model, build)
+        model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+        plain.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+        assert_replicas_identical(strategy, model)
+    mean, expected = model.layers[1].moving_mean.numpy(), plain.layers[1].moving_mean.numpy()
+    assert np.any(expected != 0)
+    np.testing.assert_allclose(mean, expected, rtol=1e-5, atol=1e-7)
 
 
 def test_save_loads_in_plain_keras_and_load_model_in_scope_trains_on(forked_process_client, tmp_path):
