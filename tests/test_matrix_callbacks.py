@@ -49,7 +49,7 @@ def _tensorboard_epoch_losses(log_dir: str) -> list[float]:
 @pytest.mark.parametrize("adapter", ADAPTERS, ids=str)
 @pytest.mark.parametrize("combination", SPLITS, ids=str)
 def test_epoch_callbacks_see_one_processs_logs_and_rates_and_each_checkpoint_restores_its_epoch(
-        combination, adapter, forked_process_client, initial, tmp_path):
+        combination, adapter, matrix_client, initial, tmp_path):
     keras = adapter.keras
     x, y = data(rows=80)
     expected = reference_fit(initial, x, y, BATCH, epochs=3, learning_rate=_schedule)
@@ -63,7 +63,7 @@ def test_epoch_callbacks_see_one_processs_logs_and_rates_and_each_checkpoint_res
     callbacks = [keras.callbacks.TensorBoard(log_dir=str(tmp_path / "logs")),
                  keras.callbacks.ModelCheckpoint(str(checkpoints / adapter.checkpoint_pattern), save_weights_only=True),
                  keras.callbacks.LearningRateScheduler(_schedule), Recorder()]
-    with combination.strategy(forked_process_client) as strategy:
+    with combination.strategy(matrix_client) as strategy:
         with strategy.scope():
             model = adapter.model(initial)
         model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0, validation_data=(x[:48], y[:48]),
@@ -89,7 +89,7 @@ def test_epoch_callbacks_see_one_processs_logs_and_rates_and_each_checkpoint_res
 @pytest.mark.parametrize("adapter", ADAPTERS, ids=str)
 @pytest.mark.parametrize("combination", SPLITS, ids=str)
 def test_per_batch_hooks_see_each_global_batch_with_one_processs_running_logs(combination, adapter,
-                                                                             forked_process_client, initial):
+                                                                             matrix_client, initial):
     keras = adapter.keras
     x, y = data(rows=80)
     expected = reference_fit(initial, x, y, BATCH, epochs=2)
@@ -102,7 +102,7 @@ def test_per_batch_hooks_see_each_global_batch_with_one_processs_running_logs(co
         def on_train_batch_end(self, batch, logs=None):
             calls.append(("end", batch, float(logs["loss"]), float(logs["accuracy"])))
 
-    with combination.strategy(forked_process_client) as strategy:
+    with combination.strategy(matrix_client) as strategy:
         with strategy.scope():
             model = adapter.model(initial)
         model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[BatchRecorder()])
@@ -113,7 +113,7 @@ def test_per_batch_hooks_see_each_global_batch_with_one_processs_running_logs(co
 
 
 @pytest.mark.parametrize("adapter", ADAPTERS, ids=str)
-def test_an_interrupted_fit_resumes_from_its_backup_and_early_stopping_ends_it(adapter, forked_process_client,
+def test_an_interrupted_fit_resumes_from_its_backup_and_early_stopping_ends_it(adapter, matrix_client,
                                                                               initial, tmp_path):
     keras = adapter.keras
     x, y = data(rows=48)  # 3 global batches of 16
@@ -128,7 +128,7 @@ def test_an_interrupted_fit_resumes_from_its_backup_and_early_stopping_ends_it(a
                 raise RuntimeError("interrupted")
 
     combination = next(c for c in SPLITS if c.name == "mirrored_two_devices")
-    with combination.strategy(forked_process_client) as strategy:
+    with combination.strategy(matrix_client) as strategy:
         with strategy.scope():
             model = adapter.model(initial)
         with pytest.raises(RuntimeError, match="interrupted"):

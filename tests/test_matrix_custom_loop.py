@@ -29,10 +29,10 @@ def initial():
 
 @pytest.mark.parametrize("adapter", ADAPTERS, ids=str)
 @pytest.mark.parametrize("combination", SYNCHRONOUS, ids=str)
-def test_custom_loop_with_strategy_run_equals_one_process(combination, adapter, forked_process_client, initial):
+def test_custom_loop_with_strategy_run_equals_one_process(combination, adapter, matrix_client, initial):
     x, y = data(rows=40)  # global batches of 16, 16, 8
     expected = reference_fit(initial, x, y, GLOBAL_BATCH, epochs=2, learning_rate=0.1, divide_by=GLOBAL_BATCH)
-    with combination.strategy(forked_process_client) as strategy:
+    with combination.strategy(matrix_client) as strategy:
         with strategy.scope():
             model = adapter.model(initial)
             optimizer = adapter.keras.optimizers.SGD(0.1)  # made in the scope: one per replica

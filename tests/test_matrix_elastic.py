@@ -1,7 +1,8 @@
 """Elastic ``fit`` (MirroredStrategy over every worker) on every in-process adapter: no failure, a worker
 killed mid-epoch or while the model installs, a free worker admitted mid-epoch, a member retired.
 
-One body per behaviour, run once per adapter (a kill costs a fresh worker set: not multiplied by strategy
+One body per behaviour, run once per adapter of the suite's process (Keras 3 on JAX: its elastic kill in
+``tests/test_keras3_jax.py``) (a kill costs a fresh worker set: not multiplied by strategy
 combinations; MultiWorkerMirrored's elastic runs are in ``tests/test_elastic_multi_worker.py``). Each ends
 with the weights and logs of the numpy reference on the same global batches (``tests/support/adapters.py``:
 SGD, so a gradient off by the number of replicas shows as a factor, not Adam's fraction of a percent), every
@@ -20,7 +21,7 @@ import pytest
 import daskdist as dd
 from daskdist.cluster.identity import scheduler_workers
 from daskdist.keras.models import PROGRESS_TOPIC
-from tests.support.adapters import ADAPTERS, assert_weights, data, reference_fit
+from tests.support.adapters import FORKED_ADAPTERS, assert_weights, data, reference_fit
 from tests.support.killers import FreeAtStep, kill_at_step, killed_at, reported_step
 from tests.support.models import slow_batch
 
@@ -53,7 +54,7 @@ def _assert_as_one_process(adapter, strategy, model, history, expected, rows: in
     adapter.assert_replicas_identical(strategy, model)
 
 
-@pytest.mark.parametrize("adapter", ADAPTERS, ids=str)
+@pytest.mark.parametrize("adapter", FORKED_ADAPTERS, ids=str)
 def test_an_elastic_fit_without_failures_trains_as_one_process(adapter, forked_process_client, initial):
     x, y, train = _train_set(120)
     expected = reference_fit(initial, x, y, BATCH, epochs=2)
@@ -69,7 +70,7 @@ def test_an_elastic_fit_without_failures_trains_as_one_process(adapter, forked_p
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("adapter", ADAPTERS, ids=str)
+@pytest.mark.parametrize("adapter", FORKED_ADAPTERS, ids=str)
 def test_a_worker_killed_mid_epoch_fit_finishes_with_the_uninterrupted_weights(adapter, process_workers, initial):
     workers = process_workers(3)
     adapter.prepare_workers(workers.client)
@@ -99,7 +100,7 @@ def test_a_worker_killed_mid_epoch_fit_finishes_with_the_uninterrupted_weights(a
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("adapter", ADAPTERS, ids=str)
+@pytest.mark.parametrize("adapter", FORKED_ADAPTERS, ids=str)
 def test_a_worker_lost_while_fit_installs_the_model_is_recovered_and_fit_trains_on_the_others(
         adapter, process_workers, initial, tmp_path):
     """Rank 1 killed at fault point ``install``: it holds the model, the client has no answer. ``fit`` re-forms
@@ -136,7 +137,7 @@ def test_a_worker_lost_while_fit_installs_the_model_is_recovered_and_fit_trains_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("adapter", ADAPTERS, ids=str)
+@pytest.mark.parametrize("adapter", FORKED_ADAPTERS, ids=str)
 def test_a_free_worker_joins_mid_epoch_at_a_commit_and_the_weights_are_the_uninterrupted_ones(
         adapter, process_workers, initial):
     """A third worker, busy (Dask's ``paused``) until replica 0 reported step 1, joins at the next commit: it is
@@ -167,7 +168,7 @@ def test_a_free_worker_joins_mid_epoch_at_a_commit_and_the_weights_are_the_unint
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("adapter", ADAPTERS, ids=str)
+@pytest.mark.parametrize("adapter", FORKED_ADAPTERS, ids=str)
 def test_a_retired_member_leaves_at_a_commit_with_nothing_replayed_and_no_failure_counted(
         adapter, process_workers, initial, caplog):
     """``retire_workers`` of rank 0 once replica 0 reported step 3: the replicas stop at the next commit, the

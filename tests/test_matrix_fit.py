@@ -5,7 +5,7 @@ float64 SGD in this process), whatever the combination splits them into (3 repli
 ends with identical replicas, reports the reference's epoch logs, evaluates and predicts as the reference,
 and a saved model loads in a process without a strategy with the trained weights. The default strategy
 runs the same body: it is compared with numpy, not with itself. The replicas are worker processes
-(``forked_process_client``, shared with the session's other modules).
+(``matrix_client``, shared with the session's other modules).
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ def reference():
 
 @pytest.mark.parametrize("adapter", ADAPTERS, ids=str)
 @pytest.mark.parametrize("combination", SYNCHRONOUS, ids=str)
-def test_fit_equals_one_process_on_the_same_global_batches(combination, adapter, forked_process_client, reference,
+def test_fit_equals_one_process_on_the_same_global_batches(combination, adapter, matrix_client, reference,
                                                            tmp_path):
     initial, expected = reference
     x, y = data(rows=80)
-    with combination.strategy(forked_process_client) as strategy:
+    with combination.strategy(matrix_client) as strategy:
         with strategy.scope():
             model = adapter.model(initial)
         history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)

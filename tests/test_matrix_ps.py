@@ -43,10 +43,10 @@ def _creator(x, y):
 
 
 @pytest.mark.parametrize("adapter", ADAPTERS, ids=str)
-def test_one_worker_trains_the_ps_held_parameters_as_one_process(adapter, forked_process_client, initial):
+def test_one_worker_trains_the_ps_held_parameters_as_one_process(adapter, matrix_client, initial):
     x, y = data(rows=80)  # 5 global batches of 16 per epoch
     expected = reference_fit(initial, x, y, BATCH, epochs=2)
-    with _ps_strategy(forked_process_client, workers=1) as strategy:
+    with _ps_strategy(matrix_client, workers=1) as strategy:
         with strategy.scope():
             model = adapter.model(initial)
         with pytest.raises(ValueError, match="`steps_per_epoch` must be specified"):  # TF's rule, nothing trained
@@ -60,10 +60,10 @@ def test_one_worker_trains_the_ps_held_parameters_as_one_process(adapter, forked
 
 
 @pytest.mark.parametrize("adapter", ADAPTERS, ids=str)
-def test_two_workers_apply_each_closure_once_and_evaluate_counts_every_row_once(adapter, forked_process_client,
+def test_two_workers_apply_each_closure_once_and_evaluate_counts_every_row_once(adapter, matrix_client,
                                                                               initial):
     x, y = data(rows=160)
-    with _ps_strategy(forked_process_client, workers=2) as strategy:
+    with _ps_strategy(matrix_client, workers=2) as strategy:
         assert len(strategy.extended.worker_addresses) == 2
         with strategy.scope():
             model = adapter.model(initial)

@@ -3,8 +3,11 @@
 An ``Adapter`` builds the same small classifier (8 features, ``Dense(16, relu)``, ``Dense(4)`` logits,
 ``SGD``, sparse categorical cross-entropy on logits, accuracy) with one model kind's Keras: ``builtin`` is
 daskdist's own numpy Keras (``daskdist.keras``), ``keras3-torch`` real Keras 3 on its torch backend
-(``tests/keras3_models.py``; Keras 3 on JAX runs in its own process, ``tests/support/keras3_jax.py``). The
-matrix modules (``tests/test_matrix_*.py``) take the ``adapter`` fixture (``tests/conftest.py``) beside a
+(``tests/keras3_models.py``), ``keras3-jax`` Keras 3 on JAX. Keras fixes its backend per process: the suite's
+process runs Keras on torch, where the ``keras3-jax`` cases skip, and ``tests/test_keras3_jax.py`` runs the
+matrix modules' ``keras3-jax`` cases again in a process of their own with ``KERAS_BACKEND=jax`` (their
+replicas threads of that process, ``matrix_client``: JAX's runtime threads do not survive the suite's fork
+server). The matrix modules (``tests/test_matrix_*.py``) parametrise their bodies over ``ADAPTERS`` beside a
 strategy combination (``tests/support/strategies.py``).
 
 What every adapter is compared with is ``reference_fit``: the same network trained by numpy in float64 on the
@@ -180,15 +183,24 @@ def _builtin_keras():
     return keras
 
 
-def _keras3_torch():
-    os.environ.setdefault("KERAS_BACKEND", "torch")
+def _keras3_on(backend: str):
+    os.environ.setdefault("KERAS_BACKEND", backend)
     import keras
 
-    if keras.backend.backend() != "torch":
+    if keras.backend.backend() != backend:
         import pytest
 
-        pytest.skip(f"this process runs Keras 3 on {keras.backend.backend()}")
+        pytest.skip(f"this process runs Keras 3 on {keras.backend.backend()}"
+                    + (": tests/test_keras3_jax.py runs the keras3-jax cases" if backend == "jax" else ""))
     return keras
+
+
+def _keras3_torch():
+    return _keras3_on("torch")
+
+
+def _keras3_jax():
+    return _keras3_on("jax")
 
 
 def _builtin_replica_weights(strategy, model) -> list[list[np.ndarray]]:
@@ -238,6 +250,28 @@ def _keras3_custom_step(model, optimizer, global_batch: int) -> Callable:
     return torch_train_step(model, optimizer, average_loss(global_batch))
 
 
+def _keras3_jax_custom_step(model, optimizer, global_batch: int) -> Callable:
+    """TF's custom-training step on JAX: ``jax.value_and_grad`` of ``stateless_call``, then ``optimizer.apply``."""
+    import jax
+    import keras
+
+    loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+
+    def step(batch):
+        x, y = batch
+        non_trainable = [v.value for v in model.non_trainable_variables]
+
+        def loss_fn(trainable):
+            logits, _ = model.stateless_call(trainable, non_trainable, x, training=True)
+            return keras.ops.sum(loss_object(y, logits)) / global_batch
+
+        loss, gradients = jax.value_and_grad(loss_fn)([v.value for v in model.trainable_variables])
+        optimizer.apply(gradients, model.trainable_variables)  # in a replica: summed over the replicas
+        return float(loss)
+
+    return step
+
+
 def _keras3_prepare_workers(client) -> None:
     from daskdist.plugins.keras3.backend import prepare_replica
 
@@ -251,6 +285,12 @@ KERAS3_TORCH = Adapter("keras3-torch", _keras3_torch, "ckpt_{epoch}.weights.h5",
                        lambda epochs: {f"ckpt_{e}.weights.h5" for e in epochs}, _keras3_replica_weights,
                        _keras3_custom_step, lambda model: int(model.optimizer.iterations.numpy()),
                        _keras3_prepare_workers)
+KERAS3_JAX = Adapter("keras3-jax", _keras3_jax, "ckpt_{epoch}.weights.h5",
+                     lambda epochs: {f"ckpt_{e}.weights.h5" for e in epochs}, _keras3_replica_weights,
+                     _keras3_jax_custom_step, lambda model: int(model.optimizer.iterations.numpy()),
+                     lambda client: None)
 
-#: the adapters whose models train in the pytest process (Keras 3 on JAX needs a process of its own)
-ADAPTERS = [BUILTIN, KERAS3_TORCH]
+#: every adapter (``keras3-jax`` runs where the process's Keras runs on JAX)
+ADAPTERS = [BUILTIN, KERAS3_TORCH, KERAS3_JAX]
+#: the adapters of the suite's own process, whose replicas may be its fork server's processes (elastic kills)
+FORKED_ADAPTERS = [BUILTIN, KERAS3_TORCH]
