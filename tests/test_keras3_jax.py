@@ -81,7 +81,8 @@ def test_jax_under_central_storage_with_momentum(tmp_path):
 @pytest.mark.slow
 def test_the_matrix_modules_keras3_jax_cases_pass_on_jax(tmp_path):
     """The fit, callbacks, custom-loop and parameter-server matrix (``tests/test_matrix_*.py``) on its ``keras3-jax``
-    adapter: those cases skip in this process (Keras on torch) and run here in one with ``KERAS_BACKEND=jax``
+    adapter: this process's matrix has Keras 3 on torch (``tests/support/adapters.py``); here they run in one with
+    ``KERAS_BACKEND=jax``
     (``matrix_client``: the replicas are threads of that process), each against the numpy reference. The
     one-replica combinations (default, one_device) are left out on JAX: nothing there is distributed."""
     modules = [f"tests/test_matrix_{m}.py" for m in ("fit", "callbacks", "custom_loop", "ps")]

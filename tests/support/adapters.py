@@ -4,8 +4,8 @@ An ``Adapter`` builds the same small classifier (8 features, ``Dense(16, relu)``
 ``SGD``, sparse categorical cross-entropy on logits, accuracy) with one model kind's Keras: ``builtin`` is
 daskdist's own numpy Keras (``daskdist.keras``), ``keras3-torch`` real Keras 3 on its torch backend
 (``tests/keras3_models.py``), ``keras3-jax`` Keras 3 on JAX. Keras fixes its backend per process: the suite's
-process runs Keras on torch, where the ``keras3-jax`` cases skip, and ``tests/test_keras3_jax.py`` runs the
-matrix modules' ``keras3-jax`` cases again in a process of their own with ``KERAS_BACKEND=jax`` (their
+process runs Keras on torch, so its matrix holds ``keras3-torch``, and ``tests/test_keras3_jax.py`` runs the
+matrix modules' ``keras3-jax`` cases in a process of their own with ``KERAS_BACKEND=jax`` (their
 replicas threads of that process, ``matrix_client``: JAX's runtime threads do not survive the suite's fork
 server). The matrix modules (``tests/test_matrix_*.py``) parametrise their bodies over ``ADAPTERS`` beside a
 strategy combination (``tests/support/strategies.py``).
@@ -290,7 +290,8 @@ KERAS3_JAX = Adapter("keras3-jax", _keras3_jax, "ckpt_{epoch}.weights.h5",
                      _keras3_jax_custom_step, lambda model: int(model.optimizer.iterations.numpy()),
                      lambda client: None)
 
-#: every adapter (``keras3-jax`` runs where the process's Keras runs on JAX)
-ADAPTERS = [BUILTIN, KERAS3_TORCH, KERAS3_JAX]
+#: the adapters of this process: Keras 3 on the backend its Keras runs (``KERAS_BACKEND``; the suite's: torch),
+#: so the suite holds no keras3-jax case that could only skip: ``tests/test_keras3_jax.py`` runs them
+ADAPTERS = [BUILTIN, KERAS3_JAX if os.environ.get("KERAS_BACKEND") == "jax" else KERAS3_TORCH]
 #: the adapters of the suite's own process, whose replicas may be its fork server's processes (elastic kills)
 FORKED_ADAPTERS = [BUILTIN, KERAS3_TORCH]
