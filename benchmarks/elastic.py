@@ -92,7 +92,7 @@ cloudpickle.register_pickle_by_value(keras_parts)
 import daskdist as dd  # noqa: E402
 from daskdist import keras  # noqa: E402
 from daskdist.elastic.recovery import ELASTIC_TOPIC  # noqa: E402
-from daskdist.keras.models import PROGRESS_TOPIC  # noqa: E402
+from daskdist.training.progress import PROGRESS_TOPIC  # noqa: E402
 
 BATCH = 64
 MODEL = {"name": "builtin"}  # --model: builtin (daskdist.keras) or keras3 (Keras 3, torch backend)

@@ -275,7 +275,7 @@ def mirrored_time_to_accuracy(replicas: int, args: argparse.Namespace) -> dict:
 
 def _replica_optimizer_bytes(service: object, model_id: str) -> int:
     """Bytes of a replica's own optimizer state for ``model_id`` (benchmark command)."""
-    from daskdist.keras.models import _replica_model
+    from daskdist.keras.runner import _replica_model
 
     state = _replica_model(service, model_id).optimizer.get_state()
     return int(sum(np.asarray(v).nbytes for v in state.values()))

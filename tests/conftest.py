@@ -119,6 +119,18 @@ def forked_process_client(request, _shared_forked_cluster):
         _shared_forked_cluster.close()
 
 
+@pytest.fixture(scope="module")
+def matrix_client(request):
+    """The matrix modules' cluster (``tests/test_matrix_*.py``): ``forked_process_client``, one replica per process;
+    in a process whose Keras runs on JAX (``tests/test_keras3_jax.py`` runs the ``keras3-jax`` cases so) 3 workers
+    as threads of it, since JAX's runtime threads do not survive the session's fork server."""
+    if os.environ.get("KERAS_BACKEND") == "jax":
+        with _cluster(3, processes=False) as cluster, Client(cluster, set_as_default=False) as client:
+            yield client
+        return
+    yield request.getfixturevalue("forked_process_client")
+
+
 @pytest.fixture
 def make_cluster():
     """Build a fresh cluster (and client) that the test may break; closed afterwards.

@@ -199,7 +199,7 @@ def test_fit_gives_mirrored_losses_step_by_step(threaded_client):
         c_model, c_losses = _fit_step_by_step(central, initial)
         c_weights = c_model.get_weights()
         c_eval = c_model.evaluate(Dataset.from_tensor_slices(_digits()).batch(128), verbose=0)
-        from daskdist.keras.models import _replica_get_weights
+        from daskdist.keras.runner import _replica_get_weights
 
         first, second = central.extended.run_on_replicas(_replica_get_weights, (c_model._model_id,))
         for a, b in zip(first, second):
@@ -216,7 +216,7 @@ def test_fit_gives_mirrored_losses_step_by_step(threaded_client):
 
 
 def _optimizer_slots(service, model_id):
-    from daskdist.keras.models import _replica_model
+    from daskdist.keras.runner import _replica_model
 
     return sum(len(s) for s in _replica_model(service, model_id).optimizer._slots.values())
 

@@ -1,4 +1,6 @@
-"""Elastic training on real processes: a worker and its nanny killed mid-epoch, fit finishes exactly once.
+"""Elastic training of the built-in layers on real processes: losses, admissions and departures, fit finishes
+exactly once. The behaviours every adapter shares (no failure, a kill mid-epoch or at the install, a worker
+admitted mid-epoch, a retirement) are in ``tests/test_matrix_elastic.py``.
 
 Workers here are ``dask worker`` processes (each with its own nanny process)
 started by the test, so that a kill -9 of both leaves nothing to replace the
@@ -17,9 +19,9 @@ import pytest
 import daskdist as dd
 from daskdist import keras
 from daskdist.cluster.identity import scheduler_workers
-from daskdist.keras.models import PROGRESS_TOPIC
+from daskdist.training.progress import PROGRESS_TOPIC
 from tests.support import models
-from tests.support.killers import FreeAtStep, killed_at
+from tests.support.killers import killed_at
 from tests.support.models import slow_batch
 
 Dataset = dd.data.Dataset
@@ -40,107 +42,6 @@ def test_elastic_options_are_checked_and_opt_in():
     assert dd.ElasticOptions(2, wait_timeout="10min").wait_seconds == 600
     with pytest.raises(TypeError, match="ElasticOptions"):
         dd.MirroredStrategy(devices=["/cpu:0"], elastic={"min_replicas": 1})
-
-
-def test_an_elastic_fit_without_failures_trains_as_a_plain_one(threaded_client):
-    x, y = models.data(120)
-    train = Dataset.from_tensor_slices((x, y)).batch(24)
-    weights = models.model().get_weights()
-    results = []
-    for elastic in (None, dd.ElasticOptions(min_replicas=2, commit_every=2)):
-        with dd.MirroredStrategy(client=threaded_client, elastic=elastic) as strategy:
-            assert strategy.extended.group.spec.policy == ("elastic" if elastic else "fixed")
-            with strategy.scope():
-                model = models.model(weights)
-            history = model.fit(train, epochs=2, verbose=0)
-            results.append((model.get_weights(), history.history))
-            if elastic:
-                ledger = history.elastic.ledger
-                assert ledger.steps(0) == ledger.steps(1) == [0, 1, 2, 3, 4]
-                assert sorted(ledger.positions(1, history.elastic.rows).tolist()) == list(range(120))
-                assert history.elastic.events == []
-    for a, b in zip(results[0][0], results[1][0]):
-        np.testing.assert_allclose(a, b, rtol=1e-6)
-    assert results[0][1].keys() == results[1][1].keys()
-    for key in results[0][1]:
-        assert results[0][1][key] == pytest.approx(results[1][1][key], rel=1e-6)
-
-
-@pytest.mark.slow
-def test_a_worker_and_its_nanny_killed_mid_epoch_fit_finishes_with_the_uninterrupted_weights(
-        process_workers, tmp_path):
-    workers = process_workers(3)
-    x, y = models.data(240)
-    train = Dataset.from_tensor_slices((x, y)).batch(24)  # 10 steps per epoch
-    weights = models.model().get_weights()
-
-    with dd.MirroredStrategy(client=workers.client) as strategy:  # the uninterrupted run, today's strategy
-        with strategy.scope():
-            model = models.model(weights)
-        reference = model.fit(train, epochs=2, verbose=0)
-        expected = model.get_weights()
-
-    strategy = dd.MirroredStrategy(client=workers.client, elastic=dd.ElasticOptions(min_replicas=2))
-    with strategy:
-        assert strategy.num_replicas_in_sync == 3
-        with strategy.scope():
-            model = models.model(weights)
-        victim = strategy.extended.worker_addresses[1]
-        start = time.monotonic()
-        with killed_at(workers, tmp_path / "paused.json", "forward", step=4, rank=1) as killer:
-            history = model.fit(train, epochs=2, verbose=0)
-        assert killer.join()["address"] == victim
-        assert strategy.num_replicas_in_sync == 2 and victim not in strategy.extended.worker_addresses
-        (event,) = history.elastic.events
-        assert event.lost == [victim] and event.generation == 1 and len(event.members) == 2
-        fit_id, epoch, step = event.commit
-        assert epoch == 0 and 0 < step < 10  # restored mid-epoch, not at an epoch boundary
-        assert history.elastic_events[0]["lost"] == [victim]
-        # every row of each epoch committed exactly once
-        for e in (0, 1):
-            assert history.elastic.ledger.steps(e) == list(range(10))
-            positions = history.elastic.ledger.positions(e, history.elastic.rows)
-            assert sorted(positions.tolist()) == list(range(240))
-        for got, want in zip(model.get_weights(), expected):
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-        assert history.history["loss"] == pytest.approx(reference.history["loss"], rel=1e-5)
-        assert history.history["accuracy"] == pytest.approx(reference.history["accuracy"], rel=1e-5)
-        assert time.monotonic() - start < 120
-        # the scheduler logged the new generation as a Dask event
-        assert any(m.get("action") == "generation" for _, m in workers.client.get_events("daskdist"))
-        assert any(m.get("action") == "restored" for _, m in workers.client.get_events("daskdist-elastic"))
-
-
-@pytest.mark.slow
-def test_a_worker_lost_while_fit_installs_the_model_is_recovered_and_fit_trains_on_the_others(
-        process_workers, tmp_path):
-    """Shown failing: with ``prepare_members`` calling ``prepare()`` once (no recovery), ``fit`` raises the
-    ``ReplicaLostError`` of the install ("... lost ... command channel") and nothing trains."""
-    workers = process_workers(3)
-    x, y = models.data(240)
-    train = Dataset.from_tensor_slices((x, y)).batch(24)  # 10 steps per epoch
-    weights = models.model().get_weights()
-    expected = models.uninterrupted_weights(workers.client, weights, train, epochs=2)
-
-    changes = []
-    options = dd.ElasticOptions(min_replicas=2, on_membership_change=lambda old, new: changes.append((old, new)))
-    with dd.MirroredStrategy(client=workers.client, elastic=options) as strategy:
-        with strategy.scope():
-            model = models.model(weights)
-        victim = strategy.extended.worker_addresses[1]
-        with killed_at(workers, tmp_path / "paused.json", "install", step=0, rank=1) as killer:
-            history = model.fit(train, epochs=2, verbose=0)  # the model's install is the fit's first command
-        assert (killer.join()["address"], killer.record["phase"]) == (victim, "install")
-        assert strategy.num_replicas_in_sync == 2 and victim not in strategy.extended.worker_addresses
-        (event,) = history.elastic.events
-        assert (event.action, event.lost, event.commit, event.generation) == ("reinstalled", [victim], (0, 0, 0), 1)
-        assert history.elastic.failures == 1 and changes == [(3, 2)]
-        assert history.elastic_events[0]["lost"] == [victim]
-        for e in (0, 1):
-            assert history.elastic.ledger.steps(e) == list(range(10))
-            assert sorted(history.elastic.ledger.positions(e, history.elastic.rows).tolist()) == list(range(240))
-        for got, want in zip(model.get_weights(), expected):
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 def ids_as_one_hot(ids, target):
@@ -212,7 +113,7 @@ def test_a_new_worker_is_admitted_when_the_group_is_below_min_replicas_and_gets_
     # the uninterrupted run on the same global batches: elastic epochs split them as TF does ("global"), the
     # split of in-memory rows (Dask data alone defaults to "balanced", which keeps rows where they live)
     in_memory = Dataset.from_tensor_slices((x, y)).batch(24)
-    expected = models.uninterrupted_weights(workers.client, weights, in_memory, epochs=1)
+    expected = models.one_process_fit(weights, in_memory, epochs=1).weights
 
     # the kill -9 closes the victim's connections at once; a long heartbeat timeout keeps a loaded machine's late
     # scheduler heartbeat from declaring another worker lost during the install (this test is not about stalls)
@@ -236,7 +137,7 @@ def test_a_new_worker_is_admitted_when_the_group_is_below_min_replicas_and_gets_
         assert sorted(history.elastic.ledger.positions(0, history.elastic.rows).tolist()) == list(range(240))
         assert len(history.elastic.rows.ranges) == 6
         # the newcomer trained with the others from the survivors' commit: every replica holds rank 0's weights
-        from daskdist.keras.models import _replica_get_weights
+        from daskdist.keras.runner import _replica_get_weights
 
         copies = strategy.extended.group.call(_replica_get_weights, (model._model_id,))
         assert len(copies) == 3
@@ -311,11 +212,8 @@ def test_a_free_worker_is_admitted_at_the_start_of_fit_and_trains_with_the_same_
     x, y = models.data(240)
     train = Dataset.from_tensor_slices((x, y)).batch(24)
     weights = models.model().get_weights()
-    with dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=workers.client) as strategy:
-        with strategy.scope():
-            model = models.model(weights)
-        reference = model.fit(train, epochs=2, verbose=0)
-        expected = model.get_weights()
+    reference = models.one_process_fit(weights, train, epochs=2)
+    expected = reference.weights
     with dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=workers.client,
                              elastic=dd.ElasticOptions(min_replicas=2, max_replicas=3)) as strategy:
         (free,) = set(scheduler_workers(workers.client)) - set(strategy.extended.worker_addresses)
@@ -376,12 +274,9 @@ def test_two_workers_killed_at_once_fit_finishes_on_the_other_two(process_worker
         assert sorted(history.elastic.ledger.positions(0, history.elastic.rows).tolist()) == list(range(240))
         trained = model.get_weights()
 
-    with dd.MirroredStrategy(client=workers.client) as strategy:  # the uninterrupted run, on the two left
-        with strategy.scope():
-            reference = models.model(weights)
-        reference.fit(train, epochs=1, verbose=0)  # the switch is off since the kill: no slowing
-        for got, want in zip(trained, reference.get_weights()):
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # the uninterrupted run (the switch is off since the kill: no slowing)
+    for got, want in zip(trained, models.one_process_fit(weights, train, epochs=1).weights):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_the_row_map_cuts_global_batches_across_partitions_and_the_ledger_rolls_back():
@@ -426,7 +321,7 @@ async def _close_gracefully(dask_worker):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["retire_workers", "lifetime"])
+@pytest.mark.parametrize("how", ["lifetime"])  # retire_workers on every adapter: tests/test_matrix_elastic.py
 def test_a_retired_member_leaves_at_a_commit_with_no_rollback_and_the_strategy_then_closes_cleanly(
         process_workers, caplog, how):
     workers = process_workers(3)
@@ -435,7 +330,7 @@ def test_a_retired_member_leaves_at_a_commit_with_no_rollback_and_the_strategy_t
     plain = Dataset.from_tensor_slices((x, y)).batch(24)
     train = plain.map(slow_batch)  # slowed until the member has left
     weights = models.model().get_weights()
-    expected = models.uninterrupted_weights(workers.client, weights, plain, epochs=1)
+    expected = models.one_process_fit(weights, plain, epochs=1).weights
     strategy = dd.MirroredStrategy(client=workers.client, elastic=dd.ElasticOptions(min_replicas=2))
     with strategy.scope():
         model = models.model(weights)
@@ -486,36 +381,3 @@ def test_a_retired_member_leaves_at_a_commit_with_no_rollback_and_the_strategy_t
         strategy.close()
     assert time.monotonic() - start < 10
     assert "did not all stop cleanly" not in caplog.text
-
-
-@pytest.mark.slow
-def test_a_free_worker_is_admitted_mid_epoch_at_a_commit_boundary(process_workers):
-    workers = process_workers(3)
-    x, y = models.data(240)
-    plain = Dataset.from_tensor_slices((x, y)).batch(24)
-    train = plain.map(slow_batch)  # 10 steps of about 0.12 s
-    weights = models.model().get_weights()
-    with dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=workers.client) as strategy:
-        with strategy.scope():
-            model = models.model(weights)
-        reference = model.fit(plain, epochs=1, verbose=0)
-        expected = model.get_weights()
-    options = dd.ElasticOptions(min_replicas=2, max_replicas=3, commit_every=2, admit_every="0.3s")
-    with dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=workers.client, elastic=options) as strategy:
-        (free,) = set(scheduler_workers(workers.client)) - set(strategy.extended.worker_addresses)
-        with strategy.scope():
-            model = models.model(weights)
-        arrival = FreeAtStep(workers.client, free, step=1, since=time.time())  # free only once the epoch runs
-        workers.watch(arrival)
-        history = model.fit(train, epochs=1, verbose=0)
-        assert arrival.released
-        (event,) = history.elastic.events
-        assert event.action == "grew" and event.admitted == [free] and event.lost == []
-        assert event.commit[1] == 0 and 0 < event.commit[2] < 10 and event.commit[2] % 2 == 0  # a commit mid-epoch
-        assert strategy.num_replicas_in_sync == 3
-        assert history.elastic.ledger.steps(0) == list(range(10))
-        assert sorted(history.elastic.ledger.positions(0, history.elastic.rows).tolist()) == list(range(240))
-        for got, want in zip(model.get_weights(), expected):
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-        assert history.history["loss"] == pytest.approx(reference.history["loss"], rel=1e-5)
-        assert history.history["accuracy"] == pytest.approx(reference.history["accuracy"], rel=1e-5)

@@ -271,7 +271,7 @@ def test_a_commit_copied_off_the_step_path_keeps_the_random_state_of_the_commit_
 
 def test_the_state_digest_ignores_random_state_but_not_weights():
     from daskdist.elastic.replica import state_digest
-    from daskdist.keras.models import RandomStates
+    from daskdist.keras.trainable import RandomStates
 
     a = {("model", "m"): {"weights": [np.ones(3)], "rng": RandomStates({"dropout": {"numpy": {"state": 1}}})}}
     b = {("model", "m"): {"weights": [np.ones(3)], "rng": RandomStates({"dropout": {"numpy": {"state": 2}}})}}

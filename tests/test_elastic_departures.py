@@ -155,11 +155,7 @@ def test_a_worker_killed_while_it_copies_a_commit_is_recovered_with_the_uninterr
     plain = Dataset.from_tensor_slices((x, y)).batch(24)
     train = plain.map(slow_batch)  # slowed until the kill lands
     weights = models.model().get_weights()
-    with dd.MirroredStrategy(client=workers.client) as strategy:
-        with strategy.scope():
-            model = models.model(weights)
-        model.fit(plain, epochs=1, verbose=0)
-        expected = model.get_weights()
+    expected = models.one_process_fit(weights, plain, epochs=1).weights  # the uninterrupted run
     marker = str(tmp_path / "copying")
     # every commit copies the state (most commits of a fit are replayed otherwise: no copy to be killed in)
     with (dask.config.set({"daskdist.elastic.replayed-commits": 1}),

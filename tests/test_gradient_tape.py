@@ -157,9 +157,10 @@ def _one_process(init, x, y, epochs):
     return model.get_weights(), losses
 
 
-@pytest.mark.parametrize("client_name", ["threaded_client", "process_client"])
-def test_distributed_custom_loop_equals_one_process_on_the_global_batch(request, client_name):
-    client = request.getfixturevalue(client_name)
+def test_a_custom_loop_with_adam_made_in_the_scope_equals_one_process_on_the_global_batch(process_client):
+    """Adam's slots persist on the replicas between steps (the loop under SGD on every strategy and adapter:
+    ``tests/test_matrix_custom_loop.py``)."""
+    client = process_client
     x, y = _data(64)
     with dd.MirroredStrategy(client=client) as strategy:
         assert strategy.num_replicas_in_sync >= 2

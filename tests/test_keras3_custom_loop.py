@@ -34,29 +34,6 @@ def _tutorial_objects():
     return model, train_step
 
 
-@pytest.mark.parametrize("devices", [["/cpu:0", "/cpu:1"], ["/cpu:0", "/cpu:1", "/cpu:2"]], ids=["2", "3"])
-def test_custom_loop_with_strategy_run_equals_one_process(forked_process_client, devices):
-    x, y = dense_data(rows=40)  # batches of 16, 16, 8: split 8/8, or 6/5/5 and 3/3/2 over three replicas
-    with dd.MirroredStrategy(devices=devices, client=forked_process_client) as strategy:
-        with strategy.scope():
-            model, train_step = _tutorial_objects()
-        plain, plain_step = _tutorial_objects()
-        plain.set_weights(model.get_weights())
-        dist = strategy.experimental_distribute_dataset(dd.data.Dataset.from_tensor_slices((x, y))
-                                                        .batch(GLOBAL_BATCH_SIZE))
-        for _ in range(2):  # two epochs
-            losses, plain_losses = [], []
-            for batch in dist:
-                per_replica = strategy.run(train_step, args=(batch,))
-                losses.append(strategy.reduce(dd.ReduceOp.SUM, per_replica, axis=None))
-            for k in range(0, len(x), GLOBAL_BATCH_SIZE):
-                plain_losses.append(plain_step((x[k:k + GLOBAL_BATCH_SIZE], y[k:k + GLOBAL_BATCH_SIZE])))
-            np.testing.assert_allclose(losses, plain_losses, rtol=1e-5)
-        assert_replicas_identical(strategy, model)
-        for a, b in zip(model.get_weights(), plain.get_weights()):  # the client takes the replicas' weights
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-
-
 def test_the_adapter_reaches_keras_only_through_recorded_models_and_the_extended(forked_process_client):
     import daskdist.strategy.extended.contract as extended_module
 

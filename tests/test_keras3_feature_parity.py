@@ -73,43 +73,6 @@ def test_mixed_float16_fit_exchanges_the_scaled_gradients_and_takes_the_loss_sca
                                    np.asarray(theirs.numpy(), dtype=np.float64), rtol=1e-2, atol=1e-3)
 
 
-class _Interrupt(keras.callbacks.Callback):
-    """Raises when ``epoch`` begins, once."""
-
-    def __init__(self, epoch):
-        super().__init__()
-        self.epoch, self.armed, self.begun = epoch, True, []
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.begun.append(epoch)
-        if self.armed and epoch == self.epoch:
-            self.armed = False
-            raise RuntimeError("interrupted")
-
-
-def _interrupted_twice(model, x, y, backup_dir):
-    """``fit`` of 4 epochs interrupted as epoch 2 begins, then run again with a ``BackupAndRestore``."""
-    interrupt = _Interrupt(2)
-    callbacks = [keras.callbacks.BackupAndRestore(str(backup_dir)), interrupt]
-    with pytest.raises(RuntimeError, match="interrupted"):
-        model.fit(x, y, batch_size=16, epochs=4, shuffle=False, verbose=0, callbacks=callbacks)
-    history = model.fit(x, y, batch_size=16, epochs=4, shuffle=False, verbose=0, callbacks=callbacks)
-    return interrupt.begun, history
-
-
-def test_backup_and_restore_resumes_at_the_epoch_it_saved_with_its_weights(strategy, tmp_path):
-    x, y = dense_data(rows=32)
-    with strategy.scope():
-        model = compile_model(sequential())
-    plain = twin(model, sequential)
-    begun, history = _interrupted_twice(model, x, y, tmp_path / "daskdist")
-    plain_begun, expected = _interrupted_twice(plain, x, y, tmp_path / "plain")
-    assert begun == plain_begun == [0, 1, 2, 2, 3]
-    np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=RTOL)
-    _assert_same_weights(model, plain)
-    assert_replicas_identical(strategy, model)
-
-
 def _two_inputs(kind):
     a, b = keras.Input((4,), name="a"), keras.Input((4,), name="b")
     joined = keras.layers.Concatenate()([keras.layers.Dense(8, activation="relu")(a), b])

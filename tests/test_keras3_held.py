@@ -211,30 +211,3 @@ def test_unsupported_optimizers_are_refused_naming_the_supported_ones(forked_pro
         model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)  # RMSprop is held too
         plain.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
         _assert_same_weights(model, plain)
-
-
-def test_parameter_server_fit_with_a_dataset_creator_trains_with_the_parameters_on_the_ps(forked_process_client):
-    x, y = dense_data(rows=512, seed=5)
-    x_test, y_test = dense_data(rows=256, seed=6)
-    resolver = dd.cluster_resolver.DaskClusterResolver(forked_process_client, num_ps=1)  # 1 ps, 2 workers
-    with dd.ParameterServerStrategy(resolver) as strategy:
-        with strategy.scope():
-            model = compile_model(sequential(), keras.optimizers.Adam(0.01))
-
-        def dataset_fn(ctx):
-            return (dd.data.Dataset.from_tensor_slices((x, y)).shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
-                    .shuffle(512, seed=ctx.input_pipeline_id).batch(32).repeat())
-
-        with pytest.raises(ValueError, match="`steps_per_epoch` must be specified"):
-            model.fit(dd.experimental.DatasetCreator(dataset_fn), epochs=1, verbose=0)
-        history = model.fit(dd.experimental.DatasetCreator(dataset_fn), epochs=6, steps_per_epoch=20, verbose=0)
-        assert len(history.history["loss"]) == 6 and history.history["loss"][-1] < history.history["loss"][0] / 2
-        _, accuracy = model.evaluate(x_test, y_test, batch_size=64, verbose=0)
-        assert accuracy >= 0.9
-        # the parameters and Adam's slots are held on the ps, applied once per step (6 x 20 pushes)
-        driver = registry.lookup(model).driver
-        stored = driver.stored_state(forked_process_client, len(model.trainable_variables))
-        assert int(stored["rule_state"]["iterations"]) == 120
-        assert len([name for name in stored["rule_state"] if "/" in name]) == 2 * len(model.trainable_variables)
-        for held, weight in zip(stored["params"], model.get_weights()):
-            np.testing.assert_array_equal(held, weight)

@@ -37,7 +37,7 @@ def _cnn(input_shape=(8, 8, 1)):
 
 
 def _replica_weights(strategy, model):
-    from daskdist.keras.models import _replica_get_weights
+    from daskdist.keras.runner import _replica_get_weights
 
     return strategy.extended.group.call(_replica_get_weights, (model._model_id,))
 
@@ -60,71 +60,6 @@ def test_fit_evaluate_predict_on_replicas(threaded_client, tmp_path):
         predictions = model.predict(x[:20])
         assert predictions.shape == (20, 10)
         assert (predictions.argmax(1) == y[:20]).mean() > 0.7
-
-
-def test_distributed_step_equals_one_device_step(threaded_client):
-    """One full-batch SGD step on 2 replicas gives the weights one device gets from the same batch."""
-    x, y = _digits(128)
-
-    def build():
-        model = keras.Sequential([keras.layers.Dense(16, activation="relu", input_shape=(64,)), keras.layers.Dense(10)])
-        model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      optimizer=keras.optimizers.SGD(0.5))
-        return model
-
-    data = Dataset.from_tensor_slices((x.reshape(128, 64), y), num_partitions=2).batch(128)
-    local = build()
-    with dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=threaded_client) as strategy:
-        with strategy.scope():
-            distributed = build()
-        local.set_weights(distributed.get_weights())
-        distributed.fit(data, epochs=1, verbose=0)
-        local.fit(data, epochs=1, verbose=0)
-        for a, b in zip(distributed.get_weights(), local.get_weights()):
-            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
-
-
-def test_callbacks_checkpoints_and_tensorboard(threaded_client, tmp_path):
-    x, y = _digits(400)
-    checkpoint_dir = tmp_path / "ckpts"
-    log_dir = tmp_path / "logs"
-    seen_lr = []
-
-    class RecordLR(keras.callbacks.Callback):
-        def on_epoch_end(self, epoch, logs=None):
-            seen_lr.append(float(self.model.optimizer.lr.numpy()))
-
-    with dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=threaded_client) as strategy:
-        with strategy.scope():
-            model = _cnn()
-        train = Dataset.from_tensor_slices((x, y)).batch(64)
-        callbacks = [
-            keras.callbacks.TensorBoard(log_dir=str(log_dir)),
-            keras.callbacks.ModelCheckpoint(filepath=str(checkpoint_dir / "ckpt_{epoch}"), save_weights_only=True),
-            keras.callbacks.LearningRateScheduler(lambda epoch: 0.01 if epoch < 2 else 0.001),
-            RecordLR(),
-        ]
-        model.fit(train, epochs=3, callbacks=callbacks, validation_data=Dataset.from_tensor_slices((x, y)).batch(64),
-                  verbose=0)
-        assert seen_lr == [0.01, 0.01, 0.001]
-        latest = dd.train.latest_checkpoint(str(checkpoint_dir))
-        assert latest.endswith("ckpt_3")
-        assert {f for f in os.listdir(checkpoint_dir) if f.endswith(".safetensors")} == {
-            "ckpt_1.safetensors", "ckpt_2.safetensors", "ckpt_3.safetensors"}
-        weights = model.get_weights()
-        model.set_weights([w * 0 for w in weights])
-        model.load_weights(latest)
-        for a, b in zip(model.get_weights(), weights):
-            np.testing.assert_array_equal(a, b)
-
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    train_events = EventAccumulator(str(log_dir / "train"))
-    train_events.Reload()
-    assert [e.step for e in train_events.Scalars("epoch_loss")] == [0, 1, 2]
-    val_events = EventAccumulator(str(log_dir / "validation"))
-    val_events.Reload()
-    assert len(val_events.Scalars("epoch_accuracy")) == 3
 
 
 def test_save_and_load_model_with_and_without_a_scope(threaded_client, tmp_path):
@@ -168,49 +103,6 @@ def test_checkpoints_are_atomic_and_verified(tmp_path, monkeypatch):
         f.write(b"\xff\xff\xff\xff")
     with pytest.raises(saving.CheckpointError, match="checksum"):
         saving.read_checkpoint(prefix)
-
-
-def test_early_stopping_and_backup_and_restore(threaded_client, tmp_path):
-    x, y = _digits(200)
-    train = Dataset.from_tensor_slices((x, y)).batch(50)
-    backup = str(tmp_path / "backup")
-
-    class Interrupt(keras.callbacks.Callback):
-        def on_epoch_end(self, epoch, logs=None):
-            if epoch == 1:
-                raise KeyboardInterrupt("preempted")
-
-    with dd.MirroredStrategy(devices=["/cpu:0", "/cpu:1"], client=threaded_client) as strategy:
-        with strategy.scope():
-            model = _cnn()
-        with pytest.raises(KeyboardInterrupt):
-            model.fit(train, epochs=4, callbacks=[keras.callbacks.BackupAndRestore(backup), Interrupt()], verbose=0)
-        saved = model.get_weights()  # those of the end of epoch 1, which the backup holds
-        with strategy.scope():
-            resumed = _cnn()
-        resumed.build((8, 8, 1))
-        fresh = resumed.get_weights()
-
-        class FirstEpoch(keras.callbacks.Callback):
-            """The weights the resumed fit starts its first epoch from."""
-
-            def on_epoch_begin(self, epoch, logs=None):
-                if not hasattr(self, "start"):
-                    self.start = (epoch, self.model.get_weights())
-
-        first = FirstEpoch()
-        history = resumed.fit(train, epochs=4, callbacks=[keras.callbacks.BackupAndRestore(backup), first], verbose=0)
-        assert history.epoch == [2, 3]  # epochs 0 and 1 were done before the interruption
-        epoch, start = first.start
-        assert epoch == 2 and len(start) == len(saved) == len(fresh)
-        for got, backed_up, initial in zip(start, saved, fresh):  # it resumed from the backup, not from its init
-            np.testing.assert_array_equal(got, backed_up)
-            assert not np.array_equal(got, initial) or not initial.any()
-        assert not os.path.exists(backup)  # removed once training finished
-
-        stopper = keras.callbacks.EarlyStopping(monitor="loss", patience=1, min_delta=100.0)
-        history = resumed.fit(train, epochs=10, callbacks=[stopper], verbose=0)
-        assert len(history.epoch) == 2 and resumed.stop_training
 
 
 def test_custom_training_loop_with_compute_average_loss(threaded_client):

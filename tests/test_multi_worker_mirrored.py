@@ -232,7 +232,7 @@ def test_training_under_mwms_gives_the_losses_of_mirrored_on_one_host(netns_host
 @netns
 def test_keras_fit_with_distributed_input_runs_across_hosts(netns_hosts):
     from daskdist import keras
-    from daskdist.keras.models import _replica_get_weights
+    from daskdist.keras.runner import _replica_get_weights
 
     _, client = netns_hosts
     x, y = _regression_data()

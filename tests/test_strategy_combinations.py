@@ -1,8 +1,9 @@
 """The core behaviours on every strategy facade (``tests/support/strategies.py``), on one threaded cluster.
 
-Scope and variables, run / reduce / gather, distributed input, ``fit`` and save / load: the same test body
-and the same expected values for the default strategy, OneDevice, Mirrored (two devices, every worker),
-MultiWorkerMirrored, CentralStorage and (for scope and variables) ParameterServer.
+Scope and variables, run / reduce / gather and distributed input: the same test body and the same expected
+values for the default strategy, OneDevice, Mirrored (two devices, every worker), MultiWorkerMirrored,
+CentralStorage and (for scope and variables) ParameterServer. ``fit`` and save / load on every combination and
+every model kind: ``tests/test_matrix_fit.py``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import numpy as np
 import pytest
 
 import daskdist as dd
-from daskdist import keras
 from tests.support.strategies import COMBINATIONS, SYNCHRONOUS
 
 Dataset = dd.data.Dataset
@@ -60,48 +60,3 @@ def test_distributed_input_splits_each_global_batch_over_the_replicas(combinatio
             assert [len(p) for p in strategy.experimental_local_results(parts)] == [4] * n
             seen.append(strategy.gather(parts, axis=0).tolist())  # in replica order: the global batch
         assert seen == [rows[i:i + 4 * n].tolist() for i in range(0, 12 * n, 4 * n)]
-
-
-def _model():
-    model = keras.Sequential([keras.layers.Dense(6, activation="relu", input_shape=(4,)), keras.layers.Dense(3)])
-    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  optimizer=keras.optimizers.SGD(0.2))
-    model.build((4,))
-    return model
-
-
-def _data():
-    rng = np.random.default_rng(5)
-    return rng.random((72, 4)).astype(np.float32), rng.integers(0, 3, 72).astype(np.int64)
-
-
-@pytest.fixture(scope="module")
-def one_device_fit():
-    """The reference: the same model, weights and global batches trained in this process."""
-    x, y = _data()
-    model = _model()
-    weights = model.get_weights()
-    history = model.fit(Dataset.from_tensor_slices((x, y)).batch(12), epochs=2, verbose=0)
-    return weights, model.get_weights(), history.history["loss"]
-
-
-@pytest.mark.parametrize("combination", SYNCHRONOUS, ids=str)
-def test_fit_gives_the_one_device_weights_and_a_saved_model_loads_with_them(combination, threaded_client, tmp_path,
-                                                                            one_device_fit):
-    initial, expected, losses = one_device_fit
-    x, y = _data()
-    with combination.strategy(threaded_client) as strategy:
-        with strategy.scope():
-            model = _model()
-        model.set_weights(initial)
-        history = model.fit(Dataset.from_tensor_slices((x, y)).batch(12), epochs=2, verbose=0)
-        for got, want in zip(model.get_weights(), expected):  # global batches of 12, whatever the split
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-        assert history.history["loss"] == pytest.approx(losses, rel=1e-5)
-        path = str(tmp_path / "model")
-        model.save(path)
-        predictions = model.predict(x[:6])
-    loaded = keras.models.load_model(path)  # without a strategy
-    for got, want in zip(loaded.get_weights(), expected):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(loaded.predict(x[:6]), predictions, rtol=1e-5, atol=1e-6)

@@ -25,11 +25,9 @@ from daskdist.arrays import as_array, to_numpy
 from daskdist.group.service import MODEL
 from daskdist.keras import callbacks as callbacks_module
 from daskdist.keras import ps_fit, resident_ref, runner, saving
-from daskdist.keras.runner import _replica_get_weights, _replica_model  # noqa: F401 - their former home
 from daskdist.keras.trainable import BuiltinTrainable, RandomStates
 from daskdist.strategy.base import Strategy
 from daskdist.training.fit import run_epochs
-from daskdist.training.progress import PROGRESS_TOPIC  # noqa: F401 - tests import it from here
 
 if TYPE_CHECKING:
     from daskdist.strategy.drivers.contract import ParameterHoldingDriver

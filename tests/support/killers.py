@@ -20,7 +20,7 @@ import time
 import dask
 
 from daskdist.cluster.identity import scheduler_workers
-from daskdist.keras.models import PROGRESS_TOPIC
+from daskdist.training.progress import PROGRESS_TOPIC
 
 
 def worker_pid(client, address: str) -> int:
