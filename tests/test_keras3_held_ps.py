@@ -1,10 +1,11 @@
 """Keras 3 models (torch backend) under ParameterServerStrategy: schedules, BatchNormalization, evaluation on the
 workers, and the stores' parameter sets across fits.
 
-Workers are asynchronous, so weights are not compared with one process;
-what is exact is asserted exactly (a learning rate of 0 after a step count
-leaves the weights unchanged, evaluation equals plain Keras on the stored
-weights, the keys held on the stores).
+Several workers are asynchronous, so their weights are not compared with one
+process; what is exact is asserted exactly (a learning rate of 0 after a step
+count leaves the weights unchanged, every closure counted once, evaluation
+equals plain Keras on the stored weights, the keys held on the stores). One
+worker runs its steps in order: its weights are plain Keras' on its batches.
 """
 
 from __future__ import annotations
@@ -109,8 +110,16 @@ def test_batchnorm_statistics_are_held_on_the_ps_and_evaluation_runs_on_the_work
     with dd.ParameterServerStrategy(resolver) as strategy:
         with strategy.scope():
             model = compile_model(batchnorm_model(), keras.optimizers.Adam(0.01))
+        start = model.get_weights()
         history = model.fit(_creator(x, y), epochs=3, steps_per_epoch=10, validation_data=(x_test, y_test),
                             verbose=0)
+        # one worker: its 30 steps run in order on its pipeline's batches, as plain Keras runs them in one process
+        trained = compile_model(batchnorm_model(), keras.optimizers.Adam(0.01))
+        trained.set_weights(start)
+        for _, (xb, yb) in zip(range(30), _creator(x, y).dataset_fn(dd.InputContext())):
+            trained.train_on_batch(np.asarray(xb), np.asarray(yb))
+        for got, want in zip(model.get_weights(), trained.get_weights()):
+            np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-6)
         assert len(history.history["val_loss"]) == 3
         record = registry.lookup(model)
         driver = record.driver
