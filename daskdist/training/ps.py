@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from daskdist import context
-from daskdist.group.service import MODEL
+from daskdist.group.service import MODEL, ReplicaService
 
 __all__ = ["AUTO_SHARDS_PER_WORKER", "ClosureRunner", "PsWorker", "chunks", "evaluation_pieces", "evaluation_shards",
            "parameter_servers_lost_as_such", "plan_evaluation", "predict_pieces", "worker_model"]
@@ -150,7 +150,7 @@ def worker_model(model_id: str) -> Any:
     return service.objects.get(MODEL, model_id)
 
 
-def install_worker(service: Any, model_id: str, worker: PsWorker) -> None:
+def install_worker(service: ReplicaService, model_id: str, worker: PsWorker) -> None:
     """Worker command: keep a fresh copy of ``worker`` as the resident ``(MODEL, model_id)``."""
     service.objects.install(MODEL, model_id, copy.deepcopy(worker))
 
