@@ -101,6 +101,7 @@ class TapeTensor(np.ndarray):
             return args[0].mean(*args[1:], **kwargs)
         return super().__array_function__(func, types, args, kwargs)
 
+    # numpy's stubs type ndarray.sum and ndarray.mean as overloads that one recording signature cannot restate
     def sum(self, axis: Any = None, dtype: Any = None, out: Any = None,  # type: ignore[override]
             keepdims: bool = False, **kwargs: Any) -> Any:
         if out is not None or kwargs:
