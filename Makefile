@@ -71,8 +71,8 @@ test-fast: $(STAMP)
 test-random: $(STAMP)
 	$(BIN)/python -m pytest tests -q -p randomly -n $(PYTEST_WORKERS) --dist loadgroup
 
-# static checks (configured in pyproject.toml): ruff's lint rules, mypy (strict for all of daskdist but keras,
-# plugins.keras3 and training) and the import-direction contracts (lint-imports); .ci/run runs them
+# static checks (configured in pyproject.toml): ruff's lint rules, mypy (strict for all of daskdist) and the
+# import-direction contracts (lint-imports); .ci/run runs them
 check: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy

@@ -97,7 +97,7 @@ def sum_rows(a: Any) -> Any:
 
 
 _uid_lock = threading.Lock()
-_uids: dict[str, itertools.count] = {}
+_uids: dict[str, itertools.count[int]] = {}
 
 
 def unique_name(prefix: str) -> str:

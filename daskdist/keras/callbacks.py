@@ -39,24 +39,24 @@ class Callback:
 
     def __init__(self) -> None:
         self.model: Any = None
-        self.params: dict = {}
+        self.params: dict[str, Any] = {}
 
     def set_model(self, model: Any) -> None:
         self.model = model
 
-    def set_params(self, params: dict) -> None:
+    def set_params(self, params: dict[str, Any]) -> None:
         self.params = params
 
-    def on_train_begin(self, logs: dict | None = None) -> None: ...
-    def on_train_end(self, logs: dict | None = None) -> None: ...
-    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None: ...
-    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None: ...
-    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None: ...
-    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None: ...
-    def on_test_begin(self, logs: dict | None = None) -> None: ...
-    def on_test_end(self, logs: dict | None = None) -> None: ...
-    def on_predict_begin(self, logs: dict | None = None) -> None: ...
-    def on_predict_end(self, logs: dict | None = None) -> None: ...
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None: ...
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None: ...
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None: ...
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None: ...
+    def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None: ...
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None: ...
+    def on_test_begin(self, logs: dict[str, Any] | None = None) -> None: ...
+    def on_test_end(self, logs: dict[str, Any] | None = None) -> None: ...
+    def on_predict_begin(self, logs: dict[str, Any] | None = None) -> None: ...
+    def on_predict_end(self, logs: dict[str, Any] | None = None) -> None: ...
 
 
 class History(Callback):
@@ -64,14 +64,14 @@ class History(Callback):
 
     def __init__(self) -> None:
         super().__init__()
-        self.history: dict[str, list] = {}
+        self.history: dict[str, list[Any]] = {}
         self.epoch: list[int] = []
         #: On an elastic strategy: the fit's ``daskdist.keras.elastic_fit.ElasticFit`` (its ``ledger``, its ``events``).
         self.elastic: Any = None
         #: On an elastic strategy: every membership change the fit survived (lost, admitted, commit, seconds).
-        self.elastic_events: list[dict] = []
+        self.elastic_events: list[dict[str, Any]] = []
 
-    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         self.epoch.append(epoch)
         for key, value in (logs or {}).items():
             self.history.setdefault(key, []).append(value)
@@ -85,7 +85,7 @@ class ProgbarLogger(Callback):
         self.verbose = verbose
         self._bar: Any = None
 
-    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         if self.verbose != 1:
             return
         from tqdm.auto import tqdm
@@ -93,7 +93,7 @@ class ProgbarLogger(Callback):
         self._bar = tqdm(total=self.params.get("steps"), desc=f"Epoch {epoch + 1}/{self.params.get('epochs')}",
                          unit="step", leave=True, dynamic_ncols=True)
 
-    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         bar = self._bar
         if bar is None or batch < 0:
             return
@@ -101,7 +101,7 @@ class ProgbarLogger(Callback):
         if logs:
             bar.set_postfix({k: f"{v:.4f}" for k, v in logs.items()}, refresh=False)
 
-    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         text = " - ".join(f"{k}: {v:.4f}" for k, v in (logs or {}).items())
         if self._bar is not None:
             if self._bar.total:
@@ -123,7 +123,7 @@ def is_default(method: Any) -> bool:
 class CallbackList:
     """Calls every callback's hook in order; owns the progress bar."""
 
-    def __init__(self, callbacks: list[Callback], model: Any, verbose: int, params: dict):
+    def __init__(self, callbacks: list[Callback], model: Any, verbose: int, params: dict[str, Any]):
         for cb in callbacks:
             if not isinstance(cb, Callback):
                 raise TypeError(f"callbacks must be dd.keras.callbacks.Callback instances, got {type(cb).__name__}")
@@ -147,7 +147,7 @@ class CallbackList:
                       if type(cb).on_train_batch_end is not Callback.on_train_batch_end]
         return bool(overridden)
 
-    def on_progress(self, step: int, logs: dict) -> None:
+    def on_progress(self, step: int, logs: dict[str, Any]) -> None:
         for cb in self.callbacks:
             cb.on_train_batch_end(step, logs)
 
@@ -184,7 +184,7 @@ class ModelCheckpoint(Callback):
         self.save_weights_only = save_weights_only
         self.better, self.best = _comparator(mode, monitor)
 
-    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         logs = logs or {}
         if self.save_best_only:
             current = logs.get(self.monitor)
@@ -218,7 +218,7 @@ class LearningRateScheduler(Callback):
         self.schedule = schedule
         self.verbose = verbose
 
-    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         current = float(self.model.optimizer.learning_rate)
         try:
             lr = self.schedule(epoch, current)
@@ -229,7 +229,7 @@ class LearningRateScheduler(Callback):
             raise ValueError(f"the schedule returned a learning rate that is not finite: {lr}")
         self.model.optimizer.learning_rate = lr
 
-    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         if logs is not None:
             logs["learning_rate"] = float(self.model.optimizer.learning_rate)
 
@@ -248,7 +248,7 @@ class EarlyStopping(Callback):
         self._better, _ = _comparator(mode, monitor)
         self.stopped_epoch = 0
 
-    def on_train_begin(self, logs: dict | None = None) -> None:
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         self.wait = 0
         self.best = self.baseline
         self.best_weights = None
@@ -261,7 +261,7 @@ class EarlyStopping(Callback):
             return current - self.min_delta > self.best
         return current + self.min_delta < self.best
 
-    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         current = (logs or {}).get(self.monitor)
         if current is None:
             logger.warning("EarlyStopping: %s is not in the logs (%s)", self.monitor, sorted(logs or {}))
@@ -299,7 +299,7 @@ class BackupAndRestore(Callback):
     def _prefix(self) -> str:
         return os.path.join(self.backup_dir, "backup")
 
-    def on_train_begin(self, logs: dict | None = None) -> None:
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         self.resume_epoch = 0
         if os.path.exists(self._prefix + ".json"):
             self.model.load_weights(self._prefix)
@@ -307,11 +307,11 @@ class BackupAndRestore(Callback):
             self.resume_epoch = int(state["epoch"]) + 1
             logger.info("BackupAndRestore: resuming after epoch %d", self.resume_epoch)
 
-    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         self.model.save_weights(self._prefix)
         saving.write_json(os.path.join(self.backup_dir, "state.json"), {"epoch": epoch})
 
-    def on_train_end(self, logs: dict | None = None) -> None:
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         if self.delete_checkpoint and not self.model.stop_training and os.path.isdir(self.backup_dir):
             shutil.rmtree(self.backup_dir, ignore_errors=True)
 
@@ -332,7 +332,7 @@ class TensorBoard(Callback):
             self._writers[split] = SummaryWriter(os.path.join(self.log_dir, split))
         return self._writers[split]
 
-    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         for key, value in (logs or {}).items():
             if not isinstance(value, (int, float, np.floating, np.integer)):
                 continue
@@ -341,7 +341,7 @@ class TensorBoard(Callback):
         for writer in self._writers.values():
             writer.flush()
 
-    def on_train_end(self, logs: dict | None = None) -> None:
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         for writer in self._writers.values():
             writer.close()
         self._writers.clear()

@@ -72,9 +72,9 @@ class ElasticFit(ElasticRunner):
             except RECOVERABLE as error:
                 self.recover(error)
 
-    def evaluate(self, data: Any, steps: int | None) -> dict:
+    def evaluate(self, data: Any, steps: int | None) -> dict[str, float]:
         """Validation, run again on the new members if one is lost meanwhile (it changes no state)."""
-        result: dict = self.with_recovery(lambda: self.runner.evaluate_once(data, steps))
+        result: dict[str, float] = self.with_recovery(lambda: self.runner.evaluate_once(data, steps))
         return result
 
     def install_newcomer(self, rank: int) -> None:

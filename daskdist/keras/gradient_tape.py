@@ -101,6 +101,7 @@ class TapeTensor(np.ndarray):
             return args[0].mean(*args[1:], **kwargs)
         return super().__array_function__(func, types, args, kwargs)
 
+    # numpy's stubs type ndarray.sum and ndarray.mean as overloads that one recording signature cannot restate
     def sum(self, axis: Any = None, dtype: Any = None, out: Any = None,  # type: ignore[override]
             keepdims: bool = False, **kwargs: Any) -> Any:
         if out is not None or kwargs:
@@ -116,7 +117,7 @@ class TapeTensor(np.ndarray):
         count = max(self.size // max(np.asarray(total).size, 1), 1)
         return total / np.asarray(total).dtype.type(count)
 
-    def reshape(self, *shape: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def reshape(self, *shape: Any, **kwargs: Any) -> Any:
         result = np.asarray(self).reshape(*shape, **kwargs)
         node = _node_of(self)
         if node is None:
@@ -176,40 +177,40 @@ def _unbroadcast(grad_of: Callable[[np.ndarray], np.ndarray], shape: tuple[int, 
     return vjp
 
 
-def _rule_add(i: int, x: list, out: Any) -> Callable[[np.ndarray], np.ndarray]:
+def _rule_add(i: int, x: list[Any], out: Any) -> Callable[[np.ndarray], np.ndarray]:
     return lambda g: g
 
 
-def _rule_subtract(i: int, x: list, out: Any) -> Callable[[np.ndarray], np.ndarray]:
+def _rule_subtract(i: int, x: list[Any], out: Any) -> Callable[[np.ndarray], np.ndarray]:
     return (lambda g: g) if i == 0 else (lambda g: -g)
 
 
-def _rule_multiply(i: int, x: list, out: Any) -> Callable[[np.ndarray], np.ndarray]:
+def _rule_multiply(i: int, x: list[Any], out: Any) -> Callable[[np.ndarray], np.ndarray]:
     other = x[1 - i]
     return lambda g: g * other
 
 
-def _rule_divide(i: int, x: list, out: Any) -> Callable[[np.ndarray], np.ndarray]:
+def _rule_divide(i: int, x: list[Any], out: Any) -> Callable[[np.ndarray], np.ndarray]:
     a, b = x
     return (lambda g: g / b) if i == 0 else (lambda g: -g * a / (b * b))
 
 
-def _rule_negative(i: int, x: list, out: Any) -> Callable[[np.ndarray], np.ndarray]:
+def _rule_negative(i: int, x: list[Any], out: Any) -> Callable[[np.ndarray], np.ndarray]:
     return lambda g: -g
 
 
-def _rule_power(i: int, x: list, out: Any) -> Callable[[np.ndarray], np.ndarray]:
+def _rule_power(i: int, x: list[Any], out: Any) -> Callable[[np.ndarray], np.ndarray]:
     base, exponent = x
     if i == 0:
         return lambda g: g * exponent * np.power(base, exponent - 1)
     return lambda g: g * out * np.log(base)
 
 
-def _rule_square(i: int, x: list, out: Any) -> Callable[[np.ndarray], np.ndarray]:
+def _rule_square(i: int, x: list[Any], out: Any) -> Callable[[np.ndarray], np.ndarray]:
     return lambda g: 2 * g * x[0]
 
 
-_RULES: dict[str, Callable[[int, list, Any], Callable[[np.ndarray], np.ndarray]]] = {
+_RULES: dict[str, Callable[[int, list[Any], Any], Callable[[np.ndarray], np.ndarray]]] = {
     "add": _rule_add, "subtract": _rule_subtract, "multiply": _rule_multiply, "true_divide": _rule_divide,
     "divide": _rule_divide, "negative": _rule_negative, "power": _rule_power, "square": _rule_square,
 }
@@ -261,8 +262,9 @@ def record_loss(loss: Any, y_true: Any, y_pred: Any, sample_weight: Any, reducti
             per_example = per_example / pred.dtype.type(batch)
         if weight is not None:
             per_example = per_example * weight
-        grad = loss.gradient(y_true, pred)
-        return grad * per_example.reshape((-1,) + (1,) * (grad.ndim - 1))
+        grad: np.ndarray = loss.gradient(y_true, pred)
+        weighted: np.ndarray = grad * per_example.reshape((-1,) + (1,) * (grad.ndim - 1))
+        return weighted
 
     return _wrap(value, [(node, vjp)])
 

@@ -68,14 +68,16 @@ class Initializer:
 class Zeros(Initializer):
     """All zeros."""
 
-    def __call__(self, shape, dtype="float32", rng=None):
+    def __call__(self, shape: tuple[int, ...], dtype: Any = "float32", rng: np.random.Generator | None = None
+                 ) -> np.ndarray:
         return np.zeros(shape, dtype=dtype)
 
 
 class Ones(Initializer):
     """All ones."""
 
-    def __call__(self, shape, dtype="float32", rng=None):
+    def __call__(self, shape: tuple[int, ...], dtype: Any = "float32", rng: np.random.Generator | None = None
+                 ) -> np.ndarray:
         return np.ones(shape, dtype=dtype)
 
 
@@ -85,10 +87,11 @@ class Constant(Initializer):
     def __init__(self, value: float = 0.0):
         self.value = float(value)
 
-    def __call__(self, shape, dtype="float32", rng=None):
+    def __call__(self, shape: tuple[int, ...], dtype: Any = "float32", rng: np.random.Generator | None = None
+                 ) -> np.ndarray:
         return np.full(shape, self.value, dtype=dtype)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {"value": self.value}
 
 
@@ -99,7 +102,8 @@ class _VarianceScaling(Initializer):
     mode: str = "fan_in"
     distribution: str = "truncated_normal"
 
-    def __call__(self, shape, dtype="float32", rng=None):
+    def __call__(self, shape: tuple[int, ...], dtype: Any = "float32", rng: np.random.Generator | None = None
+                 ) -> np.ndarray:
         rng = rng if rng is not None else np.random.default_rng()
         fan_in, fan_out = compute_fans(shape)
         fan = {"fan_in": fan_in, "fan_out": fan_out, "fan_avg": (fan_in + fan_out) / 2}[self.mode]
@@ -158,7 +162,7 @@ _BY_NAME: dict[str, type[Initializer]] = {
 _BY_CLASS_NAME: dict[str, type[Initializer]] = {cls.__name__: cls for cls in _BY_NAME.values()}
 
 
-def get(identifier: str | dict | Initializer | Callable[..., Any] | None) -> Initializer | Callable[..., Any]:
+def get(identifier: str | dict[str, Any] | Initializer | Callable[..., Any] | None) -> Initializer | Callable[..., Any]:
     """Resolve an initializer from a name (``"glorot_uniform"``, ``"he_normal"``, ``"zeros"``, ``"ones"``, ...).
 
     Also accepts a class name (``"HeNormal"``), a ``{"class_name", "config"}``

@@ -23,7 +23,7 @@ _HOW_TO_PASS_A_DATAFRAME = (
 )
 
 
-def check_model_input(element_spec: Any, input_shape: tuple | None, what: str = "fit") -> None:
+def check_model_input(element_spec: Any, input_shape: tuple[Any, ...] | None, what: str = "fit") -> None:
     """Raise ``TypeError``/``ValueError`` naming what the model expects if ``element_spec`` does not fit it.
 
     Parameters

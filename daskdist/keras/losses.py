@@ -246,7 +246,7 @@ def known_names() -> list[str]:
     return sorted(_ALIASES) + sorted(_BY_CLASS_NAME)
 
 
-def get(identifier: str | dict | Loss | type[Loss]) -> Loss:
+def get(identifier: str | dict[str, Any] | Loss | type[Loss]) -> Loss:
     """Resolve a loss: a Keras name (``"sparse_categorical_crossentropy"``, ``"mse"``, ...), a class name,
     a ``{"class_name", "config"}`` dict, a :class:`Loss` subclass, or an instance (returned as is).
     """

@@ -88,6 +88,7 @@ class Mean(Metric):
 
     default_name = "mean"
 
+    # Keras' API: Mean takes ``values`` where the other metrics take ``(y_true, y_pred)``
     def update_state(self, values: Array, sample_weight: Array | None = None) -> None:  # type: ignore[override]
         self._accumulate(values, sample_weight)
 

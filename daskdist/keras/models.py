@@ -58,7 +58,7 @@ class Model:
         self.loss: Any = None
         self.compiled_metrics: list[Any] = []
         self.weighted_metric_count = 0  # the last metrics of compiled_metrics are weighted_metrics
-        self._compile_config: dict | None = None
+        self._compile_config: dict[str, Any] | None = None
         self.stop_training = False
         self.history: callbacks_module.History | None = None
         self.built = False
@@ -75,7 +75,7 @@ class Model:
         self.layers.append(layer)
         self.built = False
 
-    def build(self, input_shape: tuple) -> None:
+    def build(self, input_shape: tuple[Any, ...]) -> None:
         """Build every layer for inputs of ``input_shape`` (without the batch dimension)."""
         shape = tuple(input_shape)
         for layer in self.layers:
@@ -84,7 +84,7 @@ class Model:
             shape = tuple(layer.compute_output_shape(shape))
         self.built = True
 
-    def _declared_input_shape(self) -> tuple | None:
+    def _declared_input_shape(self) -> tuple[Any, ...] | None:
         shape = getattr(self.layers[0], "input_shape", None) if self.layers else None
         return tuple(shape) if shape else None
 
@@ -223,13 +223,13 @@ class Model:
         driver = self._strategy.extended.step_driver(self._params_key())
         return driver if isinstance(driver, ParameterHoldingDriver) else None
 
-    def _stored_state(self) -> dict | None:
+    def _stored_state(self) -> dict[str, Any] | None:
         driver = self._holding_driver()
         if driver is None or self._strategy is None or not self.built:
             return None
         return driver.stored_state(self._strategy.client, len(self.trainable_variables))
 
-    def _set_stored(self, params: list[Any] | None = None, rule_state: dict | None = None) -> None:
+    def _set_stored(self, params: list[Any] | None = None, rule_state: dict[str, Any] | None = None) -> None:
         """Overwrite the held copy (if any is held yet; else the next step's first offer carries these values)."""
         driver = self._holding_driver()
         if driver is None or self._strategy is None or not self.built:
@@ -355,7 +355,7 @@ class Model:
         reference = resident_ref.reduce_for_replicas(self, self._model_id)
         return reference if reference is not None else super().__reduce_ex__(protocol)
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_strategy"] = None
         state["history"] = None
@@ -427,7 +427,7 @@ class Model:
         ParameterServerStrategy, else in this process with the current weights."""
         return np.asarray(self._runner().predict(x, batch_size))
 
-    def _runner(self) -> Any:
+    def _runner(self) -> runner.ReplicaModelRunner | ps_fit.PsModelRunner:
         """How this model's epochs run (``keras.runner.for_model``)."""
         return runner.for_model(self)
 
@@ -494,12 +494,12 @@ class Model:
 
     # -- description and saving ----------------------------------------------------
 
-    def get_config(self) -> dict:
+    def get_config(self) -> dict[str, Any]:
         return {"name": self.name, "layers": [{"class_name": type(layer).__name__, "config": layer.get_config()}
                                               for layer in self.layers]}
 
     @classmethod
-    def from_config(cls, config: dict) -> Model:
+    def from_config(cls, config: dict[str, Any]) -> Model:
         from daskdist.keras.layers import get_layer_class
 
         layers = [get_layer_class(item["class_name"]).from_config(item["config"]) for item in config["layers"]]
@@ -548,16 +548,19 @@ class Model:
         if optimizer_state and self.optimizer is not None:
             self._set_optimizer_state(optimizer_state)
 
-    def _optimizer_state(self) -> dict:
+    def _optimizer_state(self) -> dict[str, Any]:
         """The optimizer state: where the parameters are held (the update rule runs there), else replica 0's."""
+        state: dict[str, Any]
         if not self._installed:
-            return self.optimizer.get_state()
+            state = self.optimizer.get_state()
+            return state
         stored = self._stored_state()
         if stored is not None:
-            return stored["rule_state"] or self.optimizer.get_state()
+            state = stored["rule_state"] or self.optimizer.get_state()
+            return state
         return self._runner().computed_optimizer_state()
 
-    def _set_optimizer_state(self, state: dict) -> None:
+    def _set_optimizer_state(self, state: dict[str, Any]) -> None:
         self.optimizer.set_state(state)
         if not self._installed:
             return
@@ -578,14 +581,14 @@ class Model:
             "compile": self._compile_config,
         })
 
-    def _built_input_shape(self) -> tuple | None:
+    def _built_input_shape(self) -> tuple[Any, ...] | None:
         return self._declared_input_shape() or getattr(self, "_input_shape", None)
 
 
 class Sequential(Model):
     """A linear stack of layers (Keras' ``Sequential``)."""
 
-    def build(self, input_shape: tuple) -> None:
+    def build(self, input_shape: tuple[Any, ...]) -> None:
         self._input_shape = tuple(input_shape)
         super().build(input_shape)
 

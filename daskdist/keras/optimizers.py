@@ -172,7 +172,7 @@ class RMSprop(Optimizer, update_rules.RMSprop):
 _ALIASES: dict[str, type[Optimizer]] = {"sgd": SGD, "adam": Adam, "rmsprop": RMSprop}
 
 
-def get(identifier: str | dict | Optimizer | type[Optimizer]) -> Optimizer:
+def get(identifier: str | dict[str, Any] | Optimizer | type[Optimizer]) -> Optimizer:
     """Resolve an optimizer: ``"sgd"``, ``"adam"``, ``"rmsprop"`` (default settings), a class name, a
     ``{"class_name", "config"}`` dict, a class, or an instance (returned as is)."""
     if isinstance(identifier, Optimizer):

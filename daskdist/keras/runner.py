@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 __all__ = ["ReplicaModelRunner", "for_model"]
 
 
-def for_model(model: Any) -> Any:
+def for_model(model: Any) -> ReplicaModelRunner | ps_fit.PsModelRunner:
     """The runner of ``model``'s epochs: coordinator closures if its Extended schedules them, else on the replicas
     (or here, for a model without a strategy)."""
     if model._strategy is not None and model._strategy.extended.schedules_closures:
@@ -66,7 +66,7 @@ class ReplicaModelRunner:
     @property
     def strategy(self) -> Strategy:
         """The model's strategy (the runner of a distributed model; a local one has none)."""
-        strategy = self.model._strategy
+        strategy: Strategy | None = self.model._strategy
         if strategy is None:
             raise RuntimeError(f"model {self.model.name!r} was created outside any strategy's scope: it trains here")
         return strategy
@@ -113,11 +113,11 @@ class ReplicaModelRunner:
         if val is not None:
             self._dist_val = val if val is train else strategy.experimental_distribute_dataset(val)
 
-    def validate(self, batch_size: int | None, steps: int | None) -> dict | None:
+    def validate(self, batch_size: int | None, steps: int | None) -> dict[str, float] | None:
         """The validation logs of the epoch just trained, or ``None`` without validation data."""
         return None if self._val is None else self.evaluate_dataset(self._val, steps)
 
-    def evaluate(self, x: Any, y: Any, batch_size: int | None, steps: int | None) -> dict:
+    def evaluate(self, x: Any, y: Any, batch_size: int | None, steps: int | None) -> dict[str, float]:
         data = self.model._as_dataset(x, y, batch_size, False, what="evaluate")
         self._prepare(None, data)
         return self.evaluate_dataset(data, steps)
@@ -131,15 +131,19 @@ class ReplicaModelRunner:
     # -- the copies that compute (replica 0's; every replica's when set) ---------------------------
 
     def computed_weights(self) -> list[np.ndarray]:
-        return self.strategy.extended.run_on_replica(0, _replica_get_weights, (self.model._model_id,))
+        weights: list[np.ndarray] = self.strategy.extended.run_on_replica(0, _replica_get_weights,
+                                                                          (self.model._model_id,))
+        return weights
 
     def set_computed_weights(self, weights: list[np.ndarray]) -> None:
         self.strategy.extended.run_on_replicas(_replica_set_weights, (self.model._model_id, weights))
 
-    def computed_optimizer_state(self) -> dict:
-        return self.strategy.extended.run_on_replica(0, _replica_optimizer_state, (self.model._model_id,))
+    def computed_optimizer_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = self.strategy.extended.run_on_replica(0, _replica_optimizer_state,
+                                                                      (self.model._model_id,))
+        return state
 
-    def set_computed_optimizer_state(self, state: dict) -> None:
+    def set_computed_optimizer_state(self, state: dict[str, Any]) -> None:
         self.strategy.extended.run_on_replicas(_replica_set_optimizer_state, (self.model._model_id, state))
 
     def driver(self) -> StepDriver:
@@ -165,7 +169,7 @@ class ReplicaModelRunner:
             self.model.history.elastic = self._elastic
         self._elastic.begin(epoch)
 
-    def run_epoch(self, epoch: int, steps: int | None, cb: Any) -> dict:
+    def run_epoch(self, epoch: int, steps: int | None, cb: Any) -> dict[str, float]:
         """One epoch where the model trains: the trainer's runner on the replicas (elastic or not), or here."""
         model = self.model
         if not self.distributed:
@@ -191,12 +195,13 @@ class ReplicaModelRunner:
         """Distribute the validation data again at its next use (the members changed)."""
         self._dist_val = None
 
-    def evaluate_dataset(self, data: Any, steps: int | None) -> dict:
+    def evaluate_dataset(self, data: Any, steps: int | None) -> dict[str, float]:
         if self._elastic is not None:
-            return self._elastic.evaluate(data, steps)
+            logs: dict[str, float] = self._elastic.evaluate(data, steps)
+            return logs
         return self.evaluate_once(data, steps)
 
-    def evaluate_once(self, data: Any, steps: int | None) -> dict:
+    def evaluate_once(self, data: Any, steps: int | None) -> dict[str, float]:
         model = self.model
         if not self.distributed:
             return training.evaluate_batches(model, iter(data), steps)
@@ -211,7 +216,7 @@ class ReplicaModelRunner:
         client = self.strategy.client
         tag = self.tag
 
-        def handler(event: tuple) -> None:
+        def handler(event: tuple[float, Any]) -> None:
             _, msg = event
             if msg.get("tag") == tag:
                 cb.on_progress(msg["step"], msg.get("logs", {}))
@@ -255,9 +260,9 @@ def _replica_set_weights(service: ReplicaService, model_id: str, weights: list[n
     model._assign_weights(weights)
 
 
-def _replica_optimizer_state(service: ReplicaService, model_id: str) -> dict:
+def _replica_optimizer_state(service: ReplicaService, model_id: str) -> dict[str, np.ndarray]:
     return {k: to_numpy(v) for k, v in _replica_model(service, model_id).optimizer.get_state().items()}
 
 
-def _replica_set_optimizer_state(service: ReplicaService, model_id: str, state: dict) -> None:
+def _replica_set_optimizer_state(service: ReplicaService, model_id: str, state: dict[str, Any]) -> None:
     _replica_model(service, model_id).optimizer.set_state(state)

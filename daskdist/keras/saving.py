@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import tempfile
+from typing import Any
 
 import numpy as np
 
@@ -49,21 +50,22 @@ def _atomic_write(path: str, data: bytes) -> None:
         raise
 
 
-def write_json(path: str, content: dict) -> None:
+def write_json(path: str, content: dict[str, Any]) -> None:
     _atomic_write(path, json.dumps(content, indent=2, sort_keys=True).encode())
 
 
-def read_json(path: str) -> dict:
+def read_json(path: str) -> dict[str, Any]:
     try:
         with open(path) as f:
-            return json.load(f)
+            content: dict[str, Any] = json.load(f)
+            return content
     except FileNotFoundError:
         raise CheckpointError(f"{path} does not exist") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from None
 
 
-def write_checkpoint(prefix: str, tensors: dict[str, np.ndarray], meta: dict) -> None:
+def write_checkpoint(prefix: str, tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
     """Write ``prefix.safetensors`` and ``prefix.json`` (weights first, then the JSON that vouches for them)."""
     from safetensors.numpy import save
 
@@ -74,7 +76,7 @@ def write_checkpoint(prefix: str, tensors: dict[str, np.ndarray], meta: dict) ->
     write_json(os.path.join(directory, _STATE_FILE), {"latest": os.path.basename(prefix)})
 
 
-def read_checkpoint(prefix: str) -> tuple[dict[str, np.ndarray], dict]:
+def read_checkpoint(prefix: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Read and verify a checkpoint; ``CheckpointError`` if it is missing or damaged."""
     from safetensors.numpy import load
 

@@ -60,7 +60,7 @@ def update_metrics(model: Any, y: Any, y_pred: Any, sample_weight: Any) -> None:
         metric.update_state(y, y_pred, sample_weight if index >= plain else None)
 
 
-def global_metric_results(model: Any, ctx: Any) -> dict:
+def global_metric_results(model: Any, ctx: Any) -> dict[str, float]:
     """The compiled metrics over every replica's rows so far (each replica's own totals kept, so a loop can go on)."""
     metrics = model.compiled_metrics
     if not metrics:
@@ -85,7 +85,7 @@ class RandomStates:
     As an array (``numpy.asarray``) it is its pickled bytes.
     """
 
-    def __init__(self, states: dict[str, dict]):
+    def __init__(self, states: dict[str, dict[str, Any]]):
         self.states = copy.deepcopy(states)
 
     def digest_bytes(self) -> bytes:
@@ -98,7 +98,7 @@ class RandomStates:
     def __eq__(self, other: object) -> bool:
         return isinstance(other, RandomStates) and np.array_equal(np.asarray(self), np.asarray(other))
 
-    __hash__ = None  # type: ignore[assignment]
+    __hash__ = None  # type: ignore[assignment]  # typeshed types object.__hash__ as a method, not None
 
 
 def held_state(model: Any) -> list[Any]:
@@ -151,7 +151,8 @@ class BuiltinTrainable:
     # -- the training contract ------------------------------------------------------------
 
     def parameters(self) -> list[Any]:
-        return self.model.trainable_variables
+        variables: list[Any] = self.model.trainable_variables
+        return variables
 
     def train_step(self, batch: Any, exchange: GradientExchange) -> None:
         """``batch`` is ``(x, y, sample_weight)`` of arrays (``sample_weight`` may be ``None``)."""
@@ -295,7 +296,7 @@ class BuiltinTrainable:
 
     # -- the resident -----------------------------------------------------------------------
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         weights = [np.array(to_numpy(a), copy=True) for _, a in self.model._weight_items()]
         optimizer = self.model.optimizer
         state = {} if optimizer is None else {k: np.array(to_numpy(v), copy=True)
@@ -308,7 +309,7 @@ class BuiltinTrainable:
         rng = {layer.name: layer.rng_state() for layer in self.model.layers}
         return RandomStates({k: v for k, v in rng.items() if v})
 
-    def restore(self, state: dict) -> None:
+    def restore(self, state: dict[str, Any]) -> None:
         self.model._assign_weights(state["weights"])
         if self.model.optimizer is not None and state["optimizer"]:
             self.model.optimizer.set_state(state["optimizer"])

@@ -34,14 +34,14 @@ if TYPE_CHECKING:
 
 __all__ = ["evaluate_batches", "predict_batches", "split_batch", "train_batches", "train_step"]
 
-ProgressFn = Callable[[int, dict], None]
+ProgressFn = Callable[[int, dict[str, float]], None]
 
 
 def train_batches(model: Any, batches: Iterable[Any], steps: int | None, progress: ProgressFn | None, *,
                   start: tuple[float, float] | None = None,
                   on_step: Callable[[int, float, float], None] | None = None,
                   before_apply: Callable[[], None] | None = None,
-                  driver: StepDriver | None = None, trainable: BuiltinTrainable | None = None) -> dict:
+                  driver: StepDriver | None = None, trainable: BuiltinTrainable | None = None) -> dict[str, float]:
     """One epoch of training over ``batches`` (at most ``steps``); returns the epoch's global logs.
 
     The trainer's step loop (``daskdist.training.loop``) over the model's
@@ -95,7 +95,7 @@ def train_step(trainable: BuiltinTrainable, driver: StepDriver, x: Any, y: Any, 
 
 
 def evaluate_batches(model: Any, batches: Iterable[Any], steps: int | None = None,
-                     progress: ProgressFn | None = None, trainable: BuiltinTrainable | None = None) -> dict:
+                     progress: ProgressFn | None = None, trainable: BuiltinTrainable | None = None) -> dict[str, float]:
     """Loss and metrics over ``batches``, aggregated over all replicas (the trainer's step loop)."""
     if context.get_replica_context() is None:
         raise RuntimeError("evaluation runs in a replica, or outside any strategy's scope (a model made outside "

@@ -45,8 +45,8 @@ from dask.utils import parse_bytes
 
 from daskdist import config, context, fault_points
 from daskdist.elastic.boundary import FreeWorkerWatch, StopAtCommit, boundary_flags
-from daskdist.elastic.replica import Commit, CommitKey, commit_ring
-from daskdist.group.service import MODEL, ReplicaService
+from daskdist.elastic.replica import Commit, CommitKey, ResidentStates, commit_ring
+from daskdist.group.service import MODEL, ReplicaService, ResidentStore
 from daskdist.ops import ReduceOp
 from daskdist.strategy.drivers.contract import GradientExchange, SpmdStepDriver, StepDriver
 
@@ -71,7 +71,7 @@ class ReplayedCommit(Commit):
     """
 
     def __init__(self, key: CommitKey, base: Commit, gradients: list[list[np.ndarray]], forward: dict[str, Any],
-                 objects: Any, model_key: tuple[str, str], learning_rate: float | None):
+                 objects: ResidentStore, model_key: tuple[str, str], learning_rate: float | None):
         super().__init__(key, {}, {})
         self._state = None
         self.base, self.gradients, self.forward = base, gradients, forward
@@ -79,7 +79,7 @@ class ReplayedCommit(Commit):
         self.metrics: list[np.ndarray] = []
 
     @property
-    def state(self) -> dict:
+    def state(self) -> ResidentStates:
         """The full state, rebuilt once (it leaves this replica's residents at this commit: only read it where
         they go back to it next, as every caller does: a restore, a newcomer's copy from a restored member)."""
         if self._state is None:
@@ -104,7 +104,7 @@ class ReplayedCommit(Commit):
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return Commit, (self.key, self.state, self.progress)  # another replica gets the full state
 
-    def _rebuild(self) -> dict:
+    def _rebuild(self) -> ResidentStates:
         base = self.base.state
         self.objects.restore(base)
         resident = self.objects.get(*self.model_key)

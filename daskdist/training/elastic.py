@@ -146,7 +146,7 @@ class ElasticRunner(ElasticSession):
         replies: list[Any] = self.group.call(command, args)
         return replies
 
-    def train_epoch(self, epoch: int, limit: int | None, driver: Any, learning_rate: float | None,
+    def train_epoch(self, epoch: int, limit: int | None, driver: StepDriver, learning_rate: float | None,
                     tag: str) -> dict[str, Any]:
         """One epoch, resumed from the newest common commit after each loss and going on after each change at a
         commit (retiring members leave, free workers join); ``{"logs", "state"}``."""

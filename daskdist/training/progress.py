@@ -9,9 +9,12 @@ and the client's ``fit`` subscribes to the topic for its progress callbacks.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from daskdist.dashboard.store import PROGRESS_TOPIC
+
+if TYPE_CHECKING:
+    from daskdist.group.service import ReplicaService
 
 __all__ = ["PROGRESS_INTERVAL", "PROGRESS_TOPIC", "ProgressReporter"]
 
@@ -33,13 +36,13 @@ class ProgressReporter:
         The step the epoch goes on from (an elastic epoch resumed part-way): steps are counted from it.
     """
 
-    def __init__(self, service: Any, tag: str, epoch: int, first_step: int = 0,
+    def __init__(self, service: ReplicaService, tag: str, epoch: int, first_step: int = 0,
                  interval: float = PROGRESS_INTERVAL):
         self.service, self.tag, self.epoch, self.first_step = service, tag, epoch, first_step
         self.interval = interval
         self._sent = 0.0
 
-    def __call__(self, done: int, logs: dict | None = None) -> None:
+    def __call__(self, done: int, logs: dict[str, Any] | None = None) -> None:
         """``done`` steps of this command ran; ``logs``: the running logs (``None``: none sent)."""
         now = time.monotonic()
         if self.service.rank != 0 or now - self._sent < self.interval:
@@ -50,7 +53,7 @@ class ProgressReporter:
             event["logs"] = logs
         self.service.log_event(PROGRESS_TOPIC, event)
 
-    def end(self, logs: dict) -> None:
+    def end(self, logs: dict[str, Any]) -> None:
         """The epoch's end (``step == -1``) with its logs."""
         if self.service.rank == 0:
             self.service.log_event(PROGRESS_TOPIC, {"tag": self.tag, "epoch": self.epoch, "step": -1, "logs": logs})

@@ -40,16 +40,18 @@ import contextlib
 import copy
 import itertools
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 from daskdist import context
-from daskdist.group.service import MODEL
+from daskdist.group.service import MODEL, ReplicaService
 
 __all__ = ["AUTO_SHARDS_PER_WORKER", "ClosureRunner", "PsWorker", "chunks", "evaluation_pieces", "evaluation_shards",
            "parameter_servers_lost_as_such", "plan_evaluation", "predict_pieces", "worker_model"]
 
 #: Evaluation shards per worker when the setting is ``"auto"`` (or 0, or ``None``).
 AUTO_SHARDS_PER_WORKER = 4
+
+_Result = TypeVar("_Result")  # what a closure's work returns
 
 
 # -- the workers -----------------------------------------------------------------------------------
@@ -73,7 +75,7 @@ class PsWorker:
 
     # -- the adapter's hooks ------------------------------------------------------------------
 
-    def in_replica(self, work: Callable[..., Any], *args: Any) -> Any:
+    def in_replica(self, work: Callable[..., _Result], *args: Any) -> _Result:
         """Run ``work(*args)`` where a closure's steps run (default: here)."""
         return work(*args)
 
@@ -150,40 +152,40 @@ def worker_model(model_id: str) -> Any:
     return service.objects.get(MODEL, model_id)
 
 
-def install_worker(service: Any, model_id: str, worker: PsWorker) -> None:
+def install_worker(service: ReplicaService, model_id: str, worker: PsWorker) -> None:
     """Worker command: keep a fresh copy of ``worker`` as the resident ``(MODEL, model_id)``."""
     service.objects.install(MODEL, model_id, copy.deepcopy(worker))
 
 
 def train_closure(model_id: str, iterator: Any, steps: int, learning_rate: float | None) -> dict[str, Any]:
     """A ``fit`` closure: ``steps`` steps on this worker's iterator."""
-    worker = worker_model(model_id)
-    return worker.in_replica(worker.train, iterator, steps, learning_rate)  # type: ignore[no-any-return]
+    worker: PsWorker = worker_model(model_id)
+    return worker.in_replica(worker.train, iterator, steps, learning_rate)
 
 
 def evaluate_closure(model_id: str, iterator: Any, steps: int) -> dict[str, Any]:
     """An at-least-once evaluation closure: ``steps`` batches of this worker's iterator (a per-worker dataset)."""
-    worker = worker_model(model_id)
-    return worker.in_replica(worker.evaluate, itertools.islice(iterator, steps))  # type: ignore[no-any-return]
+    worker: PsWorker = worker_model(model_id)
+    return worker.in_replica(worker.evaluate, itertools.islice(iterator, steps))
 
 
 def evaluate_piece(model_id: str, piece: Iterable[Any]) -> dict[str, Any]:
     """An exactly-once evaluation closure: the batches it carries, or a ``Dataset`` shard read to its end."""
-    worker = worker_model(model_id)
-    return worker.in_replica(worker.evaluate, iter(piece))  # type: ignore[no-any-return]
+    worker: PsWorker = worker_model(model_id)
+    return worker.in_replica(worker.evaluate, iter(piece))
 
 
 def evaluate_shard(model_id: str, data: Any, shards: int, index: int) -> dict[str, Any]:
     """An exactly-once evaluation closure: shard ``index`` of ``shards`` (by batch) of a ``DatasetCreator``'s
     dataset for one input pipeline, built on this worker and read to its end."""
-    worker = worker_model(model_id)
-    return worker.in_replica(worker.evaluate, iter(_pipeline(data).shard(shards, index)))  # type: ignore[no-any-return]
+    worker: PsWorker = worker_model(model_id)
+    return worker.in_replica(worker.evaluate, iter(_pipeline(data).shard(shards, index)))
 
 
 def predict_closure(model_id: str, piece: Iterable[Any]) -> list[Any]:
     """A ``predict`` closure: the outputs for the batches of ``piece``, in order."""
-    worker = worker_model(model_id)
-    return worker.in_replica(worker.predict, iter(piece))  # type: ignore[no-any-return]
+    worker: PsWorker = worker_model(model_id)
+    return worker.in_replica(worker.predict, iter(piece))
 
 
 # -- the client ------------------------------------------------------------------------------------

@@ -10,7 +10,10 @@ the step driver calls inside ``train_batch``.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from daskdist.strategy.drivers.contract import StepDriver
 
 __all__ = ["ReplicaModel"]
 
@@ -29,7 +32,7 @@ class ReplicaModel(Protocol):
     def end_loop(self, loop: str) -> None:
         """The loop is closed (its timer no longer used)."""
 
-    def train_batch(self, batch: Any, driver: Any) -> int:
+    def train_batch(self, batch: Any, driver: StepDriver) -> int:
         """One training step over a local batch with the step driver (``driver.step``); its local rows."""
 
     def test_batch(self, batch: Any) -> int:

@@ -16,9 +16,12 @@ global running metrics (every replica's rows so far). A stop asked in a hook
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from daskdist.training import commands
+
+if TYPE_CHECKING:
+    from daskdist.strategy.drivers.contract import StepDriver
 
 __all__ = ["BATCH_HOOKS", "ReplicaRunner", "overrides_batch_hooks", "planned_steps"]
 
@@ -60,7 +63,7 @@ class ReplicaRunner:
     def __init__(self, extended: Any, model_id: str, with_state: bool):
         self.extended, self.model_id, self.with_state = extended, model_id, with_state
 
-    def train_epoch(self, batches: Any, limit: int | None, driver: Any, learning_rate: Callable[[], float | None],
+    def train_epoch(self, batches: Any, limit: int | None, driver: StepDriver, learning_rate: Callable[[], float | None],
                     *, tag: str | None = None, epoch: int = 0, callbacks: Any = None, per_batch: bool = False,
                     steps: int | None = None, size: int = 1, stopped: Callable[[], bool] = lambda: False,
                     moved: Callable[[], None] = lambda: None) -> dict[str, Any]:

@@ -20,7 +20,7 @@ Examples
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -31,6 +31,9 @@ __all__ = ["RULES", "SGD", "Adam", "RMSprop", "UpdateRule", "move_like"]
 
 Array = Any
 
+
+
+_Rule = TypeVar("_Rule", bound="UpdateRule")
 
 
 class UpdateRule:
@@ -150,7 +153,7 @@ class UpdateRule:
         return {"name": self.name, "learning_rate": self._learning_rate}
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> Any:
+    def from_config(cls: type[_Rule], config: dict[str, Any]) -> _Rule:
         return cls(**config)
 
     def __repr__(self) -> str:

@@ -20,7 +20,7 @@ __all__ = ["Array", "Layer", "Shape", "deserialize", "get_layer_class", "registe
 
 
 Array = Any
-Shape = tuple  # excludes the batch dimension; entries may be None for unknown sizes
+Shape = tuple[Any, ...]  # excludes the batch dimension; entries may be None for unknown sizes
 
 _LAYER_CLASSES: dict[str, type[Layer]] = {}
 
@@ -88,7 +88,7 @@ class Layer:
         self,
         *,
         name: str | None = None,
-        input_shape: Shape | list | None = None,
+        input_shape: Shape | list[Any] | None = None,
         trainable: bool = True,
         dtype: str | None = None,
     ):

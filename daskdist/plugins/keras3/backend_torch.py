@@ -66,7 +66,8 @@ def no_grad() -> contextlib.AbstractContextManager[Any]:
     """Where weights are assigned outside autograd."""
     import torch
 
-    return torch.no_grad()
+    guard: contextlib.AbstractContextManager[Any] = torch.no_grad()
+    return guard
 
 
 def limit_threads(threads: int) -> None:

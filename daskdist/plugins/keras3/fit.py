@@ -205,7 +205,9 @@ def _as_dataset(record: registry.Record, x: Any, y: Any, batch_size: int | None,
     if any(hasattr(leaf, "__dask_graph__") for leaf in leaves):
         import dask.array as da
 
-        structure = optree.tree_map(lambda a: a if hasattr(a, "__dask_graph__") else da.from_array(a), structure)
+        structure = optree.tree_map(lambda a: a if hasattr(a, "__dask_graph__")
+                                    else da.from_array(a),  # type: ignore[no-untyped-call]  # dask leaves it untyped
+                                    structure)
         dataset = Dataset.from_dask(structure)
         sample = optree.tree_map(lambda a: np.asarray(a[:1].compute() if hasattr(a, "__dask_graph__") else a[:1]), x)
     else:

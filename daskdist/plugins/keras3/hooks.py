@@ -61,7 +61,7 @@ def _wrap(cls: type, name: str, make: Callable[[Callable[..., Any]], Callable[..
     original = owner.__dict__.get(name) or getattr(cls, name)
     wrapper = make(original)
     functools.update_wrapper(wrapper, original)
-    wrapper.__daskdist_original__ = original  # type: ignore[attr-defined]
+    wrapper.__daskdist_original__ = original  # type: ignore[attr-defined]  # typeshed: a function has no such attribute
     setattr(owner, name, wrapper)
 
 
@@ -183,7 +183,7 @@ class _AfterKerasImport:
             except Exception:  # a Keras without a backend here: model.fit stays Keras' own
                 logger.warning("daskdist could not wrap Keras' classes", exc_info=True)
 
-        loader.exec_module = exec_module  # type: ignore[method-assign]
+        loader.exec_module = exec_module  # type: ignore[method-assign]  # typeshed: Loader's methods are read-only
         return spec
 
 

@@ -88,6 +88,7 @@ from daskdist.training.ps import (
 )
 
 if TYPE_CHECKING:
+    from daskdist.group.service import ReplicaService
     from daskdist.strategy.extended.contract import StrategyExtended
 
 __all__ = ["KerasPsWorker", "evaluate", "fit", "place_models", "predict", "reference", "resolve_model", "resolve_optimizer",
@@ -121,7 +122,7 @@ class KerasPsWorker(PsWorker):
         x = batch[0] if isinstance(batch, tuple) else batch
         return optree.tree_map(np.asarray, self.trainable.model.predict_on_batch(x))
 
-    def closure_began(self, runtime: Any) -> None:
+    def closure_began(self, service: ReplicaService) -> None:
         """A custom loop's closure unpickled a reference to this model: pull what the others pushed meanwhile, and
         write the moving statistics back when it returns (``closure_ended``)."""
         from daskdist.ps.closures import at_closure_end
@@ -129,7 +130,7 @@ class KerasPsWorker(PsWorker):
         self.driver.begin(self.trainable)
         self.driver.pull(self.trainable)
         self._pulled_state = [np.array(v, copy=True) for v in _arrays(state_variables(self.trainable.model))]
-        at_closure_end(runtime, f"keras3/moving-statistics/{id(self)}", self.closure_ended)
+        at_closure_end(service, f"keras3/moving-statistics/{id(self)}", self.closure_ended)
 
     def closure_ended(self) -> None:
         """A custom loop's closure returned: the moving statistics it changed (a forward pass with
@@ -158,7 +159,7 @@ def _results(model: Any, batch: Any) -> dict[str, Any]:
             "sample": None if batch is None else tuple(np.asarray(part)[:1] for part in batch[:2])}
 
 
-def _install_worker(service: Any, model_id: str, payload: ModelPayload, driver: Any,
+def _install_worker(service: ReplicaService, model_id: str, payload: ModelPayload, driver: Any,
                     optimizer: dict[str, Any] | None = None) -> None:
     """Worker command: load the model and keep it with its driver as ``(MODEL, model_id)``.
 

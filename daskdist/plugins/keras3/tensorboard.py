@@ -138,5 +138,5 @@ def install() -> None:
         original(self, *args, **kwargs)
         self._summary_module = SummaryModule
 
-    tensorboard.TensorBoard.__init__ = __init__  # type: ignore[method-assign]
+    tensorboard.TensorBoard.__init__ = __init__
     tensorboard.keras_model_summary = _model_summary
