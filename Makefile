@@ -38,11 +38,12 @@ run: $(VENV)/.installed-keras
 run-builtin: $(VENV)/.installed-builtin
 	$(BIN)/python examples/mnist_mirrored.py $(ARGS)
 
-# every install route the README and docs name, each in a fresh venv (about 30-40 s of pip each, then its examples);
+# every install route the README and docs name, each in a fresh venv (about 30-40 s of pip each, then its examples),
+# two routes at a time (pytest-xdist: 181 s -> 130 s on a quiet clean clone, 2026-11-29);
 # the route list is tests/install_routes/routes.py, and tests/test_install_routes_documented.py (in `make test`)
 # fails when a doc names a route that is not in it
 test-install: $(STAMP)
-	$(BIN)/python -m pytest tests/install_routes/routes_check.py -q --durations=0
+	$(BIN)/python -m pytest tests/install_routes/routes_check.py -q --durations=0 -n 2
 
 # scripts/ensure_chromium.sh installs Debian's chromium for the dashboard browser test when it is missing
 # (best effort, never fails; the test skips without it); scripts/ensure_iproute2.sh does the same for `ip`/`tc`

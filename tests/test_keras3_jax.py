@@ -117,23 +117,6 @@ def test_jax_elastic_fit_survives_a_worker_killed_mid_epoch_with_the_uninterrupt
 
 
 @pytest.mark.slow
-def test_the_keras3_tutorial_runs_unchanged_on_jax(tmp_path):
-    """examples/keras3_mnist.py (TensorBoard, ModelCheckpoint, LearningRateScheduler, a custom callback, save and
-    reload) with only KERAS_BACKEND changed: a one-epoch smoke run (tests/test_keras3_example.py holds the
-    tutorial to its accuracy target on torch, and the JAX fit equals plain Keras-JAX above)."""
-    env = {**os.environ, "KERAS_BACKEND": "jax", "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    done = subprocess.run([sys.executable, str(ROOT / "examples" / "keras3_mnist.py"), "--epochs", "1", "--replicas",
-                           "2", "--target", "0.2", "--workdir", str(tmp_path)],
-                          capture_output=True, text=True, env=env, timeout=850)
-    out = done.stdout
-    assert done.returncode == 0, out[-3000:] + done.stderr[-3000:]
-    assert "Number of devices: 2 (Keras backend: jax)" in out
-    evaluated = float(re.search(r"Eval accuracy: (0\.\d+)", out).group(1))
-    reloaded = [float(a) for a in re.findall(r"eval accuracy (0\.\d+)", out)]
-    assert evaluated >= 0.2 and reloaded == [evaluated, evaluated], out[-2000:]  # it learned: chance is 0.1
-    assert (tmp_path / "model.keras").exists() and os.listdir(tmp_path / "training_checkpoints")
-
-
 def test_a_backend_neither_torch_nor_jax_is_refused_naming_both():
     for backend in ("tensorflow", "numpy", "openvino"):
         with pytest.raises(keras3.UnsupportedBackendError, match="KERAS_BACKEND=torch or KERAS_BACKEND=jax"):

@@ -66,6 +66,16 @@ def keras3_tutorial_checks(output: str, workdir: pathlib.Path) -> None:
     assert any((workdir / "logs").iterdir()) and (workdir / "model.keras").exists()
 
 
+def keras3_reload_checks(output: str, workdir: pathlib.Path) -> None:
+    """The tutorial saved a model and checkpoints, and the reloaded model evaluates as the trained one."""
+    match = re.search(r"Eval accuracy: (0\.\d+)", output)
+    assert match, output[-2000:]
+    evaluated = float(match.group(1))
+    reloaded = [float(a) for a in re.findall(r"eval accuracy (0\.\d+)", output)]
+    assert reloaded == [evaluated, evaluated], output[-2000:]  # reloaded without, with the scope
+    assert (workdir / "model.keras").exists() and any((workdir / "training_checkpoints").iterdir())
+
+
 ROUTES: tuple[Route, ...] = (
     Route("base", (), (ExampleRun("examples/quickstart.py", expect=("OK: strategy closed",)),)),
     # `make run-builtin`: the built-in tf.keras-like layers, no framework
@@ -85,7 +95,8 @@ ROUTES: tuple[Route, ...] = (
     )),
     Route("jax", ("jax", "examples"), (
         ExampleRun("examples/keras3_mnist.py", ("--epochs", "2", "--replicas", "2", "--target", "0.5"),
-                   (("KERAS_BACKEND", "jax"),), expect=(r"Keras backend: jax\)", "OK: test accuracy")),
+                   (("KERAS_BACKEND", "jax"),), expect=(r"Number of devices: 2 \(Keras backend: jax\)", "OK: test accuracy"),
+                   check=keras3_reload_checks),
     )),
     Route("torch", ("torch", "examples"), (
         ExampleRun("examples/torch_ddp.py", ("--epochs", "1"), expect=("2 replicas, test accuracy",)),
