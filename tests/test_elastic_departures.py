@@ -197,7 +197,7 @@ def test_a_worker_killed_while_it_copies_a_commit_is_recovered_with_the_uninterr
         assert history.elastic.ledger.steps(0) == list(range(10))
         assert sorted(history.elastic.ledger.positions(0, history.elastic.rows).tolist()) == list(range(240))
         for got, want in zip(model.get_weights(), expected):
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)  # float32 summed in another order than one process
 
 
 class _Array:
