@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = ["evaluate_batches", "predict_batches", "split_batch", "train_batches", "train_step"]
 
-ProgressFn = Callable[[int, dict[str, float]], None]
+ProgressFn = Callable[[int, Callable[[], dict[str, float]]], None]  # (steps done, the running logs read when sent)
 
 
 def train_batches(model: Any, batches: Iterable[Any], steps: int | None, progress: ProgressFn | None, *,
@@ -70,7 +70,7 @@ def train_batches(model: Any, batches: Iterable[Any], steps: int | None, progres
         if on_step is not None:
             on_step(done, trainable.loss_sum, trainable.count)
         if progress is not None:
-            progress(done, trainable.progress_logs())
+            progress(done, trainable.progress_logs)
 
     driver.begin(trainable)
     try:
@@ -105,7 +105,7 @@ def evaluate_batches(model: Any, batches: Iterable[Any], steps: int | None = Non
     trainable.begin_loop("test", timer)
     loop = ReplicaLoop(batches, timer)
     try:
-        loop.steps(steps, trainable.test_batch, (lambda done: progress(done, {})) if progress is not None else None)
+        loop.steps(steps, trainable.test_batch, (lambda done: progress(done, dict)) if progress is not None else None)
     finally:
         loop.close()
         trainable.end_loop("test")

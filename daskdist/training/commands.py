@@ -78,7 +78,7 @@ def train_epoch(service: ReplicaService, model_id: str, batches: Any, steps: int
     resident.set_learning_rate(learning_rate)
     opened = open_loop(service, resident, "train", batches)
     progress = ProgressReporter(service, tag, epoch) if tag is not None else None
-    after = (lambda done: progress(done, resident.progress_logs())) if progress is not None else None
+    after = (lambda done: progress(done, resident.progress_logs)) if progress is not None else None
     try:
         opened.steps(steps, lambda batch: resident.train_batch(batch, driver), after)
     finally:

@@ -103,7 +103,7 @@ def elastic_train_epoch(service: ReplicaService, model_id: str, batches: Any, st
             if not loop.steps(1, lambda batch: resident.train_batch(batch, driver)):
                 break
             step += 1
-            progress(step - first_step, resident.progress_logs())
+            progress(step - first_step, resident.progress_logs)
             commits.after_step((fit, epoch, step))
     except StopAtCommit as stop:
         service.flush_step_events()

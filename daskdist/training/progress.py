@@ -9,6 +9,7 @@ and the client's ``fit`` subscribes to the topic for its progress callbacks.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from daskdist.dashboard.store import PROGRESS_TOPIC
@@ -42,15 +43,17 @@ class ProgressReporter:
         self.interval = interval
         self._sent = 0.0
 
-    def __call__(self, done: int, logs: dict[str, Any] | None = None) -> None:
-        """``done`` steps of this command ran; ``logs``: the running logs (``None``: none sent)."""
+    def __call__(self, done: int, logs: Callable[[], Mapping[str, Any] | None] | None = None) -> None:
+        """``done`` steps of this command ran; ``logs`` reads the running logs (``None``: none sent). It is called
+        only when an event goes out (replica 0, once per interval), never on the other steps."""
         now = time.monotonic()
         if self.service.rank != 0 or now - self._sent < self.interval:
             return
         self._sent = now
         event: dict[str, Any] = {"tag": self.tag, "epoch": self.epoch, "step": self.first_step + done}
-        if logs is not None:
-            event["logs"] = logs
+        read = logs() if logs is not None else None
+        if read is not None:
+            event["logs"] = read
         self.service.log_event(PROGRESS_TOPIC, event)
 
     def end(self, logs: dict[str, Any]) -> None:
