@@ -343,7 +343,9 @@ def test_dashboard_page_renders_training_in_chromium(chromium, make_cluster, tmp
                                   session=session)
             state = result.get("result", {}).get("value")
             # steps of both replicas have reached the page (the bars are drawn a frame later)
-            if state and state["rows"] >= 10 and state["replicas"] == 2 and "steps/s" in state["summary"]:
+            # the summary line is redrawn apart from the table: it may still read "0 replicas" a moment longer
+            if (state and state["rows"] >= 10 and state["replicas"] == 2 and "steps/s" in state["summary"]
+                    and "2 replicas" in state["summary"]):
                 return state
             return None
 
