@@ -52,8 +52,8 @@ def _net_bytes() -> tuple[int, int]:
 def set_pieces(spec: str) -> str:
     """On a replica: the pipelined ring's piece rule in this generation's engines, ``max/pieces/min`` (what
     ``collective.pipeline-bytes``, ``-pieces`` and ``-min-bytes`` set when the group is made); the previous one."""
-    from daskdist.collective.engines.pipeline import PieceSize
-    from daskdist.collective.engines.ring import RingEngine
+    from daskdist.collective.core.engines.pipeline import PieceSize
+    from daskdist.collective.core.engines.ring import RingEngine
 
     before = ""
     most, pieces, least = spec.split("/")

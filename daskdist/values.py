@@ -10,7 +10,7 @@ import optree
 
 from daskdist import context
 from daskdist.arrays import as_array, namespace
-from daskdist.collective.reduction import check_dtype, finalize
+from daskdist.collective.core.reduction import check_dtype, finalize
 from daskdist.ops import ReduceOp
 
 __all__ = [

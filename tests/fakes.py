@@ -16,7 +16,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from daskdist.collective.communicator import Algorithm, Communicator
+from daskdist.collective.core.communicator import Algorithm, Communicator
 from daskdist.collective.mailbox import Abort, Mailbox
 from daskdist.collective.transport.base import CompletedSend, Transport
 from daskdist.ops import CommunicationOptions

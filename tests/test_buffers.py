@@ -6,7 +6,7 @@ import dask
 import numpy as np
 
 import daskdist as dd
-from daskdist.collective.buffers import BufferPool
+from daskdist.collective.core.buffers import BufferPool
 
 
 def test_an_idle_buffer_is_reused_and_a_held_one_is_not():

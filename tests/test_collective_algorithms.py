@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from daskdist.collective.communicator import Algorithm
+from daskdist.collective.core.communicator import Algorithm
 from daskdist.exceptions import CollectiveAbortedError, CollectiveMismatchError, CollectiveTimeoutError
 from daskdist.ops import CommunicationImplementation, CommunicationOptions, ReduceOp
 

@@ -53,13 +53,17 @@ def path_exists(token: str, context: pathlib.Path | None = None, page_folder: pa
     """Whether ``token``, a path as a page writes it, names a file or folder of this checkout.
 
     A bare file name is looked for in ``context`` (the folder the paragraph is about) and the folders above it,
-    or, in a paragraph about no folder, anywhere in the repository.
+    or, in a paragraph about no folder, anywhere in the repository; a relative path (``nccl/engine.py``) in
+    ``context`` and the folders above it first, then from the repository's roots.
     """
     token = token.rstrip(".,;:")
     if token.endswith(".md"):  # a link: from the page's folder, or the repository's root
         return (page_folder / token).exists() or (ROOT / token).exists()
     if "/" not in token and context is not None:
         return any((folder / token).exists() for folder in (context, *context.parents) if ROOT in (folder, *folder.parents))
+    if context is not None and any((folder / token).exists() for folder in (context, *context.parents)
+                                   if ROOT in (folder, *folder.parents)):
+        return True
     first = token.split("/", 1)[0]
     bases = ("",) if first in TOP_FOLDERS else BASES
     for base in bases:

@@ -16,17 +16,17 @@ import numpy as np
 import pytest
 
 import daskdist
-from daskdist.collective.buffers import BufferPool
-from daskdist.collective.communicator import Algorithm
-from daskdist.collective.engines.base import PackPlan
-from daskdist.collective.engines.direct import DirectEngine, EmptyEngine
-from daskdist.collective.engines.hierarchical import HierarchicalEngine
-from daskdist.collective.engines.packed import PackedAllReduce, pack_engines
-from daskdist.collective.engines.reduce_to_one import ReduceToOneEngine
-from daskdist.collective.engines.ring import RingEngine
-from daskdist.collective.engines.single_copy import SingleCopyEngine
+from daskdist.collective.core.buffers import BufferPool
+from daskdist.collective.core.communicator import Algorithm
+from daskdist.collective.core.engines.base import PackPlan
+from daskdist.collective.core.engines.direct import DirectEngine, EmptyEngine
+from daskdist.collective.core.engines.hierarchical import HierarchicalEngine
+from daskdist.collective.core.engines.packed import PackedAllReduce, pack_engines
+from daskdist.collective.core.engines.reduce_to_one import ReduceToOneEngine
+from daskdist.collective.core.engines.ring import RingEngine
+from daskdist.collective.core.engines.single_copy.all_reduce import SingleCopyAllReduce
+from daskdist.collective.core.engines.single_copy.engine import SingleCopyEngine
 from daskdist.collective.mailbox import Mailbox, MailboxTimeout
-from daskdist.collective.single_copy import SingleCopyAllReduce
 from daskdist.collective.transport.framing import ARRAY, MAX_NDIM, dtype_text
 from daskdist.collective.transport.shm import ShmTransport, lane_header
 from daskdist.collective.transport.shm_lane import LaneMismatch
@@ -212,7 +212,7 @@ def test_nothing_in_collective_imports_the_communicator_or_hides_an_import_cycle
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             # the process group is the one layer above the communicator: it builds subgroups' communicators
-            if isinstance(node, ast.ImportFrom) and node.module == "daskdist.collective.communicator" \
+            if isinstance(node, ast.ImportFrom) and node.module == "daskdist.collective.core.communicator" \
                     and path.name != "process_group.py":
                 offenders.append(f"{path.relative_to(COLLECTIVE)} imports the communicator")
             if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) and any(
@@ -224,3 +224,91 @@ def test_nothing_in_collective_imports_the_communicator_or_hides_an_import_cycle
 def test_no_collective_module_is_longer_than_six_hundred_lines():
     lengths = {str(p.relative_to(COLLECTIVE)): len(p.read_text().splitlines()) for p in _modules()}
     assert {name: n for name, n in lengths.items() if n > 600} == {}
+
+
+class _Float32Device:
+    """A device engine (as NCCL's) that takes float32 arrays and reduces them, and answers with marked results."""
+
+    tag = " | fake-device"
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def accepts(self, array) -> bool:
+        return array.dtype == np.float32
+
+    def reduces(self, dtype) -> bool:
+        return dtype == np.float32
+
+    def all_gather(self, call, leaves, axes):
+        self.calls.append("all_gather")
+        return [np.full(3, 7.0, np.float32) for _ in leaves]
+
+    def reduce_scatter(self, call, leaves, op, axis):
+        self.calls.append("reduce_scatter")
+        return [np.full(1, 8.0, np.float32) for _ in leaves]
+
+    def broadcast(self, call, leaves, root):
+        self.calls.append("broadcast")
+        return [np.full(2, 9.0, np.float32) for _ in leaves]
+
+
+class _RecordingHost:
+    """The communicator as the collectives see it: two replicas, runs each body at once and keeps the signature."""
+
+    rank, size = 0, 2
+
+    def __init__(self, device) -> None:
+        from daskdist.ops import CommunicationOptions
+
+        self.options = CommunicationOptions()
+        self.nccl = device
+        self.signatures: list[str] = []
+
+    def run_collective(self, kind, sig, options, body):
+        self.signatures.append(sig)
+        return body(None)
+
+
+@pytest.mark.parametrize(("leaves", "implementation", "op", "device_wanted"), [
+    ([np.zeros(2, np.float32)], "AUTO", None, True),
+    ([np.zeros(2, np.float32), np.zeros(2, np.float64)], "AUTO", None, False),  # one leaf it does not take
+    ([np.zeros(2, np.float32)], "RING", None, False),  # the call asks for the ring
+    ([np.zeros(2, np.float32)], "AUTO", ReduceOp.SUM, True),
+    ([], "AUTO", None, False),
+])
+def test_the_chooser_gives_a_collective_to_the_device_engine_only_when_it_takes_every_leaf(
+        leaves, implementation, op, device_wanted):
+    from daskdist.collective.core.engines.choice import moving_engine_for
+    from daskdist.collective.core.engines.generic import GENERIC
+    from daskdist.ops import CommunicationImplementation, CommunicationOptions
+
+    device = _Float32Device()
+    options = CommunicationOptions(implementation=CommunicationImplementation[implementation])
+    assert moving_engine_for(device, leaves, options, op) is (device if device_wanted else GENERIC)
+    assert moving_engine_for(None, leaves, options, op) is GENERIC
+
+
+def test_a_reduce_scatter_of_a_dtype_the_device_cannot_reduce_goes_to_the_generic_engine():
+    from daskdist.collective.core.engines.choice import moving_engine_for
+    from daskdist.collective.core.engines.generic import GENERIC
+    from daskdist.ops import CommunicationOptions
+
+    device = _Float32Device()
+    device.reduces = lambda dtype: False  # takes the arrays (moves them) but has no reduction for the dtype
+    leaves = [np.zeros(2, np.float32)]
+    assert moving_engine_for(device, leaves, CommunicationOptions(), ReduceOp.SUM) is GENERIC
+    assert moving_engine_for(device, leaves, CommunicationOptions()) is device
+
+
+def test_all_gather_reduce_scatter_and_broadcast_run_on_the_engine_the_chooser_names_and_sign_it():
+    from daskdist.collective.core import collectives
+
+    device = _Float32Device()
+    host = _RecordingHost(device)
+    value = {"w": np.zeros(4, np.float32)}
+    assert collectives.all_gather(host, value, 0)["w"].tolist() == [7.0] * 3
+    assert collectives.reduce_scatter(host, "SUM", value)["w"].tolist() == [8.0]
+    assert collectives.broadcast(host, value)["w"].tolist() == [9.0] * 2
+    assert device.calls == ["all_gather", "reduce_scatter", "broadcast"]
+    assert all(sig.endswith(" | fake-device") for sig in host.signatures), host.signatures

@@ -1,4 +1,4 @@
-"""The NCCL path for GPU (cupy) replica groups (``daskdist/collective/nccl.py``).
+"""The NCCL path for GPU (cupy) replica groups (``daskdist/collective/core/engines/nccl/engine.py``).
 
 Two parts:
 
@@ -36,18 +36,11 @@ import pytest
 
 import daskdist as dd
 from daskdist.cluster.embedded import local_gpu_count
-from daskdist.collective import nccl as nccl_mod
-from daskdist.collective.communicator import Algorithm
+from daskdist.collective.core.communicator import Algorithm
+from daskdist.collective.core.engines.nccl import support as nccl_support
+from daskdist.collective.core.engines.nccl.engine import CupyDevice, NcclEngine, engine_for_group
+from daskdist.collective.core.engines.nccl.support import group_features, nccl_dtype_name, nccl_op_name, parse_setting
 from daskdist.collective.mailbox import Abort, MailboxTimeout
-from daskdist.collective.nccl import (
-    CupyDevice,
-    NcclEngine,
-    engine_for_group,
-    group_features,
-    nccl_dtype_name,
-    nccl_op_name,
-    parse_setting,
-)
 from daskdist.exceptions import (
     CollectiveAbortedError,
     CollectiveError,
@@ -409,8 +402,8 @@ def test_group_features_decide_for_the_whole_group():
     assert not usable and "different NCCL versions" in reason
     # CPU groups (no replica reports NCCL) get no engine, without importing cupy
     assert engine_for_group(0, 2, {0: None, 1: None}, None, None) is None
-    assert nccl_mod.local_features(enabled=True, on_gpu=False) is None
-    assert nccl_mod.local_features(enabled=False, on_gpu=True) is None
+    assert nccl_support.local_features(enabled=True, on_gpu=False) is None
+    assert nccl_support.local_features(enabled=False, on_gpu=True) is None
 
 
 def test_cupy_device_accepts_only_gpu_arrays():
@@ -699,9 +692,9 @@ def test_describe_nccl_error():
             super().__init__(f"status {status}")
             self.status = status
 
-    assert nccl_mod.describe_nccl_error(NcclError(5)).startswith("ncclInvalidUsage")
-    assert nccl_mod.describe_nccl_error(KeyError(6)).startswith("ncclRemoteError")
-    assert nccl_mod.describe_nccl_error(ValueError("x")) == "ValueError: x"
+    assert nccl_support.describe_nccl_error(NcclError(5)).startswith("ncclInvalidUsage")
+    assert nccl_support.describe_nccl_error(KeyError(6)).startswith("ncclRemoteError")
+    assert nccl_support.describe_nccl_error(ValueError("x")) == "ValueError: x"
 
 
 def test_event_status_errors_raise_instead_of_waiting_for_the_deadline():

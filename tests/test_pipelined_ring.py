@@ -11,8 +11,8 @@ import dask
 import numpy as np
 import pytest
 
-from daskdist.collective.communicator import Algorithm
-from daskdist.collective.engines.pipeline import PieceSize, RingSchedule
+from daskdist.collective.core.communicator import Algorithm
+from daskdist.collective.core.engines.pipeline import PieceSize, RingSchedule
 from daskdist.ops import CommunicationImplementation, CommunicationOptions, ReduceOp
 
 from .fakes import InMemoryGroup

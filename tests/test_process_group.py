@@ -20,7 +20,7 @@ import pytest
 
 import daskdist as dd
 from daskdist import config
-from daskdist.collective.communicator import Communicator
+from daskdist.collective.core.communicator import Communicator
 from daskdist.collective.mailbox import Abort, Mailbox
 from daskdist.collective.process_group import ProcessGroup, build_process_group
 from daskdist.collective.transport.dask import DaskTransport

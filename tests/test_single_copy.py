@@ -10,7 +10,7 @@ import pytest
 
 import daskdist as dd
 from daskdist.cluster.identity import scheduler_workers
-from daskdist.collective.single_copy import CrossMemory, chunk_bounds, cross_memory
+from daskdist.collective.core.engines.single_copy.all_reduce import CrossMemory, chunk_bounds, cross_memory
 
 pytestmark = pytest.mark.skipif(cross_memory() is None, reason="needs Linux process_vm_readv")
 
@@ -121,7 +121,7 @@ def test_replica_processes_read_each_other(process_client):
 
 
 def _no_cross_memory():
-    from daskdist.collective import single_copy
+    from daskdist.collective.core.engines.single_copy import all_reduce as single_copy
 
     single_copy._CROSS_MEMORY[:] = [None]  # as on a system without process_vm_readv
 

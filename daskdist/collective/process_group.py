@@ -75,7 +75,7 @@ from typing import Any
 import numpy as np
 
 from daskdist import config
-from daskdist.collective.communicator import Communicator
+from daskdist.collective.core.communicator import Communicator
 from daskdist.collective.mailbox import MailboxTimeout
 from daskdist.collective.subgroup import P2P_SEQ, SubgroupControl, SubgroupTransport, subgroup_code
 from daskdist.collective.work import Work

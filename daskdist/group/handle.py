@@ -35,8 +35,8 @@ from daskdist.cluster.client_state import check_client_open, client_is_closed
 from daskdist.cluster.identity import scheduler_workers
 from daskdist.cluster.interrupts import abort_interrupted_run
 from daskdist.cluster.placement import Placement
-from daskdist.collective.nccl_support import parse_setting as parse_nccl_setting
-from daskdist.collective.settings import parse_single_copy_bytes
+from daskdist.collective.core.engines.nccl.support import parse_setting as parse_nccl_setting
+from daskdist.collective.core.settings import parse_single_copy_bytes
 from daskdist.exceptions import RendezvousError, ReplicaLostError, StrategyClosedError
 from daskdist.group.announcements import announcements_of
 from daskdist.group.channel import WAIT_ENDING_KINDS, CommandChannels, client_ssl_context

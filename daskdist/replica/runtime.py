@@ -39,7 +39,8 @@ from distributed.utils import sync
 
 from daskdist import config, context, serialization
 from daskdist.arrays import namespace
-from daskdist.collective import nccl
+from daskdist.collective.core.engines.nccl.engine import engine_for_group
+from daskdist.collective.core.engines.nccl.support import local_features, parse_setting
 from daskdist.collective.mailbox import Abort, Mailbox, MailboxTimeout
 from daskdist.collective.process_group import ProcessGroup
 from daskdist.exceptions import RendezvousError, ReplicaLostError, StaleGenerationError
@@ -336,7 +337,7 @@ class ReplicaRuntime:
         info = {
             **wiring.transport.local_info(),
             **(self._server.local_info() if self._server is not None else {}),
-            "nccl": nccl.local_features(nccl.parse_setting(self.spec.nccl), any("GPU" in d for d in self.devices)),
+            "nccl": local_features(parse_setting(self.spec.nccl), any("GPU" in d for d in self.devices)),
         }
         response = sync(
             self.worker.loop,
@@ -354,7 +355,7 @@ class ReplicaRuntime:
             raise RendezvousError(response.get("message", "rendezvous failed"))
         infos = {int(rank): i for rank, i in response["info"].items()}
         wiring.transport.connect(infos, wiring.membership)
-        wiring.communicator.nccl = nccl.engine_for_group(
+        wiring.communicator.nccl = engine_for_group(
             self.rank, self.size, {r: i.get("nccl") for r, i in infos.items()}, wiring.mailbox, self.exchange)
 
     def _membership_of(self, generation: int) -> Membership:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from distributed.comm.addressing import get_address_host
 
-from daskdist.collective.communicator import Communicator
+from daskdist.collective.core.communicator import Communicator
 from daskdist.collective.mailbox import Mailbox
 from daskdist.collective.process_group import ProcessGroup, build_process_group
 from daskdist.collective.transport.base import Transport

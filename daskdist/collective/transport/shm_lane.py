@@ -1,6 +1,6 @@
 """The latency lane's access to the shared-memory transport (``ShmTransport.lane()``).
 
-The small all-reduce (``daskdist.collective.engines.lane``) writes a whole
+The small all-reduce (``daskdist.collective.core.engines.lane``) writes a whole
 array into one slot of each peer's channel and reduces the peers' arrays
 straight from their slots. ``ShmLane`` is the only way it touches the
 transport: one-piece writes with a header written once per slot, views of the

@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 from daskdist.arrays import namespace
-from daskdist.collective import algorithms
-from daskdist.collective.call import Call
-from daskdist.collective.engines.base import PackPlan
+from daskdist.collective.core import algorithms
+from daskdist.collective.core.call import Call
+from daskdist.collective.core.engines.base import PackPlan
 
 __all__ = ["DirectEngine", "EmptyEngine", "copy_of"]
 

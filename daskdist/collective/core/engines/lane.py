@@ -44,11 +44,11 @@ from typing import Any, Protocol
 import numpy as np
 import optree
 
-from daskdist.collective.buffers import BufferPool
-from daskdist.collective.engines.base import AllReducePlan
+from daskdist.collective.core.buffers import BufferPool
+from daskdist.collective.core.engines.base import AllReducePlan
+from daskdist.collective.core.packing import signature
+from daskdist.collective.core.reduction import check_dtype, finalize
 from daskdist.collective.mailbox import MailboxTimeout
-from daskdist.collective.packing import signature
-from daskdist.collective.reduction import check_dtype, finalize
 from daskdist.collective.transport.base import Transport
 from daskdist.collective.transport.framing import ARRAY, MAX_NDIM, dtype_text
 from daskdist.collective.transport.shm import ShmTransport, lane_header

@@ -29,9 +29,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from daskdist import fault_points
-from daskdist.collective.algorithms import SubCall, host_groups
-from daskdist.collective.call import Call
-from daskdist.collective.reduction import finalize
+from daskdist.collective.core.algorithms import SubCall, host_groups
+from daskdist.collective.core.call import Call
+from daskdist.collective.core.reduction import finalize
 from daskdist.ops import ReduceOp
 
 __all__ = ["PieceSize", "RingSchedule", "allreduce_hierarchical_pipelined", "allreduce_ring_pipelined"]

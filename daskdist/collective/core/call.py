@@ -18,8 +18,8 @@ import zlib
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from daskdist.collective.core.reduction import combine_into
 from daskdist.collective.mailbox import MailboxTimeout
-from daskdist.collective.reduction import combine_into
 from daskdist.collective.transport.base import PayloadMismatch, SendHandle, Transport
 from daskdist.exceptions import CollectiveMismatchError, CollectiveTimeoutError
 from daskdist.ops import ReduceOp

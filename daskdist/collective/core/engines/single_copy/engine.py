@@ -1,7 +1,7 @@
 """The single-copy all-reduce engine: replicas on one host read each other's packs in place.
 
 AUTO's choice for numpy packs of at least ``collective.single-copy-bytes`` when
-every peer shares the replica's host (``daskdist.collective.single_copy``).
+every peer shares the replica's host (``daskdist.collective.core.engines.single_copy.all_reduce``).
 Whether every replica can read every other is probed once, together, on the
 first candidate pack; where it cannot, the ring takes the pack.
 """
@@ -12,11 +12,11 @@ from typing import Any
 
 import numpy as np
 
-from daskdist.collective import algorithms
-from daskdist.collective.call import Call
-from daskdist.collective.engines.base import PackPlan
-from daskdist.collective.engines.ring import RingEngine
-from daskdist.collective.single_copy import SingleCopyAllReduce
+from daskdist.collective.core import algorithms
+from daskdist.collective.core.call import Call
+from daskdist.collective.core.engines.base import PackPlan
+from daskdist.collective.core.engines.ring import RingEngine
+from daskdist.collective.core.engines.single_copy.all_reduce import SingleCopyAllReduce
 
 __all__ = ["SingleCopyEngine"]
 

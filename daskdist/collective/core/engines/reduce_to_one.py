@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from daskdist.collective import algorithms
-from daskdist.collective.call import Call
-from daskdist.collective.engines.base import PackPlan
-from daskdist.collective.engines.direct import copy_of
+from daskdist.collective.core import algorithms
+from daskdist.collective.core.call import Call
+from daskdist.collective.core.engines.base import PackPlan
+from daskdist.collective.core.engines.direct import copy_of
 
 __all__ = ["ReduceToOneEngine"]
 

@@ -15,12 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from daskdist.collective import algorithms
-from daskdist.collective.buffers import BufferPool
-from daskdist.collective.call import Call
-from daskdist.collective.engines.base import PackPlan
-from daskdist.collective.engines.direct import copy_of
-from daskdist.collective.engines.pipeline import PieceSize, allreduce_hierarchical_pipelined
+from daskdist.collective.core import algorithms
+from daskdist.collective.core.buffers import BufferPool
+from daskdist.collective.core.call import Call
+from daskdist.collective.core.engines.base import PackPlan
+from daskdist.collective.core.engines.direct import copy_of
+from daskdist.collective.core.engines.pipeline import PieceSize, allreduce_hierarchical_pipelined
 
 __all__ = ["HierarchicalEngine"]
 

@@ -38,9 +38,9 @@ from typing import Any
 import numpy as np
 
 from daskdist import config
-from daskdist.collective.call import Call
-from daskdist.collective.reduction import combine_into, finalize
-from daskdist.collective.settings import parse_single_copy_bytes
+from daskdist.collective.core.call import Call
+from daskdist.collective.core.reduction import combine_into, finalize
+from daskdist.collective.core.settings import parse_single_copy_bytes
 from daskdist.exceptions import DaskdistError, ReplicaLostError
 from daskdist.ops import ReduceOp
 

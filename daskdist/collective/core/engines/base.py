@@ -8,7 +8,7 @@ first engine that accepts it:
 
 * the latency lane (``engines.lane``): one small CPU array among replicas that
   share a host, written once into each peer's shared-memory channel;
-* the NCCL engine (``engines.nccl``): GPU arrays, when the whole group has NCCL;
+* the NCCL engine (``engines.nccl.all_reduce``): GPU arrays, when the whole group has NCCL;
 * the packed path (``engines.packed``): everything else, pack by pack, each
   pack going to the first pack engine (``PackPlan``) that accepts it: direct,
   ring, hierarchical, reduce-to-one or single-copy.
@@ -21,15 +21,54 @@ agree on the signature agree on the engine, and replicas that do not raise
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from daskdist.collective.nccl import NcclEngine
-from daskdist.collective.packing import PackedStructure, flatten, pack, signature
-from daskdist.collective.reduction import check_dtype
+from daskdist.collective.core.packing import PackedStructure, flatten, pack, signature
+from daskdist.collective.core.reduction import check_dtype
 from daskdist.ops import CommunicationImplementation, CommunicationOptions, ReduceOp
 
-__all__ = ["AllReducePlan", "Engine", "PackPlan"]
+__all__ = ["AllReducePlan", "DeviceEngine", "Engine", "MovingEngine", "PackPlan"]
+
+
+class MovingEngine(Protocol):
+    """An engine for the collectives that move leaves whole: all-gather, reduce-scatter, broadcast.
+
+    Each returns the result leaves in the order of ``leaves`` (the caller
+    restores the structure). ``tag`` is what the engine adds to the
+    collective's signature, so replicas that would take different engines
+    disagree before any data moves.
+    """
+
+    tag: str
+
+    def all_gather(self, call: Any, leaves: Sequence[Any], axes: Sequence[int]) -> list[Any]:
+        """Each leaf concatenated from all replicas along its axis (rank order)."""
+
+    def reduce_scatter(self, call: Any, leaves: Sequence[Any], op: ReduceOp, axis: int) -> list[Any]:
+        """Each leaf reduced across replicas; this replica's part along ``axis``."""
+
+    def broadcast(self, call: Any, leaves: Sequence[Any], root: int) -> list[Any]:
+        """``root``'s leaves on every replica."""
+
+
+class DeviceEngine(MovingEngine, Protocol):
+    """A device library's engine for GPU arrays (NCCL's ``NcclEngine``): the moving collectives and all-reduce."""
+
+    def accepts(self, array: Any) -> bool:
+        """Whether ``array`` can go through this engine (it is an array of its device)."""
+
+    def reduces(self, dtype: Any) -> bool:
+        """Whether this engine can reduce ``dtype`` (else the generic algorithms do)."""
+
+    def all_reduce(self, call: Any, packs: Sequence[Any], op: ReduceOp) -> None:
+        """All-reduce each pack; each pack's ``buffer`` becomes its result."""
+
+    def set_attempt(self, attempt: int) -> None:
+        """The group's ``attempt`` (failed commands so far) starts."""
+
+    def close(self) -> None:
+        """Release the device library's communicator (local; never waits for peers)."""
 
 
 class AllReducePlan:
@@ -70,7 +109,7 @@ class AllReducePlan:
         self.leaves, self.treedef, self.restore = flatten(value)
         for leaf in self.leaves:
             check_dtype(self.op, leaf.dtype)
-        self.nccl: NcclEngine | None = None  # when this collective goes over NCCL (named in the signature)
+        self.nccl: DeviceEngine | None = None  # when this collective goes over NCCL (named in the signature)
         self._sig: str | None = None
         self._packed: PackedStructure | None = None
 

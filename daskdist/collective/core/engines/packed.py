@@ -20,16 +20,16 @@ from typing import Any
 from dask.utils import parse_bytes
 
 from daskdist import config
-from daskdist.collective.buffers import BufferPool
-from daskdist.collective.call import CollectiveCall
-from daskdist.collective.engines.base import AllReducePlan, Engine, PackPlan
-from daskdist.collective.engines.direct import DirectEngine, EmptyEngine
-from daskdist.collective.engines.hierarchical import HierarchicalEngine
-from daskdist.collective.engines.pipeline import PieceSize
-from daskdist.collective.engines.reduce_to_one import ReduceToOneEngine
-from daskdist.collective.engines.ring import RingEngine
-from daskdist.collective.engines.single_copy import SingleCopyEngine
-from daskdist.collective.single_copy import SingleCopyAllReduce
+from daskdist.collective.core.buffers import BufferPool
+from daskdist.collective.core.call import CollectiveCall
+from daskdist.collective.core.engines.base import AllReducePlan, Engine, PackPlan
+from daskdist.collective.core.engines.direct import DirectEngine, EmptyEngine
+from daskdist.collective.core.engines.hierarchical import HierarchicalEngine
+from daskdist.collective.core.engines.pipeline import PieceSize
+from daskdist.collective.core.engines.reduce_to_one import ReduceToOneEngine
+from daskdist.collective.core.engines.ring import RingEngine
+from daskdist.collective.core.engines.single_copy.all_reduce import SingleCopyAllReduce
+from daskdist.collective.core.engines.single_copy.engine import SingleCopyEngine
 
 __all__ = ["PackedAllReduce", "pack_engines", "pipeline_pieces"]
 

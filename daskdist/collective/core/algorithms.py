@@ -13,8 +13,8 @@ from typing import Any
 
 from daskdist import fault_points
 from daskdist.arrays import namespace
-from daskdist.collective.call import Call
-from daskdist.collective.reduction import combine_into, finalize
+from daskdist.collective.core.call import Call
+from daskdist.collective.core.reduction import combine_into, finalize
 from daskdist.ops import ReduceOp
 
 __all__ = [

@@ -72,32 +72,20 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from daskdist.arrays import _is_cupy
-from daskdist.collective.call import CollectiveCall
-from daskdist.collective.mailbox import Mailbox, MailboxTimeout
-from daskdist.collective.nccl_support import (
+from daskdist.collective.core.call import CollectiveCall
+from daskdist.collective.core.engines.nccl.support import (
     describe_nccl_error,
     group_features,
-    local_features,
     nccl_dtype_name,
     nccl_op_name,
-    parse_setting,
 )
-from daskdist.collective.reduction import finalize
+from daskdist.collective.core.reduction import finalize
+from daskdist.collective.mailbox import Mailbox, MailboxTimeout
 from daskdist.collective.transport.shm_channel import backoff_wait
 from daskdist.exceptions import CollectiveAbortedError, CollectiveTimeoutError
 from daskdist.ops import ReduceOp
 
-__all__ = [
-    "CupyDevice",
-    "NcclEngine",
-    "describe_nccl_error",
-    "engine_for_group",
-    "group_features",
-    "local_features",
-    "nccl_dtype_name",
-    "nccl_op_name",
-    "parse_setting",
-]
+__all__ = ["CupyDevice", "NcclEngine", "engine_for_group"]
 
 logger = logging.getLogger(__name__)
 
@@ -234,6 +222,8 @@ class NcclEngine:
     spin_seconds
         How long a wait spins before yielding (``backoff_wait``).
     """
+
+    tag = " | nccl"  # what a collective that takes this engine adds to its signature (``engines.choice``)
 
     def __init__(self, rank: int, size: int, mailbox: Mailbox,
                  exchange: Callable[[str, Any, float, int], dict[int, Any]], device: Any,

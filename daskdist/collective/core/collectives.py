@@ -1,9 +1,10 @@
 """The collectives besides all-reduce: all-gather, reduce-scatter, broadcast, object gather, barrier.
 
-Each validates its value, answers at once in a group of one, writes a
-signature (naming NCCL when the collective takes it: ``engines.nccl``) and
-runs on the communicator as one ``CollectiveCall``: NCCL for GPU leaves when
-the group has it, else the generic ``algorithms``.
+Each validates its value, answers at once in a group of one, asks the engine
+chooser (``engines.choice.moving_engine_for``) for its engine, writes a
+signature (with the engine's ``tag``) and runs on the communicator as one
+``CollectiveCall``: the device engine (NCCL) for GPU leaves when the group has
+it, else the generic engine (``engines.generic``).
 """
 
 from __future__ import annotations
@@ -15,14 +16,14 @@ from typing import Any, Protocol
 import cloudpickle
 import optree
 
-from daskdist.arrays import describe, namespace
-from daskdist.collective import algorithms
-from daskdist.collective.call import CollectiveCall
-from daskdist.collective.engines.direct import copy_of
-from daskdist.collective.engines.nccl import nccl_for
-from daskdist.collective.nccl import NcclEngine
-from daskdist.collective.packing import flatten, signature
-from daskdist.collective.reduction import check_dtype
+from daskdist.arrays import describe
+from daskdist.collective.core import algorithms
+from daskdist.collective.core.call import CollectiveCall
+from daskdist.collective.core.engines.base import DeviceEngine
+from daskdist.collective.core.engines.choice import moving_engine_for
+from daskdist.collective.core.engines.direct import copy_of
+from daskdist.collective.core.packing import flatten, signature
+from daskdist.collective.core.reduction import check_dtype
 from daskdist.ops import CommunicationOptions, ReduceOp
 
 __all__ = ["Host", "all_gather", "all_gather_objects", "barrier", "broadcast", "reduce_scatter"]
@@ -34,7 +35,7 @@ class Host(Protocol):
     rank: int
     size: int
     options: CommunicationOptions
-    nccl: NcclEngine | None
+    nccl: DeviceEngine | None
 
     def run_collective(self, kind: str, sig: str, options: CommunicationOptions,
                        body: Callable[[CollectiveCall], Any]) -> Any: ...
@@ -57,21 +58,12 @@ def all_gather(comm: Host, value: Any, axis: int, options: CommunicationOptions 
         f"{leaf.dtype}[{','.join('*' if i == a else str(d) for i, d in enumerate(leaf.shape))}]"
         for leaf, a in zip(leaves, axes)
     )
-    sig = f"all_gather axis={axis} | structure {treedef} | leaves [{shapes}]"
-    nccl = nccl_for(comm.nccl, leaves, options)
-    if nccl is not None:
-        sig += " | nccl"
+    engine = moving_engine_for(comm.nccl, leaves, options)
+    sig = f"all_gather axis={axis} | structure {treedef} | leaves [{shapes}]{engine.tag}"
 
     def run(call: CollectiveCall) -> Any:
-        if nccl is not None:
-            gathered_leaves = nccl.all_gather(call, leaves, axes)
-            return optree.tree_unflatten(treedef, [back(x) for x, back in zip(gathered_leaves, restore)])
-        gathered = algorithms.allgather_direct(call, leaves)
-        out = []
-        for i, (leaf, a, back) in enumerate(zip(leaves, axes, restore)):
-            xp = namespace(leaf)
-            out.append(back(xp.concatenate([part[i] for part in gathered], axis=a)))
-        return optree.tree_unflatten(treedef, out)
+        gathered = engine.all_gather(call, leaves, axes)
+        return optree.tree_unflatten(treedef, [back(x) for x, back in zip(gathered, restore)])
 
     return comm.run_collective("all_gather", sig, options, run)
 
@@ -91,32 +83,12 @@ def reduce_scatter(comm: Host, op: ReduceOp | str, value: Any, axis: int = 0,
             raise ValueError(f"reduce_scatter axis {axis} is out of range for {describe(leaf)}")
     if comm.size == 1:
         return optree.tree_unflatten(treedef, [back(copy_of(x)) for x, back in zip(leaves, restore)])
-    sig = signature("reduce_scatter", f"{op.name} axis={axis}", leaves, treedef)
-    nccl = nccl_for(comm.nccl, leaves, options)
-    if nccl is not None and not all(nccl.reduces(leaf.dtype) for leaf in leaves):
-        nccl = None
-    if nccl is not None:
-        sig += " | nccl"
+    engine = moving_engine_for(comm.nccl, leaves, options, op)
+    sig = signature("reduce_scatter", f"{op.name} axis={axis}", leaves, treedef) + engine.tag
 
     def run(call: CollectiveCall) -> Any:
-        if nccl is not None:
-            parts = nccl.reduce_scatter(call, leaves, op, axis)
-            return optree.tree_unflatten(treedef, [back(x) for x, back in zip(parts, restore)])
-        out = []
-        for index, (leaf, back) in enumerate(zip(leaves, restore)):
-            call.part = f"l{index}/"
-            xp = namespace(leaf)
-            moved = xp.moveaxis(leaf, axis, 0)
-            rows = moved.shape[0]
-            starts = [0]
-            for length in (len(part) for part in xp.array_split(xp.empty(rows), comm.size)):
-                starts.append(starts[-1] + length)
-            row_size = int(moved[0].size) if rows else 0
-            buf = xp.ascontiguousarray(moved).reshape(-1).copy()
-            mine = algorithms.reducescatter_ring(call, buf, op, [s * row_size for s in starts])
-            part = mine.reshape((starts[comm.rank + 1] - starts[comm.rank],) + moved.shape[1:])
-            out.append(back(xp.moveaxis(part, 0, axis)))
-        return optree.tree_unflatten(treedef, out)
+        parts = engine.reduce_scatter(call, leaves, op, axis)
+        return optree.tree_unflatten(treedef, [back(x) for x, back in zip(parts, restore)])
 
     return comm.run_collective("reduce_scatter", sig, options, run)
 
@@ -126,16 +98,11 @@ def broadcast(comm: Host, value: Any, root: int = 0, options: CommunicationOptio
     leaves, treedef, restore = flatten(value)
     if comm.size == 1:
         return value
-    sig = signature("broadcast", f"root={root}", leaves, treedef)
-    nccl = nccl_for(comm.nccl, leaves, options)
-    if nccl is not None:
-        sig += " | nccl"
+    engine = moving_engine_for(comm.nccl, leaves, options)
+    sig = signature("broadcast", f"root={root}", leaves, treedef) + engine.tag
 
     def run(call: CollectiveCall) -> Any:
-        if nccl is not None:
-            received = nccl.broadcast(call, leaves, root)
-            return optree.tree_unflatten(treedef, [back(x) for x, back in zip(received, restore)])
-        received = algorithms.broadcast_direct(call, leaves, root)
+        received = engine.broadcast(call, leaves, root)
         return optree.tree_unflatten(treedef, [back(x) for x, back in zip(received, restore)])
 
     return comm.run_collective("broadcast", sig, options, run)

@@ -3,7 +3,7 @@
 ``Communicator`` is the engine room of a ``ProcessGroup``
 (``collective.process_group``), which is what ``ReplicaContext.all_reduce``
 and friends call. Each collective is a ``CollectiveCall``
-(``collective.call``): numbered within the group's current attempt (not per
+(``core.call``): numbered within the group's current attempt (not per
 client command), tagged, checked against the neighbours' signatures, bounded
 by a deadline. ``all_reduce`` follows TensorFlow's ``reduce`` →
 ``reduce_implementation`` shape: validate into an ``AllReducePlan``, return a
@@ -35,17 +35,17 @@ import numpy as np
 import optree
 
 from daskdist import config
-from daskdist.collective import algorithms, collectives, stall
-from daskdist.collective.buffers import BufferPool
-from daskdist.collective.call import CollectiveCall
-from daskdist.collective.engines.base import AllReducePlan
-from daskdist.collective.engines.direct import copy_of
-from daskdist.collective.engines.lane import LaneEngine, shared_memory_route
-from daskdist.collective.engines.nccl import NcclAllReduce, nccl_for
-from daskdist.collective.engines.packed import PackedAllReduce, pack_engines
+from daskdist.collective.core import algorithms, collectives, stall
+from daskdist.collective.core.buffers import BufferPool
+from daskdist.collective.core.call import CollectiveCall
+from daskdist.collective.core.engines.base import AllReducePlan, DeviceEngine
+from daskdist.collective.core.engines.choice import all_reduce_engine, device_engine_for
+from daskdist.collective.core.engines.direct import copy_of
+from daskdist.collective.core.engines.lane import LaneEngine, shared_memory_route
+from daskdist.collective.core.engines.nccl.all_reduce import NcclAllReduce
+from daskdist.collective.core.engines.packed import PackedAllReduce, pack_engines
+from daskdist.collective.core.engines.single_copy.all_reduce import SingleCopyAllReduce
 from daskdist.collective.mailbox import Abort
-from daskdist.collective.nccl import NcclEngine
-from daskdist.collective.single_copy import SingleCopyAllReduce
 from daskdist.collective.transport.base import Transport
 from daskdist.exceptions import DaskdistError, kind_of
 from daskdist.ops import Algorithm, CommunicationOptions, ReduceOp, timeout_of
@@ -159,7 +159,7 @@ class Communicator:
         shm = shared_memory_route(transport, size, rank) if size > 1 else None
         self.lane = LaneEngine(self, shm.lane()) if shm is not None else None
         self.single_copy = SingleCopyAllReduce(single_copy_bytes) if shm is not None else None
-        self.nccl: NcclEngine | None = None  # set by the runtime after the rendezvous
+        self.nccl: DeviceEngine | None = None  # set by the runtime after the rendezvous
         self.packed = PackedAllReduce(
             pack_engines(self.algorithm, self.buffers, self.hosts, self.multi_host, self.small_message_bytes,
                          self.single_copy),
@@ -293,12 +293,12 @@ class Communicator:
         if self.size == 1:
             return optree.tree_unflatten(plan.treedef, [back(copy_of(x)) for x, back in zip(plan.leaves, plan.restore)])
         plan.bare_array = bare
-        plan.nccl = nccl_for(self.nccl, plan.leaves, plan.options, self.algorithm.name in ("auto", "ring"))
+        plan.nccl = device_engine_for(self.nccl, plan.leaves, plan.options, self.algorithm.name in ("auto", "ring"))
         if lane is not None:
             lane_plan = lane.accepts(plan)
             if lane_plan is not None:
                 return lane.run_plan(plan, lane_plan)
-        engine = self._on_nccl if self._on_nccl.accepts(plan) else self.packed
+        engine = all_reduce_engine(plan, self._on_nccl, self.packed)
         return self.run_collective("all_reduce", plan.sig, plan.options, lambda call: engine.run(call, plan))
 
     def all_gather(self, value: Any, axis: int, options: CommunicationOptions | None = None) -> Any:
