@@ -121,17 +121,29 @@ class Transport(ABC):
         return {}
 
     def connect(self, peer_infos: dict[int, dict[str, Any]], membership: Any) -> None:
-        """Reach the peers of ``membership`` from their ``local_info()`` (rank -> info), once per generation."""
+        """Reach the peers of ``membership`` from their ``local_info()`` (rank -> info), once per generation.
+
+        Optional: a transport that needs no connection (it reaches its peers through Dask) keeps this default.
+        """
+        return None
 
     def routes_by_peer(self) -> dict[int, Transport]:
         """The transport that carries each peer's messages (this one for every peer unless it routes)."""
         return {peer: self for peer in range(self.size) if peer != self.rank}
 
     def group_aborted(self) -> None:
-        """The group is lost for good: release shared resources now (called from the event loop)."""
+        """The group is lost for good: release shared resources now (called from the event loop).
+
+        Optional: a transport that holds nothing shared keeps this default, which does nothing.
+        """
+        return None
 
     def close(self) -> None:
-        """Release what the transport holds (connections, segments)."""
+        """Release what the transport holds (connections, segments).
+
+        Optional: a transport that holds nothing keeps this default, which does nothing.
+        """
+        return None
 
 
 def apply_payload(payload: Any, out: Any, combine: Combine | None, base: Any = None) -> None:
