@@ -6,8 +6,8 @@ per-batch hook (``hooked(loop)``: their class names), and runs the kind it is
 given; it probes the Extended for nothing itself. The choice reads the
 Extended's capabilities, in this order:
 
-* no strategy (a model made outside every scope): ``LOCAL``, the adapter's
-  own loop in the client process;
+* no strategy (a model made outside every scope), or the default
+  one-replica strategy: ``LOCAL``, the adapter's own loop in the client process;
 * ``extended.schedules_closures`` (ParameterServerStrategy): ``CLOSURES``,
   coordinator closures (``training.ps.ClosureRunner``); a callback with a
   per-batch training hook is refused there, as TensorFlow refuses it (the
@@ -83,7 +83,7 @@ def no_hooks(loop: str) -> Sequence[str]:
 
 def choose_runner(strategy: Any, hooked: Callable[[str], Sequence[str]] = no_hooks, *,
                   training: bool = True) -> RunnerChoice:
-    """The runner of a ``fit`` (``training``) or an evaluation of a model of ``strategy`` (``None``: no strategy).
+    """The runner of a ``fit`` (``training``) or an evaluation of a model of ``strategy`` (``None``: none).
 
     ``hooked(loop)``: the class names of the user's callbacks that override a per-batch hook of ``loop``
     (``"train"``, ``"test"``: ``training.runners.hooked_callbacks`` with the framework's ``is_default``).
@@ -96,7 +96,7 @@ def choose_runner(strategy: Any, hooked: Callable[[str], Sequence[str]] = no_hoo
     NotImplementedError
         A ``fit`` on an elastic strategy with a callback that has a per-batch hook.
     """
-    if strategy is None:
+    if strategy is None or getattr(strategy, "is_default_strategy", False):
         return RunnerChoice(RunnerKind.LOCAL)
     extended = strategy.extended
     if extended.schedules_closures:
