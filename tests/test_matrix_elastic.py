@@ -20,7 +20,7 @@ import pytest
 import daskdist as dd
 from daskdist.cluster.identity import scheduler_workers
 from daskdist.training.progress import PROGRESS_TOPIC
-from tests.support.adapters import FORKED_ADAPTERS, assert_weights, data, reference_fit
+from tests.support.adapters import FORKED_ADAPTERS, assert_weights, data, reference_evaluate, reference_fit
 from tests.support.killers import FreeAtStep, RetireAtStep, kill_at_step, killed_at
 from tests.support.models import slow_batch
 
@@ -54,7 +54,8 @@ def _assert_as_one_process(adapter, strategy, model, history, expected, rows: in
 
 
 @pytest.mark.parametrize("adapter", FORKED_ADAPTERS, ids=str)
-def test_an_elastic_fit_without_failures_trains_as_one_process(adapter, forked_process_client, initial):
+def test_an_elastic_fit_without_failures_trains_and_validates_as_one_process(adapter, forked_process_client,
+                                                                           initial):
     x, y, train = _train_set(120)
     expected = reference_fit(initial, x, y, BATCH, epochs=2)
     # the client's third worker is free: max_replicas keeps it out (free workers join at the start of fit)
@@ -63,9 +64,14 @@ def test_an_elastic_fit_without_failures_trains_as_one_process(adapter, forked_p
         assert strategy.extended.group.spec.policy == "elastic"
         with strategy.scope():
             model = adapter.model(initial)
-        history = model.fit(train, epochs=2, verbose=0)
+        history = model.fit(train, epochs=2, verbose=0, validation_data=(x[:40], y[:40]))
         assert history.elastic.events == []
         _assert_as_one_process(adapter, strategy, model, history, expected, rows=120, epochs=2)
+    # each epoch's validation (the trainer's EpochRunner over the elastic runner): every row once, with the
+    # epoch's weights
+    want = [reference_evaluate(weights, x[:40], y[:40]) for weights in expected.epoch_weights]
+    assert history.history["val_loss"] == pytest.approx([w[0] for w in want], rel=1e-5)
+    assert history.history["val_accuracy"] == pytest.approx([w[1] for w in want], rel=1e-5)
 
 
 @pytest.mark.slow

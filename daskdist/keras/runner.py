@@ -28,6 +28,7 @@ from daskdist.keras import ps_fit, training
 from daskdist.keras.callbacks import ProgbarLogger, is_default
 from daskdist.keras.trainable import BuiltinTrainable
 from daskdist.training.commands import model_weights
+from daskdist.training.fit import EpochRunner
 from daskdist.training.progress import PROGRESS_TOPIC
 from daskdist.training.runner_choice import RunnerChoice, RunnerKind, choose_runner
 from daskdist.training.runners import ReplicaRunner, hooked_callbacks
@@ -193,38 +194,39 @@ class ReplicaModelRunner:
         self._subscribe(cb)
         if self._elastic is not None:
             self._elastic.set_callbacks(cb)  # a growth at the fit's start, before the callbacks were known: told now
-            results = self._elastic.train_epoch(epoch, steps, self.driver(), float(model.optimizer.learning_rate),
-                                                self.tag)
-            return dict(results["logs"])
-        results = self._replicas().train_epoch(
-            self.dist_train, steps, self.driver(), lambda: float(model.optimizer.learning_rate), tag=self.tag,
-            epoch=epoch, callbacks=cb, per_batch=self.choice.per_batch_train,
-            steps=steps if steps is not None else self.steps(), size=model._steps_per_execution,
-            stopped=lambda: bool(model.stop_training))
+        planned = steps if steps is not None or self._elastic is not None else self.steps()
+        results = self._epochs().train_epoch(
+            epoch, self.dist_train, steps, self.driver(), lambda: float(model.optimizer.learning_rate), self.tag,
+            callbacks=cb, steps=planned, size=model._steps_per_execution, stopped=lambda: bool(model.stop_training))
         return dict(results["logs"])
 
     def _replicas(self) -> ReplicaRunner:
         """The trainer's runner of this model's epochs and evaluations on the replicas."""
         return ReplicaRunner(self.strategy.extended, self.model._model_id, with_state=False)
 
+    def _epochs(self) -> EpochRunner:
+        """The trainer's runner of this fit's epochs and validations (elastic ones once ``begin`` made them so)."""
+        return EpochRunner(self.choice, self._replicas(), self._elastic)
+
     def replan_validation(self) -> None:
         """Distribute the validation data again at its next use (the members changed)."""
         self._dist_val = None
 
     def evaluate_dataset(self, data: Any, steps: int | None) -> dict[str, float]:
+        """An evaluation of ``data``: an elastic fit's validation runs again on the members left after a loss."""
         if self._elastic is not None:
-            logs: dict[str, float] = self._elastic.evaluate(data, steps)
-            return logs
-        return self.evaluate_once(data, steps)
-
-    def evaluate_once(self, data: Any, steps: int | None) -> dict[str, float]:
-        model = self.model
+            return self._epochs().evaluate(lambda: self._distributed_validation(data), steps)
         if not self.distributed:
-            return training.evaluate_batches(model, iter(data), steps)
-        model._ensure_installed()
-        dist = self._dist_val if self._dist_val is not None else self.strategy.experimental_distribute_dataset(data)
-        self._dist_val = dist
-        return self._replicas().evaluate(dist, steps)
+            return training.evaluate_batches(self.model, iter(data), steps)
+        return self._replicas().evaluate(self._distributed_validation(data), steps)
+
+    def _distributed_validation(self, data: Any) -> Any:
+        """``data`` distributed over the current members (again after a change: ``replan_validation``), the model
+        installed there first."""
+        self.model._ensure_installed()
+        if self._dist_val is None:
+            self._dist_val = self.strategy.experimental_distribute_dataset(data)
+        return self._dist_val
 
     def _subscribe(self, cb: Any) -> None:
         if self._subscribed or not cb.wants_progress():

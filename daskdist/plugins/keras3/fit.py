@@ -45,7 +45,7 @@ from daskdist.plugins.keras3.payload import pack_model
 from daskdist.plugins.keras3.resident import fingerprint
 from daskdist.strategy.drivers.contract import ParameterHoldingDriver
 from daskdist.training.commands import model_state
-from daskdist.training.fit import run_epochs
+from daskdist.training.fit import EpochRunner, run_epochs
 from daskdist.training.runner_choice import RunnerKind, choose_runner
 from daskdist.training.runners import ReplicaRunner, planned_steps
 
@@ -321,6 +321,7 @@ def fit(original: Callable[..., Any], model: Any, x: Any = None, y: Any = None, 
     if holding:
         update_rule.check_optimizer(_optimizer(model), type(record.strategy).__name__)
     elastic = None
+    train = None  # an elastic fit plans each epoch's batches over the members of the moment
     if options is None:
         train = _distribute(record, x, y, batch_size, shuffle, model, sample_weight)
     else:
@@ -369,6 +370,7 @@ def fit(original: Callable[..., Any], model: Any, x: Any = None, y: Any = None, 
         steps=steps, model=model)
     size = loops.execution_size(model)
     runner = ReplicaRunner(extended, record.object_id, with_state=True)
+    epochs_runner = EpochRunner(choice, runner, elastic)
     tag = f"keras3-{record.object_id}"  # the fit's progress events carry it
 
     def moved() -> None:
@@ -391,13 +393,9 @@ def fit(original: Callable[..., Any], model: Any, x: Any = None, y: Any = None, 
 
     def one_epoch(epoch: int) -> dict[str, Any]:
         model.reset_metrics()
-        if elastic is not None:
-            results = elastic.train_epoch(epoch, steps_per_epoch, driver, _learning_rate(model), tag)
-        else:
-            results = runner.train_epoch(train, steps_per_epoch, driver, lambda: _learning_rate(model),
-                                         tag=tag, epoch=epoch, callbacks=callback_list,
-                                         per_batch=choice.per_batch_train, steps=steps, size=size,
-                                         stopped=lambda: bool(model.stop_training), moved=moved)
+        results = epochs_runner.train_epoch(epoch, train, steps_per_epoch, driver, lambda: _learning_rate(model), tag,
+                                            callbacks=callback_list, steps=steps, size=size,
+                                            stopped=lambda: bool(model.stop_training), moved=moved)
         _take_state(model, results["state"])
         if holding:
             update_rule.take_stored(model, record.strategy.client, driver)
@@ -409,13 +407,8 @@ def fit(original: Callable[..., Any], model: Any, x: Any = None, y: Any = None, 
         if validation_data is None or not should_evaluate(epoch, validation_freq):
             return None
         model.stop_evaluating = False
-        if elastic is not None:
-            callback_list.on_test_begin()
-            val_logs: dict[str, Any] = elastic.evaluate(val_data, validation_steps)
-            callback_list.on_test_end(val_logs)
-            return val_logs
-        return runner.evaluate(val_data(), validation_steps, callback_list, choice.per_batch_test, size,
-                               lambda: bool(getattr(model, "stop_evaluating", False)))
+        return epochs_runner.evaluate(val_data, validation_steps, callback_list, size,
+                                      lambda: bool(getattr(model, "stop_evaluating", False)))
 
     logs = run_epochs(callback_list, initial_epoch, epochs, one_epoch, validate, lambda: bool(model.stop_training))
     finalize_optimizer(model, epochs)
