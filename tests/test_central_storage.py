@@ -199,9 +199,9 @@ def test_fit_gives_mirrored_losses_step_by_step(threaded_client):
         c_model, c_losses = _fit_step_by_step(central, initial)
         c_weights = c_model.get_weights()
         c_eval = c_model.evaluate(Dataset.from_tensor_slices(_digits()).batch(128), verbose=0)
-        from daskdist.keras.runner import _replica_get_weights
+        from daskdist.training.commands import model_weights
 
-        first, second = central.extended.run_on_replicas(_replica_get_weights, (c_model._model_id,))
+        first, second = central.extended.run_on_replicas(model_weights, (c_model._model_id,))
         for a, b in zip(first, second):
             np.testing.assert_array_equal(a, b)  # every replica computes with the stored values
         # one optimizer state, at the store: the replicas' optimizers never ran

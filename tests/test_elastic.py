@@ -21,7 +21,7 @@ from daskdist import keras
 from daskdist.cluster.identity import scheduler_workers
 from daskdist.training.progress import PROGRESS_TOPIC
 from tests.support import models
-from tests.support.killers import killed_at
+from tests.support.killers import RetireAtStep, killed_at
 from tests.support.models import slow_batch
 
 Dataset = dd.data.Dataset
@@ -137,9 +137,9 @@ def test_a_new_worker_is_admitted_when_the_group_is_below_min_replicas_and_gets_
         assert sorted(history.elastic.ledger.positions(0, history.elastic.rows).tolist()) == list(range(240))
         assert len(history.elastic.rows.ranges) == 6
         # the newcomer trained with the others from the survivors' commit: every replica holds rank 0's weights
-        from daskdist.keras.runner import _replica_get_weights
+        from daskdist.training.commands import model_weights
 
-        copies = strategy.extended.group.call(_replica_get_weights, (model._model_id,))
+        copies = strategy.extended.group.call(model_weights, (model._model_id,))
         assert len(copies) == 3
         for copy in copies[1:]:
             assert all(np.array_equal(a, b) for a, b in zip(copy, copies[0]))
@@ -316,10 +316,6 @@ def test_the_commit_ring_keeps_the_two_newest_and_forgets_replayed_ones():
     assert state_digest(same) != state_digest({("variable", "c1"): np.full(3, 2, np.float64)})
 
 
-async def _close_gracefully(dask_worker):
-    await dask_worker.close_gracefully(reason="worker-lifetime-reached")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["lifetime"])  # retire_workers on every adapter: tests/test_matrix_elastic.py
 def test_a_retired_member_leaves_at_a_commit_with_no_rollback_and_the_strategy_then_closes_cleanly(
@@ -336,26 +332,9 @@ def test_a_retired_member_leaves_at_a_commit_with_no_rollback_and_the_strategy_t
         model = models.model(weights)
     victim = strategy.extended.worker_addresses[0]  # rank 0: the new rank 0 goes on from the same commit
     since = time.time()
-    retired = {}
-
-    def retire():
-        while not any(t > since and m.get("step", -1) >= 3 for t, m in workers.client.get_events(PROGRESS_TOPIC)):
-            time.sleep(0.02)
-        if how == "retire_workers":
-            retired["answer"] = workers.client.retire_workers(workers=[victim], close_workers=True)
-        else:  # what a worker's lifetime calls when it is reached
-            workers.client.run(_close_gracefully, workers=[victim], wait=False)
-            retired["answer"] = "asked"
-        deadline = time.monotonic() + 60
-        while victim in scheduler_workers(workers.client) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        workers.slow_steps(False)  # it has left: the rest of the epoch needs no slowing
-
-    thread = threading.Thread(target=retire, daemon=True)
-    thread.start()
+    retirer = RetireAtStep(workers, victim, step=3, how=how)  # slowed steps turned off once it has left
     history = model.fit(train, epochs=1, verbose=0)
-    thread.join(60)
-    assert "answer" in retired, "the member was never retired"
+    retirer.join()
     (event,) = history.elastic.events
     assert event.action == "left" and event.left == [victim] and event.lost == [] and len(event.members) == 2
     assert 3 <= event.commit[2] < rows // 24  # left at a commit mid-epoch

@@ -86,7 +86,7 @@ def test_two_workers_pull_what_the_other_pushed_before_each_closure_and_every_pu
     """Two workers take the closures as they come; each closure carries its batch, so every row is used once per
     epoch whichever worker runs it. Row ``i`` in the second epoch needs the weight its first-epoch push left, which
     the other worker may have pushed: only a pull at the closure's start gives it; closures that only read the
-    model see what the stores hold. Shown failing: without ``closure_began``'s pull, the read closures of the
+    model see what the stores hold. Shown failing: without ``custom_closure_began``'s pull, the read closures of the
     worker that did not push last see its stale copy (predictions of the other's last rows differ).
     """
     ids = np.arange(60)

@@ -37,9 +37,9 @@ def _cnn(input_shape=(8, 8, 1)):
 
 
 def _replica_weights(strategy, model):
-    from daskdist.keras.runner import _replica_get_weights
+    from daskdist.training.commands import model_weights
 
-    return strategy.extended.group.call(_replica_get_weights, (model._model_id,))
+    return strategy.extended.group.call(model_weights, (model._model_id,))
 
 
 def test_fit_evaluate_predict_on_replicas(threaded_client, tmp_path):

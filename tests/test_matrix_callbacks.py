@@ -2,7 +2,8 @@
 
 One body per behaviour: epoch callbacks (a learning-rate schedule, epoch logs, validation, TensorBoard,
 ``ModelCheckpoint`` files that restore each epoch's weights), per-batch hooks with the running logs, and an
-interrupted ``fit`` resumed by ``BackupAndRestore`` then stopped early. Each is compared with the numpy
+interrupted ``fit`` resumed by ``BackupAndRestore`` then stopped early, and per-batch hooks refused where the
+trainer's runner cannot run them (elastic epochs, parameter-server closures). Each is compared with the numpy
 reference on the same global batches (``tests/support/adapters.py``). Adapter-specific callbacks
 (``steps_per_execution``, checkpoints every n batches) stay in ``tests/test_keras3_callbacks.py``.
 """
@@ -14,8 +15,9 @@ import os
 import numpy as np
 import pytest
 
+import daskdist as dd
 from tests.support.adapters import ADAPTERS, assert_weights, data, reference_evaluate, reference_fit
-from tests.support.strategies import SYNCHRONOUS
+from tests.support.strategies import COMBINATIONS, SYNCHRONOUS
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -110,6 +112,38 @@ def test_per_batch_hooks_see_each_global_batch_with_one_processs_running_logs(co
     assert [c[:2] for c in calls] == [(hook, b) for _ in range(2) for b in range(5) for hook in ("begin", "end")]
     got = [c[2:] for c in calls if c[0] == "end"]
     np.testing.assert_allclose(got, [log for epoch in expected.batch_logs for log in epoch], rtol=1e-5)
+
+
+#: where a per-batch hook cannot run: (strategy, the error the trainer's ``choose_runner`` raises)
+REFUSING = [
+    ("elastic", lambda client: dd.MirroredStrategy(client=client, elastic=dd.ElasticOptions(min_replicas=2)),
+     NotImplementedError, r"per-batch callbacks .* do not run under an elastic strategy yet.*Found: \['BatchHook'\]"),
+    ("parameter_server", next(c for c in COMBINATIONS if c.name == "parameter_server").make, ValueError,
+     r"Batch-level `Callback`s are not supported with `ParameterServerStrategy`. Found: \['BatchHook'\]"),
+]
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS, ids=str)
+@pytest.mark.parametrize(("where", "make", "error", "message"), REFUSING, ids=[r[0] for r in REFUSING])
+def test_a_per_batch_hook_is_refused_where_the_runner_cannot_run_it_before_anything_trains(
+        where, make, error, message, adapter, matrix_client, initial):
+    """The same refusal on every adapter, the weights untouched. Shown failing: before the runner was chosen
+    in the trainer, the built-in layers ran an elastic fit with the hook fed by progress events instead."""
+    keras = adapter.keras
+    x, y = data(rows=32)
+    calls = []
+
+    class BatchHook(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            calls.append(batch)
+
+    with make(matrix_client) as strategy:
+        with strategy.scope():
+            model = adapter.model(initial)
+        with pytest.raises(error, match=message):
+            model.fit(x, y, batch_size=BATCH, epochs=1, steps_per_epoch=2, verbose=0, callbacks=[BatchHook()])
+        assert calls == []
+        assert_weights(model.get_weights(), [np.asarray(w, np.float64) for w in initial], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("adapter", ADAPTERS, ids=str)

@@ -12,7 +12,6 @@ replicas. The workers are fresh processes (``process_workers``): a kill leaves n
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
@@ -21,8 +20,8 @@ import pytest
 import daskdist as dd
 from daskdist.cluster.identity import scheduler_workers
 from daskdist.training.progress import PROGRESS_TOPIC
-from tests.support.adapters import FORKED_ADAPTERS, assert_weights, data, reference_fit
-from tests.support.killers import FreeAtStep, kill_at_step, killed_at, reported_step
+from tests.support.adapters import FORKED_ADAPTERS, assert_weights, data, reference_evaluate, reference_fit
+from tests.support.killers import FreeAtStep, RetireAtStep, kill_at_step, killed_at
 from tests.support.models import slow_batch
 
 pytestmark = pytest.mark.timeout(600)
@@ -55,7 +54,8 @@ def _assert_as_one_process(adapter, strategy, model, history, expected, rows: in
 
 
 @pytest.mark.parametrize("adapter", FORKED_ADAPTERS, ids=str)
-def test_an_elastic_fit_without_failures_trains_as_one_process(adapter, forked_process_client, initial):
+def test_an_elastic_fit_without_failures_trains_and_validates_as_one_process(adapter, forked_process_client,
+                                                                           initial):
     x, y, train = _train_set(120)
     expected = reference_fit(initial, x, y, BATCH, epochs=2)
     # the client's third worker is free: max_replicas keeps it out (free workers join at the start of fit)
@@ -64,9 +64,14 @@ def test_an_elastic_fit_without_failures_trains_as_one_process(adapter, forked_p
         assert strategy.extended.group.spec.policy == "elastic"
         with strategy.scope():
             model = adapter.model(initial)
-        history = model.fit(train, epochs=2, verbose=0)
+        history = model.fit(train, epochs=2, verbose=0, validation_data=(x[:40], y[:40]))
         assert history.elastic.events == []
         _assert_as_one_process(adapter, strategy, model, history, expected, rows=120, epochs=2)
+    # each epoch's validation (the trainer's EpochRunner over the elastic runner): every row once, with the
+    # epoch's weights
+    want = [reference_evaluate(weights, x[:40], y[:40]) for weights in expected.epoch_weights]
+    assert history.history["val_loss"] == pytest.approx([w[0] for w in want], rel=1e-5)
+    assert history.history["val_accuracy"] == pytest.approx([w[1] for w in want], rel=1e-5)
 
 
 @pytest.mark.slow
@@ -190,23 +195,9 @@ def test_a_retired_member_leaves_at_a_commit_with_nothing_replayed_and_no_failur
     model.evaluate(x[:BATCH], y[:BATCH], verbose=0)  # the model on the replicas before the retirement's clock
     victim = strategy.extended.worker_addresses[0]  # rank 0: the new rank 0 goes on from the same commit
     since = time.time()
-    retired = {}
-
-    def retire():
-        deadline = time.monotonic() + 120
-        while not reported_step(workers.client, since, 3) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        retired["answer"] = workers.client.retire_workers(workers=[victim], close_workers=True)
-        deadline = time.monotonic() + 60
-        while victim in scheduler_workers(workers.client) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        workers.slow_steps(False)  # it has left: the rest needs no slowing
-
-    thread = threading.Thread(target=retire, daemon=True)
-    thread.start()
+    retirer = RetireAtStep(workers, victim, step=3)  # slowed steps turned off once it has left
     history = model.fit(train, epochs=1, verbose=0)
-    thread.join(60)
-    assert "answer" in retired, "the member was never retired"
+    retirer.join()
     (event,) = history.elastic.events
     assert (event.action, event.left, event.lost, len(event.members)) == ("left", [victim], [], 2)
     assert event.commit[1] == 0 and 3 <= event.commit[2] < rows // BATCH and event.commit[2] % 2 == 0

@@ -10,11 +10,15 @@ runs the same body: it is compared with numpy, not with itself. The replicas are
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
+import daskdist as dd
+from daskdist.training.runner_choice import RunnerKind, choose_runner
 from tests.support.adapters import ADAPTERS, assert_weights, data, reference_evaluate, reference_fit, reference_predict
-from tests.support.strategies import SYNCHRONOUS
+from tests.support.strategies import COMBINATIONS, SYNCHRONOUS
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -52,3 +56,41 @@ def test_fit_equals_one_process_on_the_same_global_batches(combination, adapter,
         model.save(path)
     loaded = adapter.keras.models.load_model(path)  # outside any strategy
     assert_weights(loaded.get_weights(), expected.weights)
+
+
+def _elastic(client):
+    return dd.MirroredStrategy(client=client, elastic=dd.ElasticOptions(min_replicas=2))
+
+
+#: (name, make(client), the runner its Extended asks for): every combination, and an elastic one
+RUNNERS = [(c.name, c.make, {"default": RunnerKind.LOCAL, "parameter_server": RunnerKind.CLOSURES}.get(
+    c.name, RunnerKind.REPLICAS)) for c in COMBINATIONS] + [("elastic", _elastic, RunnerKind.ELASTIC)]
+
+
+def _train_hooks(loop: str) -> list[str]:
+    return ["BatchHook"] if loop == "train" else []
+
+
+@pytest.mark.parametrize(("name", "make", "want"), RUNNERS, ids=[r[0] for r in RUNNERS])
+def test_the_trainer_chooses_each_combinations_runner_from_its_extended(name, make, want, matrix_client):
+    """``choose_runner``, which both adapters' ``fit``, ``evaluate`` and ``predict`` ask: the kind each Extended's
+    capabilities give, stepwise with a per-batch hook where the replicas can run one, refused where not."""
+    with contextlib.ExitStack() as stack:
+        strategy = make(matrix_client)
+        if name != "default":  # the default strategy is never closed
+            stack.enter_context(strategy)
+        plain = choose_runner(strategy)
+        assert plain.kind is want and not plain.per_batch_test
+        assert plain.elastic is (strategy.extended.elastic if want is RunnerKind.ELASTIC else None)
+        assert choose_runner(strategy, _train_hooks, training=False).kind is want  # an evaluation: never refused
+        if want is RunnerKind.CLOSURES:
+            with pytest.raises(ValueError, match=r"Found: \['BatchHook'\]"):
+                choose_runner(strategy, _train_hooks)
+        elif want is RunnerKind.ELASTIC:
+            with pytest.raises(NotImplementedError, match=r"Found: \['BatchHook'\]"):
+                choose_runner(strategy, _train_hooks)
+        elif want is RunnerKind.REPLICAS:
+            assert choose_runner(strategy, _train_hooks).kind is RunnerKind.STEPWISE
+            assert choose_runner(strategy, lambda loop: ["TestHook"] if loop == "test" else []).per_batch_test
+        else:
+            assert choose_runner(strategy, _train_hooks).kind is RunnerKind.LOCAL

@@ -232,7 +232,7 @@ def test_training_under_mwms_gives_the_losses_of_mirrored_on_one_host(netns_host
 @netns
 def test_keras_fit_with_distributed_input_runs_across_hosts(netns_hosts):
     from daskdist import keras
-    from daskdist.keras.runner import _replica_get_weights
+    from daskdist.training.commands import model_weights
 
     _, client = netns_hosts
     x, y = _regression_data()
@@ -245,7 +245,7 @@ def test_keras_fit_with_distributed_input_runs_across_hosts(netns_hosts):
                           optimizer=keras.optimizers.SGD(0.2))
         data = dd.data.Dataset.from_tensor_slices((x.astype(np.float32), labels), num_partitions=4).batch(16)
         losses = model.fit(data, epochs=4, verbose=0).history["loss"]
-        weights = strategy.extended.group.call(_replica_get_weights, (model._model_id,))
+        weights = strategy.extended.group.call(model_weights, (model._model_id,))
     assert losses[-1] < losses[0]
     for replica in weights[1:]:  # the copies on both hosts stay identical
         for a, b in zip(weights[0], replica):

@@ -1,9 +1,11 @@
 """Keras callbacks, run on the client at epoch boundaries (and fed progress as replicas train).
 
-Epoch hooks run synchronously between epochs. Batch hooks
-(``on_train_batch_end``) run on the client as progress reports arrive from
-replica 0, asynchronously: the replicas do not wait for the client between
-steps.
+Epoch hooks run synchronously between epochs. A user's batch hooks
+(``on_train_batch_begin/end``) run between commands of ``steps_per_execution``
+steps (the trainer's ``STEPWISE`` runner, ``training.runner_choice``); they
+are refused under an elastic strategy and under ParameterServerStrategy. The
+progress bar's ``on_train_batch_end`` is fed by replica 0's progress reports
+as they arrive, asynchronously: the replicas do not wait for it.
 """
 
 from __future__ import annotations
@@ -133,14 +135,6 @@ class CallbackList:
         for cb in self.callbacks:
             cb.set_model(model)
             cb.set_params(params)
-
-    def needs_batch_hooks(self, loop: str) -> bool:
-        """Whether one of the user's callbacks (not the progress bar) overrides a per-batch hook of ``loop``:
-        then the loop runs ``steps_per_execution`` steps per command, the hooks called between."""
-        from daskdist.training.runners import overrides_batch_hooks
-
-        users = [cb for cb in self.callbacks if not isinstance(cb, ProgbarLogger)]
-        return overrides_batch_hooks(users, loop, is_default)
 
     def wants_progress(self) -> bool:
         overridden = [cb for cb in self.callbacks

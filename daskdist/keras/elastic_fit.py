@@ -72,11 +72,6 @@ class ElasticFit(ElasticRunner):
             except RECOVERABLE as error:
                 self.recover(error)
 
-    def evaluate(self, data: Any, steps: int | None) -> dict[str, float]:
-        """Validation, run again on the new members if one is lost meanwhile (it changes no state)."""
-        result: dict[str, float] = self.with_recovery(lambda: self.runner.evaluate_once(data, steps))
-        return result
-
     def install_newcomer(self, rank: int) -> None:
         """Give a newcomer the model and every other model of the strategy the members hold (a commit restores
         them all: their weights and optimizer states then come with it)."""

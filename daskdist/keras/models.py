@@ -28,6 +28,7 @@ from daskdist.keras import ps_fit, resident_ref, runner, saving
 from daskdist.keras.trainable import BuiltinTrainable, RandomStates
 from daskdist.strategy.base import Strategy
 from daskdist.training.fit import run_epochs
+from daskdist.training.runner_choice import RunnerKind, choose_runner
 
 if TYPE_CHECKING:
     from daskdist.strategy.drivers.contract import ParameterHoldingDriver
@@ -386,7 +387,7 @@ class Model:
         self._require_compiled()
         x, y, validation_data = self._weighted_inputs(x, y, batch_size, shuffle, validation_split, validation_data,
                                                       class_weight, sample_weight, repeat=True)
-        runner = self._runner()
+        runner = self._runner(callbacks, training=True)
         try:
             runner.begin_fit(x, y, batch_size, shuffle, validation_data, callbacks, steps_per_epoch)
             history = callbacks_module.History()
@@ -427,9 +428,11 @@ class Model:
         ParameterServerStrategy, else in this process with the current weights."""
         return np.asarray(self._runner().predict(x, batch_size))
 
-    def _runner(self) -> runner.ReplicaModelRunner | ps_fit.PsModelRunner:
-        """How this model's epochs run (``keras.runner.for_model``)."""
-        return runner.for_model(self)
+    def _runner(self, callbacks: list[Any] | None = None,
+                training: bool = False) -> runner.ReplicaModelRunner | ps_fit.PsModelRunner:
+        """Where this model's ``fit`` (``training``, with the user's ``callbacks``), evaluations and weights run:
+        the trainer's choice (``keras.runner.for_model``)."""
+        return runner.for_model(self, callbacks, training=training)
 
     def _local_copy(self) -> Model:
         if not self._installed:
@@ -458,7 +461,7 @@ class Model:
         x, y, validation_data = inputs.x, inputs.y, inputs.validation_data
         if inputs.sample_weight is not None:
             x, y = self._as_dataset(x, y, batch_size, shuffle, sample_weight=inputs.sample_weight), None
-            if repeat and self._strategy is not None and ps_fit.uses_coordinator(self._strategy):
+            if repeat and choose_runner(self._strategy).kind is RunnerKind.CLOSURES:
                 x = x.repeat()  # as the workers' datasets of arrays repeat (steps_per_epoch ends an epoch)
         if isinstance(validation_data, tuple) and len(validation_data) == 3 and validation_data[2] is not None:
             val_x, val_y, val_weight = validation_data

@@ -17,7 +17,8 @@ TensorFlow's rules (Keras' ``_ClusterCoordinatorDataHandler`` and
   applied at most once even when the closure runs again after its worker
   was lost) and copy the updated parameters back;
 * callbacks run per epoch (the epoch ends with ``coordinator.join()``);
-  callbacks with batch-level hooks are refused, as in TF; ``History`` holds
+  callbacks with batch-level hooks are refused, as in TF (by the trainer's
+  ``choose_runner``, for every adapter); ``History`` holds
   each epoch's loss and metrics, computed from every closure's sums;
 * ``evaluate`` with a ``DatasetCreator`` needs ``steps`` (at-least-once, as
   TF's default); with arrays or a finite ``Dataset`` it is exact: the data is
@@ -43,26 +44,17 @@ from __future__ import annotations
 import copy
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from daskdist import context
 from daskdist.arrays import as_array, namespace, to_numpy
 from daskdist.data.dataset_creator import DatasetCreator
-from daskdist.keras import callbacks as callbacks_module
 from daskdist.keras.trainable import BuiltinTrainable, assign_held_state, held_state, rows_of, split_batch
 from daskdist.training import ps
 
-if TYPE_CHECKING:
-    from daskdist.strategy.base import Strategy
-
-__all__ = ["BuiltinPsWorker", "PsModelRunner", "evaluate", "local_weights", "predict", "uses_coordinator"]
-
-def uses_coordinator(strategy: Strategy) -> bool:
-    """Whether ``strategy`` runs Keras steps as coordinator closures (ParameterServerStrategy)."""
-    return strategy.extended.schedules_closures
-
+__all__ = ["BuiltinPsWorker", "PsModelRunner", "evaluate", "local_weights", "predict"]
 
 # -- the client ------------------------------------------------------------------------------------
 
@@ -167,14 +159,9 @@ class PsModelRunner:
 
     def begin_fit(self, x: Any, y: Any, batch_size: int | None, shuffle: bool, validation_data: Any,
                   callbacks: list[Any] | None, steps_per_epoch: int | None) -> None:
-        """TF's checks (``steps_per_epoch`` required, no batch-level callbacks), then the workers' models."""
+        """TF's check (``steps_per_epoch`` required), then the workers' models (batch-level callbacks were refused
+        by the trainer's ``choose_runner``)."""
         ps.check_steps_per_epoch(steps_per_epoch, "ParameterServerStrategy")
-        batch_level = [type(cb).__name__ for cb in callbacks or []
-                       if any(getattr(type(cb), hook) is not getattr(callbacks_module.Callback, hook)
-                              for hook in ("on_train_batch_begin", "on_train_batch_end"))]
-        if batch_level:
-            raise ValueError(f"Batch-level `Callback`s are not supported with `ParameterServerStrategy`. "
-                             f"Found: {batch_level}")
         model = self.model
         self._coordinator = _install(model)
         per_worker = self._coordinator.create_per_worker_dataset(

@@ -1,18 +1,23 @@
 """How a built-in ``Model`` reaches the trainer: the runner its ``fit``, ``evaluate`` and ``predict`` speak to.
 
-``for_model(model)`` picks it: under ParameterServerStrategy the trainer's
+``for_model(model, callbacks)`` asks the trainer which runner
+(``training.runner_choice.choose_runner``, Keras 3's choice too) and gives
+the model's side of it: under ParameterServerStrategy the trainer's
 coordinator closures (``keras.ps_fit.PsModelRunner`` over
 ``training.ps.ClosureRunner``), else ``ReplicaModelRunner``: the trainer's
-``ReplicaRunner`` on the replicas, its ``ElasticRunner`` on an elastic
+``ReplicaRunner`` on the replicas (one command per epoch, or stepwise with
+the per-batch callbacks between), its ``ElasticRunner`` on an elastic
 strategy (``keras.elastic_fit``), or the client's loop for a model made
 outside every scope. What is the built-in layers' own here is the data
-(``Model._as_dataset``), the progress topic's subscription and the replica
-commands that read and set the copies' weights.
+(``Model._as_dataset``), the progress topic's subscription and the model's
+side of the copies' weights (the trainer's ``model_weights`` command reads
+them).
 """
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -20,23 +25,36 @@ import numpy as np
 from daskdist.arrays import to_numpy
 from daskdist.group.service import MODEL, ReplicaService
 from daskdist.keras import ps_fit, training
+from daskdist.keras.callbacks import ProgbarLogger, is_default
 from daskdist.keras.trainable import BuiltinTrainable
+from daskdist.training.commands import model_weights
+from daskdist.training.fit import EpochRunner
 from daskdist.training.progress import PROGRESS_TOPIC
-from daskdist.training.runners import ReplicaRunner
+from daskdist.training.runner_choice import RunnerChoice, RunnerKind, choose_runner
+from daskdist.training.runners import ReplicaRunner, hooked_callbacks
 
 if TYPE_CHECKING:
     from daskdist.strategy.base import Strategy
     from daskdist.strategy.drivers.contract import StepDriver
 
-__all__ = ["ReplicaModelRunner", "for_model"]
+__all__ = ["ReplicaModelRunner", "for_model", "hooked"]
 
 
-def for_model(model: Any) -> ReplicaModelRunner | ps_fit.PsModelRunner:
-    """The runner of ``model``'s epochs: coordinator closures if its Extended schedules them, else on the replicas
-    (or here, for a model without a strategy)."""
-    if model._strategy is not None and model._strategy.extended.schedules_closures:
+def hooked(callbacks: Sequence[Any] | None) -> Callable[[str], list[str]]:
+    """``hooked(loop)`` for the trainer's ``choose_runner``: the user's ``callbacks`` (not the progress bar) that
+    override a per-batch hook of ``loop``, by class name."""
+    users = [cb for cb in callbacks or [] if not isinstance(cb, ProgbarLogger)]
+    return lambda loop: hooked_callbacks(users, loop, is_default)
+
+
+def for_model(model: Any, callbacks: Sequence[Any] | None = None, *,
+              training: bool = False) -> ReplicaModelRunner | ps_fit.PsModelRunner:
+    """The runner of ``model``'s ``fit`` (``training``, with the user's ``callbacks``) or of its evaluation,
+    prediction and weights, as the trainer chooses it (``choose_runner``)."""
+    choice = choose_runner(model._strategy, hooked(callbacks), training=training)
+    if choice.kind is RunnerKind.CLOSURES:
         return ps_fit.PsModelRunner(model)
-    return ReplicaModelRunner(model)
+    return ReplicaModelRunner(model, choice)
 
 
 class ReplicaModelRunner:
@@ -50,9 +68,10 @@ class ReplicaModelRunner:
     (``keras.training.train_batches``) for a model without a strategy.
     """
 
-    def __init__(self, model: Any):
+    def __init__(self, model: Any, choice: RunnerChoice):
         self.model = model
-        self.distributed = model._strategy is not None
+        self.choice = choice
+        self.distributed = choice.kind is not RunnerKind.LOCAL
         self.train: Any = None  # the fit's training dataset
         self._val: Any = None
         self.dist_train: Any = None  # the training dataset distributed over the replicas
@@ -88,11 +107,10 @@ class ReplicaModelRunner:
         self._prepare(train, val)
 
     def _prepare(self, train: Any, val: Any) -> None:
-        model = self.model
         self.train, self._val = train, val
         if not self.distributed:
             return
-        options = _elastic_options(model)
+        options = self.choice.elastic
         if options is None:
             self._distribute(train, val)
             return
@@ -131,8 +149,7 @@ class ReplicaModelRunner:
     # -- the copies that compute (replica 0's; every replica's when set) ---------------------------
 
     def computed_weights(self) -> list[np.ndarray]:
-        weights: list[np.ndarray] = self.strategy.extended.run_on_replica(0, _replica_get_weights,
-                                                                          (self.model._model_id,))
+        weights: list[np.ndarray] = self.strategy.extended.run_on_replica(0, model_weights, (self.model._model_id,))
         return weights
 
     def set_computed_weights(self, weights: list[np.ndarray]) -> None:
@@ -159,7 +176,7 @@ class ReplicaModelRunner:
     def begin(self, epoch: int) -> None:
         """The fit's first epoch is ``epoch``: on an elastic strategy (``ElasticOptions``), this fit's epochs
         run as the trainer's elastic epochs (``keras.elastic_fit.ElasticFit``)."""
-        options = _elastic_options(self.model)
+        options = self.choice.elastic
         if options is None or self.train is None:
             return
         from daskdist.keras.elastic_fit import ElasticFit
@@ -177,38 +194,39 @@ class ReplicaModelRunner:
         self._subscribe(cb)
         if self._elastic is not None:
             self._elastic.set_callbacks(cb)  # a growth at the fit's start, before the callbacks were known: told now
-            results = self._elastic.train_epoch(epoch, steps, self.driver(), float(model.optimizer.learning_rate),
-                                                self.tag)
-            return dict(results["logs"])
-        per_batch = cb.needs_batch_hooks("train")
-        results = self._replicas().train_epoch(
-            self.dist_train, steps, self.driver(), lambda: float(model.optimizer.learning_rate), tag=self.tag,
-            epoch=epoch, callbacks=cb, per_batch=per_batch, steps=steps if steps is not None else self.steps(),
-            size=model._steps_per_execution, stopped=lambda: bool(model.stop_training))
+        planned = steps if steps is not None or self._elastic is not None else self.steps()
+        results = self._epochs().train_epoch(
+            epoch, self.dist_train, steps, self.driver(), lambda: float(model.optimizer.learning_rate), self.tag,
+            callbacks=cb, steps=planned, size=model._steps_per_execution, stopped=lambda: bool(model.stop_training))
         return dict(results["logs"])
 
     def _replicas(self) -> ReplicaRunner:
         """The trainer's runner of this model's epochs and evaluations on the replicas."""
         return ReplicaRunner(self.strategy.extended, self.model._model_id, with_state=False)
 
+    def _epochs(self) -> EpochRunner:
+        """The trainer's runner of this fit's epochs and validations (elastic ones once ``begin`` made them so)."""
+        return EpochRunner(self.choice, self._replicas(), self._elastic)
+
     def replan_validation(self) -> None:
         """Distribute the validation data again at its next use (the members changed)."""
         self._dist_val = None
 
     def evaluate_dataset(self, data: Any, steps: int | None) -> dict[str, float]:
+        """An evaluation of ``data``: an elastic fit's validation runs again on the members left after a loss."""
         if self._elastic is not None:
-            logs: dict[str, float] = self._elastic.evaluate(data, steps)
-            return logs
-        return self.evaluate_once(data, steps)
-
-    def evaluate_once(self, data: Any, steps: int | None) -> dict[str, float]:
-        model = self.model
+            return self._epochs().evaluate(lambda: self._distributed_validation(data), steps)
         if not self.distributed:
-            return training.evaluate_batches(model, iter(data), steps)
-        model._ensure_installed()
-        dist = self._dist_val if self._dist_val is not None else self.strategy.experimental_distribute_dataset(data)
-        self._dist_val = dist
-        return self._replicas().evaluate(dist, steps)
+            return training.evaluate_batches(self.model, iter(data), steps)
+        return self._replicas().evaluate(self._distributed_validation(data), steps)
+
+    def _distributed_validation(self, data: Any) -> Any:
+        """``data`` distributed over the current members (again after a change: ``replan_validation``), the model
+        installed there first."""
+        self.model._ensure_installed()
+        if self._dist_val is None:
+            self._dist_val = self.strategy.experimental_distribute_dataset(data)
+        return self._dist_val
 
     def _subscribe(self, cb: Any) -> None:
         if self._subscribed or not cb.wants_progress():
@@ -232,11 +250,6 @@ class ReplicaModelRunner:
                 pass
 
 
-def _elastic_options(model: Any) -> Any:
-    """The strategy's ``ElasticOptions``, or ``None`` (no strategy, or not elastic)."""
-    return model._strategy.extended.elastic if model._strategy is not None else None
-
-
 # -- commands that run on the replicas ---------------------------------------------------
 
 
@@ -247,11 +260,6 @@ def _replica_trainable(service: ReplicaService, model_id: str) -> BuiltinTrainab
 
 def _replica_model(service: ReplicaService, model_id: str) -> Any:
     return _replica_trainable(service, model_id).model
-
-
-def _replica_get_weights(service: ReplicaService, model_id: str) -> list[np.ndarray]:
-    model = _replica_model(service, model_id)
-    return [np.array(to_numpy(a), copy=True) for _, a in model._weight_items()]
 
 
 def _replica_set_weights(service: ReplicaService, model_id: str, weights: list[np.ndarray]) -> None:

@@ -297,12 +297,16 @@ class BuiltinTrainable:
     # -- the resident -----------------------------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
-        weights = [np.array(to_numpy(a), copy=True) for _, a in self.model._weight_items()]
+        weights = self.weights()
         optimizer = self.model.optimizer
         state = {} if optimizer is None else {k: np.array(to_numpy(v), copy=True)
                                               for k, v in optimizer.get_state().items()}
         return {"weights": weights, "optimizer": state, "rng": self.snapshot_random(),
                 "metrics": [np.array(t, copy=True) for t in self._metric_totals]}
+
+    def weights(self) -> list[np.ndarray]:
+        """The model's weights (copies), in ``Model.get_weights``' order."""
+        return [np.array(to_numpy(a), copy=True) for _, a in self.model._weight_items()]
 
     def snapshot_random(self) -> RandomStates:
         """The layers' random generator states (a copy), under ``"rng"`` in ``snapshot``."""

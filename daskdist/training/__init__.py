@@ -28,7 +28,11 @@ ps
     ``PsWorker`` (the workers' resident, the adapter's hooks), exactly-once evaluation shards, a lost
     parameter server raised as ``ParameterServerLostError``.
 fit
-    ``run_epochs``: the client's epoch loop every adapter's ``fit`` runs.
+    ``run_epochs``: the client's epoch loop every adapter's ``fit`` runs; ``EpochRunner``: an epoch or a
+    validation on the replicas over the runner chosen (``ReplicaRunner``, the fit's ``ElasticRunner``).
+runner_choice
+    ``choose_runner``: which runner (local, replicas, stepwise, elastic, closures) a fit or an evaluation
+    runs on, from the Extended's capabilities and the callbacks' per-batch hooks; every adapter asks it.
 timer, progress
     The replica's step timer that reports each step; replica 0's live progress events.
 """

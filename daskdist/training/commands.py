@@ -9,7 +9,8 @@ over the replica's shard with the strategy's step driver:
 * ``begin_loop`` / ``train_steps`` / ``test_steps`` / ``end_loop``: a loop in
   several commands, ``steps_per_execution`` steps each, the client's per-batch
   callbacks between them (``training.stepwise``);
-* ``evaluate``: a whole evaluation; ``model_state``: replica 0's state.
+* ``evaluate``: a whole evaluation; ``model_state``: the replica's state;
+  ``model_weights``: the replica's weights (its ``get_weights``).
 
 A training command's answer is ``{"logs": the global logs, "state": replica
 0's ``snapshot()`` when asked, else ``None``}``.
@@ -31,8 +32,8 @@ if TYPE_CHECKING:
     from daskdist.group.service import ReplicaService
     from daskdist.strategy.drivers.contract import StepDriver
 
-__all__ = ["begin_loop", "end_loop", "evaluate", "model_state", "replica_model", "test_steps", "train_epoch",
-           "train_steps"]
+__all__ = ["begin_loop", "end_loop", "evaluate", "model_state", "model_weights", "replica_model", "test_steps",
+           "train_epoch", "train_steps"]
 
 # the open loops of each resident model (``begin_loop`` ... ``end_loop``), by loop kind
 _OPEN: weakref.WeakKeyDictionary[Any, dict[str, ReplicaLoop]] = weakref.WeakKeyDictionary()
@@ -108,6 +109,12 @@ def model_state(service: ReplicaService, model_id: str) -> dict[str, Any]:
     """The replica's model state (its ``snapshot``)."""
     state: dict[str, Any] = replica_model(service, model_id).snapshot()
     return state
+
+
+def model_weights(service: ReplicaService, model_id: str) -> list[Any]:
+    """The replica's copy of the model's weights, as numpy arrays in ``get_weights``' order (its ``weights``)."""
+    weights: list[Any] = replica_model(service, model_id).weights()
+    return weights
 
 
 # -- a loop in several commands (per-batch callbacks on the client between them) ------------------

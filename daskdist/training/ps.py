@@ -28,6 +28,12 @@ tutorial), for every adapter:
 * a parameter server's loss, whichever call meets it first, is raised as
   ``ParameterServerLostError`` (``parameter_servers_lost_as_such``).
 
+A custom loop's closures (a user's function scheduled through the
+coordinator, using the model) are not a runner: the user's loop drives them.
+The worker's side is here (``PsWorker.custom_closure_began``, ``apply_gradients``):
+the stored parameters pulled as the closure starts, each step's gradients
+pushed, the held state written back as it ends when the closure changed it.
+
 The adapter's hook surface is small: ``PsWorker``'s ``in_replica``,
 ``prepare``, ``results`` and ``predict_batch`` on the workers; the client's
 ``aggregate`` (the closures' results into the epoch's logs) and
@@ -42,7 +48,10 @@ import itertools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
+import numpy as np
+
 from daskdist import context
+from daskdist.arrays import to_numpy
 from daskdist.group.service import MODEL, ReplicaService
 
 __all__ = ["AUTO_SHARDS_PER_WORKER", "ClosureRunner", "PsWorker", "chunks", "evaluation_pieces", "evaluation_shards",
@@ -72,6 +81,7 @@ class PsWorker:
         self.trainable = trainable
         self.driver = driver
         self.predicted = 0  # batches this worker predicted (how far ``predict``'s work spread over the workers)
+        self._pulled_state: list[np.ndarray] = []  # the held state as a custom loop's closure pulled it
 
     # -- the adapter's hooks ------------------------------------------------------------------
 
@@ -142,6 +152,40 @@ class PsWorker:
         outputs = [self.predict_batch(batch) for batch in self._pulled(batches)]
         self.predicted += len(outputs)
         return outputs
+
+    # -- a custom loop's closures (the user's function, ``ClusterCoordinator.schedule``) ----------------
+    #
+    # Not a runner: the user's function is the step and the user's loop schedules it; what the trainer gives is
+    # this worker's side of it. The adapter resolves a reference to the model in the function to this
+    # worker's copy and calls ``custom_closure_began``; its optimizer's ``apply`` calls ``apply_gradients``.
+
+    def custom_closure_began(self, service: ReplicaService) -> None:
+        """A scheduled function met a reference to this model: pull what the others pushed meanwhile; when the
+        closure returns, the held state it changed (moving statistics) is assigned on the stores
+        (``custom_closure_ended``)."""
+        from daskdist.ps.closures import at_closure_end
+
+        self.driver.begin(self.trainable)
+        self.driver.pull(self.trainable)
+        self._pulled_state = self._held_copies()
+        at_closure_end(service, f"training/held-state/{id(self)}", self.custom_closure_ended)
+
+    def custom_closure_ended(self) -> None:
+        """The closure returned: the held state (a forward pass with ``training=True`` changes the moving
+        statistics) is assigned on the stores, as ``fit``'s closures assign it (``PsStepDriver.end``: the last
+        writer's kept); a closure that changed none (it only read the model) writes nothing, so it cannot undo
+        another worker's newer state."""
+        if any(not np.array_equal(a, b) for a, b in zip(self._held_copies(), self._pulled_state)):
+            self.driver.end(self.trainable)
+
+    def apply_gradients(self, gradients: list[Any]) -> None:
+        """A custom loop's step: the gradients of every trainable parameter, in the trainable's order, pushed to
+        the stores (applied there once) and the new parameters assigned here."""
+        self.driver.apply_gradients(self.trainable, gradients)
+
+    def _held_copies(self) -> list[np.ndarray]:
+        held = getattr(self.trainable, "held_state", None)
+        return [np.array(to_numpy(value), copy=True) for value in (held() if held is not None else [])]
 
 
 def worker_model(model_id: str) -> Any:

@@ -52,3 +52,6 @@ class ReplicaModel(Protocol):
 
     def snapshot(self) -> dict[str, Any]:
         """The model's state, as the client takes it back and an elastic commit keeps it."""
+
+    def weights(self) -> list[Any]:
+        """The model's weights as numpy arrays (copies), in the order the framework's ``get_weights`` gives them."""

@@ -5,7 +5,7 @@ evaluation) is one command (``training.commands.train_epoch``): every replica
 runs all of its steps and returns the global logs, replica 0 sending live
 progress events. When one of the user's callbacks overrides
 ``on_train_batch_begin/end`` (or ``on_batch_begin/end``), ``on_test_batch_*``
-or ``on_predict_batch_*`` (the adapter says: ``needs_batch_hooks``), the
+or ``on_predict_batch_*`` (the trainer's ``runner_choice.choose_runner`` says so: ``STEPWISE``), the
 loop runs as TensorFlow runs it with ``steps_per_execution``: one command per
 ``size`` steps, ``on_*_batch_begin(first step)`` before it and
 ``on_*_batch_end(last step, logs)`` after it, the logs being the epoch's
@@ -23,7 +23,7 @@ from daskdist.training import commands
 if TYPE_CHECKING:
     from daskdist.strategy.drivers.contract import StepDriver
 
-__all__ = ["BATCH_HOOKS", "ReplicaRunner", "overrides_batch_hooks", "planned_steps"]
+__all__ = ["BATCH_HOOKS", "ReplicaRunner", "hooked_callbacks", "overrides_batch_hooks", "planned_steps"]
 
 #: The per-batch hooks of each loop (``on_batch_*`` are Keras' aliases of the training ones).
 BATCH_HOOKS = {
@@ -33,12 +33,17 @@ BATCH_HOOKS = {
 }
 
 
-def overrides_batch_hooks(callbacks: Any, loop: str, is_default: Callable[[Any], bool]) -> bool:
-    """Whether one of ``callbacks`` overrides a per-batch hook of ``loop`` (``is_default(method)``: the
-    framework's test that a hook is its base class's no-op)."""
+def hooked_callbacks(callbacks: Any, loop: str, is_default: Callable[[Any], bool]) -> list[str]:
+    """The class names of ``callbacks`` (a list, or a framework's callback list) that override a per-batch hook of
+    ``loop`` (``is_default(method)``: the framework's test that a hook is its base class's no-op), in order."""
     listed = getattr(callbacks, "callbacks", callbacks) or []
-    return any(not is_default(getattr(callback, hook)) for callback in listed for hook in BATCH_HOOKS[loop]
-               if hasattr(callback, hook))
+    return [type(callback).__name__ for callback in listed
+            if any(not is_default(getattr(callback, hook)) for hook in BATCH_HOOKS[loop] if hasattr(callback, hook))]
+
+
+def overrides_batch_hooks(callbacks: Any, loop: str, is_default: Callable[[Any], bool]) -> bool:
+    """Whether one of ``callbacks`` overrides a per-batch hook of ``loop`` (see ``hooked_callbacks``)."""
+    return bool(hooked_callbacks(callbacks, loop, is_default))
 
 
 def planned_steps(batches: Any) -> int | None:

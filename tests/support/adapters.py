@@ -204,21 +204,21 @@ def _keras3_jax():
 
 
 def _builtin_replica_weights(strategy, model) -> list[list[np.ndarray]]:
-    from daskdist.keras.runner import _replica_get_weights
+    from daskdist.training.commands import model_weights
 
     if not getattr(model, "_installed", False):  # the default strategy: the model trains here
         return [model.get_weights()]
-    return strategy.extended.run_on_replicas(_replica_get_weights, (model._model_id,))
+    return strategy.extended.run_on_replicas(model_weights, (model.model_id,))
 
 
 def _keras3_replica_weights(strategy, model) -> list[list[np.ndarray]]:
     from daskdist.plugins.keras3 import registry
+    from daskdist.training.commands import model_weights
 
-    if registry.lookup(model) is None:  # the default strategy: plain Keras in this process
+    record = registry.lookup(model)
+    if record is None:  # the default strategy: plain Keras in this process
         return [model.get_weights()]
-    from tests.keras3_models import replica_states
-
-    return [[v for v in state["variables"] if v.dtype.kind == "f"] for state in replica_states(strategy, model)]
+    return strategy.extended.run_on_replicas(model_weights, (record.object_id,))
 
 
 def _builtin_checkpoint_files(epochs: Sequence[int]) -> set[str]:

@@ -1,6 +1,7 @@
-"""Where a test places a kill: at a fault point (``Killer``) or at a step replica 0 reported (``KillAtStep``).
+"""Where a test places a kill: at a fault point (``Killer``) or at a step replica 0 reported (``KillAtStep``);
+where it places a retirement (``RetireAtStep``) or a worker's arrival (``FreeAtStep``).
 
-Both are threads that the ``process_workers`` fixture stops and joins when the test ends, so a watcher
+All are threads that the ``process_workers`` fixture stops and joins when the test ends, so a watcher
 never outlives its test (a late exception in it would fail a later test).
 
 For a kill inside one ``strategy.run`` (a replica held in a long sleep while the others wait for it in a
@@ -239,6 +240,51 @@ def kill_at_step(workers, victim: str, step: int, epoch: int = 0):
     """A watcher that kills ``victim`` at ``step`` of ``epoch``: returns (thread, record), as the tests use it."""
     watcher = KillAtStep(workers, victim, step, epoch)
     return watcher.thread, watcher.record
+
+
+async def _close_gracefully(dask_worker) -> None:
+    await dask_worker.close_gracefully(reason="worker-lifetime-reached")
+
+
+class RetireAtStep(_Watcher):
+    """Retires ``victim`` once replica 0 reported ``step`` of ``epoch``, then waits until the scheduler no longer
+    lists it and turns the workers' slow steps off (``ProcessWorkers.slow_steps``): it has left, the rest of the
+    run needs no slowing.
+
+    ``how``: ``"retire_workers"`` (Dask's ``Client.retire_workers``, the worker closed; ``record["answer"]`` is
+    its answer) or ``"lifetime"`` (what a worker's ``lifetime`` calls when reached: its graceful close, not
+    waited for; ``record["answer"]`` is ``"asked"``). Stopped with its workers; ``join`` says it retired.
+    """
+
+    def __init__(self, workers, victim: str, step: int, how: str = "retire_workers", epoch: int = 0):
+        if how not in ("retire_workers", "lifetime"):
+            raise ValueError(f"how must be 'retire_workers' or 'lifetime', got {how!r}")
+        super().__init__()
+        self.workers, self.victim, self.step, self.how, self.epoch = workers, victim, step, how, epoch
+        self._since = time.time()
+        workers.watch(self)
+        self.thread.start()
+
+    def _poll(self) -> bool:
+        client = self.workers.client
+        if not reported_step(client, self._since, self.step, self.epoch):
+            return False
+        if self.how == "retire_workers":
+            self.record["answer"] = client.retire_workers(workers=[self.victim], close_workers=True)
+        else:
+            client.run(_close_gracefully, workers=[self.victim], wait=False)
+            self.record["answer"] = "asked"
+        deadline = time.monotonic() + 60
+        while self.victim in scheduler_workers(client) and time.monotonic() < deadline:
+            if self._stopped.wait(0.05):
+                break
+        self.workers.slow_steps(False)
+        return True
+
+    def join(self, timeout: float = 60) -> dict:
+        self.thread.join(timeout)
+        assert "answer" in self.record, "the member was never retired"
+        return self.record
 
 
 def _set_status(status: str, dask_worker=None) -> None:

@@ -39,7 +39,6 @@ from daskdist.elastic.replica import commit_keys, commit_now
 from daskdist.plugins.keras3 import commands
 from daskdist.plugins.keras3.backend import keras_backend
 from daskdist.plugins.keras3.payload import pack_model
-from daskdist.training.commands import evaluate
 from daskdist.training.elastic import ElasticRunner
 
 __all__ = ["KerasElasticFit"]
@@ -82,12 +81,6 @@ class KerasElasticFit(ElasticRunner):
                 return
             except RECOVERABLE as error:
                 self.recover(error)
-
-    def evaluate(self, make_data: Any, steps: int | None) -> dict[str, float]:
-        """Validation (``make_data()``: its distributed dataset), run again on the new members after a loss."""
-        logs: dict[str, float] = self.with_recovery(
-            lambda: self.group.call(evaluate, (self.record.object_id, make_data(), steps))[0])
-        return logs
 
     def install_newcomer(self, rank: int) -> None:
         """Give a newcomer the model, and every other model of the scope the members hold (a commit restores

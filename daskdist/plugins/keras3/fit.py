@@ -3,10 +3,12 @@
 The client keeps the user's model; the replicas each hold a copy
 (``KerasTrainable``), installed from Keras' own ``.keras`` file on first use
 and again whenever the client's copy changed (compile, ``set_weights``,
-``load_weights``). ``fit`` sends one command per epoch (per
-``steps_per_execution`` steps when a callback has per-batch hooks:
-``loops.py``; epochs in committed steps on an elastic strategy:
-``elastic.py``): each replica trains over its share of every global batch
+``load_weights``). ``fit`` runs on the runner the trainer chooses
+(``daskdist.training.runner_choice.choose_runner``, the built-in layers'
+choice too): one command per epoch (per ``steps_per_execution`` steps when a
+callback has per-batch hooks: ``loops.py``; epochs in committed steps on an
+elastic strategy: ``elastic.py``; coordinator closures under
+ParameterServerStrategy: ``ps.py``): each replica trains over its share of every global batch
 with the strategy's step driver (``extended.step_driver()``), and returns the
 epoch's global logs; replica 0
 also returns its weights and optimizer state, which the client's model takes,
@@ -43,7 +45,8 @@ from daskdist.plugins.keras3.payload import pack_model
 from daskdist.plugins.keras3.resident import fingerprint
 from daskdist.strategy.drivers.contract import ParameterHoldingDriver
 from daskdist.training.commands import model_state
-from daskdist.training.fit import run_epochs
+from daskdist.training.fit import EpochRunner, run_epochs
+from daskdist.training.runner_choice import RunnerKind, choose_runner
 from daskdist.training.runners import ReplicaRunner, planned_steps
 
 __all__ = [
@@ -162,9 +165,9 @@ def _pull(model: Any, record: registry.Record) -> None:
     """After a custom loop (``strategy.run``) changed the replicas' copy: take replica 0's state."""
     if not record.dirty or record.fingerprint is None:
         return
-    from daskdist.plugins.keras3 import ps
+    if choose_runner(record.strategy, training=False).kind is RunnerKind.CLOSURES:  # the stores hold the state
+        from daskdist.plugins.keras3 import ps
 
-    if ps.schedules_closures(record.strategy.extended):  # a custom loop's closures: the stores hold the state
         ps.take_loop_state(model, record)
         return
     state = record.strategy.extended.run_on_replica(0, model_state, (record.object_id,))
@@ -298,9 +301,10 @@ def fit(original: Callable[..., Any], model: Any, x: Any = None, y: Any = None, 
 
     if not model.compiled:
         raise ValueError("You must call `compile()` before using the model (`model.compile(optimizer, loss)`).")
-    from daskdist.plugins.keras3 import ps
+    choice = choose_runner(record.strategy, loops.hooked(callbacks))  # the trainer's, as the built-in layers'
+    if choice.kind is RunnerKind.CLOSURES:
+        from daskdist.plugins.keras3 import ps
 
-    if ps.schedules_closures(record.strategy.extended):
         _pull(model, record)  # a custom loop's closures trained it: fit goes on from the stored state
         refuse_ps_weights(validation_split, sample_weight)
         return ps.fit(model, record, x, y, epochs, verbose, callbacks, validation_data, initial_epoch,
@@ -311,17 +315,13 @@ def fit(original: Callable[..., Any], model: Any, x: Any = None, y: Any = None, 
     x, y, sample_weight, validation_data = inputs.x, inputs.y, inputs.sample_weight, inputs.validation_data
     extended = record.strategy.extended
     refuse_weighted_mean_reduction(model, extended.num_replicas, inputs, record.strategy.client)
-    options = extended.elastic
-    per_batch = loops.needs_batch_hooks(callbacks, "train")
-    per_test = loops.needs_batch_hooks(callbacks, "test")
-    if options is not None and (per_batch or per_test):
-        raise NotImplementedError("per-batch callbacks (on_train_batch_*, on_test_batch_*) do not run under an "
-                                  "elastic strategy yet: an elastic epoch is one command between commits")
+    options = choice.elastic
     driver = extended.step_driver(record.object_id)  # a stable key: the held parameters of this model
     holding = isinstance(driver, ParameterHoldingDriver)
     if holding:
         update_rule.check_optimizer(_optimizer(model), type(record.strategy).__name__)
     elastic = None
+    train = None  # an elastic fit plans each epoch's batches over the members of the moment
     if options is None:
         train = _distribute(record, x, y, batch_size, shuffle, model, sample_weight)
     else:
@@ -370,6 +370,7 @@ def fit(original: Callable[..., Any], model: Any, x: Any = None, y: Any = None, 
         steps=steps, model=model)
     size = loops.execution_size(model)
     runner = ReplicaRunner(extended, record.object_id, with_state=True)
+    epochs_runner = EpochRunner(choice, runner, elastic)
     tag = f"keras3-{record.object_id}"  # the fit's progress events carry it
 
     def moved() -> None:
@@ -392,13 +393,9 @@ def fit(original: Callable[..., Any], model: Any, x: Any = None, y: Any = None, 
 
     def one_epoch(epoch: int) -> dict[str, Any]:
         model.reset_metrics()
-        if elastic is not None:
-            results = elastic.train_epoch(epoch, steps_per_epoch, driver, _learning_rate(model), tag)
-        else:
-            results = runner.train_epoch(train, steps_per_epoch, driver, lambda: _learning_rate(model),
-                                         tag=tag, epoch=epoch, callbacks=callback_list, per_batch=per_batch,
-                                         steps=steps, size=size, stopped=lambda: bool(model.stop_training),
-                                         moved=moved)
+        results = epochs_runner.train_epoch(epoch, train, steps_per_epoch, driver, lambda: _learning_rate(model), tag,
+                                            callbacks=callback_list, steps=steps, size=size,
+                                            stopped=lambda: bool(model.stop_training), moved=moved)
         _take_state(model, results["state"])
         if holding:
             update_rule.take_stored(model, record.strategy.client, driver)
@@ -410,13 +407,8 @@ def fit(original: Callable[..., Any], model: Any, x: Any = None, y: Any = None, 
         if validation_data is None or not should_evaluate(epoch, validation_freq):
             return None
         model.stop_evaluating = False
-        if elastic is not None:
-            callback_list.on_test_begin()
-            val_logs: dict[str, Any] = elastic.evaluate(val_data, validation_steps)
-            callback_list.on_test_end(val_logs)
-            return val_logs
-        return runner.evaluate(val_data(), validation_steps, callback_list, per_test, size,
-                               lambda: bool(getattr(model, "stop_evaluating", False)))
+        return epochs_runner.evaluate(val_data, validation_steps, callback_list, size,
+                                      lambda: bool(getattr(model, "stop_evaluating", False)))
 
     logs = run_epochs(callback_list, initial_epoch, epochs, one_epoch, validate, lambda: bool(model.stop_training))
     finalize_optimizer(model, epochs)
@@ -438,7 +430,8 @@ def evaluate(original: Callable[..., Any], model: Any, x: Any = None, y: Any = N
     verbose_level = 1 if verbose == "auto" else int(verbose)
     callback_list = callbacks if isinstance(callbacks, keras.callbacks.CallbackList) else keras.callbacks.CallbackList(
         callbacks, add_progbar=verbose_level != 0, verbose=verbose_level, epochs=1, steps=steps, model=model)
-    if ps.schedules_closures(record.strategy.extended):  # closures on the workers, as TF's inline evaluation
+    choice = choose_runner(record.strategy, loops.hooked(callbacks), training=False)
+    if choice.kind is RunnerKind.CLOSURES:  # closures on the workers, as TF's inline evaluation
         if sample_weight is not None:  # Keras' checks (one per row; a dataset's elements carry them)
             sample_weight = weighted_inputs(record.strategy.client, x, y, sample_weight).sample_weight
         _pull(model, record)
@@ -450,7 +443,7 @@ def evaluate(original: Callable[..., Any], model: Any, x: Any = None, y: Any = N
         ensure_installed(model, record)
         model.stop_evaluating = False
         logs = ReplicaRunner(record.strategy.extended, record.object_id, with_state=False).evaluate(
-            data, steps, callback_list, loops.needs_batch_hooks(callbacks, "test"), loops.execution_size(model),
+            data, steps, callback_list, choice.per_batch_test, loops.execution_size(model),
             lambda: bool(getattr(model, "stop_evaluating", False)))
     if return_dict:
         return logs
@@ -465,7 +458,8 @@ def predict(original: Callable[..., Any], model: Any, x: Any, batch_size: int | 
     record = _distributed(model, "predict")
     if record is not None:
         _pull(model, record)
-        if record.strategy.extended.schedules_closures and getattr(model, "optimizer", None) is not None:
+        if (choose_runner(record.strategy, training=False).kind is RunnerKind.CLOSURES
+                and getattr(model, "optimizer", None) is not None):
             from daskdist.plugins.keras3 import ps
 
             return ps.predict(model, record, x, batch_size, steps)  # closures on the workers

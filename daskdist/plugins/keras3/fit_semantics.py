@@ -4,7 +4,6 @@ Small functions each fit loop calls at the same point Keras' does (the
 SPMD loop in ``fit.py``, the parameter-server loop in ``ps.py``):
 ``resumed_epoch`` after ``on_train_begin`` (``BackupAndRestore``),
 ``finalize_optimizer`` after the last epoch (``use_ema=True``),
-``refuse_batch_callbacks`` where per-batch hooks cannot run,
 ``one_step_per_execution`` around ``predict`` on the client's copy,
 ``should_evaluate`` (``validation_freq``) after each epoch, and
 ``weighted_inputs`` (``validation_split``, ``class_weight``, ``sample_weight``) before anything runs.
@@ -18,8 +17,7 @@ from typing import Any
 
 from daskdist.training.fit_inputs import FitInputs, element_spec_of, fit_inputs
 
-__all__ = ["TRAIN_BATCH_HOOKS", "finalize_optimizer", "one_step_per_execution", "refuse_batch_callbacks", "resumed_epoch",
-           "should_evaluate", "weighted_inputs"]
+__all__ = ["finalize_optimizer", "one_step_per_execution", "resumed_epoch", "should_evaluate", "weighted_inputs"]
 
 
 def resumed_epoch(model: Any, initial_epoch: int) -> int:
@@ -55,33 +53,6 @@ def one_step_per_execution(model: Any) -> Iterator[None]:
     finally:
         model.steps_per_execution = size
         model.predict_function = None
-
-
-#: The per-batch hooks of a training loop (``on_batch_*`` are Keras' aliases of the training ones).
-TRAIN_BATCH_HOOKS = ("on_train_batch_begin", "on_train_batch_end", "on_batch_begin", "on_batch_end")
-
-
-def refuse_batch_callbacks(callbacks: Any, strategy_name: str) -> None:
-    """Refuse callbacks with per-batch training hooks, TensorFlow's error under parameter servers.
-
-    Every form counts the same: a ``Callback`` subclass overriding a hook, a
-    ``LambdaCallback`` given one (Keras sets it on the instance), a hook set
-    on an instance by hand; Keras' own defaults (marked by Keras) do not.
-
-    Raises
-    ------
-    ValueError
-        One of ``callbacks`` has a per-batch training hook.
-    """
-    from keras.src.utils.python_utils import is_default
-
-    listed = getattr(callbacks, "callbacks", callbacks) or []
-    found = [type(callback).__name__ for callback in listed
-             if any(not is_default(getattr(callback, hook)) for hook in TRAIN_BATCH_HOOKS if hasattr(callback, hook))]
-    if found:
-        raise ValueError(f"Batch-level `Callback`s are not supported with `{strategy_name}`. Found: {found}. Their "
-                         "per-batch hooks (on_train_batch_begin/end, on_batch_begin/end) would not run: use "
-                         "epoch-level hooks (on_epoch_begin/end)")
 
 
 def should_evaluate(epoch: int, freq: Any) -> bool:

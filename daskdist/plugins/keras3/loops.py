@@ -1,7 +1,8 @@
-"""What the trainer's client loops ask of Keras 3: whether a callback has per-batch hooks, and how many steps
+"""What the trainer's client loops ask of Keras 3: which callbacks have per-batch hooks, and how many steps
 run per command between them.
 
-The loops themselves are the trainer's (``daskdist.training.runners.ReplicaRunner``):
+The loops themselves, and the choice between them, are the trainer's
+(``daskdist.training.runner_choice.choose_runner``, ``training.runners.ReplicaRunner``):
 one command per epoch, or per ``model.steps_per_execution`` steps when one
 of the user's callbacks overrides a per-batch hook, as TensorFlow runs it.
 The client's copy of the model lags the replicas' during the epoch;
@@ -11,18 +12,20 @@ take the replicas' current weights first.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from daskdist.training.runners import BATCH_HOOKS, overrides_batch_hooks, planned_steps
+from daskdist.training.runners import BATCH_HOOKS, hooked_callbacks, planned_steps
 
-__all__ = ["BATCH_HOOKS", "execution_size", "needs_batch_hooks", "planned_steps"]
+__all__ = ["BATCH_HOOKS", "execution_size", "hooked", "planned_steps"]
 
 
-def needs_batch_hooks(callbacks: Any, loop: str) -> bool:
-    """Whether one of the user's ``callbacks`` overrides a per-batch hook of ``loop`` (Keras' own test)."""
+def hooked(callbacks: Any) -> Callable[[str], list[str]]:
+    """``hooked(loop)`` for the trainer's ``choose_runner``: the user's ``callbacks`` that override a per-batch hook
+    of ``loop``, by class name (Keras' own test: a ``LambdaCallback`` given a hook counts, Keras' defaults do not)."""
     from keras.src.utils.python_utils import is_default
 
-    return overrides_batch_hooks(callbacks, loop, is_default)
+    return lambda loop: hooked_callbacks(callbacks, loop, is_default)
 
 
 def execution_size(model: Any) -> int:

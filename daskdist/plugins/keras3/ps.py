@@ -3,7 +3,8 @@
 TensorFlow's rules for Keras under its ``ParameterServerStrategy``:
 ``steps_per_epoch`` is required, the input is a ``DatasetCreator`` (or a
 ``dataset_fn(input_context)``) each worker builds its own dataset from, and
-callbacks run per epoch (batch-level ones are refused). Each worker keeps its
+callbacks run per epoch (batch-level ones are refused by the trainer's
+``choose_runner`` before ``fit`` reaches this module). Each worker keeps its
 own copy of the model (``KerasPsWorker``, installed by
 ``ClusterCoordinator.run_on_each_worker`` with the model's ``.keras`` payload
 and the step driver); the trainable parameters and the optimizer's slots live
@@ -45,7 +46,7 @@ copy (``resolve_model``: the stored parameters pulled as the closure starts)
 and the optimizer the copy's optimizer, whose ``apply`` pushes the gradients
 (``KerasPsWorker.push``: the stores apply them once). The moving statistics
 a closure changed are assigned on the stores when it returns
-(``KerasPsWorker.closure_ended``, through ``daskdist.ps.closures.at_closure_end``),
+(the trainer's ``PsWorker.custom_closure_ended``, through ``daskdist.ps.closures.at_closure_end``),
 as ``fit``'s closures assign them. The client takes the stored state before
 it reads the weights (``take_loop_state``). A metric created in the scope
 travels as the worker's copy whose change the client adds up when the
@@ -69,7 +70,6 @@ from daskdist.plugins.keras3 import registry, update_rule, wrapped
 from daskdist.plugins.keras3.backend import keras_backend, prepare_replica
 from daskdist.plugins.keras3.fit_semantics import (
     finalize_optimizer,
-    refuse_batch_callbacks,
     resumed_epoch,
     should_evaluate,
     weighted_inputs,
@@ -103,14 +103,11 @@ def schedules_closures(extended: StrategyExtended) -> bool:
 class KerasPsWorker(PsWorker):
     """A parameter-server worker's copy of a Keras 3 model and the ``PsStepDriver`` that trains it (resident).
 
-    The trainer's ``PsWorker`` runs ``fit``'s, ``evaluate``'s and ``predict``'s closures; what is Keras' own:
-    a closure's results are Keras' metric variables (the client sums them) and one row of its last batch,
-    and the custom loops' closures (``closure_began``, ``push``).
+    The trainer's ``PsWorker`` runs ``fit``'s, ``evaluate``'s and ``predict``'s closures and a custom loop's
+    closures' worker side; what is Keras' own: a closure's results are Keras' metric variables (the client sums
+    them) and one row of its last batch, and ``push`` (a custom loop's ``optimizer.apply`` checked against the
+    model's ``trainable_variables``).
     """
-
-    def __init__(self, trainable: KerasTrainable, driver: Any):
-        super().__init__(trainable, driver)
-        self._pulled_state: list[np.ndarray] = []  # the moving statistics as a custom loop's closure pulled them
 
     def results(self, loop: str, batch: Any) -> dict[str, Any]:
         """The metric variables over the closure's batches (the client sums them) and one row of the last batch
@@ -122,25 +119,6 @@ class KerasPsWorker(PsWorker):
         x = batch[0] if isinstance(batch, tuple) else batch
         return optree.tree_map(np.asarray, self.trainable.model.predict_on_batch(x))
 
-    def closure_began(self, service: ReplicaService) -> None:
-        """A custom loop's closure unpickled a reference to this model: pull what the others pushed meanwhile, and
-        write the moving statistics back when it returns (``closure_ended``)."""
-        from daskdist.ps.closures import at_closure_end
-
-        self.driver.begin(self.trainable)
-        self.driver.pull(self.trainable)
-        self._pulled_state = [np.array(v, copy=True) for v in _arrays(state_variables(self.trainable.model))]
-        at_closure_end(service, f"keras3/moving-statistics/{id(self)}", self.closure_ended)
-
-    def closure_ended(self) -> None:
-        """A custom loop's closure returned: the moving statistics it changed (a forward pass with
-        ``training=True``) are assigned on the stores, as ``fit``'s closures do (``PsStepDriver.end``: the last
-        writer's kept); a closure that changed none (it only read the model) writes nothing, so it cannot undo
-        another worker's newer statistics."""
-        now = _arrays(state_variables(self.trainable.model))
-        if any(not np.array_equal(a, b) for a, b in zip(now, self._pulled_state)):
-            self.driver.end(self.trainable)
-
     def push(self, gradients: list[Any], variables: list[Any]) -> None:
         """A custom loop's ``optimizer.apply(gradients, variables)``: applied once on the stores, then assigned."""
         model = self.trainable.model
@@ -150,7 +128,7 @@ class KerasPsWorker(PsWorker):
                 f"under ParameterServerStrategy a custom loop's optimizer.apply takes the gradients of all of "
                 f"model {model.name!r}'s trainable_variables, in their order (the parameter servers hold them as "
                 f"one set); got {len(variables)} variables for its {len(trainable)}")
-        self.driver.apply_gradients(self.trainable, gradients)
+        self.apply_gradients(gradients)
 
 
 def _results(model: Any, batch: Any) -> dict[str, Any]:
@@ -389,7 +367,6 @@ def fit(model: Any, record: registry.Record, x: Any, y: Any, epochs: int, verbos
     if y is not None or not (isinstance(x, DatasetCreator) or callable(x)):
         raise ValueError(f"fit under {name} takes a `DatasetCreator` (or a `dataset_fn(input_context)`) as x, "
                          "and no y: each worker builds its own dataset")
-    refuse_batch_callbacks(callbacks, name)
     _check(model, name)
     record.strategy.extended.check_open()
     if class_weight is not None:
@@ -546,7 +523,7 @@ def reference(obj: Any, record: registry.Record) -> tuple[Any, tuple[Any, ...]]:
 def resolve_model(model_id: str) -> Any:
     """On a worker running a closure: its copy of the model, the parameters pulled from the stores."""
     worker = _worker(model_id)
-    worker.closure_began(context.current_runtime())
+    worker.custom_closure_began(context.current_runtime())
     return worker.trainable.model
 
 

@@ -148,6 +148,10 @@ class KerasTrainable:
         the epoch's metric totals at the newest elastic commit (``commit_metrics``), all copied."""
         return self.begin_snapshot()()
 
+    def weights(self) -> list[np.ndarray]:
+        """The model's weights (copies), in Keras' ``get_weights`` order."""
+        return _variable_arrays(list(self.model.weights))
+
     def begin_snapshot(self) -> Callable[[], dict[str, Any]]:
         """A ``snapshot`` in two parts: what a step's forward changes before its apply, copied now (the random
         generators' states and the non-trainable weights: moving statistics, ``step_state``), and the function
