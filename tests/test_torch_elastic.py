@@ -8,6 +8,12 @@ recovery must roll back: the restore of weights and SGD momentum is what keeps t
 the test's ``Killer`` kills it there. The run finishes on the two survivors: the torch group is re-made
 for the new generation, DDP re-wrapped, the newest commit restored, and the weights end within rtol
 1e-5 of one process on the same global batches, every row committed once.
+
+The commits are copied off the step path (a thread copies the parameters and optimizer state while the
+next step runs; its ``optimizer.step()`` waits for the copy). On the survivor of rank 0 the copy of the
+commit the run goes back to is held for two seconds (fault point ``state-copy``), across the killed
+step: had that step's apply not waited for it, the commit would hold the step's update (the survivors'
+copies would differ and the weights would take the step twice).
 """
 
 from __future__ import annotations
@@ -106,7 +112,11 @@ def test_a_torch_ddp_loop_survives_a_kill_mid_epoch_with_the_uninterrupted_weigh
     marker = str(tmp_path / "paused.json")
     # a kill -9 is seen at once (the worker's connection closes); the heartbeat watch is for silent workers,
     # and torch's long GIL-holding calls on a machine under load 30-40 made it take live ones for lost
-    settings = {"daskdist.elastic.heartbeat-timeout": "60s"}
+    settings = {"daskdist.elastic.heartbeat-timeout": "60s",
+                # rank 0 copies the commit before the killed step for 2 s longer: the step's apply must wait
+                "daskdist.testing.pause-at": f"state-copy:{KILL_STEP + 1}:0",
+                "daskdist.testing.pause-file": str(tmp_path / "copy-held.json"),
+                "daskdist.testing.pause-seconds": "2s"}
     seen = []
     with dask.config.set(settings), dd.MirroredStrategy(
             client=workers.client, elastic=dd.ElasticOptions(min_replicas=2)) as strategy:
@@ -131,6 +141,9 @@ def test_a_torch_ddp_loop_survives_a_kill_mid_epoch_with_the_uninterrupted_weigh
         (event,) = state.events
         assert event.lost == [victim] and len(event.members) == 2, event
         assert event.commit[1] == KILL_STEP + 1  # the newest commit all hold (1: the start's), then replayed
+        assert not event.healed  # the survivors' copies of it agreed (none took the killed step's update)
+        held = json.loads((tmp_path / "copy-held.json").read_text())  # the copy ran in its thread, held there
+        assert (held["phase"], held["step"], held["rank"]) == ("state-copy", KILL_STEP + 1, 0)
         assert state.steps == EPOCHS * ROWS // GLOBAL_BATCH and state.epoch == EPOCHS
         # every global batch trained once on the members of its time: 3 replicas of 4 rows, then 2 of 6
         sizes = [[r[0] for r in results] for _, _, results in seen]
