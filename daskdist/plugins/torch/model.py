@@ -207,7 +207,7 @@ class TorchReplicaModel:
             copied = {k: now[k] if k in now else v.detach().clone() for k, v in module_state.items()}
             optimizer_state = None
             if packed is not None:
-                optimizer_state = {"state": copy.deepcopy(packed["state"]), "param_groups": groups}
+                optimizer_state = {"state": _cloned(packed["state"]), "param_groups": groups}
             if [t._version for t in live] != versions:
                 raise RuntimeError("a parameter or optimizer tensor of a TorchModel changed in place outside "
                                    "optimizer.step() while an elastic commit copied it (between state.commit() "
@@ -268,6 +268,18 @@ class TorchState:
         _digest(digest, self.module)
         _digest(digest, self.optimizer)
         return digest.digest()
+
+
+def _cloned(value: Any) -> Any:
+    """``value`` (tensors in dicts and lists) copied, its tensors by ``clone`` (which lets go of the GIL while
+    it copies, where ``copy.deepcopy`` of a tensor holds it: the step beside the copy would wait)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {key: _cloned(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cloned(item) for item in value)
+    return copy.deepcopy(value)
 
 
 def _digest(digest: Any, value: Any) -> None:
