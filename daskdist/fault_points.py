@@ -36,10 +36,10 @@ step is the commit's serial number in its ``State`` (the second field of its
 ``CommitKey``: 1 for the state's first commit), its rank the replica's
 (``state_committed``). ``state-copy`` fires in the thread that copies such
 a commit off the step path (a ``TorchModel``'s: ``commit_now``), before it
-copies; step and rank as ``state-commit``'s (``state_copying``). ``install`` fires on a replica that has just been
-given a resident (a model ``fit`` installs: ``install_resident``), before it
-answers; its step is always 0 (``"install:0:1"``), its rank the replica's
-(``installed``).
+copies; step and rank as ``state-commit``'s (``state_copying``). ``install``
+fires on a replica that has just been given a resident (a model ``fit``
+installs: ``install_resident``), before it answers; its step is always 0
+(``"install:0:1"``), its rank the replica's (``installed``).
 
 Zero cost when unset: a training command reads the key once (``arm``); the
 points on the hot paths test one module-level boolean, ``ARMED``, false

@@ -231,13 +231,19 @@ class TorchReplicaModel:
         return True
 
     def settle_copies(self) -> None:
-        """Wait for the commits being copied (raises what a copy raised)."""
+        """Wait for every commit being copied, then raise what a copy raised (the first)."""
         if not self._copies:
             return
         with self._copies_lock:
             copies, self._copies = self._copies, []
+        failed: BaseException | None = None
         for settle in copies:
-            settle()
+            try:
+                settle()
+            except BaseException as e:  # the other copies are still waited for: nothing may write under them
+                failed = failed or e
+        if failed is not None:
+            raise failed
 
     def restore(self, state: TorchState) -> None:
         """Put back ``state`` (this replica's or a twin's), in place: a DDP wrapper keeps its parameters."""
