@@ -2,9 +2,11 @@
 
 The commit's copy is held in its thread (``before_copy``) while the next step runs: the step's forward and
 backward go on, its ``optimizer.step()`` waits for the copy, and the commit holds the state before that step
-(parameters, the optimizer's state, the buffers and random state the forward changed). A weight changed in
-place outside ``optimizer.step()`` while the copy runs is a clear error, not a wrong commit. The same commit
-path under a kill with real workers: ``tests/test_torch_elastic.py``.
+(parameters, the optimizer's state, the buffers and random state the forward changed). Commits go off the
+step path only once a step after a commit changed the weights only in ``optimizer.step()``; a loop that
+writes them outside it keeps its commits copied at once; a weight changed in place outside
+``optimizer.step()`` while an off-path copy runs is a clear error, not a wrong commit. The same commit path
+under a kill with real workers: ``tests/test_torch_elastic.py``.
 """
 
 from __future__ import annotations
@@ -48,6 +50,21 @@ def _step(resident, seed):
     resident.optimizer.step()
 
 
+def _commit_at_once(store, resident):
+    """A commit as ``commit_now`` takes it while the resident does not guard its copy: waited for at once."""
+    commit = Commit.copying((1, 0, 0), store, {})
+    assert resident.guard_copy(commit.settle) is False
+    commit.settle()
+    return commit
+
+
+def _off_the_path(store, resident):
+    """The first commit is copied at once; a step after it that changed the weights only in optimizer.step()
+    lets the next ones go off the step path."""
+    _commit_at_once(store, resident)
+    _step(resident, 0)
+
+
 def _held_commit(store, resident, seconds, started=None):
     """A commit whose copy waits ``seconds`` in its thread first, guarded by the resident."""
 
@@ -73,6 +90,7 @@ def _states_equal(a, b):
 
 def test_a_commit_copied_during_the_next_step_holds_the_state_before_it():
     resident, store = _replica()
+    _off_the_path(store, resident)
     _step(resident, 1)
     before = resident.snapshot()  # at once, on this thread: what the commit must hold
     started = threading.Event()
@@ -91,7 +109,7 @@ def test_a_commit_copied_during_the_next_step_holds_the_state_before_it():
 
 def test_a_weight_written_in_place_while_a_commit_copies_is_a_clear_error_at_the_next_apply():
     resident, store = _replica()
-    _step(resident, 1)
+    _off_the_path(store, resident)
     weight = next(resident.module.parameters())
     kept = weight.detach().clone()
     _held_commit(store, resident, 0.3)
@@ -100,6 +118,20 @@ def test_a_weight_written_in_place_while_a_commit_copies_is_a_clear_error_at_the
     with pytest.raises(RuntimeError, match=r"changed in place outside optimizer\.step\(\) while an elastic commit"):
         _step(resident, 2)
     torch.testing.assert_close(weight.detach(), kept * 2.0, rtol=0, atol=0)  # the failed step applied nothing
+
+
+def test_a_loop_that_writes_weights_outside_the_optimizer_step_keeps_its_commits_at_once(caplog):
+    resident, store = _replica()
+    weight = next(resident.module.parameters())
+    for seed in (1, 2, 3):  # never off the step path: each commit's copy is waited for at the commit
+        _commit_at_once(store, resident)
+        with torch.no_grad():
+            weight.clamp_(-0.1, 0.1)  # a constraint applied before the step, after the commit
+        _step(resident, seed)
+        assert "copied at once from now on" in caplog.text
+    _commit_at_once(store, resident)
+    _step(resident, 4)  # a step that writes nothing outside optimizer.step() no longer changes that
+    _commit_at_once(store, resident)
 
 
 def module_only():

@@ -240,8 +240,9 @@ def commit_now(service: ReplicaService, key: CommitKey) -> bool:
 
     The copy runs off the step path (``Commit.copying``) when every resident it covers guards it: a
     resident with ``guard_copy(settle)`` that returns ``True`` calls ``settle`` before it next writes what
-    the copy reads (a ``TorchModel``: its optimizer's step, its next DDP wrapper, a restore). Else (a
-    variable, a built-in model: the next command may change anything) it is copied here, before the reply.
+    the copy reads (a ``TorchModel`` whose loop was seen to change its weights only in ``optimizer.step()``:
+    its optimizer's step, its next DDP wrapper, a restore). Else (a variable, a built-in model: the next
+    command may change anything) the copy is made before the reply.
 
     Returns whether the scheduler said members are retiring (the loop lets them leave at this commit).
     """

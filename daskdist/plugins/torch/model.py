@@ -14,7 +14,9 @@ path, as the trainer's are (``training.commits``): what the next step's forward
 changes (buffers, the random state, the optimizer's hyperparameters) is copied
 at the commit, the parameters and the optimizer's state by a thread while the
 next step's forward and backward run, and the optimizer's ``step()`` waits for
-that copy before it applies (a step pre-hook, ``guard_copy``)::
+that copy before it applies (a step pre-hook, ``guard_copy``); so once a step
+after a commit showed that the loop changes the weights only in
+``optimizer.step()``, and never after one showed it does not::
 
     model = dd.plugins.torch.TorchModel(strategy, build)     # build() -> (module, optimizer)
     state = dd.elastic.State(strategy, epoch=0, model=model)
@@ -122,6 +124,10 @@ class TorchReplicaModel:
         self._ddp_runtime: ReplicaService | None = None
         self._copies: list[Callable[[], None]] = []  # the settles of the commits being copied (``guard_copy``)
         self._copies_lock = threading.Lock()
+        # whether commits are copied off the step path: not before a step after a commit showed that the loop
+        # changes the weights only in optimizer.step(), never after one showed it does not (``_watch_writes``)
+        self._off_path: bool | None = None
+        self._watched: list[tuple[Any, int]] | None = None  # the tensors' versions at the last commit
 
     def __getstate__(self) -> dict[str, Any]:
         return {"build": self._build}
@@ -134,7 +140,7 @@ class TorchReplicaModel:
             raise TypeError(f"TorchModel's build must return (torch.nn.Module, optimizer); got {type(module)}")
         self.module, self.optimizer = module, optimizer
         if optimizer is not None:  # every apply waits for the commit being copied (``guard_copy``)
-            optimizer.register_step_pre_hook(lambda *_: self.settle_copies())
+            optimizer.register_step_pre_hook(lambda *_: self._before_apply())
 
     def ddp(self, **kwargs: Any) -> Any:
         """The module in ``DistributedDataParallel`` on the ``daskdist`` backend, for this generation.
@@ -160,6 +166,7 @@ class TorchReplicaModel:
             backend.init_process_group()
         self.settle_copies()  # the wrapper's construction writes rank 0's parameters into every replica
         self._ddp = DistributedDataParallel(self.module, **kwargs)
+        self._watched = None  # that write is no loop's (``guard_copy``)
         self._ddp_runtime, self._ddp_generation = runtime, runtime.generation
         logger.info("Replica %d wrapped its torch model in DDP for generation %d", runtime.rank, runtime.generation)
         return self._ddp
@@ -220,15 +227,49 @@ class TorchReplicaModel:
     def guard_copy(self, settle: Callable[[], None]) -> bool:
         """Call ``settle`` (wait for an elastic commit's copy) before anything next writes what the copy reads.
 
-        Returns ``False`` (the commit then copies at once) for a model without an optimizer: its loop
-        changes the weights where no hook sees it. With one, the optimizer's step pre-hook, ``ddp()`` (a
-        new wrapper writes rank 0's weights) and ``restore`` settle first.
+        Returns ``False`` (the commit then waits for its copy at once) for a model without an optimizer (its
+        loop changes the weights where no hook sees it), until a step after a commit showed that the loop
+        changes the parameters and the optimizer's state only in ``optimizer.step()`` (the first commits),
+        and for good once one showed it does not. Else ``True``: the optimizer's step pre-hook, ``ddp()``
+        (a new wrapper writes rank 0's weights) and ``restore`` settle first.
         """
         if self.optimizer is None:
+            return False
+        if self._watched is None and self._off_path is not False:
+            self._watched = [(t, t._version) for t in self._state_tensors()]
+        if not self._off_path:
             return False
         with self._copies_lock:
             self._copies.append(settle)
         return True
+
+    def _before_apply(self) -> None:
+        """The optimizer's step pre-hook: wait for the commits being copied, then look whether the loop wrote
+        the weights since the last commit (``guard_copy``)."""
+        try:
+            self.settle_copies()
+        finally:
+            self._watch_writes()
+
+    def _watch_writes(self) -> None:
+        """Before the first apply after a commit: off the step path from now on if nothing wrote the tensors
+        since that commit, else at once for good (``guard_copy``)."""
+        watched, self._watched = self._watched, None
+        if watched is None or self._off_path is False:
+            return
+        if all(t._version == version for t, version in watched):
+            self._off_path = True
+            return
+        self._off_path = False
+        logger.warning("A TorchModel's loop changed its weights outside optimizer.step() after an elastic commit: "
+                       "its commits are copied at once from now on, not off the step path")
+
+    def _state_tensors(self) -> list[Any]:
+        """The tensors a commit's thread copies: the parameters and the optimizer's per-parameter state."""
+        tensors = [p for p in self.module.parameters()]
+        if self.optimizer is not None:
+            tensors += [t for per in self.optimizer.state.values() for t in per.values() if isinstance(t, torch.Tensor)]
+        return tensors
 
     def settle_copies(self) -> None:
         """Wait for every commit being copied, then raise what a copy raised (the first)."""
@@ -248,6 +289,7 @@ class TorchReplicaModel:
     def restore(self, state: TorchState) -> None:
         """Put back ``state`` (this replica's or a twin's), in place: a DDP wrapper keeps its parameters."""
         self.settle_copies()  # no copy may read what this writes
+        self._watched = None  # nor is this write a loop's (``guard_copy``)
         with torch.no_grad():
             self.module.load_state_dict(state.module)
         if self.optimizer is not None and state.optimizer is not None:
