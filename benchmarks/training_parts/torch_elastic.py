@@ -168,7 +168,8 @@ def _snapshot_cost(make: Any, steps: int, format_table: Any) -> None:
     def off_path() -> None:
         plain()
         commit = Commit.copying((1, 1, 0), store, {})
-        resident.guard_copy(commit.settle)
+        if not resident.guard_copy(commit.settle):  # as commit_now: the first commits are waited for at once
+            commit.settle()
 
     arms = {
         "plain step": plain,
