@@ -56,6 +56,10 @@ torch imported on the workers before the group starts); a commit snapshots the
 arm (``BackupAndRestore`` under a plain strategy) is not written for Keras 3
 (its elastic arm would now grow into the replacement workers at commits).
 
+``--model torch``: a ``TorchModel`` (the CNN in PyTorch, Adam, stock DDP on the
+``daskdist`` backend) in a ``dd.elastic.State`` custom loop, ``commit`` and
+``snapshot`` only (``training_parts/torch_elastic.py``: torch has no ``fit``).
+
 Run: ``python benchmarks/elastic.py [--min-replicas 1|2] [--parts commit,goodput,stop]``
 (commit and goodput: 330 s on 2 cores at load 15-20); ``--quick`` (2 measured
 epochs, 16 steps, 3 goodput epochs, 1 trial) is a smoke run;
@@ -514,6 +518,21 @@ def snapshot_cost(steps: int) -> None:
                         for name, t in times.items()]))
 
 
+def torch_elastic_parts(parts: set[str], epochs: int, steps: int) -> None:
+    """``--model torch``: a ``TorchModel``'s commit in a custom loop (``training_parts/torch_elastic.py``)."""
+    from training_parts import torch_elastic, torch_parts
+
+    cloudpickle.register_pickle_by_value(torch_parts)  # the workers do not have benchmarks/ on their path
+    cloudpickle.register_pickle_by_value(torch_elastic)
+    print_header("Elastic training, a TorchModel in a dd.elastic.State loop")
+    if "commit" in parts:
+        print("\n## Commit cost per step\n")
+        torch_elastic.commit_cost(epochs, steps, format_table, local_cluster)
+    if "snapshot" in parts:
+        print("\n## A commit against the replica's own step, in one process\n")
+        torch_elastic.snapshot_cost(steps * 2, format_table)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--epochs", type=int, default=6, help="measured epochs per strategy (commit cost)")
@@ -528,8 +547,9 @@ def main() -> None:
                              "(a commit's snapshot against the model's step, in this process)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 2 epochs, 16 steps, 3 goodput epochs, 1 trial")
-    parser.add_argument("--model", choices=["builtin", "keras3"], default="builtin",
-                        help="the tutorial's CNN in daskdist's built-in layers or in Keras 3 (torch backend)")
+    parser.add_argument("--model", choices=["builtin", "keras3", "torch"], default="builtin",
+                        help="the tutorial's CNN in daskdist's built-in layers, in Keras 3 (torch backend) or in "
+                             "PyTorch (a TorchModel in a custom loop: commit and snapshot only)")
     args = parser.parse_args()
     if args.quick:
         args.epochs, args.steps, args.goodput_epochs, args.trials = 2, 16, 3, 1
@@ -540,6 +560,11 @@ def main() -> None:
             parser.error("--model keras3 measures commit, recovery, stop and snapshot (goodput's restart arm, "
                          "BackupAndRestore, is not written for Keras 3)")
         os.environ["KERAS_BACKEND"] = "torch"  # before Keras is imported, here and in the workers started
+    if args.model == "torch":
+        if parts - {"commit", "snapshot"}:
+            parser.error("--model torch measures commit and snapshot (a TorchModel in a custom loop)")
+        torch_elastic_parts(parts, args.epochs, args.steps)
+        return
     print_header("Elastic training")
     if args.model == "keras3":
         import keras

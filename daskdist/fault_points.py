@@ -34,10 +34,12 @@ has just committed for ``dd.elastic.State.commit`` (``commit_now``), before it
 answers, so a kill there loses the reply of a commit every replica made; its
 step is the commit's serial number in its ``State`` (the second field of its
 ``CommitKey``: 1 for the state's first commit), its rank the replica's
-(``state_committed``). ``install`` fires on a replica that has just been
-given a resident (a model ``fit`` installs: ``install_resident``), before it
-answers; its step is always 0 (``"install:0:1"``), its rank the replica's
-(``installed``).
+(``state_committed``). ``state-copy`` fires in the thread that copies such
+a commit off the step path (a ``TorchModel``'s: ``commit_now``), before it
+copies; step and rank as ``state-commit``'s (``state_copying``). ``install``
+fires on a replica that has just been given a resident (a model ``fit``
+installs: ``install_resident``), before it answers; its step is always 0
+(``"install:0:1"``), its rank the replica's (``installed``).
 
 Zero cost when unset: a training command reads the key once (``arm``); the
 points on the hot paths test one module-level boolean, ``ARMED``, false
@@ -58,14 +60,14 @@ from dataclasses import dataclass
 from daskdist import config
 
 __all__ = ["ARMED", "PHASES", "STEP_PHASES", "PausePoint", "arm", "begin_step", "bound", "installed", "reached",
-           "restoring", "state_committed"]
+           "restoring", "state_committed", "state_copying"]
 
 logger = logging.getLogger(__name__)
 
 #: The phases of a training step (``arm``, ``reached``, ``bound``).
 STEP_PHASES = ("input", "forward", "reduce-scatter", "all-gather", "apply", "commit")
 #: Every phase: those of a step, and ``restore`` (a replica going back to a commit in a recovery: ``restoring``).
-PHASES = (*STEP_PHASES, "restore", "state-commit", "install")
+PHASES = (*STEP_PHASES, "restore", "state-commit", "state-copy", "install")
 
 #: Whether a fault point was armed in this process: the only thing hot paths look at.
 ARMED = False
@@ -188,6 +190,23 @@ def state_committed(rank: int, serial: int) -> None:
     if point.rank != rank or not point.matches("state-commit", serial) or not path:
         return
     _pause(point, "state-commit", serial, str(path), config.get_seconds("testing.pause-seconds"), _worker_address())()
+
+
+def state_copying(rank: int, serial: int) -> Callable[[], None] | None:
+    """Fault point ``state-copy``, for the thread that copies ``State`` commit ``serial`` of the replica of rank
+    ``rank`` off the step path (``commit_now``): the pause to call there first, or ``None``.
+
+    A settings lookup per commit, as ``state_committed``.
+    """
+    spec = config.get("testing.pause-at")
+    if not spec:
+        return None
+    point = PausePoint.parse(spec)
+    path = config.get("testing.pause-file")
+    if point.rank != rank or not point.matches("state-copy", serial) or not path:
+        return None
+    return _pause(point, "state-copy", serial, str(path), config.get_seconds("testing.pause-seconds"),
+                  _worker_address())
 
 
 def installed(rank: int) -> None:

@@ -7,7 +7,14 @@ there, not crash them) or after its optimizer step (the others have applied that
 recovery must roll back: the restore of weights and SGD momentum is what keeps the result right), and
 the test's ``Killer`` kills it there. The run finishes on the two survivors: the torch group is re-made
 for the new generation, DDP re-wrapped, the newest commit restored, and the weights end within rtol
-1e-5 of one process on the same global batches, every row committed once.
+1e-5 of one process on the same global batches, every row committed once (the ledger) and trained once
+(the row ids the replicas' steps return).
+
+The commits are copied off the step path (a thread copies the parameters and optimizer state while the
+next step runs; its ``optimizer.step()`` waits for the copy). On the survivor of rank 0 the copy of the
+commit the run goes back to is held for two seconds (fault point ``state-copy``), across the killed
+step: had that step's apply not waited for it, the commit would hold the step's update (the survivors'
+copies would differ and the weights would take the step twice).
 """
 
 from __future__ import annotations
@@ -82,7 +89,7 @@ def step(model, batch, steps, where, marker):
     """One DDP step on this replica's part of the global batch; what the test checks of the group."""
     import torch.distributed as dist
 
-    x, y = batch
+    x, y, rows = batch
     ddp = model.ddp()  # the group and the wrapper of this generation
     here = steps == KILL_STEP and dist.get_rank() == 1 and dist.get_world_size() == 3
     model.optimizer.zero_grad()
@@ -93,7 +100,7 @@ def step(model, batch, steps, where, marker):
     model.optimizer.step()
     if here and where == "apply":
         _pause_here(marker)  # killed here; the others applied this step, which the recovery rolls back
-    return [dist.get_world_size(), dist.get_backend(), len(x)]
+    return [dist.get_world_size(), dist.get_backend(), len(x), rows.tolist()]
 
 
 @pytest.mark.parametrize("where", ["backward", "apply"])
@@ -102,11 +109,15 @@ def test_a_torch_ddp_loop_survives_a_kill_mid_epoch_with_the_uninterrupted_weigh
     workers = process_workers(3)
     workers.client.run(_import_torch)  # as a user's `dask worker --preload torch` does (docs/torch.md)
     x, y = _data()
-    dataset = dd.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+    dataset = dd.data.Dataset.from_tensor_slices((x, y, np.arange(ROWS))).batch(GLOBAL_BATCH)
     marker = str(tmp_path / "paused.json")
     # a kill -9 is seen at once (the worker's connection closes); the heartbeat watch is for silent workers,
     # and torch's long GIL-holding calls on a machine under load 30-40 made it take live ones for lost
-    settings = {"daskdist.elastic.heartbeat-timeout": "60s"}
+    settings = {"daskdist.elastic.heartbeat-timeout": "60s",
+                # rank 0 copies the commit before the killed step for 2 s longer: the step's apply must wait
+                "daskdist.testing.pause-at": f"state-copy:{KILL_STEP + 1}:0",
+                "daskdist.testing.pause-file": str(tmp_path / "copy-held.json"),
+                "daskdist.testing.pause-seconds": "2s"}
     seen = []
     with dask.config.set(settings), dd.MirroredStrategy(
             client=workers.client, elastic=dd.ElasticOptions(min_replicas=2)) as strategy:
@@ -131,6 +142,13 @@ def test_a_torch_ddp_loop_survives_a_kill_mid_epoch_with_the_uninterrupted_weigh
         (event,) = state.events
         assert event.lost == [victim] and len(event.members) == 2, event
         assert event.commit[1] == KILL_STEP + 1  # the newest commit all hold (1: the start's), then replayed
+        assert not event.healed  # the survivors' copies of it agreed (none took the killed step's update)
+        held = json.loads((tmp_path / "copy-held.json").read_text())  # the copy ran in its thread, held there
+        assert (held["phase"], held["step"], held["rank"]) == ("state-copy", KILL_STEP + 1, 0)
+        for epoch in range(EPOCHS):  # what the replicas trained in the steps that returned (each committed: the
+            # kill's step never returned): every row once, none twice
+            trained = [row for e, _, results in seen if e == epoch for r in results for row in r[3]]
+            assert sorted(trained) == list(range(ROWS)), epoch
         assert state.steps == EPOCHS * ROWS // GLOBAL_BATCH and state.epoch == EPOCHS
         # every global batch trained once on the members of its time: 3 replicas of 4 rows, then 2 of 6
         sizes = [[r[0] for r in results] for _, _, results in seen]

@@ -83,12 +83,13 @@ class Commit:
         future: concurrent.futures.Future[ResidentStates] = concurrent.futures.Future()
         random = _random_states_now(objects)  # the next step's forward draws from them while the copy runs
         prepared = _prepare_copies(objects)
+        held = objects.held()  # the residents at the commit (the next command may install others meanwhile)
 
         def copy() -> None:
             try:
                 if before_copy is not None:
                     before_copy()
-                state = _copy_state(objects, prepared)
+                state = _copy_state(objects, prepared, held)
                 future.set_result(_with_random_states(state, random))
             except BaseException as e:  # the replica raises it at its next settle or restore
                 future.set_exception(e)
@@ -149,10 +150,11 @@ def _prepare_copies(objects: ResidentStore) -> dict[tuple[str, str], Callable[[]
     return out
 
 
-def _copy_state(objects: ResidentStore, prepared: dict[tuple[str, str], Callable[[], Any]] | None = None) -> ResidentStates:
+def _copy_state(objects: ResidentStore, prepared: dict[tuple[str, str], Callable[[], Any]] | None = None,
+                held: dict[tuple[str, str], Any] | None = None) -> ResidentStates:
     """The copy a commit keeps: the replica's variables and models (``ResidentStore.snapshot``); the residents
-    in ``prepared`` copied by the function their ``begin_snapshot`` returned."""
-    state: ResidentStates = objects.snapshot(STATE_KINDS, prepared)
+    in ``prepared`` copied by the function their ``begin_snapshot`` returned; ``held``: those at the commit."""
+    state: ResidentStates = objects.snapshot(STATE_KINDS, prepared, held)
     return state
 
 
@@ -236,10 +238,26 @@ def take_commit(service: ReplicaService, model_id: str, key: CommitKey, input_sh
 def commit_now(service: ReplicaService, key: CommitKey) -> bool:
     """Commit the replica's variables and models as they are (``dd.elastic.State.commit``).
 
+    The copy runs off the step path (``Commit.copying``) when every resident it covers guards it: a
+    resident with ``guard_copy(settle)`` that returns ``True`` calls ``settle`` before it next writes what
+    the copy reads (a ``TorchModel`` whose loop was seen to change its weights only in ``optimizer.step()``:
+    its optimizer's step, its next DDP wrapper, a restore). Else (a variable, a built-in model: the next
+    command may change anything) the copy is made before the reply.
+
     Returns whether the scheduler said members are retiring (the loop lets them leave at this commit).
     """
-    commit_ring(service).add(Commit(tuple(key), service.objects.snapshot(STATE_KINDS),  # type: ignore[arg-type]
-                              {"loss_sum": 0.0, "count": 0.0, "metrics": {}}))
+    progress: dict[str, Any] = {"loss_sum": 0.0, "count": 0.0, "metrics": {}}
+    residents = [service.objects.get(*k) for k in state_residents(service)]
+    commit: Commit
+    if residents and all(callable(getattr(r, "guard_copy", None)) for r in residents):
+        commit = Commit.copying(tuple(key), service.objects, progress,  # type: ignore[arg-type]
+                                fault_points.state_copying(service.rank, key[1]))
+        guarded = [r.guard_copy(commit.settle) for r in residents]
+        if not all(guarded):  # one cannot hold its writes back: the copy is waited for here
+            commit.settle()
+    else:
+        commit = Commit(tuple(key), service.objects.snapshot(STATE_KINDS), progress)  # type: ignore[arg-type]
+    commit_ring(service).add(commit)
     fault_points.state_committed(service.rank, key[1])  # a test's fault point: committed, not yet answered
     return retiring(service)
 

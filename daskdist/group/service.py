@@ -114,19 +114,27 @@ class ResidentStore:
         self._objects.clear()
 
     def snapshot(self, kinds: Iterable[str] = SNAPSHOT_KINDS,
-                 begun: Mapping[tuple[str, str], Callable[[], Any]] | None = None) -> dict[tuple[str, str], Any]:
+                 begun: Mapping[tuple[str, str], Callable[[], Any]] | None = None,
+                 held: Mapping[tuple[str, str], Any] | None = None) -> dict[tuple[str, str], Any]:
         """The state of every resident of ``kinds`` that implements ``Resident``, keyed like the store.
 
         ``begun``: for these keys, the function that ends a copy the resident began earlier (an elastic commit's
-        ``begin_snapshot``, started on the step path) in place of its ``snapshot()``.
+        ``begin_snapshot``, started on the step path) in place of its ``snapshot()``. ``held``: the residents
+        to copy, as ``held()`` gave them when the copy began (a copy in another thread while the replica's
+        commands install others), in place of those held now.
         """
         wanted = tuple(kinds)
         begun = begun or {}
+        residents = self._objects if held is None else held
         return {
             key: begun[key]() if key in begun else obj.snapshot()
-            for key, obj in self._objects.items()
+            for key, obj in residents.items()
             if key[0] in wanted and isinstance(obj, Resident)
         }
+
+    def held(self) -> dict[tuple[str, str], Any]:
+        """The residents held now, by key (a copy of the store's index, not of the objects)."""
+        return dict(self._objects)
 
     def restore(self, states: dict[tuple[str, str], Any]) -> None:
         """Put back states from ``snapshot`` into the residents with the same keys.

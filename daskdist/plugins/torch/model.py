@@ -9,7 +9,14 @@ and ``ddp()``, the module wrapped in stock ``DistributedDataParallel`` on the
 initialised for it, the previous wrapper's autograd hooks removed). The
 resident snapshots and restores (parameters, buffers, optimizer state, torch's
 random state), so ``dd.elastic.State`` commits cover it and a recovery puts it
-back on every member before the loop goes on::
+back on every member before the loop goes on. A commit is copied off the step
+path, as the trainer's are (``training.commits``): what the next step's forward
+changes (buffers, the random state, the optimizer's hyperparameters) is copied
+at the commit, the parameters and the optimizer's state by a thread while the
+next step's forward and backward run, and the optimizer's ``step()`` waits for
+that copy before it applies (a step pre-hook, ``guard_copy``); so once a step
+after a commit showed that the loop changes the weights only in
+``optimizer.step()``, and never after one showed it does not::
 
     model = dd.plugins.torch.TorchModel(strategy, build)     # build() -> (module, optimizer)
     state = dd.elastic.State(strategy, epoch=0, model=model)
@@ -27,6 +34,7 @@ import copy
 import gc
 import hashlib
 import logging
+import threading
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -114,6 +122,12 @@ class TorchReplicaModel:
         self._ddp: Any = None
         self._ddp_generation = -1
         self._ddp_runtime: ReplicaService | None = None
+        self._copies: list[Callable[[], None]] = []  # the settles of the commits being copied (``guard_copy``)
+        self._copies_lock = threading.Lock()
+        # whether commits are copied off the step path: not before a step after a commit showed that the loop
+        # changes the weights only in optimizer.step(), never after one showed it does not (``_watch_writes``)
+        self._off_path: bool | None = None
+        self._watched: list[tuple[Any, int]] | None = None  # the tensors' versions at the last commit
 
     def __getstate__(self) -> dict[str, Any]:
         return {"build": self._build}
@@ -125,6 +139,8 @@ class TorchReplicaModel:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"TorchModel's build must return (torch.nn.Module, optimizer); got {type(module)}")
         self.module, self.optimizer = module, optimizer
+        if optimizer is not None:  # every apply waits for the commit being copied (``guard_copy``)
+            optimizer.register_step_pre_hook(lambda *_: self._before_apply())
 
     def ddp(self, **kwargs: Any) -> Any:
         """The module in ``DistributedDataParallel`` on the ``daskdist`` backend, for this generation.
@@ -148,7 +164,9 @@ class TorchReplicaModel:
         self.drop_ddp()
         if not current:
             backend.init_process_group()
+        self.settle_copies()  # the wrapper's construction writes rank 0's parameters into every replica
         self._ddp = DistributedDataParallel(self.module, **kwargs)
+        self._watched = None  # that write is no loop's (``guard_copy``)
         self._ddp_runtime, self._ddp_generation = runtime, runtime.generation
         logger.info("Replica %d wrapped its torch model in DDP for generation %d", runtime.rank, runtime.generation)
         return self._ddp
@@ -169,12 +187,109 @@ class TorchReplicaModel:
 
     def snapshot(self) -> TorchState:
         """A copy of the parameters, buffers, optimizer state and torch's random state."""
-        module_state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
-        optimizer_state = copy.deepcopy(self.optimizer.state_dict()) if self.optimizer is not None else None
-        return TorchState(module_state, optimizer_state, torch.get_rng_state())
+        return self.begin_snapshot()()
+
+    def begin_snapshot(self) -> Callable[[], TorchState]:
+        """A ``snapshot`` in two parts: what a step's forward (or the loop before ``optimizer.step()``) changes,
+        copied now (the buffers, extra state, the optimizer's hyperparameters, torch's random state), and the
+        function that copies the rest (the parameters and the optimizer's per-parameter state, which only
+        ``optimizer.step()`` changes), which an elastic commit calls in a thread while the next step runs.
+
+        That function raises ``RuntimeError`` if a parameter or optimizer tensor changed in place while it
+        copied (a write outside ``optimizer.step()``, which ``guard_copy`` cannot hold back).
+        """
+        module_state = self.module.state_dict()  # the live tensors, detached (copied below)
+        parameters = {name for name, _ in self.module.named_parameters()}
+        now = {k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+               for k, v in module_state.items() if k not in parameters}
+        packed = self.optimizer.state_dict() if self.optimizer is not None else None
+        groups = copy.deepcopy(packed["param_groups"]) if packed is not None else None
+        rng = torch.get_rng_state()
+        live = [v for k, v in module_state.items() if k in parameters]
+        if packed is not None:
+            live += [t for per in packed["state"].values() for t in per.values() if isinstance(t, torch.Tensor)]
+        versions = [t._version for t in live]
+
+        def rest() -> TorchState:
+            copied = {k: now[k] if k in now else v.detach().clone() for k, v in module_state.items()}
+            optimizer_state = None
+            if packed is not None:
+                optimizer_state = {"state": _cloned(packed["state"]), "param_groups": groups}
+            if [t._version for t in live] != versions:
+                raise RuntimeError("a parameter or optimizer tensor of a TorchModel changed in place outside "
+                                   "optimizer.step() while an elastic commit copied it (between state.commit() "
+                                   "and the next optimizer.step()): change the weights only in optimizer.step() "
+                                   "or after it")
+            return TorchState(copied, optimizer_state, rng)
+
+        return rest
+
+    def guard_copy(self, settle: Callable[[], None]) -> bool:
+        """Call ``settle`` (wait for an elastic commit's copy) before anything next writes what the copy reads.
+
+        Returns ``False`` (the commit then waits for its copy at once) for a model without an optimizer (its
+        loop changes the weights where no hook sees it), until a step after a commit showed that the loop
+        changes the parameters and the optimizer's state only in ``optimizer.step()`` (the first commits),
+        and for good once one showed it does not. Else ``True``: the optimizer's step pre-hook, ``ddp()``
+        (a new wrapper writes rank 0's weights) and ``restore`` settle first.
+        """
+        if self.optimizer is None:
+            return False
+        if self._watched is None and self._off_path is not False:
+            self._watched = [(t, t._version) for t in self._state_tensors()]
+        if not self._off_path:
+            return False
+        with self._copies_lock:
+            self._copies.append(settle)
+        return True
+
+    def _before_apply(self) -> None:
+        """The optimizer's step pre-hook: wait for the commits being copied, then look whether the loop wrote
+        the weights since the last commit (``guard_copy``)."""
+        try:
+            self.settle_copies()
+        finally:
+            self._watch_writes()
+
+    def _watch_writes(self) -> None:
+        """Before the first apply after a commit: off the step path from now on if nothing wrote the tensors
+        since that commit, else at once for good (``guard_copy``)."""
+        watched, self._watched = self._watched, None
+        if watched is None or self._off_path is False:
+            return
+        if all(t._version == version for t, version in watched):
+            self._off_path = True
+            return
+        self._off_path = False
+        logger.warning("A TorchModel's loop changed its weights outside optimizer.step() after an elastic commit: "
+                       "its commits are copied at once from now on, not off the step path")
+
+    def _state_tensors(self) -> list[Any]:
+        """The tensors a commit's thread copies: the parameters and the optimizer's per-parameter state."""
+        tensors = [p for p in self.module.parameters()]
+        if self.optimizer is not None:
+            tensors += [t for per in self.optimizer.state.values() for t in per.values() if isinstance(t, torch.Tensor)]
+        return tensors
+
+    def settle_copies(self) -> None:
+        """Wait for every commit being copied, then raise what a copy raised (the first)."""
+        if not self._copies:
+            return
+        with self._copies_lock:
+            copies, self._copies = self._copies, []
+        failed: BaseException | None = None
+        for settle in copies:
+            try:
+                settle()
+            except BaseException as e:  # the other copies are still waited for: nothing may write under them
+                failed = failed or e
+        if failed is not None:
+            raise failed
 
     def restore(self, state: TorchState) -> None:
         """Put back ``state`` (this replica's or a twin's), in place: a DDP wrapper keeps its parameters."""
+        self.settle_copies()  # no copy may read what this writes
+        self._watched = None  # nor is this write a loop's (``guard_copy``)
         with torch.no_grad():
             self.module.load_state_dict(state.module)
         if self.optimizer is not None and state.optimizer is not None:
@@ -201,6 +316,18 @@ class TorchState:
         _digest(digest, self.module)
         _digest(digest, self.optimizer)
         return digest.digest()
+
+
+def _cloned(value: Any) -> Any:
+    """``value`` (tensors in dicts and lists) copied, its tensors by ``clone`` (which lets go of the GIL while
+    it copies, where ``copy.deepcopy`` of a tensor holds it: the step beside the copy would wait)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {key: _cloned(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cloned(item) for item in value)
+    return copy.deepcopy(value)
 
 
 def _digest(digest: Any, value: Any) -> None:
