@@ -77,6 +77,7 @@ from daskdist.collective.transport.base import (
 )
 from daskdist.collective.transport.framing import (
     HEADER,
+    SignedArrayFrames,
     describe_payload,
     dtype_text,
     encode,
@@ -304,9 +305,12 @@ class SocketTransport(Transport):
             posted.claimed = True
             return posted
 
-    def _post(self, tag: Tag, out: Any, combine: Combine | None) -> Posted | None:
+    def post_receive(self, tag: Tag, out: Any, combine: Combine | None) -> Posted | None:
         """Post the receive of ``tag`` into ``out`` (``combine`` ``None``) or a scratch buffer; ``None``: not a numpy
-        array this transport can receive into (the message then arrives in a fresh buffer)."""
+        array this transport can receive into (the message then arrives in a fresh buffer).
+
+        Every posted receive ends with ``complete_receive`` or ``drop_receive``.
+        """
         if self.receive_on_caller or not isinstance(out, np.ndarray) or out.dtype.kind == "O":
             return None
         in_place = combine is None and out.flags.c_contiguous
@@ -316,9 +320,9 @@ class SocketTransport(Transport):
             self._posted[tag] = posted
         return posted
 
-    def _complete(self, posted: Posted | None, src: int, tag: Tag, deadline: float, out: Any,
-                  combine: Combine | None, base: Any) -> None:
-        """Wait for ``tag`` and combine or copy it into ``out``, in place where the receive was posted."""
+    def complete_receive(self, posted: Posted | None, src: int, tag: Tag, deadline: float, out: Any,
+                         combine: Combine | None, base: Any = None) -> None:
+        """Wait for ``tag`` and combine or copy it into ``out``, in place where ``post_receive`` posted it."""
         into_scratch = posted is not None and not posted.in_place
         done = False
         try:
@@ -336,22 +340,26 @@ class SocketTransport(Transport):
             done = True
         finally:
             if posted is not None:
-                with self._posted_lock:
-                    self._posted.pop(tag, None)
-                # a scratch buffer a reader still fills (the wait failed mid-frame) is left to it, not reused
-                if into_scratch and (done or not posted.claimed):
-                    self._scratch.give_back(posted.target)
+                self.drop_receive(posted, tag, done)
+
+    def drop_receive(self, posted: Posted, tag: Tag, done: bool = False) -> None:
+        """Withdraw the receive ``post_receive`` posted for ``tag`` (``done``: its message was used)."""
+        with self._posted_lock:
+            self._posted.pop(tag, None)
+        # a scratch buffer a reader still fills (the wait failed mid-frame) is left to it, not reused
+        if not posted.in_place and (done or not posted.claimed):
+            self._scratch.give_back(posted.target)
 
     def recv_into(self, src: int, tag: Tag, deadline: float, out: Any, combine: Combine | None,
                   base: Any = None) -> None:
-        posted = self._post(tag, out, combine)
-        self._complete(posted, src, tag, deadline, out, combine, base)
+        posted = self.post_receive(tag, out, combine)
+        self.complete_receive(posted, src, tag, deadline, out, combine, base)
 
     def sendrecv(self, dst: int, send_tag: Tag, payload: Any, src: int, recv_tag: Tag, deadline: float, out: Any,
                  combine: Combine | None, base: Any = None) -> None:
-        posted = self._post(recv_tag, out, combine)  # before sending: the peer's answer finds it posted
+        posted = self.post_receive(recv_tag, out, combine)  # before sending: the peer's answer finds it posted
         handle = self.send(dst, send_tag, payload)
-        self._complete(posted, src, recv_tag, deadline, out, combine, base)
+        self.complete_receive(posted, src, recv_tag, deadline, out, combine, base)
         handle.wait(deadline)
 
     def recv(self, src: int, tag: Tag, deadline: float) -> Any:
@@ -442,6 +450,26 @@ class SocketTransport(Transport):
         handle = self._written(dst, error)
         return [handle] * len(frames)
 
+    def send_signed(self, dst: int, frames: SignedArrayFrames, attempt: int, seq: int,
+                    array: np.ndarray) -> list[SendHandle]:
+        """A collective's signature and ``array`` (``frames``' dtype and shape), numbered ``(attempt, seq)``.
+
+        The calling thread writes both frames in one ``sendmsg`` from headers
+        packed once; behind queued large messages to ``dst`` (one thread's
+        order holds) they go as ``send_many`` sends them.
+        """
+        peer = self._peer(dst)
+        with peer.guard:
+            inline = frames.nbytes <= self.inline_bytes and peer.pending == 0
+        if not inline:
+            return self.send_many(dst, [((attempt, seq, *frames.sig_tag[2:]), frames.sig),
+                                        ((attempt, seq, *frames.data_tag[2:]), array)])
+        data = array.reshape(-1).view(np.uint8).data
+        with peer.write_lock:  # the headers are shared by this peer's sends of the same shape: renumbered under it
+            frames.renumber(attempt, seq)
+            error = self._write_parts(dst, peer, [frames.prefix, data])
+        return [self._written(dst, error)]
+
     def _written(self, dst: int, error: BaseException | None) -> SendHandle:
         """The handle of a write the calling thread made: completed, or failed with ``error``."""
         if error is None:
@@ -478,17 +506,21 @@ class SocketTransport(Transport):
     def _write(self, dst: int, peer: _Peer, frames: list[_Frame]) -> BaseException | None:
         """Write frames, every header and payload in one ``sendmsg`` (the caller holds ``peer.write_lock``); the
         error, if it failed."""
+        while len(peer.headers) < len(frames):
+            peer.headers.append(bytearray(HEADER.size))
+        parts: list[Buffer] = []
+        for header, (tag, kind, data, dtype, shape) in zip(peer.headers, frames):
+            pack_header(header, 0, tag, kind, dtype, shape, data.nbytes, 0, data.nbytes)
+            parts.append(header)
+            if data.nbytes:
+                parts.append(data.reshape(-1).view(np.uint8).data)
+        return self._write_parts(dst, peer, parts)
+
+    def _write_parts(self, dst: int, peer: _Peer, parts: list[Buffer]) -> BaseException | None:
+        """Write ``parts`` in one ``sendmsg``, connecting first if needed (hold ``peer.write_lock``); the error."""
         try:
             if peer.sock is None:
                 peer.sock = self._connect(dst)
-            while len(peer.headers) < len(frames):
-                peer.headers.append(bytearray(HEADER.size))
-            parts: list[Buffer] = []
-            for header, (tag, kind, data, dtype, shape) in zip(peer.headers, frames):
-                pack_header(header, 0, tag, kind, dtype, shape, data.nbytes, 0, data.nbytes)
-                parts.append(header)
-                if data.nbytes:
-                    parts.append(data.reshape(-1).view(np.uint8).data)
             self.sent_bytes[dst] = self.sent_bytes.get(dst, 0) + wire.send_parts(peer.sock, parts)
         except BaseException as e:
             return e
