@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from unittest import mock
 
 import dask
 import numpy as np
@@ -250,10 +251,18 @@ def test_a_connection_without_the_groups_secret_or_from_another_generation_is_re
         receiver.close()
 
 
-def test_busy_poll_is_off_when_cores_are_oversubscribed_and_set_by_config():
-    assert busy_poll_seconds(local_replicas=10_000) == 0.0  # auto: more replicas than cores
+def test_busy_poll_is_off_by_default_and_set_by_config():
+    # auto: off whatever the cores (the spinning thread would hold the GIL the reader thread delivers with)
+    with mock.patch("os.sched_getaffinity", return_value=set(range(64))):
+        assert busy_poll_seconds() == 0.0
+        receiver, sender = _pair()
+        try:
+            assert receiver.busy_poll == 0.0
+        finally:
+            sender.close()
+            receiver.close()
     with dask.config.set({"daskdist.collective.socket.busy-poll": "100us"}):
-        assert busy_poll_seconds(10_000) == pytest.approx(1e-4)
+        assert busy_poll_seconds() == pytest.approx(1e-4)
         receiver, sender = _pair()
         try:
             assert receiver.busy_poll == pytest.approx(1e-4)
@@ -263,7 +272,7 @@ def test_busy_poll_is_off_when_cores_are_oversubscribed_and_set_by_config():
             sender.close()
             receiver.close()
     with dask.config.set({"daskdist.collective.socket.busy-poll": 0}):
-        assert busy_poll_seconds(1) == 0.0
+        assert busy_poll_seconds() == 0.0
 
 
 class _Worker:

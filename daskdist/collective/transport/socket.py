@@ -36,8 +36,9 @@ kernel. A message that arrives before its receive is posted (or any plain
 ``recv``) is received into a fresh buffer, as before; ``receive_allocations``
 counts those buffers.
 A replica waiting on the mailbox may spin
-``daskdist.collective.socket.busy-poll`` before it sleeps (``auto``: only
-when the host's cores are not oversubscribed).
+``daskdist.collective.socket.busy-poll`` before it sleeps (``auto``: never:
+the spinning thread would hold the GIL that its reader thread needs to
+deliver the message).
 
 Heartbeats (``daskdist.wire.heartbeat``, from
 ``daskdist.collective.socket.heartbeat-timeout``): a peer that goes silent
@@ -83,7 +84,6 @@ from daskdist.collective.transport.framing import (
     encode,
     pack_header,
 )
-from daskdist.collective.transport.shm_channel import usable_cores
 from daskdist.collective.transport.socket_inbound import Inbound, Posted, ScratchPool
 from daskdist.exceptions import CollectiveTimeoutError, ReplicaLostError
 from daskdist.wire.frames import Buffer
@@ -96,18 +96,20 @@ logger = logging.getLogger(__name__)
 #: The transport's name in the wire hello (``daskdist.wire.hello``).
 PROTOCOL = "daskdist-socket-3"
 _RANK = struct.Struct("!i")  # the connecting replica's rank: the hello's tail
-_AUTO_BUSY_POLL = 50e-6
 
 
-def busy_poll_seconds(local_replicas: int) -> float:
-    """``daskdist.collective.socket.busy-poll`` in seconds; ``auto``: 50 us unless the host's cores are oversubscribed.
+def busy_poll_seconds() -> float:
+    """``daskdist.collective.socket.busy-poll`` in seconds; ``auto``: off.
 
-    A replica and its reader threads each want a core while a message is in
-    flight, so ``auto`` spins only with two cores per replica of the host.
+    The message a waiting replica spins for is delivered by a reader thread
+    of its own process, which needs the GIL the spinning thread holds (a
+    waiting thread takes it only after the 5 ms switch interval): a spin
+    delays the delivery it waits for (BENCHMARKS section 24). A set value
+    still spins, for a transport whose delivery does not need this process.
     """
     value = config.get("collective.socket.busy-poll", "auto")
     if value == "auto":
-        return _AUTO_BUSY_POLL if usable_cores() >= 2 * max(1, local_replicas) else 0.0
+        return 0.0
     return config.get_seconds("collective.socket.busy-poll") if value else 0.0
 
 
@@ -165,8 +167,6 @@ class SocketTransport(Transport):
         this replica's mailbox for good.
     secret
         The group's secret (``GroupSpec.secret``), presented with ``group_id`` in every hello.
-    local_replicas
-        Replicas of the group on this host (for ``busy-poll: auto``).
 
     Attributes
     ----------
@@ -183,13 +183,12 @@ class SocketTransport(Transport):
 
     def __init__(self, rank: int, addresses: list[str], mailbox: Mailbox, group_id: str, host: str,
                  server_context: ssl.SSLContext | None = None, client_context: ssl.SSLContext | None = None,
-                 on_peer_lost: Callable[[int | None, str], None] | None = None, secret: str = "",
-                 local_replicas: int = 1):
+                 on_peer_lost: Callable[[int | None, str], None] | None = None, secret: str = ""):
         super().__init__(rank, addresses, mailbox)
         self.group_id = group_id
         self.heartbeat_timeout = config.get_seconds("collective.socket.heartbeat-timeout")
         self.inline_bytes = int(parse_bytes(config.get("collective.socket.inline-bytes", "1MiB")))
-        self.busy_poll = busy_poll_seconds(local_replicas)
+        self.busy_poll = busy_poll_seconds()
         self.receive_on_caller = bool(config.get("collective.socket.receive-on-caller", False))
         self._inbound: dict[int, Inbound] = {}
         self.sent_bytes: dict[int, int] = {}
