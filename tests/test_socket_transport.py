@@ -20,6 +20,7 @@ import pytest
 
 from daskdist.collective.mailbox import Mailbox
 from daskdist.collective.transport.base import CompletedSend
+from daskdist.collective.transport.framing import SignedArrayFrames
 from daskdist.collective.transport.socket import SocketTransport, busy_poll_seconds
 from daskdist.group.membership import Generation, GroupId, Member, Membership
 from daskdist.group.spec import GroupSpec
@@ -208,6 +209,33 @@ def test_posted_receives_land_in_place_without_allocating(n):
         np.testing.assert_array_equal(acc, np.full(n, 1 + sum(range(1, 9)), np.float32))
         assert receiver.receive_allocations - before == 1  # the scratch buffer, made once and reused
         assert receiver.posted_receives == 0 and len(receiver.mailbox) == 0
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_signed_frames_arrive_as_the_general_sends_and_the_signature_needs_no_receive_buffer():
+    """``send_signed`` writes what ``send_many`` of the signature and the array would (tags renumbered per send);
+    the signature text is decoded where it lies in the read buffer, and the array lands in its posted receive:
+    nothing allocated on the receive path. Failed with text frames read into a fresh buffer (one each)."""
+    receiver, sender = _pair()
+    try:
+        sender.send(0, (1, 0, 1, "warm"), np.ones(1))  # opens the connection (one fresh buffer: not posted)
+        receiver.recv(1, (1, 0, 1, "warm"), time.monotonic() + 30)
+        before = receiver.receive_allocations
+        frames = SignedArrayFrames((0, 0, 1, "sig"), "the signature", (0, 0, 1, "data"), np.dtype(np.float32), (3, 2))
+        out = np.zeros((3, 2), np.float32)
+        for seq in range(1, 6):
+            posted = receiver.post_receive((1, seq, 1, "data"), out, None)
+            handles = sender.send_signed(0, frames, 1, seq, np.full((3, 2), seq, np.float32))
+            assert receiver.recv(1, (1, seq, 1, "sig"), time.monotonic() + 30) == "the signature"
+            receiver.complete_receive(posted, 1, (1, seq, 1, "data"), time.monotonic() + 30, out, None)
+            for handle in handles:
+                handle.wait(time.monotonic() + 30)
+            np.testing.assert_array_equal(out, np.full((3, 2), seq, np.float32))
+        assert receiver.receive_allocations == before
+        assert receiver.posted_receives == 0 and len(receiver.mailbox) == 0
+        assert receiver.mailbox.order[-2:] == [(1, 5, 1, "sig"), (1, 5, 1, "data")]
     finally:
         sender.close()
         receiver.close()
