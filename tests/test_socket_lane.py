@@ -198,3 +198,21 @@ def test_a_killed_peer_wakes_replicas_waiting_in_the_socket_lane(make_cluster, t
         time.sleep(0.1)
     assert sorted(log.read_text().split("\n")[:2]) == ["0 ReplicaLostError 1", "1 ReplicaLostError 1"]
     strategy.close()
+
+
+def test_small_all_reduces_in_flight_together_on_the_socket_lane_each_get_their_own_result(threaded_client):
+    """An async window of 4 runs socket-lane all-reduces of one shape at once (their frames share packed
+    headers, renumbered under the connection's write lock): each meets its own peers' arrays."""
+    with dask.config.set({**CROSS_HOST, "daskdist.collective.async-window": 4}), \
+            dd.MirroredStrategy(client=threaded_client) as strategy:
+
+        def fn():
+            ctx = dd.get_replica_context()
+            group, rank = ctx.process_group, ctx.replica_id_in_sync_group
+            works = [group.all_reduce("SUM", np.full(1000, float(i + rank), np.float32), async_op=True)
+                     for i in range(40)]
+            return [float(w.wait()[0]) for w in works], rank
+
+        for sums, _ in strategy.experimental_local_results(strategy.run(fn)):
+            assert sums == [3.0 * i + 3 for i in range(40)]
+        assert _lane_plans_taken(strategy, threaded_client) == [1, 1, 1]
