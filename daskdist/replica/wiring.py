@@ -96,8 +96,7 @@ def make_transport(rank: int, membership: Membership, spec: GroupSpec, mailbox: 
     remote = [r for r in peers if r not in routes]
     if remote:
         tcp = SocketTransport(rank, addresses, mailbox, wire_id, get_address_host(worker.address),
-                              *worker_contexts(worker), on_peer_lost=on_peer_lost, secret=spec.secret,
-                              local_replicas=hosts.count(hosts[rank]))
+                              *worker_contexts(worker), on_peer_lost=on_peer_lost, secret=spec.secret)
         routes.update({r: tcp for r in remote})
     return RoutedTransport(rank, addresses, mailbox, routes)
 

@@ -45,6 +45,7 @@ from daskdist.collective.core.engines.lane import LaneEngine, shared_memory_rout
 from daskdist.collective.core.engines.nccl.all_reduce import NcclAllReduce
 from daskdist.collective.core.engines.packed import PackedAllReduce, pack_engines
 from daskdist.collective.core.engines.single_copy.all_reduce import SingleCopyAllReduce
+from daskdist.collective.core.engines.socket_lane import SocketLaneEngine, socket_route
 from daskdist.collective.mailbox import Abort
 from daskdist.collective.transport.base import Transport
 from daskdist.exceptions import DaskdistError, kind_of
@@ -105,6 +106,9 @@ class Communicator:
     lane
         The latency lane (``LaneEngine``) when every peer is reached through
         shared memory, else ``None``.
+    socket_lane
+        The socket lane (``SocketLaneEngine``) when every peer is reached
+        over TCP (and ``collective.socket.lane`` is on), else ``None``.
     single_copy
         The single-copy all-reduce when every peer is reached through shared
         memory, else ``None``.
@@ -165,6 +169,8 @@ class Communicator:
                          self.single_copy),
             self.algorithm.name)
         self._on_nccl = NcclAllReduce(self.packed)
+        sockets = socket_route(transport, size, rank) if config.get("collective.socket.lane", True) else None
+        self.socket_lane = SocketLaneEngine(self, sockets) if sockets is not None else None
 
     def start_stall_watch(self) -> None:
         """Start the thread that watches waiting collectives (``collective.stall-warning`` and ``skip-check``)."""
@@ -275,19 +281,24 @@ class Communicator:
         """Reduce ``value`` (a nested structure of arrays) across replicas; same structure back.
 
         Validate, shortcut one replica, choose an engine, run it. A bare numpy
-        array the latency lane has a (cached, validated) plan for goes to it
-        before anything else: that lookup is the whole dispatch of a small
-        all-reduce. ``in_place``: the caller's arrays may receive the result
+        array the latency lane (or, between hosts, the socket lane) has a
+        (cached, validated) plan for goes to it before anything else: that
+        lookup is the whole dispatch of a small all-reduce. ``in_place``: the caller's arrays may receive the result
         (a contiguous leaf that is a pack by itself is reduced where it lies,
         and the result is a view of it: no result buffer, no copy back);
         otherwise they are only read.
         """
         lane = self.lane
         bare = type(value) is np.ndarray
-        if lane is not None and bare:
-            lane_plan = lane.plan(op, value, options)
-            if lane_plan is not None:
-                return lane.run(lane_plan, value)
+        if bare:
+            if lane is not None:
+                lane_plan = lane.plan(op, value, options)
+                if lane_plan is not None:
+                    return lane.run(lane_plan, value)
+            elif self.socket_lane is not None and self.nccl is None:
+                socket_plan = self.socket_lane.plan(op, value, options)
+                if socket_plan is not None:
+                    return self.socket_lane.run(socket_plan, value)
         plan = AllReducePlan(op, value, self.options.merge(options), options, self.algorithm.num_packs,
                              self.buffers.empty, in_place)
         if self.size == 1:

@@ -15,14 +15,15 @@ import numpy as np
 
 from daskdist.collective.mailbox import Tag
 
-__all__ = ["ARRAY", "HEADER", "MAX_NDIM", "OBJECT", "TEXT", "decode", "describe_payload", "dtype_text", "encode",
-           "pack_header", "to_dtype", "unpack_header"]
+__all__ = ["ARRAY", "HEADER", "MAX_NDIM", "OBJECT", "TEXT", "SignedArrayFrames", "decode", "describe_payload",
+           "dtype_text", "encode", "pack_header", "to_dtype", "unpack_header"]
 
 ARRAY, OBJECT, TEXT = 0, 1, 2
 MAX_NDIM = 8
 
 #: attempt, seq, src, name, kind, total bytes, offset, piece bytes, ndim, shape[8], dtype
 HEADER = struct.Struct("<qqq40sbqqqb8q24s")
+_NUMBERS = struct.Struct("<qq")  # a header's first two fields: the tag's attempt and collective number
 
 
 def encode(payload: Any) -> tuple[int, np.ndarray]:
@@ -81,3 +82,38 @@ def decode(kind: int, dtype: str, shape: Any, data: Any) -> Any:
     if kind == TEXT:
         return bytes(data).decode()
     return pickle.loads(data)
+
+
+class SignedArrayFrames:
+    """A collective's signature frame and one array's frame to one peer, packed once and renumbered per send.
+
+    ``prefix`` holds the signature's header, the signature and the array's
+    header; a send sets the attempt and collective number of both headers
+    (``renumber``, under the connection's write lock) and writes ``prefix``
+    then the array's bytes. On the wire these are the two frames a general
+    collective sends (``tags`` and payloads as ``encode`` would make them).
+
+    Parameters
+    ----------
+    sig_tag, sig
+        The signature message's tag and text (a ``TEXT`` frame).
+    data_tag, dtype, shape
+        The array message's tag, ``dtype_text`` and shape.
+    """
+
+    __slots__ = ("_second", "data_tag", "nbytes", "prefix", "sig", "sig_tag")
+
+    def __init__(self, sig_tag: Tag, sig: str, data_tag: Tag, dtype: np.dtype[Any], shape: tuple[int, ...]) -> None:
+        text = sig.encode()
+        self.sig_tag, self.sig, self.data_tag = sig_tag, sig, data_tag
+        self.nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        self._second = HEADER.size + len(text)
+        self.prefix = bytearray(self._second + HEADER.size)
+        pack_header(self.prefix, 0, sig_tag, TEXT, "", (), len(text), 0, len(text))
+        self.prefix[HEADER.size : self._second] = text
+        pack_header(self.prefix, self._second, data_tag, ARRAY, dtype_text(dtype), shape, self.nbytes, 0, self.nbytes)
+
+    def renumber(self, attempt: int, seq: int) -> None:
+        """Both frames' tags become ``(attempt, seq, ...)``."""
+        _NUMBERS.pack_into(self.prefix, 0, attempt, seq)
+        _NUMBERS.pack_into(self.prefix, self._second, attempt, seq)

@@ -36,8 +36,9 @@ kernel. A message that arrives before its receive is posted (or any plain
 ``recv``) is received into a fresh buffer, as before; ``receive_allocations``
 counts those buffers.
 A replica waiting on the mailbox may spin
-``daskdist.collective.socket.busy-poll`` before it sleeps (``auto``: only
-when the host's cores are not oversubscribed).
+``daskdist.collective.socket.busy-poll`` before it sleeps (``auto``: never:
+the spinning thread would hold the GIL that its reader thread needs to
+deliver the message).
 
 Heartbeats (``daskdist.wire.heartbeat``, from
 ``daskdist.collective.socket.heartbeat-timeout``): a peer that goes silent
@@ -77,12 +78,12 @@ from daskdist.collective.transport.base import (
 )
 from daskdist.collective.transport.framing import (
     HEADER,
+    SignedArrayFrames,
     describe_payload,
     dtype_text,
     encode,
     pack_header,
 )
-from daskdist.collective.transport.shm_channel import usable_cores
 from daskdist.collective.transport.socket_inbound import Inbound, Posted, ScratchPool
 from daskdist.exceptions import CollectiveTimeoutError, ReplicaLostError
 from daskdist.wire.frames import Buffer
@@ -95,18 +96,20 @@ logger = logging.getLogger(__name__)
 #: The transport's name in the wire hello (``daskdist.wire.hello``).
 PROTOCOL = "daskdist-socket-3"
 _RANK = struct.Struct("!i")  # the connecting replica's rank: the hello's tail
-_AUTO_BUSY_POLL = 50e-6
 
 
-def busy_poll_seconds(local_replicas: int) -> float:
-    """``daskdist.collective.socket.busy-poll`` in seconds; ``auto``: 50 us unless the host's cores are oversubscribed.
+def busy_poll_seconds() -> float:
+    """``daskdist.collective.socket.busy-poll`` in seconds; ``auto``: off.
 
-    A replica and its reader threads each want a core while a message is in
-    flight, so ``auto`` spins only with two cores per replica of the host.
+    The message a waiting replica spins for is delivered by a reader thread
+    of its own process, which needs the GIL the spinning thread holds (a
+    waiting thread takes it only after the 5 ms switch interval): a spin
+    delays the delivery it waits for (BENCHMARKS section 24). A set value
+    still spins, for a transport whose delivery does not need this process.
     """
     value = config.get("collective.socket.busy-poll", "auto")
     if value == "auto":
-        return _AUTO_BUSY_POLL if usable_cores() >= 2 * max(1, local_replicas) else 0.0
+        return 0.0
     return config.get_seconds("collective.socket.busy-poll") if value else 0.0
 
 
@@ -164,8 +167,6 @@ class SocketTransport(Transport):
         this replica's mailbox for good.
     secret
         The group's secret (``GroupSpec.secret``), presented with ``group_id`` in every hello.
-    local_replicas
-        Replicas of the group on this host (for ``busy-poll: auto``).
 
     Attributes
     ----------
@@ -182,13 +183,12 @@ class SocketTransport(Transport):
 
     def __init__(self, rank: int, addresses: list[str], mailbox: Mailbox, group_id: str, host: str,
                  server_context: ssl.SSLContext | None = None, client_context: ssl.SSLContext | None = None,
-                 on_peer_lost: Callable[[int | None, str], None] | None = None, secret: str = "",
-                 local_replicas: int = 1):
+                 on_peer_lost: Callable[[int | None, str], None] | None = None, secret: str = ""):
         super().__init__(rank, addresses, mailbox)
         self.group_id = group_id
         self.heartbeat_timeout = config.get_seconds("collective.socket.heartbeat-timeout")
         self.inline_bytes = int(parse_bytes(config.get("collective.socket.inline-bytes", "1MiB")))
-        self.busy_poll = busy_poll_seconds(local_replicas)
+        self.busy_poll = busy_poll_seconds()
         self.receive_on_caller = bool(config.get("collective.socket.receive-on-caller", False))
         self._inbound: dict[int, Inbound] = {}
         self.sent_bytes: dict[int, int] = {}
@@ -304,9 +304,12 @@ class SocketTransport(Transport):
             posted.claimed = True
             return posted
 
-    def _post(self, tag: Tag, out: Any, combine: Combine | None) -> Posted | None:
+    def post_receive(self, tag: Tag, out: Any, combine: Combine | None) -> Posted | None:
         """Post the receive of ``tag`` into ``out`` (``combine`` ``None``) or a scratch buffer; ``None``: not a numpy
-        array this transport can receive into (the message then arrives in a fresh buffer)."""
+        array this transport can receive into (the message then arrives in a fresh buffer).
+
+        Every posted receive ends with ``complete_receive`` or ``drop_receive``.
+        """
         if self.receive_on_caller or not isinstance(out, np.ndarray) or out.dtype.kind == "O":
             return None
         in_place = combine is None and out.flags.c_contiguous
@@ -316,9 +319,9 @@ class SocketTransport(Transport):
             self._posted[tag] = posted
         return posted
 
-    def _complete(self, posted: Posted | None, src: int, tag: Tag, deadline: float, out: Any,
-                  combine: Combine | None, base: Any) -> None:
-        """Wait for ``tag`` and combine or copy it into ``out``, in place where the receive was posted."""
+    def complete_receive(self, posted: Posted | None, src: int, tag: Tag, deadline: float, out: Any,
+                         combine: Combine | None, base: Any = None) -> None:
+        """Wait for ``tag`` and combine or copy it into ``out``, in place where ``post_receive`` posted it."""
         into_scratch = posted is not None and not posted.in_place
         done = False
         try:
@@ -336,22 +339,26 @@ class SocketTransport(Transport):
             done = True
         finally:
             if posted is not None:
-                with self._posted_lock:
-                    self._posted.pop(tag, None)
-                # a scratch buffer a reader still fills (the wait failed mid-frame) is left to it, not reused
-                if into_scratch and (done or not posted.claimed):
-                    self._scratch.give_back(posted.target)
+                self.drop_receive(posted, tag, done)
+
+    def drop_receive(self, posted: Posted, tag: Tag, done: bool = False) -> None:
+        """Withdraw the receive ``post_receive`` posted for ``tag`` (``done``: its message was used)."""
+        with self._posted_lock:
+            self._posted.pop(tag, None)
+        # a scratch buffer a reader still fills (the wait failed mid-frame) is left to it, not reused
+        if not posted.in_place and (done or not posted.claimed):
+            self._scratch.give_back(posted.target)
 
     def recv_into(self, src: int, tag: Tag, deadline: float, out: Any, combine: Combine | None,
                   base: Any = None) -> None:
-        posted = self._post(tag, out, combine)
-        self._complete(posted, src, tag, deadline, out, combine, base)
+        posted = self.post_receive(tag, out, combine)
+        self.complete_receive(posted, src, tag, deadline, out, combine, base)
 
     def sendrecv(self, dst: int, send_tag: Tag, payload: Any, src: int, recv_tag: Tag, deadline: float, out: Any,
                  combine: Combine | None, base: Any = None) -> None:
-        posted = self._post(recv_tag, out, combine)  # before sending: the peer's answer finds it posted
+        posted = self.post_receive(recv_tag, out, combine)  # before sending: the peer's answer finds it posted
         handle = self.send(dst, send_tag, payload)
-        self._complete(posted, src, recv_tag, deadline, out, combine, base)
+        self.complete_receive(posted, src, recv_tag, deadline, out, combine, base)
         handle.wait(deadline)
 
     def recv(self, src: int, tag: Tag, deadline: float) -> Any:
@@ -442,6 +449,26 @@ class SocketTransport(Transport):
         handle = self._written(dst, error)
         return [handle] * len(frames)
 
+    def send_signed(self, dst: int, frames: SignedArrayFrames, attempt: int, seq: int,
+                    array: np.ndarray) -> list[SendHandle]:
+        """A collective's signature and ``array`` (``frames``' dtype and shape), numbered ``(attempt, seq)``.
+
+        The calling thread writes both frames in one ``sendmsg`` from headers
+        packed once; behind queued large messages to ``dst`` (one thread's
+        order holds) they go as ``send_many`` sends them.
+        """
+        peer = self._peer(dst)
+        with peer.guard:
+            inline = frames.nbytes <= self.inline_bytes and peer.pending == 0
+        if not inline:
+            return self.send_many(dst, [((attempt, seq, *frames.sig_tag[2:]), frames.sig),
+                                        ((attempt, seq, *frames.data_tag[2:]), array)])
+        data = array.reshape(-1).view(np.uint8).data
+        with peer.write_lock:  # the headers are shared by this peer's sends of the same shape: renumbered under it
+            frames.renumber(attempt, seq)
+            error = self._write_parts(dst, peer, [frames.prefix, data])
+        return [self._written(dst, error)]
+
     def _written(self, dst: int, error: BaseException | None) -> SendHandle:
         """The handle of a write the calling thread made: completed, or failed with ``error``."""
         if error is None:
@@ -478,17 +505,21 @@ class SocketTransport(Transport):
     def _write(self, dst: int, peer: _Peer, frames: list[_Frame]) -> BaseException | None:
         """Write frames, every header and payload in one ``sendmsg`` (the caller holds ``peer.write_lock``); the
         error, if it failed."""
+        while len(peer.headers) < len(frames):
+            peer.headers.append(bytearray(HEADER.size))
+        parts: list[Buffer] = []
+        for header, (tag, kind, data, dtype, shape) in zip(peer.headers, frames):
+            pack_header(header, 0, tag, kind, dtype, shape, data.nbytes, 0, data.nbytes)
+            parts.append(header)
+            if data.nbytes:
+                parts.append(data.reshape(-1).view(np.uint8).data)
+        return self._write_parts(dst, peer, parts)
+
+    def _write_parts(self, dst: int, peer: _Peer, parts: list[Buffer]) -> BaseException | None:
+        """Write ``parts`` in one ``sendmsg``, connecting first if needed (hold ``peer.write_lock``); the error."""
         try:
             if peer.sock is None:
                 peer.sock = self._connect(dst)
-            while len(peer.headers) < len(frames):
-                peer.headers.append(bytearray(HEADER.size))
-            parts: list[Buffer] = []
-            for header, (tag, kind, data, dtype, shape) in zip(peer.headers, frames):
-                pack_header(header, 0, tag, kind, dtype, shape, data.nbytes, 0, data.nbytes)
-                parts.append(header)
-                if data.nbytes:
-                    parts.append(data.reshape(-1).view(np.uint8).data)
             self.sent_bytes[dst] = self.sent_bytes.get(dst, 0) + wire.send_parts(peer.sock, parts)
         except BaseException as e:
             return e

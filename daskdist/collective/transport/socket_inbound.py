@@ -4,7 +4,9 @@
 buffer (a small frame, header and payload, costs one ``recv``). When a
 frame's tag has a ``Posted`` receive, the payload goes straight into that
 receive's bytes (the collective's own output, or a ``ScratchPool`` buffer
-the receive combines from); else into a fresh buffer.
+the receive combines from); else into a fresh buffer. A text or object
+payload (a collective's signature) already whole in the read buffer is
+decoded where it lies, with no buffer of its own.
 """
 
 from __future__ import annotations
@@ -121,6 +123,13 @@ class Inbound:
                 end += n
         tag, kind, dtype, shape, total, _, _ = unpack_header(buf, start)
         start += HEADER.size
+        if kind != ARRAY and end - start >= total:  # a signature or an object, all read: decoded where it lies
+            value = decode(kind, dtype, shape, view[start : start + total])
+            start += total
+            if start == end:
+                start = end = 0
+            self.start, self.end = start, end
+            return tag, value
         posted = self._claim(tag) if self._claim is not None else None
         if posted is not None and not posted.fits(kind, dtype, total):
             posted.claimed = False  # not what the receive expects: delivered as it is, the receive raises
@@ -133,7 +142,7 @@ class Inbound:
                 self._on_allocate()
         have = min(total, end - start)
         if have:
-            data[:have] = np.frombuffer(buf, np.uint8, have, start)
+            data.data[:have] = view[start : start + have]
             start += have
         if start == end:
             start = end = 0

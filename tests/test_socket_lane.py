@@ -1,0 +1,218 @@
+"""The socket lane for small all-reduces between hosts, on real clusters.
+
+Every worker is its own host (``collective.hosts: per-worker``), so every
+peer is reached over TCP. Results must be the general path's, bit for bit;
+mismatches, timeouts and a lost peer must behave as on the general path,
+including when replicas disagree about which path to take.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import dask
+import numpy as np
+import pytest
+
+import daskdist as dd
+
+CROSS_HOST = {"daskdist.collective.transport": "auto", "daskdist.collective.hosts": "per-worker"}
+
+
+def _lane_plans_taken(strategy, client) -> list[int]:
+    """How many usable socket-lane plans each replica holds (-1: the replica has no socket lane)."""
+    token = strategy.extended.group.group_id
+
+    def count(dask_worker):
+        out = []
+        for group, runtime in dask_worker.extensions["daskdist"].replicas.items():
+            if group == token:
+                lane = getattr(runtime.communicator, "socket_lane", None)
+                out.append(-1 if lane is None else sum(p is not None for p in lane._plans.values()))
+        return out
+
+    return [n for part in client.run(count).values() for n in part]
+
+
+def _cases(rank):
+    import ml_dtypes
+
+    rng = np.random.default_rng(rank)
+    matrix = rng.standard_normal((6, 5))
+    return [
+        ("SUM", rng.standard_normal(1000).astype(np.float32)),
+        ("MEAN", rng.standard_normal((7, 3)).astype(np.float16)),
+        ("MEAN", rng.integers(-9, 9, 11).astype(np.int32)),
+        ("MAX", rng.integers(0, 100, 13).astype(np.int8)),
+        ("MIN", rng.standard_normal(9)),
+        ("PRODUCT", rng.integers(1, 4, 5).astype(np.int64)),
+        ("SUM", rng.random(9) > 0.5),
+        ("PRODUCT", rng.random(9) > 0.2),
+        ("SUM", np.array(float(rank))),  # 0-d
+        ("SUM", matrix.T),  # not contiguous
+        ("SUM", rng.standard_normal(11).astype(ml_dtypes.bfloat16)),
+        (dd.ReduceOp.SUM, rng.standard_normal(16384).astype(np.float32)),  # 64 KiB: the largest one hop
+    ]
+
+
+def test_small_arrays_between_hosts_take_the_socket_lane_with_the_general_paths_results(threaded_client):
+    with dask.config.set(CROSS_HOST), dd.MirroredStrategy(client=threaded_client) as strategy:
+
+        def fn():
+            from daskdist import context
+
+            comm = context.current_runtime().communicator
+            ctx = dd.get_replica_context()
+            cases = _cases(ctx.replica_id_in_sync_group)
+            lane = [ctx.all_reduce(op, x) for op, x in cases]
+            kept, comm.socket_lane = comm.socket_lane, None
+            try:
+                general = [ctx.all_reduce(op, x) for op, x in cases]
+            finally:
+                comm.socket_lane = kept
+            again = [ctx.all_reduce(op, x) for op, x in cases]  # the cached plans
+            return [(type(a), a.dtype, a.shape, a.tobytes()) for a in lane + again], \
+                [(type(g), g.dtype, g.shape, g.tobytes()) for g in general + general]
+
+        out = strategy.experimental_local_results(strategy.run(fn))
+        for lane, general in out:
+            assert lane == general
+        assert len({str(lane) for lane, _ in out}) == 1  # bit-identical on every replica
+        assert _lane_plans_taken(strategy, threaded_client) == [len(_cases(0))] * 3
+
+
+def test_what_the_direct_engine_would_not_take_stays_on_the_general_path(threaded_client):
+    with dask.config.set(CROSS_HOST), dd.MirroredStrategy(client=threaded_client) as strategy:
+
+        def fn():
+            ctx = dd.get_replica_context()
+            ring = dd.CommunicationOptions(implementation=dd.CommunicationImplementation.RING)
+            return [ctx.all_reduce("SUM", np.ones(16385, np.float32)).sum(),  # above small-message-bytes
+                    ctx.all_reduce("SUM", np.ones(3), ring).sum(),  # the ring asked for
+                    ctx.all_reduce("SUM", np.ones(0)).size,  # empty
+                    ctx.all_reduce("SUM", [np.ones(3)])[0].sum()]  # not a bare array
+
+        out = strategy.experimental_local_results(strategy.run(fn))
+        assert all(r == [3 * 16385, 9.0, 0, 9.0] for r in out)
+        assert _lane_plans_taken(strategy, threaded_client) == [0, 0, 0]
+
+    with dask.config.set({**CROSS_HOST, "daskdist.collective.socket.lane": False}), \
+            dd.MirroredStrategy(client=threaded_client) as strategy:
+        assert _lane_plans_taken(strategy, threaded_client) == [-1, -1, -1]
+
+
+@pytest.mark.parametrize(
+    "make, fragment",
+    [
+        (lambda r: np.ones(100_000 if r == 1 else 3, np.float32), "float32[100000]"),
+        (lambda r: np.ones(4 if r == 2 else 3, np.float32), "float32[4]"),
+        (lambda r: np.ones(3, np.float32 if r != 2 else np.int32), "int32[3]"),
+        (lambda r: np.ones(3) if r != 0 else [np.ones(3)], "PyTreeSpec([*])"),
+    ],
+    ids=["lane-vs-ring", "shape", "dtype", "structure"],
+)
+def test_a_mismatch_with_the_socket_lane_raises_on_every_replica(threaded_client, make, fragment):
+    with dask.config.set(CROSS_HOST), dd.MirroredStrategy(client=threaded_client) as strategy:
+
+        def fn():
+            ctx = dd.get_replica_context()
+            try:
+                ctx.all_reduce("SUM", make(ctx.replica_id_in_sync_group), dd.CommunicationOptions(timeout_seconds=60))
+            except dd.CollectiveError as e:
+                return f"{type(e).__name__}: {e}"
+            return "no error"
+
+        start = time.monotonic()
+        results = strategy.experimental_local_results(strategy.run(fn))
+        assert time.monotonic() - start < 10
+        assert all(r.startswith(("CollectiveMismatchError", "CollectiveAbortedError")) for r in results), results
+        assert any(r.startswith("CollectiveMismatchError") and fragment in r for r in results), results
+        ok = strategy.run(lambda: dd.get_replica_context().all_reduce("SUM", np.ones(2)))  # still usable
+        assert all(v.tolist() == [3.0, 3.0] for v in strategy.experimental_local_results(ok))
+        assert all(n >= 1 for n in _lane_plans_taken(strategy, threaded_client))
+
+
+def test_a_replica_that_never_joins_the_socket_lane_times_out_naming_it(threaded_client):
+    with dask.config.set(CROSS_HOST), dd.MirroredStrategy(client=threaded_client) as strategy:
+
+        def fn():
+            ctx = dd.get_replica_context()
+            if ctx.replica_id_in_sync_group == 1:
+                return "skipped"
+            try:
+                ctx.all_reduce("SUM", np.ones(4), dd.CommunicationOptions(timeout_seconds=1))
+            except dd.CollectiveError as e:
+                return f"{type(e).__name__}: {e}"
+            return "no error"
+
+        results = strategy.experimental_local_results(strategy.run(fn))
+        assert results[1] == "skipped"
+        timeouts = [r for r in results if r.startswith("CollectiveTimeoutError")]
+        assert timeouts and all("replica 1" in r for r in timeouts), results
+        assert _lane_plans_taken(strategy, threaded_client) == [1, 0, 1]
+
+
+@pytest.mark.slow
+def test_a_killed_peer_wakes_replicas_waiting_in_the_socket_lane(make_cluster, tmp_path):
+    client = make_cluster(3, processes=True)
+    with dask.config.set(CROSS_HOST):
+        strategy = dd.MirroredStrategy(client=client)
+    victim = strategy.extended.worker_addresses[2]
+    pid = client.run(os.getpid, workers=[victim])[victim]
+    log = tmp_path / "raised"
+
+    def fn():
+        from daskdist import context
+
+        ctx = dd.get_replica_context()
+        if ctx.replica_id_in_sync_group == 2:
+            time.sleep(60)
+        try:  # ranks 0 and 1 wait in the socket lane for rank 2's array
+            ctx.all_reduce("SUM", np.ones(1000, np.float32), dd.CommunicationOptions(timeout_seconds=120))
+        except dd.ReplicaLostError as e:
+            taken = sum(p is not None for p in context.current_runtime().communicator.socket_lane._plans.values())
+            with open(log, "a") as f:
+                f.write(f"{ctx.replica_id_in_sync_group} {type(e).__name__} {taken}\n")
+            raise
+
+    errors: list[BaseException] = []
+
+    def run():
+        try:
+            strategy.run(fn)
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(2)
+    killed = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    thread.join(20)
+    assert not thread.is_alive()
+    assert isinstance(errors[0], dd.ReplicaLostError)
+    while time.monotonic() < killed + 10 and (not log.exists() or len(log.read_text().split("\n")) < 3):
+        time.sleep(0.1)
+    assert sorted(log.read_text().split("\n")[:2]) == ["0 ReplicaLostError 1", "1 ReplicaLostError 1"]
+    strategy.close()
+
+
+def test_small_all_reduces_in_flight_together_on_the_socket_lane_each_get_their_own_result(threaded_client):
+    """An async window of 4 runs socket-lane all-reduces of one shape at once (their frames share packed
+    headers, renumbered under the connection's write lock): each meets its own peers' arrays."""
+    with dask.config.set({**CROSS_HOST, "daskdist.collective.async-window": 4}), \
+            dd.MirroredStrategy(client=threaded_client) as strategy:
+
+        def fn():
+            ctx = dd.get_replica_context()
+            group, rank = ctx.process_group, ctx.replica_id_in_sync_group
+            works = [group.all_reduce("SUM", np.full(1000, float(i + rank), np.float32), async_op=True)
+                     for i in range(40)]
+            return [float(w.wait()[0]) for w in works], rank
+
+        for sums, _ in strategy.experimental_local_results(strategy.run(fn)):
+            assert sums == [3.0 * i + 3 for i in range(40)]
+        assert _lane_plans_taken(strategy, threaded_client) == [1, 1, 1]
