@@ -205,30 +205,37 @@ def commit_cost(epochs: int, steps: int, profile: bool = False, fit_epochs: int 
         print("(epoch: the epochs after each fit's first, on_epoch_begin to on_epoch_end; replicas' CPU: their "
               "processes' CPU time over those epochs, summed; fit wall: the whole fit, its start included)")
         if profile:
-            parts = commit_profile(client, models, train, steps)
+            parts = commit_profile(client, models, train, steps, max(2, epochs // 2))
         for strategy in strategies.values():
             strategy.close()
     if profile:
-        print("\nWhere a step's time goes on the replicas (one more epoch each, mean ms per step over the replicas; "
-              "Keras 3's resident timed by wrappers installed on the workers):\n")
-        print(format_table(["strategy", "train step", "of which: wait for the copy (settle)",
-                            "commit on the step path (after_step)", "epoch-end commit (commit_now)",
-                            "fit wall per step"], parts))
+        print("\nWhere a step's time goes on the replicas (ABAB rounds of fit(epochs=2), timed by wrappers installed on "
+              "the workers; ms per step, the median over the rounds of the mean over the replicas):\n")
+        print(format_table(["strategy", "replica's epoch command", "train step", "before_step",
+                            "of which: wait for the copy (settle)", "after_step", "epoch-end commit (commit_now)",
+                            "commit parts together"], parts))
 
 
-_PARTS = ("train_batch", "settle", "after_step", "commit_now")
+_PARTS = ("command", "train_batch", "before_step", "settle", "after_step", "commit_now")
 
 
-def _install_timers() -> None:
-    """On a worker: time ``KerasTrainable.train_batch`` (a step), the wait for a commit's copy before the apply
-    (``CommitRing.settle``), what a commit costs on the step path (``Commits.after_step``: the metric
-    variables read, the copy's thread started) and the epoch's last commit (``commit_now``); sums and counts."""
+def _install_timers(model: str) -> None:
+    """On a worker: time the replica's epoch command (``train_epoch``, ``elastic_train_epoch``), the model's
+    ``train_batch`` (a step), what a commit costs before a step (``Commits.before_step``: the boundary flags),
+    the wait for a commit's copy before the apply (``CommitRing.settle``), what a commit costs after a step
+    (``Commits.after_step``: the metric totals read, the commit kept or its copy's thread started) and the
+    epoch's last commit (``commit_now``); sums and counts."""
     import types
 
     from daskdist.elastic import replica
-    from daskdist.plugins.keras3.resident import KerasTrainable
+    from daskdist.training import commands
     from daskdist.training import elastic as trainer_elastic
     from daskdist.training.commits import Commits
+
+    if model == "keras3":
+        from daskdist.plugins.keras3.resident import KerasTrainable as Resident
+    else:
+        from daskdist.keras.trainable import BuiltinTrainable as Resident
 
     if "k3bench_timers" in sys.modules:
         return
@@ -247,8 +254,11 @@ def _install_timers() -> None:
                 total[1] += 1
         return wrapper
 
-    KerasTrainable.train_batch = timed("train_batch", KerasTrainable.train_batch)  # type: ignore[method-assign]
+    commands.train_epoch = timed("command", commands.train_epoch)
+    trainer_elastic.elastic_train_epoch = timed("command", trainer_elastic.elastic_train_epoch)
+    Resident.train_batch = timed("train_batch", Resident.train_batch)  # type: ignore[method-assign]
     replica.CommitRing.settle = timed("settle", replica.CommitRing.settle)  # type: ignore[method-assign]
+    Commits.before_step = timed("before_step", Commits.before_step)  # type: ignore[method-assign]
     Commits.after_step = timed("after_step", Commits.after_step)  # type: ignore[method-assign]
     trainer_elastic.commit_now = timed("commit_now", trainer_elastic.commit_now)
 
@@ -261,22 +271,24 @@ def _take_timers() -> dict:
     return taken
 
 
-def commit_profile(client, models: dict, train, steps: int) -> list[list[str]]:
-    """One epoch of the plain and the ``commit_every=1`` model with the parts timed on the replicas."""
-    client.run(_install_timers)
+def commit_profile(client, models: dict, train, steps: int, rounds: int) -> list[list[str]]:
+    """ABAB rounds of ``fit(epochs=2)`` of the plain and the ``commit_every=1`` model, the parts timed on the
+    replicas (ms per step: the mean over the replicas, the median over the rounds)."""
+    client.run(_install_timers, MODEL["name"])
+    order = ["plain", "commit_every=1"]
+    per_round: dict[str, dict[str, list[float]]] = {name: {part: [] for part in _PARTS} for name in order}
+    for n in range(rounds):
+        for name in (order if n % 2 == 0 else order[::-1]):
+            client.run(_take_timers)
+            models[name].fit(train, epochs=2, verbose=0)
+            taken = list(client.run(_take_timers).values())
+            for part in _PARTS:
+                per_round[name][part].append(statistics.mean(t[part][0] for t in taken) / (2 * steps))
     rows = []
-    for name in ("plain", "commit_every=1"):
-        client.run(_take_timers)
-        start = time.perf_counter()
-        models[name].fit(train, epochs=1, verbose=0)
-        wall = (time.perf_counter() - start) / steps
-        taken = list(client.run(_take_timers).values())
-
-        def per_step(part: str, taken: list = taken) -> str:
-            return f"{statistics.mean(t[part][0] for t in taken) / steps * 1e3:.2f}"
-
-        rows.append([name, per_step("train_batch"), per_step("settle"), per_step("after_step"),
-                     per_step("commit_now"), f"{wall * 1e3:.2f}"])
+    for name in order:
+        med = {part: statistics.median(values) * 1e3 for part, values in per_round[name].items()}
+        commit = med["before_step"] + med["after_step"] + med["settle"] + med["commit_now"]
+        rows.append([name] + [f"{med[part]:.3f}" for part in _PARTS] + [f"{commit:.3f}"])
     return rows
 
 
@@ -607,7 +619,7 @@ def main() -> None:
     begin = time.perf_counter()
     if "commit" in parts:
         print("\n## Commit cost per step\n")
-        commit_cost(args.epochs, args.steps, profile=args.model == "keras3", fit_epochs=args.fit_epochs)
+        commit_cost(args.epochs, args.steps, profile=True, fit_epochs=args.fit_epochs)
     if "goodput" in parts:
         print(f"\n## Goodput of {args.goodput_epochs} epochs of {args.steps} steps, a kill -9 per epoch\n")
         goodput(args.goodput_epochs, args.steps, args.min_replicas)

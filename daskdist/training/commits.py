@@ -238,7 +238,7 @@ class Commits:
                                     self.key, self.learning_rate)
         else:
             pause = fault_points.bound("commit") if fault_points.ARMED else None  # a test's fault point, in the copy
-            taken = Commit.copying(key, self.service.objects, {}, pause)
+            taken = Commit.copying(key, self.service.objects, {}, pause, self.ring.copier)
             self.base, self.log, self.since, self.log_bytes = taken, [], 0, 0
         if grow or leave:  # a membership change at this commit: its totals summed now, then every replica stops
             self._enter(taken, _all_reduce(own))
