@@ -8,9 +8,14 @@ epoch, a plain strategy into per-replica buffers):
 
 1. **Commit cost.** ``fit`` on 2 replicas (a ``LocalCluster``), epochs
    alternating (ABBA) between a plain (non-elastic) strategy and elastic ones
-   with ``commit_every`` 1 and 10, side by side in one run. Reported: median
-   wall time per step of each (epoch time / steps, a warm-up epoch first), and
-   each one's ratio to the plain one (goal: under 1.03 at ``commit_every=1``).
+   with ``commit_every`` 1 and 10, side by side in one run, one
+   ``fit(epochs=--fit-epochs)`` (2) of each per round (a warm-up fit first).
+   Reported: the median time per step of the epochs after each fit's first
+   (``on_epoch_begin`` to ``on_epoch_end``, over the steps: the commits, the
+   commit-boundary checks, the epoch command), each one's ratio to the plain
+   one (goal: under 1.03 at ``commit_every=1``), and the same of each fit's
+   wall time (the fit's one-off start included: the data planned, the first
+   commit).
 2. **Goodput with a kill -9 every epoch.** 3 ``dask worker`` processes (each
    with its nanny) on a fresh scheduler per run; ``--goodput-epochs`` (10)
    epochs of ``fit``. In every epoch, once replica 0 reported step
@@ -128,10 +133,48 @@ def dataset(steps: int):
     return dd.data.Dataset.from_tensor_slices((images, labels)).map(scale).cache().batch(BATCH)
 
 
-def commit_cost(epochs: int, steps: int, profile: bool = False) -> None:
+def epoch_timer(cpu: Callable[[], float]) -> Any:
+    """A callback of ``--model``'s framework that times each epoch (``on_epoch_begin`` to ``on_epoch_end``): its
+    wall time (``seconds``) and the CPU time ``cpu()`` counts over it (``cpu_seconds``, read outside the wall's
+    window)."""
+    if MODEL["name"] == "keras3":
+        import keras as framework
+    else:
+        framework = keras
+
+    class EpochTimes(framework.callbacks.Callback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seconds: list[float] = []
+            self.cpu_seconds: list[float] = []
+            self._start = self._cpu = 0.0
+
+        def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+            self._cpu = cpu()
+            self._start = time.perf_counter()
+
+        def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+            self.seconds.append(time.perf_counter() - self._start)
+            self.cpu_seconds.append(cpu() - self._cpu)
+
+    return EpochTimes()
+
+
+def _cpu_seconds() -> float:
+    """CPU time (user + system, every thread) of this process so far (run on the workers)."""
+    times = os.times()
+    return times.user + times.system
+
+
+def commit_cost(epochs: int, steps: int, profile: bool = False, fit_epochs: int = 2) -> None:
+    """Each round: one ``fit(epochs=fit_epochs)`` of each strategy (ABBA). Per step: the later epochs' own time
+    (``on_epoch_begin`` to ``on_epoch_end``: the epoch's commits, its commit-boundary checks and its command)
+    and the fit's wall time (with the fit's one-off start: planning the data, the first commit)."""
     kinds = {"plain": None, "commit_every=1": dd.ElasticOptions(1, commit_every=1),
              "commit_every=10": dd.ElasticOptions(1, commit_every=10)}
-    times: dict[str, list[float]] = {k: [] for k in kinds}
+    times: dict[str, list[float]] = {k: [] for k in kinds}  # the later epochs of each fit, per step
+    cpu: dict[str, list[float]] = {k: [] for k in kinds}  # their CPU time on the replicas (both summed), per step
+    walls: dict[str, list[float]] = {k: [] for k in kinds}  # each fit's wall time, per step
     train = dataset(steps)
     with local_cluster(2) as client:
         prepare_workers(client)
@@ -142,41 +185,61 @@ def commit_cost(epochs: int, steps: int, profile: bool = False) -> None:
                 models[name] = build_model()
             models[name].fit(train, epochs=1, verbose=0)  # warm-up
         order = list(kinds)
+        loads = []
         for epoch in range(epochs):
-            print(f"round {epoch + 1}: load before {os.getloadavg()[0]:.2f}", flush=True)
+            loads.append(os.getloadavg()[0])
+            print(f"round {epoch + 1}: load before {loads[-1]:.2f}", flush=True)
             for name in (order if epoch % 2 == 0 else order[::-1]):
+                timer = epoch_timer(lambda: sum(client.run(_cpu_seconds).values()))
                 start = time.perf_counter()
-                models[name].fit(train, epochs=1, verbose=0)
-                times[name].append((time.perf_counter() - start) / steps)
-        plain = statistics.median(times["plain"])
-        rows = [[name, f"{statistics.median(t) * 1e3:.2f}", f"{statistics.median(t) / plain:.3f}",
-                 f"{min(t) * 1e3:.2f}-{max(t) * 1e3:.2f}"] for name, t in times.items()]
-        print(format_table(["strategy", "ms per step (median)", "ratio to plain", "range (ms)"], rows), flush=True)
+                models[name].fit(train, epochs=fit_epochs, verbose=0, callbacks=[timer])
+                walls[name].append((time.perf_counter() - start) / steps / fit_epochs)
+                times[name] += [t / steps for t in timer.seconds[1:]]
+                cpu[name] += [t / steps for t in timer.cpu_seconds[1:]]
+        med = statistics.median
+        plain, plain_wall, plain_cpu = med(times["plain"]), med(walls["plain"]), med(cpu["plain"])
+        rows = [[name, f"{med(t) * 1e3:.2f}", f"{med(t) / plain:.3f}", f"{min(t) * 1e3:.2f}-{max(t) * 1e3:.2f}",
+                 f"{med(cpu[name]) * 1e3:.2f}", f"{med(cpu[name]) / plain_cpu:.3f}",
+                 f"{med(walls[name]) * 1e3:.2f}", f"{med(walls[name]) / plain_wall:.3f}"] for name, t in times.items()]
+        print(f"\nload (1 min) before the rounds: {min(loads):.2f}-{max(loads):.2f}; fit(epochs={fit_epochs}) per "
+              f"round, {steps} steps per epoch\n")
+        print(format_table(["strategy", "epoch ms per step (median)", "ratio to plain", "range (ms)",
+                            "replicas' CPU ms per step", "ratio to plain", "fit wall ms per step", "ratio to plain"],
+                           rows), flush=True)
+        print("(epoch: the epochs after each fit's first, on_epoch_begin to on_epoch_end; replicas' CPU: their "
+              "processes' CPU time over those epochs, summed; fit wall: the whole fit, its start included)")
         if profile:
-            parts = commit_profile(client, models, train, steps)
+            parts = commit_profile(client, models, train, steps, max(2, epochs // 2))
         for strategy in strategies.values():
             strategy.close()
     if profile:
-        print("\nWhere a step's time goes on the replicas (one more epoch each, mean ms per step over the replicas; "
-              "Keras 3's resident timed by wrappers installed on the workers):\n")
-        print(format_table(["strategy", "train step", "of which: wait for the copy (settle)",
-                            "commit on the step path (after_step)", "epoch-end commit (commit_now)",
-                            "fit wall per step"], parts))
+        print("\nWhere a step's time goes on the replicas (ABAB rounds of fit(epochs=2), timed by wrappers installed on "
+              "the workers; ms per step, the median over the rounds of the mean over the replicas):\n")
+        print(format_table(["strategy", "replica's epoch command", "train step", "before_step",
+                            "of which: wait for the copy (settle)", "after_step", "epoch-end commit (commit_now)",
+                            "commit parts together"], parts))
 
 
-_PARTS = ("train_batch", "settle", "after_step", "commit_now")
+_PARTS = ("command", "train_batch", "before_step", "settle", "after_step", "commit_now")
 
 
-def _install_timers() -> None:
-    """On a worker: time ``KerasTrainable.train_batch`` (a step), the wait for a commit's copy before the apply
-    (``CommitRing.settle``), what a commit costs on the step path (``Commits.after_step``: the metric
-    variables read, the copy's thread started) and the epoch's last commit (``commit_now``); sums and counts."""
+def _install_timers(model: str) -> None:
+    """On a worker: time the replica's epoch command (``train_epoch``, ``elastic_train_epoch``), the model's
+    ``train_batch`` (a step), what a commit costs before a step (``Commits.before_step``: the boundary flags),
+    the wait for a commit's copy before the apply (``CommitRing.settle``), what a commit costs after a step
+    (``Commits.after_step``: the metric totals read, the commit kept or its copy's thread started) and the
+    epoch's last commit (``commit_now``); sums and counts."""
     import types
 
     from daskdist.elastic import replica
-    from daskdist.plugins.keras3.resident import KerasTrainable
+    from daskdist.training import commands
     from daskdist.training import elastic as trainer_elastic
     from daskdist.training.commits import Commits
+
+    if model == "keras3":
+        from daskdist.plugins.keras3.resident import KerasTrainable as Resident
+    else:
+        from daskdist.keras.trainable import BuiltinTrainable as Resident
 
     if "k3bench_timers" in sys.modules:
         return
@@ -195,8 +258,11 @@ def _install_timers() -> None:
                 total[1] += 1
         return wrapper
 
-    KerasTrainable.train_batch = timed("train_batch", KerasTrainable.train_batch)  # type: ignore[method-assign]
+    commands.train_epoch = timed("command", commands.train_epoch)
+    trainer_elastic.elastic_train_epoch = timed("command", trainer_elastic.elastic_train_epoch)
+    Resident.train_batch = timed("train_batch", Resident.train_batch)  # type: ignore[method-assign]
     replica.CommitRing.settle = timed("settle", replica.CommitRing.settle)  # type: ignore[method-assign]
+    Commits.before_step = timed("before_step", Commits.before_step)  # type: ignore[method-assign]
     Commits.after_step = timed("after_step", Commits.after_step)  # type: ignore[method-assign]
     trainer_elastic.commit_now = timed("commit_now", trainer_elastic.commit_now)
 
@@ -209,22 +275,24 @@ def _take_timers() -> dict:
     return taken
 
 
-def commit_profile(client, models: dict, train, steps: int) -> list[list[str]]:
-    """One epoch of the plain and the ``commit_every=1`` model with the parts timed on the replicas."""
-    client.run(_install_timers)
+def commit_profile(client, models: dict, train, steps: int, rounds: int) -> list[list[str]]:
+    """ABAB rounds of ``fit(epochs=2)`` of the plain and the ``commit_every=1`` model, the parts timed on the
+    replicas (ms per step: the mean over the replicas, the median over the rounds)."""
+    client.run(_install_timers, MODEL["name"])
+    order = ["plain", "commit_every=1"]
+    per_round: dict[str, dict[str, list[float]]] = {name: {part: [] for part in _PARTS} for name in order}
+    for n in range(rounds):
+        for name in (order if n % 2 == 0 else order[::-1]):
+            client.run(_take_timers)
+            models[name].fit(train, epochs=2, verbose=0)
+            taken = list(client.run(_take_timers).values())
+            for part in _PARTS:
+                per_round[name][part].append(statistics.mean(t[part][0] for t in taken) / (2 * steps))
     rows = []
-    for name in ("plain", "commit_every=1"):
-        client.run(_take_timers)
-        start = time.perf_counter()
-        models[name].fit(train, epochs=1, verbose=0)
-        wall = (time.perf_counter() - start) / steps
-        taken = list(client.run(_take_timers).values())
-
-        def per_step(part: str, taken: list = taken) -> str:
-            return f"{statistics.mean(t[part][0] for t in taken) / steps * 1e3:.2f}"
-
-        rows.append([name, per_step("train_batch"), per_step("settle"), per_step("after_step"),
-                     per_step("commit_now"), f"{wall * 1e3:.2f}"])
+    for name in order:
+        med = {part: statistics.median(values) * 1e3 for part, values in per_round[name].items()}
+        commit = med["before_step"] + med["after_step"] + med["settle"] + med["commit_now"]
+        rows.append([name] + [f"{med[part]:.3f}" for part in _PARTS] + [f"{commit:.3f}"])
     return rows
 
 
@@ -537,6 +605,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--epochs", type=int, default=6, help="measured epochs per strategy (commit cost)")
     parser.add_argument("--steps", type=int, default=32, help="steps per epoch")
+    parser.add_argument("--fit-epochs", type=int, default=2,
+                        help="commit cost: epochs of each fit (every epoch after the first is timed)")
     parser.add_argument("--goodput-epochs", type=int, default=10, help="epochs of each goodput run")
     parser.add_argument("--min-replicas", type=int, default=2, choices=[1, 2],
                         help="the elastic goodput run's min_replicas (1: fit never waits for a replacement)")
@@ -574,7 +644,7 @@ def main() -> None:
     begin = time.perf_counter()
     if "commit" in parts:
         print("\n## Commit cost per step\n")
-        commit_cost(args.epochs, args.steps, profile=args.model == "keras3")
+        commit_cost(args.epochs, args.steps, profile=True, fit_epochs=args.fit_epochs)
     if "goodput" in parts:
         print(f"\n## Goodput of {args.goodput_epochs} epochs of {args.steps} steps, a kill -9 per epoch\n")
         goodput(args.goodput_epochs, args.steps, args.min_replicas)

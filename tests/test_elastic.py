@@ -360,3 +360,31 @@ def test_a_retired_member_leaves_at_a_commit_with_no_rollback_and_the_strategy_t
         strategy.close()
     assert time.monotonic() - start < 10
     assert "did not all stop cleanly" not in caplog.text
+
+
+def _commit_digests(service):
+    """Per commit this replica holds, the digest of its copied state (every commit a full copy here)."""
+    from daskdist.elastic.replica import commit_ring, state_digest
+
+    return {key: state_digest(commit.state) for key, commit in commit_ring(service).commits.items()}
+
+
+def test_a_commit_copied_slowly_holds_its_own_step_not_the_next_ones(threaded_client, tmp_path):
+    """Replica 0's copy of the commit after step 3 pauses (the ``commit`` fault point, in the copying thread)
+    while step 4 runs: step 4's apply waits for the copy, so the commit holds step 3's state, as the others'."""
+    rng = np.random.default_rng(0)
+    x = rng.random((32, 3)).astype(np.float32)
+    train = Dataset.from_tensor_slices((x, x @ np.ones((3, 1), np.float32))).batch(8)  # 4 steps
+    settings = {"daskdist.testing.pause-at": "commit:2:0", "daskdist.testing.pause-file": str(tmp_path / "p.json"),
+                "daskdist.testing.pause-seconds": "1s", "daskdist.elastic.replayed-commits": 1}
+    with dask.config.set(settings), dd.MirroredStrategy(
+            client=threaded_client, elastic=dd.ElasticOptions(commit_every=1)) as strategy:
+        with strategy.scope():
+            model = keras.Sequential([keras.layers.Dense(1, input_shape=(3,))])
+            model.compile(loss=keras.losses.MeanSquaredError(), optimizer=keras.optimizers.SGD(0.1))
+        model.fit(train, epochs=1, verbose=0)
+        assert (tmp_path / "p.json").exists()  # replica 0 paused in the copy of the commit after step 3
+        first, *others = strategy.extended.group.call(_commit_digests)
+        assert [key[2] for key in first] == [3, 4]  # the paused commit and the epoch's end
+        assert all(other == first for other in others)  # each commit holds the same state on every replica
+        assert len(set(first.values())) == 2  # step 4 changed the state

@@ -15,7 +15,7 @@ from daskdist.data import replica as replica_side
 from daskdist.data.dataset import Dataset
 from daskdist.data.options import InputContext, InputOptions
 from daskdist.data.plan import Plan
-from daskdist.data.planner import plan_dataset
+from daskdist.data.planner import Planned, plan_dataset
 from daskdist.exceptions import OutOfRangeError
 from daskdist.values import PerReplica
 
@@ -66,7 +66,9 @@ class DistributedDataset:
     # -- building -------------------------------------------------------------------
 
     @classmethod
-    def from_dataset(cls, extended: DatasetHost, dataset: Any, options: InputOptions | None) -> DistributedDataset:
+    def from_dataset(cls, extended: DatasetHost, dataset: Any, options: InputOptions | None,
+                     planned: Planned | None = None) -> DistributedDataset:
+        """``dataset`` planned over the replicas (``planned``: that plan, made already) and registered there."""
         options = options or InputOptions()
         if not isinstance(dataset, Dataset):
             raise TypeError(
@@ -76,7 +78,8 @@ class DistributedDataset:
             )
         element_spec = dataset.element_spec_with(extended.client)
         spec = optree.tree_map(lambda s: (s.shape, np.dtype(s.dtype)), element_spec)
-        planned = plan_dataset(extended.client, list(extended.worker_addresses), dataset, options)
+        if planned is None:
+            planned = plan_dataset(extended.client, list(extended.worker_addresses), dataset, options)
         dataset_id = uuid.uuid4().hex[:12]
         shards = []
         for replica_input in planned.inputs:

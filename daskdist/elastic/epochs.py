@@ -36,8 +36,9 @@ import numpy as np
 
 from daskdist.data import ops
 from daskdist.data.dataset import Dataset
+from daskdist.data.distributed import DistributedDataset
 from daskdist.data.options import InputOptions
-from daskdist.data.planner import cut_pipeline, plan_dataset
+from daskdist.data.planner import Planned, cut_pipeline, plan_dataset
 from daskdist.data.sources import DaskSource
 from daskdist.data.split import global_batch_sizes
 from daskdist.elastic.ledger import EpochSchedule, RowMap
@@ -125,9 +126,13 @@ class EpochInput:
                       if isinstance(dataset.source, DaskSource) else [])
         # the rows of an epoch, in source order: the pipeline without its shuffle, planned once
         self.source_order = Dataset(dataset.source, tuple(op for op in transformations if op is not self.shuffle))
-        planned = plan_dataset(strategy.extended.client, list(strategy.extended.worker_addresses),
-                               self.source_order, GLOBAL_SPLIT)  # only to count rows: nothing is registered
+        workers = tuple(strategy.extended.worker_addresses)
+        planned = plan_dataset(strategy.extended.client, list(workers), self.source_order, GLOBAL_SPLIT)
         self.rows = RowMap.from_plan(planned.plan, self.batch_size)
+        # without a shuffle this is also the plan of the first epoch from its first step (``EpochPlans.rest``
+        # registers it instead of planning again); nothing is registered here
+        self._source_plan: tuple[tuple[str, ...], Planned] | None = (
+            (workers, planned) if self.shuffle is None else None)
         self.first_replicas = strategy.num_replicas_in_sync
         self.per_replica_batch: int | None = None
         if options.keep == "per_replica":
@@ -164,6 +169,14 @@ class EpochInput:
         """Global batches in the rows from ``first_row`` on, over ``num_replicas`` replicas."""
         rest = max(self.total_rows - first_row, 0)
         return len(global_batch_sizes(rest, self.global_batch(num_replicas), self.drop_remainder))
+
+    def source_plan(self, first_row: int, workers: tuple[str, ...]) -> Planned | None:
+        """The plan of the rows from ``first_row`` over ``workers`` made to count the rows, when it is that
+        (no shuffle, from the first row, the same members and global batch), once; else ``None``."""
+        kept, self._source_plan = self._source_plan, None
+        if kept is None or first_row or kept[0] != workers or self.global_batch(len(workers)) != self.batch_size:
+            return None
+        return kept[1]
 
     def dataset_from(self, epoch: int, first_row: int, num_replicas: int) -> Dataset:
         """The rows of ``epoch`` from row ``first_row`` of its order on, in global batches for ``num_replicas``."""
@@ -240,8 +253,14 @@ class EpochPlans:
         wanted = (order_key, row, tuple(self.strategy.extended.worker_addresses))
         if self._planned is None or self._planned[0] != wanted:
             self.forget()
-            self._planned = (wanted, self.strategy.experimental_distribute_dataset(
-                self.input.dataset_from(epoch, row, size), GLOBAL_SPLIT))
+            dataset = self.input.dataset_from(epoch, row, size)
+            planned = self.input.source_plan(row, wanted[2])
+            if planned is None:
+                distributed = self.strategy.experimental_distribute_dataset(dataset, GLOBAL_SPLIT)
+            else:  # the plan the rows were counted with is this one: registered, not made again
+                self.strategy.extended.check_open()
+                distributed = DistributedDataset.from_dataset(self.strategy.extended, dataset, GLOBAL_SPLIT, planned)
+            self._planned = (wanted, distributed)
         while self._stale:
             release(self.strategy, self._stale[-1])
             self._stale.pop()

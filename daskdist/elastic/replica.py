@@ -70,10 +70,13 @@ class Commit:
 
     @classmethod
     def copying(cls, key: CommitKey, objects: ResidentStore, progress: dict[str, Any],
-                before_copy: Callable[[], None] | None = None) -> Commit:
-        """A commit whose state ``objects`` (a ``ResidentStore``) is copied by a thread started now.
+                before_copy: Callable[[], None] | None = None,
+                copier: concurrent.futures.Executor | None = None) -> Commit:
+        """A commit whose state ``objects`` (a ``ResidentStore``) is copied by another thread.
 
-        ``before_copy``: called first in that thread (a test's fault point, ``fault_points.bound``).
+        ``copier``: the thread that copies (the ring's ``CommitRing.copier``: its thread waits for copies, so a
+        commit starts none); ``None``: a thread started now. ``before_copy``: called first in that thread (a
+        test's fault point, ``fault_points.bound``).
         What the next step's forward changes before its apply is taken here, on the step path: the models'
         random states (``snapshot_random``), or all of it for a model resident with ``begin_snapshot(into)``
         (random states and moving statistics), which returns the function the thread copies the rest with.
@@ -95,7 +98,10 @@ class Commit:
                 future.set_exception(e)
 
         commit._copy = future
-        threading.Thread(target=copy, name=f"daskdist-commit-{key}", daemon=True).start()
+        if copier is not None:
+            copier.submit(copy)
+        else:
+            threading.Thread(target=copy, name=f"daskdist-commit-{key}", daemon=True).start()
         return commit
 
     @property
@@ -167,11 +173,20 @@ def _with_random_states(state: ResidentStates, random: ResidentStates) -> Reside
 
 
 class CommitRing:
-    """A replica's newest commits, oldest first (``keep`` of them)."""
+    """A replica's newest commits, oldest first (``keep`` of them).
+
+    Attributes
+    ----------
+    copier
+        The replica's thread that copies commits off the step's path (``Commit.copying``), started at its first
+        copy and kept: starting a thread per copy waits until the OS runs it, which on a busy host is
+        milliseconds of the step's path.
+    """
 
     def __init__(self, keep: int = 2):
         self.keep = keep
         self.commits: OrderedDict[CommitKey, Commit] = OrderedDict()
+        self.copier = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="daskdist-commit")
 
     def add(self, commit: Commit) -> None:
         self.commits[commit.key] = commit

@@ -53,10 +53,8 @@ class ElasticFit(ElasticRunner):
         self.fit_id = next(_FITS)
         self.model_id = self.model.model_id
         self.train = runner.train
+        self._input: tuple[tuple[int, ...] | None, str | None] | None = None  # the shape and dtype of ``x``
         logger.info("Elastic fit %d: epochs read %s", self.fit_id, self.input.describe_order())
-
-    def history_of_fit(self) -> Any:
-        return self.model.history
 
     def replanned(self) -> None:
         self.runner.replan_validation()
@@ -65,7 +63,9 @@ class ElasticFit(ElasticRunner):
         """The commit every replica can go back to before the first step (the model built everywhere)."""
         while True:
             try:
-                shape, dtype = _input_shape(self.runner.dist_train.element_spec)
+                if self._input is None:
+                    self._input = _input_shape(self.train.element_spec_with(self.extended.client))
+                shape, dtype = self._input
                 key = (self.fit_id, epoch, 0)
                 self.call_members(take_commit, (self.model.model_id, key, shape, dtype))
                 return

@@ -117,9 +117,14 @@ class ReplicaModelRunner:
         from daskdist.elastic.session import prepare_members
 
         # members that left while the group ran nothing are learnt first; a loss meanwhile re-forms the group
-        # and the members left get the model and the data again
+        # and the members left get the model and the data again. The training data is not distributed here:
+        # the elastic fit plans each epoch's rest itself (``elastic.epochs.EpochPlans``)
         self.recoveries, self.failures = prepare_members(self.strategy, options,
-                                                         lambda: self._distribute(train, val))
+                                                         lambda: self._distribute(None, val))
+        if train is not None:
+            from daskdist.keras.elastic_fit import ElasticFit
+
+            self._elastic = ElasticFit(self, options)
 
     def _distribute(self, train: Any, val: Any) -> None:
         """The model installed on the replicas (if it is not), the fit's data distributed over them."""
@@ -168,6 +173,9 @@ class ReplicaModelRunner:
         return self.strategy.extended.step_driver(self.model._model_id)
 
     def steps(self) -> int | None:
+        """The steps of an epoch as planned (``None``: not known before reading it)."""
+        if self._elastic is not None:
+            return int(self._elastic.input.steps_from(0, self.strategy.num_replicas_in_sync))
         if self.dist_train is not None:
             steps = [s for s in self.dist_train.plan().steps_per_replica() if s is not None]
             return max(steps) if steps else None
@@ -175,15 +183,12 @@ class ReplicaModelRunner:
 
     def begin(self, epoch: int) -> None:
         """The fit's first epoch is ``epoch``: on an elastic strategy (``ElasticOptions``), this fit's epochs
-        run as the trainer's elastic epochs (``keras.elastic_fit.ElasticFit``)."""
-        options = self.choice.elastic
-        if options is None or self.train is None:
+        run as the trainer's elastic epochs (``keras.elastic_fit.ElasticFit``, made by ``begin_fit``)."""
+        if self._elastic is None:
             return
-        from daskdist.keras.elastic_fit import ElasticFit
-
-        self._elastic = ElasticFit(self, options)
-        if self.model.history is not None:
+        if self.model.history is not None:  # the fit's History (its ``elastic_events`` follow the session's)
             self.model.history.elastic = self._elastic
+            self._elastic.history = self.model.history
         self._elastic.begin(epoch)
 
     def run_epoch(self, epoch: int, steps: int | None, cb: Any) -> dict[str, float]:

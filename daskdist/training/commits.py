@@ -37,6 +37,7 @@ back.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,6 +52,8 @@ from daskdist.ops import ReduceOp
 from daskdist.strategy.drivers.contract import GradientExchange, SpmdStepDriver, StepDriver
 
 __all__ = ["Commits", "ReplayedCommit"]
+
+logger = logging.getLogger(__name__)
 
 
 class ReplayedCommit(Commit):
@@ -207,7 +210,7 @@ class Commits:
                 kept = [np.array(g, copy=True) for g in reduced] if alone else list(reduced)
                 self.log.append(kept)
                 self.log_bytes += sum(int(getattr(g, "nbytes", 0)) for g in kept)
-            self.ring.settle()  # the optimizer's apply changes what the copy reads
+            self._settle()  # the optimizer's apply changes what the copies read
             return reduced
 
         return exchanged
@@ -235,7 +238,7 @@ class Commits:
                                     self.key, self.learning_rate)
         else:
             pause = fault_points.bound("commit") if fault_points.ARMED else None  # a test's fault point, in the copy
-            taken = Commit.copying(key, self.service.objects, {}, pause)
+            taken = Commit.copying(key, self.service.objects, {}, pause, self.ring.copier)
             self.base, self.log, self.since, self.log_bytes = taken, [], 0, 0
         if grow or leave:  # a membership change at this commit: its totals summed now, then every replica stops
             self._enter(taken, _all_reduce(own))
@@ -245,10 +248,22 @@ class Commits:
     def finish(self) -> None:
         """At the command's end (or a loss): a commit whose totals no step carried is dropped (a newer one, the
         epoch's end, follows); no copy goes on past the command."""
-        self.pending = None
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            try:
+                pending[0].settle()
+            except Exception as e:  # noqa: BLE001 - the commit is dropped, and what its copy raised with it
+                logger.debug("The copy of a dropped commit %s failed: %r", pending[0].key, e)
         self.ring.settle()
 
     # -- helpers ---------------------------------------------------------------------
+
+    def _settle(self) -> None:
+        """Wait until every copy is done: the ring's commits' and the pending commit's (not in the ring until
+        the next step has summed its totals, its copy may still run while that step's apply is due)."""
+        if self.pending is not None:
+            self.pending[0].settle()
+        self.ring.settle()
 
     def _summed(self) -> list[float]:
         """This step's carried values summed over the replicas."""
@@ -258,7 +273,7 @@ class Commits:
         if self.carrying and self.exchanged and totals is not None:
             return [float(v) for v in totals.sums[self.own:self.own + len(self.carry)]]
         # no exchange carried them (another driver, or a step without trainable weights): one all-reduce here
-        self.ring.settle()
+        self._settle()
         return [float(v) for v in _all_reduce([np.asarray(self.carry, np.float64)])[0]]
 
     def _enter(self, commit: Commit, totals: list[np.ndarray]) -> None:
