@@ -47,8 +47,10 @@ Usage (as root)::
         [--iterations 200 20 20 3] [--layouts 1 2] [--systems tf gloo mpi ucx daskdist]
 
 ``ucx`` is daskdist with ``daskdist.collective.transport: ucx`` (TCP underneath: veth has no RDMA); it needs
-``ucxx`` in the interpreter that runs this script (``.venv-ucx/bin/python``, made by ``make test-ucx``),
-and is reported unavailable otherwise. Cells: the median per call and, in brackets, the wall time per call
+``ucxx`` in the interpreter that runs this script (``make test-ucx`` installs the ``ucx`` extra into ``.venv``;
+or a separate venv that has it), and is reported unavailable otherwise. ``mpirun`` is looked up next to that
+interpreter, then on ``PATH``: with a separate ucx venv, put the ``bench`` venv's ``bin/`` on ``PATH``
+(``PATH=$PATH:.venv/bin .venv-ucx/bin/python benchmarks/multihost_allreduce.py ...``). Cells: the median per call and, in brackets, the wall time per call
 over the timed loop (the untimed calls included), which shows a timed call overlapping the previous call's tail.
 """
 
@@ -156,7 +158,7 @@ def _daskdist(client, workers: list[str] | None, sizes, iterations,
 
         if importlib.util.find_spec("ucxx") is None:
             return ("unavailable (ucxx not installed in this interpreter: run with a venv that has the ucx extra, "
-                    "e.g. .venv-ucx/bin/python after make test-ucx)"), {}
+                    "e.g. .venv/bin/python after make test-ucx)"), {}
     resolver = DaskClusterResolver(client, workers=workers) if workers else None
     settings = {"daskdist.collective.transport": transport} if transport else {}
     try:

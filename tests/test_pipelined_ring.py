@@ -154,3 +154,46 @@ def test_the_piece_size_rule():
     assert PieceSize(4096, 4, 1 << 20).elements(1 << 20, 2, 4) * 4 == 4096  # pipeline-bytes stays the largest
     assert PieceSize(8 << 20).elements(bucket, 2, 4) * 4 == 8 << 20  # pieces=1: the old rule
     assert PieceSize(8 << 20, 4, 1 << 20).elements(3, 2, 8) == 1 << 17  # never below one element's worth
+
+
+def test_a_schedule_with_a_lead_grows_each_chunks_pieces_from_it():
+    s = RingSchedule(2 * 50, 2, 0, piece=16, lead=3)
+    for chunk in s.pieces:
+        lengths = [hi - lo for lo, hi in chunk]
+        assert lengths[:3] == [3, 6, 12] and all(x <= 16 for x in lengths), lengths
+        assert sum(lengths) == 50 and max(lengths[3:]) - min(lengths[3:]) <= 1  # the rest in even pieces
+    assert [hi - lo for lo, hi in RingSchedule(8, 2, 0, piece=16, lead=3).chunk(0)] == [3, 1]  # a chunk under it all
+    assert RingSchedule(100, 2, 0, 16, lead=16).pieces == RingSchedule(100, 2, 0, 16).pieces  # no ramp: as before
+    assert PieceSize(8 << 20, 4, 2 << 20).lead(2 << 20, 4) == 1 << 19  # pipeline-min-bytes
+    assert PieceSize(8 << 20, 4, 16 << 20).lead(2 << 20, 4) == 2 << 20  # never above the piece
+    assert PieceSize(8 << 20).lead(2 << 20, 4) == 2 << 20  # no pipeline-min-bytes: no ramp
+
+
+@pytest.mark.parametrize("hosts", [["a", "a", "b", "b"], ["a", "a", "a", "b"]])
+def test_the_first_cross_host_piece_of_a_hierarchical_all_reduce_is_pipeline_min_bytes(hosts):
+    """Nothing crossed the hosts until a host's first replica had summed a whole piece (8 MiB) from its host's
+    others: at 2 hosts x 2 replicas the link started ~5-9 ms late (BENCHMARKS 24). Now each chunk's pieces
+    grow from ``pipeline-min-bytes``, so the first cross-host send waits only for that much."""
+    sizes: dict[int, list[tuple[int, str, int]]] = {}
+    settings = {"daskdist.collective.pipeline-bytes": "8KiB", "daskdist.collective.pipeline-pieces": 1,
+                "daskdist.collective.pipeline-min-bytes": "1KiB"}
+    with dask.config.set(settings):
+        group = InMemoryGroup(4, Algorithm("hierarchical"), hosts=hosts)
+    for comm in group.comms:
+        send = comm.transport.send
+
+        def sized_send(dst, tag, payload, send=send, rank=comm.rank):
+            sizes.setdefault(rank, []).append((dst, tag[3].split("#")[0], getattr(payload, "nbytes", 0)))
+            return send(dst, tag, payload)
+
+        comm.transport.send = sized_send
+    n = 2 * 10_000 + 1  # two chunks of ~40 KB: 1, 2, 4 KiB, then even pieces of at most 8 KiB
+    xs = random_inputs(4, (n,), "int64", seed=5)
+    results = group.run_ranks(lambda c: c.all_reduce("SUM", xs[c.rank]))
+    assert all(np.array_equal(r, np.sum(np.stack(xs), axis=0)) for r in results)
+    for leader in (0, 2) if hosts[1] == "a" and hosts[2] == "b" else (0, 3):
+        across = [nbytes for dst, name, nbytes in sizes[leader] if "/hx-" in name and nbytes]
+        assert across[:3] == [1024, 2048, 4096], across[:5]
+        assert max(across) <= 8192 and sum(across) == n * 8  # every element once each way (a ring of two hosts)
+    up = [nbytes for dst, name, nbytes in sizes[1] if "/h-up" in name]
+    assert up[:3] == [1024, 2048, 4096] and sum(up) == n * 8

@@ -58,6 +58,7 @@ class HierarchicalEngine:
         if isinstance(buf, np.ndarray):
             out = self.buffers.empty_like(buf) if plan.borrowed else None
             piece = self.pieces.elements(len(buf), self.ring_size, buf.itemsize)
-            return allreduce_hierarchical_pipelined(call, buf, plan.op, self.hosts, piece, out)
+            lead = self.pieces.lead(piece, buf.itemsize)
+            return allreduce_hierarchical_pipelined(call, buf, plan.op, self.hosts, piece, out, lead)
         buf = copy_of(buf) if plan.borrowed else buf
         return algorithms.allreduce_hierarchical(call, buf, plan.op, self.hosts)

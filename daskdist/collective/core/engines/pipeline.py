@@ -16,7 +16,10 @@ non-first replica sends its pieces to its host's first replica, which sums
 each piece (out of place, into its result) just before the ring across the
 hosts' first replicas needs it, then sends each finished piece back. So the
 in-host reduce and broadcast overlap the cross-host ring, which runs on one
-connection per host pair.
+connection per host pair. There each chunk's pieces grow from
+``collective.pipeline-min-bytes`` (doubling up to the piece size): nothing
+crosses the hosts until the first piece is summed inside its host, so a
+small first piece starts the link sooner.
 
 The order of pieces (``RingSchedule``) is computed alike on every replica, so
 the pieces travel through each shared-memory channel in the order they are
@@ -72,15 +75,42 @@ class PieceSize:
         wanted = max(-(-chunk // self.pieces), self.min_bytes // itemsize)
         return max(1, min(wanted, self.max_bytes // itemsize))
 
+    def lead(self, piece: int, itemsize: int) -> int:
+        """Elements of each chunk's first piece when the ring waits for an in-host reduce (``RingSchedule``'s ``lead``).
+
+        ``min_bytes``, at most ``piece``; ``piece`` (no ramp) when ``min_bytes`` was not given.
+        """
+        if self.min_bytes <= 1:
+            return piece
+        return max(1, min(piece, self.min_bytes // itemsize))
+
     def __repr__(self) -> str:
         return f"PieceSize(max_bytes={self.max_bytes}, pieces={self.pieces}, min_bytes={self.min_bytes})"
+
+
+def _cut(lo: int, hi: int, piece: int, lead: int) -> list[Span]:
+    """``[lo, hi)`` in pieces: growing from ``lead`` (doubling while under ``piece``), the rest in even pieces of
+    at most ``piece``; ``lead >= piece``: pieces of ``piece``, the last one shorter."""
+    if lead >= piece:
+        return [(start, min(start + piece, hi)) for start in range(lo, hi, piece)]
+    spans: list[Span] = []
+    grow = lead
+    while grow < piece and lo < hi:
+        spans.append((lo, min(lo + grow, hi)))
+        lo, grow = lo + grow, 2 * grow
+    if lo < hi:
+        count = -(-(hi - lo) // piece)
+        each = -(-(hi - lo) // count)
+        spans.extend((start, min(start + each, hi)) for start in range(lo, hi, each))
+    return spans
 
 
 class RingSchedule:
     """Where the chunks and pieces of a ring of ``size`` over ``n`` elements lie, seen from ``rank``.
 
     Chunks are ``numpy.array_split``'s (the plain ring's); each chunk is cut
-    into pieces of at most ``piece`` elements.
+    into pieces of at most ``piece`` elements, the first ``lead`` elements
+    long and each next one twice the last until ``piece``.
 
     Parameters
     ----------
@@ -90,18 +120,18 @@ class RingSchedule:
         The ring's size and this member's place in it.
     piece
         Elements per piece (at least 1).
+    lead
+        Elements of each chunk's first piece (``None``: ``piece``, every piece alike).
     """
 
-    def __init__(self, n: int, size: int, rank: int, piece: int):
+    def __init__(self, n: int, size: int, rank: int, piece: int, lead: int | None = None):
         self.size = size
         self.rank = rank
         base, extra = divmod(n, size)
         starts = [c * base + min(c, extra) for c in range(size + 1)]
         piece = max(1, piece)
-        self.pieces: list[list[Span]] = [
-            [(lo, min(lo + piece, starts[c + 1])) for lo in range(starts[c], starts[c + 1], piece)]
-            for c in range(size)
-        ]
+        lead = piece if lead is None else max(1, lead)
+        self.pieces: list[list[Span]] = [_cut(starts[c], starts[c + 1], piece, lead) for c in range(size)]
 
     def chunk(self, index: int) -> list[Span]:
         """The pieces of chunk ``index % size``."""
@@ -125,6 +155,7 @@ def allreduce_ring_pipelined(
     divisor: int | None = None,
     prepare: Callable[[int, int], None] | None = None,
     finished: Callable[[int, int], None] | None = None,
+    lead: int | None = None,
 ) -> Any:
     """Ring all-reduce of the flat ``source`` into ``target`` (may be ``source``), piece by piece.
 
@@ -148,9 +179,11 @@ def allreduce_ring_pipelined(
         then ignored.
     finished
         ``finished(lo, hi)`` is called once ``target[lo:hi]`` is final here.
+    lead
+        Elements of each chunk's first piece (``RingSchedule``; ``None``: ``piece``).
     """
     size, rank = call.size, call.rank
-    schedule = RingSchedule(len(target), size, rank, piece)
+    schedule = RingSchedule(len(target), size, rank, piece, lead)
     divisor = size if divisor is None else divisor
     if prepare is not None:
         source = target
@@ -202,7 +235,7 @@ def allreduce_ring_pipelined(
 
 
 def allreduce_hierarchical_pipelined(call: Call, buf: Any, op: ReduceOp, hosts: Sequence[str], piece: int,
-                                     out: Any = None) -> Any:
+                                     out: Any = None, lead: int | None = None) -> Any:
     """Reduce within each host onto its first replica, ring across those, send back: pipelined piece by piece.
 
     Parameters
@@ -219,13 +252,18 @@ def allreduce_hierarchical_pipelined(call: Call, buf: Any, op: ReduceOp, hosts: 
         Elements per message.
     out
         Where the result goes (``None``: in place in ``buf``).
+    lead
+        Elements of each chunk's first piece, so that the first cross-host send waits only for a small in-host
+        reduce (``None``: ``piece``). Taken only when some host has more than one replica, by every rank alike.
     """
     target = buf if out is None else out
     base_op = ReduceOp.SUM if op is ReduceOp.MEAN else op
     groups = host_groups(hosts)
     local = next(g for g in groups if call.rank in g)
     leader, leaders = local[0], [g[0] for g in groups]
-    schedule = RingSchedule(len(buf), len(leaders), leaders.index(leader), piece)
+    if len(leaders) == call.size:
+        lead = None  # one replica per host: no in-host reduce to wait for
+    schedule = RingSchedule(len(buf), len(leaders), leaders.index(leader), piece, lead)
     if call.rank != leader:
         handles = [call.send(leader, f"h-up{lo}", buf[lo:hi]) for lo, hi in schedule.needed()]
         for lo, hi in schedule.finished():
@@ -235,7 +273,7 @@ def allreduce_hierarchical_pipelined(call: Call, buf: Any, op: ReduceOp, hosts: 
         return target
     ring = SubCall(call, leaders, "hx-")
     if len(local) == 1:  # alone on its host: the ring reads ``buf`` itself
-        return allreduce_ring_pipelined(ring, buf, target, op, piece, divisor=call.size)
+        return allreduce_ring_pipelined(ring, buf, target, op, piece, divisor=call.size, lead=lead)
     down: list[Any] = []
 
     def prepare(lo: int, hi: int) -> None:
@@ -248,7 +286,7 @@ def allreduce_hierarchical_pipelined(call: Call, buf: Any, op: ReduceOp, hosts: 
         down.extend(call.send(r, f"h-down{lo}", target[lo:hi]) for r in local[1:])
 
     allreduce_ring_pipelined(ring, target, target, op, piece, divisor=call.size, prepare=prepare,
-                             finished=send_down)
+                             finished=send_down, lead=lead)
     for handle in down:
         call.wait(handle)
     return target
