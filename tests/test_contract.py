@@ -414,6 +414,9 @@ PRIVATE_ACCESS_ALLOWED = {
     ("plugins/torch/backend.py", "_plugins"): "torch.distributed's registry of backends (is 'daskdist' registered)",
     ("plugins/torch/model.py", "_remove_autograd_hooks"): "DDP's own removal of its reducer's hooks (re-wrap per "
                                                           "generation; torch 2.13 has no public one)",
+    ("plugins/torch/model.py", "_version"): "a tensor's in-place version counter (whether a loop wrote weights outside "
+                                             "optimizer.step() during an off-path commit copy; torch 2.13 has no "
+                                             "public one)",
     ("plugins/torch/process_group.py", "_Work"): "torch.distributed's subclassable Work (torch 2.13 has no public one)",
 }
 

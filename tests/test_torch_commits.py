@@ -11,6 +11,7 @@ under a kill with real workers: ``tests/test_torch_elastic.py``.
 
 from __future__ import annotations
 
+import logging
 import pickle
 import time
 
@@ -21,6 +22,7 @@ from daskdist.group.service import MODEL, ResidentStore
 
 torch = pytest.importorskip("torch")
 
+from daskdist.plugins.torch import model as torch_model  # noqa: E402 (needs torch)
 from daskdist.plugins.torch.model import TorchReplicaModel  # noqa: E402 (needs torch)
 
 KEY = (MODEL, "m")
@@ -118,7 +120,12 @@ def test_a_weight_written_in_place_while_a_commit_copies_is_a_clear_error_at_the
     torch.testing.assert_close(weight.detach(), kept * 2.0, rtol=0, atol=0)  # the failed step applied nothing
 
 
-def test_a_loop_that_writes_weights_outside_the_optimizer_step_keeps_its_commits_at_once(caplog):
+def test_a_loop_that_writes_weights_outside_the_optimizer_step_keeps_its_commits_at_once(caplog, monkeypatch):
+    # the warning is read from the module's logger, whatever an earlier test's logging set-up did to it (a
+    # dictConfig disables the loggers that exist; a level set above WARNING hides it)
+    monkeypatch.setattr(torch_model.logger, "disabled", False)
+    monkeypatch.setattr(torch_model.logger, "propagate", True)
+    caplog.set_level(logging.WARNING, logger=torch_model.logger.name)
     resident, store = _replica()
     weight = next(resident.module.parameters())
     for seed in (1, 2, 3):  # never off the step path: each commit's copy is waited for at the commit
