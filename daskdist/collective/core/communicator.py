@@ -41,13 +41,15 @@ from daskdist.collective.core.call import CollectiveCall
 from daskdist.collective.core.engines.base import AllReducePlan, DeviceEngine
 from daskdist.collective.core.engines.choice import all_reduce_engine, device_engine_for
 from daskdist.collective.core.engines.direct import copy_of
-from daskdist.collective.core.engines.lane import LaneEngine, shared_memory_route
+from daskdist.collective.core.engines.lane import LaneEngine
 from daskdist.collective.core.engines.nccl.all_reduce import NcclAllReduce
 from daskdist.collective.core.engines.packed import PackedAllReduce, pack_engines
 from daskdist.collective.core.engines.single_copy.all_reduce import SingleCopyAllReduce
-from daskdist.collective.core.engines.socket_lane import SocketLaneEngine, socket_route
+from daskdist.collective.core.engines.socket_lane import SocketLaneEngine
 from daskdist.collective.mailbox import Abort
-from daskdist.collective.transport.base import Transport
+from daskdist.collective.transport.base import Transport, sole_route
+from daskdist.collective.transport.shm import ShmTransport
+from daskdist.collective.transport.socket import SocketTransport
 from daskdist.exceptions import DaskdistError, kind_of
 from daskdist.ops import Algorithm, CommunicationOptions, ReduceOp, timeout_of
 
@@ -160,7 +162,7 @@ class Communicator:
         self._stall_watch: stall.StallWatch | None = None
         self._check_aborts = transport.mailbox.check  # bound once: the mailbox lives as long as this generation
         self.buffers = BufferPool()  # result buffers of large all-reduces, reused once the caller drops them
-        shm = shared_memory_route(transport, size, rank) if size > 1 else None
+        shm = sole_route(transport, size, rank, ShmTransport)
         self.lane = LaneEngine(self, shm.lane()) if shm is not None else None
         self.single_copy = SingleCopyAllReduce(single_copy_bytes) if shm is not None else None
         self.nccl: DeviceEngine | None = None  # set by the runtime after the rendezvous
@@ -169,7 +171,7 @@ class Communicator:
                          self.single_copy),
             self.algorithm.name)
         self._on_nccl = NcclAllReduce(self.packed)
-        sockets = socket_route(transport, size, rank) if config.get("collective.socket.lane", True) else None
+        sockets = sole_route(transport, size, rank, SocketTransport) if config.get("collective.socket.lane", True) else None
         self.socket_lane = SocketLaneEngine(self, sockets) if sockets is not None else None
 
     def start_stall_watch(self) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from daskdist.arrays import namespace
 from daskdist.collective.mailbox import Mailbox, Tag
@@ -144,6 +144,23 @@ class Transport(ABC):
         Optional: a transport that holds nothing keeps this default, which does nothing.
         """
         return None
+
+
+_T = TypeVar("_T", bound="Transport")
+
+
+def sole_route(transport: Transport, size: int, rank: int, kind: type[_T]) -> _T | None:
+    """The one transport of class ``kind`` that carries every peer's messages, or ``None`` (one replica, or some
+    peer reached otherwise): what a lane that writes straight into one transport asks before it takes a group."""
+    if size < 2:
+        return None
+    routes = transport.routes_by_peer()
+    if len(routes) != size - 1:
+        return None
+    first = routes.get((rank + 1) % size)
+    if isinstance(first, kind) and all(t is first for t in routes.values()):
+        return first
+    return None
 
 
 def apply_payload(payload: Any, out: Any, combine: Combine | None, base: Any = None) -> None:

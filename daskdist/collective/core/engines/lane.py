@@ -49,32 +49,18 @@ from daskdist.collective.core.engines.base import AllReducePlan
 from daskdist.collective.core.packing import signature
 from daskdist.collective.core.reduction import check_dtype, finalize
 from daskdist.collective.mailbox import MailboxTimeout
-from daskdist.collective.transport.base import Transport
 from daskdist.collective.transport.framing import ARRAY, MAX_NDIM, dtype_text
-from daskdist.collective.transport.shm import ShmTransport, lane_header
+from daskdist.collective.transport.shm import lane_header
 from daskdist.collective.transport.shm_lane import LaneMismatch, ShmLane
 from daskdist.exceptions import CollectiveMismatchError, CollectiveTimeoutError
 from daskdist.ops import CommunicationImplementation, CommunicationOptions, ReduceOp, timeout_of
 
-__all__ = ["LaneEngine", "LaneHost", "shared_memory_route"]
+__all__ = ["LaneEngine", "LaneHost"]
 
 _UFUNC_NAMES = {ReduceOp.SUM: "add", ReduceOp.MEAN: "add", ReduceOp.MAX: "maximum", ReduceOp.MIN: "minimum",
                 ReduceOp.PRODUCT: "multiply"}
 _PLANS_KEPT = 1024
 _monotonic = time.monotonic  # bound once: the lane's whole call costs about 12 µs
-
-
-def shared_memory_route(transport: Transport, size: int, rank: int) -> ShmTransport | None:
-    """The shared-memory transport that reaches every peer, or ``None`` if some peer is reached otherwise."""
-    if isinstance(transport, ShmTransport):
-        return transport
-    routes = transport.routes_by_peer()
-    if not routes or len(routes) != size - 1:
-        return None
-    first = routes.get((rank + 1) % size)
-    if isinstance(first, ShmTransport) and all(t is first for t in routes.values()):
-        return first
-    return None
 
 
 class LaneHost(Protocol):
@@ -95,7 +81,7 @@ class LaneHost(Protocol):
 
     def begin_tracking(self, kind: str, call: Any, since: float) -> None: ...
 
-    def end_tracking(self) -> None: ...
+    def end_tracking(self, call: Any = None) -> None: ...
 
     def abort_attempt(self, error: BaseException) -> None: ...
 

@@ -38,15 +38,15 @@ import numpy as np
 
 from daskdist.collective.core.engines.base import AllReducePlan, PackPlan
 from daskdist.collective.core.engines.direct import DirectEngine
+from daskdist.collective.core.engines.lane import LaneHost
 from daskdist.collective.core.reduction import combine_into, finalize
 from daskdist.collective.mailbox import MailboxTimeout
-from daskdist.collective.transport.base import Transport
 from daskdist.collective.transport.framing import MAX_NDIM, SignedArrayFrames
 from daskdist.collective.transport.socket import SocketTransport
 from daskdist.exceptions import CollectiveMismatchError, CollectiveTimeoutError
 from daskdist.ops import CommunicationOptions, ReduceOp, timeout_of
 
-__all__ = ["SocketLaneEngine", "SocketLaneHost", "socket_route"]
+__all__ = ["SocketLaneEngine", "SocketLaneHost"]
 
 _PLANS_KEPT = 1024
 _monotonic = time.monotonic
@@ -54,42 +54,12 @@ _monotonic = time.monotonic
 _DATA_NAME = "p0/d"
 
 
-def socket_route(transport: Transport, size: int, rank: int) -> SocketTransport | None:
-    """The socket transport that reaches every peer, or ``None`` if some peer is reached otherwise."""
-    if size < 2:
-        return None
-    routes = transport.routes_by_peer()
-    if len(routes) != size - 1:
-        return None
-    first = routes.get((rank + 1) % size)
-    if isinstance(first, SocketTransport) and all(t is first for t in routes.values()):
-        return first
-    return None
+class SocketLaneHost(LaneHost, Protocol):
+    """What the socket lane needs of the communicator: the shared-memory lane's host, and the packed path (its
+    plans are checked against it), the device engine and the timeout's description."""
 
-
-class SocketLaneHost(Protocol):
-    """What the socket lane needs of the communicator."""
-
-    rank: int
-    size: int
-    attempt: int
-    run_id: int
-    small_message_bytes: int
-    default_timeout: float
-    options: CommunicationOptions
-    algorithm: Any
-    buffers: Any
     packed: Any
     nccl: Any
-    on_collective: Callable[[str, float, int], None] | None
-
-    def next_collective(self) -> int: ...
-
-    def begin_tracking(self, kind: str, call: Any, since: float) -> None: ...
-
-    def end_tracking(self, call: Any = None) -> None: ...
-
-    def abort_attempt(self, error: BaseException) -> None: ...
 
     def describe_timeout(self, call: Any, waiting_for: int) -> str: ...
 
@@ -136,7 +106,7 @@ class SocketLaneEngine:
     comm
         The replica's communicator.
     sockets
-        The socket transport that reaches every peer (``socket_route``).
+        The socket transport that reaches every peer (``transport.base.sole_route``).
     """
 
     def __init__(self, comm: SocketLaneHost, sockets: SocketTransport):
