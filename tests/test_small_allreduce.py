@@ -1,7 +1,9 @@
-"""The shared-memory latency lane for small all-reduces, on real clusters.
+"""The small all-reduce lanes (shared memory on one host, sockets between hosts), on real clusters.
 
 Results, bit-identity and every failure mode of the general path must hold on
-this lane too, including when replicas disagree about which lane to take.
+the lanes too, including when replicas disagree about which lane to take.
+The failure bodies run over both lanes; ``test_socket_lane`` has the rest of
+the socket lane's own behaviour.
 """
 
 from __future__ import annotations
@@ -13,24 +15,14 @@ import numpy as np
 import pytest
 
 import daskdist as dd
+from tests.support.transports import LANES, lane_plans
 
-SHM = {"daskdist.collective.transport": "shm"}
+SHM = LANES["shm"]
 
 
 def _by_replica(strategy, out) -> list[tuple]:
     """A ``strategy.run`` result that is a tuple of ``PerReplica`` values, as one tuple per replica."""
     return list(zip(*(strategy.experimental_local_results(v) for v in out)))
-
-
-def _lane_plans(strategy, client) -> list[int]:
-    """How many lane plans each replica holds (0: the lane was never taken)."""
-    token = strategy.extended.group.group_id
-
-    def count(dask_worker):
-        return [len(runtime.communicator.lane._plans) if runtime.communicator.lane else -1
-                for group, runtime in dask_worker.extensions["daskdist"].replicas.items() if group == token]
-
-    return [n for part in client.run(count).values() for n in part]
 
 
 def test_small_arrays_take_the_lane_and_match_numpy_bit_for_bit(threaded_client):
@@ -51,7 +43,7 @@ def test_small_arrays_take_the_lane_and_match_numpy_bit_for_bit(threaded_client)
         for first, third, mean in out:
             assert first.tobytes() == want.tobytes() and third.tobytes() == want.tobytes()
             assert float(mean) == 1.0
-        assert all(n >= 2 for n in _lane_plans(strategy, threaded_client))
+        assert all(n >= 2 for n in lane_plans(strategy, threaded_client))
 
 
 def test_replicas_that_agree_on_the_signature_agree_on_the_lane(threaded_client):
@@ -75,17 +67,19 @@ def test_replicas_that_agree_on_the_signature_agree_on_the_lane(threaded_client)
             assert float(b) == 6.0
 
 
+@pytest.mark.parametrize("lane", sorted(LANES))
 @pytest.mark.parametrize(
     "make, fragment",
     [
         (lambda r: np.ones(100_000 if r == 1 else 3, np.float32), "float32[100000]"),
+        (lambda r: np.ones(4 if r == 2 else 3, np.float32), "float32[4]"),
         (lambda r: np.ones(3, np.float32 if r != 2 else np.int32), "int32[3]"),
         (lambda r: np.ones(3) if r != 0 else [np.ones(3)], "PyTreeSpec([*])"),
     ],
-    ids=["lane-vs-ring", "dtype", "structure"],
+    ids=["lane-vs-ring", "shape", "dtype", "structure"],
 )
-def test_a_mismatch_across_lanes_raises_on_every_replica(threaded_client, make, fragment):
-    with dask.config.set(SHM), dd.MirroredStrategy(client=threaded_client) as strategy:
+def test_a_mismatch_across_lanes_raises_on_every_replica(threaded_client, make, fragment, lane):
+    with dask.config.set(LANES[lane]), dd.MirroredStrategy(client=threaded_client) as strategy:
 
         def fn():
             ctx = dd.get_replica_context()
@@ -103,10 +97,12 @@ def test_a_mismatch_across_lanes_raises_on_every_replica(threaded_client, make, 
         # the group is still usable afterwards
         ok = strategy.run(lambda: dd.get_replica_context().all_reduce("SUM", np.ones(2)))
         assert all(v.tolist() == [3.0, 3.0] for v in strategy.experimental_local_results(ok))
+        assert all(n >= 1 for n in lane_plans(strategy, threaded_client, lane))  # the lane was taken
 
 
-def test_a_replica_that_never_joins_times_out_naming_it(threaded_client):
-    with dask.config.set(SHM), dd.MirroredStrategy(client=threaded_client) as strategy:
+@pytest.mark.parametrize("lane", sorted(LANES))
+def test_a_replica_that_never_joins_times_out_naming_it(threaded_client, lane):
+    with dask.config.set(LANES[lane]), dd.MirroredStrategy(client=threaded_client) as strategy:
 
         def fn():
             ctx = dd.get_replica_context()
@@ -122,17 +118,7 @@ def test_a_replica_that_never_joins_times_out_naming_it(threaded_client):
         assert results[1] == "skipped"
         timeouts = [r for r in results if r.startswith("CollectiveTimeoutError")]
         assert timeouts and all("replica 1" in r for r in timeouts), results
-
-
-def _lane_taken(strategy, client) -> list[bool]:
-    """Whether each replica holds a usable lane plan (``None`` plans mean the general path was taken)."""
-    token = strategy.extended.group.group_id
-
-    def taken(dask_worker):
-        return [any(p is not None for p in runtime.communicator.lane._plans.values())
-                for group, runtime in dask_worker.extensions["daskdist"].replicas.items() if group == token]
-
-    return [t for part in client.run(taken).values() for t in part]
+        assert lane_plans(strategy, threaded_client, lane) == [1, 0, 1]  # the waiting replicas took the lane
 
 
 @pytest.mark.parametrize(
@@ -157,9 +143,9 @@ def test_the_lane_takes_larger_arrays_where_one_hop_wins(threaded_client, replic
         want = sum(range(1, replicas + 1))
         for result in strategy.experimental_local_results(strategy.run(fn)):
             assert result.shape == (elements,) and float(result.min()) == float(result.max()) == want
-        plans = _lane_plans(strategy, threaded_client)
+        plans = lane_plans(strategy, threaded_client, usable=False)
         assert plans and all(n == 1 for n in plans)  # one entry cached either way ...
-        assert all(t == lane(usable_cores()) for t in _lane_taken(strategy, threaded_client))  # ... usable or not
+        assert all(t == lane(usable_cores()) for t in [n > 0 for n in lane_plans(strategy, threaded_client)])  # ... usable or not
 
 
 def test_a_structure_fused_into_one_pack_takes_the_lane(threaded_client):
@@ -261,11 +247,11 @@ def test_lane_slots_stay_correct_among_other_collectives(request, client_name):
     with dask.config.set(SHM), dd.MirroredStrategy(client=client) as strategy:
         n = strategy.num_replicas_in_sync
         per_replica = _by_replica(strategy, strategy.run(_interleaved_collectives))
-        lane_plans = _lane_plans(strategy, client)
+        taken = lane_plans(strategy, client)
     expected = _interleaved_expected(n)
     for results in per_replica:
         assert len(results) == len(expected)
         for got, want in zip(results, expected, strict=True):
             assert isinstance(got, np.ndarray) and got.dtype == want.dtype and got.shape == np.shape(want)
             assert got.tobytes() == np.asarray(want).tobytes()
-    assert all(count >= 3 for count in lane_plans)  # three signatures took the lane
+    assert all(count >= 3 for count in taken)  # three signatures took the lane

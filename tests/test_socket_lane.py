@@ -2,8 +2,9 @@
 
 Every worker is its own host (``collective.hosts: per-worker``), so every
 peer is reached over TCP. Results must be the general path's, bit for bit;
-mismatches, timeouts and a lost peer must behave as on the general path,
-including when replicas disagree about which path to take.
+a lost peer must behave as on the general path (mismatches and timeouts,
+including replicas that disagree about the path: ``test_small_allreduce``,
+over both lanes).
 """
 
 from __future__ import annotations
@@ -18,23 +19,9 @@ import numpy as np
 import pytest
 
 import daskdist as dd
+from tests.support.transports import LANES, lane_plans
 
-CROSS_HOST = {"daskdist.collective.transport": "auto", "daskdist.collective.hosts": "per-worker"}
-
-
-def _lane_plans_taken(strategy, client) -> list[int]:
-    """How many usable socket-lane plans each replica holds (-1: the replica has no socket lane)."""
-    token = strategy.extended.group.group_id
-
-    def count(dask_worker):
-        out = []
-        for group, runtime in dask_worker.extensions["daskdist"].replicas.items():
-            if group == token:
-                lane = getattr(runtime.communicator, "socket_lane", None)
-                out.append(-1 if lane is None else sum(p is not None for p in lane._plans.values()))
-        return out
-
-    return [n for part in client.run(count).values() for n in part]
+CROSS_HOST = LANES["socket"]
 
 
 def _cases(rank):
@@ -81,7 +68,7 @@ def test_small_arrays_between_hosts_take_the_socket_lane_with_the_general_paths_
         for lane, general in out:
             assert lane == general
         assert len({str(lane) for lane, _ in out}) == 1  # bit-identical on every replica
-        assert _lane_plans_taken(strategy, threaded_client) == [len(_cases(0))] * 3
+        assert lane_plans(strategy, threaded_client, "socket") == [len(_cases(0))] * 3
 
 
 def test_what_the_direct_engine_would_not_take_stays_on_the_general_path(threaded_client):
@@ -97,62 +84,11 @@ def test_what_the_direct_engine_would_not_take_stays_on_the_general_path(threade
 
         out = strategy.experimental_local_results(strategy.run(fn))
         assert all(r == [3 * 16385, 9.0, 0, 9.0] for r in out)
-        assert _lane_plans_taken(strategy, threaded_client) == [0, 0, 0]
+        assert lane_plans(strategy, threaded_client, "socket") == [0, 0, 0]
 
     with dask.config.set({**CROSS_HOST, "daskdist.collective.socket.lane": False}), \
             dd.MirroredStrategy(client=threaded_client) as strategy:
-        assert _lane_plans_taken(strategy, threaded_client) == [-1, -1, -1]
-
-
-@pytest.mark.parametrize(
-    "make, fragment",
-    [
-        (lambda r: np.ones(100_000 if r == 1 else 3, np.float32), "float32[100000]"),
-        (lambda r: np.ones(4 if r == 2 else 3, np.float32), "float32[4]"),
-        (lambda r: np.ones(3, np.float32 if r != 2 else np.int32), "int32[3]"),
-        (lambda r: np.ones(3) if r != 0 else [np.ones(3)], "PyTreeSpec([*])"),
-    ],
-    ids=["lane-vs-ring", "shape", "dtype", "structure"],
-)
-def test_a_mismatch_with_the_socket_lane_raises_on_every_replica(threaded_client, make, fragment):
-    with dask.config.set(CROSS_HOST), dd.MirroredStrategy(client=threaded_client) as strategy:
-
-        def fn():
-            ctx = dd.get_replica_context()
-            try:
-                ctx.all_reduce("SUM", make(ctx.replica_id_in_sync_group), dd.CommunicationOptions(timeout_seconds=60))
-            except dd.CollectiveError as e:
-                return f"{type(e).__name__}: {e}"
-            return "no error"
-
-        start = time.monotonic()
-        results = strategy.experimental_local_results(strategy.run(fn))
-        assert time.monotonic() - start < 10
-        assert all(r.startswith(("CollectiveMismatchError", "CollectiveAbortedError")) for r in results), results
-        assert any(r.startswith("CollectiveMismatchError") and fragment in r for r in results), results
-        ok = strategy.run(lambda: dd.get_replica_context().all_reduce("SUM", np.ones(2)))  # still usable
-        assert all(v.tolist() == [3.0, 3.0] for v in strategy.experimental_local_results(ok))
-        assert all(n >= 1 for n in _lane_plans_taken(strategy, threaded_client))
-
-
-def test_a_replica_that_never_joins_the_socket_lane_times_out_naming_it(threaded_client):
-    with dask.config.set(CROSS_HOST), dd.MirroredStrategy(client=threaded_client) as strategy:
-
-        def fn():
-            ctx = dd.get_replica_context()
-            if ctx.replica_id_in_sync_group == 1:
-                return "skipped"
-            try:
-                ctx.all_reduce("SUM", np.ones(4), dd.CommunicationOptions(timeout_seconds=1))
-            except dd.CollectiveError as e:
-                return f"{type(e).__name__}: {e}"
-            return "no error"
-
-        results = strategy.experimental_local_results(strategy.run(fn))
-        assert results[1] == "skipped"
-        timeouts = [r for r in results if r.startswith("CollectiveTimeoutError")]
-        assert timeouts and all("replica 1" in r for r in timeouts), results
-        assert _lane_plans_taken(strategy, threaded_client) == [1, 0, 1]
+        assert lane_plans(strategy, threaded_client, "socket") == [-1, -1, -1]
 
 
 @pytest.mark.slow
@@ -215,4 +151,4 @@ def test_small_all_reduces_in_flight_together_on_the_socket_lane_each_get_their_
 
         for sums, _ in strategy.experimental_local_results(strategy.run(fn)):
             assert sums == [3.0 * i + 3 for i in range(40)]
-        assert _lane_plans_taken(strategy, threaded_client) == [1, 1, 1]
+        assert lane_plans(strategy, threaded_client, "socket") == [1, 1, 1]

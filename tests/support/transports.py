@@ -83,3 +83,30 @@ def check_all_reduce(strategy, seed):
 
     out = strategy.run(fn)
     assert all(f == [] for f in strategy.experimental_local_results(out)), strategy.experimental_local_results(out)
+
+
+#: The config that sends a group's small all-reduces down each lane: the shared-memory lane on one host, the
+#: socket lane when every worker is its own host (every peer reached over TCP).
+LANES = {
+    "shm": {"daskdist.collective.transport": "shm"},
+    "socket": {"daskdist.collective.transport": "auto", "daskdist.collective.hosts": "per-worker"},
+}
+_LANE_ATTRIBUTE = {"shm": "lane", "socket": "socket_lane"}
+
+
+def lane_plans(strategy, client, lane: str = "shm", *, usable: bool = True) -> list[int]:
+    """How many plans each replica's ``lane`` holds (``usable``: only those that take the lane, not the cached
+    ``None`` of a signature that goes the general way); -1 where the replica has no such lane."""
+    token = strategy.extended.group.group_id
+    attribute = _LANE_ATTRIBUTE[lane]
+
+    def count(dask_worker):
+        out = []
+        for group, runtime in dask_worker.extensions["daskdist"].replicas.items():
+            if group == token:
+                found = getattr(runtime.communicator, attribute, None)
+                plans = [] if found is None else list(found._plans.values())
+                out.append(-1 if found is None else sum(p is not None or not usable for p in plans))
+        return out
+
+    return [n for part in client.run(count).values() for n in part]
