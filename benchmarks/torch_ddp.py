@@ -30,6 +30,19 @@ scheduler as on one host. Its default parts: ``ddp``.
 
     python benchmarks/torch_ddp.py --hosts netns --rates 1gbit,10gbit --rounds 3
 
+Across hosts a third arm, ``bound``, runs in the same rotation on the same
+hosts at the same time: the bare model (no DDP, no process group) with the
+same optimizer, data and local batch, timed phase by phase (``zero_grad`` and
+forward, backward, ``optimizer.step``). Every stock-DDP step does that work
+and more (DDP's hooks, its bucket copies, the all-reduce), whatever the
+backend, so it bounds any backend's step from below: more so than DDP under
+``no_sync``, which still runs DDP's forward and hooks. Across a link the
+bound adds the wire: between 2 hosts an exact all-reduce carries each host's
+gradient once each way, which cannot start before backward does and must end
+before ``optimizer.step``: per step, forward + step + max(backward, wire),
+wire = gradient bytes x 1514/1448 (a full TCP frame's payload) / the link's
+rate. ``gloo / bound`` is the most any backend could gain on gloo there.
+
 ``--windows 1,4``: one daskdist arm per ``daskdist.collective.async-window``
 (async collectives in flight together), each against the same gloo arm;
 arms rotate round by round. A window above 1 runs the backend's collectives
@@ -177,6 +190,61 @@ def ddp_arm(arm: str, name: str, steps: int, warmup: int, tag: str, bound: float
         faulthandler.cancel_dump_traceback_later()
 
 
+def bound_arm(name: str, steps: int, warmup: int) -> dict[str, Any]:
+    """On a replica: the bare model's steps (no DDP, no communication), phase by phase; seconds per step.
+
+    The same model, seed, optimizer, batches and local batch as ``_train``;
+    returns ``fwd`` (``zero_grad``, forward and loss), ``bwd`` (backward),
+    ``opt`` (``optimizer.step``) and ``times`` (their sum) per timed step, and
+    the gradient's bytes.
+    """
+    import torch
+
+    from daskdist import context
+
+    torch.set_num_threads(1)
+    runtime = context.current_runtime()
+    rank, world = runtime.rank, runtime.size
+    model = _model(name)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    local = GLOBAL_BATCH // world
+    batches = [_batch(name, s) for s in range(steps + warmup)]
+    phases: dict[str, list[float]] = {"fwd": [], "bwd": [], "opt": [], "times": []}
+    for s, (x, y) in enumerate(batches):
+        xs, ys = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        out = torch.nn.functional.cross_entropy(model(xs), ys)
+        forward = time.perf_counter()
+        out.backward()
+        backward = time.perf_counter()
+        optimizer.step()
+        end = time.perf_counter()
+        if s >= warmup:
+            phases["fwd"].append(forward - start)
+            phases["bwd"].append(backward - forward)
+            phases["opt"].append(end - backward)
+            phases["times"].append(end - start)
+    return {**phases, "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+
+
+def bound_steps(out: dict[str, Any], bits_per_second: float | None) -> list[float]:
+    """Per step of ``bound_arm``'s ``out``: the least a stock-DDP step could take over a link of that rate.
+
+    forward + step + max(backward, wire): the gradient crosses once each way (2 hosts), after backward
+    starts and before the optimizer's step; wire = bytes x 1514/1448 (frame / TCP payload) / rate.
+    ``None``: no link (the bare step).
+    """
+    wire = 0.0 if bits_per_second is None else out["grad_bytes"] * 8 * 1514 / 1448 / bits_per_second
+    return [f + o + max(b, wire) for f, b, o in zip(out["fwd"], out["bwd"], out["opt"])]
+
+
+def _bits_per_second(rate: str) -> float:
+    """tc's rate (``1gbit``, ``100mbit``, ``10gbit``: 1000-based bits per second)."""
+    number, unit = re.fullmatch(r"([0-9.]+)\s*([kmg]?)bit", rate.strip().lower()).groups()  # type: ignore[union-attr]
+    return float(number) * {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9}[unit]
+
+
 def _train(arm: str, name: str, steps: int, warmup: int) -> dict[str, Any]:
     """The DDP steps of one arm, then the group's teardown.
 
@@ -313,7 +381,8 @@ def main(rounds: int, cnn_steps: int, mlp_steps: int, parts: str = "ddp,overhead
             for rate in rates:
                 netns.shape(rate)
                 print(f"\n--- links shaped to {rate} (tc tbf on each host's eth0) ---", flush=True)
-                run_parts(strategy, parts, rounds, cnn_steps, mlp_steps, bound, where=f"2 hosts, {rate}", ports=ports)
+                run_parts(strategy, parts, rounds, cnn_steps, mlp_steps, bound, where=f"2 hosts, {rate}", ports=ports,
+                          rate=rate)
 
 
 def _announce(client: Any) -> None:
@@ -330,21 +399,22 @@ def _worker_blas() -> str:
 
 
 def run_parts(strategy: Any, parts: str, rounds: int, cnn_steps: int, mlp_steps: int, bound: float,
-              where: str = "one host", ports: Iterator[int] | None = None) -> None:
+              where: str = "one host", ports: Iterator[int] | None = None, rate: str | None = None) -> None:
     """The DDP and per-call tables on ``strategy``'s replicas, then their torch groups destroyed."""
     if "ddp" in parts:
-        ddp_figures(strategy, rounds, cnn_steps, mlp_steps, bound, where, ports)
+        ddp_figures(strategy, rounds, cnn_steps, mlp_steps, bound, where, ports, rate)
     if "overhead" in parts:
         overhead_figures(strategy, rounds, bound)
     run_arm(strategy, "destroying the torch groups", bound, dd.plugins.torch.destroy_process_group)
 
 
 def ddp_figures(strategy: Any, rounds: int, cnn_steps: int, mlp_steps: int, bound: float, where: str = "one host",
-                ports: Iterator[int] | None = None) -> None:
+                ports: Iterator[int] | None = None, rate: str | None = None) -> None:
     """DDP on gloo and on daskdist, ``rounds`` rounds alternated: step times, samples/s, final losses.
 
     ``ports``: gloo's ``MASTER_PORT`` for each arm (``env://`` rendezvous across hosts); ``None``: through
-    daskdist's store. ``where`` heads the table's rows.
+    daskdist's store. ``where`` heads the table's rows. ``rate``: the hosts' link (tc's rate): adds the
+    ``bound`` arm (``bound_arm``) to the rotation and its table.
     """
     rows, losses = [], {}
     results: dict[tuple[str, str], list[float]] = {}
@@ -354,12 +424,19 @@ def ddp_figures(strategy: Any, rounds: int, cnn_steps: int, mlp_steps: int, boun
     import dask
 
     ours_arms = [f"daskdist w{w}" for w in WINDOWS] or ["daskdist"]
-    arms = ["gloo", *ours_arms]
+    arms = ["gloo", *ours_arms, *(["bound"] if rate is not None else [])]
+    bounds: dict[str, list[tuple[float, float]]] = {}  # model -> (bound step, bare step) per round
     for r in range(rounds):
         for name, steps in (("cnn", cnn_steps), ("mlp", mlp_steps), *EXTRA_MODELS):
             for arm in arms[r % len(arms):] + arms[:r % len(arms)]:  # rotated round by round
                 what = f"round {r + 1}, {name}, {arm}"
                 loads.setdefault((name, arm), []).append(_load(f"{where}: {what}"))
+                if arm == "bound":
+                    out = run_arm(strategy, f"{where}: {what}", bound, bound_arm, name, steps, 3)
+                    bounds.setdefault(name, []).append(
+                        (max(statistics.median(bound_steps(o, _bits_per_second(rate or ""))) for o in out),
+                         max(statistics.median(o["times"]) for o in out)))
+                    continue
                 port = next(ports) if ports is not None and arm == "gloo" else None
                 window: dict[str, Any] = {}
                 if arm.startswith("daskdist w"):
@@ -391,6 +468,25 @@ def ddp_figures(strategy: Any, rounds: int, cnn_steps: int, mlp_steps: int, boun
                         "CPU ms/step daskdist", "gloo samples/s",
                         "daskdist samples/s", "daskdist/gloo", "final loss gloo / daskdist", "load gloo (rounds)",
                         "load daskdist (rounds)"], rows))
+    print()
+    if bounds:
+        print_bounds(results, bounds, loads, where, ours_arms)
+
+
+def print_bounds(results: dict[tuple[str, str], list[float]], bounds: dict[str, list[tuple[float, float]]],
+                 loads: dict[tuple[str, str], list[float]], where: str, ours_arms: list[str]) -> None:
+    """Per model: gloo's and daskdist's steps, the bound arm's, and gloo / bound (the most any backend gains)."""
+    rows = []
+    for name, per_round in bounds.items():
+        gloo = results[(name, "gloo")]
+        best = [g / b for g, (b, _) in zip(gloo, per_round)]
+        rows.append([where, name, _ms(gloo), "; ".join(_ms(results[(name, arm)]) for arm in ours_arms),
+                     _ms([b for b, _ in per_round]), _ms([bare for _, bare in per_round]),
+                     ", ".join(f"{x:.2f}" for x in best), f"{statistics.median(best):.2f}",
+                     _loads(loads[(name, "bound")])])
+    print(format_table(["where", "model", "gloo step ms (rounds)", "daskdist step ms (rounds)",
+                        "bound step ms: fwd + opt + max(bwd, wire)", "bare step ms (no link)",
+                        "gloo / bound (rounds)", "median", "load bound (rounds)"], rows))
     print()
 
 
