@@ -40,8 +40,14 @@ backend, so it bounds any backend's step from below: more so than DDP under
 bound adds the wire (``bound_steps``): between 2 hosts an exact all-reduce
 carries each host's gradient once each way, at the link's rate in the long
 run, and within a step after backward starts and before ``optimizer.step``
-(past the token bucket's burst). ``gloo / bound`` is the most any backend
-could gain on gloo there.
+(past the token bucket's burst). And the CPU: both hosts share this
+machine's cores, so a step takes at least the CPU both replicas spend on it
+over the cores; the bound arm runs its steps again with the gradient's bytes
+sent each way over a plain TCP connection after backward (the kernel's part
+of any backend's all-reduce; ``bound_figures``). The bound is the larger
+floor; ``gloo / bound`` is the most any backend could gain on gloo there.
+The DDP table splits each arm's CPU per step: the replica thread's, and the
+rest (the backend's threads, Dask's event loop).
 
 ``--windows 1,4``: one daskdist arm per ``daskdist.collective.async-window``
 (async collectives in flight together), each against the same gloo arm;
@@ -190,13 +196,17 @@ def ddp_arm(arm: str, name: str, steps: int, warmup: int, tag: str, bound: float
         faulthandler.cancel_dump_traceback_later()
 
 
-def bound_arm(name: str, steps: int, warmup: int) -> dict[str, Any]:
+def bound_arm(name: str, steps: int, warmup: int, port: int | None = None) -> dict[str, Any]:
     """On a replica: the bare model's steps (no DDP, no communication), phase by phase; seconds per step.
 
     The same model, seed, optimizer, batches and local batch as ``_train``;
     returns ``fwd`` (``zero_grad``, forward and loss), ``bwd`` (backward),
-    ``opt`` (``optimizer.step``) and ``times`` (their sum) per timed step, and
-    the gradient's bytes.
+    ``opt`` (``optimizer.step``), ``times`` (their sum) and ``cpu`` (the
+    process's CPU, every thread) per timed step, and the gradient's bytes.
+    ``port``: then the same steps again, each followed by the gradient's bytes
+    sent to the other host and its received, over one plain TCP connection
+    (``raw_cpu``: the process's CPU per step): what the kernel alone charges a
+    backend with no software of its own.
     """
     import torch
 
@@ -209,23 +219,82 @@ def bound_arm(name: str, steps: int, warmup: int) -> dict[str, Any]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     local = GLOBAL_BATCH // world
     batches = [_batch(name, s) for s in range(steps + warmup)]
-    phases: dict[str, list[float]] = {"fwd": [], "bwd": [], "opt": [], "times": []}
-    for s, (x, y) in enumerate(batches):
-        xs, ys = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
-        start = time.perf_counter()
-        optimizer.zero_grad()
-        out = torch.nn.functional.cross_entropy(model(xs), ys)
-        forward = time.perf_counter()
-        out.backward()
-        backward = time.perf_counter()
-        optimizer.step()
-        end = time.perf_counter()
-        if s >= warmup:
-            phases["fwd"].append(forward - start)
-            phases["bwd"].append(backward - forward)
-            phases["opt"].append(end - backward)
-            phases["times"].append(end - start)
-    return {**phases, "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    phases: dict[str, list[float]] = {"fwd": [], "bwd": [], "opt": [], "times": [], "cpu": [], "raw_cpu": []}
+    exchange = _RawExchange(runtime, port, grad_bytes) if port is not None else None
+    try:
+        for loop in ("bare", "raw") if exchange is not None else ("bare",):
+            for s, (x, y) in enumerate(batches):
+                xs, ys = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
+                start, start_cpu = time.perf_counter(), time.process_time()
+                optimizer.zero_grad()
+                out = torch.nn.functional.cross_entropy(model(xs), ys)
+                forward = time.perf_counter()
+                out.backward()
+                backward = time.perf_counter()
+                if exchange is not None and loop == "raw":
+                    exchange.run()
+                optimizer.step()
+                end, cpu = time.perf_counter(), time.process_time() - start_cpu
+                if s < warmup:
+                    continue
+                if loop == "raw":
+                    phases["raw_cpu"].append(cpu)
+                    continue
+                phases["fwd"].append(forward - start)
+                phases["bwd"].append(backward - forward)
+                phases["opt"].append(end - backward)
+                phases["times"].append(end - start)
+                phases["cpu"].append(cpu)
+    finally:
+        if exchange is not None:
+            exchange.close()
+    return {**phases, "grad_bytes": grad_bytes}
+
+
+class _RawExchange:
+    """``nbytes`` each way between 2 replicas over one plain TCP connection: a sender thread and the caller's
+    ``recv_into`` (no framing, no reduction: the kernel's part of any backend's all-reduce)."""
+
+    def __init__(self, runtime: Any, port: int, nbytes: int):
+        import socket
+
+        host = urlsplit(runtime.spec.addresses[0]).hostname or ""
+        ctx = dd.get_replica_context()
+        assert ctx is not None
+        if runtime.rank == 0:
+            with socket.create_server((host, port)) as server:
+                ctx.barrier()
+                self.sock, _ = server.accept()
+        else:
+            ctx.barrier()
+            self.sock = socket.create_connection((host, port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.out, self.into = bytearray(nbytes), memoryview(bytearray(nbytes))
+        self.go, self.sent = threading.Semaphore(0), threading.Semaphore(0)
+        self.thread = threading.Thread(target=self._send, daemon=True, name="bound-raw-send")
+        self.thread.start()
+
+    def _send(self) -> None:
+        while True:
+            self.go.acquire()
+            if self.out is None:
+                return
+            self.sock.sendall(self.out)
+            self.sent.release()
+
+    def run(self) -> None:
+        self.go.release()
+        got = 0
+        while got < len(self.into):
+            got += self.sock.recv_into(self.into[got:])
+        self.sent.acquire()
+
+    def close(self) -> None:
+        self.out = None  # type: ignore[assignment]
+        self.go.release()
+        self.thread.join()
+        self.sock.close()
 
 
 #: the token bucket of each namespace host's link (``tests/netns.py``: ``tbf ... burst 1mb``; tc reads 1048500 bytes)
@@ -279,10 +348,10 @@ def _train(arm: str, name: str, steps: int, warmup: int) -> dict[str, Any]:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         local = GLOBAL_BATCH // world
         batches = [_batch(name, s) for s in range(steps + warmup)]
-        times, cpu, loss = [], [], 0.0
+        times, cpu, others, loss = [], [], [], 0.0
         for s, (x, y) in enumerate(batches):
             xs, ys = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
-            start, start_cpu = time.perf_counter(), time.process_time()
+            start, start_cpu, start_own = time.perf_counter(), time.process_time(), time.thread_time()
             optimizer.zero_grad()
             out = torch.nn.functional.cross_entropy(model(xs), ys)
             out.backward()
@@ -290,6 +359,7 @@ def _train(arm: str, name: str, steps: int, warmup: int) -> dict[str, Any]:
             if s >= warmup:
                 times.append(time.perf_counter() - start)
                 cpu.append(time.process_time() - start_cpu)  # every thread of the process: the backend's too
+                others.append(cpu[-1] - (time.thread_time() - start_own))  # off the replica thread
             loss = float(out.detach())
         final = dd.get_replica_context().all_reduce("SUM", np.array([loss]))
         compute = []  # the same steps without communication (DDP's no_sync): what the step costs with a free network
@@ -302,7 +372,7 @@ def _train(arm: str, name: str, steps: int, warmup: int) -> dict[str, Any]:
                 out.backward()
             optimizer.step()
             compute.append(time.perf_counter() - start)
-        return {"times": times, "cpu": cpu, "compute": compute, "loss": float(final[0]) / world}
+        return {"times": times, "cpu": cpu, "others": others, "compute": compute, "loss": float(final[0]) / world}
     finally:
         model = optimizer = out = None  # DDP's reducer (and its hold on the group) goes first
         if arm == "gloo":
@@ -430,22 +500,22 @@ def ddp_figures(strategy: Any, rounds: int, cnn_steps: int, mlp_steps: int, boun
     results: dict[tuple[str, str], list[float]] = {}
     computes: dict[tuple[str, str], list[float]] = {}
     cpus: dict[tuple[str, str], list[float]] = {}
+    others: dict[tuple[str, str], list[float]] = {}  # CPU per step off the replica thread (communication, Dask)
     loads: dict[tuple[str, str], list[float]] = {}
     import dask
 
     ours_arms = [f"daskdist w{w}" for w in WINDOWS] or ["daskdist"]
     arms = ["gloo", *ours_arms, *(["bound"] if rate is not None else [])]
-    bounds: dict[str, list[tuple[float, float]]] = {}  # model -> (bound step, bare step) per round
+    bounds: dict[str, list[dict[str, float]]] = {}  # model -> bound_figures per round
     for r in range(rounds):
         for name, steps in (("cnn", cnn_steps), ("mlp", mlp_steps), *EXTRA_MODELS):
             for arm in arms[r % len(arms):] + arms[:r % len(arms)]:  # rotated round by round
                 what = f"round {r + 1}, {name}, {arm}"
                 loads.setdefault((name, arm), []).append(_load(f"{where}: {what}"))
                 if arm == "bound":
-                    out = run_arm(strategy, f"{where}: {what}", bound, bound_arm, name, steps, 3)
-                    bounds.setdefault(name, []).append(
-                        (max(statistics.median(bound_steps(o, _bits_per_second(rate or ""))) for o in out),
-                         max(statistics.median(o["times"]) for o in out)))
+                    out = run_arm(strategy, f"{where}: {what}", bound, bound_arm, name, steps, 3,
+                                  next(ports) if ports is not None else None)
+                    bounds.setdefault(name, []).append(bound_figures(out, _bits_per_second(rate or "")))
                     continue
                 port = next(ports) if ports is not None and arm == "gloo" else None
                 window: dict[str, Any] = {}
@@ -460,6 +530,7 @@ def ddp_figures(strategy: Any, rounds: int, cnn_steps: int, mlp_steps: int, boun
                 results.setdefault((name, arm), []).append(step)
                 computes.setdefault((name, arm), []).append(max(statistics.median(o["compute"]) for o in out))
                 cpus.setdefault((name, arm), []).append(max(statistics.median(o["cpu"]) for o in out))
+                others.setdefault((name, arm), []).append(max(statistics.median(o["others"]) for o in out))
                 losses[(name, arm)] = out[0]["loss"]
     for name in ("cnn", "mlp", *(extra for extra, _ in EXTRA_MODELS)):
         for arm in ours_arms:
@@ -468,6 +539,7 @@ def ddp_figures(strategy: Any, rounds: int, cnn_steps: int, mlp_steps: int, boun
             label = name if arm == "daskdist" else f"{name} ({arm})"
             rows.append([where, label, _ms(gloo), _ms(ours), _ms(computes[(name, "gloo")]),
                          _ms(computes[(name, arm)]), _ms(cpus[(name, "gloo")]), _ms(cpus[(name, arm)]),
+                         f"{_ms(others[(name, 'gloo')])} / {_ms(others[(name, arm)])}",
                          f"{GLOBAL_BATCH / statistics.median(gloo):.0f}",
                          f"{GLOBAL_BATCH / statistics.median(ours):.0f}",
                          ", ".join(f"{x:.2f}" for x in ratios),
@@ -475,28 +547,50 @@ def ddp_figures(strategy: Any, rounds: int, cnn_steps: int, mlp_steps: int, boun
                          _loads(loads[(name, "gloo")]), _loads(loads[(name, arm)])])
     print(format_table(["where", "model", "gloo step ms (rounds)", "daskdist step ms (rounds)",
                         "no_sync step ms gloo arm", "no_sync step ms daskdist arm", "CPU ms/step gloo",
-                        "CPU ms/step daskdist", "gloo samples/s",
+                        "CPU ms/step daskdist", "of which off the replica thread gloo / daskdist", "gloo samples/s",
                         "daskdist samples/s", "daskdist/gloo", "final loss gloo / daskdist", "load gloo (rounds)",
                         "load daskdist (rounds)"], rows))
     print()
     if bounds:
-        print_bounds(results, bounds, loads, where, ours_arms)
+        print_bounds(results, cpus, bounds, loads, where, ours_arms)
 
 
-def print_bounds(results: dict[tuple[str, str], list[float]], bounds: dict[str, list[tuple[float, float]]],
-                 loads: dict[tuple[str, str], list[float]], where: str, ours_arms: list[str]) -> None:
+def bound_figures(out: list[dict[str, Any]], bits_per_second: float) -> dict[str, float]:
+    """The bound arm's replicas' figures: ``step`` (the bound), ``wall`` (its link floor), ``cpu`` (the
+    kernel's floor), ``bare`` (the bare step, no link), ``bare_cpu``, ``raw_cpu`` (CPU per step, each the
+    slowest replica's median).
+
+    ``wall``: the slowest replica's median of ``bound_steps``. ``cpu``: both hosts' replicas share this
+    machine's cores, so a step takes at least the CPU both spend on it over the cores: the mean over the
+    replicas of the bare step plus a plain TCP exchange of the gradient (``raw_cpu``), on ``os.cpu_count()``
+    cores, at most one per replica. ``step`` is the larger.
+    """
+    wall = max(statistics.median(bound_steps(o, bits_per_second)) for o in out)
+    raw = [statistics.median(o["raw_cpu"]) for o in out if o["raw_cpu"]]
+    cpu = sum(raw) / min(len(out), os.cpu_count() or 1) if raw else 0.0
+    return {"step": max(wall, cpu), "wall": wall, "cpu": cpu, "bare": max(statistics.median(o["times"]) for o in out),
+            "bare_cpu": max(statistics.median(o["cpu"]) for o in out), "raw_cpu": max(raw, default=0.0)}
+
+
+def print_bounds(results: dict[tuple[str, str], list[float]], cpus: dict[tuple[str, str], list[float]],
+                 bounds: dict[str, list[dict[str, float]]], loads: dict[tuple[str, str], list[float]], where: str,
+                 ours_arms: list[str]) -> None:
     """Per model: gloo's and daskdist's steps, the bound arm's, and gloo / bound (the most any backend gains)."""
     rows = []
     for name, per_round in bounds.items():
         gloo = results[(name, "gloo")]
-        best = [g / b for g, (b, _) in zip(gloo, per_round)]
+        best = [g / b["step"] for g, b in zip(gloo, per_round)]
         rows.append([where, name, _ms(gloo), "; ".join(_ms(results[(name, arm)]) for arm in ours_arms),
-                     _ms([b for b, _ in per_round]), _ms([bare for _, bare in per_round]),
+                     _ms([b["step"] for b in per_round]), _ms([b["wall"] for b in per_round]),
+                     _ms([b["cpu"] for b in per_round]), _ms([b["bare"] for b in per_round]),
+                     _ms(cpus[(name, "gloo")]), "; ".join(_ms(cpus[(name, arm)]) for arm in ours_arms),
+                     _ms([b["bare_cpu"] for b in per_round]), _ms([b["raw_cpu"] for b in per_round]),
                      ", ".join(f"{x:.2f}" for x in best), f"{statistics.median(best):.2f}",
                      _loads(loads[(name, "bound")])])
-    print(format_table(["where", "model", "gloo step ms (rounds)", "daskdist step ms (rounds)",
-                        "bound step ms (bound_steps)", "bare step ms (no link)",
-                        "gloo / bound (rounds)", "median", "load bound (rounds)"], rows))
+    print(format_table(["where", "model", "gloo step ms (rounds)", "daskdist step ms (rounds)", "bound step ms",
+                        "link floor ms", "CPU floor ms", "bare step ms", "CPU ms/step gloo", "CPU ms/step daskdist",
+                        "CPU ms/step bare", "CPU ms/step bare + raw TCP", "gloo / bound (rounds)", "median",
+                        "load bound (rounds)"], rows))
     print()
 
 
