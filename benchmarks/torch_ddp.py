@@ -30,6 +30,25 @@ scheduler as on one host. Its default parts: ``ddp``.
 
     python benchmarks/torch_ddp.py --hosts netns --rates 1gbit,10gbit --rounds 3
 
+Across hosts a third arm, ``bound``, runs in the same rotation on the same
+hosts at the same time: the bare model (no DDP, no process group) with the
+same optimizer, data and local batch, timed phase by phase (``zero_grad`` and
+forward, backward, ``optimizer.step``). Every stock-DDP step does that work
+and more (DDP's hooks, its bucket copies, the all-reduce), whatever the
+backend, so it bounds any backend's step from below: more so than DDP under
+``no_sync``, which still runs DDP's forward and hooks. Across a link the
+bound adds the wire (``bound_steps``): between 2 hosts an exact all-reduce
+carries each host's gradient once each way, at the link's rate in the long
+run, and within a step after backward starts and before ``optimizer.step``
+(past the token bucket's burst). And the CPU: both hosts share this
+machine's cores, so a step takes at least the CPU both replicas spend on it
+over the cores; the bound arm runs its steps again with the gradient's bytes
+sent each way over a plain TCP connection after backward (the kernel's part
+of any backend's all-reduce; ``bound_figures``). The bound is the larger
+floor; ``gloo / bound`` is the most any backend could gain on gloo there.
+The DDP table splits each arm's CPU per step: the replica thread's, and the
+rest (the backend's threads, Dask's event loop).
+
 ``--windows 1,4``: one daskdist arm per ``daskdist.collective.async-window``
 (async collectives in flight together), each against the same gloo arm;
 arms rotate round by round. A window above 1 runs the backend's collectives
@@ -177,6 +196,134 @@ def ddp_arm(arm: str, name: str, steps: int, warmup: int, tag: str, bound: float
         faulthandler.cancel_dump_traceback_later()
 
 
+def bound_arm(name: str, steps: int, warmup: int, port: int | None = None) -> dict[str, Any]:
+    """On a replica: the bare model's steps (no DDP, no communication), phase by phase; seconds per step.
+
+    The same model, seed, optimizer, batches and local batch as ``_train``;
+    returns ``fwd`` (``zero_grad``, forward and loss), ``bwd`` (backward),
+    ``opt`` (``optimizer.step``), ``times`` (their sum) and ``cpu`` (the
+    process's CPU, every thread) per timed step, and the gradient's bytes.
+    ``port``: then the same steps again, each followed by the gradient's bytes
+    sent to the other host and its received, over one plain TCP connection
+    (``raw_cpu``: the process's CPU per step): what the kernel alone charges a
+    backend with no software of its own.
+    """
+    import torch
+
+    from daskdist import context
+
+    torch.set_num_threads(1)
+    runtime = context.current_runtime()
+    rank, world = runtime.rank, runtime.size
+    model = _model(name)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    local = GLOBAL_BATCH // world
+    batches = [_batch(name, s) for s in range(steps + warmup)]
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    phases: dict[str, list[float]] = {"fwd": [], "bwd": [], "opt": [], "times": [], "cpu": [], "raw_cpu": []}
+    exchange = _RawExchange(runtime, port, grad_bytes) if port is not None else None
+    try:
+        for loop in ("bare", "raw") if exchange is not None else ("bare",):
+            for s, (x, y) in enumerate(batches):
+                xs, ys = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
+                start, start_cpu = time.perf_counter(), time.process_time()
+                optimizer.zero_grad()
+                out = torch.nn.functional.cross_entropy(model(xs), ys)
+                forward = time.perf_counter()
+                out.backward()
+                backward = time.perf_counter()
+                if exchange is not None and loop == "raw":
+                    exchange.run()
+                optimizer.step()
+                end, cpu = time.perf_counter(), time.process_time() - start_cpu
+                if s < warmup:
+                    continue
+                if loop == "raw":
+                    phases["raw_cpu"].append(cpu)
+                    continue
+                phases["fwd"].append(forward - start)
+                phases["bwd"].append(backward - forward)
+                phases["opt"].append(end - backward)
+                phases["times"].append(end - start)
+                phases["cpu"].append(cpu)
+    finally:
+        if exchange is not None:
+            exchange.close()
+    return {**phases, "grad_bytes": grad_bytes}
+
+
+class _RawExchange:
+    """``nbytes`` each way between 2 replicas over one plain TCP connection: a sender thread and the caller's
+    ``recv_into`` (no framing, no reduction: the kernel's part of any backend's all-reduce)."""
+
+    def __init__(self, runtime: Any, port: int, nbytes: int):
+        import socket
+
+        host = urlsplit(runtime.spec.addresses[0]).hostname or ""
+        ctx = dd.get_replica_context()
+        assert ctx is not None
+        if runtime.rank == 0:
+            with socket.create_server((host, port)) as server:
+                ctx.barrier()
+                self.sock, _ = server.accept()
+        else:
+            ctx.barrier()
+            self.sock = socket.create_connection((host, port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.out, self.into = bytearray(nbytes), memoryview(bytearray(nbytes))
+        self.go, self.sent = threading.Semaphore(0), threading.Semaphore(0)
+        self.thread = threading.Thread(target=self._send, daemon=True, name="bound-raw-send")
+        self.thread.start()
+
+    def _send(self) -> None:
+        while True:
+            self.go.acquire()
+            if self.out is None:
+                return
+            self.sock.sendall(self.out)
+            self.sent.release()
+
+    def run(self) -> None:
+        self.go.release()
+        got = 0
+        while got < len(self.into):
+            got += self.sock.recv_into(self.into[got:])
+        self.sent.acquire()
+
+    def close(self) -> None:
+        self.out = None  # type: ignore[assignment]
+        self.go.release()
+        self.thread.join()
+        self.sock.close()
+
+
+#: the token bucket of each namespace host's link (``tests/netns.py``: ``tbf ... burst 1mb``; tc reads 1048500 bytes)
+TBF_BURST_BYTES = 1 << 20
+
+
+def bound_steps(out: dict[str, Any], bits_per_second: float | None) -> list[float]:
+    """Per step of ``bound_arm``'s ``out``: the least a stock-DDP step could take over a link of that rate.
+
+    Each host's gradient crosses once each way (2 hosts, an exact all-reduce), ``wire`` = its bytes x
+    1514/1448 (a full frame per TCP payload) / rate. Two floors, the larger holds: the link's long-run rate
+    (step >= wire: a token bucket refills at the rate however long the step); and within the step, the bytes
+    leave after backward starts and arrive before ``optimizer.step``, the first ``TBF_BURST_BYTES`` at once
+    (the bucket, full after the forward pass), the rest at the rate: forward + step + max(backward, wire
+    past the burst). ``None``: no link (the bare step).
+    """
+    if bits_per_second is None:
+        return list(out["times"])
+    frames = out["grad_bytes"] * 1514 / 1448
+    wire, past_burst = frames * 8 / bits_per_second, max(0.0, frames - TBF_BURST_BYTES) * 8 / bits_per_second
+    return [max(wire, f + o + max(b, past_burst)) for f, b, o in zip(out["fwd"], out["bwd"], out["opt"])]
+
+
+def _bits_per_second(rate: str) -> float:
+    """tc's rate (``1gbit``, ``100mbit``, ``10gbit``: 1000-based bits per second)."""
+    number, unit = re.fullmatch(r"([0-9.]+)\s*([kmg]?)bit", rate.strip().lower()).groups()  # type: ignore[union-attr]
+    return float(number) * {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9}[unit]
+
+
 def _train(arm: str, name: str, steps: int, warmup: int) -> dict[str, Any]:
     """The DDP steps of one arm, then the group's teardown.
 
@@ -201,10 +348,10 @@ def _train(arm: str, name: str, steps: int, warmup: int) -> dict[str, Any]:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         local = GLOBAL_BATCH // world
         batches = [_batch(name, s) for s in range(steps + warmup)]
-        times, cpu, loss = [], [], 0.0
+        times, cpu, others, loss = [], [], [], 0.0
         for s, (x, y) in enumerate(batches):
             xs, ys = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
-            start, start_cpu = time.perf_counter(), time.process_time()
+            start, start_cpu, start_own = time.perf_counter(), time.process_time(), time.thread_time()
             optimizer.zero_grad()
             out = torch.nn.functional.cross_entropy(model(xs), ys)
             out.backward()
@@ -212,6 +359,7 @@ def _train(arm: str, name: str, steps: int, warmup: int) -> dict[str, Any]:
             if s >= warmup:
                 times.append(time.perf_counter() - start)
                 cpu.append(time.process_time() - start_cpu)  # every thread of the process: the backend's too
+                others.append(cpu[-1] - (time.thread_time() - start_own))  # off the replica thread
             loss = float(out.detach())
         final = dd.get_replica_context().all_reduce("SUM", np.array([loss]))
         compute = []  # the same steps without communication (DDP's no_sync): what the step costs with a free network
@@ -224,7 +372,7 @@ def _train(arm: str, name: str, steps: int, warmup: int) -> dict[str, Any]:
                 out.backward()
             optimizer.step()
             compute.append(time.perf_counter() - start)
-        return {"times": times, "cpu": cpu, "compute": compute, "loss": float(final[0]) / world}
+        return {"times": times, "cpu": cpu, "others": others, "compute": compute, "loss": float(final[0]) / world}
     finally:
         model = optimizer = out = None  # DDP's reducer (and its hold on the group) goes first
         if arm == "gloo":
@@ -313,7 +461,8 @@ def main(rounds: int, cnn_steps: int, mlp_steps: int, parts: str = "ddp,overhead
             for rate in rates:
                 netns.shape(rate)
                 print(f"\n--- links shaped to {rate} (tc tbf on each host's eth0) ---", flush=True)
-                run_parts(strategy, parts, rounds, cnn_steps, mlp_steps, bound, where=f"2 hosts, {rate}", ports=ports)
+                run_parts(strategy, parts, rounds, cnn_steps, mlp_steps, bound, where=f"2 hosts, {rate}", ports=ports,
+                          rate=rate)
 
 
 def _announce(client: Any) -> None:
@@ -330,36 +479,44 @@ def _worker_blas() -> str:
 
 
 def run_parts(strategy: Any, parts: str, rounds: int, cnn_steps: int, mlp_steps: int, bound: float,
-              where: str = "one host", ports: Iterator[int] | None = None) -> None:
+              where: str = "one host", ports: Iterator[int] | None = None, rate: str | None = None) -> None:
     """The DDP and per-call tables on ``strategy``'s replicas, then their torch groups destroyed."""
     if "ddp" in parts:
-        ddp_figures(strategy, rounds, cnn_steps, mlp_steps, bound, where, ports)
+        ddp_figures(strategy, rounds, cnn_steps, mlp_steps, bound, where, ports, rate)
     if "overhead" in parts:
         overhead_figures(strategy, rounds, bound)
     run_arm(strategy, "destroying the torch groups", bound, dd.plugins.torch.destroy_process_group)
 
 
 def ddp_figures(strategy: Any, rounds: int, cnn_steps: int, mlp_steps: int, bound: float, where: str = "one host",
-                ports: Iterator[int] | None = None) -> None:
+                ports: Iterator[int] | None = None, rate: str | None = None) -> None:
     """DDP on gloo and on daskdist, ``rounds`` rounds alternated: step times, samples/s, final losses.
 
     ``ports``: gloo's ``MASTER_PORT`` for each arm (``env://`` rendezvous across hosts); ``None``: through
-    daskdist's store. ``where`` heads the table's rows.
+    daskdist's store. ``where`` heads the table's rows. ``rate``: the hosts' link (tc's rate): adds the
+    ``bound`` arm (``bound_arm``) to the rotation and its table.
     """
     rows, losses = [], {}
     results: dict[tuple[str, str], list[float]] = {}
     computes: dict[tuple[str, str], list[float]] = {}
     cpus: dict[tuple[str, str], list[float]] = {}
+    others: dict[tuple[str, str], list[float]] = {}  # CPU per step off the replica thread (communication, Dask)
     loads: dict[tuple[str, str], list[float]] = {}
     import dask
 
     ours_arms = [f"daskdist w{w}" for w in WINDOWS] or ["daskdist"]
-    arms = ["gloo", *ours_arms]
+    arms = ["gloo", *ours_arms, *(["bound"] if rate is not None else [])]
+    bounds: dict[str, list[dict[str, float]]] = {}  # model -> bound_figures per round
     for r in range(rounds):
         for name, steps in (("cnn", cnn_steps), ("mlp", mlp_steps), *EXTRA_MODELS):
             for arm in arms[r % len(arms):] + arms[:r % len(arms)]:  # rotated round by round
                 what = f"round {r + 1}, {name}, {arm}"
                 loads.setdefault((name, arm), []).append(_load(f"{where}: {what}"))
+                if arm == "bound":
+                    out = run_arm(strategy, f"{where}: {what}", bound, bound_arm, name, steps, 3,
+                                  next(ports) if ports is not None else None)
+                    bounds.setdefault(name, []).append(bound_figures(out, _bits_per_second(rate or "")))
+                    continue
                 port = next(ports) if ports is not None and arm == "gloo" else None
                 window: dict[str, Any] = {}
                 if arm.startswith("daskdist w"):
@@ -373,6 +530,7 @@ def ddp_figures(strategy: Any, rounds: int, cnn_steps: int, mlp_steps: int, boun
                 results.setdefault((name, arm), []).append(step)
                 computes.setdefault((name, arm), []).append(max(statistics.median(o["compute"]) for o in out))
                 cpus.setdefault((name, arm), []).append(max(statistics.median(o["cpu"]) for o in out))
+                others.setdefault((name, arm), []).append(max(statistics.median(o["others"]) for o in out))
                 losses[(name, arm)] = out[0]["loss"]
     for name in ("cnn", "mlp", *(extra for extra, _ in EXTRA_MODELS)):
         for arm in ours_arms:
@@ -381,6 +539,7 @@ def ddp_figures(strategy: Any, rounds: int, cnn_steps: int, mlp_steps: int, boun
             label = name if arm == "daskdist" else f"{name} ({arm})"
             rows.append([where, label, _ms(gloo), _ms(ours), _ms(computes[(name, "gloo")]),
                          _ms(computes[(name, arm)]), _ms(cpus[(name, "gloo")]), _ms(cpus[(name, arm)]),
+                         f"{_ms(others[(name, 'gloo')])} / {_ms(others[(name, arm)])}",
                          f"{GLOBAL_BATCH / statistics.median(gloo):.0f}",
                          f"{GLOBAL_BATCH / statistics.median(ours):.0f}",
                          ", ".join(f"{x:.2f}" for x in ratios),
@@ -388,9 +547,55 @@ def ddp_figures(strategy: Any, rounds: int, cnn_steps: int, mlp_steps: int, boun
                          _loads(loads[(name, "gloo")]), _loads(loads[(name, arm)])])
     print(format_table(["where", "model", "gloo step ms (rounds)", "daskdist step ms (rounds)",
                         "no_sync step ms gloo arm", "no_sync step ms daskdist arm", "CPU ms/step gloo",
-                        "CPU ms/step daskdist", "gloo samples/s",
+                        "CPU ms/step daskdist", "of which off the replica thread gloo / daskdist", "gloo samples/s",
                         "daskdist samples/s", "daskdist/gloo", "final loss gloo / daskdist", "load gloo (rounds)",
                         "load daskdist (rounds)"], rows))
+    print()
+    if bounds:
+        print_bounds(results, cpus, bounds, loads, where, ours_arms)
+
+
+def bound_figures(out: list[dict[str, Any]], bits_per_second: float) -> dict[str, float]:
+    """The bound arm's replicas' figures: ``step`` (the bound), ``wall`` (its link floor), ``cpu`` (the
+    kernel's floor), ``bare`` (the bare step, no link), ``bare_cpu``, ``raw_cpu`` (CPU per step, each the
+    slowest replica's median).
+
+    ``wall``: the slowest replica's median of ``bound_steps``. ``cpu``: both hosts' replicas share this
+    machine's cores, so a step takes at least the CPU both spend on it over the cores: the mean over the
+    replicas of the bare step plus a plain TCP exchange of the gradient (``raw_cpu``), on ``os.cpu_count()``
+    cores, at most one per replica. ``step`` is the larger.
+    """
+    wall = max(statistics.median(bound_steps(o, bits_per_second)) for o in out)
+    raw = [statistics.median(o["raw_cpu"]) for o in out if o["raw_cpu"]]
+    cpu = sum(raw) / min(len(out), os.cpu_count() or 1) if raw else 0.0
+    return {"step": max(wall, cpu), "wall": wall, "cpu": cpu, "bare": max(statistics.median(o["times"]) for o in out),
+            "bare_cpu": max(statistics.median(o["cpu"]) for o in out), "raw_cpu": max(raw, default=0.0)}
+
+
+def print_bounds(results: dict[tuple[str, str], list[float]], cpus: dict[tuple[str, str], list[float]],
+                 bounds: dict[str, list[dict[str, float]]], loads: dict[tuple[str, str], list[float]], where: str,
+                 ours_arms: list[str]) -> None:
+    """Per model: gloo's and daskdist's steps, the bound arm's, and gloo / bound (the most any backend gains).
+
+    Also gloo's CPU per step over the CPU floor: where the steps are CPU-bound (both hosts on this
+    machine's cores) that is the most any backend gains, and it holds under load, where the walls do not.
+    """
+    rows = []
+    for name, per_round in bounds.items():
+        gloo = results[(name, "gloo")]
+        best = [g / b["step"] for g, b in zip(gloo, per_round)]
+        rows.append([where, name, _ms(gloo), "; ".join(_ms(results[(name, arm)]) for arm in ours_arms),
+                     _ms([b["step"] for b in per_round]), _ms([b["wall"] for b in per_round]),
+                     _ms([b["cpu"] for b in per_round]), _ms([b["bare"] for b in per_round]),
+                     _ms(cpus[(name, "gloo")]), "; ".join(_ms(cpus[(name, arm)]) for arm in ours_arms),
+                     _ms([b["bare_cpu"] for b in per_round]), _ms([b["raw_cpu"] for b in per_round]),
+                     ", ".join(f"{x:.2f}" for x in best), f"{statistics.median(best):.2f}",
+                     ", ".join(f"{c / b['cpu']:.2f}" for c, b in zip(cpus[(name, "gloo")], per_round) if b["cpu"]),
+                     _loads(loads[(name, "bound")])])
+    print(format_table(["where", "model", "gloo step ms (rounds)", "daskdist step ms (rounds)", "bound step ms",
+                        "link floor ms", "CPU floor ms", "bare step ms", "CPU ms/step gloo", "CPU ms/step daskdist",
+                        "CPU ms/step bare", "CPU ms/step bare + raw TCP", "gloo / bound (rounds)", "median",
+                        "gloo CPU / CPU floor", "load bound (rounds)"], rows))
     print()
 
 
