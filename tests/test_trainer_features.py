@@ -199,6 +199,49 @@ def test_a_replayed_commit_rebuilds_bit_for_bit_what_a_full_copy_holds(adapter):
     assert not all(np.array_equal(a, b) for a, b in zip(_leaves(base.state[(MODEL, "m")]), want))
 
 
+def test_an_epochs_commits_go_with_their_last_reference_at_the_commands_end(adapter):
+    """An elastic epoch's ``Commits`` hold the reduced gradients kept since the full commit and that commit's
+    copy; when the epoch command ends they go at once, not at a later garbage collection (a cycle through the
+    exchange function they hand the resident each step would keep them: the next steps then fault fresh memory
+    in). Shown failing with that function cached and not let go at ``finish``."""
+    import gc
+    import types
+    import weakref
+
+    from daskdist.elastic.boundary import FreeWorkerWatch
+    from daskdist.group.service import MODEL, ResidentStore
+    from daskdist.strategy.drivers.contract import SpmdStepDriver
+    from daskdist.training.commits import Commits, ReplayedCommit
+
+    x, y = _data(96)
+    service = types.SimpleNamespace(objects=ResidentStore(), rank=0, worker=None, group_id=None)
+    resident = adapter.trainable(adapter.dropout_model())
+    service.objects.install(MODEL, "m", resident)
+    driver = SpmdStepDriver()
+    resident.train_batch((x[:24], y[:24]), driver)  # a first step: the optimizer's slots exist
+    commits = Commits(service, "m", resident, driver, FreeWorkerWatch(service, None, False), (1, 0, 0), None)
+    resident.exchange_hook = commits.exchange
+    for step in range(4):
+        commits.before_step(at_commit=step < 3)
+        resident.train_batch((x[24 * step:24 * step + 24], y[24 * step:24 * step + 24]), driver)
+        commits.after_step((1, 0, step + 1))
+    resident.exchange_hook = None
+    commits.finish()
+    ring = commits.ring
+    assert isinstance(ring.get((1, 0, 3)), ReplayedCommit) and len(commits.log) == 3
+    kept = weakref.ref(commits.log[0][0])
+    gone = weakref.ref(commits)
+    gc.disable()
+    try:
+        del commits
+        assert gone() is None
+    finally:
+        gc.enable()
+    ring.commits.clear()
+    assert kept() is None  # the kept gradients went with them (the all-reduce's arrays alone: copies)
+    ring.copier.shutdown()
+
+
 def test_an_elastic_fit_committing_every_step_keeps_replayed_commits_and_trains_as_a_plain_fit(
         threaded_client, adapter):
     """At ``commit_every=1`` most commits are replayed (no copy of the state), and the fit's weights and

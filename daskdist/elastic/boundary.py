@@ -16,8 +16,6 @@ import logging
 import time
 from typing import Any
 
-import numpy as np
-
 from daskdist.exceptions import StopAtCommit
 from daskdist.group.service import ReplicaService
 
@@ -82,7 +80,7 @@ class FreeWorkerWatch:
         return bool(set(everyone) - set(self.service.membership.addresses))
 
 
-def boundary_flags(service: ReplicaService, watch: FreeWorkerWatch) -> np.ndarray:
-    """This replica's two flags for a commit (``[free workers wait, members retire]``), to be summed over the
-    replicas with whatever the commit sums anyway; a sum above 0 stops every replica there."""
-    return np.array([float(watch.due()), float(retiring(service))])
+def boundary_flags(service: ReplicaService, watch: FreeWorkerWatch) -> list[float]:
+    """This replica's two flags for a commit (``[free workers wait, members retire]``, 1.0 or 0.0), to be summed
+    over the replicas with whatever the commit sums anyway; a sum above 0 stops every replica there."""
+    return [1.0 if watch.due() else 0.0, 1.0 if retiring(service) else 0.0]

@@ -343,9 +343,10 @@ def free_workers(group: ReplicaGroup, options: ElasticOptions) -> list[str]:
     quarantine = quarantine_of(group)
     quarantine.remember(workers)
     members = set(group.addresses)
-    # a member that just retired is still in the cluster while Dask closes it: it is not free
-    leaving = _retired(group) | {a for a, info in workers.items() if info.get("status", "running") != "running"}
-    free = [a for a in workers if a not in members and a not in leaving]
+    free = [a for a in workers if a not in members and workers[a].get("status", "running") == "running"]
+    if free:  # a member that just retired is still in the cluster while Dask closes it: it is not free
+        retired = _retired(group)
+        free = [a for a in free if a not in retired]
     cooling = [a for a in free if quarantine.cooling(a, options.cooldown_seconds)]
     if cooling:
         logger.info("Not admitting %s into %s: they failed less than cooldown=%s ago", cooling, group.group_id,

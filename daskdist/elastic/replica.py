@@ -117,6 +117,11 @@ class Commit:
         """Whether the state is copied (``state`` would not wait)."""
         return self._copy is None or self._copy.done()
 
+    @property
+    def settled(self) -> bool:
+        """Whether ``settle`` returned already (it returns at once and raises nothing from now on)."""
+        return self._copy is None
+
     def settle(self) -> None:
         """Wait until the state is copied (raises what the copy raised)."""
         self.state  # noqa: B018 (waits for the copy)
@@ -187,9 +192,12 @@ class CommitRing:
         self.keep = keep
         self.commits: OrderedDict[CommitKey, Commit] = OrderedDict()
         self.copier = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="daskdist-commit")
+        self._settled = True  # every commit held was settled (``settle`` has nothing to wait for)
 
     def add(self, commit: Commit) -> None:
         self.commits[commit.key] = commit
+        if not commit.settled:
+            self._settled = False
         while len(self.commits) > self.keep:
             self.commits.popitem(last=False)
 
@@ -200,9 +208,13 @@ class CommitRing:
             raise KeyError(f"no commit {tuple(key)} here (held: {list(self.commits)})") from None
 
     def settle(self) -> None:
-        """Wait until every commit's copy is done (before anything changes the state they copy)."""
+        """Wait until every commit's copy is done (before anything changes the state they copy); raises what a
+        copy raised."""
+        if self._settled:
+            return
         for commit in list(self.commits.values()):
             commit.settle()
+        self._settled = True
 
     def drop_after(self, key: CommitKey) -> None:
         """Forget commits newer than ``key`` (their steps are replayed)."""

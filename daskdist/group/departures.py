@@ -214,7 +214,9 @@ class Departures:
     def graceful_leave(self, group_id: str, reason: str = "") -> dict[str, Any]:
         """Re-form ``group_id`` without its retiring members (the client asks at the commit the group stopped at).
 
-        Answers ``{"status": "OK", "left": [...]}`` (empty when no member is retiring).
+        Answers ``{"status": "OK", "left": [...], "membership": ...}`` (``left`` empty when no member is retiring;
+        ``membership``: the group's membership after it, ``Membership.to_msg``, so that the client needs no second
+        call to learn it).
         """
         group = self.plugin.groups.get(group_id)
         if group is None:
@@ -222,7 +224,7 @@ class Departures:
         left = [a for a in group.workers if a in group.leaving]
         group.leaving.clear()
         if not left:
-            return {"status": "OK", "left": []}
+            return self._left(group, [])
         survivors = [a for a in group.workers if a not in left]
         group.retired.update(left)
         why = f"{', '.join(left)} retired: left {group_id} at a commit" + (f" ({reason})" if reason else "")
@@ -232,4 +234,11 @@ class Departures:
             return {"status": "error", "message": str(e)}
         self.plugin.running_scheduler.log_event("daskdist", {"action": "left", "group": group_id, "workers": left,
                                                              "generation": group.generation})
-        return {"status": "OK", "left": left}
+        return self._left(group, left)
+
+    @staticmethod
+    def _left(group: Any, left: list[str]) -> dict[str, Any]:
+        answer: dict[str, Any] = {"status": "OK", "left": left}
+        if group.membership is not None:
+            answer["membership"] = group.membership.to_msg()
+        return answer

@@ -174,7 +174,11 @@ class ReplicaGroup:
         response = self._ask_scheduler("daskdist_membership", group_id=self.group_id)
         if response.get("status") != "OK":
             raise StrategyClosedError(response.get("message", f"replica group {self.group_id} is gone"))
-        membership = Membership.from_msg(response["membership"])
+        return self._take_membership(response["membership"])
+
+    def _take_membership(self, msg: dict[str, Any]) -> Membership:
+        """The scheduler's membership ``msg`` (``Membership.to_msg``): kept when of a newer generation."""
+        membership = Membership.from_msg(msg)
         if membership.generation > self.membership.generation:
             logger.info("Replica group %s is now at generation %d on %s", self.group_id, membership.generation,
                         membership.addresses)
@@ -276,6 +280,8 @@ class ReplicaGroup:
         response = self._ask_scheduler("daskdist_graceful_leave", group_id=self.group_id)
         if response.get("status") != "OK":
             raise ReplicaLostError(f"could not let members retire from {self.group_id}: {response.get('message')}")
+        if "membership" in response:  # the membership after it came with the answer (else: asked for)
+            return self._take_membership(response["membership"])
         return self.refresh_membership()
 
     def _hosts_replica(self, address: str) -> bool:

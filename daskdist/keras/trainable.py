@@ -86,7 +86,7 @@ class RandomStates:
     """
 
     def __init__(self, states: dict[str, dict[str, Any]]):
-        self.states = copy.deepcopy(states)
+        self.states = copy.deepcopy(states) if states else {}
 
     def digest_bytes(self) -> bytes:
         return b""
@@ -334,10 +334,10 @@ class BuiltinTrainable:
         "moving": {position in the snapshot's "weights": array}}`` (the layers' ``state``: moving statistics)."""
         moving = {}
         position = 0
-        for layer in self.model.layers:
-            for name, array in layer.weights_list():
-                if name in layer.state:
-                    moving[position] = np.array(to_numpy(array), copy=True)
+        for layer in self.model.layers:  # a layer's weights: its ``params``, then its ``state`` (``weights_list``)
+            position += len(layer.params)
+            for array in layer.state.values():
+                moving[position] = np.array(to_numpy(array), copy=True)
                 position += 1
         return {"rng": self.snapshot_random(), "moving": moving}
 

@@ -94,6 +94,10 @@ class ReplayedCommit(Commit):
         return self.base.copied
 
     @property
+    def settled(self) -> bool:
+        return self.base.settled
+
+    @property
     def rebuilt(self) -> bool:
         """Whether the full state was rebuilt (``state`` then costs nothing and changes nothing)."""
         return self._state is not None
@@ -162,11 +166,14 @@ class Commits:
             self.log_bytes = sum(int(getattr(g, "nbytes", 0)) for step in self.log for g in step)
         elif begun is not None:
             self.base = begun
-        self.pending: tuple[Commit, list[np.ndarray]] | None = None  # copied, its totals not yet summed
+        self.pending: _Pending | None = None  # copied, its totals not yet summed
         self.carry: list[float] = []  # what this step's exchange adds to the driver's sums
         self.at_commit = False
         self.own = 0  # the sums the trainable itself passed (the carried ones follow them)
         self.exchanged = False
+        self.alone: bool | None = None  # one replica in sync (read at the first exchange: fixed for the command)
+        self.copying: Commit | None = None  # the full commit whose copy may still run (waited for at an exchange)
+        self._wrapped: tuple[GradientExchange, GradientExchange] | None = None  # the last ``exchange``'s answer
 
     def totals_at(self, key: CommitKey) -> list[np.ndarray] | None:
         """The metric totals commit ``key`` holds (``None``: this replica holds no such commit)."""
@@ -185,16 +192,18 @@ class Commits:
     def before_step(self, at_commit: bool) -> None:
         """Before a step: what its exchange carries (the pending commit's totals; ``at_commit``: the flags)."""
         self.at_commit = at_commit
-        carry: list[float] = []
-        if self.pending is not None:
-            carry += _flat(self.pending[1])
+        carry = self.pending.flat if self.pending is not None else []
         if at_commit:
-            carry += boundary_flags(self.service, self.watch).tolist()
+            carry = carry + boundary_flags(self.service, self.watch)
         self.carry = carry
         self.exchanged = False
 
     def exchange(self, inner: GradientExchange) -> GradientExchange:
-        """``inner`` with the carried sums added, returning only once the commit being copied is copied."""
+        """``inner`` with the carried sums added, returning only once the commit being copied is copied (the same
+        function for the same ``inner``: a step's driver hands its exchange to every step)."""
+        wrapped = self._wrapped
+        if wrapped is not None and wrapped[0] == inner:
+            return wrapped[1]
 
         def exchanged(gradients: Sequence[Any], rows: int, sums: Sequence[float] = (),
                       summed: bool = False) -> list[Any] | None:
@@ -205,14 +214,17 @@ class Commits:
             if reduced is None:
                 self.logging = False
             elif self.base is not None:
-                ctx = context.get_replica_context()
-                alone = ctx is None or ctx.num_replicas_in_sync == 1  # then they are the local gradients: copied
-                kept = [np.array(g, copy=True) for g in reduced] if alone else list(reduced)
+                if self.alone is None:
+                    ctx = context.get_replica_context()
+                    self.alone = ctx is None or ctx.num_replicas_in_sync == 1
+                # alone, they are the local gradients (the optimizer's input, written again): copied
+                kept = [np.array(g, copy=True) for g in reduced] if self.alone else list(reduced)
                 self.log.append(kept)
                 self.log_bytes += sum(int(getattr(g, "nbytes", 0)) for g in kept)
             self._settle()  # the optimizer's apply changes what the copies read
             return reduced
 
+        self._wrapped = (inner, exchanged)
         return exchanged
 
     def after_step(self, key: CommitKey) -> None:
@@ -220,15 +232,18 @@ class Commits:
 
         Raises ``StopAtCommit`` when free workers wait or members retire (every replica learns the same).
         """
+        pending = self.pending
+        if pending is None and not self.at_commit:
+            return
         summed = self._summed()
-        if self.pending is not None:
-            commit, own = self.pending
+        if pending is not None:
             self.pending = None
-            self._enter(commit, _unflat(summed[:_size(own)], own))
-            summed = summed[_size(own):]
+            size = len(pending.flat)
+            self._enter(pending.commit, pending.unflat(summed[:size]))
+            summed = summed[size:]
         if not self.at_commit:
             return
-        grow, leave = (float(f) > 0 for f in summed[-2:])
+        grow, leave = summed[-2] > 0, summed[-1] > 0
         own = self.resident.local_metric_totals()
         key = (key[0], key[1], key[2])
         self.since += 1
@@ -238,31 +253,34 @@ class Commits:
                                     self.key, self.learning_rate)
         else:
             pause = fault_points.bound("commit") if fault_points.ARMED else None  # a test's fault point, in the copy
-            taken = Commit.copying(key, self.service.objects, {}, pause, self.ring.copier)
+            taken = self.copying = Commit.copying(key, self.service.objects, {}, pause, self.ring.copier)
             self.base, self.log, self.since, self.log_bytes = taken, [], 0, 0
         if grow or leave:  # a membership change at this commit: its totals summed now, then every replica stops
             self._enter(taken, _all_reduce(own))
             raise StopAtCommit(key[2], leave)
-        self.pending = (taken, own)
+        self.pending = _Pending(taken, own)
 
     def finish(self) -> None:
         """At the command's end (or a loss): a commit whose totals no step carried is dropped (a newer one, the
         epoch's end, follows); no copy goes on past the command."""
-        pending, self.pending = self.pending, None
+        pending, self.pending, self.copying = self.pending, None, None
+        self._wrapped = None  # (its function holds these commits: no cycle left for the garbage collector)
         if pending is not None:
             try:
-                pending[0].settle()
+                pending.commit.settle()
             except Exception as e:  # noqa: BLE001 - the commit is dropped, and what its copy raised with it
-                logger.debug("The copy of a dropped commit %s failed: %r", pending[0].key, e)
+                logger.debug("The copy of a dropped commit %s failed: %r", pending.commit.key, e)
         self.ring.settle()
 
     # -- helpers ---------------------------------------------------------------------
 
     def _settle(self) -> None:
         """Wait until every copy is done: the ring's commits' and the pending commit's (not in the ring until
-        the next step has summed its totals, its copy may still run while that step's apply is due)."""
-        if self.pending is not None:
-            self.pending[0].settle()
+        the next step has summed its totals, its copy may still run while that step's apply is due). Only a full
+        commit copies: once its copy is waited for, the replayed commits on it wait for nothing."""
+        if self.copying is not None:
+            self.copying.settle()
+            self.copying = None
         self.ring.settle()
 
     def _summed(self) -> list[float]:
@@ -271,7 +289,7 @@ class Commits:
             return []
         totals = getattr(self.resident, "step_totals", None)
         if self.carrying and self.exchanged and totals is not None:
-            return [float(v) for v in totals.sums[self.own:self.own + len(self.carry)]]
+            return list(totals.sums[self.own:self.own + len(self.carry)])  # the driver's floats
         # no exchange carried them (another driver, or a step without trainable weights): one all-reduce here
         self._settle()
         return [float(v) for v in _all_reduce([np.asarray(self.carry, np.float64)])[0]]
@@ -289,21 +307,27 @@ class Commits:
         self.ring.add(commit)
 
 
-def _flat(arrays: list[np.ndarray]) -> list[float]:
-    return [float(v) for a in arrays for v in np.asarray(a, np.float64).ravel()]
+class _Pending:
+    """A commit taken, its totals not yet summed: this replica's totals (``own``), flat as the exchange carries them.
 
+    The flat values are float64 (Python floats); ``unflat`` gives the summed values back in ``own``'s shapes and
+    dtypes.
+    """
 
-def _size(arrays: list[np.ndarray]) -> int:
-    return sum(int(np.asarray(a).size) for a in arrays)
+    __slots__ = ("commit", "flat", "layout")
 
+    def __init__(self, commit: Commit, own: list[np.ndarray]):
+        self.commit = commit
+        self.flat: list[float] = []
+        self.layout: list[tuple[int, int, np.dtype[Any], tuple[int, ...]]] = []
+        for array in own:
+            array = np.asarray(array)
+            start = len(self.flat)
+            self.flat += array.astype(np.float64, copy=False).ravel().tolist()
+            self.layout.append((start, len(self.flat), array.dtype, array.shape))
 
-def _unflat(values: Sequence[float], like: list[np.ndarray]) -> list[np.ndarray]:
-    out, at = [], 0
-    for a in like:
-        a = np.asarray(a)
-        out.append(np.asarray(values[at:at + a.size], a.dtype).reshape(a.shape))
-        at += a.size
-    return out
+    def unflat(self, values: Sequence[float]) -> list[np.ndarray]:
+        return [np.array(values[start:stop], dtype).reshape(shape) for start, stop, dtype, shape in self.layout]
 
 
 def _all_reduce(arrays: list[np.ndarray]) -> list[np.ndarray]:
