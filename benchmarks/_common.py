@@ -8,8 +8,10 @@ import logging
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -244,3 +246,32 @@ def alternating_rounds(arms: Sequence[str], rounds: int, block: Callable[[str], 
                 print(f"round {round_ + 1} {arm}: {results[arm][-1]} (load before: "
                       f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f})", flush=True)
     return results
+
+
+def alternating_arm_times(arms: dict[str, Callable[[], object]], steps: int, per: int = 4, warm_up: int = 8,
+                          after: Callable[[], object] | None = None) -> dict[str, list[float]]:
+    """Seconds per call of each arm, in one process: ``warm_up`` calls each, then ``steps`` alternations (the arms'
+    order reversed every other one, so a drift falls on all alike) of ``per`` calls per arm (so that the next
+    calls' cache misses count); ``after`` runs at the end of each timing and counts in it (a last copy's wait)."""
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    order = list(arms)
+    for arm in arms.values():
+        for _ in range(warm_up):
+            arm()
+    for n in range(steps):
+        for name in (order if n % 2 == 0 else order[::-1]):
+            start = time.perf_counter()
+            for _ in range(per):
+                arms[name]()
+            if after is not None:
+                after()
+            times[name].append((time.perf_counter() - start) / per)
+    return times
+
+
+def arm_times_table(times: dict[str, list[float]], base: str = "plain step") -> str:
+    """Each arm's median ms per call and its ratio to ``base``'s."""
+    reference = statistics.median(times[base])
+    return format_table(["arm", "ms per step (median)", "ratio to the plain step"],
+                        [[name, f"{statistics.median(t) * 1e3:.2f}", f"{statistics.median(t) / reference:.3f}"]
+                         for name, t in times.items()])

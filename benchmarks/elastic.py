@@ -91,7 +91,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import cloudpickle  # noqa: E402
-from _common import format_table, local_cluster, print_header  # noqa: E402
+from _common import alternating_arm_times, arm_times_table, format_table, local_cluster, print_header  # noqa: E402
 from training_parts import keras_parts  # noqa: E402
 from training_parts.keras_parts import build_cnn, scale  # noqa: E402
 
@@ -564,26 +564,13 @@ def snapshot_cost(steps: int) -> None:
         "step + full copy": lambda: (step(), resident.snapshot()),
         "step + replayed commit": lambda: (step(), resident.step_state(), resident.local_metric_totals()),
     }
-    times: dict[str, list[float]] = {name: [] for name in arms}
-    order = list(arms)
-    for arm in arms.values():  # warm-up
-        for _ in range(8):
-            arm()
-    for n in range(steps):
-        for name in (order if n % 2 == 0 else order[::-1]):
-            start = time.perf_counter()
-            for _ in range(4):
-                arms[name]()
-            times[name].append((time.perf_counter() - start) / 4)
+    times = alternating_arm_times(arms, steps)
     optimizer = state["optimizer"]
     slots = list(optimizer.values()) if isinstance(optimizer, dict) else list(optimizer)
     nbytes = sum(np.asarray(a).nbytes for a in list(state[weights]) + slots)
-    plain = statistics.median(times["plain step"])
     print(f"load before: {os.getloadavg()[0]:.2f}; {MODEL['name']}; {steps} alternations of 4 steps; "
           f"a full copy is {nbytes:,} bytes (weights + Adam's slots)")
-    print(format_table(["arm", "ms per step (median)", "ratio to the plain step"],
-                       [[name, f"{statistics.median(t) * 1e3:.2f}", f"{statistics.median(t) / plain:.3f}"]
-                        for name, t in times.items()]))
+    print(arm_times_table(times))
 
 
 def torch_elastic_parts(parts: set[str], epochs: int, steps: int) -> None:
@@ -598,7 +585,7 @@ def torch_elastic_parts(parts: set[str], epochs: int, steps: int) -> None:
         torch_elastic.commit_cost(epochs, steps, format_table, local_cluster)
     if "snapshot" in parts:
         print("\n## A commit against the replica's own step, in one process\n")
-        torch_elastic.snapshot_cost(steps * 2, format_table)
+        torch_elastic.snapshot_cost(steps * 2, alternating_arm_times, arm_times_table)
 
 
 def main() -> None:

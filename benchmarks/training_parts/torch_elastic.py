@@ -142,13 +142,14 @@ def _elastic(dd: Any, strategy: Any, model: Any, dataset: Any, every: int) -> An
     return lambda: train(state)
 
 
-def snapshot_cost(steps: int, format_table: Any) -> None:
+def snapshot_cost(steps: int, time_arms: Any, arms_table: Any) -> None:
+    """``time_arms``/``arms_table``: the benchmarks' ``alternating_arm_times`` and ``arm_times_table``."""
     for name, make in (("the CNN", build), ("the wide MLP", build_wide)):
         print(f"\n{name}:")
-        _snapshot_cost(make, steps, format_table)
+        _snapshot_cost(make, steps, time_arms, arms_table)
 
 
-def _snapshot_cost(make: Any, steps: int, format_table: Any) -> None:
+def _snapshot_cost(make: Any, steps: int, time_arms: Any, arms_table: Any) -> None:
     import torch
 
     from daskdist.elastic.replica import Commit
@@ -179,25 +180,11 @@ def _snapshot_cost(make: Any, steps: int, format_table: Any) -> None:
         "step + its gradients copied (a replayed commit's keep)": lambda: (
             plain(), [p.grad.clone() for p in resident.module.parameters()]),
     }
-    times: dict[str, list[float]] = {name: [] for name in arms}
-    order = list(arms)
     plain()
-    for arm in arms.values():  # warm-up
-        for _ in range(8):
-            arm()
-    for n in range(steps):
-        for name in (order if n % 2 == 0 else order[::-1]):
-            start = time.perf_counter()
-            for _ in range(4):
-                arms[name]()
-            resident.settle_copies()  # the last copy's wait counts for its arm
-            times[name].append((time.perf_counter() - start) / 4)
+    times = time_arms(arms, steps, after=resident.settle_copies)  # the last copy's wait counts for its arm
     state = resident.snapshot()
     nbytes = sum(t.nbytes for t in state.module.values())
     nbytes += sum(t.nbytes for slots in state.optimizer["state"].values() for t in slots.values())
-    base = statistics.median(times["plain step"])
     print(f"load before: {os.getloadavg()[0]:.2f}; torch {torch.__version__}; {steps} alternations of 4 steps; "
           f"a full copy is {nbytes:,} bytes (weights + Adam's slots)")
-    print(format_table(["arm", "ms per step (median)", "ratio to the plain step"],
-                       [[name, f"{statistics.median(t) * 1e3:.2f}", f"{statistics.median(t) / base:.3f}"]
-                        for name, t in times.items()]))
+    print(arms_table(times))
