@@ -37,6 +37,7 @@ pytestmark = pytest.mark.timeout(900)
 #: Each test's scenario in the module's one subprocess, in the order it runs them (those that share its threaded
 #: cluster first, then the elastic scenario's own worker processes, then the matrix cases under pytest).
 SCENARIO_OF_TEST = {
+    "test_a_find_spec_of_keras_before_its_import_leaves_the_wrapping_to_that_import": "find_spec",
     "test_jax_cnn_fit_evaluate_predict_save_and_batchnorm_equal_plain_keras_jax": "spmd",
     "test_jax_under_central_storage_with_momentum": "held",
     "test_keras3_jax_weights_and_validation_split_equal_plain_keras_jax": "weights",
@@ -157,14 +158,11 @@ def test_a_backend_neither_torch_nor_jax_is_refused_naming_both():
     assert keras3.SUPPORTED_BACKENDS == ("torch", "jax")
 
 
-def test_a_find_spec_of_keras_before_its_import_leaves_the_wrapping_to_that_import():
+def test_a_find_spec_of_keras_before_its_import_leaves_the_wrapping_to_that_import(jax_scenarios):
     """daskdist imported first, then ``importlib.util.find_spec("keras")`` (an availability check that imports
     nothing), then ``import keras``: Keras' classes are wrapped (the one-shot hook was once used up by the check,
-    and this test module's own check left the torch modules collected after it with Keras unwrapped)."""
-    script = ("import importlib.util, daskdist; from daskdist.plugins import keras3; "
-              "assert importlib.util.find_spec('keras') is not None and not keras3.installed(); "
-              "import keras; print(keras3.installed(), keras.backend.backend())")
-    env = {**os.environ, "KERAS_BACKEND": "jax", "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split()[-2:] == ["True", "jax"]
+    and this test module's own check left the torch modules collected after it with Keras unwrapped). The
+    module's JAX subprocess starts so (``tests/support/keras3_jax.py``)."""
+    out = _scenario(jax_scenarios, "find_spec")
+    assert out["found"] and not out["installed_before"], out
+    assert out["installed_after"] and out["backend"] == "jax", out

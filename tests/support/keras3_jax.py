@@ -10,7 +10,7 @@ compares daskdist with plain Keras-JAX in this process on the same global
 batches and reports the largest differences (the tests assert them), so a
 failure shows by how much.
 
-    python -m tests.support.keras3_jax spmd held weights elastic matrix --workdir DIR
+    python -m tests.support.keras3_jax find_spec spmd held weights elastic matrix --workdir DIR
 
 ``elastic`` runs on its own worker processes; ``matrix`` runs the matrix modules' ``keras3-jax`` cases with
 pytest in this process (their ``matrix_client`` is 3 threaded workers of it).
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import logging
 import os
@@ -30,11 +31,20 @@ import traceback
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
+import daskdist as dd  # noqa: E402
+from daskdist.plugins import keras3 as keras3_plugin  # noqa: E402
+
+# daskdist imported first, then an availability check of Keras that imports nothing, then ``import keras``: the
+# ``find_spec`` scenario (the wrapping must be left to that import, not used up by the check)
+FIND_SPEC_THEN_IMPORT = {"found": importlib.util.find_spec("keras") is not None,
+                         "installed_before": keras3_plugin.installed()}
+
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from distributed import Client, LocalCluster  # noqa: E402
 
-import daskdist as dd  # noqa: E402
+FIND_SPEC_THEN_IMPORT["installed_after"] = keras3_plugin.installed()
+
 from tests.keras3_models import (  # noqa: E402
     assert_replicas_identical,
     bn_dropout,
@@ -250,9 +260,16 @@ def weights(client, _workdir):
     return keras3_jax_weights.cases(client)
 
 
-#: Every scenario; those in ``OWN_WORKERS`` start their own workers, the others share one threaded cluster.
-SCENARIOS = {"spmd": spmd, "held": held, "weights": weights, "elastic": elastic, "matrix": matrix}
-OWN_WORKERS = ("elastic", "matrix")
+def find_spec(_client, _workdir):
+    """How this process started: daskdist, ``find_spec("keras")``, then ``import keras`` (wrapped by that import)."""
+    return {**FIND_SPEC_THEN_IMPORT, "backend": keras.backend.backend()}
+
+
+#: Every scenario; those in ``NO_SHARED_CLUSTER`` need no workers or start their own, the others share one
+#: threaded cluster.
+SCENARIOS = {"find_spec": find_spec, "spmd": spmd, "held": held, "weights": weights, "elastic": elastic,
+             "matrix": matrix}
+NO_SHARED_CLUSTER = ("find_spec", "elastic", "matrix")
 
 
 def run(names, workdir, n_workers=3, seconds=None) -> dict:
@@ -276,7 +293,7 @@ def run(names, workdir, n_workers=3, seconds=None) -> dict:
             os.makedirs(scenario_dir, exist_ok=True)
             started = time.monotonic(), time.process_time()
             try:
-                results[name] = SCENARIOS[name](None if name in OWN_WORKERS else client(), scenario_dir)
+                results[name] = SCENARIOS[name](None if name in NO_SHARED_CLUSTER else client(), scenario_dir)
             except Exception:  # noqa: BLE001 (reported: the test of this scenario fails with it, the others run)
                 results[name] = {"error": traceback.format_exc()[-5000:]}
             if seconds is not None:
