@@ -329,8 +329,12 @@ def test_a_custom_loop_admits_a_worker_started_mid_epoch_at_a_commit_and_every_r
 
         state = dd.elastic.State(strategy, epoch=0, steps=0, started=False, total=total)
         resets = []
-        state.register_reset_callbacks([lambda: resets.append((state.epoch, state.batch,
-                                                               strategy.num_replicas_in_sync))])
+
+        def joined_at():
+            resets.append((state.epoch, state.batch, strategy.num_replicas_in_sync))
+            workers.slow_steps(False)  # it joined: the rest of the run needs no slowing
+
+        state.register_reset_callbacks([joined_at])
         train(state)
         (event,) = state.events
         newcomer = [a for a in scheduler_workers(workers.client) if a not in members_before]
