@@ -89,6 +89,7 @@ def _wait_for_name(client, name, old_address, timeout=90):
 
 
 @pytest.mark.slow
+@pytest.mark.nanny_workers(3)
 def test_a_failed_worker_restarted_by_its_nanny_is_not_admitted_during_its_cooldown(process_workers):
     workers = process_workers(3, nanny=True)  # its nanny restarts it
     x, y = models.data(240)
@@ -114,6 +115,7 @@ def test_a_failed_worker_restarted_by_its_nanny_is_not_admitted_during_its_coold
 
 
 @pytest.mark.slow
+@pytest.mark.nanny_workers(3)
 def test_a_worker_that_keeps_failing_is_named_in_the_error_once_max_failures_is_spent(process_workers):
     workers = process_workers(3, nanny=True)  # its nanny restarts it
     x, y = models.data(240)
