@@ -249,7 +249,12 @@ def netns_tls_hosts(_netns_tls_hosts_of_module):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """With ``DASKDIST_TEST_CPU_LOG`` set, each test's wall and CPU seconds go to that file (support.cpu_profile)."""
+    """With ``DASKDIST_TEST_CPU_LOG`` set, each test's wall and CPU seconds go to that file (support.cpu_profile).
+
+    The warm pool starts the nanny workers ``nextitem`` takes meanwhile (``_prepare_nanny_workers_for``).
+    """
+    _NEXT_ITEM[0] = nextitem
+    _prepare_nanny_workers_for(nextitem)
     path = os.environ.get(cpu_profile.LOG_ENV)
     sample = cpu_profile.Sample() if path else None
     try:
@@ -292,17 +297,36 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def warm_pool():
-    """The session's pool of fresh ``dask worker`` sets with nannies, built ahead in the background."""
+def warm_pool(request):
+    """The session's pool of fresh ``dask worker`` sets with nannies, built ahead in the background for the
+    session's tests marked ``nanny_workers(n)`` still to run (each takes ``process_workers(n, nanny=True)``)."""
     from tests.support.processes import WarmPool, warm_pool_enabled
 
-    pool = WarmPool(enabled=warm_pool_enabled())
+    expected: dict[int, int] = {}
+    for item in request.session.items:
+        marker = item.get_closest_marker("nanny_workers")
+        if marker is not None:
+            expected[marker.args[0]] = expected.get(marker.args[0], 0) + 1
+    pool = WarmPool(enabled=warm_pool_enabled(), expected=expected)
+    _WARM_POOL[:] = [pool]
     yield pool
+    _WARM_POOL.clear()
     pool.close()
 
 
+_WARM_POOL: list = []  # the session's warm pool, once a test asked for it
+_NEXT_ITEM: list = [None]  # the test after the running one
+
+
+def _prepare_nanny_workers_for(item) -> None:
+    """Let the warm pool build the set ``item`` takes (marked ``nanny_workers(n)``) while the test before it runs."""
+    marker = item.get_closest_marker("nanny_workers") if item is not None else None
+    if marker is not None and _WARM_POOL:
+        _WARM_POOL[0].prepare(marker.args[0])
+
+
 @pytest.fixture
-def process_workers(warm_pool):
+def process_workers(warm_pool, request):
     """``make(n, nanny=False)``: ``n`` fresh worker processes and a client; all closed afterwards.
 
     Forked from the session's fork server without nannies (``nanny=True``: ``dask worker`` processes with
@@ -312,9 +336,12 @@ def process_workers(warm_pool):
     """
     from daskdist.collective.transport.shm_orphans import sweep_orphans
 
+    _prepare_nanny_workers_for(_NEXT_ITEM[0])
     made = []
 
     def make(n: int, nanny: bool = False):
+        if nanny and request.node.get_closest_marker("nanny_workers") is None:
+            raise AssertionError("a test that takes nanny workers is marked nanny_workers(n) (the warm pool counts them)")
         made.append(warm_pool.take(n, nanny=nanny))
         return made[-1]
 

@@ -270,11 +270,11 @@ def test_stall_warning_names_the_late_replica(threaded_client, caplog):
 def test_no_stall_warning_in_a_normal_run(threaded_client):
     # a collective every replica joined cancels its warning: none fires after the threshold has passed (the
     # threshold is far above a step's milliseconds, so a loaded machine does not make a real stall)
-    with (dask.config.set({"daskdist.collective.stall-warning": "2s"}),
+    with (dask.config.set({"daskdist.collective.stall-warning": "1s"}),
           dd.MirroredStrategy(client=threaded_client) as strategy):
         token = strategy.extended.token
         _train_steps(strategy, 5)
-        time.sleep(4.0)  # twice the threshold: a warning that fires late is still seen
+        time.sleep(2.0)  # twice the threshold: a warning that fires late is still seen
     assert _stall_events(threaded_client, token) == []
 
 

@@ -505,7 +505,8 @@ def test_keep_per_replica_grows_the_global_batch_when_a_worker_is_admitted_mid_e
         (free,) = set(scheduler_workers(workers.client)) - set(strategy.extended.worker_addresses)
         with strategy.scope():
             model = _small_model()
-        arrival = FreeAtStep(workers.client, free, step=1, since=time.time())  # free only once the epoch runs
+        # free only once the epoch runs; the steps slowed until it joined
+        arrival = FreeAtStep(workers.client, free, step=1, since=time.time(), workers=workers)
         workers.watch(arrival)
         history = model.fit(train, epochs=1, verbose=0)
         assert arrival.released

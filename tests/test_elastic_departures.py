@@ -89,6 +89,7 @@ def _wait_for_name(client, name, old_address, timeout=90):
 
 
 @pytest.mark.slow
+@pytest.mark.nanny_workers(3)
 def test_a_failed_worker_restarted_by_its_nanny_is_not_admitted_during_its_cooldown(process_workers):
     workers = process_workers(3, nanny=True)  # its nanny restarts it
     x, y = models.data(240)
@@ -114,6 +115,7 @@ def test_a_failed_worker_restarted_by_its_nanny_is_not_admitted_during_its_coold
 
 
 @pytest.mark.slow
+@pytest.mark.nanny_workers(3)
 def test_a_worker_that_keeps_failing_is_named_in_the_error_once_max_failures_is_spent(process_workers):
     workers = process_workers(3, nanny=True)  # its nanny restarts it
     x, y = models.data(240)
@@ -329,8 +331,12 @@ def test_a_custom_loop_admits_a_worker_started_mid_epoch_at_a_commit_and_every_r
 
         state = dd.elastic.State(strategy, epoch=0, steps=0, started=False, total=total)
         resets = []
-        state.register_reset_callbacks([lambda: resets.append((state.epoch, state.batch,
-                                                               strategy.num_replicas_in_sync))])
+
+        def joined_at():
+            resets.append((state.epoch, state.batch, strategy.num_replicas_in_sync))
+            workers.slow_steps(False)  # it joined: the rest of the run needs no slowing
+
+        state.register_reset_callbacks([joined_at])
         train(state)
         (event,) = state.events
         newcomer = [a for a in scheduler_workers(workers.client) if a not in members_before]

@@ -167,7 +167,7 @@ def test_under_mwms_a_loss_below_min_replicas_waits_then_raises_naming_the_lost_
     workers = process_workers(2)
     marker = tmp_path / "paused.json"
     settings = {"daskdist.testing.pause-at": "forward:4:1", "daskdist.testing.pause-file": str(marker)}
-    options = dd.ElasticOptions(min_replicas=2, wait_timeout="3s")
+    options = dd.ElasticOptions(min_replicas=2, wait_timeout="1s")  # nothing comes: a short wait is enough
     start = time.monotonic()
     with dask.config.set(settings), dd.MultiWorkerMirroredStrategy(client=workers.client,
                                                                    elastic=options) as strategy:
@@ -180,14 +180,14 @@ def test_under_mwms_a_loss_below_min_replicas_waits_then_raises_naming_the_lost_
         raised = time.time()
         record = killer.join()
         assert record["address"] == victim
-        assert info.value.worker == victim and victim in str(info.value) and "wait_timeout (3 s)" in str(info.value)
-        assert 3 <= raised - record["killed"] < 30, raised - record["killed"]  # it waited, then gave up
+        assert info.value.worker == victim and victim in str(info.value) and "wait_timeout (1 s)" in str(info.value)
+        assert 1 <= raised - record["killed"] < 30, raised - record["killed"]  # it waited, then gave up
         assert strategy.num_replicas_in_sync == 1 and victim not in strategy.extended.worker_addresses
         # the run is over, not wedged: the next fit waits for a worker again, then raises the same clear error
         again = time.monotonic()
         with pytest.raises(dd.ReplicaLostError, match="min_replicas=2") as info:
             model.fit(models.train_set(), epochs=1, verbose=0)
-        assert info.value.worker == victim and 3 <= time.monotonic() - again < 30
+        assert info.value.worker == victim and 1 <= time.monotonic() - again < 30
         assert strategy.num_replicas_in_sync == 1  # it never trained below min_replicas
         # a worker that comes in time is admitted by the next fit, gets the survivor's commit, and trains
         workers.add()

@@ -9,18 +9,14 @@ against plain Keras 3, the built-in layers against their own one-process
 batch splits unevenly), so a replica that averaged its own weighted mean,
 or a global loss divided by the weights' sum instead of the rows, would
 train other weights. Refused arguments raise Keras' errors on the client
-before anything runs; the strategy then trains on.
+before anything runs; the strategy then trains on. Keras 3 on JAX: in
+``tests/test_keras3_jax.py``'s subprocess (Keras' backend is per process).
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
-import json
 import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 
@@ -233,25 +229,6 @@ def test_keras3_parameter_servers_refuse_what_their_fit_does_not_take(forked_pro
                 model.fit(batch_size=BATCH, steps_per_epoch=3, epochs=1, verbose=0, **arguments)
         for want, got in zip(before, model.get_weights()):
             np.testing.assert_array_equal(want, got)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="needs jax (the jax extra)")
-def test_keras3_jax_weights_and_validation_split_equal_plain_keras_jax():
-    """The JAX backend's step (two jitted halves) under both strategies, in a subprocess (Keras' backend is per
-    process): every case's weights and history equal plain Keras-JAX's on the same global batches."""
-    root = pathlib.Path(__file__).resolve().parent.parent
-    env = {**os.environ, "KERAS_BACKEND": "jax", "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    done = subprocess.run([sys.executable, "-m", "tests.support.keras3_jax_weights"], capture_output=True, text=True,
-                          env=env, cwd=root, timeout=550)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result.pop("backend") == "jax"
-    assert sorted(result) == ["mirrored", "multi_worker"]
-    for kind, cases in result.items():
-        assert sorted(cases) == ["class_weight", "sample_weight", "validation_split"]
-        for case, got in cases.items():
-            assert got["keys"] and got["weights"] <= RTOL and got["history"] <= RTOL, (kind, case, got)
 
 
 # -- the built-in layers -------------------------------------------------------------------------------

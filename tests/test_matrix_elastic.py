@@ -160,7 +160,8 @@ def test_a_free_worker_joins_mid_epoch_at_a_commit_and_the_weights_are_the_unint
         (free,) = set(scheduler_workers(workers.client)) - set(strategy.extended.worker_addresses)
         with strategy.scope():
             model = adapter.model(initial)
-        arrival = FreeAtStep(workers.client, free, step=1, since=time.time())  # free only once the epoch runs
+        # free only once the epoch runs; the steps slowed until it joined
+        arrival = FreeAtStep(workers.client, free, step=1, since=time.time(), workers=workers)
         workers.watch(arrival)
         history = model.fit(train, epochs=2, verbose=0)
         assert arrival.released

@@ -392,11 +392,12 @@ def test_a_collective_a_finished_replica_skipped_raises_at_once_on_every_other(p
 
 
 def test_a_slow_replica_that_is_still_running_gets_the_full_timeout():
-    fake, groups = _groups(2)
+    with dask.config.set({"daskdist.collective.skip-check": "0.3s"}):  # read as the groups are built
+        fake, groups = _groups(2)
 
     def fn(g: ProcessGroup):
         if g.rank == 1:
-            time.sleep(3)  # well past collective.skip-check (1 s): slow, not finished
+            time.sleep(1.2)  # well past collective.skip-check (0.3 s, checked again every 0.3 s): slow, not finished
         return g.all_reduce("SUM", np.ones(2), dd.CommunicationOptions(timeout_seconds=60)).tolist()
 
     assert _run(fake, groups, fn) == [[2.0, 2.0]] * 2
@@ -407,12 +408,12 @@ def test_timeout_seconds_zero_disables_the_deadline_as_in_tensorflow():
 
     def fn(g: ProcessGroup, options):
         if g.rank == 1:
-            time.sleep(2.5)
+            time.sleep(1.2)
         return g.all_reduce("SUM", np.ones(2), options)
 
-    with dask.config.set({"daskdist.collective.timeout": "1s"}):  # what None means (read at each command)
+    with dask.config.set({"daskdist.collective.timeout": "0.5s"}):  # what None means (read at each command)
         out = _run(fake, groups, lambda g: fn(g, None))
-        assert isinstance(out[0], CollectiveTimeoutError) and "timed out after 1s" in str(out[0])
+        assert isinstance(out[0], CollectiveTimeoutError) and "timed out after 0.5s" in str(out[0])
         out = _run(fake, groups, lambda g: fn(g, dd.CommunicationOptions(timeout_seconds=0)))
     assert [r.tolist() for r in out] == [[2.0, 2.0]] * 2
     with pytest.raises(ValueError, match="0: no deadline"):
@@ -426,7 +427,7 @@ def test_skip_check_off_waits_for_the_timeout():
     def fn(g: ProcessGroup):
         if g.rank == 1:
             return "finished"
-        return g.all_reduce("SUM", np.ones(2), dd.CommunicationOptions(timeout_seconds=2))
+        return g.all_reduce("SUM", np.ones(2), dd.CommunicationOptions(timeout_seconds=1))
 
     out = _run(fake, groups, fn)
     assert isinstance(out[0], CollectiveTimeoutError) and "without joining this one" in str(out[0])

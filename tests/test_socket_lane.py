@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import daskdist as dd
+from tests.support.killers import wait_for_files
 from tests.support.transports import LANES, lane_plans
 
 CROSS_HOST = LANES["socket"]
@@ -99,6 +100,7 @@ def test_a_killed_peer_wakes_replicas_waiting_in_the_socket_lane(make_cluster, t
     victim = strategy.extended.worker_addresses[2]
     pid = client.run(os.getpid, workers=[victim])[victim]
     log = tmp_path / "raised"
+    entering = str(tmp_path / "entering-{}")
 
     def fn():
         from daskdist import context
@@ -106,6 +108,7 @@ def test_a_killed_peer_wakes_replicas_waiting_in_the_socket_lane(make_cluster, t
         ctx = dd.get_replica_context()
         if ctx.replica_id_in_sync_group == 2:
             time.sleep(60)
+        open(entering.format(ctx.replica_id_in_sync_group), "w").close()
         try:  # ranks 0 and 1 wait in the socket lane for rank 2's array
             ctx.all_reduce("SUM", np.ones(1000, np.float32), dd.CommunicationOptions(timeout_seconds=120))
         except dd.ReplicaLostError as e:
@@ -124,7 +127,8 @@ def test_a_killed_peer_wakes_replicas_waiting_in_the_socket_lane(make_cluster, t
 
     thread = threading.Thread(target=run)
     thread.start()
-    time.sleep(2)
+    wait_for_files(tmp_path, "entering-*", 2)
+    time.sleep(0.5)  # from the marker into the lane's wait (microseconds quiet; a loaded machine's margin)
     killed = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     thread.join(20)

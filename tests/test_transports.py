@@ -22,6 +22,7 @@ from daskdist.collective.transport.base import PayloadMismatch
 from daskdist.collective.transport.shm import ShmTransport
 from daskdist.collective.transport.shm_channel import store_order_is_total
 from daskdist.exceptions import DaskdistError, RendezvousError
+from tests.support.killers import wait_for_files
 from tests.support.transports import check_all_reduce, group_routes
 
 TRANSPORTS = {
@@ -164,11 +165,13 @@ def test_a_killed_peer_wakes_replicas_blocked_in_the_transport(make_cluster, tra
     victim = strategy.extended.worker_addresses[2]
     pid = client.run(os.getpid, workers=[victim])[victim]
     log = tmp_path / "raised"
+    entering = str(tmp_path / "entering-{}")
 
     def fn():
         ctx = dd.get_replica_context()
         if ctx.replica_id_in_sync_group == 2:
             time.sleep(60)
+        open(entering.format(ctx.replica_id_in_sync_group), "w").close()
         try:  # ranks 0 and 1 block inside the transport, waiting for rank 2's data
             ctx.all_reduce("SUM", np.ones(3_000_000, np.float32), dd.CommunicationOptions(timeout_seconds=120))
         except dd.ReplicaLostError as e:
@@ -179,7 +182,8 @@ def test_a_killed_peer_wakes_replicas_blocked_in_the_transport(make_cluster, tra
     errors = []
     thread = threading.Thread(target=lambda: _capture(errors, strategy.run, fn))
     thread.start()
-    time.sleep(2)
+    wait_for_files(tmp_path, "entering-*", 2)
+    time.sleep(0.5)  # from the marker into the transport's wait (microseconds quiet; a loaded machine's margin)
     killed = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     thread.join(20)

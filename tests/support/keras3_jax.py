@@ -2,32 +2,49 @@
 
 Keras fixes its backend per process when it is imported, and the pytest
 process runs the other Keras 3 modules on torch: ``tests/test_keras3_jax.py``
-runs this script in a subprocess with ``KERAS_BACKEND=jax`` and reads the
-JSON line it prints last. Each scenario compares daskdist with plain
-Keras-JAX in this process on the same global batches and reports the largest
-differences (the test asserts them), so a failure shows by how much.
+runs this script once in a subprocess with ``KERAS_BACKEND=jax``, every scenario
+its tests ask for in that one process (one JAX and Keras import, one cluster of
+3 threaded workers for the scenarios that share it), and reads the JSON line it
+prints last: each scenario's result, or the traceback it raised. Each scenario
+compares daskdist with plain Keras-JAX in this process on the same global
+batches and reports the largest differences (the tests assert them), so a
+failure shows by how much.
 
-    python -m tests.support.keras3_jax spmd --workdir DIR
-    python -m tests.support.keras3_jax held --workdir DIR
-    python -m tests.support.keras3_jax elastic --workdir DIR    (its own ``dask worker`` processes)
+    python -m tests.support.keras3_jax find_spec spmd held weights elastic matrix --workdir DIR
+
+``elastic`` runs on its own worker processes; ``matrix`` runs the matrix modules' ``keras3-jax`` cases with
+pytest in this process (their ``matrix_client`` is 3 threaded workers of it).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import json
 import logging
 import os
 import subprocess
 import sys
+import time
+import traceback
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
+
+import daskdist as dd  # noqa: E402
+from daskdist.plugins import keras3 as keras3_plugin  # noqa: E402
+
+# daskdist imported first, then an availability check of Keras that imports nothing, then ``import keras``: the
+# ``find_spec`` scenario (the wrapping must be left to that import, not used up by the check)
+FIND_SPEC_THEN_IMPORT = {"found": importlib.util.find_spec("keras") is not None,
+                         "installed_before": keras3_plugin.installed()}
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from distributed import Client, LocalCluster  # noqa: E402
 
-import daskdist as dd  # noqa: E402
+FIND_SPEC_THEN_IMPORT["installed_after"] = keras3_plugin.installed()
+
 from tests.keras3_models import (  # noqa: E402
     assert_replicas_identical,
     bn_dropout,
@@ -39,6 +56,7 @@ from tests.keras3_models import (  # noqa: E402
     tutorial_cnn,
     twin,
 )
+from tests.support import keras3_jax_weights  # noqa: E402
 from tests.support.closeness import max_rel, same  # noqa: E402
 
 TWO = ["/cpu:0", "/cpu:1"]
@@ -204,22 +222,94 @@ def elastic(_client, workdir):
         workers.close()
 
 
-SCENARIOS = {"spmd": spmd, "held": held, "elastic": elastic}
+#: The matrix modules whose ``keras3-jax`` cases run here, and the cases: the one-replica combinations (default,
+#: one_device) are left out on JAX (nothing there is distributed; they run on torch), and so is the callbacks
+#: module (its callbacks run on the client, the same code for every backend; its epoch-callbacks case hung once
+#: here with every thread waiting for the GIL, after two clean runs).
+MATRIX_MODULES = [f"tests/test_matrix_{m}.py" for m in ("fit", "custom_loop", "ps")]
+MATRIX_CASES = "keras3-jax and not default and not one_device"
+
+
+class _Outcomes:
+    """A pytest plug-in that counts the outcomes of the cases' calls and keeps each failure's report."""
+
+    def __init__(self):
+        self.counts = {"passed": 0, "failed": 0, "skipped": 0}
+        self.failures: list[str] = []
+
+    def pytest_runtest_logreport(self, report):
+        if report.when == "call" or report.outcome != "passed":
+            self.counts[report.outcome] += 1
+            if report.outcome == "failed":
+                self.failures.append(f"{report.nodeid}: {report.longreprtext[-3000:]}")
+
+
+def matrix(_client, workdir):
+    """The matrix modules' ``keras3-jax`` cases, with pytest in this process: how many passed, failed, skipped."""
+    import pytest
+
+    outcomes = _Outcomes()
+    exit_code = pytest.main([*MATRIX_MODULES, "-k", MATRIX_CASES, "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
+                             "-W", "ignore::DeprecationWarning", "--basetemp", os.path.join(workdir, "pytest")],
+                            plugins=[outcomes])
+    return {"exit": int(exit_code), **outcomes.counts, "failures": outcomes.failures}
+
+
+def weights(client, _workdir):
+    """``sample_weight``, ``class_weight`` and ``validation_split`` under two strategies (``keras3_jax_weights``)."""
+    return keras3_jax_weights.cases(client)
+
+
+def find_spec(_client, _workdir):
+    """How this process started: daskdist, ``find_spec("keras")``, then ``import keras`` (wrapped by that import)."""
+    return {**FIND_SPEC_THEN_IMPORT, "backend": keras.backend.backend()}
+
+
+#: Every scenario; those in ``NO_SHARED_CLUSTER`` need no workers or start their own, the others share one
+#: threaded cluster.
+SCENARIOS = {"find_spec": find_spec, "spmd": spmd, "held": held, "weights": weights, "elastic": elastic,
+             "matrix": matrix}
+NO_SHARED_CLUSTER = ("find_spec", "elastic", "matrix")
+
+
+def run(names, workdir, n_workers=3, seconds=None) -> dict:
+    """Run the scenarios ``names`` in this order: ``{name: result}``, or ``{name: {"error": traceback}}``.
+
+    ``seconds``: a dict that gets each scenario's wall and CPU seconds (this process's) as ``[wall, cpu]``.
+    """
+    results: dict = {}
+    with contextlib.ExitStack() as stack:
+        shared: list[Client] = []  # the threaded cluster, started for the first scenario that shares it
+
+        def client() -> Client:
+            if not shared:
+                cluster = stack.enter_context(LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=False,
+                                                           dashboard_address=":0", silence_logs=logging.ERROR))
+                shared.append(stack.enter_context(Client(cluster, set_as_default=False)))
+            return shared[0]
+
+        for name in names:
+            scenario_dir = os.path.join(workdir, name)
+            os.makedirs(scenario_dir, exist_ok=True)
+            started = time.monotonic(), time.process_time()
+            try:
+                results[name] = SCENARIOS[name](None if name in NO_SHARED_CLUSTER else client(), scenario_dir)
+            except Exception:  # noqa: BLE001 (reported: the test of this scenario fails with it, the others run)
+                results[name] = {"error": traceback.format_exc()[-5000:]}
+            if seconds is not None:
+                seconds[name] = [round(time.monotonic() - started[0], 2), round(time.process_time() - started[1], 2)]
+    return results
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=sorted(SCENARIOS))
+    parser.add_argument("scenarios", nargs="+", choices=sorted(SCENARIOS))
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--workers", type=int, default=3)
     args = parser.parse_args(argv)
-    if args.scenario == "elastic":  # its own worker processes
-        result = elastic(None, args.workdir)
-    else:
-        with LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=False, dashboard_address=":0",
-                          silence_logs=logging.ERROR) as cluster, Client(cluster, set_as_default=False) as client:
-            result = SCENARIOS[args.scenario](client, args.workdir)
-    result["backend"] = keras.backend.backend()
+    seconds: dict = {}
+    result = {"scenarios": run(args.scenarios, args.workdir, args.workers, seconds),
+              "backend": keras.backend.backend(), "seconds": seconds}
     print(json.dumps(result))
 
 

@@ -21,6 +21,7 @@ import time
 import dask
 
 from daskdist.cluster.identity import scheduler_workers
+from daskdist.group.scheduler_plugin import EVENT_TOPIC
 from daskdist.training.progress import PROGRESS_TOPIC
 
 
@@ -297,12 +298,15 @@ class FreeAtStep(_Watcher):
     """Holds ``worker`` in Dask's ``paused`` state (busy: not a free worker for elastic admission) until
     replica 0 reported ``step`` of ``epoch``, then lets it run: a worker that becomes free mid-epoch.
 
-    Elastic ``fit`` admits the free workers at its start; this places the arrival after that point.
+    Elastic ``fit`` admits the free workers at its start; this places the arrival after that point. ``workers``
+    (the ``ProcessWorkers`` set): once a generation of the group lists ``worker`` (it joined), their slow steps
+    are turned off (``ProcessWorkers.slow_steps``): the rest of the run needs no slowing.
     """
 
-    def __init__(self, client, worker: str, step: int, since: float, epoch: int = 0):
+    def __init__(self, client, worker: str, step: int, since: float, epoch: int = 0, workers=None):
         super().__init__()
         self.client, self.worker, self.step, self.since, self.epoch = client, worker, step, since, epoch
+        self.workers = workers
         client.run(_set_status, "paused", workers=[worker])
         deadline = time.monotonic() + 30
         while scheduler_workers(client)[worker].get("status") != "paused":
@@ -313,8 +317,15 @@ class FreeAtStep(_Watcher):
         self.thread.start()
 
     def _poll(self) -> bool:
-        if not reported_step(self.client, self.since, self.step, self.epoch):
+        if not self.released:
+            if not reported_step(self.client, self.since, self.step, self.epoch):
+                return False
+            self.client.run(_set_status, "running", workers=[self.worker])
+            self.released = True
+        if self.workers is None:
+            return True
+        if not any(m.get("action") == "generation" and self.worker in m.get("workers", ())
+                   for _, m in self.client.get_events(EVENT_TOPIC)):
             return False
-        self.client.run(_set_status, "running", workers=[self.worker])
-        self.released = True
+        self.workers.slow_steps(False)
         return True

@@ -166,10 +166,17 @@ class ProcessWorkers:
 
 
 class WarmPool:
-    """Fresh CLI ``ProcessWorkers`` (with nannies) built ahead in a background thread, one set per size asked for."""
+    """Fresh CLI ``ProcessWorkers`` (with nannies) built ahead in a background thread, one set per size asked for.
 
-    def __init__(self, enabled: bool = True):
+    ``expected``: how many sets of each size the session's tests will take (``{n: count}``); a set is built ahead
+    only while more are to come (none is built that no test takes: six interpreters' start-up for nothing).
+    ``None``: always one ahead.
+    """
+
+    def __init__(self, enabled: bool = True, expected: dict[int, int] | None = None):
         self.enabled = enabled
+        self._expected = expected
+        self._taken: dict[int, int] = {}
         self._lock = threading.Lock()
         self._building: dict[int, threading.Thread] = {}
         self._ready: dict[int, ProcessWorkers] = {}
@@ -192,8 +199,18 @@ class WarmPool:
             workers = None
         if workers is None:
             workers = ProcessWorkers(n, nanny=True)
-        self._build_ahead(n)
+        self._taken[n] = self._taken.get(n, 0) + 1
+        if self._expected is None or self._expected.get(n, 0) > self._taken[n]:
+            self._build_ahead(n)
         return workers
+
+    def prepare(self, n: int) -> None:
+        """Start building a set of ``n`` now, for a test about to take one, unless one is ready or being built."""
+        with self._lock:
+            if n in self._ready or (n in self._building and self._building[n].is_alive()):
+                return
+        if self._expected is None or self._expected.get(n, 0) > self._taken.get(n, 0):
+            self._build_ahead(n)
 
     @staticmethod
     def _alive(workers: ProcessWorkers) -> bool:
