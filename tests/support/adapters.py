@@ -272,10 +272,14 @@ def _keras3_jax_custom_step(model, optimizer, global_batch: int) -> Callable:
     return step
 
 
-def _keras3_prepare_workers(client) -> None:
+def _prepare_torch_replica() -> None:
     from daskdist.plugins.keras3.backend import prepare_replica
 
-    client.run(prepare_replica, "torch")
+    prepare_replica("torch")  # its ``keras`` module stays on the worker (sent back, it would import Keras here)
+
+
+def _keras3_prepare_workers(client) -> None:
+    client.run(_prepare_torch_replica)
 
 
 BUILTIN = Adapter("builtin", _builtin_keras, "ckpt_{epoch}", _builtin_checkpoint_files, _builtin_replica_weights,
