@@ -19,7 +19,9 @@ in-host reduce and broadcast overlap the cross-host ring, which runs on one
 connection per host pair. There each chunk's pieces grow from
 ``collective.pipeline-min-bytes`` (doubling up to the piece size): nothing
 crosses the hosts until the first piece is summed inside its host, so a
-small first piece starts the link sooner. The hosts' first replicas leave
+small first piece starts the link sooner; they shrink back to it at the end,
+so the last piece a host's first replica sends down after the link is done
+is small too. The hosts' first replicas leave
 together: each tells the others once it has its last piece, and sends that
 piece down to its host only when every other has said the same. Without
 that, a host whose incoming stream ended first left the call first (its
@@ -96,20 +98,35 @@ class PieceSize:
 
 
 def _cut(lo: int, hi: int, piece: int, lead: int) -> list[Span]:
-    """``[lo, hi)`` in pieces: growing from ``lead`` (doubling while under ``piece``), the rest in even pieces of
-    at most ``piece``; ``lead >= piece``: pieces of ``piece``, the last one shorter."""
+    """``[lo, hi)`` in pieces: growing from ``lead`` (doubling while under ``piece``), then even pieces of at most
+    ``piece``, then shrinking back to ``lead`` through the lengths up to half a ``piece`` as long as at least
+    ``piece`` elements stay between;
+    ``lead >= piece``: pieces of ``piece``, the last one shorter."""
     if lead >= piece:
         return [(start, min(start + piece, hi)) for start in range(lo, hi, piece)]
-    spans: list[Span] = []
+    ramp = []
     grow = lead
-    while grow < piece and lo < hi:
-        spans.append((lo, min(lo + grow, hi)))
-        lo, grow = lo + grow, 2 * grow
+    while grow < piece:
+        ramp.append(grow)
+        grow *= 2
+    spans: list[Span] = []
+    for length in ramp:
+        if lo >= hi:
+            break
+        spans.append((lo, min(lo + length, hi)))
+        lo += length
+    lo = min(lo, hi)
+    tail: list[Span] = []
+    for length in ramp:
+        if 2 * length > piece or hi - lo < length + piece:  # no smaller than the middle's: no gain
+            break
+        tail.append((hi - length, hi))
+        hi -= length
     if lo < hi:
         count = -(-(hi - lo) // piece)
         each = -(-(hi - lo) // count)
         spans.extend((start, min(start + each, hi)) for start in range(lo, hi, each))
-    return spans
+    return spans + tail[::-1]
 
 
 class RingSchedule:
@@ -117,7 +134,9 @@ class RingSchedule:
 
     Chunks are ``numpy.array_split``'s (the plain ring's); each chunk is cut
     into pieces of at most ``piece`` elements, the first ``lead`` elements
-    long and each next one twice the last until ``piece``.
+    long and each next one twice the last until ``piece``, and the last ones
+    those lengths up to half a ``piece`` in reverse (the last ``lead`` long),
+    where the chunk leaves a whole ``piece`` between.
 
     Parameters
     ----------
