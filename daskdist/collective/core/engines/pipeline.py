@@ -21,13 +21,13 @@ connection per host pair. There each chunk's pieces grow from
 crosses the hosts until the first piece is summed inside its host, so a
 small first piece starts the link sooner; they shrink back to it at the end,
 so the last piece a host's first replica sends down after the link is done
-is small too. The hosts' first replicas leave
-together: each tells the others once it has its last piece, and sends that
-piece down to its host only when every other has said the same. Without
-that, a host whose incoming stream ended first left the call first (its
-stream and the other host's differ by a few ms to tens of ms on a shared
-link), entered the next call first, and waited there for the other host, in
-every call (BENCHMARKS section 24, 2 x 2).
+is small too. The hosts' first replicas leave together: each tells the
+others once it has its last piece, and sends that piece down to its host
+only when every other has said the same. Without that, a host whose
+incoming stream ended first left the call first (the two directions of a
+link end a few ms to tens of ms apart on a shared machine), entered the
+next call first, and waited there for the other host, in every call
+(BENCHMARKS section 24, 2 x 2).
 
 The order of pieces (``RingSchedule``) is computed alike on every replica, so
 the pieces travel through each shared-memory channel in the order they are
