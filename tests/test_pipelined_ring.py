@@ -7,12 +7,16 @@ real namespace hosts: ``tests/test_multihost_allreduce.py``.
 
 from __future__ import annotations
 
+import threading
+import time
+
 import dask
 import numpy as np
 import pytest
 
 from daskdist.collective.core.communicator import Algorithm
 from daskdist.collective.core.engines.pipeline import PieceSize, RingSchedule
+from daskdist.collective.transport.base import CompletedSend
 from daskdist.ops import CommunicationImplementation, CommunicationOptions, ReduceOp
 
 from .fakes import InMemoryGroup
@@ -156,13 +160,20 @@ def test_the_piece_size_rule():
     assert PieceSize(8 << 20, 4, 1 << 20).elements(3, 2, 8) == 1 << 17  # never below one element's worth
 
 
-def test_a_schedule_with_a_lead_grows_each_chunks_pieces_from_it():
+def test_a_schedule_with_a_lead_grows_each_chunks_pieces_from_it_and_shrinks_them_back():
+    """The last piece of a chunk was as long as the middle ones: the last one final on a host's first replica went
+    down to its host's others whole after the link was done. Now the lengths up to half a piece come back in
+    reverse at the end, where a whole piece stays between."""
     s = RingSchedule(2 * 50, 2, 0, piece=16, lead=3)
     for chunk in s.pieces:
         lengths = [hi - lo for lo, hi in chunk]
-        assert lengths[:3] == [3, 6, 12] and all(x <= 16 for x in lengths), lengths
-        assert sum(lengths) == 50 and max(lengths[3:]) - min(lengths[3:]) <= 1  # the rest in even pieces
+        assert lengths == [3, 6, 12, 10, 10, 6, 3], lengths  # 12 > 16 / 2 does not come back
+    s = RingSchedule(16 << 20, 2, 1, piece=(8 << 20) // 4, lead=(2 << 20) // 4)  # 64 MiB of float32: 2, 4, ..., 4, 2 MiB
+    assert [(hi - lo) * 4 >> 20 for lo, hi in s.chunk(0)][:2] == [2, 4] and [
+        (hi - lo) * 4 >> 20 for lo, hi in s.chunk(0)][-2:] == [4, 2]
     assert [hi - lo for lo, hi in RingSchedule(8, 2, 0, piece=16, lead=3).chunk(0)] == [3, 1]  # a chunk under it all
+    assert [hi - lo for lo, hi in RingSchedule(2 * 30, 2, 0, piece=16, lead=3).chunk(0)] == [3, 6, 12, 9]  # no room
+    assert [hi - lo for lo, hi in RingSchedule(2 * 40, 2, 0, 16, lead=9).chunk(0)] == [9, 16, 15]  # 9 > 16 / 2
     assert RingSchedule(100, 2, 0, 16, lead=16).pieces == RingSchedule(100, 2, 0, 16).pieces  # no ramp: as before
     assert PieceSize(8 << 20, 4, 2 << 20).lead(2 << 20, 4) == 1 << 19  # pipeline-min-bytes
     assert PieceSize(8 << 20, 4, 16 << 20).lead(2 << 20, 4) == 2 << 20  # never above the piece
@@ -170,7 +181,7 @@ def test_a_schedule_with_a_lead_grows_each_chunks_pieces_from_it():
 
 
 @pytest.mark.parametrize("hosts", [["a", "a", "b", "b"], ["a", "a", "a", "b"]])
-def test_the_first_cross_host_piece_of_a_hierarchical_all_reduce_is_pipeline_min_bytes(hosts):
+def test_the_first_and_last_pieces_of_a_hierarchical_all_reduce_are_pipeline_min_bytes(hosts):
     """Nothing crossed the hosts until a host's first replica had summed a whole piece (8 MiB) from its host's
     others: at 2 hosts x 2 replicas the link started ~5-9 ms late (BENCHMARKS 24). Now each chunk's pieces
     grow from ``pipeline-min-bytes``, so the first cross-host send waits only for that much."""
@@ -197,3 +208,46 @@ def test_the_first_cross_host_piece_of_a_hierarchical_all_reduce_is_pipeline_min
         assert max(across) <= 8192 and sum(across) == n * 8  # every element once each way (a ring of two hosts)
     up = [nbytes for dst, name, nbytes in sizes[1] if "/h-up" in name]
     assert up[:3] == [1024, 2048, 4096] and sum(up) == n * 8
+    # and the last piece a first replica sends down to its host, after the link is done, is as small again
+    down = [nbytes for dst, name, nbytes in sizes[0] if "/h-down" in name and dst == 1]
+    assert down[-3:] == [4096, 2048, 1024] and sum(down) == n * 8, down[-5:]
+
+
+@pytest.mark.parametrize("hosts", [["a", "a", "b", "b"], ["a", "a", "a", "b"], ["a", "a", "b", "b", "c", "c"]])
+def test_the_hosts_of_a_hierarchical_all_reduce_leave_it_together(hosts):
+    """A host whose incoming stream ended first left the call first, entered the next one first and waited there
+    for the other host: at 2 hosts x 2 replicas, 1 Gbit/s, each call counted the other host's lateness (6-26 ms,
+    BENCHMARKS 24). Here the first host's last cross-host pieces reach the second host 0.4 s late; every replica,
+    the first host's included, now returns only once the second host has them."""
+    delay = 0.4
+    settings = {"daskdist.collective.pipeline-bytes": "8KiB", "daskdist.collective.pipeline-pieces": 1,
+                "daskdist.collective.pipeline-min-bytes": "1KiB"}
+    with dask.config.set(settings):
+        group = InMemoryGroup(len(hosts), Algorithm("hierarchical"), hosts=hosts)
+    transport = group.comms[0].transport
+    send = transport.send
+
+    def late_send(dst, tag, payload):
+        if "/hx-ag" not in tag[3]:
+            return send(dst, tag, payload)
+        timer = threading.Timer(delay, send, (dst, tag, payload.copy()))  # the link is slow; the sender is not
+        timer.start()
+        timers.append(timer)
+        return CompletedSend()
+
+    timers: list[threading.Timer] = []
+    transport.send = late_send
+    xs = random_inputs(len(hosts), (2 * 10_000 + 1,), "int64", seed=5)
+
+    def timed(c):
+        result = c.all_reduce("SUM", xs[c.rank])
+        return result, time.monotonic()
+
+    began = time.monotonic()
+    results = group.run_ranks(timed)
+    for timer in timers:
+        timer.join()
+    assert all(np.array_equal(r, np.sum(np.stack(xs), axis=0)) for r, _ in results)
+    left = [t - began for _, t in results]
+    assert min(left) >= delay, left  # the first host too waited for the second host's last pieces
+    assert max(left) - min(left) < delay / 2, left

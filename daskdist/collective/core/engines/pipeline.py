@@ -19,7 +19,15 @@ in-host reduce and broadcast overlap the cross-host ring, which runs on one
 connection per host pair. There each chunk's pieces grow from
 ``collective.pipeline-min-bytes`` (doubling up to the piece size): nothing
 crosses the hosts until the first piece is summed inside its host, so a
-small first piece starts the link sooner.
+small first piece starts the link sooner; they shrink back to it at the end,
+so the last piece a host's first replica sends down after the link is done
+is small too. The hosts' first replicas leave together: each tells the
+others once it has its last piece, and sends that piece down to its host
+only when every other has said the same. Without that, a host whose
+incoming stream ended first left the call first (the two directions of a
+link end a few ms to tens of ms apart on a shared machine), entered the
+next call first, and waited there for the other host, in every call
+(BENCHMARKS section 24, 2 x 2).
 
 The order of pieces (``RingSchedule``) is computed alike on every replica, so
 the pieces travel through each shared-memory channel in the order they are
@@ -37,7 +45,8 @@ from daskdist.collective.core.call import Call
 from daskdist.collective.core.reduction import finalize
 from daskdist.ops import ReduceOp
 
-__all__ = ["PieceSize", "RingSchedule", "allreduce_hierarchical_pipelined", "allreduce_ring_pipelined"]
+__all__ = ["PieceSize", "RingSchedule", "allreduce_hierarchical_pipelined", "allreduce_ring_pipelined",
+           "leave_together"]
 
 Span = tuple[int, int]
 
@@ -89,20 +98,35 @@ class PieceSize:
 
 
 def _cut(lo: int, hi: int, piece: int, lead: int) -> list[Span]:
-    """``[lo, hi)`` in pieces: growing from ``lead`` (doubling while under ``piece``), the rest in even pieces of
-    at most ``piece``; ``lead >= piece``: pieces of ``piece``, the last one shorter."""
+    """``[lo, hi)`` in pieces: growing from ``lead`` (doubling while under ``piece``), then even pieces of at most
+    ``piece``, then shrinking back to ``lead`` through the lengths up to half a ``piece`` as long as at least
+    ``piece`` elements stay between;
+    ``lead >= piece``: pieces of ``piece``, the last one shorter."""
     if lead >= piece:
         return [(start, min(start + piece, hi)) for start in range(lo, hi, piece)]
-    spans: list[Span] = []
+    ramp = []
     grow = lead
-    while grow < piece and lo < hi:
-        spans.append((lo, min(lo + grow, hi)))
-        lo, grow = lo + grow, 2 * grow
+    while grow < piece:
+        ramp.append(grow)
+        grow *= 2
+    spans: list[Span] = []
+    for length in ramp:
+        if lo >= hi:
+            break
+        spans.append((lo, min(lo + length, hi)))
+        lo += length
+    lo = min(lo, hi)
+    tail: list[Span] = []
+    for length in ramp:
+        if 2 * length > piece or hi - lo < length + piece:  # no smaller than the middle's: no gain
+            break
+        tail.append((hi - length, hi))
+        hi -= length
     if lo < hi:
         count = -(-(hi - lo) // piece)
         each = -(-(hi - lo) // count)
         spans.extend((start, min(start + each, hi)) for start in range(lo, hi, each))
-    return spans
+    return spans + tail[::-1]
 
 
 class RingSchedule:
@@ -110,7 +134,9 @@ class RingSchedule:
 
     Chunks are ``numpy.array_split``'s (the plain ring's); each chunk is cut
     into pieces of at most ``piece`` elements, the first ``lead`` elements
-    long and each next one twice the last until ``piece``.
+    long and each next one twice the last until ``piece``, and the last ones
+    those lengths up to half a ``piece`` in reverse (the last ``lead`` long),
+    where the chunk leaves a whole ``piece`` between.
 
     Parameters
     ----------
@@ -156,6 +182,7 @@ def allreduce_ring_pipelined(
     prepare: Callable[[int, int], None] | None = None,
     finished: Callable[[int, int], None] | None = None,
     lead: int | None = None,
+    together: bool = False,
 ) -> Any:
     """Ring all-reduce of the flat ``source`` into ``target`` (may be ``source``), piece by piece.
 
@@ -181,6 +208,10 @@ def allreduce_ring_pipelined(
         ``finished(lo, hi)`` is called once ``target[lo:hi]`` is final here.
     lead
         Elements of each chunk's first piece (``RingSchedule``; ``None``: ``piece``).
+    together
+        The members leave together (``leave_together``): before the last
+        piece final here is handed to ``finished``, once every message of this
+        member is sent.
     """
     size, rank = call.size, call.rank
     schedule = RingSchedule(len(target), size, rank, piece, lead)
@@ -219,19 +250,41 @@ def allreduce_ring_pipelined(
             handles.append(call.send(right, f"{forward}.{k}", part))
         if step == 0 and fault_points.ARMED:  # a test's fault point (``daskdist.testing.pause-at``)
             fault_points.reached("reduce-scatter")
+    final = (size - 2, len(schedule.chunk(rank - size + 2)) - 1)  # the last piece received: nothing is sent after it
     for step in range(size - 1):  # all-gather: copy each incoming piece, forward it unless it is the last step
         for k, (lo, hi) in enumerate(schedule.chunk(rank - step)):
             part = target[lo:hi]
             call.recv_into(left, f"ag{step}.{k}", part, None)
+            if together and (step, k) == final:
+                leave_together(call)
             if finished is not None:
                 finished(lo, hi)
             if step < size - 2:
                 handles.append(call.send(right, f"ag{step + 1}.{k}", part))
         if step == 0 and fault_points.ARMED:
             fault_points.reached("all-gather")
+    if together and final[1] < 0:  # the last all-gather step has no piece (fewer elements than members)
+        leave_together(call)
     for handle in handles:
         call.wait(handle)
     return target
+
+
+def leave_together(call: Call) -> None:
+    """Tell every other member of ``call`` that this one has its result, and wait until each has told it the same.
+
+    Called once every data message of the member is sent, so it cannot wait
+    for a member that waits for it. One small message to and from each other
+    member; the last data message a member receives is followed on its
+    connection by the sender's "done", so the member that finishes last waits
+    for nothing, and the others wait until it finishes.
+    """
+    others = [r for r in range(call.size) if r != call.rank]
+    handles = [call.send(r, "done", "") for r in others]
+    for r in others:
+        call.recv(r, "done")
+    for handle in handles:
+        call.wait(handle)
 
 
 def allreduce_hierarchical_pipelined(call: Call, buf: Any, op: ReduceOp, hosts: Sequence[str], piece: int,
@@ -273,7 +326,7 @@ def allreduce_hierarchical_pipelined(call: Call, buf: Any, op: ReduceOp, hosts: 
         return target
     ring = SubCall(call, leaders, "hx-")
     if len(local) == 1:  # alone on its host: the ring reads ``buf`` itself
-        return allreduce_ring_pipelined(ring, buf, target, op, piece, divisor=call.size, lead=lead)
+        return allreduce_ring_pipelined(ring, buf, target, op, piece, divisor=call.size, lead=lead, together=True)
     down: list[Any] = []
 
     def prepare(lo: int, hi: int) -> None:
@@ -286,7 +339,7 @@ def allreduce_hierarchical_pipelined(call: Call, buf: Any, op: ReduceOp, hosts: 
         down.extend(call.send(r, f"h-down{lo}", target[lo:hi]) for r in local[1:])
 
     allreduce_ring_pipelined(ring, target, target, op, piece, divisor=call.size, prepare=prepare,
-                             finished=send_down, lead=lead)
+                             finished=send_down, lead=lead, together=True)
     for handle in down:
         call.wait(handle)
     return target
