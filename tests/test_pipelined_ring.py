@@ -7,16 +7,12 @@ real namespace hosts: ``tests/test_multihost_allreduce.py``.
 
 from __future__ import annotations
 
-import threading
-import time
-
 import dask
 import numpy as np
 import pytest
 
 from daskdist.collective.core.communicator import Algorithm
 from daskdist.collective.core.engines.pipeline import PieceSize, RingSchedule
-from daskdist.collective.transport.base import CompletedSend
 from daskdist.ops import CommunicationImplementation, CommunicationOptions, ReduceOp
 
 from .fakes import InMemoryGroup
@@ -211,43 +207,3 @@ def test_the_first_and_last_pieces_of_a_hierarchical_all_reduce_are_pipeline_min
     # and the last piece a first replica sends down to its host, after the link is done, is as small again
     down = [nbytes for dst, name, nbytes in sizes[0] if "/h-down" in name and dst == 1]
     assert down[-3:] == [4096, 2048, 1024] and sum(down) == n * 8, down[-5:]
-
-
-@pytest.mark.parametrize("hosts", [["a", "a", "b", "b"], ["a", "a", "a", "b"], ["a", "a", "b", "b", "c", "c"]])
-def test_the_hosts_of_a_hierarchical_all_reduce_leave_it_together(hosts):
-    """A host whose incoming stream ended first left the call first, entered the next one first and waited there
-    for the other host: at 2 hosts x 2 replicas, 1 Gbit/s, each call counted the other host's lateness (6-26 ms,
-    BENCHMARKS 24). Here the first host's last cross-host pieces reach the second host 0.4 s late; every replica,
-    the first host's included, now returns only once the second host has them."""
-    delay = 0.4
-    settings = {"daskdist.collective.pipeline-bytes": "8KiB", "daskdist.collective.pipeline-pieces": 1,
-                "daskdist.collective.pipeline-min-bytes": "1KiB"}
-    with dask.config.set(settings):
-        group = InMemoryGroup(len(hosts), Algorithm("hierarchical"), hosts=hosts)
-    transport = group.comms[0].transport
-    send = transport.send
-
-    def late_send(dst, tag, payload):
-        if "/hx-ag" not in tag[3]:
-            return send(dst, tag, payload)
-        timer = threading.Timer(delay, send, (dst, tag, payload.copy()))  # the link is slow; the sender is not
-        timer.start()
-        timers.append(timer)
-        return CompletedSend()
-
-    timers: list[threading.Timer] = []
-    transport.send = late_send
-    xs = random_inputs(len(hosts), (2 * 10_000 + 1,), "int64", seed=5)
-
-    def timed(c):
-        result = c.all_reduce("SUM", xs[c.rank])
-        return result, time.monotonic()
-
-    began = time.monotonic()
-    results = group.run_ranks(timed)
-    for timer in timers:
-        timer.join()
-    assert all(np.array_equal(r, np.sum(np.stack(xs), axis=0)) for r, _ in results)
-    left = [t - began for _, t in results]
-    assert min(left) >= delay, left  # the first host too waited for the second host's last pieces
-    assert max(left) - min(left) < delay / 2, left

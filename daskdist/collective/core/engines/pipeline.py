@@ -21,13 +21,7 @@ connection per host pair. There each chunk's pieces grow from
 crosses the hosts until the first piece is summed inside its host, so a
 small first piece starts the link sooner; they shrink back to it at the end,
 so the last piece a host's first replica sends down after the link is done
-is small too. The hosts' first replicas leave together: each tells the
-others once it has its last piece, and sends that piece down to its host
-only when every other has said the same. Without that, a host whose
-incoming stream ended first left the call first (the two directions of a
-link end a few ms to tens of ms apart on a shared machine), entered the
-next call first, and waited there for the other host, in every call
-(BENCHMARKS section 24, 2 x 2).
+is small too.
 
 The order of pieces (``RingSchedule``) is computed alike on every replica, so
 the pieces travel through each shared-memory channel in the order they are
@@ -45,8 +39,7 @@ from daskdist.collective.core.call import Call
 from daskdist.collective.core.reduction import finalize
 from daskdist.ops import ReduceOp
 
-__all__ = ["PieceSize", "RingSchedule", "allreduce_hierarchical_pipelined", "allreduce_ring_pipelined",
-           "leave_together"]
+__all__ = ["PieceSize", "RingSchedule", "allreduce_hierarchical_pipelined", "allreduce_ring_pipelined"]
 
 Span = tuple[int, int]
 
@@ -182,7 +175,6 @@ def allreduce_ring_pipelined(
     prepare: Callable[[int, int], None] | None = None,
     finished: Callable[[int, int], None] | None = None,
     lead: int | None = None,
-    together: bool = False,
 ) -> Any:
     """Ring all-reduce of the flat ``source`` into ``target`` (may be ``source``), piece by piece.
 
@@ -208,10 +200,6 @@ def allreduce_ring_pipelined(
         ``finished(lo, hi)`` is called once ``target[lo:hi]`` is final here.
     lead
         Elements of each chunk's first piece (``RingSchedule``; ``None``: ``piece``).
-    together
-        The members leave together (``leave_together``): before the last
-        piece final here is handed to ``finished``, once every message of this
-        member is sent.
     """
     size, rank = call.size, call.rank
     schedule = RingSchedule(len(target), size, rank, piece, lead)
@@ -250,41 +238,19 @@ def allreduce_ring_pipelined(
             handles.append(call.send(right, f"{forward}.{k}", part))
         if step == 0 and fault_points.ARMED:  # a test's fault point (``daskdist.testing.pause-at``)
             fault_points.reached("reduce-scatter")
-    final = (size - 2, len(schedule.chunk(rank - size + 2)) - 1)  # the last piece received: nothing is sent after it
     for step in range(size - 1):  # all-gather: copy each incoming piece, forward it unless it is the last step
         for k, (lo, hi) in enumerate(schedule.chunk(rank - step)):
             part = target[lo:hi]
             call.recv_into(left, f"ag{step}.{k}", part, None)
-            if together and (step, k) == final:
-                leave_together(call)
             if finished is not None:
                 finished(lo, hi)
             if step < size - 2:
                 handles.append(call.send(right, f"ag{step + 1}.{k}", part))
         if step == 0 and fault_points.ARMED:
             fault_points.reached("all-gather")
-    if together and final[1] < 0:  # the last all-gather step has no piece (fewer elements than members)
-        leave_together(call)
     for handle in handles:
         call.wait(handle)
     return target
-
-
-def leave_together(call: Call) -> None:
-    """Tell every other member of ``call`` that this one has its result, and wait until each has told it the same.
-
-    Called once every data message of the member is sent, so it cannot wait
-    for a member that waits for it. One small message to and from each other
-    member; the last data message a member receives is followed on its
-    connection by the sender's "done", so the member that finishes last waits
-    for nothing, and the others wait until it finishes.
-    """
-    others = [r for r in range(call.size) if r != call.rank]
-    handles = [call.send(r, "done", "") for r in others]
-    for r in others:
-        call.recv(r, "done")
-    for handle in handles:
-        call.wait(handle)
 
 
 def allreduce_hierarchical_pipelined(call: Call, buf: Any, op: ReduceOp, hosts: Sequence[str], piece: int,
@@ -326,7 +292,7 @@ def allreduce_hierarchical_pipelined(call: Call, buf: Any, op: ReduceOp, hosts: 
         return target
     ring = SubCall(call, leaders, "hx-")
     if len(local) == 1:  # alone on its host: the ring reads ``buf`` itself
-        return allreduce_ring_pipelined(ring, buf, target, op, piece, divisor=call.size, lead=lead, together=True)
+        return allreduce_ring_pipelined(ring, buf, target, op, piece, divisor=call.size, lead=lead)
     down: list[Any] = []
 
     def prepare(lo: int, hi: int) -> None:
@@ -339,7 +305,7 @@ def allreduce_hierarchical_pipelined(call: Call, buf: Any, op: ReduceOp, hosts: 
         down.extend(call.send(r, f"h-down{lo}", target[lo:hi]) for r in local[1:])
 
     allreduce_ring_pipelined(ring, target, target, op, piece, divisor=call.size, prepare=prepare,
-                             finished=send_down, lead=lead, together=True)
+                             finished=send_down, lead=lead)
     for handle in down:
         call.wait(handle)
     return target
