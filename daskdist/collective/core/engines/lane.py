@@ -55,7 +55,7 @@ from daskdist.collective.transport.shm_lane import LaneMismatch, ShmLane
 from daskdist.exceptions import CollectiveMismatchError, CollectiveTimeoutError
 from daskdist.ops import CommunicationImplementation, CommunicationOptions, ReduceOp, timeout_of
 
-__all__ = ["LaneEngine", "LaneHost"]
+__all__ = ["LaneCall", "LaneEngine", "LaneHost"]
 
 _UFUNC_NAMES = {ReduceOp.SUM: "add", ReduceOp.MEAN: "add", ReduceOp.MAX: "maximum", ReduceOp.MIN: "minimum",
                 ReduceOp.PRODUCT: "multiply"}
@@ -137,8 +137,9 @@ class _Plan:
         self.mean = op is ReduceOp.MEAN
 
 
-class _LaneCall:
-    """What timeouts, stall warnings and status probes need to know about a collective in progress."""
+class LaneCall:
+    """What timeouts, stall warnings and status probes need to know about a lane's collective in progress (both
+    lanes: shared memory here, sockets in ``socket_lane``)."""
 
     __slots__ = ("attempt", "kind", "nbytes", "run_id", "seq", "timeout")
 
@@ -175,7 +176,7 @@ class LaneEngine:
             self.limit = max(self.limit, lane.slot_bytes // 2)
         self.limit = min(self.limit, lane.slot_bytes)  # the lane reads each array whole from one slot
         self._plans: dict[tuple[Any, ...], _Plan | None] = {}
-        self._call: _LaneCall | None = None  # the collective in progress, once it had to wait
+        self._call: LaneCall | None = None  # the collective in progress, once it had to wait
         # bound once per generation (this engine lives as long as its communicator): the ranks in reduction
         # order with each peer's peek and release, and (at the first exchange, once the transport is
         # connected) each destination's can_write and write_lane, so a call does no per-peer lookups
@@ -306,11 +307,11 @@ class LaneEngine:
             on_collective("all_reduce", _monotonic() - start, plan.sent_bytes)
         return result
 
-    def _slow(self, plan: _Plan, attempt: int, seq: int, start: float) -> tuple[_LaneCall, float]:
+    def _slow(self, plan: _Plan, attempt: int, seq: int, start: float) -> tuple[LaneCall, float]:
         """The collective as timeouts and probes see it, registered with the communicator; and its deadline."""
         if self._call is None:
             timeout = timeout_of(plan.timeout, self.comm.default_timeout)
-            self._call = _LaneCall(attempt, self.comm.run_id, seq, timeout, plan.sent_bytes)
+            self._call = LaneCall(attempt, self.comm.run_id, seq, timeout, plan.sent_bytes)
             self.comm.begin_tracking("all_reduce", self._call, start)
         return self._call, start + self._call.timeout
 

@@ -38,7 +38,7 @@ import numpy as np
 
 from daskdist.collective.core.engines.base import AllReducePlan, PackPlan
 from daskdist.collective.core.engines.direct import DirectEngine
-from daskdist.collective.core.engines.lane import LaneHost
+from daskdist.collective.core.engines.lane import LaneCall, LaneHost
 from daskdist.collective.core.reduction import combine_into, finalize
 from daskdist.collective.mailbox import MailboxTimeout
 from daskdist.collective.transport.framing import MAX_NDIM, SignedArrayFrames
@@ -82,20 +82,6 @@ class _Plan:
         # the right neighbour gets the signature with the array (numbered per send)
         self.frames = SignedArrayFrames((0, 0, rank, "sig"), sig, (0, 0, rank, self.data_name), value.dtype,
                                         value.shape)
-
-
-class _LaneCall:
-    """What timeouts, stall warnings and status probes need to know about a collective in progress."""
-
-    __slots__ = ("attempt", "kind", "nbytes", "run_id", "seq", "timeout")
-
-    def __init__(self, attempt: int, run_id: int, seq: int, timeout: float, nbytes: int):
-        self.kind = "all_reduce"
-        self.attempt = attempt
-        self.run_id = run_id
-        self.seq = seq
-        self.timeout = timeout
-        self.nbytes = nbytes
 
 
 class SocketLaneEngine:
@@ -166,7 +152,7 @@ class SocketLaneEngine:
         attempt = comm.attempt
         start = _monotonic()
         timeout = timeout_of(plan.timeout, comm.default_timeout)
-        call = _LaneCall(attempt, comm.run_id, seq, timeout, plan.sent_bytes)
+        call = LaneCall(attempt, comm.run_id, seq, timeout, plan.sent_bytes)
         comm.begin_tracking("all_reduce", call, start)
         try:
             result = self._exchange(plan, value, call, start + timeout)
@@ -180,7 +166,7 @@ class SocketLaneEngine:
             on_collective("all_reduce", _monotonic() - start, plan.sent_bytes)
         return result
 
-    def _exchange(self, plan: _Plan, value: np.ndarray, call: _LaneCall, deadline: float) -> np.ndarray:
+    def _exchange(self, plan: _Plan, value: np.ndarray, call: LaneCall, deadline: float) -> np.ndarray:
         sockets, rank, op = self.sockets, self._rank, plan.op
         attempt, seq = call.attempt, call.seq
         result = np.empty(plan.shape, plan.dtype)
@@ -218,7 +204,7 @@ class SocketLaneEngine:
             handle.wait(deadline)
         return result
 
-    def _check_signature(self, plan: _Plan, call: _LaneCall, deadline: float) -> None:
+    def _check_signature(self, plan: _Plan, call: LaneCall, deadline: float) -> None:
         """Compare the left neighbour's signature with ours; ``CollectiveMismatchError`` if they differ."""
         left = self._left
         try:
