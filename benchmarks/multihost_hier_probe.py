@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import sys
 import time
@@ -112,8 +113,15 @@ def _stamped_calls(nbytes: int, calls: int) -> dict[str, Any]:
     return {"stamps": stamps, "times": times, "rank": ctx.replica_id_in_sync_group}
 
 
+CROSS = re.compile(r"hx\d*-")  # a cross-host ring's messages: ``hx-`` (first senders) or ``hx<slice>-`` (all senders)
+
+
+def _matches(name: str, prefix: str) -> bool:
+    return bool(CROSS.search(name)) if prefix == "hx-" else prefix in name
+
+
 def _at(stamps: list, seq: int, event: str, prefix: str = "", last: bool = False) -> float | None:
-    hits = [ns for q, e, name, ns in stamps if q == seq and e == event and prefix in name]
+    hits = [ns for q, e, name, ns in stamps if q == seq and e == event and _matches(name, prefix)]
     if not hits:
         return None
     return (max(hits) if last else min(hits)) / 1e6
@@ -147,7 +155,7 @@ def main() -> None:
             s = r["stamps"]
             leader = _at(s, seq, "send", "hx-") is not None
             rows.append([
-                str(seq), "timed" if index % 2 else "untimed", str(r["rank"]), "leader" if leader else "other",
+                str(seq), "timed" if index % 2 else "untimed", str(r["rank"]), "sender" if leader else "other",
                 rel(_at(s, seq, "enter")),
                 rel(_at(s, seq, "got", "h-up")),  # leader: the first piece from its host's others is in
                 rel(_at(s, seq, "sent", "h-up", last=True)),  # other: its last piece up handed to the transport
@@ -160,22 +168,27 @@ def main() -> None:
             ])
     print(format_table(["seq", "call", "rank", "role", "enter", "first up got", "last up sent", "link start (send)",
                         "last hx read", "last hx written", "last down send", "last down got", "return"], rows))
-    leaders = [r for r in per_rank if any(e == "send" and "hx-" in n for _, e, n, _ in r["stamps"])]
+    rings: dict[str, list[dict]] = {}  # each cross-host ring's members, by its messages' prefix
+    for r in per_rank:
+        found = {m.group(0) for _, e, n, _ in r["stamps"] if e == "send" and (m := CROSS.search(n))}
+        for prefix in found:
+            rings.setdefault(prefix, []).append(r)
     for seq in seqs[-2:]:
         t0 = min(_at(r["stamps"], seq, "enter") for r in per_rank)
         piece_rows = []
-        for me, peer in ((leaders[0], leaders[1]), (leaders[1], leaders[0])):
-            names = []
-            for q, e, n, _ in me["stamps"]:
-                if q == seq and e == "send" and n.startswith("hx-") and n not in names:
-                    names.append(n)
-            for n in names:
-                def one(r, event, name=n, seq=seq, t0=t0):
-                    hits = [ns / 1e6 - t0 for q, e, nm, ns in r["stamps"]
-                            if q == seq and e == event and nm.split("#")[0].endswith(name)]
-                    return f"{hits[0]:.1f}" if hits else "-"
-                piece_rows.append([f"{me['rank']} -> {peer['rank']}", n, one(me, "send"), one(me, "write0"),
-                                   one(me, "write1"), one(peer, "read1"), one(peer, "recv"), one(peer, "got")])
+        for prefix, members in sorted(rings.items()):
+            for me, peer in ((members[0], members[1]), (members[1], members[0])):
+                names = []
+                for q, e, n, _ in me["stamps"]:
+                    if q == seq and e == "send" and n.startswith(prefix) and n not in names:
+                        names.append(n)
+                for n in names:
+                    def one(r, event, name=n, seq=seq, t0=t0):
+                        hits = [ns / 1e6 - t0 for q, e, nm, ns in r["stamps"]
+                                if q == seq and e == event and nm.split("#")[0].endswith(name)]
+                        return f"{hits[0]:.1f}" if hits else "-"
+                    piece_rows.append([f"{me['rank']} -> {peer['rank']}", n, one(me, "send"), one(me, "write0"),
+                                       one(me, "write1"), one(peer, "read1"), one(peer, "recv"), one(peer, "got")])
         print(f"call {seq}: each cross-host piece, ms after the call's first entry")
         print(format_table(["direction", "piece", "send", "write starts", "written", "read (peer)", "recv (peer)",
                             "got (peer)"], piece_rows))

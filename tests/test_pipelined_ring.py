@@ -183,7 +183,7 @@ def test_the_first_and_last_pieces_of_a_hierarchical_all_reduce_are_pipeline_min
     grow from ``pipeline-min-bytes``, so the first cross-host send waits only for that much."""
     sizes: dict[int, list[tuple[int, str, int]]] = {}
     settings = {"daskdist.collective.pipeline-bytes": "8KiB", "daskdist.collective.pipeline-pieces": 1,
-                "daskdist.collective.pipeline-min-bytes": "1KiB"}
+                "daskdist.collective.pipeline-min-bytes": "1KiB", "daskdist.collective.hierarchical-senders": "first"}
     with dask.config.set(settings):
         group = InMemoryGroup(4, Algorithm("hierarchical"), hosts=hosts)
     for comm in group.comms:
@@ -207,3 +207,64 @@ def test_the_first_and_last_pieces_of_a_hierarchical_all_reduce_are_pipeline_min
     # and the last piece a first replica sends down to its host, after the link is done, is as small again
     down = [nbytes for dst, name, nbytes in sizes[0] if "/h-down" in name and dst == 1]
     assert down[-3:] == [4096, 2048, 1024] and sum(down) == n * 8, down[-5:]
+
+
+@pytest.mark.parametrize("hosts", [["a", "a", "b", "b"], ["a", "b", "a", "b"], ["a", "a", "a", "b", "b", "b"]])
+def test_with_every_replica_sending_each_carries_its_slice_across_and_every_channel_is_read_in_order(hosts):
+    """Only each host's first replica sent across hosts: at 2 hosts x 2 replicas one stream per direction, fed by
+    one process that also summed all of its host's gradient. Now each of a host's replicas owns a slice: its own
+    connection across, its share of the in-host sums; and each in-host channel carries its messages in the order
+    the receiver reads them (a message read out of order is copied aside)."""
+    log: dict[int, list] = {}
+    sizes: dict[int, list[tuple[int, str, int]]] = {}
+    settings = {"daskdist.collective.pipeline-bytes": "8KiB", "daskdist.collective.pipeline-pieces": 1,
+                "daskdist.collective.pipeline-min-bytes": "1KiB"}  # hierarchical-senders: all, the default
+    with dask.config.set(settings):
+        group = InMemoryGroup(len(hosts), Algorithm("hierarchical"), hosts=hosts)
+    _logged(group, log)
+    for comm in group.comms:
+        send = comm.transport.send
+
+        def sized_send(dst, tag, payload, send=send, rank=comm.rank):
+            sizes.setdefault(rank, []).append((dst, tag[3].split("#")[0], getattr(payload, "nbytes", 0)))
+            return send(dst, tag, payload)
+
+        comm.transport.send = sized_send
+    width = len(hosts) // 2
+    n = width * 2 * 10_000 + 1  # slices of ~80 KB, one element short in the last
+    xs = random_inputs(len(hosts), (n,), "int64", seed=5)
+    results = group.run_ranks(lambda c: c.all_reduce("SUM", xs[c.rank]))
+    assert all(np.array_equal(r, np.sum(np.stack(xs), axis=0)) for r in results)
+    length = -(-n // width)
+    for rank, host in enumerate(hosts):
+        across = [(dst, nbytes) for dst, name, nbytes in sizes[rank] if "/hx" in name and nbytes]
+        assert {hosts[dst] for dst, _ in across} == {"b" if host == "a" else "a"}  # every replica crosses
+        assert [nbytes for _, nbytes in across[:3]] == [1024, 2048, 4096], across[:5]
+        index = [r for r, h in enumerate(hosts) if h == host].index(rank)
+        assert sum(nbytes for _, nbytes in across) == 8 * (min(n, (index + 1) * length) - index * length)
+    for src in range(len(hosts)):  # each in-host channel: read in the order written
+        for dst in range(len(hosts)):
+            if src != dst and hosts[src] == hosts[dst]:
+                sent = [name for kind, to, name in log[src] if kind == "send" and to == dst and "/h-" in name]
+                read = [name for kind, frm, name in log[dst] if kind == "recv" and frm == src and "/h-" in name]
+                assert sent and sent == read
+
+
+@pytest.mark.parametrize("n", [1, 3, 4, 5, 7, 9, 13])
+@pytest.mark.parametrize("senders", ["all", "first"])
+def test_a_hierarchical_all_reduce_of_a_few_elements_with_every_replica_sending(n, senders):
+    """Slices a few elements long: the last one's pieces clipped to nothing send nothing, in their places."""
+    hosts = ["a", "a", "b", "b"]
+    xs = random_inputs(4, (n,), "int64", seed=n)
+    settings = {"daskdist.collective.pipeline-min-bytes": 8, "daskdist.collective.hierarchical-senders": senders}
+    with dask.config.set(settings):
+        results = _run(4, hosts, "SUM", xs, "hierarchical", piece=16)
+    assert all(np.array_equal(r, np.sum(np.stack(xs), axis=0)) for r in results)
+
+
+def test_a_schedule_clipped_to_a_shorter_slice_keeps_its_pieces_in_place():
+    full = RingSchedule(10, 2, 0, piece=2)
+    clipped = RingSchedule(10, 2, 0, piece=2, limit=7)
+    assert len(clipped.needed()) == len(full.needed()) and len(clipped.finished()) == len(full.finished())
+    assert sorted(i for lo, hi in clipped.needed() for i in range(lo, hi)) == list(range(7))
+    assert [(lo, hi) for lo, hi in clipped.pieces[1]] == [(5, 7), (7, 7), (7, 7)]

@@ -1,11 +1,15 @@
-"""The hierarchical all-reduce engine: within each host, then across hosts' first replicas, then back.
+"""The hierarchical all-reduce engine: within each host, then across hosts, then back.
 
-Only one replica per host sends across the network, on one connection per
-host pair; inside a host the replicas use shared memory. Pipelined piece by
-piece (``engines.pipeline``), so the in-host reduce and broadcast run under
-the cross-host transfers. The group's algorithm when it is ``hierarchical``
-(``HierarchicalCopyAllReduce``), and AUTO's choice for packs above
-``small-message-bytes`` when the ranks span several hosts and some share one.
+Inside a host the replicas use shared memory. Across hosts, where every host
+has the same number of replicas (``collective.hierarchical-senders: all``,
+the default), each of a host's replicas owns one slice of the buffer and
+carries it across on its own connection; otherwise (or with ``first``) only
+each host's first replica sends across, one connection per host pair.
+Pipelined piece by piece (``engines.pipeline``), so the in-host reduce and
+broadcast run under the cross-host transfers. The group's algorithm when it
+is ``hierarchical`` (``HierarchicalCopyAllReduce``), and AUTO's choice for
+packs above ``small-message-bytes`` when the ranks span several hosts and
+some share one.
 """
 
 from __future__ import annotations
@@ -15,12 +19,13 @@ from typing import Any
 
 import numpy as np
 
+from daskdist import config
 from daskdist.collective.core import algorithms
 from daskdist.collective.core.buffers import BufferPool
 from daskdist.collective.core.call import Call
 from daskdist.collective.core.engines.base import PackPlan
 from daskdist.collective.core.engines.direct import copy_of
-from daskdist.collective.core.engines.pipeline import PieceSize, allreduce_hierarchical_pipelined
+from daskdist.collective.core.engines.pipeline import PieceSize, allreduce_hierarchical_pipelined, host_slices
 
 __all__ = ["HierarchicalEngine"]
 
@@ -40,15 +45,24 @@ class HierarchicalEngine:
     pieces
         The piece size (``PieceSize``: ``collective.pipeline-bytes``, ``-pieces``, ``-min-bytes``);
         ``None``: pieces of 8 MiB.
+    all_senders
+        Every replica of a host carries a slice across hosts (where the hosts' replica counts allow);
+        ``None``: ``collective.hierarchical-senders`` is ``all``.
     """
 
     def __init__(self, hosts: Sequence[str], automatic: bool = False, buffers: BufferPool | None = None,
-                 pieces: PieceSize | None = None):
+                 pieces: PieceSize | None = None, all_senders: bool | None = None):
         self.hosts = list(hosts)
         self.automatic = automatic
         self.buffers = buffers or BufferPool()
         self.pieces = pieces or PieceSize(8 << 20)
         self.ring_size = len(set(self.hosts))  # the cross-host ring: one member per host
+        if all_senders is None:
+            senders = str(config.get("collective.hierarchical-senders"))
+            if senders not in ("all", "first"):
+                raise ValueError(f"daskdist.collective.hierarchical-senders must be 'all' or 'first', not {senders!r}")
+            all_senders = senders == "all"
+        self.all_senders = all_senders
 
     def accepts(self, plan: PackPlan) -> bool:
         return not (self.automatic and plan.forced_ring)
@@ -57,8 +71,9 @@ class HierarchicalEngine:
         buf = plan.buffer
         if isinstance(buf, np.ndarray):
             out = self.buffers.empty_like(buf) if plan.borrowed else None
-            piece = self.pieces.elements(len(buf), self.ring_size, buf.itemsize)
+            slices = host_slices(self.hosts, len(buf)) if self.all_senders else 1
+            piece = self.pieces.elements(-(-len(buf) // slices), self.ring_size, buf.itemsize)
             lead = self.pieces.lead(piece, buf.itemsize)
-            return allreduce_hierarchical_pipelined(call, buf, plan.op, self.hosts, piece, out, lead)
+            return allreduce_hierarchical_pipelined(call, buf, plan.op, self.hosts, piece, out, lead, slices > 1)
         buf = copy_of(buf) if plan.borrowed else buf
         return algorithms.allreduce_hierarchical(call, buf, plan.op, self.hosts)

@@ -39,7 +39,7 @@ from daskdist.collective.core.call import Call
 from daskdist.collective.core.reduction import finalize
 from daskdist.ops import ReduceOp
 
-__all__ = ["PieceSize", "RingSchedule", "allreduce_hierarchical_pipelined", "allreduce_ring_pipelined"]
+__all__ = ["PieceSize", "RingSchedule", "allreduce_hierarchical_pipelined", "allreduce_ring_pipelined", "host_slices"]
 
 Span = tuple[int, int]
 
@@ -141,9 +141,12 @@ class RingSchedule:
         Elements per piece (at least 1).
     lead
         Elements of each chunk's first piece (``None``: ``piece``, every piece alike).
+    limit
+        Clip every piece to ``[0, limit)`` (``None``: ``n``), keeping the pieces that become empty: slices of one
+        buffer a few elements shorter than ``n`` get the same number of pieces, in the same order, as ``n``'s.
     """
 
-    def __init__(self, n: int, size: int, rank: int, piece: int, lead: int | None = None):
+    def __init__(self, n: int, size: int, rank: int, piece: int, lead: int | None = None, limit: int | None = None):
         self.size = size
         self.rank = rank
         base, extra = divmod(n, size)
@@ -151,6 +154,8 @@ class RingSchedule:
         piece = max(1, piece)
         lead = piece if lead is None else max(1, lead)
         self.pieces: list[list[Span]] = [_cut(starts[c], starts[c + 1], piece, lead) for c in range(size)]
+        if limit is not None and limit < n:
+            self.pieces = [[(min(lo, limit), min(hi, limit)) for lo, hi in chunk] for chunk in self.pieces]
 
     def chunk(self, index: int) -> list[Span]:
         """The pieces of chunk ``index % size``."""
@@ -175,6 +180,7 @@ def allreduce_ring_pipelined(
     prepare: Callable[[int, int], None] | None = None,
     finished: Callable[[int, int], None] | None = None,
     lead: int | None = None,
+    schedule: RingSchedule | None = None,
 ) -> Any:
     """Ring all-reduce of the flat ``source`` into ``target`` (may be ``source``), piece by piece.
 
@@ -200,9 +206,12 @@ def allreduce_ring_pipelined(
         ``finished(lo, hi)`` is called once ``target[lo:hi]`` is final here.
     lead
         Elements of each chunk's first piece (``RingSchedule``; ``None``: ``piece``).
+    schedule
+        The pieces (``None``: ``RingSchedule(len(target), ...)``). Empty pieces send nothing, but ``prepare`` and
+        ``finished`` are still called for them, in their places.
     """
     size, rank = call.size, call.rank
-    schedule = RingSchedule(len(target), size, rank, piece, lead)
+    schedule = schedule or RingSchedule(len(target), size, rank, piece, lead)
     divisor = size if divisor is None else divisor
     if prepare is not None:
         source = target
@@ -222,7 +231,8 @@ def allreduce_ring_pipelined(
     for k, (lo, hi) in enumerate(schedule.chunk(rank)):  # the first reduce-scatter step's sends
         if prepare is not None:
             prepare(lo, hi)
-        handles.append(call.send(right, f"rs0.{k}", source[lo:hi]))
+        if lo < hi:
+            handles.append(call.send(right, f"rs0.{k}", source[lo:hi]))
     for step in range(size - 1):  # reduce-scatter: reduce each incoming piece, forward it at once
         last = step == size - 2
         forward = "ag0" if last else f"rs{step + 1}"
@@ -230,21 +240,24 @@ def allreduce_ring_pipelined(
             if prepare is not None:
                 prepare(lo, hi)
             part = target[lo:hi]
-            call.recv_into(left, f"rs{step}.{k}", part, op, None if in_place else source[lo:hi])
+            if lo < hi:
+                call.recv_into(left, f"rs{step}.{k}", part, op, None if in_place else source[lo:hi])
             if last:
                 finalize(op, part, divisor)
                 if finished is not None:
                     finished(lo, hi)
-            handles.append(call.send(right, f"{forward}.{k}", part))
+            if lo < hi:
+                handles.append(call.send(right, f"{forward}.{k}", part))
         if step == 0 and fault_points.ARMED:  # a test's fault point (``daskdist.testing.pause-at``)
             fault_points.reached("reduce-scatter")
     for step in range(size - 1):  # all-gather: copy each incoming piece, forward it unless it is the last step
         for k, (lo, hi) in enumerate(schedule.chunk(rank - step)):
             part = target[lo:hi]
-            call.recv_into(left, f"ag{step}.{k}", part, None)
+            if lo < hi:
+                call.recv_into(left, f"ag{step}.{k}", part, None)
             if finished is not None:
                 finished(lo, hi)
-            if step < size - 2:
+            if step < size - 2 and lo < hi:
                 handles.append(call.send(right, f"ag{step + 1}.{k}", part))
         if step == 0 and fault_points.ARMED:
             fault_points.reached("all-gather")
@@ -254,7 +267,7 @@ def allreduce_ring_pipelined(
 
 
 def allreduce_hierarchical_pipelined(call: Call, buf: Any, op: ReduceOp, hosts: Sequence[str], piece: int,
-                                     out: Any = None, lead: int | None = None) -> Any:
+                                     out: Any = None, lead: int | None = None, all_senders: bool = False) -> Any:
     """Reduce within each host onto its first replica, ring across those, send back: pipelined piece by piece.
 
     Parameters
@@ -274,11 +287,16 @@ def allreduce_hierarchical_pipelined(call: Call, buf: Any, op: ReduceOp, hosts: 
     lead
         Elements of each chunk's first piece, so that the first cross-host send waits only for a small in-host
         reduce (``None``: ``piece``). Taken only when some host has more than one replica, by every rank alike.
+    all_senders
+        Every replica of a host carries a slice across (``host_slices``), where every host has the same number
+        of replicas, more than one, and the buffer is long enough; else only each host's first replica does.
     """
     target = buf if out is None else out
     base_op = ReduceOp.SUM if op is ReduceOp.MEAN else op
     groups = host_groups(hosts)
     local = next(g for g in groups if call.rank in g)
+    if all_senders and host_slices(hosts, len(buf)) > 1:
+        return _allreduce_host_slices(call, buf, target, op, groups, local, piece, lead)
     leader, leaders = local[0], [g[0] for g in groups]
     if len(leaders) == call.size:
         lead = None  # one replica per host: no in-host reduce to wait for
@@ -307,5 +325,82 @@ def allreduce_hierarchical_pipelined(call: Call, buf: Any, op: ReduceOp, hosts: 
     allreduce_ring_pipelined(ring, target, target, op, piece, divisor=call.size, prepare=prepare,
                              finished=send_down, lead=lead)
     for handle in down:
+        call.wait(handle)
+    return target
+
+
+def host_slices(hosts: Sequence[str], n: int) -> int:
+    """How many slices ``_allreduce_host_slices`` cuts ``n`` elements into for ``hosts``; 1: it does not apply.
+
+    Every host must have the same number of replicas (one slice each), more
+    than one, there must be more than one host, and every slice's ring chunk
+    must hold at least one element.
+    """
+    groups = host_groups(hosts)
+    width = len(groups[0])
+    if len(groups) < 2 or width < 2 or any(len(g) != width for g in groups) or n < width * len(groups):
+        return 1
+    return width
+
+
+def _allreduce_host_slices(call: Call, buf: Any, target: Any, op: ReduceOp, groups: list[list[int]],
+                           local: list[int], piece: int, lead: int | None) -> Any:
+    """Every replica of a host owns one slice: sums it in-host, rings it across hosts, sends it back down.
+
+    Slice ``j`` belongs to each host's ``j``-th replica; those replicas run a
+    pipelined ring across the hosts on it (``allreduce_ring_pipelined``), one
+    connection per slice, so a host's link carries as many streams as it has
+    replicas and each replica sums and receives only its share. Every slice
+    is cut alike (the longest slice's ``RingSchedule``, clipped), so every
+    replica reaches the ring's in-host points in one order: at each ``prepare``
+    it first sends its pieces of the other slices to their owners, then sums
+    its own slice's from the others; at each ``finished`` it sends its
+    finished piece down, then receives the others' finished pieces. Every
+    in-host channel thus carries its messages in the order they are read.
+    """
+    width, me = len(local), local.index(call.rank)
+    host = next(i for i, g in enumerate(groups) if g is local)
+    n = len(buf)
+    length = -(-n // width)
+    starts = [min(j * length, n) for j in range(width + 1)]
+    schedules = [RingSchedule(length, len(groups), host, piece, lead, limit=starts[j + 1] - starts[j])
+                 for j in range(width)]
+    needed = [[(starts[j] + lo, starts[j] + hi) for lo, hi in schedules[j].needed()] for j in range(width)]
+    final = [[(starts[j] + lo, starts[j] + hi) for lo, hi in schedules[j].finished()] for j in range(width)]
+    others = [j for j in range(width) if j != me]
+    base_op = ReduceOp.SUM if op is ReduceOp.MEAN else op
+    in_place = target is buf
+    own = starts[me]
+    handles: list[Any] = []
+    counters = [0, 0]  # the ring's prepare and finished points passed so far
+
+    def prepare(lo: int, hi: int) -> None:
+        point = counters[0]
+        counters[0] += 1
+        for j in others:
+            a, b = needed[j][point]
+            if a < b:
+                handles.append(call.send(local[j], f"h-up{a}", buf[a:b]))
+        if lo < hi:
+            base = None if in_place else buf[own + lo : own + hi]
+            for j in others:
+                call.recv_into(local[j], f"h-up{own + lo}", target[own + lo : own + hi], base_op, base)
+                base = None
+
+    def finished(lo: int, hi: int) -> None:
+        point = counters[1]
+        counters[1] += 1
+        if lo < hi:
+            handles.extend(call.send(local[j], f"h-down{own + lo}", target[own + lo : own + hi]) for j in others)
+        for j in others:
+            a, b = final[j][point]
+            if a < b:
+                call.recv_into(local[j], f"h-down{a}", target[a:b], None)
+
+    ring = SubCall(call, [g[me] for g in groups], f"hx{me}-")
+    mine = target[starts[me] : starts[me + 1]]
+    allreduce_ring_pipelined(ring, mine, mine, op, piece, divisor=call.size, prepare=prepare, finished=finished,
+                             schedule=schedules[me])
+    for handle in handles:
         call.wait(handle)
     return target
