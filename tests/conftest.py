@@ -264,6 +264,47 @@ def pytest_runtest_protocol(item, nextitem):
             sample.record(path, item.nodeid)
 
 
+#: How long after its pytest-timeout a test that is still running ends the session through faulthandler.
+FROZEN_GRACE_SECONDS = 30
+
+
+def _pytest_timeout(item) -> float | None:
+    """The test's pytest-timeout in seconds (its ``timeout`` marker, else ``--timeout`` or the ini); ``None``: off."""
+    import pytest_timeout
+
+    marker = item.get_closest_marker("timeout")
+    value = None
+    if marker is not None:
+        value = marker.args[0] if marker.args else marker.kwargs.get("timeout")
+    if value is None:
+        value = pytest_timeout.get_env_settings(item.config).timeout
+    return float(value) if value else None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Faulthandler's watchdog (``faulthandler_timeout``, armed by pytest for every test) re-armed at this test's
+    own pytest-timeout plus ``FROZEN_GRACE_SECONDS``.
+
+    pytest-timeout raises from Python, which never runs again in a process frozen with the GIL held (CPython
+    before 3.11.9 deadlocks so when a collection inside ``sys._current_frames()``, which Dask's profiler calls,
+    frees a ``threading.local``); the watchdog is a C thread: it prints every thread's stack and ends pytest
+    (``faulthandler_exit_on_timeout``), so a frozen test names itself soon after its own timeout instead of at
+    ``faulthandler_timeout``. A test that fails (pytest-timeout's own failure included) cancels it.
+    """
+    import faulthandler
+
+    from _pytest.faulthandler import fault_handler_stderr_fd_key
+
+    timeout = _pytest_timeout(item)
+    if timeout is None or fault_handler_stderr_fd_key not in item.config.stash:
+        return
+    if not float(item.config.getini("faulthandler_timeout") or 0):
+        return
+    faulthandler.dump_traceback_later(timeout + FROZEN_GRACE_SECONDS, file=item.config.stash[fault_handler_stderr_fd_key],
+                                      exit=bool(item.config.getini("faulthandler_exit_on_timeout")))
+
+
 @pytest.fixture(autouse=True)
 def _fake_groups_closed():
     """The in-memory groups a test made are closed after it: their stall watches are threads."""

@@ -9,17 +9,12 @@ over both lanes).
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
-import time
-
 import dask
 import numpy as np
 import pytest
 
 import daskdist as dd
-from tests.support.killers import wait_for_files
+from tests.support.killers import kill_the_awaited_peer
 from tests.support.transports import LANES, lane_plans
 
 CROSS_HOST = LANES["socket"]
@@ -97,46 +92,9 @@ def test_a_killed_peer_wakes_replicas_waiting_in_the_socket_lane(make_cluster, t
     client = make_cluster(3, processes=True)
     with dask.config.set(CROSS_HOST):
         strategy = dd.MirroredStrategy(client=client)
-    victim = strategy.extended.worker_addresses[2]
-    pid = client.run(os.getpid, workers=[victim])[victim]
-    log = tmp_path / "raised"
-    entering = str(tmp_path / "entering-{}")
-
-    def fn():
-        from daskdist import context
-
-        ctx = dd.get_replica_context()
-        if ctx.replica_id_in_sync_group == 2:
-            time.sleep(60)
-        open(entering.format(ctx.replica_id_in_sync_group), "w").close()
-        try:  # ranks 0 and 1 wait in the socket lane for rank 2's array
-            ctx.all_reduce("SUM", np.ones(1000, np.float32), dd.CommunicationOptions(timeout_seconds=120))
-        except dd.ReplicaLostError as e:
-            taken = sum(p is not None for p in context.current_runtime().communicator.socket_lane._plans.values())
-            with open(log, "a") as f:
-                f.write(f"{ctx.replica_id_in_sync_group} {type(e).__name__} {taken}\n")
-            raise
-
-    errors: list[BaseException] = []
-
-    def run():
-        try:
-            strategy.run(fn)
-        except BaseException as e:
-            errors.append(e)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    wait_for_files(tmp_path, "entering-*", 2)
-    time.sleep(0.5)  # from the marker into the lane's wait (microseconds quiet; a loaded machine's margin)
-    killed = time.monotonic()
-    os.kill(pid, signal.SIGKILL)
-    thread.join(20)
-    assert not thread.is_alive()
-    assert isinstance(errors[0], dd.ReplicaLostError)
-    while time.monotonic() < killed + 10 and (not log.exists() or len(log.read_text().split("\n")) < 3):
-        time.sleep(0.1)
-    assert sorted(log.read_text().split("\n")[:2]) == ["0 ReplicaLostError 1", "1 ReplicaLostError 1"]
+    # ranks 0 and 1 wait in the socket lane for rank 2's array: each holds the one plan it took
+    lines = kill_the_awaited_peer(client, strategy, tmp_path, 1000, lane_plans=True)
+    assert lines == ["0 ReplicaLostError 1", "1 ReplicaLostError 1"]
     strategy.close()
 
 

@@ -7,7 +7,6 @@ import importlib.util
 import logging
 import os
 import platform
-import signal
 import threading
 import time
 
@@ -22,7 +21,7 @@ from daskdist.collective.transport.base import PayloadMismatch
 from daskdist.collective.transport.shm import ShmTransport
 from daskdist.collective.transport.shm_channel import store_order_is_total
 from daskdist.exceptions import DaskdistError, RendezvousError
-from tests.support.killers import wait_for_files
+from tests.support.killers import kill_the_awaited_peer
 from tests.support.transports import check_all_reduce, group_routes
 
 TRANSPORTS = {
@@ -162,48 +161,12 @@ def test_a_killed_peer_wakes_replicas_blocked_in_the_transport(make_cluster, tra
     with dask.config.set(TRANSPORTS.get(transport, {"daskdist.collective.transport": transport})):
         strategy = dd.MirroredStrategy(client=client)
     token = strategy.extended.group.group_id
-    victim = strategy.extended.worker_addresses[2]
-    pid = client.run(os.getpid, workers=[victim])[victim]
-    log = tmp_path / "raised"
-    entering = str(tmp_path / "entering-{}")
-
-    def fn():
-        ctx = dd.get_replica_context()
-        if ctx.replica_id_in_sync_group == 2:
-            time.sleep(60)
-        open(entering.format(ctx.replica_id_in_sync_group), "w").close()
-        try:  # ranks 0 and 1 block inside the transport, waiting for rank 2's data
-            ctx.all_reduce("SUM", np.ones(3_000_000, np.float32), dd.CommunicationOptions(timeout_seconds=120))
-        except dd.ReplicaLostError as e:
-            with open(log, "a") as f:
-                f.write(f"{ctx.replica_id_in_sync_group} {type(e).__name__}\n")
-            raise
-
-    errors = []
-    thread = threading.Thread(target=lambda: _capture(errors, strategy.run, fn))
-    thread.start()
-    wait_for_files(tmp_path, "entering-*", 2)
-    time.sleep(0.5)  # from the marker into the transport's wait (microseconds quiet; a loaded machine's margin)
-    killed = time.monotonic()
-    os.kill(pid, signal.SIGKILL)
-    thread.join(20)
-    assert not thread.is_alive()
-    assert isinstance(errors[0], dd.ReplicaLostError)
-    deadline = killed + 10
-    while time.monotonic() < deadline and (not log.exists() or len(log.read_text().split("\n")) < 3):
-        time.sleep(0.1)
-    assert time.monotonic() - killed < 10
-    assert sorted(log.read_text().split()) == ["0", "1", "ReplicaLostError", "ReplicaLostError"]
+    # 12 MB: ranks 0 and 1 block inside the transport (shared memory: in pieces), waiting for rank 2's data
+    lines = kill_the_awaited_peer(client, strategy, tmp_path, 3_000_000)
+    assert lines == ["0 ReplicaLostError", "1 ReplicaLostError"]
     strategy.close()
     if transport == "shm":
         assert _segments(token) == []  # the dead replica's segments were removed by its neighbours
-
-
-def _capture(errors, fn, *args):
-    try:
-        fn(*args)
-    except BaseException as e:
-        errors.append(e)
 
 
 class TestShmChannels:

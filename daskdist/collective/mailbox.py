@@ -5,6 +5,13 @@ tag with a deadline. Aborts (of one attempt, or of the whole group) wake the
 waiting thread at once, so no replica stays blocked after a peer failed.
 A message wakes only the thread waiting for its tag (several collectives of
 an async window wait at once: one message is one wake-up, not one for each).
+
+Each thread's event is kept in a dict keyed by thread id, not in a
+``threading.local``: on CPython before 3.11.9 (gh-106883) dropping a
+``threading.local`` inside a garbage collection that ``sys._current_frames()``
+started deadlocks the interpreter with the GIL held, and Dask's profiler
+calls ``sys._current_frames()`` in every worker's event loop, while a closed
+generation's mailbox is cyclic garbage that only the collector frees.
 """
 
 from __future__ import annotations
@@ -62,7 +69,7 @@ class Mailbox:
         self._lock = threading.Lock()
         self._messages: dict[Tag, Any] = {}
         self._waiters: dict[Tag, threading.Event] = {}  # tag -> the event of the thread waiting for it
-        self._local = threading.local()  # each thread's event, reused from wait to wait
+        self._events: dict[int, threading.Event] = {}  # thread id -> its event, reused from wait to wait
         self._attempt_aborts: dict[int, Abort] = {}
         self._group_abort: Abort | None = None
         self._current_attempt = -1
@@ -102,9 +109,10 @@ class Mailbox:
                 return self._messages.pop(tag)
             if deadline <= time.monotonic():
                 raise MailboxTimeout(tag)
-            event: threading.Event | None = getattr(self._local, "event", None)
+            thread = threading.get_ident()
+            event = self._events.get(thread)
             if event is None:
-                event = self._local.event = threading.Event()
+                event = self._events[thread] = threading.Event()
             event.clear()
             self._waiters[tag] = event
         try:

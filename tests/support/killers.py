@@ -6,7 +6,8 @@ never outlives its test (a late exception in it would fail a later test).
 
 For a kill inside one ``strategy.run`` (a replica held in a long sleep while the others wait for it in a
 collective): ``worker_pid``, ``RunInBackground`` (the run in a thread, with what it raised and when),
-``wait_for_files`` (the replicas' ready files) and ``lines_of`` (what every survivor wrote when it raised).
+``wait_for_files`` (the replicas' ready files) and ``lines_of`` (what every survivor wrote when it raised);
+``kill_the_awaited_peer`` does all of it for the last rank of three, awaited in an all-reduce.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import threading
 import time
 
 import dask
+import numpy as np
 
+import daskdist as dd
 from daskdist.cluster.identity import scheduler_workers
 from daskdist.group.scheduler_plugin import EVENT_TOPIC
 from daskdist.training.progress import PROGRESS_TOPIC
@@ -91,6 +94,51 @@ def lines_of(path, count: int, timeout: float = 12) -> list[str]:
     while time.monotonic() < deadline and len(path.read_text().splitlines() if path.exists() else []) < count:
         time.sleep(0.1)
     return path.read_text().splitlines() if path.exists() else []
+
+
+def kill_the_awaited_peer(client, strategy, directory, elements: int, lane_plans: bool = False) -> list[str]:
+    """SIGKILL rank 2's worker while ranks 0 and 1 wait for its array in an all-reduce; what each survivor wrote.
+
+    ``strategy`` has three replicas, one per worker process of ``client``. Rank 2 sleeps; ranks 0 and 1
+    mark ``directory`` and all-reduce ``elements`` float32 ones (deadline 120 s), so they block inside
+    the transport (or the socket lane) until the kill. The run must raise ``ReplicaLostError`` within
+    20 s, and both survivors must have raised it within 10 s of the kill. Returns their lines, sorted:
+    ``"<rank> ReplicaLostError"``, followed by the number of socket-lane plans the replica holds when
+    ``lane_plans``.
+    """
+    victim = strategy.extended.worker_addresses[2]
+    pid = worker_pid(client, victim)
+    log = directory / "raised"
+    entering = str(directory / "entering-{}")
+
+    def fn():  # a closure, pickled by value: the workers need not import this module
+        ctx = dd.get_replica_context()
+        if ctx.replica_id_in_sync_group == 2:
+            time.sleep(60)
+        open(entering.format(ctx.replica_id_in_sync_group), "w").close()
+        try:
+            ctx.all_reduce("SUM", np.ones(elements, np.float32), dd.CommunicationOptions(timeout_seconds=120))
+        except dd.ReplicaLostError as e:
+            line = f"{ctx.replica_id_in_sync_group} {type(e).__name__}"
+            if lane_plans:
+                from daskdist import context
+
+                lane = context.current_runtime().communicator.socket_lane  # None: the lane is off
+                line += f" {0 if lane is None else sum(p is not None for p in lane._plans.values())}"
+            with open(log, "a") as f:
+                f.write(line + "\n")
+            raise
+
+    run = RunInBackground(strategy, fn)
+    wait_for_files(directory, "entering-*", 2)
+    time.sleep(0.5)  # from the marker into the transport's wait (microseconds quiet; a loaded machine's margin)
+    killed = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    error = run.join(20)
+    assert isinstance(error, dd.ReplicaLostError), repr(error)
+    lines = lines_of(log, 2, timeout=10)
+    assert time.monotonic() - killed < 10, lines
+    return sorted(lines)
 
 
 class _Watcher:

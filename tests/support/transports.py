@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dask
 import numpy as np
 
 import daskdist as dd
@@ -28,6 +29,11 @@ def group_routes(client, strategy):
 #: How far an all-reduce may be from numpy's, per dtype: a few units in the last place of the type (the sums
 #: run in another order), so a float64 path reduced at a lower precision fails.
 TOLERANCE = {"float16": 5e-3, "bfloat16": 2e-2, "float32": 2e-6, "float64": 1e-12}
+
+#: Each collective's deadline in ``check_all_reduce`` (a few seconds in all on a quiet machine): a message that
+#: never arrives fails the test with the collective's own timeout error, naming the replicas it waited for,
+#: well within pytest-timeout's 120 s (the default ``collective.timeout``, 300 s, is not).
+COLLECTIVE_TIMEOUT = "45s"
 
 
 def check_all_reduce(strategy, seed):
@@ -81,7 +87,8 @@ def check_all_reduce(strategy, seed):
             failures.append("all_gather")
         return failures
 
-    out = strategy.run(fn)
+    with dask.config.set({"daskdist.collective.timeout": COLLECTIVE_TIMEOUT}):  # sent with the command
+        out = strategy.run(fn)
     assert all(f == [] for f in strategy.experimental_local_results(out)), strategy.experimental_local_results(out)
 
 

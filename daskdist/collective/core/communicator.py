@@ -71,10 +71,6 @@ class ControlPlane(Protocol):
         """Meet every replica under ``key`` and return each one's ``value`` (NCCL's unique id)."""
 
 
-class _Reserved(threading.local):
-    number: int | None = None
-
-
 class Communicator:
     """The collectives of one replica in one group.
 
@@ -147,7 +143,10 @@ class Communicator:
         self.run_id = 0  # the client command in progress (named in errors and probes; not in tags)
         self.seq = 0
         self._numbering = threading.Lock()  # numbers taken at issue (async work) and at run time
-        self._reserved = _Reserved()  # per thread: the number given at issue to the collective it runs next
+        # thread id -> the number given at issue to the collective that thread runs next; a dict, not a
+        # threading.local, which on CPython < 3.11.9 can deadlock the interpreter when the collector frees it
+        # (``collective.mailbox``)
+        self._reserved: dict[int, int] = {}
         self._windowed = False  # a number was taken at issue: numbering takes ``_numbering`` from then on
         self.default_timeout = config.get_seconds("collective.timeout")
         self.timeout_override: float | None = None  # the group's own deadline (``set_timeout``), kept over commands
@@ -251,9 +250,8 @@ class Communicator:
         if not self._windowed:  # no number was ever taken at issue: the latency path stays lock-free
             self.seq += 1
             return self.seq
-        reserved = self._reserved.number
+        reserved = self._reserved.pop(threading.get_ident(), None)
         if reserved is not None:
-            self._reserved.number = None
             return reserved
         with self._numbering:
             self.seq += 1
@@ -268,7 +266,10 @@ class Communicator:
 
     def use_number(self, number: int | None) -> None:
         """The next collective this thread starts is ``number`` (``reserve_number``); ``None``: forget it."""
-        self._reserved.number = number
+        if number is None:
+            self._reserved.pop(threading.get_ident(), None)
+        else:
+            self._reserved[threading.get_ident()] = number
 
     @property
     def concurrent_safe(self) -> bool:
