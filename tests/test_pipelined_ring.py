@@ -89,6 +89,18 @@ def _logged(group, log):
         transport.send, transport.recv_into = logged_send, logged_recv_into
 
 
+def _sized(group, sizes):
+    """Record, per rank, each message it sends: (destination, name, bytes)."""
+    for comm in group.comms:
+        send = comm.transport.send
+
+        def sized_send(dst, tag, payload, send=send, rank=comm.rank):
+            sizes.setdefault(rank, []).append((dst, tag[3].split("#")[0], getattr(payload, "nbytes", 0)))
+            return send(dst, tag, payload)
+
+        comm.transport.send = sized_send
+
+
 def test_each_piece_is_forwarded_before_the_next_one_is_received():
     log: dict[int, list] = {}
     with dask.config.set({"daskdist.collective.pipeline-bytes": 4096}):
@@ -186,14 +198,7 @@ def test_the_first_and_last_pieces_of_a_hierarchical_all_reduce_are_pipeline_min
                 "daskdist.collective.pipeline-min-bytes": "1KiB", "daskdist.collective.hierarchical-senders": "first"}
     with dask.config.set(settings):
         group = InMemoryGroup(4, Algorithm("hierarchical"), hosts=hosts)
-    for comm in group.comms:
-        send = comm.transport.send
-
-        def sized_send(dst, tag, payload, send=send, rank=comm.rank):
-            sizes.setdefault(rank, []).append((dst, tag[3].split("#")[0], getattr(payload, "nbytes", 0)))
-            return send(dst, tag, payload)
-
-        comm.transport.send = sized_send
+    _sized(group, sizes)
     n = 2 * 10_000 + 1  # two chunks of ~40 KB: 1, 2, 4 KiB, then even pieces of at most 8 KiB
     xs = random_inputs(4, (n,), "int64", seed=5)
     results = group.run_ranks(lambda c: c.all_reduce("SUM", xs[c.rank]))
@@ -222,14 +227,7 @@ def test_with_every_replica_sending_each_carries_its_slice_across_and_every_chan
     with dask.config.set(settings):
         group = InMemoryGroup(len(hosts), Algorithm("hierarchical"), hosts=hosts)
     _logged(group, log)
-    for comm in group.comms:
-        send = comm.transport.send
-
-        def sized_send(dst, tag, payload, send=send, rank=comm.rank):
-            sizes.setdefault(rank, []).append((dst, tag[3].split("#")[0], getattr(payload, "nbytes", 0)))
-            return send(dst, tag, payload)
-
-        comm.transport.send = sized_send
+    _sized(group, sizes)
     width = len(hosts) // 2
     n = width * 2 * 10_000 + 1  # slices of ~80 KB, one element short in the last
     xs = random_inputs(len(hosts), (n,), "int64", seed=5)
