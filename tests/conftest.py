@@ -13,13 +13,28 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 
-import dask
-import pytest
-from distributed import Client, LocalCluster
+# CPython before 3.11.9 (gh-106883) can freeze a whole process, GIL held, when a garbage collection that starts
+# inside ``sys._current_frames()`` frees a ``threading.local`` (or runs a finalizer that lets a thread start or end):
+# Dask's worker profiler calls it every 10 ms in every worker, and the threaded clusters' workers live in this
+# process. daskdist's own garbage holds no ``threading.local`` (``test_closed_generation_garbage.py``), but other
+# libraries' objects can, and a frozen run is a red CI: so the profiler stays off in the suite on those interpreters
+# (distributed itself keeps its event-loop profiler off on 3.11 for the same reason). Set before Dask is imported,
+# so the worker processes started from here (forked or spawned, and on the namespace hosts) inherit it.
+PROFILER_FREEZES = sys.implementation.name == "cpython" and sys.version_info < (3, 11, 9)
+if PROFILER_FREEZES:
+    os.environ["DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED"] = "False"
 
-from tests.support import cpu_profile
-from tests.support.forkserver import forkserver_settings  # imported before any test: its snapshot of the environment
+import dask  # noqa: E402
+import pytest  # noqa: E402
+from distributed import Client, LocalCluster  # noqa: E402
+
+from tests.support import cpu_profile  # noqa: E402
+from tests.support.forkserver import forkserver_settings  # noqa: E402  (imported before any test: it snapshots the env)
+
+if PROFILER_FREEZES:  # Dask may have been imported before this file (a plugin): its config then missed the variable
+    dask.config.set({"distributed.worker.profile.enabled": False})
 
 
 def _cluster(n_workers: int, processes: bool, **kwargs) -> LocalCluster:
