@@ -612,7 +612,8 @@ def _parity(name: str, arm: str, gloo: float, ours: float, replicas: int) -> str
 
 def bound_figures(out: list[dict[str, Any]], bits_per_second: float) -> dict[str, float]:
     """The bound arm's replicas' figures: ``step`` (the bound), ``wall`` (its link floor), ``cpu`` (the
-    kernel's floor), ``bare`` (the bare step, no link), ``bare_cpu``, ``raw_cpu`` (CPU per step, each the
+    kernel's floor), ``share`` (replicas per core used: a replica's CPU per step x ``share`` is its arm's CPU
+    floor), ``bare`` (the bare step, no link), ``bare_cpu``, ``raw_cpu`` (CPU per step, each the
     slowest replica's median).
 
     ``wall``: the slowest replica's median of ``bound_steps``. ``cpu``: all replicas of both hosts share this
@@ -622,8 +623,9 @@ def bound_figures(out: list[dict[str, Any]], bits_per_second: float) -> dict[str
     """
     wall = max(statistics.median(bound_steps(o, bits_per_second)) for o in out)
     raw = [statistics.median(o["raw_cpu"]) for o in out if o["raw_cpu"]]
-    cpu = sum(raw) / min(len(out), os.cpu_count() or 1) if raw else 0.0
-    return {"step": max(wall, cpu), "wall": wall, "cpu": cpu, "bare": max(statistics.median(o["times"]) for o in out),
+    cores = min(len(out), os.cpu_count() or 1)
+    cpu = sum(raw) / cores if raw else 0.0
+    return {"step": max(wall, cpu), "wall": wall, "cpu": cpu, "share": len(out) / cores, "bare": max(statistics.median(o["times"]) for o in out),
             "bare_cpu": max(statistics.median(o["cpu"]) for o in out), "raw_cpu": max(raw, default=0.0)}
 
 
@@ -632,8 +634,9 @@ def print_bounds(results: dict[tuple[str, str], list[float]], cpus: dict[tuple[s
                  ours_arms: list[str]) -> None:
     """Per model: gloo's and daskdist's steps, the bound arm's, and gloo / bound (the most any backend gains).
 
-    Also gloo's CPU per step over the CPU floor: where the steps are CPU-bound (both hosts on this
-    machine's cores) that is the most any backend gains, and it holds under load, where the walls do not.
+    Also gloo's CPU floor (its replica's CPU per step x replicas per core) over the bound's: where the steps
+    are CPU-bound (all replicas on this machine's cores) that is the most any backend gains, and it holds under
+    load, where the walls do not.
     """
     rows = []
     for name, per_round in bounds.items():
@@ -645,7 +648,7 @@ def print_bounds(results: dict[tuple[str, str], list[float]], cpus: dict[tuple[s
                      _ms(cpus[(name, "gloo")]), "; ".join(_ms(cpus[(name, arm)]) for arm in ours_arms),
                      _ms([b["bare_cpu"] for b in per_round]), _ms([b["raw_cpu"] for b in per_round]),
                      ", ".join(f"{x:.2f}" for x in best), f"{statistics.median(best):.2f}",
-                     ", ".join(f"{c / b['cpu']:.2f}" for c, b in zip(cpus[(name, "gloo")], per_round) if b["cpu"]),
+                     ", ".join(f"{c * b['share'] / b['cpu']:.2f}" for c, b in zip(cpus[(name, "gloo")], per_round) if b["cpu"]),
                      _loads(loads[(name, "bound")])])
     print(format_table(["where", "model", "gloo step ms (rounds)", "daskdist step ms (rounds)", "bound step ms",
                         "link floor ms", "CPU floor ms", "bare step ms", "CPU ms/step gloo", "CPU ms/step daskdist",
