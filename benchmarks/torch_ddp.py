@@ -19,16 +19,25 @@ on the same replicas, 4 KiB and 64 MiB: the torch layer's cost per call.
     python benchmarks/torch_ddp.py --rounds 3 [--parts ddp,overhead] [--per-call-only] [--arm-timeout 240]
 
 Across hosts (``--hosts netns``, as root): two network-namespace hosts
-(``tests/netns.py``: own network, host name and ``/dev/shm`` each) with one
-single-threaded Dask worker each, a ``dd.MultiWorkerMirroredStrategy`` over
-them (one replica per host), and for each of ``--rates`` (default 1gbit and
-10gbit: every host's link shaped with ``tc ... tbf``) the same rounds. The
-gloo arm there is plain ``torch.distributed``: ``env://`` rendezvous with
-``MASTER_ADDR`` on rank 0's namespace address, a fresh ``MASTER_PORT`` per
-arm, ``GLOO_SOCKET_IFNAME=eth0``; the daskdist arm rendezvouses through the
-scheduler as on one host. Its default parts: ``ddp``.
+(``tests/netns.py``: own network, host name and ``/dev/shm`` each) with
+``--per-host N`` single-threaded Dask workers each (default 1), a
+``dd.MultiWorkerMirroredStrategy`` over them (one replica per worker, ranks
+host by host: rank r on host r // N, checked), and for each of ``--rates``
+(default 1gbit and 10gbit: every host's link shaped with ``tc ... tbf``) the
+same rounds, the global batch split over the 2N replicas. The gloo arm there
+is plain ``torch.distributed`` over the same 2N ranks: ``env://`` rendezvous
+with ``MASTER_ADDR`` on rank 0's namespace address (host 0), a fresh
+``MASTER_PORT`` per arm, ``GLOO_SOCKET_IFNAME=eth0``; the daskdist arm
+rendezvouses through the scheduler as on one host (at N > 1 its all-reduce
+is hierarchical: in-host shared memory, each host's gradient across once each
+way). Its default parts: ``ddp``.
 
-    python benchmarks/torch_ddp.py --hosts netns --rates 1gbit,10gbit --rounds 3
+    python benchmarks/torch_ddp.py --hosts netns --rates 1gbit,10gbit --rounds 3 [--per-host 2]
+
+Parity: the final losses of the arms are printed and checked. With 2
+replicas both backends sum the same two gradients (bit-equal expected); with
+more, gloo's ring and daskdist's hierarchy add in different orders, so the
+losses must agree within ``LOSS_RTOL`` (relative).
 
 Across hosts a third arm, ``bound``, runs in the same rotation on the same
 hosts at the same time: the bare model (no DDP, no process group) with the
@@ -44,7 +53,11 @@ run, and within a step after backward starts and before ``optimizer.step``
 machine's cores, so a step takes at least the CPU both replicas spend on it
 over the cores; the bound arm runs its steps again with the gradient's bytes
 sent each way over a plain TCP connection after backward (the kernel's part
-of any backend's all-reduce; ``bound_figures``). The bound is the larger
+of any backend's all-reduce; ``bound_figures``); with N replicas per host,
+replica i of host 0 and replica i of host 1 exchange the i-th of N slices
+over their own connection (the host's gradient crosses once each way, as in
+daskdist's hierarchy; the in-host sums are left out: a floor), and the CPU
+floor is all 2N replicas' CPU over the cores. The bound is the larger
 floor; ``gloo / bound`` is the most any backend could gain on gloo there.
 The DDP table splits each arm's CPU per step: the replica thread's, and the
 rest (the backend's threads, Dask's event loop).
@@ -94,6 +107,8 @@ import daskdist as dd  # noqa: E402
 from benchmarks._common import blas_in_use, format_table, local_cluster, namespace_cluster, print_header  # noqa: E402
 
 GLOBAL_BATCH = 64
+#: the arms' final losses agree within this (relative) when more than 2 replicas sum in different orders
+LOSS_RTOL = 1e-4
 #: gloo's first ``MASTER_PORT`` across namespace hosts (each arm takes the next: no wait for a closed store's port)
 GLOO_PORT = 29500
 
@@ -196,7 +211,7 @@ def ddp_arm(arm: str, name: str, steps: int, warmup: int, tag: str, bound: float
         faulthandler.cancel_dump_traceback_later()
 
 
-def bound_arm(name: str, steps: int, warmup: int, port: int | None = None) -> dict[str, Any]:
+def bound_arm(name: str, steps: int, warmup: int, port: int | None = None, per_host: int = 1) -> dict[str, Any]:
     """On a replica: the bare model's steps (no DDP, no communication), phase by phase; seconds per step.
 
     The same model, seed, optimizer, batches and local batch as ``_train``;
@@ -206,7 +221,9 @@ def bound_arm(name: str, steps: int, warmup: int, port: int | None = None) -> di
     ``port``: then the same steps again, each followed by the gradient's bytes
     sent to the other host and its received, over one plain TCP connection
     (``raw_cpu``: the process's CPU per step): what the kernel alone charges a
-    backend with no software of its own.
+    backend with no software of its own. ``per_host`` replicas a host: each
+    pair (replica i of either host) exchanges the i-th of ``per_host`` slices on
+    port ``port + i``.
     """
     import torch
 
@@ -221,7 +238,7 @@ def bound_arm(name: str, steps: int, warmup: int, port: int | None = None) -> di
     batches = [_batch(name, s) for s in range(steps + warmup)]
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     phases: dict[str, list[float]] = {"fwd": [], "bwd": [], "opt": [], "times": [], "cpu": [], "raw_cpu": []}
-    exchange = _RawExchange(runtime, port, grad_bytes) if port is not None else None
+    exchange = _RawExchange(runtime, port, grad_bytes, per_host) if port is not None else None
     try:
         for loop in ("bare", "raw") if exchange is not None else ("bare",):
             for s, (x, y) in enumerate(batches):
@@ -253,16 +270,20 @@ def bound_arm(name: str, steps: int, warmup: int, port: int | None = None) -> di
 
 
 class _RawExchange:
-    """``nbytes`` each way between 2 replicas over one plain TCP connection: a sender thread and the caller's
-    ``recv_into`` (no framing, no reduction: the kernel's part of any backend's all-reduce)."""
+    """A slice of ``nbytes`` each way between replica i of host 0 and replica i of host 1 (ranks i and
+    i + ``per_host``; the i-th of ``per_host`` slices) over one plain TCP connection: a sender thread and the
+    caller's ``recv_into`` (no framing, no reduction: the kernel's part of any backend's all-reduce)."""
 
-    def __init__(self, runtime: Any, port: int, nbytes: int):
+    def __init__(self, runtime: Any, port: int, nbytes: int, per_host: int = 1):
         import socket
 
-        host = urlsplit(runtime.spec.addresses[0]).hostname or ""
+        pair = runtime.rank % per_host
+        host = urlsplit(runtime.spec.addresses[pair]).hostname or ""
+        port += pair
+        nbytes = nbytes // per_host + (nbytes % per_host if pair == per_host - 1 else 0)
         ctx = dd.get_replica_context()
         assert ctx is not None
-        if runtime.rank == 0:
+        if runtime.rank < per_host:
             with socket.create_server((host, port)) as server:
                 ctx.barrier()
                 self.sock, _ = server.accept()
@@ -436,15 +457,17 @@ def overhead_arm(arm: str, nbytes: int, calls: int) -> float:
 
 
 def main(rounds: int, cnn_steps: int, mlp_steps: int, parts: str = "ddp,overhead", bound: float = 240.0,
-         hosts: str = "local", rates: tuple[str, ...] = ("1gbit", "10gbit"), windows: tuple[int, ...] = ()) -> None:
-    """Run the ``parts`` on one host (``hosts="local"``) or on two namespace hosts at each of ``rates``."""
+         hosts: str = "local", rates: tuple[str, ...] = ("1gbit", "10gbit"), windows: tuple[int, ...] = (),
+         per_host: int = 1) -> None:
+    """Run the ``parts`` on one host (``hosts="local"``) or on two namespace hosts (``per_host`` replicas
+    each) at each of ``rates``."""
     import dask
 
     if hosts == "local":
         print_header("DDP on daskdist vs DDP on gloo (2 replicas, one host), and the torch layer's cost per call")
     else:
-        print_header(f"DDP on daskdist vs DDP on gloo across 2 network-namespace hosts (1 replica each), "
-                     f"links {', '.join(rates)}")
+        print_header(f"DDP on daskdist vs DDP on gloo across 2 network-namespace hosts "
+                     f"({per_host} replica{'s' if per_host > 1 else ''} each), links {', '.join(rates)}")
     print(_torch_line(), flush=True)
     WINDOWS[:] = windows
     # daskdist's collectives get the arm's bound as their deadline too (gloo gets it in ddp_arm)
@@ -454,15 +477,32 @@ def main(rounds: int, cnn_steps: int, mlp_steps: int, parts: str = "ddp,overhead
                 _announce(client)
                 run_parts(strategy, parts, rounds, cnn_steps, mlp_steps, bound)
             return
-        with namespace_cluster(2, 1, rate=rates[0]) as (netns, client), \
+        with namespace_cluster(2, per_host, rate=rates[0]) as (netns, client), \
                 dd.MultiWorkerMirroredStrategy(client=client) as strategy:
             _announce(client)
+            _check_host_by_host(strategy, per_host, bound)
             ports = itertools.count(GLOO_PORT)
+            where = "2 hosts" if per_host == 1 else f"2 x {per_host}"
             for rate in rates:
                 netns.shape(rate)
                 print(f"\n--- links shaped to {rate} (tc tbf on each host's eth0) ---", flush=True)
-                run_parts(strategy, parts, rounds, cnn_steps, mlp_steps, bound, where=f"2 hosts, {rate}", ports=ports,
-                          rate=rate)
+                run_parts(strategy, parts, rounds, cnn_steps, mlp_steps, bound, where=f"{where}, {rate}", ports=ports,
+                          rate=rate, per_host=per_host)
+
+
+def _host_name() -> str:
+    import socket
+
+    return socket.gethostname()
+
+
+def _check_host_by_host(strategy: Any, per_host: int, bound: float) -> None:
+    """End the benchmark unless rank r runs on host r // ``per_host`` (the gloo arm's ranks are the same)."""
+    names = run_arm(strategy, "host names of the replicas", bound, _host_name)
+    print(f"replicas' hosts by rank: {names}", flush=True)
+    if any(names[r] != names[r - r % per_host] or (r >= per_host and names[r] == names[r - per_host])
+           for r in range(len(names))):
+        raise SystemExit(f"ranks are not ordered host by host ({per_host} a host): {names}")
 
 
 def _announce(client: Any) -> None:
@@ -479,22 +519,23 @@ def _worker_blas() -> str:
 
 
 def run_parts(strategy: Any, parts: str, rounds: int, cnn_steps: int, mlp_steps: int, bound: float,
-              where: str = "one host", ports: Iterator[int] | None = None, rate: str | None = None) -> None:
+              where: str = "one host", ports: Iterator[int] | None = None, rate: str | None = None,
+              per_host: int = 1) -> None:
     """The DDP and per-call tables on ``strategy``'s replicas, then their torch groups destroyed."""
     if "ddp" in parts:
-        ddp_figures(strategy, rounds, cnn_steps, mlp_steps, bound, where, ports, rate)
+        ddp_figures(strategy, rounds, cnn_steps, mlp_steps, bound, where, ports, rate, per_host)
     if "overhead" in parts:
         overhead_figures(strategy, rounds, bound)
     run_arm(strategy, "destroying the torch groups", bound, dd.plugins.torch.destroy_process_group)
 
 
 def ddp_figures(strategy: Any, rounds: int, cnn_steps: int, mlp_steps: int, bound: float, where: str = "one host",
-                ports: Iterator[int] | None = None, rate: str | None = None) -> None:
+                ports: Iterator[int] | None = None, rate: str | None = None, per_host: int = 1) -> None:
     """DDP on gloo and on daskdist, ``rounds`` rounds alternated: step times, samples/s, final losses.
 
     ``ports``: gloo's ``MASTER_PORT`` for each arm (``env://`` rendezvous across hosts); ``None``: through
     daskdist's store. ``where`` heads the table's rows. ``rate``: the hosts' link (tc's rate): adds the
-    ``bound`` arm (``bound_arm``) to the rotation and its table.
+    ``bound`` arm (``bound_arm``, ``per_host`` replicas a host: that many ports) to the rotation and its table.
     """
     rows, losses = [], {}
     results: dict[tuple[str, str], list[float]] = {}
@@ -513,8 +554,8 @@ def ddp_figures(strategy: Any, rounds: int, cnn_steps: int, mlp_steps: int, boun
                 what = f"round {r + 1}, {name}, {arm}"
                 loads.setdefault((name, arm), []).append(_load(f"{where}: {what}"))
                 if arm == "bound":
-                    out = run_arm(strategy, f"{where}: {what}", bound, bound_arm, name, steps, 3,
-                                  next(ports) if ports is not None else None)
+                    first = [next(ports) for _ in range(per_host)][0] if ports is not None else None
+                    out = run_arm(strategy, f"{where}: {what}", bound, bound_arm, name, steps, 3, first, per_host)
                     bounds.setdefault(name, []).append(bound_figures(out, _bits_per_second(rate or "")))
                     continue
                 port = next(ports) if ports is not None and arm == "gloo" else None
@@ -532,6 +573,7 @@ def ddp_figures(strategy: Any, rounds: int, cnn_steps: int, mlp_steps: int, boun
                 cpus.setdefault((name, arm), []).append(max(statistics.median(o["cpu"]) for o in out))
                 others.setdefault((name, arm), []).append(max(statistics.median(o["others"]) for o in out))
                 losses[(name, arm)] = out[0]["loss"]
+    replicas = strategy.num_replicas_in_sync
     for name in ("cnn", "mlp", *(extra for extra, _ in EXTRA_MODELS)):
         for arm in ours_arms:
             gloo, ours = results[(name, "gloo")], results[(name, arm)]
@@ -545,6 +587,9 @@ def ddp_figures(strategy: Any, rounds: int, cnn_steps: int, mlp_steps: int, boun
                          ", ".join(f"{x:.2f}" for x in ratios),
                          f"{losses[(name, 'gloo')]:.6f} / {losses[(name, arm)]:.6f}",
                          _loads(loads[(name, "gloo")]), _loads(loads[(name, arm)])])
+    for name in ("cnn", "mlp", *(extra for extra, _ in EXTRA_MODELS)):
+        for arm in ours_arms:
+            print(_parity(name, arm, losses[(name, "gloo")], losses[(name, arm)], replicas), flush=True)
     print(format_table(["where", "model", "gloo step ms (rounds)", "daskdist step ms (rounds)",
                         "no_sync step ms gloo arm", "no_sync step ms daskdist arm", "CPU ms/step gloo",
                         "CPU ms/step daskdist", "of which off the replica thread gloo / daskdist", "gloo samples/s",
@@ -555,20 +600,32 @@ def ddp_figures(strategy: Any, rounds: int, cnn_steps: int, mlp_steps: int, boun
         print_bounds(results, cpus, bounds, loads, where, ours_arms)
 
 
+def _parity(name: str, arm: str, gloo: float, ours: float, replicas: int) -> str:
+    """The parity check of the final losses: bit-equal with 2 replicas (one sum, either order the same), within
+    ``LOSS_RTOL`` with more (gloo's ring and daskdist's hierarchy add in different orders)."""
+    if replicas <= 2:
+        return f"parity {name} ({arm}): losses bit-equal: {gloo == ours}"
+    gap = abs(gloo - ours) / max(abs(gloo), 1e-30)
+    return (f"parity {name} ({arm}): losses within {LOSS_RTOL:g} relative ({replicas} replicas: summation orders "
+            f"differ): {gap <= LOSS_RTOL} (gap {gap:.2e}{', bit-equal' if gloo == ours else ''})")
+
+
 def bound_figures(out: list[dict[str, Any]], bits_per_second: float) -> dict[str, float]:
     """The bound arm's replicas' figures: ``step`` (the bound), ``wall`` (its link floor), ``cpu`` (the
-    kernel's floor), ``bare`` (the bare step, no link), ``bare_cpu``, ``raw_cpu`` (CPU per step, each the
+    kernel's floor), ``share`` (replicas per core used: a replica's CPU per step x ``share`` is its arm's CPU
+    floor), ``bare`` (the bare step, no link), ``bare_cpu``, ``raw_cpu`` (CPU per step, each the
     slowest replica's median).
 
-    ``wall``: the slowest replica's median of ``bound_steps``. ``cpu``: both hosts' replicas share this
-    machine's cores, so a step takes at least the CPU both spend on it over the cores: the mean over the
-    replicas of the bare step plus a plain TCP exchange of the gradient (``raw_cpu``), on ``os.cpu_count()``
+    ``wall``: the slowest replica's median of ``bound_steps``. ``cpu``: all replicas of both hosts share this
+    machine's cores, so a step takes at least the CPU they spend on it over the cores: the sum over the
+    replicas of the bare step plus a plain TCP exchange of the gradient (``raw_cpu``), over ``os.cpu_count()``
     cores, at most one per replica. ``step`` is the larger.
     """
     wall = max(statistics.median(bound_steps(o, bits_per_second)) for o in out)
     raw = [statistics.median(o["raw_cpu"]) for o in out if o["raw_cpu"]]
-    cpu = sum(raw) / min(len(out), os.cpu_count() or 1) if raw else 0.0
-    return {"step": max(wall, cpu), "wall": wall, "cpu": cpu, "bare": max(statistics.median(o["times"]) for o in out),
+    cores = min(len(out), os.cpu_count() or 1)
+    cpu = sum(raw) / cores if raw else 0.0
+    return {"step": max(wall, cpu), "wall": wall, "cpu": cpu, "share": len(out) / cores, "bare": max(statistics.median(o["times"]) for o in out),
             "bare_cpu": max(statistics.median(o["cpu"]) for o in out), "raw_cpu": max(raw, default=0.0)}
 
 
@@ -577,8 +634,9 @@ def print_bounds(results: dict[tuple[str, str], list[float]], cpus: dict[tuple[s
                  ours_arms: list[str]) -> None:
     """Per model: gloo's and daskdist's steps, the bound arm's, and gloo / bound (the most any backend gains).
 
-    Also gloo's CPU per step over the CPU floor: where the steps are CPU-bound (both hosts on this
-    machine's cores) that is the most any backend gains, and it holds under load, where the walls do not.
+    Also gloo's CPU floor (its replica's CPU per step x replicas per core) over the bound's: where the steps
+    are CPU-bound (all replicas on this machine's cores) that is the most any backend gains, and it holds under
+    load, where the walls do not.
     """
     rows = []
     for name, per_round in bounds.items():
@@ -590,7 +648,7 @@ def print_bounds(results: dict[tuple[str, str], list[float]], cpus: dict[tuple[s
                      _ms(cpus[(name, "gloo")]), "; ".join(_ms(cpus[(name, arm)]) for arm in ours_arms),
                      _ms([b["bare_cpu"] for b in per_round]), _ms([b["raw_cpu"] for b in per_round]),
                      ", ".join(f"{x:.2f}" for x in best), f"{statistics.median(best):.2f}",
-                     ", ".join(f"{c / b['cpu']:.2f}" for c, b in zip(cpus[(name, "gloo")], per_round) if b["cpu"]),
+                     ", ".join(f"{c * b['share'] / b['cpu']:.2f}" for c, b in zip(cpus[(name, "gloo")], per_round) if b["cpu"]),
                      _loads(loads[(name, "bound")])])
     print(format_table(["where", "model", "gloo step ms (rounds)", "daskdist step ms (rounds)", "bound step ms",
                         "link floor ms", "CPU floor ms", "bare step ms", "CPU ms/step gloo", "CPU ms/step daskdist",
@@ -659,13 +717,17 @@ if __name__ == "__main__":
                         help="local: 2 worker processes of one host; netns: 2 network-namespace hosts (needs root)")
     parser.add_argument("--rates", default="1gbit,10gbit",
                         help="with --hosts netns: comma-separated link rates, measured in this order")
+    parser.add_argument("--per-host", type=int, default=1,
+                        help="with --hosts netns: replicas (single-threaded Dask workers) per host (default 1)")
     parser.add_argument("--windows", default="",
                         help="comma-separated daskdist.collective.async-window values: one daskdist arm each "
                              "(default: one arm with the configured window)")
     args = parser.parse_args()
+    if args.per_host < 1 or (args.per_host > 1 and args.hosts != "netns"):
+        parser.error("--per-host takes a count >= 1, above 1 only with --hosts netns")
     if args.resnet_steps:
         EXTRA_MODELS.append(("resnet18", args.resnet_steps))
     parts = "overhead" if args.per_call_only else args.parts or ("ddp,overhead" if args.hosts == "local" else "ddp")
     main(args.rounds, args.cnn_steps, args.mlp_steps, parts, args.arm_timeout, args.hosts,
          tuple(r.strip() for r in args.rates.split(",") if r.strip()),
-         tuple(int(w) for w in args.windows.split(",") if w.strip()))
+         tuple(int(w) for w in args.windows.split(",") if w.strip()), args.per_host)
