@@ -178,6 +178,45 @@ def test_async_collectives_in_a_window_overlap_keep_their_numbers_and_complete_i
     assert all(n == 1 for n in peak.values()) if window == 1 else all(n > 1 for n in peak.values())
 
 
+@pytest.mark.parametrize("senders", ["all", "first"])
+def test_an_async_window_over_shared_memory_and_sockets_runs_large_all_reduces_one_at_a_time(threaded_client, senders):
+    """Replicas on two hosts, two of them sharing one (shared memory between them, sockets across): large async
+    all-reduces in a window of 4 each get their own sum. Failed with the window letting them run at once where
+    shared memory carries part of a collective (a large message's pieces from two collectives interleaved in one
+    channel: a piece read as a message, or a timeout), at 2 hosts x 2 replicas in either hierarchical mode."""
+    settings = {"daskdist.collective.hosts": "blocks:2", "daskdist.collective.async-window": 4,
+                "daskdist.collective.hierarchical-senders": senders, "daskdist.collective.timeout": "60s"}
+    with dask.config.set(settings), dd.MirroredStrategy(client=threaded_client) as strategy:
+
+        def fn():
+            ctx = dd.get_replica_context()
+            group, rank = ctx.process_group, ctx.replica_id_in_sync_group
+            routes = "+".join(sorted({t.name for t in dd.context.current_runtime().transport.routes_by_peer().values()}))
+            works = [group.all_reduce("SUM", np.full(1 << 20, float(i + rank), np.float32), async_op=True)
+                     for i in range(8)]  # 4 MiB each: many shared-memory pieces, the hierarchical engine
+            return [(float(w.wait()[0]), float(w.result()[-1])) for w in works], routes
+
+        results = strategy.experimental_local_results(strategy.run(fn))
+    n = len(results)
+    assert "shm+socket" in {routes for _, routes in results}  # both transports carry the collectives
+    for sums, _ in results:
+        assert sums == [(n * i + n * (n - 1) / 2,) * 2 for i in range(8)]
+
+
+def test_waiting_on_a_work_whose_collective_timed_out_raises_the_collectives_error():
+    """``Work.wait()`` turned the collective's own ``CollectiveTimeoutError`` (a ``TimeoutError``, like the
+    future's wait timeout) into a ``TypeError`` formatting ``timeout=None``; now it raises the collective's error."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_exception(CollectiveTimeoutError("all_reduce #3: data from replica 2 did not arrive in time"))
+    work = Work(future, "all_reduce")
+    for timeout in (None, 5.0):
+        with pytest.raises(CollectiveTimeoutError, match="did not arrive in time"):
+            work.wait(timeout)
+    pending = Work(concurrent.futures.Future(), "all_reduce")
+    with pytest.raises(TimeoutError, match="did not complete within 0.01s"):
+        pending.wait(0.01)
+
+
 def test_a_message_wakes_only_the_collective_waiting_for_it_and_an_abort_wakes_them_all(monkeypatch):
     """Collectives of a window wait in the mailbox at once: a message wakes the thread waiting for its tag,
     not every waiter (one wake-up per message). Failed with one condition notified to all (each message woke

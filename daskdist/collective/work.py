@@ -101,6 +101,8 @@ class Work:
         try:
             return self._future.result(timeout)
         except concurrent.futures.TimeoutError:
+            if self._future.done():  # the collective's own error: a CollectiveTimeoutError is a TimeoutError too
+                raise
             raise TimeoutError(f"{self.kind} did not complete within {timeout:g}s") from None
 
     def result(self) -> Any:

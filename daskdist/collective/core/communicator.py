@@ -162,6 +162,8 @@ class Communicator:
         self._check_aborts = transport.mailbox.check  # bound once: the mailbox lives as long as this generation
         self.buffers = BufferPool()  # result buffers of large all-reduces, reused once the caller drops them
         shm = sole_route(transport, size, rank, ShmTransport)
+        # a shared-memory channel carries one collective's large message at a time (its pieces follow each other)
+        self._over_shared_memory = any(isinstance(t, ShmTransport) for t in transport.routes_by_peer().values())
         self.lane = LaneEngine(self, shm.lane()) if shm is not None else None
         self.single_copy = SingleCopyAllReduce(single_copy_bytes) if shm is not None else None
         self.nccl: DeviceEngine | None = None  # set by the runtime after the rendezvous
@@ -273,9 +275,10 @@ class Communicator:
 
     @property
     def concurrent_safe(self) -> bool:
-        """Whether several collectives may run at once here: only the generic engines over a transport (no
-        shared-memory lane or single copy, whose segments hold one collective, and no NCCL communicator)."""
-        return self.lane is None and self.single_copy is None and self.nccl is None
+        """Whether several collectives may run at once here: only the generic engines over a transport that
+        keeps them apart (no shared memory to any peer, whose channels and segments hold one collective at a
+        time, and no NCCL communicator)."""
+        return not self._over_shared_memory and self.lane is None and self.single_copy is None and self.nccl is None
 
     # -- collectives ------------------------------------------------------------
 
