@@ -21,7 +21,10 @@ connection per host pair. There each chunk's pieces grow from
 crosses the hosts until the first piece is summed inside its host, so a
 small first piece starts the link sooner; they shrink back to it at the end,
 so the last piece a host's first replica sends down after the link is done
-is small too.
+is small too. Where every host has as many replicas
+(``collective.hierarchical-senders: all``, the default), each of them does
+this for its own slice of the buffer, on its own connection across
+(``_allreduce_host_slices``).
 
 The order of pieces (``RingSchedule``) is computed alike on every replica, so
 the pieces travel through each shared-memory channel in the order they are
