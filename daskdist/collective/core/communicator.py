@@ -278,7 +278,7 @@ class Communicator:
         """Whether several collectives may run at once here: only the generic engines over a transport that
         keeps them apart (no shared memory to any peer, whose channels and segments hold one collective at a
         time, and no NCCL communicator)."""
-        return not self._over_shared_memory and self.lane is None and self.single_copy is None and self.nccl is None
+        return not self._over_shared_memory and self.nccl is None  # the lane and single copy need shared memory
 
     # -- collectives ------------------------------------------------------------
 

@@ -25,7 +25,7 @@ from daskdist.collective.core.buffers import BufferPool
 from daskdist.collective.core.call import Call
 from daskdist.collective.core.engines.base import PackPlan
 from daskdist.collective.core.engines.direct import copy_of
-from daskdist.collective.core.engines.pipeline import PieceSize, allreduce_hierarchical_pipelined, host_slices
+from daskdist.collective.core.engines.pipeline import PieceSize, allreduce_hierarchical_pipelined, slice_width
 
 __all__ = ["HierarchicalEngine"]
 
@@ -62,7 +62,7 @@ class HierarchicalEngine:
             if senders not in ("all", "first"):
                 raise ValueError(f"daskdist.collective.hierarchical-senders must be 'all' or 'first', not {senders!r}")
             all_senders = senders == "all"
-        self.all_senders = all_senders
+        self.slice_width = slice_width(self.hosts) if all_senders else 1  # slices per buffer, each host alike
 
     def accepts(self, plan: PackPlan) -> bool:
         return not (self.automatic and plan.forced_ring)
@@ -71,9 +71,9 @@ class HierarchicalEngine:
         buf = plan.buffer
         if isinstance(buf, np.ndarray):
             out = self.buffers.empty_like(buf) if plan.borrowed else None
-            slices = host_slices(self.hosts, len(buf)) if self.all_senders else 1
+            slices = self.slice_width if len(buf) >= self.slice_width * self.ring_size else 1
             piece = self.pieces.elements(-(-len(buf) // slices), self.ring_size, buf.itemsize)
             lead = self.pieces.lead(piece, buf.itemsize)
-            return allreduce_hierarchical_pipelined(call, buf, plan.op, self.hosts, piece, out, lead, slices > 1)
+            return allreduce_hierarchical_pipelined(call, buf, plan.op, self.hosts, piece, out, lead, slices)
         buf = copy_of(buf) if plan.borrowed else buf
         return algorithms.allreduce_hierarchical(call, buf, plan.op, self.hosts)

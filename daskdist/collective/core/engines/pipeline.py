@@ -42,7 +42,7 @@ from daskdist.collective.core.call import Call
 from daskdist.collective.core.reduction import finalize
 from daskdist.ops import ReduceOp
 
-__all__ = ["PieceSize", "RingSchedule", "allreduce_hierarchical_pipelined", "allreduce_ring_pipelined", "host_slices"]
+__all__ = ["PieceSize", "RingSchedule", "allreduce_hierarchical_pipelined", "allreduce_ring_pipelined", "slice_width"]
 
 Span = tuple[int, int]
 
@@ -270,7 +270,7 @@ def allreduce_ring_pipelined(
 
 
 def allreduce_hierarchical_pipelined(call: Call, buf: Any, op: ReduceOp, hosts: Sequence[str], piece: int,
-                                     out: Any = None, lead: int | None = None, all_senders: bool = False) -> Any:
+                                     out: Any = None, lead: int | None = None, slices: int = 1) -> Any:
     """Reduce within each host onto its first replica, ring across those, send back: pipelined piece by piece.
 
     Parameters
@@ -290,15 +290,16 @@ def allreduce_hierarchical_pipelined(call: Call, buf: Any, op: ReduceOp, hosts: 
     lead
         Elements of each chunk's first piece, so that the first cross-host send waits only for a small in-host
         reduce (``None``: ``piece``). Taken only when some host has more than one replica, by every rank alike.
-    all_senders
-        Every replica of a host carries a slice across (``host_slices``), where every host has the same number
-        of replicas, more than one, and the buffer is long enough; else only each host's first replica does.
+    slices
+        Above 1: every replica of a host carries one of ``slices`` slices across (``_allreduce_host_slices``);
+        ``slice_width(hosts)``, for a buffer of at least that many elements per host; 1: only each host's first
+        replica does.
     """
     target = buf if out is None else out
     base_op = ReduceOp.SUM if op is ReduceOp.MEAN else op
     groups = host_groups(hosts)
     local = next(g for g in groups if call.rank in g)
-    if all_senders and host_slices(hosts, len(buf)) > 1:
+    if slices > 1:
         return _allreduce_host_slices(call, buf, target, op, groups, local, piece, lead)
     leader, leaders = local[0], [g[0] for g in groups]
     if len(leaders) == call.size:
@@ -332,16 +333,14 @@ def allreduce_hierarchical_pipelined(call: Call, buf: Any, op: ReduceOp, hosts: 
     return target
 
 
-def host_slices(hosts: Sequence[str], n: int) -> int:
-    """How many slices ``_allreduce_host_slices`` cuts ``n`` elements into for ``hosts``; 1: it does not apply.
-
-    Every host must have the same number of replicas (one slice each), more
-    than one, there must be more than one host, and every slice's ring chunk
-    must hold at least one element.
+def slice_width(hosts: Sequence[str]) -> int:
+    """Into how many slices ``_allreduce_host_slices`` cuts a buffer for ``hosts`` (each host's replica count);
+    1: it does not apply (one host, one replica a host, or hosts of unequal replica counts). Take it only for a
+    buffer of at least that many elements per host, so that every slice's ring chunk holds one.
     """
     groups = host_groups(hosts)
     width = len(groups[0])
-    if len(groups) < 2 or width < 2 or any(len(g) != width for g in groups) or n < width * len(groups):
+    if len(groups) < 2 or width < 2 or any(len(g) != width for g in groups):
         return 1
     return width
 
