@@ -309,8 +309,10 @@ def pytest_runtest_setup(item):
     """
     import faulthandler
 
-    from _pytest.faulthandler import fault_handler_stderr_fd_key
-
+    try:  # pytest's own stderr for the dumps (its faulthandler plugin's; not public API: without it, pytest's default)
+        from _pytest.faulthandler import fault_handler_stderr_fd_key
+    except ImportError:
+        return
     timeout = _pytest_timeout(item)
     if timeout is None or fault_handler_stderr_fd_key not in item.config.stash:
         return
